@@ -1,0 +1,143 @@
+"""The `pipefisher` command line. Usage errors exit 2 with one line on stderr, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from pipefisher.ir import ScheduleError, peak_activations
+from pipefisher.profile import Profile, ProfileError, load_profile, uniform_profile
+from pipefisher.schedules import SCHEDULES, get_schedule
+from pipefisher.simulate import Timeline, simulate
+from pipefisher.validate import validate
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
+    parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")
+    parser.add_argument("--stages", "-D", type=_positive_int, required=True, help="pipeline depth D (ranks)")
+    parser.add_argument("--micro-batches", "-N", type=_positive_int, required=True, help="micro-batches per step N")
+    parser.add_argument("--chunks", type=_positive_int, default=None, help="model chunks per rank (interleaved only; default 2)")
+
+
+def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> tuple:
+    """(schedule, profile) from the shared arguments; without a profile, unit times per rank."""
+    schedule = validate(get_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+    elif profile_required:
+        raise UsageError("--profile is required")
+    else:
+        # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.
+        chunks = schedule.num_stages // schedule.num_ranks
+        profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
+    return schedule, profile
+
+
+def _simulate_summary(schedule, timeline: Timeline) -> dict:
+    devices = []
+    for rank in range(schedule.num_ranks):
+        busy = timeline.busy_time(rank)
+        devices.append(
+            {
+                "rank": rank,
+                "stages": [f"p{pipe}.s{stage}" if schedule.num_pipes > 1 else f"s{stage}" for pipe, stage in schedule.stages_of(rank)],
+                "busy_time": busy,
+                "bubble_time": timeline.bubble_time(rank),
+                "bubble_fraction": timeline.bubble_time(rank) / timeline.step_time if timeline.step_time else 0.0,
+                "bubbles": len(timeline.bubbles(rank)),
+                "peak_activations": peak_activations(schedule.ranks[rank]),
+            }
+        )
+    return {
+        "schedule": schedule.name,
+        "stages": schedule.num_ranks,
+        "micro_batches": schedule.num_micro_batches,
+        **({"chunks": schedule.params["chunks"]} if "chunks" in schedule.params else {}),
+        "time_unit": timeline.time_unit,
+        "step_time": timeline.step_time,
+        "bubble_fraction": timeline.bubble_fraction,
+        "devices": devices,
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Right-aligned text table."""
+    text_rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text_rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in text_rows]
+    return "\n".join(lines)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    schedule, profile = build_pipeline(args)
+    timeline = simulate(schedule, profile)
+    summary = _simulate_summary(schedule, timeline)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    unit = summary["time_unit"]
+    chunks = f", {summary['chunks']} chunks" if "chunks" in summary else ""
+    print(
+        f"{schedule.name}: D={schedule.num_ranks}, N={schedule.num_micro_batches}{chunks}; "
+        f"step time {timeline.step_time:.4g} {unit}, bubble {100 * timeline.bubble_fraction:.1f} % of device time"
+    )
+    rows = [
+        (d["rank"], ",".join(d["stages"]), f"{d['busy_time']:.4g}", f"{d['bubble_time']:.4g}", f"{100 * d['bubble_fraction']:.1f}", d["bubbles"], d["peak_activations"])
+        for d in summary["devices"]
+    ]
+    print(format_table(["rank", "stages", f"busy [{unit}]", f"bubble [{unit}]", "bubble [%]", "gaps", "peak act [mb]"], rows))
+    return 0
+
+
+def _add_simulate(subparsers) -> None:
+    parser = subparsers.add_parser("simulate", help="timeline of one step: step time, busy and bubble time per device")
+    add_pipeline_arguments(parser)
+    parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v1); default: unit times")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(handler=_cmd_simulate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_simulate(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
+    except (UsageError, ScheduleError, ProfileError) as exc:
+        print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

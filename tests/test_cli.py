@@ -1,0 +1,83 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pipefisher.cli import main
+from pipefisher.profile import uniform_profile
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The installed entry point, as a user runs it."""
+    return subprocess.run(["pipefisher", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_simulate_json_from_the_entry_point():
+    result = run_cli("simulate", "--schedule", "chimera", "--stages", "8", "--micro-batches", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["step_time"] == pytest.approx(36.0)
+    assert [d["rank"] for d in data["devices"]] == list(range(8))
+    for device in data["devices"]:
+        assert device["busy_time"] + device["bubble_time"] == pytest.approx(data["step_time"])
+
+
+def test_simulate_table_names_units_and_ranks():
+    result = run_cli("simulate", "--schedule", "chimera", "--stages", "8", "--micro-batches", "8")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "step time 36 units" in lines[0] and "bubble 33.3 %" in lines[0]
+    assert "busy [units]" in lines[1]
+    assert len(lines) == 2 + 8
+
+
+def test_simulate_with_a_profile_uses_its_time_unit(tmp_path, capsys):
+    path = tmp_path / "p.yaml"
+    profile = uniform_profile(4, 10.0, 20.0)
+    path.write_text(yaml.safe_dump({**profile.to_dict(), "time_unit": "ms"}))
+    assert main(["simulate", "--schedule", "1f1b", "-D", "4", "-N", "8", "--profile", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["time_unit"] == "ms" and data["step_time"] == pytest.approx(30 * 11)
+
+
+def test_interleaved_default_profile_keeps_work_per_rank():
+    assert main(["simulate", "--schedule", "interleaved", "-D", "4", "-N", "8", "--chunks", "4", "--json"]) == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate", "--schedule", "chimera", "--stages", "3", "--micro-batches", "6"], "--stages must be even"),
+        (["simulate", "--schedule", "zigzag", "-D", "2", "-N", "2"], "invalid choice: 'zigzag'"),
+        (["simulate", "--schedule", "1f1b", "-D", "two", "-N", "2"], "'two' is not an integer"),
+        (["simulate", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", "/nonexistent.yaml"], "cannot read profile"),
+        (["simulate", "--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "--chunks applies to the interleaved"),
+        ([], "required: command"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_wrong_profile_stage_count_exits_2(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    uniform_profile(3).save(path)
+    assert main(["simulate", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", str(path)]) == 2
+    assert "profile has 3 stages but the schedule needs 4" in capsys.readouterr().err
+
+
+def test_usage_error_from_a_real_process_has_no_traceback():
+    result = run_cli("simulate", "--schedule", "chimera", "--stages", "3", "--micro-batches", "6")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+
+
+def test_module_entry_point_works():
+    result = subprocess.run([sys.executable, "-m", "pipefisher", "simulate", "--schedule", "gpipe", "-D", "2", "-N", "2", "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["step_time"] == pytest.approx(9.0)

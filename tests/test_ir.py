@@ -1,0 +1,59 @@
+import pytest
+
+from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, backward, format_grid, forward, peak_activations
+from pipefisher.schedules import SCHEDULES, get_schedule
+
+
+@pytest.mark.parametrize(
+    "text, op",
+    [
+        ("1F3", forward(1, 3)),
+        ("0B0", backward(0, 0)),
+        ("p1.2F5", forward(2, 5, pipe=1)),
+        ("2CA5:block0.fc1", Op(OpKind.CURV_A, 2, 5, layer="block0.fc1")),
+        ("p1.3CB0:block1.attention.query", Op(OpKind.CURV_B, 3, 0, pipe=1, layer="block1.attention.query")),
+        ("0IA:fc", Op(OpKind.INV_A, 0, layer="fc")),
+        ("4SB:fc", Op(OpKind.SYNC_B, 4, layer="fc")),
+        ("1X:fc", Op(OpKind.EXCHANGE, 1, layer="fc")),
+        ("3P", Op(OpKind.PRECONDITION, 3)),
+        ("12F34", forward(12, 34)),
+    ],
+)
+def test_string_form_round_trips(text, op):
+    assert str(op) == text
+    assert Op.parse(text) == op
+
+
+@pytest.mark.parametrize("text", ["", "F3", "1Q3", "1F", "1IA3:fc", "1CA3", "p.1F3", "-1F3", "1P2"])
+def test_parse_rejects_malformed_ops(text):
+    with pytest.raises(ScheduleError):
+        Op.parse(text)
+
+
+def test_ops_are_hashable_and_equal_by_value():
+    assert len({forward(0, 1), Op.parse("0F1"), backward(0, 1)}) == 2
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_schedule_json_round_trip(name, tmp_path):
+    schedule = get_schedule(name, 4, 8)
+    path = tmp_path / "s.json"
+    schedule.save(path)
+    assert Schedule.load(path) == schedule
+
+
+def test_malformed_schedule_json_is_a_schedule_error():
+    with pytest.raises(ScheduleError, match="malformed"):
+        Schedule.from_dict({"name": "x"})
+
+
+def test_grid_marks_an_op_and_keeps_it_visible_in_long_lists():
+    ranks = [[forward(0, m) for m in range(200)]]
+    grid = format_grid(ranks, mark=[(0, 150)], max_columns=20)
+    assert ">0F150<" in grid
+    assert grid.count("0F") <= 20 and "…" in grid
+
+
+def test_peak_activations_counts_unmatched_forwards():
+    ops = [forward(0, 0), forward(0, 1), backward(0, 0), forward(0, 2), backward(0, 1), backward(0, 2)]
+    assert peak_activations(ops) == 2

@@ -1,0 +1,11 @@
+import subprocess
+import sys
+
+PLANNING = ["pipefisher.ir", "pipefisher.schedules", "pipefisher.validate", "pipefisher.profile", "pipefisher.simulate", "pipefisher.cli"]
+
+
+def test_planning_modules_do_not_import_torch():
+    code = "import sys\n" + "".join(f"import {m}\n" for m in PLANNING) + "print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,95 @@
+import json
+
+import pytest
+import yaml
+
+from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, profile_from_dict
+
+GOOD = {
+    "schema": "pipefisher.profile/v1",
+    "device": "P100",
+    "time_unit": "ms",
+    "micro_batch_size": 32,
+    "stages": [
+        {
+            "forward": 29.2,
+            "backward": 49.4,
+            "p2p": 0.5,
+            "layers": [
+                {"name": "block0.attention.query", "curvature_a": 0.61, "curvature_b": 0.61, "inverse_a": 1.4, "inverse_b": 1.4, "precondition": 0.1},
+            ],
+        },
+        {"forward": 29.2, "backward": 49.4},
+    ],
+}
+
+
+def test_yaml_and_json_round_trip(tmp_path):
+    profile = profile_from_dict(GOOD)
+    assert profile.stages[0].layers[0] == LayerProfile("block0.attention.query", 0.61, 0.61, 1.4, 1.4, 0.1, 0.0, 0.0)
+    for name in ("p.yaml", "p.json"):
+        path = tmp_path / name
+        profile.save(path)
+        assert load_profile(path) == profile
+
+
+def test_example_from_the_design_document_loads(tmp_path):
+    path = tmp_path / "design.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    profile = load_profile(path)
+    assert profile.num_stages == 2 and profile.micro_batch_size == 32 and profile.stages[1].layers == ()
+    assert profile.stages[0].curvature_time == pytest.approx(1.22)
+    assert profile.stages[0].inverse_time == pytest.approx(2.8)
+
+
+def mutate(path_keys, value):
+    data = json.loads(json.dumps(GOOD))
+    target = data
+    for key in path_keys[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path_keys[-1]]
+    else:
+        target[path_keys[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    "keys, value, message",
+    [
+        (["stages", 1, "forward"], KeyError, r"stages\[1\]\.forward: missing"),
+        (["stages", 0, "backward"], -1.0, r"stages\[0\]\.backward: -1.0 is negative"),
+        (["stages", 0, "layers", 0, "inverse_a"], KeyError, r"stages\[0\]\.layers\[0\]\.inverse_a: missing"),
+        (["stages", 0, "layers", 0, "sync_b"], -2, r"stages\[0\]\.layers\[0\]\.sync_b: -2 is negative"),
+        (["stages", 0, "forward"], "fast", r"stages\[0\]\.forward: 'fast' is not a finite number"),
+        (["stages", 0, "forwad"], 1.0, r"stages\[0\]: unknown field 'forwad'"),
+        (["time_unit"], "minutes", "time_unit: 'minutes' is not one of"),
+        (["schema"], "other/v9", "schema: 'other/v9' is not supported"),
+        (["stages"], [], "stages: missing"),
+        (["micro_batch_size"], 0, "micro_batch_size: 0 must be a positive integer"),
+    ],
+)
+def test_bad_fields_are_named(keys, value, message):
+    with pytest.raises(ProfileError, match=message):
+        profile_from_dict(mutate(keys, value))
+
+
+def test_duplicate_layer_names_are_rejected():
+    data = mutate(["stages", 0, "layers"], GOOD["stages"][0]["layers"] * 2)
+    with pytest.raises(ProfileError, match="appears twice"):
+        profile_from_dict(data)
+
+
+def test_wrong_stage_count_names_both_counts():
+    profile = Profile(stages=(StageProfile(1, 2),) * 3)
+    with pytest.raises(ProfileError, match="profile has 3 stages but the schedule needs 4"):
+        profile.require_stages(4)
+
+
+def test_unreadable_and_malformed_files_are_profile_errors(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read profile"):
+        load_profile(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        load_profile(bad)

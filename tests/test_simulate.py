@@ -1,0 +1,76 @@
+import pytest
+
+from pipefisher.ir import dependencies
+from pipefisher.profile import Profile, StageProfile, uniform_profile
+from pipefisher.schedules import get_schedule
+from pipefisher.simulate import simulate
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("d, n", [(2, 1), (2, 4), (4, 4), (4, 16), (8, 8), (8, 3), (5, 13)])
+def test_gpipe_and_1f1b_bubble_fraction_is_exact(name, d, n):
+    timeline = simulate(get_schedule(name, d, n), uniform_profile(d, 1.0, 2.0))
+    assert timeline.bubble_fraction == pytest.approx((d - 1) / (n + d - 1), abs=1e-12)
+    assert timeline.step_time == pytest.approx(3 * (n + d - 1))
+
+
+@pytest.mark.parametrize("d", [2, 4, 6, 8, 12])
+def test_chimera_bubble_fraction_matches_the_paper(d):
+    timeline = simulate(get_schedule("chimera", d, d), uniform_profile(d, 1.0, 1.0))
+    assert timeline.bubble_fraction == pytest.approx((d - 2) / (2 * d + d - 2), abs=1e-12)
+
+
+@pytest.mark.parametrize("d, n", [(4, 4), (4, 8), (8, 8), (8, 16)])
+def test_chimera_step_is_shorter_than_1f1b(d, n):
+    profile = uniform_profile(d, 1.0, 2.0)
+    assert simulate(get_schedule("chimera", d, n), profile).step_time < simulate(get_schedule("1f1b", d, n), profile).step_time
+
+
+def test_interleaving_shrinks_the_bubble():
+    d, n = 4, 8
+    plain = simulate(get_schedule("1f1b", d, n), uniform_profile(d, 1.0, 2.0))
+    inter = simulate(get_schedule("interleaved", d, n, 2), uniform_profile(2 * d, 0.5, 1.0))
+    assert inter.step_time < plain.step_time
+    assert inter.busy_time(0) == pytest.approx(plain.busy_time(0))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "chimera"])
+def test_timeline_respects_order_dependencies_and_p2p(name):
+    schedule = get_schedule(name, 4, 8)
+    stages = tuple(StageProfile(forward=1.0 + s / 10, backward=2.0 + s / 7, p2p=0.25) for s in range(schedule.num_stages))
+    timeline = simulate(schedule, Profile(stages=stages))
+    end = {iv.op: iv.end for ivs in timeline.ranks for iv in ivs}
+    start = {iv.op: iv.start for ivs in timeline.ranks for iv in ivs}
+    for rank, ivs in enumerate(timeline.ranks):
+        assert [iv.op for iv in ivs] == list(schedule.ranks[rank])
+        for a, b in zip(ivs, ivs[1:]):
+            assert a.end <= b.start + 1e-12
+        for iv in ivs:
+            for dep in dependencies(iv.op, schedule.num_stages):
+                gap = 0.25 if schedule.rank_of(dep) != rank else 0.0
+                assert end[dep] + gap <= start[iv.op] + 1e-12
+
+
+def test_p2p_delays_the_pipeline_fill():
+    d, n = 4, 4
+    without = simulate(get_schedule("gpipe", d, n), uniform_profile(d, 1.0, 2.0))
+    with_p2p = simulate(get_schedule("gpipe", d, n), uniform_profile(d, 1.0, 2.0, p2p=0.5))
+    # Forward fill and backward drain each cross D-1 links.
+    assert with_p2p.step_time == pytest.approx(without.step_time + 2 * (d - 1) * 0.5)
+
+
+def test_bubbles_cover_idle_time_exactly():
+    timeline = simulate(get_schedule("1f1b", 4, 6), uniform_profile(4, 1.0, 2.0))
+    for rank in range(4):
+        bubbles = timeline.bubbles(rank)
+        assert sum(b.duration for b in bubbles) == pytest.approx(timeline.bubble_time(rank))
+        assert all(b.duration > 0 for b in bubbles)
+    # The last stage waits D-1 forwards before its first op.
+    assert timeline.bubbles(3)[0].start == 0 and timeline.bubbles(3)[0].end == pytest.approx(3.0)
+
+
+def test_profile_with_wrong_stage_count_is_rejected():
+    from pipefisher.profile import ProfileError
+
+    with pytest.raises(ProfileError, match="one entry per model chunk"):
+        simulate(get_schedule("interleaved", 4, 8), uniform_profile(4))
