@@ -73,8 +73,13 @@ class Op:
     micro_batch: int | None = None
     pipe: int = 0
     layer: str | None = None
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.kind, self.stage, self.micro_batch, self.pipe, self.layer)))
         if (self.kind in _WITH_MICRO_BATCH) != (self.micro_batch is not None):
             need = "needs" if self.kind.has_micro_batch else "takes no"
             raise ScheduleError(f"op kind {self.kind.name} {need} a micro-batch")

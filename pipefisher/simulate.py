@@ -7,12 +7,13 @@ the profile's time unit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from pipefisher.ir import Op, OpKind, Schedule
 from pipefisher.profile import LayerProfile, Profile, ProfileError
-from pipefisher.validate import execution_order
+from pipefisher.validate import DependencyFn, execution_order, schedule_dependencies
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +44,18 @@ class Bubble:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Per-rank intervals in execution order; the step spans [0, step_time]."""
+    """Per-rank intervals in execution order; the step spans [0, step_time].
+
+    `comm_end` is when the last asynchronous collective launched in the step completes.
+    """
 
     ranks: tuple[tuple[Interval, ...], ...]
     time_unit: str = "units"
+    comm_end: float = 0.0
 
     @cached_property
     def step_time(self) -> float:
-        return max((iv.end for ivs in self.ranks for iv in ivs), default=0.0)
+        return max(max((iv.end for ivs in self.ranks for iv in ivs), default=0.0), self.comm_end)
 
     @property
     def num_ranks(self) -> int:
@@ -80,20 +85,35 @@ class Timeline:
         return sum(self.bubble_time(r) for r in range(self.num_ranks)) / total if total else 0.0
 
 
+COLLECTIVES = frozenset({OpKind.SYNC_A, OpKind.SYNC_B, OpKind.EXCHANGE})
+
+
 class OpDurations:
-    """Looks up the duration of any op kind in a profile (see the profile module for units)."""
+    """Op times from a profile (see the profile module for units).
+
+    Collectives (factor syncs, inverse exchanges) are launched asynchronously: they take no time
+    on their rank, and whoever depends on one waits for its duration after the launch.
+    """
 
     def __init__(self, profile: Profile):
         self.profile = profile
         self._layers = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
+        self._work: dict[Op, float] = {}
 
     def layer(self, op: Op) -> LayerProfile:
         try:
             return self._layers[op.stage][op.layer]
-        except KeyError:
+        except (KeyError, IndexError):
             raise ProfileError(f"op {op}: stage {op.stage} of the profile has no layer {op.layer!r}") from None
 
-    def __call__(self, op: Op) -> float:
+    def work(self, op: Op) -> float:
+        """How long `op` keeps its rank busy (collectives: the transfer, not the rank)."""
+        cached = self._work.get(op)
+        if cached is None:
+            cached = self._work[op] = self._lookup(op)
+        return cached
+
+    def _lookup(self, op: Op) -> float:
         stage = self.profile.stages[op.stage]
         kind = op.kind
         if kind is OpKind.FORWARD:
@@ -113,35 +133,52 @@ class OpDurations:
             OpKind.EXCHANGE: max(layer.sync_a, layer.sync_b),
         }[kind]
 
-    def transfer(self, producer: Op, consumer: Op) -> float:
-        """P2P time between two adjacent stages (activation forward or its gradient backward)."""
-        if producer.stage == consumer.stage:
-            return 0.0
-        return self.profile.stages[min(producer.stage, consumer.stage)].p2p
+    def __call__(self, op: Op) -> float:
+        """Time `op` occupies its rank."""
+        return 0.0 if op.kind in COLLECTIVES else self.work(op)
+
+    def delay(self, producer: Op, consumer: Op, cross_rank: bool) -> float:
+        """Time between `producer` ending on its rank and `consumer` being able to use its result."""
+        if producer.kind in COLLECTIVES:
+            return self.work(producer)
+        if cross_rank and producer.stage != consumer.stage:
+            return self.profile.stages[min(producer.stage, consumer.stage)].p2p
+        return 0.0
+
+
+def simulate_ops(
+    ranks: Sequence[Sequence[Op]], deps: DependencyFn, durations: OpDurations, name: str = "schedule"
+) -> Timeline:
+    """Timeline of per-rank op lists: each op starts when its rank is free and `deps(op)` are done."""
+    end_of: dict[Op, float] = {}
+    rank_of: dict[Op, int] = {}
+    rank_free = [0.0] * len(ranks)
+    intervals: list[list[Interval]] = [[] for _ in ranks]
+    comm_end = 0.0
+    for rank, op, op_deps in execution_order(ranks, deps, name):
+        start = rank_free[rank]
+        for dep in op_deps:
+            start = max(start, end_of[dep] + durations.delay(dep, op, rank_of[dep] != rank))
+        end = start + durations(op)
+        end_of[op] = rank_free[rank] = end
+        rank_of[op] = rank
+        intervals[rank].append(Interval(op, start, end))
+        if op.kind in COLLECTIVES:
+            comm_end = max(comm_end, end + durations.work(op))
+    return Timeline(ranks=tuple(tuple(ivs) for ivs in intervals), time_unit=durations.profile.time_unit, comm_end=comm_end)
 
 
 def simulate(schedule: Schedule, profile: Profile) -> Timeline:
     """Timeline of one step of `schedule` with the op times of `profile`."""
-    profile.require_stages(schedule.num_stages, hint=_stage_hint(schedule))
-    durations = OpDurations(profile)
-    end_of: dict[Op, float] = {}
-    rank_free = [0.0] * schedule.num_ranks
-    intervals: list[list[Interval]] = [[] for _ in range(schedule.num_ranks)]
-    for rank, op, deps in execution_order(schedule):
-        start = rank_free[rank]
-        for dep in deps:
-            ready = end_of[dep]
-            if schedule.rank_of(dep) != rank:
-                ready += durations.transfer(dep, op)
-            start = max(start, ready)
-        end = start + durations(op)
-        end_of[op] = rank_free[rank] = end
-        intervals[rank].append(Interval(op, start, end))
-    return Timeline(ranks=tuple(tuple(ivs) for ivs in intervals), time_unit=profile.time_unit)
+    check_profile(schedule, profile)
+    return simulate_ops(schedule.ranks, schedule_dependencies(schedule), OpDurations(profile), schedule.name)
 
 
-def _stage_hint(schedule: Schedule) -> str:
+def check_profile(schedule: Schedule, profile: Profile) -> None:
+    """Raise ProfileError unless `profile` has one entry per stage (per model chunk) of `schedule`."""
     chunks = schedule.params.get("chunks")
     if chunks:
-        return f"{schedule.num_ranks} ranks x {chunks} chunks: one entry per model chunk"
-    return "one entry per pipeline stage"
+        hint = f"{schedule.num_ranks} ranks x {chunks} chunks: one entry per model chunk"
+    else:
+        hint = "one entry per pipeline stage"
+    profile.require_stages(schedule.num_stages, hint=hint)

@@ -3,47 +3,57 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, dependencies, format_grid
 
 
-def _fail(schedule: Schedule, message: str, marks: list[tuple[int, int]]) -> ScheduleError:
-    return ScheduleError(f"{schedule.name}: {message}\n{format_grid(schedule.ranks, marks)}")
+DependencyFn = Callable[[Op], tuple[Op, ...]]
 
 
-def execution_order(schedule: Schedule) -> Iterator[tuple[int, Op, tuple[Op, ...]]]:
-    """Yield (rank, op, dependencies) in an order where every op follows its dependencies.
+def _fail(name: str, ranks: Sequence[Sequence[Op]], message: str, marks: list[tuple[int, int]]) -> ScheduleError:
+    return ScheduleError(f"{name}: {message}\n{format_grid(ranks, marks)}")
 
-    Each rank runs its list in order; an op waits until its cross-rank dependencies have run.
-    Raises ScheduleError (with the grid, stuck ops marked) if the lists deadlock.
+
+def execution_order(
+    ranks: Sequence[Sequence[Op]], deps: DependencyFn, name: str = "schedule"
+) -> Iterator[tuple[int, Op, tuple[Op, ...]]]:
+    """Yield (rank, op, its dependencies) in an order where every op follows its dependencies.
+
+    Each rank runs its list in order; an op waits until the ops `deps(op)` names have run (on any
+    rank). Raises ScheduleError (with the grid, stuck ops marked) if the lists deadlock.
     """
-    positions = [0] * schedule.num_ranks
+    positions = [0] * len(ranks)
     done: set[Op] = set()
     waiting: dict[Op, list[int]] = defaultdict(list)
-    ready = deque(range(schedule.num_ranks))
+    ready = deque(range(len(ranks)))
     while ready:
         rank = ready.popleft()
-        ops = schedule.ranks[rank]
+        ops = ranks[rank]
         while positions[rank] < len(ops):
             op = ops[positions[rank]]
-            deps = dependencies(op, schedule.num_stages)
-            missing = next((dep for dep in deps if dep not in done), None)
+            op_deps = deps(op)
+            missing = next((dep for dep in op_deps if dep not in done), None)
             if missing is not None:
                 waiting[missing].append(rank)
                 break
-            yield rank, op, deps
+            yield rank, op, op_deps
             done.add(op)
             ready.extend(waiting.pop(op, ()))
             positions[rank] += 1
-    stuck = [(rank, pos) for rank, pos in enumerate(positions) if pos < len(schedule.ranks[rank])]
+    stuck = [(rank, pos) for rank, pos in enumerate(positions) if pos < len(ranks[rank])]
     if stuck:
         reasons = []
         for rank, pos in stuck:
-            op = schedule.ranks[rank][pos]
-            missing = [str(dep) for dep in dependencies(op, schedule.num_stages) if dep not in done]
+            op = ranks[rank][pos]
+            missing = [str(dep) for dep in deps(op) if dep not in done]
             reasons.append(f"rank {rank} waits at {op} for {', '.join(missing)}")
-        raise _fail(schedule, "deadlock: " + "; ".join(reasons), stuck)
+        raise _fail(name, ranks, "deadlock: " + "; ".join(reasons), stuck)
+
+
+def schedule_dependencies(schedule: Schedule) -> DependencyFn:
+    """The dependency function of a plain schedule (forward/backward order across stages)."""
+    return lambda op: dependencies(op, schedule.num_stages)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -57,10 +67,10 @@ def _check_placement(schedule: Schedule) -> None:
             raise ScheduleError(f"{schedule.name}: pipe {pipe} stage {stage} placed on rank {rank}, but there are {schedule.num_ranks} ranks")
     for rank, position, op in schedule.ops():
         if op.pipe >= schedule.num_pipes or op.stage >= schedule.num_stages:
-            raise _fail(schedule, f"op {op} names a pipe or stage outside the schedule", [(rank, position)])
+            raise _fail(schedule.name, schedule.ranks, f"op {op} names a pipe or stage outside the schedule", [(rank, position)])
         home = schedule.placement[(op.pipe, op.stage)]
         if home != rank:
-            raise _fail(schedule, f"op {op} is on rank {rank} but its stage lives on rank {home}", [(rank, position)])
+            raise _fail(schedule.name, schedule.ranks, f"op {op} is on rank {rank} but its stage lives on rank {home}", [(rank, position)])
 
 
 def _check_counts(schedule: Schedule) -> None:
@@ -69,23 +79,23 @@ def _check_counts(schedule: Schedule) -> None:
     for rank, position, op in schedule.ops():
         seen[op] += 1
         if seen[op] > 1:
-            raise _fail(schedule, f"op {op} appears more than once", [(rank, position)])
+            raise _fail(schedule.name, schedule.ranks, f"op {op} appears more than once", [(rank, position)])
         if op.micro_batch is None:
             continue
         if not 0 <= op.micro_batch < schedule.num_micro_batches:
-            raise _fail(schedule, f"op {op}: micro-batch outside 0..{schedule.num_micro_batches - 1}", [(rank, position)])
+            raise _fail(schedule.name, schedule.ranks, f"op {op}: micro-batch outside 0..{schedule.num_micro_batches - 1}", [(rank, position)])
         owner = pipe_of_micro_batch.setdefault(op.micro_batch, op.pipe)
         if owner != op.pipe:
-            raise _fail(schedule, f"op {op}: micro-batch {op.micro_batch} already belongs to pipe {owner}", [(rank, position)])
+            raise _fail(schedule.name, schedule.ranks, f"op {op}: micro-batch {op.micro_batch} already belongs to pipe {owner}", [(rank, position)])
     for mb in range(schedule.num_micro_batches):
         pipe = pipe_of_micro_batch.get(mb)
         if pipe is None:
-            raise _fail(schedule, f"micro-batch {mb} is never processed", [])
+            raise _fail(schedule.name, schedule.ranks, f"micro-batch {mb} is never processed", [])
         for stage in range(schedule.num_stages):
             for kind in (OpKind.FORWARD, OpKind.BACKWARD):
                 op = Op(kind, stage, mb, pipe)
                 if op not in seen:
-                    raise _fail(schedule, f"op {op} is missing", [])
+                    raise _fail(schedule.name, schedule.ranks, f"op {op} is missing", [])
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -98,6 +108,6 @@ def validate(schedule: Schedule) -> Schedule:
     """
     _check_placement(schedule)
     _check_counts(schedule)
-    for _ in execution_order(schedule):
+    for _ in execution_order(schedule.ranks, schedule_dependencies(schedule), schedule.name):
         pass
     return schedule

@@ -2,7 +2,7 @@ import pytest
 
 from pipefisher.ir import ScheduleError, backward, forward
 from pipefisher.schedules import get_schedule
-from pipefisher.validate import execution_order, validate
+from pipefisher.validate import execution_order, schedule_dependencies, validate
 
 
 def edited(schedule, rank, ops):
@@ -62,7 +62,7 @@ def test_micro_batch_outside_the_step_is_rejected():
 def test_execution_order_respects_dependencies():
     s = get_schedule("chimera", 4, 8)
     seen = set()
-    for _, op, _ in execution_order(s):
+    for _, op, _ in execution_order(s.ranks, schedule_dependencies(s)):
         if op.kind.name == "BACKWARD":
             assert forward(op.stage, op.micro_batch, op.pipe) in seen
         seen.add(op)
