@@ -1,0 +1,24 @@
+"""K-FAC engine: per-layer curvature, sync, damped inverses and preconditioning.
+
+:class:`KFAC` is the single-process front; :class:`KFACEngine` exposes the same per-layer
+operations one call at a time for the pipeline executor.
+"""
+
+from pipefisher.kfac.engine import KFACConfig, KFACEngine, KFACNumericsWarning, PreconditionReport
+from pipefisher.kfac.factors import InverseMethod, InversionError
+from pipefisher.kfac.front import KFAC
+from pipefisher.kfac.layer import FACTORS, Factor, Health, LayerInfo
+
+__all__ = [
+    "FACTORS",
+    "KFAC",
+    "Factor",
+    "Health",
+    "InverseMethod",
+    "InversionError",
+    "KFACConfig",
+    "KFACEngine",
+    "KFACNumericsWarning",
+    "LayerInfo",
+    "PreconditionReport",
+]

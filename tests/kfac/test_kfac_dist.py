@@ -1,0 +1,88 @@
+"""Factor sync over 2 real gloo ranks equals the factors of the concatenated data."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _gloo import run_gloo
+from _kfac_models import data, tiny_mlp
+from pipefisher.kfac import KFAC
+
+pytestmark = pytest.mark.dist
+
+
+def refreshed_factors(x: torch.Tensor, y: torch.Tensor, group) -> tuple[torch.nn.Module, KFAC, dict]:
+    model = tiny_mlp()
+    kfac = KFAC(model, factor_decay=0.0, kl_clip=1e-6, process_group=group)
+    with kfac.capture():
+        torch.nn.functional.mse_loss(model(x), y).backward()  # mean over this rank's rows
+    kfac.update_curvature()
+    kfac.update_inverses()
+    return model, kfac, {(n, f): kfac.engine.factor(n, f) for n in ("0", "2") for f in "AB"}
+
+
+def worker(rank: int, world: int) -> dict:
+    """Data-parallel shard of 16 rows per rank: synced factors, plus a KL clip over the group."""
+    x, y = data(32, seed=7)
+    *_, whole = refreshed_factors(x, y, None)
+    shard = slice(rank * 16, (rank + 1) * 16)
+    model, kfac, synced = refreshed_factors(x[shard], y[shard], dist.group.WORLD)
+    params = list(model.parameters())
+    grads = [p.grad.clone() for p in params]
+    report = kfac.engine.precondition_all(lr=0.1, group=dist.group.WORLD)
+    local_vg = sum((p.grad * g).sum().item() for p, g in zip(params, grads)) / report.clip_scale
+    return {"whole": whole, "synced": synced, "report": report, "local_vg": local_vg}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_gloo(worker, world=2, timeout=90)
+
+
+def test_sync_over_two_ranks_equals_factors_of_concatenated_data(results):
+    for out in results:
+        for key, ref in out["whole"].items():
+            torch.testing.assert_close(out["synced"][key], ref, rtol=1e-12, atol=1e-15)
+
+
+def test_kl_clip_over_a_group_uses_the_summed_quadratic_form(results):
+    vg = sum(out["local_vg"] for out in results)
+    assert results[0]["local_vg"] != pytest.approx(results[1]["local_vg"])
+    for out in results:
+        assert out["report"].vg_sum == pytest.approx(vg, rel=1e-9)
+        assert out["report"].clip_scale == pytest.approx(math.sqrt(1e-6 / (0.01 * vg)), rel=1e-9)
+        assert out["report"].clip_scale < 1.0
+
+
+def failing_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(60)
+
+
+def hanging_worker(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_helper_reports_child_tracebacks_and_kills_the_rest():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)rank 1.*ValueError: rank one is broken"):
+        run_gloo(failing_worker, world=2, timeout=60)
+    assert time.monotonic() - start < 30
+    assert multiprocessing.active_children() == []
+
+
+def test_helper_enforces_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"no result from ranks \[(0, )?1\]"):
+        run_gloo(hanging_worker, world=2, timeout=6)
+    assert time.monotonic() - start < 15
+    assert multiprocessing.active_children() == []
