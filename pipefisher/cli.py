@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pipefisher.ir import ScheduleError, peak_activations
+from pipefisher.pack import STRATEGIES, PackOptions, PackResult, pack
 from pipefisher.profile import Profile, ProfileError, load_profile, uniform_profile
 from pipefisher.schedules import SCHEDULES, get_schedule
 from pipefisher.simulate import Timeline, simulate
@@ -122,10 +123,92 @@ def _add_simulate(subparsers) -> None:
     parser.set_defaults(handler=_cmd_simulate)
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1)")
+    return value
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    schedule, profile = build_pipeline(args, profile_required=True)
+    if not any(stage.layers for stage in profile.stages):
+        raise UsageError(f"{args.profile}: no stage lists K-FAC layers; add `layers` to the stages")
+    options = PackOptions(
+        margin=args.margin,
+        max_overhead=args.max_overhead,
+        split=not args.no_split,
+        strategy=args.strategy,
+        refresh_steps=args.refresh_steps,
+    )
+    result = pack(schedule, profile, options)
+    if args.output:
+        result.plan.save(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(format_pack_report(result))
+    if args.output:
+        print(f"plan written to {args.output} ({result.refresh_steps} steps per cycle)")
+    return 0
+
+
+def format_pack_report(result: PackResult) -> str:
+    """Readable summary of a packing: the cycle, then one row per device."""
+    data = result.to_dict()
+    unit = data["time_unit"]
+    first_order = data["first_order_step_time"]
+    lines = [
+        f"{data['schedule']}: D={data['stages']}, N={data['micro_batches']}, strategy {data['strategy']}"
+        f"{'' if data['split'] else ', no inverse splitting'}, margin {100 * data['margin']:g} %",
+        f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
+        f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
+        f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
+        f"with K-FAC {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
+    ]
+    if data["unplaceable"]:
+        lines.append(f"{len(data['unplaceable'])} tasks fit no bubble and extend steps: {', '.join(data['unplaceable'][:4])}"
+                     + (" ..." if len(data["unplaceable"]) > 4 else ""))
+    rows = [
+        (
+            d["rank"],
+            d["refresh_steps"],
+            d["lower_bound"],
+            f"{d['kfac_work']:.4g}",
+            f"{d['precondition_time']:.4g}",
+            f"{d['bubble_time']:.4g}",
+            "-" if d["work_ratio"] is None else f"{d['work_ratio']:.2f}",
+            f"{100 * d['bubble_utilization']:.1f}",
+        )
+        for d in data["devices"]
+    ]
+    headers = ["rank", "k", "bound", f"K-FAC/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]"]
+    lines.append(format_table(headers, rows))
+    return "\n".join(lines)
+
+
+def _add_pack(subparsers) -> None:
+    parser = subparsers.add_parser("pack", help="place K-FAC work into the bubbles; report the refresh interval")
+    add_pipeline_arguments(parser)
+    parser.add_argument("--profile", required=True, help="profile file with K-FAC layers (pipefisher.profile/v1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
+    parser.add_argument("--margin", type=_share, default=0.05, help="share of each bubble kept free (default 0.05)")
+    parser.add_argument("--max-overhead", type=_share, default=0.01, help="overhead budget per step (default 0.01)")
+    parser.add_argument("--no-split", action="store_true", help="every replica inverts its own factors")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")
+    parser.add_argument("--refresh-steps", type=_positive_int, default=None, help="pin the refresh interval k")
+    parser.set_defaults(handler=_cmd_pack)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_simulate(subparsers)
+    _add_pack(subparsers)
     return parser
 
 

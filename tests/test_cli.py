@@ -81,3 +81,58 @@ def test_module_entry_point_works():
     result = subprocess.run([sys.executable, "-m", "pipefisher", "simulate", "--schedule", "gpipe", "-D", "2", "-N", "2", "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step_time"] == pytest.approx(9.0)
+
+
+@pytest.fixture
+def bert_like_profile(tmp_path):
+    from pipefisher.transformer_profile import BlockTimes, transformer_profile
+
+    times = BlockTimes(time_f=9.7, time_b=16.5, time_kron=25.5, time_inv=71.7, time_prec=6.8)
+    path = tmp_path / "bert.yaml"
+    transformer_profile(times, 12, 4, 768, 3072, 32, device="P100").save(path)
+    return path
+
+
+def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    code = main(["pack", "--profile", str(bert_like_profile), "--schedule", "1f1b", "-D", "4", "-N", "4", "--json", "-o", str(plan_path)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert isinstance(data["refresh_steps"], int) and data["refresh_steps"] >= data["lower_bound"] >= 1
+    assert data["step_time"] >= data["first_order_step_time"] > 0
+    assert 0 <= data["bubble_utilization"] <= 1
+    assert len(data["devices"]) == 4 and data["time_unit"] == "ms"
+    from pipefisher.plan import Plan, validate_plan
+
+    assert validate_plan(Plan.load(plan_path)).refresh_steps == data["refresh_steps"]
+
+
+def test_pack_table_from_the_entry_point(bert_like_profile):
+    result = run_cli("pack", "--profile", str(bert_like_profile), "--schedule", "gpipe", "-D", "4", "-N", "4")
+    assert result.returncode == 0, result.stderr
+    assert "refresh interval" in result.stdout and "[ms]" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--schedule", "1f1b", "-D", "8", "-N", "8"], "profile has 4 stages but the schedule needs 8"),
+        (["--schedule", "zigzag", "-D", "4", "-N", "4"], "invalid choice: 'zigzag'"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--margin", "1.5"], "must be in [0, 1)"),
+    ],
+)
+def test_pack_usage_errors_exit_2(bert_like_profile, extra, message, capsys):
+    assert main(["pack", "--profile", str(bert_like_profile), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_pack_rejects_negative_times_and_profiles_without_layers(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema: pipefisher.profile/v1\nstages:\n  - {forward: 1, backward: -2}\n  - {forward: 1, backward: 2}\n")
+    assert main(["pack", "--profile", str(bad), "--schedule", "1f1b", "-D", "2", "-N", "2"]) == 2
+    assert "stages[0].backward: -2 is negative" in capsys.readouterr().err
+    plain = tmp_path / "plain.yaml"
+    uniform_profile(2).save(plain)
+    assert main(["pack", "--profile", str(plain), "--schedule", "1f1b", "-D", "2", "-N", "2"]) == 2
+    assert "no stage lists K-FAC layers" in capsys.readouterr().err

@@ -1,7 +1,18 @@
 import subprocess
 import sys
 
-PLANNING = ["pipefisher.ir", "pipefisher.schedules", "pipefisher.validate", "pipefisher.profile", "pipefisher.simulate", "pipefisher.cli"]
+PLANNING = [
+    "pipefisher.ir",
+    "pipefisher.schedules",
+    "pipefisher.validate",
+    "pipefisher.profile",
+    "pipefisher.simulate",
+    "pipefisher.tasks",
+    "pipefisher.plan",
+    "pipefisher.pack",
+    "pipefisher.transformer_profile",
+    "pipefisher.cli",
+]
 
 
 def test_planning_modules_do_not_import_torch():

@@ -1,0 +1,110 @@
+"""Performance model (the PipeFisher paper's what-if figure) from per-block GPU profiles.
+
+For each model, micro-batch size and pipeline depth D (N = D micro-batches, D stages of
+blocks/D blocks), it simulates the first-order step, packs the K-FAC work and records: step time,
+bubble time per device, curvature and inversion work per device and cycle, the lower bound
+ceil(work / bubble) and the refresh interval the packer reaches (times in ms). Writes a CSV and
+a PNG (refresh interval and packing overhead against micro-batch size, one line per depth, one
+column per model). Small micro-batches leave bubbles too short for an inversion: such tasks do
+not raise k but show up as overhead.
+
+Usage: python experiments/perf_model.py ../shared/reference -o out/perf_model [--schedule 1f1b]
+Needs matplotlib (pip install -e ".[experiments]").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+from pipefisher.pack import pack
+from pipefisher.schedules import get_schedule
+from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+
+DEPTHS = (2, 4, 8, 16)
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+COLUMNS = [
+    "model", "schedule", "micro_batch_size", "stages", "step_time_ms", "bubble_ms_per_device",
+    "curvature_ms_per_device", "inversion_ms_per_device", "lower_bound", "refresh_steps", "overhead",
+]
+
+
+def model_rows(reference: Path, schedule_name: str) -> list[dict]:
+    rows = []
+    for model, (blocks, hidden, ffn) in BERT_SIZES.items():
+        for micro_batch_size in MICRO_BATCH_SIZES:
+            times = read_block_times(reference / f"{model}_time_memory_p100.csv", micro_batch_size)
+            for depth in DEPTHS:
+                profile = transformer_profile(times, blocks, depth, hidden, ffn, micro_batch_size)
+                schedule = get_schedule(schedule_name, depth, depth)
+                result = pack(schedule, profile)
+                per_stage = profile.stages[0]
+                rows.append(
+                    {
+                        "model": model,
+                        "schedule": schedule_name,
+                        "micro_batch_size": micro_batch_size,
+                        "stages": depth,
+                        "step_time_ms": round(result.first_order_step_time, 3),
+                        "bubble_ms_per_device": round(result.first_order.bubble_time(0), 3),
+                        "curvature_ms_per_device": round(per_stage.curvature_time * depth, 3),
+                        "inversion_ms_per_device": round(per_stage.inverse_time, 3),
+                        "lower_bound": result.lower_bound,
+                        "refresh_steps": result.refresh_steps,
+                        "overhead": round(result.overhead, 4),
+                    }
+                )
+                print(f"{model} bs={micro_batch_size:>2} D={depth:>2}: k={result.refresh_steps} (bound {result.lower_bound})", flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Top row: refresh interval (dotted: lower bound); bottom row: packing overhead per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(BERT_SIZES)
+    figure, axes = plt.subplots(2, len(models), figsize=(5.5 * len(models), 7), sharex=True, sharey="row")
+    for column, model in enumerate(models):
+        top, bottom = axes[0][column], axes[1][column]
+        for depth in DEPTHS:
+            selected = [r for r in rows if r["model"] == model and r["stages"] == depth]
+            sizes = [r["micro_batch_size"] for r in selected]
+            line = top.plot(sizes, [r["refresh_steps"] for r in selected], marker="o", label=f"D = N = {depth}")[0]
+            top.plot(sizes, [r["lower_bound"] for r in selected], linestyle=":", color=line.get_color())
+            bottom.plot(sizes, [100 * r["overhead"] for r in selected], marker="o", color=line.get_color())
+        top.set_title(f"{model}, {rows[0]['schedule']} (P100 profile)")
+        top.set_yscale("log", base=2)
+        bottom.set_xscale("log", base=2)
+        bottom.set_yscale("symlog", linthresh=1)
+        bottom.set_xlabel("micro-batch size [sequences]")
+        for axis in (top, bottom):
+            axis.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("refresh interval k [steps]\n(dotted: lower bound)")
+    axes[1][0].set_ylabel("packing overhead [% of step]")
+    axes[0][-1].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reference", type=Path, help="folder with bert-{base,large}_time_memory_p100.csv")
+    parser.add_argument("-o", "--output", type=Path, default=Path("out/perf_model"), help="output path without suffix")
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "chimera"])
+    args = parser.parse_args()
+    rows = model_rows(args.reference, args.schedule)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.output.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, args.output.with_suffix(".png"))
+    print(f"wrote {args.output.with_suffix('.csv')} and {args.output.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""A Plan: per-rank op lists for every step of a refresh cycle, K-FAC ops in execution order.
+
+The executor runs exactly these lists, step after step, cycle after cycle. `validate_plan`
+checks a plan without its profile; `simulate_plan` predicts its timeline with one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipefisher.ir import Op, OpKind, Schedule, ScheduleError
+from pipefisher.profile import Profile
+from pipefisher.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
+from pipefisher.tasks import CYCLE_KINDS, TaskGraph, stage_replicas
+from pipefisher.validate import execution_order, validate
+
+PLAN_SCHEMA = "pipefisher.plan/v1"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`steps[j][rank]`: the ops `rank` runs in step j of the cycle (0-based; len = refresh interval).
+
+    Every step holds the schedule's forward/backward ops in the schedule's order; K-FAC ops are
+    inserted among them. Curvature in step 0 reads that step's activations; later steps reuse
+    them; new inverses take effect at the first step of the next cycle.
+    """
+
+    schedule: Schedule
+    steps: tuple[tuple[tuple[Op, ...], ...], ...]
+
+    @property
+    def refresh_steps(self) -> int:
+        return len(self.steps)
+
+    def kfac_ops(self) -> list[Op]:
+        return [op for step in self.steps for ops in step for op in ops if not op.kind.is_compute]
+
+    @property
+    def graph(self) -> TaskGraph:
+        return TaskGraph(self.schedule, self.kfac_ops())
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": PLAN_SCHEMA,
+            "schedule": self.schedule.to_dict(),
+            "steps": [[[str(op) for op in ops] for ops in step] for step in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if data.get("schema") != PLAN_SCHEMA:
+            raise ScheduleError(f"schema: {data.get('schema')!r} is not {PLAN_SCHEMA!r}")
+        try:
+            steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
+        except (KeyError, TypeError) as exc:
+            raise ScheduleError(f"malformed plan JSON: {exc!r}") from None
+        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):
+    def deps(op: Op) -> tuple[Op, ...]:
+        return tuple(dep for dep in graph.dependencies(op, first_step) if dep in step_ops)
+
+    return deps
+
+
+def _collective_groups(schedule: Schedule) -> dict[int, frozenset[int]]:
+    """stage -> the ranks holding its replicas (the process group of its collectives)."""
+    return {
+        stage: frozenset(schedule.placement[(pipe, stage)] for pipe in pipes)
+        for stage, pipes in stage_replicas(schedule).items()
+    }
+
+
+def _check_collective_order(plan: Plan) -> None:
+    """Every rank of a process group must launch the group's collectives in the same order."""
+    groups = _collective_groups(plan.schedule)
+    sequences: dict[frozenset[int], dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    for step in plan.steps:
+        for rank, ops in enumerate(step):
+            for op in ops:
+                if op.kind in COLLECTIVES:
+                    sequences[groups[op.stage]][rank].append((op.kind.value, op.stage, op.layer))
+    for group, per_rank in sequences.items():
+        orders = {rank: per_rank.get(rank, []) for rank in sorted(group)}
+        first_rank, first = next(iter(orders.items()))
+        for rank, order in orders.items():
+            if order != first:
+                position = next((i for i, (a, b) in enumerate(zip(order, first)) if a != b), min(len(order), len(first)))
+                raise ScheduleError(
+                    f"collectives of ranks {sorted(group)} are launched in different orders: "
+                    f"rank {first_rank} has {first[position:position + 1]}, rank {rank} has {order[position:position + 1]} "
+                    f"at position {position}"
+                )
+
+
+def validate_plan(plan: Plan) -> Plan:
+    """Check that `plan` can run; return it or raise ScheduleError.
+
+    Each step keeps the schedule's forward/backward ops in order; every cycle op appears exactly
+    once per cycle and every precondition once per step; each op's dependencies run before it
+    (earlier in the cycle, or earlier in the same step without deadlock); collectives are
+    launched in the same order by all ranks of their group.
+    """
+    schedule = validate(plan.schedule)
+    if not plan.steps:
+        raise ScheduleError("a plan needs at least one step")
+    graph = plan.graph
+    seen: Counter[Op] = Counter()
+    placed_before: set[Op] = set()
+    for index, step in enumerate(plan.steps):
+        if len(step) != schedule.num_ranks:
+            raise ScheduleError(f"step {index} has {len(step)} ranks; the schedule has {schedule.num_ranks}")
+        for rank, ops in enumerate(step):
+            compute = tuple(op for op in ops if op.kind.is_compute)
+            if compute != schedule.ranks[rank]:
+                raise ScheduleError(f"step {index}, rank {rank}: forward/backward ops differ from the schedule's")
+            for op in ops:
+                if not op.kind.is_compute and schedule.placement.get((op.pipe, op.stage)) != rank:
+                    raise ScheduleError(f"step {index}: {op} is on rank {rank}, not on the rank of its stage")
+        step_ops = {op for ops in step for op in ops}
+        preconditions = Counter(op for op in step_ops if op.kind is OpKind.PRECONDITION)
+        for op in step_ops:
+            if op.kind in CYCLE_KINDS:
+                seen[op] += 1
+                if seen[op] > 1:
+                    raise ScheduleError(f"{op} runs more than once in the cycle (again in step {index})")
+            for dep in graph.dependencies(op, first_step=index == 0):
+                if dep not in step_ops and dep not in placed_before:
+                    raise ScheduleError(f"step {index}: {op} needs {dep}, which has not run earlier in the cycle")
+        if index > 0 and set(preconditions) != set(op for op in placed_before if op.kind is OpKind.PRECONDITION):
+            raise ScheduleError(f"step {index}: preconditions differ from step 0's")
+        deps = _step_dependencies(graph, step_ops, first_step=index == 0)
+        for _ in execution_order(step, deps, f"{schedule.name} step {index}"):
+            pass
+        placed_before |= step_ops
+    _check_collective_order(plan)
+    return plan
+
+
+def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None = None) -> list[Timeline]:
+    """Predicted timeline of every step of the cycle (each step starts at time 0).
+
+    `cache` (optional, owned by the caller) memoises step timelines across plans of one profile.
+    """
+    graph = plan.graph
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile)
+    cache = {} if cache is None else cache
+    timelines = []
+    for index, step in enumerate(plan.steps):
+        key = (index == 0, step)
+        if key not in cache:
+            step_ops = {op for ops in step for op in ops}
+            deps = _step_dependencies(graph, step_ops, first_step=index == 0)
+            cache[key] = simulate_ops(step, deps, durations, f"{plan.schedule.name} step {index}")
+        timelines.append(cache[key])
+    return timelines
+
+
+def cycle_time(timelines: Sequence[Timeline]) -> float:
+    """Sum of step times over the cycle."""
+    return sum(t.step_time for t in timelines)

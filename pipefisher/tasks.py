@@ -1,0 +1,168 @@
+"""The K-FAC task graph of a refresh cycle: which ops exist, on which rank, and what each waits for.
+
+Per K-FAC layer of every (pipe, stage): curvature A/B per micro-batch of that pipe (after the
+micro-batch's forward/backward), a factor sync per replica when the stage has replicas (after
+that replica's curvature of the factor), an inverse per factor (after all replicas' syncs, or
+after the curvature when unreplicated), an inverse exchange per replica when inverses are split
+between replicas, and a precondition per (pipe, stage) in every step (after its backwards).
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+from pipefisher.ir import Op, OpKind, Schedule, backward, dependencies
+from pipefisher.profile import Profile
+from pipefisher.simulate import OpDurations, check_profile
+
+CURVATURE = {"A": OpKind.CURV_A, "B": OpKind.CURV_B}
+SYNC = {"A": OpKind.SYNC_A, "B": OpKind.SYNC_B}
+INVERSE = {"A": OpKind.INV_A, "B": OpKind.INV_B}
+FACTOR_OF = {kind: factor for table in (CURVATURE, SYNC, INVERSE) for factor, kind in table.items()}
+
+#: Kinds that make up a refresh cycle's work (precondition recurs every step instead).
+CYCLE_KINDS = frozenset({OpKind.CURV_A, OpKind.CURV_B, OpKind.SYNC_A, OpKind.SYNC_B, OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE})
+
+
+class TaskGraph:
+    """Dependencies among the K-FAC ops of one cycle, derived from the ops themselves.
+
+    `ops` are the cycle's K-FAC ops (curvature, sync, inverse, exchange); precondition ops may be
+    included or not. Which micro-batches a pipe processes comes from `schedule`.
+    """
+
+    def __init__(self, schedule: Schedule, ops: Iterable[Op]):
+        self.schedule = schedule
+        self.micro_batches: dict[int, list[int]] = defaultdict(list)
+        for _, _, op in schedule.ops():
+            if op.kind is OpKind.FORWARD and op.stage == 0:
+                self.micro_batches[op.pipe].append(op.micro_batch)
+        self._curvature: dict[tuple, list[Op]] = defaultdict(list)
+        self._syncs: dict[tuple, list[Op]] = defaultdict(list)
+        self._inverses: dict[tuple, list[Op]] = defaultdict(list)
+        for op in ops:
+            if op.kind in (OpKind.CURV_A, OpKind.CURV_B):
+                self._curvature[(op.kind, op.pipe, op.stage, op.layer)].append(op)
+            elif op.kind in (OpKind.SYNC_A, OpKind.SYNC_B):
+                self._syncs[(op.kind, op.stage, op.layer)].append(op)
+            elif op.kind in (OpKind.INV_A, OpKind.INV_B):
+                self._inverses[(op.pipe, op.stage, op.layer)].append(op)
+
+    def dependencies(self, op: Op, first_step: bool = True) -> tuple[Op, ...]:
+        """Ops `op` waits for. Curvature in later steps of a cycle reads data saved in the first
+        step, so it waits for nothing then."""
+        kind = op.kind
+        if kind.is_compute:
+            return dependencies(op, self.schedule.num_stages)
+        if kind in (OpKind.CURV_A, OpKind.CURV_B):
+            return dependencies(op, self.schedule.num_stages) if first_step else ()
+        if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
+            curv = CURVATURE[FACTOR_OF[kind]]
+            return tuple(self._curvature[(curv, op.pipe, op.stage, op.layer)])
+        if kind in (OpKind.INV_A, OpKind.INV_B):
+            factor = FACTOR_OF[kind]
+            syncs = self._syncs.get((SYNC[factor], op.stage, op.layer))
+            if syncs:
+                return tuple(syncs)
+            return tuple(self._curvature[(CURVATURE[factor], op.pipe, op.stage, op.layer)])
+        if kind is OpKind.EXCHANGE:
+            return tuple(self._inverses[(op.pipe, op.stage, op.layer)])
+        if kind is OpKind.PRECONDITION:
+            return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
+        raise ValueError(f"no dependency rule for {op}")
+
+
+@dataclass(frozen=True)
+class KfacTasks:
+    """The K-FAC work of `schedule` with the layers and times of `profile`.
+
+    `cycle[rank]`: ops run once per refresh cycle, in a topological order (curvature, syncs,
+    inverses, exchanges). `per_step[rank]`: precondition ops run in every step.
+    """
+
+    schedule: Schedule
+    profile: Profile
+    cycle: tuple[tuple[Op, ...], ...]
+    per_step: tuple[tuple[Op, ...], ...]
+    split: bool
+
+    @cached_property
+    def graph(self) -> TaskGraph:
+        return TaskGraph(self.schedule, (op for ops in self.cycle for op in ops))
+
+    @cached_property
+    def durations(self) -> OpDurations:
+        return OpDurations(self.profile)
+
+
+def stage_replicas(schedule: Schedule) -> dict[int, list[int]]:
+    """stage -> pipes that hold a replica of it (Chimera: both pipes)."""
+    replicas: dict[int, list[int]] = defaultdict(list)
+    for pipe, stage in sorted(schedule.placement):
+        replicas[stage].append(pipe)
+    return replicas
+
+
+def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[tuple[OpKind, int, str], list[int]]:
+    """(inverse kind, stage, layer) -> pipes whose rank computes it.
+
+    Unsplit, every replica inverts its own copy. Split, each inverse goes to one replica: longest
+    first to the least-loaded rank among those holding the stage (ties to the lower rank).
+    """
+    replicas = stage_replicas(schedule)
+    owners: dict[tuple[OpKind, int, str], list[int]] = {}
+    jobs = [
+        (cost, kind, stage, layer.name)
+        for stage, stage_profile in enumerate(profile.stages)
+        for layer in stage_profile.layers
+        for kind, cost in ((OpKind.INV_A, layer.inverse_a), (OpKind.INV_B, layer.inverse_b))
+    ]
+    if not split:
+        return {(kind, stage, name): list(replicas[stage]) for _, kind, stage, name in jobs}
+    load = [0.0] * schedule.num_ranks
+    for cost, kind, stage, name in sorted(jobs, key=lambda job: (-job[0], job[2], job[3], job[1].value)):
+        pipe = min(replicas[stage], key=lambda p: (load[schedule.placement[(p, stage)]], schedule.placement[(p, stage)]))
+        load[schedule.placement[(pipe, stage)]] += cost
+        owners[(kind, stage, name)] = [pipe]
+    return owners
+
+
+def build_tasks(schedule: Schedule, profile: Profile, split: bool = True) -> KfacTasks:
+    """Enumerate the K-FAC ops of one refresh cycle for `schedule` (see the module docstring)."""
+    check_profile(schedule, profile)
+    replicas = stage_replicas(schedule)
+    owners = _inverse_owners(schedule, profile, split)
+    graph_mbs = TaskGraph(schedule, ()).micro_batches
+    cycle: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
+    per_step: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
+    phases: list[list[tuple[int, Op]]] = [[], [], [], []]
+    for (pipe, stage), rank in sorted(schedule.placement.items()):
+        layers = profile.stages[stage].layers
+        if not layers:
+            continue
+        replicated = len(replicas[stage]) > 1
+        for layer in layers:
+            name = layer.name
+            for factor in "AB":
+                phases[0] += [(rank, Op(CURVATURE[factor], stage, mb, pipe, name)) for mb in graph_mbs[pipe]]
+                if replicated:
+                    phases[1].append((rank, Op(SYNC[factor], stage, None, pipe, name)))
+                if pipe in owners[(INVERSE[factor], stage, name)]:
+                    phases[2].append((rank, Op(INVERSE[factor], stage, None, pipe, name)))
+            if replicated and split:
+                phases[3].append((rank, Op(OpKind.EXCHANGE, stage, None, pipe, name)))
+        per_step[rank].append(Op(OpKind.PRECONDITION, stage, None, pipe))
+    for phase in phases:
+        for rank, op in phase:
+            cycle[rank].append(op)
+    return KfacTasks(
+        schedule=schedule,
+        profile=profile,
+        cycle=tuple(tuple(ops) for ops in cycle),
+        per_step=tuple(tuple(ops) for ops in per_step),
+        split=split,
+    )
