@@ -7,9 +7,10 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations
 from pipefisher.pack import STRATEGIES, PackOptions, PackResult, pack
-from pipefisher.profile import Profile, ProfileError, load_profile, uniform_profile
+from pipefisher.profile import ProfileError, load_profile, uniform_profile
 from pipefisher.schedules import SCHEDULES, get_schedule
 from pipefisher.simulate import Timeline, simulate
 from pipefisher.validate import validate
@@ -204,11 +205,46 @@ def _add_pack(subparsers) -> None:
     parser.set_defaults(handler=_cmd_pack)
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pipefisher.config import load_config
+
+    config = load_config(args.config).with_overrides(
+        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        optimizer={"name": args.optimizer},
+        run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout},
+    )
+    from pipefisher.runtime.training import build_schedule
+
+    build_schedule(config)  # an impossible schedule is a usage error, before any process starts
+    from pipefisher.runtime.run import check_port, run
+
+    problem = None if args.reference else check_port(config)
+    if problem:
+        raise UsageError(problem)
+    return run(config, reference=args.reference, as_json=args.json)
+
+
+def _add_run(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="train from a run file (local processes, torchrun, or --reference)")
+    parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
+    parser.add_argument("--steps", type=_positive_int, help="total steps of the run (run.steps)")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], help="override optimizer.name")
+    parser.add_argument("--data-parallel", type=_positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
+    parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
+    parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
+    parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
+    parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    parser.set_defaults(handler=_cmd_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_simulate(subparsers)
     _add_pack(subparsers)
+    _add_run(subparsers)
     return parser
 
 
@@ -217,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)
-    except (UsageError, ScheduleError, ProfileError) as exc:
+    except (UsageError, ScheduleError, ProfileError, ConfigError) as exc:
         print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from pipefisher.files import load_structured
+
 SCHEMA = "pipefisher.profile/v1"
 TIME_UNITS = ("s", "ms", "us", "units")
 
@@ -182,20 +184,7 @@ def profile_from_dict(data: Any) -> Profile:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile from YAML or JSON (JSON when the suffix is .json)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile {str(path)!r}: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ProfileError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {first_line}") from None
-    try:
-        return profile_from_dict(data)
-    except ProfileError as exc:
-        raise ProfileError(f"{path}: {exc}") from None
+    return load_structured(path, "profile", profile_from_dict, ProfileError)
 
 
 __all__ = [

@@ -49,11 +49,11 @@ def test_interleaved_default_profile_keeps_work_per_rank():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["simulate", "--schedule", "chimera", "--stages", "3", "--micro-batches", "6"], "--stages must be even"),
+        (["simulate", "--schedule", "chimera", "--stages", "3", "--micro-batches", "6"], "stages D must be even"),
         (["simulate", "--schedule", "zigzag", "-D", "2", "-N", "2"], "invalid choice: 'zigzag'"),
         (["simulate", "--schedule", "1f1b", "-D", "two", "-N", "2"], "'two' is not an integer"),
         (["simulate", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", "/nonexistent.yaml"], "cannot read profile"),
-        (["simulate", "--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "--chunks applies to the interleaved"),
+        (["simulate", "--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "chunks apply to the interleaved"),
         ([], "required: command"),
     ],
 )

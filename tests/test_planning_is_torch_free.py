@@ -11,6 +11,7 @@ PLANNING = [
     "pipefisher.plan",
     "pipefisher.pack",
     "pipefisher.transformer_profile",
+    "pipefisher.config",
     "pipefisher.cli",
 ]
 

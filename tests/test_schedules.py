@@ -85,12 +85,12 @@ def test_1f1b_holds_at_most_d_minus_s_activations_and_gpipe_holds_n(d, n):
     "name, d, n, chunks, message",
     [
         ("chimera", 3, 6, None, "must be even"),
-        ("chimera", 4, 6, None, "multiple of --stages"),
-        ("interleaved", 4, 6, 2, "multiple of --stages"),
-        ("interleaved", 4, 8, 0, "--chunks must be at least 1"),
-        ("1f1b", 4, 0, None, "--micro-batches must be at least 1"),
-        ("gpipe", 0, 4, None, "--stages must be at least 1"),
-        ("gpipe", 4, 4, 2, "--chunks applies to the interleaved schedule only"),
+        ("chimera", 4, 6, None, "must be a multiple of stages D"),
+        ("interleaved", 4, 6, 2, "must be a multiple of stages D"),
+        ("interleaved", 4, 8, 0, "chunks must be at least 1"),
+        ("1f1b", 4, 0, None, "micro-batches N must be at least 1"),
+        ("gpipe", 0, 4, None, "stages D must be at least 1"),
+        ("gpipe", 4, 4, 2, "chunks apply to the interleaved schedule only"),
         ("zigzag", 4, 4, None, "unknown schedule 'zigzag'"),
     ],
 )

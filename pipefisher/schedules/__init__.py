@@ -27,7 +27,7 @@ def get_schedule(name: str, num_stages: int, num_micro_batches: int, chunks: int
     if name == "interleaved":
         return generator(num_stages, num_micro_batches, chunks=2 if chunks is None else chunks)
     if chunks not in (None, 1):
-        raise ScheduleError(f"--chunks applies to the interleaved schedule only, not {name!r}")
+        raise ScheduleError(f"chunks apply to the interleaved schedule only, not {name!r}")
     return generator(num_stages, num_micro_batches)
 
 

@@ -14,8 +14,8 @@ def require(condition: bool, message: str) -> None:
 
 def check_sizes(name: str, num_stages: int, num_micro_batches: int) -> None:
     """Common limits: at least one stage and one micro-batch."""
-    require(num_stages >= 1, f"{name}: --stages must be at least 1 (got {num_stages})")
-    require(num_micro_batches >= 1, f"{name}: --micro-batches must be at least 1 (got {num_micro_batches})")
+    require(num_stages >= 1, f"{name}: stages D must be at least 1 (got {num_stages})")
+    require(num_micro_batches >= 1, f"{name}: micro-batches N must be at least 1 (got {num_micro_batches})")
 
 
 def single_pipe(name: str, num_stages: int, num_micro_batches: int, ranks: Sequence[Sequence[Op]], **params: int) -> Schedule:

@@ -44,10 +44,10 @@ def _rank_order(rank: int, num_ranks: int, num_blocks: int) -> list[tuple[str, i
 def chimera(num_stages: int, num_micro_batches: int) -> Schedule:
     name = "chimera"
     check_sizes(name, num_stages, num_micro_batches)
-    require(num_stages % 2 == 0, f"{name}: --stages must be even (got {num_stages}); try {num_stages + 1}")
+    require(num_stages % 2 == 0, f"{name}: stages D must be even (got {num_stages}); try {num_stages + 1}")
     require(
         num_micro_batches % num_stages == 0,
-        f"{name}: --micro-batches ({num_micro_batches}) must be a multiple of --stages ({num_stages}); "
+        f"{name}: micro-batches N={num_micro_batches} must be a multiple of stages D={num_stages}; "
         f"try {num_stages * max(1, round(num_micro_batches / num_stages))}",
     )
     num_ranks, half = num_stages, num_stages // 2

@@ -16,10 +16,10 @@ def interleaved(num_stages: int, num_micro_batches: int, chunks: int = 2) -> Sch
     """
     name = "interleaved"
     check_sizes(name, num_stages, num_micro_batches)
-    require(chunks >= 1, f"{name}: --chunks must be at least 1 (got {chunks})")
+    require(chunks >= 1, f"{name}: chunks must be at least 1 (got {chunks})")
     require(
         num_micro_batches % num_stages == 0,
-        f"{name}: --micro-batches ({num_micro_batches}) must be a multiple of --stages ({num_stages}); "
+        f"{name}: micro-batches N={num_micro_batches} must be a multiple of stages D={num_stages}; "
         f"try {num_stages * max(1, round(num_micro_batches / num_stages))}",
     )
     ranks_count, total = num_stages, num_micro_batches * chunks

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
-import multiprocessing
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _gloo import run_gloo
 from _kfac_models import data, tiny_mlp
 from pipefisher.kfac import KFAC
+from pipefisher.runtime.launch import run_group
 
 pytestmark = pytest.mark.dist
 
@@ -42,7 +40,7 @@ def worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_gloo(worker, world=2, timeout=90)
+    return run_group(worker, 2, timeout=60, deadline=120)
 
 
 def test_sync_over_two_ranks_equals_factors_of_concatenated_data(results):
@@ -59,30 +57,3 @@ def test_kl_clip_over_a_group_uses_the_summed_quadratic_form(results):
         assert out["report"].clip_scale == pytest.approx(math.sqrt(1e-6 / (0.01 * vg)), rel=1e-9)
         assert out["report"].clip_scale < 1.0
 
-
-def failing_worker(rank: int, world: int) -> None:
-    if rank == 1:
-        raise ValueError("rank one is broken")
-    time.sleep(60)
-
-
-def hanging_worker(rank: int, world: int) -> int:
-    if rank == 1:
-        time.sleep(600)
-    return rank
-
-
-def test_helper_reports_child_tracebacks_and_kills_the_rest():
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="(?s)rank 1.*ValueError: rank one is broken"):
-        run_gloo(failing_worker, world=2, timeout=60)
-    assert time.monotonic() - start < 30
-    assert multiprocessing.active_children() == []
-
-
-def test_helper_enforces_the_deadline():
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"no result from ranks \[(0, )?1\]"):
-        run_gloo(hanging_worker, world=2, timeout=6)
-    assert time.monotonic() - start < 15
-    assert multiprocessing.active_children() == []

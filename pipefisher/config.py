@@ -1,0 +1,213 @@
+"""Run configuration: YAML -> frozen dataclasses. Unknown keys and bad values are errors that name
+the key and what is allowed. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pipefisher.files import load_structured
+from pipefisher.schedules import SCHEDULES
+
+
+class ConfigError(ValueError):
+    """A run file is malformed; the message names the key (e.g. ``pipeline.stages``)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small Transformer encoder on continuous inputs (or an MLP) for regression.
+
+    Inputs are (micro_batch_size, seq_len, input_dim); targets (micro_batch_size, seq_len,
+    output_dim). `layers` counts Transformer blocks (or hidden Linear layers of the MLP).
+    """
+
+    kind: Literal["transformer", "mlp"] = "transformer"
+    layers: int = 4
+    hidden: int = 32
+    heads: int = 2
+    ffn: int = 64
+    seq_len: int = 8
+    input_dim: int = 16
+    output_dim: int = 4
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Synthetic regression data, deterministic in (seed, step, micro-batch)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    seed: int = 0
+    micro_batch_size: int = 4
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """`stages` = pipeline depth D (ranks per pipeline); world size = stages × data_parallel."""
+
+    schedule: str = "1f1b"
+    stages: int = 2
+    micro_batches: int = 4
+    chunks: int = 2
+    data_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """`timeout`: seconds any rank may wait for another before the run aborts."""
+
+    steps: int = 3
+    seed: int = 0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29511
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    run: RunSettings = field(default_factory=RunSettings)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline.stages * self.pipeline.data_parallel
+
+    @property
+    def model_chunks(self) -> int:
+        """Model pieces per pipe: stages × chunks for interleaved, stages otherwise."""
+        chunks = self.pipeline.chunks if self.pipeline.schedule == "interleaved" else 1
+        return self.pipeline.stages * chunks
+
+    def with_overrides(self, **sections: dict[str, Any]) -> "RunConfig":
+        """A copy with some keys of some sections replaced (None values are ignored), checked."""
+        data = dataclasses.asdict(self)
+        for section, values in sections.items():
+            data[section].update({k: v for k, v in values.items() if v is not None})
+        return config_from_dict(data)
+
+
+_POSITIVE = {
+    "model.layers", "model.hidden", "model.heads", "model.ffn", "model.seq_len", "model.input_dim",
+    "model.output_dim", "data.micro_batch_size", "pipeline.stages", "pipeline.micro_batches",
+    "pipeline.chunks", "pipeline.data_parallel", "optimizer.lr", "run.steps", "run.timeout", "optimizer.eps",
+}
+
+
+def _convert(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        return value
+    if origin is tuple:
+        kinds = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)) or len(value) != len(kinds):
+            raise ConfigError(f"{where}: expected a list of {len(kinds)} numbers, got {value!r}")
+        return tuple(_convert(v, k, f"{where}[{i}]") for i, (v, k) in enumerate(zip(value, kinds)))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: no conversion for {annotation!r}")
+
+
+def _section(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown key; allowed keys: {', '.join(known)}")
+    values = {}
+    for key, value in data.items():
+        name = f"{where}.{key}"
+        converted = _convert(value, hints[key], name)
+        if name in _POSITIVE and not converted > 0:
+            raise ConfigError(f"{name}: {value!r} must be positive")
+        values[key] = converted
+    return cls(**values)
+
+
+def config_from_dict(data: Any) -> RunConfig:
+    """Build and check a RunConfig (see the module docstring)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, run")
+    sections = [f.name for f in fields(RunConfig)]
+    hints = typing.get_type_hints(RunConfig)
+    for key in data:
+        if key not in sections:
+            raise ConfigError(f"{key}: unknown section; allowed sections: {', '.join(sections)}")
+    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in sections})
+    _check(config)
+    return config
+
+
+def _check(config: RunConfig) -> None:
+    pipeline, model = config.pipeline, config.model
+    if pipeline.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if model.layers % config.model_chunks:
+        raise ConfigError(
+            f"model.layers: {model.layers} blocks cannot be split into {config.model_chunks} equal stages "
+            f"(pipeline.stages {pipeline.stages}"
+            + (f" x pipeline.chunks {pipeline.chunks}" if pipeline.schedule == "interleaved" else "")
+            + "); use a multiple"
+        )
+    if model.kind == "transformer" and model.hidden % model.heads:
+        raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
+    if not 0 <= config.run.master_port < 65536:
+        raise ConfigError(f"run.master_port: {config.run.master_port} is not a port number (0 picks a free one)")
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a YAML run file."""
+    return load_structured(path, "run file", config_from_dict, ConfigError)
+
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "RunConfig",
+    "RunSettings",
+    "config_from_dict",
+    "load_config",
+]

@@ -1,0 +1,1 @@
+"""Data sources that yield micro-batches deterministically."""

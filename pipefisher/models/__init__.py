@@ -1,0 +1,1 @@
+"""Models split into pipeline stages."""

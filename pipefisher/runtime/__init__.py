@@ -1,0 +1,1 @@
+"""Running plans on torch.distributed: topology, communication, stage buffers, executor, launcher."""

@@ -1,0 +1,146 @@
+"""Local multi-process launcher (torchrun compatible) and process-group setup.
+
+`run_group(fn, world)` spawns `world` processes on this machine, each with the environment
+torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread each,
+and runs `fn(rank, world, *args)` after `init_distributed`. When a rank fails, the others get
+`grace` seconds to fail on their own (they will, their peer is gone) and are then killed; with
+a `deadline`, the whole group is killed when it passes. Child tracebacks come back in the error.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.runtime.errors import first_line
+
+
+class GroupFailure(RuntimeError):
+    """One or more ranks failed; `failures` maps rank -> message (first line first)."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if something listens on the port (TIME_WAIT leftovers do not count, as for the store)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' is NCCL when CUDA is available, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_distributed(backend: str, timeout: float) -> torch.device:
+    """Join the process group described by the torchrun environment; return this rank's device."""
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    return device
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], backend: str, timeout: float, results, args: tuple) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        init_distributed(backend, timeout)
+        # Plain pickle: tensors travel as bytes, not as shared memory this process takes with it.
+        results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+    except BaseException as exc:
+        code = 1
+        results.put((rank, False, f"{first_line(exc)}\n{traceback.format_exc()}"))
+    # Leave at once: a clean process-group shutdown can block on peers that are already gone.
+    results.close()
+    results.join_thread()
+    os._exit(code)
+
+
+def run_group(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    deadline: float | None = None,
+    grace: float | None = None,
+) -> list[Any]:
+    """`[fn(rank, world, *args) for rank in range(world)]`, each in its own process.
+
+    `fn` must be importable (module level). `timeout` bounds any wait inside the group;
+    `deadline` (seconds, optional) bounds the whole run. Raises GroupFailure naming every failed
+    rank; no child outlives the call.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"MASTER_ADDR": host, "MASTER_PORT": str(port or free_port(host)), "OMP_NUM_THREADS": "1"}
+    procs = [ctx.Process(target=_child, args=(fn, rank, world, env, backend, timeout, results, args), daemon=True) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    end = time.monotonic() + deadline if deadline is not None else None
+    grace = timeout if grace is None else grace
+    outcome: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcome) < world:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.2 if left is None else min(0.2, left))
+                outcome[rank] = (ok, value)
+            except queue.Empty:
+                for rank, proc in enumerate(procs):
+                    if proc.exitcode not in (None, 0) and rank not in outcome:
+                        outcome[rank] = (False, f"process exited with code {proc.exitcode} (killed or crashed)")
+            if any(not ok for ok, _ in outcome.values()):
+                failed_at = time.monotonic()
+                end = min(end, failed_at + grace) if end is not None else failed_at + grace
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    failures = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+    for rank in range(world):
+        if rank not in outcome:
+            failures[rank] = "no result before the deadline; killed"
+    if failures:
+        lines = [f"rank {rank}: {message.splitlines()[0]}" for rank, message in sorted(failures.items())]
+        details = "\n".join(f"--- rank {rank} ---\n{message}" for rank, message in sorted(failures.items()))
+        raise GroupFailure("\n".join(["run failed", *lines, details]), failures)
+    return [pickle.loads(outcome[rank][1]) for rank in range(world)]
+

@@ -1,0 +1,94 @@
+"""`pipefisher run`: train from a run file, on local processes, under torchrun, or in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from pipefisher.config import RunConfig
+from pipefisher.runtime.errors import first_line
+from pipefisher.runtime.executor import StepResult
+from pipefisher.runtime.launch import GroupFailure, init_distributed, port_in_use, free_port, resolve_backend, run_group
+from pipefisher.runtime.training import train_pipelined, train_reference
+
+
+def step_printer(total_steps: int, as_json: bool) -> Callable[[StepResult], None]:
+    """Prints one line per step on stdout: JSON ({"step", "loss", "step_time_ms"}) or text."""
+
+    def emit(result: StepResult) -> None:
+        if as_json:
+            line = json.dumps({"step": result.step, "loss": result.loss, "step_time_ms": 1000 * result.seconds})
+        else:
+            line = f"step {result.step}/{total_steps}  loss {result.loss:.6f}  step time {1000 * result.seconds:.1f} ms"
+        print(line, flush=True)
+
+    return emit
+
+
+def describe(config: RunConfig) -> str:
+    p = config.pipeline
+    chunks = f" x {p.chunks} chunks" if p.schedule == "interleaved" else ""
+    return (
+        f"{p.schedule}: {p.stages} stages{chunks} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
+        f"of {config.data.micro_batch_size}, {config.run.steps} steps, {config.optimizer.name} lr {config.optimizer.lr:g}"
+    )
+
+
+def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool) -> None:
+    device = torch.device("cpu") if resolve_backend(config.run.backend) == "gloo" else torch.device("cuda", rank)
+    printer = step_printer(config.run.steps, as_json) if rank == 0 else None
+    train_pipelined(config, rank, device, on_step=printer)
+
+
+def run(config: RunConfig, reference: bool, as_json: bool) -> int:
+    """Train; returns the process exit code (0 success, 1 a failed run)."""
+    printer = step_printer(config.run.steps, as_json)
+    if reference:
+        print(f"pipefisher run (reference, one process): {describe(config)}", file=sys.stderr)
+        torch.set_num_threads(1)
+        train_reference(config, on_step=printer)
+        return 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_under_torchrun(config, printer)
+    port = config.run.master_port or free_port(config.run.master_addr)
+    backend = resolve_backend(config.run.backend)
+    print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {port})", file=sys.stderr)
+    try:
+        run_group(
+            _local_worker, config.world_size, args=(config, as_json), backend=backend,
+            timeout=config.run.timeout, port=port, host=config.run.master_addr,
+        )
+    except GroupFailure as failure:
+        for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
+            print(f"pipefisher: {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_under_torchrun(config: RunConfig, printer: Callable[[StepResult], None]) -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.world_size:
+        print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
+              f"(pipeline.stages x pipeline.data_parallel)", file=sys.stderr)
+        return 2
+    try:
+        device = init_distributed(config.run.backend, config.run.timeout)
+        train_pipelined(config, rank, device, on_step=printer if rank == 0 else None)
+    except Exception as exc:
+        print(f"pipefisher: rank {rank}: {first_line(exc)}", file=sys.stderr, flush=True)
+        os._exit(1)  # peers are failing too; a clean shutdown could wait on them
+    return 0
+
+
+def check_port(config: RunConfig) -> str | None:
+    """An error message if the local launcher could not use the configured port."""
+    if "RANK" in os.environ or config.run.master_port == 0:
+        return None
+    if port_in_use(config.run.master_port, config.run.master_addr):
+        return (f"run.master_port: port {config.run.master_port} on {config.run.master_addr} is in use; "
+                "pass --master-port with a free port (0 picks one)")
+    return None

@@ -1,0 +1,62 @@
+"""Module-level functions that spawned ranks run (they must be importable by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from pipefisher.config import RunConfig
+from pipefisher.ir import OpKind
+from pipefisher.runtime.training import TrainResult, build_executor, train_pipelined
+
+CPU = torch.device("cpu")
+
+
+def pipelined(rank: int, world: int, config: RunConfig) -> TrainResult:
+    return train_pipelined(config, rank, CPU)
+
+
+def _break_backward(config: RunConfig, rank: int, fault) -> TrainResult:
+    """Train, but rank 1 calls `fault()` at its backward of micro-batch 2 in the second step."""
+    executor, _ = build_executor(config, rank, CPU)
+    if rank == 1:
+        backward = executor.handlers[OpKind.BACKWARD]
+
+        def broken(op):
+            if executor.current_step == 1 and op.micro_batch == 2:
+                fault()
+            return backward(op)
+
+        executor.handlers[OpKind.BACKWARD] = broken
+    return train_pipelined(config, rank, CPU, executor=executor)
+
+
+def _raise() -> None:
+    raise ValueError("injected fault")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def raising(rank: int, world: int, config: RunConfig) -> TrainResult:
+    return _break_backward(config, rank, _raise)
+
+
+def killed(rank: int, world: int, config: RunConfig) -> TrainResult:
+    return _break_backward(config, rank, _die)
+
+
+def failing(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    time.sleep(60)
+
+
+def hanging(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank

@@ -1,0 +1,32 @@
+import pytest
+
+from pipefisher.config import RunConfig, config_from_dict
+
+
+@pytest.fixture
+def tiny_config():
+    """A small run: 4-block Transformer, 2 stages, 4 micro-batches of 2, 3 steps, 20 s timeout."""
+
+    def make(**pipeline) -> RunConfig:
+        return config_from_dict(
+            {
+                "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+                "data": {"micro_batch_size": 2},
+                "pipeline": {"stages": 2, "micro_batches": 4, **pipeline},
+                "optimizer": {"name": "sgd", "lr": 0.1},
+                "run": {"steps": 3, "timeout": 20, "master_port": 0},
+            }
+        )
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The reference runs in this process with one thread, like every rank."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

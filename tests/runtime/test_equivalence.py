@@ -1,0 +1,44 @@
+"""Every schedule trains exactly like the single-process reference (real gloo ranks)."""
+
+import pytest
+import torch
+
+from _workers import pipelined
+from pipefisher.runtime.launch import run_group
+from pipefisher.runtime.training import train_reference
+
+pytestmark = pytest.mark.dist
+
+
+def assert_same_training(config, results, reference):
+    seen = set()
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
+        for key, value in result.parameters.items():
+            name = key.split(".", 1)[1] if key.startswith("p1.") else key  # Chimera's second copy
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-7)
+            seen.add(name)
+    assert seen == set(reference.parameters), "every parameter lives on some rank"
+    assert reference.losses[-1] < reference.losses[0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
+def test_two_ranks_equal_the_reference(schedule, tiny_config):
+    config = tiny_config(schedule=schedule)
+    results = run_group(pipelined, config.world_size, args=(config,), timeout=20, deadline=120)
+    assert_same_training(config, results, train_reference(config))
+
+
+def test_adamw_and_more_micro_batches_equal_the_reference(tiny_config):
+    config = tiny_config(schedule="1f1b", micro_batches=6).with_overrides(optimizer={"name": "adamw", "lr": 0.01})
+    results = run_group(pipelined, config.world_size, args=(config,), timeout=20, deadline=120)
+    assert_same_training(config, results, train_reference(config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_data_parallel_2x2_equals_the_reference(schedule, tiny_config):
+    config = tiny_config(schedule=schedule, data_parallel=2)
+    assert config.world_size == 4
+    results = run_group(pipelined, 4, args=(config,), timeout=30, deadline=180)
+    assert_same_training(config, results, train_reference(config))
