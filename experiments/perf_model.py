@@ -9,7 +9,6 @@ column per model). Small micro-batches leave bubbles too short for an inversion:
 not raise k but show up as overhead.
 
 Usage: python experiments/perf_model.py ../shared/reference -o out/perf_model [--schedule 1f1b]
-Needs matplotlib (pip install -e ".[experiments]").
 """
 
 from __future__ import annotations

@@ -211,11 +211,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer},
+        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps, "profile": args.profile},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout},
     )
     from pipefisher.runtime.training import build_schedule
 
-    build_schedule(config)  # an impossible schedule is a usage error, before any process starts
+    schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
+    if config.optimizer.name == "kfac" and config.kfac.profile:
+        from pipefisher.runtime.pipefisher_run import check_profile_matches
+
+        try:
+            check_profile_matches(load_profile(config.kfac.profile), config, schedule.num_stages)
+        except ProfileError as exc:
+            raise UsageError(f"{config.kfac.profile}: {exc}") from None
+    if args.reference and config.optimizer.name == "kfac" and config.kfac.refresh_steps < 1:
+        raise UsageError("--reference with K-FAC needs --kfac-refresh-steps K (the reference has no packer)")
     from pipefisher.runtime.run import check_port, run
 
     problem = None if args.reference else check_port(config)
@@ -224,12 +234,44 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run(config, reference=args.reference, as_json=args.json)
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from pipefisher.config import load_config
+
+    config = load_config(args.config).with_overrides(
+        pipeline={"schedule": args.schedule},
+        run={"master_port": args.master_port, "backend": args.backend},
+    )
+    from pipefisher.runtime.run import check_port, profile_run
+    from pipefisher.runtime.training import build_schedule
+
+    build_schedule(config)
+    problem = check_port(config)
+    if problem:
+        raise UsageError(problem)
+    return profile_run(config, args.output, args.timeline, args.repeats)
+
+
+def _add_profile(subparsers) -> None:
+    parser = subparsers.add_parser("profile", help="measure a profile of a run on this machine")
+    parser.add_argument("config", help="YAML run file")
+    parser.add_argument("-o", "--output", required=True, help="profile to write (YAML, or JSON by suffix)")
+    parser.add_argument("--timeline", help="also write the measured per-rank timeline (pipefisher.timeline/v1 JSON)")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
+    parser.add_argument("--repeats", type=_positive_int, default=5, help="measured steps (default 5, medians)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
+    parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
+    parser.set_defaults(handler=_cmd_profile)
+
+
 def _add_run(subparsers) -> None:
     parser = subparsers.add_parser("run", help="train from a run file (local processes, torchrun, or --reference)")
     parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--steps", type=_positive_int, help="total steps of the run (run.steps)")
-    parser.add_argument("--optimizer", choices=["sgd", "adamw"], help="override optimizer.name")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw", "kfac"], help="override optimizer.name")
+    parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
+    parser.add_argument("--kfac-refresh-steps", type=_positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
+    parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile); default: measure one")
     parser.add_argument("--data-parallel", type=_positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
@@ -245,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(subparsers)
     _add_pack(subparsers)
     _add_run(subparsers)
+    _add_profile(subparsers)
+    from pipefisher.viz.cli import add_viz_parser
+
+    add_viz_parser(subparsers)
     return parser
 
 

@@ -58,12 +58,38 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: Literal["sgd", "adamw"] = "sgd"
+    """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay)."""
+
+    name: Literal["sgd", "adamw", "kfac"] = "sgd"
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class KfacConfig:
+    """K-FAC settings (used with optimizer.name kfac).
+
+    `refresh_steps` 0 lets the packer choose k; `placement` packed puts K-FAC work in the bubbles,
+    after-step runs it in one block after the first step of each cycle. `profile`: a
+    pipefisher.profile/v1 file of this run ("" = measure one before training). Re-profiling:
+    when the measured cycle time differs from the prediction by more than `reprofile_threshold`
+    (a share) for `reprofile_patience` cycles in a row, the run measures again and re-packs.
+    """
+
+    damping: float = 1e-3
+    factor_decay: float = 0.95
+    inverse: Literal["eigen", "cholesky"] = "eigen"
+    refresh_steps: int = 0
+    placement: Literal["packed", "after-step"] = "packed"
+    margin: float = 0.05
+    max_overhead: float = 0.01
+    split: bool = True
+    profile: str = ""
+    reprofile_threshold: float = 0.25
+    reprofile_patience: int = 3
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    kfac: KfacConfig = field(default_factory=KfacConfig)
     run: RunSettings = field(default_factory=RunSettings)
 
     @property
@@ -108,6 +135,7 @@ _POSITIVE = {
     "model.layers", "model.hidden", "model.heads", "model.ffn", "model.seq_len", "model.input_dim",
     "model.output_dim", "data.micro_batch_size", "pipeline.stages", "pipeline.micro_batches",
     "pipeline.chunks", "pipeline.data_parallel", "optimizer.lr", "run.steps", "run.timeout", "optimizer.eps",
+    "kfac.damping", "kfac.reprofile_threshold", "kfac.reprofile_patience",
 }
 
 
@@ -167,7 +195,7 @@ def config_from_dict(data: Any) -> RunConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, run")
+        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, run")
     sections = [f.name for f in fields(RunConfig)]
     hints = typing.get_type_hints(RunConfig)
     for key in data:
@@ -191,6 +219,13 @@ def _check(config: RunConfig) -> None:
         )
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
+    kfac = config.kfac
+    if kfac.refresh_steps < 0:
+        raise ConfigError(f"kfac.refresh_steps: {kfac.refresh_steps} must be >= 1, or 0 to let the packer choose")
+    if not 0 <= kfac.factor_decay < 1:
+        raise ConfigError(f"kfac.factor_decay: {kfac.factor_decay} must be in [0, 1)")
+    if not 0 <= kfac.margin < 1 or kfac.max_overhead < 0:
+        raise ConfigError("kfac.margin must be in [0, 1) and kfac.max_overhead >= 0")
     if not 0 <= config.run.master_port < 65536:
         raise ConfigError(f"run.master_port: {config.run.master_port} is not a port number (0 picks a free one)")
 
@@ -203,6 +238,7 @@ def load_config(path: str | Path) -> RunConfig:
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "KfacConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PipelineConfig",

@@ -588,3 +588,28 @@ def _device_reports(chosen: _Candidate, packer: _Packer, bounds: list[int]) -> l
             )
         )
     return reports
+
+
+def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True) -> Plan:
+    """The naive placement, for comparison: all of a cycle's K-FAC work in one block after the
+    flush of its first step (curvature, syncs, inverses, exchanges), preconditioning at the end of
+    every step. Collectives go in one order on every rank (by stage, layer, kind)."""
+    tasks = build_tasks(schedule, profile, split=split)
+    layer_index = {(stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)}
+
+    def block(ops: tuple[Op, ...]) -> list[Op]:
+        compute = [op for op in ops if op.kind not in COLLECTIVES and op.kind not in (OpKind.INV_A, OpKind.INV_B)]
+        collectives = lambda kinds: sorted(
+            (op for op in ops if op.kind in kinds), key=lambda op: (op.stage, layer_index[(op.stage, op.layer)], op.kind.value)
+        )
+        inverses = [op for op in ops if op.kind in (OpKind.INV_A, OpKind.INV_B)]
+        return compute + collectives({OpKind.SYNC_A, OpKind.SYNC_B}) + inverses + collectives({OpKind.EXCHANGE})
+
+    steps = []
+    for step in range(refresh_steps):
+        ranks = []
+        for rank, compute in enumerate(schedule.ranks):
+            work = block(tasks.cycle[rank]) if step == 0 else []
+            ranks.append(tuple(compute) + tuple(work) + tasks.per_step[rank])
+        steps.append(tuple(ranks))
+    return Plan(schedule=schedule, steps=tuple(steps))

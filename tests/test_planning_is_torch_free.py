@@ -12,6 +12,12 @@ PLANNING = [
     "pipefisher.pack",
     "pipefisher.transformer_profile",
     "pipefisher.config",
+    "pipefisher.viz.cli",
+    "pipefisher.viz.layout",
+    "pipefisher.viz.text",
+    "pipefisher.viz.chrome",
+    "pipefisher.viz.figure",
+    "pipefisher.viz.timeline_io",
     "pipefisher.cli",
 ]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -88,6 +88,20 @@ class KFACConfig:
             raise ValueError(f"kl_clip must be positive or None, got {self.kl_clip}")
         if self.grad_scale is not None and not self.grad_scale > 0.0:
             raise ValueError(f"grad_scale must be positive or None, got {self.grad_scale}")
+
+
+@dataclass
+class PendingWork:
+    """Asynchronous collectives in flight; ``wait()`` blocks until done and applies the result."""
+
+    works: list
+    on_done: Callable[[], None]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        self.on_done()
 
 
 @dataclass(frozen=True)
@@ -179,20 +193,52 @@ class KFACEngine:
 
         Pass ``torch.distributed.group.WORLD`` for all ranks. Every rank of ``group`` must call it.
         """
-        if group is None:
-            return
+        if group is not None:
+            self.start_sync(layer, factor, group).wait()
+
+    def start_sync(self, layer: str, factor: Factor, group: Any) -> "PendingWork":
+        """Launch the all-reduce of :meth:`sync` asynchronously; ``wait()`` before inverting.
+
+        Every rank of ``group`` must launch the group's syncs in the same order.
+        """
         built = self._built(layer, factor)
         self._seal(built, factor)
         rows = torch.tensor([built.rows], dtype=torch.int64, device=built.total.device)
-        dist.all_reduce(built.total, group=group)
-        dist.all_reduce(rows, group=group)
-        built.rows = int(rows.item())
+        works = [dist.all_reduce(built.total, group=group, async_op=True), dist.all_reduce(rows, group=group, async_op=True)]
 
-    def invert(self, layer: str, factor: Factor) -> bool:
+        def done() -> None:
+            built.rows = int(rows.item())
+
+        return PendingWork(works, done)
+
+    def start_share_inverse(self, layer: str, factor: Factor, source: int, group: Any) -> "PendingWork":
+        """Broadcast the new inverse of ``factor`` from global rank ``source`` (the replica that
+        computed it) to the other ranks of ``group``, into their pending slot; asynchronous.
+
+        The source sends its pending inverse (or, if that inversion was skipped, the one in use,
+        or the identity before the first).
+        """
+        st = self._state(layer)
+        n = st.info.size(_checked(factor))
+        if dist.get_rank() == source:
+            tensor = st.pending.get(factor)
+            if tensor is None:
+                tensor = st.active.get(factor, torch.eye(n, dtype=st.dtype, device=st.module.weight.device))
+            return PendingWork([dist.broadcast(tensor.contiguous(), source, group=group, async_op=True)], lambda: None)
+        buffer = torch.empty(n, n, dtype=st.dtype, device=st.module.weight.device)
+
+        def store() -> None:
+            st.pending[factor] = buffer
+
+        return PendingWork([dist.broadcast(buffer, source, group=group, async_op=True)], store)
+
+    def invert(self, layer: str, factor: Factor, decompose: bool = True) -> bool:
         """Finalise the built factor (mean, EMA) and compute its damped inverse into ``pending``.
 
-        Returns False, warns and counts (keeping the previous inverse) when the fresh factor is
-        not finite or the decomposition fails. Warns when damping is lost to rounding.
+        With ``decompose=False`` only the moving average is updated (a replica whose inverse is
+        computed elsewhere and shared keeps the same running factor). Returns False, warns and
+        counts (keeping the previous inverse) when the fresh factor is not finite or the
+        decomposition fails. Warns when damping is lost to rounding.
         """
         st = self._state(layer)
         built = self._built(layer, factor)
@@ -205,6 +251,8 @@ class KFACEngine:
             return False
         cfg = self.config
         st.ema[factor] = fold_ema(st.ema.get(factor), fresh, cfg.factor_decay)
+        if not decompose:
+            return True
         if damping_too_small(st.ema[factor], cfg.damping):
             st.health.damping_too_small += 1
             self._warn(layer, f"damping {cfg.damping:g} is below {st.ema[factor].dtype} "

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -32,9 +33,12 @@ class StepFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class StepResult:
+    """One finished step: 1-based `step`, mean loss, wall time; `extra` fields to log."""
+
     step: int
     loss: float
     seconds: float
+    extra: dict = field(default_factory=dict)
 
 
 class Executor:
@@ -56,13 +60,20 @@ class Executor:
             OpKind.FORWARD: self._forward,
             OpKind.BACKWARD: self._backward,
         }
+        #: context the forward of an op runs in (K-FAC uses it to capture activations)
+        self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
+        #: called with (op, start, end) in perf_counter seconds for every op (the profiler's hook)
+        self.recorder: Callable[[Op, float, float], None] | None = None
         self._receives: dict[tuple[OpKind, int, int, int], PendingRecv] = {}
         self._local: dict[tuple[OpKind, int, int, int], Tensor] = {}
         self._gradient_groups = self._group_parameters()
         self.current_step = 0
+        self._ready_at = 0.0
 
     # -- a step ------------------------------------------------------------------------------
-    def run_step(self, step: int, ops: Sequence[Op]) -> StepResult:
+    def run_step(self, step: int, ops: Sequence[Op], update: bool = True) -> StepResult:
+        """Run `ops` as step `step` (0-based); with `update=False` gradients are dropped instead
+        of applied (profiling steps leave the model as it was)."""
         start = time.perf_counter()
         self.current_step = step
         for index, op in enumerate(ops):
@@ -71,16 +82,20 @@ class Executor:
                     self._post_receive(op)
                 if index + 1 < len(ops):
                     self._post_receive(ops[index + 1])
+                self._ready_at = time.perf_counter()
                 sends = self.handlers[op.kind](op)
                 self.comm.exchange(sends, [])
+                if self.recorder is not None:
+                    self.recorder(op, self._ready_at, time.perf_counter())
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank} failed at step {step + 1}, op {op}: {first_line(exc)}") from exc
         try:
             self.comm.finish_sends()
-            self.comm.all_reduce_gradients(self._gradient_groups)
-            self.optimizer.step()
+            if update:
+                self.comm.all_reduce_gradients(self._gradient_groups)
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            local = sum(sum(stage.take_losses().values()) for stage in self.stages.values())
+            local = sum(stage.take_loss() for stage in self.stages.values())
             loss = self.comm.sum_over_world(local)
         except Exception as exc:
             raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
@@ -96,7 +111,8 @@ class Executor:
             inputs, target = inputs.to(self.device), target.to(self.device)
         if not stage.first:
             inputs = self._input_of(op)
-        output = stage.forward(op.micro_batch, inputs, target)
+        with self.forward_context(op):
+            output = stage.forward(op.micro_batch, inputs, target)
         if stage.last:
             return []
         return self._deliver(OpKind.FORWARD, op.pipe, op.stage + 1, op.micro_batch, output, lower_stage=op.stage)
@@ -139,7 +155,9 @@ class Executor:
             return self._local.pop(key)
         if key not in self._receives:
             self._post_receive(op)
-        return self._receives.pop(key).wait()
+        tensor = self._receives.pop(key).wait()
+        self._ready_at = time.perf_counter()  # the op's compute starts now, not when it began waiting
+        return tensor
 
     def _deliver(self, kind: OpKind, pipe: int, stage: int, micro_batch: int, tensor: Tensor, lower_stage: int) -> list:
         """Hand `tensor` to the op (kind, pipe, stage, micro_batch): locally or as a send."""

@@ -58,14 +58,19 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def current_device(backend: str) -> torch.device:
+    """This process's device: its LOCAL_RANK's GPU under NCCL, the CPU under gloo."""
+    if resolve_backend(backend) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def init_distributed(backend: str, timeout: float) -> torch.device:
     """Join the process group described by the torchrun environment; return this rank's device."""
     backend = resolve_backend(backend)
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = current_device(backend)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     return device

@@ -12,7 +12,7 @@ import torch
 from pipefisher.config import RunConfig
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.executor import StepResult
-from pipefisher.runtime.launch import GroupFailure, init_distributed, port_in_use, free_port, resolve_backend, run_group
+from pipefisher.runtime.launch import GroupFailure, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group
 from pipefisher.runtime.training import train_pipelined, train_reference
 
 
@@ -21,9 +21,11 @@ def step_printer(total_steps: int, as_json: bool) -> Callable[[StepResult], None
 
     def emit(result: StepResult) -> None:
         if as_json:
-            line = json.dumps({"step": result.step, "loss": result.loss, "step_time_ms": 1000 * result.seconds})
+            line = json.dumps({"step": result.step, "loss": result.loss, "step_time_ms": 1000 * result.seconds, **result.extra})
         else:
             line = f"step {result.step}/{total_steps}  loss {result.loss:.6f}  step time {1000 * result.seconds:.1f} ms"
+            if "predicted_step_time_ms" in result.extra:
+                line += f" (predicted {result.extra['predicted_step_time_ms']:.1f} ms, k={result.extra['refresh_steps']})"
         print(line, flush=True)
 
     return emit
@@ -39,7 +41,7 @@ def describe(config: RunConfig) -> str:
 
 
 def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool) -> None:
-    device = torch.device("cpu") if resolve_backend(config.run.backend) == "gloo" else torch.device("cuda", rank)
+    device = current_device(config.run.backend)
     printer = step_printer(config.run.steps, as_json) if rank == 0 else None
     train_pipelined(config, rank, device, on_step=printer)
 
@@ -66,6 +68,50 @@ def run(config: RunConfig, reference: bool, as_json: bool) -> int:
         for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
             print(f"pipefisher: {line}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
+    from pipefisher.runtime.profiler import measure_profile, records_to_timeline
+    from pipefisher.runtime.training import build_executor
+    from pipefisher.models.tiny import stage_output_shape
+
+    device = current_device(config.run.backend)
+    executor, schedule = build_executor(config, rank, device)
+    modules = {key: stage.module for key, stage in executor.stages.items()}
+    shape = lambda stage: stage_output_shape(config.model, stage, schedule.num_stages, config.data.micro_batch_size)
+    profile, records = measure_profile(
+        executor, rank, modules, shape, config.data.micro_batch_size,
+        damping=config.kfac.damping, inverse=config.kfac.inverse, repeats=repeats,
+    )
+    if rank == 0:
+        profile.save(output)
+        if timeline:
+            from pipefisher.viz.timeline_io import save_timeline
+
+            save_timeline([records_to_timeline(records, schedule.num_ranks)], timeline, name=f"{config.pipeline.schedule} measured")
+    return profile
+
+
+def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: int) -> int:
+    """`pipefisher profile`: measure on local processes, write the profile (and timeline)."""
+    port = config.run.master_port or free_port(config.run.master_addr)
+    print(f"pipefisher profile: {describe(config)}; {config.world_size} processes, {repeats} measured steps", file=sys.stderr)
+    try:
+        profiles = run_group(
+            _profile_worker, config.world_size, args=(config, output, timeline, repeats),
+            backend=resolve_backend(config.run.backend), timeout=config.run.timeout, port=port, host=config.run.master_addr,
+        )
+    except GroupFailure as failure:
+        for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
+            print(f"pipefisher: {line}", file=sys.stderr)
+        return 1
+    profile = profiles[0]
+    for index, stage in enumerate(profile.stages):
+        print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms, p2p {stage.p2p:.3f} ms, "
+              f"{len(stage.layers)} K-FAC layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
+              f"inverses {stage.inverse_time:.3f} ms")
+    print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))
     return 0
 
 

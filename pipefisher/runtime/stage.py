@@ -24,7 +24,7 @@ class StageRuntime:
         self.loss_fn, self.loss_scale = loss_fn, loss_scale
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, Tensor] = {}
 
     def forward(self, micro_batch: int, inputs: Tensor, target: Tensor | None = None) -> Tensor | None:
         """Run the stage; return the activation to pass on (None on the last stage)."""
@@ -34,7 +34,7 @@ class StageRuntime:
         self._inputs[micro_batch] = inputs
         if self.last:
             loss = self.loss_fn(output, target) * self.loss_scale
-            self.losses[micro_batch] = float(loss.detach())
+            self.losses[micro_batch] = loss.detach()  # summed once per step: no device sync per micro-batch
             self._outputs[micro_batch] = loss
             return None
         self._outputs[micro_batch] = output
@@ -51,6 +51,8 @@ class StageRuntime:
     def in_flight(self) -> int:
         return len(self._outputs)
 
-    def take_losses(self) -> dict[int, float]:
-        losses, self.losses = self.losses, {}
-        return losses
+    def take_loss(self) -> float:
+        """Sum of this step's (scaled) micro-batch losses; resets."""
+        total = float(torch.stack(list(self.losses.values())).sum()) if self.losses else 0.0
+        self.losses = {}
+        return total

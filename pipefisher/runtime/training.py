@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +85,16 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
     """Train on this rank (with `executor` if given, else a fresh one from `build_executor`)."""
     if executor is None:
         executor, _ = build_executor(config, rank, device)
-    ops = executor.topology.schedule.ranks[executor.topology.pipeline_rank(rank)]
+    if config.optimizer.name == "kfac":
+        from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
+
+        run_step = PipeFisherTrainer(config, executor, rank).run_step
+    else:
+        ops = executor.topology.schedule.ranks[executor.topology.pipeline_rank(rank)]
+        run_step = lambda step: executor.run_step(step, ops)
     losses = []
     for step in range(config.run.steps):
-        result = executor.run_step(step, ops)
+        result = run_step(step)
         losses.append(result.loss)
         if on_step is not None:
             on_step(result)
@@ -107,17 +114,23 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     optimizer = build_optimizer(config.optimizer, model.parameters())
     data = SyntheticRegression(config.data, config.model)
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
+    kfac = ReferenceKfac(config, model) if config.optimizer.name == "kfac" else None
     losses = []
     for step in range(config.run.steps):
         start = time.perf_counter()
         step_loss = 0.0
         for micro_batch in range(total):
             inputs, targets = data.micro_batch(step, micro_batch)
-            loss = mse(model(inputs), targets) * (1.0 / total)  # the scaling the last stage applies
-            loss.backward()
+            with kfac.capture(step, micro_batch) if kfac else nullcontext():
+                loss = mse(model(inputs), targets) * (1.0 / total)  # the scaling the last stage applies
+                loss.backward()
             step_loss += float(loss.detach())
+        if kfac:
+            kfac.before_optimizer_step(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if kfac:
+            kfac.after_optimizer_step(step)
         losses.append(step_loss)
         if on_step is not None:
             on_step(StepResult(step + 1, step_loss, time.perf_counter() - start))
@@ -127,3 +140,35 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
         for name, parameter in stage.named_parameters()
     }
     return TrainResult(losses, parameters)
+
+
+class ReferenceKfac:
+    """K-FAC of the whole model in one process, with the pipeline's cycle semantics: capture in
+    the cycle's first step, inverses committed after its last step, preconditioning every step."""
+
+    def __init__(self, config: RunConfig, model: nn.Module):
+        from pipefisher.kfac import KFACEngine
+        from pipefisher.runtime.kfac_ops import kfac_engine_config, rows_per_step
+
+        if config.kfac.refresh_steps < 1:
+            raise ValueError("the reference K-FAC needs kfac.refresh_steps (--kfac-refresh-steps): it has no packer")
+        self.k = config.kfac.refresh_steps
+        self.lr = config.optimizer.lr
+        self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)))
+
+    def capture(self, step: int, micro_batch: int):
+        return self.engine.capture(micro_batch) if step % self.k == 0 else nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        if step % self.k == 0:
+            for info in self.engine.layers():
+                for factor in ("A", "B"):
+                    for micro_batch in self.engine.captured(info.name, factor):
+                        self.engine.curvature(info.name, factor, micro_batch)
+                    self.engine.invert(info.name, factor)
+        self.engine.precondition_all(self.lr)
+
+    def after_optimizer_step(self, step: int) -> None:
+        if step % self.k == self.k - 1:
+            for info in self.engine.layers():
+                self.engine.commit(info.name)

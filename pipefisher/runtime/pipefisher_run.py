@@ -1,0 +1,152 @@
+"""PipeFisher on the executor: profile (or load a profile), pack K-FAC work, train in cycles.
+
+Every rank derives the same plan from the same profile (the packer is deterministic), so no plan
+is sent around. After every cycle the measured cycle time is compared with the prediction; when
+they drift apart for several cycles in a row, rank 0 decides to re-profile and every rank
+re-measures and re-packs at the cycle boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefisher.config import RunConfig
+from pipefisher.models.tiny import build_stage, stage_output_shape
+from pipefisher.pack import PackOptions, after_step_plan, pack
+from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
+from pipefisher.profile import Profile, ProfileError, load_profile
+from pipefisher.runtime.executor import Executor, StepResult
+from pipefisher.runtime.kfac_ops import KfacRuntime
+from pipefisher.runtime.profiler import measure_profile
+
+
+@dataclass(frozen=True)
+class KfacPlan:
+    plan: Plan
+    predicted_cycle_ms: float
+    summary: str
+
+    @property
+    def refresh_steps(self) -> int:
+        return self.plan.refresh_steps
+
+
+def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[str]:
+    """Names of the K-FAC (Linear) layers of a stage, without allocating it."""
+    with torch.device("meta"):
+        module = build_stage(config.model, stage, num_stages, config.run.seed)
+    return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+
+
+def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
+    """Refuse a profile of another run: other stage count or other layer names."""
+    profile.require_stages(num_stages, hint="one entry per model chunk of this run")
+    for stage, entry in enumerate(profile.stages):
+        expected = stage_layer_names(config, stage, num_stages)
+        found = [layer.name for layer in entry.layers]
+        if found != expected:
+            missing = sorted(set(expected) - set(found))
+            extra = sorted(set(found) - set(expected))
+            raise ProfileError(
+                f"stages[{stage}].layers do not match the model: missing {missing[:3]}, unknown {extra[:3]}; "
+                "measure a profile of this run with `pipefisher profile`"
+            )
+
+
+def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
+    """The run's K-FAC plan from `profile` (placement and refresh interval from config.kfac)."""
+    kfac = config.kfac
+    pinned = kfac.refresh_steps or None
+    options = PackOptions(margin=kfac.margin, max_overhead=kfac.max_overhead, split=kfac.split, refresh_steps=pinned)
+    result = pack(schedule, profile, options)
+    if kfac.placement == "packed":
+        plan, timelines = result.plan, result.timelines
+    else:
+        plan = after_step_plan(schedule, profile, result.refresh_steps, split=kfac.split)
+        timelines = simulate_plan(plan, profile)
+    validate_plan(plan)
+    predicted = cycle_time(timelines)
+    summary = (
+        f"K-FAC {kfac.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound}); "
+        f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
+        f"{result.first_order_step_time:.2f} {profile.time_unit}"
+    )
+    return KfacPlan(plan, predicted, summary)
+
+
+class PipeFisherTrainer:
+    """Drives one rank's executor through K-FAC refresh cycles."""
+
+    def __init__(self, config: RunConfig, executor: Executor, rank: int):
+        self.config, self.executor, self.rank = config, executor, rank
+        self.schedule = executor.topology.schedule
+        self.modules = {key: stage.module for key, stage in executor.stages.items()}
+        self.profile = self._initial_profile()
+        self.kfac_plan = make_plan(config, self.schedule, self.profile)
+        self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan)
+        executor.handlers.update(self.runtime.handlers())
+        self.cycle_step = 0
+        executor.forward_context = lambda op: self.runtime.capture(op, self.cycle_step)
+        self._cycle_ms = 0.0
+        self._drifting = 0
+        self.log(self.kfac_plan.summary)
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"pipefisher: {message}", file=sys.stderr, flush=True)
+
+    def _measure(self) -> Profile:
+        schedule = self.schedule
+        shape = lambda stage: stage_output_shape(self.config.model, stage, schedule.num_stages, self.config.data.micro_batch_size)
+        profile, _ = measure_profile(
+            self.executor, self.rank, self.modules, shape, self.config.data.micro_batch_size,
+            damping=self.config.kfac.damping, inverse=self.config.kfac.inverse,
+        )
+        return profile
+
+    def _initial_profile(self) -> Profile:
+        if self.config.kfac.profile:
+            profile = load_profile(self.config.kfac.profile)
+            check_profile_matches(profile, self.config, self.schedule.num_stages)
+            return profile
+        self.log("measuring a profile (gradients dropped; the model does not change)")
+        return self._measure()
+
+    @property
+    def predicted_step_ms(self) -> float:
+        return self.kfac_plan.predicted_cycle_ms / self.kfac_plan.refresh_steps
+
+    def run_step(self, step: int) -> StepResult:
+        plan = self.kfac_plan.plan
+        ops = plan.steps[self.cycle_step][self.executor.topology.pipeline_rank(self.rank)]
+        result = self.executor.run_step(step, ops)
+        result = replace(result, extra={"refresh_steps": plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
+        self._cycle_ms += 1000 * result.seconds
+        self.cycle_step += 1
+        if self.cycle_step == plan.refresh_steps:
+            self.runtime.end_of_cycle()
+            self._end_of_cycle()
+        return result
+
+    def _end_of_cycle(self) -> None:
+        measured, predicted = self._cycle_ms, self.kfac_plan.predicted_cycle_ms
+        self.cycle_step, self._cycle_ms = 0, 0.0
+        kfac = self.config.kfac
+        drift = abs(measured / predicted - 1) if predicted > 0 else 0.0
+        self._drifting = self._drifting + 1 if drift > kfac.reprofile_threshold else 0
+        decision = [self._drifting >= kfac.reprofile_patience]
+        dist.broadcast_object_list(decision, src=0)
+        if not decision[0]:
+            return
+        self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms for "
+                 f"{self._drifting} cycles: re-profiling and re-packing")
+        self._drifting = 0
+        self.profile = self._measure()
+        self.kfac_plan = make_plan(self.config, self.schedule, self.profile)
+        self.runtime.set_plan(self.kfac_plan.plan)
+        self.log(self.kfac_plan.summary)

@@ -1,0 +1,213 @@
+"""Measure a profile (pipefisher.profile/v1) of a run on the real executor.
+
+Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
+steps that leave the model unchanged (gradients dropped), times every op on every rank
+(perf_counter after a barrier, so the ranks' clocks agree to the barrier's skew; on GPUs each op
+is synchronised), measures each stage boundary's transfer with a ping-pong, and times every
+K-FAC task of every layer on the rank that holds it: curvature per micro-batch, factor sync
+over the stage's replicas, eigen/Cholesky inverse, preconditioning. Every rank gathers all
+measurements and builds the same Profile (medians), so every rank packs the same plan.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.ir import Op, OpKind
+from pipefisher.kfac import KFACEngine
+from pipefisher.kfac.factors import damped_inverse, precondition_matrix
+from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.runtime.executor import Executor
+from pipefisher.simulate import Interval, Timeline
+
+#: (rank, op string, start, end) in ms from the step's common zero
+Record = tuple[int, str, float, float]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Median wall time of `fn()` in ms."""
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(1000 * (time.perf_counter() - start))
+    return _median(samples)
+
+
+def _step_records(executor: Executor, rank: int, steps: int, engines: dict) -> list[list[Record]]:
+    """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
+    ops = executor.topology.schedule.ranks[executor.topology.pipeline_rank(rank)]
+    records: list[list[Record]] = []
+    for step in range(steps):
+        dist.barrier()
+        zero = time.perf_counter()
+        current: list[Record] = []
+
+        def record(op, start, end):
+            if executor.device.type == "cuda":
+                torch.cuda.synchronize(executor.device)
+                end = time.perf_counter()
+            current.append((rank, str(op), 1000 * (start - zero), 1000 * (end - zero)))
+
+        executor.recorder = record
+        if step == steps - 1:  # capture a and e of the last step for the K-FAC task timings
+            executor.forward_context = lambda op: engines[(op.pipe, op.stage)].capture(op.micro_batch)
+        else:
+            executor.forward_context = lambda op: nullcontext()
+        try:
+            executor.run_step(0, ops, update=False)
+        finally:
+            executor.recorder = None
+        records.append(current)
+    return records
+
+
+def _transfer_times(executor: Executor, rank: int, shape_of: Callable[[int], tuple[int, ...]], repeats: int = 5) -> dict[int, float]:
+    """stage -> ms to move its output to the next stage (half a ping-pong round trip)."""
+    topology, comm = executor.topology, executor.comm
+    times: dict[int, float] = {}
+    schedule = topology.schedule
+    for stage in range(schedule.num_stages - 1):
+        a, b = topology.rank(0, 0, stage), topology.rank(0, 0, stage + 1)
+        if rank not in (a, b) or a == b:
+            continue
+        group = comm.channel(0, stage)
+        buffer = torch.zeros(shape_of(stage), device=executor.device)
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            if rank == a:
+                dist.send(buffer, b, group=group)
+                dist.recv(buffer, b, group=group)
+            else:
+                dist.recv(buffer, a, group=group)
+                dist.send(buffer, a, group=group)
+            samples.append(500 * (time.perf_counter() - start))
+        times[stage] = _median(samples[1:])
+    return times
+
+
+def _kfac_times(executor: Executor, engines: dict, rank: int, damping: float, inverse: str) -> dict[tuple[int, str], dict[str, float]]:
+    """(stage, layer) -> task times in ms, from the captures of the last profiling step."""
+    device = executor.device
+    topology, comm = executor.topology, executor.comm
+    times: dict[tuple[int, str], dict[str, float]] = {}
+    for (pipe, stage), engine in sorted(engines.items(), key=lambda item: (item[0][1], item[0][0])):
+        replicas = topology.replica_ranks(stage)
+        group = comm.replica_groups.get(replicas)
+        for info in engine.layers():
+            entry: dict[str, float] = {}
+            for factor in ("A", "B"):
+                samples = []
+                for micro_batch in engine.captured(info.name, factor):
+                    start = time.perf_counter()
+                    engine.curvature(info.name, factor, micro_batch)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    samples.append(1000 * (time.perf_counter() - start))
+                entry[f"curvature_{factor.lower()}"] = _median(samples)
+                n = info.size(factor)
+                matrix = torch.randn(n, n, device=device)
+                matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
+                entry[f"inverse_{factor.lower()}"] = _timed(lambda: damped_inverse(matrix, damping, inverse), device)
+                if group is not None:
+                    buffer = torch.zeros(n, n, device=device)
+                    entry[f"sync_{factor.lower()}"] = _timed(lambda: dist.all_reduce(buffer, group=group), device)
+                else:
+                    entry[f"sync_{factor.lower()}"] = 0.0
+            engine.release(info.name)
+            grad = torch.randn(info.out_features, info.a_size, device=device)
+            a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)
+            entry["precondition"] = _timed(lambda: precondition_matrix(grad, a_inv, b_inv), device)
+            times[(stage, info.name)] = entry
+    return times
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread(s) per rank"
+
+
+def measure_profile(
+    executor: Executor,
+    rank: int,
+    modules: dict[tuple[int, int], torch.nn.Module],
+    shape_of: Callable[[int], tuple[int, ...]],
+    micro_batch_size: int,
+    damping: float = 1e-3,
+    inverse: str = "eigen",
+    warmup: int = 1,
+    repeats: int = 3,
+) -> tuple[Profile, list[Record]]:
+    """The run's profile (ms, medians) and the op records of the last measured step, all ranks."""
+    engines = {key: KFACEngine(module) for key, module in modules.items()}  # throwaway: timing only
+    saved_context = executor.forward_context
+    try:
+        records = _step_records(executor, rank, warmup + repeats, engines)
+    finally:
+        executor.forward_context = saved_context
+    transfers = _transfer_times(executor, rank, shape_of)
+    kfac = _kfac_times(executor, engines, rank, damping, inverse)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (records[warmup:], transfers, kfac))
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    last_step: list[Record] = []
+    p2p: dict[int, float] = {}
+    kfac_samples: dict[tuple[int, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    layer_order: dict[int, list[str]] = {}
+    for rank_records, rank_transfers, rank_kfac in gathered:
+        for step_records in rank_records:
+            for _, text, start, end in step_records:
+                op = Op.parse(text)
+                if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
+                    durations[(op.kind.value, op.stage)].append(end - start)
+        last_step.extend(rank_records[-1])
+        p2p.update(rank_transfers)
+        for (stage, layer), entry in rank_kfac.items():
+            layer_order.setdefault(stage, [])
+            if layer not in layer_order[stage]:
+                layer_order[stage].append(layer)
+            for key, value in entry.items():
+                kfac_samples[(stage, layer)][key].append(value)
+    num_stages = executor.topology.schedule.num_stages
+    stages = []
+    for stage in range(num_stages):
+        layers = tuple(
+            LayerProfile(name=layer, **{key: _median(values) for key, values in kfac_samples[(stage, layer)].items()})
+            for layer in layer_order.get(stage, [])
+        )
+        stages.append(
+            StageProfile(
+                forward=_median(durations[("F", stage)]),
+                backward=_median(durations[("B", stage)]),
+                p2p=p2p.get(stage, 0.0),
+                layers=layers,
+            )
+        )
+    profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size)
+    return profile, sorted(last_step)
+
+
+def records_to_timeline(records: list[Record], num_ranks: int) -> Timeline:
+    """A Timeline (ms, from the step's common zero) of op records."""
+    per_rank: list[list[Interval]] = [[] for _ in range(num_ranks)]
+    for rank, text, start, end in sorted(records, key=lambda r: (r[0], r[2])):
+        per_rank[rank].append(Interval(Op.parse(text), start, end))
+    return Timeline(ranks=tuple(tuple(ivs) for ivs in per_rank), time_unit="ms")

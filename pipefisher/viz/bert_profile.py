@@ -1,0 +1,56 @@
+"""Write a BERT-like profile from a per-block reference CSV (e.g. the PipeFisher P100 measurements).
+
+Usage: python -m pipefisher.viz.bert_profile CSV --stages D --micro-batch-size B -o PROFILE.yaml
+[--model bert-base|bert-large] (default: the model the CSV's file name starts with). The model's
+blocks are cut into D stages of equal compute (see `pipefisher.transformer_profile`); times in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipefisher.cli import USAGE_ERROR, UsageError
+from pipefisher.profile import ProfileError
+from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+
+
+def _model(csv: Path, given: str | None) -> str:
+    if given is not None:
+        return given
+    name = next((m for m in BERT_SIZES if csv.name.startswith(m)), None)
+    if name is None:
+        raise UsageError(f"{csv.name}: cannot tell the model from the file name; give --model {{{','.join(BERT_SIZES)}}}")
+    return name
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit code 0, or 2 with one line on stderr for bad input."""
+    parser = argparse.ArgumentParser(prog="python -m pipefisher.viz.bert_profile", description=__doc__.splitlines()[0])
+    parser.add_argument("csv", type=Path, help="per-block CSV with columns bs, time_f, time_b, time_kron, time_inv, time_prec")
+    parser.add_argument("--stages", "-D", type=int, required=True, help="pipeline stages D")
+    parser.add_argument("--micro-batch-size", type=int, required=True, help="the CSV row (bs) to use")
+    parser.add_argument("--model", choices=sorted(BERT_SIZES), help="model size (default: from the file name)")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write (.yaml, or .json)")
+    args = parser.parse_args(argv)
+    try:
+        blocks, hidden, ffn = BERT_SIZES[_model(args.csv, args.model)]
+        try:
+            times = read_block_times(args.csv, args.micro_batch_size)
+        except (OSError, KeyError, ValueError) as exc:
+            if isinstance(exc, ProfileError):
+                raise
+            raise UsageError(f"cannot read block times from {args.csv}: {exc}") from None
+        profile = transformer_profile(times, blocks, args.stages, hidden, ffn, args.micro_batch_size, device=args.csv.stem)
+        profile.save(args.output)
+    except (UsageError, ProfileError, OSError) as exc:
+        print(f"bert_profile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return USAGE_ERROR
+    print(f"{args.output}: {blocks} blocks in {args.stages} stages, micro-batch size {args.micro_batch_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

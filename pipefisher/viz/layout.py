@@ -1,0 +1,227 @@
+"""Turn a schedule, a K-FAC packing or a recorded timeline into a `Panel`: rows of boxes per rank.
+
+The renderers (text, Chrome trace, figure) draw panels and know nothing of simulation or
+packing. Times stay in the profile's (or recording's) time unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipefisher.ir import Op, OpKind, Schedule
+from pipefisher.pack import PackOptions, pack
+from pipefisher.profile import Profile, ProfileError
+from pipefisher.simulate import Bubble, Timeline, simulate
+from pipefisher.viz.timeline_io import RecordedTimeline
+
+#: Colour class of every op kind; the renderers key their colours and characters on it.
+CATEGORY: dict[OpKind, str] = {
+    OpKind.FORWARD: "forward",
+    OpKind.BACKWARD: "backward",
+    OpKind.CURV_A: "curvature-a",
+    OpKind.CURV_B: "curvature-b",
+    OpKind.SYNC_A: "sync",
+    OpKind.SYNC_B: "sync",
+    OpKind.EXCHANGE: "sync",
+    OpKind.INV_A: "inverse-a",
+    OpKind.INV_B: "inverse-b",
+    OpKind.PRECONDITION: "precondition",
+}
+
+#: Categories in legend order, with their legend text.
+CATEGORY_NAMES: dict[str, str] = {
+    "forward": "forward",
+    "backward": "backward",
+    "curvature-a": "curvature A",
+    "curvature-b": "curvature B",
+    "sync": "sync / exchange",
+    "inverse-a": "inverse A",
+    "inverse-b": "inverse B",
+    "precondition": "precondition",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """`op` of step `step` runs on `rank` from `start` to `end` (panel time unit, panel axis).
+
+    `variant` is the pipe (Chimera) or model chunk (interleaved), 0 otherwise; `label` is the
+    short text a renderer may print inside the box (micro-batch, or the K-FAC kind).
+    """
+
+    rank: int
+    start: float
+    end: float
+    op: Op
+    step: int
+    category: str
+    variant: int
+    label: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One schedule (or recording) on a time axis from 0 to `end`, in `time_unit`.
+
+    Step `step_ids[j]` begins at `step_starts[j]`; `bubbles` are every rank's idle gaps within
+    its steps. `step_time` is the mean over the steps; `bubble_fraction` is the first-order
+    schedule's idle share (0..1) for planned panels, the recorded idle share otherwise.
+    `refresh_steps`/`utilization` (0..1) are set for K-FAC packings.
+    """
+
+    name: str
+    time_unit: str
+    num_ranks: int
+    boxes: tuple[Box, ...]
+    bubbles: tuple[Bubble, ...]
+    step_starts: tuple[float, ...]
+    step_ids: tuple[int, ...]
+    end: float
+    step_time: float
+    bubble_fraction: float
+    micro_batches: int | None = None
+    chunks: int | None = None
+    first_order_step_time: float | None = None
+    refresh_steps: int | None = None
+    utilization: float | None = None
+
+    @property
+    def title(self) -> str:
+        """One line: name, shape, step time, bubble fraction and, for packings, k and utilisation."""
+        shape = [f"D={self.num_ranks}"]
+        if self.micro_batches is not None:
+            shape.append(f"N={self.micro_batches}")
+        if self.chunks is not None:
+            shape.append(f"v={self.chunks}")
+        if self.micro_batches is None and len(self.step_ids) > 1:
+            shape.append(f"{len(self.step_ids)} steps")
+        unit = self.time_unit
+        notes = ["mean"] if len(self.step_ids) > 1 else []
+        if self.first_order_step_time is not None:
+            notes.append(f"first-order {self.first_order_step_time:.4g} {unit}")
+        figures = [f"step {self.step_time:.4g} {unit}" + (f" ({'; '.join(notes)})" if notes else "")]
+        first_order = "first-order " if self.first_order_step_time is not None else ""
+        figures.append(f"{first_order}bubble {100 * self.bubble_fraction:.1f} %")
+        if self.refresh_steps is not None:
+            figures.append(f"K-FAC refresh every {self.refresh_steps} steps")
+        if self.utilization is not None:
+            figures.append(f"bubble utilisation {100 * self.utilization:.1f} %")
+        return f"{self.name}: {', '.join(shape)}; {'; '.join(figures)}"
+
+    @property
+    def categories(self) -> list[str]:
+        """Categories of the boxes, in legend order."""
+        present = {box.category for box in self.boxes}
+        return [c for c in CATEGORY_NAMES if c in present]
+
+
+def schedule_panel(schedule: Schedule, profile: Profile) -> Panel:
+    """One step of `schedule` as simulated with `profile`."""
+    timeline = simulate(schedule, profile)
+    return _panel(
+        schedule.name,
+        [timeline],
+        [0.0],
+        [0],
+        num_pipes=schedule.num_pipes,
+        chunked=schedule.params.get("chunks", 1) > 1,
+        step_time=timeline.step_time,
+        bubble_fraction=timeline.bubble_fraction,
+        micro_batches=schedule.num_micro_batches,
+        chunks=schedule.params.get("chunks"),
+    )
+
+
+def kfac_panel(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> Panel:
+    """A whole refresh cycle of `schedule` with K-FAC packed into its bubbles, steps end to end.
+
+    Raises ProfileError when `profile` lists no K-FAC layers.
+    """
+    if not any(stage.layers for stage in profile.stages):
+        raise ProfileError("K-FAC needs a profile whose stages list `layers` (K-FAC layer costs); this one has none")
+    result = pack(schedule, profile, options)
+    starts = [sum(t.step_time for t in result.timelines[:j]) for j in range(len(result.timelines))]
+    return _panel(
+        f"{schedule.name} + PipeFisher",
+        result.timelines,
+        starts,
+        list(range(len(result.timelines))),
+        num_pipes=schedule.num_pipes,
+        chunked=schedule.params.get("chunks", 1) > 1,
+        step_time=result.step_time,
+        bubble_fraction=result.first_order.bubble_fraction,
+        micro_batches=schedule.num_micro_batches,
+        chunks=schedule.params.get("chunks"),
+        first_order_step_time=result.first_order_step_time,
+        refresh_steps=result.refresh_steps,
+        utilization=result.bubble_utilization,
+    )
+
+
+def recorded_panel(record: RecordedTimeline, name: str) -> Panel:
+    """A recording, drawn from its first step's start; pipes and chunks are read off the ops
+    (a stage beyond the rank count without pipes means interleaved chunks)."""
+    ops = [iv.op for step in record.steps for ivs in step.ranks for iv in ivs]
+    num_pipes = 1 + max((op.pipe for op in ops), default=0)
+    chunked = num_pipes == 1 and any(op.stage >= record.num_ranks for op in ops)
+    origin = record.starts[0]
+    busy = sum(step.busy_time(rank) for step in record.steps for rank in range(step.num_ranks))
+    total = sum(step.step_time * step.num_ranks for step in record.steps)
+    return _panel(
+        name,
+        record.steps,
+        [start - origin for start in record.starts],
+        record.step_ids,
+        num_pipes=num_pipes,
+        chunked=chunked,
+        step_time=sum(step.step_time for step in record.steps) / len(record.steps),
+        bubble_fraction=1 - busy / total if total > 0 else 0.0,
+    )
+
+
+def op_label(op: Op, num_ranks: int, num_pipes: int, chunked: bool) -> tuple[int, str]:
+    """(variant, label) of `op`: forward/backward show the micro-batch, prefixed with the pipe
+    (``p1:3``) or the chunk (``c1:3``); K-FAC ops show their kind (``IA``)."""
+    variant = op.pipe if num_pipes > 1 else (op.stage // num_ranks if chunked else 0)
+    if not op.kind.is_compute:
+        return variant, op.kind.value
+    prefix = f"p{op.pipe}:" if num_pipes > 1 else (f"c{variant}:" if chunked else "")
+    return variant, f"{prefix}{op.micro_batch}"
+
+
+def _panel(
+    name: str,
+    timelines: Sequence[Timeline],
+    starts: Sequence[float],
+    step_ids: Sequence[int],
+    *,
+    num_pipes: int,
+    chunked: bool,
+    **summary: Any,
+) -> Panel:
+    """Boxes and bubbles of `timelines[j]` shifted by `starts[j]`; `summary` are Panel fields."""
+    num_ranks = max(t.num_ranks for t in timelines)
+    boxes: list[Box] = []
+    bubbles: list[Bubble] = []
+    labels: dict[Op, tuple[int, str]] = {}
+    for timeline, offset, step in zip(timelines, starts, step_ids):
+        for rank, intervals in enumerate(timeline.ranks):
+            for iv in intervals:
+                if iv.op not in labels:
+                    labels[iv.op] = op_label(iv.op, num_ranks, num_pipes, chunked)
+                variant, label = labels[iv.op]
+                boxes.append(Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label))
+            bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.bubbles(rank))
+    return Panel(
+        name=name,
+        time_unit=timelines[0].time_unit,
+        num_ranks=num_ranks,
+        boxes=tuple(boxes),
+        bubbles=tuple(bubbles),
+        step_starts=tuple(starts),
+        step_ids=tuple(step_ids),
+        end=max(offset + t.step_time for t, offset in zip(timelines, starts)),
+        **summary,
+    )

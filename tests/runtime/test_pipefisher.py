@@ -1,0 +1,109 @@
+"""PipeFisher end to end: K-FAC on the executor equals the single-process reference K-FAC."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _workers import pipelined
+from pipefisher.config import config_from_dict
+from pipefisher.profile import load_profile
+from pipefisher.runtime.launch import run_group
+from pipefisher.runtime.training import train_reference
+
+pytestmark = pytest.mark.dist
+TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-cpu.yaml"
+
+
+def kfac_config(schedule, placement, **kfac):
+    return config_from_dict(
+        {
+            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "data": {"micro_batch_size": 2},
+            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule},
+            "optimizer": {"name": "kfac", "lr": 0.1, "momentum": 0.9},
+            "kfac": {"refresh_steps": 2, "placement": placement, "factor_decay": 0.5, "damping": 0.01, **kfac},
+            "run": {"steps": 5, "timeout": 30, "master_port": 0},
+        }
+    )
+
+
+def assert_equal_to_reference(config):
+    reference = train_reference(config)
+    results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=180)
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
+        for key, value in result.parameters.items():
+            name = key.split(".", 1)[1] if key.startswith("p1.") else key
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-5)
+    return reference
+
+
+@pytest.mark.parametrize("placement", ["packed", "after-step"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "chimera"])
+def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
+    reference = assert_equal_to_reference(kfac_config(schedule, placement))
+    first_order = train_reference(kfac_config(schedule, placement).with_overrides(optimizer={"name": "sgd"}))
+    assert reference.losses[2:] != pytest.approx(first_order.losses[2:]), "K-FAC changed the updates from the 2nd cycle"
+
+
+def test_kfac_without_inverse_splitting_and_with_reprofiling_equals_the_reference(capfd):
+    config = kfac_config("chimera", "packed", split=False, reprofile_threshold=1e-6, reprofile_patience=1)
+    assert_equal_to_reference(config)
+    assert "re-profiling and re-packing" in capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("profile")
+    profile, timeline = folder / "tiny.yaml", folder / "tiny-timeline.json"
+    result = subprocess.run(
+        ["pipefisher", "profile", str(TINY), "-o", str(profile), "--timeline", str(timeline), "--master-port", "0", "--repeats", "2"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    return profile, timeline
+
+
+def test_measured_profile_loads_in_pack_and_viz(measured, tmp_path):
+    profile_path, timeline_path = measured
+    profile = load_profile(profile_path)
+    assert profile.num_stages == 2 and all(stage.forward > 0 and stage.backward > 0 for stage in profile.stages)
+    assert [layer.name for layer in profile.stages[0].layers][:2] == ["embed", "blocks.0.attention.query"]
+    assert all(layer.curvature_a > 0 and layer.curvature_b > 0 and layer.inverse_a > 0 for s in profile.stages for layer in s.layers)
+    packed = subprocess.run(["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert packed.returncode == 0, packed.stderr
+    assert json.loads(packed.stdout)["refresh_steps"] >= 1
+    picture = tmp_path / "measured.txt"
+    drawn = subprocess.run(["pipefisher", "viz", "--timeline", str(timeline_path), "-o", str(picture)], capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 0, drawn.stderr
+    assert picture.read_text().count("rank") >= 2
+
+
+def test_run_with_the_measured_profile(measured):
+    result = subprocess.run(
+        ["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(measured[0]), "--steps", "4", "--json", "--master-port", "0"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert all(line["refresh_steps"] >= 1 and line["predicted_step_time_ms"] > 0 for line in lines)
+    assert "K-FAC packed: refresh every" in result.stderr
+
+
+def test_a_profile_of_another_run_is_refused(tmp_path, measured):
+    other = tmp_path / "other.yaml"
+    other.write_text(TINY.read_text().replace("layers: 4", "layers: 2"))
+    result = subprocess.run(["pipefisher", "run", str(other), "--optimizer", "kfac", "--profile", str(measured[0])],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "stages[0].layers do not match the model" in result.stderr and result.stderr.count("\n") == 1
+    three = tmp_path / "three.yaml"
+    three.write_text(TINY.read_text().replace("stages: 2", "stages: 4").replace("micro_batches: 4", "micro_batches: 8"))
+    result = subprocess.run(["pipefisher", "run", str(three), "--optimizer", "kfac", "--profile", str(measured[0])],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "profile has 2 stages but the schedule needs 4" in result.stderr

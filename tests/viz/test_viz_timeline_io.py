@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from pipefisher.cli import main
+from pipefisher.pack import pack
+from pipefisher.profile import uniform_profile
+from pipefisher.schedules import get_schedule
+from pipefisher.simulate import simulate
+from pipefisher.viz.layout import recorded_panel
+from pipefisher.viz.timeline_io import SCHEMA, TimelineError, load_timeline, save_timeline
+
+
+def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
+    timelines = pack(get_schedule("1f1b", 4, 4), bert_profile).timelines
+    path = tmp_path / "t.json"
+    save_timeline(timelines, path, starts=[10.0 * j + 5 for j in range(len(timelines))], name="measured")
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and data["time_unit"] == "ms" and len(data["ranks"]) == 4
+    record = load_timeline(path)
+    assert record.name == "measured" and record.step_ids == tuple(range(len(timelines)))
+    assert record.starts == tuple(10.0 * j + 5 for j in range(len(timelines)))
+    for saved, loaded in zip(timelines, record.steps):
+        for before, after in zip(saved.ranks, loaded.ranks):
+            assert sorted((str(iv.op), round(iv.start, 9), round(iv.end, 9)) for iv in before) == sorted(
+                (str(iv.op), round(iv.start, 9), round(iv.end, 9)) for iv in after
+            )
+
+
+def test_without_steps_and_starts_a_recording_is_one_step_from_its_first_op(tmp_path):
+    path = tmp_path / "t.json"
+    ranks = [[{"op": "0F0", "start": 100.0, "end": 101.0}, {"op": "0B0", "start": 102.5, "end": 104.0}], [{"op": "1F0", "start": 101.0, "end": 102.0}, {"op": "1B0", "start": 102.0, "end": 102.5}]]
+    path.write_text(json.dumps({"schema": SCHEMA, "time_unit": "us", "ranks": ranks}))
+    record = load_timeline(path)
+    assert record.starts == (100.0,) and record.step_ids == (0,)
+    panel = recorded_panel(record, "r")
+    assert [(b.rank, b.start, b.end) for b in panel.boxes if b.op.kind.value == "B"] == [(0, 2.5, 4.0), (1, 2.0, 2.5)]
+    assert panel.end == 4.0 and panel.bubble_fraction == pytest.approx(1 - 4.0 / 8.0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"schema": "other/v1"}, "schema"),
+        ({"time_unit": "fortnights"}, "time_unit"),
+        ({"ranks": [[{"op": "0Q0", "start": 0, "end": 1}]]}, "ranks[0][0].op"),
+        ({"ranks": [[{"op": "0F0", "start": 2, "end": 1}]]}, "ranks[0][0]: end 1.0 is before start 2.0"),
+        ({"ranks": [[{"op": "0F0", "start": 0, "end": 1, "step": -1}]]}, "ranks[0][0].step"),
+        ({"ranks": [[{"op": "0F0", "start": 0}]]}, "ranks[0][0].end: missing"),
+        ({"ranks": [[{"op": "0F0", "start": 0, "end": 1, "rank": 0}]]}, "unknown field 'rank'"),
+        ({"step_starts": [0, 1]}, "step_starts"),
+        ({"ranks": []}, "ranks"),
+    ],
+)
+def test_malformed_files_name_the_field(tmp_path, change, message, capsys):
+    data = {"schema": SCHEMA, "time_unit": "ms", "ranks": [[{"op": "0F0", "start": 0, "end": 1}]], **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TimelineError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_timeline(path)
+    assert main(["viz", "--timeline", str(path), "-o", "-"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_viz_draws_a_recording(tmp_path, capsys):
+    schedule = get_schedule("1f1b", 4, 6)
+    timeline = simulate(schedule, uniform_profile(4))
+    path = tmp_path / "m.json"
+    save_timeline([timeline, timeline], path)
+    assert main(["viz", "--timeline", str(path), "-o", "-", "--width", "63"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("m.json: D=4, 2 steps; step 27 units (mean); bubble 33.3 %")
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert rows[3] == "rank 3 |...0aa1bb2cc3dd4ee5ff.........0aa1bb2cc3dd4ee5ff......|"
