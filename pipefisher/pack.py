@@ -24,14 +24,17 @@ import bisect
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from pipefisher.ir import Op, OpKind, Schedule
+from pipefisher.pack_report import DeviceReport, PackResult, device_reports
 from pipefisher.plan import Plan, cycle_time, simulate_plan
 from pipefisher.profile import Profile
 from pipefisher.simulate import COLLECTIVES, Timeline, simulate
-from pipefisher.tasks import CYCLE_KINDS, KfacTasks, build_tasks, stage_replicas
+from pipefisher.tasks import KfacTasks, build_tasks, stage_replicas
+
+__all__ = ["PackOptions", "PackResult", "DeviceReport", "pack", "after_step_plan", "STRATEGIES"]
 
 Strategy = Literal["fill", "published"]
 STRATEGIES = ("fill", "published")
@@ -86,94 +89,6 @@ class _Placement:
     key: tuple
     start: float
     end: float
-
-
-@dataclass(frozen=True)
-class DeviceReport:
-    """Per-rank figures; times in the profile's unit, per step unless said otherwise."""
-
-    rank: int
-    refresh_steps: int
-    lower_bound: int
-    kfac_work: float
-    precondition_time: float
-    bubble_time: float
-    bubble_utilization: float
-
-    @property
-    def work_ratio(self) -> float:
-        """Cycle K-FAC work over one step's bubble time."""
-        return self.kfac_work / self.bubble_time if self.bubble_time > 0 else math.inf
-
-
-@dataclass(frozen=True)
-class PackResult:
-    plan: Plan
-    timelines: list[Timeline]
-    first_order: Timeline
-    precondition_step_time: float
-    lower_bound: int
-    devices: list[DeviceReport]
-    options: PackOptions
-    unplaceable: tuple[Op, ...] = field(default=())
-
-    @property
-    def refresh_steps(self) -> int:
-        return self.plan.refresh_steps
-
-    @property
-    def first_order_step_time(self) -> float:
-        return self.first_order.step_time
-
-    @property
-    def step_time(self) -> float:
-        """Mean step time over the cycle, K-FAC included."""
-        return cycle_time(self.timelines) / self.refresh_steps
-
-    @property
-    def overhead(self) -> float:
-        """Packing overhead: mean step time beyond first-order + preconditioning, as a share of the
-        first-order step time."""
-        return (self.step_time - self.precondition_step_time) / self.first_order_step_time
-
-    @property
-    def bubble_utilization(self) -> float:
-        total = sum(d.bubble_time for d in self.devices) * self.refresh_steps
-        used = sum(d.bubble_utilization * d.bubble_time for d in self.devices) * self.refresh_steps
-        return used / total if total > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        unit = self.first_order.time_unit
-        return {
-            "schedule": self.plan.schedule.name,
-            "stages": self.plan.schedule.num_ranks,
-            "micro_batches": self.plan.schedule.num_micro_batches,
-            "strategy": self.options.strategy,
-            "split": self.options.split,
-            "margin": self.options.margin,
-            "time_unit": unit,
-            "refresh_steps": self.refresh_steps,
-            "lower_bound": self.lower_bound,
-            "first_order_step_time": self.first_order_step_time,
-            "precondition_step_time": self.precondition_step_time,
-            "step_time": self.step_time,
-            "overhead": self.overhead,
-            "bubble_utilization": self.bubble_utilization,
-            "unplaceable": [str(op) for op in self.unplaceable],
-            "devices": [
-                {
-                    "rank": d.rank,
-                    "refresh_steps": d.refresh_steps,
-                    "lower_bound": d.lower_bound,
-                    "kfac_work": d.kfac_work,
-                    "precondition_time": d.precondition_time,
-                    "bubble_time": d.bubble_time,
-                    "work_ratio": d.work_ratio if math.isfinite(d.work_ratio) else None,
-                    "bubble_utilization": d.bubble_utilization,
-                }
-                for d in self.devices
-            ],
-        }
 
 
 class _Packer:
@@ -545,7 +460,7 @@ def pack(schedule: Schedule, profile: Profile, options: PackOptions | None = Non
         first_order=first_order,
         precondition_step_time=precondition_only,
         lower_bound=lower_bound,
-        devices=_device_reports(chosen, packer, bounds),
+        devices=device_reports(packer.tasks, packer.first_order, chosen.plan, chosen.leftovers, packer.precondition_in_bubbles, bounds),
         options=options,
         unplaceable=tuple(op for op in cycle_ops if op not in placed),
     )
@@ -562,32 +477,6 @@ def _precondition_step_time(packer: _Packer, tasks: KfacTasks) -> float:
         ranks.append(tuple(op for _, op in sorted(items, key=lambda item: item[0])))
     plan = Plan(schedule=tasks.schedule, steps=(tuple(ranks),))
     return simulate_plan(plan, tasks.profile)[0].step_time
-
-
-def _device_reports(chosen: _Candidate, packer: _Packer, bounds: list[int]) -> list[DeviceReport]:
-    tasks, first_order = packer.tasks, packer.first_order
-    durations = tasks.durations
-    k = chosen.plan.refresh_steps
-    outside = set(chosen.leftovers)
-    reports = []
-    for rank in range(tasks.schedule.num_ranks):
-        steps_used = [j for j, step in enumerate(chosen.plan.steps) if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])]
-        work = sum(durations(op) for op in tasks.cycle[rank])
-        precondition = sum(durations(op) for op in tasks.per_step[rank])
-        bubble = first_order.bubble_time(rank)
-        in_bubbles = work - sum(durations(op) for op in tasks.cycle[rank] if op in outside) + packer.precondition_in_bubbles(rank) * k
-        reports.append(
-            DeviceReport(
-                rank=rank,
-                refresh_steps=1 + max(steps_used, default=0),
-                lower_bound=bounds[rank],
-                kfac_work=work,
-                precondition_time=precondition,
-                bubble_time=bubble,
-                bubble_utilization=min(1.0, in_bubbles / (bubble * k)) if bubble > 0 else 0.0,
-            )
-        )
-    return reports
 
 
 def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True) -> Plan:

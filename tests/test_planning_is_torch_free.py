@@ -10,6 +10,7 @@ PLANNING = [
     "pipefisher.tasks",
     "pipefisher.plan",
     "pipefisher.pack",
+    "pipefisher.pack_report",
     "pipefisher.transformer_profile",
     "pipefisher.config",
     "pipefisher.viz.cli",

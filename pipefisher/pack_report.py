@@ -1,0 +1,137 @@
+"""What a packing reports: per-device and overall refresh interval, times and utilisation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipefisher.ir import Op
+from pipefisher.plan import Plan, cycle_time
+from pipefisher.simulate import Timeline
+from pipefisher.tasks import CYCLE_KINDS, KfacTasks
+
+if TYPE_CHECKING:
+    from pipefisher.pack import PackOptions
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """Per-rank figures; times in the profile's unit, per step unless said otherwise."""
+
+    rank: int
+    refresh_steps: int
+    lower_bound: int
+    kfac_work: float
+    precondition_time: float
+    bubble_time: float
+    bubble_utilization: float
+
+    @property
+    def work_ratio(self) -> float:
+        """Cycle K-FAC work over one step's bubble time."""
+        return self.kfac_work / self.bubble_time if self.bubble_time > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class PackResult:
+    plan: Plan
+    timelines: list[Timeline]
+    first_order: Timeline
+    precondition_step_time: float
+    lower_bound: int
+    devices: list[DeviceReport]
+    options: PackOptions
+    unplaceable: tuple[Op, ...] = field(default=())
+
+    @property
+    def refresh_steps(self) -> int:
+        return self.plan.refresh_steps
+
+    @property
+    def first_order_step_time(self) -> float:
+        return self.first_order.step_time
+
+    @property
+    def step_time(self) -> float:
+        """Mean step time over the cycle, K-FAC included."""
+        return cycle_time(self.timelines) / self.refresh_steps
+
+    @property
+    def overhead(self) -> float:
+        """Packing overhead: mean step time beyond first-order + preconditioning, as a share of the
+        first-order step time."""
+        return (self.step_time - self.precondition_step_time) / self.first_order_step_time
+
+    @property
+    def bubble_utilization(self) -> float:
+        total = sum(d.bubble_time for d in self.devices) * self.refresh_steps
+        used = sum(d.bubble_utilization * d.bubble_time for d in self.devices) * self.refresh_steps
+        return used / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        unit = self.first_order.time_unit
+        return {
+            "schedule": self.plan.schedule.name,
+            "stages": self.plan.schedule.num_ranks,
+            "micro_batches": self.plan.schedule.num_micro_batches,
+            "strategy": self.options.strategy,
+            "split": self.options.split,
+            "margin": self.options.margin,
+            "time_unit": unit,
+            "refresh_steps": self.refresh_steps,
+            "lower_bound": self.lower_bound,
+            "first_order_step_time": self.first_order_step_time,
+            "precondition_step_time": self.precondition_step_time,
+            "step_time": self.step_time,
+            "overhead": self.overhead,
+            "bubble_utilization": self.bubble_utilization,
+            "unplaceable": [str(op) for op in self.unplaceable],
+            "devices": [
+                {
+                    "rank": d.rank,
+                    "refresh_steps": d.refresh_steps,
+                    "lower_bound": d.lower_bound,
+                    "kfac_work": d.kfac_work,
+                    "precondition_time": d.precondition_time,
+                    "bubble_time": d.bubble_time,
+                    "work_ratio": d.work_ratio if math.isfinite(d.work_ratio) else None,
+                    "bubble_utilization": d.bubble_utilization,
+                }
+                for d in self.devices
+            ],
+        }
+
+
+def device_reports(
+    tasks: KfacTasks,
+    first_order: Timeline,
+    plan: Plan,
+    leftovers: list[Op],
+    precondition_in_bubbles: Callable[[int], float],
+    bounds: list[int],
+) -> list[DeviceReport]:
+    """Per-rank figures of a packed plan; `leftovers` are the tasks that run outside bubbles."""
+    durations = tasks.durations
+    k = plan.refresh_steps
+    outside = set(leftovers)
+    reports = []
+    for rank in range(tasks.schedule.num_ranks):
+        steps_used = [j for j, step in enumerate(plan.steps) if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])]
+        work = sum(durations(op) for op in tasks.cycle[rank])
+        precondition = sum(durations(op) for op in tasks.per_step[rank])
+        bubble = first_order.bubble_time(rank)
+        in_bubbles = work - sum(durations(op) for op in tasks.cycle[rank] if op in outside) + precondition_in_bubbles(rank) * k
+        reports.append(
+            DeviceReport(
+                rank=rank,
+                refresh_steps=1 + max(steps_used, default=0),
+                lower_bound=bounds[rank],
+                kfac_work=work,
+                precondition_time=precondition,
+                bubble_time=bubble,
+                bubble_utilization=min(1.0, in_bubbles / (bubble * k)) if bubble > 0 else 0.0,
+            )
+        )
+    return reports
