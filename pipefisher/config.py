@@ -58,14 +58,20 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay)."""
+    """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay).
+    `clip_norm` > 0 clips the global gradient norm (after preconditioning); the learning rate
+    warms up linearly over `warmup_steps`, then stays (`constant`) or falls to 0 at the last step
+    (`linear`). Weight decay skips biases and LayerNorm weights."""
 
-    name: Literal["sgd", "adamw", "kfac"] = "sgd"
+    name: Literal["sgd", "adamw", "lamb", "kfac"] = "sgd"
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    clip_norm: float = 0.0
+    warmup_steps: int = 0
+    decay: Literal["constant", "linear"] = "constant"
 
 
 @dataclass(frozen=True)

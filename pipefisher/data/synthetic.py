@@ -19,10 +19,10 @@ class SyntheticRegression:
         self.w1 = torch.randn(model.input_dim, model.hidden, generator=generator) / model.input_dim**0.5
         self.w2 = torch.randn(model.hidden, model.output_dim, generator=generator) / model.hidden**0.5
 
-    def micro_batch(self, step: int, micro_batch: int) -> tuple[Tensor, Tensor]:
-        """(inputs, targets) of global micro-batch `micro_batch` of `step`: float32 CPU tensors."""
+    def micro_batch(self, step: int, micro_batch: int) -> dict[str, Tensor]:
+        """{"inputs", "targets"} of global micro-batch `micro_batch` of `step`: float32 CPU tensors."""
         generator = torch.Generator().manual_seed(((self.data.seed * 1_000_003 + step) * 1_000_003) + micro_batch)
         shape = (self.data.micro_batch_size, self.model.seq_len, self.model.input_dim)
         inputs = torch.randn(shape, generator=generator)
         targets = torch.tanh(inputs @ self.w1) @ self.w2
-        return inputs, targets
+        return {"inputs": inputs, "targets": targets}

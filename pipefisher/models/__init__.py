@@ -1,1 +1,33 @@
-"""Models split into pipeline stages."""
+"""Models cut into pipeline stages, behind one interface the runtime and the reference use."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor, nn
+
+#: one micro-batch: named tensors (inputs, targets, masks, labels) of the data source
+Batch = dict[str, Tensor]
+
+
+class StagedModel(Protocol):
+    """A model the pipeline can cut into `num_stages` stages.
+
+    A stage's `forward(x, batch)` takes the previous stage's activation (None on stage 0) and the
+    micro-batch; stage `index` is built from (seed, index) alone, so every rank and the reference
+    build the same parameters.
+    """
+
+    def build_stage(self, index: int, num_stages: int, seed: int) -> nn.Module: ...
+
+    def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
+        """Shape of what `stage` sends to `stage + 1`."""
+
+    def loss(self, output: object, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """(loss of one micro-batch, named parts) from the last stage's output."""
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        """Parameters held by two stages as copies of one weight: ("first"|"last", name in stage)."""
+
+    def kfac_skip(self) -> tuple[str, ...]:
+        """Glob patterns of Linear layers that stay first-order."""

@@ -70,9 +70,9 @@ class Stage(nn.Module):
         self.norm = nn.LayerNorm(width) if last and config.kind == "transformer" else None
         self.head = nn.Linear(width, config.output_dim) if last else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | None, batch: dict[str, Tensor]) -> Tensor:
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(batch["inputs"])
         for block in self.blocks:
             x = block(x)
         if self.norm is not None:
@@ -82,18 +82,41 @@ class Stage(nn.Module):
         return x
 
 
-def build_stage(config: ModelConfig, index: int, num_stages: int, seed: int) -> Stage:
-    """Stage `index` of `num_stages` (layers split evenly), initialised from (seed, index)."""
-    per_stage = config.layers // num_stages
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed * 1_000_003 + index)
-    try:
-        return Stage(config, range(index * per_stage, (index + 1) * per_stage), index == 0, index == num_stages - 1)
-    finally:
-        torch.random.set_rng_state(generator_state)
+class _Seeded:
+    """Context in which torch's default generator is seeded with `seed`, restored after."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        self.state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc) -> None:
+        torch.random.set_rng_state(self.state)
 
 
-def stage_output_shape(config: ModelConfig, index: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
-    """Shape of what stage `index` hands to the next one (or of the model output)."""
-    width = config.output_dim if index == num_stages - 1 else config.hidden
-    return (micro_batch_size, config.seq_len, width)
+class TinyRegression:
+    """The staged-model interface (`pipefisher.models.StagedModel`) of the regression model."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    def build_stage(self, index: int, num_stages: int, seed: int) -> Stage:
+        """Stage `index` of `num_stages` (layers split evenly), initialised from (seed, index)."""
+        per_stage = self.config.layers // num_stages
+        with _Seeded(seed * 1_000_003 + index):
+            return Stage(self.config, range(index * per_stage, (index + 1) * per_stage), index == 0, index == num_stages - 1)
+
+    def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
+        width = self.config.output_dim if stage == num_stages - 1 else self.config.hidden
+        return (micro_batch_size, self.config.seq_len, width)
+
+    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        return nn.functional.mse_loss(output, batch["targets"]), {}
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        return []
+
+    def kfac_skip(self) -> tuple[str, ...]:
+        return ()

@@ -1,5 +1,5 @@
-"""Optimizers: first-order baselines (and, later, the K-FAC front)."""
+"""Optimizers: first-order baselines (SGD, AdamW, LAMB) and learning-rate schedules."""
 
-from pipefisher.optim.first_order import build_optimizer
+from pipefisher.optim.first_order import build_optimizer, build_scheduler, no_decay, parameter_groups
 
-__all__ = ["build_optimizer"]
+__all__ = ["build_optimizer", "build_scheduler", "no_decay", "parameter_groups"]

@@ -1,20 +1,55 @@
-"""First-order optimizers from the run configuration (PyTorch's own implementations)."""
+"""Optimizers and learning-rate schedules from the run configuration."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
-from pipefisher.config import OptimizerConfig
+from pipefisher.config import OptimizerConfig, RunConfig
 
 
-def build_optimizer(config: OptimizerConfig, parameters: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD (with optional momentum; also the step after K-FAC preconditioning) or AdamW.
+def no_decay(name: str) -> bool:
+    """Biases and LayerNorm weights get no weight decay (the BERT convention)."""
+    return name.endswith("bias") or "norm" in name.lower()
+
+
+def parameter_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict]:
+    """Parameters of `modules` (each once) split into decayed and undecayed groups."""
+    decayed, undecayed, seen = [], [], set()
+    for module in modules:
+        for name, parameter in module.named_parameters():
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            (undecayed if no_decay(name) else decayed).append(parameter)
+    return [{"params": decayed, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
+
+
+def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:
+    """SGD (with optional momentum; also the step after K-FAC preconditioning), AdamW or LAMB.
     `foreach=False` keeps per-parameter updates identical however parameters are grouped across ranks."""
-    parameters = list(parameters)
+    groups = parameter_groups(modules, config.weight_decay)
     if config.name in ("sgd", "kfac"):
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay, foreach=False)
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, foreach=False)
     if config.name == "adamw":
-        return torch.optim.AdamW(parameters, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, foreach=False)
-    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, kfac")
+        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
+    if config.name == "lamb":
+        from pipefisher.optim.lamb import Lamb
+
+        return Lamb(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, kfac")
+
+
+def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """Warm-up then constant or linear decay over the run's steps; None when the rate is constant."""
+    settings = config.optimizer
+    if settings.warmup_steps == 0 and settings.decay == "constant":
+        return None
+    from pipefisher.optim.schedule import warmup_decay
+
+    total = config.run.steps
+    if settings.decay == "constant":
+        return warmup_decay(optimizer, settings.warmup_steps, total, power=0.0, final_fraction=1.0)
+    return warmup_decay(optimizer, settings.warmup_steps, total, power=1.0, final_fraction=0.0)

@@ -99,7 +99,7 @@ class Comm:
                 grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
-    def sum_over_world(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+    def sum_over_world(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
-        return float(tensor.item())
+        return tensor.tolist()

@@ -21,8 +21,8 @@ from pipefisher.runtime.comm import Comm, PendingRecv
 from pipefisher.runtime.stage import StageRuntime
 from pipefisher.runtime.topology import Topology
 
-#: (step, global micro-batch) -> (inputs, targets)
-MicroBatchFn = Callable[[int, int], tuple[Tensor, Tensor]]
+#: (step, global micro-batch) -> the micro-batch's named tensors
+MicroBatchFn = Callable[[int, int], dict[str, Tensor]]
 #: stage -> shape of the activation it sends to the next stage
 ShapeFn = Callable[[int], tuple[int, ...]]
 
@@ -52,10 +52,17 @@ class Executor:
         output_shape: ShapeFn,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
+        loss_parts: tuple[str, ...] = (),
     ):
         self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
         self.micro_batch, self.output_shape = micro_batch, output_shape
         self.optimizer, self.device = optimizer, device
+        self.loss_parts = loss_parts
+        #: run in order after the gradients are summed over replicas, before the optimizer step
+        self.gradient_hooks: list[Callable[[], None]] = []
+        #: global-norm clipping (returns the norm before clipping), or None
+        self.clipper: Callable[[], float] | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.handlers: dict[OpKind, Callable[[Op], list]] = {
             OpKind.FORWARD: self._forward,
             OpKind.BACKWARD: self._backward,
@@ -89,30 +96,40 @@ class Executor:
                     self.recorder(op, self._ready_at, time.perf_counter())
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank} failed at step {step + 1}, op {op}: {first_line(exc)}") from exc
+        extra: dict = {}
         try:
             self.comm.finish_sends()
             if update:
+                extra["lr"] = self.optimizer.param_groups[0]["lr"]
                 self.comm.all_reduce_gradients(self._gradient_groups)
+                for hook in self.gradient_hooks:
+                    hook()
+                if self.clipper is not None:
+                    extra["grad_norm"] = self.clipper()
                 self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            local = sum(stage.take_loss() for stage in self.stages.values())
-            loss = self.comm.sum_over_world(local)
+            total, parts = 0.0, dict.fromkeys(self.loss_parts, 0.0)
+            for stage in self.stages.values():
+                stage_total, stage_parts = stage.take_loss()
+                total += stage_total
+                for name, value in stage_parts.items():
+                    parts[name] += value
+            loss, *sums = self.comm.sum_over_world([total, *parts.values()])
+            extra.update(zip(parts, sums))
         except Exception as exc:
             raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
-        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start)
+        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=extra)
 
     # -- handlers ----------------------------------------------------------------------------
     def _forward(self, op: Op) -> list:
         stage = self.stages[(op.pipe, op.stage)]
         global_mb = self.topology.global_micro_batch(self.rank, op.micro_batch)
-        target = None
-        if stage.first or stage.last:
-            inputs, target = self.micro_batch(self.current_step, global_mb)
-            inputs, target = inputs.to(self.device), target.to(self.device)
-        if not stage.first:
-            inputs = self._input_of(op)
+        batch = {name: tensor.to(self.device) for name, tensor in self.micro_batch(self.current_step, global_mb).items()}
+        inputs = None if stage.first else self._input_of(op)
         with self.forward_context(op):
-            output = stage.forward(op.micro_batch, inputs, target)
+            output = stage.forward(op.micro_batch, inputs, batch)
         if stage.last:
             return []
         return self._deliver(OpKind.FORWARD, op.pipe, op.stage + 1, op.micro_batch, output, lower_stage=op.stage)

@@ -42,10 +42,11 @@ def rows_per_step(config: RunConfig) -> int:
 class KfacRuntime:
     """The K-FAC state of one rank's stages and the handlers of the K-FAC op kinds."""
 
-    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm, plan: Plan):
+    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm, plan: Plan,
+                 skip: tuple[str, ...] = ()):
         self.topology, self.rank, self.comm = topology, rank, comm
         engine_config = kfac_engine_config(config, rows_per_step(config))
-        self.engines = {key: KFACEngine(module, engine_config) for key, module in modules.items()}
+        self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
         self.lr = config.optimizer.lr
         self.set_plan(plan)
         self._syncs: dict[tuple[int, int, str, str], PendingWork] = {}

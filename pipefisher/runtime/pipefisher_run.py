@@ -13,16 +13,16 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pipefisher.config import RunConfig
-from pipefisher.models.tiny import build_stage, stage_output_shape
+from pipefisher.kfac.layer import select_layers
 from pipefisher.pack import PackOptions, after_step_plan, pack
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.profile import Profile, ProfileError, load_profile
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.kfac_ops import KfacRuntime
 from pipefisher.runtime.profiler import measure_profile
+from pipefisher.runtime.training import staged_model
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,11 @@ class KfacPlan:
 
 
 def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[str]:
-    """Names of the K-FAC (Linear) layers of a stage, without allocating it."""
+    """Names of the K-FAC layers of a stage, without allocating it."""
+    model = staged_model(config)
     with torch.device("meta"):
-        module = build_stage(config.model, stage, num_stages, config.run.seed)
-    return [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+        module = model.build_stage(stage, num_stages, config.run.seed)
+    return list(select_layers(module, model.kfac_skip()))
 
 
 def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
@@ -86,9 +87,10 @@ class PipeFisherTrainer:
         self.config, self.executor, self.rank = config, executor, rank
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
+        self.skip = staged_model(config).kfac_skip()
         self.profile = self._initial_profile()
         self.kfac_plan = make_plan(config, self.schedule, self.profile)
-        self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan)
+        self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip)
         executor.handlers.update(self.runtime.handlers())
         self.cycle_step = 0
         executor.forward_context = lambda op: self.runtime.capture(op, self.cycle_step)
@@ -101,11 +103,9 @@ class PipeFisherTrainer:
             print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
     def _measure(self) -> Profile:
-        schedule = self.schedule
-        shape = lambda stage: stage_output_shape(self.config.model, stage, schedule.num_stages, self.config.data.micro_batch_size)
         profile, _ = measure_profile(
-            self.executor, self.rank, self.modules, shape, self.config.data.micro_batch_size,
-            damping=self.config.kfac.damping, inverse=self.config.kfac.inverse,
+            self.executor, self.rank, self.modules, self.executor.output_shape, self.config.data.micro_batch_size,
+            damping=self.config.kfac.damping, inverse=self.config.kfac.inverse, skip=self.skip,
         )
         return profile
 
@@ -125,7 +125,7 @@ class PipeFisherTrainer:
         plan = self.kfac_plan.plan
         ops = plan.steps[self.cycle_step][self.executor.topology.pipeline_rank(self.rank)]
         result = self.executor.run_step(step, ops)
-        result = replace(result, extra={"refresh_steps": plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
+        result = replace(result, extra={**result.extra, "refresh_steps": plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
         self._cycle_ms += 1000 * result.seconds
         self.cycle_step += 1
         if self.cycle_step == plan.refresh_steps:

@@ -155,9 +155,11 @@ def measure_profile(
     inverse: str = "eigen",
     warmup: int = 1,
     repeats: int = 3,
+    skip: tuple[str, ...] = (),
 ) -> tuple[Profile, list[Record]]:
-    """The run's profile (ms, medians) and the op records of the last measured step, all ranks."""
-    engines = {key: KFACEngine(module) for key, module in modules.items()}  # throwaway: timing only
+    """The run's profile (ms, medians) and the op records of the last measured step, all ranks;
+    `skip`: glob patterns of Linear layers that stay first-order (not in the profile)."""
+    engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
     saved_context = executor.forward_context
     try:
         records = _step_records(executor, rank, warmup + repeats, engines)

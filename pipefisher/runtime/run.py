@@ -73,16 +73,14 @@ def run(config: RunConfig, reference: bool, as_json: bool) -> int:
 
 def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
     from pipefisher.runtime.profiler import measure_profile, records_to_timeline
-    from pipefisher.runtime.training import build_executor
-    from pipefisher.models.tiny import stage_output_shape
+    from pipefisher.runtime.training import build_executor, staged_model
 
     device = current_device(config.run.backend)
     executor, schedule = build_executor(config, rank, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
-    shape = lambda stage: stage_output_shape(config.model, stage, schedule.num_stages, config.data.micro_batch_size)
     profile, records = measure_profile(
-        executor, rank, modules, shape, config.data.micro_batch_size,
-        damping=config.kfac.damping, inverse=config.kfac.inverse, repeats=repeats,
+        executor, rank, modules, executor.output_shape, config.data.micro_batch_size,
+        damping=config.kfac.damping, inverse=config.kfac.inverse, repeats=repeats, skip=staged_model(config).kfac_skip(),
     )
     if rank == 0:
         profile.save(output)

@@ -7,13 +7,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+#: (last stage's output, micro-batch) -> (loss, named parts)
+LossFn = Callable[[object, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 
 
 class StageRuntime:
     """Runs forward and backward of one stage, keyed by micro-batch id.
 
-    The last stage turns its output into a loss with `loss_fn(output, target) × loss_scale`
+    The last stage turns its output into a loss with `loss_fn(output, batch) × loss_scale`
     (loss_scale = 1 / micro-batches of the whole step, so gradients are those of the mean).
     Activations are dropped as soon as their backward has run.
     """
@@ -25,16 +26,21 @@ class StageRuntime:
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
         self.losses: dict[int, Tensor] = {}
+        self.parts: dict[str, list[Tensor]] = {}
 
-    def forward(self, micro_batch: int, inputs: Tensor, target: Tensor | None = None) -> Tensor | None:
-        """Run the stage; return the activation to pass on (None on the last stage)."""
+    def forward(self, micro_batch: int, inputs: Tensor | None, batch: dict[str, Tensor]) -> Tensor | None:
+        """Run the stage on the previous stage's activation (None on the first stage) and the
+        micro-batch; return the activation to pass on (None on the last stage)."""
         if not self.first:
             inputs = inputs.detach().requires_grad_(True)
-        output = self.module(inputs)
+        output = self.module(inputs, batch)
         self._inputs[micro_batch] = inputs
         if self.last:
-            loss = self.loss_fn(output, target) * self.loss_scale
+            loss, parts = self.loss_fn(output, batch)
+            loss = loss * self.loss_scale
             self.losses[micro_batch] = loss.detach()  # summed once per step: no device sync per micro-batch
+            for name, value in parts.items():
+                self.parts.setdefault(name, []).append(value.detach() * self.loss_scale)
             self._outputs[micro_batch] = loss
             return None
         self._outputs[micro_batch] = output
@@ -51,8 +57,9 @@ class StageRuntime:
     def in_flight(self) -> int:
         return len(self._outputs)
 
-    def take_loss(self) -> float:
-        """Sum of this step's (scaled) micro-batch losses; resets."""
+    def take_loss(self) -> tuple[float, dict[str, float]]:
+        """Sums of this step's (scaled) micro-batch losses and of their named parts; resets."""
         total = float(torch.stack(list(self.losses.values())).sum()) if self.losses else 0.0
-        self.losses = {}
-        return total
+        parts = {name: float(torch.stack(values).sum()) for name, values in self.parts.items()}
+        self.losses, self.parts = {}, {}
+        return total, parts

@@ -19,10 +19,12 @@ from torch import Tensor, nn
 from pipefisher.config import RunConfig
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.ir import Schedule
-from pipefisher.models.tiny import build_stage, stage_output_shape
-from pipefisher.optim import build_optimizer
+from pipefisher.models import StagedModel
+from pipefisher.models.tiny import TinyRegression
+from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.comm import Comm
-from pipefisher.runtime.executor import Executor, StepResult
+from pipefisher.runtime.executor import Executor, MicroBatchFn, StepResult
+from pipefisher.runtime.gradients import GradientClipper, TiedGradients
 from pipefisher.runtime.stage import StageRuntime
 from pipefisher.runtime.topology import Topology
 from pipefisher.schedules import get_schedule
@@ -46,8 +48,14 @@ def build_schedule(config: RunConfig) -> Schedule:
     return validate(get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks))
 
 
-def mse(output: Tensor, target: Tensor) -> Tensor:
-    return nn.functional.mse_loss(output, target)
+def staged_model(config: RunConfig) -> StagedModel:
+    """The model of the run behind the staged-model interface."""
+    return TinyRegression(config.model)
+
+
+def data_source(config: RunConfig) -> MicroBatchFn:
+    """(step, global micro-batch) -> batch, a pure function every rank can call."""
+    return SyntheticRegression(config.data, config.model).micro_batch
 
 
 def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[Executor, Schedule]:
@@ -62,21 +70,29 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
             f"world size {dist.get_world_size()} != pipeline.stages {config.pipeline.stages} x "
             f"pipeline.data_parallel {config.pipeline.data_parallel}"
         )
+    model = staged_model(config)
     comm = Comm(topology, rank, device)
-    data = SyntheticRegression(config.data, config.model)
     num_stages = schedule.num_stages
-    stages = {}
-    for pipe, stage in topology.stages_of(rank):
-        module = build_stage(config.model, stage, num_stages, config.run.seed).to(device)
-        stages[(pipe, stage)] = StageRuntime(
-            pipe, stage, module, stage == 0, stage == num_stages - 1, mse, 1.0 / topology.total_micro_batches
-        )
-    optimizer = build_optimizer(config.optimizer, (p for s in stages.values() for p in s.module.parameters()))
+    modules = {
+        (pipe, stage): model.build_stage(stage, num_stages, config.run.seed).to(device)
+        for pipe, stage in topology.stages_of(rank)
+    }
+    tied = TiedGradients(topology, rank, modules, model.tied_parameters())
+    tied.create_group()
+    stages = {
+        key: StageRuntime(key[0], key[1], module, key[1] == 0, key[1] == num_stages - 1, model.loss, 1.0 / topology.total_micro_batches)
+        for key, module in modules.items()
+    }
+    optimizer = build_optimizer(config.optimizer, modules.values())
     executor = Executor(
-        topology, rank, stages, comm, data.micro_batch,
-        lambda stage: stage_output_shape(config.model, stage, num_stages, config.data.micro_batch_size),
-        optimizer, device,
+        topology, rank, stages, comm, data_source(config),
+        lambda stage: model.activation_shape(stage, num_stages, config.data.micro_batch_size),
+        optimizer, device, loss_parts=getattr(model, "loss_parts", ()),
     )
+    executor.gradient_hooks.append(tied)
+    if config.optimizer.clip_norm > 0:
+        executor.clipper = GradientClipper(topology, rank, modules, model.tied_parameters(), config.optimizer.clip_norm, device)
+    executor.scheduler = build_scheduler(config, optimizer)
     return executor, schedule
 
 
@@ -107,27 +123,45 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
 
 
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
-    """The same training in one process: all stages in sequence, micro-batches in id order."""
+    """The same training in one process: all stages in sequence, micro-batches in id order,
+    tied copies' gradients summed, the same clipping, schedule and K-FAC cycle."""
+    model = staged_model(config)
     num_stages = config.model_chunks
-    stages = [build_stage(config.model, index, num_stages, config.run.seed) for index in range(num_stages)]
-    model = nn.Sequential(*stages)
-    optimizer = build_optimizer(config.optimizer, model.parameters())
-    data = SyntheticRegression(config.data, config.model)
+    stages = [model.build_stage(index, num_stages, config.run.seed) for index in range(num_stages)]
+    optimizer = build_optimizer(config.optimizer, stages)
+    scheduler = build_scheduler(config, optimizer)
+    micro_batch = data_source(config)
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
-    kfac = ReferenceKfac(config, model) if config.optimizer.name == "kfac" else None
+    tied = _local_tied_copies(stages, model.tied_parameters())
+    kfac = ReferenceKfac(config, nn.ModuleList(stages), model.kfac_skip()) if config.optimizer.name == "kfac" else None
     losses = []
     for step in range(config.run.steps):
         start = time.perf_counter()
         step_loss = 0.0
-        for micro_batch in range(total):
-            inputs, targets = data.micro_batch(step, micro_batch)
-            with kfac.capture(step, micro_batch) if kfac else nullcontext():
-                loss = mse(model(inputs), targets) * (1.0 / total)  # the scaling the last stage applies
+        for index in range(total):
+            batch = micro_batch(step, index)
+            with kfac.capture(step, index) if kfac else nullcontext():
+                x = None
+                for stage in stages:
+                    x = stage(x, batch)
+                loss = model.loss(x, batch)[0] * (1.0 / total)  # the scaling the last stage applies
                 loss.backward()
             step_loss += float(loss.detach())
         if kfac:
             kfac.before_optimizer_step(step)
+        if len(tied) > 1:
+            combined = sum(p.grad for p in tied)
+            for parameter in tied:
+                parameter.grad = combined.clone()
+        if config.optimizer.clip_norm > 0:
+            duplicates = {id(p) for p in tied[1:]}
+            unique = [p for stage in stages for p in stage.parameters() if id(p) not in duplicates]
+            torch.nn.utils.clip_grad_norm_(unique, config.optimizer.clip_norm)
+            for parameter in tied[1:]:
+                parameter.grad = tied[0].grad.clone()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if kfac:
             kfac.after_optimizer_step(step)
@@ -142,11 +176,22 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     return TrainResult(losses, parameters)
 
 
+def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> list[nn.Parameter]:
+    """The distinct Parameters that are copies of one tied weight, first stage's first."""
+    where = {"first": 0, "last": len(stages) - 1}
+    copies: list[nn.Parameter] = []
+    for selector, name in tied:
+        parameter = dict(stages[where[selector]].named_parameters()).get(name)
+        if parameter is not None and not any(parameter is p for p in copies):
+            copies.append(parameter)
+    return copies
+
+
 class ReferenceKfac:
     """K-FAC of the whole model in one process, with the pipeline's cycle semantics: capture in
     the cycle's first step, inverses committed after its last step, preconditioning every step."""
 
-    def __init__(self, config: RunConfig, model: nn.Module):
+    def __init__(self, config: RunConfig, model: nn.Module, skip: tuple[str, ...] = ()):
         from pipefisher.kfac import KFACEngine
         from pipefisher.runtime.kfac_ops import kfac_engine_config, rows_per_step
 
@@ -154,7 +199,7 @@ class ReferenceKfac:
             raise ValueError("the reference K-FAC needs kfac.refresh_steps (--kfac-refresh-steps): it has no packer")
         self.k = config.kfac.refresh_steps
         self.lr = config.optimizer.lr
-        self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)))
+        self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
 
     def capture(self, step: int, micro_batch: int):
         return self.engine.capture(micro_batch) if step % self.k == 0 else nullcontext()

@@ -1,0 +1,167 @@
+"""Text corpora as documents of sentences: the English text that ships with Python, or a file.
+
+A corpus is `list[list[str]]`: documents in a fixed order, each a list of non-empty sentences
+with whitespace collapsed. Documents with fewer than two sentences are dropped (next-sentence
+prediction needs a sentence that follows another).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import re
+import sysconfig
+from pathlib import Path
+from typing import Literal
+
+# Pure-Python standard-library modules (present in Python 3.10 to 3.14) whose docstrings join
+# the embedded corpus; they are read as source, never imported.
+DOCSTRING_MODULES: tuple[str, ...] = (
+    "_pydecimal", "_pyio", "abc", "argparse", "ast", "asyncio.base_events", "asyncio.events",
+    "asyncio.locks", "asyncio.queues", "asyncio.streams", "asyncio.tasks", "base64", "bisect",
+    "bz2", "calendar", "cmd", "code", "codecs", "collections", "colorsys",
+    "concurrent.futures._base", "configparser", "contextlib", "copy", "copyreg", "csv",
+    "dataclasses", "datetime", "difflib", "dis", "doctest", "email.message", "email.parser",
+    "email.utils", "enum", "filecmp", "fileinput", "fnmatch", "fractions", "ftplib", "functools",
+    "getopt", "getpass", "gettext", "glob", "graphlib", "gzip", "heapq", "hmac", "html.parser",
+    "http.client", "http.cookiejar", "http.server", "imaplib", "importlib.metadata", "inspect",
+    "ipaddress", "json.decoder", "json.encoder", "keyword", "linecache", "locale", "logging",
+    "logging.handlers", "lzma", "mailbox", "mimetypes", "multiprocessing.managers",
+    "multiprocessing.pool", "netrc", "numbers", "operator", "optparse", "os", "pathlib", "pdb",
+    "pickle", "pickletools", "pkgutil", "platform", "plistlib", "poplib", "pprint", "profile",
+    "pstats", "py_compile", "pyclbr", "pydoc", "queue", "quopri", "random", "re", "reprlib",
+    "rlcompleter", "runpy", "sched", "secrets", "selectors", "shelve", "shlex", "shutil", "signal",
+    "smtplib", "socket", "socketserver", "sqlite3.dump", "ssl", "stat", "statistics", "string",
+    "subprocess", "symtable", "sysconfig", "tabnanny", "tarfile", "tempfile", "textwrap",
+    "threading", "timeit", "tkinter", "tokenize", "trace", "traceback", "turtle", "types", "typing",
+    "unittest.case", "unittest.mock", "urllib.parse", "urllib.request", "urllib.robotparser",
+    "uuid", "warnings", "wave", "weakref", "webbrowser", "wsgiref.handlers", "xml.dom.minidom",
+    "xml.etree.ElementTree", "xml.sax.handler", "xmlrpc.client", "zipapp", "zipfile", "zipimport",
+    "zoneinfo"
+)
+
+_SENTENCE_END = re.compile(r"(?<!\b[eE]\.g\.)(?<!\b[iI]\.e\.)(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+_TERMINAL = re.compile(r"[.!?][\"')\]]*$")
+_CODE_LINE = re.compile(r"^\s*(>>>|\.\.\.\s|\$ |[+|]|[-=*~^#]{3,}\s*$)|::=|\s--?>\s|\)\s*->")
+_MARKER = r"(?:\*|-|\d+\.|\[\d+\]|\(\d+\))"
+_LIST_MARKER = re.compile(rf"^\s*{_MARKER}\s+")
+_PARAGRAPH_BREAK = re.compile(rf"\n\s*\n|\n(?=\s*{_MARKER}\s)")
+_HYPHEN_BREAK = re.compile(r"(\w-)\n\s*(?=[a-z])")
+_EMPHASIS = re.compile(r'(?<![\w*])\*{1,2}(?=\w)([^*"\n]+?)(?<=\S)\*{1,2}(?!\*)')
+_WHITESPACE = re.compile(r"\s+")
+_HEAVY_INDENT = 5
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of `text` (whitespace collapsed), split after . ! ? before an upper-case start;
+    one-word fragments (list numbers, "Note:") are dropped."""
+    text = _WHITESPACE.sub(" ", text).strip()
+    return [sentence for sentence in _SENTENCE_END.split(text) if " " in sentence] if text else []
+
+
+def _prose_sentences(text: str) -> list[str]:
+    """Sentences of the prose paragraphs of reStructuredText-like `text`; code, grammar, tables,
+    headings and heavily indented blocks are dropped, list markers and *emphasis* stripped.
+    A paragraph ends at a blank line and before a list item."""
+    sentences = []
+    for paragraph in _PARAGRAPH_BREAK.split(text):
+        lines = [line for line in paragraph.splitlines() if line.strip()]
+        if not lines or any(_CODE_LINE.search(line) for line in lines):
+            continue
+        if min(len(line) - len(line.lstrip()) for line in lines) >= _HEAVY_INDENT:
+            continue
+        prose = " ".join(line.strip() for line in _HYPHEN_BREAK.sub(r"\1", "\n".join(lines)).splitlines())
+        prose = _EMPHASIS.sub(r"\1", _LIST_MARKER.sub("", prose))
+        if _TERMINAL.search(prose) and len(prose.split()) >= 4:
+            sentences.extend(split_sentences(prose))
+    return sentences
+
+
+def _stdlib_source(name: str, stdlib: Path) -> Path:
+    """Path of the source file of pure-Python standard-library module `name` (not imported)."""
+    base = stdlib.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no source for standard-library module {name!r} under {base.parent}")
+
+
+def _public(node: ast.AST) -> bool:
+    return isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
+
+
+def _module_docstrings(name: str, stdlib: Path) -> str:
+    """Docstrings of module `name`, then of its public top-level classes (each followed by its
+    public methods) and functions, in source order, separated by blank lines. Read from the
+    source with `ast`, so neither imports nor monkey-patching by other libraries change it."""
+    module = ast.parse(_stdlib_source(name, stdlib).read_text(encoding="utf-8"))
+    nodes: list[ast.AST] = [module]
+    for node in filter(_public, module.body):
+        nodes.append(node)
+        if isinstance(node, ast.ClassDef):
+            nodes.extend(filter(_public, node.body))
+    docs = (ast.get_docstring(node) for node in nodes)  # type: ignore[arg-type]
+    return "\n\n".join(doc for doc in docs if doc)
+
+
+def embedded_corpus() -> list[list[str]]:
+    """Real English that ships with Python: one document per `pydoc_data.topics` entry (sorted
+    by key), then one per module of `DOCSTRING_MODULES` (its docstrings). Fixed for a Python
+    version; identical documents are kept once. Built once per process (about a second),
+    returned as a fresh copy."""
+    return [list(document) for document in _embedded_documents()]
+
+
+@functools.cache
+def _embedded_documents() -> tuple[tuple[str, ...], ...]:
+    from pydoc_data.topics import topics
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [topics[key] for key in sorted(topics)] + [_module_docstrings(name, stdlib) for name in DOCSTRING_MODULES]
+    documents: dict[tuple[str, ...], None] = {}
+    for text in texts:
+        sentences = tuple(_prose_sentences(text))
+        if len(sentences) >= 2:
+            documents.setdefault(sentences)
+    return tuple(documents)
+
+
+def _is_sentence_per_line(text: str) -> bool:
+    """Whether `text` looks like the pretraining format: blank lines between documents and most
+    lines that are followed by another line ending a sentence (wrapped prose mostly does not)."""
+    blocks = [block.splitlines() for block in re.split(r"\n\s*\n", text.strip()) if block.strip()]
+    followed = [line.strip() for block in blocks for line in block[:-1] if line.strip()]
+    if len(blocks) < 2:
+        return False
+    return not followed or sum(bool(_TERMINAL.search(line)) for line in followed) >= len(followed) / 2
+
+
+def read_corpus(path: str | Path, fmt: Literal["auto", "sentences", "text"] = "auto") -> list[list[str]]:
+    """Documents of the UTF-8 file at `path`. "sentences": one sentence per line, blank lines
+    between documents (the BERT pretraining format). "text": plain prose; paragraphs (blocks
+    between blank lines) become documents, split into sentences. "auto" picks by the layout."""
+    text = Path(path).read_text(encoding="utf-8")
+    if fmt not in ("auto", "sentences", "text"):
+        raise ValueError(f"unknown corpus format {fmt!r}; expected 'auto', 'sentences' or 'text'")
+    per_line = fmt == "sentences" or (fmt == "auto" and _is_sentence_per_line(text))
+    documents = []
+    for block in re.split(r"\n\s*\n", text):
+        if per_line:
+            sentences = [_WHITESPACE.sub(" ", line).strip() for line in block.splitlines() if line.strip()]
+        else:
+            sentences = split_sentences(block)
+        if len(sentences) >= 2:
+            documents.append(sentences)
+    return documents
+
+
+def corpus_fingerprint(documents: list[list[str]]) -> str:
+    """SHA-256 hex digest of the documents' sentences and their grouping (cache key)."""
+    digest = hashlib.sha256()
+    for document in documents:
+        for sentence in document:
+            digest.update(sentence.encode("utf-8"))
+            digest.update(b"\x1f")
+        digest.update(b"\x1e")
+    return digest.hexdigest()

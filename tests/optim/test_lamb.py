@@ -1,0 +1,106 @@
+"""LAMB against a float64 hand computation, zero-norm cases, weight decay, state_dict round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipefisher.optim.lamb import Lamb
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def hand_lamb(p: list[float], grads: list[list[float]], lr: float, b1: float, b2: float, eps: float, wd: float) -> list[float]:
+    """LAMB on one flat parameter, element by element in Python floats (double precision)."""
+    p, m, v = list(p), [0.0] * len(p), [0.0] * len(p)
+    for t, g in enumerate(grads, start=1):
+        m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g)]
+        v = [b2 * vi + (1 - b2) * gi * gi for vi, gi in zip(v, g)]
+        u = [(mi / (1 - b1**t)) / (math.sqrt(vi / (1 - b2**t)) + eps) + wd * pi for mi, vi, pi in zip(m, v, p)]
+        p_norm, u_norm = math.sqrt(sum(x * x for x in p)), math.sqrt(sum(x * x for x in u))
+        ratio = p_norm / u_norm if p_norm > 0 and u_norm > 0 else 1.0
+        p = [pi - lr * ratio * ui for pi, ui in zip(p, u)]
+    return p
+
+
+def run_lamb(p0: torch.Tensor, grads: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    p = torch.nn.Parameter(p0.clone())
+    optimizer = Lamb([p], **kwargs)
+    for g in grads:
+        p.grad = g.clone()
+        optimizer.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_matches_hand_computation(steps: int, weight_decay: float) -> None:
+    g = torch.Generator().manual_seed(steps)
+    p0 = torch.randn(6, generator=g, dtype=torch.float64)
+    grads = [torch.randn(6, generator=g, dtype=torch.float64) * 10 ** (-k) for k in range(steps)]
+    settings = {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": weight_decay}
+    got = run_lamb(p0.view(2, 3), [x.view(2, 3) for x in grads], **settings)
+    expected = hand_lamb(p0.tolist(), [x.tolist() for x in grads], settings["lr"], *settings["betas"], settings["eps"], weight_decay)
+    torch.testing.assert_close(got.flatten(), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-14)
+
+
+def test_step_length_is_lr_times_weight_norm() -> None:
+    p0 = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    got = run_lamb(p0, [torch.tensor([1.0, -2.0], dtype=torch.float64)], lr=0.1, eps=0.0)
+    torch.testing.assert_close((got - p0).norm(), torch.tensor(0.1 * 5.0, dtype=torch.float64))
+    # First step: m̂ = g, v̂ = g², so u = sign(g) and the step is −lr·‖p‖·sign(g)/‖sign(g)‖.
+    torch.testing.assert_close(got, p0 - 0.5 * torch.tensor([1.0, -1.0], dtype=torch.float64) / math.sqrt(2))
+
+
+def test_zero_norms_use_ratio_one() -> None:
+    zero = torch.zeros(3, dtype=torch.float64)
+    grad = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    got = run_lamb(zero, [grad], lr=0.1, eps=0.0)
+    torch.testing.assert_close(got, -0.1 * torch.sign(grad))
+    p0 = torch.tensor([1.0, 2.0, 2.0], dtype=torch.float64)
+    assert torch.equal(run_lamb(p0, [zero], lr=0.1), p0)
+
+
+def test_weight_decay_alone_shrinks_by_lr() -> None:
+    p0 = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    got = run_lamb(p0, [torch.zeros(2, dtype=torch.float64)], lr=0.1, weight_decay=0.5)
+    torch.testing.assert_close(got, 0.9 * p0)
+
+
+def test_state_dict_round_trip_and_groups() -> None:
+    g = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(4, generator=g), torch.randn(3, generator=g)) for _ in range(6)]
+
+    def make(a: torch.Tensor, b: torch.Tensor) -> Lamb:
+        return Lamb([{"params": [a]}, {"params": [b], "weight_decay": 0.0}], lr=0.01, weight_decay=0.1)
+
+    def steps(params: tuple[torch.Tensor, ...], optimizer: Lamb, chunk: list) -> None:
+        for pair in chunk:
+            for p, grad in zip(params, pair):
+                p.grad = grad.clone()
+            optimizer.step()
+
+    straight = (torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.full((3,), 2.0)))
+    steps(straight, make(*straight), grads)
+    first = (torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.full((3,), 2.0)))
+    optimizer = make(*first)
+    steps(first, optimizer, grads[:3])
+    second = tuple(torch.nn.Parameter(p.detach().clone()) for p in first)
+    resumed = make(*second)
+    resumed.load_state_dict(optimizer.state_dict())
+    assert resumed.state[second[0]]["step"] == 3
+    steps(second, resumed, grads[3:])
+    for a, b in zip(straight, second):
+        assert torch.equal(a, b)
+    assert not torch.equal(second[0], torch.ones(4))
+
+
+@pytest.mark.parametrize("kwargs, name", [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay")])
+def test_rejects_bad_arguments(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        Lamb([torch.nn.Parameter(torch.ones(2))], **{"lr": 0.1, **kwargs})
