@@ -212,11 +212,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer},
         kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps, "profile": args.profile},
-        run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout},
+        checkpoint={"dir": args.checkpoint_dir},
+        run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
+             "metrics": args.metrics},
     )
     from pipefisher.runtime.training import build_schedule
 
     schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
+    _prepare_model(config)
     if config.optimizer.name == "kfac" and config.kfac.profile:
         from pipefisher.runtime.pipefisher_run import check_profile_matches
 
@@ -231,7 +234,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     problem = None if args.reference else check_port(config)
     if problem:
         raise UsageError(problem)
-    return run(config, reference=args.reference, as_json=args.json)
+    first_step = 0
+    if args.resume:
+        from pipefisher.runtime.checkpoint import CheckpointError, latest_step
+
+        if not config.checkpoint.dir:
+            raise UsageError("--resume needs --checkpoint-dir (or checkpoint.dir in the run file)")
+        try:
+            first_step = latest_step(config.checkpoint.dir, config)
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from None
+        if first_step >= config.run.steps:
+            print(f"pipefisher: the checkpoint is at step {first_step}; nothing to do for --steps {config.run.steps}", file=sys.stderr)
+            return 0
+    return run(config, reference=args.reference, as_json=args.json, resume=args.resume, first_step=first_step)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -245,10 +261,21 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from pipefisher.runtime.training import build_schedule
 
     build_schedule(config)
+    _prepare_model(config)
     problem = check_port(config)
     if problem:
         raise UsageError(problem)
     return profile_run(config, args.output, args.timeline, args.repeats)
+
+
+def _prepare_model(config) -> None:
+    """Check that the model splits into the run's stages; for BERT this also builds (and caches)
+    the tokenizer and tokens once, before the ranks start and read the cache."""
+    from pipefisher.runtime.training import staged_model
+
+    if config.model.kind == "bert":
+        print("pipefisher: preparing the BERT data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
+    staged_model(config)
 
 
 def _add_profile(subparsers) -> None:
@@ -276,6 +303,9 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
+    parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint up to --steps")
+    parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
     parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     parser.set_defaults(handler=_cmd_run)

@@ -20,13 +20,18 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A small Transformer encoder on continuous inputs (or an MLP) for regression.
-
-    Inputs are (micro_batch_size, seq_len, input_dim); targets (micro_batch_size, seq_len,
-    output_dim). `layers` counts Transformer blocks (or hidden Linear layers of the MLP).
+    """`bert`: BERT pretraining (MLM + NSP) from a preset (bert-tiny, bert-mini, bert-base,
+    bert-large) or a Hugging Face config.json (`config_json`); its vocabulary follows the data's
+    tokenizer; `dropout` >= 0 overrides the config's dropout probabilities.
+    `transformer`/`mlp`: a small regression model on continuous inputs (micro_batch_size,
+    seq_len, input_dim) -> (…, output_dim); `layers` counts its blocks. `seq_len`: tokens per
+    sequence for every kind.
     """
 
-    kind: Literal["transformer", "mlp"] = "transformer"
+    kind: Literal["transformer", "mlp", "bert"] = "transformer"
+    preset: str = "bert-tiny"
+    config_json: str = ""
+    dropout: float = -1.0
     layers: int = 4
     hidden: int = 32
     heads: int = 2
@@ -38,11 +43,20 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Synthetic regression data, deterministic in (seed, step, micro-batch)."""
+    """Micro-batches, deterministic in (seed, step, micro-batch). `synthetic`: regression data
+    for the transformer/mlp models. `bert`: sentence pairs with 15 % masking from `corpus`
+    ("embedded" = English text shipped with Python, or a file: one sentence per line, blank line
+    between documents) tokenised by WordPiece (`vocab`: a BERT vocab.txt, "" = train one of
+    `vocab_size` on the corpus); tokenizer and tokens are cached in `cache_dir` ("" = default)."""
 
-    kind: Literal["synthetic"] = "synthetic"
+    kind: Literal["synthetic", "bert"] = "synthetic"
     seed: int = 0
     micro_batch_size: int = 4
+    corpus: str = "embedded"
+    vocab: str = ""
+    vocab_size: int = 4000
+    mask_prob: float = 0.15
+    cache_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,8 +74,9 @@ class PipelineConfig:
 class OptimizerConfig:
     """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay).
     `clip_norm` > 0 clips the global gradient norm (after preconditioning); the learning rate
-    warms up linearly over `warmup_steps`, then stays (`constant`) or falls to 0 at the last step
-    (`linear`). Weight decay skips biases and LayerNorm weights."""
+    warms up linearly over `warmup_steps`, then stays (`constant`) or falls to 0 at step
+    `decay_steps` (`linear`; 0 = the run's last step — fix it when a run is split by --resume
+    into parts with other --steps). Weight decay skips biases and LayerNorm weights."""
 
     name: Literal["sgd", "adamw", "lamb", "kfac"] = "sgd"
     lr: float = 0.05
@@ -72,6 +87,7 @@ class OptimizerConfig:
     clip_norm: float = 0.0
     warmup_steps: int = 0
     decay: Literal["constant", "linear"] = "constant"
+    decay_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,8 +115,19 @@ class KfacConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints in `dir` ("" = none) every `every` steps (0 = only at the end); the `keep`
+    newest are kept."""
+
+    dir: str = ""
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass(frozen=True)
 class RunSettings:
-    """`timeout`: seconds any rank may wait for another before the run aborts."""
+    """`timeout`: seconds any rank may wait for another before the run aborts; `metrics`: a file
+    that gets one JSON line per step ("" = none)."""
 
     steps: int = 3
     seed: int = 0
@@ -108,6 +135,7 @@ class RunSettings:
     master_addr: str = "127.0.0.1"
     master_port: int = 29511
     timeout: float = 60.0
+    metrics: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,6 +145,7 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     kfac: KfacConfig = field(default_factory=KfacConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunSettings = field(default_factory=RunSettings)
 
     @property
@@ -201,7 +230,7 @@ def config_from_dict(data: Any) -> RunConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, run")
+        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, checkpoint, run")
     sections = [f.name for f in fields(RunConfig)]
     hints = typing.get_type_hints(RunConfig)
     for key in data:
@@ -216,13 +245,17 @@ def _check(config: RunConfig) -> None:
     pipeline, model = config.pipeline, config.model
     if pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if model.layers % config.model_chunks:
+    if model.kind != "bert" and model.layers % config.model_chunks:
         raise ConfigError(
             f"model.layers: {model.layers} blocks cannot be split into {config.model_chunks} equal stages "
             f"(pipeline.stages {pipeline.stages}"
             + (f" x pipeline.chunks {pipeline.chunks}" if pipeline.schedule == "interleaved" else "")
             + "); use a multiple"
         )
+    if (model.kind == "bert") != (config.data.kind == "bert"):
+        raise ConfigError(f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; bert needs data.kind bert")
+    if not 0 < config.data.mask_prob < 1:
+        raise ConfigError(f"data.mask_prob: {config.data.mask_prob} must be in (0, 1)")
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
     kfac = config.kfac
@@ -232,6 +265,8 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"kfac.factor_decay: {kfac.factor_decay} must be in [0, 1)")
     if not 0 <= kfac.margin < 1 or kfac.max_overhead < 0:
         raise ConfigError("kfac.margin must be in [0, 1) and kfac.max_overhead >= 0")
+    if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
     if not 0 <= config.run.master_port < 65536:
         raise ConfigError(f"run.master_port: {config.run.master_port} is not a port number (0 picks a free one)")
 
@@ -243,6 +278,7 @@ def load_config(path: str | Path) -> RunConfig:
 
 __all__ = [
     "ConfigError",
+    "CheckpointConfig",
     "DataConfig",
     "KfacConfig",
     "ModelConfig",

@@ -10,13 +10,17 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import os
 import re
 import sysconfig
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-# Pure-Python standard-library modules (present in Python 3.10 to 3.14) whose docstrings join
-# the embedded corpus; they are read as source, never imported.
+# Pure-Python standard-library modules (present in Python 3.10 to 3.14 and not split into
+# separate distro packages such as python3-tk) whose docstrings join the embedded corpus; they
+# are read as source, never imported.
 DOCSTRING_MODULES: tuple[str, ...] = (
     "_pydecimal", "_pyio", "abc", "argparse", "ast", "asyncio.base_events", "asyncio.events",
     "asyncio.locks", "asyncio.queues", "asyncio.streams", "asyncio.tasks", "base64", "bisect",
@@ -34,19 +38,20 @@ DOCSTRING_MODULES: tuple[str, ...] = (
     "rlcompleter", "runpy", "sched", "secrets", "selectors", "shelve", "shlex", "shutil", "signal",
     "smtplib", "socket", "socketserver", "sqlite3.dump", "ssl", "stat", "statistics", "string",
     "subprocess", "symtable", "sysconfig", "tabnanny", "tarfile", "tempfile", "textwrap",
-    "threading", "timeit", "tkinter", "tokenize", "trace", "traceback", "turtle", "types", "typing",
-    "unittest.case", "unittest.mock", "urllib.parse", "urllib.request", "urllib.robotparser",
-    "uuid", "warnings", "wave", "weakref", "webbrowser", "wsgiref.handlers", "xml.dom.minidom",
-    "xml.etree.ElementTree", "xml.sax.handler", "xmlrpc.client", "zipapp", "zipfile", "zipimport",
-    "zoneinfo"
+    "threading", "timeit", "tokenize", "trace", "traceback", "types", "typing", "unittest.case",
+    "unittest.mock", "urllib.parse", "urllib.request", "urllib.robotparser", "uuid", "warnings",
+    "wave", "weakref", "webbrowser", "wsgiref.handlers", "xml.dom.minidom", "xml.etree.ElementTree",
+    "xml.sax.handler", "xmlrpc.client", "zipapp", "zipfile", "zipimport", "zoneinfo",
 )
 
-_SENTENCE_END = re.compile(r"(?<!\b[eE]\.g\.)(?<!\b[iI]\.e\.)(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+_SENTENCE_END = re.compile(r"(?<!\b[eE]\.g\.)(?<!\b[iI]\.e\.)(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
 _TERMINAL = re.compile(r"[.!?][\"')\]]*$")
 _CODE_LINE = re.compile(r"^\s*(>>>|\.\.\.\s|\$ |[+|]|[-=*~^#]{3,}\s*$)|::=|\s--?>\s|\)\s*->")
 _MARKER = r"(?:\*|-|\d+\.|\[\d+\]|\(\d+\))"
 _LIST_MARKER = re.compile(rf"^\s*{_MARKER}\s+")
-_PARAGRAPH_BREAK = re.compile(rf"\n\s*\n|\n(?=\s*{_MARKER}\s)")
+_BLANK_LINE = r"\n\s*\n"
+_DOCUMENT_BREAK = re.compile(_BLANK_LINE)
+_PARAGRAPH_BREAK = re.compile(rf"{_BLANK_LINE}|\n(?=\s*{_MARKER}\s)")
 _HYPHEN_BREAK = re.compile(r"(\w-)\n\s*(?=[a-z])")
 _EMPHASIS = re.compile(r'(?<![\w*])\*{1,2}(?=\w)([^*"\n]+?)(?<=\S)\*{1,2}(?!\*)')
 _WHITESPACE = re.compile(r"\s+")
@@ -60,7 +65,7 @@ def split_sentences(text: str) -> list[str]:
     return [sentence for sentence in _SENTENCE_END.split(text) if " " in sentence] if text else []
 
 
-def _prose_sentences(text: str) -> list[str]:
+def prose_sentences(text: str) -> list[str]:
     """Sentences of the prose paragraphs of reStructuredText-like `text`; code, grammar, tables,
     headings and heavily indented blocks are dropped, list markers and *emphasis* stripped.
     A paragraph ends at a blank line and before a list item."""
@@ -101,14 +106,14 @@ def _module_docstrings(name: str, stdlib: Path) -> str:
         nodes.append(node)
         if isinstance(node, ast.ClassDef):
             nodes.extend(filter(_public, node.body))
-    docs = (ast.get_docstring(node) for node in nodes)  # type: ignore[arg-type]
+    docs = (ast.get_docstring(node) for node in nodes)
     return "\n\n".join(doc for doc in docs if doc)
 
 
 def embedded_corpus() -> list[list[str]]:
     """Real English that ships with Python: one document per `pydoc_data.topics` entry (sorted
     by key), then one per module of `DOCSTRING_MODULES` (its docstrings). Fixed for a Python
-    version; identical documents are kept once. Built once per process (about a second),
+    version; identical documents are kept once. Built once per process (1-2 s),
     returned as a fresh copy."""
     return [list(document) for document in _embedded_documents()]
 
@@ -121,7 +126,7 @@ def _embedded_documents() -> tuple[tuple[str, ...], ...]:
     texts = [topics[key] for key in sorted(topics)] + [_module_docstrings(name, stdlib) for name in DOCSTRING_MODULES]
     documents: dict[tuple[str, ...], None] = {}
     for text in texts:
-        sentences = tuple(_prose_sentences(text))
+        sentences = tuple(prose_sentences(text))
         if len(sentences) >= 2:
             documents.setdefault(sentences)
     return tuple(documents)
@@ -130,23 +135,26 @@ def _embedded_documents() -> tuple[tuple[str, ...], ...]:
 def _is_sentence_per_line(text: str) -> bool:
     """Whether `text` looks like the pretraining format: blank lines between documents and most
     lines that are followed by another line ending a sentence (wrapped prose mostly does not)."""
-    blocks = [block.splitlines() for block in re.split(r"\n\s*\n", text.strip()) if block.strip()]
-    followed = [line.strip() for block in blocks for line in block[:-1] if line.strip()]
+    blocks = [block.splitlines() for block in _DOCUMENT_BREAK.split(text.strip()) if block.strip()]
     if len(blocks) < 2:
         return False
+    followed = [line.strip() for block in blocks for line in block[:-1] if line.strip()]
     return not followed or sum(bool(_TERMINAL.search(line)) for line in followed) >= len(followed) / 2
 
 
 def read_corpus(path: str | Path, fmt: Literal["auto", "sentences", "text"] = "auto") -> list[list[str]]:
-    """Documents of the UTF-8 file at `path`. "sentences": one sentence per line, blank lines
-    between documents (the BERT pretraining format). "text": plain prose; paragraphs (blocks
-    between blank lines) become documents, split into sentences. "auto" picks by the layout."""
-    text = Path(path).read_text(encoding="utf-8")
+    """Documents of the UTF-8 file at `path` (those with fewer than two sentences dropped).
+    "sentences": one sentence per line, blank lines between documents (BERT's pretraining
+    format). "text": plain prose, split into sentences; each paragraph (block between blank
+    lines) is a document, a file without blank lines is one document. "auto": "sentences" if
+    the file has blank lines and at least half of the lines followed by another line end a
+    sentence, else "text"."""
     if fmt not in ("auto", "sentences", "text"):
         raise ValueError(f"unknown corpus format {fmt!r}; expected 'auto', 'sentences' or 'text'")
+    text = Path(path).read_text(encoding="utf-8")
     per_line = fmt == "sentences" or (fmt == "auto" and _is_sentence_per_line(text))
     documents = []
-    for block in re.split(r"\n\s*\n", text):
+    for block in _DOCUMENT_BREAK.split(text):
         if per_line:
             sentences = [_WHITESPACE.sub(" ", line).strip() for line in block.splitlines() if line.strip()]
         else:
@@ -154,6 +162,22 @@ def read_corpus(path: str | Path, fmt: Literal["auto", "sentences", "text"] = "a
         if len(sentences) >= 2:
             documents.append(sentences)
     return documents
+
+
+def write_once(path: Path, write: Callable[[Path], None]) -> Path:
+    """Create cache file `path` with `write(temporary path)` unless it exists. Publishing is a
+    hard link, atomic and first-writer-wins: concurrent processes all end up reading the same
+    complete file. Returns `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        write(partial)
+        os.link(partial, path)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
 
 
 def corpus_fingerprint(documents: list[list[str]]) -> str:

@@ -321,13 +321,15 @@ class KFACEngine:
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """Running factors, built factors, pending and committed inverses, health, per layer."""
+        """Running factors, built factors, pending and committed inverses, captures still waiting
+        for their curvature, and health, per layer."""
         return {
             name: {
                 "ema": dict(st.ema),
                 "pending": dict(st.pending),
                 "active": dict(st.active),
                 "built": {f: asdict(b) for f, b in st.built.items()},
+                "captures": {f: {mb: list(ts) for mb, ts in store.items()} for f, store in st.captures.items()},
                 "health": asdict(st.health),
             }
             for name, st in self._layers.items()
@@ -357,6 +359,7 @@ class KFACEngine:
                 for f, b in entry["built"].items()
             }
             st.health = Health(**entry["health"])
+            st.captures = {f: {mb: [t.to(device) for t in ts] for mb, ts in store.items()} for f, store in entry.get("captures", {"A": {}, "B": {}}).items()}
 
     # ----------------------------------------------------------------- internals
     def _state(self, layer: str) -> LayerState:

@@ -18,6 +18,9 @@ class StagedModel(Protocol):
     build the same parameters.
     """
 
+    #: names of the parts `loss` returns (reported per step)
+    loss_parts: tuple[str, ...]
+
     def build_stage(self, index: int, num_stages: int, seed: int) -> nn.Module: ...
 
     def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ explicit `nn.Linear`, so K-FAC hooks see them all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -32,8 +33,8 @@ from torch.nn import functional as F
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
     "silu": F.silu,
 }
@@ -106,6 +107,8 @@ BERT_PRESETS: dict[str, BertConfig] = {
     "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
     "bert-mini": BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024),
     "bert-tiny": BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    # BERT-Tiny's width with 4 layers: the CPU demo, splittable into 2 stages x 2 chunks.
+    "bert-4x128": BertConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, intermediate_size=512),
 }
 
 
@@ -115,12 +118,6 @@ def bert_preset(name: str, vocab_size: int | None = None) -> BertConfig:
         raise ValueError(f"preset: {name!r} is not one of {', '.join(BERT_PRESETS)}")
     preset = BERT_PRESETS[name]
     return preset if vocab_size is None else dataclasses.replace(preset, vocab_size=vocab_size)
-
-
-def no_decay(name: str) -> bool:
-    """True for parameters that get no weight decay: biases and LayerNorm weights."""
-    parts = name.split(".")
-    return parts[-1] == "bias" or "LayerNorm" in parts
 
 
 class Embeddings(nn.Module):
@@ -172,7 +169,7 @@ class AddNorm(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        return residual + self.dropout(self.dense(self.LayerNorm(x)))
+        return self.LayerNorm(residual + self.dropout(self.dense(x)))
 
 
 class Attention(nn.Module):
@@ -319,6 +316,9 @@ def _initialise(stage: BertStage, config: BertConfig, stage_seed: int, word_seed
 
 class BertStagedModel:
     """BERT pre-training model for a pipeline runtime: builds stages, gives shapes and the loss."""
+
+    #: named parts of `loss` the run reports
+    loss_parts = ("mlm", "nsp")
 
     def __init__(self, config: BertConfig, seq_len: int):
         if not 1 <= seq_len <= config.max_position_embeddings:

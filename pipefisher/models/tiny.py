@@ -99,6 +99,8 @@ class _Seeded:
 class TinyRegression:
     """The staged-model interface (`pipefisher.models.StagedModel`) of the regression model."""
 
+    loss_parts: tuple[str, ...] = ()
+
     def __init__(self, config: ModelConfig):
         self.config = config
 

@@ -43,13 +43,15 @@ def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module]) -> to
 
 
 def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """Warm-up then constant or linear decay over the run's steps; None when the rate is constant."""
+    """Warm-up then constant or linear decay over the run's steps (run.steps, so a resumed run
+    must keep its step count); None when the rate is constant."""
     settings = config.optimizer
     if settings.warmup_steps == 0 and settings.decay == "constant":
         return None
     from pipefisher.optim.schedule import warmup_decay
 
-    total = config.run.steps
+    total = settings.decay_steps or config.run.steps
+    warmup = min(settings.warmup_steps, total)  # a short run (e.g. a smoke test) stays in warm-up
     if settings.decay == "constant":
-        return warmup_decay(optimizer, settings.warmup_steps, total, power=0.0, final_fraction=1.0)
-    return warmup_decay(optimizer, settings.warmup_steps, total, power=1.0, final_fraction=0.0)
+        return warmup_decay(optimizer, warmup, total, power=0.0, final_fraction=1.0)
+    return warmup_decay(optimizer, warmup, total, power=1.0, final_fraction=0.0)

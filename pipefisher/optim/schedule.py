@@ -11,7 +11,7 @@ import torch
 class WarmupDecay:
     """Multiplier of the base lr at optimizer step `step` (0-based): step/warmup_steps during
     warm-up, then final + (1 − final)·(1 − progress)^power with progress 0 → 1 over the decay
-    steps, and final_fraction from total_steps on."""
+    steps, and final_fraction from total_steps on. power 0 with final_fraction 1 is warm-up then constant."""
 
     warmup_steps: int
     total_steps: int
@@ -28,8 +28,8 @@ class WarmupDecay:
         for name in ("power", "final_fraction"):
             if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a number, got {getattr(self, name)!r}")
-        if not self.power > 0.0:
-            raise ValueError(f"power: expected > 0, got {self.power!r}")
+        if not self.power >= 0.0:
+            raise ValueError(f"power: expected >= 0, got {self.power!r}")
         if not 0.0 <= self.final_fraction <= 1.0:
             raise ValueError(f"final_fraction: expected a number in [0, 1], got {self.final_fraction!r}")
 

@@ -74,6 +74,21 @@ class KfacRuntime:
             return nullcontext()
         return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
 
+    def quiesce(self) -> None:
+        """Finish every collective in flight (before a checkpoint); the math is unchanged."""
+        for work in [*self._syncs.values(), *self._shares]:
+            work.wait()
+        self._syncs.clear()
+        self._shares.clear()
+
+    def state_dict(self) -> dict:
+        self.quiesce()
+        return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for (pipe, stage), engine in self.engines.items():
+            engine.load_state_dict(state[f"{pipe}.{stage}"])
+
     def end_of_cycle(self) -> None:
         """Finish outstanding exchanges and make the cycle's inverses the ones in use."""
         for work in self._shares:

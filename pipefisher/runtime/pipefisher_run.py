@@ -83,12 +83,13 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
 class PipeFisherTrainer:
     """Drives one rank's executor through K-FAC refresh cycles."""
 
-    def __init__(self, config: RunConfig, executor: Executor, rank: int):
+    def __init__(self, config: RunConfig, executor: Executor, rank: int, profile: Profile | None = None):
+        """`profile`: the one to pack from (e.g. a checkpoint's); default: the run's file, or measured."""
         self.config, self.executor, self.rank = config, executor, rank
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
         self.skip = staged_model(config).kfac_skip()
-        self.profile = self._initial_profile()
+        self.profile = profile if profile is not None else self._initial_profile()
         self.kfac_plan = make_plan(config, self.schedule, self.profile)
         self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip)
         executor.handlers.update(self.runtime.handlers())
@@ -116,6 +117,14 @@ class PipeFisherTrainer:
             return profile
         self.log("measuring a profile (gradients dropped; the model does not change)")
         return self._measure()
+
+    def state_dict(self) -> dict:
+        """Position in the cycle, the profile the plan comes from, and every engine's state."""
+        return {"cycle_step": self.cycle_step, "profile": self.profile.to_dict(), "engines": self.runtime.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cycle_step = int(state["cycle_step"])
+        self.runtime.load_state_dict(state["engines"])
 
     @property
     def predicted_step_ms(self) -> float:

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Callable
 
 import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.executor import StepResult
+from pipefisher.runtime.report import StepReporter
 from pipefisher.runtime.launch import GroupFailure, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group
 from pipefisher.runtime.training import train_pipelined, train_reference
-
-
-def step_printer(total_steps: int, as_json: bool) -> Callable[[StepResult], None]:
-    """Prints one line per step on stdout: JSON ({"step", "loss", "step_time_ms"}) or text."""
-
-    def emit(result: StepResult) -> None:
-        if as_json:
-            line = json.dumps({"step": result.step, "loss": result.loss, "step_time_ms": 1000 * result.seconds, **result.extra})
-        else:
-            line = f"step {result.step}/{total_steps}  loss {result.loss:.6f}  step time {1000 * result.seconds:.1f} ms"
-            if "predicted_step_time_ms" in result.extra:
-                line += f" (predicted {result.extra['predicted_step_time_ms']:.1f} ms, k={result.extra['refresh_steps']})"
-        print(line, flush=True)
-
-    return emit
 
 
 def describe(config: RunConfig) -> str:
@@ -40,28 +23,38 @@ def describe(config: RunConfig) -> str:
     )
 
 
-def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool) -> None:
-    device = current_device(config.run.backend)
-    printer = step_printer(config.run.steps, as_json) if rank == 0 else None
-    train_pipelined(config, rank, device, on_step=printer)
+def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_json: bool, resume: bool, first_step: int) -> None:
+    reporter = StepReporter(config, as_json, first_step) if rank == 0 else None
+    try:
+        train_pipelined(config, rank, device, on_step=reporter, resume=resume)
+    finally:
+        if reporter is not None:
+            reporter.close()
 
 
-def run(config: RunConfig, reference: bool, as_json: bool) -> int:
+def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool, resume: bool, first_step: int) -> None:
+    _train_and_report(config, rank, current_device(config.run.backend), as_json, resume, first_step)
+
+
+def run(config: RunConfig, reference: bool, as_json: bool, resume: bool = False, first_step: int = 0) -> int:
     """Train; returns the process exit code (0 success, 1 a failed run)."""
-    printer = step_printer(config.run.steps, as_json)
     if reference:
         print(f"pipefisher run (reference, one process): {describe(config)}", file=sys.stderr)
         torch.set_num_threads(1)
-        train_reference(config, on_step=printer)
+        reporter = StepReporter(config, as_json)
+        try:
+            train_reference(config, on_step=reporter)
+        finally:
+            reporter.close()
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_under_torchrun(config, printer)
+        return _run_under_torchrun(config, as_json, resume, first_step)
     port = config.run.master_port or free_port(config.run.master_addr)
     backend = resolve_backend(config.run.backend)
     print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {port})", file=sys.stderr)
     try:
         run_group(
-            _local_worker, config.world_size, args=(config, as_json), backend=backend,
+            _local_worker, config.world_size, args=(config, as_json, resume, first_step), backend=backend,
             timeout=config.run.timeout, port=port, host=config.run.master_addr,
         )
     except GroupFailure as failure:
@@ -113,7 +106,7 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
     return 0
 
 
-def _run_under_torchrun(config: RunConfig, printer: Callable[[StepResult], None]) -> int:
+def _run_under_torchrun(config: RunConfig, as_json: bool, resume: bool, first_step: int) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
         print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
@@ -121,7 +114,7 @@ def _run_under_torchrun(config: RunConfig, printer: Callable[[StepResult], None]
         return 2
     try:
         device = init_distributed(config.run.backend, config.run.timeout)
-        train_pipelined(config, rank, device, on_step=printer if rank == 0 else None)
+        _train_and_report(config, rank, device, as_json, resume, first_step)
     except Exception as exc:
         print(f"pipefisher: rank {rank}: {first_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # peers are failing too; a clean shutdown could wait on them

@@ -7,6 +7,8 @@ parameters agree to float tolerance.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -16,13 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipefisher.config import RunConfig
+from pipefisher.config import ConfigError, DataConfig, RunConfig
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.ir import Schedule
 from pipefisher.models import StagedModel
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.comm import Comm
+from pipefisher.profile import profile_from_dict
+from pipefisher.runtime.checkpoint import latest_step, load_rank, mark_latest, save_rank
+from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.executor import Executor, MicroBatchFn, StepResult
 from pipefisher.runtime.gradients import GradientClipper, TiedGradients
 from pipefisher.runtime.stage import StageRuntime
@@ -49,12 +54,50 @@ def build_schedule(config: RunConfig) -> Schedule:
 
 
 def staged_model(config: RunConfig) -> StagedModel:
-    """The model of the run behind the staged-model interface."""
-    return TinyRegression(config.model)
+    """The model of the run behind the staged-model interface (ConfigError if it cannot be split
+    into the run's stages)."""
+    if config.model.kind != "bert":
+        return TinyRegression(config.model)
+    from pipefisher.models.bert import BertConfig, BertStagedModel, bert_preset
+
+    settings = config.model
+    try:
+        bert = BertConfig.from_json(settings.config_json) if settings.config_json else bert_preset(settings.preset)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"model: {first_line(exc)}") from None
+    bert = dataclasses.replace(bert, vocab_size=pretraining_data(config).vocab_size)
+    if settings.dropout >= 0:
+        bert = dataclasses.replace(bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout)
+    if bert.num_hidden_layers % config.model_chunks:
+        raise ConfigError(
+            f"model: {bert.num_hidden_layers} BERT layers cannot be split into {config.model_chunks} equal stages; use a multiple"
+        )
+    if settings.seq_len > bert.max_position_embeddings:
+        raise ConfigError(f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions")
+    return BertStagedModel(bert, settings.seq_len)
+
+
+@functools.cache
+def _pretraining_data(data: DataConfig, seq_len: int):
+    from pipefisher.data.corpus import embedded_corpus, read_corpus
+    from pipefisher.data.pretraining import PretrainingData, default_cache_dir
+    from pipefisher.data.tokenizer import load_vocab, train_wordpiece
+
+    cache = data.cache_dir or str(default_cache_dir())
+    documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
+    tokenizer = load_vocab(data.vocab) if data.vocab else train_wordpiece(documents, data.vocab_size, cache)
+    return PretrainingData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, data.mask_prob, cache)
+
+
+def pretraining_data(config: RunConfig):
+    """The BERT pretraining data of the run (built once per process; tokenizer and tokens cached on disk)."""
+    return _pretraining_data(config.data, config.model.seq_len)
 
 
 def data_source(config: RunConfig) -> MicroBatchFn:
     """(step, global micro-batch) -> batch, a pure function every rank can call."""
+    if config.data.kind == "bert":
+        return pretraining_data(config).micro_batch
     return SyntheticRegression(config.data, config.model).micro_batch
 
 
@@ -87,7 +130,7 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     executor = Executor(
         topology, rank, stages, comm, data_source(config),
         lambda stage: model.activation_shape(stage, num_stages, config.data.micro_batch_size),
-        optimizer, device, loss_parts=getattr(model, "loss_parts", ()),
+        optimizer, device, loss_parts=model.loss_parts,
     )
     executor.gradient_hooks.append(tied)
     if config.optimizer.clip_norm > 0:
@@ -97,29 +140,71 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
 
 
 def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step: StepCallback | None = None,
-                    executor: Executor | None = None) -> TrainResult:
-    """Train on this rank (with `executor` if given, else a fresh one from `build_executor`)."""
+                    executor: Executor | None = None, resume: bool = False) -> TrainResult:
+    """Train on this rank (with `executor` if given, else a fresh one from `build_executor`) up
+    to `config.run.steps`; with `resume`, continue from the latest checkpoint in
+    `config.checkpoint.dir`. Checkpoints are written there every `checkpoint.every` steps and at the end."""
     if executor is None:
         executor, _ = build_executor(config, rank, device)
+    start, state = 0, None
+    if resume:
+        start = latest_step(config.checkpoint.dir, config)
+        state = load_rank(config.checkpoint.dir, start, rank, device)
+        _restore(executor, state)
+    trainer = None
     if config.optimizer.name == "kfac":
         from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
 
-        run_step = PipeFisherTrainer(config, executor, rank).run_step
+        profile = profile_from_dict(state["kfac"]["profile"]) if state else None
+        trainer = PipeFisherTrainer(config, executor, rank, profile)
+        if state:
+            trainer.load_state_dict(state["kfac"])
+        run_step = trainer.run_step
     else:
         ops = executor.topology.schedule.ranks[executor.topology.pipeline_rank(rank)]
         run_step = lambda step: executor.run_step(step, ops)
     losses = []
-    for step in range(config.run.steps):
+    every = config.checkpoint.every
+    for step in range(start, config.run.steps):
         result = run_step(step)
         losses.append(result.loss)
         if on_step is not None:
             on_step(result)
+        done = step + 1
+        if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps):
+            save_rank(config.checkpoint.dir, done, rank, _state(executor, trainer, done))
+            dist.barrier()
+            if rank == 0:
+                mark_latest(config.checkpoint.dir, done, config, config.checkpoint.keep)
     parameters = {}
     for (pipe, stage), runtime in executor.stages.items():
         prefix = f"p{pipe}.{stage}" if pipe else f"{stage}"
         for name, parameter in runtime.module.named_parameters():
             parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
     return TrainResult(losses, parameters)
+
+
+def _state(executor: Executor, trainer, step: int) -> dict:
+    """Everything a rank needs to continue bit for bit after `step` completed steps."""
+    return {
+        "step": step,
+        "stages": {f"{pipe}.{stage}": runtime.module.state_dict() for (pipe, stage), runtime in executor.stages.items()},
+        "optimizer": executor.optimizer.state_dict(),
+        "scheduler_step": executor.scheduler.last_epoch if executor.scheduler is not None else None,
+        "kfac": trainer.state_dict() if trainer is not None else None,
+        "rng": torch.random.get_rng_state(),
+    }
+
+
+def _restore(executor: Executor, state: dict) -> None:
+    for (pipe, stage), runtime in executor.stages.items():
+        runtime.module.load_state_dict(state["stages"][f"{pipe}.{stage}"])
+    executor.optimizer.load_state_dict(state["optimizer"])
+    if executor.scheduler is not None and state["scheduler_step"] is not None:
+        # The schedule comes from this run's configuration; only its position is restored.
+        executor.scheduler.last_epoch = state["scheduler_step"] - 1
+        executor.scheduler.step()
+    torch.random.set_rng_state(state["rng"])
 
 
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
@@ -138,15 +223,19 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     for step in range(config.run.steps):
         start = time.perf_counter()
         step_loss = 0.0
+        extra = {"lr": optimizer.param_groups[0]["lr"], **dict.fromkeys(model.loss_parts, 0.0)}
         for index in range(total):
             batch = micro_batch(step, index)
             with kfac.capture(step, index) if kfac else nullcontext():
                 x = None
                 for stage in stages:
                     x = stage(x, batch)
-                loss = model.loss(x, batch)[0] * (1.0 / total)  # the scaling the last stage applies
+                loss, parts = model.loss(x, batch)
+                loss = loss * (1.0 / total)  # the scaling the last stage applies
                 loss.backward()
             step_loss += float(loss.detach())
+            for name, value in parts.items():
+                extra[name] += float(value) / total
         if kfac:
             kfac.before_optimizer_step(step)
         if len(tied) > 1:
@@ -167,7 +256,7 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
             kfac.after_optimizer_step(step)
         losses.append(step_loss)
         if on_step is not None:
-            on_step(StepResult(step + 1, step_loss, time.perf_counter() - start))
+            on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
     parameters = {
         f"{index}.{name}": parameter.detach().clone()
         for index, stage in enumerate(stages)

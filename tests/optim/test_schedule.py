@@ -21,6 +21,7 @@ def _one_thread() -> None:
         ((10, 110, 1.0, 0.1), {0: 0.0, 5: 0.5, 10: 1.0, 60: 0.55, 110: 0.1, 200: 0.1}),
         ((0, 4, 0.5, 0.0), {0: 1.0, 3: 0.5, 4: 0.0}),
         ((4, 4, 1.0, 0.2), {2: 0.5, 4: 0.2}),
+        ((4, 10, 0.0, 1.0), {2: 0.5, 4: 1.0, 9: 1.0, 10: 1.0, 50: 1.0}),
     ],
 )
 def test_multipliers(settings: tuple, expected: dict[int, float]) -> None:
@@ -50,7 +51,7 @@ def test_lambda_lr_follows_schedule_and_round_trips() -> None:
     [
         ({"warmup_steps": -1}, "warmup_steps"), ({"warmup_steps": 2.5}, "warmup_steps"),
         ({"total_steps": 0, "warmup_steps": 0}, "total_steps"), ({"total_steps": 5, "warmup_steps": 10}, "total_steps"),
-        ({"total_steps": True}, "total_steps"), ({"power": 0.0}, "power"), ({"power": "1"}, "power"),
+        ({"total_steps": True}, "total_steps"), ({"power": -1.0}, "power"), ({"power": "1"}, "power"),
         ({"final_fraction": 1.5}, "final_fraction"), ({"final_fraction": -0.1}, "final_fraction"),
     ],
 )

@@ -60,3 +60,28 @@ def hanging(rank: int, world: int) -> int:
     if rank == 1:
         time.sleep(600)
     return rank
+
+
+def bert_one_step(rank: int, world: int, config: RunConfig) -> TrainResult:
+    return train_pipelined(config, rank, CPU)
+
+
+def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> TrainResult:
+    return train_pipelined(config, rank, CPU, resume=resume)
+
+
+def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int) -> TrainResult:
+    """Train with checkpoints; rank 0 is killed half-way through writing the checkpoint of `fatal_step`."""
+    from pipefisher.runtime import checkpoint
+
+    original = checkpoint.torch.save
+
+    def save(state, path):
+        if rank == 0 and state.get("step") == fatal_step:
+            with open(path, "wb") as handle:
+                handle.write(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(state, path)
+
+    checkpoint.torch.save = save
+    return train_pipelined(config, rank, CPU)

@@ -14,7 +14,7 @@ from pipefisher.runtime.launch import run_group
 from pipefisher.runtime.training import train_reference
 
 pytestmark = pytest.mark.dist
-TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-cpu.yaml"
+TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
 
 
 def kfac_config(schedule, placement, **kfac):

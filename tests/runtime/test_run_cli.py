@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-cpu.yaml"
+TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def test_text_output_names_units(reference_losses):
         ("pipeline:\n  stages: 3\n", "model.layers: 4 blocks cannot be split into 3 equal stages"),
         ("pipeline:\n  schedule: chimera\n  micro_batches: 3\n", "micro-batches N=3 must be a multiple of stages D=2"),
         ("pipeline:\n  stagez: 2\n", "pipeline.stagez: unknown key; allowed keys: schedule, stages"),
-        ("optimizer:\n  name: lamb\n", "optimizer.name: 'lamb' is not one of sgd, adamw"),
+        ("optimizer:\n  name: adam\n", "optimizer.name: 'adam' is not one of sgd, adamw, lamb, kfac"),
         ("run:\n  steps: 0\n", "run.steps: 0 must be positive"),
         ("model: [1, 2]\n", "model: expected a mapping"),
     ],

@@ -1,0 +1,83 @@
+"""What a run shows while it trains: a progress bar or one line per step, a metrics file, a summary.
+
+Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
+and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
+parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with K-FAC, the refresh interval and the
+predicted step time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import TextIO
+
+from pipefisher.config import RunConfig
+from pipefisher.runtime.executor import StepResult
+
+
+def tokens_per_step(config: RunConfig) -> int:
+    p = config.pipeline
+    return p.micro_batches * p.data_parallel * config.data.micro_batch_size * config.model.seq_len
+
+
+class StepReporter:
+    """Call with every StepResult; `close()` prints the summary. A progress bar replaces the
+    text lines when stderr is a terminal and stdout is not used for JSON."""
+
+    def __init__(self, config: RunConfig, as_json: bool, first_step: int = 0, progress: bool | None = None):
+        self.config, self.as_json = config, as_json
+        self.total = config.run.steps
+        self.tokens = tokens_per_step(config)
+        self.metrics: TextIO | None = open(config.run.metrics, "a") if config.run.metrics else None
+        self.times: list[float] = []
+        self.last: dict = {}
+        use_bar = sys.stderr.isatty() and not as_json if progress is None else progress
+        self.bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, result: StepResult) -> None:
+        record = {
+            "step": result.step,
+            "loss": result.loss,
+            **{k: v for k, v in result.extra.items()},
+            "step_time_ms": 1000 * result.seconds,
+            "tokens_per_s": self.tokens / result.seconds if result.seconds > 0 else 0.0,
+        }
+        self.times.append(result.seconds)
+        self.last = record
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        if self.as_json:
+            print(json.dumps(record), flush=True)
+        elif self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        else:
+            line = f"step {result.step}/{self.total}  loss {result.loss:.6f}  step time {record['step_time_ms']:.1f} ms"
+            if "mlm" in record:
+                line += f"  (mlm {record['mlm']:.4f}, nsp {record['nsp']:.4f})"
+            if "predicted_step_time_ms" in record:
+                line += f"  predicted {record['predicted_step_time_ms']:.1f} ms, k={record['refresh_steps']}"
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if not self.times:
+            return
+        median = statistics.median(self.times)
+        summary = (
+            f"pipefisher: {len(self.times)} steps, final loss {self.last['loss']:.6f}, median step {1000 * median:.1f} ms, "
+            f"{self.tokens / median:.0f} tokens/s"
+        )
+        if "refresh_steps" in self.last:
+            summary += f", K-FAC every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
+        print(summary, file=sys.stderr, flush=True)

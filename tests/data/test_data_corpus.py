@@ -1,0 +1,132 @@
+import collections
+
+import pytest
+
+from pipefisher.data.corpus import (
+    corpus_fingerprint,
+    embedded_corpus,
+    prose_sentences,
+    read_corpus,
+    split_sentences,
+    write_once,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return embedded_corpus()
+
+
+def test_embedded_corpus_is_sizeable_real_english(corpus):
+    sentences = [sentence for document in corpus for sentence in document]
+    words = [word.lower().strip('.,;:()"') for sentence in sentences for word in sentence.split()]
+    assert len(corpus) >= 150 and len(sentences) >= 5000 and len(words) >= 80_000
+    assert all(len(document) >= 2 for document in corpus)
+    counts = collections.Counter(words)
+    assert counts.most_common(1)[0][0] == "the" and counts["the"] > 0.03 * len(words)
+    for common in ("of", "and", "is", "in", "that", "function", "object", "returns"):
+        assert counts[common] >= 100, common
+    assert not any(">>>" in s or "::=" in s or "\n" in s or "  " in s or s != s.strip() for s in sentences)
+    assert sum(sentence[0].isupper() or sentence[0] in "\"'(" for sentence in sentences) > 0.8 * len(sentences)
+
+
+def test_embedded_corpus_is_deterministic_and_a_fresh_copy(corpus):
+    again = embedded_corpus()
+    assert again == corpus
+    again[0].append("Mutating the copy must not leak.")
+    again.pop()
+    assert embedded_corpus() == corpus
+
+
+def test_split_sentences():
+    text = 'He said "Stop." Then he  left.\nSee e.g. Python for more (and i.e. that.) Does it work? Yes, it does! 2. Items'
+    assert split_sentences(text) == [
+        'He said "Stop."',
+        "Then he left.",
+        "See e.g. Python for more (and i.e. that.)",
+        "Does it work?",
+        "Yes, it does!",
+    ]
+    assert split_sentences("  ") == []
+
+
+def test_prose_sentences_drop_code_tables_and_headings():
+    text = """The "pass" statement
+********************
+
+"pass" is a null operation. When it is executed, nothing
+happens. It is a built-
+in placeholder.
+
+   pass_stmt ::= "pass"
+
+>>> def f(arg): pass
+>>> f(1)
+
++------+------+
+| a    | b    |
++------+------+
+
+1. A list item with *emphasis* in
+   it. And a second sentence.
+
+          deeply_indented = code(that, ends.)
+"""
+    assert prose_sentences(text) == [
+        '"pass" is a null operation.',
+        "When it is executed, nothing happens.",
+        "It is a built-in placeholder.",
+        "A list item with emphasis in it.",
+        "And a second sentence.",
+    ]
+
+
+def test_read_corpus_sentence_per_line(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(
+        "The first document starts here.\nIt has a second sentence.\n\n"
+        "A lone sentence is dropped.\n\n"
+        "The third document has\tthree sentences.\nThis is one.\nThis is another one.\n"
+    )
+    expected = [
+        ["The first document starts here.", "It has a second sentence."],
+        ["The third document has three sentences.", "This is one.", "This is another one."],
+    ]
+    assert read_corpus(path) == expected
+    assert read_corpus(path, "sentences") == expected
+
+
+def test_read_corpus_plain_text(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text(
+        "It was a bright cold day in April, and the clocks were\nstriking thirteen. Winston "
+        "Smith slipped quickly\nthrough the glass doors.\n\n"
+        "The hallway smelt of boiled cabbage and old rag mats. At one end\nof it a coloured "
+        "poster had been tacked to the wall.\n\nToo short.\n"
+    )
+    expected = [
+        ["It was a bright cold day in April, and the clocks were striking thirteen.", "Winston Smith slipped quickly through the glass doors."],
+        ["The hallway smelt of boiled cabbage and old rag mats.", "At one end of it a coloured poster had been tacked to the wall."],
+    ]
+    assert read_corpus(path) == expected
+    assert read_corpus(path, "text") == expected
+    assert read_corpus(path, "sentences")[0][0] == "It was a bright cold day in April, and the clocks were"
+    path.write_text(path.read_text().replace("\n\n", "\n"))
+    assert read_corpus(path) == [[sentence for document in expected for sentence in document] + ["Too short."]]
+    with pytest.raises(ValueError, match="unknown corpus format"):
+        read_corpus(path, "csv")
+
+
+def test_write_once_keeps_the_first_file(tmp_path):
+    path = tmp_path / "sub" / "cache.bin"
+    assert write_once(path, lambda partial: partial.write_bytes(b"first")) == path
+    write_once(path, lambda partial: partial.write_bytes(b"second"))
+    assert path.read_bytes() == b"first"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["cache.bin"]
+
+
+def test_fingerprint_sees_content_and_grouping():
+    base = corpus_fingerprint([["a b", "c d"], ["e f", "g h"]])
+    assert base == corpus_fingerprint([["a b", "c d"], ["e f", "g h"]])
+    assert base != corpus_fingerprint([["a b"], ["c d", "e f", "g h"]])
+    assert base != corpus_fingerprint([["a b", "c d"], ["e f", "g i"]])
