@@ -3,7 +3,8 @@
 Every boundary between stage s and s+1 of a pipe (per data-parallel replica) gets its own
 two-rank process group, a *channel*: activations go forward and gradients backward on it, each
 direction in micro-batch order on both ends. So messages match by order alone, which is all NCCL
-offers, and never depend on tags. Replicas of a stage share one group for gradient all-reduces.
+offers, and never depend on tags. Replicas of a stage share one group for gradient all-reduces
+and another for K-FAC's factor syncs and inverse exchanges.
 """
 
 from __future__ import annotations
@@ -51,10 +52,15 @@ class Comm:
                         if rank in ends:
                             self.channels[(replica, pipe, stage)] = group
         self.replica_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        #: K-FAC's own collectives (factor syncs, inverse exchanges) run on separate groups: a plan
+        #: may launch them in different steps on different ranks, which must never pair them with
+        #: a step's gradient all-reduce
+        self.kfac_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for stage in range(schedule.num_stages):
             ranks = topology.replica_ranks(stage)
             if len(ranks) > 1 and ranks not in self.replica_groups:
                 self.replica_groups[ranks] = dist.new_group(list(ranks))
+                self.kfac_groups[ranks] = dist.new_group(list(ranks))
         self._sends: list = []
 
     def channel(self, pipe: int, lower_stage: int) -> dist.ProcessGroup:

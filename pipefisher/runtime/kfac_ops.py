@@ -109,7 +109,7 @@ class KfacRuntime:
         return []
 
     def _group(self, stage: int):
-        return self.comm.replica_groups[self.topology.replica_ranks(stage)]
+        return self.comm.kfac_groups[self.topology.replica_ranks(stage)]
 
     def _sync(self, op: Op) -> list:
         factor = FACTOR_OF[op.kind]
