@@ -11,7 +11,8 @@ from pipefisher.config import RunConfig
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.report import StepReporter
 from pipefisher.runtime.launch import GroupFailure, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group
-from pipefisher.runtime.training import train_pipelined, train_reference
+from pipefisher.runtime.reference import train_reference
+from pipefisher.runtime.training import train_pipelined
 
 
 def describe(config: RunConfig) -> str:

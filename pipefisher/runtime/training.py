@@ -1,22 +1,17 @@
-"""A training run from a RunConfig: pipelined on this rank, or the single-process reference.
-
-Both see the same stages (built from the same seeds), the same micro-batches in the same order
-and the same loss scaling (mean over all micro-batches of the step), so their losses and
-parameters agree to float tolerance.
+"""A pipelined training run from a RunConfig: the run's model and data, this rank's executor,
+the step loop with checkpoints. `pipefisher.runtime.reference` trains the same in one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from pipefisher.config import ConfigError, DataConfig, RunConfig
 from pipefisher.data.synthetic import SyntheticRegression
@@ -24,8 +19,8 @@ from pipefisher.ir import Schedule
 from pipefisher.models import StagedModel
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.optim import build_optimizer, build_scheduler
-from pipefisher.runtime.comm import Comm
 from pipefisher.profile import profile_from_dict
+from pipefisher.runtime.comm import Comm
 from pipefisher.runtime.checkpoint import latest_step, load_rank, mark_latest, save_rank
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.executor import Executor, MicroBatchFn, StepResult
@@ -205,104 +200,3 @@ def _restore(executor: Executor, state: dict) -> None:
         executor.scheduler.last_epoch = state["scheduler_step"] - 1
         executor.scheduler.step()
     torch.random.set_rng_state(state["rng"])
-
-
-def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
-    """The same training in one process: all stages in sequence, micro-batches in id order,
-    tied copies' gradients summed, the same clipping, schedule and K-FAC cycle."""
-    model = staged_model(config)
-    num_stages = config.model_chunks
-    stages = [model.build_stage(index, num_stages, config.run.seed) for index in range(num_stages)]
-    optimizer = build_optimizer(config.optimizer, stages)
-    scheduler = build_scheduler(config, optimizer)
-    micro_batch = data_source(config)
-    total = config.pipeline.micro_batches * config.pipeline.data_parallel
-    tied = _local_tied_copies(stages, model.tied_parameters())
-    kfac = ReferenceKfac(config, nn.ModuleList(stages), model.kfac_skip()) if config.optimizer.name == "kfac" else None
-    losses = []
-    for step in range(config.run.steps):
-        start = time.perf_counter()
-        step_loss = 0.0
-        extra = {"lr": optimizer.param_groups[0]["lr"], **dict.fromkeys(model.loss_parts, 0.0)}
-        for index in range(total):
-            batch = micro_batch(step, index)
-            with kfac.capture(step, index) if kfac else nullcontext():
-                x = None
-                for stage in stages:
-                    x = stage(x, batch)
-                loss, parts = model.loss(x, batch)
-                loss = loss * (1.0 / total)  # the scaling the last stage applies
-                loss.backward()
-            step_loss += float(loss.detach())
-            for name, value in parts.items():
-                extra[name] += float(value) / total
-        if kfac:
-            kfac.before_optimizer_step(step)
-        if len(tied) > 1:
-            combined = sum(p.grad for p in tied)
-            for parameter in tied:
-                parameter.grad = combined.clone()
-        if config.optimizer.clip_norm > 0:
-            duplicates = {id(p) for p in tied[1:]}
-            unique = [p for stage in stages for p in stage.parameters() if id(p) not in duplicates]
-            torch.nn.utils.clip_grad_norm_(unique, config.optimizer.clip_norm)
-            for parameter in tied[1:]:
-                parameter.grad = tied[0].grad.clone()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if kfac:
-            kfac.after_optimizer_step(step)
-        losses.append(step_loss)
-        if on_step is not None:
-            on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
-    parameters = {
-        f"{index}.{name}": parameter.detach().clone()
-        for index, stage in enumerate(stages)
-        for name, parameter in stage.named_parameters()
-    }
-    return TrainResult(losses, parameters)
-
-
-def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> list[nn.Parameter]:
-    """The distinct Parameters that are copies of one tied weight, first stage's first."""
-    where = {"first": 0, "last": len(stages) - 1}
-    copies: list[nn.Parameter] = []
-    for selector, name in tied:
-        parameter = dict(stages[where[selector]].named_parameters()).get(name)
-        if parameter is not None and not any(parameter is p for p in copies):
-            copies.append(parameter)
-    return copies
-
-
-class ReferenceKfac:
-    """K-FAC of the whole model in one process, with the pipeline's cycle semantics: capture in
-    the cycle's first step, inverses committed after its last step, preconditioning every step."""
-
-    def __init__(self, config: RunConfig, model: nn.Module, skip: tuple[str, ...] = ()):
-        from pipefisher.kfac import KFACEngine
-        from pipefisher.runtime.kfac_ops import kfac_engine_config, rows_per_step
-
-        if config.kfac.refresh_steps < 1:
-            raise ValueError("the reference K-FAC needs kfac.refresh_steps (--kfac-refresh-steps): it has no packer")
-        self.k = config.kfac.refresh_steps
-        self.lr = config.optimizer.lr
-        self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
-
-    def capture(self, step: int, micro_batch: int):
-        return self.engine.capture(micro_batch) if step % self.k == 0 else nullcontext()
-
-    def before_optimizer_step(self, step: int) -> None:
-        if step % self.k == 0:
-            for info in self.engine.layers():
-                for factor in ("A", "B"):
-                    for micro_batch in self.engine.captured(info.name, factor):
-                        self.engine.curvature(info.name, factor, micro_batch)
-                    self.engine.invert(info.name, factor)
-        self.engine.precondition_all(self.lr)
-
-    def after_optimizer_step(self, step: int) -> None:
-        if step % self.k == self.k - 1:
-            for info in self.engine.layers():
-                self.engine.commit(info.name)

@@ -5,7 +5,7 @@ import torch
 
 from _workers import pipelined
 from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.training import train_reference
+from pipefisher.runtime.reference import train_reference
 
 pytestmark = pytest.mark.dist
 

@@ -11,7 +11,7 @@ from _workers import pipelined
 from pipefisher.config import config_from_dict
 from pipefisher.profile import load_profile
 from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.training import train_reference
+from pipefisher.runtime.reference import train_reference
 
 pytestmark = pytest.mark.dist
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
