@@ -396,7 +396,7 @@ def profile_lines(data: dict) -> list[str]:
         layers = stage["layers"]
         total = lambda *keys: sum(layer[key] for layer in layers for key in keys)
         lines.append(
-            f"  stage {index}: forward {stage['forward']:.1f}, backward {stage['backward']:.1f}, p2p {stage['p2p']:.2f}, "
+            f"  stage {index}: forward {stage['forward']:.1f}, backward {stage['backward']:.1f}, p2p {stage['p2p']:.2f}, step end {stage.get('step_end', 0.0):.1f}, "
             f"curvature {total('curvature_a', 'curvature_b'):.1f} per micro-batch, inverses {total('inverse_a', 'inverse_b'):.1f}, "
             f"precondition {total('precondition'):.1f}, syncs {total('sync_a', 'sync_b'):.1f} (ms, {len(layers)} K-FAC layers)"
         )

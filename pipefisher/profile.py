@@ -1,7 +1,7 @@
 """The stable profile format `pipefisher.profile/v1`: per-stage and per-layer op times.
 
 All times are in the profile's `time_unit` (ms by default). Forward, backward and curvature times
-are per micro-batch; inverse and sync times per refresh; precondition per step. Loading checks
+are per micro-batch; inverse and sync times per refresh; precondition and step end per step. Loading checks
 every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
 """
 
@@ -41,11 +41,14 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class StageProfile:
-    """Costs of one pipeline stage; `p2p` is the transfer time to the next stage."""
+    """Costs of one pipeline stage; `p2p` is the transfer time to the next stage; `step_end` the
+    stage's end of step after its last op (gradient all-reduce over replicas, clipping, optimizer
+    step), which a device holding several stages pays once per stage."""
 
     forward: float
     backward: float
     p2p: float = 0.0
+    step_end: float = 0.0
     layers: tuple[LayerProfile, ...] = ()
 
     @property
@@ -155,6 +158,7 @@ def _stage(data: Any, where: str) -> StageProfile:
         forward=_time(data, "forward", where),
         backward=_time(data, "backward", where),
         p2p=_time(data, "p2p", where, required=False),
+        step_end=_time(data, "step_end", where, required=False),
         layers=parsed,
     )
 

@@ -1,13 +1,13 @@
 """Duration-aware list scheduler: Schedule + Profile -> Timeline (start/end of every op).
 
 Each rank runs its ops in list order; an op starts when its rank is free and its dependencies
-have finished, plus the profile's p2p time when a dependency ran on another rank. Times are in
-the profile's time unit.
+have finished, plus the profile's p2p time when a dependency ran on another rank; after its last
+op a rank spends the step end of each stage it holds. Times are in the profile's time unit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -46,36 +46,49 @@ class Bubble:
 class Timeline:
     """Per-rank intervals in execution order; the step spans [0, step_time].
 
-    `comm_end` is when the last asynchronous collective launched in the step completes.
+    `comm_end` is when the last asynchronous collective launched in the step completes;
+    `tails[rank]` (empty: all 0) the rank's busy end of step right after its last op.
     """
 
     ranks: tuple[tuple[Interval, ...], ...]
     time_unit: str = "units"
     comm_end: float = 0.0
+    tails: tuple[float, ...] = ()
 
     @cached_property
     def step_time(self) -> float:
-        return max(max((iv.end for ivs in self.ranks for iv in ivs), default=0.0), self.comm_end)
+        ends = (self.last_end(rank) + self.tail(rank) for rank in range(self.num_ranks))
+        return max(max(ends, default=0.0), self.comm_end)
 
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
 
+    def tail(self, rank: int) -> float:
+        return self.tails[rank] if self.tails else 0.0
+
+    def last_end(self, rank: int) -> float:
+        """When `rank`'s last op ends (0 without ops)."""
+        return max((iv.end for iv in self.ranks[rank]), default=0.0)
+
     def busy_time(self, rank: int) -> float:
-        return sum(iv.duration for iv in self.ranks[rank])
+        """Op time plus the end of step."""
+        return sum(iv.duration for iv in self.ranks[rank]) + self.tail(rank)
 
     def bubble_time(self, rank: int) -> float:
         return self.step_time - self.busy_time(rank)
 
     def bubbles(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
-        """Idle gaps of `rank` in [0, step_time], including before its first and after its last op."""
+        """Idle gaps of `rank` in [0, step_time - tail], including before its first and after its
+        last op (work placed there ends before the rank's end of step)."""
         gaps, cursor = [], 0.0
         for iv in self.ranks[rank]:
             if iv.start - cursor > min_duration:
                 gaps.append(Bubble(rank, cursor, iv.start))
             cursor = max(cursor, iv.end)
-        if self.step_time - cursor > min_duration:
-            gaps.append(Bubble(rank, cursor, self.step_time))
+        end = self.step_time - self.tail(rank)
+        if end - cursor > min_duration:
+            gaps.append(Bubble(rank, cursor, end))
         return gaps
 
     @property
@@ -137,6 +150,10 @@ class OpDurations:
         """Time `op` occupies its rank."""
         return 0.0 if op.kind in COLLECTIVES else self.work(op)
 
+    def step_end(self, stages: Iterable[int]) -> float:
+        """End-of-step time of a rank that holds `stages`."""
+        return sum(self.profile.stages[stage].step_end for stage in stages)
+
     def delay(self, producer: Op, consumer: Op, cross_rank: bool) -> float:
         """Time between `producer` ending on its rank and `consumer` being able to use its result."""
         if producer.kind in COLLECTIVES:
@@ -165,7 +182,12 @@ def simulate_ops(
         intervals[rank].append(Interval(op, start, end))
         if op.kind in COLLECTIVES:
             comm_end = max(comm_end, end + durations.work(op))
-    return Timeline(ranks=tuple(tuple(ivs) for ivs in intervals), time_unit=durations.profile.time_unit, comm_end=comm_end)
+    return Timeline(
+        ranks=tuple(tuple(ivs) for ivs in intervals),
+        time_unit=durations.profile.time_unit,
+        comm_end=comm_end,
+        tails=tuple(durations.step_end({op.stage for op in ops}) for ops in ranks),
+    )
 
 
 def simulate(schedule: Schedule, profile: Profile) -> Timeline:

@@ -15,6 +15,7 @@ GOOD = {
             "forward": 29.2,
             "backward": 49.4,
             "p2p": 0.5,
+            "step_end": 3.5,
             "layers": [
                 {"name": "block0.attention.query", "curvature_a": 0.61, "curvature_b": 0.61, "inverse_a": 1.4, "inverse_b": 1.4, "precondition": 0.1},
             ],
@@ -38,6 +39,7 @@ def test_example_from_the_design_document_loads(tmp_path):
     path.write_text(yaml.safe_dump(GOOD))
     profile = load_profile(path)
     assert profile.num_stages == 2 and profile.micro_batch_size == 32 and profile.stages[1].layers == ()
+    assert profile.stages[0].step_end == 3.5 and profile.stages[1].step_end == 0.0  # optional field
     assert profile.stages[0].curvature_time == pytest.approx(1.22)
     assert profile.stages[0].inverse_time == pytest.approx(2.8)
 
@@ -61,6 +63,7 @@ def mutate(path_keys, value):
         (["stages", 0, "backward"], -1.0, r"stages\[0\]\.backward: -1.0 is negative"),
         (["stages", 0, "layers", 0, "inverse_a"], KeyError, r"stages\[0\]\.layers\[0\]\.inverse_a: missing"),
         (["stages", 0, "layers", 0, "sync_b"], -2, r"stages\[0\]\.layers\[0\]\.sync_b: -2 is negative"),
+        (["stages", 0, "step_end"], -0.5, r"stages\[0\]\.step_end: -0.5 is negative"),
         (["stages", 0, "forward"], "fast", r"stages\[0\]\.forward: 'fast' is not a finite number"),
         (["stages", 0, "forwad"], 1.0, r"stages\[0\]: unknown field 'forwad'"),
         (["time_unit"], "minutes", "time_unit: 'minutes' is not one of"),

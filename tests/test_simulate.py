@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from pipefisher.ir import dependencies
@@ -67,6 +69,37 @@ def test_bubbles_cover_idle_time_exactly():
         assert all(b.duration > 0 for b in bubbles)
     # The last stage waits D-1 forwards before its first op.
     assert timeline.bubbles(3)[0].start == 0 and timeline.bubbles(3)[0].end == pytest.approx(3.0)
+
+
+def with_step_ends(profile, step_ends):
+    return replace(profile, stages=tuple(replace(s, step_end=e) for s, e in zip(profile.stages, step_ends)))
+
+
+def test_step_end_extends_the_step_after_each_ranks_last_op():
+    d, n = 4, 4
+    plain = simulate(get_schedule("gpipe", d, n), uniform_profile(d, 1.0, 2.0))
+    # GPipe: rank 0 runs the last backward; rank r's last backward ends 2r earlier.
+    assert [plain.last_end(r) for r in range(d)] == pytest.approx([21.0, 19.0, 17.0, 15.0])
+    small = simulate(get_schedule("gpipe", d, n), with_step_ends(uniform_profile(d, 1.0, 2.0), [1.5] * d))
+    assert small.step_time == pytest.approx(21.0 + 1.5)
+    late = simulate(get_schedule("gpipe", d, n), with_step_ends(uniform_profile(d, 1.0, 2.0), [1.5, 0, 0, 9.0]))
+    assert late.step_time == pytest.approx(15.0 + 9.0)
+    for timeline in (small, late):
+        for rank in range(d):
+            bubbles = timeline.bubbles(rank)
+            assert sum(b.duration for b in bubbles) == pytest.approx(timeline.bubble_time(rank))
+            assert max(b.end for b in bubbles) <= timeline.step_time - timeline.tail(rank) + 1e-12
+    # Rank 3 waits 6 after its step end for the slowest rank: an idle gap at the very end.
+    assert late.bubbles(0)[-1].end == pytest.approx(24.0 - 1.5)
+
+
+def test_a_rank_holding_several_stages_pays_each_stage_end():
+    schedule = get_schedule("chimera", 4, 4)
+    timeline = simulate(schedule, with_step_ends(uniform_profile(4, 1.0, 1.0), [1.0, 2.0, 4.0, 8.0]))
+    # Chimera: rank r holds stage r of the down pipe and stage 3 - r of the up pipe.
+    assert timeline.tails == (9.0, 6.0, 6.0, 9.0)
+    plain = simulate(schedule, uniform_profile(4, 1.0, 1.0))
+    assert timeline.step_time == pytest.approx(max(plain.last_end(r) + timeline.tail(r) for r in range(4)))
 
 
 def test_profile_with_wrong_stage_count_is_rejected():

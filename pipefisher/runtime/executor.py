@@ -100,15 +100,7 @@ class Executor:
         try:
             self.comm.finish_sends()
             if update:
-                extra["lr"] = self.optimizer.param_groups[0]["lr"]
-                self.comm.all_reduce_gradients(self._gradient_groups)
-                for hook in self.gradient_hooks:
-                    hook()
-                if self.clipper is not None:
-                    extra["grad_norm"] = self.clipper()
-                self.optimizer.step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
+                extra.update(self.apply_gradients())
             self.optimizer.zero_grad(set_to_none=True)
             total, parts = 0.0, dict.fromkeys(self.loss_parts, 0.0)
             for stage in self.stages.values():
@@ -121,6 +113,20 @@ class Executor:
         except Exception as exc:
             raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
         return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=extra)
+
+    def apply_gradients(self) -> dict:
+        """Collective end of a step: sum gradients over replicas, run the gradient hooks, clip,
+        step the optimizer and the schedule; returns the fields to log (lr, grad_norm)."""
+        extra: dict = {"lr": self.optimizer.param_groups[0]["lr"]}
+        self.comm.all_reduce_gradients(self._gradient_groups)
+        for hook in self.gradient_hooks:
+            hook()
+        if self.clipper is not None:
+            extra["grad_norm"] = self.clipper()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return extra
 
     # -- handlers ----------------------------------------------------------------------------
     def _forward(self, op: Op) -> list:

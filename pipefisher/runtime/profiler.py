@@ -3,7 +3,8 @@
 Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
 steps that leave the model unchanged (gradients dropped), times every op on every rank
 (perf_counter after a barrier, so the ranks' clocks agree to the barrier's skew; on GPUs each op
-is synchronised), measures each stage boundary's transfer with a ping-pong, and times every
+is synchronised), measures each stage boundary's transfer with a ping-pong, times the end of step (gradient
+all-reduce, clipping, optimizer step; parameters and optimizer state restored after), and every
 K-FAC task of every layer on the rank that holds it: curvature per micro-batch, factor sync
 over the stage's replicas, eigen/Cholesky inverse, preconditioning. Every rank gathers all
 measurements and builds the same Profile (medians), so every rank packs the same plan.
@@ -11,6 +12,7 @@ measurements and builds the same Profile (medians), so every rank packs the same
 
 from __future__ import annotations
 
+import copy
 import platform
 import statistics
 import time
@@ -103,6 +105,31 @@ def _transfer_times(executor: Executor, rank: int, shape_of: Callable[[int], tup
     return times
 
 
+def _step_end_time(executor: Executor, repeats: int = 3) -> float:
+    """Median ms of this rank's end of step (`Executor.apply_gradients`) on constant gradients;
+    parameters, optimizer and learning-rate schedule are restored afterwards. Collective."""
+    parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in parameters]
+    optimizer_state = copy.deepcopy(executor.optimizer.state_dict())
+    scheduler_state = executor.scheduler.state_dict() if executor.scheduler is not None else None
+    samples = []
+    try:
+        for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
+            for parameter in parameters:
+                parameter.grad = torch.full_like(parameter, 1e-3)
+            dist.barrier()
+            samples.append(_timed(executor.apply_gradients, executor.device, repeats=1))
+    finally:
+        with torch.no_grad():
+            for parameter, value in zip(parameters, saved):
+                parameter.copy_(value)
+        executor.optimizer.load_state_dict(optimizer_state)
+        if scheduler_state is not None:
+            executor.scheduler.load_state_dict(scheduler_state)
+        executor.optimizer.zero_grad(set_to_none=True)
+    return _median(samples[1:])
+
+
 def _kfac_times(executor: Executor, engines: dict, rank: int, damping: float, inverse: str) -> dict[tuple[int, str], dict[str, float]]:
     """(stage, layer) -> task times in ms, from the captures of the last profiling step."""
     device = executor.device
@@ -166,15 +193,20 @@ def measure_profile(
     finally:
         executor.forward_context = saved_context
     transfers = _transfer_times(executor, rank, shape_of)
+    step_end = _step_end_time(executor, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
+    held_stages = sorted({stage for _, stage in executor.stages})
     kfac = _kfac_times(executor, engines, rank, damping, inverse)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (records[warmup:], transfers, kfac))
+    dist.all_gather_object(gathered, (records[warmup:], transfers, kfac, (held_stages, step_end)))
     durations: dict[tuple[str, int], list[float]] = defaultdict(list)
     last_step: list[Record] = []
     p2p: dict[int, float] = {}
     kfac_samples: dict[tuple[int, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     layer_order: dict[int, list[str]] = {}
-    for rank_records, rank_transfers, rank_kfac in gathered:
+    step_ends: dict[int, list[float]] = defaultdict(list)
+    for rank_records, rank_transfers, rank_kfac, (rank_stages, rank_step_end) in gathered:
+        for stage in rank_stages:  # a rank holding several stages pays their step ends together
+            step_ends[stage].append(rank_step_end / len(rank_stages))
         for step_records in rank_records:
             for _, text, start, end in step_records:
                 op = Op.parse(text)
@@ -200,6 +232,7 @@ def measure_profile(
                 forward=_median(durations[("F", stage)]),
                 backward=_median(durations[("B", stage)]),
                 p2p=p2p.get(stage, 0.0),
+                step_end=_median(step_ends[stage]),
                 layers=layers,
             )
         )

@@ -101,6 +101,7 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
     profile = profiles[0]
     for index, stage in enumerate(profile.stages):
         print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms, p2p {stage.p2p:.3f} ms, "
+              f"step end {stage.step_end:.3f} ms, "
               f"{len(stage.layers)} K-FAC layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
               f"inverses {stage.inverse_time:.3f} ms")
     print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))

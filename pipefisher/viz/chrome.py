@@ -2,8 +2,9 @@
 
 Every box becomes a complete event (``ph: "X"``) named by its op string, with ts/dur in
 microseconds (abstract "units" are written as milliseconds) and args kind, stage,
-micro_batch, pipe, layer, step. Step starts are instant events (``ph: "i"``, cat ``step``);
-metadata events name processes and tracks. Load the file in ui.perfetto.dev or chrome://tracing.
+micro_batch, pipe, layer, step; a rank's end of step (gradient all-reduce, optimizer) is a
+complete event named ``step end`` (cat ``step_end``). Step starts are instant events
+(``ph: "i"``, cat ``step``); metadata events name processes and tracks. Load the file in ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def chrome_trace(panels: Sequence[Panel]) -> dict[str, Any]:
                     "args": args,
                 }
             )
+        for end in panel.step_ends:
+            events.append({"name": "step end", "cat": "step_end", "ph": "X", "ts": end.start * scale,
+                           "dur": end.duration * scale, "pid": pid, "tid": end.rank})
     unit = panels[0].time_unit
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"time_unit": unit, "microseconds_per_unit": MICROSECONDS[unit]}}
 

@@ -4,7 +4,7 @@ Per panel one row per rank (rank 0 on top), boxes coloured by category (lighter 
 pipe 1 / later chunks), idle time in light grey, dashed lines at step starts, the panel title
 above it, one legend for the figure. In the SVG every op is one ``<path>`` inside the group
 ``ops<panel>-<category>`` (zero-length launches: ``ops<panel>-<category>-launch``), every
-bubble one inside ``bubbles<panel>``; box labels have ids ``label<panel>-<n>`` and are drawn only
+bubble one inside ``bubbles<panel>``, every end of step one inside ``step-ends<panel>``; box labels have ids ``label<panel>-<n>`` and are drawn only
 where they fit inside their box.
 matplotlib is imported here, lazily, with the Agg canvas; pyplot is not used.
 """
@@ -28,6 +28,7 @@ COLOURS = {
     "precondition": "#9a7a50",
 }
 BUBBLE_COLOUR = "#e6e6e6"
+STEP_END_COLOUR = "#8c8c8c"
 FORMATS = (".svg", ".png")
 
 _WIDTH = 12.0  # figure width, inches
@@ -99,6 +100,9 @@ def _draw_panel(ax, panel: Panel, index: int, span: float, axes_points: float, r
     bubbles = PolyCollection([rect(b.start, b.end, b.rank) for b in panel.bubbles], facecolors=BUBBLE_COLOUR, edgecolors="none")
     bubbles.set_gid(f"bubbles{index}")
     ax.add_collection(bubbles)
+    step_ends = PolyCollection([rect(e.start, e.end, e.rank) for e in panel.step_ends], facecolors=STEP_END_COLOUR, edgecolors="none")
+    step_ends.set_gid(f"step-ends{index}")
+    ax.add_collection(step_ends)
     by_category: dict[str, list[Box]] = {}
     for box in panel.boxes:
         by_category.setdefault(box.category, []).append(box)
@@ -156,6 +160,8 @@ def _legend_entries(panels: Sequence[Panel]) -> list[tuple[str | tuple[float, fl
     ]
     if _has_variants(panels):
         entries.append((_shade(COLOURS["forward"], 1), "lighter: pipe 1 / later chunk"))
+    if any(p.step_ends for p in panels):
+        entries.append((STEP_END_COLOUR, "end of step (all-reduce, optimizer)"))
     entries.append((BUBBLE_COLOUR, "bubble (idle)"))
     return entries
 

@@ -66,7 +66,8 @@ class Panel:
     """One schedule (or recording) on a time axis from 0 to `end`, in `time_unit`.
 
     Step `step_ids[j]` begins at `step_starts[j]`; `bubbles` are every rank's idle gaps within
-    its steps. `step_time` is the mean over the steps; `bubble_fraction` is the first-order
+    its steps, `step_ends` every rank's end of step after its last op (gradient all-reduce,
+    optimizer step; from the profile's `step_end`). `step_time` is the mean over the steps; `bubble_fraction` is the first-order
     schedule's idle share (0..1) for planned panels, the recorded idle share otherwise.
     `refresh_steps`/`utilization` (0..1) are set for K-FAC packings.
     """
@@ -86,6 +87,7 @@ class Panel:
     first_order_step_time: float | None = None
     refresh_steps: int | None = None
     utilization: float | None = None
+    step_ends: tuple[Bubble, ...] = ()
 
     @property
     def title(self) -> str:
@@ -205,6 +207,7 @@ def _panel(
     num_ranks = max(t.num_ranks for t in timelines)
     boxes: list[Box] = []
     bubbles: list[Bubble] = []
+    step_ends: list[Bubble] = []
     labels: dict[Op, tuple[int, str]] = {}
     for timeline, offset, step in zip(timelines, starts, step_ids):
         for rank, intervals in enumerate(timeline.ranks):
@@ -214,12 +217,16 @@ def _panel(
                 variant, label = labels[iv.op]
                 boxes.append(Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label))
             bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.bubbles(rank))
+            if timeline.tail(rank) > 0:
+                end = offset + timeline.last_end(rank)
+                step_ends.append(Bubble(rank, end, end + timeline.tail(rank)))
     return Panel(
         name=name,
         time_unit=timelines[0].time_unit,
         num_ranks=num_ranks,
         boxes=tuple(boxes),
         bubbles=tuple(bubbles),
+        step_ends=tuple(step_ends),
         step_starts=tuple(starts),
         step_ids=tuple(step_ids),
         end=max(offset + t.step_time for t, offset in zip(timelines, starts)),

@@ -3,7 +3,8 @@
 Rank rows are exactly `width` characters; every other line fits in `width`. Panels share one
 time scale, so stacked schedules compare directly. A slice shows the op that covers its centre;
 an op too short to cover any centre takes the slice under its midpoint if that slice is idle.
-Zero-length ops (asynchronous sync / exchange launches) are not drawn.
+Zero-length ops (asynchronous sync / exchange launches) are not drawn; a rank's end of step
+(gradient all-reduce, optimizer) shows as STEP_END.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pipefisher.viz.layout import Box, Panel
 MIN_WIDTH = 24
 
 IDLE = "."
+STEP_END = "~"
 _FORWARD = ("0123456789", ")!@#$%^&*(")
 _BACKWARD = ("abcdefghij", "ABCDEFGHIJ")
 _KFAC = {"curvature-a": "+", "curvature-b": "*", "inverse-a": "<", "inverse-b": ">", "precondition": "=", "sync": "|"}
@@ -68,6 +70,10 @@ def _paint(panel: Panel, cells: int, slice_time: float) -> list[str]:
     """Rows of `cells` characters: ops, IDLE inside the panel's time span, blank after it."""
     idle_cells = min(cells, math.ceil(panel.end / slice_time - 0.5))
     rows = [[IDLE] * idle_cells + [" "] * (cells - idle_cells) for _ in range(panel.num_ranks)]
+    for end in panel.step_ends:
+        first = max(0, math.ceil(end.start / slice_time - 0.5))
+        stop = min(cells, math.ceil(end.end / slice_time - 0.5))
+        rows[end.rank][first:stop] = STEP_END * max(0, stop - first)
     short: list[Box] = []
     for box in panel.boxes:
         if box.end <= box.start:
@@ -139,5 +145,7 @@ def _legend(panels: Sequence[Panel]) -> list[str]:
     if any(box.variant % 2 for p in panels for box in p.boxes if box.op.kind.is_compute):
         parts.append(f"{_FORWARD[1]} and {_BACKWARD[1][0]}-{_BACKWARD[1][-1]} the same for pipe 1 (Chimera) or odd chunks (interleaved)")
     parts += [f"{_KFAC[c]} {name}" for c, name in _KFAC_NAMES.items() if c in categories]
+    if any(p.step_ends for p in panels):
+        parts.append(f"{STEP_END} end of step (all-reduce, optimizer)")
     parts.append(f"{IDLE} bubble")
     return parts

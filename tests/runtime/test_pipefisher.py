@@ -71,6 +71,7 @@ def test_measured_profile_loads_in_pack_and_viz(measured, tmp_path):
     profile_path, timeline_path = measured
     profile = load_profile(profile_path)
     assert profile.num_stages == 2 and all(stage.forward > 0 and stage.backward > 0 for stage in profile.stages)
+    assert all(stage.step_end > 0 for stage in profile.stages), "the optimizer step takes time"
     assert [layer.name for layer in profile.stages[0].layers][:2] == ["embed", "blocks.0.attention.query"]
     assert all(layer.curvature_a > 0 and layer.curvature_b > 0 and layer.inverse_a > 0 for s in profile.stages for layer in s.layers)
     packed = subprocess.run(["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],

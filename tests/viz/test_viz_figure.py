@@ -1,4 +1,5 @@
 import time
+from dataclasses import replace
 import xml.etree.ElementTree as ET
 
 from pipefisher.profile import uniform_profile
@@ -75,3 +76,14 @@ def test_labels_name_the_pipe_where_they_fit(tmp_path):
     render_figure([schedule_panel(get_schedule("chimera", 4, 4), uniform_profile(4))], path)
     labels = _labels(path, 0)
     assert {"p0:0", "p1:2"} <= set(labels) and len(labels) == 32
+
+
+def test_step_ends_are_drawn_after_each_ranks_last_op(tmp_path):
+    base = uniform_profile(4)
+    profile = replace(base, stages=tuple(replace(s, step_end=1.5) for s in base.stages))
+    panel = schedule_panel(get_schedule("gpipe", 4, 4), profile)
+    assert [(e.rank, e.start, e.end) for e in panel.step_ends] == [(0, 21.0, 22.5), (1, 19.0, 20.5), (2, 17.0, 18.5), (3, 15.0, 16.5)]
+    path = tmp_path / "f.svg"
+    render_figure([panel], path)
+    assert _groups(path)["step-ends0"] == 4
+    assert "end of step (all-reduce, optimizer)" in _texts(path)

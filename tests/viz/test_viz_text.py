@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from pipefisher.cli import main
@@ -62,3 +64,13 @@ def test_too_narrow_exits_2(capsys):
     assert main(["viz", "--schedule", "1f1b", "-D", "4", "-N", "8", "-o", "-", "--width", "10"]) == 2
     err = capsys.readouterr().err
     assert "at least" in err and err.count("\n") == 1
+
+
+def test_step_ends_show_after_the_last_op():
+    base = uniform_profile(2)
+    profile = replace(base, stages=tuple(replace(s, step_end=2.0) for s in base.stages))
+    text = render_text([schedule_panel(get_schedule("gpipe", 2, 4), profile)], width=len("rank 0 ||") + 17)
+    rows = _rank_rows(text)
+    # GPipe D=2 N=4, F=1, B=2: rank 0 ends at 15, rank 1 at 13; then 2 units of step end each.
+    assert rows[0].endswith("~~|") and rows[1].endswith("~~..|")
+    assert "~ end of step (all-reduce, optimizer)" in " ".join(text.split())

@@ -1,0 +1,310 @@
+"""Tiny BERT pretraining on this machine: LAMB vs AdamW vs PipeFisher K-FAC, steps and simulated
+wall time to a target masked-LM loss.
+
+Every run is `train_reference` (the single-process twin of the pipelined training: same data,
+initialisation, loss scaling and K-FAC cycle) of `schedules/tiny-cpu.yaml` (BERT 4x128, sequence
+64, 4 micro-batches of 8, warm-up 10 then linear decay to 0 at --steps, clip 1.0), one thread.
+
+1. Profile: `pipefisher profile schedules/tiny-cpu.yaml` measures this machine once (or --profile
+   FILE). The packer (`pipefisher.pack.pack`) picks the K-FAC refresh interval k and predicts the
+   PipeFisher step time of a 2-stage 1F1B pipeline; `pipefisher.simulate.simulate` predicts the
+   first-order step time (LAMB and AdamW alike: the profile's step end is the run file's LAMB
+   step, used for all three). K-FAC runs use that k as kfac.refresh_steps.
+2. Tuning on seed 0: a small learning-rate grid per optimizer (K-FAC: also damping; SGD momentum
+   0.9 after preconditioning), all for the full step budget.
+3. Target: the smoothed MLM loss that the best seed-0 run (lowest final smoothed loss) reaches at
+   2/3 of the budget. "Smoothed" = trailing mean over --window steps; steps to target = first step
+   whose trailing mean is <= target. Per optimizer the setting with the fewest steps wins (none
+   reaching it: the lowest final loss).
+4. Seeds 1.. at the tuned settings (seed = model init seed = data seed: masking and sentence pairs).
+
+Report: median steps to target over seeds ("not reached" counts as infinite), per-seed steps,
+simulated wall time = median steps x predicted step time. Writes OUT.png (MLM loss vs step and vs
+simulated time, median over seeds) and OUT.csv (optimizer, seed, step, mlm, nsp, loss).
+
+    PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py --profile /tmp/tiny-bert.yaml  # ~13 min on 2 cores
+    PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py --quick    # ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "schedules" / "tiny-cpu.yaml"
+OPTIMIZERS = ("lamb", "adamw", "kfac")
+LABELS = {"lamb": "LAMB", "adamw": "AdamW", "kfac": "PipeFisher K-FAC"}
+# (optimizer) -> grid of (lr, damping); damping only matters for K-FAC. Ranges from a wider
+# 150-step exploration (K-FAC damping 1e-3 and lr 0.03 were clearly worse there).
+GRIDS = {
+    "lamb": [(lr, None) for lr in (0.01, 0.03, 0.1)],
+    "adamw": [(lr, None) for lr in (3e-4, 1e-3, 3e-3)],
+    "kfac": [(lr, d) for d in (1e-2, 1e-1) for lr in (0.1, 0.3)],
+}
+QUICK_GRIDS = {
+    "lamb": [(lr, None) for lr in (0.01, 0.03)],
+    "adamw": [(lr, None) for lr in (1e-3, 3e-3)],
+    "kfac": [(lr, 1e-1) for lr in (0.1, 0.3)],
+}
+KFAC_MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Setting:
+    optimizer: str
+    lr: float
+    damping: float | None
+    seed: int
+
+    @property
+    def name(self) -> str:
+        damping = f" damping {self.damping:g}" if self.damping is not None else ""
+        return f"{self.optimizer} lr {self.lr:g}{damping} seed {self.seed}"
+
+
+def make_config(setting: Setting, steps: int, refresh_steps: int):
+    from pipefisher.config import load_config
+
+    optimizer = {"name": setting.optimizer, "lr": setting.lr}
+    kfac = {}
+    if setting.optimizer == "kfac":
+        optimizer["momentum"] = KFAC_MOMENTUM
+        kfac = {"refresh_steps": refresh_steps, "damping": setting.damping}
+    return load_config(BASE).with_overrides(
+        optimizer=optimizer, kfac=kfac, run={"steps": steps, "seed": setting.seed}, data={"seed": setting.seed},
+    )
+
+
+def train(setting: Setting, steps: int, refresh_steps: int) -> tuple[Setting, list[tuple[int, float, float, float]], float]:
+    """One reference run in this (worker) process: per step (step, mlm, nsp, loss), and seconds."""
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    from pipefisher.runtime.reference import train_reference
+
+    rows: list[tuple[int, float, float, float]] = []
+
+    def on_step(result) -> None:
+        rows.append((result.step, result.extra["mlm"], result.extra["nsp"], result.loss))
+
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_reference(make_config(setting, steps, refresh_steps), on_step=on_step)
+    return setting, rows, time.perf_counter() - start
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_all(settings: list[Setting], steps: int, k: int, jobs: int, t0: float) -> dict[Setting, list]:
+    # K-FAC runs are the longest: start them first.
+    order = sorted(settings, key=lambda s: s.optimizer != "kfac")
+    results = {}
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker) as pool:
+        futures = [pool.submit(train, s, steps, k) for s in order]
+        for future in as_completed(futures):
+            setting, rows, seconds = future.result()
+            results[setting] = rows
+            mlm = smooth([r[1] for r in rows], window_for(steps))
+            print(f"[{time.perf_counter() - t0:6.0f} s] {setting.name}: final smoothed mlm {mlm[-1]:.3f} "
+                  f"({seconds:.0f} s, {1000 * seconds / steps:.0f} ms/step)", file=sys.stderr, flush=True)
+    return results
+
+
+def window_for(steps: int) -> int:
+    return max(5, round(steps / 15))
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def steps_to(curve: list[float], target: float, window: int) -> int | None:
+    """First step (1-based) whose full-window trailing mean is <= target."""
+    for i in range(window - 1, len(curve)):
+        if curve[i] <= target:
+            return i + 1
+    return None
+
+
+def step_times(profile_path: Path, k_override: int | None) -> tuple[float, float, int, str]:
+    """(first-order ms, PipeFisher packed ms (mean over the cycle), k, summary) of 2-stage 1F1B."""
+    from pipefisher.config import load_config
+    from pipefisher.pack import PackOptions, pack
+    from pipefisher.profile import load_profile
+    from pipefisher.runtime.training import build_schedule
+    from pipefisher.simulate import simulate
+
+    config = load_config(BASE)
+    schedule = build_schedule(config)
+    profile = load_profile(profile_path)
+    kfac = config.kfac
+    options = PackOptions(margin=kfac.margin, max_overhead=kfac.max_overhead, split=kfac.split, refresh_steps=k_override)
+    packed = pack(schedule, profile, options)
+    first_order = simulate(schedule, profile).step_time
+    summary = (f"profile {profile_path}: 1F1B D=2 N=4, first-order step {first_order:.1f} ms, PipeFisher packed "
+               f"k={packed.refresh_steps} (lower bound {packed.lower_bound}) step {packed.step_time:.1f} ms "
+               f"(preconditioning only {packed.precondition_step_time:.1f} ms, packing overhead {100 * packed.overhead:.1f} %)")
+    return first_order, packed.step_time, packed.refresh_steps, summary
+
+
+def measure_profile(path: Path) -> None:
+    print(f"measuring a profile: pipefisher profile {BASE.relative_to(ROOT)} -o {path}", file=sys.stderr, flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "pipefisher", "profile", str(BASE), "-o", str(path), "--master-port", "0"],
+        check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+    )
+
+
+def median_steps(values: list[int | None]) -> float:
+    return statistics.median([math.inf if v is None else v for v in values])
+
+
+def fmt_steps(value: float) -> str:
+    if math.isinf(value):
+        return "not reached"
+    return f"{value:g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help="step budget per run (default 300; --quick 50)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds at the tuned settings (default 3; --quick 2)")
+    parser.add_argument("--quick", action="store_true", help="a ~2-minute version: 50 steps, 2 seeds, 2-point grids")
+    parser.add_argument("--out", default="docs/convergence", help="OUT.png and OUT.csv (default docs/convergence)")
+    parser.add_argument("--profile", default="", help="a pipefisher.profile/v1 file of schedules/tiny-cpu.yaml (default: measure one)")
+    parser.add_argument("--refresh-steps", type=int, default=None, help="pin K-FAC's k (default: the packer's choice)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each; default 2)")
+    args = parser.parse_args(argv)
+    steps = args.steps or (50 if args.quick else 300)
+    seeds = args.seeds or (2 if args.quick else 3)
+    grids = QUICK_GRIDS if args.quick else GRIDS
+    window = window_for(steps)
+    os.environ.setdefault("PIPEFISHER_CACHE", "/tmp/pfcache")
+    t0 = time.perf_counter()
+
+    profile = Path(args.profile) if args.profile else Path("/tmp/pipefisher-convergence-profile.yaml")
+    if not args.profile:
+        measure_profile(profile)
+    fo_ms, pf_ms, k, summary = step_times(profile, args.refresh_steps)
+    print(summary, file=sys.stderr, flush=True)
+    step_ms = {"lamb": fo_ms, "adamw": fo_ms, "kfac": pf_ms}
+
+    # 1. tuning on seed 0
+    tuning = [Setting(opt, lr, d, 0) for opt in OPTIMIZERS for lr, d in grids[opt]]
+    results = run_all(tuning, steps, k, args.jobs, t0)
+    curves = {s: smooth([r[1] for r in rows], window) for s, rows in results.items()}
+    best = min(tuning, key=lambda s: curves[s][-1])
+    at = round(2 * steps / 3)
+    target = curves[best][at - 1]
+    tuned: dict[str, Setting] = {}
+    grid_lines = []
+    for opt in OPTIMIZERS:
+        candidates = [s for s in tuning if s.optimizer == opt]
+        key = lambda s: (steps_to(curves[s], target, window) or math.inf, curves[s][-1])
+        tuned[opt] = min(candidates, key=key)
+        for s in candidates:
+            grid_lines.append(f"| {LABELS[opt]} | {s.lr:g} | {'' if s.damping is None else f'{s.damping:g}'} | "
+                              f"{fmt_steps(key(s)[0])} | {curves[s][-1]:.3f} |")
+
+    # 2. more seeds at the tuned settings
+    more = [Setting(t.optimizer, t.lr, t.damping, seed) for t in tuned.values() for seed in range(1, seeds)]
+    results.update(run_all(more, steps, k, args.jobs, t0) if more else {})
+
+    runs = {opt: [Setting(t.optimizer, t.lr, t.damping, seed) for seed in range(seeds)] for opt, t in tuned.items()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["optimizer", "seed", "step", "mlm", "nsp", "loss"])
+        for opt in OPTIMIZERS:
+            for s in runs[opt]:
+                for step, mlm, nsp, loss in results[s]:
+                    writer.writerow([opt, s.seed, step, f"{mlm:.5f}", f"{nsp:.5f}", f"{loss:.5f}"])
+
+    table = []
+    medians = {}
+    for opt in OPTIMIZERS:
+        t = tuned[opt]
+        per_seed = [steps_to(smooth([r[1] for r in results[s]], window), target, window) for s in runs[opt]]
+        med = median_steps(per_seed)
+        medians[opt] = [statistics.median(v) for v in zip(*[smooth([r[1] for r in results[s]], window) for s in runs[opt]])]
+        wall = "not reached" if math.isinf(med) else f"{med * step_ms[opt] / 1000:.1f}"
+        setting = f"lr {t.lr:g}" + (f", damping {t.damping:g}, k {k}, momentum {KFAC_MOMENTUM}" if opt == "kfac" else "")
+        table.append(f"| {LABELS[opt]} | {setting} | {fmt_steps(med)} | "
+                     f"{', '.join('n/r' if v is None else str(v) for v in per_seed)} | {wall} | {step_ms[opt]:.1f} | "
+                     f"{medians[opt][-1]:.3f} |")
+
+    plot(out.with_suffix(".png"), medians, step_ms, target, steps, seeds, window, k)
+
+    command = "PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"# Convergence: tiny BERT (4x128, seq 64, 32 sequences/step), {steps} steps, {seeds} seed(s)\n")
+    print(f"command: `{command.strip()}`\n")
+    print(summary + "\n")
+    print(f"target: MLM loss {target:.3f} = the {window}-step trailing mean of the best seed-0 run "
+          f"({best.name}) at step {at}\n")
+    print("Tuning (seed 0; steps to target, final smoothed MLM):\n")
+    print("| optimizer | lr | damping | steps to target | final MLM |\n|---|---|---|---|---|")
+    print("\n".join(grid_lines) + "\n")
+    print(f"Tuned, seeds 0..{seeds - 1}:\n")
+    print("| optimizer | tuned setting | median steps to target | per-seed steps | simulated wall time to target [s] | predicted step time [ms] | final MLM (median) |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(table))
+    print(f"\nwrote {out.with_suffix('.png')} and {out.with_suffix('.csv')}; {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def plot(path: Path, medians: dict[str, list[float]], step_ms: dict[str, float], target: float,
+         steps: int, seeds: int, window: int, k: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"lamb": "tab:blue", "adamw": "tab:green", "kfac": "tab:red"}
+    for opt, curve in medians.items():
+        xs = list(range(1, len(curve) + 1))
+        label = LABELS[opt] + (f" (k={k})" if opt == "kfac" else "")
+        axes[0].plot(xs, curve, color=colors[opt], label=label)
+        axes[1].plot([x * step_ms[opt] / 1000 for x in xs], curve, color=colors[opt],
+                     label=f"{label}, {step_ms[opt]:.0f} ms/step")
+    for ax, xlabel in zip(axes, ("step", "simulated wall time, 2-stage 1F1B on this CPU [s]")):
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.2f}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"MLM loss ({window}-step trailing mean, median of {seeds} seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("MLM loss vs step")
+    axes[1].set_title("MLM loss vs simulated wall time")
+    fig.suptitle(f"Tiny BERT pretraining (bert-4x128, seq 64, 32 seq/step), {steps} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
