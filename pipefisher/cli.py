@@ -273,9 +273,10 @@ def _prepare_model(config) -> None:
     the tokenizer and tokens once, before the ranks start and read the cache."""
     from pipefisher.runtime.training import staged_model
 
-    if config.model.kind == "bert":
+    def announce() -> None:
         print("pipefisher: preparing the BERT data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
-    staged_model(config)
+
+    staged_model(config, on_data=announce)
 
 
 def _add_profile(subparsers) -> None:
@@ -295,7 +296,7 @@ def _add_run(subparsers) -> None:
     parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--steps", type=_positive_int, help="total steps of the run (run.steps)")
-    parser.add_argument("--optimizer", choices=["sgd", "adamw", "kfac"], help="override optimizer.name")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw", "lamb", "kfac"], help="override optimizer.name")
     parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
     parser.add_argument("--kfac-refresh-steps", type=_positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
     parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile); default: measure one")

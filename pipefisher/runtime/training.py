@@ -48,9 +48,10 @@ def build_schedule(config: RunConfig) -> Schedule:
     return validate(get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks))
 
 
-def staged_model(config: RunConfig) -> StagedModel:
+def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
     """The model of the run behind the staged-model interface (ConfigError if it cannot be split
-    into the run's stages)."""
+    into the run's stages); BERT calls `on_data()` once the split is valid, before it builds (or
+    loads from the cache) the tokenizer and tokens."""
     if config.model.kind != "bert":
         return TinyRegression(config.model)
     from pipefisher.models.bert import BertConfig, BertStagedModel, bert_preset
@@ -60,15 +61,17 @@ def staged_model(config: RunConfig) -> StagedModel:
         bert = BertConfig.from_json(settings.config_json) if settings.config_json else bert_preset(settings.preset)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"model: {first_line(exc)}") from None
-    bert = dataclasses.replace(bert, vocab_size=pretraining_data(config).vocab_size)
-    if settings.dropout >= 0:
-        bert = dataclasses.replace(bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout)
     if bert.num_hidden_layers % config.model_chunks:
         raise ConfigError(
             f"model: {bert.num_hidden_layers} BERT layers cannot be split into {config.model_chunks} equal stages; use a multiple"
         )
     if settings.seq_len > bert.max_position_embeddings:
         raise ConfigError(f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions")
+    if on_data is not None:
+        on_data()
+    bert = dataclasses.replace(bert, vocab_size=pretraining_data(config).vocab_size)
+    if settings.dropout >= 0:
+        bert = dataclasses.replace(bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout)
     return BertStagedModel(bert, settings.seq_len)
 
 

@@ -145,4 +145,4 @@ def test_bad_bert_run_files_exit_2_naming_the_key(tmp_path, content, message):
     path.write_text(content)
     result = subprocess.run(["pipefisher", "run", str(path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr and "Traceback" not in result.stderr
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
