@@ -59,6 +59,10 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
             )
 
 
+#: predicted K-FAC overhead per step (share of the first-order step) above which the run says why
+HIGH_OVERHEAD = 0.10
+
+
 def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
     """The run's K-FAC plan from `profile` (placement and refresh interval from config.kfac)."""
     kfac = config.kfac
@@ -72,11 +76,18 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
         timelines = simulate_plan(plan, profile)
     validate_plan(plan)
     predicted = cycle_time(timelines)
+    first_order = result.first_order_step_time
+    extra = predicted / plan.refresh_steps / first_order - 1 if first_order > 0 else 0.0
     summary = (
         f"K-FAC {kfac.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound}); "
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
-        f"{result.first_order_step_time:.2f} {profile.time_unit}"
+        f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
     )
+    if kfac.placement == "packed" and not pinned and extra > HIGH_OVERHEAD and result.unplaceable:
+        summary += (
+            f"; {len(result.unplaceable)} K-FAC tasks fit no bubble of this schedule and extend the steps: "
+            "pin kfac.refresh_steps (--kfac-refresh-steps K) to spread them over more steps"
+        )
     return KfacPlan(plan, predicted, summary)
 
 

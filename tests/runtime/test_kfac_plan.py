@@ -1,0 +1,44 @@
+"""The run's K-FAC plan: what `pipefisher run --optimizer kfac` logs about it."""
+
+from dataclasses import replace
+
+from pipefisher.config import config_from_dict
+from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.runtime.pipefisher_run import make_plan, stage_layer_names
+from pipefisher.runtime.training import build_schedule
+
+
+def run_config(schedule):
+    return config_from_dict(
+        {
+            "model": {"layers": 2, "hidden": 8, "heads": 2, "ffn": 16, "seq_len": 4, "input_dim": 4, "output_dim": 2},
+            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule},
+            "optimizer": {"name": "kfac", "lr": 0.1},
+        }
+    )
+
+
+def profile_of(config, inverse):
+    """Forward 1 ms, backward 2 ms per stage; every layer's inverses take `inverse` ms."""
+    stages = []
+    for stage in range(2):
+        names = stage_layer_names(config, stage, 2)
+        layers = tuple(LayerProfile(name, 0.01, 0.01, inverse, inverse, 0.001) for name in names)
+        stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
+    return Profile(stages=tuple(stages))
+
+
+def test_work_that_fits_the_bubbles_is_logged_with_its_small_overhead():
+    config = run_config("1f1b")
+    summary = make_plan(config, build_schedule(config), profile_of(config, 0.01)).summary
+    assert "K-FAC packed: refresh every" in summary and "fit no bubble" not in summary
+    assert "(+" in summary and " %)" in summary
+
+
+def test_work_that_fits_no_bubble_says_so_and_how_to_spread_it():
+    config = run_config("1f1b")
+    summary = make_plan(config, build_schedule(config), profile_of(config, 50.0)).summary
+    assert "fit no bubble of this schedule" in summary and "--kfac-refresh-steps" in summary
+    pinned = replace(config, kfac=replace(config.kfac, refresh_steps=8))
+    summary = make_plan(pinned, build_schedule(pinned), profile_of(config, 50.0)).summary
+    assert "refresh every 8 steps" in summary and "fit no bubble" not in summary
