@@ -83,11 +83,15 @@ class Profile:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """The file's fields; `step_end` only where it is non-zero (files stay as before without it)."""
         data: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "time_unit": self.time_unit}
         if self.micro_batch_size is not None:
             data["micro_batch_size"] = self.micro_batch_size
         data["stages"] = [
-            {**{k: v for k, v in asdict(stage).items() if k != "layers"}, "layers": [asdict(layer) for layer in stage.layers]}
+            {
+                **{k: v for k, v in asdict(stage).items() if k != "layers" and (k != "step_end" or v)},
+                "layers": [asdict(layer) for layer in stage.layers],
+            }
             for stage in self.stages
         ]
         return data

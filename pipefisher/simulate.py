@@ -2,7 +2,9 @@
 
 Each rank runs its ops in list order; an op starts when its rank is free and its dependencies
 have finished, plus the profile's p2p time when a dependency ran on another rank; after its last
-op a rank spends the step end of each stage it holds. Times are in the profile's time unit.
+op a rank spends the step end of each stage it holds, independently of the other ranks (a
+collective inside the end of step, such as global-norm clipping, also makes a rank that finished
+early wait for the last one; that wait is not modelled). Times are in the profile's time unit.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ class Timeline:
         return self.step_time - self.busy_time(rank)
 
     def bubbles(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
-        """Idle gaps of `rank` in [0, step_time - tail], including before its first and after its
-        last op (work placed there ends before the rank's end of step)."""
+        """Windows for more work on `rank`: its idle gaps in [0, step_time - tail], including before
+        its first and after its last op (work placed there ends before the rank's end of step)."""
         gaps, cursor = [], 0.0
         for iv in self.ranks[rank]:
             if iv.start - cursor > min_duration:
@@ -89,6 +91,15 @@ class Timeline:
         end = self.step_time - self.tail(rank)
         if end - cursor > min_duration:
             gaps.append(Bubble(rank, cursor, end))
+        return gaps
+
+    def idle_gaps(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
+        """Where `rank` is idle, for drawing: the bubbles, but the gap after the last op comes
+        after the rank's end of step (same total as `bubbles`)."""
+        gaps = self.bubbles(rank, min_duration)
+        tail = self.tail(rank)
+        if tail and gaps and gaps[-1].start >= self.last_end(rank) - 1e-12:
+            gaps[-1] = Bubble(rank, gaps[-1].start + tail, gaps[-1].end + tail)
         return gaps
 
     @property

@@ -8,7 +8,7 @@ from pipefisher.pack import PackOptions, pack
 from pipefisher.plan import Plan, simulate_plan, validate_plan
 from pipefisher.profile import LayerProfile, Profile, StageProfile
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import COLLECTIVES, simulate
+from pipefisher.simulate import COLLECTIVES
 from pipefisher.tasks import CYCLE_KINDS, build_tasks
 
 
@@ -106,13 +106,10 @@ def test_kfac_work_stays_out_of_the_step_end(name, d, n, chunks):
     schedule = get_schedule(name, d, n, chunks)
     base = layered_profile(schedule.num_stages, curvature=0.001, inverse=0.01, precondition=0.001)
     profile = replace(base, stages=tuple(replace(s, step_end=0.5 + s.forward * i) for i, s in enumerate(base.stages)))
-    result = pack(schedule, profile)
-    for timeline in simulate_plan(result.plan, profile):
-        assert timeline.tails == result.first_order.tails
-        assert timeline.step_time == pytest.approx(max(timeline.last_end(r) + timeline.tail(r) for r in range(timeline.num_ranks)))
-    assert result.first_order.step_time > simulate(schedule, base).step_time
-    # The step end is busy time, not a bubble: the work goes where it went before.
-    assert result.overhead <= pack(schedule, base).overhead + 1e-9
+    result, without = pack(schedule, profile), pack(schedule, base)
+    assert result.first_order.step_time > without.first_order.step_time
+    # The step end is busy time, not a bubble: packing costs no more time than without it.
+    assert result.step_time - result.first_order.step_time <= without.step_time - without.first_order.step_time + 1e-9
 
 
 def test_more_work_needs_more_steps_but_never_beats_the_bound():

@@ -32,6 +32,7 @@ def test_yaml_and_json_round_trip(tmp_path):
         path = tmp_path / name
         profile.save(path)
         assert load_profile(path) == profile
+        assert path.read_text().count("step_end") == 1  # written only where non-zero: older readers load the rest
 
 
 def test_example_from_the_design_document_loads(tmp_path):

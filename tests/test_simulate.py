@@ -89,8 +89,10 @@ def test_step_end_extends_the_step_after_each_ranks_last_op():
             bubbles = timeline.bubbles(rank)
             assert sum(b.duration for b in bubbles) == pytest.approx(timeline.bubble_time(rank))
             assert max(b.end for b in bubbles) <= timeline.step_time - timeline.tail(rank) + 1e-12
-    # Rank 3 waits 6 after its step end for the slowest rank: an idle gap at the very end.
-    assert late.bubbles(0)[-1].end == pytest.approx(24.0 - 1.5)
+    # Rank 3 ends the step; rank 0 can take 1.5 more work after its last op, and idles 1.5 after its end of step.
+    assert late.bubbles(0)[-1].start == pytest.approx(21.0) and late.bubbles(0)[-1].end == pytest.approx(24.0 - 1.5)
+    assert late.idle_gaps(0)[-1].start == pytest.approx(22.5) and late.idle_gaps(0)[-1].end == pytest.approx(24.0)
+    assert late.idle_gaps(3) == late.bubbles(3)  # no gap after the last op of the rank that ends the step
 
 
 def test_a_rank_holding_several_stages_pays_each_stage_end():

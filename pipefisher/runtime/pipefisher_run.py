@@ -59,7 +59,8 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
             )
 
 
-#: predicted K-FAC overhead per step (share of the first-order step) above which the run says why
+#: packing overhead per step (share of the first-order step, preconditioning excluded) above which
+#: the run names the tasks that fit no bubble
 HIGH_OVERHEAD = 0.10
 
 
@@ -83,7 +84,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
     )
-    if kfac.placement == "packed" and not pinned and extra > HIGH_OVERHEAD and result.unplaceable:
+    if kfac.placement == "packed" and not pinned and result.overhead > HIGH_OVERHEAD and result.unplaceable:
         summary += (
             f"; {len(result.unplaceable)} K-FAC tasks fit no bubble of this schedule and extend the steps: "
             "pin kfac.refresh_steps (--kfac-refresh-steps K) to spread them over more steps"

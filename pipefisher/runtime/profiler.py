@@ -106,7 +106,7 @@ def _transfer_times(executor: Executor, rank: int, shape_of: Callable[[int], tup
 
 
 def _step_end_time(executor: Executor, repeats: int = 3) -> float:
-    """Median ms of this rank's end of step (`Executor.apply_gradients`) on constant gradients;
+    """Median ms of this rank's end of step (`Executor.apply_gradients`) on gradients of ones;
     parameters, optimizer and learning-rate schedule are restored afterwards. Collective."""
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
@@ -116,7 +116,7 @@ def _step_end_time(executor: Executor, repeats: int = 3) -> float:
     try:
         for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
             for parameter in parameters:
-                parameter.grad = torch.full_like(parameter, 1e-3)
+                parameter.grad = torch.ones_like(parameter)  # global norm sqrt(n): clipping does scale
             dist.barrier()
             samples.append(_timed(executor.apply_gradients, executor.device, repeats=1))
     finally:

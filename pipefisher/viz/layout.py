@@ -216,7 +216,7 @@ def _panel(
                     labels[iv.op] = op_label(iv.op, num_ranks, num_pipes, chunked)
                 variant, label = labels[iv.op]
                 boxes.append(Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label))
-            bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.bubbles(rank))
+            bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.idle_gaps(rank))
             if timeline.tail(rank) > 0:
                 end = offset + timeline.last_end(rank)
                 step_ends.append(Bubble(rank, end, end + timeline.tail(rank)))

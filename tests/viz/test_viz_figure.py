@@ -2,6 +2,8 @@ import time
 from dataclasses import replace
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from pipefisher.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.figure import render_figure
@@ -83,6 +85,10 @@ def test_step_ends_are_drawn_after_each_ranks_last_op(tmp_path):
     profile = replace(base, stages=tuple(replace(s, step_end=1.5) for s in base.stages))
     panel = schedule_panel(get_schedule("gpipe", 4, 4), profile)
     assert [(e.rank, e.start, e.end) for e in panel.step_ends] == [(0, 21.0, 22.5), (1, 19.0, 20.5), (2, 17.0, 18.5), (3, 15.0, 16.5)]
+    for rank in range(4):  # boxes, bubbles and step ends tile the rank's row without overlap
+        pieces = sorted((s.start, s.end) for kind in (panel.boxes, panel.bubbles, panel.step_ends) for s in kind if s.rank == rank)
+        assert pieces[0][0] == 0 and pieces[-1][1] == panel.end == 22.5
+        assert all(a[1] == pytest.approx(b[0]) for a, b in zip(pieces, pieces[1:]))
     path = tmp_path / "f.svg"
     render_figure([panel], path)
     assert _groups(path)["step-ends0"] == 4
