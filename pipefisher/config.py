@@ -98,7 +98,8 @@ class KfacConfig:
     after-step runs it in one block after the first step of each cycle. `profile`: a
     pipefisher.profile/v1 file of this run ("" = measure one before training). Re-profiling:
     when the measured cycle time differs from the prediction by more than `reprofile_threshold`
-    (a share) for `reprofile_patience` cycles in a row, the run measures again and re-packs.
+    (a share) for `reprofile_patience` cycles in a row, the run measures again and re-packs (a
+    steady gap right after a fresh measurement counts as the simulator's error, not as drift).
     """
 
     damping: float = 1e-3

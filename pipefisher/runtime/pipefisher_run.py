@@ -19,6 +19,7 @@ from pipefisher.kfac.layer import select_layers
 from pipefisher.pack import PackOptions, after_step_plan, pack
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.profile import Profile, ProfileError, load_profile
+from pipefisher.runtime.drift import DriftMonitor
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.kfac_ops import KfacRuntime
 from pipefisher.runtime.profiler import measure_profile
@@ -101,14 +102,16 @@ class PipeFisherTrainer:
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
         self.skip = staged_model(config).kfac_skip()
+        measured = profile is None and not config.kfac.profile
         self.profile = profile if profile is not None else self._initial_profile()
         self.kfac_plan = make_plan(config, self.schedule, self.profile)
+        self.drift = DriftMonitor(config.kfac.reprofile_threshold, config.kfac.reprofile_patience)
+        self.drift.new_plan(fresh_profile=measured)
         self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip)
         executor.handlers.update(self.runtime.handlers())
         self.cycle_step = 0
         executor.forward_context = lambda op: self.runtime.capture(op, self.cycle_step)
         self._cycle_ms = 0.0
-        self._drifting = 0
         self.log(self.kfac_plan.summary)
 
     def log(self, message: str) -> None:
@@ -157,17 +160,18 @@ class PipeFisherTrainer:
     def _end_of_cycle(self) -> None:
         measured, predicted = self._cycle_ms, self.kfac_plan.predicted_cycle_ms
         self.cycle_step, self._cycle_ms = 0, 0.0
-        kfac = self.config.kfac
-        drift = abs(measured / predicted - 1) if predicted > 0 else 0.0
-        self._drifting = self._drifting + 1 if drift > kfac.reprofile_threshold else 0
-        decision = [self._drifting >= kfac.reprofile_patience]
+        expected = self.drift.expected
+        decision = [self.drift.observe(measured, predicted)]
+        if self.drift.expected != expected and abs(self.drift.expected - 1) > self.drift.threshold:
+            self.log(f"measured cycle {measured:.1f} ms is {self.drift.expected:.2f}x the predicted {predicted:.1f} ms "
+                     "with a fresh profile (costs the simulator does not see); re-profiling watches for changes from this ratio")
         dist.broadcast_object_list(decision, src=0)
         if not decision[0]:
             return
-        self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms for "
-                 f"{self._drifting} cycles: re-profiling and re-packing")
-        self._drifting = 0
+        self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms "
+                 f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing")
         self.profile = self._measure()
         self.kfac_plan = make_plan(self.config, self.schedule, self.profile)
+        self.drift.new_plan(fresh_profile=True)
         self.runtime.set_plan(self.kfac_plan.plan)
         self.log(self.kfac_plan.summary)

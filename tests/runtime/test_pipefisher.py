@@ -50,8 +50,10 @@ def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
 
 
 def test_kfac_without_inverse_splitting_and_with_reprofiling_equals_the_reference(capfd):
+    # Cycles of 2 steps: the 1st warms up, the 2nd calibrates the fresh profile, the 3rd drifts and
+    # step 7 runs on the new plan (a smaller lr keeps 7 K-FAC steps' float rounding below rtol).
     config = kfac_config("chimera", "packed", split=False, reprofile_threshold=1e-6, reprofile_patience=1)
-    assert_equal_to_reference(config)
+    assert_equal_to_reference(config.with_overrides(run={"steps": 7}, optimizer={"name": "kfac", "lr": 0.03, "momentum": 0.9}))
     assert "re-profiling and re-packing" in capfd.readouterr().err
 
 
