@@ -1,10 +1,11 @@
 """The K-FAC task graph of a refresh cycle: which ops exist, on which rank, and what each waits for.
 
 Per K-FAC layer of every (pipe, stage): curvature A/B per micro-batch of that pipe (after the
-micro-batch's forward/backward), a factor sync per replica when the stage has replicas (after
-that replica's curvature of the factor), an inverse per factor (after all replicas' syncs, or
-after the curvature when unreplicated), an inverse exchange per replica when inverses are split
-between replicas, and a precondition per (pipe, stage) in every step (after its backwards).
+micro-batch's forward/backward and the factor's curvature of the previous micro-batch), a
+factor sync per replica when the stage has replicas (after that replica's curvature of the
+factor), an inverse per factor (after all replicas' syncs, or after the curvature when
+unreplicated), an inverse exchange per replica when inverses are split between replicas, and a
+precondition per (pipe, stage) in every step (after its backwards).
 Pure Python: no torch.
 """
 
@@ -51,6 +52,11 @@ class TaskGraph:
                 self._syncs[(op.kind, op.stage, op.layer)].append(op)
             elif op.kind in (OpKind.INV_A, OpKind.INV_B):
                 self._inverses[(op.pipe, op.stage, op.layer)].append(op)
+        position = {pipe: {mb: i for i, mb in enumerate(order)} for pipe, order in self.micro_batches.items()}
+        self._previous: dict[Op, Op] = {}
+        for (_, pipe, _, _), curvature in self._curvature.items():
+            in_order = sorted(set(curvature), key=lambda op: position[pipe][op.micro_batch])
+            self._previous.update(zip(in_order[1:], in_order))
 
     def dependencies(self, op: Op, first_step: bool = True) -> tuple[Op, ...]:
         """Ops `op` waits for. Curvature in later steps of a cycle reads data saved in the first
@@ -59,7 +65,8 @@ class TaskGraph:
         if kind.is_compute:
             return dependencies(op, self.schedule.num_stages)
         if kind in (OpKind.CURV_A, OpKind.CURV_B):
-            return dependencies(op, self.schedule.num_stages) if first_step else ()
+            previous = self._previous_curvature(op)
+            return (dependencies(op, self.schedule.num_stages) if first_step else ()) + previous
         if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
             curv = CURVATURE[FACTOR_OF[kind]]
             return tuple(self._curvature[(curv, op.pipe, op.stage, op.layer)])
@@ -74,6 +81,12 @@ class TaskGraph:
         if kind is OpKind.PRECONDITION:
             return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
         raise ValueError(f"no dependency rule for {op}")
+
+    def _previous_curvature(self, op: Op) -> tuple[Op, ...]:
+        """The same factor's curvature of the pipe's previous micro-batch: a factor sums its
+        micro-batches in order whatever the plan, so every plan computes bit-identical factors."""
+        previous = self._previous.get(op)
+        return (previous,) if previous is not None else ()
 
 
 @dataclass(frozen=True)

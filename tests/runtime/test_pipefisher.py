@@ -49,6 +49,18 @@ def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
     assert reference.losses[2:] != pytest.approx(first_order.losses[2:]), "K-FAC changed the updates from the 2nd cycle"
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_packed_and_after_step_placements_are_bitwise_identical(schedule):
+    """Plans differ in when curvature runs; factors still sum their micro-batches in order."""
+    runs = {}
+    for placement in ("packed", "after-step"):
+        config = kfac_config(schedule, placement)
+        runs[placement] = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=180)[0]
+    packed, after_step = runs["packed"], runs["after-step"]
+    assert packed.losses == after_step.losses
+    assert all(torch.equal(value, after_step.parameters[key]) for key, value in packed.parameters.items())
+
+
 def test_kfac_without_inverse_splitting_and_with_reprofiling_equals_the_reference(capfd):
     # Cycles of 2 steps: the 1st warms up, the 2nd calibrates the fresh profile, the 3rd drifts and
     # step 7 runs on the new plan (a smaller lr keeps 7 K-FAC steps' float rounding below rtol).
