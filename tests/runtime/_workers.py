@@ -85,3 +85,23 @@ def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int)
 
     checkpoint.torch.save = save
     return train_pipelined(config, rank, CPU)
+
+
+def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> tuple[list[float], dict]:
+    """Two steps, a profile measurement if `profile` (it must leave no trace), two more steps:
+    the losses and this rank's final parameters and optimizer state."""
+    from pipefisher.runtime.profiler import measure_profile
+    from pipefisher.runtime.training import staged_model
+
+    executor, schedule = build_executor(config, rank, CPU)
+    ops = schedule.ranks[rank]
+    losses = [executor.run_step(step, ops).loss for step in range(2)]
+    if profile:
+        modules = {key: stage.module for key, stage in executor.stages.items()}
+        measure_profile(executor, rank, modules, executor.output_shape, config.data.micro_batch_size,
+                        skip=staged_model(config).kfac_skip(), repeats=2)
+    losses += [executor.run_step(step, ops).loss for step in range(2, 4)]
+    state = {f"{key}.{name}": value.detach().clone() for key, stage in executor.stages.items()
+             for name, value in stage.module.state_dict().items()}
+    state["lr"] = executor.optimizer.param_groups[0]["lr"]
+    return losses, state

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _workers import pipelined
+from _workers import pipelined, profiled_midway
 from pipefisher.config import config_from_dict
 from pipefisher.profile import load_profile
 from pipefisher.runtime.launch import run_group
@@ -122,3 +122,25 @@ def test_a_profile_of_another_run_is_refused(tmp_path, measured):
     result = subprocess.run(["pipefisher", "run", str(three), "--optimizer", "kfac", "--profile", str(measured[0])],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "profile has 2 stages but the schedule needs 4" in result.stderr
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_measuring_a_profile_mid_run_leaves_no_trace(optimizer):
+    """The profiler's steps drop their gradients and its end-of-step timing restores parameters,
+    optimizer state and learning-rate schedule: training continues bit for bit."""
+    config = config_from_dict(
+        {
+            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "data": {"micro_batch_size": 2},
+            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": "1f1b"},
+            "optimizer": {"name": optimizer, "lr": 0.01, "weight_decay": 0.01, "clip_norm": 0.5, "warmup_steps": 2,
+                          "decay": "linear", "decay_steps": 6},
+            "run": {"steps": 4, "timeout": 30, "master_port": 0},
+        }
+    )
+    plain, profiled = (run_group(profiled_midway, 2, args=(config, flag), timeout=30, deadline=120) for flag in (False, True))
+    for (losses, state), (losses_profiled, state_profiled) in zip(plain, profiled):
+        assert losses == losses_profiled
+        assert state.keys() == state_profiled.keys()
+        for key, value in state.items():
+            assert value == state_profiled[key] if key == "lr" else torch.equal(value, state_profiled[key]), key
