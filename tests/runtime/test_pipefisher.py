@@ -42,7 +42,7 @@ def assert_equal_to_reference(config):
 
 
 @pytest.mark.parametrize("placement", ["packed", "after-step"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "chimera"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
 def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
     reference = assert_equal_to_reference(kfac_config(schedule, placement))
     first_order = train_reference(kfac_config(schedule, placement).with_overrides(optimizer={"name": "sgd"}))
