@@ -1,8 +1,8 @@
 """The stable profile format `pipefisher.profile/v1`: per-stage and per-layer op times.
 
 All times are in the profile's `time_unit` (ms by default). Forward, backward and curvature times
-are per micro-batch; inverse and sync times per refresh; precondition and step end per step. Loading checks
-every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
+are per micro-batch; inverse and sync times per refresh; precondition and step end per step.
+Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
 """
 
 from __future__ import annotations

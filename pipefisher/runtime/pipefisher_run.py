@@ -102,11 +102,10 @@ class PipeFisherTrainer:
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
         self.skip = staged_model(config).kfac_skip()
-        measured = profile is None and not config.kfac.profile
-        self.profile = profile if profile is not None else self._initial_profile()
+        self.profile, fresh = (profile, False) if profile is not None else self._initial_profile()
         self.kfac_plan = make_plan(config, self.schedule, self.profile)
         self.drift = DriftMonitor(config.kfac.reprofile_threshold, config.kfac.reprofile_patience)
-        self.drift.new_plan(fresh_profile=measured)
+        self.drift.new_plan(fresh_profile=fresh)
         self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip)
         executor.handlers.update(self.runtime.handlers())
         self.cycle_step = 0
@@ -125,13 +124,14 @@ class PipeFisherTrainer:
         )
         return profile
 
-    def _initial_profile(self) -> Profile:
+    def _initial_profile(self) -> tuple[Profile, bool]:
+        """The run's profile file, or one measured now; and whether it was measured now."""
         if self.config.kfac.profile:
             profile = load_profile(self.config.kfac.profile)
             check_profile_matches(profile, self.config, self.schedule.num_stages)
-            return profile
+            return profile, False
         self.log("measuring a profile (gradients dropped; the model does not change)")
-        return self._measure()
+        return self._measure(), True
 
     def state_dict(self) -> dict:
         """Position in the cycle, the profile the plan comes from, and every engine's state."""

@@ -3,11 +3,12 @@
 Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
 steps that leave the model unchanged (gradients dropped), times every op on every rank
 (perf_counter after a barrier, so the ranks' clocks agree to the barrier's skew; on GPUs each op
-is synchronised), measures each stage boundary's transfer with a ping-pong, times the end of step (gradient
-all-reduce, clipping, optimizer step; parameters and optimizer state restored after), and every
-K-FAC task of every layer on the rank that holds it: curvature per micro-batch, factor sync
-over the stage's replicas, eigen/Cholesky inverse, preconditioning. Every rank gathers all
-measurements and builds the same Profile (medians), so every rank packs the same plan.
+is synchronised), measures each stage boundary's transfer with a ping-pong, times the end of
+step (gradient all-reduce, clipping, optimizer step; parameters, optimizer state and
+learning-rate schedule restored after), and every K-FAC task of every layer on the rank that
+holds it: curvature per micro-batch, factor sync over the stage's replicas, eigen/Cholesky
+inverse, preconditioning. Every rank gathers all measurements and builds the same Profile
+(medians), so every rank packs the same plan.
 """
 
 from __future__ import annotations

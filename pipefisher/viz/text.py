@@ -71,15 +71,13 @@ def _paint(panel: Panel, cells: int, slice_time: float) -> list[str]:
     idle_cells = min(cells, math.ceil(panel.end / slice_time - 0.5))
     rows = [[IDLE] * idle_cells + [" "] * (cells - idle_cells) for _ in range(panel.num_ranks)]
     for end in panel.step_ends:
-        first = max(0, math.ceil(end.start / slice_time - 0.5))
-        stop = min(cells, math.ceil(end.end / slice_time - 0.5))
+        first, stop = _cells(end.start, end.end, cells, slice_time)
         rows[end.rank][first:stop] = STEP_END * max(0, stop - first)
     short: list[Box] = []
     for box in panel.boxes:
         if box.end <= box.start:
             continue
-        first = max(0, math.ceil(box.start / slice_time - 0.5))
-        stop = min(cells, math.ceil(box.end / slice_time - 0.5))
+        first, stop = _cells(box.start, box.end, cells, slice_time)
         if first < stop:
             rows[box.rank][first:stop] = box_char(box) * (stop - first)
         else:
@@ -89,6 +87,11 @@ def _paint(panel: Panel, cells: int, slice_time: float) -> list[str]:
         if rows[box.rank][cell] in (IDLE, " "):
             rows[box.rank][cell] = box_char(box)
     return ["".join(row) for row in rows]
+
+
+def _cells(start: float, end: float, cells: int, slice_time: float) -> tuple[int, int]:
+    """[first, stop) of the slices whose centres lie in [start, end)."""
+    return max(0, math.ceil(start / slice_time - 0.5)), min(cells, math.ceil(end / slice_time - 0.5))
 
 
 def _step_line(panel: Panel, prefix: int, cells: int, slice_time: float) -> str:
