@@ -155,7 +155,7 @@ def step_times(profile_path: Path, k_override: int | None) -> tuple[float, float
     from pipefisher.config import load_config
     from pipefisher.pack import PackOptions, pack
     from pipefisher.profile import load_profile
-    from pipefisher.runtime.training import build_schedule
+    from pipefisher.runtime.assembly import build_schedule
     from pipefisher.simulate import simulate
 
     config = load_config(BASE)

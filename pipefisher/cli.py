@@ -7,57 +7,13 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, positive_int, share
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations
 from pipefisher.pack import STRATEGIES, PackOptions, PackResult, pack
-from pipefisher.profile import ProfileError, load_profile, uniform_profile
-from pipefisher.schedules import SCHEDULES, get_schedule
+from pipefisher.profile import ProfileError, load_profile
+from pipefisher.schedules import SCHEDULES
 from pipefisher.simulate import Timeline, simulate
-from pipefisher.validate import validate
-
-USAGE_ERROR = 2
-
-
-class UsageError(Exception):
-    """Bad command-line input; printed as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
-        raise UsageError(f"{self.prog}: {message} (see --help)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
-    parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")
-    parser.add_argument("--stages", "-D", type=_positive_int, required=True, help="pipeline depth D (ranks)")
-    parser.add_argument("--micro-batches", "-N", type=_positive_int, required=True, help="micro-batches per step N")
-    parser.add_argument("--chunks", type=_positive_int, default=None, help="model chunks per rank (interleaved only; default 2)")
-
-
-def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> tuple:
-    """(schedule, profile) from the shared arguments; without a profile, unit times per rank."""
-    schedule = validate(get_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
-    if args.profile is not None:
-        profile = load_profile(args.profile)
-    elif profile_required:
-        raise UsageError("--profile is required")
-    else:
-        # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.
-        chunks = schedule.num_stages // schedule.num_ranks
-        profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
-    return schedule, profile
-
 
 def _simulate_summary(schedule, timeline: Timeline) -> dict:
     devices = []
@@ -124,16 +80,6 @@ def _add_simulate(subparsers) -> None:
     parser.set_defaults(handler=_cmd_simulate)
 
 
-def _share(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1)")
-    return value
-
-
 def _cmd_pack(args: argparse.Namespace) -> int:
     schedule, profile = build_pipeline(args, profile_required=True)
     if not any(stage.layers for stage in profile.stages):
@@ -197,11 +143,11 @@ def _add_pack(subparsers) -> None:
     parser.add_argument("--profile", required=True, help="profile file with K-FAC layers (pipefisher.profile/v1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
-    parser.add_argument("--margin", type=_share, default=0.05, help="share of each bubble kept free (default 0.05)")
-    parser.add_argument("--max-overhead", type=_share, default=0.01, help="overhead budget per step (default 0.01)")
+    parser.add_argument("--margin", type=share, default=0.05, help="share of each bubble kept free (default 0.05)")
+    parser.add_argument("--max-overhead", type=share, default=0.01, help="overhead budget per step (default 0.01)")
     parser.add_argument("--no-split", action="store_true", help="every replica inverts its own factors")
     parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")
-    parser.add_argument("--refresh-steps", type=_positive_int, default=None, help="pin the refresh interval k")
+    parser.add_argument("--refresh-steps", type=positive_int, default=None, help="pin the refresh interval k")
     parser.set_defaults(handler=_cmd_pack)
 
 
@@ -216,7 +162,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics},
     )
-    from pipefisher.runtime.training import build_schedule
+    from pipefisher.runtime.assembly import build_schedule
 
     schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
     _prepare_model(config)
@@ -258,7 +204,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         run={"master_port": args.master_port, "backend": args.backend},
     )
     from pipefisher.runtime.run import check_port, profile_run
-    from pipefisher.runtime.training import build_schedule
+    from pipefisher.runtime.assembly import build_schedule
 
     build_schedule(config)
     _prepare_model(config)
@@ -271,7 +217,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 def _prepare_model(config) -> None:
     """Check that the model splits into the run's stages; for BERT this also builds (and caches)
     the tokenizer and tokens once, before the ranks start and read the cache."""
-    from pipefisher.runtime.training import staged_model
+    from pipefisher.runtime.assembly import staged_model
 
     def announce() -> None:
         print("pipefisher: preparing the BERT data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
@@ -285,7 +231,7 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("-o", "--output", required=True, help="profile to write (YAML, or JSON by suffix)")
     parser.add_argument("--timeline", help="also write the measured per-rank timeline (pipefisher.timeline/v1 JSON)")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
-    parser.add_argument("--repeats", type=_positive_int, default=5, help="measured steps (default 5, medians)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.set_defaults(handler=_cmd_profile)
@@ -295,12 +241,12 @@ def _add_run(subparsers) -> None:
     parser = subparsers.add_parser("run", help="train from a run file (local processes, torchrun, or --reference)")
     parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
-    parser.add_argument("--steps", type=_positive_int, help="total steps of the run (run.steps)")
+    parser.add_argument("--steps", type=positive_int, help="total steps of the run (run.steps)")
     parser.add_argument("--optimizer", choices=["sgd", "adamw", "lamb", "kfac"], help="override optimizer.name")
     parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
-    parser.add_argument("--kfac-refresh-steps", type=_positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
+    parser.add_argument("--kfac-refresh-steps", type=positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
     parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile); default: measure one")
-    parser.add_argument("--data-parallel", type=_positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
@@ -313,8 +259,8 @@ def _add_run(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
-    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = ArgumentParser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_simulate(subparsers)
     _add_pack(subparsers)
     _add_run(subparsers)

@@ -19,6 +19,7 @@ PLANNING = [
     "pipefisher.viz.chrome",
     "pipefisher.viz.figure",
     "pipefisher.viz.timeline_io",
+    "pipefisher.cli_args",
     "pipefisher.cli",
 ]
 

@@ -23,7 +23,7 @@ from pipefisher.runtime.drift import DriftMonitor
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.kfac_ops import KfacRuntime
 from pipefisher.runtime.profiler import measure_profile
-from pipefisher.runtime.training import staged_model
+from pipefisher.runtime.assembly import staged_model
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from torch import nn
 from pipefisher.config import RunConfig
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.executor import StepResult
-from pipefisher.runtime.training import StepCallback, TrainResult, data_source, staged_model
+from pipefisher.runtime.assembly import data_source, staged_model
+from pipefisher.runtime.training import StepCallback, TrainResult
 
 
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:

@@ -67,7 +67,8 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume: bool = False,
 
 def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
     from pipefisher.runtime.profiler import measure_profile, records_to_timeline
-    from pipefisher.runtime.training import build_executor, staged_model
+    from pipefisher.runtime.assembly import staged_model
+    from pipefisher.runtime.training import build_executor
 
     device = current_device(config.run.backend)
     executor, schedule = build_executor(config, rank, device)

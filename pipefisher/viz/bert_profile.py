@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipefisher.cli import USAGE_ERROR, UsageError
+from pipefisher.cli_args import USAGE_ERROR, UsageError
 from pipefisher.profile import ProfileError
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-from pipefisher.cli import UsageError, add_pipeline_arguments, build_pipeline
+from pipefisher.cli_args import UsageError, add_pipeline_arguments, build_pipeline
 from pipefisher.schedules import SCHEDULES
 from pipefisher.viz.layout import Panel, kfac_panel, recorded_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH

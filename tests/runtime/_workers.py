@@ -91,7 +91,7 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
     """Two steps, a profile measurement if `profile` (it must leave no trace), two more steps:
     the losses and this rank's final parameters and optimizer state."""
     from pipefisher.runtime.profiler import measure_profile
-    from pipefisher.runtime.training import staged_model
+    from pipefisher.runtime.assembly import staged_model
 
     executor, schedule = build_executor(config, rank, CPU)
     ops = schedule.ranks[rank]

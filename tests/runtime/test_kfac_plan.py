@@ -5,7 +5,7 @@ from dataclasses import replace
 from pipefisher.config import config_from_dict
 from pipefisher.profile import LayerProfile, Profile, StageProfile
 from pipefisher.runtime.pipefisher_run import make_plan, stage_layer_names
-from pipefisher.runtime.training import build_schedule
+from pipefisher.runtime.assembly import build_schedule
 
 
 def run_config(schedule):

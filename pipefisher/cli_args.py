@@ -1,0 +1,69 @@
+"""Command-line pieces shared by `pipefisher` and its subcommands (`viz`, helper scripts):
+the usage error, a one-line-error argument parser, argument types, and the pipeline arguments.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipefisher.profile import load_profile, uniform_profile
+from pipefisher.schedules import SCHEDULES, get_schedule
+from pipefisher.validate import validate
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Reports a usage error as one line (UsageError) instead of argparse's usage block."""
+
+    def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
+    parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")
+    parser.add_argument("--stages", "-D", type=positive_int, required=True, help="pipeline depth D (ranks)")
+    parser.add_argument("--micro-batches", "-N", type=positive_int, required=True, help="micro-batches per step N")
+    parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2)")
+
+
+def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> tuple:
+    """(schedule, profile) from the shared arguments; without a profile, unit times per rank."""
+    schedule = validate(get_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+    elif profile_required:
+        raise UsageError("--profile is required")
+    else:
+        # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.
+        chunks = schedule.num_stages // schedule.num_ranks
+        profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
+    return schedule, profile
+
+
+def share(text: str) -> float:
+    """A number in [0, 1) (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1)")
+    return value

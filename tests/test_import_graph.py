@@ -1,0 +1,55 @@
+"""The package's modules import each other without cycles (function-level imports included)."""
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pipefisher"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> nx.DiGraph:
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for statement in node.body
+            for inner in ast.walk(statement)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue  # annotations only: never executed
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                # `from package import submodule` depends on the submodule, not on the package
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for target in targets:
+                if target in modules and target != name:
+                    graph.add_edge(name, target)
+    return graph
+
+
+def test_the_graph_sees_function_level_imports():
+    graph = import_graph()
+    assert graph.has_edge("pipefisher.cli", "pipefisher.viz.cli"), "build_parser imports viz.cli inside a function"
+
+
+def test_no_import_cycles():
+    cycles = sorted(nx.simple_cycles(import_graph()), key=len)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle + cycle[:1]) for cycle in cycles[:5])
