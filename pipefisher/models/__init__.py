@@ -14,8 +14,9 @@ class StagedModel(Protocol):
     """A model the pipeline can cut into `num_stages` stages.
 
     A stage's `forward(x, batch)` takes the previous stage's activation (None on stage 0) and the
-    micro-batch; stage `index` is built from (seed, index) alone, so every rank and the reference
-    build the same parameters.
+    micro-batch. Parameter names are global and each parameter depends on (seed, its name) alone,
+    so every rank, the reference and any split build the same parameters: the union of all stages'
+    parameters is the one-stage model's (`pipefisher.models.init.build_initialised`).
     """
 
     #: names of the parts `loss` returns (reported per step)

@@ -13,14 +13,15 @@ one-stage model's state dict:
 
 HF key = ``"bert." + name`` for ``embeddings``/``encoder``/``pooler``, and ``name`` for ``cls.*``
 (HF's ``cls.predictions.bias`` is our ``cls.predictions.decoder.bias``). Every Linear is an
-explicit `nn.Linear`, so K-FAC hooks see them all.
+explicit `nn.Linear`, so K-FAC hooks see them all. Each module is initialised (HF's init) from a
+generator seeded by (seed, its name) alone, so no parameter depends on the split; the tied
+decoder is drawn as ``embeddings.word_embeddings``, so both copies start equal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from pipefisher.models.init import build_initialised
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
@@ -39,7 +42,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
 }
 IGNORE_INDEX = -100
-WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
+WORD_EMBEDDINGS = "embeddings.word_embeddings"
 DECODER = "cls.predictions.decoder"
 
 
@@ -288,30 +291,17 @@ class BertStage(nn.Module):
         return self.cls.predictions(x), self.cls.seq_relationship(self.pooler(x))
 
 
-def _derive_seed(seed: int, tag: int | str) -> int:
-    """A 63-bit seed determined by (seed, tag) alone, the same in every process."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{tag}".encode()).digest()[:8], "little") >> 1
-
-
-@torch.no_grad()
-def _initialise(stage: BertStage, config: BertConfig, stage_seed: int, word_seed: int) -> None:
-    """HF's init: weights ~ N(0, initializer_range), biases 0, LayerNorm 1/0; the tied word
-    embedding / decoder weight from its own generator, so every copy of it starts equal."""
-    tied: list[nn.Module] = []
-    if stage.embeddings is not None:
-        tied.append(stage.embeddings.word_embeddings)
-    if stage.cls is not None:
-        tied.append(stage.cls.predictions.decoder)
-    generator = torch.Generator().manual_seed(stage_seed)
-    for module in stage.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)) and all(module is not t for t in tied):
-            module.weight.normal_(0.0, config.initializer_range, generator=generator)
-        if isinstance(module, nn.LayerNorm):
-            module.weight.fill_(1.0)
-        if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
-            module.bias.zero_()
-    for module in tied:
-        module.weight.normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed(word_seed))
+def hf_init(module: nn.Module, generator: torch.Generator, std: float) -> None:
+    """HF's init drawn from `generator`: Linear/Embedding weight ~ N(0, std) (drawn first, so a
+    decoder drawn as its word embedding equals it), biases 0; LayerNorm weight 1, bias 0."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        module.weight.normal_(0.0, std, generator=generator)
+    elif isinstance(module, nn.LayerNorm):
+        module.weight.fill_(1.0)
+    else:
+        raise TypeError(f"no initialisation for {type(module).__name__}")
+    if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+        module.bias.zero_()
 
 
 class BertStagedModel:
@@ -327,18 +317,22 @@ class BertStagedModel:
         self.seq_len = seq_len
 
     def build_stage(self, index: int, num_stages: int, seed: int) -> BertStage:
-        """Stage `index` of `num_stages` (blocks split evenly), initialised from (seed, index) and,
-        for the tied word embedding / decoder weight, from (seed, "word embeddings"). With one stage
-        the decoder weight is the word-embedding Parameter itself. Does not touch the global RNG."""
+        """Stage `index` of `num_stages` (blocks split evenly); each parameter depends on (seed, its
+        global name) alone, the tied decoder weight equals the word embedding. With one stage the
+        decoder weight is the word-embedding Parameter itself. Does not touch the global RNG."""
         layers = self.config.num_hidden_layers
         if num_stages < 1 or layers % num_stages:
             raise ValueError(f"num_stages: {num_stages} does not divide num_hidden_layers {layers}")
         if not 0 <= index < num_stages:
             raise ValueError(f"index: expected 0..{num_stages - 1}, got {index}")
         per_stage = layers // num_stages
-        with torch.random.fork_rng(devices=[]):
-            stage = BertStage(self.config, range(index * per_stage, (index + 1) * per_stage), index == 0, index == num_stages - 1)
-        _initialise(stage, self.config, _derive_seed(seed, index), _derive_seed(seed, "word embeddings"))
+        blocks = range(index * per_stage, (index + 1) * per_stage)
+        stage = build_initialised(
+            lambda: BertStage(self.config, blocks, index == 0, index == num_stages - 1),
+            seed,
+            functools.partial(hf_init, std=self.config.initializer_range),
+            drawn_as={DECODER: WORD_EMBEDDINGS},
+        )
         if stage.embeddings is not None and stage.cls is not None:
             stage.cls.predictions.decoder.weight = stage.embeddings.word_embeddings.weight
         return stage
@@ -363,7 +357,7 @@ class BertStagedModel:
     def tied_parameters(self) -> list[tuple[str, str]]:
         """The tied weight's copies as (stage, parameter name), stage "first" or "last"; the runtime
         sums their gradients. With one stage both names resolve to the same Parameter."""
-        return [("first", WORD_EMBEDDINGS), ("last", f"{DECODER}.weight")]
+        return [("first", f"{WORD_EMBEDDINGS}.weight"), ("last", f"{DECODER}.weight")]
 
     def kfac_skip(self) -> tuple[str, ...]:
         """Glob patterns of Linear module names that K-FAC leaves first-order: the tied decoder."""

@@ -1,16 +1,29 @@
 """A small pre-LayerNorm Transformer encoder (or MLP) for regression, cut into pipeline stages.
 
 Every Linear is an explicit `nn.Linear` (attention included), so K-FAC hooks see all of them.
-Stage i is built from seed (seed, i) alone: any rank, and the single-process reference, build
-identical parameters for it.
+Module names are global, the same in every split, so the union of all stages' parameters is the
+one-stage model's:
+
+    embed                                                           first stage
+    blocks.<i>.{norm1,attention.{query,key,value,output},norm2,     transformer block i
+                intermediate,output}
+    blocks.<i>.linear                                               MLP layer i
+    norm (transformer only), head                                   last stage
+
+with <i> the block's global index (stage 1 of 2 over 4 blocks holds blocks.2 and blocks.3).
+Each module's parameters are drawn with PyTorch's default init from a generator seeded by
+(seed, module name) alone, so every rank, the reference and any split build identical parameters.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
 
 from pipefisher.config import ModelConfig
+from pipefisher.models.init import build_initialised
 
 
 class SelfAttention(nn.Module):
@@ -57,23 +70,23 @@ class Dense(nn.Module):
 
 
 class Stage(nn.Module):
-    """Consecutive layers of the model; the first stage embeds, the last one projects out."""
+    """Layers `layers` of the model, keyed by global index; the first stage embeds, the last one projects out."""
 
     def __init__(self, config: ModelConfig, layers: range, first: bool, last: bool):
         super().__init__()
         width = config.hidden
         self.embed = nn.Linear(config.input_dim, width) if first else None
         if config.kind == "transformer":
-            self.blocks = nn.ModuleList(Block(width, config.heads, config.ffn) for _ in layers)
+            self.blocks = nn.ModuleDict({str(i): Block(width, config.heads, config.ffn) for i in layers})
         else:
-            self.blocks = nn.ModuleList(Dense(width) for _ in layers)
+            self.blocks = nn.ModuleDict({str(i): Dense(width) for i in layers})
         self.norm = nn.LayerNorm(width) if last and config.kind == "transformer" else None
         self.head = nn.Linear(width, config.output_dim) if last else None
 
     def forward(self, x: Tensor | None, batch: dict[str, Tensor]) -> Tensor:
         if self.embed is not None:
             x = self.embed(batch["inputs"])
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         if self.norm is not None:
             x = self.norm(x)
@@ -82,18 +95,19 @@ class Stage(nn.Module):
         return x
 
 
-class _Seeded:
-    """Context in which torch's default generator is seeded with `seed`, restored after."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self.state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc) -> None:
-        torch.random.set_rng_state(self.state)
+def pytorch_default_init(module: nn.Module, generator: torch.Generator) -> None:
+    """PyTorch's default init drawn from `generator`: Linear weight kaiming-uniform (a=sqrt 5) then
+    bias U(±1/sqrt fan_in); LayerNorm weight 1, bias 0."""
+    if isinstance(module, nn.Linear):
+        nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5), generator=generator)
+        if module.bias is not None:
+            bound = 1 / math.sqrt(module.in_features)
+            nn.init.uniform_(module.bias, -bound, bound, generator=generator)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    else:
+        raise TypeError(f"no initialisation for {type(module).__name__}")
 
 
 class TinyRegression:
@@ -105,10 +119,13 @@ class TinyRegression:
         self.config = config
 
     def build_stage(self, index: int, num_stages: int, seed: int) -> Stage:
-        """Stage `index` of `num_stages` (layers split evenly), initialised from (seed, index)."""
+        """Stage `index` of `num_stages` (layers split evenly); each parameter depends on (seed, its
+        global name) alone. Does not touch the global RNG."""
         per_stage = self.config.layers // num_stages
-        with _Seeded(seed * 1_000_003 + index):
-            return Stage(self.config, range(index * per_stage, (index + 1) * per_stage), index == 0, index == num_stages - 1)
+        layers = range(index * per_stage, (index + 1) * per_stage)
+        return build_initialised(
+            lambda: Stage(self.config, layers, index == 0, index == num_stages - 1), seed, pytorch_default_init
+        )
 
     def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
         width = self.config.output_dim if stage == num_stages - 1 else self.config.hidden

@@ -52,15 +52,6 @@ def run(stages: list[nn.Module], batch: dict[str, torch.Tensor]) -> tuple[torch.
     return x
 
 
-def split_like(model: BertStagedModel, full: nn.Module, num_stages: int) -> list[nn.Module]:
-    """A num_stages split holding the one-stage model's parameters (names are global)."""
-    reference = full.state_dict()
-    stages = [model.build_stage(i, num_stages, seed=7).double() for i in range(num_stages)]
-    for stage in stages:
-        stage.load_state_dict({name: reference[name] for name in stage.state_dict()})
-    return stages
-
-
 def test_shapes_and_activation_shape() -> None:
     model = BertStagedModel(SMALL, SEQ)
     stages = [model.build_stage(i, 2, seed=0) for i in range(2)]
@@ -84,7 +75,7 @@ def test_shapes_and_activation_shape() -> None:
 def test_split_matches_single_stage(num_stages: int) -> None:
     model = BertStagedModel(SMALL, SEQ)
     full = model.build_stage(0, 1, seed=3).double()
-    stages = split_like(model, full, num_stages)
+    stages = [model.build_stage(i, num_stages, seed=3).double() for i in range(num_stages)]
     batch = make_batch()
     loss_full, parts_full = model.loss(run([full], batch), batch)
     loss_split, parts_split = model.loss(run(stages, batch), batch)
