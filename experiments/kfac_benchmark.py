@@ -55,8 +55,8 @@ def time_layer(size: int, rows: int, repeats: int, seed: int = 0) -> LayerTiming
     accumulate_covariance(a_total, a, ones_column=True)
     accumulate_covariance(b_total, e, ones_column=False)
     factor_a = a_total / rows
-    a_inv = damped_inverse(factor_a, DAMPING, "eigen")
-    b_inv = damped_inverse(b_total / rows, DAMPING, "eigen")
+    a_inv, _ = damped_inverse(factor_a, DAMPING, "eigen")
+    b_inv, _ = damped_inverse(b_total / rows, DAMPING, "eigen")
     grad = torch.randn(size, size + 1, generator=gen)
     return LayerTiming(
         size=size,

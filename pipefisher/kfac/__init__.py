@@ -5,7 +5,7 @@ operations one call at a time for the pipeline executor.
 """
 
 from pipefisher.kfac.engine import KFACConfig, KFACEngine, KFACNumericsWarning, PreconditionReport
-from pipefisher.kfac.factors import InverseMethod, InversionError
+from pipefisher.kfac.factors import InverseMethod
 from pipefisher.kfac.front import KFAC
 from pipefisher.kfac.layer import FACTORS, Factor, Health, LayerInfo
 
@@ -15,7 +15,6 @@ __all__ = [
     "Factor",
     "Health",
     "InverseMethod",
-    "InversionError",
     "KFACConfig",
     "KFACEngine",
     "KFACNumericsWarning",

@@ -20,10 +20,6 @@ InverseMethod = Literal["eigen", "cholesky"]
 INVERSE_METHODS: tuple[str, ...] = ("eigen", "cholesky")
 
 
-class InversionError(RuntimeError):
-    """A damped inverse could not be computed (failed decomposition or non-finite result)."""
-
-
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype factors of a layer with parameters of ``dtype`` are kept in: float32 or wider."""
     return torch.promote_types(dtype, torch.float32)
@@ -57,42 +53,60 @@ def factor_damping(damping: float) -> float:
     return math.sqrt(damping)
 
 
-def damping_too_small(factor: Tensor, damping: float) -> bool:
-    """True when adding ``sqrt(damping)`` to the largest diagonal entry is lost to rounding.
+def damping_too_small(factor: Tensor, damping: float) -> Tensor:
+    """0-dim device bool: adding ``sqrt(damping)`` to the largest diagonal entry is lost to rounding.
 
     Then the damped factor equals the undamped one in ``factor.dtype`` and its inverse is
-    governed by rounding noise rather than by the damping.
+    governed by rounding noise rather than by the damping. Compared in float64, no host read.
     """
-    scale = factor.diagonal().abs().max().item() if factor.numel() else 0.0
-    return factor_damping(damping) < torch.finfo(factor.dtype).eps * scale
+    if factor.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=factor.device)
+    scale = factor.diagonal().abs().max().to(torch.float64)
+    return torch.finfo(factor.dtype).eps * scale > factor_damping(damping)
 
 
-def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "eigen") -> Tensor:
-    """``(F + sqrt(damping) I)⁻¹`` of a symmetric (n, n) factor, in ``factor.dtype``.
+def damped_inverse(
+    factor: Tensor, damping: float, method: InverseMethod = "eigen"
+) -> tuple[Tensor, Tensor]:
+    """``(F + sqrt(damping) I)⁻¹`` of a symmetric (n, n) factor, in ``factor.dtype``, and ``ok``.
 
-    ``eigen``: ``F = Q diag(d) Qᵀ``, result ``Q diag(1 / (max(d, 0) + sqrt(damping))) Qᵀ``
-    (negative eigenvalues from rounding are clamped). ``cholesky``: inverse through the Cholesky
-    factor of the damped matrix (no clamping). Raises :class:`InversionError` on failure.
+    ``ok`` (0-dim device bool) is False when the decomposition failed or the result is not
+    finite; the inverse is then a placeholder to discard. ``eigen``: ``F = Q diag(d) Qᵀ``, result
+    ``Q diag(1 / (max(d, 0) + sqrt(damping))) Qᵀ`` (negative eigenvalues from rounding are
+    clamped). ``cholesky``: ``L⁻ᵀ L⁻¹`` from the Cholesky factor ``L`` of the damped matrix (no
+    clamping). No host read, except inside ``torch.linalg.eigh``, which on CUDA reads its own
+    error code to raise on failure (unavoidable; caught here as ``ok`` False).
     """
-    delta = factor_damping(damping)
+    if method not in _INVERSES:
+        raise ValueError(f"unknown inverse method {method!r}; expected one of {INVERSE_METHODS}")
     sym = (factor + factor.T) / 2
+    inv, decomposed = _INVERSES[method](sym, factor_damping(damping))
+    return inv, decomposed & torch.isfinite(inv).all()
+
+
+def _eigen_inverse(sym: Tensor, delta: float) -> tuple[Tensor, Tensor]:
     try:
-        if method == "eigen":
-            evals, evecs = torch.linalg.eigh(sym)
-            inv = (evecs / (evals.clamp(min=0.0) + delta)) @ evecs.T
-        elif method == "cholesky":
-            damped = sym + delta * torch.eye(sym.shape[0], dtype=sym.dtype, device=sym.device)
-            chol, info = torch.linalg.cholesky_ex(damped)
-            if info.item() != 0:
-                raise InversionError(f"Cholesky failed at minor {info.item()}")
-            inv = torch.cholesky_inverse(chol)
-        else:
-            raise ValueError(f"unknown inverse method {method!r}; expected one of {INVERSE_METHODS}")
-    except torch.linalg.LinAlgError as exc:
-        raise InversionError(str(exc)) from exc
-    if not torch.isfinite(inv).all():
-        raise InversionError("non-finite inverse")
-    return inv
+        evals, evecs = torch.linalg.eigh(sym)
+    except torch.linalg.LinAlgError:
+        return _eye(sym), torch.zeros((), dtype=torch.bool, device=sym.device)
+    inv = (evecs / (evals.clamp(min=0.0) + delta)) @ evecs.T
+    return inv, torch.ones((), dtype=torch.bool, device=sym.device)
+
+
+def _cholesky_inverse(sym: Tensor, delta: float) -> tuple[Tensor, Tensor]:
+    """Through ``cholesky_ex`` (its ``info`` stays on the device) and a triangular solve, which
+    checks nothing (``torch.cholesky_inverse`` would read error codes on the host)."""
+    eye = _eye(sym)
+    chol, info = torch.linalg.cholesky_ex(sym + delta * eye)
+    chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    return chol_inv.T @ chol_inv, info == 0
+
+
+def _eye(like: Tensor) -> Tensor:
+    return torch.eye(like.shape[0], dtype=like.dtype, device=like.device)
+
+
+_INVERSES = {"eigen": _eigen_inverse, "cholesky": _cholesky_inverse}
 
 
 def precondition_matrix(grad: Tensor, a_inv: Tensor | None, b_inv: Tensor | None) -> Tensor:
@@ -109,14 +123,13 @@ def precondition_matrix(grad: Tensor, a_inv: Tensor | None, b_inv: Tensor | None
     return out
 
 
-def kl_clip_scale(vg_sum: float, kl_clip: float, lr: float) -> float:
+def kl_clip_scale(vg_sum: Tensor, kl_clip: float, lr: float) -> Tensor:
     """KL-clip factor ``min(1, sqrt(kl_clip / (lr² · vg_sum)))`` with ``vg_sum = Σ ⟨G̃, G⟩``.
 
     Multiplying every preconditioned gradient by it bounds the predicted KL change of one step
     (``lr² · Σ ⟨G̃, G⟩``) by ``kl_clip``. A non-positive or non-finite ``vg_sum`` gives 1.
+    ``vg_sum``: 0-dim tensor; the result has its dtype and device (no host read).
     """
-    quad = lr * lr * vg_sum
-    if not math.isfinite(quad) or quad <= 0.0:
-        return 1.0
-    return min(1.0, math.sqrt(kl_clip / quad))
-
+    quad = vg_sum * (lr * lr)
+    valid = torch.isfinite(quad) & (quad > 0)
+    return torch.where(valid, torch.sqrt(kl_clip / quad).clamp(max=1.0), torch.ones_like(quad))

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from pipefisher.kfac.engine import KFACConfig, KFACEngine, PreconditionReport
 from pipefisher.kfac.factors import InverseMethod
@@ -58,15 +58,16 @@ class KFAC:
         return self.engine.health()
 
     @contextmanager
-    def capture(self) -> Iterator[None]:
+    def capture(self, loss_scale: Tensor | float | None = None) -> Iterator[None]:
         """Record ``a`` and ``e`` of one forward/backward run inside the block.
 
         Several captures before :meth:`update_curvature` (gradient accumulation) are combined;
         the default B scaling then assumes the accumulated loss is the mean over all their rows.
+        ``loss_scale``: the backward is of the loss times it (fp16 loss scaling; None: unscaled).
         """
         micro_batch = self._next_micro_batch
         self._next_micro_batch += 1
-        with self.engine.capture(micro_batch):
+        with self.engine.capture(micro_batch, loss_scale):
             yield
 
     def update_curvature(self) -> None:
@@ -77,13 +78,15 @@ class KFAC:
                     self.engine.curvature(info.name, factor, micro_batch)
 
     def update_inverses(self) -> None:
-        """Sync, fold into the EMA, invert and commit every factor with new curvature."""
+        """Sync, fold into the EMA, invert and commit every factor with new curvature, then warn
+        about numerical trouble (:meth:`KFACEngine.check_health`, one host read)."""
         for info in self.engine.layers():
             for factor in FACTORS:
                 if self.engine.built_rows(info.name, factor):
                     self.engine.sync(info.name, factor, self.process_group)
                     self.engine.invert(info.name, factor)
             self.engine.commit(info.name)
+        self.engine.check_health()
 
     def precondition(self, lr: float = 1.0) -> PreconditionReport:
         """Precondition every K-FAC layer's ``.grad`` in place (then KL-clip); call before

@@ -39,7 +39,7 @@ class LayerInfo:
 
 @dataclass
 class Health:
-    """Numerical trouble seen by one layer; each counter counts ``invert`` calls."""
+    """Numerical trouble seen by one layer; each counter counts ``invert`` calls (host values)."""
 
     nonfinite_factor: int = 0
     failed_inverse: int = 0
@@ -55,12 +55,32 @@ class Health:
 class BuiltFactor:
     """A factor under construction: ``total`` = Σ over rows of outer products, ``rows`` counted.
 
-    ``sealed`` once the B scaling is applied (first ``sync`` or ``invert``); no curvature after.
+    ``sealed`` once the B scaling is applied (first ``sync_tensors`` or ``invert``); no curvature
+    after. ``count``: the row count as a float64 (1,) device tensor, set when sealed; the caller's
+    replica sum adds into it, and ``invert`` divides by it.
     """
 
     total: Tensor
     rows: int = 0
     sealed: bool = False
+    count: Tensor | None = None
+
+
+@dataclass
+class Flagged:
+    """A device tensor with a 0-dim device bool ``ok``: whether ``value`` is valid (else a
+    placeholder). Lets the engine decide on the device what the host would branch on."""
+
+    value: Tensor
+    ok: Tensor
+
+
+def prefer_ok(new: Flagged, old: Flagged | None) -> Flagged:
+    """``new`` where it is ok, else ``old``, selected on the device (ok if either is); ``new``
+    when there is no ``old``."""
+    if old is None:
+        return new
+    return Flagged(torch.where(new.ok, new.value, old.value), new.ok | old.ok)
 
 
 @dataclass
@@ -68,8 +88,11 @@ class LayerState:
     """Everything K-FAC keeps for one layer.
 
     ``captures[factor][micro_batch]``: tensors recorded by hooks (``A``: layer inputs, ``B``: output
-    gradients), freed by curvature. ``ema``: running factors. ``pending``: inverses computed since
-    the last commit. ``active``: inverses used by precondition (missing = identity).
+    gradients), freed by curvature. ``loss_scales[micro_batch]``: the loss scale of that
+    micro-batch's ``B`` records. ``ema``: running factors (not ok before the first finite one).
+    ``pending``: inverses computed since the last commit. ``active``: inverses used by precondition
+    (missing = identity; not ok = identity value, applied as a skip). ``counters[factor]``: device
+    int64 :class:`Health` counters (see :mod:`pipefisher.kfac.health`).
     """
 
     info: LayerInfo
@@ -78,11 +101,12 @@ class LayerState:
     captures: dict[Factor, dict[Hashable, list[Tensor]]] = field(
         default_factory=lambda: {"A": {}, "B": {}}
     )
+    loss_scales: dict[Hashable, Tensor | float] = field(default_factory=dict)
     built: dict[Factor, BuiltFactor] = field(default_factory=dict)
-    ema: dict[Factor, Tensor] = field(default_factory=dict)
-    pending: dict[Factor, Tensor] = field(default_factory=dict)
-    active: dict[Factor, Tensor] = field(default_factory=dict)
-    health: Health = field(default_factory=Health)
+    ema: dict[Factor, Flagged] = field(default_factory=dict)
+    pending: dict[Factor, Flagged] = field(default_factory=dict)
+    active: dict[Factor, Flagged] = field(default_factory=dict)
+    counters: dict[Factor, Tensor] = field(default_factory=dict)
 
 
 def select_layers(

@@ -11,7 +11,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, tiny_mlp
-from pipefisher.kfac import KFAC, KFACNumericsWarning
+from pipefisher.kfac import FACTORS, KFAC, KFACConfig, KFACEngine, KFACNumericsWarning
 
 
 def refresh(kfac: KFAC, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -68,6 +68,108 @@ def test_failed_cholesky_keeps_identity_and_warns_while_eigen_copes():
         assert kfac.engine.inverse("0", "B") is not None
         kfac.precondition()
         assert torch.isfinite(model[0].weight.grad).all()
+
+
+def test_first_finite_factor_after_non_finite_ones_becomes_the_average_as_is():
+    x, y = data(8)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    model, plain_model = tiny_mlp(), tiny_mlp()
+    kfac, plain = KFAC(model, factor_decay=0.5), KFAC(plain_model, factor_decay=0.0)
+    with pytest.warns(KFACNumericsWarning):
+        refresh(kfac, model, bad, y)
+    refresh(kfac, model, x, y)
+    refresh(plain, plain_model, x, y)
+    first = {(n, f): kfac.engine.factor(n, f).clone() for n in ("0", "2") for f in FACTORS}
+    for (n, f), factor in first.items():
+        assert torch.equal(factor, plain.engine.factor(n, f)), (n, f)
+    with pytest.warns(KFACNumericsWarning):
+        refresh(kfac, model, bad, y)
+    for (n, f), factor in first.items():
+        assert torch.equal(kfac.engine.factor(n, f), factor), (n, f)
+
+
+def fail_eigh(*args, **kwargs):
+    raise torch.linalg.LinAlgError("forced failure")
+
+
+def test_failed_eigen_decomposition_keeps_the_previous_inverse(monkeypatch):
+    model = tiny_mlp()
+    kfac = KFAC(model)
+    refresh(kfac, model, *data(8))
+    good = {(n, f): kfac.engine.inverse(n, f).clone() for n in ("0", "2") for f in FACTORS}
+    monkeypatch.setattr(torch.linalg, "eigh", fail_eigh)
+    with pytest.warns(KFACNumericsWarning) as record:
+        refresh(kfac, model, *data(8, seed=2))
+    assert "layer '2': eigen inverse of B failed" in messages(record)
+    for (n, f), inv in good.items():
+        assert torch.equal(kfac.engine.inverse(n, f), inv), (n, f)
+    assert kfac.health()["0"].failed_inverse == 2 and kfac.engine.skipped_inversions == 4
+
+
+def test_shared_inverse_is_the_one_commit_would_make_active(monkeypatch):
+    """Pending if that inversion succeeded, else the one in use, else the identity; a failed
+    inversion after a successful one before the commit keeps the successful one."""
+    model = tiny_mlp()
+    engine = KFACEngine(model, KFACConfig(damping=0.1))
+    eigh = torch.linalg.eigh
+
+    def invert(mb: int, fail: bool) -> None:
+        with engine.capture(mb):
+            mse_loss(model(data(8, seed=mb)[0]), data(8, seed=mb)[1]).backward()
+        engine.curvature("2", "A", mb)
+        engine.release("2")
+        monkeypatch.setattr(torch.linalg, "eigh", fail_eigh if fail else eigh)
+        engine.invert("2", "A")
+
+    invert(0, fail=True)
+    assert torch.equal(engine.shared_inverse("2", "A"), torch.eye(7, dtype=torch.float64))
+    invert(1, fail=False)
+    first = engine.shared_inverse("2", "A").clone()
+    invert(2, fail=True)
+    assert torch.equal(engine.shared_inverse("2", "A"), first)
+    engine.commit("2")
+    assert torch.equal(engine.inverse("2", "A"), first)
+    invert(3, fail=True)
+    assert torch.equal(engine.shared_inverse("2", "A"), first)
+    buffer = engine.inverse_buffer("2", "A")
+    assert (buffer.shape, buffer.dtype) == ((7, 7), torch.float64)
+    engine.receive_inverse("2", "A", buffer.copy_(2 * first))
+    engine.commit("2")
+    assert torch.equal(engine.inverse("2", "A"), 2 * first)
+
+
+def scaled_factors(loss_scale, restore: bool = False) -> dict[tuple[str, str], torch.Tensor]:
+    """Factors of one float32 capture of ``mse * loss_scale`` (optionally through a checkpoint
+    taken before curvature); a tensor scale is then changed in place as GradScaler.update does."""
+    model = tiny_mlp(dtype=torch.float32)
+    engine = KFACEngine(model, KFACConfig(factor_decay=0.0))
+    x, y = data(8)
+    with engine.capture(0, loss_scale):
+        loss = mse_loss(model(x.float()), y.float())
+        (loss if loss_scale is None else loss * loss_scale).backward()
+    if isinstance(loss_scale, torch.Tensor):
+        loss_scale.mul_(2.0)
+    if restore:
+        buffer = io.BytesIO()
+        torch.save(engine.state_dict(), buffer)
+        buffer.seek(0)
+        engine = KFACEngine(copy.deepcopy(model), KFACConfig(factor_decay=0.0))
+        engine.load_state_dict(torch.load(buffer))
+    for n in ("0", "2"):
+        for f in FACTORS:
+            engine.curvature(n, f, 0)
+            engine.invert(n, f)
+    return {(n, f): engine.factor(n, f) for n in ("0", "2") for f in FACTORS}
+
+
+@pytest.mark.parametrize("restore", [False, True])
+@pytest.mark.parametrize("tensor", [False, True])
+def test_curvature_under_a_loss_scale_gives_the_factors_of_the_unscaled_loss(tensor, restore):
+    scale = torch.full((), 3000.0) if tensor else 3000.0
+    unscaled = scaled_factors(None)
+    for key, factor in scaled_factors(scale, restore).items():
+        torch.testing.assert_close(factor, unscaled[key], rtol=1e-5, atol=1e-7)
 
 
 def test_ordinary_damping_raises_no_warning():
