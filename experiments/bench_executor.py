@@ -1,7 +1,7 @@
 """pipefisher's executor against PyTorch's own `torch.distributed.pipelining`, on this machine.
 
 Two ranks (gloo on 127.0.0.1, one thread each), one pipeline stage per rank, the same model
-(pipefisher's Transformer stages from `build_stage`, same seed), the same micro-batch size and
+(pipefisher's Transformer stages from `TinyRegression.build_stage`, same seed), the same micro-batch size and
 count, the same synthetic data, SGD step included in both. Four variants run side by side in one
 2-process group:
 
@@ -40,12 +40,16 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from torch import nn
+from torch.nn import functional as F
+
 from pipefisher.config import config_from_dict
 from pipefisher.data.synthetic import SyntheticRegression
-from pipefisher.models.tiny import build_stage
+from pipefisher.models.tiny import TinyRegression
 from pipefisher.optim import build_optimizer
 from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.training import build_executor, mse
+from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
+from pipefisher.runtime.training import build_executor
 
 STAGES = 2
 SCHEDULES = ("gpipe", "1f1b")
@@ -98,14 +102,14 @@ def install_profiling(timers: Timers) -> None:
 
     from pipefisher.runtime import comm as pf_comm
     from pipefisher.runtime import stage as pf_stage
+    from pipefisher.runtime import step_end as pf_step_end
 
     # pipefisher
-    timers.wrap(pf_comm.PendingRecv, "wait", "pf: recv wait")
-    timers.wrap(pf_comm.Comm, "exchange", "pf: post p2p")
-    timers.wrap(pf_comm.Comm, "finish_sends", "pf: send drain")
-    timers.wrap(pf_comm.Comm, "sum_over_world", "pf: loss all_reduce")
+    timers.wrap(pf_comm.Handle, "wait", "pf: comm wait")
+    timers.wrap(pf_comm.Comm, "call", "pf: post comm")
     timers.wrap(pf_stage.StageRuntime, "forward", "pf: forward")
     timers.wrap(pf_stage.StageRuntime, "backward", "pf: backward")
+    timers.wrap(pf_step_end.StepEnd, "finish", "pf: optimizer step")
     # torch: the schedule waits on p2p works via _wait_batch_p2p / work.wait
     from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -122,14 +126,29 @@ def install_profiling(timers: Timers) -> None:
 # -- variants ---------------------------------------------------------------------------------
 class PipefisherVariant:
     def __init__(self, config, rank: int):
-        self.executor, schedule = build_executor(config, rank, torch.device("cpu"))
-        self.ops = schedule.ranks[self.executor.topology.pipeline_rank(rank)]
+        executor, schedule = build_executor(config, rank, torch.device("cpu"))
+        self.runner = PlanRunner(executor, rank, schedule_plan(schedule), executor.tied)
         self.step_index = 0
 
     def step(self) -> float:
-        result = self.executor.run_step(self.step_index, self.ops)
+        result = self.runner.run_step(self.step_index)
         self.step_index += 1
         return result.loss  # the step loss: mean of the micro-batch losses, on every rank
+
+
+class TorchStage(nn.Module):
+    """pipefisher's stage module as torch.distributed.pipelining calls it: one tensor in, one out."""
+
+    def __init__(self, stage: nn.Module, first: bool):
+        super().__init__()
+        self.stage, self.first = stage, first
+
+    def forward(self, x):
+        return self.stage(None, {"inputs": x}) if self.first else self.stage(x, {})
+
+
+def mse(output, target):
+    return F.mse_loss(output, target)
 
 
 class TorchVariant:
@@ -140,7 +159,7 @@ class TorchVariant:
         mbs = config.data.micro_batch_size
         self.rank, self.n = rank, n
         self.first, self.last = rank == 0, rank == STAGES - 1
-        self.module = build_stage(model, rank, STAGES, config.run.seed)
+        self.module = TorchStage(TinyRegression(model).build_stage(rank, STAGES, config.run.seed), self.first)
         in_width = model.input_dim if self.first else model.hidden
         out_width = model.output_dim if self.last else model.hidden
         example_in = torch.empty(mbs, model.seq_len, in_width).requires_grad_(rank > 0)
@@ -148,7 +167,7 @@ class TorchVariant:
         stage = PipelineStage(self.module, rank, STAGES, torch.device("cpu"), input_args=example_in, output_args=example_out)
         cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
         self.schedule = cls(stage, n_microbatches=n, loss_fn=mse)  # loss_fn on every rank; scale_grads=True -> mean
-        self.optimizer = build_optimizer(config.optimizer, self.module.parameters())
+        self.optimizer = build_optimizer(config.optimizer, [self.module])
         self.data = SyntheticRegression(config.data, config.model)
         self.step_index = 0
 
@@ -156,11 +175,11 @@ class TorchVariant:
         batches = [self.data.micro_batch(self.step_index, mb) for mb in range(self.n)]
         self.step_index += 1
         if self.first:
-            self.schedule.step(torch.cat([x for x, _ in batches]), return_outputs=False)
+            self.schedule.step(torch.cat([batch["inputs"] for batch in batches]), return_outputs=False)
             loss = float("nan")
         else:
             losses: list = []
-            self.schedule.step(target=torch.cat([y for _, y in batches]), losses=losses, return_outputs=False)
+            self.schedule.step(target=torch.cat([batch["targets"] for batch in batches]), losses=losses, return_outputs=False)
             loss = sum(float(l.detach()) for l in losses) / len(losses)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -62,6 +62,7 @@ from pipefisher.plan import cycle_time, simulate_plan
 from pipefisher.profile import Profile
 from pipefisher.runtime.launch import run_group
 from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
+from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.profiler import measure_profile
 from pipefisher.runtime.training import build_executor
 from pipefisher.simulate import COLLECTIVES, OpDurations, simulate
@@ -177,7 +178,7 @@ class Variant:
             stats["cycle"][(self.cycle_step, "F+B" if op.kind.is_compute else "K-FAC")][0] += ms
 
     def attach_trainer(self) -> None:
-        self.trainer = PipeFisherTrainer(self.config, self.executor, self.rank)
+        self.trainer = PipeFisherTrainer(self.config, self.executor, self.rank, self.executor.tied)
 
     def wrap_handlers(self) -> None:
         """CPU time and minor page faults of each op on this thread (recording rounds only)."""
@@ -207,11 +208,11 @@ class Variant:
         return self.trainer.kfac_plan.refresh_steps if self.trainer else 1
 
     def run(self, steps: int) -> None:
-        ops = self.schedule.ranks[self.executor.topology.pipeline_rank(self.rank)]
+        runner = self.trainer or PlanRunner(self.executor, self.rank, schedule_plan(self.schedule), self.executor.tied)
         for _ in range(steps):
-            self.cycle_step = self.trainer.cycle_step if self.trainer else 0
+            self.cycle_step = runner.cycle_step
             start = time.perf_counter()
-            result = self.trainer.run_step(self.step) if self.trainer else self.executor.run_step(self.step, ops)
+            result = runner.run_step(self.step)
             self.losses.append(result.loss)
             stats = self._current()
             if stats is not None:
@@ -282,7 +283,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
         first.executor.recorder = None
         try:
             with Window() as window:
-                measured, _ = measure_profile(first.executor, rank, modules, first.executor.output_shape,
+                measured, _ = measure_profile(first.executor, rank, modules,
                                               cfg.data.micro_batch_size, damping=cfg.kfac.damping,
                                               inverse=cfg.kfac.inverse, warmup=warmup, repeats=repeats)
         finally:

@@ -15,6 +15,8 @@ from pipefisher.profile import ProfileError, load_profile
 from pipefisher.schedules import SCHEDULES
 from pipefisher.simulate import Timeline, simulate
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
 def _simulate_summary(schedule, timeline: Timeline) -> dict:
     devices = []
     for rank in range(schedule.num_ranks):
@@ -90,6 +92,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         split=not args.no_split,
         strategy=args.strategy,
         refresh_steps=args.refresh_steps,
+        data_parallel=args.data_parallel,
     )
     result = pack(schedule, profile, options)
     if args.output:
@@ -148,6 +151,8 @@ def _add_pack(subparsers) -> None:
     parser.add_argument("--no-split", action="store_true", help="every replica inverts its own factors")
     parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")
     parser.add_argument("--refresh-steps", type=positive_int, default=None, help="pin the refresh interval k")
+    parser.add_argument("--data-parallel", type=positive_int, default=1,
+                        help="copies of the pipeline: factors are synced over them too (default 1)")
     parser.set_defaults(handler=_cmd_pack)
 
 
@@ -160,7 +165,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps, "profile": args.profile},
         checkpoint={"dir": args.checkpoint_dir},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
-             "metrics": args.metrics},
+             "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
     from pipefisher.runtime.assembly import build_schedule
 
@@ -200,8 +205,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from pipefisher.config import load_config
 
     config = load_config(args.config).with_overrides(
-        pipeline={"schedule": args.schedule},
-        run={"master_port": args.master_port, "backend": args.backend},
+        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
     )
     from pipefisher.runtime.run import check_port, profile_run
     from pipefisher.runtime.assembly import build_schedule
@@ -232,6 +237,8 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--timeline", help="also write the measured per-rank timeline (pipefisher.timeline/v1 JSON)")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
+    parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.set_defaults(handler=_cmd_profile)
@@ -247,6 +254,8 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--kfac-refresh-steps", type=positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
     parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile); default: measure one")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
+    parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")

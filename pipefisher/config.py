@@ -128,7 +128,12 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RunSettings:
     """`timeout`: seconds any rank may wait for another before the run aborts; `metrics`: a file
-    that gets one JSON line per step ("" = none)."""
+    that gets one JSON line per step ("" = none). `precision`: fp32, or bf16/fp16 autocast for
+    forward and backward with fp32 master weights, optimizer state and K-FAC factors (activations
+    and gradients travel between stages in the compute dtype); fp16 scales the loss dynamically
+    from `loss_scale` (halved on overflow, doubled after 2000 clean steps). `bucket_mb`: size of
+    the gradient all-reduce buckets in MiB. `in_order`: hold every process group to NCCL's rule
+    (each operation starts after the previous one on its group completed): a test mode for gloo."""
 
     steps: int = 3
     seed: int = 0
@@ -137,6 +142,10 @@ class RunSettings:
     master_port: int = 29511
     timeout: float = 60.0
     metrics: str = ""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: float = 65536.0
+    bucket_mb: float = 25.0
+    in_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,7 @@ _POSITIVE = {
     "model.layers", "model.hidden", "model.heads", "model.ffn", "model.seq_len", "model.input_dim",
     "model.output_dim", "data.micro_batch_size", "pipeline.stages", "pipeline.micro_batches",
     "pipeline.chunks", "pipeline.data_parallel", "optimizer.lr", "run.steps", "run.timeout", "optimizer.eps",
-    "kfac.damping", "kfac.reprofile_threshold", "kfac.reprofile_patience",
+    "kfac.damping", "kfac.reprofile_threshold", "kfac.reprofile_patience", "run.loss_scale", "run.bucket_mb",
 }
 
 

@@ -45,7 +45,8 @@ _PUBLISHED_PRIORITY = {OpKind.CURV_A: 0, OpKind.CURV_B: 1, OpKind.INV_A: 2, OpKi
 @dataclass(frozen=True)
 class PackOptions:
     """`margin`: share of each bubble kept free (0..1); `max_overhead`: budget as a share of the
-    first-order step time; `refresh_steps`: pin k instead of choosing it."""
+    first-order step time; `refresh_steps`: pin k instead of choosing it; `data_parallel`: copies
+    of the pipeline (factors are synced over them too)."""
 
     margin: float = 0.05
     max_overhead: float = 0.01
@@ -53,6 +54,7 @@ class PackOptions:
     strategy: Strategy = "fill"
     refresh_steps: int | None = None
     max_refresh_steps: int = 256
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -63,6 +65,8 @@ class PackOptions:
             raise ValueError(f"strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.refresh_steps is not None and self.refresh_steps < 1:
             raise ValueError(f"refresh_steps: {self.refresh_steps} must be at least 1")
+        if self.data_parallel < 1:
+            raise ValueError(f"data_parallel: {self.data_parallel} must be at least 1")
 
 
 @dataclass
@@ -419,7 +423,7 @@ class _Candidate:
 def pack(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> PackResult:
     """Pack the K-FAC work of `schedule` (with `profile`'s layers and times) into its bubbles."""
     options = options or PackOptions()
-    tasks = build_tasks(schedule, profile, split=options.split)
+    tasks = build_tasks(schedule, profile, split=options.split, data_parallel=options.data_parallel)
     first_order = simulate(schedule, profile)
     cycle_ops = [op for ops in tasks.cycle for op in ops if op.kind not in COLLECTIVES]
     packer = _Packer(tasks, first_order, options)
@@ -479,11 +483,11 @@ def _precondition_step_time(packer: _Packer, tasks: KfacTasks) -> float:
     return simulate_plan(plan, tasks.profile)[0].step_time
 
 
-def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True) -> Plan:
+def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True, data_parallel: int = 1) -> Plan:
     """The naive placement, for comparison: all of a cycle's K-FAC work in one block after the
     flush of its first step (curvature, syncs, inverses, exchanges), preconditioning at the end of
     every step. Collectives go in one order on every rank (by stage, layer, kind)."""
-    tasks = build_tasks(schedule, profile, split=split)
+    tasks = build_tasks(schedule, profile, split=split, data_parallel=data_parallel)
     layer_index = {(stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)}
 
     def block(ops: tuple[Op, ...]) -> list[Op]:

@@ -76,6 +76,7 @@ class PackResult:
             "schedule": self.plan.schedule.name,
             "stages": self.plan.schedule.num_ranks,
             "micro_batches": self.plan.schedule.num_micro_batches,
+            "data_parallel": self.options.data_parallel,
             "strategy": self.options.strategy,
             "split": self.options.split,
             "margin": self.options.margin,

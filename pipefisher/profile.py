@@ -1,7 +1,8 @@
 """The stable profile format `pipefisher.profile/v1`: per-stage and per-layer op times.
 
 All times are in the profile's `time_unit` (ms by default). Forward, backward and curvature times
-are per micro-batch; inverse and sync times per refresh; precondition and step end per step.
+are per micro-batch; inverse and sync times per refresh; precondition, gradient reduction and
+step end per step.
 Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
 """
 
@@ -18,6 +19,8 @@ import yaml
 from pipefisher.files import load_structured
 
 SCHEMA = "pipefisher.profile/v1"
+#: stage times a file may leave out (0)
+_OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce")
 TIME_UNITS = ("s", "ms", "us", "units")
 
 
@@ -41,14 +44,18 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class StageProfile:
-    """Costs of one pipeline stage; `p2p` is the transfer time to the next stage; `step_end` the
-    stage's end of step after its last op (gradient all-reduce over replicas, clipping, optimizer
-    step), which a device holding several stages pays once per stage."""
+    """Costs of one pipeline stage; `p2p` is the transfer time to the next stage; `grad_reduce`
+    the all-reduce of the stage's gradient over its replicas, which starts once the stage's
+    gradient is final (after its last backward, or its preconditioning) and overlaps the device's
+    other work; `step_end` the rest of the stage's end of step after its last op (tied weights,
+    clipping, optimizer step; in profiles without `grad_reduce`, the all-reduce too), which a
+    device holding several stages pays once per stage."""
 
     forward: float
     backward: float
     p2p: float = 0.0
     step_end: float = 0.0
+    grad_reduce: float = 0.0
     layers: tuple[LayerProfile, ...] = ()
 
     @property
@@ -83,13 +90,14 @@ class Profile:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """The file's fields; `step_end` only where it is non-zero (files stay as before without it)."""
+        """The file's fields; `step_end` and `grad_reduce` only where they are non-zero (files stay
+        as before without them)."""
         data: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "time_unit": self.time_unit}
         if self.micro_batch_size is not None:
             data["micro_batch_size"] = self.micro_batch_size
         data["stages"] = [
             {
-                **{k: v for k, v in asdict(stage).items() if k != "layers" and (k != "step_end" or v)},
+                **{k: v for k, v in asdict(stage).items() if k != "layers" and (k not in _OPTIONAL_STAGE_TIMES or v)},
                 "layers": [asdict(layer) for layer in stage.layers],
             }
             for stage in self.stages
@@ -163,6 +171,7 @@ def _stage(data: Any, where: str) -> StageProfile:
         backward=_time(data, "backward", where),
         p2p=_time(data, "p2p", where, required=False),
         step_end=_time(data, "step_end", where, required=False),
+        grad_reduce=_time(data, "grad_reduce", where, required=False),
         layers=parsed,
     )
 

@@ -1,8 +1,10 @@
 """Duration-aware list scheduler: Schedule + Profile -> Timeline (start/end of every op).
 
 Each rank runs its ops in list order; an op starts when its rank is free and its dependencies
-have finished, plus the profile's p2p time when a dependency ran on another rank; after its last
-op a rank spends the step end of each stage it holds, independently of the other ranks (a
+have finished, plus the profile's p2p time when a dependency ran on another rank. A stage's
+gradient reduction over its replicas (`grad_reduce`) starts when its gradient is final (its last
+backward or preconditioning on that rank) and runs off the rank; after its last op and those
+reductions a rank spends the step end of each stage it holds, independently of the other ranks (a
 collective inside the end of step, such as global-norm clipping, also makes a rank that finished
 early wait for the last one; that wait is not modelled). Times are in the profile's time unit.
 """
@@ -49,17 +51,20 @@ class Timeline:
     """Per-rank intervals in execution order; the step spans [0, step_time].
 
     `comm_end` is when the last asynchronous collective launched in the step completes;
-    `tails[rank]` (empty: all 0) the rank's busy end of step right after its last op.
+    `tails[rank]` (empty: all 0) the rank's busy end of step, which starts at `tail_start(rank)`:
+    after its last op and once its stages' gradient reductions (`reduce_ends[rank]`, empty: all 0)
+    are done.
     """
 
     ranks: tuple[tuple[Interval, ...], ...]
     time_unit: str = "units"
     comm_end: float = 0.0
     tails: tuple[float, ...] = ()
+    reduce_ends: tuple[float, ...] = ()
 
     @cached_property
     def step_time(self) -> float:
-        ends = (self.last_end(rank) + self.tail(rank) for rank in range(self.num_ranks))
+        ends = (self.tail_start(rank) + self.tail(rank) for rank in range(self.num_ranks))
         return max(max(ends, default=0.0), self.comm_end)
 
     @property
@@ -68,6 +73,10 @@ class Timeline:
 
     def tail(self, rank: int) -> float:
         return self.tails[rank] if self.tails else 0.0
+
+    def tail_start(self, rank: int) -> float:
+        """When `rank`'s end of step starts: after its last op and its gradient reductions."""
+        return max(self.last_end(rank), self.reduce_ends[rank] if self.reduce_ends else 0.0)
 
     def last_end(self, rank: int) -> float:
         """When `rank`'s last op ends (0 without ops)."""
@@ -94,12 +103,14 @@ class Timeline:
         return gaps
 
     def idle_gaps(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
-        """Where `rank` is idle, for drawing: the bubbles, but the gap after the last op comes
-        after the rank's end of step (same total as `bubbles`)."""
+        """Where `rank` is idle, for drawing: the bubbles, but the gap after the last op is split
+        around the rank's end of step, which starts at `tail_start` (same total as `bubbles`)."""
         gaps = self.bubbles(rank, min_duration)
         tail = self.tail(rank)
         if tail and gaps and gaps[-1].start >= self.last_end(rank) - 1e-12:
-            gaps[-1] = Bubble(rank, gaps[-1].start + tail, gaps[-1].end + tail)
+            last, start = gaps.pop(), self.tail_start(rank)
+            gaps += [gap for gap in (Bubble(rank, last.start, start), Bubble(rank, start + tail, last.end + tail))
+                     if gap.duration > min_duration]
         return gaps
 
     @property
@@ -165,6 +176,10 @@ class OpDurations:
         """End-of-step time of a rank that holds `stages`."""
         return sum(self.profile.stages[stage].step_end for stage in stages)
 
+    def grad_reduce(self, stage: int) -> float:
+        """The all-reduce of `stage`'s gradient over its replicas (asynchronous, off the rank)."""
+        return self.profile.stages[stage].grad_reduce
+
     def delay(self, producer: Op, consumer: Op, cross_rank: bool) -> float:
         """Time between `producer` ending on its rank and `consumer` being able to use its result."""
         if producer.kind in COLLECTIVES:
@@ -183,6 +198,8 @@ def simulate_ops(
     rank_free = [0.0] * len(ranks)
     intervals: list[list[Interval]] = [[] for _ in ranks]
     comm_end = 0.0
+    #: (rank, stage) -> when the stage's gradient on that rank is final (last backward or precondition)
+    gradient_final: dict[tuple[int, int], float] = {}
     for rank, op, op_deps in execution_order(ranks, deps, name):
         start = rank_free[rank]
         for dep in op_deps:
@@ -193,11 +210,17 @@ def simulate_ops(
         intervals[rank].append(Interval(op, start, end))
         if op.kind in COLLECTIVES:
             comm_end = max(comm_end, end + durations.work(op))
+        if op.kind in (OpKind.BACKWARD, OpKind.PRECONDITION):
+            gradient_final[(rank, op.stage)] = end
+    reduce_ends = [0.0] * len(ranks)
+    for (rank, stage), final in gradient_final.items():
+        reduce_ends[rank] = max(reduce_ends[rank], final + durations.grad_reduce(stage))
     return Timeline(
         ranks=tuple(tuple(ivs) for ivs in intervals),
         time_unit=durations.profile.time_unit,
         comm_end=comm_end,
         tails=tuple(durations.step_end({op.stage for op in ops}) for ops in ranks),
+        reduce_ends=tuple(reduce_ends),
     )
 
 

@@ -2,7 +2,7 @@
 
 Per K-FAC layer of every (pipe, stage): curvature A/B per micro-batch of that pipe (after the
 micro-batch's forward/backward and the factor's curvature of the previous micro-batch), a
-factor sync per replica when the stage has replicas (after that replica's curvature of the
+factor sync per replica when the stage has replicas (other pipes, data-parallel copies) (after that replica's curvature of the
 factor), an inverse per factor (after all replicas' syncs, or after the curvature when
 unreplicated), an inverse exchange per replica when inverses are split between replicas, and a
 precondition per (pipe, stage) in every step (after its backwards).
@@ -144,8 +144,13 @@ def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[t
     return owners
 
 
-def build_tasks(schedule: Schedule, profile: Profile, split: bool = True) -> KfacTasks:
-    """Enumerate the K-FAC ops of one refresh cycle for `schedule` (see the module docstring)."""
+def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1) -> KfacTasks:
+    """Enumerate the K-FAC ops of one refresh cycle for `schedule` (see the module docstring).
+
+    A stage's replicas are its pipes times the `data_parallel` copies of the pipeline: factors are
+    synced over all of them; inverses are split among the pipes only (every data-parallel copy of
+    the pipeline computes the same ones) and exchanged among them.
+    """
     check_profile(schedule, profile)
     replicas = stage_replicas(schedule)
     owners = _inverse_owners(schedule, profile, split)
@@ -157,16 +162,17 @@ def build_tasks(schedule: Schedule, profile: Profile, split: bool = True) -> Kfa
         layers = profile.stages[stage].layers
         if not layers:
             continue
-        replicated = len(replicas[stage]) > 1
+        synced = len(replicas[stage]) * data_parallel > 1
+        exchanged = len(replicas[stage]) > 1 and split
         for layer in layers:
             name = layer.name
             for factor in "AB":
                 phases[0] += [(rank, Op(CURVATURE[factor], stage, mb, pipe, name)) for mb in graph_mbs[pipe]]
-                if replicated:
+                if synced:
                     phases[1].append((rank, Op(SYNC[factor], stage, None, pipe, name)))
                 if pipe in owners[(INVERSE[factor], stage, name)]:
                     phases[2].append((rank, Op(INVERSE[factor], stage, None, pipe, name)))
-            if replicated and split:
+            if exchanged:
                 phases[3].append((rank, Op(OpKind.EXCHANGE, stage, None, pipe, name)))
         per_step[rank].append(Op(OpKind.PRECONDITION, stage, None, pipe))
     for phase in phases:

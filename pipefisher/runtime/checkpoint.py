@@ -21,7 +21,10 @@ import torch
 from pipefisher.config import RunConfig
 
 #: configuration keys that may change between a run and its resumption
-_FREE = {("run", "steps"), ("run", "master_port"), ("run", "master_addr"), ("run", "backend"), ("run", "timeout"), ("checkpoint", "dir"), ("checkpoint", "every"), ("checkpoint", "keep"), ("run", "metrics")}
+_FREE = {
+    ("run", "steps"), ("run", "master_port"), ("run", "master_addr"), ("run", "backend"), ("run", "timeout"), ("run", "metrics"),
+    ("run", "bucket_mb"), ("run", "in_order"), ("checkpoint", "dir"), ("checkpoint", "every"), ("checkpoint", "keep"),
+}
 
 
 class CheckpointError(ValueError):

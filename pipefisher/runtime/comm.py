@@ -1,111 +1,117 @@
-"""Point-to-point channels and collective groups over torch.distributed (gloo or NCCL alike).
+"""The process groups of one rank and the point-to-point and collective calls the executor makes.
 
-Every boundary between stage s and s+1 of a pipe (per data-parallel replica) gets its own
-two-rank process group, a *channel*: activations go forward and gradients backward on it, each
-direction in micro-batch order on both ends. So messages match by order alone, which is all NCCL
-offers, and never depend on tags. Replicas of a stage share one group for gradient all-reduces
-and another for K-FAC's factor syncs and inverse exchanges.
+One process group per communicator of `pipefisher.comm_plan` (per direction of every stage
+boundary, per stage for gradients and for K-FAC, tied weights, the end-of-step reduction), all
+created by every rank in the same order. Every call is asynchronous and returns a `Handle`.
+
+`in_order=True` holds gloo to NCCL's rule: an operation on a group starts only after every
+earlier operation on that group has completed (a thread per group starts them one by one), so
+the multi-process tests on CPUs fail where NCCL would hang.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipefisher.runtime.topology import Topology
+from pipefisher.comm_plan import GroupKey
+
+#: starts the operations of one call on a group; returns their works
+Start = Callable[[dist.ProcessGroup], list]
 
 
-@dataclass
-class PendingRecv:
-    """A posted receive: `tensor` is valid once `works` are waited for."""
+class Handle:
+    """Communication in flight: `wait()` blocks until it is done, then runs `on_done` once."""
 
-    tensor: Tensor
-    works: list = field(default_factory=list)
+    def __init__(self, wait: Callable[[], None], on_done: Callable[[], None] | None = None):
+        self._wait, self._on_done, self._finished = wait, on_done, False
 
-    def wait(self) -> Tensor:
-        for work in self.works:
-            work.wait()
-        self.works.clear()
-        return self.tensor
+    def wait(self) -> None:
+        if self._finished:
+            return
+        self._wait()
+        self._finished = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+def done() -> Handle:
+    """A handle with nothing to wait for."""
+    return Handle(lambda: None)
+
+
+class _Lane:
+    """Starts the calls of one group strictly one after another, each once the previous completed."""
+
+    def __init__(self, name: str):
+        self._calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, name=f"in-order {name}", daemon=True).start()
+
+    def submit(self, start: Callable[[], list]) -> Future:
+        future: Future = Future()
+        self._calls.put((start, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            start, future = self._calls.get()
+            try:
+                for work in start():
+                    work.wait()
+                future.set_result(None)
+            except BaseException as exc:  # handed to the waiting thread
+                future.set_exception(exc)
 
 
 class Comm:
-    """The process groups of one rank and the P2P/collective calls the executor makes.
+    """Process groups of `members` (group key -> global ranks) and asynchronous calls on them.
 
-    Group creation is collective: every rank constructs Comm with the same topology, in the same
-    order, before the first step.
+    Collective construction: every rank builds Comm with the same `members`, before the first step.
     """
 
-    def __init__(self, topology: Topology, rank: int, device: torch.device):
-        self.topology, self.rank, self.device = topology, rank, device
-        self.channels: dict[tuple[int, int, int], dist.ProcessGroup] = {}
-        schedule = topology.schedule
-        for replica in range(topology.data_parallel):
-            for pipe in range(schedule.num_pipes):
-                for stage in range(schedule.num_stages - 1):
-                    ends = sorted({topology.rank(replica, pipe, stage), topology.rank(replica, pipe, stage + 1)})
-                    if len(ends) == 2:
-                        group = dist.new_group(ends)
-                        if rank in ends:
-                            self.channels[(replica, pipe, stage)] = group
-        self.replica_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        #: K-FAC's own collectives (factor syncs, inverse exchanges) run on separate groups: a plan
-        #: may launch them in different steps on different ranks, which must never pair them with
-        #: a step's gradient all-reduce
-        self.kfac_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for stage in range(schedule.num_stages):
-            ranks = topology.replica_ranks(stage)
-            if len(ranks) > 1 and ranks not in self.replica_groups:
-                self.replica_groups[ranks] = dist.new_group(list(ranks))
-                self.kfac_groups[ranks] = dist.new_group(list(ranks))
-        self._sends: list = []
+    def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0):
+        self.rank, self.in_order, self.timeout = rank, in_order, timeout
+        self.groups: dict[GroupKey, dist.ProcessGroup] = {}
+        for key in sorted(members, key=repr):
+            group = dist.new_group(list(members[key]))
+            if rank in members[key]:
+                self.groups[key] = group
+        self._lanes = {key: _Lane("/".join(map(str, key))) for key in self.groups} if in_order else {}
 
-    def channel(self, pipe: int, lower_stage: int) -> dist.ProcessGroup:
-        return self.channels[(self.topology.replica_of(self.rank), pipe, lower_stage)]
+    def group(self, key: GroupKey) -> dist.ProcessGroup:
+        return self.groups[key]
 
-    def exchange(self, sends: list[tuple[Tensor, int, dist.ProcessGroup]], recvs: list[tuple[tuple[int, ...], int, dist.ProcessGroup]]) -> list[PendingRecv]:
-        """Post `sends` (tensor, peer, group) and `recvs` (shape, peer, group) in one batch.
+    def call(self, key: GroupKey, start: Start, on_done: Callable[[], None] | None = None) -> Handle:
+        """Run `start(group)` on the group of `key` (in order, in the in-order mode)."""
+        group = self.groups[key]
+        if self.in_order:
+            future = self._lanes[key].submit(lambda: start(group))
 
-        Sends complete in the background (waited for in `finish_sends`); receives are returned
-        to be waited for right before use.
-        """
-        ops, pending = [], []
-        for tensor, peer, group in sends:
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group))
-        for shape, peer, group in recvs:
-            buffer = torch.empty(shape, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, peer, group))
-            pending.append(PendingRecv(buffer))
-        if not ops:
-            return pending
-        works = dist.batch_isend_irecv(ops)
-        self._sends.extend(works[: len(sends)])
-        for receive, work in zip(pending, works[len(sends):]):
-            receive.works.append(work)
-        return pending
+            def wait() -> None:
+                try:
+                    future.result(timeout=self.timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"nothing completed on group {key} within {self.timeout:g} s (in-order mode)") from None
 
-    def finish_sends(self) -> None:
-        for work in self._sends:
-            work.wait()
-        self._sends.clear()
+            return Handle(wait, on_done)
+        works = start(group)
+        return Handle(lambda: [work.wait() for work in works], on_done)
 
-    def all_reduce_gradients(self, parameters_by_group: dict[tuple[int, ...], list[torch.nn.Parameter]]) -> None:
-        """Sum gradients over each replica group (one flat all-reduce per group)."""
-        for ranks, parameters in sorted(parameters_by_group.items()):
-            grads = [p.grad for p in parameters if p.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.replica_groups[ranks])
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+    def send(self, tensor: Tensor, peer: int, key: GroupKey) -> Handle:
+        return self.call(key, lambda group: [dist.isend(tensor, peer, group=group)])
 
-    def sum_over_world(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
-        return tensor.tolist()
+    def recv(self, buffer: Tensor, peer: int, key: GroupKey) -> Handle:
+        return self.call(key, lambda group: [dist.irecv(buffer, peer, group=group)])
+
+    def all_reduce(self, tensors: list[Tensor], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
+        """Sum each tensor over the group, in place."""
+        return self.call(key, lambda group: [dist.all_reduce(t, group=group, async_op=True) for t in tensors], on_done)
+
+    def broadcast(self, tensor: Tensor, source: int, key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
+        """`tensor` of global rank `source` into `tensor` of every member, in place."""
+        return self.call(key, lambda group: [dist.broadcast(tensor, source, group=group, async_op=True)], on_done)

@@ -1,8 +1,10 @@
-"""The executor: one rank walks its op list, step after step, through a dispatch table.
+"""The executor: one rank performs its actions of a step (`pipefisher.comm_plan`) in order.
 
-Before running op i it posts the receive op i+1 will need, so transfers overlap compute; each
-op waits for its own input right before use. A step ends with the sends drained, gradients summed
-over each stage's replicas, the optimizer step, and the step loss summed over all ranks.
+RUN dispatches an op to its handler (forward, backward, K-FAC ops); POST, SEND, LAUNCH and WAIT
+are the communication the plan derived and the replay checked, nothing more and in that order.
+A handler takes its op's input from what a WAIT received (or from the op that produced it on
+this rank) and leaves its output for the SEND that follows. After the actions, the step end
+(`StepEnd.finish`) applies the gradients and reads the step's numbers.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from pipefisher.comm_plan import Action, ActionKind, Collective, Message, input_message, output_message
 from pipefisher.ir import Op, OpKind
+from pipefisher.runtime.clock import Clock
+from pipefisher.runtime.comm import Comm, Handle, done
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.comm import Comm, PendingRecv
 from pipefisher.runtime.stage import StageRuntime
-from pipefisher.runtime.topology import Topology
+from pipefisher.runtime.step_end import StepEnd
+from pipefisher.topology import Topology
 
 #: (step, global micro-batch) -> the micro-batch's named tensors
 MicroBatchFn = Callable[[int, int], dict[str, Tensor]]
-#: stage -> shape of the activation it sends to the next stage
-ShapeFn = Callable[[int], tuple[int, ...]]
+#: message -> (shape, dtype) of the tensor it carries
+MessageSpec = Callable[[Message], tuple[tuple[int, ...], torch.dtype]]
 
 
 class StepFailure(RuntimeError):
@@ -41,6 +46,27 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """Host tensors onto `device` without blocking the host (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return {name: tensor.to(device) for name, tensor in batch.items()}
+    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+def describe(action: Action) -> str:
+    """The op (or collective) an action belongs to, for error messages."""
+    kind, target = action.kind, action.target
+    if kind is ActionKind.RUN:
+        return f"op {target}"
+    if isinstance(target, tuple):
+        return f"op {target[1].producer} (waiting for the send of its output)"
+    if isinstance(target, Message):
+        what = {ActionKind.POST: "posting the receive of its input", ActionKind.SEND: "sending its output",
+                ActionKind.WAIT: "waiting for its input"}[kind]
+        return f"op {target.producer if kind is ActionKind.SEND else target.consumer} ({what})"
+    return f"collective {target}" + (" (waiting)" if kind is ActionKind.WAIT else "")
+
+
 class Executor:
     def __init__(
         self,
@@ -49,154 +75,119 @@ class Executor:
         stages: dict[tuple[int, int], StageRuntime],
         comm: Comm,
         micro_batch: MicroBatchFn,
-        output_shape: ShapeFn,
-        optimizer: torch.optim.Optimizer,
+        message_spec: MessageSpec,
+        step_end: StepEnd,
         device: torch.device,
-        loss_parts: tuple[str, ...] = (),
+        tied: bool = False,
     ):
+        """`tied`: the model's tied weights live on several stages (the end of step sums them)."""
         self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
-        self.micro_batch, self.output_shape = micro_batch, output_shape
-        self.optimizer, self.device = optimizer, device
-        self.loss_parts = loss_parts
-        #: run in order after the gradients are summed over replicas, before the optimizer step
-        self.gradient_hooks: list[Callable[[], None]] = []
-        #: global-norm clipping (returns the norm before clipping), or None
-        self.clipper: Callable[[], float] | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-        self.handlers: dict[OpKind, Callable[[Op], list]] = {
-            OpKind.FORWARD: self._forward,
-            OpKind.BACKWARD: self._backward,
+        self.tied = tied
+        self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
+        self.device = device
+        self.replica = topology.replica_of(rank)
+        self.handlers: dict[OpKind, Callable[[Op], None]] = {OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward}
+        #: collective kind -> what launches one (the step end's; K-FAC adds its own)
+        self.collectives: dict[str, Callable[[Collective], Handle]] = {
+            "grad": step_end.launch_grad, "tied": step_end.launch_tied, "step": step_end.launch_step,
         }
         #: context the forward of an op runs in (K-FAC uses it to capture activations)
         self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
-        #: called with (op, start, end) in perf_counter seconds for every op (the profiler's hook)
-        self.recorder: Callable[[Op, float, float], None] | None = None
-        self._receives: dict[tuple[OpKind, int, int, int], PendingRecv] = {}
-        self._local: dict[tuple[OpKind, int, int, int], Tensor] = {}
-        self._gradient_groups = self._group_parameters()
+        #: called with (op, start mark, end mark) of `clock` for every op run (the profiler's hook)
+        self.recorder: Callable[[Op, object, object], None] | None = None
+        self.clock = Clock(device)
         self.current_step = 0
-        self._ready_at = 0.0
+        self._receives: dict[Message, tuple[Tensor, Handle]] = {}
+        self._inputs: dict[Message, Tensor] = {}
+        self._outputs: dict[Message, Tensor] = {}
+        self._sends: dict[Message, Handle] = {}
+        #: collectives in flight (K-FAC syncs and exchanges may outlive a step)
+        self.in_flight: dict[Collective, Handle] = {}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.step_end.optimizer
+
+    @property
+    def scheduler(self):
+        return self.step_end.scheduler
 
     # -- a step ------------------------------------------------------------------------------
-    def run_step(self, step: int, ops: Sequence[Op], update: bool = True) -> StepResult:
-        """Run `ops` as step `step` (0-based); with `update=False` gradients are dropped instead
-        of applied (profiling steps leave the model as it was)."""
+    def run_step(self, step: int, actions: Sequence[Action], update: bool = True) -> StepResult:
+        """Perform `actions` as step `step` (0-based); with `update=False` gradients are dropped
+        instead of applied (profiling steps leave the model as it was)."""
         start = time.perf_counter()
         self.current_step = step
-        for index, op in enumerate(ops):
+        self.step_end.update = update
+        for action in actions:
             try:
-                if index == 0:
-                    self._post_receive(op)
-                if index + 1 < len(ops):
-                    self._post_receive(ops[index + 1])
-                self._ready_at = time.perf_counter()
-                sends = self.handlers[op.kind](op)
-                self.comm.exchange(sends, [])
-                if self.recorder is not None:
-                    self.recorder(op, self._ready_at, time.perf_counter())
+                self._perform(action)
             except Exception as exc:
-                raise StepFailure(f"rank {self.rank} failed at step {step + 1}, op {op}: {first_line(exc)}") from exc
-        extra: dict = {}
+                raise StepFailure(f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}") from exc
         try:
-            self.comm.finish_sends()
-            if update:
-                extra.update(self.apply_gradients())
-            self.optimizer.zero_grad(set_to_none=True)
-            total, parts = 0.0, dict.fromkeys(self.loss_parts, 0.0)
-            for stage in self.stages.values():
-                stage_total, stage_parts = stage.take_loss()
-                total += stage_total
-                for name, value in stage_parts.items():
-                    parts[name] += value
-            loss, *sums = self.comm.sum_over_world([total, *parts.values()])
-            extra.update(zip(parts, sums))
+            record = self.step_end.finish()
         except Exception as exc:
             raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
-        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=extra)
+        loss = record.pop("loss")
+        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=record)
 
-    def apply_gradients(self) -> dict:
-        """Collective end of a step: sum gradients over replicas, run the gradient hooks, clip,
-        step the optimizer and the schedule; returns the fields to log (lr, grad_norm)."""
-        extra: dict = {"lr": self.optimizer.param_groups[0]["lr"]}
-        self.comm.all_reduce_gradients(self._gradient_groups)
-        for hook in self.gradient_hooks:
-            hook()
-        if self.clipper is not None:
-            extra["grad_norm"] = self.clipper()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return extra
+    def _perform(self, action: Action) -> None:
+        kind, target = action.kind, action.target
+        if kind is ActionKind.RUN:
+            if self.recorder is None:
+                self.handlers[target.kind](target)
+                return
+            started = self.clock.mark()
+            self.handlers[target.kind](target)
+            self.recorder(target, started, self.clock.mark())
+        elif kind is ActionKind.POST:
+            shape, dtype = self.message_spec(target)
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            self._receives[target] = (buffer, self.comm.recv(buffer, action.peer, action.group))
+        elif kind is ActionKind.SEND:
+            self._sends[target] = self.comm.send(self._outputs.pop(target), action.peer, action.group)
+        elif kind is ActionKind.LAUNCH:
+            self.in_flight[target] = self.collectives[target.kind](target)
+        elif isinstance(target, Message):
+            buffer, handle = self._receives.pop(target)
+            handle.wait()
+            self._inputs[target] = buffer
+        elif isinstance(target, tuple):
+            self._sends.pop(target[1]).wait()
+        else:
+            self.in_flight.pop(target).wait()
+
+    def settle(self, complete: Sequence[Collective], relaunch: Sequence[Collective]) -> None:
+        """Between steps (checkpoints, resumption): wait for the collectives in `complete` (every
+        member has launched them), keeping them as done; launch `relaunch` afresh (this rank's part
+        of collectives launched before a resumption whose peers launch them later)."""
+        for collective in complete:
+            self.in_flight.setdefault(collective, done()).wait()
+        for collective in relaunch:
+            self.in_flight[collective] = self.collectives[collective.kind](collective)
 
     # -- handlers ----------------------------------------------------------------------------
-    def _forward(self, op: Op) -> list:
+    def _forward(self, op: Op) -> None:
         stage = self.stages[(op.pipe, op.stage)]
         global_mb = self.topology.global_micro_batch(self.rank, op.micro_batch)
-        batch = {name: tensor.to(self.device) for name, tensor in self.micro_batch(self.current_step, global_mb).items()}
+        batch = to_device(self.micro_batch(self.current_step, global_mb), self.device)
         inputs = None if stage.first else self._input_of(op)
         with self.forward_context(op):
             output = stage.forward(op.micro_batch, inputs, batch)
-        if stage.last:
-            return []
-        return self._deliver(OpKind.FORWARD, op.pipe, op.stage + 1, op.micro_batch, output, lower_stage=op.stage)
+        self._output_of(op, output)
 
-    def _backward(self, op: Op) -> list:
+    def _backward(self, op: Op) -> None:
         stage = self.stages[(op.pipe, op.stage)]
         grad_output = None if stage.last else self._input_of(op)
-        grad_input = stage.backward(op.micro_batch, grad_output)
-        if stage.first:
-            return []
-        return self._deliver(OpKind.BACKWARD, op.pipe, op.stage - 1, op.micro_batch, grad_input, lower_stage=op.stage - 1)
-
-    # -- transfers ---------------------------------------------------------------------------
-    def _source(self, op: Op) -> tuple[int, int] | None:
-        """(stage that produces op's input, channel's lower stage), or None if it needs none."""
-        last = self.topology.schedule.num_stages - 1
-        if op.kind is OpKind.FORWARD and op.stage > 0:
-            return op.stage - 1, op.stage - 1
-        if op.kind is OpKind.BACKWARD and op.stage < last:
-            return op.stage + 1, op.stage
-        return None
-
-    def _post_receive(self, op: Op) -> None:
-        source = self._source(op)
-        key = (op.kind, op.pipe, op.stage, op.micro_batch)
-        if source is None or key in self._receives or key in self._local:
-            return
-        producer, lower = source
-        replica = self.topology.replica_of(self.rank)
-        peer = self.topology.rank(replica, op.pipe, producer)
-        if peer == self.rank:
-            return  # handed over locally by the producing op
-        shape = self.output_shape(lower)
-        (pending,) = self.comm.exchange([], [(shape, peer, self.comm.channel(op.pipe, lower))])
-        self._receives[key] = pending
+        self._output_of(op, stage.backward(op.micro_batch, grad_output))
 
     def _input_of(self, op: Op) -> Tensor:
-        key = (op.kind, op.pipe, op.stage, op.micro_batch)
-        if key in self._local:
-            return self._local.pop(key)
-        if key not in self._receives:
-            self._post_receive(op)
-        tensor = self._receives.pop(key).wait()
-        self._ready_at = time.perf_counter()  # the op's compute starts now, not when it began waiting
-        return tensor
+        message = input_message(op, self.topology.schedule.num_stages)
+        if message in self._inputs:
+            return self._inputs.pop(message)
+        return self._outputs.pop(message)  # produced on this rank
 
-    def _deliver(self, kind: OpKind, pipe: int, stage: int, micro_batch: int, tensor: Tensor, lower_stage: int) -> list:
-        """Hand `tensor` to the op (kind, pipe, stage, micro_batch): locally or as a send."""
-        peer = self.topology.rank(self.topology.replica_of(self.rank), pipe, stage)
-        if peer == self.rank:
-            self._local[(kind, pipe, stage, micro_batch)] = tensor
-            return []
-        return [(tensor, peer, self.comm.channel(pipe, lower_stage))]
-
-    # -- gradients ---------------------------------------------------------------------------
-    def _group_parameters(self) -> dict[tuple[int, ...], list[torch.nn.Parameter]]:
-        """Parameters of replicated stages, by the replica group that sums their gradients."""
-        groups: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-        for (pipe, stage), runtime in sorted(self.stages.items(), key=lambda item: (item[0][1], item[0][0])):
-            ranks = self.topology.replica_ranks(stage)
-            if len(ranks) > 1:
-                groups.setdefault(ranks, []).extend(runtime.module.parameters())
-        return groups
-
+    def _output_of(self, op: Op, tensor: Tensor | None) -> None:
+        message = output_message(op, self.topology.schedule.num_stages)
+        if message is not None:
+            self._outputs[message] = tensor

@@ -1,88 +1,127 @@
-"""Gradient bookkeeping across stages: tied weights and global-norm clipping.
+"""Gradient bookkeeping of a rank's stages: persistent flat buffers reduced in buckets, tied
+weights, and the global norm for clipping, all on the device.
 
-Both run after the gradients of each stage are summed over its replicas, so every holder of a
-stage has the same gradient; a stage's *representative* is the lowest rank holding it, and only
-representatives contribute to sums over the model (each logical parameter counted once).
+Every holder of a stage has the same gradient once its buffer is reduced over the stage's
+replicas; a stage's *representative* is the lowest rank holding it, and only representatives
+contribute to sums over the model (each logical parameter counted once).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
-from pipefisher.runtime.topology import Topology
+from pipefisher.runtime.comm import Comm, Handle, done
+from pipefisher.topology import Topology
 
 
 def representative(topology: Topology, stage: int) -> int:
     return min(topology.replica_ranks(stage))
 
 
+def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters of `module`, each once (a weight tied within the module counts once)."""
+    seen: set[int] = set()
+    found = []
+    for parameter in module.parameters():
+        if parameter.requires_grad and id(parameter) not in seen:
+            seen.add(id(parameter))
+            found.append(parameter)
+    return found
+
+
+class GradientBuffer:
+    """The gradients of one stage's parameters, as views into one flat buffer that lives for the
+    whole run: backward accumulates into it in place, parameters without a gradient in a step
+    hold zeros, and the reduction over replicas sends it in buckets of at most `bucket_bytes`
+    (cut at parameter boundaries)."""
+
+    def __init__(self, module: nn.Module, bucket_bytes: int):
+        parameters = unique_parameters(module)
+        dtypes = {p.dtype for p in parameters}
+        if len(dtypes) > 1:
+            raise ValueError(f"a stage's parameters must share one dtype for its gradient buffer, got {sorted(map(str, dtypes))}")
+        device = parameters[0].device if parameters else torch.device("cpu")
+        self.flat = torch.zeros(sum(p.numel() for p in parameters), dtype=next(iter(dtypes), torch.float32), device=device)
+        self.gradients: list[Tensor] = []
+        self.buckets: list[Tensor] = []
+        offset, start = 0, 0
+        for parameter in parameters:
+            view = self.flat[offset: offset + parameter.numel()].view_as(parameter)
+            parameter.grad = view
+            self.gradients.append(view)
+            if offset > start and (offset + parameter.numel() - start) * self.flat.element_size() > bucket_bytes:
+                self.buckets.append(self.flat[start:offset])
+                start = offset
+            offset += parameter.numel()
+        if offset > start:
+            self.buckets.append(self.flat[start:offset])
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+
+
 class TiedGradients:
     """Sums the gradients of the copies of a weight two stages hold (e.g. BERT's word embedding
-    and MLM decoder) and gives every copy the sum, as if the weight were one Parameter."""
+    and MLM decoder) and gives every copy the sum, as if the weight were one Parameter. Runs after
+    each stage's gradients are reduced over its replicas."""
 
-    def __init__(self, topology: Topology, rank: int, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]]):
+    def __init__(self, topology: Topology, rank: int, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]], ranks: tuple[int, ...]):
         self.topology, self.rank = topology, rank
-        last = topology.schedule.num_stages - 1
-        where = {"first": 0, "last": last}
+        where = {"first": 0, "last": topology.schedule.num_stages - 1}
         self.copies: list[tuple[int, nn.Parameter]] = []
         for (pipe, stage), module in sorted(stages.items()):
             parameters = dict(module.named_parameters())
             for selector, name in tied:
                 if where[selector] == stage and name in parameters:
                     self.copies.append((stage, parameters[name]))
-        self.ranks = tuple(sorted(set(topology.replica_ranks(0)) | set(topology.replica_ranks(last)))) if tied and last > 0 else ()
-        self.group = None
+        #: every rank holding a copy (the group the sum runs over)
+        self.ranks = ranks
 
-    def create_group(self) -> None:
-        """Collective: every rank calls it (in the same order as its other group creations)."""
-        if len(self.ranks) > 1:
-            self.group = dist.new_group(list(self.ranks))
-
-    def __call__(self) -> None:
-        if not self.copies or (len(self.ranks) < 2 and len({stage for stage, _ in self.copies}) < 2):
-            return  # one stage holds the only copy: nothing to combine
+    def launch(self, comm: Comm) -> Handle:
+        """Start the sum; `wait()` gives every copy of this rank the total."""
+        if not self.copies:
+            return done()
         total = torch.zeros_like(self.copies[0][1])
         for stage, parameter in self.copies:
-            if parameter.grad is not None and representative(self.topology, stage) == self.rank:
+            if representative(self.topology, stage) == self.rank:
                 total += parameter.grad
-        if self.group is not None:
-            dist.all_reduce(total, group=self.group)
-        for _, parameter in self.copies:
-            if parameter.grad is None:
-                parameter.grad = total.clone()
-            else:
+
+        def store() -> None:
+            for _, parameter in self.copies:
                 parameter.grad.copy_(total)
 
+        if len(self.ranks) < 2:
+            store()
+            return done()
+        return comm.all_reduce([total], ("tied",), on_done=store)
 
-class GradientClipper:
-    """Scales all gradients so that the global L2 norm over the whole model is at most `max_norm`
-    (each logical parameter counted once); returns the norm before clipping."""
 
-    def __init__(self, topology: Topology, rank: int, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]], max_norm: float, device: torch.device):
-        self.max_norm, self.device = max_norm, device
+class GlobalNorm:
+    """The L2 norm of the whole model's gradient, each logical parameter counted once: this rank's
+    share of the squared norm (`local_square`), summed over all ranks by the caller."""
+
+    def __init__(self, topology: Topology, rank: int, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]]):
         last = topology.schedule.num_stages - 1
         # the last stage's tied copy duplicates the first stage's: count it once
         skip = {(last, name) for selector, name in tied if selector == "last"} if last > 0 else set()
         self.counted: list[nn.Parameter] = []
-        self.all: list[nn.Parameter] = []
         for (pipe, stage), module in sorted(stages.items()):
+            if representative(topology, stage) != rank:
+                continue
             for name, parameter in module.named_parameters():
-                self.all.append(parameter)
-                if representative(topology, stage) == rank and (stage, name) not in skip:
+                if (stage, name) not in skip and parameter.requires_grad:
                     self.counted.append(parameter)
 
-    def __call__(self) -> float:
-        squares = sum(float(p.grad.double().pow(2).sum()) for p in self.counted if p.grad is not None)
-        total = torch.tensor([squares], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        norm = math.sqrt(float(total.item()))
-        if self.max_norm > 0 and norm > self.max_norm:
-            scale = self.max_norm / (norm + 1e-6)
-            for parameter in self.all:
-                if parameter.grad is not None:
-                    parameter.grad.mul_(scale)
-        return norm
+    def local_square(self, device: torch.device) -> Tensor:
+        """Σ‖g‖² over this rank's counted parameters (0-dim float64, on `device`)."""
+        if not self.counted:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        norms = torch._foreach_norm([p.grad for p in self.counted])
+        return torch.stack(norms).double().square().sum()
+
+
+def clip_coefficient(square: Tensor, max_norm: float) -> Tensor:
+    """min(1, max_norm / (‖g‖ + 1e-6)) from the global squared norm, as
+    `torch.nn.utils.clip_grad_norm_` computes it (float32, on the device)."""
+    return (max_norm / (square.sqrt() + 1e-6)).clamp(max=1.0).float()

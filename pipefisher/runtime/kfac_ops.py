@@ -1,12 +1,15 @@
-"""K-FAC ops in the executor: handlers for CA/CB, SA/SB, IA/IB, X and P over per-stage engines.
+"""K-FAC in the executor: handlers of CA/CB, IA/IB, X and P, and the providers of its collectives
+(factor syncs, inverse exchanges), over per-stage engines.
 
 Refresh cycle of k steps (`Plan.steps`): the first step captures every micro-batch's a and e
 while it runs forward/backward; curvature, factor syncs, inverses and exchanges run where the
 plan puts them; after the last step of the cycle the new inverses are committed, so they are
-used from the next cycle on (the first cycle preconditions with the identity). Syncs and
-exchanges are asynchronous collectives over the stage's replica group, waited for by the ops
-that need their result. Preconditioning runs on each replica before the gradient all-reduce
-(it is linear in the gradient, so the result is the same).
+used from the next cycle on (the first cycle preconditions with the identity). A sync (SA/SB) is
+an all-reduce over all replicas of the stage (pipes x data-parallel copies) launched at its op
+and waited for by the inverse; an exchange (X) broadcasts each inverse from the replica that
+computed it. Preconditioning runs on each replica before the gradient all-reduce (it is linear in
+the gradient, so the result is the same). Nothing here reads a tensor on the host but the health
+check at the end of a cycle (one read per stage).
 """
 
 from __future__ import annotations
@@ -14,18 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from torch import nn
+from torch import Tensor, nn
 
+from pipefisher.comm_plan import Collective, inverse_owners
 from pipefisher.config import RunConfig
 from pipefisher.ir import Op, OpKind
 from pipefisher.kfac import KFACConfig, KFACEngine
-from pipefisher.kfac.engine import PendingWork
 from pipefisher.plan import Plan
-from pipefisher.runtime.comm import Comm
-from pipefisher.runtime.topology import Topology
+from pipefisher.runtime.comm import Comm, Handle
 from pipefisher.tasks import FACTOR_OF
-
-KFAC_KINDS = (OpKind.CURV_A, OpKind.CURV_B, OpKind.SYNC_A, OpKind.SYNC_B, OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE, OpKind.PRECONDITION)
+from pipefisher.topology import Topology
 
 
 def kfac_engine_config(config: RunConfig, rows_per_step: int) -> KFACConfig:
@@ -40,49 +41,43 @@ def rows_per_step(config: RunConfig) -> int:
 
 
 class KfacRuntime:
-    """The K-FAC state of one rank's stages and the handlers of the K-FAC op kinds."""
+    """The K-FAC state of one rank's stages, the handlers of the K-FAC op kinds and the providers
+    of its collectives. `loss_scale()`: fp16's current loss scale (None otherwise), recorded with
+    every capture so that B is the factor of the unscaled loss."""
 
-    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm, plan: Plan,
-                 skip: tuple[str, ...] = ()):
-        self.topology, self.rank, self.comm = topology, rank, comm
+    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
+                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+        self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
         engine_config = kfac_engine_config(config, rows_per_step(config))
         self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
+        #: a rank holds at most one copy of a stage
+        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         self.lr = config.optimizer.lr
         self.set_plan(plan)
-        self._syncs: dict[tuple[int, int, str, str], PendingWork] = {}
-        self._shares: list[PendingWork] = []
 
     def set_plan(self, plan: Plan) -> None:
         """Use `plan` from the next cycle on (its inverse owners decide who computes what)."""
-        self.plan = plan
-        self.owners: dict[tuple[int, str, str], int] = {}
-        for op in plan.kfac_ops():
-            if op.kind in (OpKind.INV_A, OpKind.INV_B):
-                self.owners.setdefault((op.stage, op.layer, FACTOR_OF[op.kind]), op.pipe)
+        self.owners = inverse_owners(plan)
 
-    def handlers(self) -> dict[OpKind, Callable[[Op], list]]:
-        table = {kind: self._curvature for kind in (OpKind.CURV_A, OpKind.CURV_B)}
-        table.update({kind: self._sync for kind in (OpKind.SYNC_A, OpKind.SYNC_B)})
+    def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
+        table: dict[OpKind, Callable[[Op], None]] = {kind: self._curvature for kind in (OpKind.CURV_A, OpKind.CURV_B)}
+        table.update({kind: lambda op: None for kind in (OpKind.SYNC_A, OpKind.SYNC_B)})  # the launch is the whole op
         table.update({kind: self._invert for kind in (OpKind.INV_A, OpKind.INV_B)})
-        table[OpKind.EXCHANGE] = self._exchange
+        table[OpKind.EXCHANGE] = self._fold_shared
         table[OpKind.PRECONDITION] = self._precondition
         return table
+
+    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
+        return {"sync": self._launch_sync, "exchange": self._launch_exchange}
 
     def capture(self, op: Op, cycle_step: int) -> AbstractContextManager:
         """Context for the forward of `op`: records a and e in the cycle's first step."""
         if cycle_step != 0:
             return nullcontext()
-        return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
-
-    def quiesce(self) -> None:
-        """Finish every collective in flight (before a checkpoint); the math is unchanged."""
-        for work in [*self._syncs.values(), *self._shares]:
-            work.wait()
-        self._syncs.clear()
-        self._shares.clear()
+        scale = self.loss_scale()
+        return self.engines[(op.pipe, op.stage)].capture(op.micro_batch, loss_scale=None if scale is None else scale.clone())
 
     def state_dict(self) -> dict:
-        self.quiesce()
         return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -90,57 +85,44 @@ class KfacRuntime:
             engine.load_state_dict(state[f"{pipe}.{stage}"])
 
     def end_of_cycle(self) -> None:
-        """Finish outstanding exchanges and make the cycle's inverses the ones in use."""
-        for work in self._shares:
-            work.wait()
-        self._shares.clear()
-        if self._syncs:
-            raise RuntimeError(f"factor syncs never waited for: {sorted(self._syncs)}")
+        """Make the cycle's inverses the ones in use; report numerical trouble."""
         for engine in self.engines.values():
             for info in engine.layers():
                 engine.commit(info.name)
+            engine.check_health()
 
     # -- handlers ----------------------------------------------------------------------------
     def _engine(self, op: Op) -> KFACEngine:
         return self.engines[(op.pipe, op.stage)]
 
-    def _curvature(self, op: Op) -> list:
+    def _curvature(self, op: Op) -> None:
         self._engine(op).curvature(op.layer, FACTOR_OF[op.kind], op.micro_batch)
-        return []
 
-    def _group(self, stage: int):
-        return self.comm.kfac_groups[self.topology.replica_ranks(stage)]
+    def _invert(self, op: Op) -> None:
+        self._engine(op).invert(op.layer, FACTOR_OF[op.kind])
 
-    def _sync(self, op: Op) -> list:
-        factor = FACTOR_OF[op.kind]
-        work = self._engine(op).start_sync(op.layer, factor, self._group(op.stage))
-        self._syncs[(op.pipe, op.stage, op.layer, factor)] = work
-        return []
+    def _fold_shared(self, op: Op) -> None:
+        """A replica that did not invert a factor still folds the synced factor into its running
+        average, so every replica keeps the same state; the inverse itself comes by broadcast."""
+        for factor in "AB":
+            if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+                self._engine(op).invert(op.layer, factor, decompose=False)
 
-    def _wait_sync(self, op: Op, factor: str) -> None:
-        work = self._syncs.pop((op.pipe, op.stage, op.layer, factor), None)
-        if work is not None:
-            work.wait()
-
-    def _invert(self, op: Op) -> list:
-        factor = FACTOR_OF[op.kind]
-        self._wait_sync(op, factor)
-        self._engine(op).invert(op.layer, factor)
-        return []
-
-    def _exchange(self, op: Op) -> list:
-        """Share the stage's inverses from the replicas that computed them; the others fold the
-        synced factor into their running average so every replica keeps the same state."""
-        engine = self._engine(op)
-        for factor in ("A", "B"):
-            owner = self.owners[(op.stage, op.layer, factor)]
-            if owner != op.pipe:
-                self._wait_sync(op, factor)
-                engine.invert(op.layer, factor, decompose=False)
-            source = self.topology.rank(0, owner, op.stage)
-            self._shares.append(engine.start_share_inverse(op.layer, factor, source, self._group(op.stage)))
-        return []
-
-    def _precondition(self, op: Op) -> list:
+    def _precondition(self, op: Op) -> None:
         self._engine(op).precondition_all(self.lr)
-        return []
+
+    # -- collectives -------------------------------------------------------------------------
+    def _launch_sync(self, collective: Collective) -> Handle:
+        stage, layer, factor = collective.key
+        tensors = self._engine_of_stage[stage].sync_tensors(layer, factor)
+        return self.comm.all_reduce(list(tensors), collective.group)
+
+    def _launch_exchange(self, collective: Collective) -> Handle:
+        """Broadcast the new inverse from the owner pipe's rank of data-parallel replica 0."""
+        stage, layer, factor = collective.key
+        engine = self._engine_of_stage[stage]
+        source = self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
+        if self.rank == source:
+            return self.comm.broadcast(engine.shared_inverse(layer, factor), source, collective.group)
+        buffer = engine.inverse_buffer(layer, factor)
+        return self.comm.broadcast(buffer, source, collective.group, on_done=lambda: engine.receive_inverse(layer, factor, buffer))

@@ -22,6 +22,7 @@ from pipefisher.profile import Profile, ProfileError, load_profile
 from pipefisher.runtime.drift import DriftMonitor
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.kfac_ops import KfacRuntime
+from pipefisher.runtime.plan_runner import PlanRunner
 from pipefisher.runtime.profiler import measure_profile
 from pipefisher.runtime.assembly import staged_model
 
@@ -69,12 +70,14 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
     """The run's K-FAC plan from `profile` (placement and refresh interval from config.kfac)."""
     kfac = config.kfac
     pinned = kfac.refresh_steps or None
-    options = PackOptions(margin=kfac.margin, max_overhead=kfac.max_overhead, split=kfac.split, refresh_steps=pinned)
+    data_parallel = config.pipeline.data_parallel
+    options = PackOptions(margin=kfac.margin, max_overhead=kfac.max_overhead, split=kfac.split, refresh_steps=pinned,
+                          data_parallel=data_parallel)
     result = pack(schedule, profile, options)
     if kfac.placement == "packed":
         plan, timelines = result.plan, result.timelines
     else:
-        plan = after_step_plan(schedule, profile, result.refresh_steps, split=kfac.split)
+        plan = after_step_plan(schedule, profile, result.refresh_steps, split=kfac.split, data_parallel=data_parallel)
         timelines = simulate_plan(plan, profile)
     validate_plan(plan)
     predicted = cycle_time(timelines)
@@ -93,10 +96,10 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
     return KfacPlan(plan, predicted, summary)
 
 
-class PipeFisherTrainer:
+class PipeFisherTrainer(PlanRunner):
     """Drives one rank's executor through K-FAC refresh cycles."""
 
-    def __init__(self, config: RunConfig, executor: Executor, rank: int, profile: Profile | None = None):
+    def __init__(self, config: RunConfig, executor: Executor, rank: int, tied: bool, profile: Profile | None = None):
         """`profile`: the one to pack from (e.g. a checkpoint's); default: the run's file, or measured."""
         self.config, self.executor, self.rank = config, executor, rank
         self.schedule = executor.topology.schedule
@@ -106,9 +109,12 @@ class PipeFisherTrainer:
         self.kfac_plan = make_plan(config, self.schedule, self.profile)
         self.drift = DriftMonitor(config.kfac.reprofile_threshold, config.kfac.reprofile_patience)
         self.drift.new_plan(fresh_profile=fresh)
-        self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip)
+        scaler = executor.step_end.scaler
+        self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip,
+                                   loss_scale=(lambda: scaler.scale) if scaler is not None else (lambda: None))
         executor.handlers.update(self.runtime.handlers())
-        self.cycle_step = 0
+        executor.collectives.update(self.runtime.collectives())
+        super().__init__(executor, rank, self.kfac_plan.plan, tied)
         executor.forward_context = lambda op: self.runtime.capture(op, self.cycle_step)
         self._cycle_ms = 0.0
         self.log(self.kfac_plan.summary)
@@ -119,7 +125,7 @@ class PipeFisherTrainer:
 
     def _measure(self) -> Profile:
         profile, _ = measure_profile(
-            self.executor, self.rank, self.modules, self.executor.output_shape, self.config.data.micro_batch_size,
+            self.executor, self.rank, self.modules, self.config.data.micro_batch_size,
             damping=self.config.kfac.damping, inverse=self.config.kfac.inverse, skip=self.skip,
         )
         return profile
@@ -134,7 +140,8 @@ class PipeFisherTrainer:
         return self._measure(), True
 
     def state_dict(self) -> dict:
-        """Position in the cycle, the profile the plan comes from, and every engine's state."""
+        """Position in the cycle, the profile the plan comes from, and every engine's state
+        (call after `quiesce`)."""
         return {"cycle_step": self.cycle_step, "profile": self.profile.to_dict(), "engines": self.runtime.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -146,27 +153,21 @@ class PipeFisherTrainer:
         return self.kfac_plan.predicted_cycle_ms / self.kfac_plan.refresh_steps
 
     def run_step(self, step: int) -> StepResult:
-        plan = self.kfac_plan.plan
-        ops = plan.steps[self.cycle_step][self.executor.topology.pipeline_rank(self.rank)]
-        result = self.executor.run_step(step, ops)
-        result = replace(result, extra={**result.extra, "refresh_steps": plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
+        result = super().run_step(step)
         self._cycle_ms += 1000 * result.seconds
-        self.cycle_step += 1
-        if self.cycle_step == plan.refresh_steps:
-            self.runtime.end_of_cycle()
-            self._end_of_cycle()
-        return result
+        return replace(result, extra={**result.extra, "refresh_steps": self.plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
 
-    def _end_of_cycle(self) -> None:
+    def end_of_cycle(self) -> None:
+        self.runtime.end_of_cycle()
         measured, predicted = self._cycle_ms, self.kfac_plan.predicted_cycle_ms
-        self.cycle_step, self._cycle_ms = 0, 0.0
+        self._cycle_ms = 0.0
         expected = self.drift.expected
-        decision = [self.drift.observe(measured, predicted)]
+        decision = torch.full((1,), float(self.drift.observe(measured, predicted)), device=self.executor.device)
         if self.drift.expected != expected and abs(self.drift.expected - 1) > self.drift.threshold:
             self.log(f"measured cycle {measured:.1f} ms is {self.drift.expected:.2f}x the predicted {predicted:.1f} ms "
                      "with a fresh profile (costs the simulator does not see); re-profiling watches for changes from this ratio")
-        dist.broadcast_object_list(decision, src=0)
-        if not decision[0]:
+        dist.broadcast(decision, src=0)  # rank 0's clock decides for everyone
+        if not decision.item():
             return
         self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms "
                  f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing")
@@ -174,4 +175,5 @@ class PipeFisherTrainer:
         self.kfac_plan = make_plan(self.config, self.schedule, self.profile)
         self.drift.new_plan(fresh_profile=True)
         self.runtime.set_plan(self.kfac_plan.plan)
+        self.set_plan(self.kfac_plan.plan)
         self.log(self.kfac_plan.summary)

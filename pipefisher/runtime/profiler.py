@@ -1,14 +1,15 @@
 """Measure a profile (pipefisher.profile/v1) of a run on the real executor.
 
 Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
-steps that leave the model unchanged (gradients dropped), times every op on every rank
-(perf_counter after a barrier, so the ranks' clocks agree to the barrier's skew; on GPUs each op
-is synchronised), measures each stage boundary's transfer with a ping-pong, times the end of
-step (gradient all-reduce, clipping, optimizer step; parameters, optimizer state and
-learning-rate schedule restored after), and every K-FAC task of every layer on the rank that
-holds it: curvature per micro-batch, factor sync over the stage's replicas, eigen/Cholesky
-inverse, preconditioning. Every rank gathers all measurements and builds the same Profile
-(medians), so every rank packs the same plan.
+steps that leave the model unchanged (gradients dropped) and times every op on every rank from a
+common zero after a barrier (`Clock`: perf_counter on CPUs; CUDA events on GPUs, so an op's time
+is the device's, without a host sync inside the step). It measures each stage boundary's transfer
+with a ping-pong, each replicated stage's gradient reduction, the rest of the end of step (tied
+weights, clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss
+scale restored after), and every K-FAC task of every layer on the rank that holds it: curvature
+per micro-batch, factor sync over the stage's replicas, eigen/Cholesky inverse, preconditioning
+(standalone regions are timed with the device synchronised before and after). Every rank gathers
+all measurements and builds the same Profile (medians), so every rank packs the same plan.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from pipefisher.comm_plan import Message, grad_collective, plan_actions
+from pipefisher.comm_replay import replay
 from pipefisher.ir import Op, OpKind
 from pipefisher.kfac import KFACEngine
 from pipefisher.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.profile import LayerProfile, Profile, StageProfile
 from pipefisher.runtime.executor import Executor
+from pipefisher.runtime.plan_runner import schedule_plan
 from pipefisher.simulate import Interval, Timeline
 
 #: (rank, op string, start, end) in ms from the step's common zero
@@ -55,100 +59,114 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> 
 
 def _step_records(executor: Executor, rank: int, steps: int, engines: dict) -> list[list[Record]]:
     """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
-    ops = executor.topology.schedule.ranks[executor.topology.pipeline_rank(rank)]
+    topology = executor.topology
+    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied)).steps[0][rank]
+    clock = executor.clock
     records: list[list[Record]] = []
     for step in range(steps):
         dist.barrier()
-        zero = time.perf_counter()
-        current: list[Record] = []
-
-        def record(op, start, end):
-            if executor.device.type == "cuda":
-                torch.cuda.synchronize(executor.device)
-                end = time.perf_counter()
-            current.append((rank, str(op), 1000 * (start - zero), 1000 * (end - zero)))
-
-        executor.recorder = record
+        zero = clock.mark()
+        marks: list[tuple[Op, object, object]] = []
+        executor.recorder = lambda op, start, end: marks.append((op, start, end))
         if step == steps - 1:  # capture a and e of the last step for the K-FAC task timings
             executor.forward_context = lambda op: engines[(op.pipe, op.stage)].capture(op.micro_batch)
         else:
             executor.forward_context = lambda op: nullcontext()
         try:
-            executor.run_step(0, ops, update=False)
+            executor.run_step(0, actions, update=False)
         finally:
             executor.recorder = None
-        records.append(current)
+        records.append([(rank, str(op), clock.elapsed_ms(zero, start), clock.elapsed_ms(zero, end)) for op, start, end in marks])
     return records
 
 
-def _transfer_times(executor: Executor, rank: int, shape_of: Callable[[int], tuple[int, ...]], repeats: int = 5) -> dict[int, float]:
-    """stage -> ms to move its output to the next stage (half a ping-pong round trip)."""
+def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int, float]:
+    """stage -> ms to move its output to the next stage (half a ping-pong round trip: the
+    activation forward on its channel, back on the gradients' channel)."""
     topology, comm = executor.topology, executor.comm
     times: dict[int, float] = {}
-    schedule = topology.schedule
-    for stage in range(schedule.num_stages - 1):
+    for stage in range(topology.schedule.num_stages - 1):
         a, b = topology.rank(0, 0, stage), topology.rank(0, 0, stage + 1)
         if rank not in (a, b) or a == b:
             continue
-        group = comm.channel(0, stage)
-        buffer = torch.zeros(shape_of(stage), device=executor.device)
-        samples = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
+        shape, dtype = executor.message_spec(Message(Op(OpKind.FORWARD, stage + 1, 0)))
+        buffer = torch.zeros(shape, dtype=dtype, device=executor.device)
+        forward, backward = comm.group(("fwd", 0, 0, stage)), comm.group(("bwd", 0, 0, stage))
+
+        def ping_pong() -> None:
             if rank == a:
-                dist.send(buffer, b, group=group)
-                dist.recv(buffer, b, group=group)
+                dist.send(buffer, b, group=forward)
+                dist.recv(buffer, b, group=backward)
             else:
-                dist.recv(buffer, a, group=group)
-                dist.send(buffer, a, group=group)
-            samples.append(500 * (time.perf_counter() - start))
-        times[stage] = _median(samples[1:])
+                dist.recv(buffer, a, group=forward)
+                dist.send(buffer, a, group=backward)
+
+        ping_pong()  # connects
+        times[stage] = _timed(ping_pong, executor.device, repeats) / 2
+    return times
+
+
+def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, float]:
+    """stage -> ms of its gradient reduction over its replicas (the buckets' all-reduces), for
+    every replicated stage this rank holds. Collective: stages in order on every rank."""
+    step_end = executor.step_end
+    step_end.update = True
+    times: dict[int, float] = {}
+    for stage in sorted({stage for _, stage in executor.stages}):
+        if len(executor.topology.replica_ranks(stage)) < 2:
+            continue
+        collective = grad_collective(stage)
+        step_end.launch_grad(collective).wait()  # connects
+        times[stage] = _timed(lambda: step_end.launch_grad(collective).wait(), executor.device, repeats)
     return times
 
 
 def _step_end_time(executor: Executor, repeats: int = 3) -> float:
-    """Median ms of this rank's end of step (`Executor.apply_gradients`) on gradients of ones;
-    parameters, optimizer and learning-rate schedule are restored afterwards. Collective."""
+    """Median ms of this rank's end of step after the gradient reduction (tied weights, the world
+    reduction, clipping, optimizer step) on gradients of ones; parameters, optimizer state,
+    learning-rate schedule and loss scale are restored afterwards. Collective."""
+    step_end = executor.step_end
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
-    optimizer_state = copy.deepcopy(executor.optimizer.state_dict())
-    scheduler_state = executor.scheduler.state_dict() if executor.scheduler is not None else None
+    optimizer_state = copy.deepcopy(step_end.optimizer.state_dict())
+    scheduler_state = step_end.scheduler.state_dict() if step_end.scheduler is not None else None
+    scaler_state = step_end.scaler.state_dict() if step_end.scaler is not None else None
     samples = []
+    step_end.update = True
     try:
         for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
-            for parameter in parameters:
-                parameter.grad = torch.ones_like(parameter)  # global norm sqrt(n): clipping does scale
+            for buffer in step_end.buffers.values():
+                buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
             dist.barrier()
-            samples.append(_timed(executor.apply_gradients, executor.device, repeats=1))
+            samples.append(_timed(step_end.apply_now, executor.device, repeats=1))
     finally:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
                 parameter.copy_(value)
-        executor.optimizer.load_state_dict(optimizer_state)
+        step_end.optimizer.load_state_dict(optimizer_state)
         if scheduler_state is not None:
-            executor.scheduler.load_state_dict(scheduler_state)
-        executor.optimizer.zero_grad(set_to_none=True)
+            step_end.scheduler.load_state_dict(scheduler_state)
+        if scaler_state is not None:
+            step_end.scaler.load_state_dict(scaler_state)
+        for buffer in step_end.buffers.values():
+            buffer.zero_()
     return _median(samples[1:])
 
 
 def _kfac_times(executor: Executor, engines: dict, rank: int, damping: float, inverse: str) -> dict[tuple[int, str], dict[str, float]]:
     """(stage, layer) -> task times in ms, from the captures of the last profiling step."""
     device = executor.device
-    topology, comm = executor.topology, executor.comm
+    comm = executor.comm
     times: dict[tuple[int, str], dict[str, float]] = {}
     for (pipe, stage), engine in sorted(engines.items(), key=lambda item: (item[0][1], item[0][0])):
-        replicas = topology.replica_ranks(stage)
-        group = comm.replica_groups.get(replicas)
+        group = comm.groups.get(("kfac", stage))
         for info in engine.layers():
             entry: dict[str, float] = {}
             for factor in ("A", "B"):
-                samples = []
-                for micro_batch in engine.captured(info.name, factor):
-                    start = time.perf_counter()
-                    engine.curvature(info.name, factor, micro_batch)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    samples.append(1000 * (time.perf_counter() - start))
+                samples = [
+                    _timed(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)
+                    for micro_batch in engine.captured(info.name, factor)
+                ]
                 entry[f"curvature_{factor.lower()}"] = _median(samples)
                 n = info.size(factor)
                 matrix = torch.randn(n, n, device=device)
@@ -177,7 +195,6 @@ def measure_profile(
     executor: Executor,
     rank: int,
     modules: dict[tuple[int, int], torch.nn.Module],
-    shape_of: Callable[[int], tuple[int, ...]],
     micro_batch_size: int,
     damping: float = 1e-3,
     inverse: str = "eigen",
@@ -193,19 +210,23 @@ def measure_profile(
         records = _step_records(executor, rank, warmup + repeats, engines)
     finally:
         executor.forward_context = saved_context
-    transfers = _transfer_times(executor, rank, shape_of)
+    transfers = _transfer_times(executor, rank)
+    reduces = _grad_reduce_times(executor, repeats)
     step_end = _step_end_time(executor, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
     kfac = _kfac_times(executor, engines, rank, damping, inverse)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (records[warmup:], transfers, kfac, (held_stages, step_end)))
+    dist.all_gather_object(gathered, (records[warmup:], transfers, reduces, kfac, (held_stages, step_end)))
     durations: dict[tuple[str, int], list[float]] = defaultdict(list)
     last_step: list[Record] = []
     p2p: dict[int, float] = {}
     kfac_samples: dict[tuple[int, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     layer_order: dict[int, list[str]] = {}
     step_ends: dict[int, list[float]] = defaultdict(list)
-    for rank_records, rank_transfers, rank_kfac, (rank_stages, rank_step_end) in gathered:
+    grad_reduces: dict[int, list[float]] = defaultdict(list)
+    for rank_records, rank_transfers, rank_reduces, rank_kfac, (rank_stages, rank_step_end) in gathered:
+        for stage, value in rank_reduces.items():
+            grad_reduces[stage].append(value)
         for stage in rank_stages:  # a rank holding several stages pays their step ends together
             step_ends[stage].append(rank_step_end / len(rank_stages))
         for step_records in rank_records:
@@ -234,6 +255,7 @@ def measure_profile(
                 backward=_median(durations[("B", stage)]),
                 p2p=p2p.get(stage, 0.0),
                 step_end=_median(step_ends[stage]),
+                grad_reduce=_median(grad_reduces[stage]),
                 layers=layers,
             )
         )

@@ -1,9 +1,11 @@
 """The single-process reference: the same training as the pipeline, without pipelining.
 
-It sees the same stages (built from the same seeds), the same micro-batches in the same order,
-the same loss scaling (mean over all micro-batches of the step), tied-weight gradients summed,
-the same clipping and learning-rate schedule, and the same K-FAC cycle, so its losses and
-parameters agree with the pipelined run's to float tolerance.
+It sees the same model (parameters depend on the seed and their names, not on the split), the
+same micro-batches in the same order, the same loss scaling (mean over all micro-batches of the
+step), tied-weight gradients summed, the same precision (autocast, activations rounded to the
+compute dtype between stages, fp16's loss scale and overflow skips), the same clipping and
+learning-rate schedule, and the same K-FAC cycle, so its losses and parameters agree with the
+pipelined run's to float tolerance.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ from torch import nn
 from pipefisher.config import RunConfig
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.executor import StepResult
+from pipefisher.runtime.precision import LossScaler, Precision
 from pipefisher.runtime.assembly import data_source, staged_model
 from pipefisher.runtime.training import StepCallback, TrainResult
 
 
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
     """The same training in one process: all stages in sequence, micro-batches in id order,
-    tied copies' gradients summed, the same clipping, schedule and K-FAC cycle."""
+    tied copies' gradients summed, the same precision, clipping, schedule and K-FAC cycle."""
     model = staged_model(config)
     num_stages = config.model_chunks
+    device = torch.device("cpu")
     stages = [model.build_stage(index, num_stages, config.run.seed) for index in range(num_stages)]
     optimizer = build_optimizer(config.optimizer, stages)
     scheduler = build_scheduler(config, optimizer)
     micro_batch = data_source(config)
+    precision = Precision(config.run.precision, device)
+    scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
     tied = _local_tied_copies(stages, model.tied_parameters())
     kfac = ReferenceKfac(config, nn.ModuleList(stages), model.kfac_skip()) if config.optimizer.name == "kfac" else None
@@ -40,13 +46,11 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
         extra = {"lr": optimizer.param_groups[0]["lr"], **dict.fromkeys(model.loss_parts, 0.0)}
         for index in range(total):
             batch = micro_batch(step, index)
-            with kfac.capture(step, index) if kfac else nullcontext():
-                x = None
-                for stage in stages:
-                    x = stage(x, batch)
-                loss, parts = model.loss(x, batch)
+            loss_scale = None if scaler is None else scaler.scale.clone()
+            with kfac.capture(step, index, loss_scale) if kfac else nullcontext():
+                loss, parts = _forward(stages, model, batch, precision)
                 loss = loss * (1.0 / total)  # the scaling the last stage applies
-                loss.backward()
+                (loss if scaler is None else loss * scaler.scale).backward()
             step_loss += float(loss.detach())
             for name, value in parts.items():
                 extra[name] += float(value) / total
@@ -56,13 +60,23 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
             combined = sum(p.grad for p in tied)
             for parameter in tied:
                 parameter.grad = combined.clone()
-        if config.optimizer.clip_norm > 0:
-            duplicates = {id(p) for p in tied[1:]}
-            unique = [p for stage in stages for p in stage.parameters() if id(p) not in duplicates]
-            torch.nn.utils.clip_grad_norm_(unique, config.optimizer.clip_norm)
+        duplicates = {id(p) for p in tied[1:]}
+        unique = [p for stage in stages for p in stage.parameters() if id(p) not in duplicates and p.grad is not None]
+        overflow = False
+        if scaler is not None:
+            found = scaler.unscale_([p.grad for p in unique])
             for parameter in tied[1:]:
                 parameter.grad = tied[0].grad.clone()
-        optimizer.step()
+            overflow = bool(found.item() > 0)
+            extra["overflow"] = overflow
+        if config.optimizer.clip_norm > 0:
+            extra["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(unique, config.optimizer.clip_norm))
+            for parameter in tied[1:]:
+                parameter.grad = tied[0].grad.clone()
+        if not overflow:
+            optimizer.step()
+        if scaler is not None:
+            scaler.update(found)
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -77,6 +91,19 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
         for name, parameter in stage.named_parameters()
     }
     return TrainResult(losses, parameters)
+
+
+def _forward(stages: list[nn.Module], model, batch: dict, precision: Precision) -> tuple:
+    """The stages in sequence under the run's autocast, each stage's output rounded to the
+    compute dtype as the pipeline sends it; then the loss and its parts."""
+    x = None
+    for index, stage in enumerate(stages):
+        with precision.autocast():
+            x = stage(x, batch)
+        if index < len(stages) - 1:
+            x = x.to(precision.compute_dtype)
+    with precision.autocast():
+        return model.loss(x, batch)
 
 
 def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> list[nn.Parameter]:
@@ -104,8 +131,8 @@ class ReferenceKfac:
         self.lr = config.optimizer.lr
         self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
 
-    def capture(self, step: int, micro_batch: int):
-        return self.engine.capture(micro_batch) if step % self.k == 0 else nullcontext()
+    def capture(self, step: int, micro_batch: int, loss_scale=None):
+        return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()
 
     def before_optimizer_step(self, step: int) -> None:
         if step % self.k == 0:

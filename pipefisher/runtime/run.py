@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
 from pipefisher.config import RunConfig
+from pipefisher.profile import load_profile
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.report import StepReporter
 from pipefisher.runtime.launch import GroupFailure, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group
@@ -20,7 +22,8 @@ def describe(config: RunConfig) -> str:
     chunks = f" x {p.chunks} chunks" if p.schedule == "interleaved" else ""
     return (
         f"{p.schedule}: {p.stages} stages{chunks} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
-        f"of {config.data.micro_batch_size}, {config.run.steps} steps, {config.optimizer.name} lr {config.optimizer.lr:g}"
+        f"of {config.data.micro_batch_size}, {config.run.steps} steps, {config.optimizer.name} lr {config.optimizer.lr:g}, "
+        f"{config.run.precision}"
     )
 
 
@@ -49,6 +52,8 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume: bool = False,
             reporter.close()
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ["RANK"] == "0":
+            print(f"pipefisher run (torchrun): {describe(config)}; {os.environ['WORLD_SIZE']} processes", file=sys.stderr)
         return _run_under_torchrun(config, as_json, resume, first_step)
     port = config.run.master_port or free_port(config.run.master_addr)
     backend = resolve_backend(config.run.backend)
@@ -66,15 +71,15 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume: bool = False,
 
 
 def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
-    from pipefisher.runtime.profiler import measure_profile, records_to_timeline
     from pipefisher.runtime.assembly import staged_model
+    from pipefisher.runtime.profiler import measure_profile, records_to_timeline
     from pipefisher.runtime.training import build_executor
 
     device = current_device(config.run.backend)
     executor, schedule = build_executor(config, rank, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
     profile, records = measure_profile(
-        executor, rank, modules, executor.output_shape, config.data.micro_batch_size,
+        executor, rank, modules, config.data.micro_batch_size,
         damping=config.kfac.damping, inverse=config.kfac.inverse, repeats=repeats, skip=staged_model(config).kfac_skip(),
     )
     if rank == 0:
@@ -87,9 +92,16 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
 
 
 def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: int) -> int:
-    """`pipefisher profile`: measure on local processes, write the profile (and timeline)."""
-    port = config.run.master_port or free_port(config.run.master_addr)
+    """`pipefisher profile`: measure on local processes (or under torchrun, on the processes it
+    started), write the profile (and timeline) from rank 0."""
     print(f"pipefisher profile: {describe(config)}; {config.world_size} processes, {repeats} measured steps", file=sys.stderr)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank = int(os.environ["RANK"])
+        code = _under_torchrun(config, lambda device: _profile_worker(rank, config.world_size, config, output, timeline, repeats))
+        if code or rank != 0:
+            return code  # only rank 0 writes the file (on its own node)
+        return _report_profile(load_profile(output), output, timeline)
+    port = config.run.master_port or free_port(config.run.master_addr)
     try:
         profiles = run_group(
             _profile_worker, config.world_size, args=(config, output, timeline, repeats),
@@ -99,10 +111,13 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
         for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
             print(f"pipefisher: {line}", file=sys.stderr)
         return 1
-    profile = profiles[0]
+    return _report_profile(profiles[0], output, timeline)
+
+
+def _report_profile(profile, output: str, timeline: str | None) -> int:
     for index, stage in enumerate(profile.stages):
         print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms, p2p {stage.p2p:.3f} ms, "
-              f"step end {stage.step_end:.3f} ms, "
+              f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms, "
               f"{len(stage.layers)} K-FAC layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
               f"inverses {stage.inverse_time:.3f} ms")
     print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))
@@ -110,14 +125,19 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
 
 
 def _run_under_torchrun(config: RunConfig, as_json: bool, resume: bool, first_step: int) -> int:
+    rank = int(os.environ["RANK"])
+    return _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume, first_step))
+
+
+def _under_torchrun(config: RunConfig, work: Callable[[torch.device], object]) -> int:
+    """Run `work(device)` in the process group torchrun's environment describes; exit code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
         print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
               f"(pipeline.stages x pipeline.data_parallel)", file=sys.stderr)
         return 2
     try:
-        device = init_distributed(config.run.backend, config.run.timeout)
-        _train_and_report(config, rank, device, as_json, resume, first_step)
+        work(init_distributed(config.run.backend, config.run.timeout))
     except Exception as exc:
         print(f"pipefisher: rank {rank}: {first_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # peers are failing too; a clean shutdown could wait on them

@@ -11,17 +11,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipefisher.comm_plan import group_members
 from pipefisher.config import RunConfig
 from pipefisher.ir import Schedule
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.profile import profile_from_dict
 from pipefisher.runtime.assembly import build_schedule, data_source, staged_model
-from pipefisher.runtime.comm import Comm
 from pipefisher.runtime.checkpoint import latest_step, load_rank, mark_latest, save_rank
+from pipefisher.runtime.comm import Comm
 from pipefisher.runtime.executor import Executor, StepResult
-from pipefisher.runtime.gradients import GradientClipper, TiedGradients
+from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, TiedGradients
+from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
+from pipefisher.runtime.precision import LossScaler, Precision
 from pipefisher.runtime.stage import StageRuntime
-from pipefisher.runtime.topology import Topology
+from pipefisher.runtime.step_end import StepEnd
+from pipefisher.topology import Topology
 
 StepCallback = Callable[[StepResult], None]
 
@@ -48,29 +52,44 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
             f"pipeline.data_parallel {config.pipeline.data_parallel}"
         )
     model = staged_model(config)
-    comm = Comm(topology, rank, device)
+    tied = has_tied_weights(model, schedule)
+    members = group_members(topology, tied)
+    comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout)
     num_stages = schedule.num_stages
     modules = {
         (pipe, stage): model.build_stage(stage, num_stages, config.run.seed).to(device)
         for pipe, stage in topology.stages_of(rank)
     }
-    tied = TiedGradients(topology, rank, modules, model.tied_parameters())
-    tied.create_group()
+    precision = Precision(config.run.precision, device)
+    scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
+    grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
     stages = {
-        key: StageRuntime(key[0], key[1], module, key[1] == 0, key[1] == num_stages - 1, model.loss, 1.0 / topology.total_micro_batches)
+        key: StageRuntime(key[0], key[1], module, key[1] == 0, key[1] == num_stages - 1, model.loss,
+                          1.0 / topology.total_micro_batches, precision, grad_scale)
         for key, module in modules.items()
     }
+    bucket_bytes = int(config.run.bucket_mb * 2**20)
+    buffers = {key: GradientBuffer(module, bucket_bytes) for key, module in modules.items()}
     optimizer = build_optimizer(config.optimizer, modules.values())
-    executor = Executor(
-        topology, rank, stages, comm, data_source(config),
-        lambda stage: model.activation_shape(stage, num_stages, config.data.micro_batch_size),
-        optimizer, device, loss_parts=model.loss_parts,
+    clip = config.optimizer.clip_norm
+    step_end = StepEnd(
+        comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
+        tied=TiedGradients(topology, rank, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
+        norm=GlobalNorm(topology, rank, modules, model.tied_parameters()) if clip > 0 else None,
+        clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer),
     )
-    executor.gradient_hooks.append(tied)
-    if config.optimizer.clip_norm > 0:
-        executor.clipper = GradientClipper(topology, rank, modules, model.tied_parameters(), config.optimizer.clip_norm, device)
-    executor.scheduler = build_scheduler(config, optimizer)
+    micro_batch_size = config.data.micro_batch_size
+
+    def message_spec(message):
+        return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
+
+    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied)
     return executor, schedule
+
+
+def has_tied_weights(model, schedule: Schedule) -> bool:
+    """Whether the model's tied weights live on more than one stage (their gradients are summed)."""
+    return bool(model.tied_parameters()) and schedule.num_stages > 1
 
 
 def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step: StepCallback | None = None,
@@ -85,28 +104,28 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         start = latest_step(config.checkpoint.dir, config)
         state = load_rank(config.checkpoint.dir, start, rank, device)
         _restore(executor, state)
-    trainer = None
     if config.optimizer.name == "kfac":
         from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
 
         profile = profile_from_dict(state["kfac"]["profile"]) if state else None
-        trainer = PipeFisherTrainer(config, executor, rank, profile)
+        runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile)
         if state:
-            trainer.load_state_dict(state["kfac"])
-        run_step = trainer.run_step
+            runner.load_state_dict(state["kfac"])
     else:
-        ops = executor.topology.schedule.ranks[executor.topology.pipeline_rank(rank)]
-        run_step = lambda step: executor.run_step(step, ops)
+        runner = PlanRunner(executor, rank, schedule_plan(executor.topology.schedule), executor.tied)
+    if state:
+        runner.resume()
     losses = []
     every = config.checkpoint.every
     for step in range(start, config.run.steps):
-        result = run_step(step)
+        result = runner.run_step(step)
         losses.append(result.loss)
         if on_step is not None:
             on_step(result)
         done = step + 1
         if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps):
-            save_rank(config.checkpoint.dir, done, rank, _state(executor, trainer, done))
+            runner.quiesce()
+            save_rank(config.checkpoint.dir, done, rank, _state(executor, runner, done))
             dist.barrier()
             if rank == 0:
                 mark_latest(config.checkpoint.dir, done, config, config.checkpoint.keep)
@@ -118,14 +137,16 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
     return TrainResult(losses, parameters)
 
 
-def _state(executor: Executor, trainer, step: int) -> dict:
+def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
     """Everything a rank needs to continue bit for bit after `step` completed steps."""
+    scaler = executor.step_end.scaler
     return {
         "step": step,
         "stages": {f"{pipe}.{stage}": runtime.module.state_dict() for (pipe, stage), runtime in executor.stages.items()},
         "optimizer": executor.optimizer.state_dict(),
         "scheduler_step": executor.scheduler.last_epoch if executor.scheduler is not None else None,
-        "kfac": trainer.state_dict() if trainer is not None else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "kfac": runner.state_dict(),
         "rng": torch.random.get_rng_state(),
     }
 
@@ -134,6 +155,8 @@ def _restore(executor: Executor, state: dict) -> None:
     for (pipe, stage), runtime in executor.stages.items():
         runtime.module.load_state_dict(state["stages"][f"{pipe}.{stage}"])
     executor.optimizer.load_state_dict(state["optimizer"])
+    if executor.step_end.scaler is not None:
+        executor.step_end.scaler.load_state_dict(state["loss_scaler"])
     if executor.scheduler is not None and state["scheduler_step"] is not None:
         # The schedule comes from this run's configuration; only its position is restored.
         executor.scheduler.last_epoch = state["scheduler_step"] - 1

@@ -218,8 +218,8 @@ def _panel(
                 boxes.append(Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label))
             bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.idle_gaps(rank))
             if timeline.tail(rank) > 0:
-                end = offset + timeline.last_end(rank)
-                step_ends.append(Bubble(rank, end, end + timeline.tail(rank)))
+                start = offset + timeline.tail_start(rank)
+                step_ends.append(Bubble(rank, start, start + timeline.tail(rank)))
     return Panel(
         name=name,
         time_unit=timelines[0].time_unit,

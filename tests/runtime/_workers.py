@@ -90,18 +90,80 @@ def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int)
 def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> tuple[list[float], dict]:
     """Two steps, a profile measurement if `profile` (it must leave no trace), two more steps:
     the losses and this rank's final parameters and optimizer state."""
-    from pipefisher.runtime.profiler import measure_profile
     from pipefisher.runtime.assembly import staged_model
+    from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
+    from pipefisher.runtime.profiler import measure_profile
 
     executor, schedule = build_executor(config, rank, CPU)
-    ops = schedule.ranks[rank]
-    losses = [executor.run_step(step, ops).loss for step in range(2)]
+    runner = PlanRunner(executor, rank, schedule_plan(schedule), executor.tied)
+    losses = [runner.run_step(step).loss for step in range(2)]
     if profile:
         modules = {key: stage.module for key, stage in executor.stages.items()}
-        measure_profile(executor, rank, modules, executor.output_shape, config.data.micro_batch_size,
-                        skip=staged_model(config).kfac_skip(), repeats=2)
-    losses += [executor.run_step(step, ops).loss for step in range(2, 4)]
+        measure_profile(executor, rank, modules, config.data.micro_batch_size, skip=staged_model(config).kfac_skip(), repeats=2)
+    losses += [runner.run_step(step).loss for step in range(2, 4)]
     state = {f"{key}.{name}": value.detach().clone() for key, stage in executor.stages.items()
              for name, value in stage.module.state_dict().items()}
     state["lr"] = executor.optimizer.param_groups[0]["lr"]
     return losses, state
+
+
+def shared_channel_1f1b(rank: int, world: int, in_order: bool) -> str:
+    """The issue order of the executor before the NCCL rework, for 1F1B on 2 stages, on one
+    two-rank group: rank 0 `send a0 | recv g0 | send a1`, rank 1 `recv a0 | recv a1 | send g0`."""
+    from pipefisher.runtime.comm import Comm
+
+    comm = Comm({("p2p",): (0, 1)}, rank, in_order=in_order, timeout=5)
+    a0, a1, g0 = torch.ones(4), torch.full((4,), 2.0), torch.full((4,), 3.0)
+    if rank == 0:
+        handles = [comm.send(a0, 1, ("p2p",))]
+        received = torch.empty(4)
+        handles.append(comm.recv(received, 1, ("p2p",)))
+        handles.append(comm.send(a1, 1, ("p2p",)))
+        for handle in handles:
+            handle.wait()
+        return f"g0={received[0].item():g}"
+    first, second = torch.empty(4), torch.empty(4)
+    handles = [comm.recv(first, 0, ("p2p",)), comm.recv(second, 0, ("p2p",))]
+    handles[0].wait()
+    handles.append(comm.send(g0, 0, ("p2p",)))
+    for handle in handles:
+        handle.wait()
+    return f"a0={first[0].item():g} a1={second[0].item():g}"
+
+
+def pipelined_with_records(rank: int, world: int, config: RunConfig) -> tuple[TrainResult, list[dict]]:
+    """Train; also every step's logged fields (lr, grad_norm, overflow, ...) as this rank saw them."""
+    records: list[dict] = []
+    result = train_pipelined(config, rank, CPU, on_step=lambda step: records.append(dict(step.extra)))
+    return result, records
+
+
+def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
+    """Train `config.run.steps` steps; per step, the host reads of tensors on this rank by kind."""
+    from host_reads import count_host_reads
+    from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
+    from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
+
+    executor, schedule = build_executor(config, rank, CPU)
+    if config.optimizer.name == "kfac":
+        runner = PipeFisherTrainer(config, executor, rank, executor.tied, unit_profile(config, schedule.num_stages))
+    else:
+        runner = PlanRunner(executor, rank, schedule_plan(schedule), executor.tied)
+    counts = []
+    for step in range(config.run.steps):
+        with count_host_reads() as reads:
+            runner.run_step(step)
+        counts.append(dict(reads))
+    return counts
+
+
+def unit_profile(config: RunConfig, num_stages: int):
+    """A profile of the run's stages and K-FAC layers with made-up times (no measuring)."""
+    from pipefisher.profile import LayerProfile, Profile, StageProfile
+    from pipefisher.runtime.pipefisher_run import stage_layer_names
+
+    stages = []
+    for stage in range(num_stages):
+        layers = tuple(LayerProfile(name, 0.01, 0.01, 0.1, 0.1, 0.01, 0.01, 0.01) for name in stage_layer_names(config, stage, num_stages))
+        stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
+    return Profile(stages=tuple(stages))

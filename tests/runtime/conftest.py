@@ -14,7 +14,7 @@ def tiny_config():
                 "data": {"micro_batch_size": 2},
                 "pipeline": {"stages": 2, "micro_batches": 4, **pipeline},
                 "optimizer": {"name": "sgd", "lr": 0.1},
-                "run": {"steps": 3, "timeout": 20, "master_port": 0},
+                "run": {"steps": 3, "timeout": 20, "master_port": 0, "in_order": True},
             }
         )
 

@@ -17,27 +17,34 @@ pytestmark = pytest.mark.dist
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
 
 
-def kfac_config(schedule, placement, **kfac):
+def kfac_config(schedule, placement, data_parallel=1, **kfac):
+    """Two stages, in-order mode (NCCL's rule on gloo), a profile measured before training."""
     return config_from_dict(
         {
             "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
             "data": {"micro_batch_size": 2},
-            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule},
+            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": data_parallel},
             "optimizer": {"name": "kfac", "lr": 0.1, "momentum": 0.9},
             "kfac": {"refresh_steps": 2, "placement": placement, "factor_decay": 0.5, "damping": 0.01, **kfac},
-            "run": {"steps": 5, "timeout": 30, "master_port": 0},
+            "run": {"steps": 5, "timeout": 30, "master_port": 0, "in_order": True},
         }
     )
 
 
+#: K-FAC's damped inverses amplify the last-bit differences of sums taken in another order (micro-
+#: batches across replicas, the all-reduce): over 8 seeds the parameters differ by up to 1e-4
+#: while every loss agrees to 1e-5
+PARAMETER_ATOL = 2e-4
+
+
 def assert_equal_to_reference(config):
     reference = train_reference(config)
-    results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=180)
+    results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=240)
     for result in results:
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
         for key, value in result.parameters.items():
             name = key.split(".", 1)[1] if key.startswith("p1.") else key
-            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=PARAMETER_ATOL)
     return reference
 
 
@@ -47,6 +54,14 @@ def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
     reference = assert_equal_to_reference(kfac_config(schedule, placement))
     first_order = train_reference(kfac_config(schedule, placement).with_overrides(optimizer={"name": "sgd"}))
     assert reference.losses[2:] != pytest.approx(first_order.losses[2:]), "K-FAC changed the updates from the 2nd cycle"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["packed", "after-step"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
+def test_kfac_with_data_parallel_replicas_equals_the_reference(schedule, placement):
+    """Factors are synced over every replica of a stage (pipes x data-parallel copies)."""
+    assert_equal_to_reference(kfac_config(schedule, placement, data_parallel=2))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

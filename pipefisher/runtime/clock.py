@@ -1,0 +1,29 @@
+"""Timestamps of device work: `perf_counter` on CPUs, CUDA events on GPUs (recorded on the current
+stream, so a mark is when the device gets there, not when the host issued it; no host sync until
+`elapsed_ms`)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        """Milliseconds from mark `start` to mark `end` (waits for the device on GPUs)."""
+        if not self.cuda:
+            return 1000.0 * (end - start)
+        end.synchronize()
+        return start.elapsed_time(end)

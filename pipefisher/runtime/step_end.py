@@ -1,0 +1,127 @@
+"""The collective end of a step, after a rank's last op: gradients reduced over each stage's
+replicas (launched as soon as the stage's gradient is final), tied weights summed, then one
+all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16 overflow flag]; then
+clipping, the optimizer step (skipped on every rank alike when fp16 overflowed), the learning-rate
+schedule, and one host read of the reduced numbers: the step's only host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from pipefisher.comm_plan import STEP, TIED, Collective
+from pipefisher.runtime.comm import Comm, Handle, done
+from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, TiedGradients, clip_coefficient
+from pipefisher.runtime.precision import LossScaler
+from pipefisher.runtime.stage import StageRuntime
+
+
+class StepEnd:
+    """Providers of the end-of-step collectives (`grad`, `tied`, `step`) and `finish()`.
+
+    `update` False (profiling) drops the gradients instead of applying them: no reduction, no
+    optimizer step; the loss is still summed.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        device: torch.device,
+        stages: dict[tuple[int, int], StageRuntime],
+        buffers: dict[tuple[int, int], GradientBuffer],
+        optimizer: torch.optim.Optimizer,
+        loss_parts: tuple[str, ...] = (),
+        tied: TiedGradients | None = None,
+        norm: GlobalNorm | None = None,
+        clip_norm: float = 0.0,
+        scaler: LossScaler | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ):
+        self.comm, self.device = comm, device
+        self.stages, self.buffers, self.optimizer = stages, buffers, optimizer
+        self.loss_parts, self.tied, self.norm, self.clip_norm = loss_parts, tied, norm, clip_norm
+        self.scaler, self.scheduler = scaler, scheduler
+        self.update = True
+        self._reduced: Tensor | None = None
+
+    def gradients(self) -> list[Tensor]:
+        return [gradient for buffer in self.buffers.values() for gradient in buffer.gradients]
+
+    # -- collectives ------------------------------------------------------------------------
+    def launch_grad(self, collective: Collective) -> Handle:
+        """Sum the gradient of stage `collective.key[0]` over its replicas, bucket by bucket."""
+        if not self.update:
+            return done()
+        stage = collective.key[0]
+        buckets = [bucket for (pipe, s), buffer in self.buffers.items() if s == stage for bucket in buffer.buckets]
+        return self.comm.all_reduce(buckets, collective.group)
+
+    def launch_tied(self, collective: Collective) -> Handle:
+        if not self.update or self.tied is None:
+            return done()
+        return self.tied.launch(self.comm)
+
+    def launch_step(self, collective: Collective) -> Handle:
+        """The world reduction of [loss, parts..., squared norm, overflow] (float64, on the device)."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        total, parts = zero, dict.fromkeys(self.loss_parts, zero)
+        for stage in self.stages.values():
+            stage_total, stage_parts = stage.take_loss()
+            if stage_total is not None:
+                total = total + stage_total.double()
+            for name, value in stage_parts.items():
+                parts[name] = parts[name] + value.double()
+        values = [total, *parts.values()]
+        if self.update:
+            overflow = self.scaler.unscale_(self.gradients()) if self.scaler is not None else None
+            if self.clip_norm > 0:
+                values.append(self.norm.local_square(self.device))
+            if overflow is not None:
+                values.append(overflow.double().reshape(()))
+        self._reduced = torch.stack(values)
+        return self.comm.all_reduce([self._reduced], collective.group)
+
+    def apply_now(self) -> dict:
+        """The end of a step outside of a plan's actions, with gradients already reduced over
+        replicas (profiling): tied sum, world reduction, `finish`. Collective over all ranks."""
+        self.launch_tied(TIED).wait()
+        self.launch_step(STEP).wait()
+        return self.finish()
+
+    # -- after the reduction ----------------------------------------------------------------
+    def finish(self) -> dict:
+        """Clip, step (unless fp16 overflowed), schedule, zero the gradients; returns the loss, its
+        parts, and (when updating) lr, grad_norm and fp16's overflow, read from the device once."""
+        reduced, self._reduced = self._reduced, None
+        record: dict = {}
+        count = 1 + len(self.loss_parts)
+        if self.update:
+            record["lr"] = self.optimizer.param_groups[0]["lr"]
+            if self.clip_norm > 0:
+                coefficient = clip_coefficient(reduced[count], self.clip_norm)
+                for buffer in self.buffers.values():
+                    buffer.flat.mul_(coefficient)
+            if self.scaler is not None:
+                values = reduced.tolist()
+                overflow = values[-1] > 0
+                if not overflow:
+                    self.optimizer.step()
+                self.scaler.update(reduced[-1])
+                record["overflow"] = overflow
+            else:
+                self.optimizer.step()
+                values = reduced.tolist()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            if self.clip_norm > 0:
+                record["grad_norm"] = math.sqrt(values[count])
+        else:
+            values = reduced.tolist()
+        for buffer in self.buffers.values():
+            buffer.zero_()
+        record["loss"] = values[0]
+        record.update(zip(self.loss_parts, values[1:count]))
+        return record

@@ -1,0 +1,217 @@
+"""Issue order of every rank's communication, and its replay under NCCL's in-order rule."""
+
+import pytest
+
+from pipefisher.comm_plan import (
+    STEP,
+    Action,
+    ActionKind,
+    CommOrderError,
+    CommPlan,
+    Message,
+    input_message,
+    output_message,
+    plan_actions,
+    sync_collective,
+)
+from pipefisher.comm_replay import replay
+from pipefisher.ir import Op, OpKind
+from pipefisher.pack import PackOptions, after_step_plan, pack
+from pipefisher.plan import Plan
+from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.schedules import get_schedule
+from pipefisher.topology import Topology
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "chimera"]
+
+
+def first_order(schedule):
+    return Plan(schedule, (schedule.ranks,))
+
+
+def kfac_profile(num_stages, layers=2):
+    stage = StageProfile(
+        forward=1.0, backward=2.0, p2p=0.05,
+        layers=tuple(LayerProfile(f"layer{i}", 0.05, 0.05, 0.6, 0.6, 0.02, 0.1, 0.1) for i in range(layers)),
+    )
+    return Profile(stages=(stage,) * num_stages)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_every_first_order_schedule_replays(name, stages):
+    for micro_batches in (stages, 2 * stages, 4 * stages):
+        if name in ("chimera", "interleaved") and micro_batches % stages:
+            continue
+        if name == "chimera" and stages % 2:
+            continue
+        schedule = get_schedule(name, stages, micro_batches, 2 if name == "interleaved" else None)
+        for data_parallel in (1, 2):
+            for tied in (False, True):
+                replay(plan_actions(Topology(schedule, data_parallel), first_order(schedule), tied))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("placement", ["packed", "after-step"])
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_kfac_plans_replay(name, placement, data_parallel):
+    schedule = get_schedule(name, 4, 8, 2 if name == "interleaved" else None)
+    profile = kfac_profile(schedule.num_stages)
+    result = pack(schedule, profile, PackOptions(refresh_steps=3, data_parallel=data_parallel))
+    plan = result.plan if placement == "packed" else after_step_plan(schedule, profile, 3, data_parallel=data_parallel)
+    comm = replay(plan_actions(Topology(schedule, data_parallel), plan, tied=True))
+    launched = {a.target for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH}
+    kinds = {collective.kind for collective in launched}
+    assert {"step", "tied"} <= kinds
+    assert ("sync" in kinds) == (data_parallel > 1 or name == "chimera"), "factors are synced over every replica"
+    assert ("exchange" in kinds) == (name == "chimera"), "inverses are exchanged between pipes"
+    assert ("grad" in kinds) == (data_parallel > 1 or name == "chimera")
+
+
+def test_channels_carry_one_direction_in_micro_batch_order_and_one_receive_is_posted_ahead():
+    schedule = get_schedule("1f1b", 4, 8)
+    comm = plan_actions(Topology(schedule), first_order(schedule))
+    for rank, actions in enumerate(comm.steps[0]):
+        for kind in (ActionKind.POST, ActionKind.SEND):
+            for direction in ("fwd", "bwd"):
+                messages = [a.target.consumer for a in actions if a.kind is kind and a.group[0] == direction]
+                assert [m.micro_batch for m in messages] == sorted(m.micro_batch for m in messages)
+        pending = 0
+        for action in actions:
+            if action.kind is ActionKind.POST:
+                pending += 1
+                assert pending <= 2, "at most the current input and the next one are posted"
+            elif action.kind is ActionKind.WAIT and isinstance(action.target, Message):
+                pending -= 1
+        assert pending == 0
+
+
+def todays_issue_order(schedule):
+    """The executor before the NCCL rework: one group per stage boundary for both directions; the
+    receive of op i + 1 is posted before op i runs; op i's output is sent right after it."""
+    programs = []
+    for ops in schedule.ranks:
+        actions = []
+
+        def post(op):
+            message = input_message(op, schedule.num_stages)
+            if message is not None:
+                peer = schedule.placement[(message.producer.pipe, message.producer.stage)]
+                actions.append(Action(ActionKind.POST, message, ("p2p", message.lower_stage), peer))
+
+        for index, op in enumerate(ops):
+            if index == 0:
+                post(op)
+            if index + 1 < len(ops):
+                post(ops[index + 1])
+            if input_message(op, schedule.num_stages) is not None:
+                actions.append(Action(ActionKind.WAIT, input_message(op, schedule.num_stages)))
+            actions.append(Action(ActionKind.RUN, op))
+            produced = output_message(op, schedule.num_stages)
+            if produced is not None:
+                peer = schedule.placement[(produced.consumer.pipe, produced.consumer.stage)]
+                actions.append(Action(ActionKind.SEND, produced, ("p2p", produced.lower_stage), peer))
+        programs.append(tuple(actions))
+    members = {("p2p", stage): (stage, stage + 1) for stage in range(schedule.num_stages - 1)}
+    return CommPlan(Topology(schedule), (tuple(programs),), members)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_todays_issue_order_is_rejected_with_the_stuck_ops_marked(name):
+    schedule = get_schedule(name, 2, 4)
+    with pytest.raises(CommOrderError) as info:
+        replay(todays_issue_order(schedule), name=f"{name} (shared channels)")
+    text = str(info.value)
+    first, *grid = text.splitlines()
+    assert first.startswith(f"{name} (shared channels): deadlock under NCCL's in-order rule")
+    assert len(grid) == 2 and grid[0].startswith("rank  0:") and grid[1].startswith("rank  1:")
+    assert all(">" in row and "<" in row for row in grid), "each rank's stuck action is marked"
+    assert "queued on rank" in first
+
+
+def test_the_1f1b_example_of_the_issue_deadlocks_where_it_says():
+    """rank 0: send a0 | recv g0 | send a1; rank 1: recv a0 | recv a1 | send g0."""
+    text = str(pytest.raises(CommOrderError, replay, todays_issue_order(get_schedule("1f1b", 2, 4))).value)
+    assert "rank 0 waits for 0B0, queued on rank 1 behind its recv:1F1" in text
+    assert "rank 1 waits for 1F1, queued on rank 0 behind its recv:0B0" in text
+
+
+def test_receives_posted_out_of_order_are_a_mismatch():
+    schedule = get_schedule("gpipe", 2, 2)
+    comm = plan_actions(Topology(schedule), first_order(schedule))
+    receiver = list(comm.steps[0][1])
+    posts = [i for i, a in enumerate(receiver) if a.kind is ActionKind.POST]
+    receiver[posts[0]], receiver[posts[1]] = receiver[posts[1]], receiver[posts[0]]
+    swapped = CommPlan(comm.topology, ((comm.steps[0][0], tuple(receiver)),), comm.members)
+    with pytest.raises(CommOrderError, match=r"mismatch on fwd/0/0/0: rank 0 has 1F0; rank 1 has 1F1"):
+        replay(swapped)
+
+
+def test_collectives_launched_in_different_orders_deadlock():
+    schedule = get_schedule("1f1b", 2, 2)
+    topology = Topology(schedule, data_parallel=2)
+    comm = plan_actions(topology, first_order(schedule))
+    a, b = sync_collective(0, "x", "A"), sync_collective(0, "x", "B")
+
+    def with_syncs(actions, first, second):
+        launches = [Action(ActionKind.LAUNCH, first), Action(ActionKind.LAUNCH, second)]
+        waits = [Action(ActionKind.WAIT, first), Action(ActionKind.WAIT, second)]
+        return tuple(launches + waits) + actions
+
+    steps = list(comm.steps[0])
+    steps[0] = with_syncs(steps[0], a, b)  # ranks 0 and 2 hold stage 0
+    steps[2] = with_syncs(steps[2], b, a)
+    with pytest.raises(CommOrderError, match="mismatch on kfac/0"):
+        replay(CommPlan(topology, (tuple(steps),), comm.members))
+
+
+def test_an_operation_nobody_matches_is_reported():
+    schedule = get_schedule("gpipe", 2, 2)
+    comm = plan_actions(Topology(schedule), first_order(schedule))
+    extra = Action(ActionKind.POST, Message(Op(OpKind.FORWARD, 1, 5)), ("fwd", 0, 0, 0), 0)
+    ranks = (comm.steps[0][0], comm.steps[0][1] + (extra,))
+    with pytest.raises(CommOrderError, match="rank 1 issues 1F5 on fwd/0/0/0, which never completes"):
+        replay(CommPlan(comm.topology, (ranks,), comm.members))
+
+
+def test_every_step_ends_with_one_world_reduction_after_the_gradient_reductions():
+    schedule = get_schedule("chimera", 2, 4)
+    comm = plan_actions(Topology(schedule), first_order(schedule), tied=True)
+    for actions in comm.steps[0]:
+        assert actions[-2:] == (Action(ActionKind.LAUNCH, STEP), Action(ActionKind.WAIT, STEP))
+        launches = [i for i, a in enumerate(actions) if a.kind is ActionKind.LAUNCH and a.target.kind == "grad"]
+        last_backward = {}
+        for i, a in enumerate(actions):
+            if a.kind is ActionKind.RUN and a.target.kind is OpKind.BACKWARD:
+                last_backward[a.target.stage] = i
+        assert sorted(actions[i].target.key[0] for i in launches) == sorted(last_backward)
+        for i in launches:
+            assert i == last_backward[actions[i].target.key[0]] + 1 + (actions[i - 1].kind is ActionKind.SEND), \
+                "a stage's reduction starts right after its last backward (and its send)"
+
+
+def test_outstanding_collectives_at_a_step_boundary():
+    """Syncs launched in different steps by the two replicas: at the boundary in between, the
+    one rank's launch is incomplete; once both launched, it is complete."""
+    schedule = get_schedule("1f1b", 2, 2)
+    topology = Topology(schedule, data_parallel=2)
+    sync = sync_collective(0, "x", "A")
+    early = (Action(ActionKind.LAUNCH, sync),)
+    late_wait = (Action(ActionKind.WAIT, sync),)
+    steps = []
+    base = plan_actions(topology, Plan(schedule, (schedule.ranks,) * 3))
+    for index, step in enumerate(base.steps):
+        ranks = list(step)
+        if index == 0:
+            ranks[0] = early + ranks[0]
+        if index == 1:
+            ranks[2] = early + ranks[2]
+        if index == 2:
+            ranks[0] = late_wait + ranks[0]
+            ranks[2] = late_wait + ranks[2]
+        steps.append(tuple(ranks))
+    comm = replay(CommPlan(topology, tuple(steps), base.members))
+    assert comm.outstanding(1, 0) == ([], [sync])
+    assert comm.outstanding(2, 0) == ([sync], [])
+    assert comm.outstanding(2, 2) == ([sync], [])
+    assert comm.outstanding(1, 2) == ([], [])

@@ -1,0 +1,45 @@
+"""The scripts in experiments/ (the README quotes them) still start, and the executor benchmarks
+still run end to end on a tiny model."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
+
+
+def run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / script), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", [path.name for path in SCRIPTS])
+def test_every_experiment_answers_help(script):
+    result = run(script, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_executor_benchmark_runs_and_its_variants_start_alike():
+    tiny = ["--micro-batches", "2", "--repeats", "1", "--steps", "1", "--warmup", "1", "--hidden", "16", "--heads", "2",
+            "--ffn", "32", "--seq-len", "4", "--layers", "2", "--micro-batch-size", "2"]
+    result = run("bench_executor.py", *tiny, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "max relative difference" in result.stdout and "-> OK" in result.stdout
+    assert "| gpipe (torch ScheduleGPipe) | 2 |" in result.stdout
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_pipefisher_benchmark_runs(tmp_path):
+    tiny = ["--schedules", "1f1b", "--repeats", "1", "--min-steps", "2", "--max-rounds", "1", "--warmup-cycles", "1",
+            "--profile-warmup", "1", "--profile-repeats", "1", "--micro-batches", "2", "--micro-batch-size", "2", "--layers", "2",
+            "--hidden", "16", "--heads", "2", "--ffn", "32", "--seq-len", "8", "--refresh-steps", "2", "--no-reprofile",
+            "--profile-dir", str(tmp_path)]
+    result = run("bench_pipefisher.py", *tiny, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "1F1B" in result.stdout or "1f1b" in result.stdout
