@@ -157,13 +157,15 @@ def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
     return counts
 
 
-def unit_profile(config: RunConfig, num_stages: int):
-    """A profile of the run's stages and K-FAC layers with made-up times (no measuring)."""
+def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync: float = 0.01):
+    """A profile of the run's stages and K-FAC layers with made-up times in ms (no measuring):
+    forward 1, backward 2, curvature 0.01 per factor, inverses and syncs as given."""
     from pipefisher.profile import LayerProfile, Profile, StageProfile
     from pipefisher.runtime.pipefisher_run import stage_layer_names
 
     stages = []
     for stage in range(num_stages):
-        layers = tuple(LayerProfile(name, 0.01, 0.01, 0.1, 0.1, 0.01, 0.01, 0.01) for name in stage_layer_names(config, stage, num_stages))
+        names = stage_layer_names(config, stage, num_stages)
+        layers = tuple(LayerProfile(name, 0.01, 0.01, inverse, inverse, 0.01, sync, sync) for name in names)
         stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
     return Profile(stages=tuple(stages))
