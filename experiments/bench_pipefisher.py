@@ -473,8 +473,8 @@ def report(results: list[dict], args: dict) -> dict:
 
     # where the time goes, over the rounds used above
     print(f"\nwhere the time goes over {label}, ms per step: wall (recorder, without receive waits) / CPU of the op's "
-          "thread / profiled; end of step = after the last op (sends, gradient all-reduce, optimizer, loss sum; "
-          "simulated as the profile's step_end); idle = step wall - busy wall - end of step (waiting for the other rank):\n")
+          "thread / profiled; end of step = after the last op (sends and gradient all-reduces still in flight, "
+          "optimizer, the step's reduction; simulated as the profile's grad_reduce and step_end); idle = step wall - busy wall - end of step (waiting for the other rank):\n")
     print("| variant | rank | " + " | ".join(GROUP_ORDER) + " | busy | step wall | end of step | idle | page faults per step |")
     print("| --- | --- | " + " | ".join("---" for _ in GROUP_ORDER) + " | --- | --- | --- | --- | --- |")
     for v in VARIANTS:

@@ -16,6 +16,7 @@ GOOD = {
             "backward": 49.4,
             "p2p": 0.5,
             "step_end": 3.5,
+            "grad_reduce": 1.25,
             "layers": [
                 {"name": "block0.attention.query", "curvature_a": 0.61, "curvature_b": 0.61, "inverse_a": 1.4, "inverse_b": 1.4, "precondition": 0.1},
             ],
@@ -33,6 +34,7 @@ def test_yaml_and_json_round_trip(tmp_path):
         profile.save(path)
         assert load_profile(path) == profile
         assert path.read_text().count("step_end") == 1  # written only where non-zero: older readers load the rest
+        assert path.read_text().count("grad_reduce") == 1
 
 
 def test_example_from_the_design_document_loads(tmp_path):
@@ -41,6 +43,7 @@ def test_example_from_the_design_document_loads(tmp_path):
     profile = load_profile(path)
     assert profile.num_stages == 2 and profile.micro_batch_size == 32 and profile.stages[1].layers == ()
     assert profile.stages[0].step_end == 3.5 and profile.stages[1].step_end == 0.0  # optional field
+    assert profile.stages[0].grad_reduce == 1.25 and profile.stages[1].grad_reduce == 0.0  # optional field
     assert profile.stages[0].curvature_time == pytest.approx(1.22)
     assert profile.stages[0].inverse_time == pytest.approx(2.8)
 

@@ -95,6 +95,23 @@ def test_step_end_extends_the_step_after_each_ranks_last_op():
     assert late.idle_gaps(3) == late.bubbles(3)  # no gap after the last op of the rank that ends the step
 
 
+def test_gradient_reduction_runs_off_the_device_from_the_stages_last_backward():
+    """GPipe, 4 stages: rank 3's last backward ends at 15, rank 0's at 21 (its last op). Stage 3's
+    all-reduce (7) ends at 22: rank 3 idles from 15 to 22, then spends its step end (1.5)."""
+    d, n = 4, 4
+    profile = with_step_ends(uniform_profile(d, 1.0, 2.0), [1.5] * d)
+    profile = replace(profile, stages=tuple(replace(stage, grad_reduce=value) for stage, value in zip(profile.stages, [0.5, 0, 0, 7.0])))
+    timeline = simulate(get_schedule("gpipe", d, n), profile)
+    assert timeline.reduce_ends == pytest.approx((21.5, 19.0, 17.0, 22.0))
+    assert [timeline.tail_start(r) for r in range(d)] == pytest.approx([21.5, 19.0, 17.0, 22.0])
+    assert timeline.step_time == pytest.approx(22.0 + 1.5)
+    assert timeline.busy_time(3) == pytest.approx(4 * 3.0 + 1.5), "the all-reduce does not occupy the device"
+    gaps = timeline.idle_gaps(3)
+    assert (gaps[-1].start, gaps[-1].end) == pytest.approx((15.0, 22.0)), "waiting for the reduction"
+    assert sum(g.duration for g in gaps) == pytest.approx(timeline.bubble_time(3))
+    assert sum(g.duration for g in timeline.idle_gaps(0)) == pytest.approx(timeline.bubble_time(0))
+
+
 def test_a_rank_holding_several_stages_pays_each_stage_end():
     schedule = get_schedule("chimera", 4, 4)
     timeline = simulate(schedule, with_step_ends(uniform_profile(4, 1.0, 1.0), [1.0, 2.0, 4.0, 8.0]))

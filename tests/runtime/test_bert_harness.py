@@ -27,7 +27,7 @@ def bert_config(cache, schedule="1f1b", **sections):
         "data": {"kind": "bert", "vocab_size": 300, "micro_batch_size": 2, "cache_dir": cache},
         "pipeline": {"schedule": schedule, "stages": 2, "micro_batches": 4},
         "optimizer": {"name": "sgd", "lr": 1.0},
-        "run": {"steps": 1, "timeout": 60, "master_port": 0},
+        "run": {"steps": 1, "timeout": 60, "master_port": 0, "in_order": True},
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
