@@ -77,9 +77,8 @@ def make_config(setting: Setting, steps: int, refresh_steps: int):
 
     optimizer = {"name": setting.optimizer, "lr": setting.lr}
     kfac = {}
-    if setting.optimizer == "kfac":
-        optimizer["momentum"] = KFAC_MOMENTUM
-        kfac = {"refresh_steps": refresh_steps, "damping": setting.damping}
+    if setting.optimizer == "kfac":  # the run file's kfac.lr/momentum would replace optimizer's
+        kfac = {"refresh_steps": refresh_steps, "damping": setting.damping, "lr": setting.lr, "momentum": KFAC_MOMENTUM}
     return load_config(BASE).with_overrides(
         optimizer=optimizer, kfac=kfac, run={"steps": steps, "seed": setting.seed}, data={"seed": setting.seed},
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -163,7 +164,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer},
         kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps, "profile": args.profile},
-        checkpoint={"dir": args.checkpoint_dir},
+        checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
@@ -174,8 +175,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if config.optimizer.name == "kfac" and config.kfac.profile:
         from pipefisher.runtime.pipefisher_run import check_profile_matches
 
+        profile = load_profile(config.kfac.profile)  # names the file in its own errors
         try:
-            check_profile_matches(load_profile(config.kfac.profile), config, schedule.num_stages)
+            check_profile_matches(profile, config, schedule.num_stages)
         except ProfileError as exc:
             raise UsageError(f"{config.kfac.profile}: {exc}") from None
     if args.reference and config.optimizer.name == "kfac" and config.kfac.refresh_steps < 1:
@@ -185,20 +187,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
     problem = None if args.reference else check_port(config)
     if problem:
         raise UsageError(problem)
-    first_step = 0
-    if args.resume:
-        from pipefisher.runtime.checkpoint import CheckpointError, latest_step
+    resume_from = None if args.reference else _resume_step(config)
+    if resume_from is not None and resume_from >= config.run.steps:
+        _say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
+        return 0
+    return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
 
-        if not config.checkpoint.dir:
-            raise UsageError("--resume needs --checkpoint-dir (or checkpoint.dir in the run file)")
-        try:
-            first_step = latest_step(config.checkpoint.dir, config)
-        except CheckpointError as exc:
-            raise UsageError(str(exc)) from None
-        if first_step >= config.run.steps:
-            print(f"pipefisher: the checkpoint is at step {first_step}; nothing to do for --steps {config.run.steps}", file=sys.stderr)
-            return 0
-    return run(config, reference=args.reference, as_json=args.json, resume=args.resume, first_step=first_step)
+
+def _resume_step(config) -> int | None:
+    """The verified checkpoint step to continue from (checkpoint.resume), or None to start at 0;
+    says which newer checkpoints were skipped and why."""
+    if config.checkpoint.resume == "never":
+        return None
+    from pipefisher.runtime.checkpoint import CheckpointError, has_checkpoints, resumable_step
+
+    if config.checkpoint.resume == "auto" and not has_checkpoints(config.checkpoint.dir):
+        return None  # nothing saved yet: a first start
+    try:
+        step, skipped = resumable_step(config.checkpoint.dir, config)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    for line in skipped:
+        _say(f"checkpoint {line}")
+    _say(f"resuming from step {step}" + (", the newest checkpoint that verifies" if skipped else ""))
+    return step
+
+
+def _say(message: str) -> None:
+    """One line on stderr (from rank 0 only under torchrun)."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -288,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ScheduleError, ProfileError, ConfigError) as exc:
         print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:  # before a run's own handlers are in place (e.g. preparing data)
+        print("pipefisher: interrupted by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """Reports a usage error as one line (UsageError) instead of argparse's usage block."""
 
     def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
-        raise UsageError(f"{self.prog}: {message} (see --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def positive_int(text: str) -> int:

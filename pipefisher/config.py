@@ -92,7 +92,9 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class KfacConfig:
-    """K-FAC settings (used with optimizer.name kfac).
+    """K-FAC settings (used with optimizer.name kfac). `lr` and `momentum`: of the SGD step after
+    preconditioning (0 = optimizer.lr / optimizer.momentum), so a run file can carry K-FAC's tuned
+    values beside another optimizer's.
 
     `refresh_steps` 0 lets the packer choose k; `placement` packed puts K-FAC work in the bubbles,
     after-step runs it in one block after the first step of each cycle. `profile`: a
@@ -105,6 +107,8 @@ class KfacConfig:
     damping: float = 1e-3
     factor_decay: float = 0.95
     inverse: Literal["eigen", "cholesky"] = "eigen"
+    lr: float = 0.0
+    momentum: float = 0.0
     refresh_steps: int = 0
     placement: Literal["packed", "after-step"] = "packed"
     margin: float = 0.05
@@ -117,12 +121,15 @@ class KfacConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Checkpoints in `dir` ("" = none) every `every` steps (0 = only at the end); the `keep`
-    newest are kept."""
+    """Checkpoints in `dir` ("" = none) every `every` steps (0 = only at the end), and when a
+    signal stops the run; the `keep` newest are kept. `resume`: `never` starts at step 0; `auto`
+    continues from the newest checkpoint that verifies when there is one (restarts under
+    `torchrun --max-restarts`); `always` (`--resume`) requires one."""
 
     dir: str = ""
     every: int = 0
     keep: int = 2
+    resume: Literal["never", "auto", "always"] = "never"
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,15 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.pipeline.stages * self.pipeline.data_parallel
+
+    @property
+    def optimizer_settings(self) -> OptimizerConfig:
+        """The optimizer section as the run uses it: with K-FAC, `kfac.lr` and `kfac.momentum`
+        replace lr and momentum when they are set."""
+        if self.optimizer.name != "kfac":
+            return self.optimizer
+        return dataclasses.replace(self.optimizer, lr=self.kfac.lr or self.optimizer.lr,
+                                   momentum=self.kfac.momentum or self.optimizer.momentum)
 
     @property
     def model_chunks(self) -> int:
@@ -251,16 +267,23 @@ def config_from_dict(data: Any) -> RunConfig:
     return config
 
 
+def split_hint(layers: int, what: str) -> str:
+    """How to fix a stage count that does not divide `layers`: name the divisors."""
+    divisors = [str(d) for d in range(1, layers + 1) if layers % d == 0]
+    listed = divisors[0] if len(divisors) == 1 else ", ".join(divisors[:-1]) + " or " + divisors[-1]
+    return f"make {what} a divisor of {layers}: {listed}"
+
+
 def _check(config: RunConfig) -> None:
     pipeline, model = config.pipeline, config.model
     if pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if model.kind != "bert" and model.layers % config.model_chunks:
+        interleaved = pipeline.schedule == "interleaved"
         raise ConfigError(
             f"model.layers: {model.layers} blocks cannot be split into {config.model_chunks} equal stages "
-            f"(pipeline.stages {pipeline.stages}"
-            + (f" x pipeline.chunks {pipeline.chunks}" if pipeline.schedule == "interleaved" else "")
-            + "); use a multiple"
+            f"(pipeline.stages {pipeline.stages}" + (f" x pipeline.chunks {pipeline.chunks}" if interleaved else "") + "); "
+            + split_hint(model.layers, "pipeline.stages x pipeline.chunks" if interleaved else "pipeline.stages")
         )
     if (model.kind == "bert") != (config.data.kind == "bert"):
         raise ConfigError(f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; bert needs data.kind bert")
@@ -271,12 +294,16 @@ def _check(config: RunConfig) -> None:
     kfac = config.kfac
     if kfac.refresh_steps < 0:
         raise ConfigError(f"kfac.refresh_steps: {kfac.refresh_steps} must be >= 1, or 0 to let the packer choose")
+    if kfac.lr < 0 or not 0 <= kfac.momentum < 1:
+        raise ConfigError("kfac.lr must be >= 0 (0 = optimizer.lr) and kfac.momentum in [0, 1) (0 = optimizer.momentum)")
     if not 0 <= kfac.factor_decay < 1:
         raise ConfigError(f"kfac.factor_decay: {kfac.factor_decay} must be in [0, 1)")
     if not 0 <= kfac.margin < 1 or kfac.max_overhead < 0:
         raise ConfigError("kfac.margin must be in [0, 1) and kfac.max_overhead >= 0")
     if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    if config.checkpoint.resume != "never" and not config.checkpoint.dir:
+        raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if not 0 <= config.run.master_port < 65536:
         raise ConfigError(f"run.master_port: {config.run.master_port} is not a port number (0 picks a free one)")
 

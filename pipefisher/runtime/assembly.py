@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from pipefisher.config import ConfigError, DataConfig, RunConfig
+from pipefisher.config import ConfigError, DataConfig, RunConfig, split_hint
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.ir import Schedule
 from pipefisher.models import StagedModel
@@ -41,7 +41,8 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
         raise ConfigError(f"model: {first_line(exc)}") from None
     if bert.num_hidden_layers % config.model_chunks:
         raise ConfigError(
-            f"model: {bert.num_hidden_layers} BERT layers cannot be split into {config.model_chunks} equal stages; use a multiple"
+            f"model: {bert.num_hidden_layers} BERT layers cannot be split into {config.model_chunks} equal stages; "
+            + split_hint(bert.num_hidden_layers, "pipeline.stages x pipeline.chunks" if config.pipeline.schedule == "interleaved" else "pipeline.stages")
         )
     if settings.seq_len > bert.max_position_embeddings:
         raise ConfigError(f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions")

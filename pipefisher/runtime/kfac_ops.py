@@ -52,7 +52,7 @@ class KfacRuntime:
         self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
-        self.lr = config.optimizer.lr
+        self.lr = config.optimizer_settings.lr
         self.set_plan(plan)
 
     def set_plan(self, plan: Plan) -> None:

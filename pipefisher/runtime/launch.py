@@ -9,11 +9,15 @@ a `deadline`, the whole group is killed when it passes. Child tracebacks come ba
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.runtime.errors import first_line
+from pipefisher.runtime.stopping import STOP_SIGNALS, signal_name
+
+
+class Interrupted(RuntimeError):
+    """A signal ended the group (its children were killed); exit with `exit_code`."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal_name(signum)}")
+        self.exit_code = 128 + signum
 
 
 class GroupFailure(RuntimeError):
@@ -66,19 +79,47 @@ def current_device(backend: str) -> torch.device:
 
 
 def init_distributed(backend: str, timeout: float) -> torch.device:
-    """Join the process group described by the torchrun environment; return this rank's device."""
+    """Join the process group described by the torchrun environment; return this rank's device.
+
+    Under torchrun's restarts (`--max-restarts`) every attempt of the workers shares the agent's
+    key-value store, and keys of a dead attempt (e.g. a peer's old address) could be read by the
+    next one: each attempt's keys get their own prefix.
+    """
     backend = resolve_backend(backend)
     device = current_device(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    if dist.is_initialized():
+        return device
+    wait = timedelta(seconds=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, init_method="env://", timeout=wait)
+    else:
+        store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+        store = dist.PrefixStore(f"pipefisher/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
     return device
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], backend: str, timeout: float, results, args: tuple) -> None:
+def _die_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when its parent dies (the launcher killed outright),
+    so that it stops like on any SIGTERM instead of training on as an orphan."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own handlers still forward signals
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], backend: str, timeout: float, results, args: tuple,
+           on_signal: str) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    if on_signal == "kill":  # the launcher ends the group; the child must not die in the middle on its own
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+    _die_with_parent()
     code = 0
     try:
         init_distributed(backend, timeout)
@@ -103,24 +144,48 @@ def run_group(
     host: str = "127.0.0.1",
     deadline: float | None = None,
     grace: float | None = None,
+    on_signal: str = "kill",
 ) -> list[Any]:
     """`[fn(rank, world, *args) for rank in range(world)]`, each in its own process.
 
     `fn` must be importable (module level). `timeout` bounds any wait inside the group;
     `deadline` (seconds, optional) bounds the whole run. Raises GroupFailure naming every failed
-    rank; no child outlives the call.
+    rank; no child outlives the call. SIGTERM or SIGINT to this process: with
+    `on_signal="forward"` every child gets it (and handles it: training stops after its step) and
+    has `timeout` seconds to finish; with "kill" the children are killed and Interrupted is raised.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": host, "MASTER_PORT": str(port or free_port(host)), "OMP_NUM_THREADS": "1"}
-    procs = [ctx.Process(target=_child, args=(fn, rank, world, env, backend, timeout, results, args), daemon=True) for rank in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, rank, world, env, backend, timeout, results, args, on_signal), daemon=True)
+             for rank in range(world)]
     for proc in procs:
         proc.start()
     end = time.monotonic() + deadline if deadline is not None else None
     grace = timeout if grace is None else grace
     outcome: dict[int, tuple[bool, Any]] = {}
+    received: list[int] = []
+
+    def on_stop_signal(signum: int, frame) -> None:
+        received.append(signum)
+        for proc in procs:
+            if proc.is_alive():
+                if on_signal == "forward":
+                    os.kill(proc.pid, signum)
+                else:
+                    proc.kill()
+
+    previous = {signum: signal.signal(signum, on_stop_signal) for signum in STOP_SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
+    stopping = False
     try:
         while len(outcome) < world:
+            if received and on_signal == "kill":
+                break
+            if received and not stopping:  # the children have `timeout` to finish their step
+                stopping = True
+                stop_by = time.monotonic() + timeout + grace
+                end = stop_by if end is None else min(end, stop_by)
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 break
@@ -135,10 +200,14 @@ def run_group(
                 failed_at = time.monotonic()
                 end = min(end, failed_at + grace) if end is not None else failed_at + grace
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+    if received and on_signal == "kill":
+        raise Interrupted(received[0])
     failures = {rank: value for rank, (ok, value) in outcome.items() if not ok}
     for rank in range(world):
         if rank not in outcome:

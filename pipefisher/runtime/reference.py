@@ -20,18 +20,21 @@ from pipefisher.config import RunConfig
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.executor import StepResult
 from pipefisher.runtime.precision import LossScaler, Precision
+from pipefisher.runtime.stopping import Stopped, stop_request
 from pipefisher.runtime.assembly import data_source, staged_model
 from pipefisher.runtime.training import StepCallback, TrainResult
 
 
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
     """The same training in one process: all stages in sequence, micro-batches in id order,
-    tied copies' gradients summed, the same precision, clipping, schedule and K-FAC cycle."""
+    tied copies' gradients summed, the same precision, clipping, schedule and K-FAC cycle.
+    Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
+    entry point installed `stop_request`)."""
     model = staged_model(config)
     num_stages = config.model_chunks
     device = torch.device("cpu")
     stages = [model.build_stage(index, num_stages, config.run.seed) for index in range(num_stages)]
-    optimizer = build_optimizer(config.optimizer, stages)
+    optimizer = build_optimizer(config.optimizer_settings, stages)
     scheduler = build_scheduler(config, optimizer)
     micro_batch = data_source(config)
     precision = Precision(config.run.precision, device)
@@ -85,6 +88,8 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
         losses.append(step_loss)
         if on_step is not None:
             on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
+        if stop_request.signum:
+            raise Stopped(step + 1, stop_request.signum)
     parameters = {
         f"{index}.{name}": parameter.detach().clone()
         for index, stage in enumerate(stages)
@@ -128,7 +133,7 @@ class ReferenceKfac:
         if config.kfac.refresh_steps < 1:
             raise ValueError("the reference K-FAC needs kfac.refresh_steps (--kfac-refresh-steps): it has no packer")
         self.k = config.kfac.refresh_steps
-        self.lr = config.optimizer.lr
+        self.lr = config.optimizer_settings.lr
         self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):

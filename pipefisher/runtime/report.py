@@ -1,4 +1,5 @@
-"""What a run shows while it trains: a progress bar or one line per step, a metrics file, a summary.
+"""What a run shows while it trains: a progress bar or one line per step, a metrics file, and a
+summary when the run completed (a failed or stopped run has none).
 
 Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
 and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
@@ -66,12 +67,13 @@ class StepReporter:
                 line += f"  predicted {record['predicted_step_time_ms']:.1f} ms, k={record['refresh_steps']}"
             print(line, flush=True)
 
-    def close(self) -> None:
+    def close(self, completed: bool = True) -> None:
+        """Close the bar and the metrics file; the summary only for a run that `completed`."""
         if self.bar is not None:
             self.bar.close()
         if self.metrics is not None:
             self.metrics.close()
-        if not self.times:
+        if not self.times or not completed:
             return
         median = statistics.median(self.times)
         summary = (

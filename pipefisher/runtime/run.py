@@ -12,62 +12,104 @@ from pipefisher.config import RunConfig
 from pipefisher.profile import load_profile
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.report import StepReporter
-from pipefisher.runtime.launch import GroupFailure, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group
+from pipefisher.runtime.launch import (
+    GroupFailure, Interrupted, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group,
+)
 from pipefisher.runtime.reference import train_reference
+from pipefisher.runtime.stopping import Stopped, stop_request
 from pipefisher.runtime.training import train_pipelined
 
 
-def describe(config: RunConfig) -> str:
+def describe_pipeline(config: RunConfig) -> str:
     p = config.pipeline
     chunks = f" x {p.chunks} chunks" if p.schedule == "interleaved" else ""
     return (
         f"{p.schedule}: {p.stages} stages{chunks} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
-        f"of {config.data.micro_batch_size}, {config.run.steps} steps, {config.optimizer.name} lr {config.optimizer.lr:g}, "
-        f"{config.run.precision}"
+        f"of {config.data.micro_batch_size}, {config.run.precision}"
     )
 
 
-def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_json: bool, resume: bool, first_step: int) -> None:
-    reporter = StepReporter(config, as_json, first_step) if rank == 0 else None
+def describe(config: RunConfig) -> str:
+    return f"{describe_pipeline(config)}, {config.run.steps} steps, {config.optimizer.name} lr {config.optimizer_settings.lr:g}"
+
+
+def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_json: bool, resume_from: int | None) -> int:
+    """Train on this rank (rank 0 reports); the exit code: 0, or 128 + signal when a signal
+    stopped the run (rank 0 says where, in one line)."""
+    stop_request.install()
+    reporter = StepReporter(config, as_json, resume_from or 0) if rank == 0 else None
     try:
-        train_pipelined(config, rank, device, on_step=reporter, resume=resume)
-    finally:
-        if reporter is not None:
-            reporter.close()
+        train_pipelined(config, rank, device, on_step=reporter, resume_from=resume_from)
+    except Stopped as stop:
+        _close(reporter, completed=False)
+        if rank == 0:
+            print(f"pipefisher: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    except BaseException:
+        _close(reporter, completed=False)
+        raise
+    _close(reporter, completed=True)
+    return 0
 
 
-def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool, resume: bool, first_step: int) -> None:
-    _train_and_report(config, rank, current_device(config.run.backend), as_json, resume, first_step)
+def _close(reporter: StepReporter | None, completed: bool) -> None:
+    if reporter is not None:
+        reporter.close(completed)
 
 
-def run(config: RunConfig, reference: bool, as_json: bool, resume: bool = False, first_step: int = 0) -> int:
-    """Train; returns the process exit code (0 success, 1 a failed run)."""
+def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool, resume_from: int | None) -> int:
+    return _train_and_report(config, rank, current_device(config.run.backend), as_json, resume_from)
+
+
+def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | None = None) -> int:
+    """Train; returns the process exit code: 0 success, 1 a failed run, 128 + signal when a
+    signal stopped it."""
     if reference:
-        print(f"pipefisher run (reference, one process): {describe(config)}", file=sys.stderr)
-        torch.set_num_threads(1)
-        reporter = StepReporter(config, as_json)
-        try:
-            train_reference(config, on_step=reporter)
-        finally:
-            reporter.close()
-        return 0
+        return _run_reference(config, as_json)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if os.environ["RANK"] == "0":
+        rank = int(os.environ["RANK"])
+        if rank == 0:
             print(f"pipefisher run (torchrun): {describe(config)}; {os.environ['WORLD_SIZE']} processes", file=sys.stderr)
-        return _run_under_torchrun(config, as_json, resume, first_step)
+        return _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume_from))
     port = config.run.master_port or free_port(config.run.master_addr)
     backend = resolve_backend(config.run.backend)
     print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {port})", file=sys.stderr)
     try:
-        run_group(
-            _local_worker, config.world_size, args=(config, as_json, resume, first_step), backend=backend,
-            timeout=config.run.timeout, port=port, host=config.run.master_addr,
+        codes = run_group(
+            _local_worker, config.world_size, args=(config, as_json, resume_from), backend=backend,
+            timeout=config.run.timeout, port=port, host=config.run.master_addr, on_signal="forward",
         )
     except GroupFailure as failure:
-        for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
-            print(f"pipefisher: {line}", file=sys.stderr)
+        _print_failure(failure)
         return 1
+    return max(codes)
+
+
+def _run_reference(config: RunConfig, as_json: bool) -> int:
+    print(f"pipefisher run (reference, one process): {describe(config)}", file=sys.stderr)
+    torch.set_num_threads(1)
+    stop_request.install()
+    reporter = StepReporter(config, as_json)
+    try:
+        train_reference(config, on_step=reporter)
+    except Stopped as stop:
+        reporter.close(completed=False)
+        print(f"pipefisher: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    except BaseException:
+        reporter.close(completed=False)
+        raise
+    reporter.close(completed=True)
     return 0
+
+
+def _print_failure(failure: GroupFailure) -> None:
+    for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
+        print(f"pipefisher: {line}", file=sys.stderr)
+
+
+#: unmeasured steps before `pipefisher profile` measures
+PROFILE_WARMUP = 1
 
 
 def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
@@ -79,8 +121,8 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
     executor, schedule = build_executor(config, rank, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
     profile, records = measure_profile(
-        executor, rank, modules, config.data.micro_batch_size,
-        damping=config.kfac.damping, inverse=config.kfac.inverse, repeats=repeats, skip=staged_model(config).kfac_skip(),
+        executor, rank, modules, config.data.micro_batch_size, damping=config.kfac.damping, inverse=config.kfac.inverse,
+        warmup=PROFILE_WARMUP, repeats=repeats, skip=staged_model(config).kfac_skip(),
     )
     if rank == 0:
         profile.save(output)
@@ -94,10 +136,16 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
 def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: int) -> int:
     """`pipefisher profile`: measure on local processes (or under torchrun, on the processes it
     started), write the profile (and timeline) from rank 0."""
-    print(f"pipefisher profile: {describe(config)}; {config.world_size} processes, {repeats} measured steps", file=sys.stderr)
+    print(f"pipefisher profile: {describe_pipeline(config)}; {config.world_size} processes; {PROFILE_WARMUP} warm-up and "
+          f"{repeats} measured steps (gradients dropped), then the end of step and every K-FAC task timed alone", file=sys.stderr)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank = int(os.environ["RANK"])
-        code = _under_torchrun(config, lambda device: _profile_worker(rank, config.world_size, config, output, timeline, repeats))
+
+        def work(device: torch.device) -> int:
+            _profile_worker(rank, config.world_size, config, output, timeline, repeats)
+            return 0
+
+        code = _under_torchrun(config, work)
         if code or rank != 0:
             return code  # only rank 0 writes the file (on its own node)
         return _report_profile(load_profile(output), output, timeline)
@@ -106,11 +154,14 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
         profiles = run_group(
             _profile_worker, config.world_size, args=(config, output, timeline, repeats),
             backend=resolve_backend(config.run.backend), timeout=config.run.timeout, port=port, host=config.run.master_addr,
+            on_signal="kill",
         )
     except GroupFailure as failure:
-        for line in str(failure).splitlines()[: 1 + len(failure.failures)]:
-            print(f"pipefisher: {line}", file=sys.stderr)
+        _print_failure(failure)
         return 1
+    except Interrupted as interrupted:
+        print(f"pipefisher: {interrupted}", file=sys.stderr)
+        return interrupted.exit_code
     return _report_profile(profiles[0], output, timeline)
 
 
@@ -124,24 +175,19 @@ def _report_profile(profile, output: str, timeline: str | None) -> int:
     return 0
 
 
-def _run_under_torchrun(config: RunConfig, as_json: bool, resume: bool, first_step: int) -> int:
-    rank = int(os.environ["RANK"])
-    return _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume, first_step))
-
-
-def _under_torchrun(config: RunConfig, work: Callable[[torch.device], object]) -> int:
-    """Run `work(device)` in the process group torchrun's environment describes; exit code."""
+def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> int:
+    """Run `work(device)` in the process group torchrun's environment describes; its exit code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
         print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
               f"(pipeline.stages x pipeline.data_parallel)", file=sys.stderr)
         return 2
     try:
-        work(init_distributed(config.run.backend, config.run.timeout))
+        code = work(init_distributed(config.run.backend, config.run.timeout))
     except Exception as exc:
         print(f"pipefisher: rank {rank}: {first_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # peers are failing too; a clean shutdown could wait on them
-    return 0
+    return code
 
 
 def check_port(config: RunConfig) -> str | None:

@@ -1,6 +1,7 @@
 """The collective end of a step, after a rank's last op: gradients reduced over each stage's
 replicas (launched as soon as the stage's gradient is final), tied weights summed, then one
-all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16 overflow flag]; then
+all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16 overflow flag, stop
+signal (`pipefisher.runtime.stopping`)]; then
 clipping, the optimizer step (skipped on every rank alike when fp16 overflowed), the learning-rate
 schedule, and one host read of the reduced numbers: the step's only host synchronisation.
 """
@@ -17,6 +18,7 @@ from pipefisher.runtime.comm import Comm, Handle, done
 from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, TiedGradients, clip_coefficient
 from pipefisher.runtime.precision import LossScaler
 from pipefisher.runtime.stage import StageRuntime
+from pipefisher.runtime.stopping import stop_request
 
 
 class StepEnd:
@@ -81,6 +83,9 @@ class StepEnd:
                 values.append(self.norm.local_square(self.device))
             if overflow is not None:
                 values.append(overflow.double().reshape(()))
+        signum = stop_request.signum  # a host value: the sum tells every rank that one was signalled
+        values += [torch.full((), float(signum), dtype=torch.float64, device=self.device),
+                   torch.full((), float(signum > 0), dtype=torch.float64, device=self.device)]
         self._reduced = torch.stack(values)
         return self.comm.all_reduce([self._reduced], collective.group)
 
@@ -94,7 +99,8 @@ class StepEnd:
     # -- after the reduction ----------------------------------------------------------------
     def finish(self) -> dict:
         """Clip, step (unless fp16 overflowed), schedule, zero the gradients; returns the loss, its
-        parts, and (when updating) lr, grad_norm and fp16's overflow, read from the device once."""
+        parts, (when updating) lr, grad_norm and fp16's overflow, and `stop_signal` when a rank
+        was signalled, read from the device once."""
         reduced, self._reduced = self._reduced, None
         record: dict = {}
         count = 1 + len(self.loss_parts)
@@ -106,10 +112,10 @@ class StepEnd:
                     buffer.flat.mul_(coefficient)
             if self.scaler is not None:
                 values = reduced.tolist()
-                overflow = values[-1] > 0
+                overflow = values[-3] > 0
                 if not overflow:
                     self.optimizer.step()
-                self.scaler.update(reduced[-1])
+                self.scaler.update(reduced[-3])
                 record["overflow"] = overflow
             else:
                 self.optimizer.step()
@@ -124,4 +130,7 @@ class StepEnd:
             buffer.zero_()
         record["loss"] = values[0]
         record.update(zip(self.loss_parts, values[1:count]))
+        signals, signalled = values[-2:]
+        if signalled:
+            record["stop_signal"] = round(signals / signalled)
         return record

@@ -17,7 +17,7 @@ from pipefisher.ir import Schedule
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.profile import profile_from_dict
 from pipefisher.runtime.assembly import build_schedule, data_source, staged_model
-from pipefisher.runtime.checkpoint import latest_step, load_rank, mark_latest, save_rank
+from pipefisher.runtime.checkpoint import commit, load_rank, save_rank
 from pipefisher.runtime.comm import Comm
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, TiedGradients
@@ -25,6 +25,7 @@ from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.precision import LossScaler, Precision
 from pipefisher.runtime.stage import StageRuntime
 from pipefisher.runtime.step_end import StepEnd
+from pipefisher.runtime.stopping import Stopped
 from pipefisher.topology import Topology
 
 StepCallback = Callable[[StepResult], None]
@@ -70,7 +71,7 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     }
     bucket_bytes = int(config.run.bucket_mb * 2**20)
     buffers = {key: GradientBuffer(module, bucket_bytes) for key, module in modules.items()}
-    optimizer = build_optimizer(config.optimizer, modules.values())
+    optimizer = build_optimizer(config.optimizer_settings, modules.values())
     clip = config.optimizer.clip_norm
     step_end = StepEnd(
         comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
@@ -93,15 +94,16 @@ def has_tied_weights(model, schedule: Schedule) -> bool:
 
 
 def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step: StepCallback | None = None,
-                    executor: Executor | None = None, resume: bool = False) -> TrainResult:
+                    executor: Executor | None = None, resume_from: int | None = None) -> TrainResult:
     """Train on this rank (with `executor` if given, else a fresh one from `build_executor`) up
-    to `config.run.steps`; with `resume`, continue from the latest checkpoint in
-    `config.checkpoint.dir`. Checkpoints are written there every `checkpoint.every` steps and at the end."""
+    to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
+    Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
+    a signal stops the run: then every rank raises `Stopped` after the same step."""
     if executor is None:
         executor, _ = build_executor(config, rank, device)
     start, state = 0, None
-    if resume:
-        start = latest_step(config.checkpoint.dir, config)
+    if resume_from is not None:
+        start = resume_from
         state = load_rank(config.checkpoint.dir, start, rank, device)
         _restore(executor, state)
     if config.optimizer.name == "kfac":
@@ -123,18 +125,28 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         if on_step is not None:
             on_step(result)
         done = step + 1
-        if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps):
-            runner.quiesce()
-            save_rank(config.checkpoint.dir, done, rank, _state(executor, runner, done))
-            dist.barrier()
-            if rank == 0:
-                mark_latest(config.checkpoint.dir, done, config, config.checkpoint.keep)
+        signum = result.extra.get("stop_signal")
+        if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps or signum):
+            save_checkpoint(config, rank, executor, runner, done)
+        if signum:
+            raise Stopped(done, signum, config.checkpoint.dir or None)
     parameters = {}
     for (pipe, stage), runtime in executor.stages.items():
         prefix = f"p{pipe}.{stage}" if pipe else f"{stage}"
         for name, parameter in runtime.module.named_parameters():
             parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
     return TrainResult(losses, parameters)
+
+
+def save_checkpoint(config: RunConfig, rank: int, executor: Executor, runner: PlanRunner, step: int) -> None:
+    """Every rank saves its state of `step`; rank 0 commits the step once all have. Collective."""
+    runner.quiesce()
+    record = save_rank(config.checkpoint.dir, step, rank, _state(executor, runner, step))
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    if rank == 0:
+        commit(config.checkpoint.dir, step, config, records, config.checkpoint.keep)
+    dist.barrier()
 
 
 def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:

@@ -67,7 +67,11 @@ def bert_one_step(rank: int, world: int, config: RunConfig) -> TrainResult:
 
 
 def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> TrainResult:
-    return train_pipelined(config, rank, CPU, resume=resume)
+    """Train with checkpoints; with `resume`, from the newest checkpoint that verifies."""
+    from pipefisher.runtime.checkpoint import resumable_step
+
+    start = resumable_step(config.checkpoint.dir, config)[0] if resume else None
+    return train_pipelined(config, rank, CPU, resume_from=start)
 
 
 def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int) -> TrainResult:

@@ -118,6 +118,15 @@ def test_the_demo_learns_on_the_embedded_corpus():
     assert all(l["tokens_per_s"] > 0 and "lr" in l for l in lines)
 
 
+@pytest.mark.slow
+def test_the_demo_learns_with_kfac_and_its_shipped_settings():
+    """The run file's kfac section (lr, momentum, damping tuned by experiments/convergence.py)."""
+    result = run_tiny("--optimizer", "kfac", "--steps", "20", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    mlm = [json.loads(line)["mlm"] for line in result.stdout.splitlines()]
+    assert mlm[-1] < mlm[0] - 1.0, f"MLM loss fell only from {mlm[0]:.3f} to {mlm[-1]:.3f}"
+
+
 def test_resume_from_another_configuration_is_refused(cache, tmp_path):
     folder = tmp_path / "ck"
     config = bert_config(cache, "1f1b", checkpoint={"dir": str(folder)}, run={"steps": 1})

@@ -47,7 +47,9 @@ def test_text_output_names_units(reference_losses):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("pipeline:\n  stages: 3\n", "model.layers: 4 blocks cannot be split into 3 equal stages"),
+        ("pipeline:\n  stages: 3\n", "model.layers: 4 blocks cannot be split into 3 equal stages (pipeline.stages 3); "
+                                     "make pipeline.stages a divisor of 4: 1, 2 or 4"),
+        ("checkpoint:\n  resume: auto\n", "checkpoint.resume: 'auto' needs checkpoint.dir (or --checkpoint-dir)"),
         ("pipeline:\n  schedule: chimera\n  micro_batches: 3\n", "micro-batches N=3 must be a multiple of stages D=2"),
         ("pipeline:\n  stagez: 2\n", "pipeline.stagez: unknown key; allowed keys: schedule, stages"),
         ("optimizer:\n  name: adam\n", "optimizer.name: 'adam' is not one of sgd, adamw, lamb, kfac"),
@@ -90,3 +92,22 @@ def test_torchrun_with_the_wrong_world_size_exits_2():
     )
     assert result.returncode != 0
     assert "torchrun started 1 processes; the run needs 2" in result.stderr
+
+
+def test_usage_messages_name_things_once(tmp_path):
+    """No doubled `pipefisher: error: pipefisher ...` prefix, no path said twice."""
+    result = subprocess.run(["pipefisher", "run", str(TINY), "--steps", "x"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == "pipefisher: error: argument --steps: 'x' is not an integer (see pipefisher run --help)\n"
+    missing = tmp_path / "missing.yaml"
+    result = subprocess.run(["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(missing)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.count(str(missing)) == 1, result.stderr
+
+
+def test_the_profilers_header_says_what_it_measures(tmp_path):
+    result = subprocess.run(["pipefisher", "profile", str(TINY), "-o", str(tmp_path / "p.yaml"), "--repeats", "2", "--master-port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    header = result.stderr.splitlines()[0]
+    assert "1 warm-up and 2 measured steps (gradients dropped)" in header and "20 steps" not in header, header
