@@ -280,7 +280,7 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint up to --steps")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint that verifies, up to --steps (checkpoint.resume always)")
     parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
     parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
