@@ -380,14 +380,22 @@ class _Packer:
         return ready
 
     def _place_collectives(self, kept: dict[Op, _Placement]) -> None:
-        """Launch every collective right after its own dependencies, in one order per group."""
+        """Launch every collective right after its own dependencies, in one order per group:
+        syncs first, then exchanges (which wait for every replica's syncs of their layer)."""
         collectives = [op for ops in self.tasks.cycle for op in ops if op.kind in COLLECTIVES]
+        last_key: dict[frozenset[int], dict[int, tuple]] = defaultdict(dict)
+        for kinds in ({OpKind.SYNC_A, OpKind.SYNC_B}, {OpKind.EXCHANGE}):
+            self._place_collectives_of([op for op in collectives if op.kind in kinds], kept, last_key)
+
+    def _place_collectives_of(self, collectives: list[Op], kept: dict[Op, _Placement], last_key: dict[frozenset[int], dict[int, tuple]]) -> None:
+        """Place `collectives` after their dependencies' final places; `last_key[group][rank]`: the
+        place of the group's last collective on that rank so far (updated)."""
         if not collectives:
             return
         replicas = stage_replicas(self.schedule)
         group_of = {stage: frozenset(self.schedule.placement[(p, stage)] for p in pipes) for stage, pipes in replicas.items()}
         own: dict[Op, tuple[float, tuple]] = {}
-        for op in collectives:  # syncs before exchanges: the list is topological
+        for op in collectives:
             deps = [kept[d] for d in self.graph.dependencies(op) if d in kept]
             if deps:
                 last = max(deps, key=lambda p: p.key)
@@ -401,14 +409,14 @@ class _Packer:
         for key, members in by_collective.items():
             ready = max(own[m][0] for m in members)
             groups[group_of[key[1]]].append((ready, key[0] is OpKind.EXCHANGE, key[1], key[2], key[0].value, members))
-        for entries in groups.values():
-            last_key: dict[int, tuple] = {}
+        for group, entries in groups.items():
+            group_last = last_key[group]
             for *_, members in sorted(entries, key=lambda e: e[:5]):
                 for op in members:
                     rank = self.schedule.placement[(op.pipe, op.stage)]
-                    base = max(own[op][1], last_key.get(rank, own[op][1]))
+                    base = max(own[op][1], group_last.get(rank, own[op][1]))
                     key = base[:4] + (base[4] + 1,)
-                    last_key[rank] = key
+                    group_last[rank] = key
                     kept[op] = _Placement(key[0], key, own[op][0], own[op][0])
 
 

@@ -4,8 +4,9 @@ Per K-FAC layer of every (pipe, stage): curvature A/B per micro-batch of that pi
 micro-batch's forward/backward and the factor's curvature of the previous micro-batch), a
 factor sync per replica when the stage has replicas (other pipes, data-parallel copies) (after that replica's curvature of the
 factor), an inverse per factor (after all replicas' syncs, or after the curvature when
-unreplicated), an inverse exchange per replica when inverses are split between replicas, and a
-precondition per (pipe, stage) in every step (after its backwards).
+unreplicated), an inverse exchange per replica when inverses are split between replicas (after
+its replica's inverses and every replica's syncs of the layer), and a precondition per (pipe,
+stage) in every step (after its backwards).
 Pure Python: no torch.
 """
 
@@ -77,7 +78,9 @@ class TaskGraph:
                 return tuple(syncs)
             return tuple(self._curvature[(CURVATURE[factor], op.pipe, op.stage, op.layer)])
         if kind is OpKind.EXCHANGE:
-            return tuple(self._inverses[(op.pipe, op.stage, op.layer)])
+            # its replica folds the synced factors it did not invert into its running average
+            syncs = (sync for factor in "AB" for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
+            return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(syncs)
         if kind is OpKind.PRECONDITION:
             return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
         raise ValueError(f"no dependency rule for {op}")

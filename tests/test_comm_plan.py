@@ -215,3 +215,22 @@ def test_outstanding_collectives_at_a_step_boundary():
     assert comm.outstanding(2, 0) == ([sync], [])
     assert comm.outstanding(2, 2) == ([sync], [])
     assert comm.outstanding(1, 2) == ([], [])
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 4), (4, 4), (4, 8)])
+def test_packed_chimera_plans_replay_over_a_sweep_of_task_times(stages, micro_batches):
+    """Exchanges and inverses wait for syncs other replicas launch; whatever steps the packer puts
+    them in, no rank may wait for a sync its peer launches only later."""
+    from dataclasses import replace
+
+    schedule = get_schedule("chimera", stages, micro_batches)
+    base = kfac_profile(schedule.num_stages, layers=3)
+    for curvature in (0.01, 0.05, 0.3):
+        for inverse in (0.05, 0.3, 1.0, 3.0):
+            for sync in (0.01, 0.5):
+                layers = tuple(replace(layer, curvature_a=curvature, curvature_b=curvature, inverse_a=inverse, inverse_b=inverse,
+                                       sync_a=sync, sync_b=sync) for layer in base.stages[0].layers)
+                profile = replace(base, stages=tuple(replace(stage, layers=layers) for stage in base.stages))
+                for k in (None, 2, 3):
+                    plan = pack(schedule, profile, PackOptions(refresh_steps=k)).plan
+                    replay(plan_actions(Topology(schedule), plan, tied=True), name=f"c{curvature} i{inverse} s{sync} k{k}")
