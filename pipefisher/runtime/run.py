@@ -34,27 +34,30 @@ def describe(config: RunConfig) -> str:
 
 
 def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_json: bool, resume_from: int | None) -> int:
-    """Train on this rank (rank 0 reports); the exit code: 0, or 128 + signal when a signal
-    stopped the run (rank 0 says where, in one line)."""
-    stop_request.install()
+    """Train on this rank (rank 0 reports); the exit code (see `_reported`)."""
     reporter = StepReporter(config, as_json, resume_from or 0) if rank == 0 else None
+    return _reported(lambda: train_pipelined(config, rank, device, on_step=reporter, resume_from=resume_from), reporter)
+
+
+def _reported(train: Callable[[], object], reporter: StepReporter | None) -> int:
+    """Run `train` with SIGTERM/SIGINT turned into a stop after the current step; the exit code:
+    0, or 128 + signal when a signal stopped it (the reporting process says where, in one line).
+    The summary only follows a completed run."""
+    stop_request.install()
     try:
-        train_pipelined(config, rank, device, on_step=reporter, resume_from=resume_from)
+        train()
     except Stopped as stop:
-        _close(reporter, completed=False)
-        if rank == 0:
+        if reporter is not None:
+            reporter.close(completed=False)
             print(f"pipefisher: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
     except BaseException:
-        _close(reporter, completed=False)
+        if reporter is not None:
+            reporter.close(completed=False)
         raise
-    _close(reporter, completed=True)
-    return 0
-
-
-def _close(reporter: StepReporter | None, completed: bool) -> None:
     if reporter is not None:
-        reporter.close(completed)
+        reporter.close(completed=True)
+    return 0
 
 
 def _local_worker(rank: int, world: int, config: RunConfig, as_json: bool, resume_from: int | None) -> int:
@@ -88,19 +91,8 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
 def _run_reference(config: RunConfig, as_json: bool) -> int:
     print(f"pipefisher run (reference, one process): {describe(config)}", file=sys.stderr)
     torch.set_num_threads(1)
-    stop_request.install()
     reporter = StepReporter(config, as_json)
-    try:
-        train_reference(config, on_step=reporter)
-    except Stopped as stop:
-        reporter.close(completed=False)
-        print(f"pipefisher: {stop}", file=sys.stderr, flush=True)
-        return stop.exit_code
-    except BaseException:
-        reporter.close(completed=False)
-        raise
-    reporter.close(completed=True)
-    return 0
+    return _reported(lambda: train_reference(config, on_step=reporter), reporter)
 
 
 def _print_failure(failure: GroupFailure) -> None:
