@@ -59,7 +59,7 @@ _OP_PATTERN = re.compile(
 )
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True, order=True, init=False)
 class Op:
     """One op of a pipeline step.
 
@@ -75,19 +75,33 @@ class Op:
     layer: str | None = None
     _hash: int = field(init=False, repr=False, compare=False)
 
+    def __init__(self, kind: OpKind, stage: int, micro_batch: int | None = None, pipe: int = 0, layer: str | None = None) -> None:
+        """Set the fields once (ops are immutable; schedules build tens of thousands of them, so
+        this is written out rather than generated) and check them; ScheduleError if they do not
+        fit the kind or are negative."""
+        set_field = object.__setattr__
+        set_field(self, "kind", kind)
+        set_field(self, "stage", stage)
+        set_field(self, "micro_batch", micro_batch)
+        set_field(self, "pipe", pipe)
+        set_field(self, "layer", layer)
+        set_field(self, "_hash", hash((kind, stage, micro_batch, pipe, layer)))
+        if (kind in _WITH_MICRO_BATCH) != (micro_batch is not None):
+            need = "needs" if kind.has_micro_batch else "takes no"
+            raise ScheduleError(f"op kind {kind.name} {need} a micro-batch")
+        if (kind not in _WITHOUT_LAYER) != (layer is not None):
+            need = "needs" if kind.has_layer else "takes no"
+            raise ScheduleError(f"op kind {kind.name} {need} a layer name")
+        if stage < 0 or pipe < 0 or (micro_batch is not None and micro_batch < 0):
+            raise ScheduleError(f"op fields must be non-negative: {self!r}")
+
     def __hash__(self) -> int:
         return self._hash
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.kind, self.stage, self.micro_batch, self.pipe, self.layer)))
-        if (self.kind in _WITH_MICRO_BATCH) != (self.micro_batch is not None):
-            need = "needs" if self.kind.has_micro_batch else "takes no"
-            raise ScheduleError(f"op kind {self.kind.name} {need} a micro-batch")
-        if (self.kind not in _WITHOUT_LAYER) != (self.layer is not None):
-            need = "needs" if self.kind.has_layer else "takes no"
-            raise ScheduleError(f"op kind {self.kind.name} {need} a layer name")
-        if self.stage < 0 or self.pipe < 0 or (self.micro_batch is not None and self.micro_batch < 0):
-            raise ScheduleError(f"op fields must be non-negative: {self!r}")
+    def __reduce__(self) -> tuple[type[Op], tuple[OpKind, int, int | None, int, str | None]]:
+        """Unpickle through the constructor: the cached hash depends on the process (its string
+        hash seed), so another process must compute its own."""
+        return Op, (self.kind, self.stage, self.micro_batch, self.pipe, self.layer)
 
     def __str__(self) -> str:
         text = f"p{self.pipe}." if self.pipe else ""
@@ -215,6 +229,21 @@ class Schedule:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def stage_dependencies(kind: OpKind, stage: int, num_stages: int) -> tuple[tuple[OpKind, int], ...]:
+    """(kind, stage) of each op that an op of `kind` on `stage` waits for; all of them share its
+    pipe and micro-batch and take no layer. The rule behind `dependencies`, on op fields alone."""
+    if kind is OpKind.FORWARD:
+        return ((OpKind.FORWARD, stage - 1),) if stage > 0 else ()
+    if kind is OpKind.BACKWARD:
+        own = (OpKind.FORWARD, stage)
+        return (own, (OpKind.BACKWARD, stage + 1)) if stage < num_stages - 1 else (own,)
+    if kind is OpKind.CURV_A:
+        return ((OpKind.FORWARD, stage),)
+    if kind is OpKind.CURV_B:
+        return ((OpKind.BACKWARD, stage),)
+    return ()
+
+
 def dependencies(op: Op, num_stages: int) -> tuple[Op, ...]:
     """Ops (of the same step) that must finish before `op` may start, across ranks.
 
@@ -223,17 +252,8 @@ def dependencies(op: Op, num_stages: int) -> tuple[Op, ...]:
     K-FAC ops of one layer (sync after all curvature, inverse after sync) are the packer's
     business, since they span steps of a refresh cycle.
     """
-    pipe, stage, mb = op.pipe, op.stage, op.micro_batch
-    if op.kind is OpKind.FORWARD:
-        return (forward(stage - 1, mb, pipe),) if stage > 0 else ()
-    if op.kind is OpKind.BACKWARD:
-        own = forward(stage, mb, pipe)
-        return (own, backward(stage + 1, mb, pipe)) if stage < num_stages - 1 else (own,)
-    if op.kind is OpKind.CURV_A:
-        return (forward(stage, mb, pipe),)
-    if op.kind is OpKind.CURV_B:
-        return (backward(stage, mb, pipe),)
-    return ()
+    rule = stage_dependencies(op.kind, op.stage, num_stages)
+    return tuple([Op(kind, stage, op.micro_batch, op.pipe) for kind, stage in rule])
 
 
 def format_grid(

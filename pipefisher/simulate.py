@@ -11,13 +11,15 @@ early wait for the last one; that wait is not modelled). Times are in the profil
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
+from operator import add, attrgetter
 
 from pipefisher.ir import Op, OpKind, Schedule
 from pipefisher.profile import LayerProfile, Profile, ProfileError
-from pipefisher.validate import DependencyFn, execution_order, schedule_dependencies
+from pipefisher.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,17 @@ class Interval:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @classmethod
+    def many(cls, ops: Iterable[Op], starts: Iterable[float], ends: Iterable[float]) -> list[Interval]:
+        """`[Interval(op, start, end) for op, start, end in zip(ops, starts, ends)]`, built field by
+        field in bulk: one constructor call per op would dominate simulating a large schedule."""
+        fields = [list(ops), list(starts), list(ends)]
+        intervals = list(map(object.__new__, repeat(cls, min(map(len, fields)))))
+        for slot, values in zip((cls.op, cls.start, cls.end), fields):
+            for _ in map(slot.__set__, intervals, values):
+                pass
+        return intervals
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +134,10 @@ class Timeline:
 
 
 COLLECTIVES = frozenset({OpKind.SYNC_A, OpKind.SYNC_B, OpKind.EXCHANGE})
+#: ops after which a stage's gradient on their rank may be final
+_GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.PRECONDITION})
+#: what an op's times depend on (see OpDurations)
+_TIMING_FIELDS = attrgetter("kind", "stage", "layer")
 
 
 class OpDurations:
@@ -128,6 +145,8 @@ class OpDurations:
 
     Collectives (factor syncs, inverse exchanges) are launched asynchronously: they take no time
     on their rank, and whoever depends on one waits for its duration after the launch.
+    Every time depends on the ops' kind, stage and layer only (and `delay` on whether they
+    cross ranks); the simulator relies on this to ask once per distinct case.
     """
 
     def __init__(self, profile: Profile):
@@ -193,41 +212,92 @@ def simulate_ops(
     ranks: Sequence[Sequence[Op]], deps: DependencyFn, durations: OpDurations, name: str = "schedule"
 ) -> Timeline:
     """Timeline of per-rank op lists: each op starts when its rank is free and `deps(op)` are done."""
-    end_of: dict[Op, float] = {}
-    rank_of: dict[Op, int] = {}
-    rank_free = [0.0] * len(ranks)
-    intervals: list[list[Interval]] = [[] for _ in ranks]
-    comm_end = 0.0
-    #: (rank, stage) -> when the stage's gradient on that rank is final (last backward or precondition)
-    gradient_final: dict[tuple[int, int], float] = {}
-    for rank, op, op_deps in execution_order(ranks, deps, name):
+    return simulate_graph(op_graph(ranks, deps), durations, name)
+
+
+def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule") -> Timeline:
+    """`simulate_ops` of the lists and dependencies that `graph` holds."""
+    order_ranks, order = graph.order(name)
+    costs = _Costs(graph.ops, durations)
+    busy, cost_class, delay, deps = costs.busy, costs.cost_class, costs.delay, graph.deps
+    end = [0.0] * len(graph.ops)
+    ran_on = [0] * len(graph.ops)
+    rank_free = [0.0] * len(graph.ranks)
+    starts: list[list[float]] = [[] for _ in graph.ranks]
+    for rank, number in zip(order_ranks, order):
         start = rank_free[rank]
-        for dep in op_deps:
-            start = max(start, end_of[dep] + durations.delay(dep, op, rank_of[dep] != rank))
-        end = start + durations(op)
-        end_of[op] = rank_free[rank] = end
-        rank_of[op] = rank
-        intervals[rank].append(Interval(op, start, end))
-        if op.kind in COLLECTIVES:
-            comm_end = max(comm_end, end + durations.work(op))
-        if op.kind in (OpKind.BACKWARD, OpKind.PRECONDITION):
-            gradient_final[(rank, op.stage)] = end
-    reduce_ends = [0.0] * len(ranks)
-    for (rank, stage), final in gradient_final.items():
-        reduce_ends[rank] = max(reduce_ends[rank], final + durations.grad_reduce(stage))
+        consumer = cost_class[number]
+        for dep in deps[number]:
+            ready = end[dep] + delay[cost_class[dep], consumer, ran_on[dep] != rank]
+            if ready > start:
+                start = ready
+        end[number] = rank_free[rank] = start + busy[number]
+        ran_on[number] = rank
+        starts[rank].append(start)
+    ranks = tuple(_intervals(graph, numbers, begins, busy) for numbers, begins in zip(graph.ranks, starts))
     return Timeline(
-        ranks=tuple(tuple(ivs) for ivs in intervals),
+        ranks=ranks,
         time_unit=durations.profile.time_unit,
-        comm_end=comm_end,
-        tails=tuple(durations.step_end({op.stage for op in ops}) for ops in ranks),
-        reduce_ends=tuple(reduce_ends),
+        comm_end=_comm_end(ranks, durations),
+        tails=tuple(durations.step_end({iv.op.stage for iv in ivs}) for ivs in ranks),
+        reduce_ends=_reduce_ends(ranks, durations),
     )
+
+
+def _intervals(graph: OpGraph, numbers: list[int], starts: list[float], busy: list[float]) -> tuple[Interval, ...]:
+    """The intervals of one rank's list: its ops `numbers` start at `starts` and last `busy`."""
+    ends = map(add, starts, map(busy.__getitem__, numbers))
+    return tuple(Interval.many(map(graph.ops.__getitem__, numbers), starts, ends))
+
+
+class _Memo(dict):
+    """key -> compute(key), each key computed once."""
+
+    def __init__(self, compute: Callable[[Hashable], float]) -> None:
+        super().__init__()
+        self.compute = compute
+
+    def __missing__(self, key: Hashable) -> float:
+        value = self[key] = self.compute(key)
+        return value
+
+
+class _Costs:
+    """The times of numbered ops, asked of `durations` once per cost class: ops with the same
+    kind, stage and layer (see OpDurations).
+
+    `busy[i]`: how long op i keeps its rank busy; `cost_class[i]`: its class;
+    `delay[(producer class, consumer class, cross-rank)]`: as `OpDurations.delay`.
+    """
+
+    def __init__(self, ops: Sequence[Op], durations: OpDurations) -> None:
+        classes = Numbering()
+        self.cost_class = list(map(classes.__getitem__, map(_TIMING_FIELDS, ops)))
+        example = dict(zip(self.cost_class, ops))
+        examples = [example[number] for number in range(len(classes))]
+        self.busy = list(map([durations(op) for op in examples].__getitem__, self.cost_class))
+        self.delay = _Memo(lambda key: durations.delay(examples[key[0]], examples[key[1]], key[2]))
+
+
+def _comm_end(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> float:
+    """When the last collective launched in the step completes."""
+    return max((iv.end + durations.work(iv.op) for ivs in ranks for iv in ivs if iv.op.kind in COLLECTIVES), default=0.0)
+
+
+def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> tuple[float, ...]:
+    """Per rank: when the gradient reductions of its stages end. A stage's reduction starts when
+    its gradient on the rank is final: at the end of its last backward or precondition there."""
+    ends = []
+    for ivs in ranks:
+        final = {iv.op.stage: iv.end for iv in ivs if iv.op.kind in _GRADIENT_KINDS}
+        ends.append(max((end + durations.grad_reduce(stage) for stage, end in final.items()), default=0.0))
+    return tuple(ends)
 
 
 def simulate(schedule: Schedule, profile: Profile) -> Timeline:
     """Timeline of one step of `schedule` with the op times of `profile`."""
     check_profile(schedule, profile)
-    return simulate_ops(schedule.ranks, schedule_dependencies(schedule), OpDurations(profile), schedule.name)
+    return simulate_graph(schedule_graph(schedule), OpDurations(profile), schedule.name)
 
 
 def check_profile(schedule: Schedule, profile: Profile) -> None:

@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
 import pytest
 
 from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, backward, format_grid, forward, peak_activations
@@ -32,6 +37,23 @@ def test_parse_rejects_malformed_ops(text):
 
 def test_ops_are_hashable_and_equal_by_value():
     assert len({forward(0, 1), Op.parse("0F1"), backward(0, 1)}) == 2
+
+
+def test_an_op_unpickled_in_another_process_hashes_like_its_ops(tmp_path):
+    """An op caches its hash, which depends on the process's string hash seed."""
+    path = tmp_path / "op.pickle"
+    write = f"import pickle; from pipefisher.ir import forward; open({str(path)!r}, 'wb').write(pickle.dumps(forward(1, 2)))"
+    read = f"import pickle; from pipefisher.ir import forward; print(pickle.loads(open({str(path)!r}, 'rb').read()) in {{forward(1, 2)}})"
+    for code, seed in ((write, "1"), (read, "2")):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
+
+
+def test_ops_copy_with_replace_and_reject_negative_fields():
+    assert replace(forward(1, 2), stage=3) == forward(3, 2)
+    with pytest.raises(ScheduleError, match="non-negative"):
+        forward(-1, 0)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -2,10 +2,10 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.ir import dependencies
+from pipefisher.ir import backward, dependencies, forward
 from pipefisher.profile import Profile, StageProfile, uniform_profile
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import simulate
+from pipefisher.simulate import Interval, OpDurations, simulate, simulate_ops
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -126,3 +126,20 @@ def test_profile_with_wrong_stage_count_is_rejected():
 
     with pytest.raises(ProfileError, match="one entry per model chunk"):
         simulate(get_schedule("interleaved", 4, 8), uniform_profile(4))
+
+
+@pytest.mark.parametrize("name, chunks", [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("chimera", None)])
+def test_simulate_agrees_with_simulate_ops_and_a_generic_dependency_function(name, chunks):
+    schedule = get_schedule(name, 4, 8, chunks)
+    stages = tuple(
+        StageProfile(forward=1.0 + s / 10, backward=2.0 + s / 7, p2p=0.25, step_end=0.1 * s, grad_reduce=0.3 * (s % 3))
+        for s in range(schedule.num_stages)
+    )
+    profile = Profile(stages=stages)
+    generic = simulate_ops(schedule.ranks, lambda op: dependencies(op, schedule.num_stages), OpDurations(profile), schedule.name)
+    assert simulate(schedule, profile) == generic
+
+
+def test_intervals_in_bulk_equal_intervals_one_by_one():
+    ops = [forward(0, 0), backward(0, 0)]
+    assert Interval.many(ops, [0.0, 1.0], [1.0, 3.0]) == [Interval(ops[0], 0.0, 1.0), Interval(ops[1], 1.0, 3.0)]

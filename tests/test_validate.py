@@ -1,8 +1,11 @@
+import gc
+import weakref
+
 import pytest
 
-from pipefisher.ir import ScheduleError, backward, forward
+from pipefisher.ir import ScheduleError, backward, dependencies, forward
 from pipefisher.schedules import get_schedule
-from pipefisher.validate import execution_order, schedule_dependencies, validate
+from pipefisher.validate import StageDependencies, execution_order, schedule_dependencies, schedule_graph, validate
 
 
 def edited(schedule, rank, ops):
@@ -67,3 +70,34 @@ def test_execution_order_respects_dependencies():
             assert forward(op.stage, op.micro_batch, op.pipe) in seen
         seen.add(op)
     assert len(seen) == sum(len(r) for r in s.ranks)
+
+
+@pytest.mark.parametrize("name, chunks", [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("chimera", None)])
+def test_plain_dependencies_run_in_the_order_a_generic_dependency_function_gives(name, chunks):
+    s = get_schedule(name, 4, 8, chunks)
+    generic = list(execution_order(s.ranks, lambda op: dependencies(op, s.num_stages)))
+    assert list(execution_order(s.ranks, schedule_dependencies(s))) == generic
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_dependency_that_no_list_holds_is_a_deadlock_naming_it(plain):
+    deps = StageDependencies(2) if plain else (lambda op: dependencies(op, 2))
+    with pytest.raises(ScheduleError, match="rank 0 waits at 0B0 for 0F0, 1B0"):
+        list(execution_order([[backward(0, 0)]], deps))
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_repeated_op_runs_at_each_of_its_places(plain):
+    deps = StageDependencies(1) if plain else (lambda op: dependencies(op, 1))
+    ops = [forward(0, 0), forward(0, 0), backward(0, 0)]
+    assert [op for _, op, _ in execution_order([ops], deps)] == ops
+
+
+def test_a_schedule_is_numbered_once_and_its_graph_dropped_with_it():
+    s = get_schedule("1f1b", 4, 8)
+    graph = schedule_graph(s)
+    assert schedule_graph(s) is graph and schedule_graph(validate(s)) is graph
+    dropped = weakref.ref(graph)
+    del s, graph
+    gc.collect()
+    assert dropped() is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipefisher.ir import Op, Schedule, backward, forward
+from pipefisher.ir import Op, OpKind, Schedule, backward, forward
 from pipefisher.schedules._common import check_sizes, require, single_pipe
 from pipefisher.schedules.one_f_one_b import one_f_one_b_order
 
@@ -35,7 +35,7 @@ def interleaved(num_stages: int, num_micro_batches: int, chunks: int = 2) -> Sch
             group, lane = divmod(k, ranks_count)
             chunk = group % chunks
             micro_batch = (group // chunks) * ranks_count + lane
-            if kind == "F":
+            if kind is OpKind.FORWARD:
                 ops.append(forward(chunk * ranks_count + rank, micro_batch))
             else:
                 ops.append(backward((chunks - 1 - chunk) * ranks_count + rank, micro_batch))

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from pipefisher.ir import Op, Schedule, backward, forward
+from pipefisher.ir import Op, OpKind, Schedule
 from pipefisher.schedules._common import check_sizes, single_pipe
 
+F, B = OpKind.FORWARD, OpKind.BACKWARD
 
-def one_f_one_b_order(num_micro_batches: int, num_warmup: int) -> list[tuple[str, int]]:
-    """("F" | "B", k) sequence: `num_warmup` forwards, alternate F/B, then the remaining backwards.
+
+def one_f_one_b_order(num_micro_batches: int, num_warmup: int) -> list[tuple[OpKind, int]]:
+    """(FORWARD | BACKWARD, k) sequence: `num_warmup` forwards, alternate F/B, then the remaining
+    backwards.
 
     k counts forwards and backwards separately; at most num_warmup + 1 forwards are unmatched.
     """
     warmup = min(num_warmup, num_micro_batches)
-    order = [("F", k) for k in range(warmup)]
+    order = [(F, k) for k in range(warmup)]
     for k in range(num_micro_batches - warmup):
-        order += [("F", warmup + k), ("B", k)]
-    order += [("B", k) for k in range(num_micro_batches - warmup, num_micro_batches)]
+        order += [(F, warmup + k), (B, k)]
+    order += [(B, k) for k in range(num_micro_batches - warmup, num_micro_batches)]
     return order
 
 
@@ -25,5 +28,5 @@ def one_f_one_b(num_stages: int, num_micro_batches: int) -> Schedule:
     ranks: list[list[Op]] = []
     for stage in range(num_stages):
         order = one_f_one_b_order(num_micro_batches, num_stages - stage - 1)
-        ranks.append([forward(stage, k) if kind == "F" else backward(stage, k) for kind, k in order])
+        ranks.append([Op(kind, stage, k) for kind, k in order])
     return single_pipe("1f1b", num_stages, num_micro_batches, ranks)
