@@ -57,11 +57,11 @@ import yaml
 
 from pipefisher.config import RunConfig, config_from_dict
 from pipefisher.ir import OpKind
-from pipefisher.pack import PackOptions, pack
+from pipefisher.pack import pack
 from pipefisher.plan import cycle_time, simulate_plan
 from pipefisher.profile import Profile
 from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
+from pipefisher.runtime.pipefisher_run import PipeFisherTrainer, pack_options
 from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.profiler import measure_profile
 from pipefisher.runtime.training import build_executor
@@ -92,6 +92,7 @@ def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: st
         "optimizer": {"name": "sgd" if variant == "first-order" else "kfac", "lr": args["lr"]},
         "kfac": {
             "damping": args["damping"], "inverse": args["inverse"], "refresh_steps": k, "margin": args["margin"],
+            "percentile": args["percentile"],
             "placement": "after-step" if variant == "after-step" else "packed", "profile": profile,
             # the plans must stay fixed during the benchmark: no re-profiling
             "reprofile_threshold": 1e9, "reprofile_patience": 10**6,
@@ -295,7 +296,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
     if rank == 0:
         profile.save(profile_path)
     dist.barrier()
-    options = PackOptions(margin=cfg.kfac.margin, max_overhead=cfg.kfac.max_overhead, split=cfg.kfac.split)
+    options = pack_options(cfg)
     packed_result = pack(sched, profile, options)
     chosen_k = packed_result.refresh_steps
     if args["refresh_steps"]:  # pin another k for both K-FAC variants (the packer's choice is still reported)
@@ -539,7 +540,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--damping", type=float, default=0.01)
     parser.add_argument("--inverse", choices=["eigen", "cholesky"], default="eigen")
-    parser.add_argument("--margin", type=float, default=0.05, help="kfac.margin: share of each bubble the packer keeps free")
+    parser.add_argument("--margin", type=float, default=0.0, help="kfac.margin: share of each bubble the packer keeps free")
+    parser.add_argument("--percentile", type=float, default=90.0, help="kfac.percentile: the packer's percentile of measured op times")
     parser.add_argument("--refresh-steps", type=int, default=0, help="pin k for both K-FAC variants (0: the packer's choice)")
     parser.add_argument("--profile-dir", default="", help="where to keep the measured profiles (default: a new temp dir)")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds per schedule before its group is killed")

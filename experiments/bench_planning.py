@@ -1,7 +1,10 @@
-"""Time generating, validating and simulating a large schedule (default: 1F1B, D=64, N=256).
+"""Time planning: generating, validating and simulating a large schedule (default: 1F1B, D=64,
+N=256), and packing the K-FAC work of BERT-Large on 1F1B with D=8, N=128 (4 blocks = 24 layers
+per stage, block times of the PipeFisher P100 measurements, micro-batch 8).
 
 Prints the median wall time of each phase over several repeats, in seconds.
 Usage: python experiments/bench_planning.py [--schedule 1f1b] [--stages 64] [--micro-batches 256]
+       [--reference ../shared/reference] (no packing timing when the folder is missing)
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ import argparse
 import statistics
 import time
 
+from pathlib import Path
+
+from pipefisher.pack import pack
 from pipefisher.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.simulate import simulate
+from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 from pipefisher.validate import validate
 
 
@@ -22,6 +29,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--reference", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "reference")
     args = parser.parse_args()
     phases: dict[str, list[float]] = {"generate": [], "validate": [], "simulate": [], "total": []}
     for _ in range(args.repeats):
@@ -39,6 +47,20 @@ def main() -> None:
           f"bubble {100 * timeline.bubble_fraction:.1f} %")
     for name, values in phases.items():
         print(f"  {name:>8}: {statistics.median(values):.3f} s (median of {args.repeats})")
+    csv = args.reference / "bert-large_time_memory_p100.csv"
+    if not csv.exists():
+        print(f"packing: skipped ({csv} not found)")
+        return
+    blocks, hidden, ffn = BERT_SIZES["bert-large"]
+    profile = transformer_profile(read_block_times(csv, 8), 32, 8, hidden, ffn, 8)
+    schedule = get_schedule("1f1b", 8, 128)
+    durations = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        result = pack(schedule, profile)
+        durations.append(time.perf_counter() - start)
+    print(f"packing BERT-Large 1F1B D=8 N=128 (24 layers per stage): {statistics.median(durations):.3f} s "
+          f"(median of {args.repeats}), k={result.refresh_steps}")
 
 
 if __name__ == "__main__":

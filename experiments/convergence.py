@@ -152,17 +152,16 @@ def steps_to(curve: list[float], target: float, window: int) -> int | None:
 def step_times(profile_path: Path, k_override: int | None) -> tuple[float, float, int, str]:
     """(first-order ms, PipeFisher packed ms (mean over the cycle), k, summary) of 2-stage 1F1B."""
     from pipefisher.config import load_config
-    from pipefisher.pack import PackOptions, pack
+    from pipefisher.pack import pack
     from pipefisher.profile import load_profile
+    from pipefisher.runtime.pipefisher_run import pack_options
     from pipefisher.runtime.assembly import build_schedule
     from pipefisher.simulate import simulate
 
     config = load_config(BASE)
     schedule = build_schedule(config)
     profile = load_profile(profile_path)
-    kfac = config.kfac
-    options = PackOptions(margin=kfac.margin, max_overhead=kfac.max_overhead, split=kfac.split, refresh_steps=k_override)
-    packed = pack(schedule, profile, options)
+    packed = pack(schedule, profile, pack_options(config, refresh_steps=k_override))
     first_order = simulate(schedule, profile).step_time
     summary = (f"profile {profile_path}: 1F1B D=2 N=4, first-order step {first_order:.1f} ms, PipeFisher packed "
                f"k={packed.refresh_steps} (lower bound {packed.lower_bound}) step {packed.step_time:.1f} ms "

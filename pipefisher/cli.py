@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, positive_int, share
+from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, percentile, positive_float, positive_int, share
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations
 from pipefisher.pack import STRATEGIES, PackOptions, PackResult, pack
@@ -89,10 +89,13 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.profile}: no stage lists K-FAC layers; add `layers` to the stages")
     options = PackOptions(
         margin=args.margin,
+        percentile=args.percentile,
         max_overhead=args.max_overhead,
         split=not args.no_split,
         strategy=args.strategy,
         refresh_steps=args.refresh_steps,
+        max_refresh_steps=args.max_refresh_steps,
+        max_capture_mb=args.max_capture_mb,
         data_parallel=args.data_parallel,
     )
     result = pack(schedule, profile, options)
@@ -114,12 +117,19 @@ def format_pack_report(result: PackResult) -> str:
     first_order = data["first_order_step_time"]
     lines = [
         f"{data['schedule']}: D={data['stages']}, N={data['micro_batches']}, strategy {data['strategy']}"
-        f"{'' if data['split'] else ', no inverse splitting'}, margin {100 * data['margin']:g} %",
+        f"{'' if data['split'] else ', no inverse splitting'}, K-FAC task times at percentile {data['percentile']:g}, "
+        f"margin {100 * data['margin']:g} %",
         f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
         f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
+        f"why: {data['reason']} (plan: {data['placement']})",
+        "frontier (k: overhead): " + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
         f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
         f"with K-FAC {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
     ]
+    if result.capture_peak_bytes:
+        peak = max(result.capture_peaks, key=lambda p: p.bytes)
+        lines.append(f"captured activations/gradients held: peak {data['capture_peak_mib']:.1f} MiB (rank {peak.rank}, "
+                     f"step {peak.step} of the cycle)" + (f"; {data['memory']}" if data["memory"] else ""))
     if data["unplaceable"]:
         lines.append(f"{len(data['unplaceable'])} tasks fit no bubble and extend steps: {', '.join(data['unplaceable'][:4])}"
                      + (" ..." if len(data["unplaceable"]) > 4 else ""))
@@ -133,10 +143,11 @@ def format_pack_report(result: PackResult) -> str:
             f"{d['bubble_time']:.4g}",
             "-" if d["work_ratio"] is None else f"{d['work_ratio']:.2f}",
             f"{100 * d['bubble_utilization']:.1f}",
+            f"{d['capture_peak_mib']:.1f}",
         )
         for d in data["devices"]
     ]
-    headers = ["rank", "k", "bound", f"K-FAC/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]"]
+    headers = ["rank", "k", "bound", f"K-FAC/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
     lines.append(format_table(headers, rows))
     return "\n".join(lines)
 
@@ -147,7 +158,12 @@ def _add_pack(subparsers) -> None:
     parser.add_argument("--profile", required=True, help="profile file with K-FAC layers (pipefisher.profile/v1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
-    parser.add_argument("--margin", type=share, default=0.05, help="share of each bubble kept free (default 0.05)")
+    parser.add_argument("--margin", type=share, default=0.0, help="share of each bubble kept free (default 0)")
+    parser.add_argument("--percentile", type=percentile, default=90.0,
+                        help="pack with this percentile of the profile's measured samples (default 90; 50 = median)")
+    parser.add_argument("--max-refresh-steps", type=positive_int, default=None, help="cap the refresh interval k (default: none)")
+    parser.add_argument("--max-capture-mb", type=positive_float, default=None,
+                        help="cap on captured activations/gradients held per device, MiB (default: none)")
     parser.add_argument("--max-overhead", type=share, default=0.01, help="overhead budget per step (default 0.01)")
     parser.add_argument("--no-split", action="store_true", help="every replica inverts its own factors")
     parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")

@@ -36,6 +36,25 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
+    return value
+
+
+def percentile(text: str) -> float:
+    """A percentile in (0, 100] (argparse type)."""
+    value = positive_float(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 100] (50 = the median)")
+    return value
+
+
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
     parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")

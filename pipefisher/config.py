@@ -96,7 +96,10 @@ class KfacConfig:
     preconditioning (0 = optimizer.lr / optimizer.momentum), so a run file can carry K-FAC's tuned
     values beside another optimizer's.
 
-    `refresh_steps` 0 lets the packer choose k; `placement` packed puts K-FAC work in the bubbles,
+    `refresh_steps` 0 lets the packer choose k (at most `max_refresh_steps`, 0 = no cap; see
+    `pipefisher.pack` for the rule), packing with the `percentile` of the profile's measured
+    samples, `margin` of each bubble kept free, within `max_overhead` (a share of the step), holding
+    at most `max_capture_mb` MiB of captures per device (0 = no cap); `placement` packed puts K-FAC work in the bubbles,
     after-step runs it in one block after the first step of each cycle. `profile`: a
     pipefisher.profile/v1 file of this run ("" = measure one before training). Re-profiling:
     when the measured cycle time differs from the prediction by more than `reprofile_threshold`
@@ -111,8 +114,11 @@ class KfacConfig:
     momentum: float = 0.0
     refresh_steps: int = 0
     placement: Literal["packed", "after-step"] = "packed"
-    margin: float = 0.05
+    margin: float = 0.0
+    percentile: float = 90.0
     max_overhead: float = 0.01
+    max_refresh_steps: int = 0
+    max_capture_mb: float = 0.0
     split: bool = True
     profile: str = ""
     reprofile_threshold: float = 0.25
@@ -300,6 +306,10 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"kfac.factor_decay: {kfac.factor_decay} must be in [0, 1)")
     if not 0 <= kfac.margin < 1 or kfac.max_overhead < 0:
         raise ConfigError("kfac.margin must be in [0, 1) and kfac.max_overhead >= 0")
+    if not 0 < kfac.percentile <= 100:
+        raise ConfigError(f"kfac.percentile: {kfac.percentile:g} must be in (0, 100] (50 = the median)")
+    if kfac.max_refresh_steps < 0 or kfac.max_capture_mb < 0:
+        raise ConfigError("kfac.max_refresh_steps and kfac.max_capture_mb must be >= 0 (0 = no cap)")
     if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:

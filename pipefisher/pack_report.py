@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
+from pipefisher.capture_memory import CapturePeak
 from pipefisher.ir import Op
-from pipefisher.plan import Plan, cycle_time
+from pipefisher.plan import Plan
 from pipefisher.simulate import Timeline
 from pipefisher.tasks import CYCLE_KINDS, KfacTasks
 
@@ -35,15 +37,43 @@ class DeviceReport:
 
 
 @dataclass(frozen=True)
+class FrontierPoint:
+    """The best plan found at one refresh interval: its overhead (share of the first-order step
+    time), its mean step time (profile time unit) and the placement that produced it."""
+
+    refresh_steps: int
+    overhead: float
+    step_time: float
+    placement: str
+
+
+@dataclass(frozen=True)
 class PackResult:
+    """A packing: the chosen plan and its predicted timelines, the frontier it was chosen from and
+    why (`reason`), which placement produced it, and the captures it holds per device (`memory`:
+    what a capture cap changed, empty if nothing)."""
+
     plan: Plan
-    timelines: list[Timeline]
+    #: computes the predicted timelines of the plan's steps (on first use of `timelines`)
+    simulated: Callable[[], list[Timeline]] = field(repr=False, compare=False)
+    #: predicted time of one refresh cycle (profile time unit)
+    cycle_time: float
     first_order: Timeline
     precondition_step_time: float
     lower_bound: int
     devices: list[DeviceReport]
     options: PackOptions
     unplaceable: tuple[Op, ...] = field(default=())
+    frontier: tuple[FrontierPoint, ...] = field(default=())
+    reason: str = ""
+    placement: str = ""
+    capture_peaks: tuple[CapturePeak, ...] = field(default=())
+    memory: str = ""
+
+    @cached_property
+    def timelines(self) -> list[Timeline]:
+        """Predicted timeline of every step of the cycle (simulated on first use)."""
+        return self.simulated()
 
     @property
     def refresh_steps(self) -> int:
@@ -56,7 +86,7 @@ class PackResult:
     @property
     def step_time(self) -> float:
         """Mean step time over the cycle, K-FAC included."""
-        return cycle_time(self.timelines) / self.refresh_steps
+        return self.cycle_time / self.refresh_steps
 
     @property
     def overhead(self) -> float:
@@ -70,8 +100,14 @@ class PackResult:
         used = sum(d.bubble_utilization * d.bubble_time for d in self.devices) * self.refresh_steps
         return used / total if total > 0 else 0.0
 
+    @property
+    def capture_peak_bytes(self) -> int:
+        """The most capture bytes any device holds at once over the cycle (0: sizes unknown)."""
+        return max((peak.bytes for peak in self.capture_peaks), default=0)
+
     def to_dict(self) -> dict:
         unit = self.first_order.time_unit
+        peaks = {peak.rank: peak.bytes for peak in self.capture_peaks}
         return {
             "schedule": self.plan.schedule.name,
             "stages": self.plan.schedule.num_ranks,
@@ -80,6 +116,9 @@ class PackResult:
             "strategy": self.options.strategy,
             "split": self.options.split,
             "margin": self.options.margin,
+            "percentile": self.options.percentile,
+            "max_refresh_steps": self.options.max_refresh_steps,
+            "max_capture_mb": self.options.max_capture_mb,
             "time_unit": unit,
             "refresh_steps": self.refresh_steps,
             "lower_bound": self.lower_bound,
@@ -88,6 +127,14 @@ class PackResult:
             "step_time": self.step_time,
             "overhead": self.overhead,
             "bubble_utilization": self.bubble_utilization,
+            "reason": self.reason,
+            "placement": self.placement,
+            "frontier": [
+                {"refresh_steps": p.refresh_steps, "overhead": p.overhead, "step_time": p.step_time, "placement": p.placement}
+                for p in self.frontier
+            ],
+            "capture_peak_mib": self.capture_peak_bytes / 2**20,
+            "memory": self.memory,
             "unplaceable": [str(op) for op in self.unplaceable],
             "devices": [
                 {
@@ -99,6 +146,7 @@ class PackResult:
                     "bubble_time": d.bubble_time,
                     "work_ratio": d.work_ratio if math.isfinite(d.work_ratio) else None,
                     "bubble_utilization": d.bubble_utilization,
+                    "capture_peak_mib": peaks.get(d.rank, 0) / 2**20,
                 }
                 for d in self.devices
             ],
@@ -120,10 +168,11 @@ def device_reports(
     reports = []
     for rank in range(tasks.schedule.num_ranks):
         steps_used = [j for j, step in enumerate(plan.steps) if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])]
-        work = sum(durations(op) for op in tasks.cycle[rank])
+        work = sum(tasks.cycle_work[rank])
         precondition = sum(durations(op) for op in tasks.per_step[rank])
         bubble = first_order.bubble_time(rank)
-        in_bubbles = work - sum(durations(op) for op in tasks.cycle[rank] if op in outside) + precondition_in_bubbles(rank) * k
+        outside_work = sum(w for op, w in zip(tasks.cycle[rank], tasks.cycle_work[rank]) if op in outside)
+        in_bubbles = work - outside_work + precondition_in_bubbles(rank) * k
         reports.append(
             DeviceReport(
                 rank=rank,

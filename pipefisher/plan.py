@@ -15,7 +15,7 @@ from pathlib import Path
 from pipefisher.ir import Op, OpKind, Schedule, ScheduleError
 from pipefisher.profile import Profile
 from pipefisher.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
-from pipefisher.tasks import CYCLE_KINDS, TaskGraph, stage_replicas
+from pipefisher.tasks import CYCLE_KINDS, TaskGraph, collective_groups
 from pipefisher.validate import execution_order, validate
 
 PLAN_SCHEMA = "pipefisher.plan/v1"
@@ -76,17 +76,9 @@ def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):
     return deps
 
 
-def _collective_groups(schedule: Schedule) -> dict[int, frozenset[int]]:
-    """stage -> the ranks holding its replicas (the process group of its collectives)."""
-    return {
-        stage: frozenset(schedule.placement[(pipe, stage)] for pipe in pipes)
-        for stage, pipes in stage_replicas(schedule).items()
-    }
-
-
 def _check_collective_order(plan: Plan) -> None:
     """Every rank of a process group must launch the group's collectives in the same order."""
-    groups = _collective_groups(plan.schedule)
+    groups = collective_groups(plan.schedule)
     sequences: dict[frozenset[int], dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
     for step in plan.steps:
         for rank, ops in enumerate(step):
@@ -150,23 +142,28 @@ def validate_plan(plan: Plan) -> Plan:
     return plan
 
 
-def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None = None) -> list[Timeline]:
+def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> list[Timeline]:
     """Predicted timeline of every step of the cycle (each step starts at time 0).
 
-    `cache` (optional, owned by the caller) memoises step timelines across plans of one profile.
+    `cache` (optional, owned by the caller) memoises step timelines across plans of one profile;
+    `graph` (optional) is the plan's task graph when the caller has it.
     """
-    graph = plan.graph
+    return [simulate_plan_step(plan, index, profile, cache, graph) for index in range(plan.refresh_steps)]
+
+
+def simulate_plan_step(plan: Plan, index: int, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> Timeline:
+    """Predicted timeline of step `index` of the cycle (see `simulate_plan`)."""
+    step = plan.steps[index]
+    key = (index == 0, step)
+    if cache is not None and key in cache:
+        return cache[key]
     durations = profile if isinstance(profile, OpDurations) else OpDurations(profile)
-    cache = {} if cache is None else cache
-    timelines = []
-    for index, step in enumerate(plan.steps):
-        key = (index == 0, step)
-        if key not in cache:
-            step_ops = {op for ops in step for op in ops}
-            deps = _step_dependencies(graph, step_ops, first_step=index == 0)
-            cache[key] = simulate_ops(step, deps, durations, f"{plan.schedule.name} step {index}")
-        timelines.append(cache[key])
-    return timelines
+    step_ops = {op for ops in step for op in ops}
+    deps = _step_dependencies(graph or plan.graph, step_ops, first_step=index == 0)
+    timeline = simulate_ops(step, deps, durations, f"{plan.schedule.name} step {index}")
+    if cache is not None:
+        cache[key] = timeline
+    return timeline
 
 
 def cycle_time(timelines: Sequence[Timeline]) -> float:

@@ -4,23 +4,37 @@ All times are in the profile's `time_unit` (ms by default). Forward, backward an
 are per micro-batch; inverse and sync times per refresh; precondition, gradient reduction and
 step end per step.
 Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
+
+Optional additions (files without them are written and read exactly as before):
+
+- ``samples`` of a stage or layer: time field -> the values of its measured repeats, in the
+  profile's time unit (the field itself is their median when the profiler wrote it).
+  ``Profile.at_percentile(q)`` gives the profile whose sampled fields are the q-th percentile of
+  their samples (linear interpolation between order statistics, numpy's default; q = 50 is the
+  median), e.g. to pack with durations that hold most of the time.
+- ``capture_a_bytes`` / ``capture_b_bytes`` of a layer: device bytes that K-FAC's capture of ONE
+  micro-batch holds for the layer (A: its input, B: its output gradient, in the dtype the run
+  captures them in) until that micro-batch's curvature runs; 0 = unknown.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 
 from pipefisher.files import load_structured
 
 SCHEMA = "pipefisher.profile/v1"
-#: stage times a file may leave out (0)
+#: stage times written only where non-zero (0 when a file leaves them out)
 _OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce")
+#: layer times a file may leave out (0)
+_OPTIONAL_LAYER_TIMES = ("sync_a", "sync_b")
 TIME_UNITS = ("s", "ms", "us", "units")
 
 
@@ -28,9 +42,37 @@ class ProfileError(ValueError):
     """A profile is malformed; the message names the field and how to fix it."""
 
 
+class Samples(Mapping[str, tuple[float, ...]]):
+    """Immutable, hashable mapping: time field -> its measured values (the field's unit)."""
+
+    def __init__(self, values: Mapping[str, Iterable[float]] | None = None) -> None:
+        self._values = {name: tuple(float(v) for v in vs) for name, vs in (values or {}).items()}
+
+    def __getitem__(self, name: str) -> tuple[float, ...]:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return f"Samples({self._values!r})"
+
+
 @dataclass(frozen=True)
 class LayerProfile:
-    """K-FAC costs of one Linear layer of a stage."""
+    """K-FAC costs of one Linear layer of a stage; `samples` and capture sizes as the module
+    docstring says. A plain mapping given as `samples` is checked and stored as `Samples`."""
+
+    TIME_FIELDS: ClassVar[tuple[str, ...]] = (
+        "curvature_a", "curvature_b", "inverse_a", "inverse_b", "precondition", "sync_a", "sync_b"
+    )
+    BYTE_FIELDS: ClassVar[tuple[str, ...]] = ("capture_a_bytes", "capture_b_bytes")
 
     name: str
     curvature_a: float
@@ -40,6 +82,20 @@ class LayerProfile:
     precondition: float
     sync_a: float = 0.0
     sync_b: float = 0.0
+    capture_a_bytes: int = 0
+    capture_b_bytes: int = 0
+    samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", _samples(self.samples, self.TIME_FIELDS, "samples"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's fields; capture sizes and samples only where given."""
+        data: dict[str, Any] = {"name": self.name, **{key: getattr(self, key) for key in self.TIME_FIELDS}}
+        data.update({key: getattr(self, key) for key in self.BYTE_FIELDS if getattr(self, key)})
+        if self.samples:
+            data["samples"] = {key: list(values) for key, values in self.samples.items()}
+        return data
 
 
 @dataclass(frozen=True)
@@ -49,7 +105,9 @@ class StageProfile:
     gradient is final (after its last backward, or its preconditioning) and overlaps the device's
     other work; `step_end` the rest of the stage's end of step after its last op (tied weights,
     clipping, optimizer step; in profiles without `grad_reduce`, the all-reduce too), which a
-    device holding several stages pays once per stage."""
+    device holding several stages pays once per stage. `samples` as in `LayerProfile`."""
+
+    TIME_FIELDS: ClassVar[tuple[str, ...]] = ("forward", "backward", "p2p", "step_end", "grad_reduce")
 
     forward: float
     backward: float
@@ -57,6 +115,20 @@ class StageProfile:
     step_end: float = 0.0
     grad_reduce: float = 0.0
     layers: tuple[LayerProfile, ...] = ()
+    samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", _samples(self.samples, self.TIME_FIELDS, "samples"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's fields; `step_end`, `grad_reduce` and samples only where given."""
+        data: dict[str, Any] = {
+            key: getattr(self, key) for key in self.TIME_FIELDS if key not in _OPTIONAL_STAGE_TIMES or getattr(self, key)
+        }
+        if self.samples:
+            data["samples"] = {key: list(values) for key, values in self.samples.items()}
+        data["layers"] = [layer.to_dict() for layer in self.layers]
+        return data
 
     @property
     def curvature_time(self) -> float:
@@ -89,19 +161,23 @@ class Profile:
             )
         return self
 
+    def at_percentile(self, q: float) -> Profile:
+        """This profile with every time field that has samples set to the q-th percentile of its
+        samples (`percentile`); fields without samples, and all samples, unchanged. q = 50 gives
+        the medians. ValueError unless 0 <= q <= 100."""
+        _check_percentile(q)
+        stages = tuple(
+            replace(_at_percentile(stage, q), layers=tuple(_at_percentile(layer, q) for layer in stage.layers))
+            for stage in self.stages
+        )
+        return replace(self, stages=stages)
+
     def to_dict(self) -> dict[str, Any]:
-        """The file's fields; `step_end` and `grad_reduce` only where they are non-zero (files stay
-        as before without them)."""
+        """The file's fields; optional ones only where given (files stay as before without them)."""
         data: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "time_unit": self.time_unit}
         if self.micro_batch_size is not None:
             data["micro_batch_size"] = self.micro_batch_size
-        data["stages"] = [
-            {
-                **{k: v for k, v in asdict(stage).items() if k != "layers" and (k not in _OPTIONAL_STAGE_TIMES or v)},
-                "layers": [asdict(layer) for layer in stage.layers],
-            }
-            for stage in self.stages
-        ]
+        data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
 
     def save(self, path: str | Path) -> None:
@@ -118,17 +194,65 @@ def uniform_profile(num_stages: int, forward: float = 1.0, backward: float = 2.0
     return Profile(stages=(stage,) * num_stages, time_unit="units", device="uniform")
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0 <= q <= 100) of non-empty `values`, interpolating linearly between
+    order statistics (numpy.percentile's default method)."""
+    _check_percentile(q)
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
+
+
+def _check_percentile(q: float) -> None:
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q!r} is not in [0, 100]")
+
+
+Timed = TypeVar("Timed", LayerProfile, StageProfile)
+
+
+def _at_percentile(item: Timed, q: float) -> Timed:
+    return replace(item, **{key: percentile(values, q) for key, values in item.samples.items()})
+
+
+def _check_time(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProfileError(f"{where}: {value!r} is not a finite number")
+    if value < 0:
+        raise ProfileError(f"{where}: {value} is negative; times must be >= 0")
+    return float(value)
+
+
 def _time(data: dict, key: str, where: str, required: bool = True) -> float:
     if key not in data:
         if required:
             raise ProfileError(f"{where}.{key}: missing; give a time in the profile's time_unit")
         return 0.0
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProfileError(f"{where}.{key}: {value!r} is not a finite number")
-    if value < 0:
-        raise ProfileError(f"{where}.{key}: {value} is negative; times must be >= 0")
-    return float(value)
+    return _check_time(data[key], f"{where}.{key}")
+
+
+def _bytes(data: dict, key: str, where: str) -> int:
+    value = data.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProfileError(f"{where}.{key}: {value!r} is not a non-negative integer (bytes)")
+    return value
+
+
+def _samples(data: Any, known: tuple[str, ...], where: str) -> Samples:
+    """Checked samples: known time fields, each a non-empty list of finite times >= 0."""
+    data = _mapping(data, where)
+    for key, values in data.items():
+        if key not in known:
+            raise ProfileError(f"{where}.{key}: unknown time field; known: {', '.join(known)}")
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ProfileError(f"{where}.{key}: expected a non-empty list of times")
+        for i, value in enumerate(values):
+            _check_time(value, f"{where}.{key}[{i}]")
+    return data if isinstance(data, Samples) else Samples(data)
 
 
 def _reject_unknown(data: dict, cls: type, where: str, extra: tuple[str, ...] = ()) -> None:
@@ -138,8 +262,8 @@ def _reject_unknown(data: dict, cls: type, where: str, extra: tuple[str, ...] = 
         raise ProfileError(f"{where}: unknown field {unknown[0]!r}; known fields are {', '.join(sorted(known))}")
 
 
-def _mapping(value: Any, where: str) -> dict:
-    if not isinstance(value, dict):
+def _mapping(value: Any, where: str) -> Mapping:
+    if not isinstance(value, Mapping):
         raise ProfileError(f"{where}: expected a mapping, got {type(value).__name__}")
     return value
 
@@ -150,9 +274,10 @@ def _layer(data: Any, where: str) -> LayerProfile:
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{where}.name: missing; give the layer's module name")
-    times = {key: _time(data, key, where) for key in ("curvature_a", "curvature_b", "inverse_a", "inverse_b", "precondition")}
-    syncs = {key: _time(data, key, where, required=False) for key in ("sync_a", "sync_b")}
-    return LayerProfile(name=name, **times, **syncs)
+    times = {key: _time(data, key, where, required=key not in _OPTIONAL_LAYER_TIMES) for key in LayerProfile.TIME_FIELDS}
+    sizes = {key: _bytes(data, key, where) for key in LayerProfile.BYTE_FIELDS}
+    samples = _samples(data.get("samples", {}), LayerProfile.TIME_FIELDS, f"{where}.samples")
+    return LayerProfile(name=name, **times, **sizes, samples=samples)
 
 
 def _stage(data: Any, where: str) -> StageProfile:
@@ -173,6 +298,7 @@ def _stage(data: Any, where: str) -> StageProfile:
         step_end=_time(data, "step_end", where, required=False),
         grad_reduce=_time(data, "grad_reduce", where, required=False),
         layers=parsed,
+        samples=_samples(data.get("samples", {}), StageProfile.TIME_FIELDS, f"{where}.samples"),
     )
 
 
@@ -210,7 +336,9 @@ __all__ = [
     "StageProfile",
     "Profile",
     "ProfileError",
+    "Samples",
     "load_profile",
+    "percentile",
     "profile_from_dict",
     "uniform_profile",
 ]

@@ -24,6 +24,7 @@ from pipefisher.simulate import OpDurations, check_profile
 CURVATURE = {"A": OpKind.CURV_A, "B": OpKind.CURV_B}
 SYNC = {"A": OpKind.SYNC_A, "B": OpKind.SYNC_B}
 INVERSE = {"A": OpKind.INV_A, "B": OpKind.INV_B}
+_PRODUCER = {OpKind.CURV_A: OpKind.FORWARD, OpKind.CURV_B: OpKind.BACKWARD}
 FACTOR_OF = {kind: factor for table in (CURVATURE, SYNC, INVERSE) for factor, kind in table.items()}
 
 #: Kinds that make up a refresh cycle's work (precondition recurs every step instead).
@@ -40,7 +41,10 @@ class TaskGraph:
     def __init__(self, schedule: Schedule, ops: Iterable[Op]):
         self.schedule = schedule
         self.micro_batches: dict[int, list[int]] = defaultdict(list)
+        #: (kind, stage, micro-batch, pipe) -> the schedule's forward/backward op
+        self._compute: dict[tuple, Op] = {}
         for _, _, op in schedule.ops():
+            self._compute[(op.kind, op.stage, op.micro_batch, op.pipe)] = op
             if op.kind is OpKind.FORWARD and op.stage == 0:
                 self.micro_batches[op.pipe].append(op.micro_batch)
         self._curvature: dict[tuple, list[Op]] = defaultdict(list)
@@ -58,16 +62,29 @@ class TaskGraph:
         for (_, pipe, _, _), curvature in self._curvature.items():
             in_order = sorted(set(curvature), key=lambda op: position[pipe][op.micro_batch])
             self._previous.update(zip(in_order[1:], in_order))
+        self._memo: dict[tuple[Op, bool], tuple[Op, ...]] = {}
 
     def dependencies(self, op: Op, first_step: bool = True) -> tuple[Op, ...]:
         """Ops `op` waits for. Curvature in later steps of a cycle reads data saved in the first
         step, so it waits for nothing then."""
+        found = self._memo.get((op, first_step))
+        if found is None:
+            found = self._memo[(op, first_step)] = self._derive(op, first_step)
+        return found
+
+    def first_step_input(self, op: Op) -> Op | None:
+        """The forward (curvature A) or backward (curvature B) whose data a curvature op reads;
+        None for other ops."""
+        producer = _PRODUCER.get(op.kind)
+        return None if producer is None else self._compute[(producer, op.stage, op.micro_batch, op.pipe)]
+
+    def _derive(self, op: Op, first_step: bool) -> tuple[Op, ...]:
         kind = op.kind
         if kind.is_compute:
             return dependencies(op, self.schedule.num_stages)
         if kind in (OpKind.CURV_A, OpKind.CURV_B):
             previous = self._previous_curvature(op)
-            return (dependencies(op, self.schedule.num_stages) if first_step else ()) + previous
+            return ((self.first_step_input(op),) if first_step else ()) + previous
         if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
             curv = CURVATURE[FACTOR_OF[kind]]
             return tuple(self._curvature[(curv, op.pipe, op.stage, op.layer)])
@@ -114,6 +131,17 @@ class KfacTasks:
     def durations(self) -> OpDurations:
         return OpDurations(self.profile)
 
+    @cached_property
+    def cycle_work(self) -> tuple[tuple[float, ...], ...]:
+        """`cycle_work[rank][i]`: how long `cycle[rank][i]` keeps its rank busy (0 for collectives)."""
+        same: dict[tuple, float] = {}  # curvature of one layer takes as long for every micro-batch
+        keys = [[(op.kind, op.stage, op.layer) if op.micro_batch is not None else op for op in ops] for ops in self.cycle]
+        for ops, rank_keys in zip(self.cycle, keys):
+            for op, key in zip(ops, rank_keys):
+                if key not in same:
+                    same[key] = self.durations(op)
+        return tuple(tuple(same[key] for key in rank_keys) for rank_keys in keys)
+
 
 def stage_replicas(schedule: Schedule) -> dict[int, list[int]]:
     """stage -> pipes that hold a replica of it (Chimera: both pipes)."""
@@ -121,6 +149,11 @@ def stage_replicas(schedule: Schedule) -> dict[int, list[int]]:
     for pipe, stage in sorted(schedule.placement):
         replicas[stage].append(pipe)
     return replicas
+
+
+def collective_groups(schedule: Schedule) -> dict[int, frozenset[int]]:
+    """stage -> the ranks holding its replicas (the process group of its K-FAC collectives)."""
+    return {stage: frozenset(schedule.placement[(pipe, stage)] for pipe in pipes) for stage, pipes in stage_replicas(schedule).items()}
 
 
 def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[tuple[OpKind, int, str], list[int]]:

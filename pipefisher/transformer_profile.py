@@ -4,12 +4,16 @@ A block has six Linear layers: attention query, key, value and output (hidden �
 (hidden → ffn) and FFN out (ffn → hidden). Block totals are split over the layers' factors in
 proportion to n² (curvature) and n³ (inversion) of each factor's size n (A: inputs + 1 for the
 bias, B: outputs), preconditioning in proportion to din·dout·(din + dout).
+
+Capture sizes (when the micro-batch size is known) are those of K-FAC's stored tensors for one
+micro-batch of `micro_batch_size × seq_len` token rows: A the layer's input (din wide; the
+engine stores no bias column), B its output gradient (dout wide), `capture_dtype_bytes` each.
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile
@@ -45,9 +49,11 @@ def block_layer_shapes(hidden: int, ffn: int) -> list[tuple[str, int, int]]:
     return [(name, din, dout) for name, (din, dout) in zip(BLOCK_LAYERS, shapes)]
 
 
-def block_layers(times: BlockTimes, hidden: int, ffn: int) -> list[LayerProfile]:
-    """The block's K-FAC layers with the block totals split as the module docstring says."""
+def block_layers(times: BlockTimes, hidden: int, ffn: int, capture_rows: int = 0, capture_dtype_bytes: int = 4) -> list[LayerProfile]:
+    """The block's K-FAC layers with the block totals split as the module docstring says;
+    capture sizes in bytes for `capture_rows` token rows per micro-batch (0: unknown)."""
     shapes = block_layer_shapes(hidden, ffn)
+    row_bytes = capture_rows * capture_dtype_bytes
     square = sum((din + 1) ** 2 + dout**2 for _, din, dout in shapes)
     cube = sum((din + 1) ** 3 + dout**3 for _, din, dout in shapes)
     product = sum(din * dout * (din + dout) for _, din, dout in shapes)
@@ -59,6 +65,8 @@ def block_layers(times: BlockTimes, hidden: int, ffn: int) -> list[LayerProfile]
             inverse_a=times.time_inv * (din + 1) ** 3 / cube,
             inverse_b=times.time_inv * dout**3 / cube,
             precondition=times.time_prec * din * dout * (din + dout) / product,
+            capture_a_bytes=row_bytes * din,
+            capture_b_bytes=row_bytes * dout,
         )
         for name, din, dout in shapes
     ]
@@ -73,20 +81,22 @@ def transformer_profile(
     micro_batch_size: int | None = None,
     device: str = "",
     time_unit: str = "ms",
+    *,
+    seq_len: int = 128,
+    capture_dtype_bytes: int = 4,
 ) -> Profile:
     """`num_blocks` blocks cut into `num_stages` stages of equal compute.
 
     Linear layers are dealt out in order, 6·num_blocks/num_stages per stage (rounded), so a stage
     may end in the middle of a block; forward and backward scale with the blocks per stage.
+    Capture sizes: `micro_batch_size × seq_len` rows (tokens; 128 in the PipeFisher paper's BERT
+    runs) of `capture_dtype_bytes` (4: fp32) per value; unknown (0) without `micro_batch_size`.
     """
     if num_blocks < 1 or num_stages < 1:
         raise ProfileError("num_blocks and num_stages must be at least 1")
-    per_block = block_layers(times, hidden, ffn)
-    layers = [
-        LayerProfile(**{**layer.__dict__, "name": f"block{block}.{layer.name}"})
-        for block in range(num_blocks)
-        for layer in per_block
-    ]
+    rows = (micro_batch_size or 0) * seq_len
+    per_block = block_layers(times, hidden, ffn, rows, capture_dtype_bytes)
+    layers = [replace(layer, name=f"block{block}.{layer.name}") for block in range(num_blocks) for layer in per_block]
     share = num_blocks / num_stages
     stages = []
     for stage in range(num_stages):

@@ -102,6 +102,13 @@ def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys
     assert data["step_time"] >= data["first_order_step_time"] > 0
     assert 0 <= data["bubble_utilization"] <= 1
     assert len(data["devices"]) == 4 and data["time_unit"] == "ms"
+    frontier = data["frontier"]
+    assert [p["refresh_steps"] for p in frontier] == sorted(p["refresh_steps"] for p in frontier)
+    assert frontier[0]["refresh_steps"] <= data["lower_bound"] or frontier[0]["refresh_steps"] == data["refresh_steps"]
+    chosen = next(p for p in frontier if p["refresh_steps"] == data["refresh_steps"])
+    assert chosen["overhead"] == pytest.approx(data["overhead"]) and data["reason"].startswith(f"k = {data['refresh_steps']}")
+    assert data["capture_peak_mib"] > 0 and data["percentile"] == 90.0
+    assert max(d["capture_peak_mib"] for d in data["devices"]) == pytest.approx(data["capture_peak_mib"])
     from pipefisher.plan import Plan, validate_plan
 
     assert validate_plan(Plan.load(plan_path)).refresh_steps == data["refresh_steps"]
@@ -119,6 +126,9 @@ def test_pack_table_from_the_entry_point(bert_like_profile):
         (["--schedule", "1f1b", "-D", "8", "-N", "8"], "profile has 4 stages but the schedule needs 8"),
         (["--schedule", "zigzag", "-D", "4", "-N", "4"], "invalid choice: 'zigzag'"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--margin", "1.5"], "must be in [0, 1)"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--percentile", "101"], "argument --percentile: 101.0 must be in (0, 100]"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-capture-mb", "-3"], "argument --max-capture-mb: -3.0 must be a finite number > 0"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-refresh-steps", "0"], "argument --max-refresh-steps: 0 must be at least 1"),
     ],
 )
 def test_pack_usage_errors_exit_2(bert_like_profile, extra, message, capsys):

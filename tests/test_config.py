@@ -1,5 +1,7 @@
 """Run-file semantics that are not just parsing: K-FAC's own optimizer settings, split hints."""
 
+import re
+
 import pytest
 
 from pipefisher.config import ConfigError, config_from_dict, split_hint
@@ -15,9 +17,14 @@ def test_kfac_lr_and_momentum_apply_to_kfac_runs_only():
     assert (unset.optimizer_settings.lr, unset.optimizer_settings.momentum) == (0.2, 0.5), "0 means the optimizer's"
 
 
-@pytest.mark.parametrize("kfac, message", [({"lr": -1.0}, "kfac.lr must be >= 0"), ({"momentum": 1.0}, "kfac.momentum in [0, 1)")])
+@pytest.mark.parametrize("kfac, message", [
+    ({"lr": -1.0}, "kfac.lr must be >= 0"),
+    ({"momentum": 1.0}, "kfac.momentum in [0, 1)"),
+    ({"percentile": 0}, "kfac.percentile: 0 must be in (0, 100]"),
+    ({"max_capture_mb": -1}, "kfac.max_refresh_steps and kfac.max_capture_mb must be >= 0"),
+])
 def test_bad_kfac_optimizer_settings_are_refused(kfac, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_dict({"kfac": kfac})
 
 
@@ -25,3 +32,12 @@ def test_split_hint_lists_the_divisors():
     assert split_hint(4, "pipeline.stages") == "make pipeline.stages a divisor of 4: 1, 2 or 4"
     assert split_hint(1, "pipeline.stages") == "make pipeline.stages a divisor of 1: 1"
     assert split_hint(12, "x").endswith("1, 2, 3, 4, 6 or 12")
+
+
+def test_packer_settings_reach_the_packer():
+    from pipefisher.runtime.pipefisher_run import pack_options
+
+    config = config_from_dict({"kfac": {"percentile": 75, "max_refresh_steps": 6, "max_capture_mb": 512, "margin": 0.1}})
+    options = pack_options(config)
+    assert (options.percentile, options.max_refresh_steps, options.max_capture_mb, options.margin) == (75, 6, 512, 0.1)
+    assert pack_options(config_from_dict({})).max_capture_mb is None

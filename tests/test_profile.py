@@ -1,9 +1,12 @@
 import json
+import random
+import statistics
 
+import numpy as np
 import pytest
 import yaml
 
-from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, profile_from_dict
+from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, percentile, profile_from_dict
 
 GOOD = {
     "schema": "pipefisher.profile/v1",
@@ -74,6 +77,14 @@ def mutate(path_keys, value):
         (["schema"], "other/v9", "schema: 'other/v9' is not supported"),
         (["stages"], [], "stages: missing"),
         (["micro_batch_size"], 0, "micro_batch_size: 0 must be a positive integer"),
+        (["stages", 0, "samples"], {"fwd": [1.0]}, r"stages\[0\]\.samples\.fwd: unknown time field; known: forward, backward, p2p"),
+        (["stages", 0, "samples"], {"forward": []}, r"stages\[0\]\.samples\.forward: expected a non-empty list of times"),
+        (["stages", 0, "samples"], {"p2p": [0.5, -1.0]}, r"stages\[0\]\.samples\.p2p\[1\]: -1.0 is negative"),
+        (["stages", 0, "layers", 0, "samples"], {"inverse_a": [1.0, float("inf")]},
+         r"stages\[0\]\.layers\[0\]\.samples\.inverse_a\[1\]: inf is not a finite number"),
+        (["stages", 0, "layers", 0, "samples"], {"forward": [1.0]}, r"stages\[0\]\.layers\[0\]\.samples\.forward: unknown time field"),
+        (["stages", 0, "layers", 0, "capture_a_bytes"], -1, r"stages\[0\]\.layers\[0\]\.capture_a_bytes: -1 is not a non-negative integer"),
+        (["stages", 0, "layers", 0, "capture_b_bytes"], 1.5, r"stages\[0\]\.layers\[0\]\.capture_b_bytes: 1.5 is not a non-negative integer"),
     ],
 )
 def test_bad_fields_are_named(keys, value, message):
@@ -100,3 +111,52 @@ def test_unreadable_and_malformed_files_are_profile_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ProfileError, match="not valid JSON"):
         load_profile(bad)
+
+
+SAMPLED = mutate(["stages", 0, "samples"], {"forward": [29.0, 29.2, 31.5], "step_end": [3.5, 4.0]})
+SAMPLED["stages"][0]["layers"][0].update(capture_a_bytes=1024, capture_b_bytes=2048, samples={"inverse_b": [1.4, 1.1, 2.0, 1.3]})
+
+
+def test_files_without_the_additions_are_written_exactly_as_before():
+    profile = profile_from_dict(GOOD)
+    layer = profile.stages[0].layers[0]
+    assert (layer.capture_a_bytes, layer.capture_b_bytes, layer.samples, profile.stages[0].samples) == (0, 0, {}, {})
+    expected = json.loads(json.dumps(GOOD))
+    expected["stages"][0]["layers"][0].update(sync_a=0.0, sync_b=0.0)
+    expected["stages"][1] = {"forward": 29.2, "backward": 49.4, "p2p": 0.0, "layers": []}
+    assert json.dumps(profile.to_dict()) == json.dumps(expected)  # same keys in the same order
+
+
+def test_samples_and_capture_sizes_round_trip(tmp_path):
+    profile = profile_from_dict(SAMPLED)
+    layer = profile.stages[0].layers[0]
+    assert (layer.capture_a_bytes, layer.capture_b_bytes) == (1024, 2048)
+    assert layer.samples == {"inverse_b": (1.4, 1.1, 2.0, 1.3)} and profile.stages[1].samples == {}
+    assert {profile: "hashable"}[profile_from_dict(SAMPLED)] == "hashable"
+    for name in ("p.yaml", "p.json"):
+        path = tmp_path / name
+        profile.save(path)
+        assert load_profile(path) == profile
+        assert path.read_text().count("samples") == 2 and path.read_text().count("capture_") == 2
+
+
+def test_at_percentile_matches_numpy():
+    rng = random.Random(0)
+    draws = {n: [rng.uniform(0.5, 3.0) for _ in range(n)] for n in (1, 2, 5, 8)}
+    layer = LayerProfile("fc", 1.0, 1.0, 9.0, 9.0, 0.1, samples={"curvature_a": draws[8], "inverse_a": draws[1]})
+    stage = StageProfile(7.0, 8.0, p2p=0.25, layers=(layer,), samples={"forward": draws[2], "backward": draws[5]})
+    profile = Profile(stages=(stage,))
+    for q in (0, 12.5, 50, 90, 99, 100):
+        at = profile.at_percentile(q)
+        assert at.stages[0].forward == pytest.approx(np.percentile(draws[2], q), rel=1e-12)
+        assert at.stages[0].backward == pytest.approx(np.percentile(draws[5], q), rel=1e-12)
+        assert at.stages[0].layers[0].curvature_a == pytest.approx(np.percentile(draws[8], q), rel=1e-12)
+        assert at.stages[0].layers[0].inverse_a == draws[1][0]
+        assert (at.stages[0].p2p, at.stages[0].layers[0].inverse_b) == (0.25, 9.0)  # no samples: kept
+        assert at.stages[0].samples == stage.samples and at.stages[0].layers[0].samples == layer.samples
+    assert profile.at_percentile(50).stages[0].backward == pytest.approx(statistics.median(draws[5]), rel=1e-12)
+    for q in (-1, 100.5, float("nan")):
+        with pytest.raises(ValueError, match="not in \\[0, 100\\]"):
+            profile.at_percentile(q)
+    with pytest.raises(ValueError):
+        percentile([], 50)

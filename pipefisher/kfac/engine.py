@@ -160,6 +160,13 @@ class KFACEngine:
         """Micro-batch ids with a capture of ``factor``'s input waiting for curvature."""
         return list(self._state(layer).captures[factor])
 
+    def captured_bytes(self, layer: str, factor: Factor, micro_batch: Hashable) -> int:
+        """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (numel × element
+        size, as stored: A without a bias column); 0 when none. Layers fed the same input (e.g.
+        query, key, value) each count the one tensor they share."""
+        tensors = self._state(layer).captures[_checked(factor)].get(micro_batch, [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def built_rows(self, layer: str, factor: Factor) -> int:
         """This replica's rows accumulated into the factor being built (0 when none)."""
         built = self._state(layer).built.get(factor)

@@ -14,11 +14,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from pipefisher.capture_memory import capture_peaks
 from pipefisher.config import RunConfig
 from pipefisher.kfac.layer import select_layers
 from pipefisher.pack import PackOptions, after_step_plan, pack
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.profile import Profile, ProfileError, load_profile
+from pipefisher.simulate import simulate
 from pipefisher.runtime.drift import DriftMonitor
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.kfac_ops import KfacRuntime
@@ -61,9 +63,19 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
             )
 
 
-#: packing overhead per step (share of the first-order step, preconditioning excluded) above which
-#: the run names the tasks that fit no bubble
-HIGH_OVERHEAD = 0.10
+def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
+    """The packer's options of a run (config.kfac; `refresh_steps` overrides kfac.refresh_steps)."""
+    kfac = config.kfac
+    return PackOptions(
+        margin=kfac.margin,
+        percentile=kfac.percentile,
+        max_overhead=kfac.max_overhead,
+        split=kfac.split,
+        refresh_steps=refresh_steps or kfac.refresh_steps or None,
+        max_refresh_steps=kfac.max_refresh_steps or None,
+        max_capture_mb=kfac.max_capture_mb or None,
+        data_parallel=config.pipeline.data_parallel,
+    )
 
 
 def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
@@ -71,28 +83,25 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
     kfac = config.kfac
     pinned = kfac.refresh_steps or None
     data_parallel = config.pipeline.data_parallel
-    options = PackOptions(margin=kfac.margin, max_overhead=kfac.max_overhead, split=kfac.split, refresh_steps=pinned,
-                          data_parallel=data_parallel)
-    result = pack(schedule, profile, options)
+    result = pack(schedule, profile, pack_options(config))
     if kfac.placement == "packed":
-        plan, timelines = result.plan, result.timelines
+        plan = result.plan
     else:
         plan = after_step_plan(schedule, profile, result.refresh_steps, split=kfac.split, data_parallel=data_parallel)
-        timelines = simulate_plan(plan, profile)
     validate_plan(plan)
-    predicted = cycle_time(timelines)
-    first_order = result.first_order_step_time
+    predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
+    held = max(peak.bytes for peak in capture_peaks(plan, profile))
+    first_order = simulate(schedule, profile).step_time  # nominal times, like `predicted`
     extra = predicted / plan.refresh_steps / first_order - 1 if first_order > 0 else 0.0
     summary = (
         f"K-FAC {kfac.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound}); "
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
+        + (f"; {result.reason}" if kfac.placement == "packed" and not pinned else "")
+        + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
+        + (f"; {result.memory}" if result.memory and kfac.placement == "packed" else "")
+        + ("; kfac.max_capture_mb applies to packed plans only" if kfac.max_capture_mb and kfac.placement != "packed" else "")
     )
-    if kfac.placement == "packed" and not pinned and result.overhead > HIGH_OVERHEAD and result.unplaceable:
-        summary += (
-            f"; {len(result.unplaceable)} K-FAC tasks fit no bubble of this schedule and extend the steps: "
-            "pin kfac.refresh_steps (--kfac-refresh-steps K) to spread them over more steps"
-        )
     return KfacPlan(plan, predicted, summary)
 
 

@@ -8,8 +8,10 @@ with a ping-pong, each replicated stage's gradient reduction, the rest of the en
 weights, clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss
 scale restored after), and every K-FAC task of every layer on the rank that holds it: curvature
 per micro-batch, factor sync over the stage's replicas, eigen/Cholesky inverse, preconditioning
-(standalone regions are timed with the device synchronised before and after). Every rank gathers
-all measurements and builds the same Profile (medians), so every rank packs the same plan.
+(standalone regions are timed with the device synchronised before and after), and the bytes of
+each layer's captured input and output gradient per micro-batch. Every rank gathers all
+measurements and builds the same Profile, so every rank packs the same plan: each time is the
+median of all ranks' samples of it, which the profile keeps (`samples`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,14 +40,25 @@ from pipefisher.simulate import Interval, Timeline
 
 #: (rank, op string, start, end) in ms from the step's common zero
 Record = tuple[int, str, float, float]
+#: time field -> samples in ms
+TimeSamples = dict[str, list[float]]
+#: one layer's (time samples, capture_a_bytes/capture_b_bytes -> bytes)
+LayerMeasurement = tuple[TimeSamples, dict[str, int]]
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Median wall time of `fn()` in ms."""
+def _summary(samples: Mapping[str, list[float]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """Keyword arguments of a profile entry: each of `keys` as the median of its samples (0 when
+    it has none), and `samples` of the keys that have some, in `keys` order."""
+    medians = {key: _median(samples.get(key, [])) for key in keys}
+    return {**medians, "samples": {key: samples[key] for key in keys if samples.get(key)}}
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> list[float]:
+    """Wall times of `repeats` calls of `fn()` in ms."""
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -54,7 +68,7 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samples.append(1000 * (time.perf_counter() - start))
-    return _median(samples)
+    return samples
 
 
 def _step_records(executor: Executor, rank: int, steps: int, engines: dict) -> list[list[Record]]:
@@ -80,11 +94,11 @@ def _step_records(executor: Executor, rank: int, steps: int, engines: dict) -> l
     return records
 
 
-def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int, float]:
-    """stage -> ms to move its output to the next stage (half a ping-pong round trip: the
-    activation forward on its channel, back on the gradients' channel)."""
+def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int, list[float]]:
+    """stage -> samples of the ms to move its output to the next stage (half a ping-pong round
+    trip: the activation forward on its channel, back on the gradients' channel)."""
     topology, comm = executor.topology, executor.comm
-    times: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
     for stage in range(topology.schedule.num_stages - 1):
         a, b = topology.rank(0, 0, stage), topology.rank(0, 0, stage + 1)
         if rank not in (a, b) or a == b:
@@ -102,16 +116,17 @@ def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int
                 dist.send(buffer, a, group=backward)
 
         ping_pong()  # connects
-        times[stage] = _timed(ping_pong, executor.device, repeats) / 2
+        times[stage] = [round_trip / 2 for round_trip in _timed(ping_pong, executor.device, repeats)]
     return times
 
 
-def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, float]:
-    """stage -> ms of its gradient reduction over its replicas (the buckets' all-reduces), for
-    every replicated stage this rank holds. Collective: stages in order on every rank."""
+def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[float]]:
+    """stage -> samples of the ms of its gradient reduction over its replicas (the buckets'
+    all-reduces), for every replicated stage this rank holds. Collective: stages in order on
+    every rank."""
     step_end = executor.step_end
     step_end.update = True
-    times: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
     for stage in sorted({stage for _, stage in executor.stages}):
         if len(executor.topology.replica_ranks(stage)) < 2:
             continue
@@ -121,10 +136,10 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, float]
     return times
 
 
-def _step_end_time(executor: Executor, repeats: int = 3) -> float:
-    """Median ms of this rank's end of step after the gradient reduction (tied weights, the world
-    reduction, clipping, optimizer step) on gradients of ones; parameters, optimizer state,
-    learning-rate schedule and loss scale are restored afterwards. Collective."""
+def _step_end_times(executor: Executor, repeats: int = 3) -> list[float]:
+    """`repeats` samples of the ms of this rank's end of step after the gradient reduction (tied
+    weights, the world reduction, clipping, optimizer step) on gradients of ones; parameters,
+    optimizer state, learning-rate schedule and loss scale are restored afterwards. Collective."""
     step_end = executor.step_end
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
@@ -138,7 +153,7 @@ def _step_end_time(executor: Executor, repeats: int = 3) -> float:
             for buffer in step_end.buffers.values():
                 buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
             dist.barrier()
-            samples.append(_timed(step_end.apply_now, executor.device, repeats=1))
+            samples.extend(_timed(step_end.apply_now, executor.device, repeats=1))
     finally:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
@@ -150,39 +165,44 @@ def _step_end_time(executor: Executor, repeats: int = 3) -> float:
             step_end.scaler.load_state_dict(scaler_state)
         for buffer in step_end.buffers.values():
             buffer.zero_()
-    return _median(samples[1:])
+    return samples[1:]
 
 
-def _kfac_times(executor: Executor, engines: dict, rank: int, damping: float, inverse: str) -> dict[tuple[int, str], dict[str, float]]:
-    """(stage, layer) -> task times in ms, from the captures of the last profiling step."""
+def _kfac_measurements(executor: Executor, engines: dict, damping: float, inverse: str) -> dict[tuple[int, str], LayerMeasurement]:
+    """(stage, layer) -> its K-FAC task time samples in ms (curvature: one per captured
+    micro-batch; sync only on replicated stages) and the bytes of the largest micro-batch's
+    captures, from the captures of the last profiling step."""
     device = executor.device
     comm = executor.comm
-    times: dict[tuple[int, str], dict[str, float]] = {}
+    measurements: dict[tuple[int, str], LayerMeasurement] = {}
     for (pipe, stage), engine in sorted(engines.items(), key=lambda item: (item[0][1], item[0][0])):
         group = comm.groups.get(("kfac", stage))
         for info in engine.layers():
-            entry: dict[str, float] = {}
+            samples: TimeSamples = {}
+            sizes: dict[str, int] = {}
             for factor in ("A", "B"):
-                samples = [
-                    _timed(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)
-                    for micro_batch in engine.captured(info.name, factor)
+                suffix = factor.lower()
+                micro_batches = engine.captured(info.name, factor)
+                sizes[f"capture_{suffix}_bytes"] = max(
+                    (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches), default=0
+                )
+                samples[f"curvature_{suffix}"] = [
+                    _timed(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
+                    for micro_batch in micro_batches
                 ]
-                entry[f"curvature_{factor.lower()}"] = _median(samples)
                 n = info.size(factor)
                 matrix = torch.randn(n, n, device=device)
                 matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
-                entry[f"inverse_{factor.lower()}"] = _timed(lambda: damped_inverse(matrix, damping, inverse), device)
+                samples[f"inverse_{suffix}"] = _timed(lambda: damped_inverse(matrix, damping, inverse), device)
                 if group is not None:
                     buffer = torch.zeros(n, n, device=device)
-                    entry[f"sync_{factor.lower()}"] = _timed(lambda: dist.all_reduce(buffer, group=group), device)
-                else:
-                    entry[f"sync_{factor.lower()}"] = 0.0
+                    samples[f"sync_{suffix}"] = _timed(lambda: dist.all_reduce(buffer, group=group), device)
             engine.release(info.name)
             grad = torch.randn(info.out_features, info.a_size, device=device)
             a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)
-            entry["precondition"] = _timed(lambda: precondition_matrix(grad, a_inv, b_inv), device)
-            times[(stage, info.name)] = entry
-    return times
+            samples["precondition"] = _timed(lambda: precondition_matrix(grad, a_inv, b_inv), device)
+            measurements[(stage, info.name)] = (samples, sizes)
+    return measurements
 
 
 def device_name(device: torch.device) -> str:
@@ -202,8 +222,9 @@ def measure_profile(
     repeats: int = 3,
     skip: tuple[str, ...] = (),
 ) -> tuple[Profile, list[Record]]:
-    """The run's profile (ms, medians) and the op records of the last measured step, all ranks;
-    `skip`: glob patterns of Linear layers that stay first-order (not in the profile)."""
+    """The run's profile (ms, medians, with their samples) and the op records of the last measured
+    step, all ranks; `skip`: glob patterns of Linear layers that stay first-order (not in the
+    profile)."""
     engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
     saved_context = executor.forward_context
     try:
@@ -212,53 +233,43 @@ def measure_profile(
         executor.forward_context = saved_context
     transfers = _transfer_times(executor, rank)
     reduces = _grad_reduce_times(executor, repeats)
-    step_end = _step_end_time(executor, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
+    step_end = _step_end_times(executor, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
-    kfac = _kfac_times(executor, engines, rank, damping, inverse)
+    kfac = _kfac_measurements(executor, engines, damping, inverse)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (records[warmup:], transfers, reduces, kfac, (held_stages, step_end)))
-    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
+    layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
+    capture_bytes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
-    p2p: dict[int, float] = {}
-    kfac_samples: dict[tuple[int, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    layer_order: dict[int, list[str]] = {}
-    step_ends: dict[int, list[float]] = defaultdict(list)
-    grad_reduces: dict[int, list[float]] = defaultdict(list)
     for rank_records, rank_transfers, rank_reduces, rank_kfac, (rank_stages, rank_step_end) in gathered:
-        for stage, value in rank_reduces.items():
-            grad_reduces[stage].append(value)
+        for stage, values in rank_transfers.items():
+            stage_samples[stage]["p2p"].extend(values)
+        for stage, values in rank_reduces.items():
+            stage_samples[stage]["grad_reduce"].extend(values)
         for stage in rank_stages:  # a rank holding several stages pays their step ends together
-            step_ends[stage].append(rank_step_end / len(rank_stages))
+            stage_samples[stage]["step_end"].extend(value / len(rank_stages) for value in rank_step_end)
         for step_records in rank_records:
             for _, text, start, end in step_records:
                 op = Op.parse(text)
                 if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
-                    durations[(op.kind.value, op.stage)].append(end - start)
+                    stage_samples[op.stage]["forward" if op.kind == OpKind.FORWARD else "backward"].append(end - start)
         last_step.extend(rank_records[-1])
-        p2p.update(rank_transfers)
-        for (stage, layer), entry in rank_kfac.items():
-            layer_order.setdefault(stage, [])
+        for (stage, layer), (samples, sizes) in rank_kfac.items():
             if layer not in layer_order[stage]:
                 layer_order[stage].append(layer)
-            for key, value in entry.items():
-                kfac_samples[(stage, layer)][key].append(value)
-    num_stages = executor.topology.schedule.num_stages
+            for key, values in samples.items():
+                layer_samples[(stage, layer)][key].extend(values)
+            for key, size in sizes.items():
+                capture_bytes[(stage, layer)][key] = max(capture_bytes[(stage, layer)][key], size)
     stages = []
-    for stage in range(num_stages):
+    for stage in range(executor.topology.schedule.num_stages):
         layers = tuple(
-            LayerProfile(name=layer, **{key: _median(values) for key, values in kfac_samples[(stage, layer)].items()})
-            for layer in layer_order.get(stage, [])
+            LayerProfile(name=layer, **_summary(layer_samples[(stage, layer)], LayerProfile.TIME_FIELDS), **capture_bytes[(stage, layer)])
+            for layer in layer_order[stage]
         )
-        stages.append(
-            StageProfile(
-                forward=_median(durations[("F", stage)]),
-                backward=_median(durations[("B", stage)]),
-                p2p=p2p.get(stage, 0.0),
-                step_end=_median(step_ends[stage]),
-                grad_reduce=_median(grad_reduces[stage]),
-                layers=layers,
-            )
-        )
+        stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
     profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size)
     return profile, sorted(last_step)
 

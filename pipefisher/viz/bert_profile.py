@@ -1,8 +1,9 @@
 """Write a BERT-like profile from a per-block reference CSV (e.g. the PipeFisher P100 measurements).
 
 Usage: python -m pipefisher.viz.bert_profile CSV --stages D --micro-batch-size B -o PROFILE.yaml
-[--model bert-base|bert-large] (default: the model the CSV's file name starts with). The model's
-blocks are cut into D stages of equal compute (see `pipefisher.transformer_profile`); times in ms.
+[--model bert-base|bert-large] (default: the model the CSV's file name starts with) [--seq-len 128]
+[--dtype fp32|bf16]. The model's blocks are cut into D stages of equal compute (see
+`pipefisher.transformer_profile`); times in ms; capture sizes for the sequence length and dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 from pipefisher.cli_args import USAGE_ERROR, UsageError
 from pipefisher.profile import ProfileError
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def _model(csv: Path, given: str | None) -> str:
@@ -33,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stages", "-D", type=int, required=True, help="pipeline stages D")
     parser.add_argument("--micro-batch-size", type=int, required=True, help="the CSV row (bs) to use")
     parser.add_argument("--model", choices=sorted(BERT_SIZES), help="model size (default: from the file name)")
+    parser.add_argument("--seq-len", type=int, default=128, help="sequence length, for capture sizes (default 128)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="dtype K-FAC captures in (default fp32)")
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write (.yaml, or .json)")
     args = parser.parse_args(argv)
     try:
@@ -43,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if isinstance(exc, ProfileError):
                 raise
             raise UsageError(f"cannot read block times from {args.csv}: {exc}") from None
-        profile = transformer_profile(times, blocks, args.stages, hidden, ffn, args.micro_batch_size, device=args.csv.stem)
+        profile = transformer_profile(times, blocks, args.stages, hidden, ffn, args.micro_batch_size, device=args.csv.stem,
+                                      seq_len=args.seq_len, capture_dtype_bytes=_DTYPE_BYTES[args.dtype])
         profile.save(args.output)
     except (UsageError, ProfileError, OSError) as exc:
         print(f"bert_profile: error: {str(exc).splitlines()[0]}", file=sys.stderr)

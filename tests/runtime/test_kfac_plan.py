@@ -35,10 +35,13 @@ def test_work_that_fits_the_bubbles_is_logged_with_its_small_overhead():
     assert "(+" in summary and " %)" in summary
 
 
-def test_work_that_fits_no_bubble_says_so_and_how_to_spread_it():
+def test_work_that_fits_no_bubble_is_amortised_and_the_log_says_why():
     config = run_config("1f1b")
     summary = make_plan(config, build_schedule(config), profile_of(config, 50.0)).summary
-    assert "fit no bubble of this schedule" in summary and "--kfac-refresh-steps" in summary
+    assert "fit no bubble; k grew from" in summary
+    capped = replace(config, kfac=replace(config.kfac, max_refresh_steps=3))
+    summary = make_plan(capped, build_schedule(capped), profile_of(config, 50.0)).summary
+    assert "refresh every 3 steps" in summary and "up to max_refresh_steps" in summary
     pinned = replace(config, kfac=replace(config.kfac, refresh_steps=8))
     summary = make_plan(pinned, build_schedule(pinned), profile_of(config, 50.0)).summary
     assert "refresh every 8 steps" in summary and "fit no bubble" not in summary

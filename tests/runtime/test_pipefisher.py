@@ -1,6 +1,7 @@
 """PipeFisher end to end: K-FAC on the executor equals the single-process reference K-FAC."""
 
 import json
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from _workers import pipelined, profiled_midway
-from pipefisher.config import config_from_dict
+from pipefisher.config import config_from_dict, load_config
 from pipefisher.profile import load_profile
+from pipefisher.runtime.assembly import staged_model
 from pipefisher.runtime.launch import run_group
 from pipefisher.runtime.reference import train_reference
 
@@ -111,6 +113,29 @@ def test_measured_profile_loads_in_pack_and_viz(measured, tmp_path):
     drawn = subprocess.run(["pipefisher", "viz", "--timeline", str(timeline_path), "-o", str(picture)], capture_output=True, text=True, timeout=60)
     assert drawn.returncode == 0, drawn.stderr
     assert picture.read_text().count("rank") >= 2
+
+
+def test_measured_profile_keeps_its_samples_and_the_capture_sizes(measured):
+    """Every time is the median of its samples (--repeats 2 steps of 4 micro-batches; one
+    curvature per micro-batch); capture sizes are those of the fp32 tensors the engine stores:
+    micro_batch_size x seq_len rows, in_features (A) and out_features (B) wide."""
+    profile, config = load_profile(measured[0]), load_config(TINY)
+    micro_batches = config.pipeline.micro_batches
+    rows = config.data.micro_batch_size * config.model.seq_len
+    model = staged_model(config)
+    stages = [model.build_stage(index, profile.num_stages, seed=0) for index in range(profile.num_stages)]
+    linears = {name: module for stage in stages for name, module in stage.named_modules() if isinstance(module, torch.nn.Linear)}
+    for stage in profile.stages:
+        assert len(stage.samples["forward"]) == len(stage.samples["backward"]) == 2 * micro_batches
+        assert set(stage.samples) >= {"forward", "backward", "step_end"}
+        for layer in stage.layers:
+            assert len(layer.samples["curvature_a"]) == len(layer.samples["curvature_b"]) == micro_batches
+            assert set(layer.samples) == {"curvature_a", "curvature_b", "inverse_a", "inverse_b", "precondition"}  # no replicas: no sync
+            assert layer.capture_a_bytes == rows * linears[layer.name].in_features * 4
+            assert layer.capture_b_bytes == rows * linears[layer.name].out_features * 4
+        for item in (stage, *stage.layers):
+            assert all(getattr(item, key) == statistics.median(values) for key, values in item.samples.items())
+    assert len(profile.stages[0].samples["p2p"]) >= 2
 
 
 def test_run_with_the_measured_profile(measured):

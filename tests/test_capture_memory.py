@@ -1,0 +1,99 @@
+"""Captures a plan holds per device, and the packer's cap on them."""
+
+from dataclasses import replace
+
+import pytest
+
+from pipefisher.capture_memory import capture_peaks
+from pipefisher.ir import OpKind
+from pipefisher.pack import PackOptions, after_step_plan, pack
+from pipefisher.plan import validate_plan
+from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.schedules import get_schedule
+
+A, B = 3_000_000, 5_000_000  # bytes per micro-batch of one layer's input / output gradient
+
+
+def profile_with_captures(num_stages: int, layers: int = 2, inverse: float = 0.4) -> Profile:
+    stages = tuple(
+        StageProfile(
+            forward=1.0,
+            backward=2.0,
+            layers=tuple(
+                LayerProfile(f"l{s}.{i}", 0.05, 0.05, inverse, inverse / 2, 0.02, capture_a_bytes=A, capture_b_bytes=B)
+                for i in range(layers)
+            ),
+        )
+        for s in range(num_stages)
+    )
+    return Profile(stages=stages, time_unit="ms")
+
+
+def replayed_peak(plan, rank: int, profile: Profile) -> int:
+    """Independent count: walk the rank's ops, tracking each (layer, micro-batch) capture's state."""
+    held: dict[tuple, int] = {}
+    backward_seen: set[tuple] = set()
+    curvature_a_seen: set[tuple] = set()
+    peak = 0
+    for index, step in enumerate(plan.steps):
+        for op in step[rank]:
+            mb_key = (op.pipe, op.stage, op.micro_batch)
+            if op.kind is OpKind.BACKWARD and index == 0:
+                backward_seen.add(mb_key)
+                for layer in profile.stages[op.stage].layers:
+                    held[(mb_key, layer.name, "B")] = layer.capture_b_bytes
+                    if (mb_key, layer.name) not in curvature_a_seen:
+                        held[(mb_key, layer.name, "A")] = layer.capture_a_bytes
+            elif op.kind is OpKind.CURV_A:
+                curvature_a_seen.add((mb_key, op.layer))
+                held.pop((mb_key, op.layer, "A"), None)
+            elif op.kind is OpKind.CURV_B:
+                held.pop((mb_key, op.layer, "B"), None)
+            peak = max(peak, sum(held.values()))
+    return peak
+
+
+@pytest.mark.parametrize("name, d, n", [("gpipe", 2, 4), ("1f1b", 4, 8), ("chimera", 4, 4)])
+def test_peaks_match_an_independent_count(name, d, n):
+    schedule = get_schedule(name, d, n)
+    profile = profile_with_captures(schedule.num_stages)
+    for plan in (pack(schedule, profile).plan, after_step_plan(schedule, profile, 2)):
+        peaks = capture_peaks(plan, profile)
+        assert [p.bytes for p in peaks] == [replayed_peak(plan, rank, profile) for rank in range(schedule.num_ranks)]
+
+
+def test_after_step_holds_every_capture_of_the_step():
+    schedule = get_schedule("gpipe", 2, 4)
+    profile = profile_with_captures(2)
+    peaks = capture_peaks(after_step_plan(schedule, profile, 1), profile)
+    assert [p.bytes for p in peaks] == [4 * 2 * (A + B)] * 2  # 4 micro-batches x 2 layers, all held after the flush
+
+
+def test_a_capture_cap_moves_curvature_earlier_and_is_met():
+    schedule = get_schedule("1f1b", 4, 8)
+    profile = profile_with_captures(4, inverse=1.5)
+    free = pack(schedule, profile)
+    assert free.capture_peak_bytes > 0 and free.refresh_steps > 1
+    cap_mb = 0.7 * free.capture_peak_bytes / 2**20
+    capped = pack(schedule, profile, PackOptions(max_capture_mb=cap_mb))
+    validate_plan(capped.plan)
+    assert capped.capture_peak_bytes <= cap_mb * 2**20
+    assert capped.memory.startswith("curvature ") and "right after its forward/backward" in capped.memory
+    assert capped.overhead >= free.overhead - 1e-12
+    assert capped.to_dict()["capture_peak_mib"] == pytest.approx(capped.capture_peak_bytes / 2**20)
+
+
+def test_a_cap_that_cannot_be_met_says_so():
+    schedule = get_schedule("1f1b", 4, 8)
+    profile = profile_with_captures(4, inverse=1.5)
+    result = pack(schedule, profile, PackOptions(max_capture_mb=0.001))
+    validate_plan(result.plan)
+    assert "cannot fit" in result.memory and "MiB" in result.memory
+
+
+def test_unknown_capture_sizes_report_zero():
+    schedule = get_schedule("1f1b", 2, 4)
+    profile = profile_with_captures(2)
+    unknown = replace(profile, stages=tuple(replace(s, layers=tuple(replace(l, capture_a_bytes=0, capture_b_bytes=0) for l in s.layers))
+                                            for s in profile.stages))
+    assert pack(schedule, unknown).capture_peak_bytes == 0
