@@ -49,9 +49,12 @@ def positive_float(text: str) -> float:
 
 def percentile(text: str) -> float:
     """A percentile in (0, 100] (argparse type)."""
-    value = positive_float(text)
-    if value > 100:
-        raise argparse.ArgumentTypeError(f"{value} must be in (0, 100] (50 = the median)")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"{value:g} must be in (0, 100] (50 = the median)")
     return value
 
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from pipefisher.config import RunConfig
 from pipefisher.profile import load_profile
@@ -179,6 +180,9 @@ def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> i
     except Exception as exc:
         print(f"pipefisher: rank {rank}: {first_line(exc)}", file=sys.stderr, flush=True)
         os._exit(1)  # peers are failing too; a clean shutdown could wait on them
+    # Every rank got here after the run's last collective: shut the group down while the
+    # interpreter is whole (left to interpreter exit, its threads can abort the process).
+    dist.destroy_process_group()
     return code
 
 

@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -73,11 +72,13 @@ def step_lines(text: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_torchrun_nodes_train_like_the_local_launcher(tmp_path):
-    port, job = free_port(), f"pipefisher-test-{uuid.uuid4().hex[:8]}"
+    port = free_port()
     run = ["-m", "pipefisher", "run", str(TINY), "--steps", "3", "--json"]
-    agent = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job, "--max-restarts", "0"]
-    procs = [start(agent + run, tmp_path / f"node{node}") for node in range(2)]
+    # Static rendezvous (node ranks given): with c10d's dynamic one, an agent whose peer hosted the
+    # store and left first can fail polling it after training ended (a torchrun race, not ours).
+    agent = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "--max-restarts", "0"]
+    procs = [start(agent + ["--node-rank", str(node)] + run, tmp_path / f"node{node}") for node in range(2)]
     procs.append(start(["pipefisher", "run", str(TINY), "--steps", "3", "--json", "--master-port", "0"], tmp_path / "local"))
     codes = finish(procs)
     logs = {name: ((tmp_path / name).with_suffix(".out").read_text(), (tmp_path / name).with_suffix(".err").read_text())
