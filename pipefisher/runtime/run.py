@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 
 from pipefisher.config import RunConfig
 from pipefisher.profile import load_profile
@@ -74,7 +74,7 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
         rank = int(os.environ["RANK"])
         if rank == 0:
             print(f"pipefisher run (torchrun): {describe(config)}; {os.environ['WORLD_SIZE']} processes", file=sys.stderr)
-        return _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume_from))
+        _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume_from))
     port = config.run.master_port or free_port(config.run.master_addr)
     backend = resolve_backend(config.run.backend)
     print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {port})", file=sys.stderr)
@@ -136,12 +136,10 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
 
         def work(device: torch.device) -> int:
             _profile_worker(rank, config.world_size, config, output, timeline, repeats)
-            return 0
+            # only rank 0 writes the file (on its own node)
+            return _report_profile(load_profile(output), output, timeline) if rank == 0 else 0
 
-        code = _under_torchrun(config, work)
-        if code or rank != 0:
-            return code  # only rank 0 writes the file (on its own node)
-        return _report_profile(load_profile(output), output, timeline)
+        _under_torchrun(config, work)
     port = config.run.master_port or free_port(config.run.master_addr)
     try:
         profiles = run_group(
@@ -168,22 +166,24 @@ def _report_profile(profile, output: str, timeline: str | None) -> int:
     return 0
 
 
-def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> int:
-    """Run `work(device)` in the process group torchrun's environment describes; its exit code."""
+def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> NoReturn:
+    """Run `work(device)` in the process group torchrun's environment describes; exit with its
+    code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
         print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
               f"(pipeline.stages x pipeline.data_parallel)", file=sys.stderr)
-        return 2
+        sys.exit(2)
     try:
         code = work(init_distributed(config.run.backend, config.run.timeout))
     except Exception as exc:
         print(f"pipefisher: rank {rank}: {first_line(exc)}", file=sys.stderr, flush=True)
-        os._exit(1)  # peers are failing too; a clean shutdown could wait on them
-    # Every rank got here after the run's last collective: shut the group down while the
-    # interpreter is whole (left to interpreter exit, its threads can abort the process).
-    dist.destroy_process_group()
-    return code
+        code = 1  # peers are failing too; a clean shutdown could wait on them
+    # Leave at once, like the local launcher's workers: left to interpreter exit, the process
+    # group's threads can abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def check_port(config: RunConfig) -> str | None:
