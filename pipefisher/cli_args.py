@@ -6,6 +6,9 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
+from typing import Any
 
 from pipefisher.profile import load_profile, uniform_profile
 from pipefisher.schedules import SCHEDULES, get_schedule
@@ -25,37 +28,31 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def _checked(text: str, convert: Callable[[str], Any], noun: str, ok: Callable[[Any], bool], requirement: str,
+             shown: Callable[[Any], str] = str) -> Any:
+    """`convert(text)` if it parses and passes `ok`, else argparse's error naming the value."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{shown(value)} {requirement}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+    return _checked(text, int, "an integer", lambda v: v >= 1, "must be at least 1")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
-    return value
+    return _checked(text, float, "a number", lambda v: 0 < v < math.inf, "must be a finite number > 0")
 
 
 def percentile(text: str) -> float:
     """A percentile in (0, 100] (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 100:
-        raise argparse.ArgumentTypeError(f"{value:g} must be in (0, 100] (50 = the median)")
-    return value
+    return _checked(text, float, "a number", lambda v: 0 < v <= 100, "must be in (0, 100] (50 = the median)", "{:g}".format)
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,10 +79,4 @@ def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> 
 
 def share(text: str) -> float:
     """A number in [0, 1) (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1)")
-    return value
+    return _checked(text, float, "a number", lambda v: 0 <= v < 1, "must be in [0, 1)")
