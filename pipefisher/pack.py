@@ -105,9 +105,13 @@ class _Packing:
         self.cache: dict = {}
         self._placed: dict[Strategy, dict[Op, Placement]] = {}
         self.bounds = lower_bounds(tasks, first_order, self.windows)
-        self.precondition_time = self.windows.preconditioned.step_time
         self._best: dict[int, _Candidate] = {}
         self.all_cycle_work = [op for ops in tasks.cycle for op in ops if op.kind not in COLLECTIVES]
+
+    @property
+    def precondition_time(self) -> float:
+        """A step's time with preconditioning as its only K-FAC work."""
+        return self.windows.preconditioned.step_time
 
     def placed(self, strategy: Strategy) -> dict[Op, Placement]:
         """The greedy's placement with `strategy` (run once)."""

@@ -148,7 +148,9 @@ def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None
     `cache` (optional, owned by the caller) memoises step timelines across plans of one profile;
     `graph` (optional) is the plan's task graph when the caller has it.
     """
-    return [simulate_plan_step(plan, index, profile, cache, graph) for index in range(plan.refresh_steps)]
+    graph = graph or plan.graph  # derived once for all steps
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile)
+    return [simulate_plan_step(plan, index, durations, cache, graph) for index in range(plan.refresh_steps)]
 
 
 def simulate_plan_step(plan: Plan, index: int, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> Timeline:
