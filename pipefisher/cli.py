@@ -256,14 +256,40 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _prepare_model(config) -> None:
-    """Check that the model splits into the run's stages; for BERT this also builds (and caches)
-    the tokenizer and tokens once, before the ranks start and read the cache."""
+    """Check that the model splits into the run's stages; for text data this also builds (and
+    caches) the tokenizer and tokens once, before the ranks start and read the cache."""
     from pipefisher.runtime.assembly import staged_model
 
     def announce() -> None:
-        print("pipefisher: preparing the BERT data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
+        print(f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
 
     staged_model(config, on_data=announce)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pipefisher.config import load_config
+
+    config = load_config(args.config).with_overrides(checkpoint={"dir": args.checkpoint_dir})
+    if not config.checkpoint.dir:
+        raise UsageError("export needs the run's checkpoints: give --checkpoint-dir or set checkpoint.dir")
+    from pipefisher.runtime.checkpoint import CheckpointError
+    from pipefisher.runtime.export import export_checkpoint
+
+    try:
+        exported = export_checkpoint(config, args.output)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    _say(f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
+         f"{exported.parameters / 1e6:.2f} M parameters, {exported.weights_bytes / 2**20:.1f} MiB of weights")
+    return 0
+
+
+def _add_export(subparsers) -> None:
+    parser = subparsers.add_parser("export", help="write a Hugging Face model's checkpoint as a from_pretrained folder")
+    parser.add_argument("config", help="the run's YAML run file (model.kind hf)")
+    parser.add_argument("-o", "--output", required=True, help="folder to write (config.json, model.safetensors, tokenizer.json)")
+    parser.add_argument("--checkpoint-dir", help="the run's checkpoints (checkpoint.dir); the newest that verifies is exported")
+    parser.set_defaults(handler=_cmd_export)
 
 
 def _add_profile(subparsers) -> None:
@@ -310,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pack(subparsers)
     _add_run(subparsers)
     _add_profile(subparsers)
+    _add_export(subparsers)
     from pipefisher.viz.cli import add_viz_parser
 
     add_viz_parser(subparsers)

@@ -23,14 +23,21 @@ class ModelConfig:
     """`bert`: BERT pretraining (MLM + NSP) from a preset (bert-tiny, bert-mini, bert-base,
     bert-large) or a Hugging Face config.json (`config_json`); its vocabulary follows the data's
     tokenizer; `dropout` >= 0 overrides the config's dropout probabilities.
+    `hf`: a Hugging Face Transformers model (the `hf` extra) of class `hf_class` ("" = the config's
+    first `architectures` entry) built from `hf_config` (a config.json path, or a config shipped
+    with pipefisher: gpt2-tiny, bert-tiny, llama-tiny, gpt2-medium), its vocabulary following the
+    data's tokenizer, or loaded from the safetensors file `hf_weights`.
     `transformer`/`mlp`: a small regression model on continuous inputs (micro_batch_size,
     seq_len, input_dim) -> (…, output_dim); `layers` counts its blocks. `seq_len`: tokens per
     sequence for every kind.
     """
 
-    kind: Literal["transformer", "mlp", "bert"] = "transformer"
+    kind: Literal["transformer", "mlp", "bert", "hf"] = "transformer"
     preset: str = "bert-tiny"
     config_json: str = ""
+    hf_config: str = "gpt2-tiny"
+    hf_class: str = ""
+    hf_weights: str = ""
     dropout: float = -1.0
     layers: int = 4
     hidden: int = 32
@@ -47,13 +54,17 @@ class DataConfig:
     for the transformer/mlp models. `bert`: sentence pairs with 15 % masking from `corpus`
     ("embedded" = English text shipped with Python, or a file: one sentence per line, blank line
     between documents) tokenised by WordPiece (`vocab`: a BERT vocab.txt, "" = train one of
-    `vocab_size` on the corpus); tokenizer and tokens are cached in `cache_dir` ("" = default)."""
+    `vocab_size` on the corpus). `causal`: next-token prediction on `corpus` packed into
+    sequences of model.seq_len tokens, tokenised by byte-level BPE (`tokenizer`: a tokenizer.json,
+    "" = train one of `vocab_size` on the corpus). Tokenizers and tokens are cached in `cache_dir`
+    ("" = default)."""
 
-    kind: Literal["synthetic", "bert"] = "synthetic"
+    kind: Literal["synthetic", "bert", "causal"] = "synthetic"
     seed: int = 0
     micro_batch_size: int = 4
     corpus: str = "embedded"
     vocab: str = ""
+    tokenizer: str = ""
     vocab_size: int = 4000
     mask_prob: float = 0.15
     cache_dir: str = ""
@@ -284,15 +295,19 @@ def _check(config: RunConfig) -> None:
     pipeline, model = config.pipeline, config.model
     if pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if model.kind != "bert" and model.layers % config.model_chunks:
+    if model.kind in ("transformer", "mlp") and model.layers % config.model_chunks:
         interleaved = pipeline.schedule == "interleaved"
         raise ConfigError(
             f"model.layers: {model.layers} blocks cannot be split into {config.model_chunks} equal stages "
             f"(pipeline.stages {pipeline.stages}" + (f" x pipeline.chunks {pipeline.chunks}" if interleaved else "") + "); "
             + split_hint(model.layers, "pipeline.stages x pipeline.chunks" if interleaved else "pipeline.stages")
         )
-    if (model.kind == "bert") != (config.data.kind == "bert"):
-        raise ConfigError(f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; bert needs data.kind bert")
+    fits = {"transformer": ("synthetic",), "mlp": ("synthetic",), "bert": ("bert",), "hf": ("causal", "bert")}[model.kind]
+    if config.data.kind not in fits:
+        raise ConfigError(f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; it needs data.kind "
+                          + " or ".join(fits))
+    if config.data.tokenizer and config.data.kind != "causal":
+        raise ConfigError("data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab")
     if not 0 < config.data.mask_prob < 1:
         raise ConfigError(f"data.mask_prob: {config.data.mask_prob} must be in (0, 1)")
     if model.kind == "transformer" and model.hidden % model.heads:

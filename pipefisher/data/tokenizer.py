@@ -1,7 +1,10 @@
-"""BERT WordPiece tokenizers (`tokenizers` library): trained on a corpus and cached, or loaded
-from a BERT `vocab.txt`. Both share BERT's pipeline: lower-casing, accent-stripping normalizer,
+"""Tokenizers (`tokenizers` library), trained on a corpus and cached, or loaded from a file.
+
+BERT WordPiece (trained, or from a BERT `vocab.txt`): lower-casing, accent-stripping normalizer,
 whitespace-and-punctuation pre-tokenizer, `##` continuation prefix, `[CLS] A [SEP] B [SEP]`
-post-processor.
+post-processor. Byte-level BPE for causal language models (GPT-2's scheme: every byte is a
+token, no unknown token, one `<|endoftext|>` special token between documents), trained, or any
+`tokenizer.json` holding an end-of-text token.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, CLS, SEP, MASK)
 """In id order for trained tokenizers: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4."""
 
 _RECIPE = "bert-wordpiece-v1"  # part of the cache key: change it when the training recipe changes
+_BPE_RECIPE = "byte-level-bpe-v1"
+END_OF_TEXT = "<|endoftext|>"
+#: end-of-text tokens `end_of_text_id` recognises, in the order it tries them
+END_OF_TEXT_TOKENS: tuple[str, ...] = (END_OF_TEXT, "</s>", "<eos>", "[SEP]")
 
 
 @dataclass(frozen=True)
@@ -63,8 +70,7 @@ def _add_post_processor(tokenizer: Tokenizer) -> Tokenizer:
 
 def wordpiece_cache_path(documents: list[list[str]], vocab_size: int, cache_dir: str | Path) -> Path:
     """Where `train_wordpiece` caches its result: keyed by corpus, vocab size and recipe."""
-    key = hashlib.sha256(f"{_RECIPE}|{vocab_size}|{corpus_fingerprint(documents)}".encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"wordpiece-{vocab_size}-{key}.json"
+    return _cache_path("wordpiece", _RECIPE, documents, vocab_size, cache_dir)
 
 
 def train_wordpiece(documents: list[list[str]], vocab_size: int, cache_dir: str | Path | None = None) -> Tokenizer:
@@ -78,18 +84,16 @@ def train_wordpiece(documents: list[list[str]], vocab_size: int, cache_dir: str 
     """
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
-    path = None if cache_dir is None else wordpiece_cache_path(documents, vocab_size, cache_dir)
-    if path is not None and path.is_file():
-        return Tokenizer.from_file(str(path))
-    tokenizer = _bert_pipeline(models.WordPiece(unk_token=UNK))
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix="##", show_progress=False
-    )
-    tokenizer.train_from_iterator((sentence for document in documents for sentence in document), trainer)
-    _add_post_processor(tokenizer)
-    if path is None:
-        return tokenizer
-    return Tokenizer.from_file(str(write_once(path, lambda partial: tokenizer.save(str(partial)))))
+
+    def train() -> Tokenizer:
+        tokenizer = _bert_pipeline(models.WordPiece(unk_token=UNK))
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix="##", show_progress=False
+        )
+        tokenizer.train_from_iterator((sentence for document in documents for sentence in document), trainer)
+        return _add_post_processor(tokenizer)
+
+    return _cached_training("wordpiece", _RECIPE, documents, vocab_size, cache_dir, train)
 
 
 def load_vocab(path: str | Path, lowercase: bool = True) -> Tokenizer:
@@ -98,3 +102,49 @@ def load_vocab(path: str | Path, lowercase: bool = True) -> Tokenizer:
     five special tokens."""
     vocab = models.WordPiece.read_file(str(path))
     return _add_post_processor(_bert_pipeline(models.WordPiece(vocab, unk_token=UNK), lowercase))
+
+
+def _cache_path(kind: str, recipe: str, documents: list[list[str]], vocab_size: int, cache_dir: str | Path) -> Path:
+    key = hashlib.sha256(f"{recipe}|{vocab_size}|{corpus_fingerprint(documents)}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"{kind}-{vocab_size}-{key}.json"
+
+
+def _cached_training(kind: str, recipe: str, documents: list[list[str]], vocab_size: int, cache_dir: str | Path | None,
+                     train) -> Tokenizer:
+    """`train()` once per (corpus, vocab size, recipe) in `cache_dir`: the first tokenizer saved
+    there (first writer wins) is the one every later or concurrent call returns."""
+    if cache_dir is None:
+        return train()
+    path = _cache_path(kind, recipe, documents, vocab_size, cache_dir)
+    if not path.is_file():
+        tokenizer = train()
+        write_once(path, lambda partial: tokenizer.save(str(partial)))
+    return Tokenizer.from_file(str(path))
+
+
+def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, cache_dir: str | Path | None = None) -> Tokenizer:
+    """A byte-level BPE tokenizer of at most `vocab_size` tokens (at least the 256 bytes and
+    END_OF_TEXT, id 0) trained on `documents`, cached in `cache_dir` as `train_wordpiece` is."""
+    if vocab_size <= 257:
+        raise ValueError(f"vocab_size must exceed the 256 byte tokens and {END_OF_TEXT}, got {vocab_size}")
+
+    def train() -> Tokenizer:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator((" ".join(document) for document in documents), trainer)
+        return tokenizer
+
+    return _cached_training("bpe", _BPE_RECIPE, documents, vocab_size, cache_dir, train)
+
+
+def end_of_text_id(tokenizer: Tokenizer) -> int:
+    """Id of the tokenizer's end-of-text token (the first of END_OF_TEXT_TOKENS it has);
+    ValueError when it has none."""
+    for token in END_OF_TEXT_TOKENS:
+        index = tokenizer.token_to_id(token)
+        if index is not None:
+            return index
+    raise ValueError(f"tokenizer has no end-of-text token (one of {', '.join(END_OF_TEXT_TOKENS)})")

@@ -115,7 +115,7 @@ class PreconditionReport:
 
 
 class KFACEngine:
-    """K-FAC state of the selected ``nn.Linear`` layers of ``model`` and the operations on it."""
+    """K-FAC state of the selected linear layers (``nn.Linear``, ``Conv1D``) of ``model`` and the operations on it."""
 
     def __init__(
         self, model: nn.Module, config: KFACConfig | None = None, skip: Iterable[str] = ()
@@ -316,14 +316,14 @@ class KFACEngine:
         weight, bias = st.module.weight, st.module.bias
         if weight.grad is None:
             return None
-        grad = weight.grad
+        grad = weight.grad.T if st.info.transposed else weight.grad  # (dout, din)
         if bias is not None:  # a frozen bias contributes a zero column
             column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
             grad = torch.cat([grad, column[:, None]], 1)
         new = self._apply_inverses(st, grad)
         vg = (new * grad.to(new.dtype)).sum() if self.config.kl_clip is not None else None
         din = st.info.in_features
-        weight.grad.copy_(new[:, :din])
+        weight.grad.copy_(new[:, :din].T if st.info.transposed else new[:, :din])
         if bias is not None and bias.grad is not None:
             bias.grad.copy_(new[:, din])
         return vg

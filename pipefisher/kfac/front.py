@@ -26,7 +26,7 @@ from pipefisher.kfac.layer import FACTORS, Health, LayerInfo
 
 
 class KFAC:
-    """K-FAC preconditioner for the ``nn.Linear`` layers of ``model`` (see :class:`KFACConfig`).
+    """K-FAC preconditioner for the linear layers (``nn.Linear``, ``Conv1D``) of ``model`` (see :class:`KFACConfig`).
 
     ``skip``: glob patterns of module names kept first-order. ``process_group``: factors are
     all-reduced over it before inversion (data parallelism); None = no communication.

@@ -1,4 +1,5 @@
-"""Per-layer K-FAC state and the choice of which ``nn.Linear`` layers get K-FAC."""
+"""Per-layer K-FAC state and the choice of which linear layers get K-FAC: ``nn.Linear`` and
+Hugging Face's ``Conv1D`` (GPT-2's linear map, weight stored transposed as (in, out))."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ FACTORS: tuple[Factor, Factor] = ("A", "B")
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """A K-FAC layer as the planner sees it: ``a_size = din + has_bias`` (A), ``b_size = dout`` (B)."""
+    """A K-FAC layer as the planner sees it: ``a_size = din + has_bias`` (A), ``b_size = dout`` (B).
+    ``transposed``: the weight is stored (din, dout), as Conv1D stores it."""
 
     name: str
     in_features: int
     out_features: int
     has_bias: bool
+    transposed: bool = False
 
     @property
     def a_size(self) -> int:
@@ -96,7 +99,7 @@ class LayerState:
     """
 
     info: LayerInfo
-    module: nn.Linear
+    module: nn.Module
     dtype: torch.dtype
     captures: dict[Factor, dict[Hashable, list[Tensor]]] = field(
         default_factory=lambda: {"A": {}, "B": {}}
@@ -112,18 +115,29 @@ class LayerState:
 def select_layers(
     model: nn.Module, skip: Iterable[str] = (), max_factor_dim: int = 8192
 ) -> dict[str, LayerState]:
-    """K-FAC state for every ``nn.Linear`` of ``model`` in module order, except those whose name
-    matches a glob in ``skip`` and those with a factor larger than ``max_factor_dim`` (e.g. a
-    vocabulary projection). Other modules (embeddings, LayerNorm, ...) are left first-order."""
+    """K-FAC state for every linear layer of ``model`` (see `linear_info`) in module order, except
+    those whose name matches a glob in ``skip`` and those with a factor larger than
+    ``max_factor_dim`` (e.g. a vocabulary projection). Other modules (embeddings, LayerNorm, ...)
+    are left first-order."""
     patterns = list(skip)
     layers: dict[str, LayerState] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        info = linear_info(name, module)
+        if info is None or any(fnmatch.fnmatchcase(name, p) for p in patterns):
             continue
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
-        info = LayerInfo(name, module.in_features, module.out_features, module.bias is not None)
         if max(info.a_size, info.b_size) > max_factor_dim:
             continue
         layers[name] = LayerState(info, module, factor_dtype(module.weight.dtype))
     return layers
+
+
+def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
+    """The K-FAC view of `module` when it is a linear map of its last input dimension: an
+    ``nn.Linear``, or a ``Conv1D`` (by class name, so this module needs no transformers) with a
+    (din, dout) weight; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return LayerInfo(name, module.in_features, module.out_features, module.bias is not None)
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2:
+        return LayerInfo(name, weight.shape[0], weight.shape[1], getattr(module, "bias", None) is not None, transposed=True)
+    return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from collections.abc import Callable
 
 from pipefisher.config import ConfigError, DataConfig, RunConfig, split_hint
@@ -28,8 +29,10 @@ def build_schedule(config: RunConfig) -> Schedule:
 
 def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
     """The model of the run behind the staged-model interface (ConfigError if it cannot be split
-    into the run's stages); BERT calls `on_data()` once the split is valid, before it builds (or
-    loads from the cache) the tokenizer and tokens."""
+    into the run's stages); BERT and Hugging Face models call `on_data()` once the split is valid,
+    before they build (or load from the cache) the tokenizer and tokens."""
+    if config.model.kind == "hf":
+        return _hf_model(config, on_data)
     if config.model.kind != "bert":
         return TinyRegression(config.model)
     from pipefisher.models.bert import BertConfig, BertStagedModel, bert_preset
@@ -54,6 +57,77 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
     return BertStagedModel(bert, settings.seq_len)
 
 
+def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
+    """The run's Hugging Face model: its config with the run's dropout, vocabulary and special
+    ids, checked against the run's stages and data before the data is built."""
+    try:
+        from pipefisher.models.hf import DROPOUT_FIELDS, HfStagedModel, load_hf_config
+    except ImportError:
+        raise ConfigError('model.kind hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
+    settings = config.model
+
+    def build(**overrides) -> HfStagedModel:
+        try:
+            hf_config = load_hf_config(settings.hf_config, **overrides)
+            if settings.dropout >= 0:
+                for name in DROPOUT_FIELDS:
+                    if hasattr(hf_config, name):
+                        setattr(hf_config, name, settings.dropout)
+            class_name = settings.hf_class or (getattr(hf_config, "architectures", None) or [""])[0]
+            if not class_name:
+                raise ValueError("hf_class: the config names no architectures; set model.hf_class (e.g. GPT2LMHeadModel)")
+            return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights)
+        except ValueError as exc:
+            # every message names its field (hf_config, hf_class, hf_weights, seq_len)
+            raise ConfigError(f"model.{exc}") from None
+
+    model = build()
+    if model.num_blocks % config.model_chunks:
+        interleaved = config.pipeline.schedule == "interleaved"
+        raise ConfigError(
+            f"model: {model.num_blocks} blocks of {model.layout.blocks} cannot be split into {config.model_chunks} equal stages; "
+            + split_hint(model.num_blocks, "pipeline.stages x pipeline.chunks" if interleaved else "pipeline.stages")
+        )
+    if model.layout.data != config.data.kind:
+        raise ConfigError(f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}")
+    if on_data is not None:
+        on_data()
+    try:
+        data = pretraining_data(config) if config.data.kind == "bert" else causal_data(config)
+    except (ValueError, OSError) as exc:
+        message = str(exc).splitlines()[0]
+        raise ConfigError(f"data.{message}" if message.startswith("tokenizer:") else f"data: {message}") from None
+    if settings.hf_weights:
+        if data.vocab_size > model.config.vocab_size:
+            raise ConfigError(f"data: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
+                              "model.hf_weights; give data.tokenizer the checkpoint's tokenizer.json")
+        return model
+    special = {"pad_token_id": data.special.pad} if config.data.kind == "bert" else {
+        "bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
+    return build(vocab_size=data.vocab_size, **special)
+
+
+@functools.cache
+def _causal_data(data: DataConfig, seq_len: int):
+    from pipefisher.data.causal import CausalLMData
+    from pipefisher.data.corpus import embedded_corpus, read_corpus
+    from pipefisher.data.pretraining import default_cache_dir
+    from pipefisher.data.tokenizer import train_byte_level_bpe
+    from tokenizers import Tokenizer
+
+    cache = data.cache_dir or str(default_cache_dir())
+    documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
+    if data.tokenizer and not Path(data.tokenizer).is_file():
+        raise ValueError(f"tokenizer: no such file {data.tokenizer}")  # reported as data.tokenizer
+    tokenizer = Tokenizer.from_file(data.tokenizer) if data.tokenizer else train_byte_level_bpe(documents, data.vocab_size, cache)
+    return CausalLMData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, cache)
+
+
+def causal_data(config: RunConfig):
+    """The causal-LM data of the run (built once per process; tokenizer and tokens cached on disk)."""
+    return _causal_data(config.data, config.model.seq_len)
+
+
 @functools.cache
 def _pretraining_data(data: DataConfig, seq_len: int):
     from pipefisher.data.corpus import embedded_corpus, read_corpus
@@ -75,4 +149,6 @@ def data_source(config: RunConfig) -> MicroBatchFn:
     """(step, global micro-batch) -> batch, a pure function every rank can call."""
     if config.data.kind == "bert":
         return pretraining_data(config).micro_batch
+    if config.data.kind == "causal":
+        return causal_data(config).micro_batch
     return SyntheticRegression(config.data, config.model).micro_batch

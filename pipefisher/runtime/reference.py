@@ -6,15 +6,21 @@ step), tied-weight gradients summed, the same precision (autocast, activations r
 compute dtype between stages, fp16's loss scale and overflow skips), the same clipping and
 learning-rate schedule, and the same K-FAC cycle, so its losses and parameters agree with the
 pipelined run's to float tolerance.
+
+A model that offers its unsplit form (`unsplit`, `unsplit_loss`, `stage_ends`: Hugging Face
+models) is trained as that one object, the independent check of the split; others as their
+stages in sequence.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from pipefisher.config import RunConfig
 from pipefisher.optim import build_optimizer, build_scheduler
@@ -31,16 +37,16 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
     entry point installed `stop_request`)."""
     model = staged_model(config)
-    num_stages = config.model_chunks
     device = torch.device("cpu")
-    stages = [model.build_stage(index, num_stages, config.run.seed) for index in range(num_stages)]
+    precision = Precision(config.run.precision, device)
+    net = (_unsplit if hasattr(model, "unsplit") else _stages_in_sequence)(model, config, precision)
+    stages = net.modules
     optimizer = build_optimizer(config.optimizer_settings, stages)
     scheduler = build_scheduler(config, optimizer)
     micro_batch = data_source(config)
-    precision = Precision(config.run.precision, device)
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
-    tied = _local_tied_copies(stages, model.tied_parameters())
+    tied = net.tied
     kfac = ReferenceKfac(config, nn.ModuleList(stages), model.kfac_skip()) if config.optimizer.name == "kfac" else None
     losses = []
     for step in range(config.run.steps):
@@ -51,7 +57,7 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
             batch = micro_batch(step, index)
             loss_scale = None if scaler is None else scaler.scale.clone()
             with kfac.capture(step, index, loss_scale) if kfac else nullcontext():
-                loss, parts = _forward(stages, model, batch, precision)
+                loss, parts = net.loss(batch)
                 loss = loss * (1.0 / total)  # the scaling the last stage applies
                 (loss if scaler is None else loss * scaler.scale).backward()
             step_loss += float(loss.detach())
@@ -90,25 +96,54 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
             on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
         if stop_request.signum:
             raise Stopped(step + 1, stop_request.signum)
-    parameters = {
-        f"{index}.{name}": parameter.detach().clone()
-        for index, stage in enumerate(stages)
-        for name, parameter in stage.named_parameters()
-    }
-    return TrainResult(losses, parameters)
+    return TrainResult(losses, {name: parameter.detach().clone() for name, parameter in net.named_parameters()})
 
 
-def _forward(stages: list[nn.Module], model, batch: dict, precision: Precision) -> tuple:
+@dataclass
+class _Net:
+    """What the reference trains: `modules` (for the optimizer and K-FAC), `loss(batch)` ->
+    (loss, parts) under the run's precision, the distinct copies of a tied weight, and the
+    parameters to report by name."""
+
+    modules: list[nn.Module]
+    loss: Callable[[dict], tuple[Tensor, dict[str, Tensor]]]
+    tied: list[nn.Parameter]
+    named_parameters: Callable[[], list[tuple[str, nn.Parameter]]]
+
+
+def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
     """The stages in sequence under the run's autocast, each stage's output rounded to the
-    compute dtype as the pipeline sends it; then the loss and its parts."""
-    x = None
-    for index, stage in enumerate(stages):
+    compute dtype as the pipeline sends it; then the loss and its parts. Parameters are named
+    "<stage>.<name>" as the pipelined run names them."""
+    stages = [model.build_stage(index, config.model_chunks, config.run.seed) for index in range(config.model_chunks)]
+
+    def loss(batch: dict) -> tuple:
+        x = None
+        for index, stage in enumerate(stages):
+            with precision.autocast():
+                x = stage(x, batch)
+            if index < len(stages) - 1:
+                x = x.to(precision.compute_dtype)
         with precision.autocast():
-            x = stage(x, batch)
-        if index < len(stages) - 1:
-            x = x.to(precision.compute_dtype)
-    with precision.autocast():
-        return model.loss(x, batch)
+            return model.loss(x, batch)
+
+    return _Net(stages, loss, _local_tied_copies(stages, model.tied_parameters()),
+                lambda: [(f"{i}.{name}", p) for i, stage in enumerate(stages) for name, p in stage.named_parameters()])
+
+
+def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:
+    """The unsplit model object under the run's autocast, its own loss; the output of the last
+    block of every stage but the last is rounded to the compute dtype, as the pipeline sends it.
+    Parameters keep the model's own names."""
+    unsplit = model.unsplit(config.run.seed)
+    for name in model.stage_ends(config.model_chunks):
+        unsplit.get_submodule(name).register_forward_hook(lambda module, inputs, output: output.to(precision.compute_dtype))
+
+    def loss(batch: dict) -> tuple:
+        with precision.autocast():
+            return model.unsplit_loss(unsplit, batch)
+
+    return _Net([unsplit], loss, [], lambda: list(unsplit.named_parameters()))
 
 
 def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> list[nn.Parameter]:

@@ -1,0 +1,180 @@
+"""How a stage runs its share of a Hugging Face model family: the block list, what the first and
+last stages hold, and the few lines of the family's forward around the blocks.
+
+A `Layout` is recognised from the module tree of the model class (`find_layout`): GPT-2
+(``transformer.h``), BERT for pre-training (``bert.encoder.layer``) and Llama-like decoders
+(``model.layers`` with ``model.embed_tokens``, ``model.norm``, ``model.rotary_emb``). Every stage
+rebuilds the attention mask (and rotary embeddings) from the micro-batch with the library's own
+functions, as the unsplit model does, so that nothing but hidden states crosses stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from pipefisher.models import Batch
+
+IGNORE_INDEX = -100
+#: block keyword arguments from (stage, stand-in (B, T, 1) in the embeddings' dtype, micro-batch)
+BlockContext = Callable[[nn.Module, Tensor, Batch], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One family's cut. Paths are dotted module names of the Hugging Face model.
+
+    `first`/`last`: modules held by the first/last stage only; `every`: parameter-free modules
+    every stage holds. `embed(stage, batch)` -> hidden states (B, T, hidden); `head(stage, x)` ->
+    the last stage's output; `model_inputs(batch)`: keyword arguments of the unsplit model's
+    forward, labels included; `outputs(model_output)`: that forward's result as `head` returns it.
+    """
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    every: tuple[str, ...]
+    data: Literal["causal", "bert"]
+    embed: Callable[[nn.Module, Batch], Tensor]
+    context: BlockContext
+    head: Callable[[nn.Module, Tensor], Any]
+    model_inputs: Callable[[Batch], dict[str, Tensor]]
+    outputs: Callable[[Any], Any]
+    loss_parts: tuple[str, ...] = ()
+    #: config fields that must be false/null: they change the forward in ways this layout does not follow
+    unsupported: tuple[str, ...] = ()
+
+
+def _positions(stand_in: Tensor) -> Tensor:
+    return torch.arange(stand_in.shape[1], device=stand_in.device).unsqueeze(0)
+
+
+def _causal_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
+    from transformers.masking_utils import create_causal_mask
+
+    positions = _positions(stand_in)
+    mask = create_causal_mask(config=stage.config, inputs_embeds=stand_in, attention_mask=batch.get("attention_mask"),
+                              past_key_values=None, position_ids=positions)
+    return {"attention_mask": mask, "position_ids": positions, "use_cache": False}
+
+
+def _rotary_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
+    context = _causal_context(stage, stand_in, batch)
+    context["position_embeddings"] = stage.get_submodule("model.rotary_emb")(stand_in, position_ids=context["position_ids"])
+    return context
+
+
+def _bidirectional_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
+    from transformers.masking_utils import create_bidirectional_mask
+
+    return {"attention_mask": create_bidirectional_mask(config=stage.config, inputs_embeds=stand_in,
+                                                        attention_mask=batch["attention_mask"])}
+
+
+def _gpt2_embed(stage: nn.Module, batch: Batch) -> Tensor:
+    ids = batch["input_ids"]
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    hidden = stage.get_submodule("transformer.wte")(ids) + stage.get_submodule("transformer.wpe")(positions)
+    return stage.get_submodule("transformer.drop")(hidden)
+
+
+def _causal_inputs(batch: Batch) -> dict[str, Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["labels"]}
+
+
+def _bert_inputs(batch: Batch) -> dict[str, Tensor]:
+    return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"], "attention_mask": batch["attention_mask"],
+            "labels": batch["mlm_labels"], "next_sentence_label": batch["nsp_labels"]}
+
+
+def _bert_head(stage: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    return stage.get_submodule("cls")(x, stage.get_submodule("bert.pooler")(x))
+
+
+def bert_pretraining_loss(output: tuple[Tensor, Tensor], batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+    """BertForPreTraining's loss: masked-LM cross-entropy (mean over labelled positions) plus
+    next-sentence cross-entropy (mean over the micro-batch); parts detached."""
+    mlm_logits, nsp_logits = output
+    mlm = F.cross_entropy(mlm_logits.reshape(-1, mlm_logits.shape[-1]), batch["mlm_labels"].reshape(-1), ignore_index=IGNORE_INDEX)
+    nsp = F.cross_entropy(nsp_logits.reshape(-1, 2), batch["nsp_labels"].reshape(-1))
+    return mlm + nsp, {"mlm": mlm.detach(), "nsp": nsp.detach()}
+
+
+LAYOUTS: dict[str, Layout] = {
+    "transformer.h": Layout(
+        blocks="transformer.h",
+        first=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        last=("transformer.ln_f", "lm_head"),
+        every=(),
+        data="causal",
+        embed=_gpt2_embed,
+        context=_causal_context,
+        head=lambda stage, x: stage.get_submodule("lm_head")(stage.get_submodule("transformer.ln_f")(x)),
+        model_inputs=_causal_inputs,
+        outputs=lambda out: out.logits,
+        unsupported=("add_cross_attention",),
+    ),
+    "bert.encoder.layer": Layout(
+        blocks="bert.encoder.layer",
+        first=("bert.embeddings",),
+        last=("bert.pooler", "cls"),
+        every=(),
+        data="bert",
+        embed=lambda stage, batch: stage.get_submodule("bert.embeddings")(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"]),
+        context=_bidirectional_context,
+        head=_bert_head,
+        model_inputs=_bert_inputs,
+        outputs=lambda out: (out.prediction_logits, out.seq_relationship_logits),
+        loss_parts=("mlm", "nsp"),
+        unsupported=("is_decoder", "add_cross_attention"),
+    ),
+    "model.layers": Layout(
+        blocks="model.layers",
+        first=("model.embed_tokens",),
+        last=("model.norm", "lm_head"),
+        every=("model.rotary_emb",),
+        data="causal",
+        embed=lambda stage, batch: stage.get_submodule("model.embed_tokens")(batch["input_ids"]),
+        context=_rotary_context,
+        head=lambda stage, x: stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x)),
+        model_inputs=_causal_inputs,
+        outputs=lambda out: out.logits,
+        unsupported=("sliding_window",),
+    ),
+}
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def find_layout(model: nn.Module) -> Layout:
+    """The layout of `model` (a Hugging Face model, possibly on the meta device); ValueError naming
+    what is missing when it has no block list recognised here or lacks a module the cut needs."""
+    name = type(model).__name__
+    for blocks, layout in LAYOUTS.items():
+        if not _has(model, blocks):
+            continue
+        missing = [path for path in (*layout.first, *layout.last, *layout.every) if not _has(model, path)]
+        if missing:
+            raise ValueError(f"hf_class: {name} has the block list {blocks} but not {', '.join(missing)}: choose the class with the "
+                             "pretraining head (GPT2LMHeadModel, BertForPreTraining, LlamaForCausalLM, ...)")
+        for field in layout.unsupported:
+            if getattr(model.config, field, None):
+                raise ValueError(f"hf_config: {name}: config field {field} = {getattr(model.config, field)!r} is not supported by "
+                                 f"the {blocks} splitter; set it to null/false in the config")
+        kinds = set(getattr(model.config, "layer_types", None) or ()) - {"full_attention"}
+        if kinds:
+            raise ValueError(f"hf_config: {name}: layer_types {sorted(kinds)} are not supported (only full_attention layers)")
+        return layout
+    raise ValueError(f"hf_class: {name} has no block list pipefisher recognises ({', '.join(LAYOUTS)}): supported are GPT2LMHeadModel, "
+                     "BertForPreTraining, LlamaForCausalLM and models laid out like them")

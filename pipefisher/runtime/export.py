@@ -1,0 +1,59 @@
+"""`pipefisher export`: a pipelined run's checkpoint as a Hugging Face model folder.
+
+The stages' state dicts carry the model's own parameter names, so the unsplit model's state dict
+is their union (the first pipe's copies; every replica holds the same values). It is loaded into
+the `transformers` model object and written with `save_pretrained`, beside the run's tokenizer,
+so `AutoModel*.from_pretrained(folder)` and `tokenizers.Tokenizer.from_file` read it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipefisher.config import ConfigError, RunConfig
+from pipefisher.runtime.assembly import causal_data, pretraining_data, staged_model
+from pipefisher.runtime.checkpoint import load_rank, resumable_step
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_checkpoint` wrote: the folder, the checkpoint's step, the model class, the
+    number of parameters and the size of the weights file in bytes."""
+
+    folder: Path
+    step: int
+    model_class: str
+    parameters: int
+    weights_bytes: int
+
+
+def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
+    """The unsplit model's state dict from every rank's checkpoint of `step`: pipe 0's stages."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(config.world_size):
+        for key, state in load_rank(config.checkpoint.dir, step, rank, torch.device("cpu"))["stages"].items():
+            if key.split(".")[0] == "0":
+                for name, value in state.items():
+                    merged.setdefault(name, value)
+    return merged
+
+
+def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
+    """Write the newest checkpoint of `config` that verifies (in checkpoint.dir) to `folder` as a
+    Hugging Face model folder (config.json, model.safetensors, tokenizer.json). ConfigError when
+    the run's model is not a Hugging Face model; CheckpointError when there is no usable checkpoint."""
+    if config.model.kind != "hf":
+        raise ConfigError(f"model.kind: export writes Hugging Face models; this run's model is {config.model.kind!r}")
+    step, _ = resumable_step(config.checkpoint.dir, config)
+    model = staged_model(config)
+    unsplit = model.unsplit(config.run.seed)
+    unsplit.load_state_dict(merged_state_dict(config, step))
+    folder = Path(folder)
+    unsplit.save_pretrained(folder)
+    data = pretraining_data(config) if config.data.kind == "bert" else causal_data(config)
+    data.tokenizer.save(str(folder / "tokenizer.json"))
+    return Exported(folder, step, type(unsplit).__name__, sum(p.numel() for p in unsplit.parameters()),
+                    sum(path.stat().st_size for path in folder.glob("*.safetensors")))
