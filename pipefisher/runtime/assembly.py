@@ -10,7 +10,7 @@ import functools
 from pathlib import Path
 from collections.abc import Callable
 
-from pipefisher.config import ConfigError, DataConfig, RunConfig, split_hint
+from pipefisher.config import ConfigError, DataConfig, ModelConfig, RunConfig, split_hint
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.ir import Schedule
 from pipefisher.models import StagedModel
@@ -60,28 +60,8 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
 def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
     """The run's Hugging Face model: its config with the run's dropout, vocabulary and special
     ids, checked against the run's stages and data before the data is built."""
-    try:
-        from pipefisher.models.hf import DROPOUT_FIELDS, HfStagedModel, load_hf_config
-    except ImportError:
-        raise ConfigError('model.kind hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
     settings = config.model
-
-    def build(**overrides) -> HfStagedModel:
-        try:
-            hf_config = load_hf_config(settings.hf_config, **overrides)
-            if settings.dropout >= 0:
-                for name in DROPOUT_FIELDS:
-                    if hasattr(hf_config, name):
-                        setattr(hf_config, name, settings.dropout)
-            class_name = settings.hf_class or (getattr(hf_config, "architectures", None) or [""])[0]
-            if not class_name:
-                raise ValueError("hf_class: the config names no architectures; set model.hf_class (e.g. GPT2LMHeadModel)")
-            return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights)
-        except ValueError as exc:
-            # every message names its field (hf_config, hf_class, hf_weights, seq_len)
-            raise ConfigError(f"model.{exc}") from None
-
-    model = build()
+    model = _hf_staged(settings)
     if model.num_blocks % config.model_chunks:
         interleaved = config.pipeline.schedule == "interleaved"
         raise ConfigError(
@@ -104,7 +84,30 @@ def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedMo
         return model
     special = {"pad_token_id": data.special.pad} if config.data.kind == "bert" else {
         "bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
-    return build(vocab_size=data.vocab_size, **special)
+    return _hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()))
+
+
+@functools.cache
+def _hf_staged(settings: ModelConfig, overrides: tuple[tuple[str, object], ...] = ()):
+    """The Hugging Face staged model of `settings` with `overrides` of its config, built once per
+    process (building the skeleton of a large model takes seconds); ConfigError naming the key."""
+    try:
+        from pipefisher.models.hf import DROPOUT_FIELDS, HfStagedModel, load_hf_config
+    except ImportError:
+        raise ConfigError('model.kind hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
+    try:
+        hf_config = load_hf_config(settings.hf_config, **dict(overrides))
+        if settings.dropout >= 0:
+            for name in DROPOUT_FIELDS:
+                if hasattr(hf_config, name):
+                    setattr(hf_config, name, settings.dropout)
+        class_name = settings.hf_class or (getattr(hf_config, "architectures", None) or [""])[0]
+        if not class_name:
+            raise ValueError("hf_class: the config names no architectures; set model.hf_class (e.g. GPT2LMHeadModel)")
+        return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights)
+    except ValueError as exc:
+        # every message names its field (hf_config, hf_class, hf_weights, seq_len)
+        raise ConfigError(f"model.{exc}") from None
 
 
 @functools.cache
