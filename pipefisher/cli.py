@@ -279,6 +279,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         exported = export_checkpoint(config, args.output)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     _say(f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
          f"{exported.parameters / 1e6:.2f} M parameters, {exported.weights_bytes / 2**20:.1f} MiB of weights")
     return 0

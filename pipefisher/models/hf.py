@@ -53,9 +53,11 @@ def load_hf_config(spec: str, **overrides: Any):
     if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"hf_config: {spec} has no model_type (it must be a Hugging Face config.json)")
     model_type = values.pop("model_type")
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         return AutoConfig.for_model(model_type, **{**values, **overrides})
-    except ValueError as exc:
+    except (ValueError, TypeError, StrictDataclassError) as exc:
         raise ValueError(f"hf_config: {spec}: {str(exc).splitlines()[0]}") from None
 
 
@@ -105,8 +107,10 @@ class HfStagedModel:
     def __init__(self, class_name: str, config, seq_len: int, weights: str = ""):
         self.cls = hf_model_class(class_name)
         self.config, self.seq_len, self.weights = config, seq_len, weights
+        from transformers.initialization import no_init_weights
+
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), no_init_weights():  # parameters are initialised per stage, later
                 self._skeleton = self.cls(config)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
             raise ValueError(f"hf_config: {class_name} cannot be built from it ({str(exc).splitlines()[0]})") from None
@@ -116,11 +120,8 @@ class HfStagedModel:
         self.loss_parts = self.layout.loss_parts
         #: tied parameter name -> the name of the parameter it is a copy of
         self.tied = dict(self._skeleton.get_expanded_tied_weights_keys())
-        across = [target for target, source in self.tied.items()
-                  if _under(source, self.layout.first) and _under(target, self.layout.last)]
-        if len(across) > 1:
-            raise ValueError(f"hf_class: {class_name} ties {len(across)} weights across the first and last stage "
-                             f"({', '.join(across)}); the runtime sums the copies of one")
+        self._first_to_last = [(source, target) for target, source in self.tied.items()
+                               if _under(source, self.layout.first) and _under(target, self.layout.last)]
         self.num_blocks = len(self._skeleton.get_submodule(self.layout.blocks))
         positions = getattr(config, "max_position_embeddings", None)
         if positions is not None and seq_len > positions:
@@ -139,6 +140,18 @@ class HfStagedModel:
         names += self.layout.first if index == 0 else ()
         names += self.layout.last if index == num_stages - 1 else ()
         return names + list(self.layout.every)
+
+    def check_split(self, num_stages: int) -> None:
+        """ValueError unless `num_stages` divides the blocks and every tied weight is either held
+        by one stage or is the one copy the first and last stage hold (the runtime sums those)."""
+        if num_stages < 1 or self.num_blocks % num_stages:
+            raise ValueError(f"num_stages: {num_stages} does not divide the {self.num_blocks} blocks of {self.layout.blocks}")
+        holders = [self.stage_modules(index, num_stages) for index in range(num_stages)]
+        where = lambda name: {index for index, modules in enumerate(holders) if _under(name, modules)}
+        for target, source in self.tied.items():
+            if where(target) != where(source) and (source, target) not in self._first_to_last[:1]:
+                raise ValueError(f"hf_class: {self.cls.__name__} ties {target} to {source}, which {num_stages} stages "
+                                 "hold apart; pipefisher sums the copies of one weight tied across the first and last stage only")
 
     def stage_ends(self, num_stages: int) -> list[str]:
         """Names of the last block of every stage but the last: where the unsplit model's hidden
@@ -195,9 +208,10 @@ class HfStagedModel:
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         """The tied weight held by the first and the last stage, as ("first", source), ("last", copy)."""
-        pairs = [(source, target) for target, source in self.tied.items()
-                 if _under(source, self.layout.first) and _under(target, self.layout.last)]
-        return [("first", pairs[0][0]), ("last", pairs[0][1])] if pairs else []
+        if not self._first_to_last:
+            return []
+        source, target = self._first_to_last[0]
+        return [("first", source), ("last", target)]
 
     def kfac_skip(self) -> tuple[str, ...]:
         """Modules whose weight is a tied copy: they stay first-order, as their source does."""
@@ -257,11 +271,11 @@ def _safetensors_keys(root: nn.Module, file, path: str, tied: dict[str, str]):
 
 
 def _open_safetensors(path: str):
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         return safe_open(path, framework="pt")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise ValueError(f"hf_weights: cannot read {path} ({str(exc).splitlines()[0]})") from None
 
 

@@ -21,7 +21,8 @@ from torch.nn import functional as F
 from pipefisher.models import Batch
 
 IGNORE_INDEX = -100
-#: block keyword arguments from (stage, stand-in (B, T, 1) in the embeddings' dtype, micro-batch)
+#: block keyword arguments from (stage, stand-in (B, T, 1) in the dtype of the stage's parameters,
+#: which the unsplit model's embeddings have, micro-batch)
 BlockContext = Callable[[nn.Module, Tensor, Batch], dict[str, Any]]
 
 
@@ -36,6 +37,8 @@ class Layout:
     """
 
     blocks: str
+    #: config model types whose forward is this layout's (others with the same modules are refused)
+    model_types: tuple[str, ...]
     first: tuple[str, ...]
     last: tuple[str, ...]
     every: tuple[str, ...]
@@ -50,8 +53,9 @@ class Layout:
     unsupported: tuple[str, ...] = ()
 
 
-def _positions(stand_in: Tensor) -> Tensor:
-    return torch.arange(stand_in.shape[1], device=stand_in.device).unsqueeze(0)
+def _positions(like: Tensor) -> Tensor:
+    """Position ids (1, T) of a (B, T, ...) tensor, on its device."""
+    return torch.arange(like.shape[1], device=like.device).unsqueeze(0)
 
 
 def _causal_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
@@ -78,8 +82,7 @@ def _bidirectional_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> 
 
 def _gpt2_embed(stage: nn.Module, batch: Batch) -> Tensor:
     ids = batch["input_ids"]
-    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-    hidden = stage.get_submodule("transformer.wte")(ids) + stage.get_submodule("transformer.wpe")(positions)
+    hidden = stage.get_submodule("transformer.wte")(ids) + stage.get_submodule("transformer.wpe")(_positions(ids))
     return stage.get_submodule("transformer.drop")(hidden)
 
 
@@ -108,6 +111,7 @@ def bert_pretraining_loss(output: tuple[Tensor, Tensor], batch: Batch) -> tuple[
 LAYOUTS: dict[str, Layout] = {
     "transformer.h": Layout(
         blocks="transformer.h",
+        model_types=("gpt2",),
         first=("transformer.wte", "transformer.wpe", "transformer.drop"),
         last=("transformer.ln_f", "lm_head"),
         every=(),
@@ -121,6 +125,7 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "bert.encoder.layer": Layout(
         blocks="bert.encoder.layer",
+        model_types=("bert",),
         first=("bert.embeddings",),
         last=("bert.pooler", "cls"),
         every=(),
@@ -135,6 +140,7 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "model.layers": Layout(
         blocks="model.layers",
+        model_types=("llama", "mistral", "qwen2"),
         first=("model.embed_tokens",),
         last=("model.norm", "lm_head"),
         every=("model.rotary_emb",),
@@ -168,6 +174,15 @@ def find_layout(model: nn.Module) -> Layout:
         if missing:
             raise ValueError(f"hf_class: {name} has the block list {blocks} but not {', '.join(missing)}: choose the class with the "
                              "pretraining head (GPT2LMHeadModel, BertForPreTraining, LlamaForCausalLM, ...)")
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in layout.model_types:
+            raise ValueError(f"hf_class: {name} (model_type {model_type}) has the block list {blocks}, but its forward is not "
+                             f"one pipefisher follows; supported model types there: {', '.join(layout.model_types)}")
+        held = (blocks, *layout.first, *layout.last, *layout.every)
+        left = sorted({parameter.rsplit(".", 1)[0] for parameter, _ in model.named_parameters()
+                       if not any(parameter.startswith(f"{module}.") for module in held)})
+        if left:
+            raise ValueError(f"hf_class: {name} has parameters no stage would hold ({', '.join(left)})")
         for field in layout.unsupported:
             if getattr(model.config, field, None):
                 raise ValueError(f"hf_config: {name}: config field {field} = {getattr(model.config, field)!r} is not supported by "

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 from pipefisher.config import ConfigError, DataConfig, ModelConfig, RunConfig, split_hint
 from pipefisher.data.synthetic import SyntheticRegression
@@ -43,10 +43,7 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
     except (ValueError, OSError) as exc:
         raise ConfigError(f"model: {first_line(exc)}") from None
     if bert.num_hidden_layers % config.model_chunks:
-        raise ConfigError(
-            f"model: {bert.num_hidden_layers} BERT layers cannot be split into {config.model_chunks} equal stages; "
-            + split_hint(bert.num_hidden_layers, "pipeline.stages x pipeline.chunks" if config.pipeline.schedule == "interleaved" else "pipeline.stages")
-        )
+        raise _unsplittable(config, f"{bert.num_hidden_layers} BERT layers", bert.num_hidden_layers)
     if settings.seq_len > bert.max_position_embeddings:
         raise ConfigError(f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions")
     if on_data is not None:
@@ -57,23 +54,29 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
     return BertStagedModel(bert, settings.seq_len)
 
 
+def _unsplittable(config: RunConfig, what: str, count: int) -> ConfigError:
+    """The error for a model of `count` layers/blocks (`what`) the run's stages do not divide."""
+    where = "pipeline.stages x pipeline.chunks" if config.pipeline.schedule == "interleaved" else "pipeline.stages"
+    return ConfigError(f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, where)}")
+
+
 def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
     """The run's Hugging Face model: its config with the run's dropout, vocabulary and special
     ids, checked against the run's stages and data before the data is built."""
     settings = config.model
     model = _hf_staged(settings)
     if model.num_blocks % config.model_chunks:
-        interleaved = config.pipeline.schedule == "interleaved"
-        raise ConfigError(
-            f"model: {model.num_blocks} blocks of {model.layout.blocks} cannot be split into {config.model_chunks} equal stages; "
-            + split_hint(model.num_blocks, "pipeline.stages x pipeline.chunks" if interleaved else "pipeline.stages")
-        )
+        raise _unsplittable(config, f"{model.num_blocks} blocks of {model.layout.blocks}", model.num_blocks)
+    try:
+        model.check_split(config.model_chunks)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
     if model.layout.data != config.data.kind:
         raise ConfigError(f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}")
     if on_data is not None:
         on_data()
     try:
-        data = pretraining_data(config) if config.data.kind == "bert" else causal_data(config)
+        data = text_data(config)
     except (ValueError, OSError) as exc:
         message = str(exc).splitlines()[0]
         raise ConfigError(f"data.{message}" if message.startswith("tokenizer:") else f"data: {message}") from None
@@ -120,9 +123,15 @@ def _causal_data(data: DataConfig, seq_len: int):
 
     cache = data.cache_dir or str(default_cache_dir())
     documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
-    if data.tokenizer and not Path(data.tokenizer).is_file():
-        raise ValueError(f"tokenizer: no such file {data.tokenizer}")  # reported as data.tokenizer
-    tokenizer = Tokenizer.from_file(data.tokenizer) if data.tokenizer else train_byte_level_bpe(documents, data.vocab_size, cache)
+    if data.tokenizer:  # its errors are reported as data.tokenizer
+        if not Path(data.tokenizer).is_file():
+            raise ValueError(f"tokenizer: no such file {data.tokenizer}")
+        try:
+            tokenizer = Tokenizer.from_file(data.tokenizer)
+        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+            raise ValueError(f"tokenizer: {data.tokenizer} is not a tokenizer.json ({str(exc).splitlines()[0]})") from None
+    else:
+        tokenizer = train_byte_level_bpe(documents, data.vocab_size, cache)
     return CausalLMData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, cache)
 
 
@@ -148,10 +157,14 @@ def pretraining_data(config: RunConfig):
     return _pretraining_data(config.data, config.model.seq_len)
 
 
+def text_data(config: RunConfig):
+    """The run's text data: BERT pretraining (`data.kind: bert`) or causal LM (`causal`); each has
+    `tokenizer`, `vocab_size` and `micro_batch`."""
+    return pretraining_data(config) if config.data.kind == "bert" else causal_data(config)
+
+
 def data_source(config: RunConfig) -> MicroBatchFn:
     """(step, global micro-batch) -> batch, a pure function every rank can call."""
-    if config.data.kind == "bert":
-        return pretraining_data(config).micro_batch
-    if config.data.kind == "causal":
-        return causal_data(config).micro_batch
+    if config.data.kind in ("bert", "causal"):
+        return text_data(config).micro_batch
     return SyntheticRegression(config.data, config.model).micro_batch

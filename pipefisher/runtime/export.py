@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from pipefisher.config import ConfigError, RunConfig
-from pipefisher.runtime.assembly import causal_data, pretraining_data, staged_model
+from pipefisher.runtime.assembly import staged_model, text_data
 from pipefisher.runtime.checkpoint import load_rank, resumable_step
 
 
 @dataclass(frozen=True)
 class Exported:
     """What `export_checkpoint` wrote: the folder, the checkpoint's step, the model class, the
-    number of parameters and the size of the weights file in bytes."""
+    number of parameters and their size in bytes (a tied weight once)."""
 
     folder: Path
     step: int
@@ -33,11 +33,14 @@ class Exported:
 def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict from every rank's checkpoint of `step`: pipe 0's stages."""
     merged: dict[str, torch.Tensor] = {}
+    found: set[str] = set()
     for rank in range(config.world_size):
+        if len(found) == config.model_chunks:
+            break  # every stage of pipe 0 is in: the other ranks hold replicas
         for key, state in load_rank(config.checkpoint.dir, step, rank, torch.device("cpu"))["stages"].items():
-            if key.split(".")[0] == "0":
-                for name, value in state.items():
-                    merged.setdefault(name, value)
+            if key.split(".")[0] == "0" and key not in found:
+                found.add(key)
+                merged.update(state)
     return merged
 
 
@@ -53,7 +56,7 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
     unsplit.load_state_dict(merged_state_dict(config, step))
     folder = Path(folder)
     unsplit.save_pretrained(folder)
-    data = pretraining_data(config) if config.data.kind == "bert" else causal_data(config)
-    data.tokenizer.save(str(folder / "tokenizer.json"))
-    return Exported(folder, step, type(unsplit).__name__, sum(p.numel() for p in unsplit.parameters()),
-                    sum(path.stat().st_size for path in folder.glob("*.safetensors")))
+    text_data(config).tokenizer.save(str(folder / "tokenizer.json"))
+    parameters = list(unsplit.parameters())
+    return Exported(folder, step, type(unsplit).__name__, sum(p.numel() for p in parameters),
+                    sum(p.numel() * p.element_size() for p in parameters))

@@ -32,9 +32,10 @@ from pipefisher.runtime.training import StepCallback, TrainResult
 
 
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
-    """The same training in one process: all stages in sequence, micro-batches in id order,
-    tied copies' gradients summed, the same precision, clipping, schedule and K-FAC cycle.
-    Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
+    """The same training in one process: the unsplit model where the model offers it, else all
+    stages in sequence with tied copies' gradients summed; micro-batches in id order, the same
+    precision, clipping, schedule and K-FAC cycle. Parameters are named as the model names them
+    unsplit, or "<stage>.<name>" for stages in sequence. Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
     entry point installed `stop_request`)."""
     model = staged_model(config)
     device = torch.device("cpu")

@@ -33,8 +33,9 @@ StepCallback = Callable[[StepResult], None]
 
 @dataclass(frozen=True)
 class TrainResult:
-    """Step losses (identical on every rank) and this rank's parameters, keyed
-    ``"<stage>.<name>"`` (for Chimera, ``"p<pipe>.<stage>.<name>"`` for the second pipe's copy)."""
+    """Step losses (identical on every rank) and parameters: a pipelined rank's keyed
+    ``"<stage>.<name>"`` (for Chimera, ``"p<pipe>.<stage>.<name>"`` for the second pipe's copy);
+    the reference's as `train_reference` says."""
 
     losses: list[float]
     parameters: dict[str, Tensor]

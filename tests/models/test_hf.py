@@ -17,9 +17,17 @@ NO_DROPOUT = {
     "llama-tiny": {},
 }
 CLASSES = {"gpt2-tiny": "GPT2LMHeadModel", "bert-tiny": "BertForPreTraining", "llama-tiny": "LlamaForCausalLM"}
+#: decoders laid out like Llama, as configs of the same size (Mistral without its sliding window)
+LIKE_LLAMA = {
+    "MistralForCausalLM": {"model_type": "mistral", "sliding_window": None},
+    "Qwen2ForCausalLM": {"model_type": "qwen2"},
+}
 
 
 def staged(name: str) -> HfStagedModel:
+    if name in LIKE_LLAMA:
+        values = {**load_hf_config("llama-tiny").to_dict(), **LIKE_LLAMA[name], "vocab_size": VOCAB}
+        return HfStagedModel(name, transformers.AutoConfig.for_model(values.pop("model_type"), **values), SEQ)
     return HfStagedModel(CLASSES[name], load_hf_config(name, vocab_size=VOCAB, **NO_DROPOUT[name]), SEQ)
 
 
@@ -43,7 +51,7 @@ def chained(stages, model, batch):
     return model.loss(x, batch)
 
 
-@pytest.mark.parametrize("name", list(CLASSES))
+@pytest.mark.parametrize("name", [*CLASSES, *LIKE_LLAMA])
 @pytest.mark.parametrize("num_stages", [1, 2, 4])
 def test_every_split_computes_the_unsplit_models_loss_and_gradients(name, num_stages):
     model = staged(name)
@@ -56,11 +64,14 @@ def test_every_split_computes_the_unsplit_models_loss_and_gradients(name, num_st
     loss.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
     reference = dict(unsplit.named_parameters(remove_duplicate=False))
+    gradients: dict[str, torch.Tensor] = {}
     for stage in stages:
         for key, parameter in stage.named_parameters():
             torch.testing.assert_close(parameter, reference[key], rtol=0, atol=0)
-            if key not in {*model.tied, *model.tied.values()}:  # a tied copy has its own share; the runtime sums them
-                torch.testing.assert_close(parameter.grad, reference[key].grad, rtol=1e-5, atol=1e-7)
+            source = model.tied.get(key, key)  # a copy of a tied weight holds its share of the gradient
+            gradients[source] = gradients.get(source, 0) + parameter.grad
+    for key, gradient in gradients.items():
+        torch.testing.assert_close(gradient, reference[key].grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", list(CLASSES))
@@ -99,6 +110,15 @@ def test_hf_weights_load_a_save_pretrained_checkpoint(tmp_path):
     torch.testing.assert_close(last.transformer.ln_f.weight, unsplit.transformer.ln_f.weight, rtol=0, atol=0)
 
 
+def test_a_weight_tied_across_other_stages_than_first_and_last_is_refused():
+    model = staged("gpt2-tiny")
+    model.check_split(2)
+    model.tied["transformer.h.3.mlp.c_fc.weight"] = "transformer.h.0.mlp.c_fc.weight"
+    model.check_split(1)  # one stage holds both: one Parameter
+    with pytest.raises(ValueError, match="ties transformer.h.3.mlp.c_fc.weight to transformer.h.0.mlp.c_fc.weight, which 2 stages hold apart"):
+        model.check_split(2)
+
+
 def test_stage_ends_are_the_last_block_of_each_stage_but_the_last():
     assert staged("llama-tiny").stage_ends(2) == ["model.layers.1"]
     assert staged("gpt2-tiny").stage_ends(4) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
@@ -108,6 +128,9 @@ def test_stage_ends_are_the_last_block_of_each_stage_but_the_last():
     "class_name, config, message",
     [
         ("GPT2Model", "gpt2-tiny", "GPT2Model has no block list pipefisher recognises (transformer.h, bert.encoder.layer, model.layers)"),
+        ("CohereForCausalLM", {"model_type": "cohere", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                               "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100},
+         "CohereForCausalLM (model_type cohere) has the block list model.layers, but its forward is not one pipefisher follows"),
         ("NoSuchModel", "gpt2-tiny", "hf_class: 'NoSuchModel' is not a model class of transformers"),
         ("MistralForCausalLM", {"model_type": "mistral", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
                                 "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100},

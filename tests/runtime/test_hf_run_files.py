@@ -47,6 +47,22 @@ def test_bad_hf_run_files_exit_2_naming_the_key(tmp_path, capsys, model, data, p
     assert error.startswith("pipefisher: error: ") and message in error, error
 
 
+@pytest.mark.parametrize(
+    "model, data, message",
+    [
+        ("  seq_len: 16\n  hf_weights: {file}\n", "  kind: causal\n", "model.hf_weights: cannot read {file}"),
+        ("  seq_len: 16\n", "  kind: causal\n  tokenizer: {file}\n", "data.tokenizer: {file} is not a tokenizer.json"),
+    ],
+)
+def test_files_that_are_not_what_their_key_needs_exit_2_naming_the_key(tmp_path, capsys, model, data, message):
+    file = tmp_path / "garbage"
+    file.write_text("not this kind of file")
+    path = run_file(tmp_path, model.format(file=file), data.format(file=file))
+    assert main(["run", str(path), "--reference"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.format(file=file) in error, error
+
+
 def test_a_config_json_path_is_a_model(tmp_path):
     config = json.loads((Path(__file__).resolve().parents[2] / "pipefisher/models/hf_configs/llama-tiny.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
