@@ -105,10 +105,10 @@ class HfStagedModel:
     """
 
     def __init__(self, class_name: str, config, seq_len: int, weights: str = ""):
-        self.cls = hf_model_class(class_name)
-        self.config, self.seq_len, self.weights = config, seq_len, weights
         from transformers.initialization import no_init_weights
 
+        self.cls = hf_model_class(class_name)
+        self.config, self.seq_len, self.weights = config, seq_len, weights
         try:
             with torch.device("meta"), no_init_weights():  # parameters are initialised per stage, later
                 self._skeleton = self.cls(config)
@@ -142,10 +142,9 @@ class HfStagedModel:
         return names + list(self.layout.every)
 
     def check_split(self, num_stages: int) -> None:
-        """ValueError unless `num_stages` divides the blocks and every tied weight is either held
-        by one stage or is the one copy the first and last stage hold (the runtime sums those)."""
-        if num_stages < 1 or self.num_blocks % num_stages:
-            raise ValueError(f"num_stages: {num_stages} does not divide the {self.num_blocks} blocks of {self.layout.blocks}")
+        """ValueError unless `num_stages` divides the blocks (see `stage_modules`) and every tied
+        weight is either held by one stage or is the one copy the first and last stage hold (the
+        runtime sums those)."""
         holders = [self.stage_modules(index, num_stages) for index in range(num_stages)]
         where = lambda name: {index for index, modules in enumerate(holders) if _under(name, modules)}
         for target, source in self.tied.items():
