@@ -1,12 +1,12 @@
-"""PipeFisher on this machine: first-order vs K-FAC after-step vs K-FAC packed, and how well the
-simulator predicts the measured step times.
+"""PipeFisher on this machine: first-order vs after-step vs packed curvature work (K-FAC, or
+Shampoo with --method shampoo), and how well the simulator predicts the measured step times.
 
 Two ranks (gloo on 127.0.0.1, one thread each), one 2-stage pipeline, a Transformer whose K-FAC
 work fits the bubbles (long sequences make forward/backward heavy next to the Linear factors).
 Per schedule, one 2-process group:
 
 1. builds three executors (same seeds, so the same initial model): `first-order` (SGD),
-   `after-step` (K-FAC, a cycle's work in one block after its first step) and `packed` (K-FAC
+   `after-step` (the method's cycle of work in one block after its first step) and `packed` (its
    work in the bubbles);
 2. measures one profile on the real executor (`measure_profile`), saves it and packs it once
    for the packer's k, lower bound and predicted overhead; both K-FAC variants are then built
@@ -30,7 +30,7 @@ Per schedule, one 2-process group:
 
 Nothing in the package is changed.
 
-Usage: python experiments/bench_pipefisher.py [--schedules 1f1b gpipe chimera] [--repeats 7]
+Usage: python experiments/bench_pipefisher.py [--method kfac|shampoo] [--schedules 1f1b gpipe chimera] [--repeats 7]
        [--max-rounds 20] [--time-budget 75] [--min-steps 4] [--warmup-cycles 2]
        [--micro-batches 4] [--micro-batch-size 2] [--hidden 128] [--heads 4] [--ffn 256]
        [--seq-len 512] [--layers 2] [--inverse eigen] [--refresh-steps K]
@@ -60,6 +60,8 @@ from pipefisher.ir import OpKind
 from pipefisher.pack import pack
 from pipefisher.plan import cycle_time, simulate_plan
 from pipefisher.profile import Profile
+from pipefisher.runtime.assembly import staged_model
+from pipefisher.runtime.curvature_methods import method_of
 from pipefisher.runtime.launch import run_group
 from pipefisher.runtime.pipefisher_run import PipeFisherTrainer, pack_options
 from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
@@ -82,6 +84,15 @@ CLEAN_LOAD = 0.15
 
 
 def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: str = "") -> dict:
+    method = args["method"]
+    placement = {
+        "refresh_steps": k, "margin": args["margin"], "percentile": args["percentile"],
+        "placement": "after-step" if variant == "after-step" else "packed", "profile": profile,
+        # the plans must stay fixed during the benchmark: no re-profiling
+        "reprofile_threshold": 1e9, "reprofile_patience": 10**6,
+    }
+    own = {"kfac": {"damping": args["damping"], "inverse": args["inverse"]},
+           "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]}}[method]
     return {
         "model": {
             "kind": "transformer", "layers": args["layers"], "hidden": args["hidden"], "heads": args["heads"],
@@ -89,14 +100,8 @@ def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: st
         },
         "data": {"kind": "synthetic", "seed": 0, "micro_batch_size": args["micro_batch_size"]},
         "pipeline": {"schedule": schedule, "stages": STAGES, "micro_batches": args["micro_batches"], "data_parallel": 1},
-        "optimizer": {"name": "sgd" if variant == "first-order" else "kfac", "lr": args["lr"]},
-        "kfac": {
-            "damping": args["damping"], "inverse": args["inverse"], "refresh_steps": k, "margin": args["margin"],
-            "percentile": args["percentile"],
-            "placement": "after-step" if variant == "after-step" else "packed", "profile": profile,
-            # the plans must stay fixed during the benchmark: no re-profiling
-            "reprofile_threshold": 1e9, "reprofile_patience": 10**6,
-        },
+        "optimizer": {"name": "sgd" if variant == "first-order" else method, "lr": args["lr"]},
+        method: {**own, **placement},
         "run": {"steps": 1, "seed": 0, "backend": "gloo", "timeout": 120},
     }
 
@@ -206,7 +211,7 @@ class Variant:
 
     @property
     def k(self) -> int:
-        return self.trainer.kfac_plan.refresh_steps if self.trainer else 1
+        return self.trainer.curvature_plan.refresh_steps if self.trainer else 1
 
     def run(self, steps: int) -> None:
         runner = self.trainer or PlanRunner(self.executor, self.rank, schedule_plan(self.schedule), self.executor.tied)
@@ -260,7 +265,7 @@ def predicted_groups(variant: Variant, profile: Profile, schedule) -> dict[str, 
     """Profiled time per step of this rank's ops, per group (a whole cycle's mean)."""
     durations = OpDurations(profile)
     rank = variant.executor.topology.pipeline_rank(variant.rank)
-    steps = variant.trainer.kfac_plan.plan.steps if variant.trainer else [schedule.ranks]
+    steps = variant.trainer.curvature_plan.plan.steps if variant.trainer else [schedule.ranks]
     totals: dict[str, float] = defaultdict(float)
     for step_ops in steps:
         for op in step_ops[rank]:
@@ -277,6 +282,8 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
     first = variants["first-order"]
     sched, cfg = first.schedule, variants["packed"].config
     modules = {key: s.module for key, s in first.executor.stages.items()}
+    method = method_of(cfg)
+    skip = method.skip(staged_model(cfg))
 
     def profile_now(warmup: int, repeats: int) -> tuple[Profile, float, float]:
         """A profile on the first-order executor (gradients dropped: no variant changes), the
@@ -284,9 +291,8 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
         first.executor.recorder = None
         try:
             with Window() as window:
-                measured, _ = measure_profile(first.executor, rank, modules,
-                                              cfg.data.micro_batch_size, damping=cfg.kfac.damping,
-                                              inverse=cfg.kfac.inverse, warmup=warmup, repeats=repeats)
+                measured, _ = measure_profile(first.executor, rank, modules, cfg.data.micro_batch_size,
+                                              method.timer(cfg, modules, skip), warmup=warmup, repeats=repeats)
         finally:
             first.executor.recorder = first._record
         return measured, window.seconds, window.foreign
@@ -349,7 +355,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
         "predicted_groups": {name: predicted_groups(v, profile, sched) for name, v in variants.items()},
     }
     if rank == 0:
-        plans = {name: variants[name].trainer.kfac_plan.plan for name in KFAC_VARIANTS}
+        plans = {name: variants[name].trainer.curvature_plan.plan for name in KFAC_VARIANTS}
         after_orders, packed_orders = curvature_orders(plans["after-step"]), curvature_orders(plans["packed"])
         quiet = [p for p, load in interleaved if load <= CLEAN_LOAD]
         median = median_profile(quiet if len(quiet) >= 2 else [p for p, _ in interleaved]) if interleaved else None
@@ -400,7 +406,7 @@ def profile_lines(data: dict) -> list[str]:
         lines.append(
             f"  stage {index}: forward {stage['forward']:.1f}, backward {stage['backward']:.1f}, p2p {stage['p2p']:.2f}, step end {stage.get('step_end', 0.0):.1f}, "
             f"curvature {total('curvature_a', 'curvature_b'):.1f} per micro-batch, inverses {total('inverse_a', 'inverse_b'):.1f}, "
-            f"precondition {total('precondition'):.1f}, syncs {total('sync_a', 'sync_b'):.1f} (ms, {len(layers)} K-FAC layers)"
+            f"precondition {total('precondition'):.1f}, syncs {total('sync_a', 'sync_b'):.1f} (ms, {len(layers)} {data.get('method', 'kfac')} layers)"
         )
     return lines
 
@@ -425,7 +431,7 @@ def report(results: list[dict], args: dict) -> dict:
     if rank0["chosen_k"] != k:
         print(f"\nthe packer chose k = {rank0['chosen_k']}; --refresh-steps pins k = {k} (figures below for k = {k})")
     print(f"\npacker (on the packing profile): k = {k}, lower bound = {rank0['lower_bound']}, predicted packing overhead "
-          f"{100 * rank0['pack_overhead']:.2f} % (K-FAC step {rank0['pack_step']:.1f} ms; first-order "
+          f"{100 * rank0['pack_overhead']:.2f} % ({args['method']} step {rank0['pack_step']:.1f} ms; first-order "
           f"{rank0['pack_first_order']:.1f} ms, + preconditioning {rank0['pack_precondition_step']:.1f} ms), "
           f"bubble utilisation {100 * rank0['bubble_utilization']:.0f} %, tasks that fit no bubble: {rank0['unplaceable']}")
     print(f"load average {rank0['load'][0]} at start, {rank0['load'][1]} at end; timed: {rounds} rounds x "
@@ -518,6 +524,7 @@ def report(results: list[dict], args: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", choices=["kfac", "shampoo"], default="kfac", help="the curvature method of the two packed variants")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "chimera"], choices=["1f1b", "gpipe", "chimera"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-steps", type=int, default=4, help="timed steps per block, rounded up to whole cycles")
@@ -538,6 +545,9 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--shampoo-lr", type=float, default=1e-3,
+                        help="shampoo.lr: its steps take Adam's size (grafting), so --lr's SGD scale would diverge and "
+                             "leave denormal gradients that slow every backward on a CPU")
     parser.add_argument("--damping", type=float, default=0.01)
     parser.add_argument("--inverse", choices=["eigen", "cholesky"], default="eigen")
     parser.add_argument("--margin", type=float, default=0.0, help="kfac.margin: share of each bubble the packer keeps free")
@@ -548,12 +558,12 @@ def main() -> None:
     args = vars(parser.parse_args())
 
     script = os.path.relpath(sys.argv[0]) if os.path.exists(sys.argv[0]) else sys.argv[0]
-    print("# PipeFisher benchmark: first-order vs K-FAC after-step vs K-FAC packed\n")
+    print(f"# PipeFisher benchmark: first-order vs {args['method']} after-step vs {args['method']} packed\n")
     print(f"command: `{' '.join(shlex.quote(a) for a in ['python', script, *sys.argv[1:]])}`")
     print(f"options: {args}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {STAGES} ranks (gloo, 1 thread each)\n")
-    print("run config of the K-FAC variants (first-order: optimizer.name sgd; kfac.refresh_steps = the packer's k, "
-          "kfac.profile = the measured profile; pipeline.schedule per section):\n")
+    print(f"run config of the {args['method']} variants (first-order: optimizer.name sgd; {args['method']}.refresh_steps = the "
+          f"packer's k, {args['method']}.profile = the measured profile; pipeline.schedule per section):\n")
     print("```yaml")
     print(yaml.safe_dump(config_dict(args, args["schedules"][0], "packed", k=0, profile="<measured>"), sort_keys=False).rstrip())
     print("```")

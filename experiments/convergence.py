@@ -1,17 +1,21 @@
-"""Tiny BERT pretraining on this machine: LAMB vs AdamW vs PipeFisher K-FAC, steps and simulated
-wall time to a target masked-LM loss.
+"""Tiny BERT pretraining on this machine: LAMB vs AdamW vs PipeFisher K-FAC vs PipeFisher Shampoo,
+steps and simulated wall time to a target masked-LM loss.
 
 Every run is `train_reference` (the single-process twin of the pipelined training: same data,
-initialisation, loss scaling and K-FAC cycle) of `schedules/tiny-cpu.yaml` (BERT 4x128, sequence
-64, 4 micro-batches of 8, warm-up 10 then linear decay to 0 at --steps, clip 1.0), one thread.
+initialisation, loss scaling and K-FAC / Shampoo cycle) of `schedules/tiny-cpu.yaml` (BERT 4x128,
+sequence 64, 4 micro-batches of 8, warm-up 10 then linear decay to 0 at --steps, clip 1.0), one
+thread.
 
-1. Profile: `pipefisher profile schedules/tiny-cpu.yaml` measures this machine once (or --profile
-   FILE). The packer (`pipefisher.pack.pack`) picks the K-FAC refresh interval k and predicts the
-   PipeFisher step time of a 2-stage 1F1B pipeline; `pipefisher.simulate.simulate` predicts the
-   first-order step time (LAMB and AdamW alike: the profile's step end is the run file's LAMB
-   step, used for all three). K-FAC runs use that k as kfac.refresh_steps.
-2. Tuning on seed 0: a small learning-rate grid per optimizer (K-FAC: also damping; SGD momentum
-   0.9 after preconditioning), all for the full step budget.
+1. Profiles: `pipefisher profile schedules/tiny-cpu.yaml [--optimizer shampoo]` measures this
+   machine once per curvature method (or --profile / --shampoo-profile FILE). The packer
+   (`pipefisher.pack.pack`) picks each method's refresh interval k and predicts its PipeFisher
+   step time on a 2-stage 1F1B pipeline (Shampoo's step end includes its preconditioning);
+   `pipefisher.simulate.simulate` predicts the first-order step time (LAMB and AdamW alike: the
+   K-FAC profile's step end is the run file's LAMB step). K-FAC and Shampoo runs use their k as
+   refresh_steps.
+2. Tuning on seed 0: a grid of four points or fewer per optimizer (learning rate; K-FAC: also
+   damping, Shampoo: also epsilon; SGD momentum 0.9 after preconditioning), all for the full
+   step budget.
 3. Target: the smoothed MLM loss that the best seed-0 run (lowest final smoothed loss) reaches at
    2/3 of the budget. "Smoothed" = trailing mean over --window steps; steps to target = first step
    whose trailing mean is <= target. Per optimizer the setting with the fewest steps wins (none
@@ -22,8 +26,8 @@ Report: median steps to target over seeds ("not reached" counts as infinite), pe
 simulated wall time = median steps x predicted step time. Writes OUT.png (MLM loss vs step and vs
 simulated time, median over seeds) and OUT.csv (optimizer, seed, step, mlm, nsp, loss).
 
-    PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py --profile /tmp/tiny-bert.yaml  # ~13 min on 2 cores
-    PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py --quick    # ~2 min
+    PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py   # ~20 min on 2 cores
+    PIPEFISHER_CACHE=/tmp/pfcache python experiments/convergence.py --quick    # ~3 min
 """
 
 from __future__ import annotations
@@ -42,19 +46,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
-OPTIMIZERS = ("lamb", "adamw", "kfac")
-LABELS = {"lamb": "LAMB", "adamw": "AdamW", "kfac": "PipeFisher K-FAC"}
-# (optimizer) -> grid of (lr, damping); damping only matters for K-FAC. Ranges from a wider
-# 150-step exploration (K-FAC damping 1e-3 and lr 0.03 were clearly worse there).
+OPTIMIZERS = ("lamb", "adamw", "kfac", "shampoo")
+LABELS = {"lamb": "LAMB", "adamw": "AdamW", "kfac": "PipeFisher K-FAC", "shampoo": "PipeFisher Shampoo"}
+#: the curvature methods: packed into the bubbles, each with its own profile
+CURVATURE = ("kfac", "shampoo")
+# (optimizer) -> grid of (lr, damping); damping is K-FAC's damping and Shampoo's epsilon. Ranges
+# from a wider 150-step exploration (K-FAC damping 1e-3 and lr 0.03 were clearly worse there).
+# Shampoo grafts Adam's step size (SGD momentum 0.9 after it, as K-FAC), so its lr is Adam-like
+# divided by about 10; its epsilon made no difference between 1e-12 and 1e-6 in a first run, so
+# its four points all go to the learning rate.
 GRIDS = {
     "lamb": [(lr, None) for lr in (0.01, 0.03, 0.1)],
     "adamw": [(lr, None) for lr in (3e-4, 1e-3, 3e-3)],
     "kfac": [(lr, d) for d in (1e-2, 1e-1) for lr in (0.1, 0.3)],
+    "shampoo": [(lr, 1e-12) for lr in (3e-5, 1e-4, 3e-4, 1e-3)],
 }
 QUICK_GRIDS = {
     "lamb": [(lr, None) for lr in (0.01, 0.03)],
     "adamw": [(lr, None) for lr in (1e-3, 3e-3)],
     "kfac": [(lr, 1e-1) for lr in (0.1, 0.3)],
+    "shampoo": [(lr, 1e-12) for lr in (1e-4, 3e-4)],
 }
 KFAC_MOMENTUM = 0.9
 
@@ -72,19 +83,21 @@ class Setting:
         return f"{self.optimizer} lr {self.lr:g}{damping} seed {self.seed}"
 
 
-def make_config(setting: Setting, steps: int, refresh_steps: int):
+def make_config(setting: Setting, steps: int, refresh_steps: dict[str, int]):
     from pipefisher.config import load_config
 
     optimizer = {"name": setting.optimizer, "lr": setting.lr}
-    kfac = {}
-    if setting.optimizer == "kfac":  # the run file's kfac.lr/momentum would replace optimizer's
-        kfac = {"refresh_steps": refresh_steps, "damping": setting.damping, "lr": setting.lr, "momentum": KFAC_MOMENTUM}
+    sections: dict[str, dict] = {}
+    if setting.optimizer in CURVATURE:  # the run file's section lr/momentum would replace optimizer's
+        damping = {"kfac": "damping", "shampoo": "epsilon"}[setting.optimizer]
+        sections[setting.optimizer] = {"refresh_steps": refresh_steps[setting.optimizer], damping: setting.damping,
+                                       "lr": setting.lr, "momentum": KFAC_MOMENTUM}
     return load_config(BASE).with_overrides(
-        optimizer=optimizer, kfac=kfac, run={"steps": steps, "seed": setting.seed}, data={"seed": setting.seed},
+        optimizer=optimizer, run={"steps": steps, "seed": setting.seed}, data={"seed": setting.seed}, **sections,
     )
 
 
-def train(setting: Setting, steps: int, refresh_steps: int) -> tuple[Setting, list[tuple[int, float, float, float]], float]:
+def train(setting: Setting, steps: int, refresh_steps: dict[str, int]) -> tuple[Setting, list[tuple[int, float, float, float]], float]:
     """One reference run in this (worker) process: per step (step, mlm, nsp, loss), and seconds."""
     import warnings
 
@@ -111,9 +124,9 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def run_all(settings: list[Setting], steps: int, k: int, jobs: int, t0: float) -> dict[Setting, list]:
-    # K-FAC runs are the longest: start them first.
-    order = sorted(settings, key=lambda s: s.optimizer != "kfac")
+def run_all(settings: list[Setting], steps: int, k: dict[str, int], jobs: int, t0: float) -> dict[Setting, list]:
+    # the curvature methods' runs are the longest: start them first.
+    order = sorted(settings, key=lambda s: s.optimizer not in CURVATURE)
     results = {}
     with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker) as pool:
         futures = [pool.submit(train, s, steps, k) for s in order]
@@ -149,8 +162,9 @@ def steps_to(curve: list[float], target: float, window: int) -> int | None:
     return None
 
 
-def step_times(profile_path: Path, k_override: int | None) -> tuple[float, float, int, str]:
-    """(first-order ms, PipeFisher packed ms (mean over the cycle), k, summary) of 2-stage 1F1B."""
+def step_times(profile_path: Path, method: str, k_override: int | None) -> tuple[float, float, int, str]:
+    """(first-order ms, PipeFisher packed ms (mean over the cycle), k, summary) of 2-stage 1F1B
+    with `method`'s profile (K-FAC's also gives the first-order step: LAMB's step end)."""
     from pipefisher.config import load_config
     from pipefisher.pack import pack
     from pipefisher.profile import load_profile
@@ -158,21 +172,23 @@ def step_times(profile_path: Path, k_override: int | None) -> tuple[float, float
     from pipefisher.runtime.assembly import build_schedule
     from pipefisher.simulate import simulate
 
-    config = load_config(BASE)
+    config = load_config(BASE).with_overrides(optimizer={"name": method})
     schedule = build_schedule(config)
     profile = load_profile(profile_path)
     packed = pack(schedule, profile, pack_options(config, refresh_steps=k_override))
     first_order = simulate(schedule, profile).step_time
-    summary = (f"profile {profile_path}: 1F1B D=2 N=4, first-order step {first_order:.1f} ms, PipeFisher packed "
+    summary = (f"{method} profile {profile_path}: 1F1B D=2 N=4, first-order step {first_order:.1f} ms, PipeFisher packed "
                f"k={packed.refresh_steps} (lower bound {packed.lower_bound}) step {packed.step_time:.1f} ms "
                f"(preconditioning only {packed.precondition_step_time:.1f} ms, packing overhead {100 * packed.overhead:.1f} %)")
     return first_order, packed.step_time, packed.refresh_steps, summary
 
 
-def measure_profile(path: Path) -> None:
-    print(f"measuring a profile: pipefisher profile {BASE.relative_to(ROOT)} -o {path}", file=sys.stderr, flush=True)
+def measure_profile(path: Path, method: str) -> None:
+    """`pipefisher profile` of the base run with `method`'s tasks (Shampoo's step end includes its
+    preconditioning)."""
+    print(f"measuring a profile: pipefisher profile {BASE.relative_to(ROOT)} --optimizer {method} -o {path}", file=sys.stderr, flush=True)
     subprocess.run(
-        [sys.executable, "-m", "pipefisher", "profile", str(BASE), "-o", str(path), "--master-port", "0"],
+        [sys.executable, "-m", "pipefisher", "profile", str(BASE), "-o", str(path), "--master-port", "0", "--optimizer", method],
         check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
     )
 
@@ -193,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the tuned settings (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="a ~2-minute version: 50 steps, 2 seeds, 2-point grids")
     parser.add_argument("--out", default="docs/convergence", help="OUT.png and OUT.csv (default docs/convergence)")
-    parser.add_argument("--profile", default="", help="a pipefisher.profile/v1 file of schedules/tiny-cpu.yaml (default: measure one)")
-    parser.add_argument("--refresh-steps", type=int, default=None, help="pin K-FAC's k (default: the packer's choice)")
+    parser.add_argument("--profile", default="", help="a K-FAC pipefisher.profile/v1 file of schedules/tiny-cpu.yaml (default: measure one)")
+    parser.add_argument("--shampoo-profile", default="", help="a Shampoo profile of it (`pipefisher profile --optimizer shampoo`; default: measure one)")
+    parser.add_argument("--refresh-steps", type=int, default=None, help="pin k of K-FAC and Shampoo (default: the packer's choice)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each; default 2)")
     args = parser.parse_args(argv)
     steps = args.steps or (50 if args.quick else 300)
@@ -204,12 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PIPEFISHER_CACHE", "/tmp/pfcache")
     t0 = time.perf_counter()
 
-    profile = Path(args.profile) if args.profile else Path("/tmp/pipefisher-convergence-profile.yaml")
-    if not args.profile:
-        measure_profile(profile)
-    fo_ms, pf_ms, k, summary = step_times(profile, args.refresh_steps)
-    print(summary, file=sys.stderr, flush=True)
-    step_ms = {"lamb": fo_ms, "adamw": fo_ms, "kfac": pf_ms}
+    step_ms, k, summaries = {}, {}, []
+    for method, given in (("kfac", args.profile), ("shampoo", args.shampoo_profile)):
+        profile = Path(given) if given else Path(f"/tmp/pipefisher-convergence-profile-{method}.yaml")
+        if not given:
+            measure_profile(profile, method)
+        fo_ms, step_ms[method], k[method], summary = step_times(profile, method, args.refresh_steps)
+        if method == "kfac":
+            step_ms["lamb"] = step_ms["adamw"] = fo_ms
+        summaries.append(summary)
+        print(summary, file=sys.stderr, flush=True)
+    summary = "\n".join(summaries)
 
     # 1. tuning on seed 0
     tuning = [Setting(opt, lr, d, 0) for opt in OPTIMIZERS for lr, d in grids[opt]]
@@ -251,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         med = median_steps(per_seed)
         medians[opt] = [statistics.median(v) for v in zip(*[smooth([r[1] for r in results[s]], window) for s in runs[opt]])]
         wall = "not reached" if math.isinf(med) else f"{med * step_ms[opt] / 1000:.1f}"
-        setting = f"lr {t.lr:g}" + (f", damping {t.damping:g}, k {k}, momentum {KFAC_MOMENTUM}" if opt == "kfac" else "")
+        damping = {"kfac": "damping", "shampoo": "epsilon"}.get(opt)
+        setting = f"lr {t.lr:g}" + (f", {damping} {t.damping:g}, k {k[opt]}, momentum {KFAC_MOMENTUM}" if damping else "")
         table.append(f"| {LABELS[opt]} | {setting} | {fmt_steps(med)} | "
                      f"{', '.join('n/r' if v is None else str(v) for v in per_seed)} | {wall} | {step_ms[opt]:.1f} | "
                      f"{medians[opt][-1]:.3f} |")
@@ -265,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: MLM loss {target:.3f} = the {window}-step trailing mean of the best seed-0 run "
           f"({best.name}) at step {at}\n")
     print("Tuning (seed 0; steps to target, final smoothed MLM):\n")
-    print("| optimizer | lr | damping | steps to target | final MLM |\n|---|---|---|---|---|")
+    print("| optimizer | lr | damping (K-FAC) / epsilon (Shampoo) | steps to target | final MLM |\n|---|---|---|---|---|")
     print("\n".join(grid_lines) + "\n")
     print(f"Tuned, seeds 0..{seeds - 1}:\n")
     print("| optimizer | tuned setting | median steps to target | per-seed steps | simulated wall time to target [s] | predicted step time [ms] | final MLM (median) |")
@@ -276,17 +299,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(path: Path, medians: dict[str, list[float]], step_ms: dict[str, float], target: float,
-         steps: int, seeds: int, window: int, k: int) -> None:
+         steps: int, seeds: int, window: int, k: dict[str, int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"lamb": "tab:blue", "adamw": "tab:green", "kfac": "tab:red"}
+    colors = {"lamb": "tab:blue", "adamw": "tab:green", "kfac": "tab:red", "shampoo": "tab:purple"}
     for opt, curve in medians.items():
         xs = list(range(1, len(curve) + 1))
-        label = LABELS[opt] + (f" (k={k})" if opt == "kfac" else "")
+        label = LABELS[opt] + (f" (k={k[opt]})" if opt in CURVATURE else "")
         axes[0].plot(xs, curve, color=colors[opt], label=label)
         axes[1].plot([x * step_ms[opt] / 1000 for x in xs], curve, color=colors[opt],
                      label=f"{label}, {step_ms[opt]:.0f} ms/step")

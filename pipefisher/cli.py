@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, percentile, positive_float, positive_int, share
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations
+from pipefisher.methods import task_rules
+
+OPTIMIZERS = ("sgd", "adamw", "lamb", "kfac", "shampoo")
 from pipefisher.pack import STRATEGIES, PackOptions, PackResult, pack
 from pipefisher.profile import ProfileError, load_profile
 from pipefisher.schedules import SCHEDULES
@@ -86,7 +89,7 @@ def _add_simulate(subparsers) -> None:
 def _cmd_pack(args: argparse.Namespace) -> int:
     schedule, profile = build_pipeline(args, profile_required=True)
     if not any(stage.layers for stage in profile.stages):
-        raise UsageError(f"{args.profile}: no stage lists K-FAC layers; add `layers` to the stages")
+        raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
     options = PackOptions(
         margin=args.margin,
         percentile=args.percentile,
@@ -115,16 +118,17 @@ def format_pack_report(result: PackResult) -> str:
     data = result.to_dict()
     unit = data["time_unit"]
     first_order = data["first_order_step_time"]
+    label = task_rules(result.plan.method).label
     lines = [
         f"{data['schedule']}: D={data['stages']}, N={data['micro_batches']}, strategy {data['strategy']}"
-        f"{'' if data['split'] else ', no inverse splitting'}, K-FAC task times at percentile {data['percentile']:g}, "
+        f"{'' if data['split'] else ', no inverse splitting'}, {label} task times at percentile {data['percentile']:g}, "
         f"margin {100 * data['margin']:g} %",
         f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
         f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
         f"why: {data['reason']} (plan: {data['placement']})",
         "frontier (k: overhead): " + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
         f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
-        f"with K-FAC {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
+        f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
     ]
     if result.capture_peak_bytes:
         peak = max(result.capture_peaks, key=lambda p: p.bytes)
@@ -147,15 +151,15 @@ def format_pack_report(result: PackResult) -> str:
         )
         for d in data["devices"]
     ]
-    headers = ["rank", "k", "bound", f"K-FAC/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
+    headers = ["rank", "k", "bound", f"{label}/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
     lines.append(format_table(headers, rows))
     return "\n".join(lines)
 
 
 def _add_pack(subparsers) -> None:
-    parser = subparsers.add_parser("pack", help="place K-FAC work into the bubbles; report the refresh interval")
+    parser = subparsers.add_parser("pack", help="place curvature work (K-FAC, Shampoo) into the bubbles; report the refresh interval")
     add_pipeline_arguments(parser)
-    parser.add_argument("--profile", required=True, help="profile file with K-FAC layers (pipefisher.profile/v1)")
+    parser.add_argument("--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
     parser.add_argument("--margin", type=share, default=0.0, help="share of each bubble kept free (default 0)")
@@ -179,25 +183,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer},
-        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps, "profile": args.profile},
+        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps},
+        shampoo={"placement": args.shampoo_placement, "refresh_steps": args.shampoo_refresh_steps},
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
+    method = config.optimizer.name if config.curvature is not None else "kfac"
+    config = config.with_overrides(**{method: {"profile": args.profile}})
     from pipefisher.runtime.assembly import build_schedule
 
     schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
     _prepare_model(config)
-    if config.optimizer.name == "kfac" and config.kfac.profile:
+    section = config.curvature
+    if section is not None and section.profile:
         from pipefisher.runtime.pipefisher_run import check_profile_matches
 
-        profile = load_profile(config.kfac.profile)  # names the file in its own errors
+        profile = load_profile(section.profile)  # names the file in its own errors
         try:
             check_profile_matches(profile, config, schedule.num_stages)
         except ProfileError as exc:
-            raise UsageError(f"{config.kfac.profile}: {exc}") from None
-    if args.reference and config.optimizer.name == "kfac" and config.kfac.refresh_steps < 1:
-        raise UsageError("--reference with K-FAC needs --kfac-refresh-steps K (the reference has no packer)")
+            raise UsageError(f"{section.profile}: {exc}") from None
+    if args.reference and section is not None and section.refresh_steps < 1:
+        raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
     from pipefisher.runtime.run import check_port, run
 
     problem = None if args.reference else check_port(config)
@@ -242,6 +250,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     config = load_config(args.config).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        optimizer={"name": args.optimizer},
         run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
     )
     from pipefisher.runtime.run import check_port, profile_run
@@ -305,6 +314,8 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+                        help="override optimizer.name: the tasks of its curvature method are timed (Shampoo's for shampoo, else K-FAC's)")
     parser.set_defaults(handler=_cmd_profile)
 
 
@@ -313,10 +324,12 @@ def _add_run(subparsers) -> None:
     parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--steps", type=positive_int, help="total steps of the run (run.steps)")
-    parser.add_argument("--optimizer", choices=["sgd", "adamw", "lamb", "kfac"], help="override optimizer.name")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="override optimizer.name")
     parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
     parser.add_argument("--kfac-refresh-steps", type=positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
-    parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile); default: measure one")
+    parser.add_argument("--shampoo-placement", choices=["packed", "after-step"], help="where Shampoo work runs (shampoo.placement)")
+    parser.add_argument("--shampoo-refresh-steps", type=positive_int, help="pin the refresh interval k (shampoo.refresh_steps)")
+    parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile or shampoo.profile); default: measure one")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
     parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")

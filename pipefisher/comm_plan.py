@@ -10,7 +10,8 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
 - ``("fwd", replica, pipe, s)``: activations stage s -> s + 1; ``("bwd", replica, pipe, s)``: their
   gradients s + 1 -> s. One sender, one receiver, messages in micro-batch order on both ends.
 - ``("grad", s)``: stage s's gradient reduction over its replicas (pipes x data-parallel).
-- ``("kfac", s)``: stage s's K-FAC factor syncs and inverse exchanges over the same replicas.
+- ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
+  of inverses or roots over the same replicas.
 - ``("tied",)``: tied weights (first and last stage); ``("world",)``: the end-of-step reduction
   (loss, gradient norm, overflow flag) over all ranks.
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pipefisher.ir import Op, OpKind, ScheduleError
+from pipefisher.methods import TaskRules, task_rules
 from pipefisher.plan import Plan
 from pipefisher.tasks import FACTOR_OF
 from pipefisher.topology import Topology
@@ -173,17 +175,20 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False) -> CommPlan
     schedule = plan.schedule
     num_stages = schedule.num_stages
     owners = inverse_owners(plan)
+    rules = task_rules(plan.method)
     synced = {(op.stage, op.layer, FACTOR_OF[op.kind]) for op in plan.kfac_ops() if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)}
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
     steps = []
+    #: per rank, the syncs it has waited for in the cycle so far (a sync feeds several ops)
+    waited: list[set[Collective]] = [set() for _ in range(topology.world_size)]
     for index, step in enumerate(plan.steps):
         last_step = index == len(plan.steps) - 1
         ranks = []
         for rank in range(topology.world_size):
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
-            actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated))
+            actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
             actions += _end_of_step(topology, rank, actions, tied_ranks)
             if last_step:
                 exchanges = [a.target for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
@@ -212,11 +217,11 @@ def tied_ranks_of(topology: Topology) -> tuple[int, ...]:
 
 
 def sync_collective(stage: int, layer: str, factor: str) -> Collective:
-    return Collective("sync", ("kfac", stage), (stage, layer, factor))
+    return Collective("sync", ("curv", stage), (stage, layer, factor))
 
 
 def exchange_collective(stage: int, layer: str, factor: str) -> Collective:
-    return Collective("exchange", ("kfac", stage), (stage, layer, factor))
+    return Collective("exchange", ("curv", stage), (stage, layer, factor))
 
 
 def grad_collective(stage: int) -> Collective:
@@ -227,7 +232,8 @@ TIED = Collective("tied", ("tied",))
 STEP = Collective("step", ("world",))
 
 
-def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, owners: dict, synced: set, replicated: set[int]) -> Iterator[Action]:
+def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, owners: dict, synced: set, replicated: set[int],
+                rules: TaskRules, waited: set[Collective]) -> Iterator[Action]:
     num_stages = topology.schedule.num_stages
 
     def rank_of(op: Op) -> int:
@@ -248,9 +254,12 @@ def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, 
             yield Action(ActionKind.WAIT, inputs[position])
             if position in next_receive:
                 yield post(inputs[next_receive[position]])
-        yield from _kfac_waits(op, owners, synced)
+        for action in _curvature_waits(op, owners, synced, rules):
+            if action.target not in waited:
+                waited.add(action.target)
+                yield action
         yield run(op)
-        yield from _kfac_launches(op)
+        yield from _curvature_launches(op)
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
@@ -269,21 +278,24 @@ def _gradient_final_positions(ops: Sequence[Op]) -> dict[int, int]:
     return {position: stage for stage, position in last.items()}
 
 
-def _kfac_waits(op: Op, owners: dict, synced: set) -> Iterator[Action]:
-    """An inverse waits for its factor's sync; an exchange first waits for the syncs of the
-    factors its replica did not invert (it folds them into its running average)."""
+def _curvature_waits(op: Op, owners: dict, synced: set, rules: TaskRules) -> Iterator[Action]:
+    """Refresh work waits for the sync of its input; an exchange first waits for the syncs of the
+    inputs of the factors its replica did not compute (it folds them into its running state).
+    The caller drops waits for a sync the rank already waited for (Shampoo's one gradient sync
+    feeds both factors)."""
     if op.kind in (OpKind.INV_A, OpKind.INV_B):
-        key = (op.stage, op.layer, FACTOR_OF[op.kind])
+        key = (op.stage, op.layer, rules.sync_for(FACTOR_OF[op.kind]))
         if key in synced:
             yield Action(ActionKind.WAIT, sync_collective(*key))
     elif op.kind is OpKind.EXCHANGE:
-        for factor in "AB":
-            key = (op.stage, op.layer, factor)
-            if owners.get(key) != op.pipe and key in synced:
+        inputs = dict.fromkeys(rules.sync_for(factor) for factor in "AB" if owners.get((op.stage, op.layer, factor)) != op.pipe)
+        for source in inputs:
+            key = (op.stage, op.layer, source)
+            if key in synced:
                 yield Action(ActionKind.WAIT, sync_collective(*key))
 
 
-def _kfac_launches(op: Op) -> Iterator[Action]:
+def _curvature_launches(op: Op) -> Iterator[Action]:
     if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B):
         yield Action(ActionKind.LAUNCH, sync_collective(op.stage, op.layer, FACTOR_OF[op.kind]))
     elif op.kind is OpKind.EXCHANGE:
@@ -310,7 +322,7 @@ def group_members(topology: Topology, tied: bool) -> dict[GroupKey, tuple[int, .
     for stage in range(schedule.num_stages):
         ranks = topology.replica_ranks(stage)
         if len(ranks) > 1:
-            members[("grad", stage)] = members[("kfac", stage)] = ranks
+            members[("grad", stage)] = members[("curv", stage)] = ranks
     for replica in range(topology.data_parallel):
         for pipe in range(schedule.num_pipes):
             for stage in range(schedule.num_stages - 1):

@@ -83,13 +83,14 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay).
+    """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay);
+    `shampoo`: Shampoo preconditioning with grafting of every parameter, then SGD likewise.
     `clip_norm` > 0 clips the global gradient norm (after preconditioning); the learning rate
     warms up linearly over `warmup_steps`, then stays (`constant`) or falls to 0 at step
     `decay_steps` (`linear`; 0 = the run's last step — fix it when a run is split by --resume
     into parts with other --steps). Weight decay skips biases and LayerNorm weights."""
 
-    name: Literal["sgd", "adamw", "lamb", "kfac"] = "sgd"
+    name: Literal["sgd", "adamw", "lamb", "kfac", "shampoo"] = "sgd"
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -102,25 +103,25 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
-class KfacConfig:
-    """K-FAC settings (used with optimizer.name kfac). `lr` and `momentum`: of the SGD step after
-    preconditioning (0 = optimizer.lr / optimizer.momentum), so a run file can carry K-FAC's tuned
-    values beside another optimizer's.
+class RefreshConfig:
+    """How a curvature method's refresh work is placed; the keys the kfac and shampoo sections
+    share. `lr` and `momentum`: of the SGD step after preconditioning (0 = optimizer.lr /
+    optimizer.momentum), so a run file can carry the method's tuned values beside another
+    optimizer's.
 
     `refresh_steps` 0 lets the packer choose k (at most `max_refresh_steps`, 0 = no cap; see
     `pipefisher.pack` for the rule), packing with the `percentile` of the profile's measured
     samples, `margin` of each bubble kept free, within `max_overhead` (a share of the step), holding
-    at most `max_capture_mb` MiB of captures per device (0 = no cap); `placement` packed puts K-FAC work in the bubbles,
-    after-step runs it in one block after the first step of each cycle. `profile`: a
-    pipefisher.profile/v1 file of this run ("" = measure one before training). Re-profiling:
-    when the measured cycle time differs from the prediction by more than `reprofile_threshold`
-    (a share) for `reprofile_patience` cycles in a row, the run measures again and re-packs (a
-    steady gap right after a fresh measurement counts as the simulator's error, not as drift).
+    at most `max_capture_mb` MiB of captures per device (0 = no cap); `placement` packed puts the
+    work in the bubbles, after-step runs it in one block after the first step of each cycle;
+    `split` spreads the refresh work of a stage over its pipes' replicas and exchanges the results.
+    `profile`: a pipefisher.profile/v1 file of this run ("" = measure one before training).
+    Re-profiling: when the measured cycle time differs from the prediction by more than
+    `reprofile_threshold` (a share) for `reprofile_patience` cycles in a row, the run measures
+    again and re-packs (a steady gap right after a fresh measurement counts as the simulator's
+    error, not as drift).
     """
 
-    damping: float = 1e-3
-    factor_decay: float = 0.95
-    inverse: Literal["eigen", "cholesky"] = "eigen"
     lr: float = 0.0
     momentum: float = 0.0
     refresh_steps: int = 0
@@ -134,6 +135,33 @@ class KfacConfig:
     profile: str = ""
     reprofile_threshold: float = 0.25
     reprofile_patience: int = 3
+
+
+@dataclass(frozen=True)
+class KfacConfig(RefreshConfig):
+    """K-FAC settings (used with optimizer.name kfac): damping, factor EMA decay, inverse method;
+    placement keys as `RefreshConfig`."""
+
+    damping: float = 1e-3
+    factor_decay: float = 0.95
+    inverse: Literal["eigen", "cholesky"] = "eigen"
+
+
+@dataclass(frozen=True)
+class ShampooConfig(RefreshConfig):
+    """Shampoo settings (used with optimizer.name shampoo; `pipefisher.shampoo`): statistics decay
+    `beta2` (1 = plain sum), `epsilon` added before the inverse 4th root, `block_size` (longer
+    dimensions are cut into blocks), `root` method, `grafting` (adam takes optimizer.betas[1] and
+    optimizer.eps), `start_step` (steps before it use the grafting direction alone); the
+    statistics come from the gradient of every refresh cycle's first step. Placement keys as
+    `RefreshConfig`."""
+
+    beta2: float = 1.0
+    epsilon: float = 1e-12
+    block_size: int = 1024
+    root: Literal["eigen", "newton"] = "eigen"
+    grafting: Literal["adam", "sgd", "none"] = "adam"
+    start_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +207,7 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     kfac: KfacConfig = field(default_factory=KfacConfig)
+    shampoo: ShampooConfig = field(default_factory=ShampooConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunSettings = field(default_factory=RunSettings)
 
@@ -187,13 +216,19 @@ class RunConfig:
         return self.pipeline.stages * self.pipeline.data_parallel
 
     @property
+    def curvature(self) -> KfacConfig | ShampooConfig | None:
+        """The section of the run's curvature method (kfac or shampoo), None for first-order runs."""
+        return {"kfac": self.kfac, "shampoo": self.shampoo}.get(self.optimizer.name)
+
+    @property
     def optimizer_settings(self) -> OptimizerConfig:
-        """The optimizer section as the run uses it: with K-FAC, `kfac.lr` and `kfac.momentum`
-        replace lr and momentum when they are set."""
-        if self.optimizer.name != "kfac":
+        """The optimizer section as the run uses it: with a curvature method, its section's `lr`
+        and `momentum` replace lr and momentum when they are set."""
+        section = self.curvature
+        if section is None:
             return self.optimizer
-        return dataclasses.replace(self.optimizer, lr=self.kfac.lr or self.optimizer.lr,
-                                   momentum=self.kfac.momentum or self.optimizer.momentum)
+        return dataclasses.replace(self.optimizer, lr=section.lr or self.optimizer.lr,
+                                   momentum=section.momentum or self.optimizer.momentum)
 
     @property
     def model_chunks(self) -> int:
@@ -214,6 +249,7 @@ _POSITIVE = {
     "model.output_dim", "data.micro_batch_size", "pipeline.stages", "pipeline.micro_batches",
     "pipeline.chunks", "pipeline.data_parallel", "optimizer.lr", "run.steps", "run.timeout", "optimizer.eps",
     "kfac.damping", "kfac.reprofile_threshold", "kfac.reprofile_patience", "run.loss_scale", "run.bucket_mb",
+    "shampoo.reprofile_threshold", "shampoo.reprofile_patience", "shampoo.epsilon", "shampoo.block_size",
 }
 
 
@@ -273,7 +309,7 @@ def config_from_dict(data: Any) -> RunConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, checkpoint, run")
+        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, shampoo, checkpoint, run")
     sections = [f.name for f in fields(RunConfig)]
     hints = typing.get_type_hints(RunConfig)
     for key in data:
@@ -312,25 +348,35 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"data.mask_prob: {config.data.mask_prob} must be in (0, 1)")
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
-    kfac = config.kfac
-    if kfac.refresh_steps < 0:
-        raise ConfigError(f"kfac.refresh_steps: {kfac.refresh_steps} must be >= 1, or 0 to let the packer choose")
-    if kfac.lr < 0 or not 0 <= kfac.momentum < 1:
-        raise ConfigError("kfac.lr must be >= 0 (0 = optimizer.lr) and kfac.momentum in [0, 1) (0 = optimizer.momentum)")
-    if not 0 <= kfac.factor_decay < 1:
-        raise ConfigError(f"kfac.factor_decay: {kfac.factor_decay} must be in [0, 1)")
-    if not 0 <= kfac.margin < 1 or kfac.max_overhead < 0:
-        raise ConfigError("kfac.margin must be in [0, 1) and kfac.max_overhead >= 0")
-    if not 0 < kfac.percentile <= 100:
-        raise ConfigError(f"kfac.percentile: {kfac.percentile:g} must be in (0, 100] (50 = the median)")
-    if kfac.max_refresh_steps < 0 or kfac.max_capture_mb < 0:
-        raise ConfigError("kfac.max_refresh_steps and kfac.max_capture_mb must be >= 0 (0 = no cap)")
+    for section in ("kfac", "shampoo"):
+        _check_refresh(getattr(config, section), section)
+    if not 0 <= config.kfac.factor_decay < 1:
+        raise ConfigError(f"kfac.factor_decay: {config.kfac.factor_decay} must be in [0, 1)")
+    shampoo = config.shampoo
+    if not 0 < shampoo.beta2 <= 1:
+        raise ConfigError(f"shampoo.beta2: {shampoo.beta2} must be in (0, 1] (1 = a plain sum of the statistics)")
+    if shampoo.start_step < 0:
+        raise ConfigError(f"shampoo.start_step: {shampoo.start_step} must be >= 0")
     if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if not 0 <= config.run.master_port < 65536:
         raise ConfigError(f"run.master_port: {config.run.master_port} is not a port number (0 picks a free one)")
+
+
+def _check_refresh(section: RefreshConfig, name: str) -> None:
+    """The placement keys of a curvature method's section `name`."""
+    if section.refresh_steps < 0:
+        raise ConfigError(f"{name}.refresh_steps: {section.refresh_steps} must be >= 1, or 0 to let the packer choose")
+    if section.lr < 0 or not 0 <= section.momentum < 1:
+        raise ConfigError(f"{name}.lr must be >= 0 (0 = optimizer.lr) and {name}.momentum in [0, 1) (0 = optimizer.momentum)")
+    if not 0 <= section.margin < 1 or section.max_overhead < 0:
+        raise ConfigError(f"{name}.margin must be in [0, 1) and {name}.max_overhead >= 0")
+    if not 0 < section.percentile <= 100:
+        raise ConfigError(f"{name}.percentile: {section.percentile:g} must be in (0, 100] (50 = the median)")
+    if section.max_refresh_steps < 0 or section.max_capture_mb < 0:
+        raise ConfigError(f"{name}.max_refresh_steps and {name}.max_capture_mb must be >= 0 (0 = no cap)")
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -344,6 +390,8 @@ __all__ = [
     "DataConfig",
     "KfacConfig",
     "ModelConfig",
+    "RefreshConfig",
+    "ShampooConfig",
     "OptimizerConfig",
     "PipelineConfig",
     "RunConfig",

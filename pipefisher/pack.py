@@ -33,7 +33,7 @@ from pipefisher.pack_report import DeviceReport, FrontierPoint, PackResult, devi
 from pipefisher.plan import Plan, simulate_plan, simulate_plan_step
 from pipefisher.profile import Profile
 from pipefisher.simulate import COLLECTIVES, Timeline, simulate
-from pipefisher.tasks import KfacTasks, build_tasks
+from pipefisher.tasks import CurvatureTasks, build_tasks
 
 __all__ = ["PackOptions", "PackResult", "DeviceReport", "FrontierPoint", "pack", "after_step_plan", "STRATEGIES"]
 
@@ -49,7 +49,8 @@ class PackOptions:
     the first-order step time; `refresh_steps`: pin k; `max_refresh_steps`: cap k (None: no cap);
     `max_capture_mb`: cap on captured activations/gradients held per device (MiB; None: no cap);
     `data_parallel`: copies of the pipeline (factors are synced over them too); `strategy`
-    ``published`` packs with the published rule alone, for comparison."""
+    ``published`` packs with the published rule alone, for comparison. The tasks packed are those
+    of the profile's curvature method (`Profile.method`)."""
 
     margin: float = 0.0
     percentile: float | None = 90.0
@@ -98,7 +99,7 @@ class _Candidate:
 class _Packing:
     """Candidate plans of one task set on one first-order timeline, cached per k."""
 
-    def __init__(self, tasks: KfacTasks, first_order: Timeline, options: PackOptions):
+    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, options: PackOptions):
         self.tasks, self.first_order, self.options = tasks, first_order, options
         self.windows: Windows = step_windows(tasks, first_order, options.margin)
         self.builder = PlanBuilder(tasks, first_order, self.windows)
@@ -302,13 +303,13 @@ def _tasks_at_percentile(profile: Profile, q: float) -> Profile:
 
 
 def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True, data_parallel: int = 1) -> Plan:
-    """The naive placement, for comparison: all of a cycle's K-FAC work in one block after the
+    """The naive placement, for comparison: all of a cycle's curvature work in one block after the
     flush of its first step (curvature, syncs, inverses, exchanges), preconditioning at the end of
     every step. Collectives go in one order on every rank (by stage, layer, kind)."""
     return _after_step(build_tasks(schedule, profile, split=split, data_parallel=data_parallel), refresh_steps)
 
 
-def _after_step(tasks: KfacTasks, refresh_steps: int) -> Plan:
+def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
     schedule, profile = tasks.schedule, tasks.profile
     layer_index = {(stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)}
 
@@ -328,4 +329,4 @@ def _after_step(tasks: KfacTasks, refresh_steps: int) -> Plan:
             work = block(tasks.cycle[rank]) if step == 0 else []
             ranks.append(tuple(compute) + tuple(work) + tasks.per_step[rank])
         steps.append(tuple(ranks))
-    return Plan(schedule=schedule, steps=tuple(steps))
+    return Plan(schedule=schedule, steps=tuple(steps), method=tasks.rules.name)

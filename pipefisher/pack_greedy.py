@@ -1,4 +1,4 @@
-"""Greedy placement of a refresh cycle's K-FAC tasks into the bubbles of repeated steps.
+"""Greedy placement of a refresh cycle's curvature tasks into the bubbles of repeated steps.
 
 The first-order timeline repeats every step, so each rank has the same windows in every step: the
 bubbles of a step with its preconditioning (each precondition in the first bubble after its
@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple
 
 from pipefisher.ir import Op, OpKind
 from pipefisher.simulate import COLLECTIVES, Timeline, simulate_ops
-from pipefisher.tasks import KfacTasks
+from pipefisher.tasks import CurvatureTasks
 
 Strategy = Literal["fill", "published"]
 STRATEGIES = ("fill", "published")
@@ -76,7 +76,7 @@ class Windows:
         return max((end - start for start, end in self.free[rank]), default=0.0)
 
 
-def step_windows(tasks: KfacTasks, first_order: Timeline, margin: float) -> Windows:
+def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) -> Windows:
     """The windows of every step: each precondition goes into the first bubble after its
     stage's last backward that holds it (else after the step's work); the windows are the
     bubbles of that preconditioned step (so they include what a step ending later with its
@@ -111,7 +111,7 @@ def step_windows(tasks: KfacTasks, first_order: Timeline, margin: float) -> Wind
 
 
 def place(
-    tasks: KfacTasks,
+    tasks: CurvatureTasks,
     first_order: Timeline,
     windows: Windows,
     strategy: Strategy,
@@ -130,7 +130,7 @@ class _Greedy:
     choice is the same as choosing task by task, at a fraction of the cost. Units are numbered in
     `tasks.cycle` order of their first task (a topological order)."""
 
-    def __init__(self, tasks: KfacTasks, first_order: Timeline, windows: Windows, strategy: Strategy):
+    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy):
         self.published = strategy == "published"
         self.windows = windows
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
@@ -159,8 +159,8 @@ class _Greedy:
         self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
         #: per unit, per task: when its first-step input is ready
         fo_end = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
-        self.op_release = [[fo_end[tasks.graph.first_step_input(op)] for op in ops] if self.curvature[u] else [0.0] * len(ops)
-                           for u, ops in enumerate(self.ops)]
+        self.op_release = [[max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
+                           for ops in self.ops]
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
         self.release = [0.0] * len(self.ops)
@@ -181,7 +181,7 @@ class _Greedy:
                 self.missing[child] += 1
 
     @staticmethod
-    def _published_dependencies(tasks: KfacTasks) -> dict[Op, tuple[Op, ...]]:
+    def _published_dependencies(tasks: CurvatureTasks) -> dict[Op, tuple[Op, ...]]:
         """The published rule: an inverse waits for all curvature of its kind on its rank, i.e.
         for the last task of each of its rank's curvature chains of that kind."""
         extra: dict[Op, tuple[Op, ...]] = {}
@@ -200,9 +200,8 @@ class _Greedy:
         self.done = 0
         self.step = 0
         self.curvature_until = math.inf if curvature_until is None else curvature_until
-        for unit in range(len(self.ops)):
-            if self.missing[unit] == 0:
-                self._make_ready(unit)
+        for unit in [unit for unit in range(len(self.ops)) if self.missing[unit] == 0]:  # (launching one readies others)
+            self._make_ready(unit)
         order = sorted((start, rank, end) for rank, free in enumerate(self.windows.free) for start, end in free)
         for step in range(max_steps):
             self.step = step
@@ -273,9 +272,10 @@ class _Greedy:
 
     def _make_ready(self, unit: int) -> None:
         if self.collective[unit]:  # an asynchronous launch: no rank time, no window
+            launch = max(self.release[unit], self.op_release[unit][0])
             for op in self.ops[unit]:
-                self.placed[op] = Placement(Slot(-1, 0.0, 1, 0), self.release[unit], self.release[unit])
-            self._finish(unit, self.release[unit])
+                self.placed[op] = Placement(Slot(-1, 0.0, 1, 0), launch, launch)
+            self._finish(unit, launch)
         elif not (self.curvature[unit] and self.step > self.curvature_until):
             release = max(self.release[unit], self.op_release[unit][0])
             heapq.heappush(self.pending[self.rank[unit]], (release, unit))
@@ -314,7 +314,7 @@ class _Greedy:
         return index - 1 if index > 0 else None
 
 
-def lower_bounds(tasks: KfacTasks, first_order: Timeline, windows: Windows) -> list[int]:
+def lower_bounds(tasks: CurvatureTasks, first_order: Timeline, windows: Windows) -> list[int]:
     """Per rank, the least k whose windows can hold the cycle's tasks (those longer than every
     window excluded), by two counts; at least 1. In the first step nothing runs before the
     rank's first forward ends (all its tasks wait for one of its forwards or backwards), so only
@@ -348,6 +348,6 @@ def _steps_needed(amount: float, first: float, later: float) -> int:
     return 1 + max(0, math.ceil((amount - first) / later - 1e-9))
 
 
-def precondition_in_bubbles(tasks: KfacTasks, windows: Windows, rank: int) -> float:
+def precondition_in_bubbles(tasks: CurvatureTasks, windows: Windows, rank: int) -> float:
     """Per-step precondition time of `rank` that sits inside its bubbles."""
     return sum(tasks.durations(op) for op in tasks.per_step[rank] if windows.precondition_window[op] is not None)

@@ -20,7 +20,7 @@ from pipefisher.ir import Op, OpKind
 from pipefisher.pack_greedy import CURVATURE_KINDS, TOLERANCE, Placement, Slot, Windows
 from pipefisher.plan import Plan
 from pipefisher.simulate import COLLECTIVES, Timeline
-from pipefisher.tasks import KfacTasks, collective_groups
+from pipefisher.tasks import CurvatureTasks, collective_groups
 
 Leftovers = Literal["tail", "spread"]
 
@@ -40,7 +40,7 @@ _PHASE = {OpKind.CURV_A: 0, OpKind.CURV_B: 0, OpKind.INV_A: 1, OpKind.INV_B: 1}
 class PlanBuilder:
     """Plans of one task set on one first-order timeline (see the module docstring)."""
 
-    def __init__(self, tasks: KfacTasks, first_order: Timeline, windows: Windows):
+    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows):
         self.tasks = tasks
         self.windows = windows
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
@@ -79,7 +79,7 @@ class PlanBuilder:
                 items.sort(key=_first)  # two sorted runs when kept is in window order: a merge
                 ranks.append(tuple(map(_second, items)))
             steps.append(tuple(ranks))
-        return Plan(schedule=self.schedule, steps=tuple(steps))
+        return Plan(schedule=self.schedule, steps=tuple(steps), method=self.tasks.rules.name)
 
     @cached_property
     def base(self) -> list[list[tuple[tuple, Op]]]:
@@ -174,8 +174,7 @@ class PlanBuilder:
         ready = 0.0
         for dep in self.tasks.graph.dependencies(op):
             if dep.kind in COLLECTIVES:
-                launch = max((end_of.get(d, 0.0) for d in self.tasks.graph.dependencies(dep)), default=0.0)
-                ready = max(ready, launch + self.tasks.durations.work(dep))
+                ready = max(ready, self._release(dep, end_of) + self.tasks.durations.work(dep))
             elif dep in end_of:
                 ready = max(ready, end_of[dep])
             elif dep.kind.is_compute:
@@ -197,7 +196,8 @@ class PlanBuilder:
         of the group's last collective on that rank so far (updated)."""
         own: dict[Op, tuple[float, Slot]] = {}
         for op in collectives:
-            deps = [kept[d] for d in self.tasks.graph.dependencies(op) if d in kept]
+            deps = [kept[d] if d in kept else self._first_order_placement(d)
+                    for d in self.tasks.graph.dependencies(op) if d in kept or d.kind.is_compute]
             own[op] = (max(p.end for p in deps), max(p.slot for p in deps)) if deps else (0.0, Slot(0, -math.inf, 0, 0))
         members: dict[tuple, list[Op]] = defaultdict(list)
         for op in collectives:

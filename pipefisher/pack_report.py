@@ -12,7 +12,7 @@ from pipefisher.capture_memory import CapturePeak
 from pipefisher.ir import Op
 from pipefisher.plan import Plan
 from pipefisher.simulate import Timeline
-from pipefisher.tasks import CYCLE_KINDS, KfacTasks
+from pipefisher.tasks import CYCLE_KINDS, CurvatureTasks
 
 if TYPE_CHECKING:
     from pipefisher.pack import PackOptions
@@ -109,6 +109,7 @@ class PackResult:
         unit = self.first_order.time_unit
         peaks = {peak.rank: peak.bytes for peak in self.capture_peaks}
         return {
+            "method": self.plan.method,
             "schedule": self.plan.schedule.name,
             "stages": self.plan.schedule.num_ranks,
             "micro_batches": self.plan.schedule.num_micro_batches,
@@ -154,7 +155,7 @@ class PackResult:
 
 
 def device_reports(
-    tasks: KfacTasks,
+    tasks: CurvatureTasks,
     first_order: Timeline,
     plan: Plan,
     leftovers: list[Op],

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipefisher.ir import Op, OpKind, Schedule, ScheduleError
+from pipefisher.methods import task_rules
 from pipefisher.profile import Profile
 from pipefisher.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
-from pipefisher.tasks import CYCLE_KINDS, TaskGraph, collective_groups
+from pipefisher.tasks import CYCLE_KINDS, SYNC, TaskGraph, collective_groups
 from pipefisher.validate import execution_order, validate
 
 PLAN_SCHEMA = "pipefisher.plan/v1"
@@ -25,13 +26,15 @@ PLAN_SCHEMA = "pipefisher.plan/v1"
 class Plan:
     """`steps[j][rank]`: the ops `rank` runs in step j of the cycle (0-based; len = refresh interval).
 
-    Every step holds the schedule's forward/backward ops in the schedule's order; K-FAC ops are
-    inserted among them. Curvature in step 0 reads that step's activations; later steps reuse
-    them; new inverses take effect at the first step of the next cycle.
+    Every step holds the schedule's forward/backward ops in the schedule's order; the ops of
+    curvature method `method` (`pipefisher.methods`) are inserted among them. Curvature in step 0
+    reads that step's activations (or gradient); later steps reuse them; new inverses (roots) take
+    effect at the first step of the next cycle.
     """
 
     schedule: Schedule
     steps: tuple[tuple[tuple[Op, ...], ...], ...]
+    method: str = "kfac"
 
     @property
     def refresh_steps(self) -> int:
@@ -42,11 +45,12 @@ class Plan:
 
     @property
     def graph(self) -> TaskGraph:
-        return TaskGraph(self.schedule, self.kfac_ops())
+        return TaskGraph(self.schedule, self.kfac_ops(), task_rules(self.method))
 
     def to_dict(self) -> dict:
         return {
             "schema": PLAN_SCHEMA,
+            "method": self.method,
             "schedule": self.schedule.to_dict(),
             "steps": [[[str(op) for op in ops] for ops in step] for step in self.steps],
         }
@@ -59,7 +63,9 @@ class Plan:
             steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
         except (KeyError, TypeError) as exc:
             raise ScheduleError(f"malformed plan JSON: {exc!r}") from None
-        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps)
+        method = str(data.get("method", "kfac"))
+        task_rules(method)
+        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()) + "\n")
@@ -98,6 +104,19 @@ def _check_collective_order(plan: Plan) -> None:
                 )
 
 
+def _check_method_kinds(plan: Plan) -> None:
+    """Every op is of a kind the plan's method has (`TaskRules`)."""
+    rules = task_rules(plan.method)
+    allowed = {OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE} | {SYNC[factor] for factor in rules.syncs}
+    if rules.curvature:
+        allowed |= {OpKind.CURV_A, OpKind.CURV_B}
+    if rules.precondition:
+        allowed.add(OpKind.PRECONDITION)
+    for op in plan.kfac_ops():
+        if op.kind not in allowed:
+            raise ScheduleError(f"{op}: method {plan.method} has no {op.kind.name} ops")
+
+
 def validate_plan(plan: Plan) -> Plan:
     """Check that `plan` can run; return it or raise ScheduleError.
 
@@ -109,6 +128,7 @@ def validate_plan(plan: Plan) -> Plan:
     schedule = validate(plan.schedule)
     if not plan.steps:
         raise ScheduleError("a plan needs at least one step")
+    _check_method_kinds(plan)
     graph = plan.graph
     seen: Counter[Op] = Counter()
     placed_before: set[Op] = set()

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from pipefisher.files import load_structured
+from pipefisher.methods import METHODS
 
 SCHEMA = "pipefisher.profile/v1"
 #: stage times written only where non-zero (0 when a file leaves them out)
@@ -143,10 +144,14 @@ class StageProfile:
 
 @dataclass(frozen=True)
 class Profile:
+    """Per-stage costs; `method`: the curvature method whose tasks the layers' times are
+    (`pipefisher.methods`: kfac, shampoo; written only when not kfac)."""
+
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
     device: str = ""
     micro_batch_size: int | None = None
+    method: str = "kfac"
 
     @property
     def num_stages(self) -> int:
@@ -177,6 +182,8 @@ class Profile:
         data: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "time_unit": self.time_unit}
         if self.micro_batch_size is not None:
             data["micro_batch_size"] = self.micro_batch_size
+        if self.method != "kfac":
+            data["method"] = self.method
         data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
 
@@ -314,6 +321,9 @@ def profile_from_dict(data: Any) -> Profile:
     mbs = data.get("micro_batch_size")
     if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
         raise ProfileError(f"micro_batch_size: {mbs!r} must be a positive integer")
+    method = data.get("method", "kfac")
+    if method not in METHODS:
+        raise ProfileError(f"method: {method!r} is not one of {', '.join(METHODS)}")
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ProfileError("stages: missing; give one entry per pipeline stage")
@@ -322,6 +332,7 @@ def profile_from_dict(data: Any) -> Profile:
         time_unit=unit,
         device=str(data.get("device", "")),
         micro_batch_size=mbs,
+        method=method,
     )
 
 

@@ -1,12 +1,15 @@
-"""The K-FAC task graph of a refresh cycle: which ops exist, on which rank, and what each waits for.
+"""The task graph of a curvature method's refresh cycle: which ops exist, on which rank, and what
+each waits for (the method's `TaskRules`, `pipefisher.methods`).
 
-Per K-FAC layer of every (pipe, stage): curvature A/B per micro-batch of that pipe (after the
-micro-batch's forward/backward and the factor's curvature of the previous micro-batch), a
-factor sync per replica when the stage has replicas (other pipes, data-parallel copies) (after that replica's curvature of the
-factor), an inverse per factor (after all replicas' syncs, or after the curvature when
-unreplicated), an inverse exchange per replica when inverses are split between replicas (after
-its replica's inverses and every replica's syncs of the layer), and a precondition per (pipe,
-stage) in every step (after its backwards).
+Per layer of every (pipe, stage): K-FAC's curvature A/B per micro-batch of that pipe (after the
+micro-batch's forward/backward and the factor's curvature of the previous micro-batch); a sync
+per synced input and replica when the stage has replicas (other pipes, data-parallel copies)
+(after that replica's curvature of the factor, or, for gradient-based methods such as Shampoo,
+after its backwards of the cycle's first step); refresh work (inverse, root) per factor (after
+all replicas' syncs of its input, or after its curvature or backwards when unreplicated); an
+exchange per replica when the refresh work is split between replicas (after its replica's refresh
+work and every replica's syncs of the layer); and, for methods that precondition before the
+gradient reduction, a precondition per (pipe, stage) in every step (after its backwards).
 Pure Python: no torch.
 """
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pipefisher.ir import Op, OpKind, Schedule, backward, dependencies
+from pipefisher.methods import KFAC_RULES, TaskRules, task_rules
 from pipefisher.profile import Profile
 from pipefisher.simulate import OpDurations, check_profile
 
@@ -32,14 +36,14 @@ CYCLE_KINDS = frozenset({OpKind.CURV_A, OpKind.CURV_B, OpKind.SYNC_A, OpKind.SYN
 
 
 class TaskGraph:
-    """Dependencies among the K-FAC ops of one cycle, derived from the ops themselves.
+    """Dependencies among the curvature ops of one cycle, derived from the ops and `rules`.
 
-    `ops` are the cycle's K-FAC ops (curvature, sync, inverse, exchange); precondition ops may be
+    `ops` are the cycle's ops (curvature, sync, inverse, exchange); precondition ops may be
     included or not. Which micro-batches a pipe processes comes from `schedule`.
     """
 
-    def __init__(self, schedule: Schedule, ops: Iterable[Op]):
-        self.schedule = schedule
+    def __init__(self, schedule: Schedule, ops: Iterable[Op], rules: TaskRules = KFAC_RULES):
+        self.schedule, self.rules = schedule, rules
         self.micro_batches: dict[int, list[int]] = defaultdict(list)
         #: (kind, stage, micro-batch, pipe) -> the schedule's forward/backward op
         self._compute: dict[tuple, Op] = {}
@@ -78,6 +82,18 @@ class TaskGraph:
         producer = _PRODUCER.get(op.kind)
         return None if producer is None else self._compute[(producer, op.stage, op.micro_batch, op.pipe)]
 
+    def first_step_inputs(self, op: Op) -> tuple[Op, ...]:
+        """The forwards/backwards of the cycle's first step whose data `op` reads (its
+        dependencies in that step that are compute ops)."""
+        return tuple(dep for dep in self.dependencies(op, first_step=True) if dep.kind.is_compute)
+
+    def _gradient(self, op: Op, first_step: bool) -> tuple[Op, ...]:
+        """The backwards after which the stage's gradient of the cycle's first step is whole on
+        `op`'s pipe (later steps read the gradient captured then: nothing to wait for)."""
+        if not first_step:
+            return ()
+        return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
+
     def _derive(self, op: Op, first_step: bool) -> tuple[Op, ...]:
         kind = op.kind
         if kind.is_compute:
@@ -86,14 +102,12 @@ class TaskGraph:
             previous = self._previous_curvature(op)
             return ((self.first_step_input(op),) if first_step else ()) + previous
         if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
-            curv = CURVATURE[FACTOR_OF[kind]]
-            return tuple(self._curvature[(curv, op.pipe, op.stage, op.layer)])
+            return self._input(op, FACTOR_OF[kind], first_step)
         if kind in (OpKind.INV_A, OpKind.INV_B):
-            factor = FACTOR_OF[kind]
-            syncs = self._syncs.get((SYNC[factor], op.stage, op.layer))
+            syncs = self._syncs.get((SYNC[self.rules.sync_for(FACTOR_OF[kind])], op.stage, op.layer))
             if syncs:
                 return tuple(syncs)
-            return tuple(self._curvature[(CURVATURE[factor], op.pipe, op.stage, op.layer)])
+            return self._input(op, FACTOR_OF[kind], first_step)
         if kind is OpKind.EXCHANGE:
             # its replica folds the synced factors it did not invert into its running average
             syncs = (sync for factor in "AB" for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
@@ -101,6 +115,12 @@ class TaskGraph:
         if kind is OpKind.PRECONDITION:
             return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
         raise ValueError(f"no dependency rule for {op}")
+
+    def _input(self, op: Op, factor: str, first_step: bool) -> tuple[Op, ...]:
+        """What the factor's input waits for on `op`'s pipe: its curvature, or the gradient."""
+        if self.rules.curvature:
+            return tuple(self._curvature[(CURVATURE[factor], op.pipe, op.stage, op.layer)])
+        return self._gradient(op, first_step)
 
     def _previous_curvature(self, op: Op) -> tuple[Op, ...]:
         """The same factor's curvature of the pipe's previous micro-batch: a factor sums its
@@ -110,11 +130,12 @@ class TaskGraph:
 
 
 @dataclass(frozen=True)
-class KfacTasks:
-    """The K-FAC work of `schedule` with the layers and times of `profile`.
+class CurvatureTasks:
+    """The work of curvature method `rules` for `schedule` with the layers and times of `profile`.
 
     `cycle[rank]`: ops run once per refresh cycle, in a topological order (curvature, syncs,
-    inverses, exchanges). `per_step[rank]`: precondition ops run in every step.
+    inverses, exchanges). `per_step[rank]`: precondition ops run in every step (none for methods
+    that precondition in the optimizer step).
     """
 
     schedule: Schedule
@@ -122,10 +143,11 @@ class KfacTasks:
     cycle: tuple[tuple[Op, ...], ...]
     per_step: tuple[tuple[Op, ...], ...]
     split: bool
+    rules: TaskRules = KFAC_RULES
 
     @cached_property
     def graph(self) -> TaskGraph:
-        return TaskGraph(self.schedule, (op for ops in self.cycle for op in ops))
+        return TaskGraph(self.schedule, (op for ops in self.cycle for op in ops), self.rules)
 
     @cached_property
     def durations(self) -> OpDurations:
@@ -180,14 +202,16 @@ def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[t
     return owners
 
 
-def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1) -> KfacTasks:
-    """Enumerate the K-FAC ops of one refresh cycle for `schedule` (see the module docstring).
+def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1) -> CurvatureTasks:
+    """Enumerate the ops of one refresh cycle of the profile's curvature method for `schedule`
+    (see the module docstring).
 
-    A stage's replicas are its pipes times the `data_parallel` copies of the pipeline: factors are
-    synced over all of them; inverses are split among the pipes only (every data-parallel copy of
-    the pipeline computes the same ones) and exchanged among them.
+    A stage's replicas are its pipes times the `data_parallel` copies of the pipeline: inputs are
+    synced over all of them; refresh work is split among the pipes only (every data-parallel copy
+    of the pipeline computes the same) and exchanged among them.
     """
     check_profile(schedule, profile)
+    rules = task_rules(profile.method)
     replicas = stage_replicas(schedule)
     owners = _inverse_owners(schedule, profile, split)
     graph_mbs = TaskGraph(schedule, ()).micro_batches
@@ -203,21 +227,24 @@ def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_p
         for layer in layers:
             name = layer.name
             for factor in "AB":
-                phases[0] += [(rank, Op(CURVATURE[factor], stage, mb, pipe, name)) for mb in graph_mbs[pipe]]
-                if synced:
+                if rules.curvature:
+                    phases[0] += [(rank, Op(CURVATURE[factor], stage, mb, pipe, name)) for mb in graph_mbs[pipe]]
+                if synced and factor in rules.syncs:
                     phases[1].append((rank, Op(SYNC[factor], stage, None, pipe, name)))
                 if pipe in owners[(INVERSE[factor], stage, name)]:
                     phases[2].append((rank, Op(INVERSE[factor], stage, None, pipe, name)))
             if exchanged:
                 phases[3].append((rank, Op(OpKind.EXCHANGE, stage, None, pipe, name)))
-        per_step[rank].append(Op(OpKind.PRECONDITION, stage, None, pipe))
+        if rules.precondition:
+            per_step[rank].append(Op(OpKind.PRECONDITION, stage, None, pipe))
     for phase in phases:
         for rank, op in phase:
             cycle[rank].append(op)
-    return KfacTasks(
+    return CurvatureTasks(
         schedule=schedule,
         profile=profile,
         cycle=tuple(tuple(ops) for ops in cycle),
         per_step=tuple(tuple(ops) for ops in per_step),
         split=split,
+        rules=rules,
     )

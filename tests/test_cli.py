@@ -146,4 +146,4 @@ def test_pack_rejects_negative_times_and_profiles_without_layers(tmp_path, capsy
     plain = tmp_path / "plain.yaml"
     uniform_profile(2).save(plain)
     assert main(["pack", "--profile", str(plain), "--schedule", "1f1b", "-D", "2", "-N", "2"]) == 2
-    assert "no stage lists K-FAC layers" in capsys.readouterr().err
+    assert "no stage lists layers of a curvature method" in capsys.readouterr().err

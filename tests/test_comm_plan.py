@@ -161,7 +161,7 @@ def test_collectives_launched_in_different_orders_deadlock():
     steps = list(comm.steps[0])
     steps[0] = with_syncs(steps[0], a, b)  # ranks 0 and 2 hold stage 0
     steps[2] = with_syncs(steps[2], b, a)
-    with pytest.raises(CommOrderError, match="mismatch on kfac/0"):
+    with pytest.raises(CommOrderError, match="mismatch on curv/0"):
         replay(CommPlan(topology, (tuple(steps),), comm.members))
 
 

@@ -1,4 +1,4 @@
-"""Run-file semantics that are not just parsing: K-FAC's own optimizer settings, split hints."""
+"""Run-file semantics that are not just parsing: the curvature methods' own optimizer settings, split hints."""
 
 import re
 
@@ -26,6 +26,30 @@ def test_kfac_lr_and_momentum_apply_to_kfac_runs_only():
 def test_bad_kfac_optimizer_settings_are_refused(kfac, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_dict({"kfac": kfac})
+
+
+def test_the_section_of_the_runs_curvature_method_applies():
+    data = {"optimizer": {"name": "shampoo", "lr": 0.03}, "kfac": {"lr": 0.1}, "shampoo": {"lr": 0.002, "momentum": 0.9}}
+    shampoo = config_from_dict(data)
+    assert shampoo.curvature is shampoo.shampoo
+    assert (shampoo.optimizer_settings.lr, shampoo.optimizer_settings.momentum) == (0.002, 0.9)
+    assert shampoo.with_overrides(optimizer={"name": "kfac"}).optimizer_settings.lr == 0.1
+    assert shampoo.with_overrides(optimizer={"name": "adamw"}).curvature is None
+
+
+@pytest.mark.parametrize("shampoo, message", [
+    ({"beta2": 0.0}, "shampoo.beta2: 0.0 must be in (0, 1]"),
+    ({"epsilon": 0}, "shampoo.epsilon: 0 must be positive"),
+    ({"block_size": 0}, "shampoo.block_size: 0 must be positive"),
+    ({"refresh_steps": -1}, "shampoo.refresh_steps: -1 must be >= 1"),
+    ({"root": "cholesky"}, "shampoo.root: 'cholesky' is not one of eigen, newton"),
+    ({"grafting": "adagrad"}, "shampoo.grafting: 'adagrad' is not one of adam, sgd, none"),
+    ({"start_step": -2}, "shampoo.start_step: -2 must be >= 0"),
+    ({"damping": 0.1}, "shampoo.damping: unknown key; allowed keys: lr, momentum"),
+])
+def test_bad_shampoo_settings_are_refused_by_key(shampoo, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict({"optimizer": {"name": "shampoo"}, "shampoo": shampoo})
 
 
 def test_split_hint_lists_the_divisors():

@@ -35,11 +35,13 @@ def test_the_executor_benchmark_runs_and_its_variants_start_alike():
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_the_pipefisher_benchmark_runs(tmp_path):
-    tiny = ["--schedules", "1f1b", "--repeats", "1", "--min-steps", "2", "--max-rounds", "1", "--warmup-cycles", "1",
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_the_pipefisher_benchmark_runs(method, tmp_path):
+    tiny = ["--method", method, "--schedules", "1f1b", "--repeats", "1", "--min-steps", "2", "--max-rounds", "1", "--warmup-cycles", "1",
             "--profile-warmup", "1", "--profile-repeats", "1", "--micro-batches", "2", "--micro-batch-size", "2", "--layers", "2",
             "--hidden", "16", "--heads", "2", "--ffn", "32", "--seq-len", "8", "--refresh-steps", "2", "--no-reprofile",
             "--profile-dir", str(tmp_path)]
     result = run("bench_pipefisher.py", *tiny, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "1F1B" in result.stdout or "1f1b" in result.stdout
+    assert f"{method} layers" in result.stdout, "the packing profile lists the method's layers"

@@ -7,6 +7,7 @@ PLANNING = [
     "pipefisher.validate",
     "pipefisher.profile",
     "pipefisher.simulate",
+    "pipefisher.methods",
     "pipefisher.tasks",
     "pipefisher.plan",
     "pipefisher.pack",

@@ -28,10 +28,10 @@ def parameter_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[
 
 
 def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:
-    """SGD (with optional momentum; also the step after K-FAC preconditioning), AdamW or LAMB.
+    """SGD (with optional momentum; also the step after K-FAC or Shampoo preconditioning), AdamW or LAMB.
     `foreach=False` keeps per-parameter updates identical however parameters are grouped across ranks."""
     groups = parameter_groups(modules, config.weight_decay)
-    if config.name in ("sgd", "kfac"):
+    if config.name in ("sgd", "kfac", "shampoo"):
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, foreach=False)
     if config.name == "adamw":
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
@@ -39,7 +39,7 @@ def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module]) -> to
         from pipefisher.optim.lamb import Lamb
 
         return Lamb(groups, lr=config.lr, betas=config.betas, eps=config.eps)
-    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, kfac")
+    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, kfac, shampoo")
 
 
 def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:

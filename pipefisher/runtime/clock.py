@@ -1,10 +1,11 @@
 """Timestamps of device work: `perf_counter` on CPUs, CUDA events on GPUs (recorded on the current
 stream, so a mark is when the device gets there, not when the host issued it; no host sync until
-`elapsed_ms`)."""
+`elapsed_ms`); and `timed_ms` for standalone regions (profiling only: it synchronises)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,3 +28,17 @@ class Clock:
             return 1000.0 * (end - start)
         end.synchronize()
         return start.elapsed_time(end)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> list[float]:
+    """Wall times of `repeats` calls of `fn()` in ms, the device synchronised before and after each."""
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(1000 * (time.perf_counter() - start))
+    return samples

@@ -93,6 +93,8 @@ class Executor:
         }
         #: context the forward of an op runs in (K-FAC uses it to capture activations)
         self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
+        #: called after every backward op (Shampoo keeps the gradient of a cycle's first step)
+        self.after_backward: Callable[[Op], None] = lambda op: None
         #: called with (op, start mark, end mark) of `clock` for every op run (the profiler's hook)
         self.recorder: Callable[[Op, object, object], None] | None = None
         self.clock = Clock(device)
@@ -180,6 +182,7 @@ class Executor:
         stage = self.stages[(op.pipe, op.stage)]
         grad_output = None if stage.last else self._input_of(op)
         self._output_of(op, stage.backward(op.micro_batch, grad_output))
+        self.after_backward(op)
 
     def _input_of(self, op: Op) -> Tensor:
         message = input_message(op, self.topology.schedule.num_stages)

@@ -17,14 +17,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipefisher.comm_plan import Collective, inverse_owners
 from pipefisher.config import RunConfig
 from pipefisher.ir import Op, OpKind
 from pipefisher.kfac import KFACConfig, KFACEngine
+from pipefisher.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.plan import Plan
 from pipefisher.runtime.comm import Comm, Handle
+from pipefisher.runtime.clock import timed_ms
+from pipefisher.runtime.curvature import CurvatureRuntime, LayerMeasurement, TaskTimer
 from pipefisher.tasks import FACTOR_OF
 from pipefisher.topology import Topology
 
@@ -40,7 +45,7 @@ def rows_per_step(config: RunConfig) -> int:
     return config.pipeline.micro_batches * config.pipeline.data_parallel * config.data.micro_batch_size * config.model.seq_len
 
 
-class KfacRuntime:
+class KfacRuntime(CurvatureRuntime):
     """The K-FAC state of one rank's stages, the handlers of the K-FAC op kinds and the providers
     of its collectives. `loss_scale()`: fp16's current loss scale (None otherwise), recorded with
     every capture so that B is the factor of the unscaled loss."""
@@ -70,7 +75,7 @@ class KfacRuntime:
     def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
         return {"sync": self._launch_sync, "exchange": self._launch_exchange}
 
-    def capture(self, op: Op, cycle_step: int) -> AbstractContextManager:
+    def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
         """Context for the forward of `op`: records a and e in the cycle's first step."""
         if cycle_step != 0:
             return nullcontext()
@@ -126,3 +131,49 @@ class KfacRuntime:
             return self.comm.broadcast(engine.shared_inverse(layer, factor), source, collective.group)
         buffer = engine.inverse_buffer(layer, factor)
         return self.comm.broadcast(buffer, source, collective.group, on_done=lambda: engine.receive_inverse(layer, factor, buffer))
+
+
+class KfacTimer(TaskTimer):
+    """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor
+    sync over the stage's replicas, eigen/Cholesky inverse of a factor's size, preconditioning;
+    and the bytes of the largest micro-batch's captures of each layer."""
+
+    def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), damping: float = 1e-3,
+                 inverse: str = "eigen"):
+        self.engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
+        self.damping, self.inverse = damping, inverse
+
+    def forward_context(self, op: Op) -> AbstractContextManager:
+        return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
+
+    def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
+        device = executor.device
+        measurements: dict[tuple[int, str], LayerMeasurement] = {}
+        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
+            group = executor.comm.groups.get(("curv", stage))
+            for info in engine.layers():
+                samples: dict[str, list[float]] = {}
+                sizes: dict[str, int] = {}
+                for factor in ("A", "B"):
+                    suffix = factor.lower()
+                    micro_batches = engine.captured(info.name, factor)
+                    sizes[f"capture_{suffix}_bytes"] = max(
+                        (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches), default=0
+                    )
+                    samples[f"curvature_{suffix}"] = [
+                        timed_ms(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
+                        for micro_batch in micro_batches
+                    ]
+                    n = info.size(factor)
+                    matrix = torch.randn(n, n, device=device)
+                    matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
+                    samples[f"inverse_{suffix}"] = timed_ms(lambda: damped_inverse(matrix, self.damping, self.inverse), device)
+                    if group is not None:
+                        buffer = torch.zeros(n, n, device=device)
+                        samples[f"sync_{suffix}"] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)
+                engine.release(info.name)
+                grad = torch.randn(info.out_features, info.a_size, device=device)
+                a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)
+                samples["precondition"] = timed_ms(lambda: precondition_matrix(grad, a_inv, b_inv), device)
+                measurements[(stage, info.name)] = (samples, sizes)
+        return measurements

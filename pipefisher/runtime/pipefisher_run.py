@@ -1,4 +1,5 @@
-"""PipeFisher on the executor: profile (or load a profile), pack K-FAC work, train in cycles.
+"""PipeFisher on the executor: profile (or load a profile), pack the curvature method's work (K-FAC
+or Shampoo, `pipefisher.runtime.curvature_methods`), train in cycles.
 
 Every rank derives the same plan from the same profile (the packer is deterministic), so no plan
 is sent around. After every cycle the measured cycle time is compared with the prediction; when
@@ -16,21 +17,20 @@ import torch.distributed as dist
 
 from pipefisher.capture_memory import capture_peaks
 from pipefisher.config import RunConfig
-from pipefisher.kfac.layer import select_layers
 from pipefisher.pack import PackOptions, after_step_plan, pack
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.profile import Profile, ProfileError, load_profile
 from pipefisher.simulate import simulate
 from pipefisher.runtime.drift import DriftMonitor
 from pipefisher.runtime.executor import Executor, StepResult
-from pipefisher.runtime.kfac_ops import KfacRuntime
+from pipefisher.runtime.curvature_methods import method_of
 from pipefisher.runtime.plan_runner import PlanRunner
 from pipefisher.runtime.profiler import measure_profile
 from pipefisher.runtime.assembly import staged_model
 
 
 @dataclass(frozen=True)
-class KfacPlan:
+class CurvaturePlan:
     plan: Plan
     predicted_cycle_ms: float
     summary: str
@@ -41,15 +41,21 @@ class KfacPlan:
 
 
 def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[str]:
-    """Names of the K-FAC layers of a stage, without allocating it."""
+    """Names of the layers of a stage that the run's curvature method (K-FAC for first-order
+    runs) works on, without allocating it."""
     model = staged_model(config)
+    method = method_of(config)
     with torch.device("meta"):
         module = model.build_stage(stage, num_stages, config.run.seed)
-    return list(select_layers(module, model.kfac_skip()))
+    return method.layer_names(module, method.skip(model))
 
 
 def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
-    """Refuse a profile of another run: other stage count or other layer names."""
+    """Refuse a profile of another run: other curvature method, stage count or layer names."""
+    method = method_of(config).name
+    if profile.method != method:
+        raise ProfileError(f"method: the profile times {profile.method} tasks but this run uses {method}; "
+                           "measure a profile of this run with `pipefisher profile`")
     profile.require_stages(num_stages, hint="one entry per model chunk of this run")
     for stage, entry in enumerate(profile.stages):
         expected = stage_layer_names(config, stage, num_stages)
@@ -64,85 +70,89 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
 
 
 def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
-    """The packer's options of a run (config.kfac; `refresh_steps` overrides kfac.refresh_steps)."""
-    kfac = config.kfac
+    """The packer's options of a run (its curvature method's section, kfac for first-order runs;
+    `refresh_steps` overrides the section's refresh_steps)."""
+    section = config.curvature or config.kfac
     return PackOptions(
-        margin=kfac.margin,
-        percentile=kfac.percentile,
-        max_overhead=kfac.max_overhead,
-        split=kfac.split,
-        refresh_steps=refresh_steps or kfac.refresh_steps or None,
-        max_refresh_steps=kfac.max_refresh_steps or None,
-        max_capture_mb=kfac.max_capture_mb or None,
+        margin=section.margin,
+        percentile=section.percentile,
+        max_overhead=section.max_overhead,
+        split=section.split,
+        refresh_steps=refresh_steps or section.refresh_steps or None,
+        max_refresh_steps=section.max_refresh_steps or None,
+        max_capture_mb=section.max_capture_mb or None,
         data_parallel=config.pipeline.data_parallel,
     )
 
 
-def make_plan(config: RunConfig, schedule, profile: Profile) -> KfacPlan:
-    """The run's K-FAC plan from `profile` (placement and refresh interval from config.kfac)."""
-    kfac = config.kfac
-    pinned = kfac.refresh_steps or None
+def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
+    """The run's curvature plan from `profile` (placement and refresh interval from its section)."""
+    section = config.curvature or config.kfac
+    method = method_of(config)
+    pinned = section.refresh_steps or None
     data_parallel = config.pipeline.data_parallel
     result = pack(schedule, profile, pack_options(config))
-    if kfac.placement == "packed":
+    if section.placement == "packed":
         plan = result.plan
     else:
-        plan = after_step_plan(schedule, profile, result.refresh_steps, split=kfac.split, data_parallel=data_parallel)
+        plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel)
     validate_plan(plan)
     predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
     held = max(peak.bytes for peak in capture_peaks(plan, profile))
     first_order = simulate(schedule, profile).step_time  # nominal times, like `predicted`
     extra = predicted / plan.refresh_steps / first_order - 1 if first_order > 0 else 0.0
     summary = (
-        f"K-FAC {kfac.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound}); "
+        f"{method.label} {section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound}); "
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
-        + (f"; {result.reason}" if kfac.placement == "packed" and not pinned else "")
+        + (f"; {result.reason}" if section.placement == "packed" and not pinned else "")
         + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
-        + (f"; {result.memory}" if result.memory and kfac.placement == "packed" else "")
-        + ("; kfac.max_capture_mb applies to packed plans only" if kfac.max_capture_mb and kfac.placement != "packed" else "")
+        + (f"; {result.memory}" if result.memory and section.placement == "packed" else "")
+        + (f"; {method.name}.max_capture_mb applies to packed plans only" if section.max_capture_mb and section.placement != "packed" else "")
     )
-    return KfacPlan(plan, predicted, summary)
+    return CurvaturePlan(plan, predicted, summary)
 
 
 class PipeFisherTrainer(PlanRunner):
-    """Drives one rank's executor through K-FAC refresh cycles."""
+    """Drives one rank's executor through the refresh cycles of the run's curvature method."""
 
     def __init__(self, config: RunConfig, executor: Executor, rank: int, tied: bool, profile: Profile | None = None):
         """`profile`: the one to pack from (e.g. a checkpoint's); default: the run's file, or measured."""
         self.config, self.executor, self.rank = config, executor, rank
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
-        self.skip = staged_model(config).kfac_skip()
+        self.method = method_of(config)
+        self.section = config.curvature
+        self.skip = self.method.skip(staged_model(config))
         self.profile, fresh = (profile, False) if profile is not None else self._initial_profile()
-        self.kfac_plan = make_plan(config, self.schedule, self.profile)
-        self.drift = DriftMonitor(config.kfac.reprofile_threshold, config.kfac.reprofile_patience)
+        self.curvature_plan = make_plan(config, self.schedule, self.profile)
+        self.drift = DriftMonitor(self.section.reprofile_threshold, self.section.reprofile_patience)
         self.drift.new_plan(fresh_profile=fresh)
         scaler = executor.step_end.scaler
-        self.runtime = KfacRuntime(config, executor.topology, rank, self.modules, executor.comm, self.kfac_plan.plan, self.skip,
-                                   loss_scale=(lambda: scaler.scale) if scaler is not None else (lambda: None))
+        self.runtime = self.method.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
+                                           (lambda: scaler.scale) if scaler is not None else (lambda: None))
         executor.handlers.update(self.runtime.handlers())
         executor.collectives.update(self.runtime.collectives())
-        super().__init__(executor, rank, self.kfac_plan.plan, tied)
-        executor.forward_context = lambda op: self.runtime.capture(op, self.cycle_step)
+        super().__init__(executor, rank, self.curvature_plan.plan, tied)
+        executor.forward_context = lambda op: self.runtime.forward_context(op, self.cycle_step)
+        executor.after_backward = lambda op: self.runtime.after_backward(op, self.cycle_step)
+        executor.step_end.before_optimizer_step = self.runtime.before_optimizer_step
         self._cycle_ms = 0.0
-        self.log(self.kfac_plan.summary)
+        self.log(self.curvature_plan.summary)
 
     def log(self, message: str) -> None:
         if self.rank == 0:
             print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
     def _measure(self) -> Profile:
-        profile, _ = measure_profile(
-            self.executor, self.rank, self.modules, self.config.data.micro_batch_size,
-            damping=self.config.kfac.damping, inverse=self.config.kfac.inverse, skip=self.skip,
-        )
+        timer = self.method.timer(self.config, self.modules, self.skip)
+        profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer)
         return profile
 
     def _initial_profile(self) -> tuple[Profile, bool]:
         """The run's profile file, or one measured now; and whether it was measured now."""
-        if self.config.kfac.profile:
-            profile = load_profile(self.config.kfac.profile)
+        if self.section.profile:
+            profile = load_profile(self.section.profile)
             check_profile_matches(profile, self.config, self.schedule.num_stages)
             return profile, False
         self.log("measuring a profile (gradients dropped; the model does not change)")
@@ -159,7 +169,7 @@ class PipeFisherTrainer(PlanRunner):
 
     @property
     def predicted_step_ms(self) -> float:
-        return self.kfac_plan.predicted_cycle_ms / self.kfac_plan.refresh_steps
+        return self.curvature_plan.predicted_cycle_ms / self.curvature_plan.refresh_steps
 
     def run_step(self, step: int) -> StepResult:
         result = super().run_step(step)
@@ -168,7 +178,7 @@ class PipeFisherTrainer(PlanRunner):
 
     def end_of_cycle(self) -> None:
         self.runtime.end_of_cycle()
-        measured, predicted = self._cycle_ms, self.kfac_plan.predicted_cycle_ms
+        measured, predicted = self._cycle_ms, self.curvature_plan.predicted_cycle_ms
         self._cycle_ms = 0.0
         expected = self.drift.expected
         decision = torch.full((1,), float(self.drift.observe(measured, predicted)), device=self.executor.device)
@@ -181,8 +191,8 @@ class PipeFisherTrainer(PlanRunner):
         self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms "
                  f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing")
         self.profile = self._measure()
-        self.kfac_plan = make_plan(self.config, self.schedule, self.profile)
+        self.curvature_plan = make_plan(self.config, self.schedule, self.profile)
         self.drift.new_plan(fresh_profile=True)
-        self.runtime.set_plan(self.kfac_plan.plan)
-        self.set_plan(self.kfac_plan.plan)
-        self.log(self.kfac_plan.summary)
+        self.runtime.set_plan(self.curvature_plan.plan)
+        self.set_plan(self.curvature_plan.plan)
+        self.log(self.curvature_plan.summary)

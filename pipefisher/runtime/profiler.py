@@ -6,10 +6,8 @@ common zero after a barrier (`Clock`: perf_counter on CPUs; CUDA events on GPUs,
 is the device's, without a host sync inside the step). It measures each stage boundary's transfer
 with a ping-pong, each replicated stage's gradient reduction, the rest of the end of step (tied
 weights, clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss
-scale restored after), and every K-FAC task of every layer on the rank that holds it: curvature
-per micro-batch, factor sync over the stage's replicas, eigen/Cholesky inverse, preconditioning
-(standalone regions are timed with the device synchronised before and after), and the bytes of
-each layer's captured input and output gradient per micro-batch. Every rank gathers all
+scale restored after), and every task of the curvature method on the rank that holds it (its
+`TaskTimer`; standalone regions are timed with the device synchronised before and after). Every rank gathers all
 measurements and builds the same Profile, so every rank packs the same plan: each time is the
 median of all ranks' samples of it, which the profile keeps (`samples`).
 """
@@ -19,9 +17,8 @@ from __future__ import annotations
 import copy
 import platform
 import statistics
-import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,9 +28,9 @@ import torch.distributed as dist
 from pipefisher.comm_plan import Message, grad_collective, plan_actions
 from pipefisher.comm_replay import replay
 from pipefisher.ir import Op, OpKind
-from pipefisher.kfac import KFACEngine
-from pipefisher.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.runtime.clock import timed_ms
+from pipefisher.runtime.curvature import TaskTimer
 from pipefisher.runtime.executor import Executor
 from pipefisher.runtime.plan_runner import schedule_plan
 from pipefisher.simulate import Interval, Timeline
@@ -42,8 +39,6 @@ from pipefisher.simulate import Interval, Timeline
 Record = tuple[int, str, float, float]
 #: time field -> samples in ms
 TimeSamples = dict[str, list[float]]
-#: one layer's (time samples, capture_a_bytes/capture_b_bytes -> bytes)
-LayerMeasurement = tuple[TimeSamples, dict[str, int]]
 
 
 def _median(values: list[float]) -> float:
@@ -57,21 +52,7 @@ def _summary(samples: Mapping[str, list[float]], keys: tuple[str, ...]) -> dict[
     return {**medians, "samples": {key: samples[key] for key in keys if samples.get(key)}}
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> list[float]:
-    """Wall times of `repeats` calls of `fn()` in ms."""
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(1000 * (time.perf_counter() - start))
-    return samples
-
-
-def _step_records(executor: Executor, rank: int, steps: int, engines: dict) -> list[list[Record]]:
+def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -> list[list[Record]]:
     """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
     topology = executor.topology
     actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied)).steps[0][rank]
@@ -82,8 +63,8 @@ def _step_records(executor: Executor, rank: int, steps: int, engines: dict) -> l
         zero = clock.mark()
         marks: list[tuple[Op, object, object]] = []
         executor.recorder = lambda op, start, end: marks.append((op, start, end))
-        if step == steps - 1:  # capture a and e of the last step for the K-FAC task timings
-            executor.forward_context = lambda op: engines[(op.pipe, op.stage)].capture(op.micro_batch)
+        if step == steps - 1:  # the last step's forwards may feed the task timings (K-FAC's captures)
+            executor.forward_context = timer.forward_context
         else:
             executor.forward_context = lambda op: nullcontext()
         try:
@@ -116,7 +97,7 @@ def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int
                 dist.send(buffer, a, group=backward)
 
         ping_pong()  # connects
-        times[stage] = [round_trip / 2 for round_trip in _timed(ping_pong, executor.device, repeats)]
+        times[stage] = [round_trip / 2 for round_trip in timed_ms(ping_pong, executor.device, repeats)]
     return times
 
 
@@ -132,15 +113,18 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[f
             continue
         collective = grad_collective(stage)
         step_end.launch_grad(collective).wait()  # connects
-        times[stage] = _timed(lambda: step_end.launch_grad(collective).wait(), executor.device, repeats)
+        times[stage] = timed_ms(lambda: step_end.launch_grad(collective).wait(), executor.device, repeats)
     return times
 
 
-def _step_end_times(executor: Executor, repeats: int = 3) -> list[float]:
+def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> list[float]:
     """`repeats` samples of the ms of this rank's end of step after the gradient reduction (tied
-    weights, the world reduction, clipping, optimizer step) on gradients of ones; parameters,
-    optimizer state, learning-rate schedule and loss scale are restored afterwards. Collective."""
+    weights, the world reduction, clipping, the method's work before the optimizer step, optimizer
+    step) on gradients of ones; parameters, optimizer state, learning-rate schedule and loss scale
+    are restored afterwards. Collective."""
     step_end = executor.step_end
+    saved_hook = step_end.before_optimizer_step
+    step_end.before_optimizer_step = timer.before_optimizer_step
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
     optimizer_state = copy.deepcopy(step_end.optimizer.state_dict())
@@ -153,7 +137,7 @@ def _step_end_times(executor: Executor, repeats: int = 3) -> list[float]:
             for buffer in step_end.buffers.values():
                 buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
             dist.barrier()
-            samples.extend(_timed(step_end.apply_now, executor.device, repeats=1))
+            samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
     finally:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
@@ -165,44 +149,8 @@ def _step_end_times(executor: Executor, repeats: int = 3) -> list[float]:
             step_end.scaler.load_state_dict(scaler_state)
         for buffer in step_end.buffers.values():
             buffer.zero_()
+        step_end.before_optimizer_step = saved_hook
     return samples[1:]
-
-
-def _kfac_measurements(executor: Executor, engines: dict, damping: float, inverse: str) -> dict[tuple[int, str], LayerMeasurement]:
-    """(stage, layer) -> its K-FAC task time samples in ms (curvature: one per captured
-    micro-batch; sync only on replicated stages) and the bytes of the largest micro-batch's
-    captures, from the captures of the last profiling step."""
-    device = executor.device
-    comm = executor.comm
-    measurements: dict[tuple[int, str], LayerMeasurement] = {}
-    for (pipe, stage), engine in sorted(engines.items(), key=lambda item: (item[0][1], item[0][0])):
-        group = comm.groups.get(("kfac", stage))
-        for info in engine.layers():
-            samples: TimeSamples = {}
-            sizes: dict[str, int] = {}
-            for factor in ("A", "B"):
-                suffix = factor.lower()
-                micro_batches = engine.captured(info.name, factor)
-                sizes[f"capture_{suffix}_bytes"] = max(
-                    (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches), default=0
-                )
-                samples[f"curvature_{suffix}"] = [
-                    _timed(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
-                    for micro_batch in micro_batches
-                ]
-                n = info.size(factor)
-                matrix = torch.randn(n, n, device=device)
-                matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
-                samples[f"inverse_{suffix}"] = _timed(lambda: damped_inverse(matrix, damping, inverse), device)
-                if group is not None:
-                    buffer = torch.zeros(n, n, device=device)
-                    samples[f"sync_{suffix}"] = _timed(lambda: dist.all_reduce(buffer, group=group), device)
-            engine.release(info.name)
-            grad = torch.randn(info.out_features, info.a_size, device=device)
-            a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)
-            samples["precondition"] = _timed(lambda: precondition_matrix(grad, a_inv, b_inv), device)
-            measurements[(stage, info.name)] = (samples, sizes)
-    return measurements
 
 
 def device_name(device: torch.device) -> str:
@@ -216,34 +164,36 @@ def measure_profile(
     rank: int,
     modules: dict[tuple[int, int], torch.nn.Module],
     micro_batch_size: int,
-    damping: float = 1e-3,
-    inverse: str = "eigen",
+    timer: TaskTimer | None = None,
     warmup: int = 1,
     repeats: int = 3,
     skip: tuple[str, ...] = (),
 ) -> tuple[Profile, list[Record]]:
     """The run's profile (ms, medians, with their samples) and the op records of the last measured
-    step, all ranks; `skip`: glob patterns of Linear layers that stay first-order (not in the
-    profile)."""
-    engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
+    step, all ranks. `timer` measures the curvature method's tasks (default: K-FAC's with its
+    default settings, leaving out the Linear layers that match the globs `skip`)."""
+    if timer is None:
+        from pipefisher.runtime.kfac_ops import KfacTimer
+
+        timer = KfacTimer(modules, skip=skip)
     saved_context = executor.forward_context
     try:
-        records = _step_records(executor, rank, warmup + repeats, engines)
+        records = _step_records(executor, rank, warmup + repeats, timer)
     finally:
         executor.forward_context = saved_context
     transfers = _transfer_times(executor, rank)
     reduces = _grad_reduce_times(executor, repeats)
-    step_end = _step_end_times(executor, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
+    tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
+    step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
-    kfac = _kfac_measurements(executor, engines, damping, inverse)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (records[warmup:], transfers, reduces, kfac, (held_stages, step_end)))
+    dist.all_gather_object(gathered, (records[warmup:], transfers, reduces, tasks, (held_stages, step_end)))
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
     layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
     capture_bytes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
-    for rank_records, rank_transfers, rank_reduces, rank_kfac, (rank_stages, rank_step_end) in gathered:
+    for rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end) in gathered:
         for stage, values in rank_transfers.items():
             stage_samples[stage]["p2p"].extend(values)
         for stage, values in rank_reduces.items():
@@ -256,7 +206,7 @@ def measure_profile(
                 if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
                     stage_samples[op.stage]["forward" if op.kind == OpKind.FORWARD else "backward"].append(end - start)
         last_step.extend(rank_records[-1])
-        for (stage, layer), (samples, sizes) in rank_kfac.items():
+        for (stage, layer), (samples, sizes) in rank_tasks.items():
             if layer not in layer_order[stage]:
                 layer_order[stage].append(layer)
             for key, values in samples.items():
@@ -270,7 +220,8 @@ def measure_profile(
             for layer in layer_order[stage]
         )
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
-    profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size)
+    profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
+                      method=timer.method)
     return profile, sorted(last_step)
 
 

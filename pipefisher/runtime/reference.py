@@ -48,7 +48,8 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
     tied = net.tied
-    kfac = ReferenceKfac(config, nn.ModuleList(stages), model.kfac_skip()) if config.optimizer.name == "kfac" else None
+    kfac = {"kfac": ReferenceKfac, "shampoo": ReferenceShampoo}.get(config.optimizer.name)
+    kfac = kfac(config, model, nn.ModuleList(stages)) if kfac is not None else None
     losses = []
     for step in range(config.run.steps):
         start = time.perf_counter()
@@ -84,6 +85,8 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
             for parameter in tied[1:]:
                 parameter.grad = tied[0].grad.clone()
         if not overflow:
+            if kfac:
+                kfac.before_optimizer_update(step)
             optimizer.step()
         if scaler is not None:
             scaler.update(found)
@@ -158,19 +161,44 @@ def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> 
     return copies
 
 
-class ReferenceKfac:
-    """K-FAC of the whole model in one process, with the pipeline's cycle semantics: capture in
-    the cycle's first step, inverses committed after its last step, preconditioning every step."""
+class ReferenceCurvature:
+    """A curvature method of the whole model in one process, with the pipeline's cycle semantics
+    (refresh cycles of `refresh_steps`; new inverses/roots committed after a cycle's last step).
+    Hooks: `capture` around each micro-batch's forward/backward, `before_optimizer_step` after the
+    backwards (raw gradients, before the tied sum), `before_optimizer_update` on the clipped
+    gradients right before the SGD step, `after_optimizer_step`."""
 
-    def __init__(self, config: RunConfig, model: nn.Module, skip: tuple[str, ...] = ()):
+    def __init__(self, config: RunConfig, section) -> None:
+        if section.refresh_steps < 1:
+            name = config.optimizer.name
+            raise ValueError(f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer")
+        self.k = section.refresh_steps
+
+    def capture(self, step: int, micro_batch: int, loss_scale=None):
+        return nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        pass
+
+    def before_optimizer_update(self, step: int) -> None:
+        pass
+
+    def after_optimizer_step(self, step: int) -> None:
+        pass
+
+
+class ReferenceKfac(ReferenceCurvature):
+    """K-FAC: capture in the cycle's first step, preconditioning every step (before the tied sum
+    and clipping, as the pipeline's precondition ops)."""
+
+    def __init__(self, config: RunConfig, model, modules: nn.Module):
         from pipefisher.kfac import KFACEngine
         from pipefisher.runtime.kfac_ops import kfac_engine_config, rows_per_step
 
-        if config.kfac.refresh_steps < 1:
-            raise ValueError("the reference K-FAC needs kfac.refresh_steps (--kfac-refresh-steps): it has no packer")
-        self.k = config.kfac.refresh_steps
+        super().__init__(config, config.kfac)
         self.lr = config.optimizer_settings.lr
-        self.engine = KFACEngine(model, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
+        skip = model.kfac_skip()
+        self.engine = KFACEngine(modules, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):
         return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()
@@ -188,3 +216,40 @@ class ReferenceKfac:
         if step % self.k == self.k - 1:
             for info in self.engine.layers():
                 self.engine.commit(info.name)
+
+
+class ReferenceShampoo(ReferenceCurvature):
+    """Shampoo: statistics and roots from the raw gradient of the cycle's first step (unscaled by
+    fp16's loss scale), preconditioning with grafting on the clipped gradient before every SGD step."""
+
+    def __init__(self, config: RunConfig, model, modules: nn.Module):
+        from pipefisher.runtime.shampoo_ops import shampoo_settings, tied_skip
+        from pipefisher.shampoo import ShampooEngine
+
+        super().__init__(config, config.shampoo)
+        self.engine = ShampooEngine(modules, shampoo_settings(config), skip=tied_skip(model.tied_parameters()))
+        self._loss_scale = None
+
+    def capture(self, step: int, micro_batch: int, loss_scale=None):
+        self._loss_scale = loss_scale
+        return nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        if step % self.k:
+            return
+        for info in self.engine.matrices():
+            self.engine.capture(info.name)
+            if self._loss_scale is not None:
+                self.engine.captured_gradient(info.name).div_(self._loss_scale)
+            for factor in ("A", "B"):
+                self.engine.update_statistics(info.name, factor)
+                self.engine.compute_root(info.name, factor)
+            self.engine.release(info.name)
+
+    def before_optimizer_update(self, step: int) -> None:
+        self.engine.precondition_all()
+
+    def after_optimizer_step(self, step: int) -> None:
+        if step % self.k == self.k - 1:
+            self.engine.commit()
+            self.engine.check_health()

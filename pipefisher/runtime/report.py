@@ -3,7 +3,7 @@ summary when the run completed (a failed or stopped run has none).
 
 Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
 and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
-parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with K-FAC, the refresh interval and the
+parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with K-FAC or Shampoo, the refresh interval and the
 predicted step time.
 """
 
@@ -15,6 +15,7 @@ import sys
 from typing import TextIO
 
 from pipefisher.config import RunConfig
+from pipefisher.methods import task_rules
 from pipefisher.runtime.executor import StepResult
 
 
@@ -81,5 +82,6 @@ class StepReporter:
             f"{self.tokens / median:.0f} tokens/s"
         )
         if "refresh_steps" in self.last:
-            summary += f", K-FAC every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
+            label = task_rules(self.config.optimizer.name).label
+            summary += f", {label} every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
         print(summary, file=sys.stderr, flush=True)

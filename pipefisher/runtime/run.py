@@ -10,7 +10,9 @@ from typing import NoReturn
 import torch
 
 from pipefisher.config import RunConfig
+from pipefisher.methods import task_rules
 from pipefisher.profile import load_profile
+from pipefisher.runtime.curvature_methods import method_of
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.report import StepReporter
 from pipefisher.runtime.launch import (
@@ -113,10 +115,9 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
     device = current_device(config.run.backend)
     executor, schedule = build_executor(config, rank, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
-    profile, records = measure_profile(
-        executor, rank, modules, config.data.micro_batch_size, damping=config.kfac.damping, inverse=config.kfac.inverse,
-        warmup=PROFILE_WARMUP, repeats=repeats, skip=staged_model(config).kfac_skip(),
-    )
+    method = method_of(config)
+    timer = method.timer(config, modules, method.skip(staged_model(config)))
+    profile, records = measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP, repeats=repeats)
     if rank == 0:
         profile.save(output)
         if timeline:
@@ -130,7 +131,7 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
     """`pipefisher profile`: measure on local processes (or under torchrun, on the processes it
     started), write the profile (and timeline) from rank 0."""
     print(f"pipefisher profile: {describe_pipeline(config)}; {config.world_size} processes; {PROFILE_WARMUP} warm-up and "
-          f"{repeats} measured steps (gradients dropped), then the end of step and every K-FAC task timed alone", file=sys.stderr)
+          f"{repeats} measured steps (gradients dropped), then the end of step and every {method_of(config).label} task timed alone", file=sys.stderr)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank = int(os.environ["RANK"])
 
@@ -160,8 +161,8 @@ def _report_profile(profile, output: str, timeline: str | None) -> int:
     for index, stage in enumerate(profile.stages):
         print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms, p2p {stage.p2p:.3f} ms, "
               f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms, "
-              f"{len(stage.layers)} K-FAC layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
-              f"inverses {stage.inverse_time:.3f} ms")
+              f"{len(stage.layers)} {task_rules(profile.method).label} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
+              f"inverses (roots) {stage.inverse_time:.3f} ms")
     print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))
     return 0
 

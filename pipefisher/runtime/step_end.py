@@ -1,14 +1,16 @@
 """The collective end of a step, after a rank's last op: gradients reduced over each stage's
 replicas (launched as soon as the stage's gradient is final), tied weights summed, then one
 all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16 overflow flag, stop
-signal (`pipefisher.runtime.stopping`)]; then
-clipping, the optimizer step (skipped on every rank alike when fp16 overflowed), the learning-rate
-schedule, and one host read of the reduced numbers: the step's only host synchronisation.
+signal (`pipefisher.runtime.stopping`)]; then clipping, `before_optimizer_step` (Shampoo's
+preconditioning) and the optimizer step (both skipped on every rank alike when fp16 overflowed),
+the learning-rate schedule, and one host read of the reduced numbers: the step's only host
+synchronisation.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -47,6 +49,8 @@ class StepEnd:
         self.loss_parts, self.tied, self.norm, self.clip_norm = loss_parts, tied, norm, clip_norm
         self.scaler, self.scheduler = scaler, scheduler
         self.update = True
+        #: runs on the reduced, clipped gradients right before every optimizer step
+        self.before_optimizer_step: Callable[[], None] = lambda: None
         self._reduced: Tensor | None = None
 
     def gradients(self) -> list[Tensor]:
@@ -114,10 +118,12 @@ class StepEnd:
                 values = reduced.tolist()
                 overflow = values[-3] > 0
                 if not overflow:
+                    self.before_optimizer_step()
                     self.optimizer.step()
                 self.scaler.update(reduced[-3])
                 record["overflow"] = overflow
             else:
+                self.before_optimizer_step()
                 self.optimizer.step()
                 values = reduced.tolist()
             if self.scheduler is not None:

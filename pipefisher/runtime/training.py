@@ -107,13 +107,13 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         start = resume_from
         state = load_rank(config.checkpoint.dir, start, rank, device)
         _restore(executor, state)
-    if config.optimizer.name == "kfac":
+    if config.curvature is not None:
         from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
 
-        profile = profile_from_dict(state["kfac"]["profile"]) if state else None
+        profile = profile_from_dict(state["curvature"]["profile"]) if state else None
         runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile)
         if state:
-            runner.load_state_dict(state["kfac"])
+            runner.load_state_dict(state["curvature"])
     else:
         runner = PlanRunner(executor, rank, schedule_plan(executor.topology.schedule), executor.tied)
     if state:
@@ -159,7 +159,7 @@ def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
         "optimizer": executor.optimizer.state_dict(),
         "scheduler_step": executor.scheduler.last_epoch if executor.scheduler is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "kfac": runner.state_dict(),
+        "curvature": runner.state_dict(),
         "rng": torch.random.get_rng_state(),
     }
 

@@ -1,8 +1,8 @@
-"""`pipefisher viz`: draw schedules, K-FAC packings or recorded timelines.
+"""`pipefisher viz`: draw schedules, curvature packings (K-FAC, Shampoo) or recorded timelines.
 
 Input: a run file (its pipeline section), or --schedule/--stages/--micro-batches (flags override
 the run file), or --compare S1,S2,... (each S a schedule name, ``S+kfac`` for S with PipeFisher's
-K-FAC packing), or --timeline FILE (`pipefisher.timeline/v1`). Output by the suffix of -o:
+curvature packing), or --timeline FILE (`pipefisher.timeline/v1`). Output by the suffix of -o:
 .svg/.png (figure), .json (Chrome / Perfetto trace), .txt or - (text chart).
 """
 
@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from pipefisher.cli_args import UsageError, add_pipeline_arguments, build_pipeline
 from pipefisher.schedules import SCHEDULES
-from pipefisher.viz.layout import Panel, kfac_panel, recorded_panel, schedule_panel
+from pipefisher.viz.layout import Panel, curvature_panel, recorded_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH
 
 KFAC_SUFFIX = "+kfac"
@@ -37,14 +37,15 @@ def add_viz_parser(subparsers: Any) -> None:
     """Register the `viz` subcommand on the `pipefisher` subparsers."""
     parser = subparsers.add_parser(
         "viz",
-        help="draw a schedule, its K-FAC packing or a recorded timeline (SVG, PNG, Chrome trace, text)",
+        help="draw a schedule, its K-FAC or Shampoo packing or a recorded timeline (SVG, PNG, Chrome trace, text)",
         description=__doc__,
     )
     parser.add_argument("config", nargs="?", help="YAML run file: pipeline.schedule/stages/micro_batches/chunks")
     add_pipeline_arguments(cast(argparse.ArgumentParser, _NotRequired(parser)))
-    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis; S{KFAC_SUFFIX} = S with K-FAC packed into its bubbles")
+    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis; S{KFAC_SUFFIX} = S with the profile's K-FAC or Shampoo tasks packed into its bubbles")
     parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times")
-    parser.add_argument("--kfac", action="store_true", help="pack K-FAC into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
+    parser.add_argument("--kfac", "--curvature", dest="kfac", action="store_true",
+                        help="pack the profile's curvature tasks (K-FAC or Shampoo) into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
     parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v1 JSON)")
     parser.add_argument("-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)")
     parser.add_argument("--width", type=int, help=f"text width in columns (default: the terminal's; at least {MIN_WIDTH})")
@@ -140,9 +141,9 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
             chunks=chunks if name == "interleaved" else None,
         )
         if kfac and args.profile is None:
-            raise UsageError(f"{name}{KFAC_SUFFIX if args.compare else ' --kfac'}: needs --profile FILE with K-FAC layers; the default unit profile has none")
+            raise UsageError(f"{name}{KFAC_SUFFIX if args.compare else ' --kfac'}: needs --profile FILE with K-FAC or Shampoo layers; the default unit profile has none")
         schedule, profile = build_pipeline(pipeline)
-        panels.append(kfac_panel(schedule, profile) if kfac else schedule_panel(schedule, profile))
+        panels.append(curvature_panel(schedule, profile) if kfac else schedule_panel(schedule, profile))
     return panels
 
 

@@ -37,8 +37,8 @@ CATEGORY_NAMES: dict[str, str] = {
     "curvature-a": "curvature A",
     "curvature-b": "curvature B",
     "sync": "sync / exchange",
-    "inverse-a": "inverse A",
-    "inverse-b": "inverse B",
+    "inverse-a": "inverse / root A",
+    "inverse-b": "inverse / root B",
     "precondition": "precondition",
 }
 
@@ -136,13 +136,14 @@ def schedule_panel(schedule: Schedule, profile: Profile) -> Panel:
     )
 
 
-def kfac_panel(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> Panel:
-    """A whole refresh cycle of `schedule` with K-FAC packed into its bubbles, steps end to end.
+def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> Panel:
+    """A whole refresh cycle of `schedule` with the profile's curvature method (K-FAC, Shampoo)
+    packed into its bubbles, steps end to end.
 
-    Raises ProfileError when `profile` lists no K-FAC layers.
+    Raises ProfileError when `profile` lists no layers.
     """
     if not any(stage.layers for stage in profile.stages):
-        raise ProfileError("K-FAC needs a profile whose stages list `layers` (K-FAC layer costs); this one has none")
+        raise ProfileError("packing needs a profile whose stages list `layers` (K-FAC or Shampoo task costs); this one has none")
     result = pack(schedule, profile, options)
     starts = [sum(t.step_time for t in result.timelines[:j]) for j in range(len(result.timelines))]
     return _panel(

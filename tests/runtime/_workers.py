@@ -149,7 +149,7 @@ def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
     from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 
     executor, schedule = build_executor(config, rank, CPU)
-    if config.optimizer.name == "kfac":
+    if config.curvature is not None:
         runner = PipeFisherTrainer(config, executor, rank, executor.tied, unit_profile(config, schedule.num_stages))
     else:
         runner = PlanRunner(executor, rank, schedule_plan(schedule), executor.tied)
@@ -162,9 +162,11 @@ def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
 
 
 def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync: float = 0.01):
-    """A profile of the run's stages and K-FAC layers with made-up times in ms (no measuring):
-    forward 1, backward 2, curvature 0.01 per factor, inverses and syncs as given."""
+    """A profile of the run's stages and the layers of its curvature method (K-FAC for first-order
+    runs) with made-up times in ms (no measuring): forward 1, backward 2, curvature 0.01 per
+    factor, inverses (roots) and syncs as given."""
     from pipefisher.profile import LayerProfile, Profile, StageProfile
+    from pipefisher.runtime.curvature_methods import method_of
     from pipefisher.runtime.pipefisher_run import stage_layer_names
 
     stages = []
@@ -172,4 +174,4 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
         names = stage_layer_names(config, stage, num_stages)
         layers = tuple(LayerProfile(name, 0.01, 0.01, inverse, inverse, 0.01, sync, sync) for name in names)
         stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
-    return Profile(stages=tuple(stages))
+    return Profile(stages=tuple(stages), method=method_of(config).name)

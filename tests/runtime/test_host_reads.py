@@ -1,6 +1,6 @@
 """No host synchronisation inside a step: per step, a rank reads tensors into Python a fixed number
 of times (the step's numbers; at the end of a K-FAC cycle, the health check and the re-profiling
-decision), however many layers the model has."""
+decision), however many layers the model has; Shampoo's roots and preconditioning included."""
 
 import pytest
 
@@ -15,18 +15,18 @@ def reads(config):
     return [[sum(step.values()) for step in rank] for rank in counts], counts
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "kfac"])
+@pytest.mark.parametrize("optimizer", ["sgd", "kfac", "shampoo"])
 def test_host_reads_per_step_do_not_grow_with_the_layers(optimizer, tiny_config):
     totals = {}
     for layers in (2, 8):
         config = tiny_config(schedule="1f1b").with_overrides(
             model={"layers": layers}, optimizer={"name": optimizer, "clip_norm": 1.0},
-            kfac={"refresh_steps": 2}, run={"steps": 4, "precision": "fp16"},
+            kfac={"refresh_steps": 2}, shampoo={"refresh_steps": 2}, run={"steps": 4, "precision": "fp16"},
         )
         totals[layers], counts = reads(config)
     assert totals[2] == totals[8], counts
     for rank in totals[2]:
-        # one read of the step's reduced numbers; at the end of a K-FAC cycle, one health check
-        # (per stage) and rank 0's re-profiling decision
-        expected = [1, 3, 1, 3] if optimizer == "kfac" else [1, 1, 1, 1]
+        # one read of the step's reduced numbers; at the end of a K-FAC or Shampoo cycle, one
+        # health check (per stage) and rank 0's re-profiling decision
+        expected = [1, 1, 1, 1] if optimizer == "sgd" else [1, 3, 1, 3]
         assert rank == expected, counts

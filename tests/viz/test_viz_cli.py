@@ -63,7 +63,7 @@ def unit_profile_path(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac"], "needs --profile FILE with K-FAC layers"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac"], "needs --profile FILE with K-FAC or Shampoo layers"),
         (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4"], "gpipe+kfac: needs --profile"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac", "--profile", "UNIT"], "profile whose stages list `layers`"),
         (["--compare", "gpipe,zigzag", "-D", "4", "-N", "4"], "'zigzag' is not a schedule"),

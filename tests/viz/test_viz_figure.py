@@ -7,7 +7,7 @@ import pytest
 from pipefisher.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.figure import render_figure
-from pipefisher.viz.layout import kfac_panel, schedule_panel
+from pipefisher.viz.layout import curvature_panel, schedule_panel
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -47,7 +47,7 @@ def test_svg_has_one_shape_per_op_and_per_bubble(tmp_path):
 
 def test_kfac_and_compare_panels_each_get_their_ops_and_step_marks(tmp_path, bert_profile):
     schedule = get_schedule("chimera", 4, 4)
-    panels = [schedule_panel(schedule, bert_profile), kfac_panel(schedule, bert_profile)]
+    panels = [schedule_panel(schedule, bert_profile), curvature_panel(schedule, bert_profile)]
     path = tmp_path / "c.svg"
     render_figure(panels, path)
     groups = _groups(path)

@@ -5,7 +5,7 @@ from pipefisher.pack import pack
 from pipefisher.profile import ProfileError, uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.simulate import simulate
-from pipefisher.viz.layout import kfac_panel, schedule_panel
+from pipefisher.viz.layout import curvature_panel, schedule_panel
 
 
 def _overlaps(boxes):
@@ -46,7 +46,7 @@ def test_labels_name_pipe_for_chimera_and_chunk_for_interleaved():
 
 def test_kfac_panel_lays_the_cycle_end_to_end_with_kfac_in_the_bubbles(bert_profile):
     schedule = get_schedule("gpipe", 4, 4)
-    panel = kfac_panel(schedule, bert_profile)
+    panel = curvature_panel(schedule, bert_profile)
     result = pack(schedule, bert_profile)
     k = result.refresh_steps
     assert panel.step_ids == tuple(range(k)) and panel.refresh_steps == k > 1
@@ -63,4 +63,4 @@ def test_kfac_panel_lays_the_cycle_end_to_end_with_kfac_in_the_bubbles(bert_prof
 
 def test_kfac_panel_needs_kfac_layers():
     with pytest.raises(ProfileError, match="layers"):
-        kfac_panel(get_schedule("gpipe", 2, 2), uniform_profile(2))
+        curvature_panel(get_schedule("gpipe", 2, 2), uniform_profile(2))

@@ -5,7 +5,7 @@ import pytest
 from pipefisher.cli import main
 from pipefisher.profile import uniform_profile
 from pipefisher.schedules import get_schedule
-from pipefisher.viz.layout import kfac_panel, schedule_panel
+from pipefisher.viz.layout import curvature_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH, render_text
 
 
@@ -42,7 +42,7 @@ def test_axis_names_the_unit_and_ticks_in_time():
 
 def test_compare_shares_one_time_scale(bert_profile):
     gpipe = schedule_panel(get_schedule("gpipe", 4, 4), bert_profile)
-    packed = kfac_panel(get_schedule("gpipe", 4, 4), bert_profile)
+    packed = curvature_panel(get_schedule("gpipe", 4, 4), bert_profile)
     text = render_text([gpipe, packed], 120)
     rows = _rank_rows(text)
     assert len(rows) == 8

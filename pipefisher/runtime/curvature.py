@@ -1,0 +1,74 @@
+"""A curvature method on the executor: the interface K-FAC and Shampoo implement.
+
+The plan says which op runs where (`pipefisher.methods`); a method's runtime supplies the
+handlers of its op kinds, the launchers of its collectives (``sync``, ``exchange``), its hooks
+into the step (around forwards, after backwards, before the optimizer step), its end-of-cycle
+commit and its checkpoint state. Its `TaskTimer` measures its tasks for the profiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+from pipefisher.comm_plan import Collective
+from pipefisher.ir import Op, OpKind
+from pipefisher.plan import Plan
+from pipefisher.runtime.comm import Handle
+
+#: (time field -> samples in ms, capture_a_bytes/capture_b_bytes -> bytes) of one layer
+LayerMeasurement = tuple[dict[str, list[float]], dict[str, int]]
+
+
+class CurvatureRuntime:
+    """One rank's state of a curvature method over its stages, and its part in every step."""
+
+    def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
+        """Handlers of the method's op kinds."""
+        raise NotImplementedError
+
+    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
+        """Launchers of its collectives by kind (``sync``, ``exchange``)."""
+        raise NotImplementedError
+
+    def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
+        """Context the forward `op` runs in (K-FAC records its inputs in the cycle's first step)."""
+        return nullcontext()
+
+    def after_backward(self, op: Op, cycle_step: int) -> None:
+        """Called after every backward (Shampoo keeps the stage's gradient of the cycle's first step)."""
+
+    def before_optimizer_step(self) -> None:
+        """Called on the reduced, clipped gradients right before the optimizer step (Shampoo
+        preconditions there); not called when fp16 overflowed."""
+
+    def set_plan(self, plan: Plan) -> None:
+        """Use `plan` from the next cycle on (its owners decide who computes what)."""
+
+    def end_of_cycle(self) -> None:
+        """Make the cycle's refresh results the ones in use."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+class TaskTimer:
+    """Measures a method's tasks for the profiler on one rank; `method` names it (`Profile.method`)."""
+
+    method = "kfac"
+
+    def forward_context(self, op: Op) -> AbstractContextManager:
+        """Context of the forwards of the profiler's last measured step (K-FAC captures there)."""
+        return nullcontext()
+
+    def before_optimizer_step(self) -> None:
+        """The method's per-step work before the optimizer step, timed as part of the step end."""
+
+    def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
+        """(stage, layer) -> its task time samples in ms and capture sizes, for the stages this
+        rank holds. Collective over the ranks (syncs are timed on the stages' groups)."""
+        raise NotImplementedError

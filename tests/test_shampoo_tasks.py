@@ -1,0 +1,142 @@
+"""Shampoo's tasks on the planner's one task model: which ops exist, what they wait for, and that
+packed and after-step plans validate, simulate and replay under NCCL's rule."""
+
+import dataclasses
+
+import pytest
+
+from pipefisher.comm_plan import ActionKind, CommOrderError, plan_actions
+from pipefisher.comm_replay import replay
+from pipefisher.ir import Op, OpKind, ScheduleError
+from pipefisher.methods import KFAC_RULES, SHAMPOO_RULES, task_rules
+from pipefisher.pack import PackOptions, after_step_plan, pack
+from pipefisher.plan import Plan, simulate_plan, validate_plan
+from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile, profile_from_dict
+from pipefisher.schedules import get_schedule
+from pipefisher.tasks import build_tasks
+from pipefisher.topology import Topology
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "chimera"]
+
+
+def shampoo_profile(num_stages, layers=2, root=0.6, sync=0.1):
+    """Shampoo layers: roots of L (inverse_a) and R (inverse_b), the gradient's sync (sync_a)."""
+    stage = StageProfile(
+        forward=1.0, backward=2.0, p2p=0.05,
+        layers=tuple(LayerProfile(f"w{i}", 0.0, 0.0, root, root / 2, 0.0, sync, 0.0) for i in range(layers)),
+    )
+    return Profile(stages=(stage,) * num_stages, method="shampoo")
+
+
+def schedule_of(name, stages=4, micro_batches=8):
+    return get_schedule(name, stages, micro_batches, 2 if name == "interleaved" else None)
+
+
+def test_shampoo_has_no_curvature_no_precondition_and_one_sync_per_layer():
+    schedule = schedule_of("chimera")
+    tasks = build_tasks(schedule, shampoo_profile(schedule.num_stages), data_parallel=2)
+    kinds = {op.kind for ops in tasks.cycle for op in ops}
+    assert kinds == {OpKind.SYNC_A, OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE}
+    assert not any(tasks.per_step), "Shampoo preconditions in the optimizer step, not in the op lists"
+    syncs = [op for ops in tasks.cycle for op in ops if op.kind is OpKind.SYNC_A]
+    assert len(syncs) == schedule.num_stages * 2 * 2, "one gradient sync per layer and pipe of every stage"
+
+
+def test_refresh_work_waits_for_the_whole_gradient_of_the_first_step_only():
+    schedule = schedule_of("1f1b")
+    tasks = build_tasks(schedule, shampoo_profile(schedule.num_stages))
+    graph = tasks.graph
+    root = Op(OpKind.INV_B, 2, None, 0, "w1")
+    backwards = {Op(OpKind.BACKWARD, 2, mb) for mb in range(8)}
+    assert set(graph.dependencies(root, first_step=True)) == backwards
+    assert graph.dependencies(root, first_step=False) == (), "later steps read the gradient captured in the first"
+    assert set(graph.first_step_inputs(root)) == backwards
+
+
+def test_replicated_refresh_work_of_both_factors_waits_for_the_gradient_sync_of_every_replica():
+    schedule = schedule_of("chimera")
+    graph = build_tasks(schedule, shampoo_profile(schedule.num_stages)).graph
+    for kind in (OpKind.INV_A, OpKind.INV_B):
+        deps = graph.dependencies(Op(kind, 1, None, 0, "w0"))
+        assert set(deps) == {Op(OpKind.SYNC_A, 1, None, pipe, "w0") for pipe in (0, 1)}
+    sync = Op(OpKind.SYNC_A, 1, None, 1, "w0")
+    assert {dep.kind for dep in graph.dependencies(sync)} == {OpKind.BACKWARD}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_shampoo_plans_validate_simulate_and_replay_under_nccl_order(name, data_parallel):
+    schedule = schedule_of(name)
+    profile = shampoo_profile(schedule.num_stages)
+    packed = pack(schedule, profile, PackOptions(refresh_steps=3, data_parallel=data_parallel)).plan
+    after = after_step_plan(schedule, profile, 3, data_parallel=data_parallel)
+    for plan in (packed, after):
+        assert plan.method == "shampoo"
+        validate_plan(plan)
+        assert len(simulate_plan(plan, profile)) == 3
+        comm = replay(plan_actions(Topology(schedule, data_parallel), plan, tied=True))
+        kinds = {a.target.kind for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH}
+        assert ("sync" in kinds) == (data_parallel > 1 or name == "chimera")
+        assert ("exchange" in kinds) == (name == "chimera")
+
+
+def test_packed_shampoo_roots_go_into_bubbles_and_syncs_launch_after_the_last_backward():
+    schedule = schedule_of("gpipe")
+    profile = shampoo_profile(schedule.num_stages, layers=3, root=0.5)
+    result = pack(schedule, profile, PackOptions(percentile=None))
+    assert result.refresh_steps >= 1 and result.overhead < 0.05
+    step0 = result.plan.steps[0]
+    for rank, ops in enumerate(step0):
+        last_backward = max(i for i, op in enumerate(ops) if op.kind is OpKind.BACKWARD)
+        refresh = [i for i, op in enumerate(ops) if op.kind in (OpKind.INV_A, OpKind.INV_B)]
+        assert all(i > last_backward for i in refresh), f"rank {rank}: a root before its gradient is whole"
+    chimera = schedule_of("chimera")
+    plan = pack(chimera, shampoo_profile(chimera.num_stages), PackOptions(refresh_steps=2)).plan
+    for ops in plan.steps[0]:
+        for position, op in enumerate(ops):
+            if op.kind is OpKind.SYNC_A:
+                own = [i for i, o in enumerate(ops) if o.kind is OpKind.BACKWARD and (o.pipe, o.stage) == (op.pipe, op.stage)]
+                assert position > max(own)
+
+
+def test_a_plan_keeps_its_method_through_json_and_refuses_foreign_op_kinds(tmp_path):
+    schedule = schedule_of("1f1b")
+    plan = after_step_plan(schedule, shampoo_profile(schedule.num_stages), 2)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    kfac_plan = after_step_plan(schedule, dataclasses.replace(shampoo_profile(schedule.num_stages), method="kfac"), 2)
+    with pytest.raises(ScheduleError, match="method shampoo has no CURV_A"):
+        validate_plan(dataclasses.replace(kfac_plan, method="shampoo"))
+    steps = list(plan.steps)
+    steps[0] = tuple(ops + (Op(OpKind.PRECONDITION, 0),) if rank == 0 else ops for rank, ops in enumerate(steps[0]))
+    with pytest.raises(ScheduleError, match="method shampoo has no PRECONDITION"):
+        validate_plan(dataclasses.replace(plan, steps=tuple(steps)))
+    with pytest.raises(ScheduleError, match="not a curvature method"):
+        task_rules("adam")
+
+
+def test_shampoo_syncs_launched_in_different_orders_are_caught_before_anything_runs():
+    schedule = schedule_of("chimera")
+    plan = after_step_plan(schedule, shampoo_profile(schedule.num_stages), 2)
+    steps = [list(map(list, step)) for step in plan.steps]
+    ops = steps[0][0]
+    syncs = [i for i, op in enumerate(ops) if op.kind is OpKind.SYNC_A]
+    ops[syncs[0]], ops[syncs[1]] = ops[syncs[1]], ops[syncs[0]]
+    swapped = dataclasses.replace(plan, steps=tuple(tuple(map(tuple, step)) for step in steps))
+    with pytest.raises((ScheduleError, CommOrderError)):
+        validate_plan(swapped)
+        replay(plan_actions(Topology(schedule), swapped))
+
+
+def test_profile_method_round_trips_and_unknown_methods_are_refused():
+    profile = shampoo_profile(2)
+    assert profile_from_dict(profile.to_dict()) == profile
+    assert "method" not in dataclasses.replace(profile, method="kfac").to_dict(), "K-FAC files stay as before"
+    with pytest.raises(ProfileError, match="method: 'adam'"):
+        profile_from_dict({**profile.to_dict(), "method": "adam"})
+
+
+def test_rules_differ_only_in_where_inputs_come_from():
+    assert KFAC_RULES.curvature and KFAC_RULES.precondition and KFAC_RULES.syncs == ("A", "B")
+    assert not SHAMPOO_RULES.curvature and not SHAMPOO_RULES.precondition
+    assert SHAMPOO_RULES.sync_for("B") == "A", "both statistics read the one gradient sync"
