@@ -176,7 +176,7 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False) -> CommPlan
     num_stages = schedule.num_stages
     owners = inverse_owners(plan)
     rules = task_rules(plan.method)
-    synced = {(op.stage, op.layer, FACTOR_OF[op.kind]) for op in plan.kfac_ops() if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)}
+    synced = {(op.stage, op.layer, FACTOR_OF[op.kind]) for op in plan.curvature_ops() if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)}
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
     steps = []
@@ -202,7 +202,7 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False) -> CommPlan
 def inverse_owners(plan: Plan) -> dict[tuple[int, str, str], int]:
     """(stage, layer, factor) -> the pipe whose rank computes that inverse."""
     owners: dict[tuple[int, str, str], int] = {}
-    for op in plan.kfac_ops():
+    for op in plan.curvature_ops():
         if op.kind in (OpKind.INV_A, OpKind.INV_B):
             owners.setdefault((op.stage, op.layer, FACTOR_OF[op.kind]), op.pipe)
     return owners

@@ -1,4 +1,5 @@
-"""The packer: place a refresh cycle's K-FAC tasks into the bubbles of a pipeline schedule.
+"""The packer: place a refresh cycle's curvature tasks (K-FAC's or Shampoo's, as the profile's
+`method` says) into the bubbles of a pipeline schedule.
 
 For every refresh interval k from the lower bound (ceil(work / bubble time) of the busiest rank)
 up to the first k without overhead, it keeps the fastest predicted plan among: the ``fill``
@@ -259,7 +260,7 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 
 def pack(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> PackResult:
-    """Pack the K-FAC work of `schedule` (with `profile`'s layers and times) into its bubbles."""
+    """Pack the curvature work of `schedule` (with `profile`'s method, layers and times) into its bubbles."""
     with _no_cyclic_gc():
         return _pack(schedule, profile, options or PackOptions())
 

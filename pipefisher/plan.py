@@ -40,12 +40,13 @@ class Plan:
     def refresh_steps(self) -> int:
         return len(self.steps)
 
-    def kfac_ops(self) -> list[Op]:
+    def curvature_ops(self) -> list[Op]:
+        """Every op of the cycle that is not a forward or backward, in step and rank order."""
         return [op for step in self.steps for ops in step for op in ops if not op.kind.is_compute]
 
     @property
     def graph(self) -> TaskGraph:
-        return TaskGraph(self.schedule, self.kfac_ops(), task_rules(self.method))
+        return TaskGraph(self.schedule, self.curvature_ops(), task_rules(self.method))
 
     def to_dict(self) -> dict:
         return {
@@ -112,7 +113,7 @@ def _check_method_kinds(plan: Plan) -> None:
         allowed |= {OpKind.CURV_A, OpKind.CURV_B}
     if rules.precondition:
         allowed.add(OpKind.PRECONDITION)
-    for op in plan.kfac_ops():
+    for op in plan.curvature_ops():
         if op.kind not in allowed:
             raise ScheduleError(f"{op}: method {plan.method} has no {op.kind.name} ops")
 

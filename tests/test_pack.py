@@ -59,7 +59,7 @@ def test_plan_is_valid_complete_and_respects_dependencies(name, d, n, chunks, sp
     schedule, profile, result = packed(name, d, n, chunks, split=split, strategy=strategy, sync=0.1)
     plan = validate_plan(result.plan)
     tasks = build_tasks(schedule, profile, split=split)
-    cycle = Counter(op for op in plan.kfac_ops() if op.kind in CYCLE_KINDS)
+    cycle = Counter(op for op in plan.curvature_ops() if op.kind in CYCLE_KINDS)
     assert cycle == Counter(op for ops in tasks.cycle for op in ops), "every cycle task exactly once"
     for step in plan.steps:
         for rank, ops in enumerate(step):
