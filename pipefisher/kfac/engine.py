@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipefisher.counters import read_counters
 from pipefisher.kfac import capture as _capture
 from pipefisher.kfac import checkpoint as _checkpoint
 from pipefisher.kfac import health as _health
@@ -433,7 +434,7 @@ class KFACEngine:
         return out
 
     def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
-        return _health.read({(name, f): c for name, st in self._layers.items() for f, c in st.counters.items()})
+        return read_counters({(name, f): c for name, st in self._layers.items() for f, c in st.counters.items()})
 
 
 def _checked(factor: Factor) -> Factor:

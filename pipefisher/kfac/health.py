@@ -7,9 +7,8 @@ engine and reads them with a single ``tolist()``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import fields
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -17,7 +16,6 @@ from torch import Tensor
 from pipefisher.kfac.layer import Factor, Health
 
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(Health))
-Key = TypeVar("Key", bound=Hashable)
 
 
 def zero_counters(device: torch.device) -> Tensor:
@@ -29,15 +27,6 @@ def count(counters: Tensor, **flags: Tensor) -> None:
     """Add each 0-dim device bool of ``flags`` (keyed by counter name) to its counter, in place."""
     for name, flag in flags.items():
         counters[COUNTERS.index(name)].add_(flag)
-
-
-def read(counters: Mapping[Key, Tensor]) -> dict[Key, tuple[int, ...]]:
-    """Host values of all ``counters`` with ONE host read (all are stacked on one device)."""
-    if not counters:
-        return {}
-    device = next(iter(counters.values())).device
-    values = torch.stack([c.to(device) for c in counters.values()]).tolist()
-    return {key: tuple(v) for key, v in zip(counters, values)}
 
 
 def total(values: Iterable[tuple[int, ...]]) -> Health:

@@ -12,12 +12,29 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from pipefisher.comm_plan import Collective
+from torch import Tensor
+
 from pipefisher.ir import Op, OpKind
 from pipefisher.plan import Plan
-from pipefisher.runtime.comm import Handle
+from pipefisher.runtime.comm import Comm, Handle
+from pipefisher.topology import Topology
 
 #: (time field -> samples in ms, capture_a_bytes/capture_b_bytes -> bytes) of one layer
 LayerMeasurement = tuple[dict[str, list[float]], dict[str, int]]
+
+
+def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: int, collective: Collective,
+                         shared: Callable[[], Tensor], buffer: Callable[[], Tensor],
+                         receive: Callable[[Tensor], None]) -> Handle:
+    """An exchange: the refresh result of `collective.key` = (stage, layer, factor) (an inverse, a
+    root) goes from the owner pipe's rank of data-parallel replica 0 (`shared()`) to the stage's
+    other replicas, which receive into `buffer()` and hand it to `receive` once it arrived."""
+    stage = collective.key[0]
+    source = topology.rank(0, owner_pipe, stage)
+    if rank == source:
+        return comm.broadcast(shared(), source, collective.group)
+    target = buffer()
+    return comm.broadcast(target, source, collective.group, on_done=lambda: receive(target))
 
 
 class CurvatureRuntime:

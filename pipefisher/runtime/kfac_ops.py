@@ -29,7 +29,7 @@ from pipefisher.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.plan import Plan
 from pipefisher.runtime.comm import Comm, Handle
 from pipefisher.runtime.clock import timed_ms
-from pipefisher.runtime.curvature import CurvatureRuntime, LayerMeasurement, TaskTimer
+from pipefisher.runtime.curvature import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.tasks import FACTOR_OF
 from pipefisher.topology import Topology
 
@@ -123,15 +123,12 @@ class KfacRuntime(CurvatureRuntime):
         return self.comm.all_reduce(list(tensors), collective.group)
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        """Broadcast the new inverse from the owner pipe's rank of data-parallel replica 0."""
         stage, layer, factor = collective.key
         engine = self._engine_of_stage[stage]
-        source = self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
-        if self.rank == source:
-            return self.comm.broadcast(engine.shared_inverse(layer, factor), source, collective.group)
-        buffer = engine.inverse_buffer(layer, factor)
-        return self.comm.broadcast(buffer, source, collective.group, on_done=lambda: engine.receive_inverse(layer, factor, buffer))
-
+        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
+                                    shared=lambda: engine.shared_inverse(layer, factor),
+                                    buffer=lambda: engine.inverse_buffer(layer, factor),
+                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor))
 
 class KfacTimer(TaskTimer):
     """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor

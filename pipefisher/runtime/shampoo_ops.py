@@ -26,7 +26,7 @@ from pipefisher.ir import Op, OpKind
 from pipefisher.plan import Plan
 from pipefisher.runtime.clock import timed_ms
 from pipefisher.runtime.comm import Comm, Handle
-from pipefisher.runtime.curvature import CurvatureRuntime, LayerMeasurement, TaskTimer
+from pipefisher.runtime.curvature import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.shampoo import ShampooEngine, ShampooSettings
 from pipefisher.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.tasks import FACTOR_OF
@@ -146,15 +146,12 @@ class ShampooRuntime(CurvatureRuntime):
         return self.comm.all_reduce([self._engine_of_stage[stage].captured_gradient(layer)], collective.group)
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        """Broadcast the new roots from the owner pipe's rank of data-parallel replica 0."""
         stage, layer, factor = collective.key
         engine = self._engine_of_stage[stage]
-        source = self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
-        if self.rank == source:
-            return self.comm.broadcast(engine.shared_root(layer, factor), source, collective.group)
-        buffer = engine.root_buffer(layer, factor)
-        return self.comm.broadcast(buffer, source, collective.group, on_done=lambda: engine.receive_root(layer, factor, buffer))
-
+        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
+                                    shared=lambda: engine.shared_root(layer, factor),
+                                    buffer=lambda: engine.root_buffer(layer, factor),
+                                    receive=lambda tensor: engine.receive_root(layer, factor, tensor))
 
 class ShampooTimer(TaskTimer):
     """Shampoo's task times per matrix: statistics and roots of each factor (from a random

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipefisher.counters import read_counters
 from pipefisher.shampoo import checkpoint as _checkpoint
 from pipefisher.shampoo import health as _health
 from pipefisher.shampoo.blocks import FACTORS, Factor, MatrixInfo, block_views
@@ -288,7 +289,7 @@ class ShampooEngine:
 
 
     def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
-        return _health.read({(name, f): fs.counters for name, st in self._matrices.items() for f, fs in st.factors.items()})
+        return read_counters({(name, f): fs.counters for name, st in self._matrices.items() for f, fs in st.factors.items()})
 
 
 def _checked(factor: Factor) -> Factor:

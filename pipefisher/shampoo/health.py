@@ -6,9 +6,8 @@ field order: ``update_statistics`` and ``compute_root`` add device values to it 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -31,21 +30,11 @@ class ShampooHealth:
 
 COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(ShampooHealth))
 SKIPPED_STATISTICS, SKIPPED_ROOTS = range(len(COUNTERS))
-Key = TypeVar("Key")
 
 
 def zero_counters(device: torch.device) -> Tensor:
     """A fresh int64 vector of :data:`COUNTERS` on ``device``."""
     return torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-
-
-def read(counters: Mapping[Key, Tensor]) -> dict[Key, tuple[int, ...]]:
-    """Host values of all ``counters`` with ONE host read."""
-    if not counters:
-        return {}
-    device = next(iter(counters.values())).device
-    values = torch.stack([c.to(device) for c in counters.values()]).tolist()
-    return {key: tuple(v) for key, v in zip(counters, values)}
 
 
 def total(values: Iterable[tuple[int, ...]]) -> ShampooHealth:

@@ -1,4 +1,5 @@
-"""Module-level functions that spawned ranks run (they must be importable by name)."""
+"""Module-level functions that spawned ranks run (they must be importable by name), and the
+check that a pipelined run equals its single-process reference."""
 
 from __future__ import annotations
 
@@ -175,3 +176,20 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
         layers = tuple(LayerProfile(name, 0.01, 0.01, inverse, inverse, 0.01, sync, sync) for name in names)
         stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
     return Profile(stages=tuple(stages), method=method_of(config).name)
+
+
+def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> TrainResult:
+    """Train `config` pipelined and in one process: every rank's losses equal the reference's to
+    rtol 1e-5, its parameters (pipe 1's named as pipe 0's) to rtol 1e-5 and `parameter_atol`.
+    Returns the reference."""
+    from pipefisher.runtime.launch import run_group
+    from pipefisher.runtime.reference import train_reference
+
+    reference = train_reference(config)
+    results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=240)
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
+        for key, value in result.parameters.items():
+            name = key.split(".", 1)[1] if key.startswith("p1.") else key
+            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=parameter_atol)
+    return reference

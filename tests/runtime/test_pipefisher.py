@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _workers import pipelined, profiled_midway
+from _workers import assert_equal_to_reference, pipelined, profiled_midway
 from pipefisher.config import config_from_dict, load_config
 from pipefisher.profile import load_profile
 from pipefisher.runtime.assembly import staged_model
@@ -39,21 +39,10 @@ def kfac_config(schedule, placement, data_parallel=1, **kfac):
 PARAMETER_ATOL = 2e-4
 
 
-def assert_equal_to_reference(config):
-    reference = train_reference(config)
-    results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=240)
-    for result in results:
-        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
-        for key, value in result.parameters.items():
-            name = key.split(".", 1)[1] if key.startswith("p1.") else key
-            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=PARAMETER_ATOL)
-    return reference
-
-
 @pytest.mark.parametrize("placement", ["packed", "after-step"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
 def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
-    reference = assert_equal_to_reference(kfac_config(schedule, placement))
+    reference = assert_equal_to_reference(kfac_config(schedule, placement), PARAMETER_ATOL)
     first_order = train_reference(kfac_config(schedule, placement).with_overrides(optimizer={"name": "sgd"}))
     assert reference.losses[2:] != pytest.approx(first_order.losses[2:]), "K-FAC changed the updates from the 2nd cycle"
 
@@ -63,7 +52,7 @@ def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
 def test_kfac_with_data_parallel_replicas_equals_the_reference(schedule, placement):
     """Factors are synced over every replica of a stage (pipes x data-parallel copies)."""
-    assert_equal_to_reference(kfac_config(schedule, placement, data_parallel=2))
+    assert_equal_to_reference(kfac_config(schedule, placement, data_parallel=2), PARAMETER_ATOL)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -82,7 +71,7 @@ def test_kfac_without_inverse_splitting_and_with_reprofiling_equals_the_referenc
     # Cycles of 2 steps: the 1st warms up, the 2nd calibrates the fresh profile, the 3rd drifts and
     # step 7 runs on the new plan (a smaller lr keeps 7 K-FAC steps' float rounding below rtol).
     config = kfac_config("chimera", "packed", split=False, reprofile_threshold=1e-6, reprofile_patience=1)
-    assert_equal_to_reference(config.with_overrides(run={"steps": 7}, optimizer={"name": "kfac", "lr": 0.03, "momentum": 0.9}))
+    assert_equal_to_reference(config.with_overrides(run={"steps": 7}, optimizer={"name": "kfac", "lr": 0.03, "momentum": 0.9}), PARAMETER_ATOL)
     assert "re-profiling and re-packing" in capfd.readouterr().err
 
 

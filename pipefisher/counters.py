@@ -1,0 +1,18 @@
+"""Numerics counters kept on the device (K-FAC's and Shampoo's health) and read in one go."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+import torch
+from torch import Tensor
+
+
+def read_counters(counters: Mapping[Hashable, Tensor]) -> dict[Hashable, tuple[int, ...]]:
+    """Host values of all ``counters`` (integer vectors) with ONE host read: they are stacked on
+    the first one's device first."""
+    if not counters:
+        return {}
+    device = next(iter(counters.values())).device
+    values = torch.stack([c.to(device) for c in counters.values()]).tolist()
+    return {key: tuple(v) for key, v in zip(counters, values)}
