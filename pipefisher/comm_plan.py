@@ -9,7 +9,9 @@ complete under that rule.
 Communicators (group keys), one per purpose so that no two purposes queue behind each other:
 - ``("fwd", replica, pipe, s)``: activations stage s -> s + 1; ``("bwd", replica, pipe, s)``: their
   gradients s + 1 -> s. One sender, one receiver, messages in micro-batch order on both ends.
-- ``("grad", s)``: stage s's gradient reduction over its replicas (pipes x data-parallel).
+- ``("grad", s)``: stage s's gradient reduction over its replicas (pipes x data-parallel); with
+  ZeRO-1 (`sharded`) the reduction goes to each parameter's owner and, after the optimizer step,
+  the owners broadcast the updated parameters on the same communicator (``gather``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
   of inverses or roots over the same replicas.
 - ``("tied",)``: tied weights (first and last stage); ``("world",)``: the end-of-step reduction
@@ -166,11 +168,13 @@ class CommPlan:
         return complete, incomplete
 
 
-def plan_actions(topology: Topology, plan: Plan, tied: bool = False) -> CommPlan:
+def plan_actions(topology: Topology, plan: Plan, tied: bool = False, sharded: bool = False) -> CommPlan:
     """The actions of every global rank for every step of `plan`'s cycle (see the module docstring).
 
     `tied`: the model has weights shared by the first and last stage (their gradients are summed
-    over the ``("tied",)`` group at the end of every step).
+    over the ``("tied",)`` group at the end of every step). `sharded`: ZeRO-1, the owners of a
+    replicated stage's parameters broadcast them after the world reduction (when the optimizer
+    step has run), stage by stage in ascending order on every rank.
     """
     schedule = plan.schedule
     num_stages = schedule.num_stages
@@ -189,7 +193,7 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False) -> CommPlan
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
             actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
-            actions += _end_of_step(topology, rank, actions, tied_ranks)
+            actions += _end_of_step(topology, rank, actions, tied_ranks, sharded)
             if last_step:
                 exchanges = [a.target for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
                 exchanges += [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
@@ -226,6 +230,11 @@ def exchange_collective(stage: int, layer: str, factor: str) -> Collective:
 
 def grad_collective(stage: int) -> Collective:
     return Collective("grad", ("grad", stage), (stage,))
+
+
+def gather_collective(stage: int) -> Collective:
+    """ZeRO-1's broadcast of stage `stage`'s updated parameters from their owners."""
+    return Collective("gather", ("grad", stage), (stage,))
 
 
 TIED = Collective("tied", ("tied",))
@@ -303,13 +312,19 @@ def _curvature_launches(op: Op) -> Iterator[Action]:
             yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, op.layer, factor))
 
 
-def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...]) -> list[Action]:
-    """Sends drained, gradient reductions done, tied weights summed, then the world reduction."""
+def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], sharded: bool) -> list[Action]:
+    """Sends drained, gradient reductions done, tied weights summed, then the world reduction (the
+    optimizer step runs when it completes); with ZeRO-1 the owners' parameter broadcasts last."""
     tail = [Action(ActionKind.WAIT, ("send", a.target)) for a in actions if a.kind is ActionKind.SEND]
-    tail += [Action(ActionKind.WAIT, a.target) for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "grad"]
+    reduced = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "grad"]
+    tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
     if rank in tied_ranks:
         tail += [Action(ActionKind.LAUNCH, TIED), Action(ActionKind.WAIT, TIED)]
-    return tail + [Action(ActionKind.LAUNCH, STEP), Action(ActionKind.WAIT, STEP)]
+    tail += [Action(ActionKind.LAUNCH, STEP), Action(ActionKind.WAIT, STEP)]
+    if sharded:
+        gathers = [gather_collective(stage) for stage in sorted(c.key[0] for c in reduced)]
+        tail += [Action(ActionKind.LAUNCH, c) for c in gathers] + [Action(ActionKind.WAIT, c) for c in gathers]
+    return tail
 
 
 def group_members(topology: Topology, tied: bool) -> dict[GroupKey, tuple[int, ...]]:

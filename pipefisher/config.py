@@ -85,7 +85,10 @@ class PipelineConfig:
 class OptimizerConfig:
     """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay);
     `shampoo`: Shampoo preconditioning with grafting of every parameter, then SGD likewise.
-    `clip_norm` > 0 clips the global gradient norm (after preconditioning); the learning rate
+    `zero` 1 shards the optimizer state over each stage's replicas (ZeRO stage 1: every parameter
+    has one owner, which alone receives its reduced gradient, updates it and broadcasts it; the
+    optimizer state per rank falls as 1/replicas). `clip_norm` > 0 clips the global gradient
+    norm (after preconditioning); the learning rate
     warms up linearly over `warmup_steps`, then stays (`constant`) or falls to 0 at step
     `decay_steps` (`linear`; 0 = the run's last step — fix it when a run is split by --resume
     into parts with other --steps). Weight decay skips biases and LayerNorm weights."""
@@ -100,6 +103,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     decay: Literal["constant", "linear"] = "constant"
     decay_steps: int = 0
+    zero: int = 0
 
 
 @dataclass(frozen=True)
@@ -348,6 +352,9 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"data.mask_prob: {config.data.mask_prob} must be in (0, 1)")
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
+    if config.optimizer.zero not in (0, 1):
+        raise ConfigError(f"optimizer.zero: {config.optimizer.zero} is not a ZeRO stage pipefisher has; use 0 (off) or 1 "
+                          "(optimizer state sharded over each stage's replicas)")
     for section in ("kfac", "shampoo"):
         _check_refresh(getattr(config, section), section)
     if not 0 <= config.kfac.factor_decay < 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -15,22 +15,26 @@ def no_decay(name: str) -> bool:
     return name.endswith("bias") or "norm" in name.lower()
 
 
-def parameter_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict]:
-    """Parameters of `modules` (each once) split into decayed and undecayed groups."""
+def parameter_groups(modules: Iterable[nn.Module], weight_decay: float,
+                     keep: Callable[[nn.Parameter], bool] = lambda parameter: True) -> list[dict]:
+    """Parameters of `modules` (each once, those `keep` accepts) split into decayed and undecayed
+    groups (either may be empty)."""
     decayed, undecayed, seen = [], [], set()
     for module in modules:
         for name, parameter in module.named_parameters():
-            if id(parameter) in seen:
+            if id(parameter) in seen or not keep(parameter):
                 continue
             seen.add(id(parameter))
             (undecayed if no_decay(name) else decayed).append(parameter)
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
 
 
-def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module]) -> torch.optim.Optimizer:
-    """SGD (with optional momentum; also the step after K-FAC or Shampoo preconditioning), AdamW or LAMB.
+def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module],
+                    keep: Callable[[nn.Parameter], bool] = lambda parameter: True) -> torch.optim.Optimizer:
+    """SGD (with optional momentum; also the step after K-FAC or Shampoo preconditioning), AdamW or
+    LAMB over the parameters of `modules` that `keep` accepts (ZeRO-1: the rank's own).
     `foreach=False` keeps per-parameter updates identical however parameters are grouped across ranks."""
-    groups = parameter_groups(modules, config.weight_decay)
+    groups = parameter_groups(modules, config.weight_decay, keep)
     if config.name in ("sgd", "kfac", "shampoo"):
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, foreach=False)
     if config.name == "adamw":

@@ -76,6 +76,7 @@ class Comm:
 
     def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0):
         self.rank, self.in_order, self.timeout = rank, in_order, timeout
+        self.members = members
         self.groups: dict[GroupKey, dist.ProcessGroup] = {}
         for key in sorted(members, key=repr):
             group = dist.new_group(list(members[key]))
@@ -112,6 +113,11 @@ class Comm:
         """Sum each tensor over the group, in place."""
         return self.call(key, lambda group: [dist.all_reduce(t, group=group, async_op=True) for t in tensors], on_done)
 
-    def broadcast(self, tensor: Tensor, source: int, key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
-        """`tensor` of global rank `source` into `tensor` of every member, in place."""
-        return self.call(key, lambda group: [dist.broadcast(tensor, source, group=group, async_op=True)], on_done)
+    def reduce(self, pairs: list[tuple[Tensor, int]], key: GroupKey) -> Handle:
+        """Sum each tensor over the group into the copy of its global rank; the other members'
+        copies are left undefined."""
+        return self.call(key, lambda group: [dist.reduce(t, root, group=group, async_op=True) for t, root in pairs])
+
+    def broadcast(self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
+        """Each tensor of the pair's global rank into that tensor of every member, in place."""
+        return self.call(key, lambda group: [dist.broadcast(t, root, group=group, async_op=True) for t, root in pairs], on_done)

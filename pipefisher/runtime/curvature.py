@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from pipefisher.comm_plan import Collective
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipefisher.ir import Op, OpKind
 from pipefisher.plan import Plan
@@ -32,9 +32,9 @@ def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: 
     stage = collective.key[0]
     source = topology.rank(0, owner_pipe, stage)
     if rank == source:
-        return comm.broadcast(shared(), source, collective.group)
+        return comm.broadcast([(shared(), source)], collective.group)
     target = buffer()
-    return comm.broadcast(target, source, collective.group, on_done=lambda: receive(target))
+    return comm.broadcast([(target, source)], collective.group, on_done=lambda: receive(target))
 
 
 class CurvatureRuntime:
@@ -55,9 +55,10 @@ class CurvatureRuntime:
     def after_backward(self, op: Op, cycle_step: int) -> None:
         """Called after every backward (Shampoo keeps the stage's gradient of the cycle's first step)."""
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, updates: Callable[[nn.Parameter], bool]) -> None:
         """Called on the reduced, clipped gradients right before the optimizer step (Shampoo
-        preconditions there); not called when fp16 overflowed."""
+        preconditions there) with the test of the parameters this rank updates (ZeRO-1: only
+        their gradients are reduced here); not called when fp16 overflowed."""
 
     def set_plan(self, plan: Plan) -> None:
         """Use `plan` from the next cycle on (its owners decide who computes what)."""

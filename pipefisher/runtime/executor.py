@@ -79,10 +79,12 @@ class Executor:
         step_end: StepEnd,
         device: torch.device,
         tied: bool = False,
+        sharded: bool = False,
     ):
-        """`tied`: the model's tied weights live on several stages (the end of step sums them)."""
+        """`tied`: the model's tied weights live on several stages (the end of step sums them);
+        `sharded`: ZeRO-1 (owners broadcast updated parameters at the end of the step)."""
         self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
-        self.tied = tied
+        self.tied, self.sharded = tied, sharded
         self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
         self.device = device
         self.replica = topology.replica_of(rank)
@@ -90,6 +92,7 @@ class Executor:
         #: collective kind -> what launches one (the step end's; K-FAC adds its own)
         self.collectives: dict[str, Callable[[Collective], Handle]] = {
             "grad": step_end.launch_grad, "tied": step_end.launch_tied, "step": step_end.launch_step,
+            "gather": step_end.launch_gather,
         }
         #: context the forward of an op runs in (K-FAC uses it to capture activations)
         self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()

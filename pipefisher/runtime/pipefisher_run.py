@@ -136,7 +136,8 @@ class PipeFisherTrainer(PlanRunner):
         super().__init__(executor, rank, self.curvature_plan.plan, tied)
         executor.forward_context = lambda op: self.runtime.forward_context(op, self.cycle_step)
         executor.after_backward = lambda op: self.runtime.after_backward(op, self.cycle_step)
-        executor.step_end.before_optimizer_step = self.runtime.before_optimizer_step
+        updates = executor.step_end.updates
+        executor.step_end.before_optimizer_step = lambda: self.runtime.before_optimizer_step(updates)
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
 

@@ -68,8 +68,9 @@ class StepReporter:
                 line += f"  predicted {record['predicted_step_time_ms']:.1f} ms, k={record['refresh_steps']}"
             print(line, flush=True)
 
-    def close(self, completed: bool = True) -> None:
-        """Close the bar and the metrics file; the summary only for a run that `completed`."""
+    def close(self, completed: bool = True, state_bytes: tuple[dict[str, int], ...] = ()) -> None:
+        """Close the bar and the metrics file; the summary only for a run that `completed`, with
+        every rank's optimizer-state and curvature-state MiB when given (`TrainResult.state_bytes`)."""
         if self.bar is not None:
             self.bar.close()
         if self.metrics is not None:
@@ -85,3 +86,12 @@ class StepReporter:
             label = task_rules(self.config.optimizer.name).label
             summary += f", {label} every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
         print(summary, file=sys.stderr, flush=True)
+        if state_bytes:
+            print(f"pipefisher: state per rank, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
+                f"; {task_rules(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else ""),
+                file=sys.stderr, flush=True)
+
+
+def _mib(state_bytes: tuple[dict[str, int], ...], part: str) -> str:
+    """Rank by rank, e.g. ``0.52 0.52 0.49 0.49``."""
+    return " ".join(f"{ranks[part] / 2**20:.3g}" for ranks in state_bytes)

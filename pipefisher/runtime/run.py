@@ -20,7 +20,7 @@ from pipefisher.runtime.launch import (
 )
 from pipefisher.runtime.reference import train_reference
 from pipefisher.runtime.stopping import Stopped, stop_request
-from pipefisher.runtime.training import train_pipelined
+from pipefisher.runtime.training import TrainResult, train_pipelined
 
 
 def describe_pipeline(config: RunConfig) -> str:
@@ -42,13 +42,13 @@ def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_jso
     return _reported(lambda: train_pipelined(config, rank, device, on_step=reporter, resume_from=resume_from), reporter)
 
 
-def _reported(train: Callable[[], object], reporter: StepReporter | None) -> int:
+def _reported(train: Callable[[], TrainResult], reporter: StepReporter | None) -> int:
     """Run `train` with SIGTERM/SIGINT turned into a stop after the current step; the exit code:
     0, or 128 + signal when a signal stopped it (the reporting process says where, in one line).
     The summary only follows a completed run."""
     stop_request.install()
     try:
-        train()
+        result = train()
     except Stopped as stop:
         if reporter is not None:
             reporter.close(completed=False)
@@ -59,7 +59,7 @@ def _reported(train: Callable[[], object], reporter: StepReporter | None) -> int
             reporter.close(completed=False)
         raise
     if reporter is not None:
-        reporter.close(completed=True)
+        reporter.close(completed=True, state_bytes=result.state_bytes)
     return 0
 
 

@@ -97,9 +97,9 @@ class ShampooRuntime(CurvatureRuntime):
                 engine.captured_gradient(info.name).div_(scale)
             self._unfolded[(op.pipe, op.stage, info.name)] = 2
 
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, updates: Callable[[nn.Parameter], bool]) -> None:
         for engine in self.engines.values():
-            engine.precondition_all()
+            engine.precondition_all(updates)
 
     def end_of_cycle(self) -> None:
         """Commit the cycle's roots; report numerical trouble (one host read per stage)."""

@@ -1,10 +1,13 @@
 """The collective end of a step, after a rank's last op: gradients reduced over each stage's
 replicas (launched as soon as the stage's gradient is final), tied weights summed, then one
 all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16 overflow flag, stop
-signal (`pipefisher.runtime.stopping`)]; then clipping, `before_optimizer_step` (Shampoo's
-preconditioning) and the optimizer step (both skipped on every rank alike when fp16 overflowed),
-the learning-rate schedule, and one host read of the reduced numbers: the step's only host
-synchronisation.
+signal (`pipefisher.runtime.stopping`)]; when it completes, clipping, `before_optimizer_step`
+(Shampoo's preconditioning) and the optimizer step (both skipped on every rank alike when fp16
+overflowed) and the learning-rate schedule; with ZeRO-1 the owners then broadcast the updated
+parameters. `finish` reads the reduced numbers once: the step's only host synchronisation.
+
+ZeRO-1 (the gradient buffers have owners): a stage's gradient is reduced to the owner of each
+bucket instead of to every holder, and each rank's optimizer holds only what it owns.
 """
 
 from __future__ import annotations
@@ -16,18 +19,21 @@ import torch
 from torch import Tensor
 
 from pipefisher.comm_plan import STEP, TIED, Collective
+from pipefisher.comm_volume import ring_bytes
 from pipefisher.runtime.comm import Comm, Handle, done
-from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, TiedGradients, clip_coefficient
+from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, Ownership, TiedGradients, clip_coefficient
 from pipefisher.runtime.precision import LossScaler
 from pipefisher.runtime.stage import StageRuntime
 from pipefisher.runtime.stopping import stop_request
 
 
 class StepEnd:
-    """Providers of the end-of-step collectives (`grad`, `tied`, `step`) and `finish()`.
+    """Providers of the end-of-step collectives (`grad`, `tied`, `step`, ZeRO-1's `gather`) and
+    `finish()`.
 
     `update` False (profiling) drops the gradients instead of applying them: no reduction, no
-    optimizer step; the loss is still summed.
+    optimizer step; the loss is still summed. `ownership` says which parameters this rank updates
+    (all of them without ZeRO).
     """
 
     def __init__(
@@ -43,8 +49,9 @@ class StepEnd:
         clip_norm: float = 0.0,
         scaler: LossScaler | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        ownership: Ownership | None = None,
     ):
-        self.comm, self.device = comm, device
+        self.comm, self.device, self.ownership = comm, device, ownership
         self.stages, self.buffers, self.optimizer = stages, buffers, optimizer
         self.loss_parts, self.tied, self.norm, self.clip_norm = loss_parts, tied, norm, clip_norm
         self.scaler, self.scheduler = scaler, scheduler
@@ -52,18 +59,49 @@ class StepEnd:
         #: runs on the reduced, clipped gradients right before every optimizer step
         self.before_optimizer_step: Callable[[], None] = lambda: None
         self._reduced: Tensor | None = None
+        self._values: list[float] | None = None
+        self._lr = 0.0
+        #: bytes this rank sent for the gradient reduction (and ZeRO-1's gather) in this step
+        self.grad_comm_bytes = 0
+
+    def updates(self, parameter: torch.nn.Parameter) -> bool:
+        """Whether this rank updates `parameter` (with ZeRO-1, only its owner does)."""
+        return self.ownership is None or self.ownership.updates(parameter)
 
     def gradients(self) -> list[Tensor]:
-        return [gradient for buffer in self.buffers.values() for gradient in buffer.gradients]
+        """The gradients this rank applies."""
+        return [gradient for buffer in self.buffers.values() for parameter, gradient in zip(buffer.parameters, buffer.gradients)
+                if self.updates(parameter)]
+
+    def _stage_buffers(self, stage: int) -> list[GradientBuffer]:
+        return [buffer for (pipe, s), buffer in self.buffers.items() if s == stage]
+
+    def _count(self, kind: str, tensors: list[Tensor], group: tuple) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.grad_comm_bytes += ring_bytes(kind, size, len(self.comm.members[group]))
 
     # -- collectives ------------------------------------------------------------------------
     def launch_grad(self, collective: Collective) -> Handle:
         """Sum the gradient of stage `collective.key[0]` over its replicas, bucket by bucket."""
         if not self.update:
             return done()
-        stage = collective.key[0]
-        buckets = [bucket for (pipe, s), buffer in self.buffers.items() if s == stage for bucket in buffer.buckets]
+        buffers = self._stage_buffers(collective.key[0])
+        buckets = [bucket for buffer in buffers for bucket in buffer.buckets]
+        if buffers and buffers[0].owners is not None:
+            self._count("reduce", buckets, collective.group)
+            return self.comm.reduce([(b, owner) for buffer in buffers for b, owner in zip(buffer.buckets, buffer.bucket_owners)],
+                                    collective.group)
+        self._count("all_reduce", buckets, collective.group)
         return self.comm.all_reduce(buckets, collective.group)
+
+    def launch_gather(self, collective: Collective) -> Handle:
+        """ZeRO-1: every owner broadcasts its updated parameters of stage `collective.key[0]`."""
+        if not self.update:
+            return done()
+        buffers = self._stage_buffers(collective.key[0])
+        self._count("broadcast", [b for buffer in buffers for b in buffer.parameter_buckets], collective.group)
+        return self.comm.broadcast([(b, owner) for buffer in buffers for b, owner in zip(buffer.parameter_buckets, buffer.bucket_owners)],
+                                   collective.group)
 
     def launch_tied(self, collective: Collective) -> Handle:
         if not self.update or self.tied is None:
@@ -91,7 +129,7 @@ class StepEnd:
         values += [torch.full((), float(signum), dtype=torch.float64, device=self.device),
                    torch.full((), float(signum > 0), dtype=torch.float64, device=self.device)]
         self._reduced = torch.stack(values)
-        return self.comm.all_reduce([self._reduced], collective.group)
+        return self.comm.all_reduce([self._reduced], collective.group, on_done=self._apply)
 
     def apply_now(self) -> dict:
         """The end of a step outside of a plan's actions, with gradients already reduced over
@@ -101,37 +139,46 @@ class StepEnd:
         return self.finish()
 
     # -- after the reduction ----------------------------------------------------------------
+    def _apply(self) -> None:
+        """Once the world reduction completed: clip, step (unless fp16 overflowed, which needs the
+        reduced flag on the host), schedule."""
+        if not self.update:
+            return
+        reduced = self._reduced
+        count = 1 + len(self.loss_parts)
+        self._lr = self.optimizer.param_groups[0]["lr"]
+        if self.clip_norm > 0:
+            coefficient = clip_coefficient(reduced[count], self.clip_norm)
+            for buffer in self.buffers.values():
+                buffer.flat.mul_(coefficient)
+        if self.scaler is not None:
+            self._values = reduced.tolist()
+            if not self._values[-3] > 0:
+                self.before_optimizer_step()
+                self.optimizer.step()
+            self.scaler.update(reduced[-3])
+        else:
+            self.before_optimizer_step()
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
     def finish(self) -> dict:
-        """Clip, step (unless fp16 overflowed), schedule, zero the gradients; returns the loss, its
-        parts, (when updating) lr, grad_norm and fp16's overflow, and `stop_signal` when a rank
-        was signalled, read from the device once."""
+        """After the world reduction (and the update it triggered): zero the gradients; returns the
+        loss, its parts, (when updating) lr, grad_norm, fp16's overflow and grad_comm_bytes, and
+        `stop_signal` when a rank was signalled, read from the device once."""
         reduced, self._reduced = self._reduced, None
+        values, self._values = self._values if self._values is not None else reduced.tolist(), None
         record: dict = {}
         count = 1 + len(self.loss_parts)
         if self.update:
-            record["lr"] = self.optimizer.param_groups[0]["lr"]
-            if self.clip_norm > 0:
-                coefficient = clip_coefficient(reduced[count], self.clip_norm)
-                for buffer in self.buffers.values():
-                    buffer.flat.mul_(coefficient)
+            record["lr"] = self._lr
             if self.scaler is not None:
-                values = reduced.tolist()
-                overflow = values[-3] > 0
-                if not overflow:
-                    self.before_optimizer_step()
-                    self.optimizer.step()
-                self.scaler.update(reduced[-3])
-                record["overflow"] = overflow
-            else:
-                self.before_optimizer_step()
-                self.optimizer.step()
-                values = reduced.tolist()
-            if self.scheduler is not None:
-                self.scheduler.step()
+                record["overflow"] = values[-3] > 0
             if self.clip_norm > 0:
                 record["grad_norm"] = math.sqrt(values[count])
-        else:
-            values = reduced.tolist()
+            record["grad_comm_bytes"] = self.grad_comm_bytes
+        self.grad_comm_bytes = 0
         for buffer in self.buffers.values():
             buffer.zero_()
         record["loss"] = values[0]

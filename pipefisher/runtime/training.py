@@ -20,7 +20,7 @@ from pipefisher.runtime.assembly import build_schedule, data_source, staged_mode
 from pipefisher.runtime.checkpoint import commit, load_rank, save_rank
 from pipefisher.runtime.comm import Comm
 from pipefisher.runtime.executor import Executor, StepResult
-from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, TiedGradients
+from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.precision import LossScaler, Precision
 from pipefisher.runtime.stage import StageRuntime
@@ -35,10 +35,33 @@ StepCallback = Callable[[StepResult], None]
 class TrainResult:
     """Step losses (identical on every rank) and parameters: a pipelined rank's keyed
     ``"<stage>.<name>"`` (for Chimera, ``"p<pipe>.<stage>.<name>"`` for the second pipe's copy);
-    the reference's as `train_reference` says."""
+    the reference's as `train_reference` says. `state_bytes`: per global rank, the bytes of its
+    optimizer state (``optimizer``) and of its curvature method's state (``curvature``) at the end
+    (empty for the reference)."""
 
     losses: list[float]
     parameters: dict[str, Tensor]
+    state_bytes: tuple[dict[str, int], ...] = ()
+
+
+def tensor_bytes(value: object) -> int:
+    """Bytes of the tensors in a nested structure of dicts, lists and tuples (each storage once)."""
+    seen: set[tuple[int, int]] = set()
+
+    def visit(item: object) -> int:
+        if isinstance(item, Tensor):
+            key = (item.untyped_storage().data_ptr(), item.untyped_storage().nbytes())
+            if key in seen:
+                return 0
+            seen.add(key)
+            return item.untyped_storage().nbytes()
+        if isinstance(item, dict):
+            return sum(visit(v) for v in item.values())
+        if isinstance(item, (list, tuple)):
+            return sum(visit(v) for v in item)
+        return 0
+
+    return visit(value)
 
 
 def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[Executor, Schedule]:
@@ -71,21 +94,23 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
         for key, module in modules.items()
     }
     bucket_bytes = int(config.run.bucket_mb * 2**20)
-    buffers = {key: GradientBuffer(module, bucket_bytes) for key, module in modules.items()}
-    optimizer = build_optimizer(config.optimizer_settings, modules.values())
+    sharded = config.optimizer.zero == 1
+    ownership = Ownership(topology, rank, modules, sharded)
+    buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if sharded else None) for key, module in modules.items()}
+    optimizer = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
     clip = config.optimizer.clip_norm
     step_end = StepEnd(
         comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
-        tied=TiedGradients(topology, rank, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
-        norm=GlobalNorm(topology, rank, modules, model.tied_parameters()) if clip > 0 else None,
-        clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer),
+        tied=TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
+        norm=GlobalNorm(topology, ownership, modules, model.tied_parameters()) if clip > 0 else None,
+        clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer), ownership=ownership,
     )
     micro_batch_size = config.data.micro_batch_size
 
     def message_spec(message):
         return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
 
-    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied)
+    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, sharded=sharded)
     return executor, schedule
 
 
@@ -136,7 +161,16 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         prefix = f"p{pipe}.{stage}" if pipe else f"{stage}"
         for name, parameter in runtime.module.named_parameters():
             parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
-    return TrainResult(losses, parameters)
+    return TrainResult(losses, parameters, gather_state_bytes(executor, runner))
+
+
+def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str, int], ...]:
+    """Every rank's optimizer-state and curvature-state bytes, on every rank. Collective."""
+    runner.quiesce()
+    mine = {"optimizer": tensor_bytes(list(executor.optimizer.state.values())), "curvature": tensor_bytes(runner.state_dict())}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(everyone)
 
 
 def save_checkpoint(config: RunConfig, rank: int, executor: Executor, runner: PlanRunner, step: int) -> None:

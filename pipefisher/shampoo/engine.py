@@ -20,7 +20,7 @@ inspection (``health``, ``statistics``, ``roots``) and ``load_state_dict``; and 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -209,9 +209,11 @@ class ShampooEngine:
                 warnings.warn(_health.message(*key, values), ShampooNumericsWarning, stacklevel=2)
 
     # ----------------------------------------------------------------- every step (no host reads)
-    def precondition_all(self) -> None:
+    def precondition_all(self, keep: Callable[[nn.Parameter], bool] | None = None) -> None:
         """Replace every parameter's ``.grad`` by its Shampoo direction (see the module doc),
-        computed in ``settings.dtype`` and written back in ``.grad``'s dtype.
+        computed in ``settings.dtype`` and written back in ``.grad``'s dtype; with `keep`, only
+        of the parameters it accepts (ZeRO-1: those this rank updates; the others' grafting state
+        stays untouched).
 
         Counts the call (``step`` t, from 1). The grafting direction (Adam state updated for every
         parameter with a gradient) is used alone for non-matrices, for matrices without committed
@@ -220,7 +222,7 @@ class ShampooEngine:
         """
         self._step += 1
         for name, p in self._parameters.items():
-            if p.grad is None:
+            if p.grad is None or (keep is not None and not keep(p)):
                 continue
             g = p.grad.detach().to(self.settings.dtype)
             graft = graft_direction(g, self._exp_avg_sq.get(name), self.settings, self._step)
