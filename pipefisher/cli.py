@@ -186,11 +186,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps},
         shampoo={"placement": args.shampoo_placement, "refresh_steps": args.shampoo_refresh_steps},
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
+        comm={"powersgd_rank": args.powersgd_rank},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
     method = config.optimizer.name if config.curvature is not None else "kfac"
     config = config.with_overrides(**{method: {"profile": args.profile}})
+    if args.reference and config.comm.powersgd_rank:
+        raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
+                         "drop --powersgd-rank (comm.powersgd_rank) or --reference")
     from pipefisher.runtime.assembly import build_schedule
 
     schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
@@ -250,7 +254,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     config = load_config(args.config).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
-        optimizer={"name": args.optimizer},
+        optimizer={"name": args.optimizer, "zero": args.zero},
+        comm={"powersgd_rank": args.powersgd_rank},
         run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
     )
     from pipefisher.runtime.run import check_port, profile_run
@@ -313,6 +318,8 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     parser.add_argument("--zero", type=int, choices=[0, 1],
                         help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
+    parser.add_argument("--powersgd-rank", type=int, metavar="R",
+                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
@@ -335,6 +342,8 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     parser.add_argument("--zero", type=int, choices=[0, 1],
                         help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
+    parser.add_argument("--powersgd-rank", type=int, metavar="R",
+                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
     parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")

@@ -10,8 +10,10 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
 - ``("fwd", replica, pipe, s)``: activations stage s -> s + 1; ``("bwd", replica, pipe, s)``: their
   gradients s + 1 -> s. One sender, one receiver, messages in micro-batch order on both ends.
 - ``("grad", s)``: stage s's gradient reduction over its replicas (pipes x data-parallel); with
-  ZeRO-1 (`sharded`) the reduction goes to each parameter's owner and, after the optimizer step,
-  the owners broadcast the updated parameters on the same communicator (``gather``).
+  ZeRO-1 (`GradientPath.sharded`) the reduction goes to each parameter's owner and, after the
+  optimizer step, the owners broadcast the updated parameters on the same communicator
+  (``gather``); with PowerSGD (`GradientPath.compressed`) the reduction is two all-reduces, of the
+  P factors (with the uncompressed tensors) and, once those are in, of the Q factors (``grad_q``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
   of inverses or roots over the same replicas.
 - ``("tied",)``: tied weights (first and last stage); ``("world",)``: the end-of-step reduction
@@ -132,6 +134,16 @@ def run(op: Op) -> Action:
 
 
 @dataclass(frozen=True)
+class GradientPath:
+    """How a replicated stage's gradient travels at the end of a step: `sharded` (ZeRO-1: reduced
+    to the parameters' owners, who broadcast the updated parameters after the world reduction) or
+    `compressed` (PowerSGD: a second all-reduce, of the Q factors, once the first is in)."""
+
+    sharded: bool = False
+    compressed: bool = False
+
+
+@dataclass(frozen=True)
 class CommPlan:
     """`steps[j][rank]`: the actions of global `rank` in step j of the cycle; `members[group]`:
     the global ranks of every communicator the actions use."""
@@ -168,13 +180,14 @@ class CommPlan:
         return complete, incomplete
 
 
-def plan_actions(topology: Topology, plan: Plan, tied: bool = False, sharded: bool = False) -> CommPlan:
+def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: GradientPath = GradientPath()) -> CommPlan:
     """The actions of every global rank for every step of `plan`'s cycle (see the module docstring).
 
     `tied`: the model has weights shared by the first and last stage (their gradients are summed
-    over the ``("tied",)`` group at the end of every step). `sharded`: ZeRO-1, the owners of a
+    over the ``("tied",)`` group at the end of every step). `path.sharded`: the owners of a
     replicated stage's parameters broadcast them after the world reduction (when the optimizer
-    step has run), stage by stage in ascending order on every rank.
+    step has run), stage by stage in ascending order on every rank. `path.compressed`: each
+    gradient reduction is followed, once waited for, by its ``grad_q`` all-reduce.
     """
     schedule = plan.schedule
     num_stages = schedule.num_stages
@@ -193,7 +206,7 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, sharded: bo
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
             actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
-            actions += _end_of_step(topology, rank, actions, tied_ranks, sharded)
+            actions += _end_of_step(topology, rank, actions, tied_ranks, path)
             if last_step:
                 exchanges = [a.target for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
                 exchanges += [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
@@ -230,6 +243,11 @@ def exchange_collective(stage: int, layer: str, factor: str) -> Collective:
 
 def grad_collective(stage: int) -> Collective:
     return Collective("grad", ("grad", stage), (stage,))
+
+
+def grad_q_collective(stage: int) -> Collective:
+    """PowerSGD's all-reduce of stage `stage`'s Q factors (after the one of its P factors)."""
+    return Collective("grad_q", ("grad", stage), (stage,))
 
 
 def gather_collective(stage: int) -> Collective:
@@ -312,16 +330,22 @@ def _curvature_launches(op: Op) -> Iterator[Action]:
             yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, op.layer, factor))
 
 
-def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], sharded: bool) -> list[Action]:
-    """Sends drained, gradient reductions done, tied weights summed, then the world reduction (the
-    optimizer step runs when it completes); with ZeRO-1 the owners' parameter broadcasts last."""
+def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], path: GradientPath) -> list[Action]:
+    """Sends drained, gradient reductions done (PowerSGD: each followed by its Q all-reduce), tied
+    weights summed, then the world reduction (the optimizer step runs when it completes); with
+    ZeRO-1 the owners' parameter broadcasts last."""
     tail = [Action(ActionKind.WAIT, ("send", a.target)) for a in actions if a.kind is ActionKind.SEND]
     reduced = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "grad"]
-    tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
+    if path.compressed:
+        for collective in reduced:
+            tail += [Action(ActionKind.WAIT, collective), Action(ActionKind.LAUNCH, grad_q_collective(collective.key[0]))]
+        tail += [Action(ActionKind.WAIT, grad_q_collective(collective.key[0])) for collective in reduced]
+    else:
+        tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
     if rank in tied_ranks:
         tail += [Action(ActionKind.LAUNCH, TIED), Action(ActionKind.WAIT, TIED)]
     tail += [Action(ActionKind.LAUNCH, STEP), Action(ActionKind.WAIT, STEP)]
-    if sharded:
+    if path.sharded:
         gathers = [gather_collective(stage) for stage in sorted(c.key[0] for c in reduced)]
         tail += [Action(ActionKind.LAUNCH, c) for c in gathers] + [Action(ActionKind.WAIT, c) for c in gathers]
     return tail

@@ -182,6 +182,18 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class CommConfig:
+    """Gradient compression over the data-parallel dimension: `powersgd_rank` r > 0 compresses
+    each replicated stage's gradient reduction with rank-r PowerSGD (Vogels et al., NeurIPS 2019:
+    error feedback, Q warm-started from the previous step; vectors, and matrices that rank r
+    would not shrink, travel uncompressed), from step `powersgd_start_step` on (0-based; earlier
+    steps reduce uncompressed). 0 = off."""
+
+    powersgd_rank: int = 0
+    powersgd_start_step: int = 0
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """`timeout`: seconds any rank may wait for another before the run aborts; `metrics`: a file
     that gets one JSON line per step ("" = none). `precision`: fp32, or bf16/fp16 autocast for
@@ -213,6 +225,7 @@ class RunConfig:
     kfac: KfacConfig = field(default_factory=KfacConfig)
     shampoo: ShampooConfig = field(default_factory=ShampooConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     run: RunSettings = field(default_factory=RunSettings)
 
     @property
@@ -313,7 +326,7 @@ def config_from_dict(data: Any) -> RunConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, shampoo, checkpoint, run")
+        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, shampoo, checkpoint, comm, run")
     sections = [f.name for f in fields(RunConfig)]
     hints = typing.get_type_hints(RunConfig)
     for key in data:
@@ -355,6 +368,12 @@ def _check(config: RunConfig) -> None:
     if config.optimizer.zero not in (0, 1):
         raise ConfigError(f"optimizer.zero: {config.optimizer.zero} is not a ZeRO stage pipefisher has; use 0 (off) or 1 "
                           "(optimizer state sharded over each stage's replicas)")
+    comm = config.comm
+    if comm.powersgd_rank < 0 or comm.powersgd_start_step < 0:
+        raise ConfigError("comm.powersgd_rank and comm.powersgd_start_step must be >= 0 (powersgd_rank 0 = no compression)")
+    if comm.powersgd_rank and config.optimizer.zero:
+        raise ConfigError("comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
+                          "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)")
     for section in ("kfac", "shampoo"):
         _check_refresh(getattr(config, section), section)
     if not 0 <= config.kfac.factor_decay < 1:

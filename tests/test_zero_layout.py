@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pipefisher.comm_plan import ActionKind, gather_collective, plan_actions
+from pipefisher.comm_plan import ActionKind, GradientPath, gather_collective, plan_actions
 from pipefisher.comm_replay import replay
 from pipefisher.runtime.plan_runner import schedule_plan
 from pipefisher.schedules import get_schedule
@@ -43,7 +43,7 @@ def test_owners_follow_the_runs_and_fewer_parameters_than_ranks_leave_ranks_empt
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
 def test_sharded_plans_broadcast_after_the_world_reduction_and_replay_under_nccl_rules(schedule):
     topology = Topology(get_schedule(schedule, 2, 4, 2 if schedule == "interleaved" else None), data_parallel=2)
-    comm = replay(plan_actions(topology, schedule_plan(topology.schedule), tied=True, sharded=True))
+    comm = replay(plan_actions(topology, schedule_plan(topology.schedule), tied=True, path=GradientPath(sharded=True)))
     for rank, actions in enumerate(comm.steps[0]):
         names = [str(action) for action in actions]
         stages = sorted({stage for _, stage in topology.stages_of(rank)})

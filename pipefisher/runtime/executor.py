@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pipefisher.comm_plan import Action, ActionKind, Collective, Message, input_message, output_message
+from pipefisher.comm_plan import Action, ActionKind, Collective, GradientPath, Message, input_message, output_message
 from pipefisher.ir import Op, OpKind
 from pipefisher.runtime.clock import Clock
 from pipefisher.runtime.comm import Comm, Handle, done
@@ -79,12 +79,12 @@ class Executor:
         step_end: StepEnd,
         device: torch.device,
         tied: bool = False,
-        sharded: bool = False,
+        gradient_path: GradientPath = GradientPath(),
     ):
         """`tied`: the model's tied weights live on several stages (the end of step sums them);
-        `sharded`: ZeRO-1 (owners broadcast updated parameters at the end of the step)."""
+        `gradient_path`: ZeRO-1 or PowerSGD at the end of the step (`pipefisher.comm_plan`)."""
         self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
-        self.tied, self.sharded = tied, sharded
+        self.tied, self.gradient_path = tied, gradient_path
         self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
         self.device = device
         self.replica = topology.replica_of(rank)
@@ -92,7 +92,7 @@ class Executor:
         #: collective kind -> what launches one (the step end's; K-FAC adds its own)
         self.collectives: dict[str, Callable[[Collective], Handle]] = {
             "grad": step_end.launch_grad, "tied": step_end.launch_tied, "step": step_end.launch_step,
-            "gather": step_end.launch_gather,
+            "gather": step_end.launch_gather, "grad_q": step_end.launch_grad_q,
         }
         #: context the forward of an op runs in (K-FAC uses it to capture activations)
         self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
@@ -123,7 +123,7 @@ class Executor:
         instead of applied (profiling steps leave the model as it was)."""
         start = time.perf_counter()
         self.current_step = step
-        self.step_end.update = update
+        self.step_end.update, self.step_end.step = update, step
         for action in actions:
             try:
                 self._perform(action)

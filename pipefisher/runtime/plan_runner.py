@@ -30,7 +30,7 @@ class PlanRunner:
     def set_plan(self, plan: Plan) -> None:
         """Use `plan` from the next cycle on (call at a cycle boundary)."""
         self.plan = plan
-        self.comm: CommPlan = replay(plan_actions(self.executor.topology, plan, self.tied, self.executor.sharded), name=plan.schedule.name)
+        self.comm: CommPlan = replay(plan_actions(self.executor.topology, plan, self.tied, self.executor.gradient_path), name=plan.schedule.name)
 
     def run_step(self, step: int) -> StepResult:
         actions = self.comm.steps[self.cycle_step][self.rank]

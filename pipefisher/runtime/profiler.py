@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipefisher.comm_plan import Message, gather_collective, grad_collective, plan_actions
+from pipefisher.comm_plan import Message, plan_actions
 from pipefisher.comm_replay import replay
 from pipefisher.ir import Op, OpKind
 from pipefisher.profile import LayerProfile, Profile, StageProfile
@@ -55,7 +55,7 @@ def _summary(samples: Mapping[str, list[float]], keys: tuple[str, ...]) -> dict[
 def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -> list[list[Record]]:
     """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
     topology = executor.topology
-    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, executor.sharded)).steps[0][rank]
+    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, executor.gradient_path)).steps[0][rank]
     clock = executor.clock
     records: list[list[Record]] = []
     for step in range(steps):
@@ -103,22 +103,20 @@ def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int
 
 def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[float]]:
     """stage -> samples of the ms of its gradient reduction over its replicas (the buckets'
-    all-reduces; with ZeRO-1 the reduces to the owners and the owners' parameter broadcasts), for
-    every replicated stage this rank holds. Collective: stages in order on every rank."""
+    all-reduces; with ZeRO-1 the reduces to the owners and the owners' parameter broadcasts; with
+    PowerSGD its two all-reduces and their maths, its state restored afterwards), for every
+    replicated stage this rank holds. Collective: stages in order on every rank."""
     step_end = executor.step_end
     step_end.update = True
+    compression = {key: compressor.state_dict() for key, compressor in step_end.powersgd.items()}
     times: dict[int, list[float]] = {}
     for stage in sorted({stage for _, stage in executor.stages}):
         if len(executor.topology.replica_ranks(stage)) < 2:
             continue
-
-        def reduce(stage: int = stage) -> None:
-            step_end.launch_grad(grad_collective(stage)).wait()
-            if executor.sharded:
-                step_end.launch_gather(gather_collective(stage)).wait()
-
-        reduce()  # connects
-        times[stage] = timed_ms(reduce, executor.device, repeats)
+        step_end.reduce_now(stage)  # connects
+        times[stage] = timed_ms(lambda stage=stage: step_end.reduce_now(stage), executor.device, repeats)
+    for key, state in compression.items():
+        step_end.powersgd[key].load_state_dict(state)
     step_end.grad_comm_bytes = 0
     return times
 

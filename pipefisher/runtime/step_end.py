@@ -7,7 +7,9 @@ overflowed) and the learning-rate schedule; with ZeRO-1 the owners then broadcas
 parameters. `finish` reads the reduced numbers once: the step's only host synchronisation.
 
 ZeRO-1 (the gradient buffers have owners): a stage's gradient is reduced to the owner of each
-bucket instead of to every holder, and each rank's optimizer holds only what it owns.
+bucket instead of to every holder, and each rank's optimizer holds only what it owns. PowerSGD
+(`powersgd`, from step `powersgd_start` on): the reduction is the two all-reduces of
+`pipefisher.runtime.powersgd`, ``grad`` and ``grad_q``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pipefisher.comm_plan import STEP, TIED, Collective
+from pipefisher.comm_plan import STEP, TIED, Collective, gather_collective, grad_collective, grad_q_collective
 from pipefisher.comm_volume import ring_bytes
 from pipefisher.runtime.comm import Comm, Handle, done
 from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, Ownership, TiedGradients, clip_coefficient
+from pipefisher.runtime.powersgd import PowerSGD
 from pipefisher.runtime.precision import LossScaler
 from pipefisher.runtime.stage import StageRuntime
 from pipefisher.runtime.stopping import stop_request
@@ -50,8 +53,13 @@ class StepEnd:
         scaler: LossScaler | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         ownership: Ownership | None = None,
+        powersgd: dict[tuple[int, int], PowerSGD] | None = None,
+        powersgd_start: int = 0,
     ):
         self.comm, self.device, self.ownership = comm, device, ownership
+        self.powersgd, self.powersgd_start = powersgd or {}, powersgd_start
+        #: the step being run (0-based; the executor sets it)
+        self.step = 0
         self.stages, self.buffers, self.optimizer = stages, buffers, optimizer
         self.loss_parts, self.tied, self.norm, self.clip_norm = loss_parts, tied, norm, clip_norm
         self.scaler, self.scheduler = scaler, scheduler
@@ -76,6 +84,12 @@ class StepEnd:
     def _stage_buffers(self, stage: int) -> list[GradientBuffer]:
         return [buffer for (pipe, s), buffer in self.buffers.items() if s == stage]
 
+    def _compressors(self, stage: int) -> list[PowerSGD]:
+        """The stage's PowerSGD states when this step compresses, else []."""
+        if not self.update or self.step < self.powersgd_start:
+            return []
+        return [compressor for (pipe, s), compressor in self.powersgd.items() if s == stage]
+
     def _count(self, kind: str, tensors: list[Tensor], group: tuple) -> None:
         size = sum(t.numel() * t.element_size() for t in tensors)
         self.grad_comm_bytes += ring_bytes(kind, size, len(self.comm.members[group]))
@@ -86,6 +100,11 @@ class StepEnd:
         if not self.update:
             return done()
         buffers = self._stage_buffers(collective.key[0])
+        compressors = self._compressors(collective.key[0])
+        if compressors:
+            factors = [tensor for compressor in compressors for tensor in compressor.p_factors()]
+            self._count("all_reduce", factors, collective.group)
+            return self.comm.all_reduce(factors, collective.group)
         buckets = [bucket for buffer in buffers for bucket in buffer.buckets]
         if buffers and buffers[0].owners is not None:
             self._count("reduce", buckets, collective.group)
@@ -93,6 +112,29 @@ class StepEnd:
                                     collective.group)
         self._count("all_reduce", buckets, collective.group)
         return self.comm.all_reduce(buckets, collective.group)
+
+    def launch_grad_q(self, collective: Collective) -> Handle:
+        """PowerSGD's second all-reduce (its ``grad`` all-reduce is in): the Q factors of stage
+        `collective.key[0]`, then the gradient decompressed. Nothing before its start step."""
+        compressors = self._compressors(collective.key[0])
+        if not compressors:
+            return done()
+        factors = [tensor for compressor in compressors for tensor in compressor.q_factors()]
+        self._count("all_reduce", factors, collective.group)
+        return self.comm.all_reduce(factors, collective.group, on_done=lambda: [c.decompress() for c in compressors])
+
+    def reduce_now(self, stage: int) -> None:
+        """Stage `stage`'s whole gradient path at once, outside a plan's actions (the profiler
+        times it): the reduction (PowerSGD's two all-reduces as from its start step on; the caller
+        keeps and restores its state) and ZeRO-1's broadcasts. Collective over the stage's replicas."""
+        step, self.step = self.step, max(self.step, self.powersgd_start)
+        try:
+            self.launch_grad(grad_collective(stage)).wait()
+            self.launch_grad_q(grad_q_collective(stage)).wait()
+            if self.ownership is not None and self.ownership.sharded:
+                self.launch_gather(gather_collective(stage)).wait()
+        finally:
+            self.step = step
 
     def launch_gather(self, collective: Collective) -> Handle:
         """ZeRO-1: every owner broadcasts its updated parameters of stage `collective.key[0]`."""

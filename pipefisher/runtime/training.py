@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipefisher.comm_plan import group_members
+from pipefisher.comm_plan import GradientPath, group_members
 from pipefisher.config import RunConfig
 from pipefisher.ir import Schedule
 from pipefisher.optim import build_optimizer, build_scheduler
@@ -22,6 +22,7 @@ from pipefisher.runtime.comm import Comm
 from pipefisher.runtime.executor import Executor, StepResult
 from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
+from pipefisher.runtime.powersgd import PowerSGD
 from pipefisher.runtime.precision import LossScaler, Precision
 from pipefisher.runtime.stage import StageRuntime
 from pipefisher.runtime.step_end import StepEnd
@@ -98,19 +99,26 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     ownership = Ownership(topology, rank, modules, sharded)
     buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if sharded else None) for key, module in modules.items()}
     optimizer = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
+    compression = config.comm.powersgd_rank
+    powersgd = {
+        key: PowerSGD(buffer, compression, seed=config.run.seed * 1009 + key[1], loss_scale=grad_scale)
+        for key, buffer in buffers.items() if compression and len(topology.replica_ranks(key[1])) > 1
+    }
     clip = config.optimizer.clip_norm
     step_end = StepEnd(
         comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
         tied=TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
         norm=GlobalNorm(topology, ownership, modules, model.tied_parameters()) if clip > 0 else None,
         clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer), ownership=ownership,
+        powersgd=powersgd, powersgd_start=config.comm.powersgd_start_step,
     )
     micro_batch_size = config.data.micro_batch_size
 
     def message_spec(message):
         return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
 
-    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, sharded=sharded)
+    path = GradientPath(sharded=sharded, compressed=bool(compression))
+    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path)
     return executor, schedule
 
 
@@ -194,6 +202,7 @@ def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
         "scheduler_step": executor.scheduler.last_epoch if executor.scheduler is not None else None,
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "curvature": runner.state_dict(),
+        "powersgd": {f"{pipe}.{stage}": c.state_dict() for (pipe, stage), c in executor.step_end.powersgd.items()},
         "rng": torch.random.get_rng_state(),
     }
 
@@ -202,6 +211,8 @@ def _restore(executor: Executor, state: dict) -> None:
     for (pipe, stage), runtime in executor.stages.items():
         runtime.module.load_state_dict(state["stages"][f"{pipe}.{stage}"])
     executor.optimizer.load_state_dict(state["optimizer"])
+    for (pipe, stage), compressor in executor.step_end.powersgd.items():
+        compressor.load_state_dict(state["powersgd"][f"{pipe}.{stage}"])
     if executor.step_end.scaler is not None:
         executor.step_end.scaler.load_state_dict(state["loss_scaler"])
     if executor.scheduler is not None and state["scheduler_step"] is not None:

@@ -193,3 +193,57 @@ def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> Train
             name = key.split(".", 1)[1] if key.startswith("p1.") else key
             torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=parameter_atol)
     return reference
+
+
+def powersgd_against_torch(rank: int, world: int, rank_r: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Reduce `steps` steps of random local gradients (the shapes of two Linears, a Conv1d and a
+    LayerNorm) with pipefisher's PowerSGD and with torch's `powerSGD_hook` on a stand-in for DDP's
+    bucket (start step 2, compression rate 1, the same first Q); per step (ours, torch's x world):
+    pipefisher sums over replicas where DDP averages."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    from pipefisher.runtime.gradients import GradientBuffer
+    from pipefisher.runtime.powersgd import PowerSGD
+
+    module = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 16), nn.Conv1d(4, 6, 3), nn.LayerNorm(16))
+    buffer = GradientBuffer(module, bucket_bytes=1 << 30)
+    ours = PowerSGD(buffer, rank_r, seed=7)
+    theirs_flat = torch.zeros_like(buffer.flat)
+    theirs = [theirs_flat[offset - g.numel(): offset].view_as(g)
+              for g, offset in zip(buffer.gradients, torch.tensor([g.numel() for g in buffer.gradients]).cumsum(0).tolist())]
+    state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r, start_powerSGD_iter=2,
+                                         min_compression_rate=1, use_error_feedback=True, warm_start=True)
+    # the same first Q (shapes differ, so torch's by-shape order is the parameters' order)
+    state.p_memory_dict[0] = torch.empty(sum(p.numel() for p in ours.p))
+    state.q_memory_dict[0] = ours.q_flat.clone()
+
+    class Bucket:
+        def index(self) -> int:
+            return 0
+
+        def buffer(self) -> torch.Tensor:
+            return theirs_flat
+
+        def gradients(self) -> list[torch.Tensor]:
+            return theirs
+
+        def is_last(self) -> bool:
+            return True
+
+    results = []
+    for step in range(steps):
+        local = torch.randn(buffer.flat.numel(), generator=torch.Generator().manual_seed(100 * step + rank))
+        buffer.flat.copy_(local)
+        theirs_flat.copy_(local)
+        if step < 2:
+            dist.all_reduce(buffer.flat)
+        else:
+            for factors in (ours.p_factors, ours.q_factors):
+                for tensor in factors():
+                    dist.all_reduce(tensor)
+            ours.decompress()
+        reduced = torch_powersgd.powerSGD_hook(state, Bucket()).wait()
+        results.append((buffer.flat.clone(), reduced.clone() * world))
+    return results

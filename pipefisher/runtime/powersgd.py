@@ -1,0 +1,115 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019) for one stage's gradient reduction over
+its replicas: rank-r compression with error feedback and a warm-started Q, the scheme of
+`torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`, in two all-reduces the
+communication plan names (``grad``, then ``grad_q``).
+
+Every gradient of >= 2 dimensions, viewed as rows x rest (n x m), with r(n + m) < nm is compressed;
+the others (vectors, small matrices) travel whole. Per step, for each compressed M (this replica's
+gradient plus its carried error):
+
+1. P = M Q, Q being the previous step's reduced Q (the first: normal draws from a generator seeded
+   alike on every replica); all-reduce the P's with the uncompressed tensors (`p_factors`).
+2. P̂ = an orthonormal basis of the summed P (QR); this replica's Q_i = Mᵀ P̂; its error, what the
+   projection dropped, M − P̂ Q_iᵀ (`q_factors`); all-reduce the Q's.
+3. M ← P̂ Qᵀ with the summed Q: the projection of the replicas' summed gradient onto span P̂
+   (`decompress`); the summed Q starts the next step.
+
+Sums, not means: pipefisher sums gradients over replicas (each loss is already divided by the
+global micro-batch count). When r is at least the rank of the summed gradient, span P̂ holds its
+column space and the result is exact to rounding. Everything runs on the gradient's device, with
+no host read. fp16: errors are kept unscaled (divided by the loss scale of their step), and a
+non-finite error (an overflowing step, skipped anyway) is reset to zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from pipefisher.runtime.gradients import GradientBuffer
+
+
+def _carve(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+    """Consecutive views of `flat` with `shapes`."""
+    views, offset = [], 0
+    for shape in shapes:
+        size = int(torch.Size(shape).numel())
+        views.append(flat[offset: offset + size].view(shape))
+        offset += size
+    return views
+
+
+class PowerSGD:
+    """The compression state of one stage's gradient buffer on one replica: the Q factors (m x r
+    each, in one flat tensor that is all-reduced), the P factors and the uncompressed tensors (one
+    flat tensor), and the error of every compressed matrix (n x m, like the gradient)."""
+
+    def __init__(self, buffer: GradientBuffer, rank: int, seed: int, loss_scale: Callable[[], Tensor | None] = lambda: None):
+        if rank < 1:
+            raise ValueError(f"rank: expected >= 1, got {rank}")
+        self.rank, self.loss_scale = rank, loss_scale
+        self.matrices: list[Tensor] = []
+        self.whole: list[Tensor] = []
+        for gradient in buffer.gradients:
+            rows = gradient.shape[0] if gradient.dim() >= 2 else 0
+            rest = gradient.numel() // rows if rows else 0
+            if rows and rank * (rows + rest) < rows * rest:
+                self.matrices.append(gradient.view(rows, rest))
+            else:
+                self.whole.append(gradient.view(-1))
+        device, dtype = buffer.flat.device, buffer.flat.dtype
+        p_shapes = [(m.shape[0], rank) for m in self.matrices]
+        whole_shapes = [(w.numel(),) for w in self.whole]
+        self.p_flat = torch.zeros(sum(n * rank for n, _ in p_shapes) + sum(s[0] for s in whole_shapes), dtype=dtype, device=device)
+        views = _carve(self.p_flat, p_shapes + whole_shapes)
+        self.p, self.whole_slots = views[: len(p_shapes)], views[len(p_shapes):]
+        q_shapes = [(m.shape[1], rank) for m in self.matrices]
+        generator = torch.Generator().manual_seed(seed)
+        self.q_flat = torch.randn(sum(m * rank for m, _ in q_shapes), generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+        self.q = _carve(self.q_flat, q_shapes)
+        self.errors = [torch.zeros_like(m) for m in self.matrices]
+
+    @property
+    def compressed_elements(self) -> int:
+        """Elements of the gradient that go through the P and Q factors."""
+        return sum(m.numel() for m in self.matrices)
+
+    def p_factors(self) -> list[Tensor]:
+        """Step 1: add the errors, P = M Q, gather the uncompressed tensors; returns what to all-reduce."""
+        scale = self.loss_scale()
+        for matrix, error, p, q in zip(self.matrices, self.errors, self.p, self.q):
+            matrix.add_(error if scale is None else error * scale)
+            torch.matmul(matrix, q, out=p)
+        for slot, tensor in zip(self.whole_slots, self.whole):
+            slot.copy_(tensor)
+        return [self.p_flat]
+
+    def q_factors(self) -> list[Tensor]:
+        """Step 2 (the P's are summed): uncompressed tensors back, P̂, this replica's Q and error;
+        returns what to all-reduce."""
+        for slot, tensor in zip(self.whole_slots, self.whole):
+            tensor.copy_(slot)
+        scale = self.loss_scale()
+        for matrix, error, p, q in zip(self.matrices, self.errors, self.p, self.q):
+            p.copy_(torch.linalg.qr(p).Q)
+            torch.matmul(matrix.T, p, out=q)
+            torch.sub(matrix, p @ q.T, out=error)
+            if scale is not None:
+                error.div_(scale)
+                torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+        return [self.q_flat]
+
+    def decompress(self) -> None:
+        """Step 3 (the Q's are summed): every compressed gradient becomes P̂ Qᵀ."""
+        for matrix, p, q in zip(self.matrices, self.p, self.q):
+            torch.matmul(p, q.T, out=matrix)
+
+    def state_dict(self) -> dict:
+        return {"q": self.q_flat.clone(), "errors": [error.clone() for error in self.errors]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.q_flat.copy_(state["q"])
+        for error, saved in zip(self.errors, state["errors"], strict=True):
+            error.copy_(saved)
