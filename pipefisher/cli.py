@@ -183,7 +183,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer, "zero": args.zero},
-        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps},
+        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps,
+              "grad_worker_fraction": args.kfac_grad_worker_fraction},
         shampoo={"placement": args.shampoo_placement, "refresh_steps": args.shampoo_refresh_steps},
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
         comm={"powersgd_rank": args.powersgd_rank},
@@ -336,6 +337,8 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="override optimizer.name")
     parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
     parser.add_argument("--kfac-refresh-steps", type=positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
+    parser.add_argument("--kfac-grad-worker-fraction", type=float, metavar="F",
+                        help="share of a stage's replicas that keep each layer's inverses and precondition it (kfac.grad_worker_fraction)")
     parser.add_argument("--shampoo-placement", choices=["packed", "after-step"], help="where Shampoo work runs (shampoo.placement)")
     parser.add_argument("--shampoo-refresh-steps", type=positive_int, help="pin the refresh interval k (shampoo.refresh_steps)")
     parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile or shampoo.profile); default: measure one")

@@ -14,6 +14,8 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
   optimizer step, the owners broadcast the updated parameters on the same communicator
   (``gather``); with PowerSGD (`GradientPath.compressed`) the reduction is two all-reduces, of the
   P factors (with the uncompressed tensors) and, once those are in, of the Q factors (``grad_q``).
+- ``("pgrad", s, b)``: K-FAC's gradient workers (`pipefisher.kaisa`): block b of stage s's
+  replicas, to which its workers broadcast the preconditioned gradients (``pgrad``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
   of inverses or roots over the same replicas.
 - ``("tied",)``: tied weights (first and last stage); ``("world",)``: the end-of-step reduction
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from pipefisher.ir import Op, OpKind, ScheduleError
+from pipefisher.kaisa import GradWorkers
 from pipefisher.methods import TaskRules, task_rules
 from pipefisher.plan import Plan
 from pipefisher.tasks import FACTOR_OF
@@ -136,11 +139,15 @@ def run(op: Op) -> Action:
 @dataclass(frozen=True)
 class GradientPath:
     """How a replicated stage's gradient travels at the end of a step: `sharded` (ZeRO-1: reduced
-    to the parameters' owners, who broadcast the updated parameters after the world reduction) or
-    `compressed` (PowerSGD: a second all-reduce, of the Q factors, once the first is in)."""
+    to the parameters' owners, who broadcast the updated parameters after the world reduction),
+    `compressed` (PowerSGD: a second all-reduce, of the Q factors, once the first is in),
+    `grad_workers` (K-FAC with G gradient workers per layer, fewer than the stage's replicas: once
+    reduced, they precondition their layers and broadcast them within their block, ``pgrad``;
+    None: every replica preconditions before the reduction)."""
 
     sharded: bool = False
     compressed: bool = False
+    grad_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,7 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
                 actions += [Action(ActionKind.WAIT, c) for c in exchanges]
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
-    return CommPlan(topology, tuple(steps), group_members(topology, tied))
+    return CommPlan(topology, tuple(steps), group_members(topology, tied, path))
 
 
 def inverse_owners(plan: Plan) -> dict[tuple[int, str, str], int]:
@@ -248,6 +255,12 @@ def grad_collective(stage: int) -> Collective:
 def grad_q_collective(stage: int) -> Collective:
     """PowerSGD's all-reduce of stage `stage`'s Q factors (after the one of its P factors)."""
     return Collective("grad_q", ("grad", stage), (stage,))
+
+
+def pgrad_collective(topology: Topology, rank: int, stage: int, workers: int) -> Collective:
+    """The broadcasts of stage `stage`'s preconditioned gradients within `rank`'s block."""
+    grid = GradWorkers(topology.replica_ranks(stage), workers)
+    return Collective("pgrad", ("pgrad", stage, grid.block(rank)), (stage,))
 
 
 def gather_collective(stage: int) -> Collective:
@@ -342,6 +355,10 @@ def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_rank
         tail += [Action(ActionKind.WAIT, grad_q_collective(collective.key[0])) for collective in reduced]
     else:
         tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
+    if path.grad_workers is not None:
+        for stage in sorted(c.key[0] for c in reduced):
+            collective = pgrad_collective(topology, rank, stage, path.grad_workers)
+            tail += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
     if rank in tied_ranks:
         tail += [Action(ActionKind.LAUNCH, TIED), Action(ActionKind.WAIT, TIED)]
     tail += [Action(ActionKind.LAUNCH, STEP), Action(ActionKind.WAIT, STEP)]
@@ -351,7 +368,7 @@ def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_rank
     return tail
 
 
-def group_members(topology: Topology, tied: bool) -> dict[GroupKey, tuple[int, ...]]:
+def group_members(topology: Topology, tied: bool, path: GradientPath = GradientPath()) -> dict[GroupKey, tuple[int, ...]]:
     """Every communicator of a run and its global ranks (see the module docstring)."""
     tied_ranks = tied_ranks_of(topology) if tied else ()
     schedule = topology.schedule
@@ -362,6 +379,10 @@ def group_members(topology: Topology, tied: bool) -> dict[GroupKey, tuple[int, .
         ranks = topology.replica_ranks(stage)
         if len(ranks) > 1:
             members[("grad", stage)] = members[("curv", stage)] = ranks
+            if path.grad_workers is not None:
+                grid = GradWorkers(ranks, path.grad_workers)
+                for block in range(grid.workers):
+                    members[("pgrad", stage, block)] = grid.block_ranks(block)
     for replica in range(topology.data_parallel):
         for pipe in range(schedule.num_pipes):
             for stage in range(schedule.num_stages - 1):

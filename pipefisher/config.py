@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipefisher.files import load_structured
+from pipefisher.kaisa import worker_count
 from pipefisher.schedules import SCHEDULES
 
 
@@ -144,11 +145,15 @@ class RefreshConfig:
 @dataclass(frozen=True)
 class KfacConfig(RefreshConfig):
     """K-FAC settings (used with optimizer.name kfac): damping, factor EMA decay, inverse method;
-    placement keys as `RefreshConfig`."""
+    `grad_worker_fraction` f (KAISA, `pipefisher.kaisa`): each layer's inverses live on f of a
+    stage's replicas, which precondition its reduced gradient and broadcast it to the others
+    (1 = every replica keeps every inverse and preconditions before the reduction); placement
+    keys as `RefreshConfig`."""
 
     damping: float = 1e-3
     factor_decay: float = 0.95
     inverse: Literal["eigen", "cholesky"] = "eigen"
+    grad_worker_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,13 @@ class RunConfig:
                                    momentum=section.momentum or self.optimizer.momentum)
 
     @property
+    def grad_workers(self) -> int:
+        """K-FAC's gradient workers per layer (`pipefisher.kaisa`): fewer than a stage's replicas
+        only with optimizer kfac and kfac.grad_worker_fraction < 1."""
+        replicas = stage_replica_count(self)
+        return worker_count(replicas, self.kfac.grad_worker_fraction) if self.optimizer.name == "kfac" else replicas
+
+    @property
     def model_chunks(self) -> int:
         """Model pieces per pipe: stages × chunks for interleaved, stages otherwise."""
         chunks = self.pipeline.chunks if self.pipeline.schedule == "interleaved" else 1
@@ -337,6 +349,11 @@ def config_from_dict(data: Any) -> RunConfig:
     return config
 
 
+def stage_replica_count(config: RunConfig) -> int:
+    """Copies of every stage: its pipes (Chimera has two) x the data-parallel copies."""
+    return (2 if config.pipeline.schedule == "chimera" else 1) * config.pipeline.data_parallel
+
+
 def split_hint(layers: int, what: str) -> str:
     """How to fix a stage count that does not divide `layers`: name the divisors."""
     divisors = [str(d) for d in range(1, layers + 1) if layers % d == 0]
@@ -368,6 +385,14 @@ def _check(config: RunConfig) -> None:
     if config.optimizer.zero not in (0, 1):
         raise ConfigError(f"optimizer.zero: {config.optimizer.zero} is not a ZeRO stage pipefisher has; use 0 (off) or 1 "
                           "(optimizer state sharded over each stage's replicas)")
+    if config.optimizer.name == "kfac":
+        try:
+            workers = worker_count(stage_replica_count(config), config.kfac.grad_worker_fraction)
+        except ValueError as exc:
+            raise ConfigError(f"kfac.grad_worker_fraction: {exc}") from None
+        if workers < stage_replica_count(config) and config.optimizer.zero:
+            raise ConfigError("kfac.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "
+                              "reduces to owners; use kfac.grad_worker_fraction 1 or optimizer.zero 0")
     comm = config.comm
     if comm.powersgd_rank < 0 or comm.powersgd_start_step < 0:
         raise ConfigError("comm.powersgd_rank and comm.powersgd_start_step must be >= 0 (powersgd_rank 0 = no compression)")

@@ -49,7 +49,8 @@ class PackOptions:
     the profile's measured samples (None: its nominal times); `max_overhead`: budget as a share of
     the first-order step time; `refresh_steps`: pin k; `max_refresh_steps`: cap k (None: no cap);
     `max_capture_mb`: cap on captured activations/gradients held per device (MiB; None: no cap);
-    `data_parallel`: copies of the pipeline (factors are synced over them too); `strategy`
+    `data_parallel`: copies of the pipeline (factors are synced over them too); `precondition`
+    False: no per-step precondition ops (K-FAC's gradient workers precondition in the step end); `strategy`
     ``published`` packs with the published rule alone, for comparison. The tasks packed are those
     of the profile's curvature method (`Profile.method`)."""
 
@@ -62,6 +63,7 @@ class PackOptions:
     max_refresh_steps: int | None = None
     max_capture_mb: float | None = None
     data_parallel: int = 1
+    precondition: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -268,7 +270,7 @@ def pack(schedule: Schedule, profile: Profile, options: PackOptions | None = Non
 def _pack(schedule: Schedule, profile: Profile, options: PackOptions) -> PackResult:
     if options.percentile is not None:
         profile = _tasks_at_percentile(profile, options.percentile)
-    tasks = build_tasks(schedule, profile, split=options.split, data_parallel=options.data_parallel)
+    tasks = build_tasks(schedule, profile, split=options.split, data_parallel=options.data_parallel, precondition=options.precondition)
     first_order = simulate(schedule, profile)
     packing = _Packing(tasks, first_order, options)
     lower_bound = max(packing.bounds)
@@ -303,11 +305,14 @@ def _tasks_at_percentile(profile: Profile, q: float) -> Profile:
     return replace(profile, stages=tuple(replace(stage, layers=tail.layers) for stage, tail in zip(profile.stages, high.stages)))
 
 
-def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True, data_parallel: int = 1) -> Plan:
+def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True, data_parallel: int = 1,
+                    precondition: bool = True) -> Plan:
     """The naive placement, for comparison: all of a cycle's curvature work in one block after the
     flush of its first step (curvature, syncs, inverses, exchanges), preconditioning at the end of
-    every step. Collectives go in one order on every rank (by stage, layer, kind)."""
-    return _after_step(build_tasks(schedule, profile, split=split, data_parallel=data_parallel), refresh_steps)
+    every step (unless `precondition` is False, as `PackOptions`). Collectives go in one order on
+    every rank (by stage, layer, kind)."""
+    return _after_step(build_tasks(schedule, profile, split=split, data_parallel=data_parallel, precondition=precondition),
+                       refresh_steps)
 
 
 def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:

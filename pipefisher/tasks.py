@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from pipefisher.ir import Op, OpKind, Schedule, backward, dependencies
@@ -202,16 +202,21 @@ def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[t
     return owners
 
 
-def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1) -> CurvatureTasks:
+def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1,
+                precondition: bool = True) -> CurvatureTasks:
     """Enumerate the ops of one refresh cycle of the profile's curvature method for `schedule`
     (see the module docstring).
 
     A stage's replicas are its pipes times the `data_parallel` copies of the pipeline: inputs are
     synced over all of them; refresh work is split among the pipes only (every data-parallel copy
-    of the pipeline computes the same) and exchanged among them.
+    of the pipeline computes the same) and exchanged among them. `precondition` False drops the
+    method's per-step precondition ops (K-FAC with gradient workers, `pipefisher.kaisa`: they
+    precondition the reduced gradient at the end of the step instead).
     """
     check_profile(schedule, profile)
     rules = task_rules(profile.method)
+    if not precondition:
+        rules = replace(rules, precondition=False)
     replicas = stage_replicas(schedule)
     owners = _inverse_owners(schedule, profile, split)
     graph_mbs = TaskGraph(schedule, ()).micro_batches

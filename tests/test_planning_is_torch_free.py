@@ -18,6 +18,7 @@ PLANNING = [
     "pipefisher.zero",
     "pipefisher.comm_volume",
     "pipefisher.comm_plan",
+    "pipefisher.kaisa",
     "pipefisher.transformer_profile",
     "pipefisher.config",
     "pipefisher.viz.cli",

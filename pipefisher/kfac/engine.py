@@ -298,6 +298,14 @@ class KFACEngine:
         ok = torch.ones((), dtype=torch.bool, device=tensor.device)
         st.pending[_checked(factor)] = Flagged(tensor, ok)
 
+    def discard_inverse(self, layer: str, factor: Factor) -> None:
+        """Forget ``factor``'s pending inverse (a replica that computed it for others only)."""
+        self._state(layer).pending.pop(_checked(factor), None)
+
+    def gradients(self, layer: str) -> list[Tensor]:
+        """The layer's weight and bias gradients (those that exist), in that order."""
+        return [p.grad for p in self._state(layer).module.parameters(recurse=False) if p.grad is not None]
+
     def commit(self, layer: str) -> None:
         """Make the inverses computed since the last commit the ones precondition uses, where
         their inversion succeeded (selected on the device)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipefisher.comm_plan import GroupKey
+from pipefisher.comm_volume import ring_bytes
 
 #: starts the operations of one call on a group; returns their works
 Start = Callable[[dist.ProcessGroup], list]
@@ -77,6 +79,9 @@ class Comm:
     def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0):
         self.rank, self.in_order, self.timeout = rank, in_order, timeout
         self.members = members
+        #: bytes this rank sent, by communicator kind (a group key's first part), under ring
+        #: algorithms' volume (`pipefisher.comm_volume`); the step end reads and clears it
+        self.sent_bytes: Counter[str] = Counter()
         self.groups: dict[GroupKey, dist.ProcessGroup] = {}
         for key in sorted(members, key=repr):
             group = dist.new_group(list(members[key]))
@@ -103,7 +108,12 @@ class Comm:
         works = start(group)
         return Handle(lambda: [work.wait() for work in works], on_done)
 
+    def _count(self, kind: str, tensors: list[Tensor], key: GroupKey) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.sent_bytes[key[0]] += size if kind == "send" else ring_bytes(kind, size, len(self.members[key]))
+
     def send(self, tensor: Tensor, peer: int, key: GroupKey) -> Handle:
+        self._count("send", [tensor], key)
         return self.call(key, lambda group: [dist.isend(tensor, peer, group=group)])
 
     def recv(self, buffer: Tensor, peer: int, key: GroupKey) -> Handle:
@@ -111,13 +121,16 @@ class Comm:
 
     def all_reduce(self, tensors: list[Tensor], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
         """Sum each tensor over the group, in place."""
+        self._count("all_reduce", tensors, key)
         return self.call(key, lambda group: [dist.all_reduce(t, group=group, async_op=True) for t in tensors], on_done)
 
     def reduce(self, pairs: list[tuple[Tensor, int]], key: GroupKey) -> Handle:
         """Sum each tensor over the group into the copy of its global rank; the other members'
         copies are left undefined."""
+        self._count("reduce", [t for t, _ in pairs], key)
         return self.call(key, lambda group: [dist.reduce(t, root, group=group, async_op=True) for t, root in pairs])
 
     def broadcast(self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
         """Each tensor of the pair's global rank into that tensor of every member, in place."""
+        self._count("broadcast", [t for t, _ in pairs], key)
         return self.call(key, lambda group: [dist.broadcast(t, root, group=group, async_op=True) for t, root in pairs], on_done)

@@ -25,14 +25,15 @@ LayerMeasurement = tuple[dict[str, list[float]], dict[str, int]]
 
 def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: int, collective: Collective,
                          shared: Callable[[], Tensor], buffer: Callable[[], Tensor],
-                         receive: Callable[[Tensor], None]) -> Handle:
+                         receive: Callable[[Tensor], None], sent: Callable[[], None] | None = None) -> Handle:
     """An exchange: the refresh result of `collective.key` = (stage, layer, factor) (an inverse, a
-    root) goes from the owner pipe's rank of data-parallel replica 0 (`shared()`) to the stage's
-    other replicas, which receive into `buffer()` and hand it to `receive` once it arrived."""
+    root) goes from the owner pipe's rank of data-parallel replica 0 (`shared()`; `sent()` runs
+    there once it is out) to the stage's other replicas, which receive into `buffer()` and hand it
+    to `receive` once it arrived."""
     stage = collective.key[0]
     source = topology.rank(0, owner_pipe, stage)
     if rank == source:
-        return comm.broadcast([(shared(), source)], collective.group)
+        return comm.broadcast([(shared(), source)], collective.group, on_done=sent)
     target = buffer()
     return comm.broadcast([(target, source)], collective.group, on_done=lambda: receive(target))
 

@@ -10,6 +10,12 @@ and waited for by the inverse; an exchange (X) broadcasts each inverse from the 
 computed it. Preconditioning runs on each replica before the gradient all-reduce (it is linear in
 the gradient, so the result is the same). Nothing here reads a tensor on the host but the health
 check at the end of a cycle (one read per stage).
+
+With fewer gradient workers per layer than a stage has replicas (`kfac.grad_worker_fraction`,
+`pipefisher.kaisa`), only a layer's workers keep its inverses: an owner replica that is not a
+worker inverts only when it is the exchange's source and forgets the result once sent; a
+receiver that is not a worker drops what it received. There is no P op then: after the gradient
+reduction each worker preconditions its layers and broadcasts them within its block (``pgrad``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import Tensor, nn
 from pipefisher.comm_plan import Collective, inverse_owners
 from pipefisher.config import RunConfig
 from pipefisher.ir import Op, OpKind
+from pipefisher.kaisa import GradWorkers
 from pipefisher.kfac import KFACConfig, KFACEngine
 from pipefisher.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.plan import Plan
@@ -58,11 +65,28 @@ class KfacRuntime(CurvatureRuntime):
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         self.lr = config.optimizer_settings.lr
+        workers = config.grad_workers
+        #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
+        self.grids = {stage: GradWorkers(topology.replica_ranks(stage), workers) for stage in self._engine_of_stage
+                      if workers < len(topology.replica_ranks(stage))}
         self.set_plan(plan)
 
     def set_plan(self, plan: Plan) -> None:
         """Use `plan` from the next cycle on (its inverse owners decide who computes what)."""
         self.owners = inverse_owners(plan)
+        self.exchanged = {(op.stage, op.layer) for op in plan.curvature_ops() if op.kind is OpKind.EXCHANGE}
+
+    def works_for(self, stage: int, layer: str) -> bool:
+        """Whether this rank keeps `layer`'s inverses and preconditions it (every replica does
+        without gradient workers)."""
+        grid = self.grids.get(stage)
+        return grid is None or grid.works_for(self.rank, self._layer_number(stage, layer))
+
+    def _layer_number(self, stage: int, layer: str) -> int:
+        return [info.name for info in self._engine_of_stage[stage].layers()].index(layer)
+
+    def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
+        return (stage, layer) in self.exchanged and self.rank == self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         table: dict[OpKind, Callable[[Op], None]] = {kind: self._curvature for kind in (OpKind.CURV_A, OpKind.CURV_B)}
@@ -73,7 +97,7 @@ class KfacRuntime(CurvatureRuntime):
         return table
 
     def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
-        return {"sync": self._launch_sync, "exchange": self._launch_exchange}
+        return {"sync": self._launch_sync, "exchange": self._launch_exchange, "pgrad": self._launch_pgrad}
 
     def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
         """Context for the forward of `op`: records a and e in the cycle's first step."""
@@ -104,7 +128,9 @@ class KfacRuntime(CurvatureRuntime):
         self._engine(op).curvature(op.layer, FACTOR_OF[op.kind], op.micro_batch)
 
     def _invert(self, op: Op) -> None:
-        self._engine(op).invert(op.layer, FACTOR_OF[op.kind])
+        factor = FACTOR_OF[op.kind]
+        decompose = self.works_for(op.stage, op.layer) or self._exchange_source(op.stage, op.layer, factor)
+        self._engine(op).invert(op.layer, factor, decompose=decompose)
 
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not invert a factor still folds the synced factor into its running
@@ -125,10 +151,23 @@ class KfacRuntime(CurvatureRuntime):
     def _launch_exchange(self, collective: Collective) -> Handle:
         stage, layer, factor = collective.key
         engine = self._engine_of_stage[stage]
+        keeps = self.works_for(stage, layer)
         return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
                                     shared=lambda: engine.shared_inverse(layer, factor),
                                     buffer=lambda: engine.inverse_buffer(layer, factor),
-                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor))
+                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor) if keeps else None,
+                                    sent=None if keeps else lambda: engine.discard_inverse(layer, factor))
+
+    def _launch_pgrad(self, collective: Collective) -> Handle:
+        """Gradient workers: precondition this rank's layers of the stage (reduced gradients),
+        then every layer's worker in the block broadcasts its preconditioned gradients."""
+        stage = collective.key[0]
+        engine, grid = self._engine_of_stage[stage], self.grids[stage]
+        names = [info.name for info in engine.layers()]
+        engine.precondition_all(self.lr, layers=[names[number] for number in grid.layers_of(self.rank, len(names))])
+        block = grid.block(self.rank)
+        pairs = [(gradient, grid.worker(number, block)) for number, name in enumerate(names) for gradient in engine.gradients(name)]
+        return self.comm.broadcast(pairs, collective.group)
 
 class KfacTimer(TaskTimer):
     """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor

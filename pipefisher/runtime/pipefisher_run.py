@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.capture_memory import capture_peaks
-from pipefisher.config import RunConfig
+from pipefisher.config import RunConfig, stage_replica_count
 from pipefisher.pack import PackOptions, after_step_plan, pack
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.profile import Profile, ProfileError, load_profile
@@ -82,6 +82,7 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
         max_refresh_steps=section.max_refresh_steps or None,
         max_capture_mb=section.max_capture_mb or None,
         data_parallel=config.pipeline.data_parallel,
+        precondition=config.grad_workers == stage_replica_count(config),
     )
 
 
@@ -95,7 +96,8 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
     if section.placement == "packed":
         plan = result.plan
     else:
-        plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel)
+        plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel,
+                               precondition=config.grad_workers == stage_replica_count(config))
     validate_plan(plan)
     predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
     held = max(peak.bytes for peak in capture_peaks(plan, profile))

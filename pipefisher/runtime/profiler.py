@@ -15,6 +15,7 @@ median of all ranks' samples of it, which the profile keeps (`samples`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import platform
 import statistics
 from collections import defaultdict
@@ -55,7 +56,9 @@ def _summary(samples: Mapping[str, list[float]], keys: tuple[str, ...]) -> dict[
 def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -> list[list[Record]]:
     """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
     topology = executor.topology
-    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, executor.gradient_path)).steps[0][rank]
+    # profiling steps drop their gradients: nothing to precondition and broadcast (K-FAC's gradient workers)
+    path = dataclasses.replace(executor.gradient_path, grad_workers=None)
+    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, path)).steps[0][rank]
     clock = executor.clock
     records: list[list[Record]] = []
     for step in range(steps):
@@ -117,7 +120,7 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[f
         times[stage] = timed_ms(lambda stage=stage: step_end.reduce_now(stage), executor.device, repeats)
     for key, state in compression.items():
         step_end.powersgd[key].load_state_dict(state)
-    step_end.grad_comm_bytes = 0
+    executor.comm.sent_bytes.clear()
     return times
 
 

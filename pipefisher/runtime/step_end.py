@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from pipefisher.comm_plan import STEP, TIED, Collective, gather_collective, grad_collective, grad_q_collective
-from pipefisher.comm_volume import ring_bytes
 from pipefisher.runtime.comm import Comm, Handle, done
 from pipefisher.runtime.gradients import GlobalNorm, GradientBuffer, Ownership, TiedGradients, clip_coefficient
 from pipefisher.runtime.powersgd import PowerSGD
@@ -69,8 +68,6 @@ class StepEnd:
         self._reduced: Tensor | None = None
         self._values: list[float] | None = None
         self._lr = 0.0
-        #: bytes this rank sent for the gradient reduction (and ZeRO-1's gather) in this step
-        self.grad_comm_bytes = 0
 
     def updates(self, parameter: torch.nn.Parameter) -> bool:
         """Whether this rank updates `parameter` (with ZeRO-1, only its owner does)."""
@@ -90,9 +87,6 @@ class StepEnd:
             return []
         return [compressor for (pipe, s), compressor in self.powersgd.items() if s == stage]
 
-    def _count(self, kind: str, tensors: list[Tensor], group: tuple) -> None:
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        self.grad_comm_bytes += ring_bytes(kind, size, len(self.comm.members[group]))
 
     # -- collectives ------------------------------------------------------------------------
     def launch_grad(self, collective: Collective) -> Handle:
@@ -103,14 +97,11 @@ class StepEnd:
         compressors = self._compressors(collective.key[0])
         if compressors:
             factors = [tensor for compressor in compressors for tensor in compressor.p_factors()]
-            self._count("all_reduce", factors, collective.group)
             return self.comm.all_reduce(factors, collective.group)
         buckets = [bucket for buffer in buffers for bucket in buffer.buckets]
         if buffers and buffers[0].owners is not None:
-            self._count("reduce", buckets, collective.group)
             return self.comm.reduce([(b, owner) for buffer in buffers for b, owner in zip(buffer.buckets, buffer.bucket_owners)],
                                     collective.group)
-        self._count("all_reduce", buckets, collective.group)
         return self.comm.all_reduce(buckets, collective.group)
 
     def launch_grad_q(self, collective: Collective) -> Handle:
@@ -120,7 +111,6 @@ class StepEnd:
         if not compressors:
             return done()
         factors = [tensor for compressor in compressors for tensor in compressor.q_factors()]
-        self._count("all_reduce", factors, collective.group)
         return self.comm.all_reduce(factors, collective.group, on_done=lambda: [c.decompress() for c in compressors])
 
     def reduce_now(self, stage: int) -> None:
@@ -141,7 +131,6 @@ class StepEnd:
         if not self.update:
             return done()
         buffers = self._stage_buffers(collective.key[0])
-        self._count("broadcast", [b for buffer in buffers for b in buffer.parameter_buckets], collective.group)
         return self.comm.broadcast([(b, owner) for buffer in buffers for b, owner in zip(buffer.parameter_buckets, buffer.bucket_owners)],
                                    collective.group)
 
@@ -208,7 +197,9 @@ class StepEnd:
     def finish(self) -> dict:
         """After the world reduction (and the update it triggered): zero the gradients; returns the
         loss, its parts, (when updating) lr, grad_norm, fp16's overflow and grad_comm_bytes, and
-        `stop_signal` when a rank was signalled, read from the device once."""
+        `stop_signal` when a rank was signalled, read from the device once. grad_comm_bytes: what
+        this rank sent on the gradient communicators in the step (reductions, ZeRO-1's
+        broadcasts, PowerSGD's factors, K-FAC gradient workers' broadcasts)."""
         reduced, self._reduced = self._reduced, None
         values, self._values = self._values if self._values is not None else reduced.tolist(), None
         record: dict = {}
@@ -219,8 +210,8 @@ class StepEnd:
                 record["overflow"] = values[-3] > 0
             if self.clip_norm > 0:
                 record["grad_norm"] = math.sqrt(values[count])
-            record["grad_comm_bytes"] = self.grad_comm_bytes
-        self.grad_comm_bytes = 0
+            record["grad_comm_bytes"] = self.comm.sent_bytes["grad"] + self.comm.sent_bytes["pgrad"]
+        self.comm.sent_bytes.clear()
         for buffer in self.buffers.values():
             buffer.zero_()
         record["loss"] = values[0]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipefisher.comm_plan import GradientPath, group_members
-from pipefisher.config import RunConfig
+from pipefisher.config import RunConfig, stage_replica_count
 from pipefisher.ir import Schedule
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.profile import profile_from_dict
@@ -79,7 +79,10 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
         )
     model = staged_model(config)
     tied = has_tied_weights(model, schedule)
-    members = group_members(topology, tied)
+    sharded, compression = config.optimizer.zero == 1, config.comm.powersgd_rank
+    workers = config.grad_workers if config.grad_workers < stage_replica_count(config) else None
+    path = GradientPath(sharded=sharded, compressed=bool(compression), grad_workers=workers)
+    members = group_members(topology, tied, path)
     comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout)
     num_stages = schedule.num_stages
     modules = {
@@ -95,11 +98,9 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
         for key, module in modules.items()
     }
     bucket_bytes = int(config.run.bucket_mb * 2**20)
-    sharded = config.optimizer.zero == 1
     ownership = Ownership(topology, rank, modules, sharded)
     buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if sharded else None) for key, module in modules.items()}
     optimizer = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
-    compression = config.comm.powersgd_rank
     powersgd = {
         key: PowerSGD(buffer, compression, seed=config.run.seed * 1009 + key[1], loss_scale=grad_scale)
         for key, buffer in buffers.items() if compression and len(topology.replica_ranks(key[1])) > 1
@@ -117,7 +118,6 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     def message_spec(message):
         return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
 
-    path = GradientPath(sharded=sharded, compressed=bool(compression))
     executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path)
     return executor, schedule
 
