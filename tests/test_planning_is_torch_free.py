@@ -19,6 +19,7 @@ PLANNING = [
     "pipefisher.comm_volume",
     "pipefisher.comm_plan",
     "pipefisher.kaisa",
+    "pipefisher.memory",
     "pipefisher.transformer_profile",
     "pipefisher.config",
     "pipefisher.viz.cli",

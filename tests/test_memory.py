@@ -1,0 +1,195 @@
+"""The per-rank memory and traffic model (`pipefisher.memory`) against what real torch optimizers
+and K-FAC engines hold for the tiny transformer, and against ZeRO's published example."""
+
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import torch
+
+from pipefisher.config import config_from_dict
+from pipefisher.kfac import KFACConfig, KFACEngine
+from pipefisher.kfac.layer import select_layers
+from pipefisher.memory import (
+    KfacLayer,
+    StageState,
+    kfac_layer_bytes,
+    optimizer_state,
+    rank_memory,
+    zero_paper_example,
+)
+from pipefisher.models.tiny import TinyRegression
+from pipefisher.optim import build_optimizer
+from pipefisher.runtime.gradients import Ownership, unique_parameters
+from pipefisher.runtime.training import tensor_bytes
+from pipefisher.schedules import get_schedule
+from pipefisher.topology import Topology
+
+MODEL = {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3}
+PIPELINES = {
+    "1f1b-dp2": {"stages": 2, "micro_batches": 4, "schedule": "1f1b", "data_parallel": 2},
+    "chimera-dp2": {"stages": 2, "micro_batches": 4, "schedule": "chimera", "data_parallel": 2},
+    "interleaved-dp2": {"stages": 2, "micro_batches": 4, "schedule": "interleaved", "chunks": 2, "data_parallel": 2},
+    "1f1b-dp3": {"stages": 2, "micro_batches": 4, "schedule": "1f1b", "data_parallel": 3},
+}
+OPTIMIZERS = {
+    "adamw": {"name": "adamw"},
+    "lamb": {"name": "lamb"},
+    "sgd-momentum": {"name": "sgd", "momentum": 0.9},
+    "sgd": {"name": "sgd"},
+    "kfac-momentum": {"name": "kfac", "momentum": 0.9},
+}
+
+
+def setup(pipeline: str, optimizer: dict | None = None, zero: int = 0):
+    config = config_from_dict({"model": MODEL, "pipeline": PIPELINES[pipeline], "optimizer": {**(optimizer or {}), "zero": zero}})
+    p = config.pipeline
+    schedule = get_schedule(p.schedule, p.stages, p.micro_batches, p.chunks if p.schedule == "interleaved" else None)
+    return config, TinyRegression(config.model), Topology(schedule, p.data_parallel)
+
+
+def stage_states(model: TinyRegression, num_stages: int) -> list[StageState]:
+    """The model's inputs, read off freshly built stages the way the runtime sees them."""
+    states = []
+    for index in range(num_stages):
+        module = model.build_stage(index, num_stages, seed=0)
+        layers = select_layers(module, model.kfac_skip())
+        states.append(StageState(tuple(p.numel() for p in unique_parameters(module)),
+                                 tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items())))
+    return states
+
+
+def modelled(config, model, topology):
+    settings = config.optimizer_settings
+    return rank_memory(topology, stage_states(model, topology.schedule.num_stages),
+                       optimizer_state(settings.name, settings.momentum), config.optimizer.zero)
+
+
+def test_the_model_imports_no_torch():
+    code = "import sys, pipefisher.memory\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("zero", [0, 1])
+def test_optimizer_state_per_rank_is_what_torch_holds_after_a_step(pipeline, optimizer, zero):
+    config, model, topology = setup(pipeline, OPTIMIZERS[optimizer], zero)
+    expected = modelled(config, model, topology)
+    num_stages = topology.schedule.num_stages
+    for rank in range(topology.world_size):
+        modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
+        ownership = Ownership(topology, rank, modules, sharded=zero == 1)
+        real = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
+        for module in modules.values():
+            for parameter in module.parameters():
+                parameter.grad = torch.ones_like(parameter)
+        real.step()
+        assert expected[rank].optimizer_bytes == tensor_bytes(list(real.state.values())), f"rank {rank}"
+        assert expected[rank].parameter_bytes == sum(4 * p.numel() for m in modules.values() for p in unique_parameters(m))
+        assert expected[rank].gradient_bytes == expected[rank].parameter_bytes
+
+
+def refresh(engine: KFACEngine, module, stage: int, micro_batch: int, sender: KFACEngine | None = None) -> None:
+    """One whole K-FAC refresh of `engine` in one process: capture a forward/backward, curvature,
+    fold and invert (or, with `sender`, fold only and receive `sender`'s inverse, as a replica
+    that did not invert), commit."""
+    generator = torch.Generator().manual_seed(micro_batch)
+    batch = {"inputs": torch.randn(2, MODEL["seq_len"], MODEL["input_dim"], generator=generator)}
+    x = None if stage == 0 else torch.randn(2, MODEL["seq_len"], MODEL["hidden"], generator=generator)
+    with engine.capture(micro_batch):
+        module(x, batch).square().mean().backward()
+    for info in engine.layers():
+        for factor in "AB":
+            engine.curvature(info.name, factor, micro_batch)
+            engine.invert(info.name, factor, decompose=sender is None)
+            if sender is not None:
+                engine.receive_inverse(info.name, factor, sender.shared_inverse(info.name, factor).clone())
+        engine.commit(info.name)
+
+
+@pytest.mark.parametrize("pipeline", ["1f1b-dp2", "chimera-dp2", "interleaved-dp2"])
+def test_kfac_state_per_rank_is_what_the_engines_hold_after_each_committed_refresh(pipeline):
+    config, model, topology = setup(pipeline, OPTIMIZERS["kfac-momentum"])
+    expected = modelled(config, model, topology)
+    num_stages = topology.schedule.num_stages
+    for rank in range(topology.world_size):
+        modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
+        engines = {key: KFACEngine(module, KFACConfig(), model.kfac_skip()) for key, module in modules.items()}
+        assert all(engine.layers() for engine in engines.values())
+        for cycle in range(2):  # the first refresh creates the state, the second replaces it
+            for (pipe, stage), engine in engines.items():
+                refresh(engine, modules[(pipe, stage)], stage, cycle)
+            held = tensor_bytes({f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in engines.items()})
+            assert expected[rank].curvature_bytes == held, f"rank {rank}, refresh {cycle}"
+
+
+def test_a_replica_that_receives_its_inverses_holds_the_same_kfac_state():
+    model = setup("1f1b-dp2")[1]
+    for stage in range(2):
+        source, module = model.build_stage(stage, 2, seed=0), model.build_stage(stage, 2, seed=0)
+        inverting, receiving = KFACEngine(source), KFACEngine(module)
+        refresh(inverting, source, stage, 0)
+        refresh(receiving, module, stage, 0, sender=inverting)
+        layers = [KfacLayer(info.name, info.a_size, info.b_size) for info in receiving.layers()]
+        assert tensor_bytes(receiving.state_dict()) == sum(kfac_layer_bytes(layer) for layer in layers)
+        assert tensor_bytes(receiving.state_dict()) == tensor_bytes(inverting.state_dict())
+
+
+def test_bias_is_folded_into_a_and_flags_and_counters_are_counted():
+    assert kfac_layer_bytes(KfacLayer("x", a_size=17, b_size=16)) == 2 * 4 * (17 * 17 + 16 * 16) + 4 * 1 + 2 * 24
+    engine = KFACEngine(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4, bias=False)))
+    assert [(info.a_size, info.b_size) for info in engine.layers()] == [(17, 8), (8, 4)]
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+@pytest.mark.parametrize("zero", [0, 1])
+def test_grad_traffic_is_twice_r_minus_one_over_r_of_the_fp32_gradients_held(pipeline, zero):
+    config, model, topology = setup(pipeline, OPTIMIZERS["lamb"], zero)
+    states = stage_states(model, topology.schedule.num_stages)
+    for rank in modelled(config, model, topology):
+        exact, floored, held = Fraction(0), 0, topology.stages_of(rank.rank)
+        for _, stage in held:
+            replicas, size = len(topology.replica_ranks(stage)), 4 * states[stage].numel
+            exact += Fraction(2 * (replicas - 1), replicas) * size
+            floored += 2 * ((replicas - 1) * size // replicas)  # ring_bytes counts whole bytes
+        assert rank.grad_comm_bytes == floored, f"rank {rank.rank}"
+        assert exact - 2 * len(held) < rank.grad_comm_bytes <= exact
+        if all(4 * states[stage].numel % len(topology.replica_ranks(stage)) == 0 for _, stage in held):
+            assert rank.grad_comm_bytes == exact
+        assert rank.grad_comm_bytes > 0
+
+
+def test_an_unreplicated_stage_sends_nothing():
+    config = config_from_dict({"model": MODEL, "pipeline": {"stages": 2, "micro_batches": 4, "schedule": "1f1b"}})
+    topology = Topology(get_schedule("1f1b", 2, 4), 1)
+    for zero in (0, 1):
+        ranks = rank_memory(topology, stage_states(TinyRegression(config.model), 2), optimizer_state("lamb"), zero)
+        assert [rank.grad_comm_bytes for rank in ranks] == [0, 0]
+
+
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb", "sgd-momentum"])
+def test_zero1_state_of_a_stage_sums_over_its_replicas_to_one_unsharded_copy(pipeline, optimizer):
+    config, model, topology = setup(pipeline, OPTIMIZERS[optimizer], 0)
+    whole = modelled(config, model, topology)
+    sharded = modelled(*setup(pipeline, OPTIMIZERS[optimizer], 1))
+    for stage in range(topology.schedule.num_stages):
+        copies = {part.optimizer_bytes for rank in whole for part in rank.stages if part.stage == stage}
+        assert len(copies) == 1
+        shares = [part.optimizer_bytes for rank in sharded for part in rank.stages if part.stage == stage]
+        assert len(shares) == len(topology.replica_ranks(stage))
+        assert sum(shares) == copies.pop()
+        assert max(shares) < sum(shares)  # it is actually shared
+
+
+def test_zero_paper_example_is_reproduced():
+    """Rajbhandari et al. (SC'20), Figure 1: Ψ = 7.5B, Nd = 64, K = 12: 120 GB baseline, 31.4 GB P_os."""
+    baseline, p_os = zero_paper_example(zero=0), zero_paper_example(zero=1)
+    assert baseline.total_bytes == 120 * 10**9
+    assert round(p_os.total_bytes / 1e9, 1) == 31.4
+    assert p_os.parameter_bytes + p_os.gradient_bytes == 4 * 7_500_000_000
+    assert p_os.optimizer_bytes == 12 * 7_500_000_000 // 64
