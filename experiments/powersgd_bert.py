@@ -54,19 +54,15 @@ def train(path: Path, steps: int) -> list[dict]:
 def expected_factor(rank: int) -> float:
     """Compressed / uncompressed elements of the demo's stage 0 (rank 0's): P and Q of every
     matrix PowerSGD compresses, the rest whole."""
+    from pipefisher.comm_volume import powersgd_elements
     from pipefisher.config import load_config
     from pipefisher.runtime.assembly import staged_model
     from pipefisher.runtime.gradients import unique_parameters
 
     config = load_config(BASE)
     stage = staged_model(config).build_stage(0, config.pipeline.stages, seed=0)
-    whole = compressed = 0
-    for parameter in unique_parameters(stage):
-        rows = parameter.shape[0] if parameter.dim() >= 2 else 0
-        rest = parameter.numel() // rows if rows else 0
-        whole += parameter.numel()
-        compressed += rank * (rows + rest) if rows and rank * (rows + rest) < rows * rest else parameter.numel()
-    return compressed / whole
+    parameters = unique_parameters(stage)
+    return sum(powersgd_elements(tuple(p.shape), rank) for p in parameters) / sum(p.numel() for p in parameters)
 
 
 def main() -> None:

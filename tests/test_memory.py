@@ -55,8 +55,10 @@ def stage_states(model: TinyRegression, num_stages: int) -> list[StageState]:
     for index in range(num_stages):
         module = model.build_stage(index, num_stages, seed=0)
         layers = select_layers(module, model.kfac_skip())
-        states.append(StageState(tuple(p.numel() for p in unique_parameters(module)),
-                                 tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items())))
+        parameters = unique_parameters(module)
+        states.append(StageState(tuple(p.numel() for p in parameters),
+                                 tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
+                                 tuple(tuple(p.shape) for p in parameters)))
     return states
 
 
@@ -193,3 +195,45 @@ def test_zero_paper_example_is_reproduced():
     assert round(p_os.total_bytes / 1e9, 1) == 31.4
     assert p_os.parameter_bytes + p_os.gradient_bytes == 4 * 7_500_000_000
     assert p_os.optimizer_bytes == 12 * 7_500_000_000 // 64
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_blocks(workers):
+    """Chimera with 2 copies: 4 replicas per stage. Summed over them, the K-FAC state is every
+    replica's factors plus G copies of every inverse; each rank sends every layer's gradient
+    once more, to a block of 4 / G."""
+    config, model, topology = setup("chimera-dp2", OPTIMIZERS["kfac-momentum"])
+    states = stage_states(model, 2)
+    optimizer = optimizer_state("kfac", 0.9)
+    every, kept = rank_memory(topology, states, optimizer), rank_memory(topology, states, optimizer, grad_workers=workers)
+    for index, stage in enumerate(states):
+        holders = topology.replica_ranks(index)
+        factors = sum(kfac_layer_bytes(layer, inverses=False) for layer in stage.kfac_layers)
+        inverses = sum(kfac_layer_bytes(layer) for layer in stage.kfac_layers) - factors
+
+        def stage_part(ranks, rank):
+            return next(part for part in ranks[rank].stages if part.stage == index)
+
+        assert sum(stage_part(kept, rank).curvature_bytes for rank in holders) == 4 * factors + workers * inverses
+        assert sum(stage_part(every, rank).curvature_bytes for rank in holders) == 4 * (factors + inverses)
+        block = 4 // workers
+        extra = sum(4 * layer.a_size * layer.b_size * (block - 1) // block for layer in stage.kfac_layers)
+        assert all(stage_part(kept, rank).grad_comm_bytes - stage_part(every, rank).grad_comm_bytes == extra for rank in holders)
+
+
+def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_whole():
+    from pipefisher.comm_volume import powersgd_elements, ring_bytes
+
+    config, model, topology = setup("1f1b-dp2", OPTIMIZERS["sgd"])
+    states = stage_states(model, 2)
+    optimizer = optimizer_state("sgd")
+    plain = rank_memory(topology, states, optimizer)
+    for rank_r in (1, 4, 10_000):
+        compressed = rank_memory(topology, states, optimizer, powersgd_rank=rank_r)
+        for rank in range(topology.world_size):
+            (part,) = compressed[rank].stages
+            elements = sum(powersgd_elements(shape, rank_r) for shape in states[part.stage].shapes)
+            assert part.grad_comm_bytes == ring_bytes("all_reduce", 4 * elements, 2)
+            assert (part.grad_comm_bytes == plain[rank].grad_comm_bytes) == (rank_r == 10_000), "a huge rank compresses nothing"
+    with pytest.raises(ValueError, match="shapes"):
+        rank_memory(topology, [StageState(stage.parameters) for stage in states], optimizer, powersgd_rank=2)

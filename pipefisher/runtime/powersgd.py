@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from pipefisher.comm_volume import powersgd_elements
 from pipefisher.runtime.gradients import GradientBuffer
 
 
@@ -53,10 +54,8 @@ class PowerSGD:
         self.matrices: list[Tensor] = []
         self.whole: list[Tensor] = []
         for gradient in buffer.gradients:
-            rows = gradient.shape[0] if gradient.dim() >= 2 else 0
-            rest = gradient.numel() // rows if rows else 0
-            if rows and rank * (rows + rest) < rows * rest:
-                self.matrices.append(gradient.view(rows, rest))
+            if powersgd_elements(tuple(gradient.shape), rank) < gradient.numel():
+                self.matrices.append(gradient.view(gradient.shape[0], -1))
             else:
                 self.whole.append(gradient.view(-1))
         device, dtype = buffer.flat.device, buffer.flat.dtype

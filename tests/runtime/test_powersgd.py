@@ -9,6 +9,7 @@ import pytest
 import torch
 from _workers import checkpointing, pipelined_with_records, powersgd_against_torch
 
+from pipefisher.comm_volume import powersgd_elements
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.runtime.launch import run_group
 
@@ -37,13 +38,7 @@ def train(config):
 def expected_bytes(parameters: dict, replicas: int, rank: int, stages: set[int]) -> int:
     """Ring all-reduce bytes per step of the stages a rank holds: P and Q factors of the matrices
     PowerSGD compresses, everything else whole (fp32)."""
-    elements = 0
-    for key, value in parameters.items():
-        if int(key.split(".")[0]) not in stages:
-            continue
-        rows = value.shape[0] if value.dim() >= 2 else 0
-        rest = value.numel() // rows if rows else 0
-        elements += rank * (rows + rest) if rank and rows and rank * (rows + rest) < rows * rest else value.numel()
+    elements = sum(powersgd_elements(tuple(value.shape), rank) for key, value in parameters.items() if int(key.split(".")[0]) in stages)
     return 2 * (replicas - 1) * 4 * elements // replicas
 
 
