@@ -28,7 +28,8 @@ K-FAC: SGD's fp32 momentum buffer, momentum {momentum}) over the parameters a ra
 the ones it owns, `pipefisher.zero.shard_owners`), and K-FAC's state once a refresh is committed \
 (running factors A and B and their committed inverses, fp32, with flags and counters; A includes the \
 bias column; every replica keeps every inverse, except with gradient workers: then only the layer's \
-workers; the tied MLM decoder stays first-order). Not counted: \
+workers; the tied MLM decoder stays first-order), and PowerSGD's state (the error of every matrix it \
+compresses, its P and Q factors, a copy of the tensors it leaves whole). Not counted: \
 activations, K-FAC's captured inputs and output gradients, factors being built, communication and \
 temporary buffers, allocator overhead, the CUDA context. Each memory column is the largest value over \
 the ranks (columns may come from different ranks; total is the largest per-rank sum). Gradient traffic: \
@@ -72,8 +73,8 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
     kfac_label = f"K-FAC + SGD (momentum {momentum:g})"
     lines = [
         ("| data-parallel copies | optimizer | data-parallel path | parameters (MiB) | gradients (MiB) | optimizer state (MiB) "
-         "| K-FAC state (MiB) | total (MiB) | gradient traffic (MiB/step) |"),
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+         "| K-FAC state (MiB) | PowerSGD state (MiB) | total (MiB) | gradient traffic (MiB/step) |"),
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for data_parallel in data_parallels:
         topology = Topology(schedule, data_parallel)
@@ -83,13 +84,14 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
                 ("LAMB", lamb, "all-reduce", {}), ("LAMB", lamb, "ZeRO-1", {"zero": 1}),
                 ("LAMB", lamb, "PowerSGD rank 4", {"powersgd_rank": 4}),
                 (kfac_label, kfac, "all-reduce", {}), (kfac_label, kfac, "ZeRO-1", {"zero": 1}),
-                (kfac_label, kfac, f"1 gradient worker per layer (f = 1/{data_parallel})", {"grad_workers": 1}),
+                (kfac_label, kfac, f"1 gradient worker per layer (f = 1/{data_parallel})", {"workers_per_layer": 1}),
                 (kfac_label, kfac, "PowerSGD rank 4", {"powersgd_rank": 4}),
             ]
         for label, optimizer, path, options in variants:
             ranks = rank_memory(topology, stages, optimizer, **options)
             cells = [largest(ranks, field) / MiB for field in
-                     ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "curvature_bytes", "total_bytes", "grad_comm_bytes")]
+                     ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "curvature_bytes", "compression_bytes", "total_bytes",
+                      "grad_comm_bytes")]
             lines.append(f"| {data_parallel} | {label} | {path} | " + " | ".join(f"{cell:,.1f}" for cell in cells) + " |")
     return lines
 

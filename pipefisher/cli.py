@@ -317,16 +317,21 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument("--zero", type=int, choices=[0, 1],
-                        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
-    parser.add_argument("--powersgd-rank", type=int, metavar="R",
-                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
+    _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS,
                         help="override optimizer.name: the tasks of its curvature method are timed (Shampoo's for shampoo, else K-FAC's)")
     parser.set_defaults(handler=_cmd_profile)
+
+
+def _add_gradient_path_arguments(parser) -> None:
+    """--zero and --powersgd-rank: how the data-parallel gradient travels (run and profile)."""
+    parser.add_argument("--zero", type=int, choices=[0, 1],
+                        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
+    parser.add_argument("--powersgd-rank", type=int, metavar="R",
+                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
 
 
 def _add_run(subparsers) -> None:
@@ -343,10 +348,7 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--shampoo-refresh-steps", type=positive_int, help="pin the refresh interval k (shampoo.refresh_steps)")
     parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile or shampoo.profile); default: measure one")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument("--zero", type=int, choices=[0, 1],
-                        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
-    parser.add_argument("--powersgd-rank", type=int, metavar="R",
-                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
+    _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
     parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")

@@ -141,13 +141,13 @@ class GradientPath:
     """How a replicated stage's gradient travels at the end of a step: `sharded` (ZeRO-1: reduced
     to the parameters' owners, who broadcast the updated parameters after the world reduction),
     `compressed` (PowerSGD: a second all-reduce, of the Q factors, once the first is in),
-    `grad_workers` (K-FAC with G gradient workers per layer, fewer than the stage's replicas: once
-    reduced, they precondition their layers and broadcast them within their block, ``pgrad``;
-    None: every replica preconditions before the reduction)."""
+    `workers_per_layer` (K-FAC with G gradient workers per layer, fewer than the stage's
+    replicas: once reduced, they precondition their layers and broadcast them within their block,
+    ``pgrad``; None: every replica preconditions before the reduction)."""
 
     sharded: bool = False
     compressed: bool = False
-    grad_workers: int | None = None
+    workers_per_layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -355,9 +355,9 @@ def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_rank
         tail += [Action(ActionKind.WAIT, grad_q_collective(collective.key[0])) for collective in reduced]
     else:
         tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
-    if path.grad_workers is not None:
+    if path.workers_per_layer is not None:
         for stage in sorted(c.key[0] for c in reduced):
-            collective = pgrad_collective(topology, rank, stage, path.grad_workers)
+            collective = pgrad_collective(topology, rank, stage, path.workers_per_layer)
             tail += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
     if rank in tied_ranks:
         tail += [Action(ActionKind.LAUNCH, TIED), Action(ActionKind.WAIT, TIED)]
@@ -379,8 +379,8 @@ def group_members(topology: Topology, tied: bool, path: GradientPath = GradientP
         ranks = topology.replica_ranks(stage)
         if len(ranks) > 1:
             members[("grad", stage)] = members[("curv", stage)] = ranks
-            if path.grad_workers is not None:
-                grid = GradWorkers(ranks, path.grad_workers)
+            if path.workers_per_layer is not None:
+                grid = GradWorkers(ranks, path.workers_per_layer)
                 for block in range(grid.workers):
                     members[("pgrad", stage, block)] = grid.block_ranks(block)
     for replica in range(topology.data_parallel):

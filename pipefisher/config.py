@@ -253,11 +253,12 @@ class RunConfig:
                                    momentum=section.momentum or self.optimizer.momentum)
 
     @property
-    def grad_workers(self) -> int:
-        """K-FAC's gradient workers per layer (`pipefisher.kaisa`): fewer than a stage's replicas
-        only with optimizer kfac and kfac.grad_worker_fraction < 1."""
+    def workers_per_layer(self) -> int | None:
+        """K-FAC's gradient workers per layer (`pipefisher.kaisa`) when they are fewer than a
+        stage's replicas (optimizer kfac, kfac.grad_worker_fraction < 1); None: every replica."""
         replicas = stage_replica_count(self)
-        return worker_count(replicas, self.kfac.grad_worker_fraction) if self.optimizer.name == "kfac" else replicas
+        workers = worker_count(replicas, self.kfac.grad_worker_fraction) if self.optimizer.name == "kfac" else replicas
+        return workers if workers < replicas else None
 
     @property
     def model_chunks(self) -> int:
@@ -387,10 +388,10 @@ def _check(config: RunConfig) -> None:
                           "(optimizer state sharded over each stage's replicas)")
     if config.optimizer.name == "kfac":
         try:
-            workers = worker_count(stage_replica_count(config), config.kfac.grad_worker_fraction)
+            worker_count(stage_replica_count(config), config.kfac.grad_worker_fraction)
         except ValueError as exc:
             raise ConfigError(f"kfac.grad_worker_fraction: {exc}") from None
-        if workers < stage_replica_count(config) and config.optimizer.zero:
+        if config.workers_per_layer is not None and config.optimizer.zero:
             raise ConfigError("kfac.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "
                               "reduces to owners; use kfac.grad_worker_fraction 1 or optimizer.zero 0")
     comm = config.comm

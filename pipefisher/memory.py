@@ -125,6 +125,7 @@ class StageMemory:
     optimizer_bytes: int
     curvature_bytes: int
     grad_comm_bytes: int
+    compression_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,16 +160,20 @@ class RankMemory:
         return self._sum("grad_comm_bytes")
 
     @property
+    def compression_bytes(self) -> int:
+        return self._sum("compression_bytes")
+
+    @property
     def total_bytes(self) -> int:
-        """Parameters + gradients + optimizer state + curvature state (traffic excluded)."""
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.curvature_bytes
+        """Parameters + gradients + optimizer state + curvature state + PowerSGD's state (traffic excluded)."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.curvature_bytes + self.compression_bytes
 
 
 def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: OptimizerState, zero: int = 0,
-                widths: ElementBytes = ElementBytes(), grad_workers: int | None = None, powersgd_rank: int = 0) -> tuple[RankMemory, ...]:
+                widths: ElementBytes = ElementBytes(), workers_per_layer: int | None = None, powersgd_rank: int = 0) -> tuple[RankMemory, ...]:
     """Every global rank's bytes (index = rank) for `stages` (one per stage index of the schedule)
     placed by `topology`; `zero` 0 (off) or 1 (optimizer state sharded by parameter over each
-    stage's replicas, `shard_owners`); `grad_workers`: K-FAC's G gradient workers per layer (None:
+    stage's replicas, `shard_owners`); `workers_per_layer`: K-FAC's G gradient workers per layer (None:
     every replica); `powersgd_rank`: PowerSGD's rank (0 = off; needs the stages' shapes)."""
     if len(stages) != topology.schedule.num_stages:
         raise ValueError(f"stages: {len(stages)} given, the schedule has {topology.schedule.num_stages}")
@@ -187,7 +192,7 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
             stage = stages[index]
             ranks = topology.replica_ranks(index)
             replicas = len(ranks)
-            grid = GradWorkers(ranks, grad_workers) if grad_workers is not None and grad_workers < replicas else None
+            grid = GradWorkers(ranks, workers_per_layer) if workers_per_layer is not None and workers_per_layer < replicas else None
             mine = stage.parameters if owners[index] is None else [
                 numel for numel, owner in zip(stage.parameters, owners[index]) if owner == rank]
             gradient_bytes = stage.numel * widths.gradient
@@ -199,6 +204,7 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
                 traffic = ring_bytes("all_reduce", elements * widths.gradient, replicas)
             else:
                 traffic = ring_bytes("all_reduce", gradient_bytes, replicas)
+            compression = powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
             curvature = 0
             if optimizer.kfac:
                 curvature = sum(kfac_layer_bytes(layer, widths.factor, grid is None or grid.works_for(rank, number))
@@ -208,10 +214,26 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
                                    for layer in stage.kfac_layers)
             parts.append(StageMemory(
                 pipe, index, replicas, parameter_bytes, gradient_bytes,
-                sum(optimizer.tensor_bytes(numel) for numel in mine), curvature, traffic,
+                sum(optimizer.tensor_bytes(numel) for numel in mine), curvature, traffic, compression,
             ))
         result.append(RankMemory(rank, tuple(parts)))
     return tuple(result)
+
+
+def powersgd_state_bytes(shapes: Sequence[tuple[int, ...]], rank: int, element_bytes: int = 4) -> int:
+    """What PowerSGD keeps for a stage (`pipefisher.runtime.powersgd`, fp32 gradients): the error
+    of every matrix it compresses (its size), the Q factors (m x r each), and the P factors with a
+    copy of every tensor it leaves whole (n x r each, plus those tensors)."""
+    elements = 0
+    for shape in shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        if powersgd_elements(shape, rank) < numel:
+            elements += numel + rank * (numel // shape[0]) + rank * shape[0]
+        else:
+            elements += numel
+    return elements * element_bytes
 
 
 def largest(ranks: Sequence[RankMemory], field: str) -> int:

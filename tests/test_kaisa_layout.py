@@ -59,7 +59,7 @@ def test_plans_with_gradient_workers_drop_the_precondition_op_and_broadcast_in_b
     assert not any(op.kind is OpKind.PRECONDITION for step in plan.steps for ops in step for op in ops)
     replicas = len(topology.replica_ranks(0))
     for workers in (d for d in range(1, replicas) if replicas % d == 0):
-        comm = replay(plan_actions(topology, plan, path=GradientPath(grad_workers=workers)))
+        comm = replay(plan_actions(topology, plan, path=GradientPath(workers_per_layer=workers)))
         for rank, actions in enumerate(comm.steps[0]):
             names = [str(a) for a in actions]
             launched = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "pgrad"]

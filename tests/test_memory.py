@@ -205,7 +205,7 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
     config, model, topology = setup("chimera-dp2", OPTIMIZERS["kfac-momentum"])
     states = stage_states(model, 2)
     optimizer = optimizer_state("kfac", 0.9)
-    every, kept = rank_memory(topology, states, optimizer), rank_memory(topology, states, optimizer, grad_workers=workers)
+    every, kept = rank_memory(topology, states, optimizer), rank_memory(topology, states, optimizer, workers_per_layer=workers)
     for index, stage in enumerate(states):
         holders = topology.replica_ranks(index)
         factors = sum(kfac_layer_bytes(layer, inverses=False) for layer in stage.kfac_layers)
@@ -237,3 +237,15 @@ def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_
             assert (part.grad_comm_bytes == plain[rank].grad_comm_bytes) == (rank_r == 10_000), "a huge rank compresses nothing"
     with pytest.raises(ValueError, match="shapes"):
         rank_memory(topology, [StageState(stage.parameters) for stage in states], optimizer, powersgd_rank=2)
+
+
+def test_powersgd_state_is_what_the_runtime_keeps():
+    from pipefisher.memory import powersgd_state_bytes
+    from pipefisher.runtime.gradients import GradientBuffer
+    from pipefisher.runtime.powersgd import PowerSGD
+
+    config, model, topology = setup("1f1b-dp2", OPTIMIZERS["sgd"])
+    for index, stage in enumerate(stage_states(model, 2)):
+        buffer = GradientBuffer(model.build_stage(index, 2, seed=0), bucket_bytes=1 << 30)
+        for rank_r in (1, 3):
+            assert powersgd_state_bytes(stage.shapes, rank_r) == tensor_bytes(PowerSGD(buffer, rank_r, seed=0).tensors())

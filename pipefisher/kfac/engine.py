@@ -291,11 +291,22 @@ class KFACEngine:
         n = st.info.size(_checked(factor))
         return torch.empty(n, n, dtype=st.dtype, device=st.module.weight.device)
 
-    def receive_inverse(self, layer: str, factor: Factor, tensor: Tensor) -> None:
-        """Store a received inverse (after the broadcast completed) as ``factor``'s pending
-        inverse, marked successful."""
+    def fresh_inverse(self, layer: str, factor: Factor) -> Tensor:
+        """On a replica that inverted ``factor`` without keeping inverses in use: its pending
+        inverse where that inversion succeeded, else NaN (a receiver that checks keeps its own)."""
         st = self._state(layer)
-        ok = torch.ones((), dtype=torch.bool, device=tensor.device)
+        pending = st.pending.get(_checked(factor))
+        if pending is None:
+            n = st.info.size(factor)
+            return torch.full((n, n), float("nan"), dtype=st.dtype, device=st.module.weight.device)
+        return torch.where(pending.ok, pending.value, torch.full_like(pending.value, float("nan"))).contiguous()
+
+    def receive_inverse(self, layer: str, factor: Factor, tensor: Tensor, checked: bool = False) -> None:
+        """Store a received inverse (after the broadcast completed) as ``factor``'s pending
+        inverse, marked successful (`checked`: successful where it is finite, see
+        :meth:`fresh_inverse`)."""
+        st = self._state(layer)
+        ok = torch.isfinite(tensor).all() if checked else torch.ones((), dtype=torch.bool, device=tensor.device)
         st.pending[_checked(factor)] = Flagged(tensor, ok)
 
     def discard_inverse(self, layer: str, factor: Factor) -> None:

@@ -155,6 +155,7 @@ def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[
     directory = Path(directory)
     skipped: list[str] = []
     ours = identity(config)
+    defaults = identity(RunConfig())  # keys added since a checkpoint was written count as their defaults
     for step, folder in _steps(directory):
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
@@ -164,7 +165,7 @@ def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[
         except (OSError, ValueError):
             skipped.append(f"step {step}: {folder / MANIFEST} is unreadable")
             continue
-        theirs = manifest.get("config", {})
+        theirs = {**defaults, **manifest.get("config", {})}
         differing = next((key for key in sorted(set(ours) | set(theirs)) if theirs.get(key) != ours.get(key)), None)
         if differing is not None:
             raise CheckpointError(

@@ -65,10 +65,13 @@ class KfacRuntime(CurvatureRuntime):
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         self.lr = config.optimizer_settings.lr
-        workers = config.grad_workers
+        workers = config.workers_per_layer
         #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
         self.grids = {stage: GradWorkers(topology.replica_ranks(stage), workers) for stage in self._engine_of_stage
-                      if workers < len(topology.replica_ranks(stage))}
+                      if workers is not None}
+        #: stage -> layer name -> its number in the stage's layer order (the grid's layer numbers)
+        self._numbers = {stage: {info.name: number for number, info in enumerate(engine.layers())}
+                         for stage, engine in self._engine_of_stage.items()}
         self.set_plan(plan)
 
     def set_plan(self, plan: Plan) -> None:
@@ -80,10 +83,7 @@ class KfacRuntime(CurvatureRuntime):
         """Whether this rank keeps `layer`'s inverses and preconditions it (every replica does
         without gradient workers)."""
         grid = self.grids.get(stage)
-        return grid is None or grid.works_for(self.rank, self._layer_number(stage, layer))
-
-    def _layer_number(self, stage: int, layer: str) -> int:
-        return [info.name for info in self._engine_of_stage[stage].layers()].index(layer)
+        return grid is None or grid.works_for(self.rank, self._numbers[stage][layer])
 
     def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
         return (stage, layer) in self.exchanged and self.rank == self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
@@ -152,10 +152,13 @@ class KfacRuntime(CurvatureRuntime):
         stage, layer, factor = collective.key
         engine = self._engine_of_stage[stage]
         keeps = self.works_for(stage, layer)
+        # With gradient workers the source may hold no inverse in use to fall back on: it sends
+        # NaN for a failed inversion and the workers keep theirs
+        workers = stage in self.grids
         return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
-                                    shared=lambda: engine.shared_inverse(layer, factor),
+                                    shared=lambda: (engine.fresh_inverse if workers else engine.shared_inverse)(layer, factor),
                                     buffer=lambda: engine.inverse_buffer(layer, factor),
-                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor) if keeps else None,
+                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor, checked=workers) if keeps else None,
                                     sent=None if keeps else lambda: engine.discard_inverse(layer, factor))
 
     def _launch_pgrad(self, collective: Collective) -> Handle:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.capture_memory import capture_peaks
-from pipefisher.config import RunConfig, stage_replica_count
+from pipefisher.config import RunConfig
 from pipefisher.pack import PackOptions, after_step_plan, pack
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.profile import Profile, ProfileError, load_profile
@@ -82,7 +82,7 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
         max_refresh_steps=section.max_refresh_steps or None,
         max_capture_mb=section.max_capture_mb or None,
         data_parallel=config.pipeline.data_parallel,
-        precondition=config.grad_workers == stage_replica_count(config),
+        precondition=config.workers_per_layer is None,
     )
 
 
@@ -97,7 +97,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
         plan = result.plan
     else:
         plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel,
-                               precondition=config.grad_workers == stage_replica_count(config))
+                               precondition=config.workers_per_layer is None)
     validate_plan(plan)
     predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
     held = max(peak.bytes for peak in capture_peaks(plan, profile))
@@ -138,8 +138,8 @@ class PipeFisherTrainer(PlanRunner):
         super().__init__(executor, rank, self.curvature_plan.plan, tied)
         executor.forward_context = lambda op: self.runtime.forward_context(op, self.cycle_step)
         executor.after_backward = lambda op: self.runtime.after_backward(op, self.cycle_step)
-        updates = executor.step_end.updates
-        executor.step_end.before_optimizer_step = lambda: self.runtime.before_optimizer_step(updates)
+        applies_to = executor.step_end.applies_to
+        executor.step_end.before_optimizer_step = lambda: self.runtime.before_optimizer_step(applies_to)
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
 

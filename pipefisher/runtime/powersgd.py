@@ -18,7 +18,8 @@ Sums, not means: pipefisher sums gradients over replicas (each loss is already d
 global micro-batch count). When r is at least the rank of the summed gradient, span P̂ holds its
 column space and the result is exact to rounding. Everything runs on the gradient's device, with
 no host read. fp16: errors are kept unscaled (divided by the loss scale of their step), and a
-non-finite error (an overflowing step, skipped anyway) is reset to zero.
+non-finite error (an overflowing step, skipped anyway) is reset to zero and a non-finite summed Q
+is replaced by the Q that started the step.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class PowerSGD:
         generator = torch.Generator().manual_seed(seed)
         self.q_flat = torch.randn(sum(m * rank for m, _ in q_shapes), generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
         self.q = _carve(self.q_flat, q_shapes)
+        #: fp16: the Q that started the step, kept while a step may overflow
+        self._q_start = torch.empty_like(self.q_flat) if loss_scale() is not None else None
         self.errors = [torch.zeros_like(m) for m in self.matrices]
 
     @property
@@ -78,6 +81,8 @@ class PowerSGD:
     def p_factors(self) -> list[Tensor]:
         """Step 1: add the errors, P = M Q, gather the uncompressed tensors; returns what to all-reduce."""
         scale = self.loss_scale()
+        if scale is not None:
+            self._q_start.copy_(self.q_flat)
         for matrix, error, p, q in zip(self.matrices, self.errors, self.p, self.q):
             matrix.add_(error if scale is None else error * scale)
             torch.matmul(matrix, q, out=p)
@@ -101,9 +106,16 @@ class PowerSGD:
         return [self.q_flat]
 
     def decompress(self) -> None:
-        """Step 3 (the Q's are summed): every compressed gradient becomes P̂ Qᵀ."""
+        """Step 3 (the Q's are summed): every compressed gradient becomes P̂ Qᵀ; with fp16 a
+        non-finite Q falls back to the one that started the step (its gradient is skipped)."""
         for matrix, p, q in zip(self.matrices, self.p, self.q):
             torch.matmul(p, q.T, out=matrix)
+        if self.loss_scale() is not None:
+            self.q_flat.copy_(torch.where(torch.isfinite(self.q_flat), self.q_flat, self._q_start))
+
+    def tensors(self) -> list[Tensor]:
+        """Everything it keeps between and within steps (for the state-bytes report)."""
+        return [self.q_flat, self.p_flat, *self.errors] + ([self._q_start] if self._q_start is not None else [])
 
     def state_dict(self) -> dict:
         return {"q": self.q_flat.clone(), "errors": [error.clone() for error in self.errors]}

@@ -57,7 +57,7 @@ def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -
     """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
     topology = executor.topology
     # profiling steps drop their gradients: nothing to precondition and broadcast (K-FAC's gradient workers)
-    path = dataclasses.replace(executor.gradient_path, grad_workers=None)
+    path = dataclasses.replace(executor.gradient_path, workers_per_layer=None)
     actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, path)).steps[0][rank]
     clock = executor.clock
     records: list[list[Record]] = []

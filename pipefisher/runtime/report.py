@@ -88,7 +88,8 @@ class StepReporter:
         print(summary, file=sys.stderr, flush=True)
         if state_bytes:
             print(f"pipefisher: state per rank, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
-                f"; {task_rules(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else ""),
+                f"; {task_rules(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else "") + (
+                f"; PowerSGD {_mib(state_bytes, 'compression')}" if self.config.comm.powersgd_rank else ""),
                 file=sys.stderr, flush=True)
 
 

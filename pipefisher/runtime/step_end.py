@@ -69,14 +69,14 @@ class StepEnd:
         self._values: list[float] | None = None
         self._lr = 0.0
 
-    def updates(self, parameter: torch.nn.Parameter) -> bool:
+    def applies_to(self, parameter: torch.nn.Parameter) -> bool:
         """Whether this rank updates `parameter` (with ZeRO-1, only its owner does)."""
         return self.ownership is None or self.ownership.updates(parameter)
 
     def gradients(self) -> list[Tensor]:
         """The gradients this rank applies."""
         return [gradient for buffer in self.buffers.values() for parameter, gradient in zip(buffer.parameters, buffer.gradients)
-                if self.updates(parameter)]
+                if self.applies_to(parameter)]
 
     def _stage_buffers(self, stage: int) -> list[GradientBuffer]:
         return [buffer for (pipe, s), buffer in self.buffers.items() if s == stage]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pipefisher.comm_plan import GradientPath, group_members
-from pipefisher.config import RunConfig, stage_replica_count
+from pipefisher.config import RunConfig
 from pipefisher.ir import Schedule
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.profile import profile_from_dict
@@ -37,8 +37,8 @@ class TrainResult:
     """Step losses (identical on every rank) and parameters: a pipelined rank's keyed
     ``"<stage>.<name>"`` (for Chimera, ``"p<pipe>.<stage>.<name>"`` for the second pipe's copy);
     the reference's as `train_reference` says. `state_bytes`: per global rank, the bytes of its
-    optimizer state (``optimizer``) and of its curvature method's state (``curvature``) at the end
-    (empty for the reference)."""
+    optimizer state (``optimizer``), of its curvature method's state (``curvature``) and of
+    PowerSGD's (``compression``) at the end (empty for the reference)."""
 
     losses: list[float]
     parameters: dict[str, Tensor]
@@ -80,8 +80,7 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     model = staged_model(config)
     tied = has_tied_weights(model, schedule)
     sharded, compression = config.optimizer.zero == 1, config.comm.powersgd_rank
-    workers = config.grad_workers if config.grad_workers < stage_replica_count(config) else None
-    path = GradientPath(sharded=sharded, compressed=bool(compression), grad_workers=workers)
+    path = GradientPath(sharded=sharded, compressed=bool(compression), workers_per_layer=config.workers_per_layer)
     members = group_members(topology, tied, path)
     comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout)
     num_stages = schedule.num_stages
@@ -175,7 +174,9 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
 def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str, int], ...]:
     """Every rank's optimizer-state and curvature-state bytes, on every rank. Collective."""
     runner.quiesce()
-    mine = {"optimizer": tensor_bytes(list(executor.optimizer.state.values())), "curvature": tensor_bytes(runner.state_dict())}
+    compression = [tensor for compressor in executor.step_end.powersgd.values() for tensor in compressor.tensors()]
+    mine = {"optimizer": tensor_bytes(list(executor.optimizer.state.values())), "curvature": tensor_bytes(runner.state_dict()),
+            "compression": tensor_bytes(compression)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return tuple(everyone)

@@ -107,20 +107,27 @@ def test_failed_eigen_decomposition_keeps_the_previous_inverse(monkeypatch):
     assert kfac.health()["0"].failed_inverse == 2 and kfac.engine.skipped_inversions == 4
 
 
+_EIGH = torch.linalg.eigh
+
+
+def invert_layer_2_a(engine, model, monkeypatch, micro_batch: int, fail: bool) -> None:
+    """Capture micro-batch `micro_batch`, build and invert layer '2''s A; `fail`: eigh fails."""
+    with engine.capture(micro_batch):
+        mse_loss(model(data(8, seed=micro_batch)[0]), data(8, seed=micro_batch)[1]).backward()
+    engine.curvature("2", "A", micro_batch)
+    engine.release("2")
+    monkeypatch.setattr(torch.linalg, "eigh", fail_eigh if fail else _EIGH)
+    engine.invert("2", "A")
+
+
 def test_shared_inverse_is_the_one_commit_would_make_active(monkeypatch):
     """Pending if that inversion succeeded, else the one in use, else the identity; a failed
     inversion after a successful one before the commit keeps the successful one."""
     model = tiny_mlp()
     engine = KFACEngine(model, KFACConfig(damping=0.1))
-    eigh = torch.linalg.eigh
 
     def invert(mb: int, fail: bool) -> None:
-        with engine.capture(mb):
-            mse_loss(model(data(8, seed=mb)[0]), data(8, seed=mb)[1]).backward()
-        engine.curvature("2", "A", mb)
-        engine.release("2")
-        monkeypatch.setattr(torch.linalg, "eigh", fail_eigh if fail else eigh)
-        engine.invert("2", "A")
+        invert_layer_2_a(engine, model, monkeypatch, mb, fail)
 
     invert(0, fail=True)
     assert torch.equal(engine.shared_inverse("2", "A"), torch.eye(7, dtype=torch.float64))
@@ -137,6 +144,33 @@ def test_shared_inverse_is_the_one_commit_would_make_active(monkeypatch):
     engine.receive_inverse("2", "A", buffer.copy_(2 * first))
     engine.commit("2")
     assert torch.equal(engine.inverse("2", "A"), 2 * first)
+
+
+def test_a_fresh_inverse_says_failure_as_nan_and_a_checking_receiver_keeps_its_own(monkeypatch):
+    """Gradient workers: a source that keeps no inverse in use sends its pending inverse, or NaN
+    where that inversion failed; a receiver that checks keeps the inverse it has."""
+    model = tiny_mlp()
+    source, worker = (KFACEngine(model, KFACConfig(damping=0.1)) for _ in range(2))
+
+    def invert(engine, mb: int, fail: bool) -> None:
+        invert_layer_2_a(engine, model, monkeypatch, mb, fail)
+
+    invert(worker, 0, fail=False)
+    worker.commit("2")
+    kept = worker.inverse("2", "A").clone()
+    invert(source, 1, fail=False)
+    good = source.fresh_inverse("2", "A")
+    assert torch.isfinite(good).all() and torch.equal(good, source.shared_inverse("2", "A"))
+    source.discard_inverse("2", "A")
+    invert(source, 2, fail=True)
+    failed = source.fresh_inverse("2", "A")
+    assert torch.isnan(failed).all()
+    worker.receive_inverse("2", "A", failed.clone(), checked=True)
+    worker.commit("2")
+    assert torch.equal(worker.inverse("2", "A"), kept)
+    worker.receive_inverse("2", "A", good.clone(), checked=True)
+    worker.commit("2")
+    assert torch.equal(worker.inverse("2", "A"), good)
 
 
 def scaled_factors(loss_scale, restore: bool = False) -> dict[tuple[str, str], torch.Tensor]:

@@ -82,7 +82,7 @@ def test_powersgd_at_the_gradients_rank_under_kfac_equals_uncompressed():
 def test_fp16_loss_scales_leave_the_compression_unchanged_and_an_overflow_clears_the_error():
     """One replica (the all-reduces are identities): gradients scaled by a changing loss scale
     give the scaled result of the unscaled gradients, because errors are kept unscaled; an
-    overflowing step leaves no inf or NaN in the carried error."""
+    overflowing step leaves no inf or NaN in the carried error or the warm-start Q."""
     from torch import nn
 
     from pipefisher.runtime.gradients import GradientBuffer
@@ -106,9 +106,13 @@ def test_fp16_loss_scales_leave_the_compression_unchanged_and_an_overflow_clears
         torch.testing.assert_close(scaled_buffer.flat, plain_buffer.flat * value, rtol=1e-5, atol=1e-3)
         assert not torch.equal(plain_buffer.flat, gradient), "rank 2 compresses"
     scaled_buffer.flat.fill_(float("inf"))
-    scaled.p_factors()
-    scaled.q_factors()
-    assert all(torch.isfinite(error).all() for error in scaled.errors)
+    for phase in (scaled.p_factors, scaled.q_factors, scaled.decompress):
+        phase()
+    assert all(torch.isfinite(error).all() for error in scaled.errors) and torch.isfinite(scaled.q_flat).all()
+    scaled_buffer.flat.copy_(torch.randn(scaled_buffer.flat.numel(), generator=torch.Generator().manual_seed(9)))
+    for phase in (scaled.p_factors, scaled.q_factors, scaled.decompress):
+        phase()
+    assert torch.isfinite(scaled_buffer.flat).all(), "the step after an overflow compresses again"
 
 
 def test_powersgd_resumes_bit_for_bit(tmp_path):
