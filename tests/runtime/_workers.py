@@ -75,6 +75,28 @@ def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> Tra
     return train_pipelined(config, rank, CPU, resume_from=start)
 
 
+def assert_resumes_bit_for_bit(config: RunConfig, stop_after: int, folder) -> str:
+    """Train `config` straight through with a checkpoint after every step, and again in two parts
+    (stopped after `stop_after` steps, then resumed from the newest checkpoint that verifies):
+    the parts' losses are the straight run's and every rank's parameters equal its bit for bit.
+    Returns the parted run's checkpoint folder."""
+    from pathlib import Path
+
+    from pipefisher.runtime.launch import run_group
+
+    def train(directory: Path, resume: bool, steps: int | None = None) -> list[TrainResult]:
+        part = config.with_overrides(checkpoint={"dir": str(directory), "every": 1}, run={"steps": steps})
+        return run_group(checkpointing, config.world_size, args=(part, resume), timeout=30, deadline=240)
+
+    straight = train(Path(folder) / "straight", False)
+    parted = Path(folder) / "parted"
+    first, second = train(parted, False, stop_after), train(parted, True)
+    assert first[0].losses + second[0].losses == straight[0].losses
+    for resumed, whole in zip(second, straight):
+        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    return str(parted)
+
+
 def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int) -> TrainResult:
     """Train with checkpoints; rank 0 is killed half-way through writing the checkpoint of `fatal_step`."""
     from pipefisher.runtime import checkpoint

@@ -4,7 +4,7 @@ gradients' broadcasts counted, and a mid-cycle resume bit for bit."""
 
 import pytest
 import torch
-from _workers import checkpointing, pipelined_with_records
+from _workers import assert_resumes_bit_for_bit, pipelined_with_records
 from test_pipefisher import PARAMETER_ATOL, kfac_config
 
 from pipefisher.kfac import KFACEngine
@@ -68,12 +68,4 @@ def test_gradient_workers_resume_mid_cycle_bit_for_bit(tmp_path):
     """Chimera with one worker per layer: the exchange's source forgets an inverse once sent, and
     a checkpoint between steps keeps what is still in flight."""
     sections = {"kfac": {"refresh_steps": 3, "grad_worker_fraction": 0.25}, "run": {"steps": 6}}
-    config = kfac_config("chimera", "packed", data_parallel=2).with_overrides(
-        checkpoint={"dir": str(tmp_path / "straight"), "every": 1}, **sections)
-    straight = run_group(checkpointing, 4, args=(config, False), timeout=30, deadline=240)
-    parted = config.with_overrides(checkpoint={"dir": str(tmp_path / "parted")})
-    first = run_group(checkpointing, 4, args=(parted.with_overrides(run={"steps": 4}), False), timeout=30, deadline=240)
-    second = run_group(checkpointing, 4, args=(parted, True), timeout=30, deadline=240)
-    assert first[0].losses + second[0].losses == straight[0].losses
-    for resumed, whole in zip(second, straight):
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    assert_resumes_bit_for_bit(kfac_config("chimera", "packed", data_parallel=2).with_overrides(**sections), 4, tmp_path)

@@ -180,18 +180,10 @@ def test_kfac_resumes_mid_cycle_bit_for_bit_with_collectives_in_flight(placement
     """Chimera syncs factors and exchanges inverses between its pipes, launched in one step and
     waited for in a later one: checkpoints at every step boundary finish what can finish, and a
     run resumed mid-cycle counts those as done and launches its part of the rest again."""
-    from _workers import checkpointing
+    from _workers import assert_resumes_bit_for_bit
 
-    sections = {"kfac": {"refresh_steps": 3, "placement": placement, "factor_decay": 0.5, "damping": 0.01},
-                "checkpoint": {"dir": str(tmp_path / "straight"), "every": 1}, "run": {"steps": 6}}
-    config = kfac_config("chimera", placement).with_overrides(**sections)
-    straight = run_group(checkpointing, 2, args=(config, False), timeout=30, deadline=240)
-    parted = config.with_overrides(checkpoint={"dir": str(tmp_path / "parted")})
-    first = run_group(checkpointing, 2, args=(parted.with_overrides(run={"steps": 4}), False), timeout=30, deadline=240)
-    second = run_group(checkpointing, 2, args=(parted, True), timeout=30, deadline=240)
-    assert first[0].losses + second[0].losses == straight[0].losses
-    for resumed, whole in zip(second, straight):
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    sections = {"kfac": {"refresh_steps": 3, "placement": placement, "factor_decay": 0.5, "damping": 0.01}, "run": {"steps": 6}}
+    assert_resumes_bit_for_bit(kfac_config("chimera", placement).with_overrides(**sections), 4, tmp_path)
 
 
 @pytest.mark.slow
@@ -199,7 +191,7 @@ def test_a_resumed_rank_launches_again_its_part_of_collectives_its_peers_launch_
     """Chimera on 4 stages with this profile: at the boundary after a cycle's first step, ranks 1
     and 3 have launched inverse exchanges their peers launch only in the next step. The checkpoint
     there leaves them in flight; the resumed ranks launch them again."""
-    from _workers import checkpointing, unit_profile
+    from _workers import assert_resumes_bit_for_bit, unit_profile
     from pipefisher.comm_plan import plan_actions
     from pipefisher.comm_replay import replay
     from pipefisher.runtime.assembly import build_schedule
@@ -215,11 +207,4 @@ def test_a_resumed_rank_launches_again_its_part_of_collectives_its_peers_launch_
     profile.save(tmp_path / "profile.yaml")
     comm = replay(plan_actions(Topology(schedule), make_plan(config, schedule, profile).plan))
     assert any(comm.outstanding(1, rank)[1] for rank in range(4)), "the case this test is about"
-    straight = run_group(checkpointing, 4, args=(config.with_overrides(checkpoint={"dir": str(tmp_path / "a"), "every": 1}), False),
-                         timeout=30, deadline=240)
-    parted = config.with_overrides(checkpoint={"dir": str(tmp_path / "b"), "every": 1})
-    first = run_group(checkpointing, 4, args=(parted.with_overrides(run={"steps": 4}), False), timeout=30, deadline=240)
-    second = run_group(checkpointing, 4, args=(parted, True), timeout=30, deadline=240)
-    assert first[0].losses + second[0].losses == straight[0].losses
-    for resumed, whole in zip(second, straight):
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    assert_resumes_bit_for_bit(config, 4, tmp_path)

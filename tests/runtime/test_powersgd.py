@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _workers import checkpointing, pipelined_with_records, powersgd_against_torch
+from _workers import assert_resumes_bit_for_bit, pipelined_with_records, powersgd_against_torch
 
 from pipefisher.comm_volume import powersgd_elements
 from pipefisher.config import ConfigError, config_from_dict
@@ -116,14 +116,7 @@ def test_fp16_loss_scales_leave_the_compression_unchanged_and_an_overflow_clears
 
 
 def test_powersgd_resumes_bit_for_bit(tmp_path):
-    config = powersgd_config("1f1b", 2, checkpoint={"dir": str(tmp_path / "straight"), "every": 1})
-    straight = run_group(checkpointing, 4, args=(config, False), timeout=30, deadline=240)
-    parted = config.with_overrides(checkpoint={"dir": str(tmp_path / "parted")})
-    first = run_group(checkpointing, 4, args=(parted.with_overrides(run={"steps": 2}), False), timeout=30, deadline=240)
-    second = run_group(checkpointing, 4, args=(parted, True), timeout=30, deadline=240)
-    assert first[0].losses + second[0].losses == straight[0].losses
-    for resumed, whole in zip(second, straight):
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    assert_resumes_bit_for_bit(powersgd_config("1f1b", 2), 2, tmp_path)
 
 
 def test_bad_powersgd_settings_are_one_line_errors():

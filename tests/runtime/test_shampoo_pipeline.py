@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _workers import assert_equal_to_reference, checkpointing, pipelined
+from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined
 from pipefisher.config import config_from_dict
 from pipefisher.profile import load_profile
 from pipefisher.runtime.launch import run_group
@@ -81,15 +81,8 @@ def test_shampoo_resumes_mid_cycle_bit_for_bit_with_collectives_in_flight(tmp_pa
     """Chimera syncs the captured gradient and exchanges roots between its pipes: a run stopped
     after step 4 (inside the second cycle of 3: captured gradients, new statistics and pending
     roots in the checkpoint) and resumed equals the uninterrupted run."""
-    config = shampoo_config("chimera", "packed", refresh_steps=3).with_overrides(
-        checkpoint={"dir": str(tmp_path / "straight"), "every": 1}, run={"steps": 6})
-    straight = run_group(checkpointing, 2, args=(config, False), timeout=30, deadline=240)
-    parted = config.with_overrides(checkpoint={"dir": str(tmp_path / "parted")})
-    first = run_group(checkpointing, 2, args=(parted.with_overrides(run={"steps": 4}), False), timeout=30, deadline=240)
-    second = run_group(checkpointing, 2, args=(parted, True), timeout=30, deadline=240)
-    assert first[0].losses + second[0].losses == straight[0].losses
-    for resumed, whole in zip(second, straight):
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    config = shampoo_config("chimera", "packed", refresh_steps=3).with_overrides(run={"steps": 6})
+    assert_resumes_bit_for_bit(config, 4, tmp_path)
 
 
 def test_profile_of_a_shampoo_run_times_its_tasks_and_packs(tmp_path):

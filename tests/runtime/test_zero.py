@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _workers import assert_equal_to_reference, checkpointing, pipelined_with_records
+from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined_with_records
 
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.runtime.checkpoint import CheckpointError, resumable_step
@@ -84,16 +84,10 @@ def test_zero1_under_a_curvature_method_equals_the_reference(method):
 
 
 def test_zero1_resumes_bit_for_bit_and_refuses_an_unsharded_resume(tmp_path):
-    config = zero_config("1f1b", 1, run={"steps": 4}, checkpoint={"dir": str(tmp_path / "straight"), "every": 1})
-    straight = run_group(checkpointing, 4, args=(config, False), timeout=30, deadline=240)
-    parted = config.with_overrides(checkpoint={"dir": str(tmp_path / "parted")})
-    first = run_group(checkpointing, 4, args=(parted.with_overrides(run={"steps": 2}), False), timeout=30, deadline=240)
-    second = run_group(checkpointing, 4, args=(parted, True), timeout=30, deadline=240)
-    assert first[0].losses + second[0].losses == straight[0].losses
-    for resumed, whole in zip(second, straight):
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in resumed.parameters.items())
+    config = zero_config("1f1b", 1, run={"steps": 4})
+    parted = assert_resumes_bit_for_bit(config, 2, tmp_path)
     with pytest.raises(CheckpointError, match="optimizer.zero is 1 there and 0 here"):
-        resumable_step(tmp_path / "parted", parted.with_overrides(optimizer={"zero": 0}))
+        resumable_step(parted, config.with_overrides(optimizer={"zero": 0}))
 
 
 def test_a_sharded_buffer_cuts_buckets_at_owners_and_holds_the_parameters():
