@@ -8,9 +8,9 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, percentile, positive_float, positive_int, share
+from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, format_table, percentile, positive_float, positive_int, share
 from pipefisher.config import ConfigError
-from pipefisher.ir import ScheduleError, peak_activations
+from pipefisher.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.methods import task_rules
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "kfac", "shampoo")
@@ -34,6 +34,7 @@ def _simulate_summary(schedule, timeline: Timeline) -> dict:
                 "bubble_fraction": timeline.bubble_time(rank) / timeline.step_time if timeline.step_time else 0.0,
                 "bubbles": len(timeline.bubbles(rank)),
                 "peak_activations": peak_activations(schedule.ranks[rank]),
+                "peak_pending_weights": peak_pending_weights(schedule.ranks[rank]),
             }
         )
     return {
@@ -46,15 +47,6 @@ def _simulate_summary(schedule, timeline: Timeline) -> dict:
         "bubble_fraction": timeline.bubble_fraction,
         "devices": devices,
     }
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Right-aligned text table."""
-    text_rows = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in text_rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in text_rows]
-    return "\n".join(lines)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -70,11 +62,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"{schedule.name}: D={schedule.num_ranks}, N={schedule.num_micro_batches}{chunks}; "
         f"step time {timeline.step_time:.4g} {unit}, bubble {100 * timeline.bubble_fraction:.1f} % of device time"
     )
+    headers = ["rank", "stages", f"busy [{unit}]", f"bubble [{unit}]", "bubble [%]", "gaps", "peak act [mb]"]
     rows = [
-        (d["rank"], ",".join(d["stages"]), f"{d['busy_time']:.4g}", f"{d['bubble_time']:.4g}", f"{100 * d['bubble_fraction']:.1f}", d["bubbles"], d["peak_activations"])
+        [d["rank"], ",".join(d["stages"]), f"{d['busy_time']:.4g}", f"{d['bubble_time']:.4g}", f"{100 * d['bubble_fraction']:.1f}", d["bubbles"], d["peak_activations"]]
         for d in summary["devices"]
     ]
-    print(format_table(["rank", "stages", f"busy [{unit}]", f"bubble [{unit}]", "bubble [%]", "gaps", "peak act [mb]"], rows))
+    if any(map(splits_backward, schedule.ranks)):
+        headers.append("pending W [mb]")
+        for row, device in zip(rows, summary["devices"]):
+            row.append(device["peak_pending_weights"])
+    print(format_table(headers, rows))
     return 0
 
 
@@ -130,6 +127,8 @@ def format_pack_report(result: PackResult) -> str:
         f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
         f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
     ]
+    if data.get("moved_weights"):
+        lines.append(f"weight gradients (W) moved from where the schedule put them: {data['moved_weights']} over the cycle")
     if result.capture_peak_bytes:
         peak = max(result.capture_peaks, key=lambda p: p.bytes)
         lines.append(f"captured activations/gradients held: peak {data['capture_peak_mib']:.1f} MiB (rank {peak.rank}, "

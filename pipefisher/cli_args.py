@@ -1,5 +1,6 @@
 """Command-line pieces shared by `pipefisher` and its subcommands (`viz`, helper scripts):
-the usage error, a one-line-error argument parser, argument types, and the pipeline arguments.
+the usage error, a one-line-error argument parser, argument types, the pipeline arguments and
+the text table.
 Pure Python: no torch.
 """
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipefisher.profile import load_profile, uniform_profile
@@ -60,7 +61,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")
     parser.add_argument("--stages", "-D", type=positive_int, required=True, help="pipeline depth D (ranks)")
     parser.add_argument("--micro-batches", "-N", type=positive_int, required=True, help="micro-batches per step N")
-    parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2)")
+    parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2; zbv and dualpipev hold 2)")
 
 
 def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> tuple:
@@ -75,6 +76,15 @@ def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> 
         chunks = schedule.num_stages // schedule.num_ranks
         profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
     return schedule, profile
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Right-aligned text table."""
+    text_rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text_rows)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in text_rows]
+    return "\n".join(lines)
 
 
 def share(text: str) -> float:

@@ -310,10 +310,10 @@ def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, 
 
 def _gradient_final_positions(ops: Sequence[Op]) -> dict[int, int]:
     """position -> stage whose gradient of the step is final after the op there (its last
-    backward, or its preconditioning when that comes later)."""
+    backward or weight gradient, or its preconditioning when that comes later)."""
     last: dict[int, int] = {}
     for position, op in enumerate(ops):
-        if op.kind in (OpKind.BACKWARD, OpKind.PRECONDITION):
+        if op.kind in (OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION):
             last[op.stage] = position
     return {position: stage for stage, position in last.items()}
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pipefisher.files import load_structured
 from pipefisher.kaisa import worker_count
-from pipefisher.schedules import SCHEDULES
+from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank
 
 
 class ConfigError(ValueError):
@@ -262,9 +262,9 @@ class RunConfig:
 
     @property
     def model_chunks(self) -> int:
-        """Model pieces per pipe: stages × chunks for interleaved, stages otherwise."""
-        chunks = self.pipeline.chunks if self.pipeline.schedule == "interleaved" else 1
-        return self.pipeline.stages * chunks
+        """Model pieces per pipe: stages × the schedule's chunks per rank (`chunks_per_rank`:
+        pipeline.chunks for interleaved, 2 for zbv and dualpipev, 1 otherwise)."""
+        return self.pipeline.stages * chunks_per_rank(self.pipeline.schedule, self.pipeline.chunks)
 
     def with_overrides(self, **sections: dict[str, Any]) -> "RunConfig":
         """A copy with some keys of some sections replaced (None values are ignored), checked."""
@@ -355,6 +355,20 @@ def stage_replica_count(config: RunConfig) -> int:
     return (2 if config.pipeline.schedule == "chimera" else 1) * config.pipeline.data_parallel
 
 
+def stage_count_terms(pipeline: PipelineConfig) -> tuple[str, str]:
+    """How the run's stage count per pipe is made, for messages: (its factors with their values,
+    the product to fix), e.g. ("pipeline.stages 2 x pipeline.chunks 3", "pipeline.stages x
+    pipeline.chunks") for interleaved, ("pipeline.stages 2 x 2 chunks per rank of zbv",
+    "2 x pipeline.stages") for a V schedule, ("pipeline.stages 2", "pipeline.stages") otherwise."""
+    stages = f"pipeline.stages {pipeline.stages}"
+    if pipeline.schedule in CONFIGURABLE_CHUNKS:
+        return f"{stages} x pipeline.chunks {pipeline.chunks}", "pipeline.stages x pipeline.chunks"
+    chunks = chunks_per_rank(pipeline.schedule)
+    if chunks > 1:
+        return f"{stages} x {chunks} chunks per rank of {pipeline.schedule}", f"{chunks} x pipeline.stages"
+    return stages, "pipeline.stages"
+
+
 def split_hint(layers: int, what: str) -> str:
     """How to fix a stage count that does not divide `layers`: name the divisors."""
     divisors = [str(d) for d in range(1, layers + 1) if layers % d == 0]
@@ -367,11 +381,10 @@ def _check(config: RunConfig) -> None:
     if pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if model.kind in ("transformer", "mlp") and model.layers % config.model_chunks:
-        interleaved = pipeline.schedule == "interleaved"
+        factors, product = stage_count_terms(pipeline)
         raise ConfigError(
             f"model.layers: {model.layers} blocks cannot be split into {config.model_chunks} equal stages "
-            f"(pipeline.stages {pipeline.stages}" + (f" x pipeline.chunks {pipeline.chunks}" if interleaved else "") + "); "
-            + split_hint(model.layers, "pipeline.stages x pipeline.chunks" if interleaved else "pipeline.stages")
+            f"({factors}); {split_hint(model.layers, product)}"
         )
     fits = {"transformer": ("synthetic",), "mlp": ("synthetic",), "bert": ("bert",), "hf": ("causal", "bert")}[model.kind]
     if config.data.kind not in fits:

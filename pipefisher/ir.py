@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from enum import Enum
 from pathlib import Path
 
@@ -19,7 +20,10 @@ class OpKind(str, Enum):
     """What an op does; the value is its token in the compact string form."""
 
     FORWARD = "F"
+    #: the whole backward of a micro-batch; its input gradient only where the schedule has W ops
     BACKWARD = "B"
+    #: the weight gradient of a micro-batch, split from its backward (zero-bubble schedules)
+    WEIGHT = "W"
     CURV_A = "CA"
     CURV_B = "CB"
     SYNC_A = "SA"
@@ -31,7 +35,7 @@ class OpKind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        """Forward or backward: the ops a plain pipeline schedule consists of."""
+        """Forward, backward or weight gradient: the ops a plain pipeline schedule consists of."""
         return self in _COMPUTE
 
     @property
@@ -43,9 +47,9 @@ class OpKind(str, Enum):
         return self not in _WITHOUT_LAYER
 
 
-_COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD})
-_WITH_MICRO_BATCH = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.CURV_A, OpKind.CURV_B})
-_WITHOUT_LAYER = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.PRECONDITION})
+_COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT})
+_WITH_MICRO_BATCH = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.CURV_A, OpKind.CURV_B})
+_WITHOUT_LAYER = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
 
 
 class ScheduleError(ValueError):
@@ -143,6 +147,10 @@ def backward(stage: int, micro_batch: int, pipe: int = 0) -> Op:
     return Op(OpKind.BACKWARD, stage, micro_batch, pipe)
 
 
+def weight(stage: int, micro_batch: int, pipe: int = 0) -> Op:
+    return Op(OpKind.WEIGHT, stage, micro_batch, pipe)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-rank ordered op lists of one training step.
@@ -163,6 +171,11 @@ class Schedule:
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
+
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether its backwards are split: `B` input gradients, `W` weight gradients."""
+        return splits_backward(op for ops in self.ranks for op in ops)
 
     def rank_of(self, op: Op) -> int:
         try:
@@ -237,6 +250,8 @@ def stage_dependencies(kind: OpKind, stage: int, num_stages: int) -> tuple[tuple
     if kind is OpKind.BACKWARD:
         own = (OpKind.FORWARD, stage)
         return (own, (OpKind.BACKWARD, stage + 1)) if stage < num_stages - 1 else (own,)
+    if kind is OpKind.WEIGHT:
+        return ((OpKind.BACKWARD, stage),)
     if kind is OpKind.CURV_A:
         return ((OpKind.FORWARD, stage),)
     if kind is OpKind.CURV_B:
@@ -248,7 +263,7 @@ def dependencies(op: Op, num_stages: int) -> tuple[Op, ...]:
     """Ops (of the same step) that must finish before `op` may start, across ranks.
 
     Forward of stage s needs stage s-1's forward; backward needs its own forward and stage s+1's
-    backward; curvature A/B needs the forward/backward of its micro-batch. Dependencies among
+    backward; a weight gradient needs its backward (input gradient); curvature A/B needs the forward/backward of its micro-batch. Dependencies among
     K-FAC ops of one layer (sync after all curvature, inverse after sync) are the packer's
     business, since they span steps of a refresh cycle.
     """
@@ -284,13 +299,30 @@ def format_grid(
     return "\n".join(lines)
 
 
-def peak_activations(ops: Sequence[Op]) -> int:
-    """Most forwards held at once (run, backward not yet run) over an op list, in micro-batches."""
+def splits_backward(ops: Iterable[Op]) -> bool:
+    """Whether the ops hold weight-gradient ops, i.e. their backwards compute input gradients only."""
+    return any(op.kind is OpKind.WEIGHT for op in ops)
+
+
+def _peak_held(ops: Sequence[Op], take: OpKind, release: OpKind) -> int:
+    """Most micro-batches held at once over an op list: from their `take` op until their `release` op."""
     held = peak = 0
     for op in ops:
-        if op.kind is OpKind.FORWARD:
+        if op.kind is take:
             held += 1
             peak = max(peak, held)
-        elif op.kind is OpKind.BACKWARD:
+        elif op.kind is release:
             held -= 1
     return peak
+
+
+def peak_activations(ops: Sequence[Op]) -> int:
+    """Most forwards held at once over an op list, in micro-batches: from the forward until the
+    backward, or until the weight gradient where the list splits the backward (what the weight
+    gradient needs is held until then)."""
+    return _peak_held(ops, OpKind.FORWARD, OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD)
+
+
+def peak_pending_weights(ops: Sequence[Op]) -> int:
+    """Most micro-batches whose input gradient has run and weight gradient has not, at once."""
+    return _peak_held(ops, OpKind.BACKWARD, OpKind.WEIGHT) if splits_backward(ops) else 0

@@ -6,7 +6,11 @@ up to the first k without overhead, it keeps the fastest predicted plan among: t
 greedy (largest ready task that fits) with leftovers at the end of the cycle or spread where they
 cost least, the published PipeFisher rule's plan at that k, and the after-step placement at that
 k. So at every k the plan is never predicted slower than the published rule's or than doing the
-work after the step. The list of (k, overhead) is the *frontier*.
+work after the step. Where the schedule splits the backward and `move_weights` is on, the fill
+greedy also runs with the weight gradients (W ops) moving within their step
+(`pipefisher.pack_weights`: pulled earlier, ``first``, or postponed, ``last``), and those plans
+join the candidates: a plan is never predicted slower than with the W ops where the schedule put
+them. The list of (k, overhead) is the *frontier*.
 
 The default k (`choose`): the smallest k on the frontier whose overhead, less what work that fits
 no window costs at that k, stays within `max_overhead`; if work that fits no window still costs
@@ -28,8 +32,9 @@ from functools import cached_property
 
 from pipefisher.capture_memory import capture_peaks
 from pipefisher.ir import Op, OpKind, Schedule
-from pipefisher.pack_greedy import STRATEGIES, Placement, Strategy, Windows, lower_bounds, place, precondition_in_bubbles, step_windows
+from pipefisher.pack_greedy import STRATEGIES, Placed, Strategy, Windows, lower_bounds, place, precondition_in_bubbles, step_windows
 from pipefisher.pack_plan import Built, PlanBuilder
+from pipefisher.pack_weights import WeightPolicy
 from pipefisher.pack_report import DeviceReport, FrontierPoint, PackResult, device_reports
 from pipefisher.plan import Plan, simulate_plan, simulate_plan_step
 from pipefisher.profile import Profile
@@ -51,8 +56,10 @@ class PackOptions:
     `max_capture_mb`: cap on captured activations/gradients held per device (MiB; None: no cap);
     `data_parallel`: copies of the pipeline (factors are synced over them too); `precondition`
     False: no per-step precondition ops (K-FAC's gradient workers precondition in the step end); `strategy`
-    ``published`` packs with the published rule alone, for comparison. The tasks packed are those
-    of the profile's curvature method (`Profile.method`)."""
+    ``published`` packs with the published rule alone, for comparison; `move_weights`: where the
+    schedule splits the backward, let the fill strategy move weight gradients within their step
+    (False: they stay where the schedule put them). The tasks packed are those of the profile's
+    curvature method (`Profile.method`)."""
 
     margin: float = 0.0
     percentile: float | None = 90.0
@@ -64,6 +71,7 @@ class PackOptions:
     max_capture_mb: float | None = None
     data_parallel: int = 1
     precondition: bool = True
+    move_weights: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -107,7 +115,10 @@ class _Packing:
         self.windows: Windows = step_windows(tasks, first_order, options.margin)
         self.builder = PlanBuilder(tasks, first_order, self.windows)
         self.cache: dict = {}
-        self._placed: dict[Strategy, dict[Op, Placement]] = {}
+        self._placed: dict[tuple[Strategy, WeightPolicy], Placed] = {}
+        #: how the fill greedy may place weight gradients besides where the schedule put them
+        moving = options.move_weights and tasks.schedule.splits_backward
+        self.weight_policies: tuple[WeightPolicy, ...] = ("first", "last") if moving else ()
         self.bounds = lower_bounds(tasks, first_order, self.windows)
         self._best: dict[int, _Candidate] = {}
         self.all_cycle_work = [op for ops in tasks.cycle for op in ops if op.kind not in COLLECTIVES]
@@ -117,15 +128,16 @@ class _Packing:
         """A step's time with preconditioning as its only K-FAC work."""
         return self.windows.preconditioned.step_time
 
-    def placed(self, strategy: Strategy) -> dict[Op, Placement]:
-        """The greedy's placement with `strategy` (run once)."""
-        if strategy not in self._placed:
-            self._placed[strategy] = place(self.tasks, self.first_order, self.windows, strategy, _HORIZON)
-        return self._placed[strategy]
+    def placed(self, strategy: Strategy, weights: WeightPolicy = "fixed") -> Placed:
+        """The greedy's placement with `strategy` and W ops placed by `weights` (run once)."""
+        key = (strategy, weights)
+        if key not in self._placed:
+            self._placed[key] = place(self.tasks, self.first_order, self.windows, strategy, _HORIZON, weights=weights)
+        return self._placed[key]
 
     def natural(self, strategy: Strategy) -> int:
         """Steps the greedy used for everything it placed."""
-        placed = self.placed(strategy)
+        placed = self.placed(strategy).tasks
         return 1 + max((p.slot.step for p in placed.values()), default=0)
 
     def evaluate(self, built: Built, source: str) -> _Candidate:
@@ -141,16 +153,24 @@ class _Packing:
         """The plans at k, fastest first (see the module docstring)."""
         if self.options.strategy == "published":
             return [self.evaluate(self.builder.plan(self.placed("published"), k, "tail"), "published rule")]
-        tail = self.builder.plan(self.placed("fill"), k, "tail")
-        found = [self.evaluate(tail, "fill")]
-        if tail.leftovers and self.overhead(found[0]) > _EXACT:
-            found.append(self.evaluate(self.builder.plan(self.placed("fill"), k, "spread"), "fill, leftovers spread"))
+        found = self._fill_candidates(self.placed("fill"), k, "fill")
+        for policy in self.weight_policies if self.overhead(found[0]) > _EXACT else ():
+            found += self._fill_candidates(self.placed("fill", policy), k, f"fill, weight gradients {policy}")
         if self.overhead(min(found, key=lambda c: c.cycle_time)) > _EXACT:
             found.append(self.evaluate(self.builder.plan(self.placed("published"), k, "tail"), "published rule"))
             after = _after_step(self.tasks, k)
             # its preconditions run after each step's work, not in the bubbles: every step simulated
             found.append(self.evaluate(Built(after, self.all_cycle_work, frozenset(range(k))), "after-step"))
         return [c for _, _, c in sorted((c.cycle_time, i, c) for i, c in enumerate(found))]
+
+    def _fill_candidates(self, placed: Placed, k: int, source: str) -> list[_Candidate]:
+        """The plans of one greedy placement at k: leftovers at the end, and, if they cost time,
+        spread."""
+        tail = self.builder.plan(placed, k, "tail")
+        found = [self.evaluate(tail, source)]
+        if tail.leftovers and self.overhead(found[0]) > _EXACT:
+            found.append(self.evaluate(self.builder.plan(placed, k, "spread"), f"{source}, leftovers spread"))
+        return found
 
     @property
     def evaluated(self) -> list[int]:
@@ -169,7 +189,7 @@ class _Packing:
     @cached_property
     def unplaceable(self) -> tuple[Op, ...]:
         """Tasks the greedy placed nowhere: each fits no window of its rank."""
-        placed = self.placed(self.options.strategy)
+        placed = self.placed(self.options.strategy).tasks
         return tuple(op for op in self.all_cycle_work if op not in placed)
 
     def unavoidable(self, k: int, settled: int) -> float:

@@ -11,6 +11,12 @@ steps; in each, ready tasks are placed one after another:
   (curvature A, curvature B, inverse A, inverse B); an inverse waits for all curvature of its kind
   on its rank.
 
+Where the schedule splits the backward, weight gradients (W ops) stay where it put them
+(policy ``fixed``), or move within their step as `pipefisher.pack_weights` bounds them: the
+windows then include the W ops' own time, and in every step each rank's W ops are placed in
+order, never later than their latest start, before it (``first``: as soon as ready) or when no
+ready task fits before that (``last``).
+
 Collective launches (factor syncs, inverse exchanges) take no rank time: they happen once their
 own dependencies are done. Times are global: step j spans [j * T, (j + 1) * T), T the step time
 with preconditioning.
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from pipefisher.ir import Op, OpKind
+from pipefisher.pack_weights import WeightPolicy, WeightWindows, weight_windows
 from pipefisher.simulate import COLLECTIVES, Timeline, simulate_ops
 from pipefisher.tasks import CurvatureTasks
 
@@ -62,15 +69,25 @@ class Placement(NamedTuple):
     end: float
 
 
+class Placed(NamedTuple):
+    """What the greedy placed: the cycle's tasks (those it could place), and, when it moved the
+    weight gradients, their placement in each step it ran (`weights[j]`; empty: W ops fixed)."""
+
+    tasks: dict[Op, Placement]
+    weights: tuple[dict[Op, Placement], ...] = ()
+
+
 @dataclass(frozen=True)
 class Windows:
     """Per rank, the usable windows of one step as (local start, local end); each
-    precondition's window start (None: after the step's work); and the timeline of a step with
-    preconditioning as its only K-FAC work, whose bubbles the windows are."""
+    precondition's window start (None: after the step's work); the timeline of a step with
+    preconditioning as its only K-FAC work, whose bubbles the windows are; and, where the
+    schedule splits the backward, the bounds within which W ops may move (None otherwise)."""
 
     free: tuple[tuple[tuple[float, float], ...], ...]
     precondition_window: dict[Op, float | None]
     preconditioned: Timeline
+    weights: WeightWindows | None = None
 
     def longest(self, rank: int) -> float:
         return max((end - start for start, end in self.free[rank]), default=0.0)
@@ -78,21 +95,18 @@ class Windows:
 
 def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) -> Windows:
     """The windows of every step: each precondition goes into the first bubble after its
-    stage's last backward that holds it (else after the step's work); the windows are the
-    bubbles of that preconditioned step (so they include what a step ending later with its
-    preconditioning leaves free on other ranks), less `margin` of each."""
-    last_backward: dict[tuple[int, int], float] = {}
-    for intervals in first_order.ranks:
-        for iv in intervals:
-            if iv.op.kind is OpKind.BACKWARD:
-                key = (iv.op.pipe, iv.op.stage)
-                last_backward[key] = max(last_backward.get(key, 0.0), iv.end)
+    stage's gradient is final (its last backward or weight gradient) that holds it (else after
+    the step's work); the windows are the bubbles of that preconditioned step (so they include
+    what a step ending later with its preconditioning leaves free on other ranks), less `margin`
+    of each."""
+    end_of = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
+    final = {op: max((end_of[dep] for dep in tasks.graph.gradient_ops(op)), default=0.0) for ops in tasks.per_step for op in ops}
     reserved: dict[Op, float | None] = {}
     ranks = []
     for rank, preconditions in enumerate(tasks.per_step):
         windows = [(b.start, b.end) for b in first_order.bubbles(rank)]
-        for op in sorted(preconditions, key=lambda o: last_backward[(o.pipe, o.stage)]):
-            work, release = tasks.durations(op), last_backward[(op.pipe, op.stage)]
+        for op in sorted(preconditions, key=final.__getitem__):
+            work, release = tasks.durations(op), final[op]
             reserved[op] = None
             for index, (start, end) in enumerate(windows):
                 if start >= release - TOLERANCE and end - start >= work - TOLERANCE:
@@ -107,7 +121,9 @@ def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) ->
         tuple((b.start, b.end - margin * b.duration) for b in preconditioned.bubbles(rank) if b.duration * (1 - margin) > TOLERANCE)
         for rank in range(len(ranks))
     )
-    return Windows(free, reserved, preconditioned)
+    moving = tasks.schedule.splits_backward
+    weights = weight_windows(tasks, free, preconditioned.ranks, reserved) if moving else None
+    return Windows(free, reserved, preconditioned, weights)
 
 
 def place(
@@ -117,10 +133,14 @@ def place(
     strategy: Strategy,
     max_steps: int,
     curvature_until: int | None = None,
-) -> dict[Op, Placement]:
+    weights: WeightPolicy = "fixed",
+) -> Placed:
     """Place the cycle's tasks over up to `max_steps` steps; tasks left unplaced are absent.
-    Curvature is placed only in steps <= `curvature_until` when given."""
-    return _Greedy(tasks, first_order, windows, strategy).run(max_steps, curvature_until)
+    Curvature is placed only in steps <= `curvature_until` when given. `weights`: how W ops are
+    placed (see the module docstring; ``fixed`` where the schedule has none)."""
+    if windows.weights is None:
+        weights = "fixed"
+    return _Greedy(tasks, first_order, windows, strategy, weights).run(max_steps, curvature_until)
 
 
 class _Greedy:
@@ -130,9 +150,12 @@ class _Greedy:
     choice is the same as choosing task by task, at a fraction of the cost. Units are numbered in
     `tasks.cycle` order of their first task (a topological order)."""
 
-    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy):
+    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy):
         self.published = strategy == "published"
         self.windows = windows
+        #: the W ops' bounds when they move (None: fixed), and whether they go first
+        self.movable = windows.weights if weights != "fixed" else None
+        self.weights_first = weights == "first"
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
         self.ops: list[list[Op]] = []
         unit_of: dict[Op, int] = {}
@@ -192,58 +215,102 @@ class _Greedy:
             extra.update({op: last[_CURVATURE_OF[op.kind]] for op in ops if op.kind in _CURVATURE_OF})
         return extra
 
-    def run(self, max_steps: int, curvature_until: int | None) -> dict[Op, Placement]:
+    def run(self, max_steps: int, curvature_until: int | None) -> Placed:
         num_ranks = len(self.windows.free)
         self.pending: list[list[tuple]] = [[] for _ in range(num_ranks)]  # (release, unit)
         self.ready: list[list[tuple]] = [[] for _ in range(num_ranks)]
         self.placed: dict[Op, Placement] = {}
+        self.sequence = 0  # placements so far (the order within a window)
+        #: per step, the W ops placed in it (when they move); per rank, the next W of the step
+        self.weights_placed: list[dict[Op, Placement]] = []
+        self.weight_head = [0] * num_ranks
         self.done = 0
         self.step = 0
         self.curvature_until = math.inf if curvature_until is None else curvature_until
         for unit in [unit for unit in range(len(self.ops)) if self.missing[unit] == 0]:  # (launching one readies others)
             self._make_ready(unit)
-        order = sorted((start, rank, end) for rank, free in enumerate(self.windows.free) for start, end in free)
+        free = self.windows.free if self.movable is None else self.movable.free
+        order = sorted((start, rank, end) for rank, windows in enumerate(free) for start, end in windows)
         for step in range(max_steps):
             self.step = step
             if step > self.curvature_until:
                 self._drop_curvature()
             done_before = len(self.placed)
             offset = step * self.period
+            if self.movable is not None:
+                self.weights_placed.append({})
+                self.weight_head = [0] * num_ranks
             for local_start, rank, local_end in order:
                 self._fill(rank, step, local_start, offset + local_start, offset + local_end)
+            if self.movable is not None and self.weight_head != [len(ops) for ops in self.movable.ops]:
+                raise AssertionError(f"step {step}: weight gradients left unplaced")  # the bounds guarantee room
             if self.done == len(self.ops):
                 break
             step_end = (step + 1) * self.period
             if len(self.placed) == done_before and not any(q and q[0][0] >= step_end for q in self.pending) and not self._anything_fits():
                 break  # what is left fits no window
-        return self.placed
+        return Placed(self.placed, tuple(self.weights_placed))
+
+    def _next_weight(self, rank: int, offset: float) -> tuple[float, float, float] | None:
+        """(global release, global latest start, work) of `rank`'s next W of the step; None if W
+        ops are fixed or all placed."""
+        movable = self.movable
+        if movable is None:
+            return None
+        head = self.weight_head[rank]
+        if head == len(movable.ops[rank]):
+            return None
+        return offset + movable.release[rank][head], offset + movable.latest[rank][head], movable.work[rank][head]
+
+    def _place_weight(self, rank: int, step: int, local_start: float, cursor: float) -> float:
+        """Place `rank`'s next W of `step` at `cursor` in the window at `local_start`; its end."""
+        movable, head = self.movable, self.weight_head[rank]
+        end = cursor + movable.work[rank][head]
+        slot = _new(Slot, (step, local_start, 1, self.sequence, 0))
+        self.weights_placed[step][movable.ops[rank][head]] = _new(Placement, (slot, cursor, end))
+        self.sequence += 1
+        self.weight_head[rank] = head + 1
+        return end
 
     def _fill(self, rank: int, step: int, local_start: float, cursor: float, end: float) -> None:
-        """Place ready work of `rank` in the window [cursor, end) of `step`."""
+        """Place ready work of `rank` in the window [cursor, end) of `step`: tasks, and its W ops
+        when they move (no task crosses the next W's latest start; that W runs by then)."""
         pending, ready, placed = self.pending[rank], self.ready[rank], self.placed
+        offset = step * self.period
         while True:
             while pending and pending[0][0] <= cursor + TOLERANCE:
                 bisect.insort(ready, self._ready_key(heapq.heappop(pending)[1]))
-            chosen = self._best(ready, end - cursor)
+            weight = self._next_weight(rank, offset)
+            limit = end if weight is None else min(end, weight[1])
+            chosen = self._best(ready, limit - cursor)
+            if (weight is not None and weight[0] <= cursor + TOLERANCE and cursor + weight[2] <= end + TOLERANCE
+                    and (chosen is None or self.weights_first)):
+                cursor = self._place_weight(rank, step, local_start, cursor)
+                continue
             if chosen is None:
-                if pending and pending[0][0] < end:
-                    cursor = pending[0][0]
+                waiting = weight is not None and weight[0] > cursor + TOLERANCE  # (else it fits a later window)
+                upcoming = min(pending[0][0] if pending else math.inf, weight[0] if waiting else math.inf)
+                if upcoming < end:
+                    cursor = upcoming
                     continue
                 return
             unit = ready.pop(chosen)[-1]
             ops, work, releases = self.ops[unit], self.work[unit], self.op_release[unit]
             head = self.head[unit]
             while True:  # the chain's tasks while each is still the best choice
-                slot = _new(Slot, (step, local_start, 1, len(placed), 0))
+                slot = _new(Slot, (step, local_start, 1, self.sequence, 0))
+                self.sequence += 1
                 placed[ops[head]] = _new(Placement, (slot, cursor, cursor + work[head]))
                 cursor += work[head]
                 head += 1
-                if head == len(ops) or releases[head] > cursor + TOLERANCE or cursor + work[head] > end + TOLERANCE:
+                if head == len(ops) or releases[head] > cursor + TOLERANCE or cursor + work[head] > limit + TOLERANCE:
                     break
                 if pending and pending[0][0] <= cursor + TOLERANCE:
                     break  # newly ready work competes
+                if weight is not None and self.weights_first and weight[0] <= cursor + TOLERANCE:
+                    break  # the next W is ready and goes first
                 if work[head] != work[head - 1]:  # (an equal next task stays the best choice)
-                    rival = self._best(ready, end - cursor)
+                    rival = self._best(ready, limit - cursor)
                     if rival is not None and ready[rival][:-1] > self._key(unit, head):
                         break
             self.head[unit] = head

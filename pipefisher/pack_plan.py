@@ -5,6 +5,9 @@ Tasks the greedy placed in step k or later (or never) are leftovers; a policy pu
 step least (ranks extend in parallel); ``eager`` (curvature only) right after its latest
 dependency, in step 0 or wherever that is, so its capture is freed at once. Collectives are then
 launched right after their own dependencies, in one order on every rank of their group.
+Weight gradients (W ops) run where the schedule put them, except in the steps where the greedy
+moved them (`Placed.weights`) and placed cycle tasks in the windows: there they run where it put
+them, and leftovers spread into that step use its windows with the W ops' time.
 Pure Python: no torch.
 """
 
@@ -17,7 +20,7 @@ from collections import defaultdict
 from typing import Literal, NamedTuple
 
 from pipefisher.ir import Op, OpKind
-from pipefisher.pack_greedy import CURVATURE_KINDS, TOLERANCE, Placement, Slot, Windows
+from pipefisher.pack_greedy import CURVATURE_KINDS, TOLERANCE, Placed, Placement, Slot, Windows
 from pipefisher.plan import Plan
 from pipefisher.simulate import COLLECTIVES, Timeline
 from pipefisher.tasks import CurvatureTasks, collective_groups
@@ -51,9 +54,11 @@ class PlanBuilder:
         self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
         self.cycle_index = {op: index for index, op in enumerate(self.rank_of)}
 
-    def plan(self, placed: dict[Op, Placement], refresh_steps: int, leftovers: Leftovers, eager_curvature: bool = False) -> Built:
+    def plan(self, placed: Placed, refresh_steps: int, leftovers: Leftovers, eager_curvature: bool = False) -> Built:
         """The plan with `refresh_steps` steps and its leftovers (tasks outside the windows)."""
-        kept = {op: p for op, p in placed.items() if -1 < p.slot.step < refresh_steps}  # (collectives: step -1)
+        kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}  # (collectives: step -1)
+        in_windows = {p.slot.step for p in kept.values() if p.slot.phase == 1}
+        weights = {step: moved for step, moved in enumerate(placed.weights[:refresh_steps]) if step in in_windows}
         left = sorted((op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key)
         if eager_curvature:
             self._place_eagerly(kept, [op for op in left if op.kind in CURVATURE_KINDS])
@@ -61,30 +66,34 @@ class PlanBuilder:
         if leftovers == "tail":
             self._append(kept, rest, refresh_steps)
         else:
-            self._spread(kept, rest, refresh_steps)
-        collectives = self._place_collectives(kept)
-        irregular = frozenset(kept[op].slot.step for op in left + collectives)
-        return Built(self.assemble(kept, refresh_steps), left, irregular)
+            self._spread(kept, rest, refresh_steps, weights)
+        collectives = self._place_collectives(kept, weights.get(0, {}))
+        irregular = frozenset(kept[op].slot.step for op in left + collectives) | frozenset(weights)
+        return Built(self.assemble(kept, refresh_steps, weights), left, irregular)
 
-    def assemble(self, kept: dict[Op, Placement], refresh_steps: int) -> Plan:
-        """The plan of the schedule's ops, the preconditions in their windows and `kept`."""
+    def assemble(self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None) -> Plan:
+        """The plan of the schedule's ops, the preconditions in their windows and `kept`; in the
+        steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
+        weights = weights or {}
         extra: list[list[list[tuple[tuple, Op]]]] = [[[] for _ in self.schedule.ranks] for _ in range(refresh_steps)]
-        for op, placement in kept.items():
-            extra[placement.slot.step][self.rank_of[op]].append((placement.slot[1:], op))
+        for placements in [kept] + [weights[step] for step in sorted(weights)]:
+            for op, placement in placements.items():
+                extra[placement.slot.step][self.schedule.rank_of(op)].append((placement.slot[1:], op))
         steps = []
-        for step in extra:
+        for index, step in enumerate(extra):
+            base = self.base_without_weights if index in weights else self.base
             ranks = []
             for rank, items in enumerate(step):
-                items = self.base[rank] + items
-                items.sort(key=_first)  # two sorted runs when kept is in window order: a merge
+                items = base[rank] + items
+                items.sort(key=_first)  # sorted runs when kept is in window order: a merge
                 ranks.append(tuple(map(_second, items)))
             steps.append(tuple(ranks))
         return Plan(schedule=self.schedule, steps=tuple(steps), method=self.tasks.rules.name)
 
     @cached_property
     def base(self) -> list[list[tuple[tuple, Op]]]:
-        """Per rank, the ops of every step (forward/backward, preconditions) sorted by slot less
-        its step."""
+        """Per rank, the ops of every step (forward/backward and weight gradients where the
+        schedule puts them, preconditions) sorted by slot less its step."""
         base = []
         for rank, compute in enumerate(self.schedule.ranks):
             items = [(Slot(0, self.fo[op].start, 0, 0)[1:], op) for op in compute]
@@ -93,6 +102,16 @@ class PlanBuilder:
                 items.append((Slot(0, math.inf if window is None else window, 1, -1)[1:], op))
             base.append(sorted(items, key=_first))
         return base
+
+    @cached_property
+    def base_without_weights(self) -> list[list[tuple[tuple, Op]]]:
+        """`base` less the weight gradients (for steps where they move)."""
+        return [[item for item in items if item[1].kind is not OpKind.WEIGHT] for items in self.base]
+
+    def _free(self, rank: int, step: int, weights: dict[int, dict[Op, Placement]]) -> tuple[tuple[float, float], ...]:
+        """The windows of `rank` in `step`: with the W ops' time where they move in that step."""
+        moving = step in weights and self.windows.weights is not None
+        return (self.windows.weights if moving else self.windows).free[rank]
 
     # -- leftovers ------------------------------------------------------------------------------
     def _append(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int) -> None:
@@ -106,19 +125,21 @@ class PlanBuilder:
             kept[op] = Placement(Slot(last, math.inf, 2, sequence), start, start + self.tasks.durations(op))
             end_of[op] = kept[op].end
 
-    def _spread(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int) -> None:
+    def _spread(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int,
+                weights: dict[int, dict[Op, Placement]]) -> None:
         """Each leftover where it raises its step's largest per-rank extension least; an extension
-        is the part of a task its window's free time lacks."""
+        is the part of a task its window's free time lacks (W ops that moved in a step use their
+        windows there, `weights`)."""
         last = refresh_steps - 1
         end_of = {op: p.end for op, p in kept.items()}
         cursor: dict[tuple[int, int, float], float] = {}  # (rank, step, window start) -> cursor
-        for rank, free in enumerate(self.windows.free):
+        for rank in range(self.schedule.num_ranks):
             for step in range(refresh_steps):
-                for start, _ in free:
+                for start, _ in self._free(rank, step, weights):
                     cursor[(rank, step, start)] = step * self.period + start
-        for op, p in kept.items():  # consume what the greedy used
+        for op, p in [item for placements in [kept, *weights.values()] for item in placements.items()]:  # consume what the greedy used
             if p.slot.phase == 1:
-                key = (self.rank_of[op], p.slot.step, p.slot.window)
+                key = (self.schedule.rank_of(op), p.slot.step, p.slot.window)
                 cursor[key] = max(cursor[key], p.end)
         extension: dict[tuple[int, int], float] = defaultdict(float)
         step_max: dict[int, float] = defaultdict(float)
@@ -128,7 +149,7 @@ class PlanBuilder:
             candidates: list[tuple[float, int, tuple[float, float] | None]] = [
                 (max(0.0, work - (step * self.period + end - cursor[(rank, step, start)])), step, (start, end))
                 for step in range(refresh_steps)
-                for start, end in self.windows.free[rank]
+                for start, end in self._free(rank, step, weights)
                 if step * self.period + start + TOLERANCE >= ready
             ]
             candidates += [(work, step, None) for step in range(refresh_steps) if (step + 1) * self.period >= ready or step == last]
@@ -182,21 +203,23 @@ class PlanBuilder:
         return ready
 
     # -- collectives ----------------------------------------------------------------------------
-    def _place_collectives(self, kept: dict[Op, Placement]) -> list[Op]:
+    def _place_collectives(self, kept: dict[Op, Placement], first_weights: dict[Op, Placement]) -> list[Op]:
         """Launch every collective right after its own dependencies, in one order per group:
-        syncs first, then exchanges (which wait for every replica's syncs of their layer).
-        Returns the collectives."""
+        syncs first, then exchanges (which wait for every replica's syncs of their layer);
+        `first_weights`: the W ops the greedy moved in the first step, which a gradient-based
+        method's syncs wait for. Returns the collectives."""
         last: dict[frozenset[int], dict[int, Slot]] = defaultdict(dict)
         for kinds in ({OpKind.SYNC_A, OpKind.SYNC_B}, {OpKind.EXCHANGE}):
-            self._place_collectives_of([op for op in self.collectives if op.kind in kinds], kept, last)
+            self._place_collectives_of([op for op in self.collectives if op.kind in kinds], kept, first_weights, last)
         return self.collectives
 
-    def _place_collectives_of(self, collectives: list[Op], kept: dict[Op, Placement], last: dict[frozenset[int], dict[int, Slot]]) -> None:
+    def _place_collectives_of(self, collectives: list[Op], kept: dict[Op, Placement], first_weights: dict[Op, Placement],
+                              last: dict[frozenset[int], dict[int, Slot]]) -> None:
         """Place `collectives` after their dependencies' final places; `last[group][rank]`: the slot
         of the group's last collective on that rank so far (updated)."""
         own: dict[Op, tuple[float, Slot]] = {}
         for op in collectives:
-            deps = [kept[d] if d in kept else self._first_order_placement(d)
+            deps = [kept[d] if d in kept else first_weights[d] if d in first_weights else self._first_order_placement(d)
                     for d in self.tasks.graph.dependencies(op) if d in kept or d.kind.is_compute]
             own[op] = (max(p.end for p in deps), max(p.slot for p in deps)) if deps else (0.0, Slot(0, -math.inf, 0, 0))
         members: dict[tuple, list[Op]] = defaultdict(list)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from pipefisher.capture_memory import CapturePeak
 from pipefisher.ir import Op
-from pipefisher.plan import Plan
+from pipefisher.plan import Plan, moved_weights
 from pipefisher.simulate import Timeline
 from pipefisher.tasks import CYCLE_KINDS, CurvatureTasks
 
@@ -29,6 +29,9 @@ class DeviceReport:
     precondition_time: float
     bubble_time: float
     bubble_utilization: float
+    #: weight gradients (over the cycle's steps) the plan runs elsewhere among the forward/backward
+    #: ops than the schedule (`plan.moved_weights`)
+    moved_weights: int = 0
 
     @property
     def work_ratio(self) -> float:
@@ -101,6 +104,11 @@ class PackResult:
         return used / total if total > 0 else 0.0
 
     @property
+    def moved_weights(self) -> int:
+        """Weight gradients the plan moved, over all devices and the cycle's steps."""
+        return sum(d.moved_weights for d in self.devices)
+
+    @property
     def capture_peak_bytes(self) -> int:
         """The most capture bytes any device holds at once over the cycle (0: sizes unknown)."""
         return max((peak.bytes for peak in self.capture_peaks), default=0)
@@ -137,6 +145,8 @@ class PackResult:
             "capture_peak_mib": self.capture_peak_bytes / 2**20,
             "memory": self.memory,
             "unplaceable": [str(op) for op in self.unplaceable],
+            "move_weights": self.options.move_weights,
+            "moved_weights": self.moved_weights,
             "devices": [
                 {
                     "rank": d.rank,
@@ -148,6 +158,7 @@ class PackResult:
                     "work_ratio": d.work_ratio if math.isfinite(d.work_ratio) else None,
                     "bubble_utilization": d.bubble_utilization,
                     "capture_peak_mib": peaks.get(d.rank, 0) / 2**20,
+                    "moved_weights": d.moved_weights,
                 }
                 for d in self.devices
             ],
@@ -166,6 +177,7 @@ def device_reports(
     durations = tasks.durations
     k = plan.refresh_steps
     outside = set(leftovers)
+    moved = moved_weights(plan)
     reports = []
     for rank in range(tasks.schedule.num_ranks):
         steps_used = [j for j, step in enumerate(plan.steps) if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])]
@@ -183,6 +195,7 @@ def device_reports(
                 precondition_time=precondition,
                 bubble_time=bubble,
                 bubble_utilization=min(1.0, in_bubbles / (bubble * k)) if bubble > 0 else 0.0,
+                moved_weights=moved[rank],
             )
         )
     return reports

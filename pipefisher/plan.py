@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipefisher.ir import Op, OpKind, Schedule, ScheduleError
+from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
 from pipefisher.methods import task_rules
 from pipefisher.profile import Profile
 from pipefisher.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
@@ -27,7 +27,11 @@ class Plan:
     """`steps[j][rank]`: the ops `rank` runs in step j of the cycle (0-based; len = refresh interval).
 
     Every step holds the schedule's forward/backward ops in the schedule's order; the ops of
-    curvature method `method` (`pipefisher.methods`) are inserted among them. Curvature in step 0
+    curvature method `method` (`pipefisher.methods`) are inserted among them. Where the schedule
+    splits the backward, every step holds each of its weight gradients (W) once, on the same rank,
+    but the packer may move them within the step (after their backward, before their stage's
+    precondition), holding no more pending weight gradients or activations on a rank than the
+    schedule does (`weight_memory_problem`). Curvature in step 0
     reads that step's activations (or gradient); later steps reuse them; new inverses (roots) take
     effect at the first step of the next cycle.
     """
@@ -83,6 +87,44 @@ def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):
     return deps
 
 
+_FIXED = frozenset({OpKind.FORWARD, OpKind.BACKWARD})
+
+
+def _fixed_ops(ops: Sequence[Op]) -> tuple[Op, ...]:
+    """The forwards and backwards of an op list, in order (what a plan may not reorder)."""
+    return tuple(op for op in ops if op.kind in _FIXED)
+
+
+def weight_memory_problem(ops: Sequence[Op], schedule_ops: Sequence[Op]) -> str | None:
+    """Why a rank's op list of a plan step holds more than the schedule's own list of that rank
+    (more micro-batches whose weight gradient is pending, or more activations held until their
+    weight gradient, at once), or None if it does not."""
+    for what, peak in (("pending weight gradients", peak_pending_weights), ("activations", peak_activations)):
+        held, allowed = peak(ops), peak(schedule_ops)
+        if held > allowed:
+            return f"it holds {held} micro-batches' {what} at once; its schedule holds at most {allowed}"
+    return None
+
+
+def moved_weights(plan: Plan) -> list[int]:
+    """Per rank, how many weight gradients (counted over the cycle's steps) run at another place
+    among the forward/backward ops than in the schedule."""
+    def places(ops: Sequence[Op]) -> dict[Op, int]:
+        found, fixed = {}, 0
+        for op in ops:
+            if op.kind in _FIXED:
+                fixed += 1
+            elif op.kind is OpKind.WEIGHT:
+                found[op] = fixed
+        return found
+
+    moved = []
+    for rank, schedule_ops in enumerate(plan.schedule.ranks):
+        own = places(schedule_ops)
+        moved.append(sum(own.get(op) != place for step in plan.steps for op, place in places(step[rank]).items()))
+    return moved
+
+
 def _check_collective_order(plan: Plan) -> None:
     """Every rank of a process group must launch the group's collectives in the same order."""
     groups = collective_groups(plan.schedule)
@@ -121,8 +163,9 @@ def _check_method_kinds(plan: Plan) -> None:
 def validate_plan(plan: Plan) -> Plan:
     """Check that `plan` can run; return it or raise ScheduleError.
 
-    Each step keeps the schedule's forward/backward ops in order; every cycle op appears exactly
-    once per cycle and every precondition once per step; each op's dependencies run before it
+    Each step keeps the schedule's forward/backward ops in order and runs each of its weight
+    gradients once on their rank, holding no more than the schedule does (`weight_memory_problem`);
+    every cycle op appears exactly once per cycle and every precondition once per step; each op's dependencies run before it
     (earlier in the cycle, or earlier in the same step without deadlock); collectives are
     launched in the same order by all ranks of their group.
     """
@@ -137,9 +180,15 @@ def validate_plan(plan: Plan) -> Plan:
         if len(step) != schedule.num_ranks:
             raise ScheduleError(f"step {index} has {len(step)} ranks; the schedule has {schedule.num_ranks}")
         for rank, ops in enumerate(step):
-            compute = tuple(op for op in ops if op.kind.is_compute)
-            if compute != schedule.ranks[rank]:
+            own = schedule.ranks[rank]
+            if _fixed_ops(ops) != _fixed_ops(own):
                 raise ScheduleError(f"step {index}, rank {rank}: forward/backward ops differ from the schedule's")
+            weights = Counter(op for op in ops if op.kind is OpKind.WEIGHT)
+            if weights != Counter(op for op in own if op.kind is OpKind.WEIGHT):
+                raise ScheduleError(f"step {index}, rank {rank}: weight gradients differ from the schedule's (each runs once per step)")
+            problem = weight_memory_problem(ops, own)
+            if problem is not None:
+                raise ScheduleError(f"step {index}, rank {rank}: {problem}")
             for op in ops:
                 if not op.kind.is_compute and schedule.placement.get((op.pipe, op.stage)) != rank:
                     raise ScheduleError(f"step {index}: {op} is on rank {rank}, not on the rank of its stage")
@@ -170,7 +219,7 @@ def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None
     `graph` (optional) is the plan's task graph when the caller has it.
     """
     graph = graph or plan.graph  # derived once for all steps
-    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile)
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
     return [simulate_plan_step(plan, index, durations, cache, graph) for index in range(plan.refresh_steps)]
 
 
@@ -180,7 +229,7 @@ def simulate_plan_step(plan: Plan, index: int, profile: Profile | OpDurations, c
     key = (index == 0, step)
     if cache is not None and key in cache:
         return cache[key]
-    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile)
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
     step_ops = {op for ops in step for op in ops}
     deps = _step_dependencies(graph or plan.graph, step_ops, first_step=index == 0)
     timeline = simulate_ops(step, deps, durations, f"{plan.schedule.name} step {index}")

@@ -15,6 +15,9 @@ Optional additions (files without them are written and read exactly as before):
 - ``capture_a_bytes`` / ``capture_b_bytes`` of a layer: device bytes that K-FAC's capture of ONE
   micro-batch holds for the layer (A: its input, B: its output gradient, in the dtype the run
   captures them in) until that micro-batch's curvature runs; 0 = unknown.
+- ``weight`` of a stage: the part of its `backward` that is the weight gradient of one
+  micro-batch, which zero-bubble schedules run as a separate op (W) after the input gradient (B);
+  0 = unknown: half of `backward` (input and weight gradients cost alike, as Qi et al. assume).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pipefisher.methods import METHODS
 
 SCHEMA = "pipefisher.profile/v1"
 #: stage times written only where non-zero (0 when a file leaves them out)
-_OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce")
+_OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce", "weight")
 #: layer times a file may leave out (0)
 _OPTIONAL_LAYER_TIMES = ("sync_a", "sync_b")
 TIME_UNITS = ("s", "ms", "us", "units")
@@ -108,7 +111,7 @@ class StageProfile:
     clipping, optimizer step; in profiles without `grad_reduce`, the all-reduce too), which a
     device holding several stages pays once per stage. `samples` as in `LayerProfile`."""
 
-    TIME_FIELDS: ClassVar[tuple[str, ...]] = ("forward", "backward", "p2p", "step_end", "grad_reduce")
+    TIME_FIELDS: ClassVar[tuple[str, ...]] = ("forward", "backward", "p2p", "step_end", "grad_reduce", "weight")
 
     forward: float
     backward: float
@@ -117,9 +120,21 @@ class StageProfile:
     grad_reduce: float = 0.0
     layers: tuple[LayerProfile, ...] = ()
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
+    #: the weight-gradient part of `backward` (0 = unknown: half of it)
+    weight: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "samples", _samples(self.samples, self.TIME_FIELDS, "samples"))
+
+    @property
+    def weight_gradient(self) -> float:
+        """Time of the weight gradient of one micro-batch when the backward is split."""
+        return min(self.weight, self.backward) if self.weight else self.backward / 2
+
+    @property
+    def input_gradient(self) -> float:
+        """Time of the input gradient of one micro-batch when the backward is split."""
+        return self.backward - self.weight_gradient
 
     def to_dict(self) -> dict[str, Any]:
         """The file's fields; `step_end`, `grad_reduce` and samples only where given."""
@@ -298,12 +313,15 @@ def _stage(data: Any, where: str) -> StageProfile:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
         raise ProfileError(f"{where}.layers: layer name {duplicate!r} appears twice")
+    if _time(data, "weight", where, required=False) > _time(data, "backward", where):
+        raise ProfileError(f"{where}.weight: {data['weight']} exceeds backward {data['backward']}; it is the weight-gradient part of the backward")
     return StageProfile(
         forward=_time(data, "forward", where),
         backward=_time(data, "backward", where),
         p2p=_time(data, "p2p", where, required=False),
         step_end=_time(data, "step_end", where, required=False),
         grad_reduce=_time(data, "grad_reduce", where, required=False),
+        weight=_time(data, "weight", where, required=False),
         layers=parsed,
         samples=_samples(data.get("samples", {}), StageProfile.TIME_FIELDS, f"{where}.samples"),
     )

@@ -3,7 +3,7 @@
 Each rank runs its ops in list order; an op starts when its rank is free and its dependencies
 have finished, plus the profile's p2p time when a dependency ran on another rank. A stage's
 gradient reduction over its replicas (`grad_reduce`) starts when its gradient is final (its last
-backward or preconditioning on that rank) and runs off the rank; after its last op and those
+backward, weight gradient or preconditioning on that rank) and runs off the rank; after its last op and those
 reductions a rank spends the step end of each stage it holds, independently of the other ranks (a
 collective inside the end of step, such as global-norm clipping, also makes a rank that finished
 early wait for the last one; that wait is not modelled). Times are in the profile's time unit.
@@ -17,7 +17,7 @@ from functools import cached_property
 from itertools import repeat
 from operator import add, attrgetter
 
-from pipefisher.ir import Op, OpKind, Schedule
+from pipefisher.ir import Op, OpKind, Schedule, splits_backward
 from pipefisher.profile import LayerProfile, Profile, ProfileError
 from pipefisher.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
 
@@ -135,7 +135,7 @@ class Timeline:
 
 COLLECTIVES = frozenset({OpKind.SYNC_A, OpKind.SYNC_B, OpKind.EXCHANGE})
 #: ops after which a stage's gradient on their rank may be final
-_GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.PRECONDITION})
+_GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
 #: what an op's times depend on (see OpDurations)
 _TIMING_FIELDS = attrgetter("kind", "stage", "layer")
 
@@ -149,8 +149,9 @@ class OpDurations:
     cross ranks); the simulator relies on this to ask once per distinct case.
     """
 
-    def __init__(self, profile: Profile):
-        self.profile = profile
+    def __init__(self, profile: Profile, split_backward: bool = False):
+        """`split_backward`: backwards are input gradients only (the op lists hold W ops)."""
+        self.profile, self.split_backward = profile, split_backward
         self._layers = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
         self._work: dict[Op, float] = {}
 
@@ -173,7 +174,9 @@ class OpDurations:
         if kind is OpKind.FORWARD:
             return stage.forward
         if kind is OpKind.BACKWARD:
-            return stage.backward
+            return stage.input_gradient if self.split_backward else stage.backward
+        if kind is OpKind.WEIGHT:
+            return stage.weight_gradient
         if kind is OpKind.PRECONDITION:
             return sum(layer.precondition for layer in stage.layers)
         layer = self.layer(op)
@@ -216,8 +219,12 @@ def simulate_ops(
 
 
 def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule") -> Timeline:
-    """`simulate_ops` of the lists and dependencies that `graph` holds."""
+    """`simulate_ops` of the lists and dependencies that `graph` holds. Durations made for the
+    other kind of backward (whole or split; see `OpDurations`) are replaced by the right ones."""
     order_ranks, order = graph.order(name)
+    split = splits_backward(graph.ops)
+    if split != durations.split_backward:
+        durations = OpDurations(durations.profile, split_backward=split)
     costs = _Costs(graph.ops, durations)
     busy, cost_class, delay, deps = costs.busy, costs.cost_class, costs.delay, graph.deps
     end = [0.0] * len(graph.ops)
@@ -297,7 +304,7 @@ def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) ->
 def simulate(schedule: Schedule, profile: Profile) -> Timeline:
     """Timeline of one step of `schedule` with the op times of `profile`."""
     check_profile(schedule, profile)
-    return simulate_graph(schedule_graph(schedule), OpDurations(profile), schedule.name)
+    return simulate_graph(schedule_graph(schedule), OpDurations(profile, schedule.splits_backward), schedule.name)
 
 
 def check_profile(schedule: Schedule, profile: Profile) -> None:

@@ -10,6 +10,11 @@ all replicas' syncs of its input, or after its curvature or backwards when unrep
 exchange per replica when the refresh work is split between replicas (after its replica's refresh
 work and every replica's syncs of the layer); and, for methods that precondition before the
 gradient reduction, a precondition per (pipe, stage) in every step (after its backwards).
+
+Where the schedule splits the backward (W ops), the stage's gradient is whole only after its
+weight gradients: preconditions, and a gradient-based method's inputs, wait for the W ops then;
+K-FAC's curvature B still waits for the B op (the input gradient), where the output gradients
+it reads are captured.
 Pure Python: no torch.
 """
 
@@ -20,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from pipefisher.ir import Op, OpKind, Schedule, backward, dependencies
+from pipefisher.ir import Op, OpKind, Schedule, backward, dependencies, weight
 from pipefisher.methods import KFAC_RULES, TaskRules, task_rules
 from pipefisher.profile import Profile
 from pipefisher.simulate import OpDurations, check_profile
@@ -45,6 +50,8 @@ class TaskGraph:
     def __init__(self, schedule: Schedule, ops: Iterable[Op], rules: TaskRules = KFAC_RULES):
         self.schedule, self.rules = schedule, rules
         self.micro_batches: dict[int, list[int]] = defaultdict(list)
+        #: the ops that complete a micro-batch's share of the stage's gradient
+        self._gradient_op = weight if schedule.splits_backward else backward
         #: (kind, stage, micro-batch, pipe) -> the schedule's forward/backward op
         self._compute: dict[tuple, Op] = {}
         for _, _, op in schedule.ops():
@@ -87,12 +94,15 @@ class TaskGraph:
         dependencies in that step that are compute ops)."""
         return tuple(dep for dep in self.dependencies(op, first_step=True) if dep.kind.is_compute)
 
+    def gradient_ops(self, op: Op) -> tuple[Op, ...]:
+        """The ops after which the gradient of `op`'s (pipe, stage) in a step is whole: its
+        backwards, or its weight gradients where the schedule splits the backward."""
+        return tuple(self._gradient_op(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
+
     def _gradient(self, op: Op, first_step: bool) -> tuple[Op, ...]:
-        """The backwards after which the stage's gradient of the cycle's first step is whole on
-        `op`'s pipe (later steps read the gradient captured then: nothing to wait for)."""
-        if not first_step:
-            return ()
-        return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
+        """`gradient_ops` in the cycle's first step (later steps read the gradient captured then:
+        nothing to wait for)."""
+        return self.gradient_ops(op) if first_step else ()
 
     def _derive(self, op: Op, first_step: bool) -> tuple[Op, ...]:
         kind = op.kind
@@ -113,7 +123,7 @@ class TaskGraph:
             syncs = (sync for factor in "AB" for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
             return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(syncs)
         if kind is OpKind.PRECONDITION:
-            return tuple(backward(op.stage, mb, op.pipe) for mb in self.micro_batches[op.pipe])
+            return self.gradient_ops(op)
         raise ValueError(f"no dependency rule for {op}")
 
     def _input(self, op: Op, factor: str, first_step: bool) -> tuple[Op, ...]:
@@ -151,7 +161,7 @@ class CurvatureTasks:
 
     @cached_property
     def durations(self) -> OpDurations:
-        return OpDurations(self.profile)
+        return OpDurations(self.profile, split_backward=self.schedule.splits_backward)
 
     @cached_property
     def cycle_work(self) -> tuple[tuple[float, ...], ...]:

@@ -237,9 +237,10 @@ def _raise_first_misplaced(schedule: Schedule, rank: int) -> None:
 def _counts_are_right(schedule: Schedule) -> bool:
     """Whether `_raise_count_error` would find nothing, for a schedule whose ops are placed right.
 
-    No op repeats and every micro-batch is in range and in one pipe; then the forward/backward
-    ops, all distinct, of valid stages and of their micro-batch's pipe, are all there exactly
-    when there are 2 × stages × micro-batches of them.
+    No op repeats and every micro-batch is in range and in one pipe; then the forward, backward
+    and weight-gradient ops, all distinct, of valid stages and of their micro-batch's pipe, are
+    all there exactly when there are stages × micro-batches forwards and as many backwards, and
+    as many weight gradients or none.
     """
     ops = list(chain.from_iterable(schedule.ranks))
     if len(set(ops)) != len(ops):
@@ -249,7 +250,8 @@ def _counts_are_right(schedule: Schedule) -> bool:
     if len(micro_batches) != len(owners) or micro_batches != set(range(schedule.num_micro_batches)):
         return False
     kinds = Counter(map(attrgetter("kind"), ops))
-    return kinds[OpKind.FORWARD] + kinds[OpKind.BACKWARD] == 2 * schedule.num_stages * schedule.num_micro_batches
+    per_kind = schedule.num_stages * schedule.num_micro_batches
+    return kinds[OpKind.FORWARD] == kinds[OpKind.BACKWARD] == per_kind and kinds[OpKind.WEIGHT] in (0, per_kind)
 
 
 def _raise_count_error(schedule: Schedule) -> None:
@@ -267,12 +269,13 @@ def _raise_count_error(schedule: Schedule) -> None:
         owner = pipe_of_micro_batch.setdefault(op.micro_batch, op.pipe)
         if owner != op.pipe:
             raise _fail(schedule.name, schedule.ranks, f"op {op}: micro-batch {op.micro_batch} already belongs to pipe {owner}", [(rank, position)])
+    kinds = (OpKind.FORWARD, OpKind.BACKWARD) + ((OpKind.WEIGHT,) if any(op.kind is OpKind.WEIGHT for op in seen) else ())
     for mb in range(schedule.num_micro_batches):
         pipe = pipe_of_micro_batch.get(mb)
         if pipe is None:
             raise _fail(schedule.name, schedule.ranks, f"micro-batch {mb} is never processed", [])
         for stage in range(schedule.num_stages):
-            for kind in (OpKind.FORWARD, OpKind.BACKWARD):
+            for kind in kinds:
                 op = Op(kind, stage, mb, pipe)
                 if op not in seen:
                     raise _fail(schedule.name, schedule.ranks, f"op {op} is missing", [])
@@ -282,7 +285,8 @@ def validate(schedule: Schedule) -> Schedule:
     """Check that `schedule` can run; return it unchanged or raise ScheduleError.
 
     Checks: every (pipe, stage) has a rank and its ops sit on that rank; every micro-batch
-    belongs to one pipe and gets exactly one forward and one backward per stage; the per-rank
+    belongs to one pipe and gets exactly one forward and one backward per stage (and one weight
+    gradient, where the schedule splits the backward: all of its stages or none); the per-rank
     lists run to completion when each op waits for its dependencies (forward before backward,
     stage order across ranks, no deadlock).
     """

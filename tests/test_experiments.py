@@ -45,3 +45,24 @@ def test_the_pipefisher_benchmark_runs(method, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "1F1B" in result.stdout or "1f1b" in result.stdout
     assert f"{method} layers" in result.stdout, "the packing profile lists the method's layers"
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # about 13 s here; slow as the other benchmarks' smoke runs
+def test_the_executor_benchmark_compares_the_zero_bubble_schedules_with_torchs():
+    """Issue 18: pipefisher's zb-h1/zbv/dualpipev beside torch's ScheduleInterleavedZeroBubble (one
+    stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (two per rank, in a V), same model:
+    both sides of every pair run, start from the same loss, and the table gives both medians and the ratios."""
+    tiny = ["--schedules", "zb-h1", "zbv", "dualpipev", "--micro-batches", "4", "--repeats", "2", "--steps", "1",
+            "--warmup", "1", "--hidden", "16", "--heads", "2", "--ffn", "32", "--seq-len", "4", "--layers", "4",
+            "--micro-batch-size", "2"]
+    result = run("bench_executor.py", *tiny, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "max relative difference" in result.stdout and "-> OK" in result.stdout, result.stdout
+    for schedule, torch_name in [("zb-h1", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
+                                 ("dualpipev", "ScheduleDualPipeV")]:
+        row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {schedule} (torch {torch_name}) | 4 |"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        # pipefisher's median, torch's median, the ratio of medians, the paired ratio
+        assert all(float(cell) > 0 for cell in cells[2:6]), row
+    assert "registers no schedule" not in result.stdout

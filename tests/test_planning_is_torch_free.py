@@ -14,6 +14,7 @@ PLANNING = [
     "pipefisher.pack_report",
     "pipefisher.pack_greedy",
     "pipefisher.pack_plan",
+    "pipefisher.pack_weights",
     "pipefisher.capture_memory",
     "pipefisher.zero",
     "pipefisher.comm_volume",

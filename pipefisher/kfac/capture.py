@@ -21,12 +21,24 @@ def _record(state: LayerState, micro_batch: Hashable, key: str, tensor: Tensor) 
     state.captures[key].setdefault(micro_batch, []).append(tensor.detach())  # type: ignore[index]
 
 
-def _record_output_grad(
-    state: LayerState, micro_batch: Hashable, loss_scale: Tensor | float | None, grad: Tensor
-) -> None:
-    _record(state, micro_batch, "B", grad)
-    if loss_scale is not None:
-        state.loss_scales[micro_batch] = loss_scale
+class _OutputGradHook:
+    """Records a layer output's gradient the first time it is computed. A backward split into
+    input and weight gradients (zero-bubble schedules) reaches the output twice with the same
+    gradient; the second visit must not count again. (The first visit is at B for every layer
+    whose input depends on the stage input, as in every shipped model; a layer fed only by
+    parameters would get its gradient at W, after its curvature-B task.)"""
+
+    def __init__(self, state: LayerState, micro_batch: Hashable, loss_scale: Tensor | float | None):
+        self.state, self.micro_batch, self.loss_scale = state, micro_batch, loss_scale
+        self.fired = False
+
+    def __call__(self, grad: Tensor) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        _record(self.state, self.micro_batch, "B", grad)
+        if self.loss_scale is not None:
+            self.state.loss_scales[self.micro_batch] = self.loss_scale
 
 
 def _forward_hook(
@@ -39,7 +51,7 @@ def _forward_hook(
 ) -> None:
     _record(state, micro_batch, "A", inputs[0])
     if output.requires_grad:
-        output.register_hook(partial(_record_output_grad, state, micro_batch, loss_scale))
+        output.register_hook(_OutputGradHook(state, micro_batch, loss_scale))
 
 
 @contextmanager

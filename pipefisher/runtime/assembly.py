@@ -10,20 +10,20 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from pipefisher.config import ConfigError, DataConfig, ModelConfig, RunConfig, split_hint
+from pipefisher.config import ConfigError, DataConfig, ModelConfig, RunConfig, split_hint, stage_count_terms
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.ir import Schedule
 from pipefisher.models import StagedModel
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.executor import MicroBatchFn
-from pipefisher.schedules import get_schedule
+from pipefisher.schedules import chunks_per_rank, get_schedule
 from pipefisher.validate import validate
 
 
 def build_schedule(config: RunConfig) -> Schedule:
     pipeline = config.pipeline
-    chunks = pipeline.chunks if pipeline.schedule == "interleaved" else None
+    chunks = chunks_per_rank(pipeline.schedule, pipeline.chunks)
     return validate(get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks))
 
 
@@ -56,8 +56,8 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
 
 def _unsplittable(config: RunConfig, what: str, count: int) -> ConfigError:
     """The error for a model of `count` layers/blocks (`what`) the run's stages do not divide."""
-    where = "pipeline.stages x pipeline.chunks" if config.pipeline.schedule == "interleaved" else "pipeline.stages"
-    return ConfigError(f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, where)}")
+    _, product = stage_count_terms(config.pipeline)
+    return ConfigError(f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}")
 
 
 def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:

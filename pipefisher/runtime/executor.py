@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pipefisher.comm_plan import Action, ActionKind, Collective, GradientPath, Message, input_message, output_message
-from pipefisher.ir import Op, OpKind
+from pipefisher.ir import Op, OpKind, splits_backward
 from pipefisher.runtime.clock import Clock
 from pipefisher.runtime.comm import Comm, Handle, done
 from pipefisher.runtime.errors import first_line
@@ -88,7 +88,11 @@ class Executor:
         self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
         self.device = device
         self.replica = topology.replica_of(rank)
-        self.handlers: dict[OpKind, Callable[[Op], None]] = {OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward}
+        self.handlers: dict[OpKind, Callable[[Op], None]] = {
+            OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward, OpKind.WEIGHT: self._weight}
+        if splits_backward(topology.schedule.ranks[topology.pipeline_rank(rank)]):
+            for stage in stages.values():
+                stage.split_backward()
         #: collective kind -> what launches one (the step end's; K-FAC adds its own)
         self.collectives: dict[str, Callable[[Collective], Handle]] = {
             "grad": step_end.launch_grad, "tied": step_end.launch_tied, "step": step_end.launch_step,
@@ -96,7 +100,8 @@ class Executor:
         }
         #: context the forward of an op runs in (K-FAC uses it to capture activations)
         self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
-        #: called after every backward op (Shampoo keeps the gradient of a cycle's first step)
+        #: called after every backward and weight-gradient op (Shampoo keeps the gradient of a
+        #: cycle's first step)
         self.after_backward: Callable[[Op], None] = lambda op: None
         #: called with (op, start mark, end mark) of `clock` for every op run (the profiler's hook)
         self.recorder: Callable[[Op, object, object], None] | None = None
@@ -129,6 +134,9 @@ class Executor:
                 self._perform(action)
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}") from exc
+        pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
+        if pending:  # a plan runs every W of a step within it; the gradients would be incomplete
+            raise StepFailure(f"rank {self.rank} failed at step {step + 1}: weight gradients of stage(s) {', '.join(pending)} still pending at its end")
         try:
             record = self.step_end.finish()
         except Exception as exc:
@@ -185,6 +193,10 @@ class Executor:
         stage = self.stages[(op.pipe, op.stage)]
         grad_output = None if stage.last else self._input_of(op)
         self._output_of(op, stage.backward(op.micro_batch, grad_output))
+        self.after_backward(op)
+
+    def _weight(self, op: Op) -> None:
+        self.stages[(op.pipe, op.stage)].weight(op.micro_batch)
         self.after_backward(op)
 
     def _input_of(self, op: Op) -> Tensor:

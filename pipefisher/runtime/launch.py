@@ -71,10 +71,24 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def gpu_shortfall(backend: str, local_processes: int) -> str | None:
+    """Why `local_processes` ranks on this machine cannot run under `backend`, if they cannot:
+    NCCL gives each its own GPU (one GPU cannot host two NCCL ranks)."""
+    available = torch.cuda.device_count()
+    if resolve_backend(backend) != "nccl" or local_processes <= available:
+        return None
+    return (f"run.backend nccl: {local_processes} processes on this machine need {local_processes} GPUs, it has {available} "
+            f"(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer ranks (pipeline.stages x pipeline.data_parallel)")
+
+
 def current_device(backend: str) -> torch.device:
     """This process's device: its LOCAL_RANK's GPU under NCCL, the CPU under gloo."""
     if resolve_backend(backend) == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        problem = gpu_shortfall(backend, local_rank + 1)
+        if problem is not None:
+            raise ValueError(problem)
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 

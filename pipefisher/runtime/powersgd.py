@@ -9,7 +9,8 @@ gradient plus its carried error):
 
 1. P = M Q, Q being the previous step's reduced Q (the first: normal draws from a generator seeded
    alike on every replica); all-reduce the P's with the uncompressed tensors (`p_factors`).
-2. P̂ = an orthonormal basis of the summed P (QR); this replica's Q_i = Mᵀ P̂; its error, what the
+2. P̂ = an orthonormal basis of the summed P (Gram–Schmidt, twice: `orthonormalise_`); this
+   replica's Q_i = Mᵀ P̂; its error, what the
    projection dropped, M − P̂ Q_iᵀ (`q_factors`); all-reduce the Q's.
 3. M ← P̂ Qᵀ with the summed Q: the projection of the replicas' summed gradient onto span P̂
    (`decompress`); the summed Q starts the next step.
@@ -41,6 +42,20 @@ def _carve(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
         views.append(flat[offset: offset + size].view(shape))
         offset += size
     return views
+
+
+def orthonormalise_(matrix: Tensor) -> None:
+    """Make the columns of `matrix` (n x r, r small) orthonormal in place: modified Gram–Schmidt,
+    run twice so that the columns stay orthogonal to rounding even when they are nearly dependent
+    ("twice is enough", Giraud et al. 2005). All on the device: no host read, where
+    `torch.linalg.qr` syncs with the host on CUDA (seen on an H100). A zero column stays zero."""
+    smallest = torch.finfo(matrix.dtype).tiny
+    for _ in range(2):
+        for i in range(matrix.shape[1]):
+            column = matrix[:, i:i + 1]
+            column.div_(torch.linalg.vector_norm(column).clamp_min(smallest))
+            rest = matrix[:, i + 1:]
+            rest.sub_(column @ (column.T @ rest))
 
 
 class PowerSGD:
@@ -97,7 +112,7 @@ class PowerSGD:
             tensor.copy_(slot)
         scale = self.loss_scale()
         for matrix, error, p, q in zip(self.matrices, self.errors, self.p, self.q):
-            p.copy_(torch.linalg.qr(p).Q)
+            orthonormalise_(p)
             torch.matmul(matrix.T, p, out=q)
             torch.sub(matrix, p @ q.T, out=error)
             if scale is not None:

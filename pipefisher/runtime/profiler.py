@@ -208,10 +208,7 @@ def measure_profile(
         for stage in rank_stages:  # a rank holding several stages pays their step ends together
             stage_samples[stage]["step_end"].extend(value / len(rank_stages) for value in rank_step_end)
         for step_records in rank_records:
-            for _, text, start, end in step_records:
-                op = Op.parse(text)
-                if op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
-                    stage_samples[op.stage]["forward" if op.kind == OpKind.FORWARD else "backward"].append(end - start)
+            _add_compute_samples(step_records, stage_samples)
         last_step.extend(rank_records[-1])
         for (stage, layer), (samples, sizes) in rank_tasks.items():
             if layer not in layer_order[stage]:
@@ -230,6 +227,22 @@ def measure_profile(
     profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
                       method=timer.method)
     return profile, sorted(last_step)
+
+
+def _add_compute_samples(step_records: list[Record], stage_samples: dict[int, TimeSamples]) -> None:
+    """Forward and backward times of one step's records; where the backward is split, a
+    micro-batch's backward sample is its input plus its weight gradient, and `weight` the latter."""
+    split: dict[tuple[int, int, int], float] = {}
+    for _, text, start, end in step_records:
+        op = Op.parse(text)
+        if op.kind is OpKind.FORWARD:
+            stage_samples[op.stage]["forward"].append(end - start)
+        elif op.kind is OpKind.WEIGHT:
+            stage_samples[op.stage]["weight"].append(end - start)
+        if op.kind in (OpKind.BACKWARD, OpKind.WEIGHT):
+            split[op.key] = split.get(op.key, 0.0) + end - start
+    for (_, stage, _), seconds in sorted(split.items()):
+        stage_samples[stage]["backward"].append(seconds)
 
 
 def records_to_timeline(records: list[Record], num_ranks: int) -> Timeline:

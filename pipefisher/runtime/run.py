@@ -16,16 +16,18 @@ from pipefisher.runtime.curvature_methods import method_of
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.report import StepReporter
 from pipefisher.runtime.launch import (
-    GroupFailure, Interrupted, current_device, free_port, init_distributed, port_in_use, resolve_backend, run_group,
+    GroupFailure, Interrupted, current_device, free_port, gpu_shortfall, init_distributed, port_in_use, resolve_backend, run_group,
 )
 from pipefisher.runtime.reference import train_reference
 from pipefisher.runtime.stopping import Stopped, stop_request
 from pipefisher.runtime.training import TrainResult, train_pipelined
+from pipefisher.schedules import chunks_per_rank
 
 
 def describe_pipeline(config: RunConfig) -> str:
     p = config.pipeline
-    chunks = f" x {p.chunks} chunks" if p.schedule == "interleaved" else ""
+    per_rank = chunks_per_rank(p.schedule, p.chunks)
+    chunks = f" x {per_rank} chunks" if per_rank > 1 else ""
     return (
         f"{p.schedule}: {p.stages} stages{chunks} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
         f"of {config.data.micro_batch_size}, {config.run.precision}"
@@ -77,6 +79,8 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
         if rank == 0:
             print(f"pipefisher run (torchrun): {describe(config)}; {os.environ['WORLD_SIZE']} processes", file=sys.stderr)
         _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume_from))
+    if _refuse_missing_gpus(config):
+        return 2
     port = config.run.master_port or free_port(config.run.master_addr)
     backend = resolve_backend(config.run.backend)
     print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {port})", file=sys.stderr)
@@ -89,6 +93,14 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
         _print_failure(failure)
         return 1
     return max(codes)
+
+
+def _refuse_missing_gpus(config: RunConfig) -> bool:
+    """Print a usage error if the local processes of `config` need more GPUs than this machine has."""
+    problem = gpu_shortfall(config.run.backend, config.world_size)
+    if problem is not None:
+        print(f"pipefisher: error: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def _run_reference(config: RunConfig, as_json: bool) -> int:
@@ -130,6 +142,8 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
 def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: int) -> int:
     """`pipefisher profile`: measure on local processes (or under torchrun, on the processes it
     started), write the profile (and timeline) from rank 0."""
+    if "RANK" not in os.environ and _refuse_missing_gpus(config):
+        return 2
     print(f"pipefisher profile: {describe_pipeline(config)}; {config.world_size} processes; {PROFILE_WARMUP} warm-up and "
           f"{repeats} measured steps (gradients dropped), then the end of step and every {method_of(config).label} task timed alone", file=sys.stderr)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -159,7 +173,8 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
 
 def _report_profile(profile, output: str, timeline: str | None) -> int:
     for index, stage in enumerate(profile.stages):
-        print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms, p2p {stage.p2p:.3f} ms, "
+        weight = f" (weight gradient {stage.weight:.3f} ms)" if stage.weight else ""
+        print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms{weight}, p2p {stage.p2p:.3f} ms, "
               f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms, "
               f"{len(stage.layers)} {task_rules(profile.method).label} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
               f"inverses (roots) {stage.inverse_time:.3f} ms")

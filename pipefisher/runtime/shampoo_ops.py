@@ -14,6 +14,7 @@ gradient (grafting is not linear), so it runs in the step end, right before the 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from pipefisher.comm_plan import Collective, inverse_owners
 from pipefisher.config import RunConfig
-from pipefisher.ir import Op, OpKind
+from pipefisher.ir import Op, OpKind, splits_backward
 from pipefisher.plan import Plan
 from pipefisher.runtime.clock import timed_ms
 from pipefisher.runtime.comm import Comm, Handle
@@ -65,12 +66,12 @@ class ShampooRuntime(CurvatureRuntime):
         self.engines = {key: ShampooEngine(module, settings, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
-        schedule = topology.schedule
-        #: (pipe, stage) -> the micro-batch of its last backward in a step on this rank
-        self._last_backward = {
-            (op.pipe, op.stage): op.micro_batch
-            for op in schedule.ranks[topology.pipeline_rank(rank)] if op.kind is OpKind.BACKWARD
-        }
+        ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
+        #: the op kind after whose every micro-batch a stage's gradient of the step is complete
+        self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
+        #: (pipe, stage) -> how many ops of that kind it runs in a step, and how many have run
+        self._gradient_ops = Counter((op.pipe, op.stage) for op in ops if op.kind is self._final_kind)
+        self._gradient_ops_run: Counter[tuple[int, int]] = Counter()
         #: (pipe, stage, matrix) -> statistics this rank still folds from the captured gradient
         self._unfolded: dict[tuple[int, int, str], int] = {}
         self.set_plan(plan)
@@ -86,8 +87,16 @@ class ShampooRuntime(CurvatureRuntime):
         return {"sync": self._launch_sync, "exchange": self._launch_exchange}
 
     def after_backward(self, op: Op, cycle_step: int) -> None:
-        """After the stage's last backward of the cycle's first step: keep its gradient."""
-        if cycle_step != 0 or self._last_backward.get((op.pipe, op.stage)) != op.micro_batch:
+        """After the op that completes the stage's gradient in the cycle's first step (its last
+        backward, or weight gradient, in whatever order the plan runs them): keep the gradient."""
+        key = (op.pipe, op.stage)
+        if op.kind is not self._final_kind:
+            return
+        self._gradient_ops_run[key] += 1
+        if self._gradient_ops_run[key] < self._gradient_ops[key]:
+            return
+        self._gradient_ops_run[key] = 0
+        if cycle_step != 0:
             return
         engine = self.engines[(op.pipe, op.stage)]
         scale = self.loss_scale()

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.runtime.precision import Precision
+from pipefisher.runtime.split_backward import SplitBackward
 
 #: (last stage's output, micro-batch) -> (loss, named parts)
 LossFn = Callable[[object, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
@@ -20,7 +21,9 @@ class StageRuntime:
     dtype. The last stage turns its output into a loss with `loss_fn(output, batch) × loss_scale`
     (loss_scale = 1 / micro-batches of the whole step, so gradients are those of the mean), and
     backpropagates that times `grad_scale()` (fp16's dynamic loss scale; None = 1). Activations
-    are dropped as soon as their backward has run. Losses stay on the device.
+    are dropped as soon as their backward has run. Losses stay on the device. After
+    `split_backward()` (zero-bubble schedules), `backward` computes the input gradient only and
+    `weight` the micro-batch's weight gradient (`pipefisher.runtime.split_backward`).
     """
 
     def __init__(self, pipe: int, stage: int, module: nn.Module, first: bool, last: bool, loss_fn: LossFn, loss_scale: float,
@@ -33,6 +36,11 @@ class StageRuntime:
         self._outputs: dict[int, Tensor] = {}
         self.losses: list[Tensor] = []
         self.parts: dict[str, list[Tensor]] = {}
+        self.split: SplitBackward | None = None
+
+    def split_backward(self) -> None:
+        """From now on, backward computes input gradients and `weight` the weight gradients."""
+        self.split = SplitBackward(self.module)
 
     def forward(self, micro_batch: int, inputs: Tensor | None, batch: dict[str, Tensor]) -> Tensor | None:
         """Run the stage on the previous stage's activation (None on the first stage) and the
@@ -58,9 +66,21 @@ class StageRuntime:
     def backward(self, micro_batch: int, grad_output: Tensor | None = None) -> Tensor | None:
         """Backpropagate one micro-batch; return the gradient for the previous stage (None on the first)."""
         output = self._outputs.pop(micro_batch)
-        inputs = self._inputs.pop(micro_batch)
-        torch.autograd.backward(output, grad_tensors=None if self.last else grad_output.to(output.dtype))
+        inputs = self._inputs.pop(micro_batch)  # None on the first stage
+        grad = None if self.last else grad_output.to(output.dtype)
+        if self.split is not None:
+            return self.split.input_gradient(micro_batch, output, grad, inputs)
+        torch.autograd.backward(output, grad_tensors=grad)
         return None if self.first else inputs.grad
+
+    def weight(self, micro_batch: int) -> None:
+        """Accumulate the weight gradient of a micro-batch whose input gradient has run."""
+        self.split.weight_gradient(micro_batch)
+
+    @property
+    def pending_weights(self) -> int:
+        """Micro-batches whose input gradient has run and weight gradient has not."""
+        return 0 if self.split is None else self.split.pending
 
     @property
     def in_flight(self) -> int:

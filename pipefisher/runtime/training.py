@@ -14,6 +14,7 @@ from torch import Tensor
 from pipefisher.comm_plan import GradientPath, group_members
 from pipefisher.config import RunConfig
 from pipefisher.ir import Schedule
+from pipefisher.models.init import derive_seed
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.profile import profile_from_dict
 from pipefisher.runtime.assembly import build_schedule, data_source, staged_model
@@ -88,6 +89,7 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
         (pipe, stage): model.build_stage(stage, num_stages, config.run.seed).to(device)
         for pipe, stage in topology.stages_of(rank)
     }
+    torch.manual_seed(derive_seed(config.run.seed, f"rank/{rank}"))  # this rank's dropout, on every device
     precision = Precision(config.run.precision, device)
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
@@ -205,6 +207,7 @@ def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
         "curvature": runner.state_dict(),
         "powersgd": {f"{pipe}.{stage}": c.state_dict() for (pipe, stage), c in executor.step_end.powersgd.items()},
         "rng": torch.random.get_rng_state(),
+        "rng_device": torch.cuda.get_rng_state(executor.device) if executor.device.type == "cuda" else None,
     }
 
 
@@ -221,3 +224,5 @@ def _restore(executor: Executor, state: dict) -> None:
         executor.scheduler.last_epoch = state["scheduler_step"] - 1
         executor.scheduler.step()
     torch.random.set_rng_state(state["rng"])
+    if state.get("rng_device") is not None and executor.device.type == "cuda":  # checkpoints before it lack it
+        torch.cuda.set_rng_state(state["rng_device"], executor.device)

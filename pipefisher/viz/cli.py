@@ -2,24 +2,37 @@
 
 Input: a run file (its pipeline section), or --schedule/--stages/--micro-batches (flags override
 the run file), or --compare S1,S2,... (each S a schedule name, ``S+kfac`` for S with PipeFisher's
-curvature packing), or --timeline FILE (`pipefisher.timeline/v1`). Output by the suffix of -o:
-.svg/.png (figure), .json (Chrome / Perfetto trace), .txt or - (text chart).
+curvature packing; see `pipefisher.viz.compare`), or --timeline FILE (`pipefisher.timeline/v1`).
+Output by the suffix of -o: .svg/.png (figure), .json (Chrome / Perfetto trace), .txt or - (text
+chart); --max-steps K draws only the first K steps of multi-step panels. --compare also prints a
+table per entry (bubble, k, step time, overhead), or with --json one JSON object. Without
+--profile every schedule runs on unit times (forward 1, backward 2 per stage, split evenly over a
+device's chunks: `pipefisher simulate`'s rule), which have no K-FAC layers, so ``S+kfac`` needs
+--profile FILE; --compare's D defaults to the profile's stage count (4 without one), N to 2·D.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any, cast
 
-from pipefisher.cli_args import UsageError, add_pipeline_arguments, build_pipeline
-from pipefisher.schedules import SCHEDULES
-from pipefisher.viz.layout import Panel, curvature_panel, recorded_panel, schedule_panel
+from pipefisher.cli_args import UsageError, add_pipeline_arguments, build_pipeline, positive_int
+from pipefisher.viz.compare import KFAC_SUFFIX, Compared, Setup, compare, compare_to_dict, format_compare_table
+from pipefisher.viz.compare import parse_entries as parse_compare
+from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH
 
-KFAC_SUFFIX = "+kfac"
+#: --compare's D without -D, a run file or a profile file
+DEFAULT_COMPARE_STAGES = 4
+#: how to make a profile with K-FAC layers (the README's GPipe example), for the +kfac error
+PROFILE_EXAMPLE = (
+    "python -m pipefisher.viz.bert_profile ../shared/reference/bert-base_time_memory_p100.csv "
+    "-D 4 --micro-batch-size 32 -o /tmp/bert-base-4.yaml"
+)
 OUTPUTS = (".svg", ".png", ".json", ".txt", "-")
 
 
@@ -42,12 +55,15 @@ def add_viz_parser(subparsers: Any) -> None:
     )
     parser.add_argument("config", nargs="?", help="YAML run file: pipeline.schedule/stages/micro_batches/chunks")
     add_pipeline_arguments(cast(argparse.ArgumentParser, _NotRequired(parser)))
-    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis; S{KFAC_SUFFIX} = S with the profile's K-FAC or Shampoo tasks packed into its bubbles")
-    parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times")
+    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis and print a table of bubble, k, step time and overhead; S{KFAC_SUFFIX} = S with the profile's K-FAC or Shampoo tasks packed into its bubbles")
+    parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no K-FAC layers")
+    parser.add_argument("--json", action="store_true", help="--compare: print the table as one JSON object")
     parser.add_argument("--kfac", "--curvature", dest="kfac", action="store_true",
                         help="pack the profile's curvature tasks (K-FAC or Shampoo) into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
     parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v1 JSON)")
     parser.add_argument("-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)")
+    parser.add_argument("--max-steps", type=positive_int, metavar="K",
+                        help="draw only the first K steps of a refresh cycle or recording (default: all); titles and tables keep the whole")
     parser.add_argument("--width", type=int, help=f"text width in columns (default: the terminal's; at least {MIN_WIDTH})")
     parser.set_defaults(handler=run_viz)
 
@@ -58,17 +74,33 @@ def run_viz(args: argparse.Namespace) -> int:
     width = args.width if args.width is not None else shutil.get_terminal_size().columns
     if kind in (".txt", "-") and width < MIN_WIDTH:
         raise UsageError(f"--width {width}: the text chart needs at least {MIN_WIDTH} columns")
-    panels = build_panels(args)
+    if args.json and (args.compare is None or kind == "-"):
+        raise UsageError("--json prints --compare's table; use it with --compare and -o FILE" if kind == "-" else "--json applies to --compare")
+    compared = None
+    if args.compare is not None and args.timeline is None:
+        compared, setup = compare_entries(args)
+        panels = [row.panel for row in compared]
+    else:
+        panels = build_panels(args)
+    if args.max_steps is not None:
+        panels = [first_steps(panel, args.max_steps) for panel in panels]
     if kind == "-":
         from pipefisher.viz.text import render_text
 
         sys.stdout.write(render_text(panels, width))
-        return 0
-    try:
-        write_output(panels, Path(args.output), kind, width)
-    except OSError as exc:
-        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-    print(f"{args.output}: {', '.join(p.name for p in panels)} ({sum(len(p.boxes) for p in panels)} ops)")
+    else:
+        try:
+            write_output(panels, Path(args.output), kind, width)
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        if not args.json:
+            print(f"{args.output}: {', '.join(p.name for p in panels)} ({sum(len(p.boxes) for p in panels)} ops)")
+    if compared is not None:
+        if args.json:
+            print(json.dumps(compare_to_dict(compared, setup)))
+        else:
+            print(("\n" if kind == "-" else "") + str(setup))
+            print(format_compare_table(compared))
     return 0
 
 
@@ -95,62 +127,83 @@ def write_output(panels: list[Panel], path: Path, kind: str, width: int) -> None
         render_figure(panels, path)
 
 
-def parse_compare(text: str) -> list[tuple[str, bool]]:
-    """`gpipe,gpipe+kfac` -> [("gpipe", False), ("gpipe", True)]."""
-    entries = []
-    for item in (part.strip() for part in text.split(",")):
-        name, kfac = (item[: -len(KFAC_SUFFIX)], True) if item.endswith(KFAC_SUFFIX) else (item, False)
-        if name not in SCHEDULES:
-            raise UsageError(
-                f"--compare: {item!r} is not a schedule or schedule{KFAC_SUFFIX}; schedules: {', '.join(sorted(SCHEDULES))}"
-            )
-        entries.append((name, kfac))
-    return entries
-
-
 def build_panels(args: argparse.Namespace) -> list[Panel]:
-    """The panels the arguments ask for (see the module docstring); bad combinations raise UsageError."""
+    """The panels of a single schedule (run file or --schedule) or a --timeline; bad
+    combinations raise UsageError. --compare goes through `compare_entries`."""
     if args.timeline is not None:
         return [_timeline_panel(args)]
-    config = None
-    if args.config is not None:
-        from pipefisher.config import load_config
-
-        config = load_config(args.config).pipeline
-    if args.compare is not None:
-        if args.schedule is not None:
-            raise UsageError("give --schedule or --compare, not both")
-        if args.kfac:
-            raise UsageError(f"--kfac applies to --schedule; in --compare write S{KFAC_SUFFIX} for each schedule to pack")
-        entries = parse_compare(args.compare)
-    elif args.schedule is not None or config is not None:
-        entries = [(args.schedule or config.schedule, args.kfac)]
-    else:
+    config = _run_file(args)
+    if args.schedule is None and config is None:
         raise UsageError("nothing to draw: give a run file, --schedule S, --compare S1,S2 or --timeline FILE")
+    name = args.schedule or config.schedule
     stages = args.stages or (config.stages if config else None)
     micro_batches = args.micro_batches or (config.micro_batches if config else None)
     if stages is None or micro_batches is None:
         raise UsageError("--stages and --micro-batches are required without a run file")
-    if args.chunks is not None and all(name != "interleaved" for name, _ in entries):
+    if args.chunks is not None and name != "interleaved":
         raise UsageError("--chunks applies to the interleaved schedule only")
     chunks = args.chunks or (config.chunks if config else None)
-    panels = []
-    for name, kfac in entries:
-        pipeline = argparse.Namespace(
-            schedule=name, stages=stages, micro_batches=micro_batches, profile=args.profile,
-            chunks=chunks if name == "interleaved" else None,
-        )
-        if kfac and args.profile is None:
-            raise UsageError(f"{name}{KFAC_SUFFIX if args.compare else ' --kfac'}: needs --profile FILE with K-FAC or Shampoo layers; the default unit profile has none")
-        schedule, profile = build_pipeline(pipeline)
-        panels.append(curvature_panel(schedule, profile) if kfac else schedule_panel(schedule, profile))
-    return panels
+    pipeline = argparse.Namespace(
+        schedule=name, stages=stages, micro_batches=micro_batches, profile=args.profile,
+        chunks=chunks if name == "interleaved" else None,
+    )
+    if args.kfac and args.profile is None:
+        raise UsageError(f"{name} --kfac: needs --profile FILE with K-FAC or Shampoo layers; the default unit profile has none")
+    schedule, profile = build_pipeline(pipeline)
+    return [curvature_panel(schedule, profile) if args.kfac else schedule_panel(schedule, profile)]
+
+
+def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
+    """The --compare rows and their setup: D and N from the flags, the run file, or the defaults
+    of the module docstring."""
+    if args.schedule is not None:
+        raise UsageError("give --schedule or --compare, not both")
+    if args.kfac:
+        raise UsageError(f"--kfac applies to --schedule; in --compare write S{KFAC_SUFFIX} for each schedule to pack")
+    entries = parse_compare(args.compare)
+    config = _run_file(args)
+    stages = args.stages or (config.stages if config else None)
+    micro_batches = args.micro_batches or (config.micro_batches if config else None)
+    if args.chunks is not None and all(entry.schedule != "interleaved" for entry in entries):
+        raise UsageError("--chunks applies to the interleaved schedule only")
+    chunks = args.chunks or (config.chunks if config else None)
+    if args.profile is not None:
+        from pipefisher.profile import load_profile
+
+        profile = load_profile(args.profile)
+        stages = stages or profile.num_stages
+        about = args.profile
+    else:
+        packed = next((entry for entry in entries if entry.packed), None)
+        if packed is not None:
+            raise UsageError(
+                f"{packed}: needs --profile FILE with K-FAC or Shampoo layers; the default unit times have none "
+                f"(make one with e.g. {PROFILE_EXAMPLE})"
+            )
+        from pipefisher.profile import uniform_profile
+
+        # D stages of forward 1, backward 2; `compare` cuts them per chunk as `simulate` does
+        stages = stages or DEFAULT_COMPARE_STAGES
+        profile = uniform_profile(stages)
+        about = "unit times (forward 1, backward 2 per stage)"
+    micro_batches = micro_batches or 2 * stages
+    return compare(entries, stages, micro_batches, profile, chunks), Setup(stages, micro_batches, about)
+
+
+def _run_file(args: argparse.Namespace):
+    """The run file's pipeline section, or None without a run file."""
+    if args.config is None:
+        return None
+    from pipefisher.config import load_config
+
+    return load_config(args.config).pipeline
 
 
 def _timeline_panel(args: argparse.Namespace) -> Panel:
     given = {
         "a run file": args.config, "--schedule": args.schedule, "--compare": args.compare, "--stages": args.stages,
         "--micro-batches": args.micro_batches, "--chunks": args.chunks, "--profile": args.profile, "--kfac": args.kfac or None,
+        "--json": args.json or None,
     }
     clash = next((flag for flag, value in given.items() if value is not None), None)
     if clash is not None:

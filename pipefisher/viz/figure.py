@@ -20,6 +20,7 @@ from pipefisher.viz.layout import CATEGORY_NAMES, Box, Panel
 COLOURS = {
     "forward": "#4a7bc4",
     "backward": "#3a9a5c",
+    "weight": "#17a2b8",
     "curvature-a": "#f2a33a",
     "curvature-b": "#e0603a",
     "sync": "#222222",
@@ -177,5 +178,5 @@ def _legend(fig, entries: list, columns: int, note_height: float) -> None:
     fig.legend(handles=handles, loc="lower center", ncol=columns, frameon=False, fontsize=8, bbox_to_anchor=(0.5, 0.0))
     if note_height:
         rows = math.ceil(len(entries) / columns)
-        note = "box labels: micro-batch, prefixed p1: for pipe 1 (Chimera) or c1: for chunk 1 (interleaved)"
+        note = "box labels: micro-batch, prefixed p1: for pipe 1 (Chimera) or c1: for chunk 1 (interleaved, V-shape)"
         fig.text(0.5, (0.08 + _LEGEND_ROW * rows) / fig.get_figheight(), note, ha="center", va="bottom", fontsize=7, color="#444444")

@@ -7,11 +7,11 @@ packing. Times stay in the profile's (or recording's) time unit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipefisher.ir import Op, OpKind, Schedule
-from pipefisher.pack import PackOptions, pack
+from pipefisher.pack import PackOptions, PackResult, pack
 from pipefisher.profile import Profile, ProfileError
 from pipefisher.simulate import Bubble, Timeline, simulate
 from pipefisher.viz.timeline_io import RecordedTimeline
@@ -20,6 +20,7 @@ from pipefisher.viz.timeline_io import RecordedTimeline
 CATEGORY: dict[OpKind, str] = {
     OpKind.FORWARD: "forward",
     OpKind.BACKWARD: "backward",
+    OpKind.WEIGHT: "weight",
     OpKind.CURV_A: "curvature-a",
     OpKind.CURV_B: "curvature-b",
     OpKind.SYNC_A: "sync",
@@ -34,6 +35,7 @@ CATEGORY: dict[OpKind, str] = {
 CATEGORY_NAMES: dict[str, str] = {
     "forward": "forward",
     "backward": "backward",
+    "weight": "weight gradient W (split from the backward)",
     "curvature-a": "curvature A",
     "curvature-b": "curvature B",
     "sync": "sync / exchange",
@@ -69,7 +71,8 @@ class Panel:
     its steps, `step_ends` every rank's end of step after its last op (gradient all-reduce,
     optimizer step; from the profile's `step_end`). `step_time` is the mean over the steps; `bubble_fraction` is the first-order
     schedule's idle share (0..1) for planned panels, the recorded idle share otherwise.
-    `refresh_steps`/`utilization` (0..1) are set for K-FAC packings.
+    `refresh_steps`/`utilization` (0..1) are set for K-FAC packings; `drawn_steps`, when set,
+    says the panel holds only its first that many steps (see `first_steps`).
     """
 
     name: str
@@ -88,6 +91,7 @@ class Panel:
     refresh_steps: int | None = None
     utilization: float | None = None
     step_ends: tuple[Bubble, ...] = ()
+    drawn_steps: int | None = None
 
     @property
     def title(self) -> str:
@@ -110,6 +114,8 @@ class Panel:
             figures.append(f"K-FAC refresh every {self.refresh_steps} steps")
         if self.utilization is not None:
             figures.append(f"bubble utilisation {100 * self.utilization:.1f} %")
+        if self.drawn_steps is not None:
+            figures.append(f"first {self.drawn_steps} steps drawn")
         return f"{self.name}: {', '.join(shape)}; {'; '.join(figures)}"
 
     @property
@@ -119,16 +125,17 @@ class Panel:
         return [c for c in CATEGORY_NAMES if c in present]
 
 
-def schedule_panel(schedule: Schedule, profile: Profile) -> Panel:
-    """One step of `schedule` as simulated with `profile`."""
-    timeline = simulate(schedule, profile)
+def schedule_panel(schedule: Schedule, profile: Profile, timeline: Timeline | None = None) -> Panel:
+    """One step of `schedule` as simulated with `profile` (`timeline`: that simulation, if done already)."""
+    if timeline is None:
+        timeline = simulate(schedule, profile)
     return _panel(
         schedule.name,
         [timeline],
         [0.0],
         [0],
         num_pipes=schedule.num_pipes,
-        chunked=schedule.params.get("chunks", 1) > 1,
+        chunked=is_chunked(schedule),
         step_time=timeline.step_time,
         bubble_fraction=timeline.bubble_fraction,
         micro_batches=schedule.num_micro_batches,
@@ -144,7 +151,11 @@ def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions |
     """
     if not any(stage.layers for stage in profile.stages):
         raise ProfileError("packing needs a profile whose stages list `layers` (K-FAC or Shampoo task costs); this one has none")
-    result = pack(schedule, profile, options)
+    return packed_panel(schedule, pack(schedule, profile, options))
+
+
+def packed_panel(schedule: Schedule, result: PackResult) -> Panel:
+    """The refresh cycle of `result`, a packing of `schedule`, steps end to end."""
     starts = [sum(t.step_time for t in result.timelines[:j]) for j in range(len(result.timelines))]
     return _panel(
         f"{schedule.name} + PipeFisher",
@@ -152,7 +163,7 @@ def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions |
         starts,
         list(range(len(result.timelines))),
         num_pipes=schedule.num_pipes,
-        chunked=schedule.params.get("chunks", 1) > 1,
+        chunked=is_chunked(schedule),
         step_time=result.step_time,
         bubble_fraction=result.first_order.bubble_fraction,
         micro_batches=schedule.num_micro_batches,
@@ -184,9 +195,36 @@ def recorded_panel(record: RecordedTimeline, name: str) -> Panel:
     )
 
 
+def first_steps(panel: Panel, steps: int) -> Panel:
+    """`panel` (a refresh cycle, a recording) cut after its first `steps` (>= 1) steps, or `panel`
+    itself if it has no more; the summary (mean step time, k, utilisation, bubble) stays that of
+    the whole panel."""
+    if len(panel.step_ids) <= steps:
+        return panel
+    end = panel.step_starts[steps]
+    kept = set(panel.step_ids[:steps])
+    return replace(
+        panel,
+        boxes=tuple(b for b in panel.boxes if b.step in kept),
+        bubbles=tuple(b for b in panel.bubbles if b.start < end),
+        step_ends=tuple(e for e in panel.step_ends if e.start < end),
+        step_starts=panel.step_starts[:steps],
+        step_ids=panel.step_ids[:steps],
+        end=end,
+        drawn_steps=steps,
+    )
+
+
+def is_chunked(schedule: Schedule) -> bool:
+    """Whether a rank of the (single-pipe) schedule holds several model chunks (interleaved,
+    V-shape): stage = chunk · ranks + position, whichever rank the placement puts it on."""
+    return schedule.num_pipes == 1 and schedule.num_stages > schedule.num_ranks
+
+
 def op_label(op: Op, num_ranks: int, num_pipes: int, chunked: bool) -> tuple[int, str]:
-    """(variant, label) of `op`: forward/backward show the micro-batch, prefixed with the pipe
-    (``p1:3``) or the chunk (``c1:3``); K-FAC ops show their kind (``IA``)."""
+    """(variant, label) of `op`: forward, backward and weight gradient show the micro-batch,
+    prefixed with the pipe (``p1:3``) or the chunk (``c1:3``; chunk = stage // ranks, also for
+    V-shape placements); K-FAC ops show their kind (``IA``)."""
     variant = op.pipe if num_pipes > 1 else (op.stage // num_ranks if chunked else 0)
     if not op.kind.is_compute:
         return variant, op.kind.value

@@ -4,7 +4,8 @@ Rank rows are exactly `width` characters; every other line fits in `width`. Pane
 time scale, so stacked schedules compare directly. A slice shows the op that covers its centre;
 an op too short to cover any centre takes the slice under its midpoint if that slice is idle.
 Zero-length ops (asynchronous sync / exchange launches) are not drawn; a rank's end of step
-(gradient all-reduce, optimizer) shows as STEP_END.
+(gradient all-reduce, optimizer) shows as STEP_END. A weight gradient (W, zero-bubble schedules)
+shows as WEIGHT[variant % 2], a letter that no forward or backward uses.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ IDLE = "."
 STEP_END = "~"
 _FORWARD = ("0123456789", ")!@#$%^&*(")
 _BACKWARD = ("abcdefghij", "ABCDEFGHIJ")
+#: weight gradient of any micro-batch (pipe 0 / even chunks, pipe 1 / odd chunks)
+WEIGHT = ("w", "W")
 _KFAC = {"curvature-a": "+", "curvature-b": "*", "inverse-a": "<", "inverse-b": ">", "precondition": "=", "sync": "|"}
 _KFAC_NAMES = {
     "curvature-a": "curvature A",
@@ -34,12 +37,15 @@ _KFAC_NAMES = {
 
 
 def box_char(box: Box) -> str:
-    """Forward: digit of the micro-batch (mod 10); backward: its letter (a = 0); pipe 1 or odd
-    chunks: the shifted digit / capital letter; K-FAC ops: one symbol per kind."""
+    """Forward: digit of the micro-batch (mod 10); backward: its letter (a = 0); weight gradient:
+    ``w``; pipe 1 or odd chunks: the shifted digit / capital letter / ``W``; K-FAC ops: one
+    symbol per kind."""
     if box.category == "forward":
         return _FORWARD[box.variant % 2][box.op.micro_batch % 10]
     if box.category == "backward":
         return _BACKWARD[box.variant % 2][box.op.micro_batch % 10]
+    if box.category == "weight":
+        return WEIGHT[box.variant % 2]
     return _KFAC[box.category]
 
 
@@ -145,8 +151,11 @@ def _wrap(parts: list[str], width: int) -> list[str]:
 def _legend(panels: Sequence[Panel]) -> list[str]:
     categories = {c for p in panels for c in p.categories}
     parts = [f"{_FORWARD[0][0]}-{_FORWARD[0][-1]} forward of micro-batch k (k mod 10), {_BACKWARD[0][0]}-{_BACKWARD[0][-1]} its backward"]
+    if "weight" in categories:
+        parts[0] += f" (input gradient where W is split off), {WEIGHT[0]} weight gradient W of any micro-batch"
     if any(box.variant % 2 for p in panels for box in p.boxes if box.op.kind.is_compute):
-        parts.append(f"{_FORWARD[1]} and {_BACKWARD[1][0]}-{_BACKWARD[1][-1]} the same for pipe 1 (Chimera) or odd chunks (interleaved)")
+        odd = f"{_FORWARD[1]} and {_BACKWARD[1][0]}-{_BACKWARD[1][-1]}" + (f" and {WEIGHT[1]}" if "weight" in categories else "")
+        parts.append(f"{odd} the same for pipe 1 (Chimera) or odd chunks (interleaved, V-shape)")
     parts += [f"{_KFAC[c]} {name}" for c, name in _KFAC_NAMES.items() if c in categories]
     if any(p.step_ends for p in panels):
         parts.append(f"{STEP_END} end of step (all-reduce, optimizer)")

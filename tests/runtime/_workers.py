@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from unittest.mock import patch
 
 import torch
 
@@ -266,6 +267,8 @@ def powersgd_against_torch(rank: int, world: int, rank_r: int, steps: int) -> li
                 for tensor in factors():
                     dist.all_reduce(tensor)
             ours.decompress()
-        reduced = torch_powersgd.powerSGD_hook(state, Bucket()).wait()
+        # the hook synchronises CUDA whenever a GPU is visible, whatever its tensors' device
+        with patch.object(torch.cuda, "is_available", lambda: False):
+            reduced = torch_powersgd.powerSGD_hook(state, Bucket()).wait()
         results.append((buffer.flat.clone(), reduced.clone() * world))
     return results

@@ -74,6 +74,16 @@ def test_pipelined_bert_equals_the_unsplit_model(schedule, cache):
     assert {name for name in expected} <= seen
 
 
+def test_a_run_with_dropout_repeats_exactly(cache):
+    """Each rank's random stream (dropout) starts from (run.seed, rank)."""
+    config = bert_config(cache, model={"dropout": 0.1}, run={"steps": 2})
+
+    def losses():
+        return [result.losses for result in run_group(bert_one_step, 2, args=(config,), timeout=60, deadline=240)]
+
+    assert losses() == losses()
+
+
 @pytest.mark.parametrize("optimizer", ["lamb", "kfac"])
 def test_resume_continues_bit_for_bit(optimizer, cache, tmp_path):
     sections = {

@@ -129,3 +129,20 @@ def test_bad_powersgd_settings_are_one_line_errors():
                          (["--powersgd-rank", "x"], "--powersgd-rank")):
         result = subprocess.run(["pipefisher", "run", demo, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr
+
+
+def test_orthonormalise_spans_what_qr_spans_and_keeps_zero_columns_zero():
+    from pipefisher.runtime.powersgd import orthonormalise_
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 4, generator=generator, dtype=torch.float64)
+    nearly_dependent = torch.cat([base, base[:, :2] + 1e-6 * torch.randn(64, 2, generator=generator, dtype=torch.float64)], dim=1)
+    for matrix in (base.float(), nearly_dependent.float()):
+        ours = matrix.clone()
+        orthonormalise_(ours)
+        torch.testing.assert_close(ours.T @ ours, torch.eye(matrix.shape[1]), rtol=0, atol=1e-5)
+        basis = torch.linalg.qr(matrix.double()).Q.float()
+        torch.testing.assert_close(ours[:, :4] @ ours[:, :4].T, basis[:, :4] @ basis[:, :4].T, rtol=0, atol=1e-5)
+    zero = torch.zeros(8, 2)
+    orthonormalise_(zero)
+    assert zero.eq(0).all()

@@ -28,7 +28,7 @@ def reference_losses() -> list[float]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1"])
 def test_run_prints_one_json_object_per_step(schedule, reference_losses):
     result = run_cli("--schedule", schedule, "--steps", "2", "--json", "--master-port", "0")
     assert result.returncode == 0, result.stderr
@@ -63,6 +63,19 @@ def test_bad_run_files_exit_2_with_one_line(tmp_path, content, message):
     result = subprocess.run(["pipefisher", "run", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_more_nccl_ranks_than_gpus_exits_2_before_starting_processes(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU for each of the run's 2 ranks")
+    for command in (["run"], ["profile", "-o", str(tmp_path / "profile.yaml")]):
+        result = subprocess.run(["pipefisher", *command, str(TINY), "--backend", "nccl"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            f"pipefisher: error: run.backend nccl: 2 processes on this machine need 2 GPUs, it has {torch.cuda.device_count()} "
+            "(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer ranks (pipeline.stages x pipeline.data_parallel)"]
 
 
 def test_port_in_use_exits_2_before_starting_processes():

@@ -64,7 +64,8 @@ def unit_profile_path(tmp_path):
     "args, message",
     [
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac"], "needs --profile FILE with K-FAC or Shampoo layers"),
-        (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4"], "gpipe+kfac: needs --profile"),
+        (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4"], "gpipe+kfac: needs --profile FILE"),
+        (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4", "--profile", "UNIT"], "gpipe+kfac: packing needs a profile whose stages list"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac", "--profile", "UNIT"], "profile whose stages list `layers`"),
         (["--compare", "gpipe,zigzag", "-D", "4", "-N", "4"], "'zigzag' is not a schedule"),
         (["--compare", "gpipe", "--schedule", "1f1b", "-D", "4", "-N", "4"], "not both"),
