@@ -76,7 +76,7 @@ def test_pipelined_bert_equals_the_unsplit_model(schedule, cache):
 
 def test_a_run_with_dropout_repeats_exactly(cache):
     """Each rank's random stream (dropout) starts from (run.seed, rank)."""
-    config = bert_config(cache, model={"dropout": 0.1}, run={"steps": 2})
+    config = bert_config(cache, model={"dropout": 0.1})
 
     def losses():
         return [result.losses for result in run_group(bert_one_step, 2, args=(config,), timeout=60, deadline=240)]
