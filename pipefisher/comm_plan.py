@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from pipefisher.ir import Op, OpKind, ScheduleError
+from pipefisher.ir import GRADIENT_KINDS, Op, OpKind, ScheduleError
 from pipefisher.kaisa import GradWorkers
 from pipefisher.methods import TaskRules, task_rules
 from pipefisher.plan import Plan
@@ -313,7 +313,7 @@ def _gradient_final_positions(ops: Sequence[Op]) -> dict[int, int]:
     backward or weight gradient, or its preconditioning when that comes later)."""
     last: dict[int, int] = {}
     for position, op in enumerate(ops):
-        if op.kind in (OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION):
+        if op.kind in GRADIENT_KINDS:
             last[op.stage] = position
     return {position: stage for stage, position in last.items()}
 

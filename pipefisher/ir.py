@@ -50,6 +50,8 @@ class OpKind(str, Enum):
 _COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT})
 _WITH_MICRO_BATCH = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.CURV_A, OpKind.CURV_B})
 _WITHOUT_LAYER = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
+#: ops that change a stage's gradient of the step: it is final after the last of them on a rank
+GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
 
 
 class ScheduleError(ValueError):

@@ -17,7 +17,7 @@ from functools import cached_property
 from itertools import repeat
 from operator import add, attrgetter
 
-from pipefisher.ir import Op, OpKind, Schedule, splits_backward
+from pipefisher.ir import GRADIENT_KINDS, Op, OpKind, Schedule, splits_backward
 from pipefisher.profile import LayerProfile, Profile, ProfileError
 from pipefisher.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
 
@@ -134,8 +134,6 @@ class Timeline:
 
 
 COLLECTIVES = frozenset({OpKind.SYNC_A, OpKind.SYNC_B, OpKind.EXCHANGE})
-#: ops after which a stage's gradient on their rank may be final
-_GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
 #: what an op's times depend on (see OpDurations)
 _TIMING_FIELDS = attrgetter("kind", "stage", "layer")
 
@@ -296,7 +294,7 @@ def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) ->
     its gradient on the rank is final: at the end of its last backward or precondition there."""
     ends = []
     for ivs in ranks:
-        final = {iv.op.stage: iv.end for iv in ivs if iv.op.kind in _GRADIENT_KINDS}
+        final = {iv.op.stage: iv.end for iv in ivs if iv.op.kind in GRADIENT_KINDS}
         ends.append(max((end + durations.grad_reduce(stage) for stage, end in final.items()), default=0.0))
     return tuple(ends)
 
