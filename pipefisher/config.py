@@ -161,9 +161,10 @@ class ShampooConfig(RefreshConfig):
     """Shampoo settings (used with optimizer.name shampoo; `pipefisher.shampoo`): statistics decay
     `beta2` (1 = plain sum), `epsilon` added before the inverse 4th root, `block_size` (longer
     dimensions are cut into blocks), `root` method, `grafting` (adam takes optimizer.betas[1] and
-    optimizer.eps), `start_step` (steps before it use the grafting direction alone); the
-    statistics come from the gradient of every refresh cycle's first step. Placement keys as
-    `RefreshConfig`."""
+    optimizer.eps), `start_step` (steps before it use the grafting direction alone),
+    `statistics_dtype` (float64: a statistic GGᵀ squares the gradient's condition number, which
+    float32 resolves only to about 1e-7 of its largest eigenvalue); the statistics come from the
+    gradient of every refresh cycle's first step. Placement keys as `RefreshConfig`."""
 
     beta2: float = 1.0
     epsilon: float = 1e-12
@@ -171,6 +172,7 @@ class ShampooConfig(RefreshConfig):
     root: Literal["eigen", "newton"] = "eigen"
     grafting: Literal["adam", "sgd", "none"] = "adam"
     start_step: int = 0
+    statistics_dtype: Literal["float64", "float32"] = "float64"
 
 
 @dataclass(frozen=True)

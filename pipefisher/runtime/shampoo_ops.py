@@ -39,7 +39,8 @@ def shampoo_settings(config: RunConfig) -> ShampooSettings:
     and optimizer.eps."""
     s, o = config.shampoo, config.optimizer
     return ShampooSettings(beta2=s.beta2, epsilon=s.epsilon, block_size=s.block_size, root=s.root, grafting=s.grafting,
-                           graft_beta2=o.betas[1], graft_epsilon=o.eps, start_step=s.start_step)
+                           graft_beta2=o.betas[1], graft_epsilon=o.eps, start_step=s.start_step,
+                           statistics_dtype=getattr(torch, s.statistics_dtype))
 
 
 def tied_skip(tied: list[tuple[str, str]]) -> tuple[str, ...]:

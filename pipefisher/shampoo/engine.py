@@ -42,8 +42,8 @@ class ShampooEngine:
 
     Matrices: parameters with ``ndim >= 2`` whose name matches none of the ``skip`` globs; every
     other trainable parameter only takes the grafting direction. Tied parameters count once,
-    under their first name in ``named_parameters()``. All state lives on each parameter's device
-    in ``settings.dtype``.
+    under their first name in ``named_parameters()``. All state lives on each parameter's device,
+    statistics in ``settings.statistics_dtype``, everything else in ``settings.dtype``.
     """
 
     def __init__(self, module: nn.Module, settings: ShampooSettings | None = None, skip: Iterable[str] = ()) -> None:
@@ -52,7 +52,7 @@ class ShampooEngine:
         dtype = self.settings.dtype
         self._parameters = trainable_parameters(module)
         self._matrices = {
-            name: new_matrix(name, p, self.settings.block_size, dtype)
+            name: new_matrix(name, p, self.settings.block_size, self.settings.statistics_dtype)
             for name, p in self._parameters.items() if is_matrix(name, p, patterns)
         }
         self._exp_avg_sq = (
@@ -115,9 +115,9 @@ class ShampooEngine:
 
         A non-finite captured gradient leaves them unchanged and is counted (device-side).
         """
-        g = self.captured_gradient(name)
         st = self._matrix(name)
         fs = st.factors[_checked(factor)]
+        g = self.captured_gradient(name).to(fs.statistic.dtype)
         finite = torch.isfinite(g).all()
         g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
         beta2 = self.settings.beta2
@@ -158,7 +158,7 @@ class ShampooEngine:
                 fresh[k], fresh_ok[k] = batch[i], ok[i]
         ok = torch.stack(fresh_ok)
         previous = fs.pending if fs.pending is not None else fs.committed
-        value = torch.empty_like(fs.statistic)
+        value = self.root_buffer(name, factor)
         fallback = block_views(previous.value, sizes) if previous is not None else None
         nan = torch.full((), float("nan"), dtype=value.dtype, device=value.device)
         for k, view in enumerate(block_views(value, sizes)):
@@ -177,7 +177,7 @@ class ShampooEngine:
     def root_buffer(self, name: str, factor: Factor) -> Tensor:
         """An empty tensor of :meth:`shared_root`'s shape, dtype and device to receive it into."""
         st = self._matrix(name)
-        return torch.empty_like(st.factors[_checked(factor)].statistic)
+        return torch.empty_like(st.factors[_checked(factor)].statistic, dtype=self.settings.dtype)
 
     def receive_root(self, name: str, factor: Factor, tensor: Tensor) -> None:
         """Store a received :meth:`shared_root` tensor as ``factor``'s pending roots (kept, not
@@ -187,7 +187,7 @@ class ShampooEngine:
         if tensor.shape != fs.statistic.shape:
             raise ValueError(f"Shampoo matrix {name!r}: {factor} roots of shape {tuple(tensor.shape)}, "
                              f"want {tuple(fs.statistic.shape)}")
-        value = tensor.to(device=fs.statistic.device, dtype=fs.statistic.dtype)
+        value = tensor.to(device=fs.statistic.device, dtype=self.settings.dtype)
         views = block_views(value, st.info.block_sizes(factor))
         fs.pending = Roots(value, torch.stack([torch.isfinite(v).all() for v in views]))
 
@@ -250,7 +250,7 @@ class ShampooEngine:
         if set(state["exp_avg_sq"]) != set(self._exp_avg_sq):
             raise ValueError("Shampoo grafting state differs from this engine's (other grafting or parameters)")
         for name, entry in matrices.items():
-            _checkpoint.load_matrix_state(self._matrices[name], entry, self.settings.dtype)
+            _checkpoint.load_matrix_state(self._matrices[name], entry, self.settings)
         for name, saved in state["exp_avg_sq"].items():
             target = self._exp_avg_sq[name]
             if saved.shape != target.shape:

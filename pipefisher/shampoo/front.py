@@ -51,10 +51,13 @@ class Shampoo:
         graft_epsilon: float = 1e-8,
         start_step: int = 0,
         dtype: torch.dtype = torch.float32,
+        statistics_dtype: torch.dtype = torch.float64,
         skip: Iterable[str] = (),
         process_group: Any = None,
     ) -> None:
-        settings = ShampooSettings(beta2, epsilon, block_size, root, grafting, graft_beta2, graft_epsilon, start_step, dtype)
+        settings = ShampooSettings(beta2=beta2, epsilon=epsilon, block_size=block_size, root=root, grafting=grafting,
+                                   graft_beta2=graft_beta2, graft_epsilon=graft_epsilon, start_step=start_step, dtype=dtype,
+                                   statistics_dtype=statistics_dtype)
         self.engine = ShampooEngine(model, settings, skip)
         self.process_group = process_group
 

@@ -30,12 +30,18 @@ def inverse_root(stats: Tensor, epsilon: float, method: RootMethod, p: int = ROO
 
 
 def eigen_root(stats: Tensor, epsilon: float, p: int = ROOT_ORDER) -> tuple[Tensor, Tensor]:
-    """``V diag((max(λ, 0) + ε)^(-1/p)) Vᵀ`` from the float64 eigendecomposition ``V diag(λ) Vᵀ``
-    of the symmetrised statistic: negative eigenvalues from rounding are clamped to 0 before the
-    ε is added, so ε bounds the root by ``ε^(-1/p)``. Cast back to ``stats.dtype``."""
+    """``V diag((λ' + ε)^(-1/p)) Vᵀ`` from the float64 eigendecomposition ``V diag(λ) Vᵀ`` of the
+    symmetrised statistic, with ``λ' = 0`` where ``λ <= n · eps(stats.dtype) · max|λ|`` (the
+    rounding level of an n x n statistic held in ``stats.dtype``, numpy's rank tolerance) and
+    ``λ' = λ`` above it. Eigenvalues at or below that level are rounding, not curvature: read as
+    they come, their roots (up to ``ε^(-1/p)``) would turn a one-ulp change of the statistic into
+    a different update; as zeros they take the root of an exact null direction. So ε bounds the
+    root by ``ε^(-1/p)``. Cast back to ``stats.dtype``."""
     sym, finite = _symmetric(stats.to(torch.float64))
     evals, evecs, decomposed = _eigh(sym)
-    scale = (evals.clamp(min=0.0) + epsilon).pow(-1.0 / p)
+    rounding = evals.abs().amax(dim=-1, keepdim=True) * (stats.shape[-1] * torch.finfo(stats.dtype).eps)
+    evals = torch.where(evals > rounding, evals, 0.0)
+    scale = (evals + epsilon).pow(-1.0 / p)
     root = (evecs * scale.unsqueeze(-2)) @ evecs.mT
     ok = finite & decomposed & torch.isfinite(root).all(dim=(-2, -1))
     return root.to(stats.dtype), ok

@@ -26,8 +26,11 @@ class ShampooSettings:
     ``grafting``: the per-block step size comes from Adam's or SGD's direction, or none.
     ``graft_beta2`` in [0, 1), ``graft_epsilon`` > 0: Adam grafting's second moment decay and
     denominator term. ``start_step``: precondition calls ``t <= start_step`` (t counted from 1)
-    use the grafting direction alone. ``dtype``: float32 or float64, of statistics, roots and
-    grafting state.
+    use the grafting direction alone. ``dtype``: float32 or float64, of the captured gradient,
+    roots and grafting state. ``statistics_dtype``: float64 (default) or float32, of the
+    statistics: a statistic ``G Gᵀ`` squares the gradient's condition number, so float32 resolves
+    its eigenvalues only down to about ``1e-7 λ_max``; below that a root with a small ``epsilon``
+    amplifies rounding (any change in the order of a sum) into a different update.
     """
 
     beta2: float = 1.0
@@ -39,6 +42,7 @@ class ShampooSettings:
     graft_epsilon: float = 1e-8
     start_step: int = 0
     dtype: torch.dtype = torch.float32
+    statistics_dtype: torch.dtype = torch.float64
 
     def __post_init__(self) -> None:
         if not 0.0 < self.beta2 <= 1.0:
@@ -57,5 +61,6 @@ class ShampooSettings:
             raise ValueError(f"graft_epsilon must be a finite positive number, got {self.graft_epsilon}")
         if isinstance(self.start_step, bool) or not isinstance(self.start_step, int) or self.start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0, got {self.start_step!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {self.dtype}")
+        for name in ("dtype", "statistics_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be torch.float32 or torch.float64, got {getattr(self, name)}")

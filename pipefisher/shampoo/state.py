@@ -25,7 +25,8 @@ class Roots:
 
 @dataclass
 class FactorState:
-    """One factor of a matrix: the flat ``statistic`` (all blocks, zeros at first), roots computed
+    """One factor of a matrix: the flat ``statistic`` (all blocks, zeros at first, in the settings'
+    ``statistics_dtype``), roots (in the settings' ``dtype``) computed
     or received since the last commit (``pending``), roots in use (``committed``; None before the
     first commit) and device int64 ``counters`` (:mod:`pipefisher.shampoo.health`)."""
 
@@ -56,12 +57,12 @@ def is_matrix(name: str, parameter: Tensor, skip: Iterable[str]) -> bool:
     return parameter.dim() >= 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
 
 
-def new_matrix(name: str, parameter: nn.Parameter, block_size: int, dtype: torch.dtype) -> MatrixState:
-    """Zero statistics and no roots for ``parameter``, on its device, in ``dtype``."""
+def new_matrix(name: str, parameter: nn.Parameter, block_size: int, statistics_dtype: torch.dtype) -> MatrixState:
+    """Zero statistics (in ``statistics_dtype``) and no roots for ``parameter``, on its device."""
     info = MatrixInfo.of(name, tuple(parameter.shape), block_size)
     device = parameter.device
     factors = {
-        f: FactorState(torch.zeros(info.statistic_numel(f), dtype=dtype, device=device), _health.zero_counters(device))
+        f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device), _health.zero_counters(device))
         for f in FACTORS
     }
     return MatrixState(info, parameter, factors)

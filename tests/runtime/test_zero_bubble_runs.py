@@ -1,5 +1,5 @@
 """Zero-bubble schedules (backward split into input gradient B and weight gradient W) train
-exactly like the single-process reference: first-order, K-FAC and Shampoo, 2 and 4 stages, real
+exactly like the single-process reference: first-order and K-FAC, 2 and 4 stages, real
 gloo ranks held to NCCL's in-order rule (`run.in_order`)."""
 
 import subprocess
@@ -14,8 +14,9 @@ from pipefisher.profile import load_profile
 pytestmark = pytest.mark.dist
 
 V_SHAPED = ("zbv", "dualpipev")
-#: as in test_pipefisher.py / test_shampoo_pipeline.py: damped inverses amplify last-bit differences
-KFAC_ATOL, SHAMPOO_ATOL = 2e-4, 1e-6
+#: as in test_pipefisher.py: damped inverses amplify last-bit differences (Shampoo on these
+#: schedules: test_curvature_equivalence.py and test_shampoo_pipeline.py)
+KFAC_ATOL = 2e-4
 
 
 def zb_config(schedule, ranks, optimizer="sgd", layers=4, data_parallel=1, **sections):
@@ -47,11 +48,6 @@ def test_first_order_equals_the_reference(schedule, ranks):
 @pytest.mark.parametrize("schedule,ranks", [("zb-h1", 2), ("zbv", 1), ("zbv", 2), ("dualpipev", 1), ("dualpipev", 2)])
 def test_kfac_packed_equals_the_reference(schedule, ranks):
     assert_equal_to_reference(zb_config(schedule, ranks, "kfac"), KFAC_ATOL)
-
-
-def test_shampoo_packed_on_zbv_equals_the_reference():
-    """Shampoo keeps the gradient once a stage's last W of the cycle's first step has run."""
-    assert_equal_to_reference(zb_config("zbv", 2, "shampoo"), SHAMPOO_ATOL)
 
 
 @pytest.mark.slow

@@ -16,6 +16,15 @@ def inverse_root(s: np.ndarray, epsilon: float, p: int = 4) -> np.ndarray:
     return (v * w ** (-1.0 / p)) @ v.T
 
 
+def gram_inverse_root(g: np.ndarray, epsilon: float, p: int = 4) -> np.ndarray:
+    """``(G Gᵀ + ε I)^(-1/p)`` from the SVD of ``G`` (m, n): eigenvalues ``s²``, and exact zeros
+    for the ``m - rank`` directions ``G Gᵀ`` does not reach, with no rounded product decomposed."""
+    u, s, _ = np.linalg.svd(g, full_matrices=True)
+    eigenvalues = np.zeros(g.shape[0])
+    eigenvalues[: s.size] = s**2
+    return (u * (eigenvalues + epsilon) ** (-1.0 / p)) @ u.T
+
+
 def shampoo_direction(g: np.ndarray, left: np.ndarray, right: np.ndarray, epsilon: float) -> np.ndarray:
     """``(L + ε I)^(-1/4) G (R + ε I)^(-1/4)``."""
     return inverse_root(left, epsilon) @ g @ inverse_root(right, epsilon)

@@ -138,7 +138,7 @@ def test_non_finite_gradient_keeps_statistics_and_roots_counts_and_warns_once():
 
 def test_failed_root_keeps_the_previous_one_and_without_one_the_block_takes_the_graft_direction():
     """Gradients of 1e30 overflow float32 statistics: every root of that matrix fails."""
-    settings = ShampooSettings(epsilon=1e-6, block_size=4, grafting="none")
+    settings = ShampooSettings(epsilon=1e-6, block_size=4, grafting="none", statistics_dtype=torch.float32)
     model = tiny_model()
     engine = ShampooEngine(model, settings)
     set_gradients(model, 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from _shampoo_dense import adam_direction, as_numpy, blocks, inverse_root, one_step_direction, shampoo_direction
+from _shampoo_dense import adam_direction, as_numpy, blocks, gram_inverse_root, inverse_root, one_step_direction, shampoo_direction
 from pipefisher.shampoo import Shampoo
 
 # Per dtype: epsilon and the tolerance of the comparison. In float32 the statistics carry rounding
@@ -48,6 +48,46 @@ def test_one_layer_matches_the_dense_computation(dtype, root):
     refresh_and_precondition(shampoo)
     close(layer.weight.grad, one_step_direction(as_numpy(grads["weight"]), epsilon), rtol)
     assert torch.equal(layer.bias.grad, grads["bias"]), "a 1-D parameter without grafting keeps its gradient"
+
+
+def test_a_singular_statistic_at_the_default_epsilon_matches_the_exact_computation():
+    """A 3 x 16 gradient G₀ makes a rank-3 right statistic, whose 13 null directions the default
+    ε = 1e-12 scales by ε^(-1/4) = 1000 (and the next gradient has components there). Float32
+    gradients and roots with the default float64 statistics: the next gradient's direction equals
+    the exact one, built from the SVD of G₀ with no rounded product decomposed."""
+    layer = nn.Linear(16, 3, bias=False)
+    first = as_numpy(set_gradients(layer, seed=3)["weight"])
+    shampoo = Shampoo(layer, grafting="none")
+    shampoo.update_statistics()
+    shampoo.update_roots()
+    second = as_numpy(set_gradients(layer, seed=4)["weight"])
+    shampoo.precondition()
+    close(layer.weight.grad, gram_inverse_root(first, 1e-12) @ second @ gram_inverse_root(first.T, 1e-12), 1e-5)
+
+
+@pytest.mark.parametrize("statistics_dtype", [torch.float64, torch.float32])
+def test_a_gradient_summed_in_another_order_gives_the_same_direction(statistics_dtype):
+    """Replicas sum the micro-batches' gradients in another order than one process does, so the
+    captured gradients differ in their last bits. With a singular statistic at the default ε,
+    eigenvalues at rounding level count as zero (not as curvature scaled by up to ε^(-1/4)), so
+    both orders precondition the next gradient alike."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(3, 16, generator=gen) for _ in range(8)]
+    in_sequence = sum(parts[1:], parts[0].clone())
+    by_halves = sum(parts[1:4], parts[0].clone()) + sum(parts[5:], parts[4].clone())
+    assert not torch.equal(in_sequence, by_halves), "the two orders round differently"
+    following = torch.randn(3, 16, generator=gen)
+    directions = []
+    for gradient in (in_sequence, by_halves):
+        layer = nn.Linear(16, 3, bias=False)
+        layer.weight.grad = gradient.clone()
+        shampoo = Shampoo(layer, grafting="none", statistics_dtype=statistics_dtype)
+        shampoo.update_statistics()
+        shampoo.update_roots()
+        layer.weight.grad = following.clone()
+        shampoo.precondition()
+        directions.append(layer.weight.grad)
+    torch.testing.assert_close(directions[0], directions[1], rtol=0, atol=1e-5 * directions[0].abs().max().item())
 
 
 def test_bfloat16_gradients_are_computed_in_float32_and_written_back_in_bfloat16():
