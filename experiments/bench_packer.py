@@ -8,7 +8,7 @@ pipefisher's is dominated (published k <= ours and overhead <= ours, one strictl
 k from 1 to the larger default k both plans pinned to that k (pipefisher's must never be slower).
 Then the summary the README quotes, and the packing time of D = 8, N = 128 (24 layers per stage).
 
-Usage: python experiments/bench_packer.py ../shared/reference [--max-overhead 0.01] [--margin 0]
+Usage: python experiments/bench_packer.py [REFERENCE_FOLDER (default profiles/reference)] [--max-overhead 0.01] [--margin 0]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pipefisher.pack import PackOptions, PackResult, pack
 from pipefisher.schedules import get_schedule
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 
+#: the PipeFisher authors' P100 block times shipped with the project
+REFERENCE = Path(__file__).resolve().parents[1] / "profiles" / "reference"
 EXACT = 1e-9
 
 
@@ -65,7 +67,8 @@ def at_bound(result: PackResult, budget: float) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reference", type=Path, help="folder with bert-{base,large}_time_memory_p100.csv")
+    parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
+                        help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
     parser.add_argument("--max-overhead", type=float, default=0.01)
     parser.add_argument("--margin", type=float, default=0.0)
     args = parser.parse_args()

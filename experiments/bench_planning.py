@@ -4,7 +4,7 @@ per stage, block times of the PipeFisher P100 measurements, micro-batch 8).
 
 Prints the median wall time of each phase over several repeats, in seconds.
 Usage: python experiments/bench_planning.py [--schedule 1f1b] [--stages 64] [--micro-batches 256]
-       [--reference ../shared/reference] (no packing timing when the folder is missing)
+       [--reference profiles/reference] (no packing timing when the folder is missing)
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--reference", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "reference")
+    parser.add_argument("--reference", type=Path, default=Path(__file__).resolve().parents[1] / "profiles" / "reference",
+                        help="folder with bert-large_time_memory_p100.csv (default: profiles/reference)")
     args = parser.parse_args()
     phases: dict[str, list[float]] = {"generate": [], "validate": [], "simulate": [], "total": []}
     for _ in range(args.repeats):

@@ -8,7 +8,7 @@ a PNG (refresh interval and packing overhead against micro-batch size, one line 
 column per model). Small micro-batches leave bubbles too short for an inversion: such tasks do
 not raise k but show up as overhead.
 
-Usage: python experiments/perf_model.py ../shared/reference -o out/perf_model [--schedule 1f1b]
+Usage: python experiments/perf_model.py [REFERENCE_FOLDER (default profiles/reference)] -o out/perf_model [--schedule 1f1b]
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ COLUMNS = [
     "model", "schedule", "micro_batch_size", "stages", "step_time_ms", "bubble_ms_per_device",
     "curvature_ms_per_device", "inversion_ms_per_device", "lower_bound", "refresh_steps", "overhead",
 ]
+
+
+#: the PipeFisher authors' P100 block times shipped with the project
+REFERENCE = Path(__file__).resolve().parents[1] / "profiles" / "reference"
 
 
 def model_rows(reference: Path, schedule_name: str) -> list[dict]:
@@ -91,7 +95,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reference", type=Path, help="folder with bert-{base,large}_time_memory_p100.csv")
+    parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
+                        help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
     parser.add_argument("-o", "--output", type=Path, default=Path("out/perf_model"), help="output path without suffix")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "chimera"])
     args = parser.parse_args()

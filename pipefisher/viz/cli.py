@@ -30,7 +30,7 @@ from pipefisher.viz.text import MIN_WIDTH
 DEFAULT_COMPARE_STAGES = 4
 #: how to make a profile with K-FAC layers (the README's GPipe example), for the +kfac error
 PROFILE_EXAMPLE = (
-    "python -m pipefisher.viz.bert_profile ../shared/reference/bert-base_time_memory_p100.csv "
+    "python -m pipefisher.viz.bert_profile profiles/reference/bert-base_time_memory_p100.csv "
     "-D 4 --micro-batch-size 32 -o /tmp/bert-base-4.yaml"
 )
 OUTPUTS = (".svg", ".png", ".json", ".txt", "-")
