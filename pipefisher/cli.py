@@ -8,7 +8,8 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from pipefisher.cli_args import USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline, format_table, percentile, positive_float, positive_int, share
+from pipefisher.cli_args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
+                                 format_table, percentile, positive_float, positive_int, share)
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.methods import task_rules
@@ -84,7 +85,7 @@ def _add_simulate(subparsers) -> None:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    schedule, profile = build_pipeline(args, profile_required=True)
+    schedule, profile = build_pipeline(args, profile_required=True, limit=MAX_PACKED_SLOTS, what="packing")
     if not any(stage.layers for stage in profile.stages):
         raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
     options = PackOptions(

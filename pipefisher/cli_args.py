@@ -12,10 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipefisher.profile import load_profile, uniform_profile
-from pipefisher.schedules import SCHEDULES, get_schedule
+from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
 from pipefisher.validate import validate
 
 USAGE_ERROR = 2
+#: the most (rank, model chunk, micro-batch) triples per step a planning command takes: about 5 s
+#: and 300 MB to simulate on 2 cores; packing holds every op of a whole refresh cycle, so it
+#: takes 8x fewer (D = 24, N = 1536 packs in 7 s and 600 MB)
+MAX_SIMULATED_SLOTS = 1 << 18
+MAX_PACKED_SLOTS = 1 << 15
 
 
 class UsageError(Exception):
@@ -64,8 +69,21 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2; zbv and dualpipev hold 2)")
 
 
-def build_pipeline(args: argparse.Namespace, profile_required: bool = False) -> tuple:
-    """(schedule, profile) from the shared arguments; without a profile, unit times per rank."""
+def check_planning_size(schedule: str, stages: int, micro_batches: int, chunks: int | None, limit: int, what: str) -> None:
+    """UsageError when D x N (x the chunks per rank) exceeds `limit`, before anything is built."""
+    per_rank = chunks_per_rank(schedule, chunks)
+    slots = stages * micro_batches * per_rank
+    if slots > limit:
+        chunked = f" x {per_rank} chunks" if per_rank > 1 else ""
+        raise UsageError(f"--stages {stages} x --micro-batches {micro_batches}{chunked} = {slots:,} slots per step: "
+                         f"{what} takes at most {limit:,} (seconds of work here); use fewer stages or micro-batches")
+
+
+def build_pipeline(args: argparse.Namespace, profile_required: bool = False, limit: int = MAX_SIMULATED_SLOTS,
+                   what: str = "simulating") -> tuple:
+    """(schedule, profile) from the shared arguments; without a profile, unit times per rank.
+    Refuses (UsageError) a pipeline of more than `limit` slots (`check_planning_size`)."""
+    check_planning_size(args.schedule, args.stages, args.micro_batches, args.chunks, limit, what)
     schedule = validate(get_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
     if args.profile is not None:
         profile = load_profile(args.profile)

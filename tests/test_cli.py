@@ -55,6 +55,10 @@ def test_interleaved_default_profile_keeps_work_per_rank():
         (["simulate", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", "/nonexistent.yaml"], "cannot read profile"),
         (["simulate", "--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "chunks apply to the interleaved"),
         ([], "required: command"),
+        (["simulate", "--schedule", "1f1b", "-D", "100000", "-N", "100000"],
+         "--stages 100000 x --micro-batches 100000 = 10,000,000,000 slots per step: simulating takes at most 262,144"),
+        (["simulate", "--schedule", "interleaved", "-D", "256", "-N", "1024", "--chunks", "2"], "x 2 chunks = 524,288 slots"),
+        (["viz", "--compare", "1f1b,zbv", "-D", "100000", "-N", "100000", "-o", "-"], "simulating takes at most 262,144"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args, message, capsys):
@@ -130,6 +134,7 @@ def test_pack_table_from_the_entry_point(bert_like_profile):
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--percentile", "0"], "argument --percentile: 0 must be in (0, 100]"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-capture-mb", "-3"], "argument --max-capture-mb: -3.0 must be a finite number > 0"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-refresh-steps", "0"], "argument --max-refresh-steps: 0 must be at least 1"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "10000"], "--stages 4 x --micro-batches 10000 = 40,000 slots per step: packing takes at most 32,768"),
     ],
 )
 def test_pack_usage_errors_exit_2(bert_like_profile, extra, message, capsys):

@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-from pipefisher.cli_args import UsageError, add_pipeline_arguments, build_pipeline, positive_int
+from pipefisher.cli_args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
+                                 check_planning_size, positive_int)
 from pipefisher.viz.compare import KFAC_SUFFIX, Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
 from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
@@ -149,7 +150,8 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
     )
     if args.kfac and args.profile is None:
         raise UsageError(f"{name} --kfac: needs --profile FILE with K-FAC or Shampoo layers; the default unit profile has none")
-    schedule, profile = build_pipeline(pipeline)
+    schedule, profile = build_pipeline(pipeline, limit=MAX_PACKED_SLOTS if args.kfac else MAX_SIMULATED_SLOTS,
+                                       what="packing" if args.kfac else "simulating")
     return [curvature_panel(schedule, profile) if args.kfac else schedule_panel(schedule, profile)]
 
 
@@ -187,6 +189,9 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
         profile = uniform_profile(stages)
         about = "unit times (forward 1, backward 2 per stage)"
     micro_batches = micro_batches or 2 * stages
+    for entry in entries:
+        limit, what = (MAX_PACKED_SLOTS, "packing") if entry.packed else (MAX_SIMULATED_SLOTS, "simulating")
+        check_planning_size(entry.schedule, stages, micro_batches, chunks if entry.schedule == "interleaved" else None, limit, what)
     return compare(entries, stages, micro_batches, profile, chunks), Setup(stages, micro_batches, about)
 
 
