@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from pipefisher.cli_args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
@@ -192,7 +193,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
     method = config.optimizer.name if config.curvature is not None else "kfac"
+    if args.profile is not None and config.curvature is None:
+        _say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
+             "it serves the packer of --optimizer kfac or shampoo")
     config = config.with_overrides(**{method: {"profile": args.profile}})
+    _warn_if_emulated(config)
     if args.reference and config.comm.powersgd_rank:
         raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
                          "drop --powersgd-rank (comm.powersgd_rank) or --reference")
@@ -221,6 +226,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
         return 0
     return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
+
+
+def _warn_if_emulated(config) -> None:
+    """fp16 on CPUs is emulated: say so before the user waits for it."""
+    from pipefisher.runtime.launch import resolve_backend
+
+    if config.run.precision == "fp16" and resolve_backend(config.run.backend) == "gloo":
+        _say("warning: fp16 on a CPU is emulated, about 10x slower than fp32 here; bf16 or fp32 train at full speed")
 
 
 def _resume_step(config) -> int | None:
@@ -377,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The exit code: 0, 1 for a failed run, 2 for bad input, 128 + the signal that stopped it."""
+    from pipefisher.runtime.stopping import Terminated, raise_on_sigterm
+
+    if threading.current_thread() is threading.main_thread():
+        raise_on_sigterm()
     try:
         args = build_parser().parse_args(argv)
         handler: Callable[[argparse.Namespace], int] = args.handler
@@ -384,9 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ScheduleError, ProfileError, ConfigError) as exc:
         print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
-    except KeyboardInterrupt:  # before a run's own handlers are in place (e.g. preparing data)
-        print("pipefisher: interrupted by SIGINT", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except (KeyboardInterrupt, Terminated) as exc:  # before (or without) a run's own handlers: planning, preparing data
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        print(f"pipefisher: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

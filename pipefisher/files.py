@@ -1,8 +1,11 @@
-"""Reading structured files (YAML, or JSON by suffix) with one-line errors. Pure Python."""
+"""Reading structured files (YAML, or JSON by suffix) with one-line errors, and writing files so
+that no reader ever sees a part of one. Pure Python."""
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,3 +32,33 @@ def load_structured(path: str | Path, what: str, build: Callable[[Any], T], erro
         return build(data)
     except error as exc:
         raise error(f"{path}: {exc}") from None
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], None], durable: bool = False) -> None:
+    """`write(temporary)` beside `path` (same suffix), then rename it to `path`: a reader, or a
+    later run after this one was interrupted at any moment, finds the old file or the whole new
+    one. A failed or interrupted `write` leaves nothing. `durable`: flushed to disk before the
+    rename (checkpoints)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(temporary)
+        if durable:
+            with open(temporary, "rb+") as handle:
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """`text` into `path` through `write_atomically`."""
+    write_atomically(path, lambda temporary: temporary.write_text(text))
+
+
+def experiment_output(name: str) -> Path:
+    """Where an experiment writes unless told otherwise (its --out): a folder of the temporary
+    directory, never a tracked file of the checkout (the README's figures are rewritten only by
+    naming them)."""
+    return Path(tempfile.gettempdir()) / "pipefisher-experiments" / name

@@ -15,6 +15,8 @@ from functools import cached_property
 from enum import Enum
 from pathlib import Path
 
+from pipefisher.files import write_text_atomically
+
 
 class OpKind(str, Enum):
     """What an op does; the value is its token in the compact string form."""
@@ -237,7 +239,7 @@ class Schedule:
             raise ScheduleError(f"malformed schedule JSON: {exc!r}") from None
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Schedule":

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipefisher.files import write_text_atomically
 from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
 from pipefisher.methods import task_rules
 from pipefisher.profile import Profile
@@ -73,7 +74,7 @@ class Plan:
         return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
+        write_text_atomically(path, json.dumps(self.to_dict()) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from pipefisher.files import load_structured
+from pipefisher.files import load_structured, write_text_atomically
 from pipefisher.methods import METHODS
 
 SCHEMA = "pipefisher.profile/v1"
@@ -207,7 +207,7 @@ class Profile:
         path = Path(path)
         data = self.to_dict()
         text = json.dumps(data, indent=1) if path.suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
-        path.write_text(text if text.endswith("\n") else text + "\n")
+        write_text_atomically(path, text if text.endswith("\n") else text + "\n")
 
 
 def uniform_profile(num_stages: int, forward: float = 1.0, backward: float = 2.0, p2p: float = 0.0) -> Profile:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipefisher.files import write_atomically
 from pipefisher.config import RunConfig
 
 #: configuration keys that may change between a run and its resumption
@@ -88,11 +89,7 @@ def _sha256(path: Path) -> str:
 
 def _atomic_write(path: Path, write) -> None:
     """`write(temporary)`, flush it to disk, then rename it to `path`."""
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(temporary)
-    with open(temporary, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_atomically(path, write, durable=True)
 
 
 def save_rank(directory: str | Path, step: int, rank: int, state: dict[str, Any]) -> FileRecord:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.stopping import STOP_SIGNALS, signal_name
+from pipefisher.runtime.stopping import STOP_SIGNALS, signal_name, stop_request
 
 
 class Interrupted(RuntimeError):
@@ -128,15 +128,22 @@ def _die_with_parent() -> None:
 
 def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], backend: str, timeout: float, results, args: tuple,
            on_signal: str) -> None:
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    """A rank's process. It starts with the stop signals blocked (see `run_group`) and lets them
+    in once their handling is set and the process group is joined (a signal inside the store's
+    connect makes it log a C++ stack): one that came meanwhile is handled then, not lost and not
+    a traceback."""
     if on_signal == "kill":  # the launcher ends the group; the child must not die in the middle on its own
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
+    else:
+        stop_request.install()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
     _die_with_parent()
     code = 0
     try:
         init_distributed(backend, timeout)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         # Plain pickle: tensors travel as bytes, not as shared memory this process takes with it.
         results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException as exc:
@@ -164,24 +171,21 @@ def run_group(
 
     `fn` must be importable (module level). `timeout` bounds any wait inside the group;
     `deadline` (seconds, optional) bounds the whole run. Raises GroupFailure naming every failed
-    rank; no child outlives the call. SIGTERM or SIGINT to this process: with
-    `on_signal="forward"` every child gets it (and handles it: training stops after its step) and
-    has `timeout` seconds to finish; with "kill" the children are killed and Interrupted is raised.
+    rank; no child outlives the call. SIGTERM or SIGINT to this process, at any moment: with
+    `on_signal="forward"` every child gets it (and handles it: training stops after its step; it
+    is sent again until the child exits, so a child still starting gets it too) and has
+    `timeout` seconds to finish; with "kill" the children are killed and Interrupted is raised.
+    Children start with the stop signals blocked (a Ctrl-C in a terminal reaches them too), so
+    none dies with a traceback inside its interpreter's start.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {"MASTER_ADDR": host, "MASTER_PORT": str(port or free_port(host)), "OMP_NUM_THREADS": "1"}
     procs = [ctx.Process(target=_child, args=(fn, rank, world, env, backend, timeout, results, args, on_signal), daemon=True)
              for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    end = time.monotonic() + deadline if deadline is not None else None
-    grace = timeout if grace is None else grace
-    outcome: dict[int, tuple[bool, Any]] = {}
     received: list[int] = []
 
-    def on_stop_signal(signum: int, frame) -> None:
-        received.append(signum)
+    def forward(signum: int) -> None:
         for proc in procs:
             if proc.is_alive():
                 if on_signal == "forward":
@@ -189,10 +193,23 @@ def run_group(
                 else:
                     proc.kill()
 
+    def on_stop_signal(signum: int, frame) -> None:
+        received.append(signum)
+        forward(signum)
+
     previous = {signum: signal.signal(signum, on_stop_signal) for signum in STOP_SIGNALS} \
         if threading.current_thread() is threading.main_thread() else {}
+    end = time.monotonic() + deadline if deadline is not None else None
+    grace = timeout if grace is None else grace
+    outcome: dict[int, tuple[bool, Any]] = {}
     stopping = False
     try:
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for proc in procs:
+                proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # one that came meanwhile runs on_stop_signal now
         while len(outcome) < world:
             if received and on_signal == "kill":
                 break
@@ -200,6 +217,8 @@ def run_group(
                 stopping = True
                 stop_by = time.monotonic() + timeout + grace
                 end = stop_by if end is None else min(end, stop_by)
+            elif received:
+                forward(received[0])  # again: harmless to a child that has it, needed by one still starting
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 break
@@ -219,7 +238,8 @@ def run_group(
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
-            proc.join(5)
+            if proc.pid is not None:
+                proc.join(5)
     if received and on_signal == "kill":
         raise Interrupted(received[0])
     failures = {rank: value for rank, (ok, value) in outcome.items() if not ok}

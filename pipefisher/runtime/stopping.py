@@ -33,6 +33,24 @@ class StopRequest:
 stop_request = StopRequest()
 
 
+class Terminated(BaseException):
+    """SIGTERM in a process with no step to finish (planning, preparing data, starting): raised
+    like KeyboardInterrupt is for SIGINT, so the entry point says one line and exits 143."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+def raise_on_sigterm() -> None:
+    """From now on SIGTERM raises `Terminated` (main thread only), until a handler replaces it."""
+
+    def terminate(signum: int, frame) -> None:
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipefisher.files import write_text_atomically
 from pipefisher.viz.layout import Panel
 
 #: Microseconds per time unit of a profile or recording.
@@ -59,4 +60,4 @@ def chrome_trace(panels: Sequence[Panel]) -> dict[str, Any]:
 
 
 def write_chrome_trace(panels: Sequence[Panel], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(chrome_trace(panels)) + "\n")
+    write_text_atomically(path, json.dumps(chrome_trace(panels)) + "\n")

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+from pipefisher.files import write_text_atomically
 from pipefisher.cli_args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
                                  check_planning_size, positive_int)
 from pipefisher.viz.compare import KFAC_SUFFIX, Compared, Setup, compare, compare_to_dict, format_compare_table
@@ -121,7 +122,7 @@ def write_output(panels: list[Panel], path: Path, kind: str, width: int) -> None
     elif kind == ".txt":
         from pipefisher.viz.text import render_text
 
-        path.write_text(render_text(panels, width))
+        write_text_atomically(path, render_text(panels, width))
     else:
         from pipefisher.viz.figure import render_figure
 

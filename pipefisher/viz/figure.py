@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipefisher.files import write_atomically
 from pipefisher.viz.layout import CATEGORY_NAMES, Box, Panel
 
 COLOURS = {
@@ -87,7 +88,7 @@ def render_figure(panels: Sequence[Panel], path: str | Path) -> None:
             ax.tick_params(labelbottom=False)
         axes[-1].set_xlabel(f"time [{panels[-1].time_unit}]")
         _legend(fig, entries, columns, note_height)
-        fig.savefig(path, dpi=110, metadata={"Date": None} if path.suffix == ".svg" else None)
+        write_atomically(path, lambda temporary: fig.savefig(temporary, dpi=110, metadata={"Date": None} if path.suffix == ".svg" else None))
 
 
 def _draw_panel(ax, panel: Panel, index: int, span: float, axes_points: float, row_points: float) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipefisher.files import load_structured
+from pipefisher.files import load_structured, write_text_atomically
 from pipefisher.ir import Op, ScheduleError
 from pipefisher.profile import TIME_UNITS, ProfileError
 from pipefisher.simulate import Interval, Timeline
@@ -82,7 +82,7 @@ def timeline_to_dict(timelines: Sequence[Timeline], starts: Sequence[float] | No
 
 def save_timeline(timelines: Sequence[Timeline], path: str | Path, starts: Sequence[float] | None = None, name: str = "") -> None:
     """Write `timeline_to_dict(timelines, starts, name)` as JSON."""
-    Path(path).write_text(json.dumps(timeline_to_dict(timelines, starts, name)) + "\n")
+    write_text_atomically(path, json.dumps(timeline_to_dict(timelines, starts, name)) + "\n")
 
 
 def _number(value: Any, where: str) -> float:
