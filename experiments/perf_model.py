@@ -20,6 +20,7 @@ from pathlib import Path
 from pipefisher.pack import pack
 from pipefisher.schedules import get_schedule
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.files import experiment_output
 
 DEPTHS = (2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -97,7 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
                         help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
-    parser.add_argument("-o", "--output", type=Path, default=Path("out/perf_model"), help="output path without suffix")
+    parser.add_argument("-o", "--output", type=Path, default=experiment_output("perf_model"),
+                        help=f"output path without suffix (default {experiment_output('perf_model')}; the README's: docs/perf_model)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "chimera"])
     args = parser.parse_args()
     rows = model_rows(args.reference, args.schedule)

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from pipefisher.files import experiment_output
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
@@ -71,7 +72,8 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=10, help="comm.powersgd_start_step (default 10, the warm-up)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", default=str(ROOT / "docs" / "powersgd_bert.md"))
+    parser.add_argument("--out", default=str(experiment_output("powersgd_bert.md")),
+                        help=f"Markdown file to write (default {experiment_output('powersgd_bert.md')}; the README's: docs/powersgd_bert.md)")
     args = parser.parse_args()
     rows, curves = [], []
     with tempfile.TemporaryDirectory() as folder:

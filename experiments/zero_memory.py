@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from pipefisher.files import experiment_output
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GB = 2**20, 10**9
@@ -115,7 +116,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "schedules" / "bert-base-1f1b-4x4.yaml"), help="the run file (model, pipeline)")
     parser.add_argument("--data-parallel", default="1,2,4", help="comma-separated data-parallel copies (default 1,2,4)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum after K-FAC preconditioning (default 0.9)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "zero_memory.md"), help="Markdown file to write ('' = none)")
+    parser.add_argument("--out", default=str(experiment_output("zero_memory.md")),
+                        help=f"Markdown file to write ('' = none; default {experiment_output('zero_memory.md')}; the README's: docs/zero_memory.md)")
     args = parser.parse_args()
 
     from pipefisher.config import load_config

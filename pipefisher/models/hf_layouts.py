@@ -10,6 +10,8 @@ functions, as the unsplit model does, so that nothing but hidden states crosses 
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,9 +64,17 @@ def _causal_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[st
     from transformers.masking_utils import create_causal_mask
 
     positions = _positions(stand_in)
+    no_cache = {_cache_keyword(create_causal_mask): None}
     mask = create_causal_mask(config=stage.config, inputs_embeds=stand_in, attention_mask=batch.get("attention_mask"),
-                              past_key_values=None, position_ids=positions)
+                              position_ids=positions, **no_cache)
     return {"attention_mask": mask, "position_ids": positions, "use_cache": False}
+
+
+@functools.cache
+def _cache_keyword(create_causal_mask: Callable[..., Any]) -> str:
+    """The name of `create_causal_mask`'s cache argument: `cache` from transformers 5.24 on
+    (where `past_key_values` warns that it is deprecated), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 def _rotary_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:

@@ -46,9 +46,10 @@ def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module],
     raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, kfac, shampoo")
 
 
-def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:
     """Warm-up then constant or linear decay over the run's steps (run.steps, so a resumed run
-    must keep its step count); None when the rate is constant."""
+    must keep its step count), starting after `position` optimizer steps (a resumed run, whose
+    optimizer state is loaded); None when the rate is constant."""
     settings = config.optimizer
     if settings.warmup_steps == 0 and settings.decay == "constant":
         return None
@@ -57,5 +58,5 @@ def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer) -> torc
     total = settings.decay_steps or config.run.steps
     warmup = min(settings.warmup_steps, total)  # a short run (e.g. a smoke test) stays in warm-up
     if settings.decay == "constant":
-        return warmup_decay(optimizer, warmup, total, power=0.0, final_fraction=1.0)
-    return warmup_decay(optimizer, warmup, total, power=1.0, final_fraction=0.0)
+        return warmup_decay(optimizer, warmup, total, power=0.0, final_fraction=1.0, position=position)
+    return warmup_decay(optimizer, warmup, total, power=1.0, final_fraction=0.0, position=position)

@@ -48,7 +48,14 @@ def warmup_decay(
     total_steps: int,
     power: float = 1.0,
     final_fraction: float = 0.0,
+    position: int = 0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR with the WarmupDecay multiplier for every parameter group; call its step() after
-    each optimizer step. Its state_dict round-trips the schedule's settings."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(warmup_steps, total_steps, power, final_fraction))
+    each optimizer step. Its state_dict round-trips the schedule's settings. `position`: the
+    optimizer steps already taken (a resumed run; its groups keep their base rate as
+    `initial_lr`, as a scheduler's optimizer state does): the rates start there."""
+    if position:
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(warmup_steps, total_steps, power, final_fraction),
+                                             last_epoch=position - 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 from typing import TextIO
 
 from pipefisher.config import RunConfig
@@ -40,6 +41,10 @@ class StepReporter:
         if use_bar:
             from tqdm import tqdm
 
+            # tqdm's default lock is a multiprocessing one: a semaphore that a rank leaving with
+            # os._exit never frees (the resource tracker then warns at shutdown); one process
+            # draws the bar, so a thread lock is enough
+            tqdm.set_lock(threading.RLock())
             self.bar = tqdm(total=self.total, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def __call__(self, result: StepResult) -> None:

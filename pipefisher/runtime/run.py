@@ -35,7 +35,21 @@ def describe_pipeline(config: RunConfig) -> str:
 
 
 def describe(config: RunConfig) -> str:
-    return f"{describe_pipeline(config)}, {config.run.steps} steps, {config.optimizer.name} lr {config.optimizer_settings.lr:g}"
+    """The run in one line: pipeline, precision, steps, optimizer, and every setting that changes
+    the training or its cost (curvature refresh and placement, ZeRO, PowerSGD, gradient workers)."""
+    parts = [describe_pipeline(config), f"{config.run.steps} steps", f"{config.optimizer.name} lr {config.optimizer_settings.lr:g}"]
+    section = config.curvature
+    if section is not None:
+        k = f"every {section.refresh_steps} steps" if section.refresh_steps else "interval chosen by the packer"
+        parts.append(f"{task_rules(config.optimizer.name).label} refresh {k}, {section.placement}")
+    if config.workers_per_layer is not None:
+        parts.append(f"K-FAC gradient workers {config.workers_per_layer} per layer")
+    if config.optimizer.zero:
+        parts.append(f"ZeRO-{config.optimizer.zero}")
+    if config.comm.powersgd_rank:
+        start = f" from step {config.comm.powersgd_start_step}" if config.comm.powersgd_start_step else ""
+        parts.append(f"PowerSGD rank {config.comm.powersgd_rank}{start}")
+    return ", ".join(parts)
 
 
 def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_json: bool, resume_from: int | None) -> int:

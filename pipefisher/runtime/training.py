@@ -140,7 +140,7 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
     if resume_from is not None:
         start = resume_from
         state = load_rank(config.checkpoint.dir, start, rank, device)
-        _restore(executor, state)
+        _restore(executor, state, config)
     if config.curvature is not None:
         from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
 
@@ -211,7 +211,7 @@ def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
     }
 
 
-def _restore(executor: Executor, state: dict) -> None:
+def _restore(executor: Executor, state: dict, config: RunConfig) -> None:
     for (pipe, stage), runtime in executor.stages.items():
         runtime.module.load_state_dict(state["stages"][f"{pipe}.{stage}"])
     executor.optimizer.load_state_dict(state["optimizer"])
@@ -220,9 +220,9 @@ def _restore(executor: Executor, state: dict) -> None:
     if executor.step_end.scaler is not None:
         executor.step_end.scaler.load_state_dict(state["loss_scaler"])
     if executor.scheduler is not None and state["scheduler_step"] is not None:
-        # The schedule comes from this run's configuration; only its position is restored.
-        executor.scheduler.last_epoch = state["scheduler_step"] - 1
-        executor.scheduler.step()
+        # The schedule comes from this run's configuration; only its position is restored, by a
+        # scheduler that starts there (stepping one before any optimizer step would warn).
+        executor.step_end.scheduler = build_scheduler(config, executor.optimizer, position=state["scheduler_step"])
     torch.random.set_rng_state(state["rng"])
     if state.get("rng_device") is not None and executor.device.type == "cuda":  # checkpoints before it lack it
         torch.cuda.set_rng_state(state["rng_device"], executor.device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -59,3 +61,30 @@ def test_rejects_bad_arguments(kwargs: dict, name: str) -> None:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ValueError, match=name):
         warmup_decay(optimizer, **{"warmup_steps": 10, "total_steps": 100, **kwargs})
+
+
+def test_a_scheduler_built_at_a_resumed_position_continues_the_rates_without_a_warning() -> None:
+    """A resumed run loads the optimizer state, then builds its scheduler where the checkpoint
+    left off: the same rates as the uninterrupted run, and no torch warning about stepping a
+    scheduler before its optimizer."""
+    make = lambda: torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (0.5, 2.0)])
+    optimizer = make()
+    scheduler = warmup_decay(optimizer, warmup_steps=2, total_steps=6)
+    rates = []
+    for step in range(6):
+        if step == 3:
+            saved = optimizer.state_dict()
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    resumed = make()
+    resumed.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        continued = warmup_decay(resumed, warmup_steps=2, total_steps=6, position=3)
+        again = []
+        for _ in range(3, 6):
+            again.append([group["lr"] for group in resumed.param_groups])
+            resumed.step()
+            continued.step()
+    assert again == rates[3:] and continued.last_epoch == 6

@@ -124,3 +124,28 @@ def test_the_profilers_header_says_what_it_measures(tmp_path):
     assert result.returncode == 0, result.stderr
     header = result.stderr.splitlines()[0]
     assert "1 warm-up and 2 measured steps (gradients dropped)" in header and "20 steps" not in header, header
+
+
+def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cost():
+    from pipefisher.config import load_config
+    from pipefisher.runtime.run import describe
+
+    base = load_config(TINY).with_overrides(pipeline={"data_parallel": 2})
+    assert describe(base) == "1f1b: 2 stages x 2 replica(s), 4 micro-batches of 4, fp32, 20 steps, sgd lr 0.05"
+    kfac = describe(base.with_overrides(optimizer={"name": "kfac"}, kfac={"grad_worker_fraction": 0.5}))
+    assert kfac.endswith("kfac lr 0.05, K-FAC refresh interval chosen by the packer, packed, K-FAC gradient workers 1 per layer")
+    assert describe(base.with_overrides(optimizer={"name": "adamw", "zero": 1})).endswith("adamw lr 0.05, ZeRO-1")
+    shampoo = describe(base.with_overrides(optimizer={"name": "shampoo"}, shampoo={"refresh_steps": 3, "placement": "after-step"},
+                                           comm={"powersgd_rank": 2, "powersgd_start_step": 5}, run={"precision": "bf16"}))
+    assert ", bf16, " in shampoo and shampoo.endswith("Shampoo refresh every 3 steps, after-step, PowerSGD rank 2 from step 5")
+
+
+def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
+    profile = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml"
+    result = run_cli("--steps", "1", "--reference", "--precision", "fp16", "--profile", str(profile))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+    assert warnings == [
+        "pipefisher: warning: --profile has no effect on a first-order run (optimizer sgd); it serves the packer of --optimizer kfac or shampoo",
+        "pipefisher: warning: fp16 on a CPU is emulated, about 10x slower than fp32 here; bf16 or fp32 train at full speed",
+    ], result.stderr
