@@ -125,7 +125,7 @@ def format_pack_report(result: PackResult) -> str:
         f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
         f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
         f"why: {data['reason']} (plan: {data['placement']})",
-        "frontier (k: overhead): " + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
+        f"frontier{' before the capture cap' if data['memory'] else ''} (k: overhead): " + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
         f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
         f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
     ]
@@ -152,7 +152,7 @@ def format_pack_report(result: PackResult) -> str:
         )
         for d in data["devices"]
     ]
-    headers = ["rank", "k", "bound", f"{label}/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
+    headers = ["rank", "steps used", "bound", f"{label}/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
     lines.append(format_table(headers, rows))
     return "\n".join(lines)
 

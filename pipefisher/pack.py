@@ -297,7 +297,11 @@ def _pack(schedule: Schedule, profile: Profile, options: PackOptions) -> PackRes
     chosen, frontier, reason = choose(packing, lower_bound)
     memory = ""
     if options.max_capture_mb is not None:
-        chosen, memory = _fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
+        capped, memory = _fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
+        if capped is not chosen:  # the frontier and the reason are of the plans before the cap
+            reason += (f"; then the {options.max_capture_mb:g} MiB capture cap moved curvature earlier, at "
+                       f"{100 * packing.overhead(capped):.2f} % overhead")
+            chosen = capped
     in_bubbles: Callable[[int], float] = lambda rank: precondition_in_bubbles(tasks, packing.windows, rank)
     return PackResult(
         plan=chosen.plan,

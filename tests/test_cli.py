@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -152,3 +153,18 @@ def test_pack_rejects_negative_times_and_profiles_without_layers(tmp_path, capsy
     uniform_profile(2).save(plain)
     assert main(["pack", "--profile", str(plain), "--schedule", "1f1b", "-D", "2", "-N", "2"]) == 2
     assert "no stage lists layers of a curvature method" in capsys.readouterr().err
+
+
+def test_a_capture_cap_that_changes_the_plan_is_reported_without_contradiction(tmp_path, capsys):
+    """The README's BERT-Large paper run on the shipped P100 block times, captures capped at 4000
+    MiB: the frontier is of the plans before the cap, and `why` says what the cap cost."""
+    times = Path(__file__).resolve().parents[1] / "profiles" / "reference" / "bert-large_time_memory_p100.csv"
+    profile = tmp_path / "bl8.yaml"
+    made = subprocess.run([sys.executable, "-m", "pipefisher.viz.bert_profile", str(times), "-D", "8", "--micro-batch-size", "32",
+                           "-o", str(profile)], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert main(["pack", "--profile", str(profile), "--schedule", "chimera", "-D", "8", "-N", "8", "--max-capture-mb", "4000"]) == 0
+    out = capsys.readouterr().out
+    assert "then the 4000 MiB capture cap moved curvature earlier, at 9.86 % overhead" in out
+    assert "frontier before the capture cap (k: overhead): 4: 0.00 %" in out and "(packing overhead 9.86 %)" in out
+    assert "rank  steps used  bound" in out
