@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -13,14 +14,13 @@ from pipefisher.cli_args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, 
                                  format_table, percentile, positive_float, positive_int, share)
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
-from pipefisher.methods import task_rules
-
-OPTIMIZERS = ("sgd", "adamw", "lamb", "kfac", "shampoo")
-from pipefisher.pack import STRATEGIES, PackOptions, PackResult, pack
+from pipefisher.pack import STRATEGIES, PackOptions, pack
+from pipefisher.pack_text import format_pack_report
 from pipefisher.profile import ProfileError, load_profile
 from pipefisher.schedules import SCHEDULES
 from pipefisher.simulate import Timeline, simulate
 
+OPTIMIZERS = ("sgd", "adamw", "lamb", "kfac", "shampoo")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 def _simulate_summary(schedule, timeline: Timeline) -> dict:
@@ -110,51 +110,6 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if args.output:
         print(f"plan written to {args.output} ({result.refresh_steps} steps per cycle)")
     return 0
-
-
-def format_pack_report(result: PackResult) -> str:
-    """Readable summary of a packing: the cycle, then one row per device."""
-    data = result.to_dict()
-    unit = data["time_unit"]
-    first_order = data["first_order_step_time"]
-    label = task_rules(result.plan.method).label
-    lines = [
-        f"{data['schedule']}: D={data['stages']}, N={data['micro_batches']}, strategy {data['strategy']}"
-        f"{'' if data['split'] else ', no inverse splitting'}, {label} task times at percentile {data['percentile']:g}, "
-        f"margin {100 * data['margin']:g} %",
-        f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
-        f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
-        f"why: {data['reason']} (plan: {data['placement']})",
-        f"frontier{' before the capture cap' if data['memory'] else ''} (k: overhead): " + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
-        f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
-        f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
-    ]
-    if data.get("moved_weights"):
-        lines.append(f"weight gradients (W) moved from where the schedule put them: {data['moved_weights']} over the cycle")
-    if result.capture_peak_bytes:
-        peak = max(result.capture_peaks, key=lambda p: p.bytes)
-        lines.append(f"captured activations/gradients held: peak {data['capture_peak_mib']:.1f} MiB (rank {peak.rank}, "
-                     f"step {peak.step} of the cycle)" + (f"; {data['memory']}" if data["memory"] else ""))
-    if data["unplaceable"]:
-        lines.append(f"{len(data['unplaceable'])} tasks fit no bubble and extend steps: {', '.join(data['unplaceable'][:4])}"
-                     + (" ..." if len(data["unplaceable"]) > 4 else ""))
-    rows = [
-        (
-            d["rank"],
-            d["refresh_steps"],
-            d["lower_bound"],
-            f"{d['kfac_work']:.4g}",
-            f"{d['precondition_time']:.4g}",
-            f"{d['bubble_time']:.4g}",
-            "-" if d["work_ratio"] is None else f"{d['work_ratio']:.2f}",
-            f"{100 * d['bubble_utilization']:.1f}",
-            f"{d['capture_peak_mib']:.1f}",
-        )
-        for d in data["devices"]
-    ]
-    headers = ["rank", "steps used", "bound", f"{label}/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
-    lines.append(format_table(headers, rows))
-    return "\n".join(lines)
 
 
 def _add_pack(subparsers) -> None:
@@ -257,8 +212,6 @@ def _resume_step(config) -> int | None:
 
 def _say(message: str) -> None:
     """One line on stderr (from rank 0 only under torchrun)."""
-    import os
-
     if os.environ.get("RANK", "0") == "0":
         print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
@@ -406,6 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
         print(f"pipefisher: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:  # the reader of stdout left (`| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush finds no pipe
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

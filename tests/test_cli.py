@@ -168,3 +168,12 @@ def test_a_capture_cap_that_changes_the_plan_is_reported_without_contradiction(t
     assert "then the 4000 MiB capture cap moved curvature earlier, at 9.86 % overhead" in out
     assert "frontier before the capture cap (k: overhead): 4: 0.00 %" in out and "(packing overhead 9.86 %)" in out
     assert "rank  steps used  bound" in out
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`pipefisher simulate ... | head -1`: no BrokenPipeError traceback, exit 128 + SIGPIPE."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipefisher", "simulate", "--schedule", "1f1b", "-D", "64", "-N", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes: its first write meets a closed pipe
+    assert proc.wait(timeout=60) == 141
+    assert proc.stderr.read() == ""

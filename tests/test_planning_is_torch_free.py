@@ -12,6 +12,7 @@ PLANNING = [
     "pipefisher.plan",
     "pipefisher.pack",
     "pipefisher.pack_report",
+    "pipefisher.pack_text",
     "pipefisher.pack_greedy",
     "pipefisher.pack_plan",
     "pipefisher.pack_weights",
