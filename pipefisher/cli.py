@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from pipefisher.cli_args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
-                                 format_table, percentile, positive_float, positive_int, share)
+                                 check_output, format_table, percentile, positive_float, positive_int, share)
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.pack import STRATEGIES, PackOptions, pack
@@ -86,6 +86,8 @@ def _add_simulate(subparsers) -> None:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output(args.output, "-o")
     schedule, profile = build_pipeline(args, profile_required=True, limit=MAX_PACKED_SLOTS, what="packing")
     if not any(stage.layers for stage in profile.stages):
         raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
@@ -147,6 +149,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
+    if config.run.metrics:
+        check_output(config.run.metrics, "run.metrics (--metrics)")
+    if config.checkpoint.dir:
+        check_output(config.checkpoint.dir, "checkpoint.dir (--checkpoint-dir)", folder=True)
     method = config.optimizer.name if config.curvature is not None else "kfac"
     if args.profile is not None and config.curvature is None:
         _say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
@@ -228,6 +234,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from pipefisher.runtime.run import check_port, profile_run
     from pipefisher.runtime.assembly import build_schedule
 
+    check_output(args.output, "-o")
+    if args.timeline:
+        check_output(args.timeline, "--timeline")
     build_schedule(config)
     _prepare_model(config)
     problem = check_port(config)
@@ -253,6 +262,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     config = load_config(args.config).with_overrides(checkpoint={"dir": args.checkpoint_dir})
     if not config.checkpoint.dir:
         raise UsageError("export needs the run's checkpoints: give --checkpoint-dir or set checkpoint.dir")
+    check_output(args.output, "-o", folder=True)
     from pipefisher.runtime.checkpoint import CheckpointError
     from pipefisher.runtime.export import export_checkpoint
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pipefisher.profile import load_profile, uniform_profile
@@ -94,6 +96,25 @@ def build_pipeline(args: argparse.Namespace, profile_required: bool = False, lim
         chunks = schedule.num_stages // schedule.num_ranks
         profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
     return schedule, profile
+
+
+def check_output(path: str, flag: str, folder: bool = False) -> None:
+    """UsageError naming `flag` unless `path` can be written before any work starts: a file in an
+    existing, writable folder that is not itself a folder; or (`folder`) a folder, existing or
+    to be made, whose nearest existing ancestor is writable and which is not a file."""
+    target = Path(path)
+    if folder:
+        if target.exists() and not target.is_dir():
+            raise UsageError(f"{flag} {path}: is a file; give a folder")
+        parent = next(p for p in (target, *target.parents) if p.exists())
+    else:
+        if target.is_dir():
+            raise UsageError(f"{flag} {path}: is a folder; give a file name inside it")
+        parent = target.parent
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: folder {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: folder {str(parent)!r} is not writable")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

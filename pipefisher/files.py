@@ -15,19 +15,33 @@ import yaml
 T = TypeVar("T")
 
 
-def load_structured(path: str | Path, what: str, build: Callable[[Any], T], error: type[ValueError]) -> T:
-    """`build(parsed content of path)`; any problem raises `error` naming the file (and `what` it is)."""
+def load_structured(path: str | Path, what: str, build: Callable[[Any], T], error: type[ValueError],
+                    schema: str | None = None) -> T:
+    """`build(parsed content of path)`; any problem raises `error` naming the file (and `what` it
+    is): unreadable, a folder, not text, empty, not YAML/JSON, or a pipefisher file of another
+    kind than `schema` says (its own `schema` field names the kind; `schema` None: a file without
+    one, such as a run file)."""
     path = Path(path)
+    if path.is_dir():
+        raise error(f"{what} {str(path)!r} is a folder; give the {what}'s file")
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise error(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise error(f"{path}: not a text file; a {what} is YAML or JSON text") from None
+    if not text.strip():
+        raise error(f"{path}: the {what} is empty")
     as_json = path.suffix == ".json"
     try:
         data = json.loads(text) if as_json else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise error(f"{path}: not valid {'JSON' if as_json else 'YAML'}: {first}") from None
+    other = data.get("schema") if isinstance(data, dict) else None
+    if isinstance(other, str) and other.startswith("pipefisher.") and other.split("/")[0] != (schema or "").split("/")[0]:
+        kind = other.split(".", 1)[1].split("/")[0]
+        raise error(f"{path} is a pipefisher {kind} file ({other}), not a {what}")
     try:
         return build(data)
     except error as exc:

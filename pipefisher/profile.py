@@ -356,7 +356,7 @@ def profile_from_dict(data: Any) -> Profile:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile from YAML or JSON (JSON when the suffix is .json)."""
-    return load_structured(path, "profile", profile_from_dict, ProfileError)
+    return load_structured(path, "profile", profile_from_dict, ProfileError, schema=SCHEMA)
 
 
 __all__ = [

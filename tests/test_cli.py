@@ -177,3 +177,39 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
     proc.stdout.close()  # before the command writes: its first write meets a closed pipe
     assert proc.wait(timeout=60) == 141
     assert proc.stderr.read() == ""
+
+
+@pytest.fixture
+def files(tmp_path, bert_like_profile):
+    """A plan written by pack -o, a binary file, an empty file and a folder, beside the profile."""
+    plan = tmp_path / "plan.json"
+    assert main(["pack", "--profile", str(bert_like_profile), "--schedule", "gpipe", "-D", "4", "-N", "4", "-o", str(plan), "--json"]) == 0
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    (tmp_path / "empty.yaml").write_text("\n")
+    (tmp_path / "folder").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["pack", "--profile", "{plan}"], "{plan} is a pipefisher plan file (pipefisher.plan/v1), not a profile"),
+        (["pack", "--profile", "{binary}"], "{binary}: not a text file; a profile is YAML or JSON text"),
+        (["pack", "--profile", "{empty}"], "{empty}: the profile is empty"),
+        (["pack", "--profile", "{folder}"], "is a folder; give the profile's file"),
+        (["pack", "--profile", "{profile}", "-o", "{folder}"], "-o {folder}: is a folder; give a file name inside it"),
+        (["pack", "--profile", "{profile}", "-o", "{missing}/plan.json"], "folder '{missing}' does not exist; create it first"),
+        (["viz", "--timeline", "{profile}", "-o", "-"], "is a pipefisher profile file (pipefisher.profile/v1), not a timeline"),
+        (["viz", "--schedule", "1f1b", "-D", "2", "-N", "4", "-o", "{missing}/a.png"], "folder '{missing}' does not exist"),
+    ],
+)
+def test_input_and_output_files_are_checked_before_any_work(files, args, message, capsys):
+    """Every file a command names: exists, is a file of text, of the expected kind (a pipefisher
+    file of another kind is named as such); every output: its folder exists and it is no folder."""
+    names = {"plan": files / "plan.json", "binary": files / "binary.yaml", "empty": files / "empty.yaml",
+             "folder": files / "folder", "profile": files / "bert.yaml", "missing": files / "missing"}
+    fill = lambda text: text.format(**{key: str(value) for key, value in names.items()})
+    capsys.readouterr()
+    assert main([fill(a) for a in args] + (["--schedule", "gpipe", "-D", "4", "-N", "4"] if args[0] == "pack" else [])) == 2
+    err = capsys.readouterr().err
+    assert fill(message) in err and err.count("\n") == 1, err

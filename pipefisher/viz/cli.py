@@ -22,7 +22,7 @@ from typing import Any, cast
 
 from pipefisher.files import write_text_atomically
 from pipefisher.cli_args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
-                                 check_planning_size, positive_int)
+                                 check_output, check_planning_size, positive_int)
 from pipefisher.viz.compare import KFAC_SUFFIX, Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
 from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
@@ -73,6 +73,8 @@ def add_viz_parser(subparsers: Any) -> None:
 def run_viz(args: argparse.Namespace) -> int:
     """Handler of `pipefisher viz`; returns the exit code (0)."""
     kind = output_kind(args.output)
+    if kind != "-":
+        check_output(args.output, "-o")
     width = args.width if args.width is not None else shutil.get_terminal_size().columns
     if kind in (".txt", "-") and width < MIN_WIDTH:
         raise UsageError(f"--width {width}: the text chart needs at least {MIN_WIDTH} columns")

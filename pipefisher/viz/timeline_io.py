@@ -166,4 +166,4 @@ def _step_starts(given: Any, entries: list[list[tuple[int, Op, float, float]]], 
 
 def load_timeline(path: str | Path) -> RecordedTimeline:
     """Read a `pipefisher.timeline/v1` file (JSON; YAML unless the suffix is .json)."""
-    return load_structured(path, "timeline", timeline_from_dict, TimelineError)
+    return load_structured(path, "timeline", timeline_from_dict, TimelineError, schema=SCHEMA)

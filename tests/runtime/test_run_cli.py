@@ -149,3 +149,30 @@ def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
         "pipefisher: warning: --profile has no effect on a first-order run (optimizer sgd); it serves the packer of --optimizer kfac or shampoo",
         "pipefisher: warning: fp16 on a CPU is emulated, about 10x slower than fp32 here; bf16 or fp32 train at full speed",
     ], result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "{empty}"], "{empty}: the run file is empty"),
+        (["run", "{binary}"], "{binary}: not a text file; a run file is YAML or JSON text"),
+        (["run", "{profile}"], "{profile} is a pipefisher profile file (pipefisher.profile/v1), not a run file"),
+        (["run", "{tiny}", "--metrics", "{missing}/m.jsonl"], "run.metrics (--metrics) {missing}/m.jsonl: folder '{missing}' does not exist"),
+        (["run", "{tiny}", "--checkpoint-dir", "{profile}"], "checkpoint.dir (--checkpoint-dir) {profile}: is a file; give a folder"),
+        (["profile", "{tiny}", "-o", "{missing}/p.yaml"], "-o {missing}/p.yaml: folder '{missing}' does not exist"),
+        (["profile", "{tiny}", "-o", "{folder}"], "-o {folder}: is a folder; give a file name inside it"),
+    ],
+)
+def test_run_inputs_and_outputs_are_checked_before_any_process_starts(tmp_path, capsys, args, message):
+    from pipefisher.cli import main
+
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
+    (tmp_path / "folder").mkdir()
+    names = {"empty": tmp_path / "empty.yaml", "binary": tmp_path / "binary.yaml", "folder": tmp_path / "folder",
+             "profile": Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml", "tiny": TINY,
+             "missing": tmp_path / "missing"}
+    fill = lambda text: text.format(**{key: str(value) for key, value in names.items()})
+    assert main([fill(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert fill(message) in err and err.count("\n") == 1, err
