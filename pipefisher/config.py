@@ -396,6 +396,9 @@ def _check(config: RunConfig) -> None:
         raise ConfigError("data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab")
     if not 0 < config.data.mask_prob < 1:
         raise ConfigError(f"data.mask_prob: {config.data.mask_prob} must be in (0, 1)")
+    if model.dropout != -1.0 and not 0 <= model.dropout < 1:
+        raise ConfigError(f"model.dropout: {model.dropout:g} must be in [0, 1) (a probability; leave it out for the model's own)")
+    _check_optimizer(config.optimizer)
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
     if config.optimizer.zero not in (0, 1):
@@ -430,6 +433,18 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if not 0 <= config.run.master_port < 65536:
         raise ConfigError(f"run.master_port: {config.run.master_port} is not a port number (0 picks a free one)")
+
+
+def _check_optimizer(optimizer: OptimizerConfig) -> None:
+    """The optimizer section's numbers against their ranges."""
+    if not 0 <= optimizer.momentum < 1:
+        raise ConfigError(f"optimizer.momentum: {optimizer.momentum:g} must be in [0, 1)")
+    for index, beta in enumerate(optimizer.betas):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"optimizer.betas[{index}]: {beta:g} must be in [0, 1)")
+    for key in ("weight_decay", "clip_norm", "warmup_steps", "decay_steps"):
+        if getattr(optimizer, key) < 0:
+            raise ConfigError(f"optimizer.{key}: {getattr(optimizer, key):g} must be >= 0 (0 = off)")
 
 
 def _check_refresh(section: RefreshConfig, name: str) -> None:

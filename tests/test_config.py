@@ -52,6 +52,19 @@ def test_bad_shampoo_settings_are_refused_by_key(shampoo, message):
         config_from_dict({"optimizer": {"name": "shampoo"}, "shampoo": shampoo})
 
 
+@pytest.mark.parametrize("data, message", [
+    ({"model": {"kind": "bert", "dropout": 1.5}, "data": {"kind": "bert"}}, "model.dropout: 1.5 must be in [0, 1)"),
+    ({"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas[1]: 1.5 must be in [0, 1)"),
+    ({"optimizer": {"momentum": 1.0}}, "optimizer.momentum: 1 must be in [0, 1)"),
+    ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay: -0.1 must be >= 0"),
+    ({"optimizer": {"warmup_steps": -5}}, "optimizer.warmup_steps: -5 must be >= 0"),
+    ({"shampoo": {"statistics_dtype": "float16"}}, "shampoo.statistics_dtype: 'float16' is not one of float64, float32"),
+])
+def test_numbers_out_of_their_documented_range_are_refused_by_key(data, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict(data)
+
+
 def test_split_hint_lists_the_divisors():
     assert split_hint(4, "pipeline.stages") == "make pipeline.stages a divisor of 4: 1, 2 or 4"
     assert split_hint(1, "pipeline.stages") == "make pipeline.stages a divisor of 1: 1"
