@@ -157,7 +157,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.profile is not None and config.curvature is None:
         _say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
              "it serves the packer of --optimizer kfac or shampoo")
-    config = config.with_overrides(**{method: {"profile": args.profile}})
+    config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
     _warn_if_emulated(config)
     if args.reference and config.comm.powersgd_rank:
         raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
@@ -175,6 +175,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             check_profile_matches(profile, config, schedule.num_stages)
         except ProfileError as exc:
             raise UsageError(f"{section.profile}: {exc}") from None
+    if section is not None and section.plan:
+        _check_plan(config, schedule, args.reference)
+    elif args.plan:
+        raise UsageError(f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
+                         f"{config.optimizer.name} (use --optimizer kfac or shampoo)")
     if args.reference and section is not None and section.refresh_steps < 1:
         raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
     from pipefisher.runtime.run import check_port, run
@@ -187,6 +192,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
         return 0
     return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
+
+
+def _check_plan(config, schedule, reference: bool) -> None:
+    """The run's plan file fits it (method, schedule, shape, layers, layout), before any process starts."""
+    from pipefisher.plan import Plan
+    from pipefisher.runtime.pipefisher_run import check_plan_matches
+
+    path = config.curvature.plan
+    if reference:
+        raise UsageError(f"--plan {path}: --reference trains in one process, without a plan; drop --plan "
+                         f"(and pin --{config.optimizer.name}-refresh-steps K)")
+    try:
+        check_plan_matches(Plan.load(path), config, schedule)
+    except ScheduleError as exc:
+        message = str(exc)
+        raise UsageError(message if message.startswith(path) else f"{path}: {message}") from None
 
 
 def _warn_if_emulated(config) -> None:
@@ -323,6 +344,8 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--shampoo-placement", choices=["packed", "after-step"], help="where Shampoo work runs (shampoo.placement)")
     parser.add_argument("--shampoo-refresh-steps", type=positive_int, help="pin the refresh interval k (shampoo.refresh_steps)")
     parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile or shampoo.profile); default: measure one")
+    parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (kfac.plan or shampoo.plan); "
+                                       "checked against the run first")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")

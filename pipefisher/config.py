@@ -121,6 +121,8 @@ class RefreshConfig:
     work in the bubbles, after-step runs it in one block after the first step of each cycle;
     `split` spreads the refresh work of a stage over its pipes' replicas and exchanges the results.
     `profile`: a pipefisher.profile/v1 file of this run ("" = measure one before training).
+    `plan`: a pipefisher.plan/v1 file of this run (`pipefisher pack -o`) to run as it is instead
+    of packing ("" = pack); the profile then only predicts its times.
     Re-profiling: when the measured cycle time differs from the prediction by more than
     `reprofile_threshold` (a share) for `reprofile_patience` cycles in a row, the run measures
     again and re-packs (a steady gap right after a fresh measurement counts as the simulator's
@@ -138,6 +140,7 @@ class RefreshConfig:
     max_capture_mb: float = 0.0
     split: bool = True
     profile: str = ""
+    plan: str = ""
     reprofile_threshold: float = 0.25
     reprofile_patience: int = 3
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipefisher.files import write_text_atomically
+from pipefisher.files import load_structured, write_text_atomically
 from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
 from pipefisher.methods import task_rules
 from pipefisher.profile import Profile
@@ -63,8 +63,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        if data.get("schema") != PLAN_SCHEMA:
-            raise ScheduleError(f"schema: {data.get('schema')!r} is not {PLAN_SCHEMA!r}")
+        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+            raise ScheduleError(f"schema: {data.get('schema') if isinstance(data, dict) else None!r} is not {PLAN_SCHEMA!r}")
         try:
             steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
         except (KeyError, TypeError) as exc:
@@ -78,7 +78,8 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The plan in file `path`; ScheduleError naming the file for anything that is not one."""
+        return load_structured(path, "plan", cls.from_dict, ScheduleError, schema=PLAN_SCHEMA)
 
 
 def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):

@@ -10,6 +10,7 @@ re-measures and re-packs at the cycle boundary.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from pipefisher.capture_memory import capture_peaks
 from pipefisher.config import RunConfig
 from pipefisher.pack import PackOptions, after_step_plan, pack
+from pipefisher.ir import Schedule, ScheduleError
 from pipefisher.plan import Plan, cycle_time, simulate_plan, validate_plan
-from pipefisher.profile import Profile, ProfileError, load_profile
+from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
 from pipefisher.simulate import simulate
 from pipefisher.runtime.drift import DriftMonitor
 from pipefisher.runtime.executor import Executor, StepResult
@@ -69,6 +71,39 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
             )
 
 
+def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> None:
+    """Refuse a plan (`pipefisher pack -o`) of another run, naming the field that differs: the
+    curvature method, the schedule and its shape, the layers, or the tasks of this layout (a plan
+    packed for other replicas syncs other factors; `--data-parallel` of `pack` must match)."""
+    method = method_of(config).name
+    if plan.method != method:
+        raise ScheduleError(f"method: the plan runs {plan.method} tasks but this run uses {method}")
+    fields = (("schedule", plan.schedule.name, schedule.name), ("stages", plan.schedule.num_ranks, schedule.num_ranks),
+              ("micro_batches", plan.schedule.num_micro_batches, schedule.num_micro_batches),
+              ("chunks", plan.schedule.num_stages // plan.schedule.num_ranks, schedule.num_stages // schedule.num_ranks))
+    for name, planned, here in fields:
+        if planned != here:
+            raise ScheduleError(f"{name}: the plan is for {planned}, this run has {here} (pipeline.{name})")
+    validate_plan(plan)
+    for stage in range(schedule.num_stages):
+        expected = stage_layer_names(config, stage, schedule.num_stages)
+        planned = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
+        if planned != sorted(expected):
+            raise ScheduleError(f"layers: the plan's stage {stage} works on {planned[:3]}..., the model's on {sorted(expected)[:3]}...")
+    section = config.curvature
+    names = {stage: stage_layer_names(config, stage, schedule.num_stages) for stage in range(schedule.num_stages)}
+    stand_in = Profile(stages=tuple(StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in names[stage]))
+                                    for stage in range(schedule.num_stages)), method=method)
+    expected = after_step_plan(schedule, stand_in, plan.refresh_steps, split=section.split, data_parallel=config.pipeline.data_parallel,
+                               precondition=config.workers_per_layer is None)
+    if Counter(plan.curvature_ops()) != Counter(expected.curvature_ops()):
+        extra = sorted(map(str, (Counter(plan.curvature_ops()) - Counter(expected.curvature_ops())).elements()))
+        missing = sorted(map(str, (Counter(expected.curvature_ops()) - Counter(plan.curvature_ops())).elements()))
+        raise ScheduleError(f"tasks: the plan's curvature tasks are not this layout's (data_parallel "
+                            f"{config.pipeline.data_parallel}, {method}.split {str(section.split).lower()}): "
+                            f"missing {missing[:3]}, not expected {extra[:3]}; pack with this run's --data-parallel")
+
+
 def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
     """The packer's options of a run (its curvature method's section, kfac for first-order runs;
     `refresh_steps` overrides the section's refresh_steps)."""
@@ -87,30 +122,38 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
 
 
 def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
-    """The run's curvature plan from `profile` (placement and refresh interval from its section)."""
+    """The run's curvature plan: the section's `plan` file as it is, else packed from `profile`
+    (placement and refresh interval from its section); its times are predicted from `profile`."""
     section = config.curvature or config.kfac
     method = method_of(config)
     pinned = section.refresh_steps or None
     data_parallel = config.pipeline.data_parallel
-    result = pack(schedule, profile, pack_options(config))
-    if section.placement == "packed":
-        plan = result.plan
+    if section.plan:
+        plan = Plan.load(section.plan)
+        check_plan_matches(plan, config, schedule)
+        result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
     else:
-        plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel,
-                               precondition=config.workers_per_layer is None)
+        result = pack(schedule, profile, pack_options(config))
+        if section.placement == "packed":
+            plan = result.plan
+        else:
+            plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel,
+                                   precondition=config.workers_per_layer is None)
+        how = f"{section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound})"
     validate_plan(plan)
     predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
     held = max(peak.bytes for peak in capture_peaks(plan, profile))
     first_order = simulate(schedule, profile).step_time  # nominal times, like `predicted`
     extra = predicted / plan.refresh_steps / first_order - 1 if first_order > 0 else 0.0
+    packed = result is not None and section.placement == "packed"
     summary = (
-        f"{method.label} {section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound}); "
+        f"{method.label} {how}; "
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
-        + (f"; {result.reason}" if section.placement == "packed" and not pinned else "")
+        + (f"; {result.reason}" if packed and not pinned else "")
         + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
-        + (f"; {result.memory}" if result.memory and section.placement == "packed" else "")
-        + (f"; {method.name}.max_capture_mb applies to packed plans only" if section.max_capture_mb and section.placement != "packed" else "")
+        + (f"; {result.memory}" if packed and result.memory else "")
+        + (f"; {method.name}.max_capture_mb applies to packed plans only" if section.max_capture_mb and not packed else "")
     )
     return CurvaturePlan(plan, predicted, summary)
 
