@@ -157,6 +157,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.profile is not None and config.curvature is None:
         _say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
              "it serves the packer of --optimizer kfac or shampoo")
+    for section in ("kfac", "shampoo"):
+        named = [flag for flag, value in vars(args).items() if flag.startswith(f"{section}_") and value is not None]
+        if named and config.optimizer.name != section:
+            flags = ", ".join("--" + flag.replace("_", "-") for flag in named)
+            _say(f"warning: {flags} {'has' if len(named) == 1 else 'have'} no effect with optimizer {config.optimizer.name}; "
+                 f"{'it applies' if len(named) == 1 else 'they apply'} to --optimizer {section}")
     config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
     _warn_if_emulated(config)
     if args.reference and config.comm.powersgd_rank:

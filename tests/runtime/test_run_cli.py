@@ -142,11 +142,12 @@ def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cos
 
 def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
     profile = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml"
-    result = run_cli("--steps", "1", "--reference", "--precision", "fp16", "--profile", str(profile))
+    result = run_cli("--steps", "1", "--reference", "--precision", "fp16", "--profile", str(profile), "--shampoo-refresh-steps", "2")
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
     assert warnings == [
         "pipefisher: warning: --profile has no effect on a first-order run (optimizer sgd); it serves the packer of --optimizer kfac or shampoo",
+        "pipefisher: warning: --shampoo-refresh-steps has no effect with optimizer sgd; it applies to --optimizer shampoo",
         "pipefisher: warning: fp16 on a CPU is emulated, about 10x slower than fp32 here; bf16 or fp32 train at full speed",
     ], result.stderr
 
