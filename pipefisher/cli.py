@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from pipefisher.cli_args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
-                                 check_output, format_table, percentile, positive_float, positive_int, share)
+                                 check_input, check_output, format_table, percentile, positive_float, positive_int, share)
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.pack import STRATEGIES, PackOptions, pack
@@ -277,10 +277,22 @@ def _prepare_model(config) -> None:
     caches) the tokenizer and tokens once, before the ranks start and read the cache."""
     from pipefisher.runtime.assembly import staged_model
 
+    _check_input_files(config)
+
     def announce() -> None:
         print(f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
 
     staged_model(config, on_data=announce)
+
+
+def _check_input_files(config) -> None:
+    """Every file the run file names for the model and data exists, is a file, and (but for the
+    safetensors weights) is text; UsageError naming the key otherwise."""
+    named = {"data.corpus": "" if config.data.corpus == "embedded" else config.data.corpus, "data.vocab": config.data.vocab,
+             "data.tokenizer": config.data.tokenizer, "model.config_json": config.model.config_json, "model.hf_weights": config.model.hf_weights}
+    for key, value in named.items():
+        if value:
+            check_input(value, key, text=key != "model.hf_weights")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

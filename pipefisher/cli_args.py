@@ -98,6 +98,26 @@ def build_pipeline(args: argparse.Namespace, profile_required: bool = False, lim
     return schedule, profile
 
 
+def check_input(path: str, key: str, text: bool = True) -> None:
+    """UsageError naming `key` unless `path` is an existing file (of text, when `text`)."""
+    target = Path(path)
+    if not target.exists():
+        raise UsageError(f"{key}: {path} does not exist")
+    if target.is_dir():
+        raise UsageError(f"{key}: {path} is a folder; give a file")
+    try:
+        with open(target, "rb") as handle:
+            head = handle.read(4096)
+    except OSError as exc:
+        raise UsageError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    if text:
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.start < len(head) - 4:  # not a character cut at the end of the sample
+                raise UsageError(f"{key}: {path} is not a text file") from None
+
+
 def check_output(path: str, flag: str, folder: bool = False) -> None:
     """UsageError naming `flag` unless `path` can be written before any work starts: a file in an
     existing, writable folder that is not itself a folder; or (`folder`) a folder, existing or

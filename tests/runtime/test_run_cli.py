@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
 
@@ -162,6 +163,9 @@ def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
         (["run", "{tiny}", "--checkpoint-dir", "{profile}"], "checkpoint.dir (--checkpoint-dir) {profile}: is a file; give a folder"),
         (["profile", "{tiny}", "-o", "{missing}/p.yaml"], "-o {missing}/p.yaml: folder '{missing}' does not exist"),
         (["profile", "{tiny}", "-o", "{folder}"], "-o {folder}: is a folder; give a file name inside it"),
+        (["run", "{corpus_missing}"], "data.corpus: {missing}/corpus.txt does not exist"),
+        (["run", "{corpus_binary}"], "data.corpus: {binary} is not a text file"),
+        (["profile", "{vocab_folder}", "-o", "{missing_ok}"], "data.vocab: {folder} is a folder; give a file"),
     ],
 )
 def test_run_inputs_and_outputs_are_checked_before_any_process_starts(tmp_path, capsys, args, message):
@@ -170,9 +174,14 @@ def test_run_inputs_and_outputs_are_checked_before_any_process_starts(tmp_path, 
     (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp_path / "folder").mkdir()
+    bert = lambda **data: yaml.safe_dump({"model": {"kind": "bert"}, "data": {"kind": "bert", **data}})
+    (tmp_path / "corpus_missing.yaml").write_text(bert(corpus=str(tmp_path / "missing" / "corpus.txt")))
+    (tmp_path / "corpus_binary.yaml").write_text(bert(corpus=str(tmp_path / "binary.yaml")))
+    (tmp_path / "vocab_folder.yaml").write_text(bert(vocab=str(tmp_path / "folder")))
     names = {"empty": tmp_path / "empty.yaml", "binary": tmp_path / "binary.yaml", "folder": tmp_path / "folder",
              "profile": Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml", "tiny": TINY,
-             "missing": tmp_path / "missing"}
+             "missing": tmp_path / "missing", "missing_ok": tmp_path / "p.yaml",
+             **{name: tmp_path / f"{name}.yaml" for name in ("corpus_missing", "corpus_binary", "vocab_folder")}}
     fill = lambda text: text.format(**{key: str(value) for key, value in names.items()})
     assert main([fill(a) for a in args]) == 2
     err = capsys.readouterr().err
