@@ -69,6 +69,7 @@ from pipefisher.optim import build_optimizer
 from pipefisher.runtime.launch import run_group
 from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.training import build_executor
+from pipefisher.runtime.stopping import entry_point
 
 @dataclass(frozen=True)
 class Pair:
@@ -415,4 +416,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "bench_executor"))

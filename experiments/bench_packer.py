@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from pipefisher.pack import PackOptions, PackResult, pack
 from pipefisher.schedules import get_schedule
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.runtime.stopping import entry_point
 
 #: the PipeFisher authors' P100 block times shipped with the project
 REFERENCE = Path(__file__).resolve().parents[1] / "profiles" / "reference"
@@ -114,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "bench_packer"))

@@ -68,6 +68,7 @@ from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.profiler import measure_profile
 from pipefisher.runtime.training import build_executor
 from pipefisher.simulate import COLLECTIVES, OpDurations, simulate
+from pipefisher.runtime.stopping import entry_point
 
 STAGES = 2
 VARIANTS = ("first-order", "after-step", "packed")
@@ -603,4 +604,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "bench_pipefisher"))

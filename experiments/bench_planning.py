@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 from pathlib import Path
@@ -21,6 +22,7 @@ from pipefisher.schedules import get_schedule
 from pipefisher.simulate import simulate
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 from pipefisher.validate import validate
+from pipefisher.runtime.stopping import entry_point
 
 
 def main() -> None:
@@ -65,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "bench_planning"))

@@ -35,15 +35,17 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
 from pipefisher.files import experiment_output
+from pipefisher.runtime.stopping import entry_point, leave_interrupts_to_the_parent, stop_signals_blocked
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
@@ -119,9 +121,15 @@ def train(setting: Setting, steps: int, refresh_steps: dict[str, int]) -> tuple[
     return setting, rows, time.perf_counter() - start
 
 
+def _train(job: tuple[Setting, int, dict[str, int]]):
+    return train(*job)
+
+
 def _init_worker() -> None:
+    """One thread; a Ctrl-C is the parent's to act on (it ends the pool)."""
     import torch
 
+    leave_interrupts_to_the_parent()
     torch.set_num_threads(1)
 
 
@@ -129,10 +137,11 @@ def run_all(settings: list[Setting], steps: int, k: dict[str, int], jobs: int, t
     # the curvature methods' runs are the longest: start them first.
     order = sorted(settings, key=lambda s: s.optimizer not in CURVATURE)
     results = {}
-    with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker) as pool:
-        futures = [pool.submit(train, s, steps, k) for s in order]
-        for future in as_completed(futures):
-            setting, rows, seconds = future.result()
+    # multiprocessing's Pool ends its workers when the block is left, by a signal too
+    with stop_signals_blocked():
+        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_init_worker)
+    with pool:
+        for setting, rows, seconds in pool.imap_unordered(_train, [(s, steps, k) for s in order]):
             results[setting] = rows
             mlm = smooth([r[1] for r in rows], window_for(steps))
             print(f"[{time.perf_counter() - t0:6.0f} s] {setting.name}: final smoothed mlm {mlm[-1]:.3f} "
@@ -330,4 +339,4 @@ def plot(path: Path, medians: dict[str, list[float]], step_ms: dict[str, float],
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main, "convergence"))

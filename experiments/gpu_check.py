@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from pipefisher.runtime.assembly import staged_model  # noqa: E402
 from pipefisher.config import load_config  # noqa: E402
 from pipefisher.runtime.training import train_pipelined  # noqa: E402
+from pipefisher.runtime.stopping import entry_point  # noqa: E402
 
 
 class SyncLog:
@@ -173,4 +174,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "gpu_check"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pipefisher.kfac.factors import accumulate_covariance, damped_inverse, precondition_matrix
+from pipefisher.runtime.stopping import entry_point
 
 DAMPING = 1e-3
 
@@ -103,4 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "kfac_benchmark"))

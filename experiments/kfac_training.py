@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -18,6 +19,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from pipefisher.kfac import KFAC, KFACNumericsWarning
+from pipefisher.runtime.stopping import entry_point
 
 LR_GRIDS: dict[str, tuple[float, ...]] = {
     "sgd": tuple(10.0 ** (e / 4) for e in range(-12, 1)),   # 1e-3 .. 1
@@ -120,4 +122,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "kfac_training"))

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 from pathlib import Path
 
+from pipefisher.files import experiment_output
 from pipefisher.pack import pack
+from pipefisher.runtime.stopping import entry_point
 from pipefisher.schedules import get_schedule
 from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-from pipefisher.files import experiment_output
 
 DEPTHS = (2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -113,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "perf_model"))

@@ -25,7 +25,9 @@ import tempfile
 from pathlib import Path
 
 import yaml
+
 from pipefisher.files import experiment_output
+from pipefisher.runtime.stopping import entry_point
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
@@ -119,4 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "powersgd_bert"))

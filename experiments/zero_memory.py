@@ -14,8 +14,11 @@ per-rank code path. Prints a Markdown table and writes it to --out. Takes a few 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
 from pipefisher.files import experiment_output
+from pipefisher.runtime.stopping import entry_point
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GB = 2**20, 10**9
@@ -150,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main, "zero_memory"))

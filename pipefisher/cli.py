@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The exit code: 0, 1 for a failed run, 2 for bad input, 128 + the signal that stopped it."""
-    from pipefisher.runtime.stopping import Terminated, raise_on_sigterm
+    from pipefisher.runtime.stopping import Terminated, interruption_exit, raise_on_sigterm
 
     if threading.current_thread() is threading.main_thread():
         raise_on_sigterm()
@@ -407,9 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
     except (KeyboardInterrupt, Terminated) as exc:  # before (or without) a run's own handlers: planning, preparing data
-        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
-        print(f"pipefisher: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+        return interruption_exit(exc, "pipefisher")
     except BrokenPipeError:  # the reader of stdout left (`| head`): stop quietly, as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush finds no pipe
         return 128 + signal.SIGPIPE

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.stopping import STOP_SIGNALS, signal_name, stop_request
+from pipefisher.runtime.stopping import STOP_SIGNALS, signal_name, stop_request, stop_signals_blocked
 
 
 class Interrupted(RuntimeError):
@@ -204,12 +204,9 @@ def run_group(
     outcome: dict[int, tuple[bool, Any]] = {}
     stopping = False
     try:
-        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
+        with stop_signals_blocked():  # one that comes meanwhile runs on_stop_signal after the block
             for proc in procs:
                 proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # one that came meanwhile runs on_stop_signal now
         while len(outcome) < world:
             if received and on_signal == "kill":
                 break

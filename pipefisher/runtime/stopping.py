@@ -9,6 +9,9 @@ directory is set, and exit with 128 + the signal's number.
 from __future__ import annotations
 
 import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -40,6 +43,43 @@ class Terminated(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signal_name(signum))
         self.signum = signum
+
+
+def interruption_exit(exc: BaseException, program: str) -> int:
+    """Say in one line that `exc` (KeyboardInterrupt or Terminated) stopped `program`; its exit code."""
+    signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+    print(f"{program}: interrupted by {signal_name(signum)}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def entry_point(main: Callable[[], int | None], program: str) -> int:
+    """Run a script's `main` so that SIGINT or SIGTERM at any moment ends it with one line and
+    128 + signal, no traceback; `main`'s own code (None: 0) otherwise."""
+    raise_on_sigterm()
+    try:
+        return main() or 0
+    except (KeyboardInterrupt, Terminated) as exc:
+        return interruption_exit(exc, program)
+
+
+@contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Processes started inside start with SIGINT and SIGTERM blocked, so that none dies with a
+    traceback inside its interpreter's start; each lets them in once its handling is set. A signal
+    that reaches this process meanwhile is handled when the block ends."""
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+
+def leave_interrupts_to_the_parent() -> None:
+    """For a pool's worker started under `stop_signals_blocked`: SIGINT (a terminal's Ctrl-C
+    reaches the whole group) is ignored, the parent ends the pool; SIGTERM ends the worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def raise_on_sigterm() -> None:

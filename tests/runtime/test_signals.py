@@ -98,3 +98,38 @@ def test_a_long_simulation_stopped_says_one_line():
     code, lines = run.interrupt(signal.SIGINT)
     assert code == 128 + signal.SIGINT
     assert_one_line(lines, signal.SIGINT, "never", "interrupted by")
+
+
+class Script(Command):
+    """`python experiments/NAME.py ARGS` in its own session (a Command of another program)."""
+
+    def __init__(self, name: str, *args: str):
+        root = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen([sys.executable, str(root / "experiments" / f"{name}.py"), *args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=root)
+        self.lines = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self.reader.start()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_experiment_stopped_says_one_line(signum):
+    """The packer benchmark (planning only, a minute and more of work) stopped after 2 s."""
+    run = Script("bench_packer")
+    time.sleep(2)
+    code, lines = run.interrupt(signum)
+    assert code == 128 + signum
+    assert_one_line(lines, signum, "never", "bench_packer: interrupted by")
+
+
+def test_an_experiment_stopped_while_its_pipefisher_child_runs_leaves_no_traceback(tmp_path):
+    """convergence.py measures a profile with a `pipefisher profile` child first: both say one line."""
+    run = Script("convergence", "--quick", "--out", str(tmp_path / "c"))
+    run.wait_for("measuring a profile")
+    time.sleep(2)
+    code, lines = run.interrupt(signal.SIGINT)
+    assert code == 130
+    text = "\n".join(lines)
+    assert "Traceback" not in text and "frame #" not in text, text
+    assert lines[-1] == "convergence: interrupted by SIGINT", text
+    assert list(tmp_path.iterdir()) == []
