@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,26 @@ def write_atomically(path: str | Path, write: Callable[[Path], None], durable: b
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def write_folder_atomically(folder: str | Path, write: Callable[[Path], None]) -> None:
+    """`write(temporary folder)` beside `folder`, then the folder renamed into place when it did
+    not exist (one rename: readers see all of it or none), else each file moved in by one rename.
+    A failed or interrupted `write` leaves nothing."""
+    folder = Path(folder)
+    temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    try:
+        temporary.mkdir(parents=True)
+        write(temporary)
+        if not folder.exists():
+            os.replace(temporary, folder)
+            return
+        for path in temporary.iterdir():
+            os.replace(path, folder / path.name)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    temporary.rmdir()
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:

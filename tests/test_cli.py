@@ -213,3 +213,19 @@ def test_input_and_output_files_are_checked_before_any_work(files, args, message
     assert main([fill(a) for a in args] + (["--schedule", "gpipe", "-D", "4", "-N", "4"] if args[0] == "pack" else [])) == 2
     err = capsys.readouterr().err
     assert fill(message) in err and err.count("\n") == 1, err
+
+
+def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
+    from pipefisher.files import write_folder_atomically
+
+    def interrupted(folder):
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_folder_atomically(tmp_path / "model", interrupted)
+    assert list(tmp_path.iterdir()) == []
+    write_folder_atomically(tmp_path / "model", lambda folder: (folder / "config.json").write_text("{}"))
+    write_folder_atomically(tmp_path / "model", lambda folder: (folder / "weights").write_text("w"))
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json", "weights"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

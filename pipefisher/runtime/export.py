@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pipefisher.config import ConfigError, RunConfig
+from pipefisher.files import write_folder_atomically
 from pipefisher.runtime.assembly import staged_model, text_data
 from pipefisher.runtime.checkpoint import load_rank, resumable_step
 
@@ -55,8 +56,12 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
     unsplit = model.unsplit(config.run.seed)
     unsplit.load_state_dict(merged_state_dict(config, step))
     folder = Path(folder)
-    unsplit.save_pretrained(folder)
-    text_data(config).tokenizer.save(str(folder / "tokenizer.json"))
+
+    def write(temporary: Path) -> None:
+        unsplit.save_pretrained(temporary)
+        text_data(config).tokenizer.save(str(temporary / "tokenizer.json"))
+
+    write_folder_atomically(folder, write)
     parameters = list(unsplit.parameters())
     return Exported(folder, step, type(unsplit).__name__, sum(p.numel() for p in parameters),
                     sum(p.numel() * p.element_size() for p in parameters))
