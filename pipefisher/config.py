@@ -281,7 +281,7 @@ class RunConfig:
 
 _POSITIVE = {
     "model.layers", "model.hidden", "model.heads", "model.ffn", "model.seq_len", "model.input_dim",
-    "model.output_dim", "data.micro_batch_size", "pipeline.stages", "pipeline.micro_batches",
+    "model.output_dim", "data.micro_batch_size", "data.vocab_size", "pipeline.stages", "pipeline.micro_batches",
     "pipeline.chunks", "pipeline.data_parallel", "optimizer.lr", "run.steps", "run.timeout", "optimizer.eps",
     "kfac.damping", "kfac.reprofile_threshold", "kfac.reprofile_patience", "run.loss_scale", "run.bucket_mb",
     "shampoo.reprofile_threshold", "shampoo.reprofile_patience", "shampoo.epsilon", "shampoo.block_size",

@@ -59,6 +59,7 @@ def test_bad_shampoo_settings_are_refused_by_key(shampoo, message):
     ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay: -0.1 must be >= 0"),
     ({"optimizer": {"warmup_steps": -5}}, "optimizer.warmup_steps: -5 must be >= 0"),
     ({"shampoo": {"statistics_dtype": "float16"}}, "shampoo.statistics_dtype: 'float16' is not one of float64, float32"),
+    ({"data": {"kind": "bert", "vocab_size": 0}, "model": {"kind": "bert"}}, "data.vocab_size: 0 must be positive"),
 ])
 def test_numbers_out_of_their_documented_range_are_refused_by_key(data, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
