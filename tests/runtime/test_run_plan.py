@@ -60,3 +60,20 @@ def test_a_plan_of_another_run_is_refused_naming_the_field(packed, capsys, plan,
     assert main(["run", str(TINY), "--optimizer", "kfac", "--plan", str(path), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("schedule, data_parallel, method", [("chimera", 1, "shampoo"), ("chimera", 2, "kfac"), ("zbv", 2, "kfac"),
+                                                            ("interleaved", 2, "shampoo")])
+def test_a_plan_packed_for_the_runs_own_layout_fits_it(tmp_path, schedule, data_parallel, method):
+    """Where a stage has replicas the packer picks which one computes each inverse (or root) by
+    the profile's times: the check compares those tasks without their replica."""
+    from pipefisher.plan import Plan
+    from pipefisher.runtime.assembly import build_schedule
+    from pipefisher.runtime.pipefisher_run import check_plan_matches
+
+    config = load_config(TINY).with_overrides(optimizer={"name": method}, pipeline={"schedule": schedule, "data_parallel": data_parallel})
+    built = build_schedule(config)
+    unit_profile(config, built.num_stages, inverse=3.0).save(tmp_path / "profile.yaml")
+    assert main(["pack", "--profile", str(tmp_path / "profile.yaml"), "--schedule", schedule, "-D", "2", "-N", "4",
+                 "--data-parallel", str(data_parallel), "-o", str(tmp_path / "plan.json"), "--json"]) == 0
+    check_plan_matches(Plan.load(tmp_path / "plan.json"), config, built)
