@@ -89,7 +89,8 @@ def test_invalid_arguments_exit_2_with_one_line(args, message, unit_profile_path
 
 @pytest.mark.parametrize(
     "output, message",
-    [("out.pdf", "unknown output type"), ("/nonexistent/dir/out.svg", "cannot write"), ("/nonexistent/dir/out.txt", "cannot write")],
+    [("out.pdf", "unknown output type"), ("/nonexistent/dir/out.svg", "folder '/nonexistent/dir' does not exist; create it first"),
+     ("/nonexistent/dir/out.txt", "folder '/nonexistent/dir' does not exist")],
 )
 def test_bad_outputs_exit_2(output, message, capsys):
     assert main(["viz", "--schedule", "gpipe", "-D", "2", "-N", "2", "-o", output]) == 2
