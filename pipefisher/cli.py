@@ -11,12 +11,13 @@ import threading
 from collections.abc import Callable, Sequence
 
 from pipefisher.cli_args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
-                                 check_input, check_output, format_table, percentile, positive_float, positive_int, share)
+                                 check_output, format_table, percentile, positive_float, positive_int, say, share)
 from pipefisher.config import ConfigError
 from pipefisher.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.pack import STRATEGIES, PackOptions, pack
 from pipefisher.pack_text import format_pack_report
 from pipefisher.profile import ProfileError, load_profile
+from pipefisher.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
 from pipefisher.schedules import SCHEDULES
 from pipefisher.simulate import Timeline, simulate
 
@@ -149,22 +150,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
-    if config.run.metrics:
-        check_output(config.run.metrics, "run.metrics (--metrics)")
-    if config.checkpoint.dir:
-        check_output(config.checkpoint.dir, "checkpoint.dir (--checkpoint-dir)", folder=True)
+    check_run_outputs(config)
     method = config.optimizer.name if config.curvature is not None else "kfac"
-    if args.profile is not None and config.curvature is None:
-        _say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
-             "it serves the packer of --optimizer kfac or shampoo")
-    for section in ("kfac", "shampoo"):
-        named = [flag for flag, value in vars(args).items() if flag.startswith(f"{section}_") and value is not None]
-        if named and config.optimizer.name != section:
-            flags = ", ".join("--" + flag.replace("_", "-") for flag in named)
-            _say(f"warning: {flags} {'has' if len(named) == 1 else 'have'} no effect with optimizer {config.optimizer.name}; "
-                 f"{'it applies' if len(named) == 1 else 'they apply'} to --optimizer {section}")
+    warn_without_effect(args, config)
     config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
-    _warn_if_emulated(config)
+    warn_if_emulated(config)
     if args.reference and config.comm.powersgd_rank:
         raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
                          "drop --powersgd-rank (comm.powersgd_rank) or --reference")
@@ -182,7 +172,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except ProfileError as exc:
             raise UsageError(f"{section.profile}: {exc}") from None
     if section is not None and section.plan:
-        _check_plan(config, schedule, args.reference)
+        check_plan(config, schedule, args.reference)
     elif args.plan:
         raise UsageError(f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
                          f"{config.optimizer.name} (use --optimizer kfac or shampoo)")
@@ -195,33 +185,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(problem)
     resume_from = None if args.reference else _resume_step(config)
     if resume_from is not None and resume_from >= config.run.steps:
-        _say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
+        say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
         return 0
     return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
-
-
-def _check_plan(config, schedule, reference: bool) -> None:
-    """The run's plan file fits it (method, schedule, shape, layers, layout), before any process starts."""
-    from pipefisher.plan import Plan
-    from pipefisher.runtime.pipefisher_run import check_plan_matches
-
-    path = config.curvature.plan
-    if reference:
-        raise UsageError(f"--plan {path}: --reference trains in one process, without a plan; drop --plan "
-                         f"(and pin --{config.optimizer.name}-refresh-steps K)")
-    try:
-        check_plan_matches(Plan.load(path), config, schedule)
-    except ScheduleError as exc:
-        message = str(exc)
-        raise UsageError(message if message.startswith(path) else f"{path}: {message}") from None
-
-
-def _warn_if_emulated(config) -> None:
-    """fp16 on CPUs is emulated: say so before the user waits for it."""
-    from pipefisher.runtime.launch import resolve_backend
-
-    if config.run.precision == "fp16" and resolve_backend(config.run.backend) == "gloo":
-        _say("warning: fp16 on a CPU is emulated, about 10x slower than fp32 here; bf16 or fp32 train at full speed")
 
 
 def _resume_step(config) -> int | None:
@@ -238,15 +204,9 @@ def _resume_step(config) -> int | None:
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     for line in skipped:
-        _say(f"checkpoint {line}")
-    _say(f"resuming from step {step}" + (", the newest checkpoint that verifies" if skipped else ""))
+        say(f"checkpoint {line}")
+    say(f"resuming from step {step}" + (", the newest checkpoint that verifies" if skipped else ""))
     return step
-
-
-def _say(message: str) -> None:
-    """One line on stderr (from rank 0 only under torchrun)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -277,22 +237,12 @@ def _prepare_model(config) -> None:
     caches) the tokenizer and tokens once, before the ranks start and read the cache."""
     from pipefisher.runtime.assembly import staged_model
 
-    _check_input_files(config)
+    check_input_files(config)
 
     def announce() -> None:
         print(f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
 
     staged_model(config, on_data=announce)
-
-
-def _check_input_files(config) -> None:
-    """Every file the run file names for the model and data exists, is a file, and (but for the
-    safetensors weights) is text; UsageError naming the key otherwise."""
-    named = {"data.corpus": "" if config.data.corpus == "embedded" else config.data.corpus, "data.vocab": config.data.vocab,
-             "data.tokenizer": config.data.tokenizer, "model.config_json": config.model.config_json, "model.hf_weights": config.model.hf_weights}
-    for key, value in named.items():
-        if value:
-            check_input(value, key, text=key != "model.hf_weights")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -311,7 +261,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-    _say(f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
+    say(f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
          f"{exported.parameters / 1e6:.2f} M parameters, {exported.weights_bytes / 2**20:.1f} MiB of weights")
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,12 @@ def build_pipeline(args: argparse.Namespace, profile_required: bool = False, lim
         chunks = schedule.num_stages // schedule.num_ranks
         profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
     return schedule, profile
+
+
+def say(message: str) -> None:
+    """One line on stderr (from rank 0 only under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
 
 def check_input(path: str, key: str, text: bool = True) -> None:

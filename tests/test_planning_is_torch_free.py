@@ -31,6 +31,7 @@ PLANNING = [
     "pipefisher.viz.figure",
     "pipefisher.viz.timeline_io",
     "pipefisher.cli_args",
+    "pipefisher.run_checks",
     "pipefisher.cli",
 ]
 
