@@ -85,13 +85,12 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> Non
         if planned != here:
             raise ScheduleError(f"{name}: the plan is for {planned}, this run has {here} (pipeline.{name})")
     validate_plan(plan)
-    for stage in range(schedule.num_stages):
-        expected = stage_layer_names(config, stage, schedule.num_stages)
+    names = {stage: stage_layer_names(config, stage, schedule.num_stages) for stage in range(schedule.num_stages)}
+    for stage, expected in names.items():
         planned = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
         if planned != sorted(expected):
             raise ScheduleError(f"layers: the plan's stage {stage} works on {planned[:3]}..., the model's on {sorted(expected)[:3]}...")
     section = config.curvature
-    names = {stage: stage_layer_names(config, stage, schedule.num_stages) for stage in range(schedule.num_stages)}
     stand_in = Profile(stages=tuple(StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in names[stage]))
                                     for stage in range(schedule.num_stages)), method=method)
     expected = after_step_plan(schedule, stand_in, plan.refresh_steps, split=section.split, data_parallel=config.pipeline.data_parallel,
