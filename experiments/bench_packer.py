@@ -20,10 +20,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipefisher.pack import PackOptions, PackResult, pack
+from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
+from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.runtime.training.stopping import entry_point
 from pipefisher.schedules import get_schedule
-from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-from pipefisher.runtime.stopping import entry_point
 
 #: the PipeFisher authors' P100 block times shipped with the project
 REFERENCE = Path(__file__).resolve().parents[1] / "profiles" / "reference"

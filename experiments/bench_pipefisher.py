@@ -56,19 +56,19 @@ import torch.distributed as dist
 import yaml
 
 from pipefisher.config import RunConfig, config_from_dict
-from pipefisher.ir import OpKind
-from pipefisher.pack import pack
-from pipefisher.plan import cycle_time, simulate_plan
-from pipefisher.profile import Profile
-from pipefisher.runtime.assembly import staged_model
-from pipefisher.runtime.curvature_methods import method_of
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.pipefisher_run import PipeFisherTrainer, pack_options
-from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
-from pipefisher.runtime.profiler import measure_profile
-from pipefisher.runtime.training import build_executor
-from pipefisher.simulate import COLLECTIVES, OpDurations, simulate
-from pipefisher.runtime.stopping import entry_point
+from pipefisher.core.ir import OpKind
+from pipefisher.core.profile import Profile
+from pipefisher.methods.registry import method_of
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.plan import cycle_time, simulate_plan
+from pipefisher.planning.simulate import COLLECTIVES, OpDurations, simulate
+from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
+from pipefisher.runtime.training.assembly import staged_model
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer, pack_options
+from pipefisher.runtime.training.profiler import measure_profile
+from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.runtime.training.trainer import build_executor
 
 STAGES = 2
 VARIANTS = ("first-order", "after-step", "packed")

@@ -16,13 +16,13 @@ import time
 
 from pathlib import Path
 
-from pipefisher.pack import pack
-from pipefisher.profile import uniform_profile
+from pipefisher.core.profile import uniform_profile
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.simulate import simulate
+from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.runtime.training.stopping import entry_point
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import simulate
-from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-from pipefisher.validate import validate
-from pipefisher.runtime.stopping import entry_point
+from pipefisher.schedules.validate import validate
 
 
 def main() -> None:

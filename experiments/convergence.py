@@ -8,9 +8,9 @@ thread.
 
 1. Profiles: `pipefisher profile schedules/tiny-cpu.yaml [--optimizer shampoo]` measures this
    machine once per curvature method (or --profile / --shampoo-profile FILE). The packer
-   (`pipefisher.pack.pack`) picks each method's refresh interval k and predicts its PipeFisher
+   (`pipefisher.planning.packing.pack.pack`) picks each method's refresh interval k and predicts its PipeFisher
    step time on a 2-stage 1F1B pipeline (Shampoo's step end includes its preconditioning);
-   `pipefisher.simulate.simulate` predicts the first-order step time (LAMB and AdamW alike: the
+   `pipefisher.planning.simulate.simulate` predicts the first-order step time (LAMB and AdamW alike: the
    K-FAC profile's step end is the run file's LAMB step). K-FAC and Shampoo runs use their k as
    refresh_steps.
 2. Tuning on seed 0: a grid of four points or fewer per optimizer (learning rate; K-FAC: also
@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipefisher.files import experiment_output
-from pipefisher.runtime.stopping import entry_point, leave_interrupts_to_the_parent, stop_signals_blocked
+from pipefisher.core.files import experiment_output
+from pipefisher.runtime.training.stopping import entry_point, leave_interrupts_to_the_parent, stop_signals_blocked
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
@@ -107,7 +107,7 @@ def train(setting: Setting, steps: int, refresh_steps: dict[str, int]) -> tuple[
     import torch
 
     torch.set_num_threads(1)
-    from pipefisher.runtime.reference import train_reference
+    from pipefisher.runtime.training.reference import train_reference
 
     rows: list[tuple[int, float, float, float]] = []
 
@@ -176,11 +176,11 @@ def step_times(profile_path: Path, method: str, k_override: int | None) -> tuple
     """(first-order ms, PipeFisher packed ms (mean over the cycle), k, summary) of 2-stage 1F1B
     with `method`'s profile (K-FAC's also gives the first-order step: LAMB's step end)."""
     from pipefisher.config import load_config
-    from pipefisher.pack import pack
-    from pipefisher.profile import load_profile
-    from pipefisher.runtime.pipefisher_run import pack_options
-    from pipefisher.runtime.assembly import build_schedule
-    from pipefisher.simulate import simulate
+    from pipefisher.planning.packing.pack import pack
+    from pipefisher.core.profile import load_profile
+    from pipefisher.runtime.training.pipefisher_run import pack_options
+    from pipefisher.runtime.training.assembly import build_schedule
+    from pipefisher.planning.simulate import simulate
 
     config = load_config(BASE).with_overrides(optimizer={"name": method})
     schedule = build_schedule(config)

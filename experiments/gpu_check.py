@@ -33,10 +33,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipefisher.runtime.assembly import staged_model  # noqa: E402
 from pipefisher.config import load_config  # noqa: E402
-from pipefisher.runtime.training import train_pipelined  # noqa: E402
-from pipefisher.runtime.stopping import entry_point  # noqa: E402
+from pipefisher.runtime.training.assembly import staged_model  # noqa: E402
+from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
+from pipefisher.runtime.training.trainer import train_pipelined  # noqa: E402
 
 
 class SyncLog:
@@ -112,8 +112,8 @@ def train(args) -> dict:
 
 def ops(args) -> dict:
     """Host syncs and times of the linear algebra pipefisher calls, on CUDA."""
-    from pipefisher.kfac.factors import damped_inverse
-    from pipefisher.shampoo import roots
+    from pipefisher.methods.kfac.factors import damped_inverse
+    from pipefisher.methods.shampoo import roots
 
     device = torch.device("cuda", 0)
     n = args.ops

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipefisher.kfac.factors import accumulate_covariance, damped_inverse, precondition_matrix
-from pipefisher.runtime.stopping import entry_point
+from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, precondition_matrix
+from pipefisher.runtime.training.stopping import entry_point
 
 DAMPING = 1e-3
 

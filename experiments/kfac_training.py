@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.functional import mse_loss
 
-from pipefisher.kfac import KFAC, KFACNumericsWarning
-from pipefisher.runtime.stopping import entry_point
+from pipefisher.methods.kfac import KFAC, KFACNumericsWarning
+from pipefisher.runtime.training.stopping import entry_point
 
 LR_GRIDS: dict[str, tuple[float, ...]] = {
     "sgd": tuple(10.0 ** (e / 4) for e in range(-12, 1)),   # 1e-3 .. 1

@@ -18,11 +18,11 @@ import csv
 import sys
 from pathlib import Path
 
-from pipefisher.files import experiment_output
-from pipefisher.pack import pack
-from pipefisher.runtime.stopping import entry_point
+from pipefisher.core.files import experiment_output
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.runtime.training.stopping import entry_point
 from pipefisher.schedules import get_schedule
-from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 
 DEPTHS = (2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from pipefisher.files import experiment_output
-from pipefisher.runtime.stopping import entry_point
+from pipefisher.core.files import experiment_output
+from pipefisher.runtime.training.stopping import entry_point
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
@@ -57,10 +57,10 @@ def train(path: Path, steps: int) -> list[dict]:
 def expected_factor(rank: int) -> float:
     """Compressed / uncompressed elements of the demo's stage 0 (rank 0's): P and Q of every
     matrix PowerSGD compresses, the rest whole."""
-    from pipefisher.comm_volume import powersgd_elements
+    from pipefisher.planning.comm.volume import powersgd_elements
     from pipefisher.config import load_config
-    from pipefisher.runtime.assembly import staged_model
-    from pipefisher.runtime.gradients import unique_parameters
+    from pipefisher.runtime.training.assembly import staged_model
+    from pipefisher.runtime.gradient_path.buffers import unique_parameters
 
     config = load_config(BASE)
     stage = staged_model(config).build_stage(0, config.pipeline.stages, seed=0)

@@ -2,6 +2,6 @@
 
 import sys
 
-from pipefisher.cli import main
+from pipefisher.cli.main import main
 
 sys.exit(main())

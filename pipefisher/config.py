@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pipefisher.files import load_structured
-from pipefisher.kaisa import worker_count
+from pipefisher.core.files import load_structured
+from pipefisher.planning.layouts.kaisa import worker_count
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank
 
 
@@ -115,7 +115,7 @@ class RefreshConfig:
     optimizer's.
 
     `refresh_steps` 0 lets the packer choose k (at most `max_refresh_steps`, 0 = no cap; see
-    `pipefisher.pack` for the rule), packing with the `percentile` of the profile's measured
+    `pipefisher.planning.packing.pack` for the rule), packing with the `percentile` of the profile's measured
     samples, `margin` of each bubble kept free, within `max_overhead` (a share of the step), holding
     at most `max_capture_mb` MiB of captures per device (0 = no cap); `placement` packed puts the
     work in the bubbles, after-step runs it in one block after the first step of each cycle;
@@ -148,7 +148,7 @@ class RefreshConfig:
 @dataclass(frozen=True)
 class KfacConfig(RefreshConfig):
     """K-FAC settings (used with optimizer.name kfac): damping, factor EMA decay, inverse method;
-    `grad_worker_fraction` f (KAISA, `pipefisher.kaisa`): each layer's inverses live on f of a
+    `grad_worker_fraction` f (KAISA, `pipefisher.planning.layouts.kaisa`): each layer's inverses live on f of a
     stage's replicas, which precondition its reduced gradient and broadcast it to the others
     (1 = every replica keeps every inverse and preconditions before the reduction); placement
     keys as `RefreshConfig`."""
@@ -161,7 +161,7 @@ class KfacConfig(RefreshConfig):
 
 @dataclass(frozen=True)
 class ShampooConfig(RefreshConfig):
-    """Shampoo settings (used with optimizer.name shampoo; `pipefisher.shampoo`): statistics decay
+    """Shampoo settings (used with optimizer.name shampoo; `pipefisher.methods.shampoo`): statistics decay
     `beta2` (1 = plain sum), `epsilon` added before the inverse 4th root, `block_size` (longer
     dimensions are cut into blocks), `root` method, `grafting` (adam takes optimizer.betas[1] and
     optimizer.eps), `start_step` (steps before it use the grafting direction alone),
@@ -259,7 +259,7 @@ class RunConfig:
 
     @property
     def workers_per_layer(self) -> int | None:
-        """K-FAC's gradient workers per layer (`pipefisher.kaisa`) when they are fewer than a
+        """K-FAC's gradient workers per layer (`pipefisher.planning.layouts.kaisa`) when they are fewer than a
         stage's replicas (optimizer kfac, kfac.grad_worker_fraction < 1); None: every replica."""
         replicas = stage_replica_count(self)
         workers = worker_count(replicas, self.kfac.grad_worker_fraction) if self.optimizer.name == "kfac" else replicas

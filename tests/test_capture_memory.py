@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.capture_memory import capture_peaks
-from pipefisher.ir import OpKind
-from pipefisher.pack import PackOptions, after_step_plan, pack
-from pipefisher.plan import validate_plan
-from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.ir import OpKind
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.plan import validate_plan
 from pipefisher.schedules import get_schedule
 
 A, B = 3_000_000, 5_000_000  # bytes per micro-batch of one layer's input / output gradient

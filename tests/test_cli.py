@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipefisher.cli import main
-from pipefisher.profile import uniform_profile
+from pipefisher.cli.main import main
+from pipefisher.core.profile import uniform_profile
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -90,7 +90,7 @@ def test_module_entry_point_works():
 
 @pytest.fixture
 def bert_like_profile(tmp_path):
-    from pipefisher.transformer_profile import BlockTimes, transformer_profile
+    from pipefisher.planning.transformer_profile import BlockTimes, transformer_profile
 
     times = BlockTimes(time_f=9.7, time_b=16.5, time_kron=25.5, time_inv=71.7, time_prec=6.8)
     path = tmp_path / "bert.yaml"
@@ -114,7 +114,7 @@ def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys
     assert chosen["overhead"] == pytest.approx(data["overhead"]) and data["reason"].startswith(f"k = {data['refresh_steps']}")
     assert data["capture_peak_mib"] > 0 and data["percentile"] == 90.0
     assert max(d["capture_peak_mib"] for d in data["devices"]) == pytest.approx(data["capture_peak_mib"])
-    from pipefisher.plan import Plan, validate_plan
+    from pipefisher.planning.plan import Plan, validate_plan
 
     assert validate_plan(Plan.load(plan_path)).refresh_steps == data["refresh_steps"]
 
@@ -216,7 +216,7 @@ def test_input_and_output_files_are_checked_before_any_work(files, args, message
 
 
 def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
-    from pipefisher.files import write_folder_atomically
+    from pipefisher.core.files import write_folder_atomically
 
     def interrupted(folder):
         (folder / "config.json").write_text("{}")

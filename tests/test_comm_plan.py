@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipefisher.comm_plan import (
+from pipefisher.planning.comm.plan import (
     STEP,
     Action,
     ActionKind,
@@ -14,13 +14,13 @@ from pipefisher.comm_plan import (
     plan_actions,
     sync_collective,
 )
-from pipefisher.comm_replay import replay
-from pipefisher.ir import Op, OpKind
-from pipefisher.pack import PackOptions, after_step_plan, pack
-from pipefisher.plan import Plan
-from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.plan import Plan
 from pipefisher.schedules import get_schedule
-from pipefisher.topology import Topology
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "chimera"]
 

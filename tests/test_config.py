@@ -73,7 +73,7 @@ def test_split_hint_lists_the_divisors():
 
 
 def test_packer_settings_reach_the_packer():
-    from pipefisher.runtime.pipefisher_run import pack_options
+    from pipefisher.runtime.training.pipefisher_run import pack_options
 
     config = config_from_dict({"kfac": {"percentile": 75, "max_refresh_steps": 6, "max_capture_mb": 512, "margin": 0.1}})
     options = pack_options(config)

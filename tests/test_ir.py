@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.ir import Op, OpKind, Schedule, ScheduleError, backward, format_grid, forward, peak_activations
+from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, backward, format_grid, forward, peak_activations
 from pipefisher.schedules import SCHEDULES, get_schedule
 
 
@@ -42,8 +42,8 @@ def test_ops_are_hashable_and_equal_by_value():
 def test_an_op_unpickled_in_another_process_hashes_like_its_ops(tmp_path):
     """An op caches its hash, which depends on the process's string hash seed."""
     path = tmp_path / "op.pickle"
-    write = f"import pickle; from pipefisher.ir import forward; open({str(path)!r}, 'wb').write(pickle.dumps(forward(1, 2)))"
-    read = f"import pickle; from pipefisher.ir import forward; print(pickle.loads(open({str(path)!r}, 'rb').read()) in {{forward(1, 2)}})"
+    write = f"import pickle; from pipefisher.core.ir import forward; open({str(path)!r}, 'wb').write(pickle.dumps(forward(1, 2)))"
+    read = f"import pickle; from pipefisher.core.ir import forward; print(pickle.loads(open({str(path)!r}, 'rb').read()) in {{forward(1, 2)}})"
     for code, seed in ((write, "1"), (read, "2")):
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed})
         assert result.returncode == 0, result.stderr

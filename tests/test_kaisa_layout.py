@@ -2,15 +2,15 @@
 
 import pytest
 
-from pipefisher.comm_plan import ActionKind, GradientPath, plan_actions
-from pipefisher.comm_replay import replay
 from pipefisher.config import ConfigError, config_from_dict
-from pipefisher.ir import OpKind
-from pipefisher.kaisa import grad_workers, worker_count
-from pipefisher.pack import PackOptions, pack
-from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.ir import OpKind
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.plan import ActionKind, GradientPath, plan_actions
+from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.layouts.kaisa import grad_workers, worker_count
+from pipefisher.planning.packing.pack import PackOptions, pack
 from pipefisher.schedules import get_schedule
-from pipefisher.topology import Topology
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 4, 6, 8])

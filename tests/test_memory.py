@@ -1,4 +1,4 @@
-"""The per-rank memory and traffic model (`pipefisher.memory`) against what real torch optimizers
+"""The per-rank memory and traffic model (`pipefisher.planning.memory`) against what real torch optimizers
 and K-FAC engines hold for the tiny transformer, and against ZeRO's published example."""
 
 import subprocess
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pipefisher.config import config_from_dict
-from pipefisher.kfac import KFACConfig, KFACEngine
-from pipefisher.kfac.layer import select_layers
-from pipefisher.memory import (
+from pipefisher.methods.kfac import KFACConfig, KFACEngine
+from pipefisher.methods.kfac.layer import select_layers
+from pipefisher.planning.memory import (
     KfacLayer,
     StageState,
     kfac_layer_bytes,
@@ -19,12 +19,12 @@ from pipefisher.memory import (
     rank_memory,
     zero_paper_example,
 )
+from pipefisher.core.topology import Topology
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.optim import build_optimizer
-from pipefisher.runtime.gradients import Ownership, unique_parameters
-from pipefisher.runtime.training import tensor_bytes
+from pipefisher.runtime.gradient_path.buffers import Ownership, unique_parameters
+from pipefisher.runtime.training.trainer import tensor_bytes
 from pipefisher.schedules import get_schedule
-from pipefisher.topology import Topology
 
 MODEL = {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3}
 PIPELINES = {
@@ -69,7 +69,7 @@ def modelled(config, model, topology):
 
 
 def test_the_model_imports_no_torch():
-    code = "import sys, pipefisher.memory\nprint('torch' in sys.modules)"
+    code = "import sys, pipefisher.planning.memory\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -222,7 +222,7 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
 
 
 def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_whole():
-    from pipefisher.comm_volume import powersgd_elements, ring_bytes
+    from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
 
     config, model, topology = setup("1f1b-dp2", OPTIMIZERS["sgd"])
     states = stage_states(model, 2)
@@ -240,9 +240,9 @@ def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_
 
 
 def test_powersgd_state_is_what_the_runtime_keeps():
-    from pipefisher.memory import powersgd_state_bytes
-    from pipefisher.runtime.gradients import GradientBuffer
-    from pipefisher.runtime.powersgd import PowerSGD
+    from pipefisher.planning.memory import powersgd_state_bytes
+    from pipefisher.runtime.gradient_path.buffers import GradientBuffer
+    from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 
     config, model, topology = setup("1f1b-dp2", OPTIMIZERS["sgd"])
     for index, stage in enumerate(stage_states(model, 2)):

@@ -3,13 +3,13 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.ir import Op, OpKind, ScheduleError
-from pipefisher.pack import PackOptions, pack
-from pipefisher.plan import Plan, simulate_plan, validate_plan
-from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.ir import Op, OpKind, ScheduleError
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.planning.packing.pack import PackOptions, pack
+from pipefisher.planning.plan import Plan, simulate_plan, validate_plan
+from pipefisher.planning.simulate import COLLECTIVES
+from pipefisher.planning.tasks import CYCLE_KINDS, build_tasks
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import COLLECTIVES
-from pipefisher.tasks import CYCLE_KINDS, build_tasks
 
 
 def layered_profile(num_stages, layers=3, forward=1.0, backward=2.0, curvature=0.05, inverse=0.4, precondition=0.02, sync=0.0, vary=True):
@@ -255,7 +255,7 @@ def test_bad_options_are_rejected():
 def test_predicted_cycle_time_equals_a_full_simulation_of_the_plan(name, d, n, chunks, data_parallel):
     """The packer simulates only the steps with leftovers or collectives: the others must take
     exactly as long as a step with preconditioning only."""
-    from pipefisher.plan import cycle_time
+    from pipefisher.planning.plan import cycle_time
 
     schedule = get_schedule(name, d, n, chunks)
     for inverse in (0.1, 0.4, 2.0):
@@ -268,8 +268,8 @@ def test_predicted_cycle_time_equals_a_full_simulation_of_the_plan(name, d, n, c
 
 @pytest.mark.parametrize("name, d, n, chunks", CASES)
 def test_never_predicted_slower_than_the_after_step_placement(name, d, n, chunks):
-    from pipefisher.pack import after_step_plan
-    from pipefisher.plan import cycle_time
+    from pipefisher.planning.packing.pack import after_step_plan
+    from pipefisher.planning.plan import cycle_time
 
     schedule = get_schedule(name, d, n, chunks)
     for inverse in (0.4, 5.0):
@@ -323,9 +323,9 @@ def test_the_bound_counts_tasks_that_only_the_largest_bubble_holds():
 def test_every_candidate_is_evaluated_exactly(name, d, n, chunks):
     """Fill (tail, spread), the published rule and after-step, at several k: the cheap
     evaluation equals a full simulation of each plan."""
-    from pipefisher.pack import _Packing
-    from pipefisher.plan import cycle_time
-    from pipefisher.simulate import simulate
+    from pipefisher.planning.packing.pack import _Packing
+    from pipefisher.planning.plan import cycle_time
+    from pipefisher.planning.simulate import simulate
 
     schedule = get_schedule(name, d, n, chunks)
     profile = layered_profile(schedule.num_stages, inverse=1.5, sync=0.05, precondition=0.3)

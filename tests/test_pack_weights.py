@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.capture_memory import capture_peaks
-from pipefisher.comm_plan import plan_actions
-from pipefisher.comm_replay import replay
-from pipefisher.ir import (
+from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.comm.plan import plan_actions
+from pipefisher.planning.comm.replay import replay
+from pipefisher.core.ir import (
     Op,
     OpKind,
     Schedule,
@@ -19,13 +19,13 @@ from pipefisher.ir import (
     peak_pending_weights,
     weight,
 )
-from pipefisher.pack import PackOptions, after_step_plan, pack
-from pipefisher.plan import Plan, moved_weights, validate_plan
-from pipefisher.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.core.topology import Topology
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.plan import Plan, moved_weights, validate_plan
+from pipefisher.planning.simulate import COLLECTIVES
+from pipefisher.planning.tasks import CYCLE_KINDS, TaskGraph, build_tasks
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import COLLECTIVES
-from pipefisher.tasks import CYCLE_KINDS, TaskGraph, build_tasks
-from pipefisher.topology import Topology
 
 
 def weights_after_backwards(schedule: Schedule) -> Schedule:

@@ -1,8 +1,8 @@
 import pytest
 
-from pipefisher.ir import OpKind, ScheduleError, peak_activations
+from pipefisher.core.ir import OpKind, ScheduleError, peak_activations
 from pipefisher.schedules import get_schedule
-from pipefisher.validate import validate
+from pipefisher.schedules.validate import validate
 
 
 def grid_cases():

@@ -5,16 +5,16 @@ import dataclasses
 
 import pytest
 
-from pipefisher.comm_plan import ActionKind, CommOrderError, plan_actions
-from pipefisher.comm_replay import replay
-from pipefisher.ir import Op, OpKind, ScheduleError
-from pipefisher.methods import KFAC_RULES, SHAMPOO_RULES, task_rules
-from pipefisher.pack import PackOptions, after_step_plan, pack
-from pipefisher.plan import Plan, simulate_plan, validate_plan
-from pipefisher.profile import LayerProfile, Profile, ProfileError, StageProfile, profile_from_dict
+from pipefisher.core.ir import Op, OpKind, ScheduleError
+from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, profile_from_dict
+from pipefisher.core.topology import Topology
+from pipefisher.methods.rules import KFAC_RULES, SHAMPOO_RULES, task_rules
+from pipefisher.planning.comm.plan import ActionKind, CommOrderError, plan_actions
+from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.plan import Plan, simulate_plan, validate_plan
+from pipefisher.planning.tasks import build_tasks
 from pipefisher.schedules import get_schedule
-from pipefisher.tasks import build_tasks
-from pipefisher.topology import Topology
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "chimera"]
 

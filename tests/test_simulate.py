@@ -2,10 +2,10 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.ir import backward, dependencies, forward
-from pipefisher.profile import Profile, StageProfile, uniform_profile
+from pipefisher.core.ir import backward, dependencies, forward
+from pipefisher.core.profile import Profile, StageProfile, uniform_profile
+from pipefisher.planning.simulate import Interval, OpDurations, simulate, simulate_ops
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import Interval, OpDurations, simulate, simulate_ops
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -122,7 +122,7 @@ def test_a_rank_holding_several_stages_pays_each_stage_end():
 
 
 def test_profile_with_wrong_stage_count_is_rejected():
-    from pipefisher.profile import ProfileError
+    from pipefisher.core.profile import ProfileError
 
     with pytest.raises(ProfileError, match="one entry per model chunk"):
         simulate(get_schedule("interleaved", 4, 8), uniform_profile(4))

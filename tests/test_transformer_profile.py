@@ -1,6 +1,6 @@
 from dataclasses import replace
 
-from pipefisher.transformer_profile import BlockTimes, transformer_profile
+from pipefisher.planning.transformer_profile import BlockTimes, transformer_profile
 
 TIMES = BlockTimes(time_f=29.2, time_b=49.4, time_kron=7.3, time_inv=16.9, time_prec=1.2)
 

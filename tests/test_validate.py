@@ -3,9 +3,9 @@ import weakref
 
 import pytest
 
-from pipefisher.ir import ScheduleError, backward, dependencies, forward
+from pipefisher.core.ir import ScheduleError, backward, dependencies, forward
 from pipefisher.schedules import get_schedule
-from pipefisher.validate import StageDependencies, execution_order, schedule_dependencies, schedule_graph, validate
+from pipefisher.schedules.validate import StageDependencies, execution_order, schedule_dependencies, schedule_graph, validate
 
 
 def edited(schedule, rank, ops):

@@ -14,11 +14,11 @@ import re
 import pytest
 
 from pipefisher.config import ConfigError, config_from_dict
-from pipefisher.ir import OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
-from pipefisher.profile import Profile, StageProfile, uniform_profile
+from pipefisher.core.ir import OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
+from pipefisher.core.profile import Profile, StageProfile, uniform_profile
+from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
-from pipefisher.simulate import simulate
-from pipefisher.validate import validate
+from pipefisher.schedules.validate import validate
 
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")
 
@@ -234,7 +234,7 @@ def test_config_error_names_the_v_schedules_product():
 
 
 def test_cli_simulates_zero_bubble_schedules(capsys):
-    from pipefisher.cli import main
+    from pipefisher.cli.main import main
 
     assert main(["simulate", "--schedule", "zb-h1", "--stages", "4", "--micro-batches", "8"]) == 0
     table = capsys.readouterr().out

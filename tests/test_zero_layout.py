@@ -5,12 +5,12 @@ import random
 
 import pytest
 
-from pipefisher.comm_plan import ActionKind, GradientPath, gather_collective, plan_actions
-from pipefisher.comm_replay import replay
-from pipefisher.runtime.plan_runner import schedule_plan
+from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.plan import ActionKind, GradientPath, gather_collective, plan_actions
+from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.layouts.zero import contiguous_shards, shard_owners
+from pipefisher.runtime.pipeline.plan_runner import schedule_plan
 from pipefisher.schedules import get_schedule
-from pipefisher.topology import Topology
-from pipefisher.zero import contiguous_shards, shard_owners
 
 
 def best_largest_run(sizes, parts):

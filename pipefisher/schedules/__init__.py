@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipefisher.ir import Schedule, ScheduleError
+from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.schedules import v_shape
 from pipefisher.schedules.chimera import chimera
 from pipefisher.schedules.dualpipev import dualpipev

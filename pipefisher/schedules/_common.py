@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipefisher.ir import Op, Schedule, ScheduleError
+from pipefisher.core.ir import Op, Schedule, ScheduleError
 
 
 def require(condition: bool, message: str) -> None:

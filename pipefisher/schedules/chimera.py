@@ -7,7 +7,7 @@ Blocks are concatenated directly (the paper's basic scheme for N > D).
 
 from __future__ import annotations
 
-from pipefisher.ir import Op, Schedule, backward, forward
+from pipefisher.core.ir import Op, Schedule, backward, forward
 from pipefisher.schedules._common import check_sizes, require
 
 DOWN, UP = 0, 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipefisher.ir import OpKind, Schedule
+from pipefisher.core.ir import OpKind, Schedule
 from pipefisher.schedules._common import check_sizes, require
 from pipefisher.schedules.v_shape import Token, v_schedule
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipefisher.ir import Schedule, backward, forward
+from pipefisher.core.ir import Schedule, backward, forward
 from pipefisher.schedules._common import check_sizes, single_pipe
 
 

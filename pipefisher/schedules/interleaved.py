@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipefisher.ir import Op, OpKind, Schedule, backward, forward
+from pipefisher.core.ir import Op, OpKind, Schedule, backward, forward
 from pipefisher.schedules._common import check_sizes, require, single_pipe
 from pipefisher.schedules.one_f_one_b import one_f_one_b_order
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipefisher.ir import Op, OpKind, Schedule
+from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.schedules._common import check_sizes, single_pipe
 
 F, B = OpKind.FORWARD, OpKind.BACKWARD

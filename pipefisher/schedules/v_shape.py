@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from pipefisher.ir import Op, OpKind, Schedule
+from pipefisher.core.ir import Op, OpKind, Schedule
 
 CHUNKS = 2
 

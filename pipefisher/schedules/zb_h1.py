@@ -8,7 +8,7 @@ and the last s weight gradients close the step, where 1F1B's cool-down leaves st
 
 from __future__ import annotations
 
-from pipefisher.ir import Op, OpKind, Schedule, weight
+from pipefisher.core.ir import Op, OpKind, Schedule, weight
 from pipefisher.schedules._common import check_sizes, single_pipe
 from pipefisher.schedules.one_f_one_b import one_f_one_b_order
 

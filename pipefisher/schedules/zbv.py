@@ -11,7 +11,7 @@ gradients.
 
 from __future__ import annotations
 
-from pipefisher.ir import OpKind, Schedule
+from pipefisher.core.ir import OpKind, Schedule
 from pipefisher.schedules._common import check_sizes
 from pipefisher.schedules.v_shape import Token, v_schedule
 

@@ -3,7 +3,7 @@
 Usage: python -m pipefisher.viz.bert_profile CSV --stages D --micro-batch-size B -o PROFILE.yaml
 [--model bert-base|bert-large] (default: the model the CSV's file name starts with) [--seq-len 128]
 [--dtype fp32|bf16]. The model's blocks are cut into D stages of equal compute (see
-`pipefisher.transformer_profile`); times in ms; capture sizes for the sequence length and dtype.
+`pipefisher.planning.transformer_profile`); times in ms; capture sizes for the sequence length and dtype.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipefisher.cli_args import USAGE_ERROR, UsageError
-from pipefisher.profile import ProfileError
-from pipefisher.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.cli.args import USAGE_ERROR, UsageError
+from pipefisher.core.profile import ProfileError
+from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}

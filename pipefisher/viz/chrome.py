@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipefisher.files import write_text_atomically
+from pipefisher.core.files import write_text_atomically
 from pipefisher.viz.layout import Panel
 
 #: Microseconds per time unit of a profile or recording.

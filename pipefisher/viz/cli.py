@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-from pipefisher.files import write_text_atomically
-from pipefisher.cli_args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
+from pipefisher.core.files import write_text_atomically
+from pipefisher.cli.args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
                                  check_output, check_planning_size, positive_int)
 from pipefisher.viz.compare import KFAC_SUFFIX, Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
@@ -173,7 +173,7 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
         raise UsageError("--chunks applies to the interleaved schedule only")
     chunks = args.chunks or (config.chunks if config else None)
     if args.profile is not None:
-        from pipefisher.profile import load_profile
+        from pipefisher.core.profile import load_profile
 
         profile = load_profile(args.profile)
         stages = stages or profile.num_stages
@@ -185,7 +185,7 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
                 f"{packed}: needs --profile FILE with K-FAC or Shampoo layers; the default unit times have none "
                 f"(make one with e.g. {PROFILE_EXAMPLE})"
             )
-        from pipefisher.profile import uniform_profile
+        from pipefisher.core.profile import uniform_profile
 
         # D stages of forward 1, backward 2; `compare` cuts them per chunk as `simulate` does
         stages = stages or DEFAULT_COMPARE_STAGES

@@ -3,7 +3,7 @@ and as a table of bubble fraction, refresh interval, step time and overhead.
 
 An entry is a schedule of the registry (`pipefisher.schedules.SCHEDULES`) or ``S+kfac``: S with
 the profile's curvature tasks (K-FAC, or Shampoo for a Shampoo profile) packed into its bubbles
-by `pipefisher.pack.pack` with its default options. Every entry runs on D ranks and N
+by `pipefisher.planning.packing.pack.pack` with its default options. Every entry runs on D ranks and N
 micro-batches with one profile of D stages (or of as many stages as the schedule has chunks); a
 schedule with V chunks per rank gets a D-stage profile cut into V·D chunks
 (`pipefisher.viz.stage_split.fit_stages`).
@@ -22,12 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pipefisher.cli_args import UsageError, format_table
-from pipefisher.pack import PackResult, pack
-from pipefisher.profile import Profile, ProfileError
+from pipefisher.cli.args import UsageError
+from pipefisher.core.profile import Profile, ProfileError
+from pipefisher.core.table import format_table
+from pipefisher.planning.packing.pack import PackResult, pack
+from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.schedules import SCHEDULES, get_schedule
-from pipefisher.simulate import Timeline, simulate
-from pipefisher.validate import validate
+from pipefisher.schedules.validate import validate
 from pipefisher.viz.layout import Panel, packed_panel, schedule_panel
 from pipefisher.viz.stage_split import fit_stages
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipefisher.files import write_atomically
+from pipefisher.core.files import write_atomically
 from pipefisher.viz.layout import CATEGORY_NAMES, Box, Panel
 
 COLOURS = {

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipefisher.ir import Op, OpKind, Schedule
-from pipefisher.pack import PackOptions, PackResult, pack
-from pipefisher.profile import Profile, ProfileError
-from pipefisher.simulate import Bubble, Timeline, simulate
+from pipefisher.core.ir import Op, OpKind, Schedule
+from pipefisher.core.profile import Profile, ProfileError
+from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
+from pipefisher.planning.simulate import Bubble, Timeline, simulate
 from pipefisher.viz.timeline_io import RecordedTimeline
 
 #: Colour class of every op kind; the renderers key their colours and characters on it.

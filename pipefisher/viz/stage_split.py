@@ -6,7 +6,7 @@ compute, in order: chunk j of stage s is model piece s·V + j. Per chunk, forwar
 weight-gradient part, gradient reduction and end of step are the stage's divided by V (their
 samples too), the transfer time `p2p` stays (the same activations cross every cut), and the
 stage's curvature layers are dealt out in order, whole, round(j·L/V) to round((j+1)·L/V). This
-is how `pipefisher.transformer_profile` cuts a model into stages, so a Transformer profile cut
+is how `pipefisher.planning.transformer_profile` cuts a model into stages, so a Transformer profile cut
 this way equals one built with V·D stages when its blocks divide evenly.
 Pure Python: no torch.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipefisher.profile import Profile, ProfileError, StageProfile
+from pipefisher.core.profile import Profile, ProfileError, StageProfile
 
 #: stage times that split with the stage's compute (the rest, `p2p`, stays per chunk)
 _DIVIDED = ("forward", "backward", "weight", "step_end", "grad_reduce")

@@ -6,7 +6,7 @@ A file holds one JSON object::
      "step_starts": [0.0, 11.3],
      "ranks": [[{"op": "0F0", "start": 0.0, "end": 1.2, "step": 0}, ...], ...]}
 
-`ranks[r]` lists rank r's ops (string form of `pipefisher.ir.Op`) with start/end on one clock
+`ranks[r]` lists rank r's ops (string form of `pipefisher.core.ir.Op`) with start/end on one clock
 shared by all ranks (any origin, in `time_unit`: s, ms, us or units). `step` (optional, default
 0) is the training step an op belongs to; `step_starts` (optional) gives each step's start, in
 the order of the sorted step indices, and defaults to the earliest start among the step's ops.
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipefisher.files import load_structured, write_text_atomically
-from pipefisher.ir import Op, ScheduleError
-from pipefisher.profile import TIME_UNITS, ProfileError
-from pipefisher.simulate import Interval, Timeline
+from pipefisher.core.files import load_structured, write_text_atomically
+from pipefisher.core.ir import Op, ScheduleError
+from pipefisher.core.profile import TIME_UNITS, ProfileError
+from pipefisher.planning.simulate import Interval, Timeline
 
 SCHEMA = "pipefisher.timeline/v1"
 

@@ -6,7 +6,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, reference_factors, tiny_mlp
-from pipefisher.kfac import KFAC
+from pipefisher.methods.kfac import KFAC
 
 pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
 

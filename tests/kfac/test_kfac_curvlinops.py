@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _kfac_models import data, tiny_mlp
-from pipefisher.kfac import KFAC
+from pipefisher.methods.kfac import KFAC
 
 curvlinops = pytest.importorskip(
     "curvlinops",

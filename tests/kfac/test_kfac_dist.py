@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from _kfac_models import data, tiny_mlp
-from pipefisher.kfac import KFAC
-from pipefisher.runtime.launch import run_group
+from pipefisher.methods.kfac import KFAC
+from pipefisher.runtime.training.launch import run_group
 
 pytestmark = pytest.mark.dist
 

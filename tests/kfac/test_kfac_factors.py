@@ -9,8 +9,8 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, layer_grad, reference_factors, tiny_mlp, vec
-from pipefisher.kfac import KFAC, KFACConfig
-from pipefisher.kfac.factors import damped_inverse
+from pipefisher.methods.kfac import KFAC, KFACConfig
+from pipefisher.methods.kfac.factors import damped_inverse
 
 
 def refreshed(model, x, y, **kwargs) -> KFAC:

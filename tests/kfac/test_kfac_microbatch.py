@@ -11,7 +11,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, layer_grad, tiny_mlp
-from pipefisher.kfac import FACTORS, KFACConfig, KFACEngine
+from pipefisher.methods.kfac import FACTORS, KFACConfig, KFACEngine
 
 NAMES = ("0", "2")
 

@@ -11,7 +11,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, tiny_mlp
-from pipefisher.kfac import FACTORS, KFAC, KFACConfig, KFACEngine, KFACNumericsWarning
+from pipefisher.methods.kfac import FACTORS, KFAC, KFACConfig, KFACEngine, KFACNumericsWarning
 
 
 def refresh(kfac: KFAC, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:

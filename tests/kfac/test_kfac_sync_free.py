@@ -11,7 +11,7 @@ from torch.nn.functional import mse_loss
 
 from _kfac_models import data, tiny_mlp
 from host_reads import count_host_reads
-from pipefisher.kfac import FACTORS, KFACConfig, KFACEngine
+from pipefisher.methods.kfac import FACTORS, KFACConfig, KFACEngine
 
 
 def mlp(layers: int) -> torch.nn.Sequential:

@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from pipefisher.kfac import KFACNumericsWarning
+from pipefisher.methods.kfac import KFACNumericsWarning
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "kfac_training.py"
 _spec = importlib.util.spec_from_file_location("experiments_kfac_training", SCRIPT)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipefisher.kfac.layer import select_layers
+from pipefisher.methods.kfac.layer import select_layers
 from pipefisher.models.bert import BERT_PRESETS, BertConfig, BertStagedModel, bert_preset
 from pipefisher.optim import no_decay
 

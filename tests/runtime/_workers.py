@@ -11,8 +11,8 @@ from unittest.mock import patch
 import torch
 
 from pipefisher.config import RunConfig
-from pipefisher.ir import OpKind
-from pipefisher.runtime.training import TrainResult, build_executor, train_pipelined
+from pipefisher.core.ir import OpKind
+from pipefisher.runtime.training.trainer import TrainResult, build_executor, train_pipelined
 
 CPU = torch.device("cpu")
 
@@ -70,7 +70,7 @@ def bert_one_step(rank: int, world: int, config: RunConfig) -> TrainResult:
 
 def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> TrainResult:
     """Train with checkpoints; with `resume`, from the newest checkpoint that verifies."""
-    from pipefisher.runtime.checkpoint import resumable_step
+    from pipefisher.runtime.training.checkpoint import resumable_step
 
     start = resumable_step(config.checkpoint.dir, config)[0] if resume else None
     return train_pipelined(config, rank, CPU, resume_from=start)
@@ -83,7 +83,7 @@ def assert_resumes_bit_for_bit(config: RunConfig, stop_after: int, folder) -> st
     Returns the parted run's checkpoint folder."""
     from pathlib import Path
 
-    from pipefisher.runtime.launch import run_group
+    from pipefisher.runtime.training.launch import run_group
 
     def train(directory: Path, resume: bool, steps: int | None = None) -> list[TrainResult]:
         part = config.with_overrides(checkpoint={"dir": str(directory), "every": 1}, run={"steps": steps})
@@ -118,9 +118,9 @@ def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int)
 def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> tuple[list[float], dict]:
     """Two steps, a profile measurement if `profile` (it must leave no trace), two more steps:
     the losses and this rank's final parameters and optimizer state."""
-    from pipefisher.runtime.assembly import staged_model
-    from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
-    from pipefisher.runtime.profiler import measure_profile
+    from pipefisher.runtime.training.assembly import staged_model
+    from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
+    from pipefisher.runtime.training.profiler import measure_profile
 
     executor, schedule = build_executor(config, rank, CPU)
     runner = PlanRunner(executor, rank, schedule_plan(schedule), executor.tied)
@@ -138,7 +138,7 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
 def shared_channel_1f1b(rank: int, world: int, in_order: bool) -> str:
     """The issue order of the executor before the NCCL rework, for 1F1B on 2 stages, on one
     two-rank group: rank 0 `send a0 | recv g0 | send a1`, rank 1 `recv a0 | recv a1 | send g0`."""
-    from pipefisher.runtime.comm import Comm
+    from pipefisher.runtime.pipeline.comm import Comm
 
     comm = Comm({("p2p",): (0, 1)}, rank, in_order=in_order, timeout=5)
     a0, a1, g0 = torch.ones(4), torch.full((4,), 2.0), torch.full((4,), 3.0)
@@ -169,8 +169,8 @@ def pipelined_with_records(rank: int, world: int, config: RunConfig) -> tuple[Tr
 def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
     """Train `config.run.steps` steps; per step, the host reads of tensors on this rank by kind."""
     from host_reads import count_host_reads
-    from pipefisher.runtime.pipefisher_run import PipeFisherTrainer
-    from pipefisher.runtime.plan_runner import PlanRunner, schedule_plan
+    from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
+    from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 
     executor, schedule = build_executor(config, rank, CPU)
     if config.curvature is not None:
@@ -189,9 +189,9 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
     """A profile of the run's stages and the layers of its curvature method (K-FAC for first-order
     runs) with made-up times in ms (no measuring): forward 1, backward 2, curvature 0.01 per
     factor, inverses (roots) and syncs as given."""
-    from pipefisher.profile import LayerProfile, Profile, StageProfile
-    from pipefisher.runtime.curvature_methods import method_of
-    from pipefisher.runtime.pipefisher_run import stage_layer_names
+    from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+    from pipefisher.methods.registry import method_of
+    from pipefisher.runtime.training.pipefisher_run import stage_layer_names
 
     stages = []
     for stage in range(num_stages):
@@ -205,8 +205,8 @@ def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> Train
     """Train `config` pipelined and in one process: every rank's losses equal the reference's to
     rtol 1e-5, its parameters (pipe 1's named as pipe 0's) to rtol 1e-5 and `parameter_atol`.
     Returns the reference."""
-    from pipefisher.runtime.launch import run_group
-    from pipefisher.runtime.reference import train_reference
+    from pipefisher.runtime.training.launch import run_group
+    from pipefisher.runtime.training.reference import train_reference
 
     reference = train_reference(config)
     results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=240)
@@ -227,8 +227,8 @@ def powersgd_against_torch(rank: int, world: int, rank_r: int, steps: int) -> li
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from pipefisher.runtime.gradients import GradientBuffer
-    from pipefisher.runtime.powersgd import PowerSGD
+    from pipefisher.runtime.gradient_path.buffers import GradientBuffer
+    from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 
     module = nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 16), nn.Conv1d(4, 6, 3), nn.LayerNorm(16))
     buffer = GradientBuffer(module, bucket_bytes=1 << 30)

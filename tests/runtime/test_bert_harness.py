@@ -9,8 +9,8 @@ import torch
 
 from _workers import bert_one_step, checkpointing, dies_while_saving
 from pipefisher.config import config_from_dict
-from pipefisher.runtime.launch import GroupFailure, run_group
-from pipefisher.runtime.assembly import data_source, staged_model
+from pipefisher.runtime.training.assembly import data_source, staged_model
+from pipefisher.runtime.training.launch import GroupFailure, run_group
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipefisher.config import config_from_dict
-from pipefisher.runtime.checkpoint import MANIFEST, CheckpointError, commit, load_rank, resumable_step, save_rank, step_folder
+from pipefisher.runtime.training.checkpoint import MANIFEST, CheckpointError, commit, load_rank, resumable_step, save_rank, step_folder
 
 CONFIG = config_from_dict({"pipeline": {"stages": 2}})
 

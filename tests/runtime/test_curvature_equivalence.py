@@ -12,8 +12,8 @@ import pytest
 
 from _workers import assert_equal_to_reference
 from pipefisher.config import config_from_dict
-from pipefisher.runtime.curvature_methods import CURVATURE_METHODS
-from pipefisher.runtime.reference import train_reference
+from pipefisher.methods.registry import CURVATURE_METHODS
+from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
 
 pytestmark = pytest.mark.dist

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipefisher.runtime.drift import DriftMonitor
+from pipefisher.runtime.training.drift import DriftMonitor
 
 
 def feed(monitor, ratios, predicted=100.0):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from _workers import pipelined
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.reference import train_reference
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.reference import train_reference
 
 pytestmark = pytest.mark.dist
 

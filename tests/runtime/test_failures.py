@@ -6,7 +6,7 @@ import time
 import pytest
 
 from _workers import failing, hanging, killed, raising
-from pipefisher.runtime.launch import GroupFailure, run_group
+from pipefisher.runtime.training.launch import GroupFailure, run_group
 
 pytestmark = pytest.mark.dist
 TIMEOUT = 10

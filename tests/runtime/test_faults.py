@@ -198,7 +198,7 @@ def fault_script(tmp_path) -> Path:
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "    return original(self, step)\n"
         "plan_runner.PlanRunner.run_step = run_step\n"
-        "from pipefisher.cli import main\n"
+        "from pipefisher.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     return script

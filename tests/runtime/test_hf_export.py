@@ -12,9 +12,9 @@ from tokenizers import Tokenizer
 transformers = pytest.importorskip("transformers")
 
 from _workers import checkpointing  # noqa: E402
-from pipefisher.cli import main  # noqa: E402
-from pipefisher.runtime.assembly import data_source  # noqa: E402
-from pipefisher.runtime.launch import run_group  # noqa: E402
+from pipefisher.cli.main import main  # noqa: E402
+from pipefisher.runtime.training.assembly import data_source  # noqa: E402
+from pipefisher.runtime.training.launch import run_group  # noqa: E402
 from test_hf_runs import hf_run  # noqa: E402
 
 pytestmark = pytest.mark.dist

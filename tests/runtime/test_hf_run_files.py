@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from pipefisher.cli import main  # noqa: E402
+from pipefisher.cli.main import main  # noqa: E402
 from pipefisher.config import load_config  # noqa: E402
-from pipefisher.runtime.assembly import build_schedule, staged_model  # noqa: E402
+from pipefisher.runtime.training.assembly import build_schedule, staged_model  # noqa: E402
 
 SCHEDULES = Path(__file__).resolve().parents[2] / "schedules"
 

@@ -9,9 +9,9 @@ pytest.importorskip("transformers")
 
 from _workers import pipelined  # noqa: E402
 from pipefisher.config import config_from_dict  # noqa: E402
-from pipefisher.runtime.assembly import staged_model  # noqa: E402
-from pipefisher.runtime.launch import run_group  # noqa: E402
-from pipefisher.runtime.reference import train_reference  # noqa: E402
+from pipefisher.runtime.training.assembly import staged_model  # noqa: E402
+from pipefisher.runtime.training.launch import run_group  # noqa: E402
+from pipefisher.runtime.training.reference import train_reference  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 DATA = {"gpt2-tiny": "causal", "llama-tiny": "causal", "bert-tiny": "bert"}

@@ -5,7 +5,7 @@ decision), however many layers the model has; Shampoo's roots and preconditionin
 import pytest
 
 from _workers import host_reads_per_step
-from pipefisher.runtime.launch import run_group
+from pipefisher.runtime.training.launch import run_group
 
 pytestmark = pytest.mark.dist
 

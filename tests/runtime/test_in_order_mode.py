@@ -4,7 +4,7 @@
 import pytest
 
 from _workers import shared_channel_1f1b
-from pipefisher.runtime.launch import GroupFailure, run_group
+from pipefisher.runtime.training.launch import GroupFailure, run_group
 
 pytestmark = pytest.mark.dist
 

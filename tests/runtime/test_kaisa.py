@@ -7,10 +7,10 @@ import torch
 from _workers import assert_resumes_bit_for_bit, pipelined_with_records
 from test_pipefisher import PARAMETER_ATOL, kfac_config
 
-from pipefisher.kfac import KFACEngine
+from pipefisher.methods.kfac import KFACEngine
 from pipefisher.models.tiny import TinyRegression
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.reference import train_reference
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.reference import train_reference
 
 
 def run(schedule, fraction, **overrides):

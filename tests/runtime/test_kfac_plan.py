@@ -3,9 +3,9 @@
 from dataclasses import replace
 
 from pipefisher.config import config_from_dict
-from pipefisher.profile import LayerProfile, Profile, StageProfile
-from pipefisher.runtime.pipefisher_run import make_plan, stage_layer_names
-from pipefisher.runtime.assembly import build_schedule
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.runtime.training.assembly import build_schedule
+from pipefisher.runtime.training.pipefisher_run import make_plan, stage_layer_names
 
 
 def run_config(schedule):

@@ -10,10 +10,10 @@ import torch
 
 from _workers import assert_equal_to_reference, pipelined, profiled_midway
 from pipefisher.config import config_from_dict, load_config
-from pipefisher.profile import load_profile
-from pipefisher.runtime.assembly import staged_model
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.reference import train_reference
+from pipefisher.core.profile import load_profile
+from pipefisher.runtime.training.assembly import staged_model
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
 
 pytestmark = pytest.mark.dist
@@ -195,11 +195,11 @@ def test_a_resumed_rank_launches_again_its_part_of_collectives_its_peers_launch_
     and 3 have launched inverse exchanges their peers launch only in the next step. The checkpoint
     there leaves them in flight; the resumed ranks launch them again."""
     from _workers import assert_resumes_bit_for_bit, unit_profile
-    from pipefisher.comm_plan import plan_actions
-    from pipefisher.comm_replay import replay
-    from pipefisher.runtime.assembly import build_schedule
-    from pipefisher.runtime.pipefisher_run import make_plan
-    from pipefisher.topology import Topology
+    from pipefisher.planning.comm.plan import plan_actions
+    from pipefisher.planning.comm.replay import replay
+    from pipefisher.runtime.training.assembly import build_schedule
+    from pipefisher.runtime.training.pipefisher_run import make_plan
+    from pipefisher.core.topology import Topology
 
     config = kfac_config("chimera", "packed").with_overrides(
         model={"layers": 4}, pipeline={"stages": 4, "micro_batches": 8},

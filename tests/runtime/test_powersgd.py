@@ -9,9 +9,9 @@ import pytest
 import torch
 from _workers import assert_resumes_bit_for_bit, pipelined_with_records, powersgd_against_torch
 
-from pipefisher.comm_volume import powersgd_elements
 from pipefisher.config import ConfigError, config_from_dict
-from pipefisher.runtime.launch import run_group
+from pipefisher.planning.comm.volume import powersgd_elements
+from pipefisher.runtime.training.launch import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,8 +85,8 @@ def test_fp16_loss_scales_leave_the_compression_unchanged_and_an_overflow_clears
     overflowing step leaves no inf or NaN in the carried error or the warm-start Q."""
     from torch import nn
 
-    from pipefisher.runtime.gradients import GradientBuffer
-    from pipefisher.runtime.powersgd import PowerSGD
+    from pipefisher.runtime.gradient_path.buffers import GradientBuffer
+    from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 
     def compressor(scale):
         buffer = GradientBuffer(nn.Sequential(nn.Linear(24, 40), nn.Linear(40, 16)), bucket_bytes=1 << 30)
@@ -132,7 +132,7 @@ def test_bad_powersgd_settings_are_one_line_errors():
 
 
 def test_orthonormalise_spans_what_qr_spans_and_keeps_zero_columns_zero():
-    from pipefisher.runtime.powersgd import orthonormalise_
+    from pipefisher.runtime.gradient_path.powersgd import orthonormalise_
 
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(64, 4, generator=generator, dtype=torch.float64)

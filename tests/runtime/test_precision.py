@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from _workers import pipelined_with_records
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.reference import train_reference
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.reference import train_reference
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank_alike(tiny_config):
     assert overflows[0][0] and not overflows[0][-1], overflows[0]
     reference = train_reference(config)
     assert_close_training([result for result, _ in runs], reference, rtol=1e-4)
-    from pipefisher.runtime.assembly import staged_model
+    from pipefisher.runtime.training.assembly import staged_model
 
     initial = {f"{index}.{name}": p for index in range(2) for name, p in staged_model(config).build_stage(index, 2, 0).named_parameters()}
     first_kept = overflows[0].index(False)

@@ -129,7 +129,7 @@ def test_the_profilers_header_says_what_it_measures(tmp_path):
 
 def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cost():
     from pipefisher.config import load_config
-    from pipefisher.runtime.run import describe
+    from pipefisher.runtime.training.run import describe
 
     base = load_config(TINY).with_overrides(pipeline={"data_parallel": 2})
     assert describe(base) == "1f1b: 2 stages x 2 replica(s), 4 micro-batches of 4, fp32, 20 steps, sgd lr 0.05"
@@ -169,7 +169,7 @@ def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
     ],
 )
 def test_run_inputs_and_outputs_are_checked_before_any_process_starts(tmp_path, capsys, args, message):
-    from pipefisher.cli import main
+    from pipefisher.cli.main import main
 
     (tmp_path / "empty.yaml").write_text("")
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))

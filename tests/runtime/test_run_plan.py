@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from _workers import unit_profile
-from pipefisher.cli import main
+from pipefisher.cli.main import main
 from pipefisher.config import load_config
 
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
@@ -67,9 +67,9 @@ def test_a_plan_of_another_run_is_refused_naming_the_field(packed, capsys, plan,
 def test_a_plan_packed_for_the_runs_own_layout_fits_it(tmp_path, schedule, data_parallel, method):
     """Where a stage has replicas the packer picks which one computes each inverse (or root) by
     the profile's times: the check compares those tasks without their replica."""
-    from pipefisher.plan import Plan
-    from pipefisher.runtime.assembly import build_schedule
-    from pipefisher.runtime.pipefisher_run import check_plan_matches
+    from pipefisher.planning.plan import Plan
+    from pipefisher.runtime.training.assembly import build_schedule
+    from pipefisher.runtime.training.pipefisher_run import check_plan_matches
 
     config = load_config(TINY).with_overrides(optimizer={"name": method}, pipeline={"schedule": schedule, "data_parallel": data_parallel})
     built = build_schedule(config)

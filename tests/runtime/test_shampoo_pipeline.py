@@ -11,9 +11,9 @@ import torch
 
 from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined
 from pipefisher.config import config_from_dict
-from pipefisher.profile import load_profile
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.reference import train_reference
+from pipefisher.core.profile import load_profile
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
 
 pytestmark = pytest.mark.dist

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from pipefisher.kfac.capture import capture
-from pipefisher.runtime.split_backward import SplitBackward
+from pipefisher.methods.kfac.capture import capture
+from pipefisher.runtime.pipeline.split_backward import SplitBackward
 
 
 class CountingIdentity(torch.autograd.Function):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipefisher.profile import load_profile
-from pipefisher.runtime.launch import free_port
+from pipefisher.core.profile import load_profile
+from pipefisher.runtime.training.launch import free_port
 
 pytestmark = pytest.mark.dist
 

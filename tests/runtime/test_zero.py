@@ -10,12 +10,12 @@ import torch
 from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined_with_records
 
 from pipefisher.config import ConfigError, config_from_dict
-from pipefisher.runtime.checkpoint import CheckpointError, resumable_step
-from pipefisher.runtime.gradients import GradientBuffer, Ownership
-from pipefisher.runtime.launch import run_group
-from pipefisher.runtime.reference import train_reference
+from pipefisher.core.topology import Topology
+from pipefisher.runtime.gradient_path.buffers import GradientBuffer, Ownership
+from pipefisher.runtime.training.checkpoint import CheckpointError, resumable_step
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import get_schedule
-from pipefisher.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import yaml
 
 from _workers import assert_equal_to_reference
 from pipefisher.config import config_from_dict
-from pipefisher.profile import load_profile
+from pipefisher.core.profile import load_profile
 
 pytestmark = pytest.mark.dist
 
@@ -92,10 +92,10 @@ def test_kfac_with_weight_gradients_moved_by_the_packer_equals_the_reference(tmp
     from dataclasses import replace
 
     from _workers import unit_profile
-    from pipefisher.pack import pack
-    from pipefisher.plan import moved_weights
-    from pipefisher.runtime.assembly import build_schedule
-    from pipefisher.runtime.pipefisher_run import make_plan, pack_options
+    from pipefisher.planning.packing.pack import pack
+    from pipefisher.planning.plan import moved_weights
+    from pipefisher.runtime.training.assembly import build_schedule
+    from pipefisher.runtime.training.pipefisher_run import make_plan, pack_options
 
     config = zb_config("zbv", 2, "kfac").with_overrides(kfac={"profile": str(tmp_path / "profile.yaml")})
     schedule = build_schedule(config)

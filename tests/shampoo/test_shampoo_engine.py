@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from host_reads import count_host_reads
-from pipefisher.shampoo import FACTORS, ShampooEngine, ShampooNumericsWarning, ShampooSettings
+from pipefisher.methods.shampoo import FACTORS, ShampooEngine, ShampooNumericsWarning, ShampooSettings
 
 
 def tiny_model(dtype: torch.dtype = torch.float32) -> nn.Module:

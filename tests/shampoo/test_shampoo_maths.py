@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from _shampoo_dense import adam_direction, as_numpy, blocks, gram_inverse_root, inverse_root, one_step_direction, shampoo_direction
-from pipefisher.shampoo import Shampoo
+from pipefisher.methods.shampoo import Shampoo
 
 # Per dtype: epsilon and the tolerance of the comparison. In float32 the statistics carry rounding
 # of about 1e-7 of their norm, so ε must dominate it for the root to be defined to float32 accuracy.

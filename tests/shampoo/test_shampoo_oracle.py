@@ -24,7 +24,7 @@ from pytorch_optimizer import Shampoo as ReferenceShampoo
 from torch import nn
 from torch.nn.functional import mse_loss
 
-from pipefisher.shampoo import Shampoo
+from pipefisher.methods.shampoo import Shampoo
 
 LR = 0.05
 EPS = 1e-6

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipefisher.transformer_profile import BlockTimes, transformer_profile
+from pipefisher.planning.transformer_profile import BlockTimes, transformer_profile
 
 # Block times shaped like BERT-Base on a P100 at micro-batch 32 (ms); made up, not reference data.
 TIMES = BlockTimes(time_f=9.7, time_b=16.5, time_kron=25.5, time_inv=71.7, time_prec=6.8)

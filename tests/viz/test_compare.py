@@ -9,14 +9,14 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pipefisher.cli import main
-from pipefisher.cli_args import build_pipeline
-from pipefisher.ir import OpKind
-from pipefisher.pack import pack
-from pipefisher.profile import load_profile
+from pipefisher.cli.args import build_pipeline
+from pipefisher.cli.main import main
+from pipefisher.core.ir import OpKind
+from pipefisher.core.profile import load_profile
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.simulate import simulate
+from pipefisher.planning.transformer_profile import BlockTimes, transformer_profile
 from pipefisher.schedules import SCHEDULES, get_schedule
-from pipefisher.simulate import simulate
-from pipefisher.transformer_profile import BlockTimes, transformer_profile
 from pipefisher.viz.compare import Entry, compare, cycle_bubble_fraction, parse_entries
 from pipefisher.viz.layout import first_steps, schedule_panel
 from pipefisher.viz.stage_split import fit_stages

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from pipefisher.cli import main
-from pipefisher.ir import Op
-from pipefisher.profile import load_profile
+from pipefisher.cli.main import main
+from pipefisher.core.ir import Op
+from pipefisher.core.profile import load_profile
 
 
 def _trace(tmp_path, *args):

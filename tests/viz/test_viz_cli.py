@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipefisher.cli import main
-from pipefisher.profile import uniform_profile
+from pipefisher.cli.main import main
+from pipefisher.core.profile import uniform_profile
 from pipefisher.viz.cli import parse_compare
 
 
@@ -105,9 +105,9 @@ def test_missing_output_exits_2(capsys):
 
 def test_viz_imports_neither_torch_nor_matplotlib_until_it_draws():
     code = (
-        "import sys\nimport pipefisher.cli, pipefisher.viz.cli, pipefisher.viz.layout, pipefisher.viz.text, "
+        "import sys\nimport pipefisher.cli.main, pipefisher.viz.cli, pipefisher.viz.layout, pipefisher.viz.text, "
         "pipefisher.viz.chrome, pipefisher.viz.timeline_io, pipefisher.viz.figure, pipefisher.viz.bert_profile\n"
-        "pipefisher.cli.build_parser()\n"
+        "pipefisher.cli.main.build_parser()\n"
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -116,7 +116,7 @@ def test_viz_imports_neither_torch_nor_matplotlib_until_it_draws():
 
 
 def test_bert_profile_script_builds_a_kfac_profile(tmp_path, capsys):
-    from pipefisher.profile import load_profile
+    from pipefisher.core.profile import load_profile
     from pipefisher.viz.bert_profile import main as bert_main
 
     csv = tmp_path / "bert-base_times.csv"  # made-up numbers in the reference CSV's columns

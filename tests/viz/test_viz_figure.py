@@ -4,7 +4,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pipefisher.profile import uniform_profile
+from pipefisher.core.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.figure import render_figure
 from pipefisher.viz.layout import curvature_panel, schedule_panel

@@ -1,10 +1,10 @@
 import pytest
 
-from pipefisher.ir import OpKind
-from pipefisher.pack import pack
-from pipefisher.profile import ProfileError, uniform_profile
+from pipefisher.core.ir import OpKind
+from pipefisher.core.profile import ProfileError, uniform_profile
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import simulate
 from pipefisher.viz.layout import curvature_panel, schedule_panel
 
 

@@ -2,8 +2,8 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.cli import main
-from pipefisher.profile import uniform_profile
+from pipefisher.cli.main import main
+from pipefisher.core.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import curvature_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH, render_text

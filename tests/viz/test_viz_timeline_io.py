@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from pipefisher.cli import main
-from pipefisher.pack import pack
-from pipefisher.profile import uniform_profile
+from pipefisher.cli.main import main
+from pipefisher.core.profile import uniform_profile
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
-from pipefisher.simulate import simulate
 from pipefisher.viz.layout import recorded_panel
 from pipefisher.viz.timeline_io import SCHEMA, TimelineError, load_timeline, save_timeline
 

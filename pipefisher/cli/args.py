@@ -1,0 +1,151 @@
+"""Command-line pieces shared by `pipefisher` and its subcommands (`viz`, helper scripts):
+the usage error, a one-line-error argument parser, argument types, the pipeline arguments and
+the text table.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipefisher.core.profile import load_profile, uniform_profile
+from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
+from pipefisher.schedules.validate import validate
+
+USAGE_ERROR = 2
+#: the most (rank, model chunk, micro-batch) triples per step a planning command takes: about 5 s
+#: and 300 MB to simulate on 2 cores; packing holds every op of a whole refresh cycle, so it
+#: takes 8x fewer (D = 24, N = 1536 packs in 7 s and 600 MB)
+MAX_SIMULATED_SLOTS = 1 << 18
+MAX_PACKED_SLOTS = 1 << 15
+
+
+class UsageError(Exception):
+    """Bad command-line input; printed as one line, exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Reports a usage error as one line (UsageError) instead of argparse's usage block."""
+
+    def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _checked(text: str, convert: Callable[[str], Any], noun: str, ok: Callable[[Any], bool], requirement: str,
+             shown: Callable[[Any], str] = str) -> Any:
+    """`convert(text)` if it parses and passes `ok`, else argparse's error naming the value."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{shown(value)} {requirement}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    return _checked(text, int, "an integer", lambda v: v >= 1, "must be at least 1")
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (argparse type)."""
+    return _checked(text, float, "a number", lambda v: 0 < v < math.inf, "must be a finite number > 0")
+
+
+def percentile(text: str) -> float:
+    """A percentile in (0, 100] (argparse type)."""
+    return _checked(text, float, "a number", lambda v: 0 < v <= 100, "must be in (0, 100] (50 = the median)", "{:g}".format)
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
+    parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")
+    parser.add_argument("--stages", "-D", type=positive_int, required=True, help="pipeline depth D (ranks)")
+    parser.add_argument("--micro-batches", "-N", type=positive_int, required=True, help="micro-batches per step N")
+    parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2; zbv and dualpipev hold 2)")
+
+
+def check_planning_size(schedule: str, stages: int, micro_batches: int, chunks: int | None, limit: int, what: str) -> None:
+    """UsageError when D x N (x the chunks per rank) exceeds `limit`, before anything is built."""
+    per_rank = chunks_per_rank(schedule, chunks)
+    slots = stages * micro_batches * per_rank
+    if slots > limit:
+        chunked = f" x {per_rank} chunks" if per_rank > 1 else ""
+        raise UsageError(f"--stages {stages} x --micro-batches {micro_batches}{chunked} = {slots:,} slots per step: "
+                         f"{what} takes at most {limit:,} (seconds of work here); use fewer stages or micro-batches")
+
+
+def build_pipeline(args: argparse.Namespace, profile_required: bool = False, limit: int = MAX_SIMULATED_SLOTS,
+                   what: str = "simulating") -> tuple:
+    """(schedule, profile) from the shared arguments; without a profile, unit times per rank.
+    Refuses (UsageError) a pipeline of more than `limit` slots (`check_planning_size`)."""
+    check_planning_size(args.schedule, args.stages, args.micro_batches, args.chunks, limit, what)
+    schedule = validate(get_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+    elif profile_required:
+        raise UsageError("--profile is required")
+    else:
+        # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.
+        chunks = schedule.num_stages // schedule.num_ranks
+        profile = uniform_profile(schedule.num_stages, forward=1.0 / chunks, backward=2.0 / chunks)
+    return schedule, profile
+
+
+def say(message: str) -> None:
+    """One line on stderr (from rank 0 only under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pipefisher: {message}", file=sys.stderr, flush=True)
+
+
+def check_input(path: str, key: str, text: bool = True) -> None:
+    """UsageError naming `key` unless `path` is an existing file (of text, when `text`)."""
+    target = Path(path)
+    if not target.exists():
+        raise UsageError(f"{key}: {path} does not exist")
+    if target.is_dir():
+        raise UsageError(f"{key}: {path} is a folder; give a file")
+    try:
+        with open(target, "rb") as handle:
+            head = handle.read(4096)
+    except OSError as exc:
+        raise UsageError(f"{key}: cannot read {path}: {exc.strerror}") from None
+    if text:
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.start < len(head) - 4:  # not a character cut at the end of the sample
+                raise UsageError(f"{key}: {path} is not a text file") from None
+
+
+def check_output(path: str, flag: str, folder: bool = False) -> None:
+    """UsageError naming `flag` unless `path` can be written before any work starts: a file in an
+    existing, writable folder that is not itself a folder; or (`folder`) a folder, existing or
+    to be made, whose nearest existing ancestor is writable and which is not a file."""
+    target = Path(path)
+    if folder:
+        if target.exists() and not target.is_dir():
+            raise UsageError(f"{flag} {path}: is a file; give a folder")
+        parent = next(p for p in (target, *target.parents) if p.exists())
+    else:
+        if target.is_dir():
+            raise UsageError(f"{flag} {path}: is a folder; give a file name inside it")
+        parent = target.parent
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: folder {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: folder {str(parent)!r} is not writable")
+
+
+
+
+def share(text: str) -> float:
+    """A number in [0, 1) (argparse type)."""
+    return _checked(text, float, "a number", lambda v: 0 <= v < 1, "must be in [0, 1)")

@@ -1,0 +1,368 @@
+"""The `pipefisher` command line. Usage errors exit 2 with one line on stderr, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+from pipefisher.core.table import format_table
+from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
+                                 check_output, percentile, positive_float, positive_int, say, share)
+from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
+from pipefisher.config import ConfigError
+from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
+from pipefisher.core.profile import ProfileError, load_profile
+from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
+from pipefisher.planning.packing.text import format_pack_report
+from pipefisher.planning.simulate import Timeline, simulate
+from pipefisher.schedules import SCHEDULES
+
+OPTIMIZERS = ("sgd", "adamw", "lamb", "kfac", "shampoo")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+def _simulate_summary(schedule, timeline: Timeline) -> dict:
+    devices = []
+    for rank in range(schedule.num_ranks):
+        busy = timeline.busy_time(rank)
+        devices.append(
+            {
+                "rank": rank,
+                "stages": [f"p{pipe}.s{stage}" if schedule.num_pipes > 1 else f"s{stage}" for pipe, stage in schedule.stages_of(rank)],
+                "busy_time": busy,
+                "bubble_time": timeline.bubble_time(rank),
+                "bubble_fraction": timeline.bubble_time(rank) / timeline.step_time if timeline.step_time else 0.0,
+                "bubbles": len(timeline.bubbles(rank)),
+                "peak_activations": peak_activations(schedule.ranks[rank]),
+                "peak_pending_weights": peak_pending_weights(schedule.ranks[rank]),
+            }
+        )
+    return {
+        "schedule": schedule.name,
+        "stages": schedule.num_ranks,
+        "micro_batches": schedule.num_micro_batches,
+        **({"chunks": schedule.params["chunks"]} if "chunks" in schedule.params else {}),
+        "time_unit": timeline.time_unit,
+        "step_time": timeline.step_time,
+        "bubble_fraction": timeline.bubble_fraction,
+        "devices": devices,
+    }
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    schedule, profile = build_pipeline(args)
+    timeline = simulate(schedule, profile)
+    summary = _simulate_summary(schedule, timeline)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    unit = summary["time_unit"]
+    chunks = f", {summary['chunks']} chunks" if "chunks" in summary else ""
+    print(
+        f"{schedule.name}: D={schedule.num_ranks}, N={schedule.num_micro_batches}{chunks}; "
+        f"step time {timeline.step_time:.4g} {unit}, bubble {100 * timeline.bubble_fraction:.1f} % of device time"
+    )
+    headers = ["rank", "stages", f"busy [{unit}]", f"bubble [{unit}]", "bubble [%]", "gaps", "peak act [mb]"]
+    rows = [
+        [d["rank"], ",".join(d["stages"]), f"{d['busy_time']:.4g}", f"{d['bubble_time']:.4g}", f"{100 * d['bubble_fraction']:.1f}", d["bubbles"], d["peak_activations"]]
+        for d in summary["devices"]
+    ]
+    if any(map(splits_backward, schedule.ranks)):
+        headers.append("pending W [mb]")
+        for row, device in zip(rows, summary["devices"]):
+            row.append(device["peak_pending_weights"])
+    print(format_table(headers, rows))
+    return 0
+
+
+def _add_simulate(subparsers) -> None:
+    parser = subparsers.add_parser("simulate", help="timeline of one step: step time, busy and bubble time per device")
+    add_pipeline_arguments(parser)
+    parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v1); default: unit times")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(handler=_cmd_simulate)
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    if args.output:
+        check_output(args.output, "-o")
+    schedule, profile = build_pipeline(args, profile_required=True, limit=MAX_PACKED_SLOTS, what="packing")
+    if not any(stage.layers for stage in profile.stages):
+        raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
+    options = PackOptions(
+        margin=args.margin,
+        percentile=args.percentile,
+        max_overhead=args.max_overhead,
+        split=not args.no_split,
+        strategy=args.strategy,
+        refresh_steps=args.refresh_steps,
+        max_refresh_steps=args.max_refresh_steps,
+        max_capture_mb=args.max_capture_mb,
+        data_parallel=args.data_parallel,
+    )
+    result = pack(schedule, profile, options)
+    if args.output:
+        result.plan.save(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(format_pack_report(result))
+    if args.output:
+        print(f"plan written to {args.output} ({result.refresh_steps} steps per cycle)")
+    return 0
+
+
+def _add_pack(subparsers) -> None:
+    parser = subparsers.add_parser("pack", help="place curvature work (K-FAC, Shampoo) into the bubbles; report the refresh interval")
+    add_pipeline_arguments(parser)
+    parser.add_argument("--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
+    parser.add_argument("--margin", type=share, default=0.0, help="share of each bubble kept free (default 0)")
+    parser.add_argument("--percentile", type=percentile, default=90.0,
+                        help="pack with this percentile of the profile's measured samples (default 90; 50 = median)")
+    parser.add_argument("--max-refresh-steps", type=positive_int, default=None, help="cap the refresh interval k (default: none)")
+    parser.add_argument("--max-capture-mb", type=positive_float, default=None,
+                        help="cap on captured activations/gradients held per device, MiB (default: none)")
+    parser.add_argument("--max-overhead", type=share, default=0.01, help="overhead budget per step (default 0.01)")
+    parser.add_argument("--no-split", action="store_true", help="every replica inverts its own factors")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")
+    parser.add_argument("--refresh-steps", type=positive_int, default=None, help="pin the refresh interval k")
+    parser.add_argument("--data-parallel", type=positive_int, default=1,
+                        help="copies of the pipeline: factors are synced over them too (default 1)")
+    parser.set_defaults(handler=_cmd_pack)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pipefisher.config import load_config
+
+    config = load_config(args.config).with_overrides(
+        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        optimizer={"name": args.optimizer, "zero": args.zero},
+        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps,
+              "grad_worker_fraction": args.kfac_grad_worker_fraction},
+        shampoo={"placement": args.shampoo_placement, "refresh_steps": args.shampoo_refresh_steps},
+        checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
+        comm={"powersgd_rank": args.powersgd_rank},
+        run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
+             "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
+    )
+    check_run_outputs(config)
+    method = config.optimizer.name if config.curvature is not None else "kfac"
+    warn_without_effect(args, config)
+    config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
+    warn_if_emulated(config)
+    if args.reference and config.comm.powersgd_rank:
+        raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
+                         "drop --powersgd-rank (comm.powersgd_rank) or --reference")
+    from pipefisher.runtime.training.assembly import build_schedule
+
+    schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
+    _prepare_model(config)
+    section = config.curvature
+    if section is not None and section.profile:
+        from pipefisher.runtime.training.pipefisher_run import check_profile_matches
+
+        profile = load_profile(section.profile)  # names the file in its own errors
+        try:
+            check_profile_matches(profile, config, schedule.num_stages)
+        except ProfileError as exc:
+            raise UsageError(f"{section.profile}: {exc}") from None
+    if section is not None and section.plan:
+        check_plan(config, schedule, args.reference)
+    elif args.plan:
+        raise UsageError(f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
+                         f"{config.optimizer.name} (use --optimizer kfac or shampoo)")
+    if args.reference and section is not None and section.refresh_steps < 1:
+        raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
+    from pipefisher.runtime.training.run import check_port, run
+
+    problem = None if args.reference else check_port(config)
+    if problem:
+        raise UsageError(problem)
+    resume_from = None if args.reference else _resume_step(config)
+    if resume_from is not None and resume_from >= config.run.steps:
+        say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
+        return 0
+    return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
+
+
+def _resume_step(config) -> int | None:
+    """The verified checkpoint step to continue from (checkpoint.resume), or None to start at 0;
+    says which newer checkpoints were skipped and why."""
+    if config.checkpoint.resume == "never":
+        return None
+    from pipefisher.runtime.training.checkpoint import CheckpointError, has_checkpoints, resumable_step
+
+    if config.checkpoint.resume == "auto" and not has_checkpoints(config.checkpoint.dir):
+        return None  # nothing saved yet: a first start
+    try:
+        step, skipped = resumable_step(config.checkpoint.dir, config)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    for line in skipped:
+        say(f"checkpoint {line}")
+    say(f"resuming from step {step}" + (", the newest checkpoint that verifies" if skipped else ""))
+    return step
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from pipefisher.config import load_config
+
+    config = load_config(args.config).with_overrides(
+        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        optimizer={"name": args.optimizer, "zero": args.zero},
+        comm={"powersgd_rank": args.powersgd_rank},
+        run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
+    )
+    from pipefisher.runtime.training.run import check_port, profile_run
+    from pipefisher.runtime.training.assembly import build_schedule
+
+    check_output(args.output, "-o")
+    if args.timeline:
+        check_output(args.timeline, "--timeline")
+    build_schedule(config)
+    _prepare_model(config)
+    problem = check_port(config)
+    if problem:
+        raise UsageError(problem)
+    return profile_run(config, args.output, args.timeline, args.repeats)
+
+
+def _prepare_model(config) -> None:
+    """Check that the model splits into the run's stages; for text data this also builds (and
+    caches) the tokenizer and tokens once, before the ranks start and read the cache."""
+    from pipefisher.runtime.training.assembly import staged_model
+
+    check_input_files(config)
+
+    def announce() -> None:
+        print(f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
+
+    staged_model(config, on_data=announce)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pipefisher.config import load_config
+
+    config = load_config(args.config).with_overrides(checkpoint={"dir": args.checkpoint_dir})
+    if not config.checkpoint.dir:
+        raise UsageError("export needs the run's checkpoints: give --checkpoint-dir or set checkpoint.dir")
+    check_output(args.output, "-o", folder=True)
+    from pipefisher.runtime.training.checkpoint import CheckpointError
+    from pipefisher.runtime.training.export import export_checkpoint
+
+    try:
+        exported = export_checkpoint(config, args.output)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    say(f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
+         f"{exported.parameters / 1e6:.2f} M parameters, {exported.weights_bytes / 2**20:.1f} MiB of weights")
+    return 0
+
+
+def _add_export(subparsers) -> None:
+    parser = subparsers.add_parser("export", help="write a Hugging Face model's checkpoint as a from_pretrained folder")
+    parser.add_argument("config", help="the run's YAML run file (model.kind hf)")
+    parser.add_argument("-o", "--output", required=True, help="folder to write (config.json, model.safetensors, tokenizer.json)")
+    parser.add_argument("--checkpoint-dir", help="the run's checkpoints (checkpoint.dir); the newest that verifies is exported")
+    parser.set_defaults(handler=_cmd_export)
+
+
+def _add_profile(subparsers) -> None:
+    parser = subparsers.add_parser("profile", help="measure a profile of a run on this machine")
+    parser.add_argument("config", help="YAML run file")
+    parser.add_argument("-o", "--output", required=True, help="profile to write (YAML, or JSON by suffix)")
+    parser.add_argument("--timeline", help="also write the measured per-rank timeline (pipefisher.timeline/v1 JSON)")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
+    parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    _add_gradient_path_arguments(parser)
+    parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
+    parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+                        help="override optimizer.name: the tasks of its curvature method are timed (Shampoo's for shampoo, else K-FAC's)")
+    parser.set_defaults(handler=_cmd_profile)
+
+
+def _add_gradient_path_arguments(parser) -> None:
+    """--zero and --powersgd-rank: how the data-parallel gradient travels (run and profile)."""
+    parser.add_argument("--zero", type=int, choices=[0, 1],
+                        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
+    parser.add_argument("--powersgd-rank", type=int, metavar="R",
+                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
+
+
+def _add_run(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="train from a run file (local processes, torchrun, or --reference)")
+    parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
+    parser.add_argument("--steps", type=positive_int, help="total steps of the run (run.steps)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="override optimizer.name")
+    parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
+    parser.add_argument("--kfac-refresh-steps", type=positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
+    parser.add_argument("--kfac-grad-worker-fraction", type=float, metavar="F",
+                        help="share of a stage's replicas that keep each layer's inverses and precondition it (kfac.grad_worker_fraction)")
+    parser.add_argument("--shampoo-placement", choices=["packed", "after-step"], help="where Shampoo work runs (shampoo.placement)")
+    parser.add_argument("--shampoo-refresh-steps", type=positive_int, help="pin the refresh interval k (shampoo.refresh_steps)")
+    parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile or shampoo.profile); default: measure one")
+    parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (kfac.plan or shampoo.plan); "
+                                       "checked against the run first")
+    parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    _add_gradient_path_arguments(parser)
+    parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
+    parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
+    parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
+    parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
+    parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint that verifies, up to --steps (checkpoint.resume always)")
+    parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
+    parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
+    parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    parser.set_defaults(handler=_cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    _add_simulate(subparsers)
+    _add_pack(subparsers)
+    _add_run(subparsers)
+    _add_profile(subparsers)
+    _add_export(subparsers)
+    from pipefisher.viz.cli import add_viz_parser
+
+    add_viz_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The exit code: 0, 1 for a failed run, 2 for bad input, 128 + the signal that stopped it."""
+    from pipefisher.runtime.training.stopping import Terminated, interruption_exit, raise_on_sigterm
+
+    if threading.current_thread() is threading.main_thread():
+        raise_on_sigterm()
+    try:
+        args = build_parser().parse_args(argv)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
+    except (UsageError, ScheduleError, ProfileError, ConfigError) as exc:
+        print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return USAGE_ERROR
+    except (KeyboardInterrupt, Terminated) as exc:  # before (or without) a run's own handlers: planning, preparing data
+        return interruption_exit(exc, "pipefisher")
+    except BrokenPipeError:  # the reader of stdout left (`| head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush finds no pipe
+        return 128 + signal.SIGPIPE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

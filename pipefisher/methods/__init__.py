@@ -1,0 +1,1 @@
+"""Curvature methods: the registry and one folder per method (maths, task rules, runtime ops)."""

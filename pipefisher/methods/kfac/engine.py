@@ -1,0 +1,467 @@
+"""Per-layer K-FAC operations, callable one at a time in any dependency-respecting order.
+
+Life of one refresh, per layer and factor ``f`` in {"A", "B"}:
+``capture(mb)`` (forward/backward) -> ``curvature(layer, f, mb)`` for every micro-batch -> the
+replicas sum ``sync_tensors(layer, f)`` (``sync`` does it blocking) -> ``invert(layer, f)`` ->
+(the inverse goes from the replica that computed it, ``shared_inverse``, to the others,
+``inverse_buffer`` + ``receive_inverse``) -> ``commit(layer)``; ``precondition_all`` uses the
+committed inverses every step. The pipeline executor and :class:`pipefisher.methods.kfac.KFAC` both
+drive exactly these calls.
+
+Host reads: none of these calls reads a tensor value on the host (on a GPU each read would stall
+the queue), whatever the number of layers. Numerical trouble becomes 0-dim device bools, states
+are updated by device-side selection (:func:`prefer_ok`) and health counters are incremented on
+the device. Only inspection reads: ``check_health`` (one read for the whole engine), ``health``,
+``factor``, ``inverse``, ``skipped_inversions``. The exception is the error check inside
+``torch.linalg.eigh`` on CUDA (see :func:`damped_inverse`).
+
+Scaling (why B does not depend on micro-batch count or size):
+- ``A = (1/R) Σ_r a_r a_rᵀ`` over the R rows (tokens) of the step, with a trailing 1 in ``a_r``
+  when the layer has a bias.
+- The captured ``e_r`` is the gradient of the step loss w.r.t. the layer output row r. If the step
+  loss is the mean of per-row losses over all R rows (each of M micro-batch losses is its mean
+  scaled by ``R_m / R``, i.e. ``1/M`` for equal micro-batches), the per-row loss gradient is
+  ``λ e_r`` with ``λ = R``. Then ``B = (1/R) Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of
+  per-example gradient outer products. ``λ`` defaults to this replica's row count of the
+  factor (taken before the replica sum); set ``KFACConfig.grad_scale`` for other loss scalings
+  (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass the scale to ``capture``: the
+  ``e`` rows are divided by it before their outer products.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Hashable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipefisher.methods.counters import read_counters
+from pipefisher.methods.kfac import capture as _capture
+from pipefisher.methods.kfac import checkpoint as _checkpoint
+from pipefisher.methods.kfac import health as _health
+from pipefisher.methods.kfac.factors import (
+    INVERSE_METHODS,
+    InverseMethod,
+    accumulate_covariance,
+    damped_inverse,
+    damping_too_small,
+    fold_ema,
+    kl_clip_scale,
+    precondition_matrix,
+)
+from pipefisher.methods.kfac.layer import (
+    FACTORS,
+    BuiltFactor,
+    Factor,
+    Flagged,
+    Health,
+    LayerInfo,
+    LayerState,
+    prefer_ok,
+    select_layers,
+)
+
+
+class KFACNumericsWarning(RuntimeWarning):
+    """A layer skipped an inversion or has damping lost to float rounding."""
+
+
+@dataclass(frozen=True)
+class KFACConfig:
+    """K-FAC hyper-parameters.
+
+    ``damping`` λ > 0: curvature ``(A + √λ I) ⊗ (B + √λ I)``. ``factor_decay`` in [0, 1): EMA
+    weight of the old factor (0 = fresh factor only). ``kl_clip``: bound on ``lr² Σ⟨G̃, G⟩`` or
+    None. ``grad_scale``: λ in the B scaling (None = row count). ``max_factor_dim``: larger
+    layers stay first-order.
+    """
+
+    damping: float = 1e-3
+    factor_decay: float = 0.95
+    inverse: InverseMethod = "eigen"
+    kl_clip: float | None = None
+    grad_scale: float | None = None
+    max_factor_dim: int = 8192
+
+    def __post_init__(self) -> None:
+        if not (self.damping > 0.0 and math.isfinite(self.damping)):
+            raise ValueError(f"damping must be a finite positive number, got {self.damping}")
+        if math.sqrt(self.damping) < torch.finfo(torch.float32).tiny:
+            raise ValueError(f"damping {self.damping:g} underflows in float32")
+        if not 0.0 <= self.factor_decay < 1.0:
+            raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
+        if self.inverse not in INVERSE_METHODS:
+            raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {self.inverse!r}")
+        if self.kl_clip is not None and not self.kl_clip > 0.0:
+            raise ValueError(f"kl_clip must be positive or None, got {self.kl_clip}")
+        if self.grad_scale is not None and not self.grad_scale > 0.0:
+            raise ValueError(f"grad_scale must be positive or None, got {self.grad_scale}")
+
+
+@dataclass(frozen=True)
+class PreconditionReport:
+    """Outcome of one whole-model precondition, as 0-dim float64 tensors on the parameters'
+    device (read them with ``float()``, a host read): ``vg_sum = Σ⟨G̃, G⟩`` before clipping and
+    the factor (≤ 1) all preconditioned gradients were multiplied by. Both None without
+    ``kl_clip`` (not computed)."""
+
+    vg_sum: Tensor | None
+    clip_scale: Tensor | None
+
+
+class KFACEngine:
+    """K-FAC state of the selected linear layers (``nn.Linear``, ``Conv1D``) of ``model`` and the operations on it."""
+
+    def __init__(
+        self, model: nn.Module, config: KFACConfig | None = None, skip: Iterable[str] = ()
+    ) -> None:
+        self.config = config or KFACConfig()
+        self._layers = select_layers(model, skip, self.config.max_factor_dim)
+        self._anchor = next(model.parameters(), None)  # where engine-wide tensors live
+        self._reported: dict[tuple[str, Factor], tuple[int, ...]] = {}
+
+    # ----------------------------------------------------------------- inspection (host reads)
+    def layers(self) -> list[LayerInfo]:
+        """K-FAC layers in module order with their factor sizes (for the planner)."""
+        return [st.info for st in self._layers.values()]
+
+    def health(self) -> dict[str, Health]:
+        """Per-layer numerics counters as host values (one host read for all layers)."""
+        values = self._read_counters()
+        return {
+            name: _health.total(values[name, f] for f in FACTORS if (name, f) in values)
+            for name in self._layers
+        }
+
+    def check_health(self) -> None:
+        """Warn once per layer, factor and counter that rose since the previous check (one host
+        read for the whole engine); :meth:`health` has the counts."""
+        values = self._read_counters()
+        cfg = self.config
+        for (name, factor), now in values.items():
+            before = self._reported.get((name, factor), (0,) * len(now))
+            for counter, n, b in zip(_health.COUNTERS, now, before):
+                if n > b:
+                    text = _health.message(counter, factor, cfg.inverse, cfg.damping, self._layers[name].dtype)
+                    warnings.warn(f"K-FAC layer {name!r}: {text}", KFACNumericsWarning, stacklevel=2)
+        self._reported = values
+
+    @property
+    def skipped_inversions(self) -> int:
+        """Total inversions that kept a previous inverse, over all layers (one host read)."""
+        return sum(h.skipped for h in self.health().values())
+
+    def captured(self, layer: str, factor: Factor) -> list[Hashable]:
+        """Micro-batch ids with a capture of ``factor``'s input waiting for curvature."""
+        return list(self._state(layer).captures[factor])
+
+    def captured_bytes(self, layer: str, factor: Factor, micro_batch: Hashable) -> int:
+        """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (numel × element
+        size, as stored: A without a bias column); 0 when none. Layers fed the same input (e.g.
+        query, key, value) each count the one tensor they share."""
+        tensors = self._state(layer).captures[_checked(factor)].get(micro_batch, [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def built_rows(self, layer: str, factor: Factor) -> int:
+        """This replica's rows accumulated into the factor being built (0 when none)."""
+        built = self._state(layer).built.get(factor)
+        return 0 if built is None else built.rows
+
+    def factor(self, layer: str, factor: Factor) -> Tensor | None:
+        """The running (EMA) factor, or None before its first finite one (reads a flag)."""
+        return _valid(self._state(layer).ema.get(factor))
+
+    def inverse(self, layer: str, factor: Factor) -> Tensor | None:
+        """The committed damped inverse used by precondition, or None (identity; reads a flag)."""
+        return _valid(self._state(layer).active.get(factor))
+
+    # ----------------------------------------------------------------- operations (no host reads)
+    @contextmanager
+    def capture(
+        self, micro_batch: Hashable = 0, loss_scale: Tensor | float | None = None
+    ) -> Iterator[None]:
+        """Record ``a`` and ``e`` of every K-FAC layer for forwards run inside the block.
+
+        ``loss_scale``: the backward is of the loss times it (fp16 loss scaling); a number or a
+        0-dim tensor, copied on the device so a later in-place update (``GradScaler.update``)
+        does not change it. ``curvature`` divides the ``e`` rows by it.
+        """
+        scale = loss_scale.detach().clone() if isinstance(loss_scale, Tensor) else loss_scale
+        with _capture.capture(self._layers, micro_batch, scale):
+            yield
+
+    def curvature(self, layer: str, factor: Factor, micro_batch: Hashable) -> None:
+        """Accumulate ``xᵀx`` of one micro-batch's capture into the built factor and free it
+        (``e`` rows divided by the micro-batch's loss scale, in the factor dtype)."""
+        st = self._state(layer)
+        tensors = st.captures[_checked(factor)].pop(micro_batch, None)
+        if tensors is None:
+            raise KeyError(f"layer {layer!r}: nothing captured for {factor}, micro-batch {micro_batch!r}")
+        scale = st.loss_scales.pop(micro_batch, None) if factor == "B" else None
+        built = st.built.get(factor)
+        if built is None:
+            size = st.info.size(factor)
+            built = st.built[factor] = BuiltFactor(
+                torch.zeros(size, size, dtype=st.dtype, device=st.module.weight.device)
+            )
+        if built.sealed:
+            raise RuntimeError(f"layer {layer!r}: factor {factor} was synced; invert it first")
+        ones = factor == "A" and st.info.has_bias
+        for t in tensors:
+            rows = t.reshape(-1, t.shape[-1])
+            if scale is not None:
+                rows = rows.to(built.total.dtype) / scale
+            accumulate_covariance(built.total, rows, ones)
+            built.rows += rows.shape[0]
+
+    def release(self, layer: str, micro_batch: Hashable | None = None) -> None:
+        """Drop captures of ``layer`` (one micro-batch, or all) without taking curvature."""
+        st = self._state(layer)
+        for store in (*st.captures.values(), st.loss_scales):
+            if micro_batch is None:
+                store.clear()
+            else:
+                store.pop(micro_batch, None)
+
+    def sync_tensors(self, layer: str, factor: Factor) -> tuple[Tensor, Tensor]:
+        """Seal the built factor and return the device tensors the caller sums in place over the
+        replicas before ``invert``: the (n, n) total and its float64 (1,) row count.
+
+        Sum them once per refresh, every replica in the same order (e.g. async all-reduces,
+        waited for before ``invert``). No curvature for this factor after.
+        """
+        built = self._built(layer, factor)
+        self._seal(built, factor)
+        return built.total, built.count
+
+    def sync(self, layer: str, factor: Factor, group: Any = None) -> None:
+        """Blocking all-reduce (sum) of :meth:`sync_tensors` over ``group``; no-op for None.
+
+        Pass ``torch.distributed.group.WORLD`` for all ranks. Every rank of ``group`` must call it.
+        """
+        if group is not None:
+            for tensor in self.sync_tensors(layer, factor):
+                dist.all_reduce(tensor, group=group)
+
+    def invert(self, layer: str, factor: Factor, decompose: bool = True) -> None:
+        """Finalise the built factor (mean over the synced rows, EMA) and compute its damped
+        inverse into ``pending``, all on the device.
+
+        A non-finite fresh factor leaves the EMA and pending inverse unchanged; a failed or
+        non-finite inverse leaves the pending one unchanged (so commit keeps the previous). With
+        ``decompose=False`` only the moving average is updated (a replica whose inverse is
+        computed elsewhere and shared keeps the same running factor). Counted on the device;
+        :meth:`check_health` warns.
+        """
+        st = self._state(layer)
+        built = self._built(layer, factor)
+        del st.built[factor]
+        self._seal(built, factor)
+        fresh = built.total / built.count.to(built.total.dtype).clamp(min=1)
+        finite = torch.isfinite(fresh).all()
+        ema = self._fold(st, factor, fresh, finite)
+        counters = st.counters.setdefault(factor, _health.zero_counters(fresh.device))
+        if not decompose:
+            _health.count(counters, nonfinite_factor=~finite)
+            return
+        cfg = self.config
+        inverse, ok = damped_inverse(ema, cfg.damping, cfg.inverse)
+        too_small = damping_too_small(ema, cfg.damping)
+        _health.count(counters, nonfinite_factor=~finite, failed_inverse=finite & ~ok,
+                      damping_too_small=finite & too_small)
+        st.pending[factor] = prefer_ok(Flagged(inverse, finite & ok), st.pending.get(factor))
+
+    def shared_inverse(self, layer: str, factor: Factor) -> Tensor:
+        """On the replica that inverted ``factor``: the (n, n) tensor to broadcast to the others,
+        i.e. the inverse its commit would use (the pending one if that inversion succeeded,
+        else the one in use, else the identity); selected on the device."""
+        st = self._state(layer)
+        return self._next_active(st, _checked(factor)).value.contiguous()
+
+    def inverse_buffer(self, layer: str, factor: Factor) -> Tensor:
+        """On the other replicas: an empty (n, n) tensor of the factor dtype and device to
+        receive the broadcast of :meth:`shared_inverse` into."""
+        st = self._state(layer)
+        n = st.info.size(_checked(factor))
+        return torch.empty(n, n, dtype=st.dtype, device=st.module.weight.device)
+
+    def fresh_inverse(self, layer: str, factor: Factor) -> Tensor:
+        """On a replica that inverted ``factor`` without keeping inverses in use: its pending
+        inverse where that inversion succeeded, else NaN (a receiver that checks keeps its own)."""
+        st = self._state(layer)
+        pending = st.pending.get(_checked(factor))
+        if pending is None:
+            n = st.info.size(factor)
+            return torch.full((n, n), float("nan"), dtype=st.dtype, device=st.module.weight.device)
+        return torch.where(pending.ok, pending.value, torch.full_like(pending.value, float("nan"))).contiguous()
+
+    def receive_inverse(self, layer: str, factor: Factor, tensor: Tensor, checked: bool = False) -> None:
+        """Store a received inverse (after the broadcast completed) as ``factor``'s pending
+        inverse, marked successful (`checked`: successful where it is finite, see
+        :meth:`fresh_inverse`)."""
+        st = self._state(layer)
+        ok = torch.isfinite(tensor).all() if checked else torch.ones((), dtype=torch.bool, device=tensor.device)
+        st.pending[_checked(factor)] = Flagged(tensor, ok)
+
+    def discard_inverse(self, layer: str, factor: Factor) -> None:
+        """Forget ``factor``'s pending inverse (a replica that computed it for others only)."""
+        self._state(layer).pending.pop(_checked(factor), None)
+
+    def gradients(self, layer: str) -> list[Tensor]:
+        """The layer's weight and bias gradients (those that exist), in that order."""
+        return [p.grad for p in self._state(layer).module.parameters(recurse=False) if p.grad is not None]
+
+    def commit(self, layer: str) -> None:
+        """Make the inverses computed since the last commit the ones precondition uses, where
+        their inversion succeeded (selected on the device)."""
+        st = self._state(layer)
+        for factor in list(st.pending):
+            st.active[factor] = self._next_active(st, factor)
+        st.pending.clear()
+
+    def precondition(self, layer: str) -> Tensor | None:
+        """Replace the layer's weight (and bias) gradient G by ``B⁻¹ G A⁻¹`` with the committed
+        inverses (an inverse never committed successfully is skipped: G unchanged bit for bit).
+
+        Returns ``⟨G̃, G⟩`` as a 0-dim device tensor in the factor dtype when ``kl_clip`` is
+        configured; None otherwise or when the layer has no gradient.
+        """
+        st = self._state(layer)
+        weight, bias = st.module.weight, st.module.bias
+        if weight.grad is None:
+            return None
+        grad = weight.grad.T if st.info.transposed else weight.grad  # (dout, din)
+        if bias is not None:  # a frozen bias contributes a zero column
+            column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+            grad = torch.cat([grad, column[:, None]], 1)
+        new = self._apply_inverses(st, grad)
+        vg = (new * grad.to(new.dtype)).sum() if self.config.kl_clip is not None else None
+        din = st.info.in_features
+        weight.grad.copy_(new[:, :din].T if st.info.transposed else new[:, :din])
+        if bias is not None and bias.grad is not None:
+            bias.grad.copy_(new[:, din])
+        return vg
+
+    def rescale(self, layer: str, scale: Tensor | float) -> None:
+        """Multiply the layer's weight and bias gradients by ``scale`` (a number or 0-dim tensor)."""
+        for p in self._state(layer).module.parameters(recurse=False):
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+    def precondition_all(
+        self, lr: float = 1.0, layers: Iterable[str] | None = None, group: Any = None
+    ) -> PreconditionReport:
+        """Precondition ``layers`` (default all), then KL-clip them together if configured.
+
+        ``group`` (with ``kl_clip`` only): all-reduce ``Σ⟨G̃, G⟩`` over it first (e.g. over
+        pipeline stages) so every rank clips by the same factor; the tensor lives on the
+        parameters' device.
+        """
+        names = list(self._layers) if layers is None else list(layers)
+        vgs = [vg for vg in map(self.precondition, names) if vg is not None]
+        if self.config.kl_clip is None:
+            return PreconditionReport(None, None)
+        device = self._anchor.device if self._anchor is not None else torch.device("cpu")
+        vg_sum = torch.zeros((), dtype=torch.float64, device=device)
+        if vgs:
+            vg_sum = torch.stack([vg.to(device, torch.float64) for vg in vgs]).sum()
+        if group is not None:
+            dist.all_reduce(vg_sum, group=group)
+        scale = kl_clip_scale(vg_sum, self.config.kl_clip, lr)
+        for name in names:
+            self.rescale(name, scale)
+        return PreconditionReport(vg_sum, scale)
+
+    # ----------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Per layer: running factors, built factors, pending and committed inverses (with their
+        validity flags), captures still waiting for curvature (with loss scales), health counters."""
+        return {name: _checkpoint.layer_state(st) for name, st in self._layers.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; layer names and factor sizes must match. Counts
+        restored are not warned about again by :meth:`check_health`."""
+        if set(state) != set(self._layers):
+            raise ValueError(
+                f"K-FAC layers differ: checkpoint {sorted(state)} vs model {sorted(self._layers)}"
+            )
+        for name, entry in state.items():
+            _checkpoint.load_layer_state(self._state(name), entry)
+        self._reported = self._read_counters()
+
+    # ----------------------------------------------------------------- internals
+    def _state(self, layer: str) -> LayerState:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise KeyError(f"{layer!r} is not a K-FAC layer") from None
+
+    def _built(self, layer: str, factor: Factor) -> BuiltFactor:
+        built = self._state(layer).built.get(_checked(factor))
+        if built is None:
+            raise RuntimeError(f"layer {layer!r}: no curvature accumulated for factor {factor}")
+        return built
+
+    def _seal(self, built: BuiltFactor, factor: Factor) -> None:
+        """Apply the B scaling ``λ²`` (λ = grad_scale or the local row count) exactly once and
+        put the local row count on the device."""
+        if built.sealed:
+            return
+        if factor == "B":
+            lam = self.config.grad_scale if self.config.grad_scale is not None else built.rows
+            built.total.mul_(float(lam) ** 2)
+        built.count = torch.full((1,), float(built.rows), dtype=torch.float64, device=built.total.device)
+        built.sealed = True
+
+    def _fold(self, st: LayerState, factor: Factor, fresh: Tensor, finite: Tensor) -> Tensor:
+        """Fold ``fresh`` into the running factor where it is finite (the first finite one is
+        taken as is) and return the running factor (zeros before the first finite one)."""
+        old = st.ema.get(factor)
+        if old is None:
+            old = Flagged(torch.zeros_like(fresh), torch.zeros_like(finite))
+        folded = torch.where(old.ok, fold_ema(old.value, fresh, self.config.factor_decay), fresh)
+        st.ema[factor] = prefer_ok(Flagged(folded, finite), old)
+        return st.ema[factor].value
+
+    def _next_active(self, st: LayerState, factor: Factor) -> Flagged:
+        """What ``commit`` makes the active inverse: the pending one where it is ok, else the
+        active one, else the identity (marked not ok, so precondition skips it)."""
+        old = st.active.get(factor)
+        if old is None:
+            n = st.info.size(factor)
+            eye = torch.eye(n, dtype=st.dtype, device=st.module.weight.device)
+            old = Flagged(eye, torch.zeros((), dtype=torch.bool, device=eye.device))
+        pending = st.pending.get(factor)
+        return old if pending is None else prefer_ok(pending, old)
+
+    @staticmethod
+    def _apply_inverses(st: LayerState, grad: Tensor) -> Tensor:
+        """``B⁻¹ G A⁻¹`` in the factor dtype; each inverse that is not ok is skipped on the device
+        (``torch.where``), so G passes through bit for bit."""
+        out = grad.to(st.dtype)
+        b_inv, a_inv = st.active.get("B"), st.active.get("A")
+        if b_inv is not None:
+            out = torch.where(b_inv.ok, precondition_matrix(out, None, b_inv.value), out)
+        if a_inv is not None:
+            out = torch.where(a_inv.ok, precondition_matrix(out, a_inv.value, None), out)
+        return out
+
+    def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
+        return read_counters({(name, f): c for name, st in self._layers.items() for f, c in st.counters.items()})
+
+
+def _checked(factor: Factor) -> Factor:
+    if factor not in FACTORS:
+        raise ValueError(f"factor must be 'A' or 'B', got {factor!r}")
+    return factor
+
+
+def _valid(slot: Flagged | None) -> Tensor | None:
+    """The slot's value if it is ok, else None (a host read of the flag: inspection only)."""
+    return slot.value if slot is not None and bool(slot.ok) else None

@@ -1,0 +1,143 @@
+"""Per-layer K-FAC state and the choice of which linear layers get K-FAC: ``nn.Linear`` and
+Hugging Face's ``Conv1D`` (GPT-2's linear map, weight stored transposed as (in, out))."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.methods.kfac.factors import factor_dtype
+
+Factor = Literal["A", "B"]
+FACTORS: tuple[Factor, Factor] = ("A", "B")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """A K-FAC layer as the planner sees it: ``a_size = din + has_bias`` (A), ``b_size = dout`` (B).
+    ``transposed``: the weight is stored (din, dout), as Conv1D stores it."""
+
+    name: str
+    in_features: int
+    out_features: int
+    has_bias: bool
+    transposed: bool = False
+
+    @property
+    def a_size(self) -> int:
+        return self.in_features + int(self.has_bias)
+
+    @property
+    def b_size(self) -> int:
+        return self.out_features
+
+    def size(self, factor: Factor) -> int:
+        return self.a_size if factor == "A" else self.b_size
+
+
+@dataclass
+class Health:
+    """Numerical trouble seen by one layer; each counter counts ``invert`` calls (host values)."""
+
+    nonfinite_factor: int = 0
+    failed_inverse: int = 0
+    damping_too_small: int = 0
+
+    @property
+    def skipped(self) -> int:
+        """Inversions that kept the previous inverse."""
+        return self.nonfinite_factor + self.failed_inverse
+
+
+@dataclass
+class BuiltFactor:
+    """A factor under construction: ``total`` = Σ over rows of outer products, ``rows`` counted.
+
+    ``sealed`` once the B scaling is applied (first ``sync_tensors`` or ``invert``); no curvature
+    after. ``count``: the row count as a float64 (1,) device tensor, set when sealed; the caller's
+    replica sum adds into it, and ``invert`` divides by it.
+    """
+
+    total: Tensor
+    rows: int = 0
+    sealed: bool = False
+    count: Tensor | None = None
+
+
+@dataclass
+class Flagged:
+    """A device tensor with a 0-dim device bool ``ok``: whether ``value`` is valid (else a
+    placeholder). Lets the engine decide on the device what the host would branch on."""
+
+    value: Tensor
+    ok: Tensor
+
+
+def prefer_ok(new: Flagged, old: Flagged | None) -> Flagged:
+    """``new`` where it is ok, else ``old``, selected on the device (ok if either is); ``new``
+    when there is no ``old``."""
+    if old is None:
+        return new
+    return Flagged(torch.where(new.ok, new.value, old.value), new.ok | old.ok)
+
+
+@dataclass
+class LayerState:
+    """Everything K-FAC keeps for one layer.
+
+    ``captures[factor][micro_batch]``: tensors recorded by hooks (``A``: layer inputs, ``B``: output
+    gradients), freed by curvature. ``loss_scales[micro_batch]``: the loss scale of that
+    micro-batch's ``B`` records. ``ema``: running factors (not ok before the first finite one).
+    ``pending``: inverses computed since the last commit. ``active``: inverses used by precondition
+    (missing = identity; not ok = identity value, applied as a skip). ``counters[factor]``: device
+    int64 :class:`Health` counters (see :mod:`pipefisher.methods.kfac.health`).
+    """
+
+    info: LayerInfo
+    module: nn.Module
+    dtype: torch.dtype
+    captures: dict[Factor, dict[Hashable, list[Tensor]]] = field(
+        default_factory=lambda: {"A": {}, "B": {}}
+    )
+    loss_scales: dict[Hashable, Tensor | float] = field(default_factory=dict)
+    built: dict[Factor, BuiltFactor] = field(default_factory=dict)
+    ema: dict[Factor, Flagged] = field(default_factory=dict)
+    pending: dict[Factor, Flagged] = field(default_factory=dict)
+    active: dict[Factor, Flagged] = field(default_factory=dict)
+    counters: dict[Factor, Tensor] = field(default_factory=dict)
+
+
+def select_layers(
+    model: nn.Module, skip: Iterable[str] = (), max_factor_dim: int = 8192
+) -> dict[str, LayerState]:
+    """K-FAC state for every linear layer of ``model`` (see `linear_info`) in module order, except
+    those whose name matches a glob in ``skip`` and those with a factor larger than
+    ``max_factor_dim`` (e.g. a vocabulary projection). Other modules (embeddings, LayerNorm, ...)
+    are left first-order."""
+    patterns = list(skip)
+    layers: dict[str, LayerState] = {}
+    for name, module in model.named_modules():
+        info = linear_info(name, module)
+        if info is None or any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        if max(info.a_size, info.b_size) > max_factor_dim:
+            continue
+        layers[name] = LayerState(info, module, factor_dtype(module.weight.dtype))
+    return layers
+
+
+def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
+    """The K-FAC view of `module` when it is a linear map of its last input dimension: an
+    ``nn.Linear``, or a ``Conv1D`` (by class name, so this module needs no transformers) with a
+    (din, dout) weight; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return LayerInfo(name, module.in_features, module.out_features, module.bias is not None)
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2:
+        return LayerInfo(name, weight.shape[0], weight.shape[1], getattr(module, "bias", None) is not None, transposed=True)
+    return None

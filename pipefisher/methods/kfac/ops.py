@@ -1,0 +1,218 @@
+"""K-FAC in the executor: handlers of CA/CB, IA/IB, X and P, and the providers of its collectives
+(factor syncs, inverse exchanges), over per-stage engines.
+
+Refresh cycle of k steps (`Plan.steps`): the first step captures every micro-batch's a and e
+while it runs forward/backward; curvature, factor syncs, inverses and exchanges run where the
+plan puts them; after the last step of the cycle the new inverses are committed, so they are
+used from the next cycle on (the first cycle preconditions with the identity). A sync (SA/SB) is
+an all-reduce over all replicas of the stage (pipes x data-parallel copies) launched at its op
+and waited for by the inverse; an exchange (X) broadcasts each inverse from the replica that
+computed it. Preconditioning runs on each replica before the gradient all-reduce (it is linear in
+the gradient, so the result is the same). Nothing here reads a tensor on the host but the health
+check at the end of a cycle (one read per stage).
+
+With fewer gradient workers per layer than a stage has replicas (`kfac.grad_worker_fraction`,
+`pipefisher.planning.layouts.kaisa`), only a layer's workers keep its inverses: an owner replica that is not a
+worker inverts only when it is the exchange's source and forgets the result once sent; a
+receiver that is not a worker drops what it received. There is no P op then: after the gradient
+reduction each worker preconditions its layers and broadcasts them within its block (``pgrad``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipefisher.config import RunConfig
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.topology import Topology
+from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.methods.kfac import KFACConfig, KFACEngine
+from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
+from pipefisher.planning.comm.plan import Collective, inverse_owners
+from pipefisher.planning.layouts.kaisa import GradWorkers
+from pipefisher.planning.plan import Plan
+from pipefisher.planning.tasks import FACTOR_OF
+from pipefisher.runtime.pipeline.clock import timed_ms
+from pipefisher.runtime.pipeline.comm import Comm, Handle
+
+
+def kfac_engine_config(config: RunConfig, rows_per_step: int) -> KFACConfig:
+    """Engine settings; B is scaled by the rows of the whole step (all micro-batches, all
+    replicas), so every replica builds the same factor as the single-process reference."""
+    k = config.kfac
+    return KFACConfig(damping=k.damping, factor_decay=k.factor_decay, inverse=k.inverse, grad_scale=float(rows_per_step))
+
+
+def rows_per_step(config: RunConfig) -> int:
+    return config.pipeline.micro_batches * config.pipeline.data_parallel * config.data.micro_batch_size * config.model.seq_len
+
+
+class KfacRuntime(CurvatureRuntime):
+    """The K-FAC state of one rank's stages, the handlers of the K-FAC op kinds and the providers
+    of its collectives. `loss_scale()`: fp16's current loss scale (None otherwise), recorded with
+    every capture so that B is the factor of the unscaled loss."""
+
+    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
+                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+        self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
+        engine_config = kfac_engine_config(config, rows_per_step(config))
+        self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
+        #: a rank holds at most one copy of a stage
+        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
+        self.lr = config.optimizer_settings.lr
+        workers = config.workers_per_layer
+        #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
+        self.grids = {stage: GradWorkers(topology.replica_ranks(stage), workers) for stage in self._engine_of_stage
+                      if workers is not None}
+        #: stage -> layer name -> its number in the stage's layer order (the grid's layer numbers)
+        self._numbers = {stage: {info.name: number for number, info in enumerate(engine.layers())}
+                         for stage, engine in self._engine_of_stage.items()}
+        self.set_plan(plan)
+
+    def set_plan(self, plan: Plan) -> None:
+        """Use `plan` from the next cycle on (its inverse owners decide who computes what)."""
+        self.owners = inverse_owners(plan)
+        self.exchanged = {(op.stage, op.layer) for op in plan.curvature_ops() if op.kind is OpKind.EXCHANGE}
+
+    def works_for(self, stage: int, layer: str) -> bool:
+        """Whether this rank keeps `layer`'s inverses and preconditions it (every replica does
+        without gradient workers)."""
+        grid = self.grids.get(stage)
+        return grid is None or grid.works_for(self.rank, self._numbers[stage][layer])
+
+    def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
+        return (stage, layer) in self.exchanged and self.rank == self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
+
+    def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
+        table: dict[OpKind, Callable[[Op], None]] = {kind: self._curvature for kind in (OpKind.CURV_A, OpKind.CURV_B)}
+        table.update({kind: lambda op: None for kind in (OpKind.SYNC_A, OpKind.SYNC_B)})  # the launch is the whole op
+        table.update({kind: self._invert for kind in (OpKind.INV_A, OpKind.INV_B)})
+        table[OpKind.EXCHANGE] = self._fold_shared
+        table[OpKind.PRECONDITION] = self._precondition
+        return table
+
+    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
+        return {"sync": self._launch_sync, "exchange": self._launch_exchange, "pgrad": self._launch_pgrad}
+
+    def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
+        """Context for the forward of `op`: records a and e in the cycle's first step."""
+        if cycle_step != 0:
+            return nullcontext()
+        scale = self.loss_scale()
+        return self.engines[(op.pipe, op.stage)].capture(op.micro_batch, loss_scale=None if scale is None else scale.clone())
+
+    def state_dict(self) -> dict:
+        return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for (pipe, stage), engine in self.engines.items():
+            engine.load_state_dict(state[f"{pipe}.{stage}"])
+
+    def end_of_cycle(self) -> None:
+        """Make the cycle's inverses the ones in use; report numerical trouble."""
+        for engine in self.engines.values():
+            for info in engine.layers():
+                engine.commit(info.name)
+            engine.check_health()
+
+    # -- handlers ----------------------------------------------------------------------------
+    def _engine(self, op: Op) -> KFACEngine:
+        return self.engines[(op.pipe, op.stage)]
+
+    def _curvature(self, op: Op) -> None:
+        self._engine(op).curvature(op.layer, FACTOR_OF[op.kind], op.micro_batch)
+
+    def _invert(self, op: Op) -> None:
+        factor = FACTOR_OF[op.kind]
+        decompose = self.works_for(op.stage, op.layer) or self._exchange_source(op.stage, op.layer, factor)
+        self._engine(op).invert(op.layer, factor, decompose=decompose)
+
+    def _fold_shared(self, op: Op) -> None:
+        """A replica that did not invert a factor still folds the synced factor into its running
+        average, so every replica keeps the same state; the inverse itself comes by broadcast."""
+        for factor in "AB":
+            if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+                self._engine(op).invert(op.layer, factor, decompose=False)
+
+    def _precondition(self, op: Op) -> None:
+        self._engine(op).precondition_all(self.lr)
+
+    # -- collectives -------------------------------------------------------------------------
+    def _launch_sync(self, collective: Collective) -> Handle:
+        stage, layer, factor = collective.key
+        tensors = self._engine_of_stage[stage].sync_tensors(layer, factor)
+        return self.comm.all_reduce(list(tensors), collective.group)
+
+    def _launch_exchange(self, collective: Collective) -> Handle:
+        stage, layer, factor = collective.key
+        engine = self._engine_of_stage[stage]
+        keeps = self.works_for(stage, layer)
+        # With gradient workers the source may hold no inverse in use to fall back on: it sends
+        # NaN for a failed inversion and the workers keep theirs
+        workers = stage in self.grids
+        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
+                                    shared=lambda: (engine.fresh_inverse if workers else engine.shared_inverse)(layer, factor),
+                                    buffer=lambda: engine.inverse_buffer(layer, factor),
+                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor, checked=workers) if keeps else None,
+                                    sent=None if keeps else lambda: engine.discard_inverse(layer, factor))
+
+    def _launch_pgrad(self, collective: Collective) -> Handle:
+        """Gradient workers: precondition this rank's layers of the stage (reduced gradients),
+        then every layer's worker in the block broadcasts its preconditioned gradients."""
+        stage = collective.key[0]
+        engine, grid = self._engine_of_stage[stage], self.grids[stage]
+        names = [info.name for info in engine.layers()]
+        engine.precondition_all(self.lr, layers=[names[number] for number in grid.layers_of(self.rank, len(names))])
+        block = grid.block(self.rank)
+        pairs = [(gradient, grid.worker(number, block)) for number, name in enumerate(names) for gradient in engine.gradients(name)]
+        return self.comm.broadcast(pairs, collective.group)
+
+class KfacTimer(TaskTimer):
+    """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor
+    sync over the stage's replicas, eigen/Cholesky inverse of a factor's size, preconditioning;
+    and the bytes of the largest micro-batch's captures of each layer."""
+
+    def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), damping: float = 1e-3,
+                 inverse: str = "eigen"):
+        self.engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
+        self.damping, self.inverse = damping, inverse
+
+    def forward_context(self, op: Op) -> AbstractContextManager:
+        return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
+
+    def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
+        device = executor.device
+        measurements: dict[tuple[int, str], LayerMeasurement] = {}
+        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
+            group = executor.comm.groups.get(("curv", stage))
+            for info in engine.layers():
+                samples: dict[str, list[float]] = {}
+                sizes: dict[str, int] = {}
+                for factor in ("A", "B"):
+                    suffix = factor.lower()
+                    micro_batches = engine.captured(info.name, factor)
+                    sizes[f"capture_{suffix}_bytes"] = max(
+                        (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches), default=0
+                    )
+                    samples[f"curvature_{suffix}"] = [
+                        timed_ms(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
+                        for micro_batch in micro_batches
+                    ]
+                    n = info.size(factor)
+                    matrix = torch.randn(n, n, device=device)
+                    matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
+                    samples[f"inverse_{suffix}"] = timed_ms(lambda: damped_inverse(matrix, self.damping, self.inverse), device)
+                    if group is not None:
+                        buffer = torch.zeros(n, n, device=device)
+                        samples[f"sync_{suffix}"] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)
+                engine.release(info.name)
+                grad = torch.randn(info.out_features, info.a_size, device=device)
+                a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)
+                samples["precondition"] = timed_ms(lambda: precondition_matrix(grad, a_inv, b_inv), device)
+                measurements[(stage, info.name)] = (samples, sizes)
+        return measurements

@@ -1,0 +1,207 @@
+"""Shampoo in the executor: handlers of SA, IA/IB and X, the providers of its collectives, the
+gradient capture after a stage's last backward and the preconditioning before the optimizer step.
+
+Refresh cycle of k steps (`Plan.steps`): after the last backward of a stage in the cycle's first
+step, every Shampoo matrix's gradient is copied (unscaled by fp16's loss scale); on a replicated
+stage a sync (SA) all-reduces the copy over all replicas (pipes x data-parallel), so it is the
+step's whole gradient, as in the single-process reference. IA/IB fold it into the left/right
+statistics and compute their inverse 4th roots; with split refresh work each replica computes
+some roots, folds the statistics of the others at its exchange (X) and receives their roots by
+broadcast. After the cycle's last step the new roots are committed: used from the next cycle on
+(the first cycle steps with the grafting direction alone). Preconditioning needs the reduced
+gradient (grafting is not linear), so it runs in the step end, right before the SGD step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipefisher.config import RunConfig
+from pipefisher.core.ir import Op, OpKind, splits_backward
+from pipefisher.core.topology import Topology
+from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.methods.shampoo import ShampooEngine, ShampooSettings
+from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
+from pipefisher.planning.comm.plan import Collective, inverse_owners
+from pipefisher.planning.plan import Plan
+from pipefisher.planning.tasks import FACTOR_OF
+from pipefisher.runtime.pipeline.clock import timed_ms
+from pipefisher.runtime.pipeline.comm import Comm, Handle
+
+
+def shampoo_settings(config: RunConfig) -> ShampooSettings:
+    """The engine's settings from the run's shampoo section; Adam grafting takes optimizer.betas[1]
+    and optimizer.eps."""
+    s, o = config.shampoo, config.optimizer
+    return ShampooSettings(beta2=s.beta2, epsilon=s.epsilon, block_size=s.block_size, root=s.root, grafting=s.grafting,
+                           graft_beta2=o.betas[1], graft_epsilon=o.eps, start_step=s.start_step,
+                           statistics_dtype=getattr(torch, s.statistics_dtype))
+
+
+def tied_skip(tied: list[tuple[str, str]]) -> tuple[str, ...]:
+    """Globs of the tied weights' copies: Shampoo grafts them only (their statistics would need the
+    gradient summed over the stages that hold them, which exists only at the end of the step)."""
+    return tuple(sorted({f"*{name}" for _, name in tied}))
+
+
+def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
+    """Parameters of `module` that Shampoo preconditions, in order, without allocating anything
+    (works on the meta device)."""
+    return [name for name, parameter in trainable_parameters(module).items() if is_matrix(name, parameter, skip)]
+
+
+class ShampooRuntime(CurvatureRuntime):
+    """The Shampoo state of one rank's stages, the handlers of its op kinds and the providers of
+    its collectives. `loss_scale()`: fp16's current loss scale (None otherwise); the captured
+    gradient is divided by it."""
+
+    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
+                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+        self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
+        settings = shampoo_settings(config)
+        self.engines = {key: ShampooEngine(module, settings, skip) for key, module in modules.items()}
+        #: a rank holds at most one copy of a stage
+        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
+        ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
+        #: the op kind after whose every micro-batch a stage's gradient of the step is complete
+        self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
+        #: (pipe, stage) -> how many ops of that kind it runs in a step, and how many have run
+        self._gradient_ops = Counter((op.pipe, op.stage) for op in ops if op.kind is self._final_kind)
+        self._gradient_ops_run: Counter[tuple[int, int]] = Counter()
+        #: (pipe, stage, matrix) -> statistics this rank still folds from the captured gradient
+        self._unfolded: dict[tuple[int, int, str], int] = {}
+        self.set_plan(plan)
+
+    def set_plan(self, plan: Plan) -> None:
+        self.owners = inverse_owners(plan)
+
+    def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
+        return {OpKind.SYNC_A: lambda op: None,  # the launch is the whole op
+                OpKind.INV_A: self._refresh, OpKind.INV_B: self._refresh, OpKind.EXCHANGE: self._fold_shared}
+
+    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
+        return {"sync": self._launch_sync, "exchange": self._launch_exchange}
+
+    def after_backward(self, op: Op, cycle_step: int) -> None:
+        """After the op that completes the stage's gradient in the cycle's first step (its last
+        backward, or weight gradient, in whatever order the plan runs them): keep the gradient."""
+        key = (op.pipe, op.stage)
+        if op.kind is not self._final_kind:
+            return
+        self._gradient_ops_run[key] += 1
+        if self._gradient_ops_run[key] < self._gradient_ops[key]:
+            return
+        self._gradient_ops_run[key] = 0
+        if cycle_step != 0:
+            return
+        engine = self.engines[(op.pipe, op.stage)]
+        scale = self.loss_scale()
+        for info in engine.matrices():
+            engine.capture(info.name)
+            if scale is not None:
+                engine.captured_gradient(info.name).div_(scale)
+            self._unfolded[(op.pipe, op.stage, info.name)] = 2
+
+    def before_optimizer_step(self, updates: Callable[[nn.Parameter], bool]) -> None:
+        for engine in self.engines.values():
+            engine.precondition_all(updates)
+
+    def end_of_cycle(self) -> None:
+        """Commit the cycle's roots; report numerical trouble (one host read per stage)."""
+        for engine in self.engines.values():
+            engine.commit()
+            engine.check_health()
+
+    def state_dict(self) -> dict:
+        return {
+            "engines": {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()},
+            "unfolded": [[pipe, stage, name, count] for (pipe, stage, name), count in self._unfolded.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for (pipe, stage), engine in self.engines.items():
+            engine.load_state_dict(state["engines"][f"{pipe}.{stage}"])
+        self._unfolded = {(pipe, stage, name): count for pipe, stage, name, count in state["unfolded"]}
+
+    # -- handlers ----------------------------------------------------------------------------
+    def _fold(self, op: Op, factor: str) -> ShampooEngine:
+        engine = self.engines[(op.pipe, op.stage)]
+        engine.update_statistics(op.layer, factor)
+        key = (op.pipe, op.stage, op.layer)
+        self._unfolded[key] -= 1
+        if not self._unfolded[key]:
+            del self._unfolded[key]
+            engine.release(op.layer)
+        return engine
+
+    def _refresh(self, op: Op) -> None:
+        factor = FACTOR_OF[op.kind]
+        self._fold(op, factor).compute_root(op.layer, factor)
+
+    def _fold_shared(self, op: Op) -> None:
+        """A replica that did not compute a factor's roots still folds its statistics, so every
+        replica keeps the same state; the roots themselves come by broadcast."""
+        for factor in "AB":
+            if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+                self._fold(op, factor)
+
+    # -- collectives -------------------------------------------------------------------------
+    def _launch_sync(self, collective: Collective) -> Handle:
+        stage, layer, _ = collective.key
+        return self.comm.all_reduce([self._engine_of_stage[stage].captured_gradient(layer)], collective.group)
+
+    def _launch_exchange(self, collective: Collective) -> Handle:
+        stage, layer, factor = collective.key
+        engine = self._engine_of_stage[stage]
+        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
+                                    shared=lambda: engine.shared_root(layer, factor),
+                                    buffer=lambda: engine.root_buffer(layer, factor),
+                                    receive=lambda tensor: engine.receive_root(layer, factor, tensor))
+
+class ShampooTimer(TaskTimer):
+    """Shampoo's task times per matrix: statistics and roots of each factor (from a random
+    gradient), the gradient's all-reduce over a replicated stage's group; and, in the step end,
+    the preconditioning with grafting (with roots in place)."""
+
+    method = "shampoo"
+
+    def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
+        settings = shampoo_settings(config)
+        self.modules = modules
+        self.engines = {key: ShampooEngine(module, settings, skip) for key, module in modules.items()}  # throwaway
+        self._measured: dict[tuple[int, str], LayerMeasurement] | None = None
+
+    def before_optimizer_step(self) -> None:
+        for engine in self.engines.values():
+            engine.precondition_all()
+
+    def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
+        device = executor.device
+        measurements: dict[tuple[int, str], LayerMeasurement] = {}
+        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
+            group = executor.comm.groups.get(("curv", stage))
+            parameters = dict(self.modules[(pipe, stage)].named_parameters())
+            for info in engine.matrices():
+                parameter = parameters[info.name]
+                saved = parameter.grad
+                parameter.grad = torch.randn_like(parameter)
+                engine.capture(info.name)
+                parameter.grad = saved
+                samples: dict[str, list[float]] = {}
+                for factor in "AB":
+                    def refresh(factor: str = factor) -> None:
+                        engine.update_statistics(info.name, factor)
+                        engine.compute_root(info.name, factor)
+                    samples[f"inverse_{factor.lower()}"] = timed_ms(refresh, device)
+                if group is not None:
+                    gradient = engine.captured_gradient(info.name)
+                    samples["sync_a"] = timed_ms(lambda: dist.all_reduce(gradient, group=group), device)
+                engine.release(info.name)
+                measurements[(stage, info.name)] = (samples, {})
+            engine.commit()
+        return measurements

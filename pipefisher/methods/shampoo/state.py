@@ -1,0 +1,68 @@
+"""Per-matrix Shampoo state and the choice of the parameters Shampoo preconditions."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.methods.shampoo import health as _health
+from pipefisher.methods.shampoo.blocks import FACTORS, Factor, MatrixInfo
+
+
+@dataclass
+class Roots:
+    """All block roots of one factor: ``value`` the flat 1-D tensor (layout of
+    :mod:`pipefisher.methods.shampoo.blocks`) and ``ok`` a ``(blocks,)`` device bool, False where that
+    block never had a valid root (its values are then a NaN placeholder)."""
+
+    value: Tensor
+    ok: Tensor
+
+
+@dataclass
+class FactorState:
+    """One factor of a matrix: the flat ``statistic`` (all blocks, zeros at first, in the settings'
+    ``statistics_dtype``), roots (in the settings' ``dtype``) computed
+    or received since the last commit (``pending``), roots in use (``committed``; None before the
+    first commit) and device int64 ``counters`` (:mod:`pipefisher.methods.shampoo.health`)."""
+
+    statistic: Tensor
+    counters: Tensor
+    pending: Roots | None = None
+    committed: Roots | None = None
+
+
+@dataclass
+class MatrixState:
+    """Everything Shampoo keeps for one matrix parameter; ``captured``: its ``(rows, cols)``
+    gradient copy waiting to be folded into the statistics, or None."""
+
+    info: MatrixInfo
+    parameter: nn.Parameter
+    factors: dict[Factor, FactorState] = field(default_factory=dict)
+    captured: Tensor | None = None
+
+
+def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Every trainable parameter of ``module`` once, by its first name in ``named_parameters()``."""
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def is_matrix(name: str, parameter: Tensor, skip: Iterable[str]) -> bool:
+    """At least 2-D and matching none of the ``skip`` globs (fnmatch, case-sensitive)."""
+    return parameter.dim() >= 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
+
+
+def new_matrix(name: str, parameter: nn.Parameter, block_size: int, statistics_dtype: torch.dtype) -> MatrixState:
+    """Zero statistics (in ``statistics_dtype``) and no roots for ``parameter``, on its device."""
+    info = MatrixInfo.of(name, tuple(parameter.shape), block_size)
+    device = parameter.device
+    factors = {
+        f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device), _health.zero_counters(device))
+        for f in FACTORS
+    }
+    return MatrixState(info, parameter, factors)

@@ -1,0 +1,71 @@
+"""Bytes of K-FAC captures a plan holds per device beyond what training holds anyway.
+
+In the first step of a refresh cycle each K-FAC layer captures, per micro-batch, its input
+activations (factor A, at the forward) and its output gradients (factor B, at the backward: the
+input-gradient op B where the schedule splits the backward); the capture is freed when that
+micro-batch's curvature task of the factor has run, possibly steps later. Training keeps both
+until the micro-batch's gradient of the stage is computed anyway (autograd keeps the input for
+the backward; a split backward's weight gradient W reads the input and the output gradients), so
+a capture costs extra only from the micro-batch's *release* on: its backward, or its W where the
+schedule splits the backward. A rank runs its list in order, so what it holds after each op
+follows from the order alone. Sizes come from the profile (`capture_a_bytes`, `capture_b_bytes`
+per micro-batch; 0 = unknown); layers that share an input (attention query, key, value) each
+count it, so the figure is an upper bound there.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import Profile
+from pipefisher.planning.plan import Plan
+
+_CURVATURE_FACTOR = {OpKind.CURV_A: "A", OpKind.CURV_B: "B"}
+
+
+@dataclass(frozen=True)
+class CapturePeak:
+    """The most capture bytes `rank` holds at once over the cycle, and after which op of which
+    step (None: it holds none)."""
+
+    rank: int
+    bytes: int
+    step: int | None = None
+    after: Op | None = None
+
+
+def capture_peaks(plan: Plan, profile: Profile) -> list[CapturePeak]:
+    """Per rank, the peak of extra captured bytes held over one refresh cycle of `plan`."""
+    layers = [stage.layers for stage in profile.stages]
+    by_name = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
+    release = OpKind.WEIGHT if plan.schedule.splits_backward else OpKind.BACKWARD
+
+    def size(stage: int, layer: str, factor: str) -> int:
+        found = by_name[stage][layer]
+        return found.capture_a_bytes if factor == "A" else found.capture_b_bytes
+
+    peaks = []
+    for rank in range(plan.schedule.num_ranks):
+        held, peak = 0, CapturePeak(rank, 0)
+        released: set[tuple] = set()
+        curvature_done: set[tuple] = set()  # (micro-batch key, layer, factor)
+        for index, step in enumerate(plan.steps):
+            for op in step[rank]:
+                key = (op.pipe, op.stage, op.micro_batch)
+                if op.kind is release and index == 0:
+                    released.add(key)
+                    held += sum(size(op.stage, layer.name, factor) for layer in layers[op.stage] for factor in "AB"
+                                if (key, layer.name, factor) not in curvature_done)
+                elif op.kind in _CURVATURE_FACTOR:
+                    factor = _CURVATURE_FACTOR[op.kind]
+                    curvature_done.add((key, op.layer, factor))
+                    if key in released:
+                        held -= size(op.stage, op.layer, factor)
+                else:
+                    continue
+                if held > peak.bytes:
+                    peak = CapturePeak(rank, held, index, op)
+        peaks.append(peak)
+    return peaks

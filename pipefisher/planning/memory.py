@@ -1,0 +1,262 @@
+"""Per-rank training-state memory and data-parallel gradient traffic of a pipelined run, in bytes.
+Pure Python: no torch.
+
+What is counted per rank, summed over the stages it holds (`Topology.stages_of`; Chimera and
+interleaved ranks hold several):
+
+- parameters and gradients: whole on every rank (pipefisher keeps fp32 master weights and fp32
+  gradients whatever the precision; ZeRO-1 cuts neither);
+- optimizer state: per parameter tensor the runtime's optimizer updates, i.e. every parameter of
+  the rank's stages without ZeRO, the rank's own (`pipefisher.planning.layouts.zero.shard_owners`) with ZeRO-1;
+- curvature state: what a K-FAC engine holds once a refresh is committed (running factors,
+  committed inverses, their validity flags, health counters), for every K-FAC layer of every held
+  stage; with G gradient workers per layer (`pipefisher.planning.layouts.kaisa`) a rank keeps the inverses only
+  of the layers it works for;
+- grad_comm_bytes: bytes the rank sends per step for its stages' gradient reduction over their
+  replicas (ring model, `pipefisher.planning.comm.volume.ring_bytes`): an all-reduce without ZeRO; with
+  ZeRO-1 a reduce to the owners plus the owners' parameter broadcast, the same volume; with
+  PowerSGD an all-reduce of its P and Q factors and of the tensors it leaves whole
+  (`powersgd_elements`); with gradient workers, plus the broadcasts of every layer's
+  preconditioned gradient within a block of R/G replicas.
+
+Not counted: activations, captured K-FAC inputs/output-gradients, built (unsynced) factors,
+communication and temporary buffers, allocator slack. The runtime counts traffic per bucket, so
+its bytes can differ from this whole-stage model by integer rounding (under 2 bytes a bucket).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
+from pipefisher.planning.layouts.kaisa import GradWorkers
+from pipefisher.planning.layouts.zero import shard_owners
+from pipefisher.schedules import get_schedule
+
+#: bytes of a K-FAC validity flag (a 0-dim bool tensor); one per running factor, one per inverse
+KFAC_FLAG_BYTES = 1
+#: bytes of one factor's health counters (int64 vector, one per `pipefisher.methods.kfac.layer.Health` field)
+KFAC_COUNTER_BYTES = 3 * 8
+
+
+@dataclass(frozen=True)
+class KfacLayer:
+    """A K-FAC layer's factor dimensions: ``a_size`` = in_features (+1 when the bias is folded
+    in as a trailing ones column), ``b_size`` = out_features (as `pipefisher.methods.kfac.LayerInfo`)."""
+
+    name: str
+    a_size: int
+    b_size: int
+
+
+@dataclass(frozen=True)
+class StageState:
+    """One stage's trainable parameters as element counts, each tensor once, in
+    ``module.parameters()`` order (the order ZeRO-1 shards them in), its K-FAC layers, and the
+    parameters' shapes in the same order (PowerSGD's traffic needs them)."""
+
+    parameters: tuple[int, ...]
+    kfac_layers: tuple[KfacLayer, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return sum(self.parameters)
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per parameter tensor: ``bytes_per_element`` × numel plus
+    ``bytes_per_tensor``; ``kfac``: K-FAC preconditions the gradients first (its state is counted
+    as curvature state)."""
+
+    name: str
+    bytes_per_element: int
+    bytes_per_tensor: int = 0
+    kfac: bool = False
+
+    def tensor_bytes(self, numel: int) -> int:
+        return self.bytes_per_element * numel + self.bytes_per_tensor
+
+
+def optimizer_state(name: str, momentum: float = 0.0, element_bytes: int = 4) -> OptimizerState:
+    """The state of pipefisher's optimizer `name` (`optimizer.name`) over parameters of
+    `element_bytes` each: SGD a momentum buffer when momentum > 0 (also after K-FAC/Shampoo);
+    torch AdamW two moments and a 0-dim fp32 step tensor; pipefisher's LAMB two moments (its step
+    is a Python int). Shampoo's own state is not modelled (ValueError)."""
+    if name in ("sgd", "kfac"):
+        return OptimizerState(name, element_bytes if momentum > 0 else 0, kfac=name == "kfac")
+    if name == "adamw":
+        return OptimizerState(name, 2 * element_bytes, bytes_per_tensor=4)
+    if name == "lamb":
+        return OptimizerState(name, 2 * element_bytes)
+    raise ValueError(f"optimizer {name!r}: the memory model knows sgd, adamw, lamb and kfac")
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per element of parameters, gradients and K-FAC factors (fp32 by default, as the
+    runtime keeps them)."""
+
+    parameter: int = 4
+    gradient: int = 4
+    factor: int = 4
+
+
+def kfac_layer_bytes(layer: KfacLayer, factor_bytes: int = 4, inverses: bool = True) -> int:
+    """Bytes a K-FAC engine holds for `layer` after a committed refresh: per factor of size n,
+    the running factor (n² elements and a flag), the health counters and, when the rank keeps
+    the layer's `inverses`, the committed inverse (n² elements and a flag)."""
+    copies = 2 if inverses else 1
+    return sum(copies * (n * n * factor_bytes + KFAC_FLAG_BYTES) + KFAC_COUNTER_BYTES for n in (layer.a_size, layer.b_size))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage copy's share of a rank's bytes; `replicas`: ranks holding the stage (R)."""
+
+    pipe: int
+    stage: int
+    replicas: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    curvature_bytes: int
+    grad_comm_bytes: int
+    compression_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A rank's training-state bytes and per-step gradient traffic (bytes sent), summed over the
+    stage copies it holds (`stages`)."""
+
+    rank: int
+    stages: tuple[StageMemory, ...]
+
+    def _sum(self, field: str) -> int:
+        return sum(getattr(part, field) for part in self.stages)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self._sum("parameter_bytes")
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self._sum("gradient_bytes")
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self._sum("optimizer_bytes")
+
+    @property
+    def curvature_bytes(self) -> int:
+        return self._sum("curvature_bytes")
+
+    @property
+    def grad_comm_bytes(self) -> int:
+        return self._sum("grad_comm_bytes")
+
+    @property
+    def compression_bytes(self) -> int:
+        return self._sum("compression_bytes")
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state + curvature state + PowerSGD's state (traffic excluded)."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.curvature_bytes + self.compression_bytes
+
+
+def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: OptimizerState, zero: int = 0,
+                widths: ElementBytes = ElementBytes(), workers_per_layer: int | None = None, powersgd_rank: int = 0) -> tuple[RankMemory, ...]:
+    """Every global rank's bytes (index = rank) for `stages` (one per stage index of the schedule)
+    placed by `topology`; `zero` 0 (off) or 1 (optimizer state sharded by parameter over each
+    stage's replicas, `shard_owners`); `workers_per_layer`: K-FAC's G gradient workers per layer (None:
+    every replica); `powersgd_rank`: PowerSGD's rank (0 = off; needs the stages' shapes)."""
+    if len(stages) != topology.schedule.num_stages:
+        raise ValueError(f"stages: {len(stages)} given, the schedule has {topology.schedule.num_stages}")
+    if zero not in (0, 1):
+        raise ValueError(f"zero: {zero} is not a ZeRO stage this model has; use 0 or 1")
+    if powersgd_rank and any(len(stage.shapes) != len(stage.parameters) for stage in stages):
+        raise ValueError("powersgd_rank: the stages' parameter shapes are needed (StageState.shapes)")
+    owners = {}
+    for index, stage in enumerate(stages):
+        ranks = topology.replica_ranks(index)
+        owners[index] = shard_owners(stage.parameters, ranks) if zero else None
+    result = []
+    for rank in range(topology.world_size):
+        parts = []
+        for pipe, index in topology.stages_of(rank):
+            stage = stages[index]
+            ranks = topology.replica_ranks(index)
+            replicas = len(ranks)
+            grid = GradWorkers(ranks, workers_per_layer) if workers_per_layer is not None and workers_per_layer < replicas else None
+            mine = stage.parameters if owners[index] is None else [
+                numel for numel, owner in zip(stage.parameters, owners[index]) if owner == rank]
+            gradient_bytes = stage.numel * widths.gradient
+            parameter_bytes = stage.numel * widths.parameter
+            if zero:  # reduce-scatter to the owners, then the owners' all-gather of parameters
+                traffic = ring_bytes("reduce", gradient_bytes, replicas) + ring_bytes("broadcast", parameter_bytes, replicas)
+            elif powersgd_rank:
+                elements = sum(powersgd_elements(shape, powersgd_rank) for shape in stage.shapes)
+                traffic = ring_bytes("all_reduce", elements * widths.gradient, replicas)
+            else:
+                traffic = ring_bytes("all_reduce", gradient_bytes, replicas)
+            compression = powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
+            curvature = 0
+            if optimizer.kfac:
+                curvature = sum(kfac_layer_bytes(layer, widths.factor, grid is None or grid.works_for(rank, number))
+                                for number, layer in enumerate(stage.kfac_layers))
+                if grid is not None:  # each layer's preconditioned gradient, (b) x (a) with the bias column
+                    traffic += sum(ring_bytes("broadcast", layer.a_size * layer.b_size * widths.gradient, grid.block_size)
+                                   for layer in stage.kfac_layers)
+            parts.append(StageMemory(
+                pipe, index, replicas, parameter_bytes, gradient_bytes,
+                sum(optimizer.tensor_bytes(numel) for numel in mine), curvature, traffic, compression,
+            ))
+        result.append(RankMemory(rank, tuple(parts)))
+    return tuple(result)
+
+
+def powersgd_state_bytes(shapes: Sequence[tuple[int, ...]], rank: int, element_bytes: int = 4) -> int:
+    """What PowerSGD keeps for a stage (`pipefisher.runtime.gradient_path.powersgd`, fp32 gradients): the error
+    of every matrix it compresses (its size), the Q factors (m x r each), and the P factors with a
+    copy of every tensor it leaves whole (n x r each, plus those tensors)."""
+    elements = 0
+    for shape in shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        if powersgd_elements(shape, rank) < numel:
+            elements += numel + rank * (numel // shape[0]) + rank * shape[0]
+        else:
+            elements += numel
+    return elements * element_bytes
+
+
+def largest(ranks: Sequence[RankMemory], field: str) -> int:
+    """The largest value of `field` (a RankMemory property, e.g. ``total_bytes``) over `ranks`."""
+    return max(getattr(rank, field) for rank in ranks)
+
+
+#: ZeRO's "mixed-precision Adam" (Rajbhandari et al., SC'20, sec. 3.1): fp32 master parameters,
+#: momentum and variance, K = 12 bytes per parameter; fp16 parameters and gradients beside them
+MIXED_PRECISION_ADAM = OptimizerState("mixed-precision adam", 12)
+
+
+def zero_paper_example(psi: int = 7_500_000_000, data_parallel: int = 64, zero: int = 0,
+                       chunks_per_rank: int = 4) -> RankMemory:
+    """Sanity check of this model's per-rank path against ZeRO's own accounting (paper, Figure 1:
+    Ψ = 7.5B, Nd = 64 gives 120 GB per device without ZeRO, 31.4 GB with P_os): a one-stage
+    model of `psi` parameters, cut into ``chunks_per_rank × data_parallel`` nearly equal tensors,
+    fp16 parameters and gradients (2 bytes each) and K = 12 bytes of optimizer state, over
+    `data_parallel` replicas. Returns the rank with the most bytes. Not pipefisher's runtime
+    accounting (which keeps fp32 parameters and gradients)."""
+    chunks = chunks_per_rank * data_parallel
+    base, extra = divmod(psi, chunks)
+    sizes = tuple(base + (index < extra) for index in range(chunks))
+    topology = Topology(get_schedule("1f1b", 1, 1), data_parallel)
+    ranks = rank_memory(topology, [StageState(sizes)], MIXED_PRECISION_ADAM, zero, ElementBytes(parameter=2, gradient=2))
+    return max(ranks, key=lambda rank: rank.total_bytes)

@@ -1,0 +1,420 @@
+"""Greedy placement of a refresh cycle's curvature tasks into the bubbles of repeated steps.
+
+The first-order timeline repeats every step, so each rank has the same windows in every step: the
+bubbles of a step with its preconditioning (each precondition in the first bubble after its
+stage's last backward that holds it), less `margin` of each. Windows are visited in time order over the
+steps; in each, ready tasks are placed one after another:
+
+- ``fill``: the largest ready task that fits, so that big inverses take the big windows and small
+  curvature tasks fill the rest;
+- ``published``: the PipeFisher reference's rule: the first task that fits in priority order
+  (curvature A, curvature B, inverse A, inverse B); an inverse waits for all curvature of its kind
+  on its rank.
+
+Where the schedule splits the backward, weight gradients (W ops) stay where it put them
+(policy ``fixed``), or move within their step as `pipefisher.planning.packing.weights` bounds them: the
+windows then include the W ops' own time, and in every step each rank's W ops are placed in
+order, never later than their latest start, before it (``first``: as soon as ready) or when no
+ready task fits before that (``last``).
+
+Collective launches (factor syncs, inverse exchanges) take no rank time: they happen once their
+own dependencies are done. Times are global: step j spans [j * T, (j + 1) * T), T the step time
+with preconditioning.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.planning.packing.weights import WeightPolicy, WeightWindows, weight_windows
+from pipefisher.planning.simulate import COLLECTIVES, Timeline, simulate_ops
+from pipefisher.planning.tasks import CurvatureTasks
+
+Strategy = Literal["fill", "published"]
+STRATEGIES = ("fill", "published")
+TOLERANCE = 1e-9
+CURVATURE_KINDS = frozenset({OpKind.CURV_A, OpKind.CURV_B})
+#: builds a named tuple from a tuple without its Python-level constructor (the greedy's hot path)
+_new = tuple.__new__
+_CURVATURE_OF = {OpKind.INV_A: OpKind.CURV_A, OpKind.INV_B: OpKind.CURV_B}
+_PUBLISHED_PRIORITY = {OpKind.CURV_A: 0, OpKind.CURV_B: 1, OpKind.INV_A: 2, OpKind.INV_B: 3}
+
+
+class Slot(NamedTuple):
+    """Where an op sits in its rank's list of one step; lists are sorted by slot."""
+
+    step: int
+    #: local start of the window it runs in; forward/backward: its own first-order start;
+    #: math.inf: after the step's own work
+    window: float
+    #: 0: forward/backward (and ops pinned right after one), 1: in a window, 2: after the step's work
+    phase: int
+    #: order of placement within the window (or after its forward/backward)
+    sequence: int
+    #: collectives: launched right after the op whose slot they share otherwise
+    launch: int = 0
+
+
+class Placement(NamedTuple):
+    """An op's slot and its predicted global start and end (profile time unit)."""
+
+    slot: Slot
+    start: float
+    end: float
+
+
+class Placed(NamedTuple):
+    """What the greedy placed: the cycle's tasks (those it could place), and, when it moved the
+    weight gradients, their placement in each step it ran (`weights[j]`; empty: W ops fixed)."""
+
+    tasks: dict[Op, Placement]
+    weights: tuple[dict[Op, Placement], ...] = ()
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Per rank, the usable windows of one step as (local start, local end); each
+    precondition's window start (None: after the step's work); the timeline of a step with
+    preconditioning as its only K-FAC work, whose bubbles the windows are; and, where the
+    schedule splits the backward, the bounds within which W ops may move (None otherwise)."""
+
+    free: tuple[tuple[tuple[float, float], ...], ...]
+    precondition_window: dict[Op, float | None]
+    preconditioned: Timeline
+    weights: WeightWindows | None = None
+
+    def longest(self, rank: int) -> float:
+        return max((end - start for start, end in self.free[rank]), default=0.0)
+
+
+def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) -> Windows:
+    """The windows of every step: each precondition goes into the first bubble after its
+    stage's gradient is final (its last backward or weight gradient) that holds it (else after
+    the step's work); the windows are the bubbles of that preconditioned step (so they include
+    what a step ending later with its preconditioning leaves free on other ranks), less `margin`
+    of each."""
+    end_of = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
+    final = {op: max((end_of[dep] for dep in tasks.graph.gradient_ops(op)), default=0.0) for ops in tasks.per_step for op in ops}
+    reserved: dict[Op, float | None] = {}
+    ranks = []
+    for rank, preconditions in enumerate(tasks.per_step):
+        windows = [(b.start, b.end) for b in first_order.bubbles(rank)]
+        for op in sorted(preconditions, key=final.__getitem__):
+            work, release = tasks.durations(op), final[op]
+            reserved[op] = None
+            for index, (start, end) in enumerate(windows):
+                if start >= release - TOLERANCE and end - start >= work - TOLERANCE:
+                    reserved[op] = start
+                    windows[index] = (start + work, end)
+                    break
+        items = [((iv.start, 0), iv.op) for iv in first_order.ranks[rank]]
+        items += [((math.inf if reserved[op] is None else reserved[op], 1), op) for op in preconditions]
+        ranks.append([op for _, op in sorted(items, key=lambda item: item[0])])
+    preconditioned = simulate_ops(ranks, tasks.graph.dependencies, tasks.durations, f"{tasks.schedule.name} with preconditioning")
+    free = tuple(
+        tuple((b.start, b.end - margin * b.duration) for b in preconditioned.bubbles(rank) if b.duration * (1 - margin) > TOLERANCE)
+        for rank in range(len(ranks))
+    )
+    moving = tasks.schedule.splits_backward
+    weights = weight_windows(tasks, free, preconditioned.ranks, reserved) if moving else None
+    return Windows(free, reserved, preconditioned, weights)
+
+
+def place(
+    tasks: CurvatureTasks,
+    first_order: Timeline,
+    windows: Windows,
+    strategy: Strategy,
+    max_steps: int,
+    curvature_until: int | None = None,
+    weights: WeightPolicy = "fixed",
+) -> Placed:
+    """Place the cycle's tasks over up to `max_steps` steps; tasks left unplaced are absent.
+    Curvature is placed only in steps <= `curvature_until` when given. `weights`: how W ops are
+    placed (see the module docstring; ``fixed`` where the schedule has none)."""
+    if windows.weights is None:
+        weights = "fixed"
+    return _Greedy(tasks, first_order, windows, strategy, weights).run(max_steps, curvature_until)
+
+
+class _Greedy:
+    """One greedy pass over *units*: a unit is one task, or the curvature chain of one factor of
+    one layer (its micro-batches in order, each after the previous one). Only a chain's next task
+    is ready at a time, so placing a chain's tasks one after another while they stay the best
+    choice is the same as choosing task by task, at a fraction of the cost. Units are numbered in
+    `tasks.cycle` order of their first task (a topological order)."""
+
+    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy):
+        self.published = strategy == "published"
+        self.windows = windows
+        #: the W ops' bounds when they move (None: fixed), and whether they go first
+        self.movable = windows.weights if weights != "fixed" else None
+        self.weights_first = weights == "first"
+        self.period = windows.preconditioned.step_time  # a step with its preconditioning
+        self.ops: list[list[Op]] = []
+        unit_of: dict[Op, int] = {}
+        chains: dict[tuple, int] = {}
+        #: per unit, per task: its work and its cycle index (the tie-break)
+        self.work: list[list[float]] = []
+        self.index: list[list[int]] = []
+        all_ops = (op for ops in tasks.cycle for op in ops)
+        for index, (op, work) in enumerate(zip(all_ops, (w for works in tasks.cycle_work for w in works))):
+            key = (op.kind, op.pipe, op.stage, op.layer) if op.kind in CURVATURE_KINDS else op
+            unit = chains.setdefault(key, len(self.ops))
+            if unit == len(self.ops):
+                self.ops.append([])
+                self.work.append([])
+                self.index.append([])
+            self.ops[unit].append(op)
+            self.work[unit].append(work)
+            self.index[unit].append(index)
+            unit_of[op] = unit
+        placement, durations = tasks.schedule.placement, tasks.durations
+        self.rank = [placement[(ops[0].pipe, ops[0].stage)] for ops in self.ops]
+        self.head = [0] * len(self.ops)
+        self.curvature = [ops[0].kind in CURVATURE_KINDS for ops in self.ops]
+        self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
+        #: per unit, per task: when its first-step input is ready
+        fo_end = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
+        self.op_release = [[max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
+                           for ops in self.ops]
+        extra = self._published_dependencies(tasks) if self.published else {}
+        children: list[dict[int, float]] = [{} for _ in self.ops]
+        self.release = [0.0] * len(self.ops)
+        for unit, ops in enumerate(self.ops):
+            if self.curvature[unit]:
+                continue  # a chain waits for its first-step inputs (op_release) and itself only
+            for op in ops:
+                parents = {unit_of.get(dep): dep for dep in tasks.graph.dependencies(op) + extra.get(op, ())}
+                parents.pop(None, None)
+                parents.pop(unit, None)
+                for parent, dep in parents.items():  # (a chain's tasks all pass on the same delay)
+                    delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
+                    children[parent][unit] = max(children[parent].get(unit, 0.0), delay)
+        self.children = [list(found.items()) for found in children]
+        self.missing = [0] * len(self.ops)
+        for found in self.children:
+            for child, _ in found:
+                self.missing[child] += 1
+
+    @staticmethod
+    def _published_dependencies(tasks: CurvatureTasks) -> dict[Op, tuple[Op, ...]]:
+        """The published rule: an inverse waits for all curvature of its kind on its rank, i.e.
+        for the last task of each of its rank's curvature chains of that kind."""
+        extra: dict[Op, tuple[Op, ...]] = {}
+        for ops in tasks.cycle:
+            curvature = [op for op in ops if op.kind in CURVATURE_KINDS]
+            earlier = {dep for op in curvature for dep in tasks.graph.dependencies(op) if dep.kind is op.kind}
+            last = {kind: tuple(op for op in curvature if op.kind is kind and op not in earlier) for kind in CURVATURE_KINDS}
+            extra.update({op: last[_CURVATURE_OF[op.kind]] for op in ops if op.kind in _CURVATURE_OF})
+        return extra
+
+    def run(self, max_steps: int, curvature_until: int | None) -> Placed:
+        num_ranks = len(self.windows.free)
+        self.pending: list[list[tuple]] = [[] for _ in range(num_ranks)]  # (release, unit)
+        self.ready: list[list[tuple]] = [[] for _ in range(num_ranks)]
+        self.placed: dict[Op, Placement] = {}
+        self.sequence = 0  # placements so far (the order within a window)
+        #: per step, the W ops placed in it (when they move); per rank, the next W of the step
+        self.weights_placed: list[dict[Op, Placement]] = []
+        self.weight_head = [0] * num_ranks
+        self.done = 0
+        self.step = 0
+        self.curvature_until = math.inf if curvature_until is None else curvature_until
+        for unit in [unit for unit in range(len(self.ops)) if self.missing[unit] == 0]:  # (launching one readies others)
+            self._make_ready(unit)
+        free = self.windows.free if self.movable is None else self.movable.free
+        order = sorted((start, rank, end) for rank, windows in enumerate(free) for start, end in windows)
+        for step in range(max_steps):
+            self.step = step
+            if step > self.curvature_until:
+                self._drop_curvature()
+            done_before = len(self.placed)
+            offset = step * self.period
+            if self.movable is not None:
+                self.weights_placed.append({})
+                self.weight_head = [0] * num_ranks
+            for local_start, rank, local_end in order:
+                self._fill(rank, step, local_start, offset + local_start, offset + local_end)
+            if self.movable is not None and self.weight_head != [len(ops) for ops in self.movable.ops]:
+                raise AssertionError(f"step {step}: weight gradients left unplaced")  # the bounds guarantee room
+            if self.done == len(self.ops):
+                break
+            step_end = (step + 1) * self.period
+            if len(self.placed) == done_before and not any(q and q[0][0] >= step_end for q in self.pending) and not self._anything_fits():
+                break  # what is left fits no window
+        return Placed(self.placed, tuple(self.weights_placed))
+
+    def _next_weight(self, rank: int, offset: float) -> tuple[float, float, float] | None:
+        """(global release, global latest start, work) of `rank`'s next W of the step; None if W
+        ops are fixed or all placed."""
+        movable = self.movable
+        if movable is None:
+            return None
+        head = self.weight_head[rank]
+        if head == len(movable.ops[rank]):
+            return None
+        return offset + movable.release[rank][head], offset + movable.latest[rank][head], movable.work[rank][head]
+
+    def _place_weight(self, rank: int, step: int, local_start: float, cursor: float) -> float:
+        """Place `rank`'s next W of `step` at `cursor` in the window at `local_start`; its end."""
+        movable, head = self.movable, self.weight_head[rank]
+        end = cursor + movable.work[rank][head]
+        slot = _new(Slot, (step, local_start, 1, self.sequence, 0))
+        self.weights_placed[step][movable.ops[rank][head]] = _new(Placement, (slot, cursor, end))
+        self.sequence += 1
+        self.weight_head[rank] = head + 1
+        return end
+
+    def _fill(self, rank: int, step: int, local_start: float, cursor: float, end: float) -> None:
+        """Place ready work of `rank` in the window [cursor, end) of `step`: tasks, and its W ops
+        when they move (no task crosses the next W's latest start; that W runs by then)."""
+        pending, ready, placed = self.pending[rank], self.ready[rank], self.placed
+        offset = step * self.period
+        while True:
+            while pending and pending[0][0] <= cursor + TOLERANCE:
+                bisect.insort(ready, self._ready_key(heapq.heappop(pending)[1]))
+            weight = self._next_weight(rank, offset)
+            limit = end if weight is None else min(end, weight[1])
+            chosen = self._best(ready, limit - cursor)
+            if (weight is not None and weight[0] <= cursor + TOLERANCE and cursor + weight[2] <= end + TOLERANCE
+                    and (chosen is None or self.weights_first)):
+                cursor = self._place_weight(rank, step, local_start, cursor)
+                continue
+            if chosen is None:
+                waiting = weight is not None and weight[0] > cursor + TOLERANCE  # (else it fits a later window)
+                upcoming = min(pending[0][0] if pending else math.inf, weight[0] if waiting else math.inf)
+                if upcoming < end:
+                    cursor = upcoming
+                    continue
+                return
+            unit = ready.pop(chosen)[-1]
+            ops, work, releases = self.ops[unit], self.work[unit], self.op_release[unit]
+            head = self.head[unit]
+            while True:  # the chain's tasks while each is still the best choice
+                slot = _new(Slot, (step, local_start, 1, self.sequence, 0))
+                self.sequence += 1
+                placed[ops[head]] = _new(Placement, (slot, cursor, cursor + work[head]))
+                cursor += work[head]
+                head += 1
+                if head == len(ops) or releases[head] > cursor + TOLERANCE or cursor + work[head] > limit + TOLERANCE:
+                    break
+                if pending and pending[0][0] <= cursor + TOLERANCE:
+                    break  # newly ready work competes
+                if weight is not None and self.weights_first and weight[0] <= cursor + TOLERANCE:
+                    break  # the next W is ready and goes first
+                if work[head] != work[head - 1]:  # (an equal next task stays the best choice)
+                    rival = self._best(ready, limit - cursor)
+                    if rival is not None and ready[rival][:-1] > self._key(unit, head):
+                        break
+            self.head[unit] = head
+            if head == len(ops):
+                self._finish(unit, cursor)
+            elif releases[head] > cursor + TOLERANCE:
+                heapq.heappush(pending, (releases[head], unit))
+            else:
+                bisect.insort(ready, self._ready_key(unit))
+
+    def _anything_fits(self) -> bool:
+        """Whether some ready or pending task fits a window of its rank (it may yet be placed)."""
+        return any(
+            self.work[entry[-1]][self.head[entry[-1]]] <= self.windows.longest(rank) + TOLERANCE
+            for rank in range(len(self.windows.free))
+            for entry in self.ready[rank] + self.pending[rank]
+        )
+
+    def _finish(self, unit: int, end: float) -> None:
+        self.done += 1
+        for child, delay in self.children[unit]:
+            self.release[child] = max(self.release[child], end + delay)
+            self.missing[child] -= 1
+            if self.missing[child] == 0:
+                self._make_ready(child)
+
+    def _make_ready(self, unit: int) -> None:
+        if self.collective[unit]:  # an asynchronous launch: no rank time, no window
+            launch = max(self.release[unit], self.op_release[unit][0])
+            for op in self.ops[unit]:
+                self.placed[op] = Placement(Slot(-1, 0.0, 1, 0), launch, launch)
+            self._finish(unit, launch)
+        elif not (self.curvature[unit] and self.step > self.curvature_until):
+            release = max(self.release[unit], self.op_release[unit][0])
+            heapq.heappush(self.pending[self.rank[unit]], (release, unit))
+
+    def _drop_curvature(self) -> None:
+        """Past `curvature_until`: curvature (and all that waits for it) stays unplaced."""
+        for queues in (self.pending, self.ready):
+            for rank, queue in enumerate(queues):
+                queues[rank] = [entry for entry in queue if not self.curvature[entry[-1]]]
+        for queue in self.pending:
+            heapq.heapify(queue)
+
+    def _key(self, unit: int, head: int) -> tuple:
+        """How good a choice the unit's task `head` is (larger: better): ``published``: its
+        priority (kind order, then cycle order), reversed; ``fill``: its size, then cycle order."""
+        kind = self.ops[unit][head].kind
+        index = self.index[unit][head]
+        if self.published:
+            return (-_PUBLISHED_PRIORITY.get(kind, 9), -index)
+        return (self.work[unit][head], -index)
+
+    def _ready_key(self, unit: int) -> tuple:
+        return self._key(unit, self.head[unit]) + (unit,)
+
+    def _best(self, ready: list[tuple], free: float) -> int | None:
+        """Index in `ready` of the unit whose next task goes into `free` time, or None:
+        ``published``: the first in priority order that fits; ``fill``: the largest that fits
+        (ties: the earliest in the cycle)."""
+        if self.published:
+            for index in range(len(ready) - 1, -1, -1):
+                unit = ready[index][-1]
+                if self.work[unit][self.head[unit]] <= free + TOLERANCE:
+                    return index
+            return None
+        index = bisect.bisect_right(ready, (free + TOLERANCE, math.inf))
+        return index - 1 if index > 0 else None
+
+
+def lower_bounds(tasks: CurvatureTasks, first_order: Timeline, windows: Windows) -> list[int]:
+    """Per rank, the least k whose windows can hold the cycle's tasks (those longer than every
+    window excluded), by two counts; at least 1. In the first step nothing runs before the
+    rank's first forward ends (all its tasks wait for one of its forwards or backwards), so only
+    the windows' time after it counts there. Time: every step offers its windows' time.
+    Size: for each task length t, a window of length c holds at most floor(c / t) of the tasks at
+    least t long."""
+    bounds = []
+    for rank, free in enumerate(windows.free):
+        first_forward = min((iv.end for iv in first_order.ranks[rank] if iv.op.kind is OpKind.FORWARD), default=0.0)
+        first = [max(0.0, end - max(start, first_forward)) for start, end in free]
+        later = [end - start for start, end in free]
+        longest = max(later, default=0.0)
+        works = sorted((w for w in tasks.cycle_work[rank] if TOLERANCE < w <= longest + TOLERANCE), reverse=True)
+        need = _steps_needed(sum(works), sum(first), sum(later))
+        for count, size in enumerate(works, start=1):
+            if count == len(works) or works[count] < size:  # the `count` tasks at least `size` long
+                need = max(need, _steps_needed(count, _holding(first, size), _holding(later, size)))
+        bounds.append(need)
+    return bounds
+
+
+def _holding(lengths: list[float], size: float) -> int:
+    """How many tasks at least `size` long windows of these lengths hold at most."""
+    return sum(math.floor(length / size + 1e-9) for length in lengths)
+
+
+def _steps_needed(amount: float, first: float, later: float) -> int:
+    """Least k with first + (k - 1) * later >= amount (1 when nothing later helps)."""
+    if amount <= first + TOLERANCE or later <= TOLERANCE:
+        return 1
+    return 1 + max(0, math.ceil((amount - first) / later - 1e-9))
+
+
+def precondition_in_bubbles(tasks: CurvatureTasks, windows: Windows, rank: int) -> float:
+    """Per-step precondition time of `rank` that sits inside its bubbles."""
+    return sum(tasks.durations(op) for op in tasks.per_step[rank] if windows.precondition_window[op] is not None)

@@ -1,0 +1,51 @@
+"""What a packing may do: its margin, percentile, overhead budget, refresh bounds and strategy. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefisher.planning.packing.greedy import STRATEGIES, Strategy
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """`margin`: share of each bubble kept free (0..1); `percentile`: pack with this percentile of
+    the profile's measured samples (None: its nominal times); `max_overhead`: budget as a share of
+    the first-order step time; `refresh_steps`: pin k; `max_refresh_steps`: cap k (None: no cap);
+    `max_capture_mb`: cap on captured activations/gradients held per device (MiB; None: no cap);
+    `data_parallel`: copies of the pipeline (factors are synced over them too); `precondition`
+    False: no per-step precondition ops (K-FAC's gradient workers precondition in the step end); `strategy`
+    ``published`` packs with the published rule alone, for comparison; `move_weights`: where the
+    schedule splits the backward, let the fill strategy move weight gradients within their step
+    (False: they stay where the schedule put them). The tasks packed are those of the profile's
+    curvature method (`Profile.method`)."""
+
+    margin: float = 0.0
+    percentile: float | None = 90.0
+    max_overhead: float = 0.01
+    split: bool = True
+    strategy: Strategy = "fill"
+    refresh_steps: int | None = None
+    max_refresh_steps: int | None = None
+    max_capture_mb: float | None = None
+    data_parallel: int = 1
+    precondition: bool = True
+    move_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin: {self.margin} must be in [0, 1)")
+        if self.percentile is not None and not 0 <= self.percentile <= 100:
+            raise ValueError(f"percentile: {self.percentile} must be in [0, 100]")
+        if self.max_overhead < 0:
+            raise ValueError(f"max_overhead: {self.max_overhead} must be >= 0")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        for name in ("refresh_steps", "max_refresh_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: {value} must be at least 1")
+        if self.max_capture_mb is not None and self.max_capture_mb <= 0:
+            raise ValueError(f"max_capture_mb: {self.max_capture_mb} must be > 0")
+        if self.data_parallel < 1:
+            raise ValueError(f"data_parallel: {self.data_parallel} must be at least 1")

@@ -1,0 +1,239 @@
+"""Turn a greedy placement into a Plan with k steps: leftovers, collectives, per-rank op lists.
+
+Tasks the greedy placed in step k or later (or never) are leftovers; a policy puts them:
+``tail`` after the last step's own work, in dependency order; ``spread`` where each extends its
+step least (ranks extend in parallel); ``eager`` (curvature only) right after its latest
+dependency, in step 0 or wherever that is, so its capture is freed at once. Collectives are then
+launched right after their own dependencies, in one order on every rank of their group.
+Weight gradients (W ops) run where the schedule put them, except in the steps where the greedy
+moved them (`Placed.weights`) and placed cycle tasks in the windows: there they run where it put
+them, and leftovers spread into that step use its windows with the W ops' time.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from operator import itemgetter
+from collections import defaultdict
+from typing import Literal, NamedTuple
+
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.planning.packing.greedy import CURVATURE_KINDS, TOLERANCE, Placed, Placement, Slot, Windows
+from pipefisher.planning.plan import Plan
+from pipefisher.planning.simulate import COLLECTIVES, Timeline
+from pipefisher.planning.tasks import CurvatureTasks, collective_groups
+
+Leftovers = Literal["tail", "spread"]
+
+
+class Built(NamedTuple):
+    """A plan, the tasks it runs outside the windows, and its steps that hold any of those or a
+    collective (`irregular`): every other step runs its K-FAC work inside the windows alone, so
+    it takes exactly as long as a step with preconditioning only."""
+
+    plan: Plan
+    leftovers: list[Op]
+    irregular: frozenset[int]
+_first, _second = itemgetter(0), itemgetter(1)
+_PHASE = {OpKind.CURV_A: 0, OpKind.CURV_B: 0, OpKind.INV_A: 1, OpKind.INV_B: 1}
+
+
+class PlanBuilder:
+    """Plans of one task set on one first-order timeline (see the module docstring)."""
+
+    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows):
+        self.tasks = tasks
+        self.windows = windows
+        self.period = windows.preconditioned.step_time  # a step with its preconditioning
+        self.schedule = tasks.schedule
+        self.fo = {iv.op: iv for intervals in first_order.ranks for iv in intervals}
+        self.groups = collective_groups(self.schedule)
+        self.rank_of = {op: self.schedule.placement[(op.pipe, op.stage)] for ops in tasks.cycle for op in ops}
+        self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
+        self.cycle_index = {op: index for index, op in enumerate(self.rank_of)}
+
+    def plan(self, placed: Placed, refresh_steps: int, leftovers: Leftovers, eager_curvature: bool = False) -> Built:
+        """The plan with `refresh_steps` steps and its leftovers (tasks outside the windows)."""
+        kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}  # (collectives: step -1)
+        in_windows = {p.slot.step for p in kept.values() if p.slot.phase == 1}
+        weights = {step: moved for step, moved in enumerate(placed.weights[:refresh_steps]) if step in in_windows}
+        left = sorted((op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key)
+        if eager_curvature:
+            self._place_eagerly(kept, [op for op in left if op.kind in CURVATURE_KINDS])
+        rest = [op for op in left if op not in kept]
+        if leftovers == "tail":
+            self._append(kept, rest, refresh_steps)
+        else:
+            self._spread(kept, rest, refresh_steps, weights)
+        collectives = self._place_collectives(kept, weights.get(0, {}))
+        irregular = frozenset(kept[op].slot.step for op in left + collectives) | frozenset(weights)
+        return Built(self.assemble(kept, refresh_steps, weights), left, irregular)
+
+    def assemble(self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None) -> Plan:
+        """The plan of the schedule's ops, the preconditions in their windows and `kept`; in the
+        steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
+        weights = weights or {}
+        extra: list[list[list[tuple[tuple, Op]]]] = [[[] for _ in self.schedule.ranks] for _ in range(refresh_steps)]
+        for placements in [kept] + [weights[step] for step in sorted(weights)]:
+            for op, placement in placements.items():
+                extra[placement.slot.step][self.schedule.rank_of(op)].append((placement.slot[1:], op))
+        steps = []
+        for index, step in enumerate(extra):
+            base = self.base_without_weights if index in weights else self.base
+            ranks = []
+            for rank, items in enumerate(step):
+                items = base[rank] + items
+                items.sort(key=_first)  # sorted runs when kept is in window order: a merge
+                ranks.append(tuple(map(_second, items)))
+            steps.append(tuple(ranks))
+        return Plan(schedule=self.schedule, steps=tuple(steps), method=self.tasks.rules.name)
+
+    @cached_property
+    def base(self) -> list[list[tuple[tuple, Op]]]:
+        """Per rank, the ops of every step (forward/backward and weight gradients where the
+        schedule puts them, preconditions) sorted by slot less its step."""
+        base = []
+        for rank, compute in enumerate(self.schedule.ranks):
+            items = [(Slot(0, self.fo[op].start, 0, 0)[1:], op) for op in compute]
+            for op in self.tasks.per_step[rank]:
+                window = self.windows.precondition_window[op]
+                items.append((Slot(0, math.inf if window is None else window, 1, -1)[1:], op))
+            base.append(sorted(items, key=_first))
+        return base
+
+    @cached_property
+    def base_without_weights(self) -> list[list[tuple[tuple, Op]]]:
+        """`base` less the weight gradients (for steps where they move)."""
+        return [[item for item in items if item[1].kind is not OpKind.WEIGHT] for items in self.base]
+
+    def _free(self, rank: int, step: int, weights: dict[int, dict[Op, Placement]]) -> tuple[tuple[float, float], ...]:
+        """The windows of `rank` in `step`: with the W ops' time where they move in that step."""
+        moving = step in weights and self.windows.weights is not None
+        return (self.windows.weights if moving else self.windows).free[rank]
+
+    # -- leftovers ------------------------------------------------------------------------------
+    def _append(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int) -> None:
+        last = refresh_steps - 1
+        end_of = {op: p.end for op, p in kept.items()}
+        tail: dict[int, float] = defaultdict(float)
+        for sequence, op in enumerate(leftovers):
+            rank = self.rank_of[op]
+            start = max(self._release(op, end_of), (last + 1) * self.period + tail[rank])
+            tail[rank] = start + self.tasks.durations(op) - (last + 1) * self.period
+            kept[op] = Placement(Slot(last, math.inf, 2, sequence), start, start + self.tasks.durations(op))
+            end_of[op] = kept[op].end
+
+    def _spread(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int,
+                weights: dict[int, dict[Op, Placement]]) -> None:
+        """Each leftover where it raises its step's largest per-rank extension least; an extension
+        is the part of a task its window's free time lacks (W ops that moved in a step use their
+        windows there, `weights`)."""
+        last = refresh_steps - 1
+        end_of = {op: p.end for op, p in kept.items()}
+        cursor: dict[tuple[int, int, float], float] = {}  # (rank, step, window start) -> cursor
+        for rank in range(self.schedule.num_ranks):
+            for step in range(refresh_steps):
+                for start, _ in self._free(rank, step, weights):
+                    cursor[(rank, step, start)] = step * self.period + start
+        for op, p in [item for placements in [kept, *weights.values()] for item in placements.items()]:  # consume what the greedy used
+            if p.slot.phase == 1:
+                key = (self.schedule.rank_of(op), p.slot.step, p.slot.window)
+                cursor[key] = max(cursor[key], p.end)
+        extension: dict[tuple[int, int], float] = defaultdict(float)
+        step_max: dict[int, float] = defaultdict(float)
+        tail: dict[tuple[int, int], float] = defaultdict(float)
+        for sequence, op in enumerate(leftovers):
+            rank, work, ready = self.rank_of[op], self.tasks.durations(op), self._release(op, end_of)
+            candidates: list[tuple[float, int, tuple[float, float] | None]] = [
+                (max(0.0, work - (step * self.period + end - cursor[(rank, step, start)])), step, (start, end))
+                for step in range(refresh_steps)
+                for start, end in self._free(rank, step, weights)
+                if step * self.period + start + TOLERANCE >= ready
+            ]
+            candidates += [(work, step, None) for step in range(refresh_steps) if (step + 1) * self.period >= ready or step == last]
+            added, step, window = min(
+                candidates, key=lambda c: (max(0.0, extension[(rank, c[1])] + c[0] - step_max[c[1]]), c[0], c[1])
+            )
+            extension[(rank, step)] += added
+            step_max[step] = max(step_max[step], extension[(rank, step)])
+            if window is not None:
+                key = (rank, step, window[0])
+                start = max(cursor[key], ready)
+                cursor[key] = max(start + work, step * self.period + window[1])
+                slot = Slot(step, window[0], 1, 10**9 + sequence)
+            else:
+                start = max(ready, (step + 1) * self.period + tail[(rank, step)])
+                tail[(rank, step)] += work
+                slot = Slot(step, math.inf, 2, sequence)
+            kept[op] = Placement(slot, start, start + work)
+            end_of[op] = kept[op].end
+
+    def _place_eagerly(self, kept: dict[Op, Placement], curvature: list[Op]) -> None:
+        """Curvature right after its latest dependency (its forward/backward of step 0, or the
+        previous micro-batch's curvature of the factor), extending that step: after the
+        forward/backward itself, or at the end of the window its predecessor ran in."""
+        for sequence, op in enumerate(curvature, start=1):
+            slots = [kept[dep] if dep in kept else self._first_order_placement(dep) for dep in self.tasks.graph.dependencies(op)]
+            latest = max(slots, key=lambda p: p.slot)
+            start = max(p.end for p in slots)
+            slot = latest.slot._replace(sequence=sequence if latest.slot.phase == 0 else 10**9 + sequence)
+            kept[op] = Placement(slot, start, start + self.tasks.durations(op))
+
+    def _first_order_placement(self, op: Op) -> Placement:
+        iv = self.fo[op]
+        return Placement(Slot(0, iv.start, 0, 0), iv.start, iv.end)
+
+    def _topological_key(self, op: Op) -> tuple[int, int]:
+        """Curvature, then inverses, then the rest; within each, `tasks.cycle` order (a chain's
+        micro-batches in their order)."""
+        return (_PHASE.get(op.kind, 2), self.cycle_index[op])
+
+    def _release(self, op: Op, end_of: dict[Op, float]) -> float:
+        """Earliest global start of `op` given placed tasks (collectives resolved through)."""
+        ready = 0.0
+        for dep in self.tasks.graph.dependencies(op):
+            if dep.kind in COLLECTIVES:
+                ready = max(ready, self._release(dep, end_of) + self.tasks.durations.work(dep))
+            elif dep in end_of:
+                ready = max(ready, end_of[dep])
+            elif dep.kind.is_compute:
+                ready = max(ready, self.fo[dep].end)
+        return ready
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _place_collectives(self, kept: dict[Op, Placement], first_weights: dict[Op, Placement]) -> list[Op]:
+        """Launch every collective right after its own dependencies, in one order per group:
+        syncs first, then exchanges (which wait for every replica's syncs of their layer);
+        `first_weights`: the W ops the greedy moved in the first step, which a gradient-based
+        method's syncs wait for. Returns the collectives."""
+        last: dict[frozenset[int], dict[int, Slot]] = defaultdict(dict)
+        for kinds in ({OpKind.SYNC_A, OpKind.SYNC_B}, {OpKind.EXCHANGE}):
+            self._place_collectives_of([op for op in self.collectives if op.kind in kinds], kept, first_weights, last)
+        return self.collectives
+
+    def _place_collectives_of(self, collectives: list[Op], kept: dict[Op, Placement], first_weights: dict[Op, Placement],
+                              last: dict[frozenset[int], dict[int, Slot]]) -> None:
+        """Place `collectives` after their dependencies' final places; `last[group][rank]`: the slot
+        of the group's last collective on that rank so far (updated)."""
+        own: dict[Op, tuple[float, Slot]] = {}
+        for op in collectives:
+            deps = [kept[d] if d in kept else first_weights[d] if d in first_weights else self._first_order_placement(d)
+                    for d in self.tasks.graph.dependencies(op) if d in kept or d.kind.is_compute]
+            own[op] = (max(p.end for p in deps), max(p.slot for p in deps)) if deps else (0.0, Slot(0, -math.inf, 0, 0))
+        members: dict[tuple, list[Op]] = defaultdict(list)
+        for op in collectives:
+            members[(op.kind, op.stage, op.layer)].append(op)
+        per_group: dict[frozenset[int], list[tuple]] = defaultdict(list)
+        for (kind, stage, layer), ops in members.items():
+            ready = max(own[op][0] for op in ops)
+            per_group[self.groups[stage]].append((ready, kind is OpKind.EXCHANGE, stage, layer, kind.value, ops))
+        for group, entries in per_group.items():
+            group_last = last[group]
+            for *_, ops in sorted(entries, key=lambda entry: entry[:5]):
+                for op in ops:
+                    ready, slot = own[op]
+                    base = max(slot, group_last.get(self.rank_of[op], slot))
+                    group_last[self.rank_of[op]] = slot = base._replace(launch=base.launch + 1)
+                    kept[op] = Placement(slot, ready, ready)

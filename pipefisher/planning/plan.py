@@ -1,0 +1,245 @@
+"""A Plan: per-rank op lists for every step of a refresh cycle, K-FAC ops in execution order.
+
+The executor runs exactly these lists, step after step, cycle after cycle. `validate_plan`
+checks a plan without its profile; `simulate_plan` predicts its timeline with one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipefisher.core.files import load_structured, write_text_atomically
+from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
+from pipefisher.core.profile import Profile
+from pipefisher.methods.rules import task_rules
+from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
+from pipefisher.planning.tasks import CYCLE_KINDS, SYNC, TaskGraph, collective_groups
+from pipefisher.schedules.validate import execution_order, validate
+
+PLAN_SCHEMA = "pipefisher.plan/v1"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`steps[j][rank]`: the ops `rank` runs in step j of the cycle (0-based; len = refresh interval).
+
+    Every step holds the schedule's forward/backward ops in the schedule's order; the ops of
+    curvature method `method` (`pipefisher.methods.rules`) are inserted among them. Where the schedule
+    splits the backward, every step holds each of its weight gradients (W) once, on the same rank,
+    but the packer may move them within the step (after their backward, before their stage's
+    precondition), holding no more pending weight gradients or activations on a rank than the
+    schedule does (`weight_memory_problem`). Curvature in step 0
+    reads that step's activations (or gradient); later steps reuse them; new inverses (roots) take
+    effect at the first step of the next cycle.
+    """
+
+    schedule: Schedule
+    steps: tuple[tuple[tuple[Op, ...], ...], ...]
+    method: str = "kfac"
+
+    @property
+    def refresh_steps(self) -> int:
+        return len(self.steps)
+
+    def curvature_ops(self) -> list[Op]:
+        """Every op of the cycle that is not a forward or backward, in step and rank order."""
+        return [op for step in self.steps for ops in step for op in ops if not op.kind.is_compute]
+
+    @property
+    def graph(self) -> TaskGraph:
+        return TaskGraph(self.schedule, self.curvature_ops(), task_rules(self.method))
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": PLAN_SCHEMA,
+            "method": self.method,
+            "schedule": self.schedule.to_dict(),
+            "steps": [[[str(op) for op in ops] for ops in step] for step in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
+            raise ScheduleError(f"schema: {data.get('schema') if isinstance(data, dict) else None!r} is not {PLAN_SCHEMA!r}")
+        try:
+            steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
+        except (KeyError, TypeError) as exc:
+            raise ScheduleError(f"malformed plan JSON: {exc!r}") from None
+        method = str(data.get("method", "kfac"))
+        task_rules(method)
+        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method)
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomically(path, json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """The plan in file `path`; ScheduleError naming the file for anything that is not one."""
+        return load_structured(path, "plan", cls.from_dict, ScheduleError, schema=PLAN_SCHEMA)
+
+
+def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):
+    def deps(op: Op) -> tuple[Op, ...]:
+        return tuple(dep for dep in graph.dependencies(op, first_step) if dep in step_ops)
+
+    return deps
+
+
+_FIXED = frozenset({OpKind.FORWARD, OpKind.BACKWARD})
+
+
+def _fixed_ops(ops: Sequence[Op]) -> tuple[Op, ...]:
+    """The forwards and backwards of an op list, in order (what a plan may not reorder)."""
+    return tuple(op for op in ops if op.kind in _FIXED)
+
+
+def weight_memory_problem(ops: Sequence[Op], schedule_ops: Sequence[Op]) -> str | None:
+    """Why a rank's op list of a plan step holds more than the schedule's own list of that rank
+    (more micro-batches whose weight gradient is pending, or more activations held until their
+    weight gradient, at once), or None if it does not."""
+    for what, peak in (("pending weight gradients", peak_pending_weights), ("activations", peak_activations)):
+        held, allowed = peak(ops), peak(schedule_ops)
+        if held > allowed:
+            return f"it holds {held} micro-batches' {what} at once; its schedule holds at most {allowed}"
+    return None
+
+
+def moved_weights(plan: Plan) -> list[int]:
+    """Per rank, how many weight gradients (counted over the cycle's steps) run at another place
+    among the forward/backward ops than in the schedule."""
+    def places(ops: Sequence[Op]) -> dict[Op, int]:
+        found, fixed = {}, 0
+        for op in ops:
+            if op.kind in _FIXED:
+                fixed += 1
+            elif op.kind is OpKind.WEIGHT:
+                found[op] = fixed
+        return found
+
+    moved = []
+    for rank, schedule_ops in enumerate(plan.schedule.ranks):
+        own = places(schedule_ops)
+        moved.append(sum(own.get(op) != place for step in plan.steps for op, place in places(step[rank]).items()))
+    return moved
+
+
+def _check_collective_order(plan: Plan) -> None:
+    """Every rank of a process group must launch the group's collectives in the same order."""
+    groups = collective_groups(plan.schedule)
+    sequences: dict[frozenset[int], dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    for step in plan.steps:
+        for rank, ops in enumerate(step):
+            for op in ops:
+                if op.kind in COLLECTIVES:
+                    sequences[groups[op.stage]][rank].append((op.kind.value, op.stage, op.layer))
+    for group, per_rank in sequences.items():
+        orders = {rank: per_rank.get(rank, []) for rank in sorted(group)}
+        first_rank, first = next(iter(orders.items()))
+        for rank, order in orders.items():
+            if order != first:
+                position = next((i for i, (a, b) in enumerate(zip(order, first)) if a != b), min(len(order), len(first)))
+                raise ScheduleError(
+                    f"collectives of ranks {sorted(group)} are launched in different orders: "
+                    f"rank {first_rank} has {first[position:position + 1]}, rank {rank} has {order[position:position + 1]} "
+                    f"at position {position}"
+                )
+
+
+def _check_method_kinds(plan: Plan) -> None:
+    """Every op is of a kind the plan's method has (`TaskRules`)."""
+    rules = task_rules(plan.method)
+    allowed = {OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE} | {SYNC[factor] for factor in rules.syncs}
+    if rules.curvature:
+        allowed |= {OpKind.CURV_A, OpKind.CURV_B}
+    if rules.precondition:
+        allowed.add(OpKind.PRECONDITION)
+    for op in plan.curvature_ops():
+        if op.kind not in allowed:
+            raise ScheduleError(f"{op}: method {plan.method} has no {op.kind.name} ops")
+
+
+def validate_plan(plan: Plan) -> Plan:
+    """Check that `plan` can run; return it or raise ScheduleError.
+
+    Each step keeps the schedule's forward/backward ops in order and runs each of its weight
+    gradients once on their rank, holding no more than the schedule does (`weight_memory_problem`);
+    every cycle op appears exactly once per cycle and every precondition once per step; each op's dependencies run before it
+    (earlier in the cycle, or earlier in the same step without deadlock); collectives are
+    launched in the same order by all ranks of their group.
+    """
+    schedule = validate(plan.schedule)
+    if not plan.steps:
+        raise ScheduleError("a plan needs at least one step")
+    _check_method_kinds(plan)
+    graph = plan.graph
+    seen: Counter[Op] = Counter()
+    placed_before: set[Op] = set()
+    for index, step in enumerate(plan.steps):
+        if len(step) != schedule.num_ranks:
+            raise ScheduleError(f"step {index} has {len(step)} ranks; the schedule has {schedule.num_ranks}")
+        for rank, ops in enumerate(step):
+            own = schedule.ranks[rank]
+            if _fixed_ops(ops) != _fixed_ops(own):
+                raise ScheduleError(f"step {index}, rank {rank}: forward/backward ops differ from the schedule's")
+            weights = Counter(op for op in ops if op.kind is OpKind.WEIGHT)
+            if weights != Counter(op for op in own if op.kind is OpKind.WEIGHT):
+                raise ScheduleError(f"step {index}, rank {rank}: weight gradients differ from the schedule's (each runs once per step)")
+            problem = weight_memory_problem(ops, own)
+            if problem is not None:
+                raise ScheduleError(f"step {index}, rank {rank}: {problem}")
+            for op in ops:
+                if not op.kind.is_compute and schedule.placement.get((op.pipe, op.stage)) != rank:
+                    raise ScheduleError(f"step {index}: {op} is on rank {rank}, not on the rank of its stage")
+        step_ops = {op for ops in step for op in ops}
+        preconditions = Counter(op for op in step_ops if op.kind is OpKind.PRECONDITION)
+        for op in step_ops:
+            if op.kind in CYCLE_KINDS:
+                seen[op] += 1
+                if seen[op] > 1:
+                    raise ScheduleError(f"{op} runs more than once in the cycle (again in step {index})")
+            for dep in graph.dependencies(op, first_step=index == 0):
+                if dep not in step_ops and dep not in placed_before:
+                    raise ScheduleError(f"step {index}: {op} needs {dep}, which has not run earlier in the cycle")
+        if index > 0 and set(preconditions) != set(op for op in placed_before if op.kind is OpKind.PRECONDITION):
+            raise ScheduleError(f"step {index}: preconditions differ from step 0's")
+        deps = _step_dependencies(graph, step_ops, first_step=index == 0)
+        for _ in execution_order(step, deps, f"{schedule.name} step {index}"):
+            pass
+        placed_before |= step_ops
+    _check_collective_order(plan)
+    return plan
+
+
+def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> list[Timeline]:
+    """Predicted timeline of every step of the cycle (each step starts at time 0).
+
+    `cache` (optional, owned by the caller) memoises step timelines across plans of one profile;
+    `graph` (optional) is the plan's task graph when the caller has it.
+    """
+    graph = graph or plan.graph  # derived once for all steps
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
+    return [simulate_plan_step(plan, index, durations, cache, graph) for index in range(plan.refresh_steps)]
+
+
+def simulate_plan_step(plan: Plan, index: int, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> Timeline:
+    """Predicted timeline of step `index` of the cycle (see `simulate_plan`)."""
+    step = plan.steps[index]
+    key = (index == 0, step)
+    if cache is not None and key in cache:
+        return cache[key]
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
+    step_ops = {op for ops in step for op in ops}
+    deps = _step_dependencies(graph or plan.graph, step_ops, first_step=index == 0)
+    timeline = simulate_ops(step, deps, durations, f"{plan.schedule.name} step {index}")
+    if cache is not None:
+        cache[key] = timeline
+    return timeline
+
+
+def cycle_time(timelines: Sequence[Timeline]) -> float:
+    """Sum of step times over the cycle."""
+    return sum(t.step_time for t in timelines)

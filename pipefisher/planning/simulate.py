@@ -1,0 +1,315 @@
+"""Duration-aware list scheduler: Schedule + Profile -> Timeline (start/end of every op).
+
+Each rank runs its ops in list order; an op starts when its rank is free and its dependencies
+have finished, plus the profile's p2p time when a dependency ran on another rank. A stage's
+gradient reduction over its replicas (`grad_reduce`) starts when its gradient is final (its last
+backward, weight gradient or preconditioning on that rank) and runs off the rank; after its last op and those
+reductions a rank spends the step end of each stage it holds, independently of the other ranks (a
+collective inside the end of step, such as global-norm clipping, also makes a rank that finished
+early wait for the last one; that wait is not modelled). Times are in the profile's time unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import repeat
+from operator import add, attrgetter
+
+from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind, Schedule, splits_backward
+from pipefisher.core.profile import LayerProfile, Profile, ProfileError
+from pipefisher.schedules.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """`op` runs on its rank from `start` to `end` (profile time unit)."""
+
+    op: Op
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @classmethod
+    def many(cls, ops: Iterable[Op], starts: Iterable[float], ends: Iterable[float]) -> list[Interval]:
+        """`[Interval(op, start, end) for op, start, end in zip(ops, starts, ends)]`, built field by
+        field in bulk: one constructor call per op would dominate simulating a large schedule."""
+        fields = [list(ops), list(starts), list(ends)]
+        intervals = list(map(object.__new__, repeat(cls, min(map(len, fields)))))
+        for slot, values in zip((cls.op, cls.start, cls.end), fields):
+            for _ in map(slot.__set__, intervals, values):
+                pass
+        return intervals
+
+
+@dataclass(frozen=True, slots=True)
+class Bubble:
+    """An idle gap of one rank within the step, [start, end)."""
+
+    rank: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-rank intervals in execution order; the step spans [0, step_time].
+
+    `comm_end` is when the last asynchronous collective launched in the step completes;
+    `tails[rank]` (empty: all 0) the rank's busy end of step, which starts at `tail_start(rank)`:
+    after its last op and once its stages' gradient reductions (`reduce_ends[rank]`, empty: all 0)
+    are done.
+    """
+
+    ranks: tuple[tuple[Interval, ...], ...]
+    time_unit: str = "units"
+    comm_end: float = 0.0
+    tails: tuple[float, ...] = ()
+    reduce_ends: tuple[float, ...] = ()
+
+    @cached_property
+    def step_time(self) -> float:
+        ends = (self.tail_start(rank) + self.tail(rank) for rank in range(self.num_ranks))
+        return max(max(ends, default=0.0), self.comm_end)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def tail(self, rank: int) -> float:
+        return self.tails[rank] if self.tails else 0.0
+
+    def tail_start(self, rank: int) -> float:
+        """When `rank`'s end of step starts: after its last op and its gradient reductions."""
+        return max(self.last_end(rank), self.reduce_ends[rank] if self.reduce_ends else 0.0)
+
+    def last_end(self, rank: int) -> float:
+        """When `rank`'s last op ends (0 without ops)."""
+        return max((iv.end for iv in self.ranks[rank]), default=0.0)
+
+    def busy_time(self, rank: int) -> float:
+        """Op time plus the end of step."""
+        return sum(iv.duration for iv in self.ranks[rank]) + self.tail(rank)
+
+    def bubble_time(self, rank: int) -> float:
+        return self.step_time - self.busy_time(rank)
+
+    def bubbles(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
+        """Windows for more work on `rank`: its idle gaps in [0, step_time - tail], including before
+        its first and after its last op (work placed there ends before the rank's end of step)."""
+        gaps, cursor = [], 0.0
+        for iv in self.ranks[rank]:
+            if iv.start - cursor > min_duration:
+                gaps.append(Bubble(rank, cursor, iv.start))
+            cursor = max(cursor, iv.end)
+        end = self.step_time - self.tail(rank)
+        if end - cursor > min_duration:
+            gaps.append(Bubble(rank, cursor, end))
+        return gaps
+
+    def idle_gaps(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
+        """Where `rank` is idle, for drawing: the bubbles, but the gap after the last op is split
+        around the rank's end of step, which starts at `tail_start` (same total as `bubbles`)."""
+        gaps = self.bubbles(rank, min_duration)
+        tail = self.tail(rank)
+        if tail and gaps and gaps[-1].start >= self.last_end(rank) - 1e-12:
+            last, start = gaps.pop(), self.tail_start(rank)
+            gaps += [gap for gap in (Bubble(rank, last.start, start), Bubble(rank, start + tail, last.end + tail))
+                     if gap.duration > min_duration]
+        return gaps
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time over the step, 0..1."""
+        total = self.step_time * self.num_ranks
+        return sum(self.bubble_time(r) for r in range(self.num_ranks)) / total if total else 0.0
+
+
+COLLECTIVES = frozenset({OpKind.SYNC_A, OpKind.SYNC_B, OpKind.EXCHANGE})
+#: what an op's times depend on (see OpDurations)
+_TIMING_FIELDS = attrgetter("kind", "stage", "layer")
+
+
+class OpDurations:
+    """Op times from a profile (see the profile module for units).
+
+    Collectives (factor syncs, inverse exchanges) are launched asynchronously: they take no time
+    on their rank, and whoever depends on one waits for its duration after the launch.
+    Every time depends on the ops' kind, stage and layer only (and `delay` on whether they
+    cross ranks); the simulator relies on this to ask once per distinct case.
+    """
+
+    def __init__(self, profile: Profile, split_backward: bool = False):
+        """`split_backward`: backwards are input gradients only (the op lists hold W ops)."""
+        self.profile, self.split_backward = profile, split_backward
+        self._layers = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
+        self._work: dict[Op, float] = {}
+
+    def layer(self, op: Op) -> LayerProfile:
+        try:
+            return self._layers[op.stage][op.layer]
+        except (KeyError, IndexError):
+            raise ProfileError(f"op {op}: stage {op.stage} of the profile has no layer {op.layer!r}") from None
+
+    def work(self, op: Op) -> float:
+        """How long `op` keeps its rank busy (collectives: the transfer, not the rank)."""
+        cached = self._work.get(op)
+        if cached is None:
+            cached = self._work[op] = self._lookup(op)
+        return cached
+
+    def _lookup(self, op: Op) -> float:
+        stage = self.profile.stages[op.stage]
+        kind = op.kind
+        if kind is OpKind.FORWARD:
+            return stage.forward
+        if kind is OpKind.BACKWARD:
+            return stage.input_gradient if self.split_backward else stage.backward
+        if kind is OpKind.WEIGHT:
+            return stage.weight_gradient
+        if kind is OpKind.PRECONDITION:
+            return sum(layer.precondition for layer in stage.layers)
+        layer = self.layer(op)
+        return {
+            OpKind.CURV_A: layer.curvature_a,
+            OpKind.CURV_B: layer.curvature_b,
+            OpKind.SYNC_A: layer.sync_a,
+            OpKind.SYNC_B: layer.sync_b,
+            OpKind.INV_A: layer.inverse_a,
+            OpKind.INV_B: layer.inverse_b,
+            OpKind.EXCHANGE: max(layer.sync_a, layer.sync_b),
+        }[kind]
+
+    def __call__(self, op: Op) -> float:
+        """Time `op` occupies its rank."""
+        return 0.0 if op.kind in COLLECTIVES else self.work(op)
+
+    def step_end(self, stages: Iterable[int]) -> float:
+        """End-of-step time of a rank that holds `stages`."""
+        return sum(self.profile.stages[stage].step_end for stage in stages)
+
+    def grad_reduce(self, stage: int) -> float:
+        """The all-reduce of `stage`'s gradient over its replicas (asynchronous, off the rank)."""
+        return self.profile.stages[stage].grad_reduce
+
+    def delay(self, producer: Op, consumer: Op, cross_rank: bool) -> float:
+        """Time between `producer` ending on its rank and `consumer` being able to use its result."""
+        if producer.kind in COLLECTIVES:
+            return self.work(producer)
+        if cross_rank and producer.stage != consumer.stage:
+            return self.profile.stages[min(producer.stage, consumer.stage)].p2p
+        return 0.0
+
+
+def simulate_ops(
+    ranks: Sequence[Sequence[Op]], deps: DependencyFn, durations: OpDurations, name: str = "schedule"
+) -> Timeline:
+    """Timeline of per-rank op lists: each op starts when its rank is free and `deps(op)` are done."""
+    return simulate_graph(op_graph(ranks, deps), durations, name)
+
+
+def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule") -> Timeline:
+    """`simulate_ops` of the lists and dependencies that `graph` holds. Durations made for the
+    other kind of backward (whole or split; see `OpDurations`) are replaced by the right ones."""
+    order_ranks, order = graph.order(name)
+    split = splits_backward(graph.ops)
+    if split != durations.split_backward:
+        durations = OpDurations(durations.profile, split_backward=split)
+    costs = _Costs(graph.ops, durations)
+    busy, cost_class, delay, deps = costs.busy, costs.cost_class, costs.delay, graph.deps
+    end = [0.0] * len(graph.ops)
+    ran_on = [0] * len(graph.ops)
+    rank_free = [0.0] * len(graph.ranks)
+    starts: list[list[float]] = [[] for _ in graph.ranks]
+    for rank, number in zip(order_ranks, order):
+        start = rank_free[rank]
+        consumer = cost_class[number]
+        for dep in deps[number]:
+            ready = end[dep] + delay[cost_class[dep], consumer, ran_on[dep] != rank]
+            if ready > start:
+                start = ready
+        end[number] = rank_free[rank] = start + busy[number]
+        ran_on[number] = rank
+        starts[rank].append(start)
+    ranks = tuple(_intervals(graph, numbers, begins, busy) for numbers, begins in zip(graph.ranks, starts))
+    return Timeline(
+        ranks=ranks,
+        time_unit=durations.profile.time_unit,
+        comm_end=_comm_end(ranks, durations),
+        tails=tuple(durations.step_end({iv.op.stage for iv in ivs}) for ivs in ranks),
+        reduce_ends=_reduce_ends(ranks, durations),
+    )
+
+
+def _intervals(graph: OpGraph, numbers: list[int], starts: list[float], busy: list[float]) -> tuple[Interval, ...]:
+    """The intervals of one rank's list: its ops `numbers` start at `starts` and last `busy`."""
+    ends = map(add, starts, map(busy.__getitem__, numbers))
+    return tuple(Interval.many(map(graph.ops.__getitem__, numbers), starts, ends))
+
+
+class _Memo(dict):
+    """key -> compute(key), each key computed once."""
+
+    def __init__(self, compute: Callable[[Hashable], float]) -> None:
+        super().__init__()
+        self.compute = compute
+
+    def __missing__(self, key: Hashable) -> float:
+        value = self[key] = self.compute(key)
+        return value
+
+
+class _Costs:
+    """The times of numbered ops, asked of `durations` once per cost class: ops with the same
+    kind, stage and layer (see OpDurations).
+
+    `busy[i]`: how long op i keeps its rank busy; `cost_class[i]`: its class;
+    `delay[(producer class, consumer class, cross-rank)]`: as `OpDurations.delay`.
+    """
+
+    def __init__(self, ops: Sequence[Op], durations: OpDurations) -> None:
+        classes = Numbering()
+        self.cost_class = list(map(classes.__getitem__, map(_TIMING_FIELDS, ops)))
+        example = dict(zip(self.cost_class, ops))
+        examples = [example[number] for number in range(len(classes))]
+        self.busy = list(map([durations(op) for op in examples].__getitem__, self.cost_class))
+        self.delay = _Memo(lambda key: durations.delay(examples[key[0]], examples[key[1]], key[2]))
+
+
+def _comm_end(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> float:
+    """When the last collective launched in the step completes."""
+    return max((iv.end + durations.work(iv.op) for ivs in ranks for iv in ivs if iv.op.kind in COLLECTIVES), default=0.0)
+
+
+def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> tuple[float, ...]:
+    """Per rank: when the gradient reductions of its stages end. A stage's reduction starts when
+    its gradient on the rank is final: at the end of its last backward or precondition there."""
+    ends = []
+    for ivs in ranks:
+        final = {iv.op.stage: iv.end for iv in ivs if iv.op.kind in GRADIENT_KINDS}
+        ends.append(max((end + durations.grad_reduce(stage) for stage, end in final.items()), default=0.0))
+    return tuple(ends)
+
+
+def simulate(schedule: Schedule, profile: Profile) -> Timeline:
+    """Timeline of one step of `schedule` with the op times of `profile`."""
+    check_profile(schedule, profile)
+    return simulate_graph(schedule_graph(schedule), OpDurations(profile, schedule.splits_backward), schedule.name)
+
+
+def check_profile(schedule: Schedule, profile: Profile) -> None:
+    """Raise ProfileError unless `profile` has one entry per stage (per model chunk) of `schedule`."""
+    chunks = schedule.params.get("chunks")
+    if chunks:
+        hint = f"{schedule.num_ranks} ranks x {chunks} chunks: one entry per model chunk"
+    else:
+        hint = "one entry per pipeline stage"
+    profile.require_stages(schedule.num_stages, hint=hint)

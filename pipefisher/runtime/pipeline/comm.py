@@ -1,0 +1,136 @@
+"""The process groups of one rank and the point-to-point and collective calls the executor makes.
+
+One process group per communicator of `pipefisher.planning.comm.plan` (per direction of every stage
+boundary, per stage for gradients and for K-FAC, tied weights, the end-of-step reduction), all
+created by every rank in the same order. Every call is asynchronous and returns a `Handle`.
+
+`in_order=True` holds gloo to NCCL's rule: an operation on a group starts only after every
+earlier operation on that group has completed (a thread per group starts them one by one), so
+the multi-process tests on CPUs fail where NCCL would hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch.distributed as dist
+from torch import Tensor
+
+from pipefisher.planning.comm.plan import GroupKey
+from pipefisher.planning.comm.volume import ring_bytes
+
+#: starts the operations of one call on a group; returns their works
+Start = Callable[[dist.ProcessGroup], list]
+
+
+class Handle:
+    """Communication in flight: `wait()` blocks until it is done, then runs `on_done` once."""
+
+    def __init__(self, wait: Callable[[], None], on_done: Callable[[], None] | None = None):
+        self._wait, self._on_done, self._finished = wait, on_done, False
+
+    def wait(self) -> None:
+        if self._finished:
+            return
+        self._wait()
+        self._finished = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+def done() -> Handle:
+    """A handle with nothing to wait for."""
+    return Handle(lambda: None)
+
+
+class _Lane:
+    """Starts the calls of one group strictly one after another, each once the previous completed."""
+
+    def __init__(self, name: str):
+        self._calls: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, name=f"in-order {name}", daemon=True).start()
+
+    def submit(self, start: Callable[[], list]) -> Future:
+        future: Future = Future()
+        self._calls.put((start, future))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            start, future = self._calls.get()
+            try:
+                for work in start():
+                    work.wait()
+                future.set_result(None)
+            except BaseException as exc:  # handed to the waiting thread
+                future.set_exception(exc)
+
+
+class Comm:
+    """Process groups of `members` (group key -> global ranks) and asynchronous calls on them.
+
+    Collective construction: every rank builds Comm with the same `members`, before the first step.
+    """
+
+    def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0):
+        self.rank, self.in_order, self.timeout = rank, in_order, timeout
+        self.members = members
+        #: bytes this rank sent, by communicator kind (a group key's first part), under ring
+        #: algorithms' volume (`pipefisher.planning.comm.volume`); the step end reads and clears it
+        self.sent_bytes: Counter[str] = Counter()
+        self.groups: dict[GroupKey, dist.ProcessGroup] = {}
+        for key in sorted(members, key=repr):
+            group = dist.new_group(list(members[key]))
+            if rank in members[key]:
+                self.groups[key] = group
+        self._lanes = {key: _Lane("/".join(map(str, key))) for key in self.groups} if in_order else {}
+
+    def group(self, key: GroupKey) -> dist.ProcessGroup:
+        return self.groups[key]
+
+    def call(self, key: GroupKey, start: Start, on_done: Callable[[], None] | None = None) -> Handle:
+        """Run `start(group)` on the group of `key` (in order, in the in-order mode)."""
+        group = self.groups[key]
+        if self.in_order:
+            future = self._lanes[key].submit(lambda: start(group))
+
+            def wait() -> None:
+                try:
+                    future.result(timeout=self.timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"nothing completed on group {key} within {self.timeout:g} s (in-order mode)") from None
+
+            return Handle(wait, on_done)
+        works = start(group)
+        return Handle(lambda: [work.wait() for work in works], on_done)
+
+    def _count(self, kind: str, tensors: list[Tensor], key: GroupKey) -> None:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.sent_bytes[key[0]] += size if kind == "send" else ring_bytes(kind, size, len(self.members[key]))
+
+    def send(self, tensor: Tensor, peer: int, key: GroupKey) -> Handle:
+        self._count("send", [tensor], key)
+        return self.call(key, lambda group: [dist.isend(tensor, peer, group=group)])
+
+    def recv(self, buffer: Tensor, peer: int, key: GroupKey) -> Handle:
+        return self.call(key, lambda group: [dist.irecv(buffer, peer, group=group)])
+
+    def all_reduce(self, tensors: list[Tensor], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
+        """Sum each tensor over the group, in place."""
+        self._count("all_reduce", tensors, key)
+        return self.call(key, lambda group: [dist.all_reduce(t, group=group, async_op=True) for t in tensors], on_done)
+
+    def reduce(self, pairs: list[tuple[Tensor, int]], key: GroupKey) -> Handle:
+        """Sum each tensor over the group into the copy of its global rank; the other members'
+        copies are left undefined."""
+        self._count("reduce", [t for t, _ in pairs], key)
+        return self.call(key, lambda group: [dist.reduce(t, root, group=group, async_op=True) for t, root in pairs])
+
+    def broadcast(self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
+        """Each tensor of the pair's global rank into that tensor of every member, in place."""
+        self._count("broadcast", [t for t, _ in pairs], key)
+        return self.call(key, lambda group: [dist.broadcast(t, root, group=group, async_op=True) for t, root in pairs], on_done)

@@ -1,0 +1,211 @@
+"""The executor: one rank performs its actions of a step (`pipefisher.planning.comm.plan`) in order.
+
+RUN dispatches an op to its handler (forward, backward, K-FAC ops); POST, SEND, LAUNCH and WAIT
+are the communication the plan derived and the replay checked, nothing more and in that order.
+A handler takes its op's input from what a WAIT received (or from the op that produced it on
+this rank) and leaves its output for the SEND that follows. After the actions, the step end
+(`StepEnd.finish`) applies the gradients and reads the step's numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pipefisher.core.ir import Op, OpKind, splits_backward
+from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.plan import Action, ActionKind, Collective, GradientPath, Message, input_message, output_message
+from pipefisher.runtime.errors import first_line
+from pipefisher.runtime.gradient_path.step_end import StepEnd
+from pipefisher.runtime.pipeline.clock import Clock
+from pipefisher.runtime.pipeline.comm import Comm, Handle, done
+from pipefisher.runtime.pipeline.stage import StageRuntime
+
+#: (step, global micro-batch) -> the micro-batch's named tensors
+MicroBatchFn = Callable[[int, int], dict[str, Tensor]]
+#: message -> (shape, dtype) of the tensor it carries
+MessageSpec = Callable[[Message], tuple[tuple[int, ...], torch.dtype]]
+
+
+class StepFailure(RuntimeError):
+    """An op failed; the message names the rank, the step and the op."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One finished step: 1-based `step`, mean loss, wall time; `extra` fields to log."""
+
+    step: int
+    loss: float
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """Host tensors onto `device` without blocking the host (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return {name: tensor.to(device) for name, tensor in batch.items()}
+    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+
+
+def describe(action: Action) -> str:
+    """The op (or collective) an action belongs to, for error messages."""
+    kind, target = action.kind, action.target
+    if kind is ActionKind.RUN:
+        return f"op {target}"
+    if isinstance(target, tuple):
+        return f"op {target[1].producer} (waiting for the send of its output)"
+    if isinstance(target, Message):
+        what = {ActionKind.POST: "posting the receive of its input", ActionKind.SEND: "sending its output",
+                ActionKind.WAIT: "waiting for its input"}[kind]
+        return f"op {target.producer if kind is ActionKind.SEND else target.consumer} ({what})"
+    return f"collective {target}" + (" (waiting)" if kind is ActionKind.WAIT else "")
+
+
+class Executor:
+    def __init__(
+        self,
+        topology: Topology,
+        rank: int,
+        stages: dict[tuple[int, int], StageRuntime],
+        comm: Comm,
+        micro_batch: MicroBatchFn,
+        message_spec: MessageSpec,
+        step_end: StepEnd,
+        device: torch.device,
+        tied: bool = False,
+        gradient_path: GradientPath = GradientPath(),
+    ):
+        """`tied`: the model's tied weights live on several stages (the end of step sums them);
+        `gradient_path`: ZeRO-1 or PowerSGD at the end of the step (`pipefisher.planning.comm.plan`)."""
+        self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
+        self.tied, self.gradient_path = tied, gradient_path
+        self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
+        self.device = device
+        self.replica = topology.replica_of(rank)
+        self.handlers: dict[OpKind, Callable[[Op], None]] = {
+            OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward, OpKind.WEIGHT: self._weight}
+        if splits_backward(topology.schedule.ranks[topology.pipeline_rank(rank)]):
+            for stage in stages.values():
+                stage.split_backward()
+        #: collective kind -> what launches one (the step end's; K-FAC adds its own)
+        self.collectives: dict[str, Callable[[Collective], Handle]] = {
+            "grad": step_end.launch_grad, "tied": step_end.launch_tied, "step": step_end.launch_step,
+            "gather": step_end.launch_gather, "grad_q": step_end.launch_grad_q,
+        }
+        #: context the forward of an op runs in (K-FAC uses it to capture activations)
+        self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
+        #: called after every backward and weight-gradient op (Shampoo keeps the gradient of a
+        #: cycle's first step)
+        self.after_backward: Callable[[Op], None] = lambda op: None
+        #: called with (op, start mark, end mark) of `clock` for every op run (the profiler's hook)
+        self.recorder: Callable[[Op, object, object], None] | None = None
+        self.clock = Clock(device)
+        self.current_step = 0
+        self._receives: dict[Message, tuple[Tensor, Handle]] = {}
+        self._inputs: dict[Message, Tensor] = {}
+        self._outputs: dict[Message, Tensor] = {}
+        self._sends: dict[Message, Handle] = {}
+        #: collectives in flight (K-FAC syncs and exchanges may outlive a step)
+        self.in_flight: dict[Collective, Handle] = {}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.step_end.optimizer
+
+    @property
+    def scheduler(self):
+        return self.step_end.scheduler
+
+    # -- a step ------------------------------------------------------------------------------
+    def run_step(self, step: int, actions: Sequence[Action], update: bool = True) -> StepResult:
+        """Perform `actions` as step `step` (0-based); with `update=False` gradients are dropped
+        instead of applied (profiling steps leave the model as it was)."""
+        start = time.perf_counter()
+        self.current_step = step
+        self.step_end.update, self.step_end.step = update, step
+        for action in actions:
+            try:
+                self._perform(action)
+            except Exception as exc:
+                raise StepFailure(f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}") from exc
+        pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
+        if pending:  # a plan runs every W of a step within it; the gradients would be incomplete
+            raise StepFailure(f"rank {self.rank} failed at step {step + 1}: weight gradients of stage(s) {', '.join(pending)} still pending at its end")
+        try:
+            record = self.step_end.finish()
+        except Exception as exc:
+            raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
+        loss = record.pop("loss")
+        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=record)
+
+    def _perform(self, action: Action) -> None:
+        kind, target = action.kind, action.target
+        if kind is ActionKind.RUN:
+            if self.recorder is None:
+                self.handlers[target.kind](target)
+                return
+            started = self.clock.mark()
+            self.handlers[target.kind](target)
+            self.recorder(target, started, self.clock.mark())
+        elif kind is ActionKind.POST:
+            shape, dtype = self.message_spec(target)
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            self._receives[target] = (buffer, self.comm.recv(buffer, action.peer, action.group))
+        elif kind is ActionKind.SEND:
+            self._sends[target] = self.comm.send(self._outputs.pop(target), action.peer, action.group)
+        elif kind is ActionKind.LAUNCH:
+            self.in_flight[target] = self.collectives[target.kind](target)
+        elif isinstance(target, Message):
+            buffer, handle = self._receives.pop(target)
+            handle.wait()
+            self._inputs[target] = buffer
+        elif isinstance(target, tuple):
+            self._sends.pop(target[1]).wait()
+        else:
+            self.in_flight.pop(target).wait()
+
+    def settle(self, complete: Sequence[Collective], relaunch: Sequence[Collective]) -> None:
+        """Between steps (checkpoints, resumption): wait for the collectives in `complete` (every
+        member has launched them), keeping them as done; launch `relaunch` afresh (this rank's part
+        of collectives launched before a resumption whose peers launch them later)."""
+        for collective in complete:
+            self.in_flight.setdefault(collective, done()).wait()
+        for collective in relaunch:
+            self.in_flight[collective] = self.collectives[collective.kind](collective)
+
+    # -- handlers ----------------------------------------------------------------------------
+    def _forward(self, op: Op) -> None:
+        stage = self.stages[(op.pipe, op.stage)]
+        global_mb = self.topology.global_micro_batch(self.rank, op.micro_batch)
+        batch = to_device(self.micro_batch(self.current_step, global_mb), self.device)
+        inputs = None if stage.first else self._input_of(op)
+        with self.forward_context(op):
+            output = stage.forward(op.micro_batch, inputs, batch)
+        self._output_of(op, output)
+
+    def _backward(self, op: Op) -> None:
+        stage = self.stages[(op.pipe, op.stage)]
+        grad_output = None if stage.last else self._input_of(op)
+        self._output_of(op, stage.backward(op.micro_batch, grad_output))
+        self.after_backward(op)
+
+    def _weight(self, op: Op) -> None:
+        self.stages[(op.pipe, op.stage)].weight(op.micro_batch)
+        self.after_backward(op)
+
+    def _input_of(self, op: Op) -> Tensor:
+        message = input_message(op, self.topology.schedule.num_stages)
+        if message in self._inputs:
+            return self._inputs.pop(message)
+        return self._outputs.pop(message)  # produced on this rank
+
+    def _output_of(self, op: Op, tensor: Tensor | None) -> None:
+        message = output_message(op, self.topology.schedule.num_stages)
+        if message is not None:
+            self._outputs[message] = tensor

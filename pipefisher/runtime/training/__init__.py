@@ -1,0 +1,1 @@
+"""Training runs: assembly, trainer, reference, profiler, checkpoints, export, launcher and signals."""

@@ -1,0 +1,67 @@
+"""`pipefisher export`: a pipelined run's checkpoint as a Hugging Face model folder.
+
+The stages' state dicts carry the model's own parameter names, so the unsplit model's state dict
+is their union (the first pipe's copies; every replica holds the same values). It is loaded into
+the `transformers` model object and written with `save_pretrained`, beside the run's tokenizer,
+so `AutoModel*.from_pretrained(folder)` and `tokenizers.Tokenizer.from_file` read it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipefisher.config import ConfigError, RunConfig
+from pipefisher.core.files import write_folder_atomically
+from pipefisher.runtime.training.assembly import staged_model, text_data
+from pipefisher.runtime.training.checkpoint import load_rank, resumable_step
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_checkpoint` wrote: the folder, the checkpoint's step, the model class, the
+    number of parameters and their size in bytes (a tied weight once)."""
+
+    folder: Path
+    step: int
+    model_class: str
+    parameters: int
+    weights_bytes: int
+
+
+def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
+    """The unsplit model's state dict from every rank's checkpoint of `step`: pipe 0's stages."""
+    merged: dict[str, torch.Tensor] = {}
+    found: set[str] = set()
+    for rank in range(config.world_size):
+        if len(found) == config.model_chunks:
+            break  # every stage of pipe 0 is in: the other ranks hold replicas
+        for key, state in load_rank(config.checkpoint.dir, step, rank, torch.device("cpu"))["stages"].items():
+            if key.split(".")[0] == "0" and key not in found:
+                found.add(key)
+                merged.update(state)
+    return merged
+
+
+def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
+    """Write the newest checkpoint of `config` that verifies (in checkpoint.dir) to `folder` as a
+    Hugging Face model folder (config.json, model.safetensors, tokenizer.json). ConfigError when
+    the run's model is not a Hugging Face model; CheckpointError when there is no usable checkpoint."""
+    if config.model.kind != "hf":
+        raise ConfigError(f"model.kind: export writes Hugging Face models; this run's model is {config.model.kind!r}")
+    step, _ = resumable_step(config.checkpoint.dir, config)
+    model = staged_model(config)
+    unsplit = model.unsplit(config.run.seed)
+    unsplit.load_state_dict(merged_state_dict(config, step))
+    folder = Path(folder)
+
+    def write(temporary: Path) -> None:
+        unsplit.save_pretrained(temporary)
+        text_data(config).tokenizer.save(str(temporary / "tokenizer.json"))
+
+    write_folder_atomically(folder, write)
+    parameters = list(unsplit.parameters())
+    return Exported(folder, step, type(unsplit).__name__, sum(p.numel() for p in parameters),
+                    sum(p.numel() * p.element_size() for p in parameters))

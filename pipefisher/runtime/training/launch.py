@@ -1,0 +1,251 @@
+"""Local multi-process launcher (torchrun compatible) and process-group setup.
+
+`run_group(fn, world)` spawns `world` processes on this machine, each with the environment
+torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread each,
+and runs `fn(rank, world, *args)` after `init_distributed`. When a rank fails, the others get
+`grace` seconds to fail on their own (they will, their peer is gone) and are then killed; with
+a `deadline`, the whole group is killed when it passes. Child tracebacks come back in the error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.runtime.errors import first_line
+from pipefisher.runtime.training.stopping import STOP_SIGNALS, signal_name, stop_request, stop_signals_blocked
+
+
+class Interrupted(RuntimeError):
+    """A signal ended the group (its children were killed); exit with `exit_code`."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal_name(signum)}")
+        self.exit_code = 128 + signum
+
+
+class GroupFailure(RuntimeError):
+    """One or more ranks failed; `failures` maps rank -> message (first line first)."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True if something listens on the port (TIME_WAIT leftovers do not count, as for the store)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' is NCCL when CUDA is available, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def gpu_shortfall(backend: str, local_processes: int) -> str | None:
+    """Why `local_processes` ranks on this machine cannot run under `backend`, if they cannot:
+    NCCL gives each its own GPU (one GPU cannot host two NCCL ranks)."""
+    available = torch.cuda.device_count()
+    if resolve_backend(backend) != "nccl" or local_processes <= available:
+        return None
+    return (f"run.backend nccl: {local_processes} processes on this machine need {local_processes} GPUs, it has {available} "
+            f"(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer ranks (pipeline.stages x pipeline.data_parallel)")
+
+
+def current_device(backend: str) -> torch.device:
+    """This process's device: its LOCAL_RANK's GPU under NCCL, the CPU under gloo."""
+    if resolve_backend(backend) == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        problem = gpu_shortfall(backend, local_rank + 1)
+        if problem is not None:
+            raise ValueError(problem)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str, timeout: float) -> torch.device:
+    """Join the process group described by the torchrun environment; return this rank's device.
+
+    Under torchrun's restarts (`--max-restarts`) every attempt of the workers shares the agent's
+    key-value store, and keys of a dead attempt (e.g. a peer's old address) could be read by the
+    next one: each attempt's keys get their own prefix.
+    """
+    backend = resolve_backend(backend)
+    device = current_device(backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    wait = timedelta(seconds=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, init_method="env://", timeout=wait)
+    else:
+        store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+        store = dist.PrefixStore(f"pipefisher/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
+    return device
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when its parent dies (the launcher killed outright),
+    so that it stops like on any SIGTERM instead of training on as an orphan."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own handlers still forward signals
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, env: dict[str, str], backend: str, timeout: float, results, args: tuple,
+           on_signal: str) -> None:
+    """A rank's process. It starts with the stop signals blocked (see `run_group`) and lets them
+    in once their handling is set and the process group is joined (a signal inside the store's
+    connect makes it log a C++ stack): one that came meanwhile is handled then, not lost and not
+    a traceback."""
+    if on_signal == "kill":  # the launcher ends the group; the child must not die in the middle on its own
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+    else:
+        stop_request.install()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    _die_with_parent()
+    code = 0
+    try:
+        init_distributed(backend, timeout)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        # Plain pickle: tensors travel as bytes, not as shared memory this process takes with it.
+        results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+    except BaseException as exc:
+        code = 1
+        results.put((rank, False, f"{first_line(exc)}\n{traceback.format_exc()}"))
+    # Leave at once: a clean process-group shutdown can block on peers that are already gone.
+    results.close()
+    results.join_thread()
+    os._exit(code)
+
+
+def run_group(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    deadline: float | None = None,
+    grace: float | None = None,
+    on_signal: str = "kill",
+) -> list[Any]:
+    """`[fn(rank, world, *args) for rank in range(world)]`, each in its own process.
+
+    `fn` must be importable (module level). `timeout` bounds any wait inside the group;
+    `deadline` (seconds, optional) bounds the whole run. Raises GroupFailure naming every failed
+    rank; no child outlives the call. SIGTERM or SIGINT to this process, at any moment: with
+    `on_signal="forward"` every child gets it (and handles it: training stops after its step; it
+    is sent again until the child exits, so a child still starting gets it too) and has
+    `timeout` seconds to finish; with "kill" the children are killed and Interrupted is raised.
+    Children start with the stop signals blocked (a Ctrl-C in a terminal reaches them too), so
+    none dies with a traceback inside its interpreter's start.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"MASTER_ADDR": host, "MASTER_PORT": str(port or free_port(host)), "OMP_NUM_THREADS": "1"}
+    procs = [ctx.Process(target=_child, args=(fn, rank, world, env, backend, timeout, results, args, on_signal), daemon=True)
+             for rank in range(world)]
+    received: list[int] = []
+
+    def forward(signum: int) -> None:
+        for proc in procs:
+            if proc.is_alive():
+                if on_signal == "forward":
+                    os.kill(proc.pid, signum)
+                else:
+                    proc.kill()
+
+    def on_stop_signal(signum: int, frame) -> None:
+        received.append(signum)
+        forward(signum)
+
+    previous = {signum: signal.signal(signum, on_stop_signal) for signum in STOP_SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
+    end = time.monotonic() + deadline if deadline is not None else None
+    grace = timeout if grace is None else grace
+    outcome: dict[int, tuple[bool, Any]] = {}
+    stopping = False
+    try:
+        with stop_signals_blocked():  # one that comes meanwhile runs on_stop_signal after the block
+            for proc in procs:
+                proc.start()
+        while len(outcome) < world:
+            if received and on_signal == "kill":
+                break
+            if received and not stopping:  # the children have `timeout` to finish their step
+                stopping = True
+                stop_by = time.monotonic() + timeout + grace
+                end = stop_by if end is None else min(end, stop_by)
+            elif received:
+                forward(received[0])  # again: harmless to a child that has it, needed by one still starting
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.2 if left is None else min(0.2, left))
+                outcome[rank] = (ok, value)
+            except queue.Empty:
+                for rank, proc in enumerate(procs):
+                    if proc.exitcode not in (None, 0) and rank not in outcome:
+                        outcome[rank] = (False, f"process exited with code {proc.exitcode} (killed or crashed)")
+            if any(not ok for ok, _ in outcome.values()):
+                failed_at = time.monotonic()
+                end = min(end, failed_at + grace) if end is not None else failed_at + grace
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            if proc.pid is not None:
+                proc.join(5)
+    if received and on_signal == "kill":
+        raise Interrupted(received[0])
+    failures = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+    for rank in range(world):
+        if rank not in outcome:
+            failures[rank] = "no result before the deadline; killed"
+    if failures:
+        lines = [f"rank {rank}: {message.splitlines()[0]}" for rank, message in sorted(failures.items())]
+        details = "\n".join(f"--- rank {rank} ---\n{message}" for rank, message in sorted(failures.items()))
+        raise GroupFailure("\n".join(["run failed", *lines, details]), failures)
+    return [pickle.loads(outcome[rank][1]) for rank in range(world)]
+

@@ -1,0 +1,255 @@
+"""PipeFisher on the executor: profile (or load a profile), pack the curvature method's work (K-FAC
+or Shampoo, `pipefisher.methods.registry`), train in cycles.
+
+Every rank derives the same plan from the same profile (the packer is deterministic), so no plan
+is sent around. After every cycle the measured cycle time is compared with the prediction; when
+they drift apart for several cycles in a row, rank 0 decides to re-profile and every rank
+re-measures and re-packs at the cycle boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.config import RunConfig
+from pipefisher.core.ir import OpKind, Schedule, ScheduleError
+from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
+from pipefisher.methods.registry import method_of
+from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
+from pipefisher.planning.simulate import simulate
+from pipefisher.runtime.pipeline.executor import Executor, StepResult
+from pipefisher.runtime.pipeline.plan_runner import PlanRunner
+from pipefisher.runtime.training.assembly import staged_model
+from pipefisher.runtime.training.drift import DriftMonitor
+from pipefisher.runtime.training.profiler import measure_profile
+
+
+@dataclass(frozen=True)
+class CurvaturePlan:
+    plan: Plan
+    predicted_cycle_ms: float
+    summary: str
+
+    @property
+    def refresh_steps(self) -> int:
+        return self.plan.refresh_steps
+
+
+def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[str]:
+    """Names of the layers of a stage that the run's curvature method (K-FAC for first-order
+    runs) works on, without allocating it."""
+    model = staged_model(config)
+    method = method_of(config)
+    with torch.device("meta"):
+        module = model.build_stage(stage, num_stages, config.run.seed)
+    return method.layer_names(module, method.skip(model))
+
+
+def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
+    """Refuse a profile of another run: other curvature method, stage count or layer names."""
+    method = method_of(config).name
+    if profile.method != method:
+        raise ProfileError(f"method: the profile times {profile.method} tasks but this run uses {method}; "
+                           "measure a profile of this run with `pipefisher profile`")
+    profile.require_stages(num_stages, hint="one entry per model chunk of this run")
+    for stage, entry in enumerate(profile.stages):
+        expected = stage_layer_names(config, stage, num_stages)
+        found = [layer.name for layer in entry.layers]
+        if found != expected:
+            missing = sorted(set(expected) - set(found))
+            extra = sorted(set(found) - set(expected))
+            raise ProfileError(
+                f"stages[{stage}].layers do not match the model: missing {missing[:3]}, unknown {extra[:3]}; "
+                "measure a profile of this run with `pipefisher profile`"
+            )
+
+
+def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> None:
+    """Refuse a plan (`pipefisher pack -o`) of another run, naming the field that differs: the
+    curvature method, the schedule and its shape, the layers, or the tasks of this layout (a plan
+    packed for other replicas syncs other factors; `--data-parallel` of `pack` must match)."""
+    method = method_of(config).name
+    if plan.method != method:
+        raise ScheduleError(f"method: the plan runs {plan.method} tasks but this run uses {method}")
+    fields = (("schedule", plan.schedule.name, schedule.name), ("stages", plan.schedule.num_ranks, schedule.num_ranks),
+              ("micro_batches", plan.schedule.num_micro_batches, schedule.num_micro_batches),
+              ("chunks", plan.schedule.num_stages // plan.schedule.num_ranks, schedule.num_stages // schedule.num_ranks))
+    for name, planned, here in fields:
+        if planned != here:
+            raise ScheduleError(f"{name}: the plan is for {planned}, this run has {here} (pipeline.{name})")
+    validate_plan(plan)
+    names = {stage: stage_layer_names(config, stage, schedule.num_stages) for stage in range(schedule.num_stages)}
+    for stage, expected in names.items():
+        planned = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
+        if planned != sorted(expected):
+            raise ScheduleError(f"layers: the plan's stage {stage} works on {planned[:3]}..., the model's on {sorted(expected)[:3]}...")
+    section = config.curvature
+    stand_in = Profile(stages=tuple(StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in names[stage]))
+                                    for stage in range(schedule.num_stages)), method=method)
+    expected = after_step_plan(schedule, stand_in, plan.refresh_steps, split=section.split, data_parallel=config.pipeline.data_parallel,
+                               precondition=config.workers_per_layer is None)
+    planned, wanted = _task_counts(plan), _task_counts(expected)
+    if planned != wanted:
+        extra = sorted(" ".join(map(str, key)) for key in (planned - wanted).elements())
+        missing = sorted(" ".join(map(str, key)) for key in (wanted - planned).elements())
+        raise ScheduleError(f"tasks: the plan's curvature tasks are not this layout's (data_parallel "
+                            f"{config.pipeline.data_parallel}, {method}.split {str(section.split).lower()}): "
+                            f"missing {missing[:3]}, not expected {extra[:3]}; pack with this run's --data-parallel")
+
+
+#: ops whose replica the packer picks by their times (split refresh work): compared without it
+_OWNER_CHOSEN = (OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE)
+
+
+def _task_counts(plan: Plan) -> Counter:
+    """The plan's curvature ops as (kind, stage, layer, micro-batch, pipe) counts, the pipe left out
+    where the packer chose it."""
+    return Counter((op.kind.value, op.stage, op.layer, op.micro_batch, None if op.kind in _OWNER_CHOSEN else op.pipe)
+                   for op in plan.curvature_ops())
+
+
+def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
+    """The packer's options of a run (its curvature method's section, kfac for first-order runs;
+    `refresh_steps` overrides the section's refresh_steps)."""
+    section = config.curvature or config.kfac
+    return PackOptions(
+        margin=section.margin,
+        percentile=section.percentile,
+        max_overhead=section.max_overhead,
+        split=section.split,
+        refresh_steps=refresh_steps or section.refresh_steps or None,
+        max_refresh_steps=section.max_refresh_steps or None,
+        max_capture_mb=section.max_capture_mb or None,
+        data_parallel=config.pipeline.data_parallel,
+        precondition=config.workers_per_layer is None,
+    )
+
+
+def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
+    """The run's curvature plan: the section's `plan` file as it is, else packed from `profile`
+    (placement and refresh interval from its section); its times are predicted from `profile`."""
+    section = config.curvature or config.kfac
+    method = method_of(config)
+    pinned = section.refresh_steps or None
+    data_parallel = config.pipeline.data_parallel
+    if section.plan:
+        plan = Plan.load(section.plan)
+        check_plan_matches(plan, config, schedule)
+        result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
+    else:
+        result = pack(schedule, profile, pack_options(config))
+        if section.placement == "packed":
+            plan = result.plan
+        else:
+            plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel,
+                                   precondition=config.workers_per_layer is None)
+        how = f"{section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound})"
+    validate_plan(plan)
+    predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
+    held = max(peak.bytes for peak in capture_peaks(plan, profile))
+    first_order = simulate(schedule, profile).step_time  # nominal times, like `predicted`
+    extra = predicted / plan.refresh_steps / first_order - 1 if first_order > 0 else 0.0
+    packed = result is not None and section.placement == "packed"
+    summary = (
+        f"{method.label} {how}; "
+        f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
+        f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
+        + (f"; {result.reason}" if packed and not pinned else "")
+        + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
+        + (f"; {result.memory}" if packed and result.memory else "")
+        + (f"; {method.name}.max_capture_mb applies to packed plans only" if section.max_capture_mb and not packed else "")
+    )
+    return CurvaturePlan(plan, predicted, summary)
+
+
+class PipeFisherTrainer(PlanRunner):
+    """Drives one rank's executor through the refresh cycles of the run's curvature method."""
+
+    def __init__(self, config: RunConfig, executor: Executor, rank: int, tied: bool, profile: Profile | None = None):
+        """`profile`: the one to pack from (e.g. a checkpoint's); default: the run's file, or measured."""
+        self.config, self.executor, self.rank = config, executor, rank
+        self.schedule = executor.topology.schedule
+        self.modules = {key: stage.module for key, stage in executor.stages.items()}
+        self.method = method_of(config)
+        self.section = config.curvature
+        self.skip = self.method.skip(staged_model(config))
+        self.profile, fresh = (profile, False) if profile is not None else self._initial_profile()
+        self.curvature_plan = make_plan(config, self.schedule, self.profile)
+        self.drift = DriftMonitor(self.section.reprofile_threshold, self.section.reprofile_patience)
+        self.drift.new_plan(fresh_profile=fresh)
+        scaler = executor.step_end.scaler
+        self.runtime = self.method.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
+                                           (lambda: scaler.scale) if scaler is not None else (lambda: None))
+        executor.handlers.update(self.runtime.handlers())
+        executor.collectives.update(self.runtime.collectives())
+        super().__init__(executor, rank, self.curvature_plan.plan, tied)
+        executor.forward_context = lambda op: self.runtime.forward_context(op, self.cycle_step)
+        executor.after_backward = lambda op: self.runtime.after_backward(op, self.cycle_step)
+        applies_to = executor.step_end.applies_to
+        executor.step_end.before_optimizer_step = lambda: self.runtime.before_optimizer_step(applies_to)
+        self._cycle_ms = 0.0
+        self.log(self.curvature_plan.summary)
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"pipefisher: {message}", file=sys.stderr, flush=True)
+
+    def _measure(self) -> Profile:
+        timer = self.method.timer(self.config, self.modules, self.skip)
+        profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer)
+        return profile
+
+    def _initial_profile(self) -> tuple[Profile, bool]:
+        """The run's profile file, or one measured now; and whether it was measured now."""
+        if self.section.profile:
+            profile = load_profile(self.section.profile)
+            check_profile_matches(profile, self.config, self.schedule.num_stages)
+            return profile, False
+        self.log("measuring a profile (gradients dropped; the model does not change)")
+        return self._measure(), True
+
+    def state_dict(self) -> dict:
+        """Position in the cycle, the profile the plan comes from, and every engine's state
+        (call after `quiesce`)."""
+        return {"cycle_step": self.cycle_step, "profile": self.profile.to_dict(), "engines": self.runtime.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cycle_step = int(state["cycle_step"])
+        self.runtime.load_state_dict(state["engines"])
+
+    @property
+    def predicted_step_ms(self) -> float:
+        return self.curvature_plan.predicted_cycle_ms / self.curvature_plan.refresh_steps
+
+    def run_step(self, step: int) -> StepResult:
+        result = super().run_step(step)
+        self._cycle_ms += 1000 * result.seconds
+        return replace(result, extra={**result.extra, "refresh_steps": self.plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
+
+    def end_of_cycle(self) -> None:
+        self.runtime.end_of_cycle()
+        measured, predicted = self._cycle_ms, self.curvature_plan.predicted_cycle_ms
+        self._cycle_ms = 0.0
+        expected = self.drift.expected
+        decision = torch.full((1,), float(self.drift.observe(measured, predicted)), device=self.executor.device)
+        if self.drift.expected != expected and abs(self.drift.expected - 1) > self.drift.threshold:
+            self.log(f"measured cycle {measured:.1f} ms is {self.drift.expected:.2f}x the predicted {predicted:.1f} ms "
+                     "with a fresh profile (costs the simulator does not see); re-profiling watches for changes from this ratio")
+        dist.broadcast(decision, src=0)  # rank 0's clock decides for everyone
+        if not decision.item():
+            return
+        self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms "
+                 f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing")
+        self.profile = self._measure()
+        self.curvature_plan = make_plan(self.config, self.schedule, self.profile)
+        self.drift.new_plan(fresh_profile=True)
+        self.runtime.set_plan(self.curvature_plan.plan)
+        self.set_plan(self.curvature_plan.plan)
+        self.log(self.curvature_plan.summary)

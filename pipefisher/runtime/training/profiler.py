@@ -1,0 +1,253 @@
+"""Measure a profile (pipefisher.profile/v1) of a run on the real executor.
+
+Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
+steps that leave the model unchanged (gradients dropped) and times every op on every rank from a
+common zero after a barrier (`Clock`: perf_counter on CPUs; CUDA events on GPUs, so an op's time
+is the device's, without a host sync inside the step). It measures each stage boundary's transfer
+with a ping-pong, each replicated stage's gradient reduction, the rest of the end of step (tied
+weights, clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss
+scale restored after), and every task of the curvature method on the rank that holds it (its
+`TaskTimer`; standalone regions are timed with the device synchronised before and after). Every rank gathers all
+measurements and builds the same Profile, so every rank packs the same plan: each time is the
+median of all ranks' samples of it, which the profile keeps (`samples`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import platform
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.methods.interface import TaskTimer
+from pipefisher.planning.comm.plan import Message, plan_actions
+from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.simulate import Interval, Timeline
+from pipefisher.runtime.pipeline.clock import timed_ms
+from pipefisher.runtime.pipeline.executor import Executor
+from pipefisher.runtime.pipeline.plan_runner import schedule_plan
+
+#: (rank, op string, start, end) in ms from the step's common zero
+Record = tuple[int, str, float, float]
+#: time field -> samples in ms
+TimeSamples = dict[str, list[float]]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _summary(samples: Mapping[str, list[float]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """Keyword arguments of a profile entry: each of `keys` as the median of its samples (0 when
+    it has none), and `samples` of the keys that have some, in `keys` order."""
+    medians = {key: _median(samples.get(key, [])) for key in keys}
+    return {**medians, "samples": {key: samples[key] for key in keys if samples.get(key)}}
+
+
+def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -> list[list[Record]]:
+    """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
+    topology = executor.topology
+    # profiling steps drop their gradients: nothing to precondition and broadcast (K-FAC's gradient workers)
+    path = dataclasses.replace(executor.gradient_path, workers_per_layer=None)
+    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, path)).steps[0][rank]
+    clock = executor.clock
+    records: list[list[Record]] = []
+    for step in range(steps):
+        dist.barrier()
+        zero = clock.mark()
+        marks: list[tuple[Op, object, object]] = []
+        executor.recorder = lambda op, start, end: marks.append((op, start, end))
+        if step == steps - 1:  # the last step's forwards may feed the task timings (K-FAC's captures)
+            executor.forward_context = timer.forward_context
+        else:
+            executor.forward_context = lambda op: nullcontext()
+        try:
+            executor.run_step(0, actions, update=False)
+        finally:
+            executor.recorder = None
+        records.append([(rank, str(op), clock.elapsed_ms(zero, start), clock.elapsed_ms(zero, end)) for op, start, end in marks])
+    return records
+
+
+def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int, list[float]]:
+    """stage -> samples of the ms to move its output to the next stage (half a ping-pong round
+    trip: the activation forward on its channel, back on the gradients' channel)."""
+    topology, comm = executor.topology, executor.comm
+    times: dict[int, list[float]] = {}
+    for stage in range(topology.schedule.num_stages - 1):
+        a, b = topology.rank(0, 0, stage), topology.rank(0, 0, stage + 1)
+        if rank not in (a, b) or a == b:
+            continue
+        shape, dtype = executor.message_spec(Message(Op(OpKind.FORWARD, stage + 1, 0)))
+        buffer = torch.zeros(shape, dtype=dtype, device=executor.device)
+        forward, backward = comm.group(("fwd", 0, 0, stage)), comm.group(("bwd", 0, 0, stage))
+
+        def ping_pong() -> None:
+            if rank == a:
+                dist.send(buffer, b, group=forward)
+                dist.recv(buffer, b, group=backward)
+            else:
+                dist.recv(buffer, a, group=forward)
+                dist.send(buffer, a, group=backward)
+
+        ping_pong()  # connects
+        times[stage] = [round_trip / 2 for round_trip in timed_ms(ping_pong, executor.device, repeats)]
+    return times
+
+
+def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[float]]:
+    """stage -> samples of the ms of its gradient reduction over its replicas (the buckets'
+    all-reduces; with ZeRO-1 the reduces to the owners and the owners' parameter broadcasts; with
+    PowerSGD its two all-reduces and their maths, its state restored afterwards), for every
+    replicated stage this rank holds. Collective: stages in order on every rank."""
+    step_end = executor.step_end
+    step_end.update = True
+    compression = {key: compressor.state_dict() for key, compressor in step_end.powersgd.items()}
+    times: dict[int, list[float]] = {}
+    for stage in sorted({stage for _, stage in executor.stages}):
+        if len(executor.topology.replica_ranks(stage)) < 2:
+            continue
+        step_end.reduce_now(stage)  # connects
+        times[stage] = timed_ms(lambda stage=stage: step_end.reduce_now(stage), executor.device, repeats)
+    for key, state in compression.items():
+        step_end.powersgd[key].load_state_dict(state)
+    executor.comm.sent_bytes.clear()
+    return times
+
+
+def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> list[float]:
+    """`repeats` samples of the ms of this rank's end of step after the gradient reduction (tied
+    weights, the world reduction, clipping, the method's work before the optimizer step, optimizer
+    step) on gradients of ones; parameters, optimizer state, learning-rate schedule and loss scale
+    are restored afterwards. Collective."""
+    step_end = executor.step_end
+    saved_hook = step_end.before_optimizer_step
+    step_end.before_optimizer_step = timer.before_optimizer_step
+    parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in parameters]
+    optimizer_state = copy.deepcopy(step_end.optimizer.state_dict())
+    scheduler_state = step_end.scheduler.state_dict() if step_end.scheduler is not None else None
+    scaler_state = step_end.scaler.state_dict() if step_end.scaler is not None else None
+    samples = []
+    step_end.update = True
+    try:
+        for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
+            for buffer in step_end.buffers.values():
+                buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
+            dist.barrier()
+            samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
+    finally:
+        with torch.no_grad():
+            for parameter, value in zip(parameters, saved):
+                parameter.copy_(value)
+        step_end.optimizer.load_state_dict(optimizer_state)
+        if scheduler_state is not None:
+            step_end.scheduler.load_state_dict(scheduler_state)
+        if scaler_state is not None:
+            step_end.scaler.load_state_dict(scaler_state)
+        for buffer in step_end.buffers.values():
+            buffer.zero_()
+        step_end.before_optimizer_step = saved_hook
+    return samples[1:]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread(s) per rank"
+
+
+def measure_profile(
+    executor: Executor,
+    rank: int,
+    modules: dict[tuple[int, int], torch.nn.Module],
+    micro_batch_size: int,
+    timer: TaskTimer | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    skip: tuple[str, ...] = (),
+) -> tuple[Profile, list[Record]]:
+    """The run's profile (ms, medians, with their samples) and the op records of the last measured
+    step, all ranks. `timer` measures the curvature method's tasks (default: K-FAC's with its
+    default settings, leaving out the Linear layers that match the globs `skip`)."""
+    if timer is None:
+        from pipefisher.methods.kfac.ops import KfacTimer
+
+        timer = KfacTimer(modules, skip=skip)
+    saved_context = executor.forward_context
+    try:
+        records = _step_records(executor, rank, warmup + repeats, timer)
+    finally:
+        executor.forward_context = saved_context
+    transfers = _transfer_times(executor, rank)
+    reduces = _grad_reduce_times(executor, repeats)
+    tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
+    step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
+    held_stages = sorted({stage for _, stage in executor.stages})
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (records[warmup:], transfers, reduces, tasks, (held_stages, step_end)))
+    stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
+    layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
+    capture_bytes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    layer_order: dict[int, list[str]] = defaultdict(list)
+    last_step: list[Record] = []
+    for rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end) in gathered:
+        for stage, values in rank_transfers.items():
+            stage_samples[stage]["p2p"].extend(values)
+        for stage, values in rank_reduces.items():
+            stage_samples[stage]["grad_reduce"].extend(values)
+        for stage in rank_stages:  # a rank holding several stages pays their step ends together
+            stage_samples[stage]["step_end"].extend(value / len(rank_stages) for value in rank_step_end)
+        for step_records in rank_records:
+            _add_compute_samples(step_records, stage_samples)
+        last_step.extend(rank_records[-1])
+        for (stage, layer), (samples, sizes) in rank_tasks.items():
+            if layer not in layer_order[stage]:
+                layer_order[stage].append(layer)
+            for key, values in samples.items():
+                layer_samples[(stage, layer)][key].extend(values)
+            for key, size in sizes.items():
+                capture_bytes[(stage, layer)][key] = max(capture_bytes[(stage, layer)][key], size)
+    stages = []
+    for stage in range(executor.topology.schedule.num_stages):
+        layers = tuple(
+            LayerProfile(name=layer, **_summary(layer_samples[(stage, layer)], LayerProfile.TIME_FIELDS), **capture_bytes[(stage, layer)])
+            for layer in layer_order[stage]
+        )
+        stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
+    profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
+                      method=timer.method)
+    return profile, sorted(last_step)
+
+
+def _add_compute_samples(step_records: list[Record], stage_samples: dict[int, TimeSamples]) -> None:
+    """Forward and backward times of one step's records; where the backward is split, a
+    micro-batch's backward sample is its input plus its weight gradient, and `weight` the latter."""
+    split: dict[tuple[int, int, int], float] = {}
+    for _, text, start, end in step_records:
+        op = Op.parse(text)
+        if op.kind is OpKind.FORWARD:
+            stage_samples[op.stage]["forward"].append(end - start)
+        elif op.kind is OpKind.WEIGHT:
+            stage_samples[op.stage]["weight"].append(end - start)
+        if op.kind in (OpKind.BACKWARD, OpKind.WEIGHT):
+            split[op.key] = split.get(op.key, 0.0) + end - start
+    for (_, stage, _), seconds in sorted(split.items()):
+        stage_samples[stage]["backward"].append(seconds)
+
+
+def records_to_timeline(records: list[Record], num_ranks: int) -> Timeline:
+    """A Timeline (ms, from the step's common zero) of op records."""
+    per_rank: list[list[Interval]] = [[] for _ in range(num_ranks)]
+    for rank, text, start, end in sorted(records, key=lambda r: (r[0], r[2])):
+        per_rank[rank].append(Interval(Op.parse(text), start, end))
+    return Timeline(ranks=tuple(tuple(ivs) for ivs in per_rank), time_unit="ms")

@@ -1,0 +1,255 @@
+"""The single-process reference: the same training as the pipeline, without pipelining.
+
+It sees the same model (parameters depend on the seed and their names, not on the split), the
+same micro-batches in the same order, the same loss scaling (mean over all micro-batches of the
+step), tied-weight gradients summed, the same precision (autocast, activations rounded to the
+compute dtype between stages, fp16's loss scale and overflow skips), the same clipping and
+learning-rate schedule, and the same K-FAC cycle, so its losses and parameters agree with the
+pipelined run's to float tolerance.
+
+A model that offers its unsplit form (`unsplit`, `unsplit_loss`, `stage_ends`: Hugging Face
+models) is trained as that one object, the independent check of the split; others as their
+stages in sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.config import RunConfig
+from pipefisher.optim import build_optimizer, build_scheduler
+from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
+from pipefisher.runtime.pipeline.executor import StepResult
+from pipefisher.runtime.training.assembly import data_source, staged_model
+from pipefisher.runtime.training.stopping import Stopped, stop_request
+from pipefisher.runtime.training.trainer import StepCallback, TrainResult
+
+
+def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
+    """The same training in one process: the unsplit model where the model offers it, else all
+    stages in sequence with tied copies' gradients summed; micro-batches in id order, the same
+    precision, clipping, schedule and K-FAC cycle. Parameters are named as the model names them
+    unsplit, or "<stage>.<name>" for stages in sequence. Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
+    entry point installed `stop_request`)."""
+    model = staged_model(config)
+    device = torch.device("cpu")
+    precision = Precision(config.run.precision, device)
+    net = (_unsplit if hasattr(model, "unsplit") else _stages_in_sequence)(model, config, precision)
+    stages = net.modules
+    optimizer = build_optimizer(config.optimizer_settings, stages)
+    scheduler = build_scheduler(config, optimizer)
+    micro_batch = data_source(config)
+    scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
+    total = config.pipeline.micro_batches * config.pipeline.data_parallel
+    tied = net.tied
+    kfac = {"kfac": ReferenceKfac, "shampoo": ReferenceShampoo}.get(config.optimizer.name)
+    kfac = kfac(config, model, nn.ModuleList(stages)) if kfac is not None else None
+    losses = []
+    for step in range(config.run.steps):
+        start = time.perf_counter()
+        step_loss = 0.0
+        extra = {"lr": optimizer.param_groups[0]["lr"], **dict.fromkeys(model.loss_parts, 0.0)}
+        for index in range(total):
+            batch = micro_batch(step, index)
+            loss_scale = None if scaler is None else scaler.scale.clone()
+            with kfac.capture(step, index, loss_scale) if kfac else nullcontext():
+                loss, parts = net.loss(batch)
+                loss = loss * (1.0 / total)  # the scaling the last stage applies
+                (loss if scaler is None else loss * scaler.scale).backward()
+            step_loss += float(loss.detach())
+            for name, value in parts.items():
+                extra[name] += float(value) / total
+        if kfac:
+            kfac.before_optimizer_step(step)
+        if len(tied) > 1:
+            combined = sum(p.grad for p in tied)
+            for parameter in tied:
+                parameter.grad = combined.clone()
+        duplicates = {id(p) for p in tied[1:]}
+        unique = [p for stage in stages for p in stage.parameters() if id(p) not in duplicates and p.grad is not None]
+        overflow = False
+        if scaler is not None:
+            found = scaler.unscale_([p.grad for p in unique])
+            for parameter in tied[1:]:
+                parameter.grad = tied[0].grad.clone()
+            overflow = bool(found.item() > 0)
+            extra["overflow"] = overflow
+        if config.optimizer.clip_norm > 0:
+            extra["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(unique, config.optimizer.clip_norm))
+            for parameter in tied[1:]:
+                parameter.grad = tied[0].grad.clone()
+        if not overflow:
+            if kfac:
+                kfac.before_optimizer_update(step)
+            optimizer.step()
+        if scaler is not None:
+            scaler.update(found)
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if kfac:
+            kfac.after_optimizer_step(step)
+        losses.append(step_loss)
+        if on_step is not None:
+            on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
+        if stop_request.signum:
+            raise Stopped(step + 1, stop_request.signum)
+    return TrainResult(losses, {name: parameter.detach().clone() for name, parameter in net.named_parameters()})
+
+
+@dataclass
+class _Net:
+    """What the reference trains: `modules` (for the optimizer and K-FAC), `loss(batch)` ->
+    (loss, parts) under the run's precision, the distinct copies of a tied weight, and the
+    parameters to report by name."""
+
+    modules: list[nn.Module]
+    loss: Callable[[dict], tuple[Tensor, dict[str, Tensor]]]
+    tied: list[nn.Parameter]
+    named_parameters: Callable[[], list[tuple[str, nn.Parameter]]]
+
+
+def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
+    """The stages in sequence under the run's autocast, each stage's output rounded to the
+    compute dtype as the pipeline sends it; then the loss and its parts. Parameters are named
+    "<stage>.<name>" as the pipelined run names them."""
+    stages = [model.build_stage(index, config.model_chunks, config.run.seed) for index in range(config.model_chunks)]
+
+    def loss(batch: dict) -> tuple:
+        x = None
+        for index, stage in enumerate(stages):
+            with precision.autocast():
+                x = stage(x, batch)
+            if index < len(stages) - 1:
+                x = x.to(precision.compute_dtype)
+        with precision.autocast():
+            return model.loss(x, batch)
+
+    return _Net(stages, loss, _local_tied_copies(stages, model.tied_parameters()),
+                lambda: [(f"{i}.{name}", p) for i, stage in enumerate(stages) for name, p in stage.named_parameters()])
+
+
+def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:
+    """The unsplit model object under the run's autocast, its own loss; the output of the last
+    block of every stage but the last is rounded to the compute dtype, as the pipeline sends it.
+    Parameters keep the model's own names."""
+    unsplit = model.unsplit(config.run.seed)
+    for name in model.stage_ends(config.model_chunks):
+        unsplit.get_submodule(name).register_forward_hook(lambda module, inputs, output: output.to(precision.compute_dtype))
+
+    def loss(batch: dict) -> tuple:
+        with precision.autocast():
+            return model.unsplit_loss(unsplit, batch)
+
+    return _Net([unsplit], loss, [], lambda: list(unsplit.named_parameters()))
+
+
+def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> list[nn.Parameter]:
+    """The distinct Parameters that are copies of one tied weight, first stage's first."""
+    where = {"first": 0, "last": len(stages) - 1}
+    copies: list[nn.Parameter] = []
+    for selector, name in tied:
+        parameter = dict(stages[where[selector]].named_parameters()).get(name)
+        if parameter is not None and not any(parameter is p for p in copies):
+            copies.append(parameter)
+    return copies
+
+
+class ReferenceCurvature:
+    """A curvature method of the whole model in one process, with the pipeline's cycle semantics
+    (refresh cycles of `refresh_steps`; new inverses/roots committed after a cycle's last step).
+    Hooks: `capture` around each micro-batch's forward/backward, `before_optimizer_step` after the
+    backwards (raw gradients, before the tied sum), `before_optimizer_update` on the clipped
+    gradients right before the SGD step, `after_optimizer_step`."""
+
+    def __init__(self, config: RunConfig, section) -> None:
+        if section.refresh_steps < 1:
+            name = config.optimizer.name
+            raise ValueError(f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer")
+        self.k = section.refresh_steps
+
+    def capture(self, step: int, micro_batch: int, loss_scale=None):
+        return nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        pass
+
+    def before_optimizer_update(self, step: int) -> None:
+        pass
+
+    def after_optimizer_step(self, step: int) -> None:
+        pass
+
+
+class ReferenceKfac(ReferenceCurvature):
+    """K-FAC: capture in the cycle's first step, preconditioning every step (before the tied sum
+    and clipping, as the pipeline's precondition ops)."""
+
+    def __init__(self, config: RunConfig, model, modules: nn.Module):
+        from pipefisher.methods.kfac import KFACEngine
+        from pipefisher.methods.kfac.ops import kfac_engine_config, rows_per_step
+
+        super().__init__(config, config.kfac)
+        self.lr = config.optimizer_settings.lr
+        skip = model.kfac_skip()
+        self.engine = KFACEngine(modules, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
+
+    def capture(self, step: int, micro_batch: int, loss_scale=None):
+        return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        if step % self.k == 0:
+            for info in self.engine.layers():
+                for factor in ("A", "B"):
+                    for micro_batch in self.engine.captured(info.name, factor):
+                        self.engine.curvature(info.name, factor, micro_batch)
+                    self.engine.invert(info.name, factor)
+        self.engine.precondition_all(self.lr)
+
+    def after_optimizer_step(self, step: int) -> None:
+        if step % self.k == self.k - 1:
+            for info in self.engine.layers():
+                self.engine.commit(info.name)
+
+
+class ReferenceShampoo(ReferenceCurvature):
+    """Shampoo: statistics and roots from the raw gradient of the cycle's first step (unscaled by
+    fp16's loss scale), preconditioning with grafting on the clipped gradient before every SGD step."""
+
+    def __init__(self, config: RunConfig, model, modules: nn.Module):
+        from pipefisher.methods.shampoo.ops import shampoo_settings, tied_skip
+        from pipefisher.methods.shampoo import ShampooEngine
+
+        super().__init__(config, config.shampoo)
+        self.engine = ShampooEngine(modules, shampoo_settings(config), skip=tied_skip(model.tied_parameters()))
+        self._loss_scale = None
+
+    def capture(self, step: int, micro_batch: int, loss_scale=None):
+        self._loss_scale = loss_scale
+        return nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        if step % self.k:
+            return
+        for info in self.engine.matrices():
+            self.engine.capture(info.name)
+            if self._loss_scale is not None:
+                self.engine.captured_gradient(info.name).div_(self._loss_scale)
+            for factor in ("A", "B"):
+                self.engine.update_statistics(info.name, factor)
+                self.engine.compute_root(info.name, factor)
+            self.engine.release(info.name)
+
+    def before_optimizer_update(self, step: int) -> None:
+        self.engine.precondition_all()
+
+    def after_optimizer_step(self, step: int) -> None:
+        if step % self.k == self.k - 1:
+            self.engine.commit()
+            self.engine.check_health()

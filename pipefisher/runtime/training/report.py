@@ -1,0 +1,103 @@
+"""What a run shows while it trains: a progress bar or one line per step, a metrics file, and a
+summary when the run completed (a failed or stopped run has none).
+
+Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
+and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
+parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with K-FAC or Shampoo, the refresh interval and the
+predicted step time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+from typing import TextIO
+
+from pipefisher.config import RunConfig
+from pipefisher.methods.rules import task_rules
+from pipefisher.runtime.pipeline.executor import StepResult
+
+
+def tokens_per_step(config: RunConfig) -> int:
+    p = config.pipeline
+    return p.micro_batches * p.data_parallel * config.data.micro_batch_size * config.model.seq_len
+
+
+class StepReporter:
+    """Call with every StepResult; `close()` prints the summary. A progress bar replaces the
+    text lines when stderr is a terminal and stdout is not used for JSON."""
+
+    def __init__(self, config: RunConfig, as_json: bool, first_step: int = 0, progress: bool | None = None):
+        self.config, self.as_json = config, as_json
+        self.total = config.run.steps
+        self.tokens = tokens_per_step(config)
+        self.metrics: TextIO | None = open(config.run.metrics, "a") if config.run.metrics else None
+        self.times: list[float] = []
+        self.last: dict = {}
+        use_bar = sys.stderr.isatty() and not as_json if progress is None else progress
+        self.bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            # tqdm's default lock is a multiprocessing one: a semaphore that a rank leaving with
+            # os._exit never frees (the resource tracker then warns at shutdown); one process
+            # draws the bar, so a thread lock is enough
+            tqdm.set_lock(threading.RLock())
+            self.bar = tqdm(total=self.total, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, result: StepResult) -> None:
+        record = {
+            "step": result.step,
+            "loss": result.loss,
+            **{k: v for k, v in result.extra.items()},
+            "step_time_ms": 1000 * result.seconds,
+            "tokens_per_s": self.tokens / result.seconds if result.seconds > 0 else 0.0,
+        }
+        self.times.append(result.seconds)
+        self.last = record
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        if self.as_json:
+            print(json.dumps(record), flush=True)
+        elif self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        else:
+            line = f"step {result.step}/{self.total}  loss {result.loss:.6f}  step time {record['step_time_ms']:.1f} ms"
+            if "mlm" in record:
+                line += f"  (mlm {record['mlm']:.4f}, nsp {record['nsp']:.4f})"
+            if "predicted_step_time_ms" in record:
+                line += f"  predicted {record['predicted_step_time_ms']:.1f} ms, k={record['refresh_steps']}"
+            print(line, flush=True)
+
+    def close(self, completed: bool = True, state_bytes: tuple[dict[str, int], ...] = ()) -> None:
+        """Close the bar and the metrics file; the summary only for a run that `completed`, with
+        every rank's optimizer-state and curvature-state MiB when given (`TrainResult.state_bytes`)."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if not self.times or not completed:
+            return
+        median = statistics.median(self.times)
+        summary = (
+            f"pipefisher: {len(self.times)} steps, final loss {self.last['loss']:.6f}, median step {1000 * median:.1f} ms, "
+            f"{self.tokens / median:.0f} tokens/s"
+        )
+        if "refresh_steps" in self.last:
+            label = task_rules(self.config.optimizer.name).label
+            summary += f", {label} every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
+        print(summary, file=sys.stderr, flush=True)
+        if state_bytes:
+            print(f"pipefisher: state per rank, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
+                f"; {task_rules(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else "") + (
+                f"; PowerSGD {_mib(state_bytes, 'compression')}" if self.config.comm.powersgd_rank else ""),
+                file=sys.stderr, flush=True)
+
+
+def _mib(state_bytes: tuple[dict[str, int], ...], part: str) -> str:
+    """Rank by rank, e.g. ``0.52 0.52 0.49 0.49``."""
+    return " ".join(f"{ranks[part] / 2**20:.3g}" for ranks in state_bytes)

@@ -1,0 +1,228 @@
+"""A pipelined training run from a RunConfig: the run's model and data, this rank's executor,
+the step loop with checkpoints. `pipefisher.runtime.training.reference` trains the same in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipefisher.config import RunConfig
+from pipefisher.core.ir import Schedule
+from pipefisher.core.profile import profile_from_dict
+from pipefisher.core.topology import Topology
+from pipefisher.models.init import derive_seed
+from pipefisher.optim import build_optimizer, build_scheduler
+from pipefisher.planning.comm.plan import GradientPath, group_members
+from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
+from pipefisher.runtime.gradient_path.powersgd import PowerSGD
+from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
+from pipefisher.runtime.gradient_path.step_end import StepEnd
+from pipefisher.runtime.pipeline.comm import Comm
+from pipefisher.runtime.pipeline.executor import Executor, StepResult
+from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
+from pipefisher.runtime.pipeline.stage import StageRuntime
+from pipefisher.runtime.training.assembly import build_schedule, data_source, staged_model
+from pipefisher.runtime.training.checkpoint import commit, load_rank, save_rank
+from pipefisher.runtime.training.stopping import Stopped
+
+StepCallback = Callable[[StepResult], None]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """Step losses (identical on every rank) and parameters: a pipelined rank's keyed
+    ``"<stage>.<name>"`` (for Chimera, ``"p<pipe>.<stage>.<name>"`` for the second pipe's copy);
+    the reference's as `train_reference` says. `state_bytes`: per global rank, the bytes of its
+    optimizer state (``optimizer``), of its curvature method's state (``curvature``) and of
+    PowerSGD's (``compression``) at the end (empty for the reference)."""
+
+    losses: list[float]
+    parameters: dict[str, Tensor]
+    state_bytes: tuple[dict[str, int], ...] = ()
+
+
+def tensor_bytes(value: object) -> int:
+    """Bytes of the tensors in a nested structure of dicts, lists and tuples (each storage once)."""
+    seen: set[tuple[int, int]] = set()
+
+    def visit(item: object) -> int:
+        if isinstance(item, Tensor):
+            key = (item.untyped_storage().data_ptr(), item.untyped_storage().nbytes())
+            if key in seen:
+                return 0
+            seen.add(key)
+            return item.untyped_storage().nbytes()
+        if isinstance(item, dict):
+            return sum(visit(v) for v in item.values())
+        if isinstance(item, (list, tuple)):
+            return sum(visit(v) for v in item)
+        return 0
+
+    return visit(value)
+
+
+def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[Executor, Schedule]:
+    """The executor of `rank` in an initialised process group of `config.world_size` ranks.
+
+    Collective: every rank must call it (it creates the process groups).
+    """
+    schedule = build_schedule(config)
+    topology = Topology(schedule, config.pipeline.data_parallel)
+    if dist.get_world_size() != topology.world_size:
+        raise RuntimeError(
+            f"world size {dist.get_world_size()} != pipeline.stages {config.pipeline.stages} x "
+            f"pipeline.data_parallel {config.pipeline.data_parallel}"
+        )
+    model = staged_model(config)
+    tied = has_tied_weights(model, schedule)
+    sharded, compression = config.optimizer.zero == 1, config.comm.powersgd_rank
+    path = GradientPath(sharded=sharded, compressed=bool(compression), workers_per_layer=config.workers_per_layer)
+    members = group_members(topology, tied, path)
+    comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout)
+    num_stages = schedule.num_stages
+    modules = {
+        (pipe, stage): model.build_stage(stage, num_stages, config.run.seed).to(device)
+        for pipe, stage in topology.stages_of(rank)
+    }
+    torch.manual_seed(derive_seed(config.run.seed, f"rank/{rank}"))  # this rank's dropout, on every device
+    precision = Precision(config.run.precision, device)
+    scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
+    grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
+    stages = {
+        key: StageRuntime(key[0], key[1], module, key[1] == 0, key[1] == num_stages - 1, model.loss,
+                          1.0 / topology.total_micro_batches, precision, grad_scale)
+        for key, module in modules.items()
+    }
+    bucket_bytes = int(config.run.bucket_mb * 2**20)
+    ownership = Ownership(topology, rank, modules, sharded)
+    buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if sharded else None) for key, module in modules.items()}
+    optimizer = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
+    powersgd = {
+        key: PowerSGD(buffer, compression, seed=config.run.seed * 1009 + key[1], loss_scale=grad_scale)
+        for key, buffer in buffers.items() if compression and len(topology.replica_ranks(key[1])) > 1
+    }
+    clip = config.optimizer.clip_norm
+    step_end = StepEnd(
+        comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
+        tied=TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
+        norm=GlobalNorm(topology, ownership, modules, model.tied_parameters()) if clip > 0 else None,
+        clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer), ownership=ownership,
+        powersgd=powersgd, powersgd_start=config.comm.powersgd_start_step,
+    )
+    micro_batch_size = config.data.micro_batch_size
+
+    def message_spec(message):
+        return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
+
+    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path)
+    return executor, schedule
+
+
+def has_tied_weights(model, schedule: Schedule) -> bool:
+    """Whether the model's tied weights live on more than one stage (their gradients are summed)."""
+    return bool(model.tied_parameters()) and schedule.num_stages > 1
+
+
+def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step: StepCallback | None = None,
+                    executor: Executor | None = None, resume_from: int | None = None) -> TrainResult:
+    """Train on this rank (with `executor` if given, else a fresh one from `build_executor`) up
+    to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
+    Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
+    a signal stops the run: then every rank raises `Stopped` after the same step."""
+    if executor is None:
+        executor, _ = build_executor(config, rank, device)
+    start, state = 0, None
+    if resume_from is not None:
+        start = resume_from
+        state = load_rank(config.checkpoint.dir, start, rank, device)
+        _restore(executor, state, config)
+    if config.curvature is not None:
+        from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
+
+        profile = profile_from_dict(state["curvature"]["profile"]) if state else None
+        runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile)
+        if state:
+            runner.load_state_dict(state["curvature"])
+    else:
+        runner = PlanRunner(executor, rank, schedule_plan(executor.topology.schedule), executor.tied)
+    if state:
+        runner.resume()
+    losses = []
+    every = config.checkpoint.every
+    for step in range(start, config.run.steps):
+        result = runner.run_step(step)
+        losses.append(result.loss)
+        if on_step is not None:
+            on_step(result)
+        done = step + 1
+        signum = result.extra.get("stop_signal")
+        if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps or signum):
+            save_checkpoint(config, rank, executor, runner, done)
+        if signum:
+            raise Stopped(done, signum, config.checkpoint.dir or None)
+    parameters = {}
+    for (pipe, stage), runtime in executor.stages.items():
+        prefix = f"p{pipe}.{stage}" if pipe else f"{stage}"
+        for name, parameter in runtime.module.named_parameters():
+            parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
+    return TrainResult(losses, parameters, gather_state_bytes(executor, runner))
+
+
+def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str, int], ...]:
+    """Every rank's optimizer-state and curvature-state bytes, on every rank. Collective."""
+    runner.quiesce()
+    compression = [tensor for compressor in executor.step_end.powersgd.values() for tensor in compressor.tensors()]
+    mine = {"optimizer": tensor_bytes(list(executor.optimizer.state.values())), "curvature": tensor_bytes(runner.state_dict()),
+            "compression": tensor_bytes(compression)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return tuple(everyone)
+
+
+def save_checkpoint(config: RunConfig, rank: int, executor: Executor, runner: PlanRunner, step: int) -> None:
+    """Every rank saves its state of `step`; rank 0 commits the step once all have. Collective."""
+    runner.quiesce()
+    record = save_rank(config.checkpoint.dir, step, rank, _state(executor, runner, step))
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    if rank == 0:
+        commit(config.checkpoint.dir, step, config, records, config.checkpoint.keep)
+    dist.barrier()
+
+
+def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
+    """Everything a rank needs to continue bit for bit after `step` completed steps."""
+    scaler = executor.step_end.scaler
+    return {
+        "step": step,
+        "stages": {f"{pipe}.{stage}": runtime.module.state_dict() for (pipe, stage), runtime in executor.stages.items()},
+        "optimizer": executor.optimizer.state_dict(),
+        "scheduler_step": executor.scheduler.last_epoch if executor.scheduler is not None else None,
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "curvature": runner.state_dict(),
+        "powersgd": {f"{pipe}.{stage}": c.state_dict() for (pipe, stage), c in executor.step_end.powersgd.items()},
+        "rng": torch.random.get_rng_state(),
+        "rng_device": torch.cuda.get_rng_state(executor.device) if executor.device.type == "cuda" else None,
+    }
+
+
+def _restore(executor: Executor, state: dict, config: RunConfig) -> None:
+    for (pipe, stage), runtime in executor.stages.items():
+        runtime.module.load_state_dict(state["stages"][f"{pipe}.{stage}"])
+    executor.optimizer.load_state_dict(state["optimizer"])
+    for (pipe, stage), compressor in executor.step_end.powersgd.items():
+        compressor.load_state_dict(state["powersgd"][f"{pipe}.{stage}"])
+    if executor.step_end.scaler is not None:
+        executor.step_end.scaler.load_state_dict(state["loss_scaler"])
+    if executor.scheduler is not None and state["scheduler_step"] is not None:
+        # The schedule comes from this run's configuration; only its position is restored, by a
+        # scheduler that starts there (stepping one before any optimizer step would warn).
+        executor.step_end.scheduler = build_scheduler(config, executor.optimizer, position=state["scheduler_step"])
+    torch.random.set_rng_state(state["rng"])
+    if state.get("rng_device") is not None and executor.device.type == "cuda":  # checkpoints before it lack it
+        torch.cuda.set_rng_state(state["rng_device"], executor.device)
