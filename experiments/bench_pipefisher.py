@@ -283,7 +283,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
     first = variants["first-order"]
     sched, cfg = first.schedule, variants["packed"].config
     modules = {key: s.module for key, s in first.executor.stages.items()}
-    method = method_of(cfg)
+    method = method_of(cfg).runtime_parts()
     skip = method.skip(staged_model(cfg))
 
     def profile_now(warmup: int, repeats: int) -> tuple[Profile, float, float]:

@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipefisher.core.files import load_structured
-from pipefisher.planning.layouts.kaisa import worker_count
+from pipefisher.core.settings import ConfigError
+from pipefisher.methods.registry import methods
+from pipefisher.methods.settings import RefreshConfig
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank
-
-
-class ConfigError(ValueError):
-    """A run file is malformed; the message names the key (e.g. ``pipeline.stages``)."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +82,9 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """`kfac`: K-FAC preconditioning of every Linear layer, then SGD (lr, momentum, weight decay);
-    `shampoo`: Shampoo preconditioning with grafting of every parameter, then SGD likewise.
+    """`name`: a first-order optimizer (sgd, adamw, lamb) or a curvature method
+    (`pipefisher.methods.registry`: kfac, shampoo, ...): its preconditioning, then SGD (lr,
+    momentum, weight decay), with the settings of the run file's section of that name.
     `zero` 1 shards the optimizer state over each stage's replicas (ZeRO stage 1: every parameter
     has one owner, which alone receives its reduced gradient, updates it and broadcasts it; the
     optimizer state per rank falls as 1/replicas). `clip_norm` > 0 clips the global gradient
@@ -94,7 +93,7 @@ class OptimizerConfig:
     `decay_steps` (`linear`; 0 = the run's last step — fix it when a run is split by --resume
     into parts with other --steps). Weight decay skips biases and LayerNorm weights."""
 
-    name: Literal["sgd", "adamw", "lamb", "kfac", "shampoo"] = "sgd"
+    name: str = "sgd"
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -105,77 +104,6 @@ class OptimizerConfig:
     decay: Literal["constant", "linear"] = "constant"
     decay_steps: int = 0
     zero: int = 0
-
-
-@dataclass(frozen=True)
-class RefreshConfig:
-    """How a curvature method's refresh work is placed; the keys the kfac and shampoo sections
-    share. `lr` and `momentum`: of the SGD step after preconditioning (0 = optimizer.lr /
-    optimizer.momentum), so a run file can carry the method's tuned values beside another
-    optimizer's.
-
-    `refresh_steps` 0 lets the packer choose k (at most `max_refresh_steps`, 0 = no cap; see
-    `pipefisher.planning.packing.pack` for the rule), packing with the `percentile` of the profile's measured
-    samples, `margin` of each bubble kept free, within `max_overhead` (a share of the step), holding
-    at most `max_capture_mb` MiB of captures per device (0 = no cap); `placement` packed puts the
-    work in the bubbles, after-step runs it in one block after the first step of each cycle;
-    `split` spreads the refresh work of a stage over its pipes' replicas and exchanges the results.
-    `profile`: a pipefisher.profile/v1 file of this run ("" = measure one before training).
-    `plan`: a pipefisher.plan/v1 file of this run (`pipefisher pack -o`) to run as it is instead
-    of packing ("" = pack); the profile then only predicts its times.
-    Re-profiling: when the measured cycle time differs from the prediction by more than
-    `reprofile_threshold` (a share) for `reprofile_patience` cycles in a row, the run measures
-    again and re-packs (a steady gap right after a fresh measurement counts as the simulator's
-    error, not as drift).
-    """
-
-    lr: float = 0.0
-    momentum: float = 0.0
-    refresh_steps: int = 0
-    placement: Literal["packed", "after-step"] = "packed"
-    margin: float = 0.0
-    percentile: float = 90.0
-    max_overhead: float = 0.01
-    max_refresh_steps: int = 0
-    max_capture_mb: float = 0.0
-    split: bool = True
-    profile: str = ""
-    plan: str = ""
-    reprofile_threshold: float = 0.25
-    reprofile_patience: int = 3
-
-
-@dataclass(frozen=True)
-class KfacConfig(RefreshConfig):
-    """K-FAC settings (used with optimizer.name kfac): damping, factor EMA decay, inverse method;
-    `grad_worker_fraction` f (KAISA, `pipefisher.planning.layouts.kaisa`): each layer's inverses live on f of a
-    stage's replicas, which precondition its reduced gradient and broadcast it to the others
-    (1 = every replica keeps every inverse and preconditions before the reduction); placement
-    keys as `RefreshConfig`."""
-
-    damping: float = 1e-3
-    factor_decay: float = 0.95
-    inverse: Literal["eigen", "cholesky"] = "eigen"
-    grad_worker_fraction: float = 1.0
-
-
-@dataclass(frozen=True)
-class ShampooConfig(RefreshConfig):
-    """Shampoo settings (used with optimizer.name shampoo; `pipefisher.methods.shampoo`): statistics decay
-    `beta2` (1 = plain sum), `epsilon` added before the inverse 4th root, `block_size` (longer
-    dimensions are cut into blocks), `root` method, `grafting` (adam takes optimizer.betas[1] and
-    optimizer.eps), `start_step` (steps before it use the grafting direction alone),
-    `statistics_dtype` (float64: a statistic GGᵀ squares the gradient's condition number, which
-    float32 resolves only to about 1e-7 of its largest eigenvalue); the statistics come from the
-    gradient of every refresh cycle's first step. Placement keys as `RefreshConfig`."""
-
-    beta2: float = 1.0
-    epsilon: float = 1e-12
-    block_size: int = 1024
-    root: Literal["eigen", "newton"] = "eigen"
-    grafting: Literal["adam", "sgd", "none"] = "adam"
-    start_step: int = 0
-    statistics_dtype: Literal["float64", "float32"] = "float64"
 
 
 @dataclass(frozen=True)
@@ -232,8 +160,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    kfac: KfacConfig = field(default_factory=KfacConfig)
-    shampoo: ShampooConfig = field(default_factory=ShampooConfig)
+    #: (name, section) of every registered curvature method, each a run-file section of its name
+    methods: tuple[tuple[str, RefreshConfig], ...] = field(default_factory=lambda: default_method_sections())
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     run: RunSettings = field(default_factory=RunSettings)
@@ -242,10 +170,22 @@ class RunConfig:
     def world_size(self) -> int:
         return self.pipeline.stages * self.pipeline.data_parallel
 
+    def __getattr__(self, name: str) -> RefreshConfig:
+        """A curvature method's section by its name: ``config.kfac``, ``config.shampoo``."""
+        if not name.startswith("_"):
+            for method, section in self.__dict__.get("methods", ()):
+                if method == name:
+                    return section
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def section(self, method: str) -> RefreshConfig:
+        """The section of curvature method `method` (KeyError for an unknown one)."""
+        return dict(self.methods)[method]
+
     @property
-    def curvature(self) -> KfacConfig | ShampooConfig | None:
-        """The section of the run's curvature method (kfac or shampoo), None for first-order runs."""
-        return {"kfac": self.kfac, "shampoo": self.shampoo}.get(self.optimizer.name)
+    def curvature(self) -> RefreshConfig | None:
+        """The section of the run's curvature method, None for first-order runs."""
+        return dict(self.methods).get(self.optimizer.name)
 
     @property
     def optimizer_settings(self) -> OptimizerConfig:
@@ -258,11 +198,16 @@ class RunConfig:
                                    momentum=section.momentum or self.optimizer.momentum)
 
     @property
+    def stage_replicas(self) -> int:
+        """Copies of every stage: its pipes (Chimera has two) x the data-parallel copies."""
+        return stage_replica_count(self)
+
+    @property
     def workers_per_layer(self) -> int | None:
-        """K-FAC's gradient workers per layer (`pipefisher.planning.layouts.kaisa`) when they are fewer than a
-        stage's replicas (optimizer kfac, kfac.grad_worker_fraction < 1); None: every replica."""
+        """Gradient workers per layer (`pipefisher.planning.layouts.kaisa`) when the run's curvature
+        method keeps each layer's refresh results on fewer than a stage's replicas; None: every replica."""
         replicas = stage_replica_count(self)
-        workers = worker_count(replicas, self.kfac.grad_worker_fraction) if self.optimizer.name == "kfac" else replicas
+        workers = self.curvature.gradient_workers(replicas) if self.curvature is not None else replicas
         return workers if workers < replicas else None
 
     @property
@@ -273,7 +218,7 @@ class RunConfig:
 
     def with_overrides(self, **sections: dict[str, Any]) -> "RunConfig":
         """A copy with some keys of some sections replaced (None values are ignored), checked."""
-        data = dataclasses.asdict(self)
+        data = config_to_dict(self)
         for section, values in sections.items():
             data[section].update({k: v for k, v in values.items() if v is not None})
         return config_from_dict(data)
@@ -283,9 +228,21 @@ _POSITIVE = {
     "model.layers", "model.hidden", "model.heads", "model.ffn", "model.seq_len", "model.input_dim",
     "model.output_dim", "data.micro_batch_size", "data.vocab_size", "pipeline.stages", "pipeline.micro_batches",
     "pipeline.chunks", "pipeline.data_parallel", "optimizer.lr", "run.steps", "run.timeout", "optimizer.eps",
-    "kfac.damping", "kfac.reprofile_threshold", "kfac.reprofile_patience", "run.loss_scale", "run.bucket_mb",
-    "shampoo.reprofile_threshold", "shampoo.reprofile_patience", "shampoo.epsilon", "shampoo.block_size",
+    "run.loss_scale", "run.bucket_mb",
 }
+FIRST_ORDER = ("sgd", "adamw", "lamb")
+
+
+def default_method_sections() -> tuple[tuple[str, RefreshConfig], ...]:
+    """Every registered method's section with its defaults."""
+    return tuple((name, method.settings()) for name, method in methods().items())
+
+
+def config_to_dict(config: RunConfig) -> dict[str, dict[str, Any]]:
+    """The run as its run file has it: {section: {key: value}}, each method's section under its name."""
+    data = {f.name: dataclasses.asdict(getattr(config, f.name)) for f in fields(config) if f.name != "methods"}
+    data.update({name: dataclasses.asdict(section) for name, section in config.methods})
+    return data
 
 
 def _convert(value: Any, annotation: Any, where: str) -> Any:
@@ -343,14 +300,17 @@ def config_from_dict(data: Any) -> RunConfig:
     """Build and check a RunConfig (see the module docstring)."""
     if data is None:
         data = {}
+    fixed = [f.name for f in fields(RunConfig) if f.name != "methods"]
+    known = methods()
+    sections = fixed[:4] + list(known) + fixed[4:]
     if not isinstance(data, dict):
-        raise ConfigError("the run file must be a mapping with sections model, data, pipeline, optimizer, kfac, shampoo, checkpoint, comm, run")
-    sections = [f.name for f in fields(RunConfig)]
+        raise ConfigError(f"the run file must be a mapping with sections {', '.join(sections)}")
     hints = typing.get_type_hints(RunConfig)
     for key in data:
         if key not in sections:
             raise ConfigError(f"{key}: unknown section; allowed sections: {', '.join(sections)}")
-    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in sections})
+    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in fixed},
+                       methods=tuple((name, _section(method.settings, data.get(name), name)) for name, method in known.items()))
     _check(config)
     return config
 
@@ -402,34 +362,22 @@ def _check(config: RunConfig) -> None:
     if model.dropout != -1.0 and not 0 <= model.dropout < 1:
         raise ConfigError(f"model.dropout: {model.dropout:g} must be in [0, 1) (a probability; leave it out for the model's own)")
     _check_optimizer(config.optimizer)
+    names = FIRST_ORDER + tuple(name for name, _ in config.methods)
+    if config.optimizer.name not in names:
+        raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
     if config.optimizer.zero not in (0, 1):
         raise ConfigError(f"optimizer.zero: {config.optimizer.zero} is not a ZeRO stage pipefisher has; use 0 (off) or 1 "
                           "(optimizer state sharded over each stage's replicas)")
-    if config.optimizer.name == "kfac":
-        try:
-            worker_count(stage_replica_count(config), config.kfac.grad_worker_fraction)
-        except ValueError as exc:
-            raise ConfigError(f"kfac.grad_worker_fraction: {exc}") from None
-        if config.workers_per_layer is not None and config.optimizer.zero:
-            raise ConfigError("kfac.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "
-                              "reduces to owners; use kfac.grad_worker_fraction 1 or optimizer.zero 0")
     comm = config.comm
     if comm.powersgd_rank < 0 or comm.powersgd_start_step < 0:
         raise ConfigError("comm.powersgd_rank and comm.powersgd_start_step must be >= 0 (powersgd_rank 0 = no compression)")
     if comm.powersgd_rank and config.optimizer.zero:
         raise ConfigError("comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
                           "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)")
-    for section in ("kfac", "shampoo"):
-        _check_refresh(getattr(config, section), section)
-    if not 0 <= config.kfac.factor_decay < 1:
-        raise ConfigError(f"kfac.factor_decay: {config.kfac.factor_decay} must be in [0, 1)")
-    shampoo = config.shampoo
-    if not 0 < shampoo.beta2 <= 1:
-        raise ConfigError(f"shampoo.beta2: {shampoo.beta2} must be in (0, 1] (1 = a plain sum of the statistics)")
-    if shampoo.start_step < 0:
-        raise ConfigError(f"shampoo.start_step: {shampoo.start_step} must be >= 0")
+    for name, section in config.methods:
+        section.check(name, config)
     if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
@@ -450,20 +398,6 @@ def _check_optimizer(optimizer: OptimizerConfig) -> None:
             raise ConfigError(f"optimizer.{key}: {getattr(optimizer, key):g} must be >= 0 (0 = off)")
 
 
-def _check_refresh(section: RefreshConfig, name: str) -> None:
-    """The placement keys of a curvature method's section `name`."""
-    if section.refresh_steps < 0:
-        raise ConfigError(f"{name}.refresh_steps: {section.refresh_steps} must be >= 1, or 0 to let the packer choose")
-    if section.lr < 0 or not 0 <= section.momentum < 1:
-        raise ConfigError(f"{name}.lr must be >= 0 (0 = optimizer.lr) and {name}.momentum in [0, 1) (0 = optimizer.momentum)")
-    if not 0 <= section.margin < 1 or section.max_overhead < 0:
-        raise ConfigError(f"{name}.margin must be in [0, 1) and {name}.max_overhead >= 0")
-    if not 0 < section.percentile <= 100:
-        raise ConfigError(f"{name}.percentile: {section.percentile:g} must be in (0, 100] (50 = the median)")
-    if section.max_refresh_steps < 0 or section.max_capture_mb < 0:
-        raise ConfigError(f"{name}.max_refresh_steps and {name}.max_capture_mb must be >= 0 (0 = no cap)")
-
-
 def load_config(path: str | Path) -> RunConfig:
     """Read a YAML run file."""
     return load_structured(path, "run file", config_from_dict, ConfigError)
@@ -473,14 +407,13 @@ __all__ = [
     "ConfigError",
     "CheckpointConfig",
     "DataConfig",
-    "KfacConfig",
     "ModelConfig",
     "RefreshConfig",
-    "ShampooConfig",
     "OptimizerConfig",
     "PipelineConfig",
     "RunConfig",
     "RunSettings",
+    "config_to_dict",
     "config_from_dict",
     "load_config",
 ]

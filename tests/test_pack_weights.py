@@ -21,6 +21,7 @@ from pipefisher.core.ir import (
 )
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.core.topology import Topology
+from pipefisher.methods.registry import task_rules
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan, moved_weights, validate_plan
 from pipefisher.planning.simulate import COLLECTIVES
@@ -219,11 +220,11 @@ def test_weight_schedules_move_no_weights_when_asked_not_to():
 
 def test_precondition_and_gradient_methods_wait_for_the_weight_gradients():
     schedule = get_schedule("zb-h1", 4, 8)
-    graph = TaskGraph(schedule, ())
+    graph = TaskGraph(schedule, (), task_rules("kfac"))
     precondition = Op(OpKind.PRECONDITION, 2, None)
     assert set(graph.dependencies(precondition)) == {weight(2, mb) for mb in range(8)}
     curvature_b = Op(OpKind.CURV_B, 2, 3, 0, "l2.0")
-    assert Op(OpKind.BACKWARD, 2, 3) in TaskGraph(schedule, [curvature_b]).dependencies(curvature_b), "output gradients are captured at B"
+    assert Op(OpKind.BACKWARD, 2, 3) in TaskGraph(schedule, [curvature_b], task_rules("kfac")).dependencies(curvature_b), "output gradients are captured at B"
     tasks = build_tasks(schedule, profile_for(4, method="shampoo"))
     inverse = next(op for op in tasks.cycle[1] if op.kind is OpKind.INV_A)
     assert set(tasks.graph.dependencies(inverse)) == {weight(1, mb) for mb in range(8)}

@@ -7,7 +7,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "pipefisher"
 #: folders whose every module is torch-free, and the torch-free modules of the other folders
 TORCH_FREE_FOLDERS = ("core", "schedules", "planning", "cli")
-TORCH_FREE_MODULES = ("config", "methods/rules", "viz/cli", "viz/layout", "viz/text", "viz/chrome", "viz/figure", "viz/timeline_io")
+TORCH_FREE_MODULES = ("config", "methods/__init__", "methods/method", "methods/settings", "methods/registry", "viz/cli", "viz/layout", "viz/text", "viz/chrome", "viz/figure", "viz/timeline_io")
 
 
 def module_name(path: Path) -> str:
@@ -18,6 +18,8 @@ def module_name(path: Path) -> str:
 def torch_free_modules() -> list[str]:
     paths = [path for folder in TORCH_FREE_FOLDERS for path in (PACKAGE / folder).rglob("*.py")]
     paths += [PACKAGE / f"{name}.py" for name in TORCH_FREE_MODULES]
+    # every method's declaration (its section, task rules, where its torch parts live) and package
+    paths += [path for path in (PACKAGE / "methods").glob("*/*.py") if path.name in ("__init__.py", "method.py")]
     return sorted(module_name(path) for path in paths)
 
 

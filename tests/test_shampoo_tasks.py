@@ -8,7 +8,7 @@ import pytest
 from pipefisher.core.ir import Op, OpKind, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, profile_from_dict
 from pipefisher.core.topology import Topology
-from pipefisher.methods.rules import KFAC_RULES, SHAMPOO_RULES, task_rules
+from pipefisher.methods.registry import task_rules
 from pipefisher.planning.comm.plan import ActionKind, CommOrderError, plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
@@ -137,6 +137,7 @@ def test_profile_method_round_trips_and_unknown_methods_are_refused():
 
 
 def test_rules_differ_only_in_where_inputs_come_from():
-    assert KFAC_RULES.curvature and KFAC_RULES.precondition and KFAC_RULES.syncs == ("A", "B")
-    assert not SHAMPOO_RULES.curvature and not SHAMPOO_RULES.precondition
-    assert SHAMPOO_RULES.sync_for("B") == "A", "both statistics read the one gradient sync"
+    kfac, shampoo = task_rules("kfac"), task_rules("shampoo")
+    assert kfac.curvature and kfac.precondition and kfac.syncs == ("A", "B")
+    assert not shampoo.curvature and not shampoo.precondition
+    assert shampoo.sync_for("B") == "A", "both statistics read the one gradient sync"

@@ -13,16 +13,17 @@ from collections.abc import Callable, Sequence
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
                                  check_output, percentile, positive_float, positive_int, say, share)
+from pipefisher.cli.method_args import add_method_arguments, method_overrides, optimizer_names
 from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError, load_profile
+from pipefisher.methods.registry import DEFAULT_METHOD, method_of, methods
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.schedules import SCHEDULES
 
-OPTIMIZERS = ("sgd", "adamw", "lamb", "kfac", "shampoo")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 def _simulate_summary(schedule, timeline: Timeline) -> dict:
@@ -143,16 +144,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer, "zero": args.zero},
-        kfac={"placement": args.kfac_placement, "refresh_steps": args.kfac_refresh_steps,
-              "grad_worker_fraction": args.kfac_grad_worker_fraction},
-        shampoo={"placement": args.shampoo_placement, "refresh_steps": args.shampoo_refresh_steps},
+        **method_overrides(args),
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
         comm={"powersgd_rank": args.powersgd_rank},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
              "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
     )
     check_run_outputs(config)
-    method = config.optimizer.name if config.curvature is not None else "kfac"
+    method = method_of(config).name
     warn_without_effect(args, config)
     config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
     warn_if_emulated(config)
@@ -176,7 +175,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_plan(config, schedule, args.reference)
     elif args.plan:
         raise UsageError(f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
-                         f"{config.optimizer.name} (use --optimizer kfac or shampoo)")
+                         f"{config.optimizer.name} (use --optimizer {' or '.join(methods())})")
     if args.reference and section is not None and section.refresh_steps < 1:
         raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
     from pipefisher.runtime.training.run import check_port, run
@@ -287,8 +286,8 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS,
-                        help="override optimizer.name: the tasks of its curvature method are timed (Shampoo's for shampoo, else K-FAC's)")
+    parser.add_argument("--optimizer", choices=optimizer_names(),
+                        help=f"override optimizer.name: the tasks of its curvature method are timed (of {DEFAULT_METHOD} for a first-order optimizer)")
     parser.set_defaults(handler=_cmd_profile)
 
 
@@ -305,15 +304,10 @@ def _add_run(subparsers) -> None:
     parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--steps", type=positive_int, help="total steps of the run (run.steps)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="override optimizer.name")
-    parser.add_argument("--kfac-placement", choices=["packed", "after-step"], help="where K-FAC work runs (kfac.placement)")
-    parser.add_argument("--kfac-refresh-steps", type=positive_int, help="pin the refresh interval k (kfac.refresh_steps)")
-    parser.add_argument("--kfac-grad-worker-fraction", type=float, metavar="F",
-                        help="share of a stage's replicas that keep each layer's inverses and precondition it (kfac.grad_worker_fraction)")
-    parser.add_argument("--shampoo-placement", choices=["packed", "after-step"], help="where Shampoo work runs (shampoo.placement)")
-    parser.add_argument("--shampoo-refresh-steps", type=positive_int, help="pin the refresh interval k (shampoo.refresh_steps)")
-    parser.add_argument("--profile", help="profile of this run for the packer (kfac.profile or shampoo.profile); default: measure one")
-    parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (kfac.plan or shampoo.plan); "
+    parser.add_argument("--optimizer", choices=optimizer_names(), help="override optimizer.name")
+    add_method_arguments(parser)
+    parser.add_argument("--profile", help="profile of this run for the packer (<method>.profile); default: measure one")
+    parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (<method>.plan); "
                                        "checked against the run first")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
     _add_gradient_path_arguments(parser)

@@ -9,6 +9,7 @@ import argparse
 from pipefisher.cli.args import UsageError, check_input, check_output, say
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.methods.registry import methods
 
 
 def check_run_outputs(config: RunConfig) -> None:
@@ -21,11 +22,11 @@ def check_run_outputs(config: RunConfig) -> None:
 
 def warn_without_effect(args: argparse.Namespace, config: RunConfig) -> None:
     """One line for each flag the run's optimizer does not read: --profile on a first-order run,
-    --kfac-* and --shampoo-* with another optimizer."""
+    a method's flags (--kfac-*, ...) with another optimizer."""
     if args.profile is not None and config.curvature is None:
         say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
-            "it serves the packer of --optimizer kfac or shampoo")
-    for section in ("kfac", "shampoo"):
+            f"it serves the packer of --optimizer {' or '.join(methods())}")
+    for section in methods():
         named = [flag for flag, value in vars(args).items() if flag.startswith(f"{section}_") and value is not None]
         if named and config.optimizer.name != section:
             flags = ", ".join("--" + flag.replace("_", "-") for flag in named)

@@ -32,7 +32,8 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from pipefisher.core.files import load_structured, write_text_atomically
-from pipefisher.methods.rules import METHODS
+from pipefisher.methods.registry import DEFAULT_METHOD, methods
+
 
 SCHEMA = "pipefisher.profile/v1"
 #: stage times written only where non-zero (0 when a file leaves them out)
@@ -160,13 +161,13 @@ class StageProfile:
 @dataclass(frozen=True)
 class Profile:
     """Per-stage costs; `method`: the curvature method whose tasks the layers' times are
-    (`pipefisher.methods.rules`: kfac, shampoo; written only when not kfac)."""
+    (a name in `pipefisher.methods.registry`; written only when not `DEFAULT_METHOD`)."""
 
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
     device: str = ""
     micro_batch_size: int | None = None
-    method: str = "kfac"
+    method: str = DEFAULT_METHOD
 
     @property
     def num_stages(self) -> int:
@@ -197,7 +198,7 @@ class Profile:
         data: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "time_unit": self.time_unit}
         if self.micro_batch_size is not None:
             data["micro_batch_size"] = self.micro_batch_size
-        if self.method != "kfac":
+        if self.method != DEFAULT_METHOD:
             data["method"] = self.method
         data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
@@ -339,9 +340,9 @@ def profile_from_dict(data: Any) -> Profile:
     mbs = data.get("micro_batch_size")
     if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
         raise ProfileError(f"micro_batch_size: {mbs!r} must be a positive integer")
-    method = data.get("method", "kfac")
-    if method not in METHODS:
-        raise ProfileError(f"method: {method!r} is not one of {', '.join(METHODS)}")
+    method = data.get("method", DEFAULT_METHOD)
+    if method not in methods():
+        raise ProfileError(f"method: {method!r} is not one of {', '.join(methods())}")
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ProfileError("stages: missing; give one entry per pipeline stage")

@@ -1,6 +1,6 @@
-"""A curvature method on the executor: the interface K-FAC and Shampoo implement.
+"""A curvature method's torch side: the interface every method implements (`MethodParts`).
 
-The plan says which op runs where (`pipefisher.methods.rules`); a method's runtime supplies the
+The plan says which op runs where (`pipefisher.methods.method`); a method's runtime supplies the
 handlers of its op kinds, the launchers of its collectives (``sync``, ``exchange``), its hooks
 into the step (around forwards, after backwards, before the optimizer step), its end-of-cycle
 commit and its checkpoint state. Its `TaskTimer` measures its tasks for the profiler.
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
-from pipefisher.planning.comm.plan import Collective
 from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.plan import Collective
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.comm import Comm, Handle
 
@@ -78,7 +80,7 @@ class CurvatureRuntime:
 class TaskTimer:
     """Measures a method's tasks for the profiler on one rank; `method` names it (`Profile.method`)."""
 
-    method = "kfac"
+    method: str = ""  # its `CurvatureMethod.name`
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         """Context of the forwards of the profiler's last measured step (K-FAC captures there)."""
@@ -91,3 +93,49 @@ class TaskTimer:
         """(stage, layer) -> its task time samples in ms and capture sizes, for the stages this
         rank holds. Collective over the ranks (syncs are timed on the stages' groups)."""
         raise NotImplementedError
+
+
+class ReferenceCurvature:
+    """A curvature method of the whole model in one process (the reference twin of its runtime),
+    with the pipeline's cycle semantics: refresh cycles of `refresh_steps`, new refresh results
+    committed after a cycle's last step. Hooks: `capture` around each micro-batch's
+    forward/backward, `before_optimizer_step` after the backwards (raw gradients, before the tied
+    sum), `before_optimizer_update` on the clipped gradients right before the SGD step,
+    `after_optimizer_step`. `config`: the run (`RunConfig`); `model`: its `StagedModel`;
+    `modules`: what the reference trains."""
+
+    def __init__(self, config: Any, model: Any, modules: nn.Module) -> None:
+        name = config.optimizer.name
+        section = config.curvature
+        if section.refresh_steps < 1:
+            raise ValueError(f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer")
+        self.k = section.refresh_steps
+
+    def capture(self, step: int, micro_batch: int, loss_scale: Tensor | None = None) -> AbstractContextManager:
+        return nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        pass
+
+    def before_optimizer_update(self, step: int) -> None:
+        pass
+
+    def after_optimizer_step(self, step: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class MethodParts:
+    """The torch side of a curvature method (`CurvatureMethod.parts` names it).
+
+    `runtime(config, topology, rank, modules, comm, plan, skip, loss_scale)`: one rank's
+    `CurvatureRuntime` over its stages' `modules` ((pipe, stage) -> module); `timer(config,
+    modules, skip)`: its `TaskTimer`; `layer_names(stage module, skip)`: the layers its tasks
+    name, in order; `skip(staged model)`: globs of what stays first-order; `reference(config,
+    model, modules)`: its `ReferenceCurvature`."""
+
+    runtime: Callable[..., CurvatureRuntime]
+    timer: Callable[[Any, dict, tuple[str, ...]], TaskTimer]
+    layer_names: Callable[[nn.Module, tuple[str, ...]], list[str]]
+    skip: Callable[[Any], tuple[str, ...]]
+    reference: Callable[[Any, Any, nn.Module], ReferenceCurvature]

@@ -1,52 +1,63 @@
-"""The curvature methods the runtime knows, by `optimizer.name`: what the trainer, profiler and
-reference need of each (its runtime, task timer, layers and first-order exceptions)."""
+"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo), those a program
+registers (`register`) and those installed packages declare under the entry-point group
+``pipefisher.methods`` (each entry a `CurvatureMethod`). Everything outside a method's folder
+finds a method here, by name. Pure Python: no torch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from importlib.metadata import entry_points
 
-from torch import nn
+from pipefisher.core.ir import ScheduleError
+from pipefisher.methods.kfac.method import KFAC
+from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.shampoo.method import SHAMPOO
 
-from pipefisher.config import RunConfig
-from pipefisher.methods.interface import CurvatureRuntime, TaskTimer
-from pipefisher.methods.kfac.layer import select_layers
-from pipefisher.methods.kfac.ops import KfacRuntime, KfacTimer
-from pipefisher.methods.rules import task_rules
-from pipefisher.methods.shampoo.ops import ShampooRuntime, ShampooTimer, matrix_names, tied_skip
-from pipefisher.models import StagedModel
+ENTRY_POINT_GROUP = "pipefisher.methods"
+#: the method of profile and plan files written before they named one, and the method whose
+#: tasks `pipefisher profile` times for a first-order run
+DEFAULT_METHOD = KFAC.name
 
-
-@dataclass(frozen=True)
-class CurvatureMethod:
-    """`runtime(config, topology, rank, modules, comm, plan, skip, loss_scale)`; `timer(config,
-    modules, skip)`; `layer_names(stage module, skip)`: the layers its tasks name, in order;
-    `skip(model)`: globs of what stays first-order (K-FAC: Linear modules; Shampoo: parameters)."""
-
-    name: str
-    runtime: Callable[..., CurvatureRuntime]
-    timer: Callable[[RunConfig, dict, tuple[str, ...]], TaskTimer]
-    layer_names: Callable[[nn.Module, tuple[str, ...]], list[str]]
-    skip: Callable[[StagedModel], tuple[str, ...]]
-
-    @property
-    def label(self) -> str:
-        return task_rules(self.name).label
+_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO)}
+_entry_points_loaded = False
 
 
-KFAC = CurvatureMethod(
-    name="kfac", runtime=KfacRuntime,
-    timer=lambda config, modules, skip: KfacTimer(modules, skip, config.kfac.damping, config.kfac.inverse),
-    layer_names=lambda module, skip: list(select_layers(module, skip)),
-    skip=lambda model: model.kfac_skip(),
-)
-SHAMPOO = CurvatureMethod(
-    name="shampoo", runtime=ShampooRuntime, timer=ShampooTimer, layer_names=matrix_names,
-    skip=lambda model: tied_skip(model.tied_parameters()),
-)
-CURVATURE_METHODS = {method.name: method for method in (KFAC, SHAMPOO)}
+def register(method: CurvatureMethod) -> CurvatureMethod:
+    """Make `method` known by its name (again: the newer declaration wins); returns it."""
+    if not method.name.isidentifier() or method.name in ("sgd", "adamw", "lamb"):
+        raise ValueError(f"method name {method.name!r}: must be an identifier that is not a first-order optimizer")
+    _METHODS[method.name] = method
+    return method
 
 
-def method_of(config: RunConfig) -> CurvatureMethod:
-    """The run's curvature method; K-FAC for first-order runs (what `pipefisher profile` measures)."""
-    return CURVATURE_METHODS.get(config.optimizer.name, KFAC)
+def unregister(name: str) -> None:
+    """Forget method `name` (tests that register one of their own)."""
+    _METHODS.pop(name, None)
+
+
+def methods() -> dict[str, CurvatureMethod]:
+    """Every known method by name, built-in ones first."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        for entry in entry_points(group=ENTRY_POINT_GROUP):
+            register(entry.load())
+    return dict(_METHODS)
+
+
+def method(name: str) -> CurvatureMethod:
+    """Method `name`; ScheduleError naming the known ones otherwise."""
+    known = methods()
+    if name not in known:
+        raise ScheduleError(f"method: {name!r} is not a curvature method; use one of {', '.join(known)}")
+    return known[name]
+
+
+def task_rules(name: str) -> TaskRules:
+    """The task rules of method `name` (ScheduleError as `method`)."""
+    return method(name).rules
+
+
+def method_of(config) -> CurvatureMethod:
+    """The run's curvature method (`optimizer.name`); `DEFAULT_METHOD` for a first-order run
+    (whose profile times that method's tasks)."""
+    return methods().get(config.optimizer.name) or _METHODS[DEFAULT_METHOD]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pipefisher.config import OptimizerConfig, RunConfig
+from pipefisher.methods.registry import methods
 
 
 def no_decay(name: str) -> bool:
@@ -35,7 +36,7 @@ def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module],
     LAMB over the parameters of `modules` that `keep` accepts (ZeRO-1: the rank's own).
     `foreach=False` keeps per-parameter updates identical however parameters are grouped across ranks."""
     groups = parameter_groups(modules, config.weight_decay, keep)
-    if config.name in ("sgd", "kfac", "shampoo"):
+    if config.name == "sgd" or config.name in methods():  # a curvature method preconditions, then SGD steps
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, foreach=False)
     if config.name == "adamw":
         return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
@@ -43,7 +44,7 @@ def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module],
         from pipefisher.optim.lamb import Lamb
 
         return Lamb(groups, lr=config.lr, betas=config.betas, eps=config.eps)
-    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, kfac, shampoo")
+    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, {', '.join(methods())}")
 
 
 def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from pipefisher.core.files import load_structured, write_text_atomically
 from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
 from pipefisher.core.profile import Profile
-from pipefisher.methods.rules import task_rules
+from pipefisher.methods.registry import DEFAULT_METHOD, task_rules
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
 from pipefisher.planning.tasks import CYCLE_KINDS, SYNC, TaskGraph, collective_groups
 from pipefisher.schedules.validate import execution_order, validate
@@ -28,7 +28,7 @@ class Plan:
     """`steps[j][rank]`: the ops `rank` runs in step j of the cycle (0-based; len = refresh interval).
 
     Every step holds the schedule's forward/backward ops in the schedule's order; the ops of
-    curvature method `method` (`pipefisher.methods.rules`) are inserted among them. Where the schedule
+    curvature method `method` (`pipefisher.methods.registry`) are inserted among them. Where the schedule
     splits the backward, every step holds each of its weight gradients (W) once, on the same rank,
     but the packer may move them within the step (after their backward, before their stage's
     precondition), holding no more pending weight gradients or activations on a rank than the
@@ -39,7 +39,7 @@ class Plan:
 
     schedule: Schedule
     steps: tuple[tuple[tuple[Op, ...], ...], ...]
-    method: str = "kfac"
+    method: str = DEFAULT_METHOD
 
     @property
     def refresh_steps(self) -> int:
@@ -69,7 +69,7 @@ class Plan:
             steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
         except (KeyError, TypeError) as exc:
             raise ScheduleError(f"malformed plan JSON: {exc!r}") from None
-        method = str(data.get("method", "kfac"))
+        method = str(data.get("method", DEFAULT_METHOD))
         task_rules(method)
         return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method)
 

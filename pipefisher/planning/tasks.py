@@ -1,5 +1,5 @@
 """The task graph of a curvature method's refresh cycle: which ops exist, on which rank, and what
-each waits for (the method's `TaskRules`, `pipefisher.methods.rules`).
+each waits for (the method's `TaskRules`, `pipefisher.methods.method`).
 
 Per layer of every (pipe, stage): K-FAC's curvature A/B per micro-batch of that pipe (after the
 micro-batch's forward/backward and the factor's curvature of the previous micro-batch); a sync
@@ -27,7 +27,8 @@ from functools import cached_property
 
 from pipefisher.core.ir import Op, OpKind, Schedule, backward, dependencies, weight
 from pipefisher.core.profile import Profile
-from pipefisher.methods.rules import KFAC_RULES, TaskRules, task_rules
+from pipefisher.methods.method import TaskRules
+from pipefisher.methods.registry import task_rules
 from pipefisher.planning.simulate import OpDurations, check_profile
 
 CURVATURE = {"A": OpKind.CURV_A, "B": OpKind.CURV_B}
@@ -47,7 +48,7 @@ class TaskGraph:
     included or not. Which micro-batches a pipe processes comes from `schedule`.
     """
 
-    def __init__(self, schedule: Schedule, ops: Iterable[Op], rules: TaskRules = KFAC_RULES):
+    def __init__(self, schedule: Schedule, ops: Iterable[Op], rules: TaskRules):
         self.schedule, self.rules = schedule, rules
         self.micro_batches: dict[int, list[int]] = defaultdict(list)
         #: the ops that complete a micro-batch's share of the stage's gradient
@@ -120,7 +121,7 @@ class TaskGraph:
             return self._input(op, FACTOR_OF[kind], first_step)
         if kind is OpKind.EXCHANGE:
             # its replica folds the synced factors it did not invert into its running average
-            syncs = (sync for factor in "AB" for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
+            syncs = (sync for factor in self.rules.factors for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
             return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(syncs)
         if kind is OpKind.PRECONDITION:
             return self.gradient_ops(op)
@@ -153,7 +154,7 @@ class CurvatureTasks:
     cycle: tuple[tuple[Op, ...], ...]
     per_step: tuple[tuple[Op, ...], ...]
     split: bool
-    rules: TaskRules = KFAC_RULES
+    rules: TaskRules
 
     @cached_property
     def graph(self) -> TaskGraph:
@@ -188,8 +189,8 @@ def collective_groups(schedule: Schedule) -> dict[int, frozenset[int]]:
     return {stage: frozenset(schedule.placement[(pipe, stage)] for pipe in pipes) for stage, pipes in stage_replicas(schedule).items()}
 
 
-def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[tuple[OpKind, int, str], list[int]]:
-    """(inverse kind, stage, layer) -> pipes whose rank computes it.
+def _inverse_owners(schedule: Schedule, profile: Profile, split: bool, factors: tuple[str, ...]) -> dict[tuple[OpKind, int, str], list[int]]:
+    """(inverse kind, stage, layer) -> pipes whose rank computes it, for the method's `factors`.
 
     Unsplit, every replica inverts its own copy. Split, each inverse goes to one replica: longest
     first to the least-loaded rank among those holding the stage (ties to the lower rank).
@@ -201,6 +202,7 @@ def _inverse_owners(schedule: Schedule, profile: Profile, split: bool) -> dict[t
         for stage, stage_profile in enumerate(profile.stages)
         for layer in stage_profile.layers
         for kind, cost in ((OpKind.INV_A, layer.inverse_a), (OpKind.INV_B, layer.inverse_b))
+        if FACTOR_OF[kind] in factors
     ]
     if not split:
         return {(kind, stage, name): list(replicas[stage]) for _, kind, stage, name in jobs}
@@ -228,8 +230,8 @@ def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_p
     if not precondition:
         rules = replace(rules, precondition=False)
     replicas = stage_replicas(schedule)
-    owners = _inverse_owners(schedule, profile, split)
-    graph_mbs = TaskGraph(schedule, ()).micro_batches
+    owners = _inverse_owners(schedule, profile, split, rules.factors)
+    graph_mbs = TaskGraph(schedule, (), rules).micro_batches
     cycle: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
     per_step: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
     phases: list[list[tuple[int, Op]]] = [[], [], [], []]
@@ -241,7 +243,7 @@ def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_p
         exchanged = len(replicas[stage]) > 1 and split
         for layer in layers:
             name = layer.name
-            for factor in "AB":
+            for factor in rules.factors:
                 if rules.curvature:
                     phases[0] += [(rank, Op(CURVATURE[factor], stage, mb, pipe, name)) for mb in graph_mbs[pipe]]
                 if synced and factor in rules.syncs:

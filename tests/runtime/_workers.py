@@ -12,6 +12,7 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import OpKind
+from pipefisher.methods.registry import method_of
 from pipefisher.runtime.training.trainer import TrainResult, build_executor, train_pipelined
 
 CPU = torch.device("cpu")
@@ -127,7 +128,9 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
     losses = [runner.run_step(step).loss for step in range(2)]
     if profile:
         modules = {key: stage.module for key, stage in executor.stages.items()}
-        measure_profile(executor, rank, modules, config.data.micro_batch_size, skip=staged_model(config).kfac_skip(), repeats=2)
+        parts = method_of(config).runtime_parts()
+        timer = parts.timer(config, modules, parts.skip(staged_model(config)))
+        measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, repeats=2)
     losses += [runner.run_step(step).loss for step in range(2, 4)]
     state = {f"{key}.{name}": value.detach().clone() for key, stage in executor.stages.items()
              for name, value in stage.module.state_dict().items()}
@@ -190,7 +193,6 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
     runs) with made-up times in ms (no measuring): forward 1, backward 2, curvature 0.01 per
     factor, inverses (roots) and syncs as given."""
     from pipefisher.core.profile import LayerProfile, Profile, StageProfile
-    from pipefisher.methods.registry import method_of
     from pipefisher.runtime.training.pipefisher_run import stage_layer_names
 
     stages = []

@@ -12,7 +12,7 @@ import pytest
 
 from _workers import assert_equal_to_reference
 from pipefisher.config import config_from_dict
-from pipefisher.methods.registry import CURVATURE_METHODS
+from pipefisher.methods.registry import methods
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
 
@@ -44,7 +44,7 @@ def shipped_defaults(method: str, schedule: str, data_parallel: int = 1, optimiz
     })
 
 
-@pytest.mark.parametrize("method", CURVATURE_METHODS)
+@pytest.mark.parametrize("method", methods())
 def test_each_method_changes_the_updates_from_its_second_cycle(method):
     """Not vacuous: the swept runs precondition (steps 0-1 take plain SGD steps, the roots or
     inverses of step 0 take over at step 2, whose effect the loss of step 3 shows)."""
@@ -55,14 +55,14 @@ def test_each_method_changes_the_updates_from_its_second_cycle(method):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("method", CURVATURE_METHODS)
+@pytest.mark.parametrize("method", methods())
 def test_shipped_defaults_equal_the_reference(method, schedule):
     assert_equal_to_reference(shipped_defaults(method, schedule), PARAMETER_ATOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("method", CURVATURE_METHODS)
+@pytest.mark.parametrize("method", methods())
 def test_shipped_defaults_with_two_data_parallel_copies_equal_the_reference(method, schedule):
     """Each stage's statistics come from the whole step's gradient: every replica's half summed."""
     assert_equal_to_reference(shipped_defaults(method, schedule, data_parallel=2), PARAMETER_ATOL)

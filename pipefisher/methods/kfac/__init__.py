@@ -1,23 +1,20 @@
-"""K-FAC engine: per-layer curvature, sync, damped inverses and preconditioning.
+"""K-FAC: per-layer curvature, sync, damped inverses and preconditioning.
 
 :class:`KFAC` is the single-process front; :class:`KFACEngine` exposes the same per-layer
-operations one call at a time for the pipeline executor.
+operations one call at a time for the pipeline executor. The method's declaration
+(`pipefisher.methods.kfac.method`) is torch-free; the names below import torch on first use.
 """
 
-from pipefisher.methods.kfac.engine import KFACConfig, KFACEngine, KFACNumericsWarning, PreconditionReport
-from pipefisher.methods.kfac.factors import InverseMethod
-from pipefisher.methods.kfac.front import KFAC
-from pipefisher.methods.kfac.layer import FACTORS, Factor, Health, LayerInfo
+from importlib import import_module
 
-__all__ = [
-    "FACTORS",
-    "KFAC",
-    "Factor",
-    "Health",
-    "InverseMethod",
-    "KFACConfig",
-    "KFACEngine",
-    "KFACNumericsWarning",
-    "LayerInfo",
-    "PreconditionReport",
-]
+_EXPORTS = {
+    "KFACConfig": "engine", "KFACEngine": "engine", "KFACNumericsWarning": "engine", "PreconditionReport": "engine",
+    "InverseMethod": "factors", "KFAC": "front", "FACTORS": "layer", "Factor": "layer", "Health": "layer", "LayerInfo": "layer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

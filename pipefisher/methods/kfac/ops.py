@@ -31,7 +31,7 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
-from pipefisher.methods.kfac import KFACConfig, KFACEngine
+from pipefisher.methods.kfac.engine import KFACConfig, KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.planning.comm.plan import Collective, inverse_owners
 from pipefisher.planning.layouts.kaisa import GradWorkers
@@ -176,6 +176,8 @@ class KfacTimer(TaskTimer):
     """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor
     sync over the stage's replicas, eigen/Cholesky inverse of a factor's size, preconditioning;
     and the bytes of the largest micro-batch's captures of each layer."""
+
+    method = "kfac"
 
     def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), damping: float = 1e-3,
                  inverse: str = "eigen"):

@@ -1,24 +1,21 @@
 """Shampoo preconditioner (Gupta et al. 2018) with blocking and grafting.
 
 :class:`Shampoo` is the single-process front; :class:`ShampooEngine` exposes the same per-matrix
-operations one call at a time for the pipeline executor.
+operations one call at a time for the pipeline executor. The method's declaration
+(`pipefisher.methods.shampoo.method`) is torch-free; the names below import torch on first use.
 """
 
-from pipefisher.methods.shampoo.blocks import FACTORS, Factor, MatrixInfo
-from pipefisher.methods.shampoo.engine import ShampooEngine
-from pipefisher.methods.shampoo.front import Shampoo
-from pipefisher.methods.shampoo.health import ShampooHealth, ShampooNumericsWarning
-from pipefisher.methods.shampoo.settings import Grafting, RootMethod, ShampooSettings
+from importlib import import_module
 
-__all__ = [
-    "FACTORS",
-    "Factor",
-    "Grafting",
-    "MatrixInfo",
-    "RootMethod",
-    "Shampoo",
-    "ShampooEngine",
-    "ShampooHealth",
-    "ShampooNumericsWarning",
-    "ShampooSettings",
-]
+_EXPORTS = {
+    "FACTORS": "blocks", "Factor": "blocks", "MatrixInfo": "blocks", "ShampooEngine": "engine", "Shampoo": "front",
+    "ShampooHealth": "health", "ShampooNumericsWarning": "health", "Grafting": "settings", "RootMethod": "settings",
+    "ShampooSettings": "settings",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

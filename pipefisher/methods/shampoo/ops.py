@@ -25,7 +25,8 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
-from pipefisher.methods.shampoo import ShampooEngine, ShampooSettings
+from pipefisher.methods.shampoo.engine import ShampooEngine
+from pipefisher.methods.shampoo.settings import ShampooSettings
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.planning.comm.plan import Collective, inverse_owners
 from pipefisher.planning.plan import Plan

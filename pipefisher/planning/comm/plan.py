@@ -36,7 +36,8 @@ from enum import Enum
 
 from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind, ScheduleError
 from pipefisher.core.topology import Topology
-from pipefisher.methods.rules import TaskRules, task_rules
+from pipefisher.methods.method import TaskRules
+from pipefisher.methods.registry import task_rules
 from pipefisher.planning.layouts.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
@@ -299,7 +300,7 @@ def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, 
                 waited.add(action.target)
                 yield action
         yield run(op)
-        yield from _curvature_launches(op)
+        yield from _curvature_launches(op, rules)
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
@@ -328,18 +329,18 @@ def _curvature_waits(op: Op, owners: dict, synced: set, rules: TaskRules) -> Ite
         if key in synced:
             yield Action(ActionKind.WAIT, sync_collective(*key))
     elif op.kind is OpKind.EXCHANGE:
-        inputs = dict.fromkeys(rules.sync_for(factor) for factor in "AB" if owners.get((op.stage, op.layer, factor)) != op.pipe)
+        inputs = dict.fromkeys(rules.sync_for(factor) for factor in rules.factors if owners.get((op.stage, op.layer, factor)) != op.pipe)
         for source in inputs:
             key = (op.stage, op.layer, source)
             if key in synced:
                 yield Action(ActionKind.WAIT, sync_collective(*key))
 
 
-def _curvature_launches(op: Op) -> Iterator[Action]:
+def _curvature_launches(op: Op, rules: TaskRules) -> Iterator[Action]:
     if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B):
         yield Action(ActionKind.LAUNCH, sync_collective(op.stage, op.layer, FACTOR_OF[op.kind]))
     elif op.kind is OpKind.EXCHANGE:
-        for factor in "AB":
+        for factor in rules.factors:
             yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, op.layer, factor))
 
 

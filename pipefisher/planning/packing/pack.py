@@ -318,4 +318,4 @@ def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
             work = block(tasks.cycle[rank]) if step == 0 else []
             ranks.append(tuple(compute) + tuple(work) + tasks.per_step[rank])
         steps.append(tuple(ranks))
-    return Plan(schedule=schedule, steps=tuple(steps), method=tasks.rules.name)
+    return Plan(schedule=schedule, steps=tuple(steps), method=tasks.profile.method)

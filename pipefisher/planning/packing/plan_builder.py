@@ -88,7 +88,7 @@ class PlanBuilder:
                 items.sort(key=_first)  # sorted runs when kept is in window order: a merge
                 ranks.append(tuple(map(_second, items)))
             steps.append(tuple(ranks))
-        return Plan(schedule=self.schedule, steps=tuple(steps), method=self.tasks.rules.name)
+        return Plan(schedule=self.schedule, steps=tuple(steps), method=self.tasks.profile.method)
 
     @cached_property
     def base(self) -> list[list[tuple[tuple, Op]]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipefisher.core.table import format_table
-from pipefisher.methods.rules import task_rules
+from pipefisher.methods.registry import method
 from pipefisher.planning.packing.report import PackResult
 
 
@@ -12,7 +12,7 @@ def format_pack_report(result: PackResult) -> str:
     data = result.to_dict()
     unit = data["time_unit"]
     first_order = data["first_order_step_time"]
-    label = task_rules(result.plan.method).label
+    label = method(result.plan.method).label
     lines = [
         f"{data['schedule']}: D={data['stages']}, N={data['micro_batches']}, strategy {data['strategy']}"
         f"{'' if data['split'] else ', no inverse splitting'}, {label} task times at percentile {data['percentile']:g}, "

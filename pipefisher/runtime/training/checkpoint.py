@@ -14,7 +14,6 @@ checkpointing, ports, backend, timeouts, bucket size and the in-order test mode)
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import shutil
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipefisher.config import RunConfig
+from pipefisher.config import RunConfig, config_to_dict
 from pipefisher.core.files import write_atomically
 
 #: configuration keys that may change between a run and its resumption
@@ -52,7 +51,7 @@ class FileRecord:
 def identity(config: RunConfig) -> dict[str, Any]:
     """The configuration keys a resumed run must share, as a flat {"section.key": value} dict."""
     flat = {}
-    for section, values in dataclasses.asdict(config).items():
+    for section, values in config_to_dict(config).items():
         for key, value in values.items():
             if (section, key) not in _FREE:
                 flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value

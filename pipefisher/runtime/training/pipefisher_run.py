@@ -43,13 +43,13 @@ class CurvaturePlan:
 
 
 def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[str]:
-    """Names of the layers of a stage that the run's curvature method (K-FAC for first-order
-    runs) works on, without allocating it."""
+    """Names of the layers of a stage that the run's curvature method (`method_of`) works on,
+    without allocating it."""
     model = staged_model(config)
-    method = method_of(config)
+    parts = method_of(config).runtime_parts()
     with torch.device("meta"):
         module = model.build_stage(stage, num_stages, config.run.seed)
-    return method.layer_names(module, method.skip(model))
+    return parts.layer_names(module, parts.skip(model))
 
 
 def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
@@ -116,9 +116,9 @@ def _task_counts(plan: Plan) -> Counter:
 
 
 def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
-    """The packer's options of a run (its curvature method's section, kfac for first-order runs;
+    """The packer's options of a run (the section of its method, `method_of`;
     `refresh_steps` overrides the section's refresh_steps)."""
-    section = config.curvature or config.kfac
+    section = config.section(method_of(config).name)
     return PackOptions(
         margin=section.margin,
         percentile=section.percentile,
@@ -135,8 +135,8 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
 def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
     """The run's curvature plan: the section's `plan` file as it is, else packed from `profile`
     (placement and refresh interval from its section); its times are predicted from `profile`."""
-    section = config.curvature or config.kfac
     method = method_of(config)
+    section = config.section(method.name)
     pinned = section.refresh_steps or None
     data_parallel = config.pipeline.data_parallel
     if section.plan:
@@ -178,14 +178,15 @@ class PipeFisherTrainer(PlanRunner):
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
         self.method = method_of(config)
+        self.parts = self.method.runtime_parts()
         self.section = config.curvature
-        self.skip = self.method.skip(staged_model(config))
+        self.skip = self.parts.skip(staged_model(config))
         self.profile, fresh = (profile, False) if profile is not None else self._initial_profile()
         self.curvature_plan = make_plan(config, self.schedule, self.profile)
         self.drift = DriftMonitor(self.section.reprofile_threshold, self.section.reprofile_patience)
         self.drift.new_plan(fresh_profile=fresh)
         scaler = executor.step_end.scaler
-        self.runtime = self.method.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
+        self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
                                            (lambda: scaler.scale) if scaler is not None else (lambda: None))
         executor.handlers.update(self.runtime.handlers())
         executor.collectives.update(self.runtime.collectives())
@@ -202,7 +203,7 @@ class PipeFisherTrainer(PlanRunner):
             print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
     def _measure(self) -> Profile:
-        timer = self.method.timer(self.config, self.modules, self.skip)
+        timer = self.parts.timer(self.config, self.modules, self.skip)
         profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer)
         return profile
 

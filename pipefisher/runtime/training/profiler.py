@@ -171,18 +171,12 @@ def measure_profile(
     rank: int,
     modules: dict[tuple[int, int], torch.nn.Module],
     micro_batch_size: int,
-    timer: TaskTimer | None = None,
+    timer: TaskTimer,
     warmup: int = 1,
     repeats: int = 3,
-    skip: tuple[str, ...] = (),
 ) -> tuple[Profile, list[Record]]:
     """The run's profile (ms, medians, with their samples) and the op records of the last measured
-    step, all ranks. `timer` measures the curvature method's tasks (default: K-FAC's with its
-    default settings, leaving out the Linear layers that match the globs `skip`)."""
-    if timer is None:
-        from pipefisher.methods.kfac.ops import KfacTimer
-
-        timer = KfacTimer(modules, skip=skip)
+    step, all ranks. `timer` measures the curvature method's tasks (`MethodParts.timer`)."""
     saved_context = executor.forward_context
     try:
         records = _step_records(executor, rank, warmup + repeats, timer)

@@ -4,7 +4,7 @@ It sees the same model (parameters depend on the seed and their names, not on th
 same micro-batches in the same order, the same loss scaling (mean over all micro-batches of the
 step), tied-weight gradients summed, the same precision (autocast, activations rounded to the
 compute dtype between stages, fp16's loss scale and overflow skips), the same clipping and
-learning-rate schedule, and the same K-FAC cycle, so its losses and parameters agree with the
+learning-rate schedule, and the same refresh cycle of the curvature method, so its losses and parameters agree with the
 pipelined run's to float tolerance.
 
 A model that offers its unsplit form (`unsplit`, `unsplit_loss`, `stage_ends`: Hugging Face
@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.config import RunConfig
+from pipefisher.methods.registry import method_of
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
@@ -34,7 +35,7 @@ from pipefisher.runtime.training.trainer import StepCallback, TrainResult
 def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
     """The same training in one process: the unsplit model where the model offers it, else all
     stages in sequence with tied copies' gradients summed; micro-batches in id order, the same
-    precision, clipping, schedule and K-FAC cycle. Parameters are named as the model names them
+    precision, clipping, schedule and curvature method's cycle. Parameters are named as the model names them
     unsplit, or "<stage>.<name>" for stages in sequence. Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
     entry point installed `stop_request`)."""
     model = staged_model(config)
@@ -48,8 +49,7 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
     tied = net.tied
-    kfac = {"kfac": ReferenceKfac, "shampoo": ReferenceShampoo}.get(config.optimizer.name)
-    kfac = kfac(config, model, nn.ModuleList(stages)) if kfac is not None else None
+    curvature = method_of(config).runtime_parts().reference(config, model, nn.ModuleList(stages)) if config.curvature else None
     losses = []
     for step in range(config.run.steps):
         start = time.perf_counter()
@@ -58,15 +58,15 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
         for index in range(total):
             batch = micro_batch(step, index)
             loss_scale = None if scaler is None else scaler.scale.clone()
-            with kfac.capture(step, index, loss_scale) if kfac else nullcontext():
+            with curvature.capture(step, index, loss_scale) if curvature else nullcontext():
                 loss, parts = net.loss(batch)
                 loss = loss * (1.0 / total)  # the scaling the last stage applies
                 (loss if scaler is None else loss * scaler.scale).backward()
             step_loss += float(loss.detach())
             for name, value in parts.items():
                 extra[name] += float(value) / total
-        if kfac:
-            kfac.before_optimizer_step(step)
+        if curvature:
+            curvature.before_optimizer_step(step)
         if len(tied) > 1:
             combined = sum(p.grad for p in tied)
             for parameter in tied:
@@ -85,16 +85,16 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
             for parameter in tied[1:]:
                 parameter.grad = tied[0].grad.clone()
         if not overflow:
-            if kfac:
-                kfac.before_optimizer_update(step)
+            if curvature:
+                curvature.before_optimizer_update(step)
             optimizer.step()
         if scaler is not None:
             scaler.update(found)
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if kfac:
-            kfac.after_optimizer_step(step)
+        if curvature:
+            curvature.after_optimizer_step(step)
         losses.append(step_loss)
         if on_step is not None:
             on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
@@ -105,7 +105,7 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
 
 @dataclass
 class _Net:
-    """What the reference trains: `modules` (for the optimizer and K-FAC), `loss(batch)` ->
+    """What the reference trains: `modules` (for the optimizer and the curvature method), `loss(batch)` ->
     (loss, parts) under the run's precision, the distinct copies of a tied weight, and the
     parameters to report by name."""
 
@@ -159,97 +159,3 @@ def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> 
         if parameter is not None and not any(parameter is p for p in copies):
             copies.append(parameter)
     return copies
-
-
-class ReferenceCurvature:
-    """A curvature method of the whole model in one process, with the pipeline's cycle semantics
-    (refresh cycles of `refresh_steps`; new inverses/roots committed after a cycle's last step).
-    Hooks: `capture` around each micro-batch's forward/backward, `before_optimizer_step` after the
-    backwards (raw gradients, before the tied sum), `before_optimizer_update` on the clipped
-    gradients right before the SGD step, `after_optimizer_step`."""
-
-    def __init__(self, config: RunConfig, section) -> None:
-        if section.refresh_steps < 1:
-            name = config.optimizer.name
-            raise ValueError(f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer")
-        self.k = section.refresh_steps
-
-    def capture(self, step: int, micro_batch: int, loss_scale=None):
-        return nullcontext()
-
-    def before_optimizer_step(self, step: int) -> None:
-        pass
-
-    def before_optimizer_update(self, step: int) -> None:
-        pass
-
-    def after_optimizer_step(self, step: int) -> None:
-        pass
-
-
-class ReferenceKfac(ReferenceCurvature):
-    """K-FAC: capture in the cycle's first step, preconditioning every step (before the tied sum
-    and clipping, as the pipeline's precondition ops)."""
-
-    def __init__(self, config: RunConfig, model, modules: nn.Module):
-        from pipefisher.methods.kfac import KFACEngine
-        from pipefisher.methods.kfac.ops import kfac_engine_config, rows_per_step
-
-        super().__init__(config, config.kfac)
-        self.lr = config.optimizer_settings.lr
-        skip = model.kfac_skip()
-        self.engine = KFACEngine(modules, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
-
-    def capture(self, step: int, micro_batch: int, loss_scale=None):
-        return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()
-
-    def before_optimizer_step(self, step: int) -> None:
-        if step % self.k == 0:
-            for info in self.engine.layers():
-                for factor in ("A", "B"):
-                    for micro_batch in self.engine.captured(info.name, factor):
-                        self.engine.curvature(info.name, factor, micro_batch)
-                    self.engine.invert(info.name, factor)
-        self.engine.precondition_all(self.lr)
-
-    def after_optimizer_step(self, step: int) -> None:
-        if step % self.k == self.k - 1:
-            for info in self.engine.layers():
-                self.engine.commit(info.name)
-
-
-class ReferenceShampoo(ReferenceCurvature):
-    """Shampoo: statistics and roots from the raw gradient of the cycle's first step (unscaled by
-    fp16's loss scale), preconditioning with grafting on the clipped gradient before every SGD step."""
-
-    def __init__(self, config: RunConfig, model, modules: nn.Module):
-        from pipefisher.methods.shampoo.ops import shampoo_settings, tied_skip
-        from pipefisher.methods.shampoo import ShampooEngine
-
-        super().__init__(config, config.shampoo)
-        self.engine = ShampooEngine(modules, shampoo_settings(config), skip=tied_skip(model.tied_parameters()))
-        self._loss_scale = None
-
-    def capture(self, step: int, micro_batch: int, loss_scale=None):
-        self._loss_scale = loss_scale
-        return nullcontext()
-
-    def before_optimizer_step(self, step: int) -> None:
-        if step % self.k:
-            return
-        for info in self.engine.matrices():
-            self.engine.capture(info.name)
-            if self._loss_scale is not None:
-                self.engine.captured_gradient(info.name).div_(self._loss_scale)
-            for factor in ("A", "B"):
-                self.engine.update_statistics(info.name, factor)
-                self.engine.compute_root(info.name, factor)
-            self.engine.release(info.name)
-
-    def before_optimizer_update(self, step: int) -> None:
-        self.engine.precondition_all()
-
-    def after_optimizer_step(self, step: int) -> None:
-        if step % self.k == self.k - 1:
-            self.engine.commit()
-            self.engine.check_health()

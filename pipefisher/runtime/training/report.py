@@ -16,7 +16,7 @@ import threading
 from typing import TextIO
 
 from pipefisher.config import RunConfig
-from pipefisher.methods.rules import task_rules
+from pipefisher.methods.registry import method
 from pipefisher.runtime.pipeline.executor import StepResult
 
 
@@ -88,12 +88,12 @@ class StepReporter:
             f"{self.tokens / median:.0f} tokens/s"
         )
         if "refresh_steps" in self.last:
-            label = task_rules(self.config.optimizer.name).label
+            label = method(self.config.optimizer.name).label
             summary += f", {label} every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
         print(summary, file=sys.stderr, flush=True)
         if state_bytes:
             print(f"pipefisher: state per rank, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
-                f"; {task_rules(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else "") + (
+                f"; {method(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else "") + (
                 f"; PowerSGD {_mib(state_bytes, 'compression')}" if self.config.comm.powersgd_rank else ""),
                 file=sys.stderr, flush=True)
 

@@ -11,8 +11,7 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
-from pipefisher.methods.registry import method_of
-from pipefisher.methods.rules import task_rules
+from pipefisher.methods.registry import method_of, task_rules
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (
@@ -142,7 +141,8 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
     executor, schedule = build_executor(config, rank, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
     method = method_of(config)
-    timer = method.timer(config, modules, method.skip(staged_model(config)))
+    parts = method.runtime_parts()
+    timer = parts.timer(config, modules, parts.skip(staged_model(config)))
     profile, records = measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP, repeats=repeats)
     if rank == 0:
         profile.save(output)

@@ -1,0 +1,14 @@
+"""K-FAC's torch side as the runtime, profiler and reference read it (`MethodParts`)."""
+
+from pipefisher.methods.interface import MethodParts
+from pipefisher.methods.kfac.layer import select_layers
+from pipefisher.methods.kfac.ops import KfacRuntime, KfacTimer
+from pipefisher.methods.kfac.reference import ReferenceKfac
+
+PARTS = MethodParts(
+    runtime=KfacRuntime,
+    timer=lambda config, modules, skip: KfacTimer(modules, skip, config.kfac.damping, config.kfac.inverse),
+    layer_names=lambda module, skip: list(select_layers(module, skip)),
+    skip=lambda model: model.kfac_skip(),
+    reference=ReferenceKfac,
+)
