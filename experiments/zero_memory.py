@@ -48,7 +48,8 @@ all-reduces and inverse broadcasts are extra and not in it. MiB = 2^20 bytes.
 def stage_states(config) -> list:
     """The run's stages as `pipefisher.planning.memory.StageState`s: built for real, then measured."""
     from pipefisher.methods.kfac.layer import select_layers
-    from pipefisher.planning.memory import KfacLayer, StageState
+    from pipefisher.methods.kfac.memory import KfacLayer
+    from pipefisher.planning.memory import StageState
     from pipefisher.models.bert import BertStagedModel, bert_preset
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
 
@@ -56,7 +57,7 @@ def stage_states(config) -> list:
     stages = []
     for index in range(config.pipeline.stages):
         module = model.build_stage(index, config.pipeline.stages, seed=0)
-        layers = select_layers(module, model.kfac_skip())
+        layers = select_layers(module, model.first_order_linears())
         parameters = unique_parameters(module)
         stages.append(StageState(
             tuple(p.numel() for p in parameters),
@@ -131,7 +132,7 @@ def main() -> None:
     header = HEADER.format(run=Path(args.config).name, stages=config.pipeline.stages, schedule=config.pipeline.schedule.upper(),
                            micro_batch=config.data.micro_batch_size, seq_len=config.model.seq_len, momentum=f"{args.momentum:g}")
     biggest = max(max(stage.parameters) for stage in stages)
-    numels = ", ".join(f"{stage.numel / 1e6:.2f} M ({len(stage.kfac_layers)} K-FAC layers)" for stage in stages)
+    numels = ", ".join(f"{stage.numel / 1e6:.2f} M ({len(stage.curvature_layers)} K-FAC layers)" for stage in stages)
     text = "\n".join([
         "# Memory and gradient traffic per rank on the data-parallel dimension", "", header, f"Parameters per stage: {numels}.", "",
         *pipefisher_table(config, stages, data_parallels, args.momentum), "",

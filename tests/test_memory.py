@@ -11,10 +11,9 @@ import torch
 from pipefisher.config import config_from_dict
 from pipefisher.methods.kfac import KFACConfig, KFACEngine
 from pipefisher.methods.kfac.layer import select_layers
+from pipefisher.methods.kfac.memory import KfacLayer
 from pipefisher.planning.memory import (
-    KfacLayer,
     StageState,
-    kfac_layer_bytes,
     optimizer_state,
     rank_memory,
     zero_paper_example,
@@ -54,7 +53,7 @@ def stage_states(model: TinyRegression, num_stages: int) -> list[StageState]:
     states = []
     for index in range(num_stages):
         module = model.build_stage(index, num_stages, seed=0)
-        layers = select_layers(module, model.kfac_skip())
+        layers = select_layers(module, model.first_order_linears())
         parameters = unique_parameters(module)
         states.append(StageState(tuple(p.numel() for p in parameters),
                                  tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
@@ -120,7 +119,7 @@ def test_kfac_state_per_rank_is_what_the_engines_hold_after_each_committed_refre
     num_stages = topology.schedule.num_stages
     for rank in range(topology.world_size):
         modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
-        engines = {key: KFACEngine(module, KFACConfig(), model.kfac_skip()) for key, module in modules.items()}
+        engines = {key: KFACEngine(module, KFACConfig(), model.first_order_linears()) for key, module in modules.items()}
         assert all(engine.layers() for engine in engines.values())
         for cycle in range(2):  # the first refresh creates the state, the second replaces it
             for (pipe, stage), engine in engines.items():
@@ -137,12 +136,12 @@ def test_a_replica_that_receives_its_inverses_holds_the_same_kfac_state():
         refresh(inverting, source, stage, 0)
         refresh(receiving, module, stage, 0, sender=inverting)
         layers = [KfacLayer(info.name, info.a_size, info.b_size) for info in receiving.layers()]
-        assert tensor_bytes(receiving.state_dict()) == sum(kfac_layer_bytes(layer) for layer in layers)
+        assert tensor_bytes(receiving.state_dict()) == sum(layer.state_bytes() for layer in layers)
         assert tensor_bytes(receiving.state_dict()) == tensor_bytes(inverting.state_dict())
 
 
 def test_bias_is_folded_into_a_and_flags_and_counters_are_counted():
-    assert kfac_layer_bytes(KfacLayer("x", a_size=17, b_size=16)) == 2 * 4 * (17 * 17 + 16 * 16) + 4 * 1 + 2 * 24
+    assert KfacLayer("x", a_size=17, b_size=16).state_bytes() == 2 * 4 * (17 * 17 + 16 * 16) + 4 * 1 + 2 * 24
     engine = KFACEngine(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4, bias=False)))
     assert [(info.a_size, info.b_size) for info in engine.layers()] == [(17, 8), (8, 4)]
 
@@ -208,8 +207,8 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
     every, kept = rank_memory(topology, states, optimizer), rank_memory(topology, states, optimizer, workers_per_layer=workers)
     for index, stage in enumerate(states):
         holders = topology.replica_ranks(index)
-        factors = sum(kfac_layer_bytes(layer, inverses=False) for layer in stage.kfac_layers)
-        inverses = sum(kfac_layer_bytes(layer) for layer in stage.kfac_layers) - factors
+        factors = sum(layer.state_bytes(keeps_results=False) for layer in stage.curvature_layers)
+        inverses = sum(layer.state_bytes() for layer in stage.curvature_layers) - factors
 
         def stage_part(ranks, rank):
             return next(part for part in ranks[rank].stages if part.stage == index)
@@ -217,7 +216,7 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
         assert sum(stage_part(kept, rank).curvature_bytes for rank in holders) == 4 * factors + workers * inverses
         assert sum(stage_part(every, rank).curvature_bytes for rank in holders) == 4 * (factors + inverses)
         block = 4 // workers
-        extra = sum(4 * layer.a_size * layer.b_size * (block - 1) // block for layer in stage.kfac_layers)
+        extra = sum(4 * layer.a_size * layer.b_size * (block - 1) // block for layer in stage.curvature_layers)
         assert all(stage_part(kept, rank).grad_comm_bytes - stage_part(every, rank).grad_comm_bytes == extra for rank in holders)
 
 
@@ -249,3 +248,9 @@ def test_powersgd_state_is_what_the_runtime_keeps():
         buffer = GradientBuffer(model.build_stage(index, 2, seed=0), bucket_bytes=1 << 30)
         for rank_r in (1, 3):
             assert powersgd_state_bytes(stage.shapes, rank_r) == tensor_bytes(PowerSGD(buffer, rank_r, seed=0).tensors())
+
+
+def test_a_curvature_method_without_a_memory_model_is_refused():
+    with pytest.raises(ValueError, match="'shampoo': the method declares no memory model"):
+        optimizer_state("shampoo")
+    assert optimizer_state("kfac", 0.9).curvature and not optimizer_state("sgd").curvature

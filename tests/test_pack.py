@@ -102,7 +102,7 @@ def test_work_that_fits_the_bubbles_of_ranks_that_finish_early_costs_nothing():
 
 
 @pytest.mark.parametrize("name, d, n, chunks", CASES)
-def test_kfac_work_stays_out_of_the_step_end(name, d, n, chunks):
+def test_curvature_work_stays_out_of_the_step_end(name, d, n, chunks):
     schedule = get_schedule(name, d, n, chunks)
     base = layered_profile(schedule.num_stages, curvature=0.001, inverse=0.01, precondition=0.001)
     profile = replace(base, stages=tuple(replace(s, step_end=0.5 + s.forward * i) for i, s in enumerate(base.stages)))

@@ -60,7 +60,9 @@ class CurvatureMethod:
     in reports), its task rules, `settings` (the dataclass of its run-file section, a
     `RefreshConfig`), `parts` ("module:attribute" of its `MethodParts`: runtime, task timer,
     layers, reference twin) and `flags`: keys of its section that get a short command-line flag
-    `--<name>-<key>` beside the ones every method has (placement, refresh steps)."""
+    `--<name>-<key>` beside the ones every method has (placement, refresh steps); `memory`:
+    "module:attribute" of its torch-free memory model of a layer
+    (`pipefisher.planning.memory.CurvatureLayer`; "" = not modelled)."""
 
     name: str
     label: str
@@ -68,6 +70,7 @@ class CurvatureMethod:
     settings: type
     parts: str
     flags: tuple[str, ...] = ()
+    memory: str = ""
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def runtime_parts(self) -> Any:

@@ -33,5 +33,5 @@ class StagedModel(Protocol):
     def tied_parameters(self) -> list[tuple[str, str]]:
         """Parameters held by two stages as copies of one weight: ("first"|"last", name in stage)."""
 
-    def kfac_skip(self) -> tuple[str, ...]:
+    def first_order_linears(self) -> tuple[str, ...]:
         """Glob patterns of Linear layers that stay first-order."""

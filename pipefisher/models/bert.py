@@ -359,6 +359,6 @@ class BertStagedModel:
         sums their gradients. With one stage both names resolve to the same Parameter."""
         return [("first", f"{WORD_EMBEDDINGS}.weight"), ("last", f"{DECODER}.weight")]
 
-    def kfac_skip(self) -> tuple[str, ...]:
+    def first_order_linears(self) -> tuple[str, ...]:
         """Glob patterns of Linear module names that K-FAC leaves first-order: the tied decoder."""
         return (DECODER,)

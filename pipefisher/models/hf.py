@@ -212,7 +212,7 @@ class HfStagedModel:
         source, target = self._first_to_last[0]
         return [("first", source), ("last", target)]
 
-    def kfac_skip(self) -> tuple[str, ...]:
+    def first_order_linears(self) -> tuple[str, ...]:
         """Modules whose weight is a tied copy: they stay first-order, as their source does."""
         return tuple(sorted({target.rsplit(".", 1)[0] for target in self.tied if target.endswith(".weight")}))
 

@@ -137,5 +137,5 @@ class TinyRegression:
     def tied_parameters(self) -> list[tuple[str, str]]:
         return []
 
-    def kfac_skip(self) -> tuple[str, ...]:
+    def first_order_linears(self) -> tuple[str, ...]:
         return ()

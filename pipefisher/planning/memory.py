@@ -8,10 +8,10 @@ interleaved ranks hold several):
   gradients whatever the precision; ZeRO-1 cuts neither);
 - optimizer state: per parameter tensor the runtime's optimizer updates, i.e. every parameter of
   the rank's stages without ZeRO, the rank's own (`pipefisher.planning.layouts.zero.shard_owners`) with ZeRO-1;
-- curvature state: what a K-FAC engine holds once a refresh is committed (running factors,
-  committed inverses, their validity flags, health counters), for every K-FAC layer of every held
-  stage; with G gradient workers per layer (`pipefisher.planning.layouts.kaisa`) a rank keeps the inverses only
-  of the layers it works for;
+- curvature state: what the curvature method holds per layer once a refresh is committed (its
+  memory model, `CurvatureLayer`; K-FAC's is `pipefisher.methods.kfac.memory`), for every layer of
+  every held stage; with G gradient workers per layer (`pipefisher.planning.layouts.kaisa`) a rank
+  keeps the refresh results only of the layers it works for;
 - grad_comm_bytes: bytes the rank sends per step for its stages' gradient reduction over their
   replicas (ring model, `pipefisher.planning.comm.volume.ring_bytes`): an all-reduce without ZeRO; with
   ZeRO-1 a reduce to the owners plus the owners' parameter broadcast, the same volume; with
@@ -19,7 +19,7 @@ interleaved ranks hold several):
   (`powersgd_elements`); with gradient workers, plus the broadcasts of every layer's
   preconditioned gradient within a block of R/G replicas.
 
-Not counted: activations, captured K-FAC inputs/output-gradients, built (unsynced) factors,
+Not counted: activations, captured inputs/output-gradients, built (unsynced) statistics,
 communication and temporary buffers, allocator slack. The runtime counts traffic per bucket, so
 its bytes can differ from this whole-stage model by integer rounding (under 2 bytes a bucket).
 """
@@ -28,37 +28,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pipefisher.core.topology import Topology
+from pipefisher.methods.registry import methods
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
 from pipefisher.planning.layouts.kaisa import GradWorkers
 from pipefisher.planning.layouts.zero import shard_owners
 from pipefisher.schedules import get_schedule
 
-#: bytes of a K-FAC validity flag (a 0-dim bool tensor); one per running factor, one per inverse
-KFAC_FLAG_BYTES = 1
-#: bytes of one factor's health counters (int64 vector, one per `pipefisher.methods.kfac.layer.Health` field)
-KFAC_COUNTER_BYTES = 3 * 8
-
-
-@dataclass(frozen=True)
-class KfacLayer:
-    """A K-FAC layer's factor dimensions: ``a_size`` = in_features (+1 when the bias is folded
-    in as a trailing ones column), ``b_size`` = out_features (as `pipefisher.methods.kfac.LayerInfo`)."""
+class CurvatureLayer(Protocol):
+    """A curvature method's memory model of one layer."""
 
     name: str
-    a_size: int
-    b_size: int
+
+    def state_bytes(self, element_bytes: int, keeps_results: bool) -> int:
+        """Bytes held for the layer after a committed refresh, statistics of `element_bytes` each;
+        `keeps_results`: the rank keeps the layer's refresh results (inverses, roots)."""
+
+    @property
+    def gradient_elements(self) -> int:
+        """Elements of the layer's preconditioned gradient (what a gradient worker broadcasts)."""
 
 
 @dataclass(frozen=True)
 class StageState:
     """One stage's trainable parameters as element counts, each tensor once, in
-    ``module.parameters()`` order (the order ZeRO-1 shards them in), its K-FAC layers, and the
-    parameters' shapes in the same order (PowerSGD's traffic needs them)."""
+    ``module.parameters()`` order (the order ZeRO-1 shards them in), the curvature method's
+    layers, and the parameters' shapes in the same order (PowerSGD's traffic needs them)."""
 
     parameters: tuple[int, ...]
-    kfac_layers: tuple[KfacLayer, ...] = ()
+    curvature_layers: tuple[CurvatureLayer, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -69,13 +69,13 @@ class StageState:
 @dataclass(frozen=True)
 class OptimizerState:
     """What an optimizer keeps per parameter tensor: ``bytes_per_element`` × numel plus
-    ``bytes_per_tensor``; ``kfac``: K-FAC preconditions the gradients first (its state is counted
-    as curvature state)."""
+    ``bytes_per_tensor``; ``curvature``: a curvature method preconditions the gradients first
+    (its state is counted as curvature state, from the stages' `curvature_layers`)."""
 
     name: str
     bytes_per_element: int
     bytes_per_tensor: int = 0
-    kfac: bool = False
+    curvature: bool = False
 
     def tensor_bytes(self, numel: int) -> int:
         return self.bytes_per_element * numel + self.bytes_per_tensor
@@ -83,34 +83,32 @@ class OptimizerState:
 
 def optimizer_state(name: str, momentum: float = 0.0, element_bytes: int = 4) -> OptimizerState:
     """The state of pipefisher's optimizer `name` (`optimizer.name`) over parameters of
-    `element_bytes` each: SGD a momentum buffer when momentum > 0 (also after K-FAC/Shampoo);
-    torch AdamW two moments and a 0-dim fp32 step tensor; pipefisher's LAMB two moments (its step
-    is a Python int). Shampoo's own state is not modelled (ValueError)."""
-    if name in ("sgd", "kfac"):
-        return OptimizerState(name, element_bytes if momentum > 0 else 0, kfac=name == "kfac")
+    `element_bytes` each: SGD a momentum buffer when momentum > 0 (also after a curvature
+    method, whose memory model `CurvatureMethod.memory` must exist: ValueError otherwise); torch
+    AdamW two moments and a 0-dim fp32 step tensor; pipefisher's LAMB two moments (its step is a
+    Python int)."""
+    if name == "sgd":
+        return OptimizerState(name, element_bytes if momentum > 0 else 0)
+    known = methods()
+    if name in known:
+        if not known[name].memory:
+            raise ValueError(f"optimizer {name!r}: the method declares no memory model (CurvatureMethod.memory)")
+        return OptimizerState(name, element_bytes if momentum > 0 else 0, curvature=True)
     if name == "adamw":
         return OptimizerState(name, 2 * element_bytes, bytes_per_tensor=4)
     if name == "lamb":
         return OptimizerState(name, 2 * element_bytes)
-    raise ValueError(f"optimizer {name!r}: the memory model knows sgd, adamw, lamb and kfac")
+    raise ValueError(f"optimizer {name!r}: the memory model knows sgd, adamw, lamb and the curvature methods")
 
 
 @dataclass(frozen=True)
 class ElementBytes:
-    """Bytes per element of parameters, gradients and K-FAC factors (fp32 by default, as the
-    runtime keeps them)."""
+    """Bytes per element of parameters, gradients and curvature statistics (fp32 by default, as
+    the runtime keeps them)."""
 
     parameter: int = 4
     gradient: int = 4
     factor: int = 4
-
-
-def kfac_layer_bytes(layer: KfacLayer, factor_bytes: int = 4, inverses: bool = True) -> int:
-    """Bytes a K-FAC engine holds for `layer` after a committed refresh: per factor of size n,
-    the running factor (n² elements and a flag), the health counters and, when the rank keeps
-    the layer's `inverses`, the committed inverse (n² elements and a flag)."""
-    copies = 2 if inverses else 1
-    return sum(copies * (n * n * factor_bytes + KFAC_FLAG_BYTES) + KFAC_COUNTER_BYTES for n in (layer.a_size, layer.b_size))
 
 
 @dataclass(frozen=True)
@@ -206,12 +204,12 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
                 traffic = ring_bytes("all_reduce", gradient_bytes, replicas)
             compression = powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
             curvature = 0
-            if optimizer.kfac:
-                curvature = sum(kfac_layer_bytes(layer, widths.factor, grid is None or grid.works_for(rank, number))
-                                for number, layer in enumerate(stage.kfac_layers))
-                if grid is not None:  # each layer's preconditioned gradient, (b) x (a) with the bias column
-                    traffic += sum(ring_bytes("broadcast", layer.a_size * layer.b_size * widths.gradient, grid.block_size)
-                                   for layer in stage.kfac_layers)
+            if optimizer.curvature:
+                curvature = sum(layer.state_bytes(widths.factor, grid is None or grid.works_for(rank, number))
+                                for number, layer in enumerate(stage.curvature_layers))
+                if grid is not None:  # each layer's preconditioned gradient
+                    traffic += sum(ring_bytes("broadcast", layer.gradient_elements * widths.gradient, grid.block_size)
+                                   for layer in stage.curvature_layers)
             parts.append(StageMemory(
                 pipe, index, replicas, parameter_bytes, gradient_bytes,
                 sum(optimizer.tensor_bytes(numel) for numel in mine), curvature, traffic, compression,

@@ -1,13 +1,13 @@
-"""`pipefisher viz`: draw schedules, curvature packings (K-FAC, Shampoo) or recorded timelines.
+"""`pipefisher viz`: draw schedules, curvature packings or recorded timelines.
 
 Input: a run file (its pipeline section), or --schedule/--stages/--micro-batches (flags override
-the run file), or --compare S1,S2,... (each S a schedule name, ``S+kfac`` for S with PipeFisher's
+the run file), or --compare S1,S2,... (each S a schedule name, ``S+M`` for S with PipeFisher's
 curvature packing; see `pipefisher.viz.compare`), or --timeline FILE (`pipefisher.timeline/v1`).
 Output by the suffix of -o: .svg/.png (figure), .json (Chrome / Perfetto trace), .txt or - (text
 chart); --max-steps K draws only the first K steps of multi-step panels. --compare also prints a
 table per entry (bubble, k, step time, overhead), or with --json one JSON object. Without
 --profile every schedule runs on unit times (forward 1, backward 2 per stage, split evenly over a
-device's chunks: `pipefisher simulate`'s rule), which have no K-FAC layers, so ``S+kfac`` needs
+device's chunks: `pipefisher simulate`'s rule), which have no curvature layers, so ``S+M`` needs
 --profile FILE; --compare's D defaults to the profile's stage count (4 without one), N to 2·D.
 """
 
@@ -23,14 +23,14 @@ from typing import Any, cast
 from pipefisher.core.files import write_text_atomically
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
                                  check_output, check_planning_size, positive_int)
-from pipefisher.viz.compare import KFAC_SUFFIX, Compared, Setup, compare, compare_to_dict, format_compare_table
+from pipefisher.viz.compare import Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
 from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH
 
 #: --compare's D without -D, a run file or a profile file
 DEFAULT_COMPARE_STAGES = 4
-#: how to make a profile with K-FAC layers (the README's GPipe example), for the +kfac error
+#: how to make a profile with curvature layers (the GPipe example of docs/cli.md), for the S+M error
 PROFILE_EXAMPLE = (
     "python -m pipefisher.viz.bert_profile profiles/reference/bert-base_time_memory_p100.csv "
     "-D 4 --micro-batch-size 32 -o /tmp/bert-base-4.yaml"
@@ -52,16 +52,16 @@ def add_viz_parser(subparsers: Any) -> None:
     """Register the `viz` subcommand on the `pipefisher` subparsers."""
     parser = subparsers.add_parser(
         "viz",
-        help="draw a schedule, its K-FAC or Shampoo packing or a recorded timeline (SVG, PNG, Chrome trace, text)",
+        help="draw a schedule, its curvature packing or a recorded timeline (SVG, PNG, Chrome trace, text)",
         description=__doc__,
     )
     parser.add_argument("config", nargs="?", help="YAML run file: pipeline.schedule/stages/micro_batches/chunks")
     add_pipeline_arguments(cast(argparse.ArgumentParser, _NotRequired(parser)))
-    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis and print a table of bubble, k, step time and overhead; S{KFAC_SUFFIX} = S with the profile's K-FAC or Shampoo tasks packed into its bubbles")
-    parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no K-FAC layers")
+    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis and print a table of bubble, k, step time and overhead; S+M = S with the profile's tasks of curvature method M packed into its bubbles")
+    parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no curvature layers")
     parser.add_argument("--json", action="store_true", help="--compare: print the table as one JSON object")
-    parser.add_argument("--kfac", "--curvature", dest="kfac", action="store_true",
-                        help="pack the profile's curvature tasks (K-FAC or Shampoo) into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
+    parser.add_argument("--curvature", action="store_true",
+                        help="pack the profile's curvature tasks into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
     parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v1 JSON)")
     parser.add_argument("-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)")
     parser.add_argument("--max-steps", type=positive_int, metavar="K",
@@ -151,11 +151,11 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
         schedule=name, stages=stages, micro_batches=micro_batches, profile=args.profile,
         chunks=chunks if name == "interleaved" else None,
     )
-    if args.kfac and args.profile is None:
-        raise UsageError(f"{name} --kfac: needs --profile FILE with K-FAC or Shampoo layers; the default unit profile has none")
-    schedule, profile = build_pipeline(pipeline, limit=MAX_PACKED_SLOTS if args.kfac else MAX_SIMULATED_SLOTS,
-                                       what="packing" if args.kfac else "simulating")
-    return [curvature_panel(schedule, profile) if args.kfac else schedule_panel(schedule, profile)]
+    if args.curvature and args.profile is None:
+        raise UsageError(f"{name} --curvature: needs --profile FILE with a curvature method's layers; the default unit profile has none")
+    schedule, profile = build_pipeline(pipeline, limit=MAX_PACKED_SLOTS if args.curvature else MAX_SIMULATED_SLOTS,
+                                       what="packing" if args.curvature else "simulating")
+    return [curvature_panel(schedule, profile) if args.curvature else schedule_panel(schedule, profile)]
 
 
 def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
@@ -163,8 +163,8 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
     of the module docstring."""
     if args.schedule is not None:
         raise UsageError("give --schedule or --compare, not both")
-    if args.kfac:
-        raise UsageError(f"--kfac applies to --schedule; in --compare write S{KFAC_SUFFIX} for each schedule to pack")
+    if args.curvature:
+        raise UsageError("--curvature applies to --schedule; in --compare write S+M for each schedule S to pack with method M")
     entries = parse_compare(args.compare)
     config = _run_file(args)
     stages = args.stages or (config.stages if config else None)
@@ -182,7 +182,7 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
         packed = next((entry for entry in entries if entry.packed), None)
         if packed is not None:
             raise UsageError(
-                f"{packed}: needs --profile FILE with K-FAC or Shampoo layers; the default unit times have none "
+                f"{packed}: needs --profile FILE with a curvature method's layers; the default unit times have none "
                 f"(make one with e.g. {PROFILE_EXAMPLE})"
             )
         from pipefisher.core.profile import uniform_profile
@@ -210,7 +210,7 @@ def _run_file(args: argparse.Namespace):
 def _timeline_panel(args: argparse.Namespace) -> Panel:
     given = {
         "a run file": args.config, "--schedule": args.schedule, "--compare": args.compare, "--stages": args.stages,
-        "--micro-batches": args.micro_batches, "--chunks": args.chunks, "--profile": args.profile, "--kfac": args.kfac or None,
+        "--micro-batches": args.micro_batches, "--chunks": args.chunks, "--profile": args.profile, "--curvature": args.curvature or None,
         "--json": args.json or None,
     }
     clash = next((flag for flag, value in given.items() if value is not None), None)

@@ -1,8 +1,8 @@
 """`pipefisher viz --compare`: several schedules, first-order or packed, on one profile, as panels
 and as a table of bubble fraction, refresh interval, step time and overhead.
 
-An entry is a schedule of the registry (`pipefisher.schedules.SCHEDULES`) or ``S+kfac``: S with
-the profile's curvature tasks (K-FAC, or Shampoo for a Shampoo profile) packed into its bubbles
+An entry is a schedule of the registry (`pipefisher.schedules.SCHEDULES`) or ``S+M``: S with
+the profile's tasks of curvature method M (the profile's `method`) packed into its bubbles
 by `pipefisher.planning.packing.pack.pack` with its default options. Every entry runs on D ranks and N
 micro-batches with one profile of D stages (or of as many stages as the schedule has chunks); a
 schedule with V chunks per rank gets a D-stage profile cut into V·D chunks
@@ -10,7 +10,7 @@ schedule with V chunks per rank gets a D-stage profile cut into V·D chunks
 
 Per entry (`Compared`): `bubble_fraction` is the idle share of all ranks' time (0..1) of what is
 drawn: the simulated step for a first-order entry (`Timeline.bubble_fraction`), the whole refresh
-cycle of the packed plan for ``+kfac`` (what the curvature work left idle); `step_time` the
+cycle of the packed plan for ``S+M`` (what the curvature work left idle); `step_time` the
 simulated step, or the plan's mean step over its cycle (`PackResult.step_time`);
 `overhead` = step_time / first-order step time of the same schedule − 1 (0 for first-order).
 Pure Python: no torch.
@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from pipefisher.cli.args import UsageError
 from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.core.table import format_table
+from pipefisher.methods.registry import methods
 from pipefisher.planning.packing.pack import PackResult, pack
 from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.schedules import SCHEDULES, get_schedule
@@ -32,31 +33,33 @@ from pipefisher.schedules.validate import validate
 from pipefisher.viz.layout import Panel, packed_panel, schedule_panel
 from pipefisher.viz.stage_split import fit_stages
 
-KFAC_SUFFIX = "+kfac"
-
-
 class Entry(NamedTuple):
-    """One `--compare` item: a schedule name, packed with PipeFisher or not."""
+    """One `--compare` item: a schedule name and the curvature method whose tasks PipeFisher packs
+    into its bubbles (None: first-order)."""
 
     schedule: str
-    packed: bool
+    method: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.method is not None
 
     def __str__(self) -> str:
-        return self.schedule + (KFAC_SUFFIX if self.packed else "")
+        return self.schedule + (f"+{self.method}" if self.method else "")
 
 
 def parse_entries(text: str) -> list[Entry]:
-    """``1f1b,1f1b+kfac`` -> [Entry("1f1b", False), Entry("1f1b", True)]; UsageError naming the
-    first item that is neither a registered schedule nor one with ``+kfac``, and the choices."""
+    """``1f1b,1f1b+kfac`` -> [Entry("1f1b"), Entry("1f1b", "kfac")]; UsageError naming the first
+    item that is neither a registered schedule S nor S+M with M a registered method, and the choices."""
     entries = []
     for item in (part.strip() for part in text.split(",")):
-        name, packed = (item[: -len(KFAC_SUFFIX)], True) if item.endswith(KFAC_SUFFIX) else (item, False)
-        if name not in SCHEDULES:
+        name, plus, method = item.partition("+")
+        if name not in SCHEDULES or (plus and method not in methods()):
             raise UsageError(
-                f"--compare: {item!r} is not a schedule or schedule{KFAC_SUFFIX}; "
-                f"schedules: {', '.join(sorted(SCHEDULES))} (each also as S{KFAC_SUFFIX})"
+                f"--compare: {item!r} is not a schedule S or S+M; schedules: {', '.join(sorted(SCHEDULES))}; "
+                f"M packs the profile's tasks of method M: {', '.join(methods())}"
             )
-        entries.append(Entry(name, packed))
+        entries.append(Entry(name, method or None))
     return entries
 
 
@@ -119,7 +122,9 @@ def compare(entries: Sequence[Entry], stages: int, micro_batches: int, profile: 
             rows.append(_first_order(entry, schedule_panel(schedule, fitted, timeline), timeline))
             continue
         if not any(stage.layers for stage in fitted.stages):
-            raise ProfileError(f"{entry}: packing needs a profile whose stages list `layers` (K-FAC or Shampoo task costs); this one has none")
+            raise ProfileError(f"{entry}: packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none")
+        if entry.method != profile.method:
+            raise ProfileError(f"{entry}: the profile times {profile.method} tasks; write {entry.schedule}+{profile.method}")
         result = pack(schedule, fitted)
         rows.append(_packed(entry, packed_panel(schedule, result), result))
     return rows

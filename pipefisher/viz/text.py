@@ -25,8 +25,8 @@ _FORWARD = ("0123456789", ")!@#$%^&*(")
 _BACKWARD = ("abcdefghij", "ABCDEFGHIJ")
 #: weight gradient of any micro-batch (pipe 0 / even chunks, pipe 1 / odd chunks)
 WEIGHT = ("w", "W")
-_KFAC = {"curvature-a": "+", "curvature-b": "*", "inverse-a": "<", "inverse-b": ">", "precondition": "=", "sync": "|"}
-_KFAC_NAMES = {
+_CURVATURE = {"curvature-a": "+", "curvature-b": "*", "inverse-a": "<", "inverse-b": ">", "precondition": "=", "sync": "|"}
+_CURVATURE_NAMES = {
     "curvature-a": "curvature A",
     "curvature-b": "curvature B",
     "sync": "sync / exchange (zero-length launches are not drawn)",
@@ -46,7 +46,7 @@ def box_char(box: Box) -> str:
         return _BACKWARD[box.variant % 2][box.op.micro_batch % 10]
     if box.category == "weight":
         return WEIGHT[box.variant % 2]
-    return _KFAC[box.category]
+    return _CURVATURE[box.category]
 
 
 def render_text(panels: Sequence[Panel], width: int) -> str:
@@ -156,7 +156,7 @@ def _legend(panels: Sequence[Panel]) -> list[str]:
     if any(box.variant % 2 for p in panels for box in p.boxes if box.op.kind.is_compute):
         odd = f"{_FORWARD[1]} and {_BACKWARD[1][0]}-{_BACKWARD[1][-1]}" + (f" and {WEIGHT[1]}" if "weight" in categories else "")
         parts.append(f"{odd} the same for pipe 1 (Chimera) or odd chunks (interleaved, V-shape)")
-    parts += [f"{_KFAC[c]} {name}" for c, name in _KFAC_NAMES.items() if c in categories]
+    parts += [f"{_CURVATURE[c]} {name}" for c, name in _CURVATURE_NAMES.items() if c in categories]
     if any(p.step_ends for p in panels):
         parts.append(f"{STEP_END} end of step (all-reduce, optimizer)")
     parts.append(f"{IDLE} bubble")

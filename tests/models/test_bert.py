@@ -204,14 +204,14 @@ def test_dropout_only_in_training() -> None:
     assert torch.equal(stage(None, batch)[0], stage(None, batch)[0])
 
 
-def test_kfac_skip_leaves_only_the_decoder_first_order() -> None:
+def test_first_order_linears_leaves_only_the_decoder_first_order() -> None:
     model = BertStagedModel(SMALL, SEQ)
     stage = model.build_stage(0, 1, seed=0)
     linears = {name for name, m in stage.named_modules() if isinstance(m, nn.Linear)}
     assert len(linears) == 6 * SMALL.num_hidden_layers + 4
-    skipped = {name for name in linears if any(fnmatch.fnmatchcase(name, p) for p in model.kfac_skip())}
+    skipped = {name for name in linears if any(fnmatch.fnmatchcase(name, p) for p in model.first_order_linears())}
     assert skipped == {"cls.predictions.decoder"}
-    assert set(select_layers(stage, model.kfac_skip())) == linears - skipped
+    assert set(select_layers(stage, model.first_order_linears())) == linears - skipped
     assert "encoder.layer.3.attention.self.query" in linears and "pooler.dense" in linears
 
 

@@ -91,7 +91,7 @@ def test_the_stages_state_dicts_load_into_the_unsplit_model_and_back(name):
 def test_tied_weights_the_first_and_last_stage_hold_as_copies():
     gpt2 = staged("gpt2-tiny")
     assert gpt2.tied_parameters() == [("first", "transformer.wte.weight"), ("last", "lm_head.weight")]
-    assert gpt2.kfac_skip() == ("lm_head",)
+    assert gpt2.first_order_linears() == ("lm_head",)
     one = gpt2.build_stage(0, 1, seed=1)
     assert one.lm_head.weight is one.transformer.wte.weight, "one stage holds one Parameter"
     bert = staged("bert-tiny")

@@ -82,7 +82,7 @@ def test_a_d_stage_profile_is_cut_into_chunks_as_transformer_profile_cuts_the_mo
 
 def test_interleaved_and_v_shape_entries_use_one_d_stage_profile(bert_profile):
     schedules = ["interleaved", "zbv", "dualpipev"]
-    rows = compare([Entry(name, False) for name in schedules], 4, 8, bert_profile)
+    rows = compare([Entry(name) for name in schedules], 4, 8, bert_profile)
     for name, row in zip(schedules, rows):
         schedule = get_schedule(name, 4, 8)
         assert row.step_time == pytest.approx(simulate(schedule, fit_stages(bert_profile, schedule.num_stages)).step_time)
@@ -123,7 +123,7 @@ def test_v_shape_draws_both_chunks_on_their_ranks(bert_profile):
 
 
 def test_max_steps_draws_the_first_steps_of_a_cycle_and_keeps_its_numbers(tmp_path, capsys, bert_profile, bert_profile_path):
-    row, = compare([Entry("1f1b", True)], 4, 8, bert_profile)
+    row, = compare([Entry("1f1b", "kfac")], 4, 8, bert_profile)
     assert len(row.panel.step_ids) == row.refresh_steps > 2
     cut = first_steps(row.panel, 2)
     assert cut.step_ids == (0, 1) and {b.step for b in cut.boxes} == {0, 1} and cut.end == row.panel.step_starts[2]
@@ -167,14 +167,14 @@ def test_kfac_entry_without_a_profile_exits_2_with_one_line(tmp_path):
 
 def test_parse_entries_takes_every_registered_schedule():
     names = sorted(SCHEDULES)
-    assert parse_entries(",".join(f"{n},{n}+kfac" for n in names)) == [Entry(n, p) for n in names for p in (False, True)]
+    assert parse_entries(",".join(f"{n},{n}+kfac" for n in names)) == [Entry(n, m) for n in names for m in (None, "kfac")]
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--compare", "1f1b,zigzag"], "--compare: 'zigzag' is not a schedule or schedule+kfac; schedules: 1f1b, "),
-        (["--compare", "1f1b+foo"], "--compare: '1f1b+foo' is not a schedule or schedule+kfac; schedules: 1f1b, "),
+        (["--compare", "1f1b,zigzag"], "--compare: 'zigzag' is not a schedule S or S+M; schedules: 1f1b, "),
+        (["--compare", "1f1b+foo"], "--compare: '1f1b+foo' is not a schedule S or S+M; schedules: 1f1b, "),
         (["--compare", "1f1b,,gpipe"], "--compare: '' is not a schedule"),
         (["--compare", "1f1b", "-D", "8", "--profile", "PROFILE"], "1f1b: the profile has 4 stages; it needs 8 (one per rank)\n"),
         (["--compare", "zbv", "-D", "3", "--profile", "PROFILE"], "zbv: the profile has 4 stages; it needs 3 (one per rank) or 6 (one per model chunk)"),

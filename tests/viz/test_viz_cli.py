@@ -36,7 +36,7 @@ def test_run_file_gives_the_pipeline_and_flags_override_it(tmp_path, capsys):
 
 
 def test_compare_syntax():
-    assert parse_compare("gpipe, gpipe+kfac,chimera") == [("gpipe", False), ("gpipe", True), ("chimera", False)]
+    assert parse_compare("gpipe, gpipe+kfac,chimera") == [("gpipe", None), ("gpipe", "kfac"), ("chimera", None)]
 
 
 def test_compare_stacks_schedules(capsys):
@@ -47,7 +47,7 @@ def test_compare_stacks_schedules(capsys):
 
 
 def test_kfac_draws_the_refresh_cycle(bert_profile_path, capsys):
-    assert main(["viz", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", str(bert_profile_path), "--kfac", "-o", "-", "--width", "100"]) == 0
+    assert main(["viz", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", str(bert_profile_path), "--curvature", "-o", "-", "--width", "100"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("1f1b + PipeFisher: D=4, N=4;") and "K-FAC refresh every" in out
     assert len(_rows(out)) == 4 and any(line.startswith("step ") and "|2" in line for line in out.splitlines())
@@ -63,13 +63,14 @@ def unit_profile_path(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac"], "needs --profile FILE with K-FAC or Shampoo layers"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--curvature"], "needs --profile FILE with a curvature method's layers"),
         (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4"], "gpipe+kfac: needs --profile FILE"),
         (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4", "--profile", "UNIT"], "gpipe+kfac: packing needs a profile whose stages list"),
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--kfac", "--profile", "UNIT"], "profile whose stages list `layers`"),
+        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--curvature", "--profile", "UNIT"], "profile whose stages list `layers`"),
         (["--compare", "gpipe,zigzag", "-D", "4", "-N", "4"], "'zigzag' is not a schedule"),
+        (["--compare", "gpipe+shampoo", "-D", "4", "-N", "4", "--profile", "BERT"], "gpipe+shampoo: the profile times kfac tasks; write gpipe+kfac"),
         (["--compare", "gpipe", "--schedule", "1f1b", "-D", "4", "-N", "4"], "not both"),
-        (["--compare", "gpipe,1f1b", "--kfac", "-D", "4", "-N", "4"], "write S+kfac"),
+        (["--compare", "gpipe,1f1b", "--curvature", "-D", "4", "-N", "4"], "write S+M for each schedule S"),
         (["--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "--chunks applies to the interleaved"),
         (["--schedule", "gpipe", "-D", "4"], "--stages and --micro-batches are required"),
         (["-D", "4", "-N", "4"], "nothing to draw"),
@@ -80,8 +81,8 @@ def unit_profile_path(tmp_path):
         (["/nonexistent.yaml"], "cannot read run file"),
     ],
 )
-def test_invalid_arguments_exit_2_with_one_line(args, message, unit_profile_path, capsys):
-    args = [unit_profile_path if a == "UNIT" else a for a in args]
+def test_invalid_arguments_exit_2_with_one_line(args, message, unit_profile_path, bert_profile_path, capsys):
+    args = [{"UNIT": unit_profile_path, "BERT": str(bert_profile_path)}.get(a, a) for a in args]
     assert main(["viz", *args, "-o", "-"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

@@ -49,4 +49,5 @@ KFAC = CurvatureMethod(
     name="kfac", label="K-FAC",
     rules=TaskRules(curvature=True, syncs=("A", "B"), sync_of=(("A", "A"), ("B", "B")), precondition=True),
     settings=KfacConfig, parts="pipefisher.methods.kfac.parts:PARTS", flags=("grad_worker_fraction",),
+    memory="pipefisher.methods.kfac.memory:KfacLayer",
 )

@@ -9,6 +9,6 @@ PARTS = MethodParts(
     runtime=KfacRuntime,
     timer=lambda config, modules, skip: KfacTimer(modules, skip, config.kfac.damping, config.kfac.inverse),
     layer_names=lambda module, skip: list(select_layers(module, skip)),
-    skip=lambda model: model.kfac_skip(),
+    skip=lambda model: model.first_order_linears(),
     reference=ReferenceKfac,
 )

@@ -19,7 +19,7 @@ class ReferenceKfac(ReferenceCurvature):
     def __init__(self, config: RunConfig, model, modules: nn.Module):
         super().__init__(config, model, modules)
         self.lr = config.optimizer_settings.lr
-        skip = model.kfac_skip()
+        skip = model.first_order_linears()
         self.engine = KFACEngine(modules, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):

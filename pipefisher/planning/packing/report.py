@@ -23,7 +23,7 @@ class DeviceReport:
     rank: int
     refresh_steps: int
     lower_bound: int
-    kfac_work: float
+    curvature_work: float
     precondition_time: float
     bubble_time: float
     bubble_utilization: float
@@ -34,7 +34,7 @@ class DeviceReport:
     @property
     def work_ratio(self) -> float:
         """Cycle K-FAC work over one step's bubble time."""
-        return self.kfac_work / self.bubble_time if self.bubble_time > 0 else math.inf
+        return self.curvature_work / self.bubble_time if self.bubble_time > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class PackResult:
                     "rank": d.rank,
                     "refresh_steps": d.refresh_steps,
                     "lower_bound": d.lower_bound,
-                    "kfac_work": d.kfac_work,
+                    "curvature_work": d.curvature_work,
                     "precondition_time": d.precondition_time,
                     "bubble_time": d.bubble_time,
                     "work_ratio": d.work_ratio if math.isfinite(d.work_ratio) else None,
@@ -189,7 +189,7 @@ def device_reports(
                 rank=rank,
                 refresh_steps=1 + max(steps_used, default=0),
                 lower_bound=bounds[rank],
-                kfac_work=work,
+                curvature_work=work,
                 precondition_time=precondition,
                 bubble_time=bubble,
                 bubble_utilization=min(1.0, in_bubbles / (bubble * k)) if bubble > 0 else 0.0,

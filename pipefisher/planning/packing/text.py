@@ -38,7 +38,7 @@ def format_pack_report(result: PackResult) -> str:
             d["rank"],
             d["refresh_steps"],
             d["lower_bound"],
-            f"{d['kfac_work']:.4g}",
+            f"{d['curvature_work']:.4g}",
             f"{d['precondition_time']:.4g}",
             f"{d['bubble_time']:.4g}",
             "-" if d["work_ratio"] is None else f"{d['work_ratio']:.2f}",
