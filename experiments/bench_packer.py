@@ -6,7 +6,7 @@ For BERT-Base and BERT-Large, micro-batch sizes 8 and 32, GPipe / 1F1B / Chimera
 lower bound ceil(work / bubble). Per configuration: both default plans (k, overhead), whether
 pipefisher's is dominated (published k <= ours and overhead <= ours, one strictly), and at every
 k from 1 to the larger default k both plans pinned to that k (pipefisher's must never be slower).
-Then the summary the README quotes, and the packing time of D = 8, N = 128 (24 layers per stage).
+Then the summary the README and docs/packing.md quote, and the packing time of D = 8, N = 128 (24 layers per stage).
 
 Usage: python experiments/bench_packer.py [REFERENCE_FOLDER (default profiles/reference)] [--max-overhead 0.01] [--margin 0]
 """

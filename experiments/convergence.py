@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the tuned settings (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="a ~4-minute version: 50 steps, 2 seeds, 2-point grids")
     parser.add_argument("--out", default=str(experiment_output("convergence")),
-                        help=f"OUT.png and OUT.csv (default {experiment_output('convergence')}; the README's: docs/convergence)")
+                        help=f"OUT.png and OUT.csv (default {experiment_output('convergence')}; docs/performance.md's: docs/convergence)")
     parser.add_argument("--profile", default="", help="a K-FAC pipefisher.profile/v1 file of schedules/tiny-cpu.yaml (default: measure one)")
     parser.add_argument("--shampoo-profile", default="", help="a Shampoo profile of it (`pipefisher profile --optimizer shampoo`; default: measure one)")
     parser.add_argument("--refresh-steps", type=int, default=None, help="pin k of K-FAC and Shampoo (default: the packer's choice)")

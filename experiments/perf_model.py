@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
                         help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
     parser.add_argument("-o", "--output", type=Path, default=experiment_output("perf_model"),
-                        help=f"output path without suffix (default {experiment_output('perf_model')}; the README's: docs/perf_model)")
+                        help=f"output path without suffix (default {experiment_output('perf_model')}; docs/packing.md's: docs/perf_model)")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "chimera"])
     args = parser.parse_args()
     rows = model_rows(args.reference, args.schedule)

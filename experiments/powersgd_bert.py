@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default=str(experiment_output("powersgd_bert.md")),
-                        help=f"Markdown file to write (default {experiment_output('powersgd_bert.md')}; the README's: docs/powersgd_bert.md)")
+                        help=f"Markdown file to write (default {experiment_output('powersgd_bert.md')}; docs/performance.md's: docs/powersgd_bert.md)")
     args = parser.parse_args()
     rows, curves = [], []
     with tempfile.TemporaryDirectory() as folder:

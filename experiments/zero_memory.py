@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--data-parallel", default="1,2,4", help="comma-separated data-parallel copies (default 1,2,4)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum after K-FAC preconditioning (default 0.9)")
     parser.add_argument("--out", default=str(experiment_output("zero_memory.md")),
-                        help=f"Markdown file to write ('' = none; default {experiment_output('zero_memory.md')}; the README's: docs/zero_memory.md)")
+                        help=f"Markdown file to write ('' = none; default {experiment_output('zero_memory.md')}; docs/performance.md's: docs/zero_memory.md)")
     args = parser.parse_args()
 
     from pipefisher.config import load_config

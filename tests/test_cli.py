@@ -156,7 +156,7 @@ def test_pack_rejects_negative_times_and_profiles_without_layers(tmp_path, capsy
 
 
 def test_a_capture_cap_that_changes_the_plan_is_reported_without_contradiction(tmp_path, capsys):
-    """The README's BERT-Large paper run on the shipped P100 block times, captures capped at 4000
+    """docs/cli.md's BERT-Large paper run on the shipped P100 block times, captures capped at 4000
     MiB: the frontier is of the plans before the cap, and `why` says what the cap cost."""
     times = Path(__file__).resolve().parents[1] / "profiles" / "reference" / "bert-large_time_memory_p100.csv"
     profile = tmp_path / "bl8.yaml"

@@ -1,4 +1,4 @@
-"""The scripts in experiments/ (the README quotes them) still start, and the executor benchmarks
+"""The scripts in experiments/ (the README and docs/performance.md quote them) still start, and the executor benchmarks
 still run end to end on a tiny model."""
 
 import subprocess
