@@ -18,10 +18,11 @@ def test_kfac_lr_and_momentum_apply_to_kfac_runs_only():
 
 
 @pytest.mark.parametrize("kfac, message", [
-    ({"lr": -1.0}, "kfac.lr must be >= 0"),
-    ({"momentum": 1.0}, "kfac.momentum in [0, 1)"),
-    ({"percentile": 0}, "kfac.percentile: 0 must be in (0, 100]"),
-    ({"max_capture_mb": -1}, "kfac.max_refresh_steps and kfac.max_capture_mb must be >= 0"),
+    ({"lr": -1.0}, "kfac.lr: -1 must be >= 0"),
+    ({"momentum": 1.0}, "kfac.momentum: 1 must be in [0, 1)"),
+    ({"percentile": 0}, "kfac.percentile: 0 must be in (0, 100] (50 = the median)"),
+    ({"max_capture_mb": -1}, "kfac.max_capture_mb: -1 must be >= 0 (0 = no cap)"),
+    ({"max_refresh_steps": -1}, "kfac.max_refresh_steps: -1 must be >= 0 (0 = no cap)"),
 ])
 def test_bad_kfac_optimizer_settings_are_refused(kfac, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -38,10 +39,10 @@ def test_the_section_of_the_runs_curvature_method_applies():
 
 
 @pytest.mark.parametrize("shampoo, message", [
-    ({"beta2": 0.0}, "shampoo.beta2: 0.0 must be in (0, 1]"),
+    ({"beta2": 0.0}, "shampoo.beta2: 0 must be in (0, 1] (1 = a plain sum)"),
     ({"epsilon": 0}, "shampoo.epsilon: 0 must be positive"),
     ({"block_size": 0}, "shampoo.block_size: 0 must be positive"),
-    ({"refresh_steps": -1}, "shampoo.refresh_steps: -1 must be >= 1"),
+    ({"refresh_steps": -1}, "shampoo.refresh_steps: -1 must be >= 0 (0 lets the packer choose)"),
     ({"root": "cholesky"}, "shampoo.root: 'cholesky' is not one of eigen, newton"),
     ({"grafting": "adagrad"}, "shampoo.grafting: 'adagrad' is not one of adam, sgd, none"),
     ({"start_step": -2}, "shampoo.start_step: -2 must be >= 0"),

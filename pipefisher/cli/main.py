@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
                                  check_output, percentile, positive_float, positive_int, say, share)
-from pipefisher.cli.method_args import add_method_arguments, method_overrides, optimizer_names
+from pipefisher.cli.config_command import add_config_parser
 from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
+from pipefisher.cli.run_file_args import add_key_arguments, add_method_arguments, load_run, method_overrides, optimizer_names
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError, load_profile
@@ -139,9 +140,7 @@ def _add_pack(subparsers) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pipefisher.config import load_config
-
-    config = load_config(args.config).with_overrides(
+    config = load_run(args).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer, "zero": args.zero},
         **method_overrides(args),
@@ -210,9 +209,7 @@ def _resume_step(config) -> int | None:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from pipefisher.config import load_config
-
-    config = load_config(args.config).with_overrides(
+    config = load_run(args).with_overrides(
         pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
         optimizer={"name": args.optimizer, "zero": args.zero},
         comm={"powersgd_rank": args.powersgd_rank},
@@ -288,6 +285,7 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--optimizer", choices=optimizer_names(),
                         help=f"override optimizer.name: the tasks of its curvature method are timed (of {DEFAULT_METHOD} for a first-order optimizer)")
+    add_key_arguments(parser)
     parser.set_defaults(handler=_cmd_profile)
 
 
@@ -321,6 +319,7 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
     parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    add_key_arguments(parser)
     parser.set_defaults(handler=_cmd_run)
 
 
@@ -332,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(subparsers)
     _add_profile(subparsers)
     _add_export(subparsers)
+    add_config_parser(subparsers)
     from pipefisher.viz.cli import add_viz_parser
 
     add_viz_parser(subparsers)

@@ -1,5 +1,115 @@
-"""The error of a bad run setting. Pure Python."""
+"""Run settings declared once: each key of a run-file section is a dataclass field made by
+`setting`, which carries its one line of documentation and its allowed range; `check_ranges`
+validates a section against them, `described_keys` documents it. Pure Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+_META = "pipefisher.setting"
 
 
 class ConfigError(ValueError):
     """A bad run file or override; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a number: `low`..`high` (None: unbounded), ends open or closed;
+    `special`: values allowed outside the range (e.g. -1 = the model's own); `note` says what
+    the special or boundary values mean."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    special: tuple[float, ...] = ()
+    note: str = ""
+
+    def contains(self, value: float) -> bool:
+        if value in self.special:
+            return True
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            text = "positive" if self.low == 0 and self.low_open else f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.low is None:
+            text = f"{'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return text + "".join(f" or {value:g}" for value in self.special)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What `setting` attaches to a field: its documentation line and its range (None: any)."""
+
+    doc: str
+    range: Range | None = None
+
+
+def setting(default: Any, doc: str, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+            high_open: bool = False, special: tuple[float, ...] = (), note: str = "") -> Any:
+    """A run-file key: a dataclass field with `default`, one line of `doc` and, for numbers, the
+    range low..high (open ends as flagged) with `special` values allowed besides."""
+    bounded = low is not None or high is not None
+    declared = Setting(doc, Range(low, high, low_open, high_open, special, note) if bounded else None)
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("a setting's default must be immutable (use a tuple)")
+    return dataclasses.field(default=default, metadata={_META: declared})
+
+
+def declared(field: dataclasses.Field) -> Setting:
+    """The declaration of a field made by `setting` (TypeError for another field)."""
+    if _META not in field.metadata:
+        raise TypeError(f"{field.name}: a run-file key must be declared with `setting`")
+    return field.metadata[_META]
+
+
+def check_ranges(section: Any, where: str) -> None:
+    """ConfigError naming `where`.key for the first number outside its declared range (each
+    element of a tuple on its own, named `key[i]`)."""
+    for field in dataclasses.fields(section):
+        allowed = declared(field).range
+        if allowed is None:
+            continue
+        value = getattr(section, field.name)
+        values = value if isinstance(value, tuple) else (value,)
+        for index, element in enumerate(values):
+            if not allowed.contains(element):
+                name = f"{where}.{field.name}" + (f"[{index}]" if isinstance(value, tuple) else "")
+                note = f" ({allowed.note})" if allowed.note else ""
+                raise ConfigError(f"{name}: {element:g} must be {allowed}{note}")
+
+
+def type_name(annotation: Any) -> str:
+    """A field's type as the run file writes it: int, number, text, true/false, one of a, b, list."""
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(annotation)))
+    if typing.get_origin(annotation) is tuple:
+        return f"list of {len(typing.get_args(annotation))} numbers"
+    return {int: "integer", float: "number", str: "text", bool: "true/false"}.get(annotation, str(annotation))
+
+
+@dataclass(frozen=True)
+class DescribedKey:
+    """One key of a section as the documentation shows it."""
+
+    name: str
+    type: str
+    default: Any
+    range: Range | None
+    doc: str
+
+
+def described_keys(section: type) -> list[DescribedKey]:
+    """Every key of a section class, in declaration order."""
+    hints = typing.get_type_hints(section)
+    return [DescribedKey(field.name, type_name(hints[field.name]), field.default, declared(field).range, declared(field).doc)
+            for field in dataclasses.fields(section)]

@@ -57,7 +57,7 @@ def add_viz_parser(subparsers: Any) -> None:
     )
     parser.add_argument("config", nargs="?", help="YAML run file: pipeline.schedule/stages/micro_batches/chunks")
     add_pipeline_arguments(cast(argparse.ArgumentParser, _NotRequired(parser)))
-    parser.add_argument("--compare", metavar="S1,S2,...", help=f"stack schedules on one time axis and print a table of bubble, k, step time and overhead; S+M = S with the profile's tasks of curvature method M packed into its bubbles")
+    parser.add_argument("--compare", metavar="S1,S2,...", help="stack schedules on one time axis and print a table of bubble, k, step time and overhead; S+M = S with the profile's tasks of curvature method M packed into its bubbles")
     parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no curvature layers")
     parser.add_argument("--json", action="store_true", help="--compare: print the table as one JSON object")
     parser.add_argument("--curvature", action="store_true",

@@ -243,6 +243,14 @@ def test_from_dict_and_json(tmp_path) -> None:
         bert_preset("bert-huge")
 
 
+def test_the_run_file_offers_exactly_the_presets_there_are():
+    import typing
+
+    from pipefisher.config.sections import BertPreset
+
+    assert set(typing.get_args(BertPreset)) == set(BERT_PRESETS)
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

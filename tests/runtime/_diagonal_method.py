@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
-from pipefisher.core.settings import ConfigError
+from pipefisher.core.settings import setting
 from pipefisher.methods.interface import CurvatureRuntime, MethodParts, ReferenceCurvature, TaskTimer, broadcast_from_owner
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.registry import register, unregister
@@ -38,13 +38,8 @@ class DiagonalConfig(RefreshConfig):
     a gradient that is zero in exact arithmetic (the attention's key biases: rounding noise,
     summed in another order by replicas) is not amplified into a full step (scale at most 1/ε)."""
 
-    beta2: float = 0.5
-    epsilon: float = 0.1
-
-    def check(self, name: str, config: Any) -> None:
-        super().check(name, config)
-        if not 0 <= self.beta2 < 1 or not self.epsilon > 0:
-            raise ConfigError(f"{name}.beta2 must be in [0, 1) and {name}.epsilon positive")
+    beta2: float = setting(0.5, "decay of the second moment", low=0, high=1, high_open=True)
+    epsilon: float = setting(0.1, "added to the square root of the second moment", low=0, low_open=True)
 
 
 def tied_skip(model) -> tuple[str, ...]:

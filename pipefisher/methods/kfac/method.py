@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipefisher.core.settings import ConfigError
+from pipefisher.core.settings import ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.layouts.kaisa import worker_count
@@ -13,24 +13,16 @@ from pipefisher.planning.layouts.kaisa import worker_count
 
 @dataclass(frozen=True)
 class KfacConfig(RefreshConfig):
-    """K-FAC settings (used with optimizer.name kfac): `damping` (added to each factor before
-    inversion), `factor_decay` (EMA decay of the factors), `inverse` method;
-    `grad_worker_fraction` f (KAISA, `pipefisher.planning.layouts.kaisa`): each layer's inverses
-    live on f of a stage's replicas, which precondition its reduced gradient and broadcast it to
-    the others (1 = every replica keeps every inverse and preconditions before the reduction);
-    placement keys as `RefreshConfig`."""
+    """K-FAC settings (used with optimizer.name kfac)."""
 
-    damping: float = 1e-3
-    factor_decay: float = 0.95
-    inverse: Literal["eigen", "cholesky"] = "eigen"
-    grad_worker_fraction: float = 1.0
+    damping: float = setting(1e-3, "added to each factor before its inverse", low=0, low_open=True)
+    factor_decay: float = setting(0.95, "EMA decay of the factors", low=0, high=1, high_open=True)
+    inverse: Literal["eigen", "cholesky"] = setting("eigen", "how a damped factor is inverted")
+    grad_worker_fraction: float = setting(
+        1.0, "share of a stage's replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
+             "(KAISA; 1 = every replica preconditions before the reduction)", low=0, high=1, low_open=True)
 
     def check(self, name: str, config: Any) -> None:
-        super().check(name, config)
-        if not self.damping > 0:
-            raise ConfigError(f"{name}.damping: {self.damping:g} must be positive")
-        if not 0 <= self.factor_decay < 1:
-            raise ConfigError(f"{name}.factor_decay: {self.factor_decay} must be in [0, 1)")
         if config.optimizer.name != name:
             return
         try:
