@@ -54,16 +54,6 @@ def positive_int(text: str) -> int:
     return _checked(text, int, "an integer", lambda v: v >= 1, "must be at least 1")
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (argparse type)."""
-    return _checked(text, float, "a number", lambda v: 0 < v < math.inf, "must be a finite number > 0")
-
-
-def percentile(text: str) -> float:
-    """A percentile in (0, 100] (argparse type)."""
-    return _checked(text, float, "a number", lambda v: 0 < v <= 100, "must be in (0, 100] (50 = the median)", "{:g}".format)
-
-
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
     parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")

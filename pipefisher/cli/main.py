@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
-                                 check_output, percentile, positive_float, positive_int, say, share)
+                                 check_output, positive_int, say)
 from pipefisher.cli.config_command import add_config_parser
 from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
-from pipefisher.cli.run_file_args import add_key_arguments, add_method_arguments, load_run, method_overrides, optimizer_names
+from pipefisher.cli.run_file_args import (add_key_arguments, add_method_arguments, add_placement_arguments, load_run, method_overrides,
+                                          optimizer_names, placement_section)
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError, load_profile
@@ -95,17 +96,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     schedule, profile = build_pipeline(args, profile_required=True, limit=MAX_PACKED_SLOTS, what="packing")
     if not any(stage.layers for stage in profile.stages):
         raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
-    options = PackOptions(
-        margin=args.margin,
-        percentile=args.percentile,
-        max_overhead=args.max_overhead,
-        split=not args.no_split,
-        strategy=args.strategy,
-        refresh_steps=args.refresh_steps,
-        max_refresh_steps=args.max_refresh_steps,
-        max_capture_mb=args.max_capture_mb,
-        data_parallel=args.data_parallel,
-    )
+    options = PackOptions.from_section(placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy)
     result = pack(schedule, profile, options)
     if args.output:
         result.plan.save(args.output)
@@ -124,16 +115,8 @@ def _add_pack(subparsers) -> None:
     parser.add_argument("--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
-    parser.add_argument("--margin", type=share, default=0.0, help="share of each bubble kept free (default 0)")
-    parser.add_argument("--percentile", type=percentile, default=90.0,
-                        help="pack with this percentile of the profile's measured samples (default 90; 50 = median)")
-    parser.add_argument("--max-refresh-steps", type=positive_int, default=None, help="cap the refresh interval k (default: none)")
-    parser.add_argument("--max-capture-mb", type=positive_float, default=None,
-                        help="cap on captured activations/gradients held per device, MiB (default: none)")
-    parser.add_argument("--max-overhead", type=share, default=0.01, help="overhead budget per step (default 0.01)")
-    parser.add_argument("--no-split", action="store_true", help="every replica inverts its own factors")
+    add_placement_arguments(parser)
     parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")
-    parser.add_argument("--refresh-steps", type=positive_int, default=None, help="pin the refresh interval k")
     parser.add_argument("--data-parallel", type=positive_int, default=1,
                         help="copies of the pipeline: factors are synced over them too (default 1)")
     parser.set_defaults(handler=_cmd_pack)

@@ -1,7 +1,8 @@
 """Command-line flags derived from the run-file declarations: `--SECTION.KEY VALUE` for every key
 of every section (as torchtitan derives its flags), and the short flags of the registered
 curvature methods: `--<method>-placement`, `--<method>-refresh-steps` and `--<method>-<key>` for
-the keys a method names in `CurvatureMethod.flags`. Pure Python."""
+the keys a method names in `CurvatureMethod.flags`; and `pipefisher pack`'s flags, the placement
+keys of a method's section. Pure Python."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import yaml
 
 from pipefisher.cli.args import UsageError, positive_int
 from pipefisher.config import FIRST_ORDER, RunConfig, load_config
+from pipefisher.core.settings import check_ranges, declared
+from pipefisher.methods.settings import RefreshConfig
 from pipefisher.methods.registry import methods
 
 #: the keys every method's section has a flag for
@@ -87,3 +90,31 @@ def load_run(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config)
     overrides = key_overrides(args)
     return config.with_overrides(**overrides) if overrides else config
+
+
+#: the placement keys `pipefisher pack` takes as flags (and --no-split for `split`)
+PACK_KEYS = ("margin", "percentile", "max_overhead", "refresh_steps", "max_refresh_steps", "max_capture_mb")
+
+
+def _flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag per key of `PACK_KEYS`, typed, documented and defaulted by its declaration in `RefreshConfig`."""
+    hints = typing.get_type_hints(RefreshConfig)
+    for field in dataclasses.fields(RefreshConfig):
+        if field.name in PACK_KEYS:
+            setting = declared(field)
+            allowed = f"{setting.range}" + (f", {setting.range.note}" if setting.range.note else "")
+            parser.add_argument(_flag_name(field.name), type=hints[field.name], metavar="K" if hints[field.name] is int else "X",
+                                help=f"{setting.doc} ({allowed}; default {field.default:g})")
+    parser.add_argument("--no-split", action="store_true", help="every replica does its own refresh work (split false)")
+
+
+def placement_section(args: argparse.Namespace) -> RefreshConfig:
+    """The section the placement flags describe (defaults where not given); ConfigError naming the flag out of range."""
+    given = {key: getattr(args, key) for key in PACK_KEYS if getattr(args, key) is not None}
+    section = dataclasses.replace(RefreshConfig(), split=not args.no_split, **given)
+    check_ranges(section, "", label=_flag_name)
+    return section

@@ -5,7 +5,9 @@ validates a section against them, `described_keys` documents it. Pure Python."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +34,8 @@ class Range:
     def contains(self, value: float) -> bool:
         if value in self.special:
             return True
+        if not math.isfinite(value):
+            return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             return False
         return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
@@ -72,9 +76,9 @@ def declared(field: dataclasses.Field) -> Setting:
     return field.metadata[_META]
 
 
-def check_ranges(section: Any, where: str) -> None:
-    """ConfigError naming `where`.key for the first number outside its declared range (each
-    element of a tuple on its own, named `key[i]`)."""
+def check_ranges(section: Any, where: str, label: Callable[[str], str] | None = None) -> None:
+    """ConfigError naming `where`.key (or `label(key)`: a command-line flag) for the first number
+    outside its declared range (each element of a tuple on its own, named `key[i]`)."""
     for field in dataclasses.fields(section):
         allowed = declared(field).range
         if allowed is None:
@@ -83,7 +87,7 @@ def check_ranges(section: Any, where: str) -> None:
         values = value if isinstance(value, tuple) else (value,)
         for index, element in enumerate(values):
             if not allowed.contains(element):
-                name = f"{where}.{field.name}" + (f"[{index}]" if isinstance(value, tuple) else "")
+                name = (label(field.name) if label else f"{where}.{field.name}") + (f"[{index}]" if isinstance(value, tuple) else "")
                 note = f" ({allowed.note})" if allowed.note else ""
                 raise ConfigError(f"{name}: {element:g} must be {allowed}{note}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.packing.greedy import STRATEGIES, Strategy
 
 
@@ -35,8 +36,8 @@ class PackOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin: {self.margin} must be in [0, 1)")
-        if self.percentile is not None and not 0 <= self.percentile <= 100:
-            raise ValueError(f"percentile: {self.percentile} must be in [0, 100]")
+        if self.percentile is not None and not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile: {self.percentile} must be in (0, 100]")
         if self.max_overhead < 0:
             raise ValueError(f"max_overhead: {self.max_overhead} must be >= 0")
         if self.strategy not in STRATEGIES:
@@ -49,3 +50,13 @@ class PackOptions:
             raise ValueError(f"max_capture_mb: {self.max_capture_mb} must be > 0")
         if self.data_parallel < 1:
             raise ValueError(f"data_parallel: {self.data_parallel} must be at least 1")
+
+    @classmethod
+    def from_section(cls, section: RefreshConfig, *, data_parallel: int = 1, precondition: bool = True,
+                     refresh_steps: int | None = None, strategy: Strategy = "fill") -> PackOptions:
+        """The options a curvature method's run-file section asks for (its 0s meaning "none" as None);
+        `refresh_steps` replaces the section's."""
+        return cls(margin=section.margin, percentile=section.percentile, max_overhead=section.max_overhead, split=section.split,
+                   strategy=strategy, refresh_steps=refresh_steps or section.refresh_steps or None,
+                   max_refresh_steps=section.max_refresh_steps or None, max_capture_mb=section.max_capture_mb or None,
+                   data_parallel=data_parallel, precondition=precondition)

@@ -116,20 +116,10 @@ def _task_counts(plan: Plan) -> Counter:
 
 
 def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
-    """The packer's options of a run (the section of its method, `method_of`;
-    `refresh_steps` overrides the section's refresh_steps)."""
-    section = config.section(method_of(config).name)
-    return PackOptions(
-        margin=section.margin,
-        percentile=section.percentile,
-        max_overhead=section.max_overhead,
-        split=section.split,
-        refresh_steps=refresh_steps or section.refresh_steps or None,
-        max_refresh_steps=section.max_refresh_steps or None,
-        max_capture_mb=section.max_capture_mb or None,
-        data_parallel=config.pipeline.data_parallel,
-        precondition=config.workers_per_layer is None,
-    )
+    """The packer's options of a run: its method's section (`method_of`), its data-parallel copies
+    and gradient workers; `refresh_steps` overrides the section's refresh_steps."""
+    return PackOptions.from_section(config.section(method_of(config).name), data_parallel=config.pipeline.data_parallel,
+                                    precondition=config.workers_per_layer is None, refresh_steps=refresh_steps)
 
 
 def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
