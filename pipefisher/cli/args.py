@@ -7,7 +7,6 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -132,10 +131,3 @@ def check_output(path: str, flag: str, folder: bool = False) -> None:
             raise UsageError(f"{flag} {path}: folder {str(parent)!r} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: folder {str(parent)!r} is not writable")
-
-
-
-
-def share(text: str) -> float:
-    """A number in [0, 1) (argparse type)."""
-    return _checked(text, float, "a number", lambda v: 0 <= v < 1, "must be in [0, 1)")
