@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import Collective
+from pipefisher.planning.comm.plan import Collective, CollectiveKind
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.comm import Comm, Handle
 
@@ -47,8 +47,8 @@ class CurvatureRuntime:
         """Handlers of the method's op kinds."""
         raise NotImplementedError
 
-    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
-        """Launchers of its collectives by kind (``sync``, ``exchange``)."""
+    def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
+        """Launchers of its collectives by kind (SYNC, EXCHANGE)."""
         raise NotImplementedError
 
     def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:

@@ -29,7 +29,7 @@ from pipefisher.methods.interface import CurvatureRuntime, MethodParts, Referenc
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.registry import register, unregister
 from pipefisher.methods.settings import RefreshConfig
-from pipefisher.planning.comm.plan import Collective, inverse_owners
+from pipefisher.planning.comm.plan import Collective, CollectiveKind, inverse_owners
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,8 @@ class DiagonalRuntime(CurvatureRuntime):
                 OpKind.INV_A: lambda op: self.states[(op.pipe, op.stage)].refresh(op.layer),
                 OpKind.EXCHANGE: self._fold_shared}
 
-    def collectives(self) -> dict[str, Callable[[Collective], Any]]:
-        return {"sync": self._launch_sync, "exchange": self._launch_exchange}
+    def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Any]]:
+        return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange}
 
     def after_backward(self, op: Op, cycle_step: int) -> None:
         key = (op.pipe, op.stage)

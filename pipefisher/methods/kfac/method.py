@@ -19,8 +19,8 @@ class KfacConfig(RefreshConfig):
     factor_decay: float = setting(0.95, "EMA decay of the factors", low=0, high=1, high_open=True)
     inverse: Literal["eigen", "cholesky"] = setting("eigen", "how a damped factor is inverted")
     grad_worker_fraction: float = setting(
-        1.0, "share of a stage's replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
-             "(KAISA; 1 = every replica preconditions before the reduction)", low=0, high=1, low_open=True)
+        1.0, "share of a stage's R replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
+             "(KAISA; a multiple of 1/R that divides R; 1 = every replica preconditions before the reduction)")
 
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:

@@ -33,7 +33,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.kfac.engine import KFACConfig, KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
-from pipefisher.planning.comm.plan import Collective, inverse_owners
+from pipefisher.planning.comm.plan import Collective, CollectiveKind, inverse_owners
 from pipefisher.planning.layouts.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
@@ -96,8 +96,8 @@ class KfacRuntime(CurvatureRuntime):
         table[OpKind.PRECONDITION] = self._precondition
         return table
 
-    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
-        return {"sync": self._launch_sync, "exchange": self._launch_exchange, "pgrad": self._launch_pgrad}
+    def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
+        return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange, CollectiveKind.PGRAD: self._launch_pgrad}
 
     def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
         """Context for the forward of `op`: records a and e in the cycle's first step."""

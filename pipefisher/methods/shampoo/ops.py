@@ -28,7 +28,7 @@ from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, Tas
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.settings import ShampooSettings
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
-from pipefisher.planning.comm.plan import Collective, inverse_owners
+from pipefisher.planning.comm.plan import Collective, CollectiveKind, inverse_owners
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.pipeline.clock import timed_ms
@@ -85,8 +85,8 @@ class ShampooRuntime(CurvatureRuntime):
         return {OpKind.SYNC_A: lambda op: None,  # the launch is the whole op
                 OpKind.INV_A: self._refresh, OpKind.INV_B: self._refresh, OpKind.EXCHANGE: self._fold_shared}
 
-    def collectives(self) -> dict[str, Callable[[Collective], Handle]]:
-        return {"sync": self._launch_sync, "exchange": self._launch_exchange}
+    def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
+        return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange}
 
     def after_backward(self, op: Op, cycle_step: int) -> None:
         """After the op that completes the stage's gradient in the cycle's first step (its last

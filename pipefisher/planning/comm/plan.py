@@ -92,17 +92,45 @@ def output_message(op: Op, num_stages: int) -> Message | None:
     return None
 
 
+class CollectiveKind(str, Enum):
+    """What a collective does; the value is its name in messages and traces."""
+
+    #: a curvature method's sync of a statistic's input over a stage's replicas
+    SYNC = "sync"
+    #: a refresh result (inverse, root) broadcast from the replica that computed it
+    EXCHANGE = "exchange"
+    #: a replicated stage's gradient reduction (ZeRO-1: to the owners)
+    GRAD = "grad"
+    #: PowerSGD's second reduction, of the Q factors
+    GRAD_Q = "grad_q"
+    #: gradient workers' broadcast of each layer's preconditioned gradient within a block
+    PGRAD = "pgrad"
+    #: ZeRO-1's broadcast of the updated parameters from their owners
+    GATHER = "gather"
+    #: the sum of a tied weight's gradient over the stages that hold copies
+    TIED = "tied"
+    #: the world reduction of the step's loss, norm and flags (the optimizer step follows it)
+    STEP = "step"
+
+
 @dataclass(frozen=True, slots=True)
 class Collective:
-    """One collective call on `group`: `kind` (sync, exchange, grad, tied, step) and what it is of
-    (e.g. (stage, layer, factor) for a factor sync)."""
+    """One collective call on `group`: its kind and what it is of (e.g. (stage, layer, factor)
+    for a sync)."""
 
-    kind: str
+    kind: CollectiveKind
     group: GroupKey
     key: tuple = ()
 
     def __str__(self) -> str:
-        return ":".join([self.kind, *(str(part) for part in self.key)])
+        return ":".join([self.kind.value, *(str(part) for part in self.key)])
+
+
+@dataclass(frozen=True, slots=True)
+class SendDone:
+    """What a WAIT for a send names: the send of `message` has completed."""
+
+    message: Message
 
 
 class ActionKind(str, Enum):
@@ -116,7 +144,7 @@ class ActionKind(str, Enum):
 @dataclass(frozen=True, slots=True)
 class Action:
     """One thing a rank does, in issue order. `target` is the op (RUN), the message (POST, SEND,
-    WAIT for a receive), ``("send", message)`` (WAIT for a send) or the collective. POST and SEND
+    WAIT for a receive), a `SendDone` (WAIT for a send) or the collective. POST and SEND
     name the communicator (`group`) and the other end's global rank (`peer`)."""
 
     kind: ActionKind
@@ -216,8 +244,8 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
             actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
             actions += _end_of_step(topology, rank, actions, tied_ranks, path)
             if last_step:
-                exchanges = [a.target for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
-                exchanges += [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "exchange"]
+                exchanges = [a.target for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.EXCHANGE]
+                exchanges += [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.EXCHANGE]
                 actions += [Action(ActionKind.WAIT, c) for c in exchanges]
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
@@ -242,35 +270,35 @@ def tied_ranks_of(topology: Topology) -> tuple[int, ...]:
 
 
 def sync_collective(stage: int, layer: str, factor: str) -> Collective:
-    return Collective("sync", ("curv", stage), (stage, layer, factor))
+    return Collective(CollectiveKind.SYNC, ("curv", stage), (stage, layer, factor))
 
 
 def exchange_collective(stage: int, layer: str, factor: str) -> Collective:
-    return Collective("exchange", ("curv", stage), (stage, layer, factor))
+    return Collective(CollectiveKind.EXCHANGE, ("curv", stage), (stage, layer, factor))
 
 
 def grad_collective(stage: int) -> Collective:
-    return Collective("grad", ("grad", stage), (stage,))
+    return Collective(CollectiveKind.GRAD, ("grad", stage), (stage,))
 
 
 def grad_q_collective(stage: int) -> Collective:
     """PowerSGD's all-reduce of stage `stage`'s Q factors (after the one of its P factors)."""
-    return Collective("grad_q", ("grad", stage), (stage,))
+    return Collective(CollectiveKind.GRAD_Q, ("grad", stage), (stage,))
 
 
 def pgrad_collective(topology: Topology, rank: int, stage: int, workers: int) -> Collective:
     """The broadcasts of stage `stage`'s preconditioned gradients within `rank`'s block."""
     grid = GradWorkers(topology.replica_ranks(stage), workers)
-    return Collective("pgrad", ("pgrad", stage, grid.block(rank)), (stage,))
+    return Collective(CollectiveKind.PGRAD, ("pgrad", stage, grid.block(rank)), (stage,))
 
 
 def gather_collective(stage: int) -> Collective:
     """ZeRO-1's broadcast of stage `stage`'s updated parameters from their owners."""
-    return Collective("gather", ("grad", stage), (stage,))
+    return Collective(CollectiveKind.GATHER, ("grad", stage), (stage,))
 
 
-TIED = Collective("tied", ("tied",))
-STEP = Collective("step", ("world",))
+TIED = Collective(CollectiveKind.TIED, ("tied",))
+STEP = Collective(CollectiveKind.STEP, ("world",))
 
 
 def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, owners: dict, synced: set, replicated: set[int],
@@ -348,8 +376,8 @@ def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_rank
     """Sends drained, gradient reductions done (PowerSGD: each followed by its Q all-reduce), tied
     weights summed, then the world reduction (the optimizer step runs when it completes); with
     ZeRO-1 the owners' parameter broadcasts last."""
-    tail = [Action(ActionKind.WAIT, ("send", a.target)) for a in actions if a.kind is ActionKind.SEND]
-    reduced = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "grad"]
+    tail = [Action(ActionKind.WAIT, SendDone(a.target)) for a in actions if a.kind is ActionKind.SEND]
+    reduced = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.GRAD]
     if path.compressed:
         for collective in reduced:
             tail += [Action(ActionKind.WAIT, collective), Action(ActionKind.LAUNCH, grad_q_collective(collective.key[0]))]

@@ -17,16 +17,16 @@ from collections import defaultdict, deque
 from collections.abc import Hashable, Sequence
 
 from pipefisher.core.ir import format_grid
-from pipefisher.planning.comm.plan import Action, ActionKind, CommOrderError, CommPlan, GroupKey
+from pipefisher.planning.comm.plan import Action, ActionKind, CommOrderError, CommPlan, GroupKey, SendDone
 
 #: an operation as all its participants see it: ("p2p", group, src, dst, k) or ("coll", group, k)
 Joint = tuple
 
 
 def _handle(action: Action) -> Hashable:
-    """What a WAIT names: the message of a receive, ("send", message), or a collective."""
+    """What a WAIT names: the message of a receive, the `SendDone` of a send, or a collective."""
     if action.kind is ActionKind.SEND:
-        return ("send", action.target)
+        return SendDone(action.target)
     return action.target
 
 

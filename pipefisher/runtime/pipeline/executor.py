@@ -19,7 +19,8 @@ from torch import Tensor
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import Action, ActionKind, Collective, GradientPath, Message, input_message, output_message
+from pipefisher.planning.comm.plan import (Action, ActionKind, Collective, CollectiveKind, GradientPath, Message, SendDone, input_message,
+                                          output_message)
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.pipeline.clock import Clock
@@ -58,8 +59,8 @@ def describe(action: Action) -> str:
     kind, target = action.kind, action.target
     if kind is ActionKind.RUN:
         return f"op {target}"
-    if isinstance(target, tuple):
-        return f"op {target[1].producer} (waiting for the send of its output)"
+    if isinstance(target, SendDone):
+        return f"op {target.message.producer} (waiting for the send of its output)"
     if isinstance(target, Message):
         what = {ActionKind.POST: "posting the receive of its input", ActionKind.SEND: "sending its output",
                 ActionKind.WAIT: "waiting for its input"}[kind]
@@ -94,9 +95,9 @@ class Executor:
             for stage in stages.values():
                 stage.split_backward()
         #: collective kind -> what launches one (the step end's; K-FAC adds its own)
-        self.collectives: dict[str, Callable[[Collective], Handle]] = {
-            "grad": step_end.launch_grad, "tied": step_end.launch_tied, "step": step_end.launch_step,
-            "gather": step_end.launch_gather, "grad_q": step_end.launch_grad_q,
+        self.collectives: dict[CollectiveKind, Callable[[Collective], Handle]] = {
+            CollectiveKind.GRAD: step_end.launch_grad, CollectiveKind.TIED: step_end.launch_tied, CollectiveKind.STEP: step_end.launch_step,
+            CollectiveKind.GATHER: step_end.launch_gather, CollectiveKind.GRAD_Q: step_end.launch_grad_q,
         }
         #: context the forward of an op runs in (K-FAC uses it to capture activations)
         self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
@@ -165,8 +166,8 @@ class Executor:
             buffer, handle = self._receives.pop(target)
             handle.wait()
             self._inputs[target] = buffer
-        elif isinstance(target, tuple):
-            self._sends.pop(target[1]).wait()
+        elif isinstance(target, SendDone):
+            self._sends.pop(target.message).wait()
         else:
             self.in_flight.pop(target).wait()
 
