@@ -62,6 +62,7 @@ from pipefisher.methods.registry import method_of
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, simulate
+from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.launch import run_group
@@ -147,6 +148,25 @@ def thread_faults() -> int:
     return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
 
+class _Recorder(ExecutorExtension):
+    """Every op's clock marks to `record(op, start, end)`."""
+
+    records = True
+
+    def __init__(self, record):
+        self.record = record
+
+
+class _TimedHandlers(ExecutorExtension):
+    """The executor's handlers, each wrapped to time it."""
+
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def handlers(self):
+        return self.wrapped
+
+
 class Variant:
     """One executor (and PipeFisherTrainer for K-FAC) with its own step counter and statistics."""
 
@@ -161,7 +181,7 @@ class Variant:
         #: round -> statistics of this rank (see _stats)
         self.rounds: dict[int, dict] = {}
         self._last_end = 0.0
-        self.executor.recorder = self._record
+        self.executor.extend(_Recorder(self._record))
 
     @staticmethod
     def _stats() -> dict:
@@ -207,8 +227,7 @@ class Variant:
                     cell[2] += faults
             return timed
 
-        for kind, handler in list(self.executor.handlers.items()):
-            self.executor.handlers[kind] = wrap(kind, handler)
+        self.executor.extend(_TimedHandlers({kind: wrap(kind, handler) for kind, handler in self.executor.handlers.items()}))
 
     @property
     def k(self) -> int:
@@ -289,13 +308,9 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
     def profile_now(warmup: int, repeats: int) -> tuple[Profile, float, float]:
         """A profile on the first-order executor (gradients dropped: no variant changes), the
         seconds it took and the cores other processes used meanwhile."""
-        first.executor.recorder = None
-        try:
-            with Window() as window:
-                measured, _ = measure_profile(first.executor, rank, modules, cfg.data.micro_batch_size,
-                                              method.timer(cfg, modules, skip), warmup=warmup, repeats=repeats)
-        finally:
-            first.executor.recorder = first._record
+        with Window() as window:  # the profiler's own hooks replace the variant's recorder meanwhile
+            measured, _ = measure_profile(first.executor, rank, modules, cfg.data.micro_batch_size,
+                                          method.timer(cfg, modules, skip), warmup=warmup, repeats=repeats)
         return measured, window.seconds, window.foreign
 
     # -- one profile to pack from; both K-FAC variants load it, with k pinned ------------------

@@ -24,16 +24,22 @@ def pipelined(rank: int, world: int, config: RunConfig) -> TrainResult:
 
 def _break_backward(config: RunConfig, rank: int, fault) -> TrainResult:
     """Train, but rank 1 calls `fault()` at its backward of micro-batch 2 in the second step."""
-    executor, _ = build_executor(config, rank, CPU)
-    if rank == 1:
-        backward = executor.handlers[OpKind.BACKWARD]
+    from pipefisher.runtime.pipeline.extension import ExecutorExtension
 
-        def broken(op):
+    executor, _ = build_executor(config, rank, CPU)
+    backward = executor.handlers[OpKind.BACKWARD]
+
+    class BrokenBackward(ExecutorExtension):
+        def handlers(self):
+            return {OpKind.BACKWARD: self.backward}
+
+        def backward(self, op):
             if executor.current_step == 1 and op.micro_batch == 2:
                 fault()
             return backward(op)
 
-        executor.handlers[OpKind.BACKWARD] = broken
+    if rank == 1:
+        executor.extend(BrokenBackward())
     return train_pipelined(config, rank, CPU, executor=executor)
 
 

@@ -10,8 +10,8 @@ this rank) and leaves its output for the SEND that follows. After the actions, t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,7 @@ from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.pipeline.clock import Clock
 from pipefisher.runtime.pipeline.comm import Comm, Handle, done
+from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.stage import StageRuntime
 
 #: (step, global micro-batch) -> the micro-batch's named tensors
@@ -89,23 +90,20 @@ class Executor:
         self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
         self.device = device
         self.replica = topology.replica_of(rank)
+        #: op kind -> its handler: the executor's own, then its extensions'
         self.handlers: dict[OpKind, Callable[[Op], None]] = {
             OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward, OpKind.WEIGHT: self._weight}
         if splits_backward(topology.schedule.ranks[topology.pipeline_rank(rank)]):
             for stage in stages.values():
                 stage.split_backward()
-        #: collective kind -> what launches one (the step end's; K-FAC adds its own)
+        #: collective kind -> what launches one: the step end's, then the extensions'
         self.collectives: dict[CollectiveKind, Callable[[Collective], Handle]] = {
             CollectiveKind.GRAD: step_end.launch_grad, CollectiveKind.TIED: step_end.launch_tied, CollectiveKind.STEP: step_end.launch_step,
             CollectiveKind.GATHER: step_end.launch_gather, CollectiveKind.GRAD_Q: step_end.launch_grad_q,
         }
-        #: context the forward of an op runs in (K-FAC uses it to capture activations)
-        self.forward_context: Callable[[Op], AbstractContextManager] = lambda op: nullcontext()
-        #: called after every backward and weight-gradient op (Shampoo keeps the gradient of a
-        #: cycle's first step)
-        self.after_backward: Callable[[Op], None] = lambda op: None
-        #: called with (op, start mark, end mark) of `clock` for every op run (the profiler's hook)
-        self.recorder: Callable[[Op, object, object], None] | None = None
+        #: the extensions whose hooks run (forward context, after backward, before the optimizer step, record)
+        self.extensions: tuple[ExecutorExtension, ...] = ()
+        step_end.before_optimizer_step = self._before_optimizer_step
         self.clock = Clock(device)
         self.current_step = 0
         self._receives: dict[Message, tuple[Tensor, Handle]] = {}
@@ -114,6 +112,35 @@ class Executor:
         self._sends: dict[Message, Handle] = {}
         #: collectives in flight (K-FAC syncs and exchanges may outlive a step)
         self.in_flight: dict[Collective, Handle] = {}
+
+    # -- extension points -------------------------------------------------------------------
+    def extend(self, extension: ExecutorExtension) -> None:
+        """Add `extension`: its handlers and collective launchers, and its hooks after those there are."""
+        self.handlers.update(extension.handlers())
+        self.collectives.update(extension.collectives())
+        self.extensions += (extension,)
+
+    @contextmanager
+    def hooks_of(self, *extensions: ExecutorExtension) -> Iterator[None]:
+        """Only the hooks of `extensions` run while the context lasts (the profiler measures
+        steps without the run's curvature method capturing anything); handlers stay."""
+        saved, self.extensions = self.extensions, extensions
+        try:
+            yield
+        finally:
+            self.extensions = saved
+
+    def _forward_context(self, op: Op) -> AbstractContextManager:
+        if len(self.extensions) == 1:
+            return self.extensions[0].forward_context(op)
+        stack = ExitStack()
+        for extension in self.extensions:
+            stack.enter_context(extension.forward_context(op))
+        return stack
+
+    def _before_optimizer_step(self) -> None:
+        for extension in self.extensions:
+            extension.before_optimizer_step()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -148,12 +175,15 @@ class Executor:
     def _perform(self, action: Action) -> None:
         kind, target = action.kind, action.target
         if kind is ActionKind.RUN:
-            if self.recorder is None:
+            recording = [extension for extension in self.extensions if extension.records]
+            if not recording:
                 self.handlers[target.kind](target)
                 return
             started = self.clock.mark()
             self.handlers[target.kind](target)
-            self.recorder(target, started, self.clock.mark())
+            ended = self.clock.mark()
+            for extension in recording:
+                extension.record(target, started, ended)
         elif kind is ActionKind.POST:
             shape, dtype = self.message_spec(target)
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
@@ -186,7 +216,7 @@ class Executor:
         global_mb = self.topology.global_micro_batch(self.rank, op.micro_batch)
         batch = to_device(self.micro_batch(self.current_step, global_mb), self.device)
         inputs = None if stage.first else self._input_of(op)
-        with self.forward_context(op):
+        with self._forward_context(op):
             output = stage.forward(op.micro_batch, inputs, batch)
         self._output_of(op, output)
 
@@ -194,11 +224,13 @@ class Executor:
         stage = self.stages[(op.pipe, op.stage)]
         grad_output = None if stage.last else self._input_of(op)
         self._output_of(op, stage.backward(op.micro_batch, grad_output))
-        self.after_backward(op)
+        for extension in self.extensions:
+            extension.after_backward(op)
 
     def _weight(self, op: Op) -> None:
         self.stages[(op.pipe, op.stage)].weight(op.micro_batch)
-        self.after_backward(op)
+        for extension in self.extensions:
+            extension.after_backward(op)
 
     def _input_of(self, op: Op) -> Tensor:
         message = input_message(op, self.topology.schedule.num_stages)

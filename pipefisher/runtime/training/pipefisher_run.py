@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from pipefisher.config import RunConfig
-from pipefisher.core.ir import OpKind, Schedule, ScheduleError
+from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
+from pipefisher.methods.interface import CurvatureRuntime
 from pipefisher.methods.registry import method_of
 from pipefisher.planning.capture_memory import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import simulate
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
+from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
@@ -159,6 +163,30 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
     return CurvaturePlan(plan, predicted, summary)
 
 
+class _MethodExtension(ExecutorExtension):
+    """A curvature method's runtime at the executor's extension points: its op handlers and
+    collectives, its hooks told the position in the refresh cycle (`cycle_step()`); before the
+    optimizer step it preconditions the parameters this rank `updates`."""
+
+    def __init__(self, runtime: CurvatureRuntime, cycle_step: Callable[[], int], updates: Callable[[torch.nn.Parameter], bool]):
+        self.runtime, self.cycle_step, self.updates = runtime, cycle_step, updates
+
+    def handlers(self) -> dict:
+        return self.runtime.handlers()
+
+    def collectives(self) -> dict:
+        return self.runtime.collectives()
+
+    def forward_context(self, op: Op) -> AbstractContextManager:
+        return self.runtime.forward_context(op, self.cycle_step())
+
+    def after_backward(self, op: Op) -> None:
+        self.runtime.after_backward(op, self.cycle_step())
+
+    def before_optimizer_step(self) -> None:
+        self.runtime.before_optimizer_step(self.updates)
+
+
 class PipeFisherTrainer(PlanRunner):
     """Drives one rank's executor through the refresh cycles of the run's curvature method."""
 
@@ -178,13 +206,8 @@ class PipeFisherTrainer(PlanRunner):
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
                                            (lambda: scaler.scale) if scaler is not None else (lambda: None))
-        executor.handlers.update(self.runtime.handlers())
-        executor.collectives.update(self.runtime.collectives())
         super().__init__(executor, rank, self.curvature_plan.plan, tied)
-        executor.forward_context = lambda op: self.runtime.forward_context(op, self.cycle_step)
-        executor.after_backward = lambda op: self.runtime.after_backward(op, self.cycle_step)
-        applies_to = executor.step_end.applies_to
-        executor.step_end.before_optimizer_step = lambda: self.runtime.before_optimizer_step(applies_to)
+        executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
 

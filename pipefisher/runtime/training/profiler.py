@@ -20,7 +20,7 @@ import platform
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.simulate import Interval, Timeline
 from pipefisher.runtime.pipeline.clock import timed_ms
 from pipefisher.runtime.pipeline.executor import Executor
+from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan
 
 #: (rank, op string, start, end) in ms from the step's common zero
@@ -53,6 +54,33 @@ def _summary(samples: Mapping[str, list[float]], keys: tuple[str, ...]) -> dict[
     return {**medians, "samples": {key: samples[key] for key in keys if samples.get(key)}}
 
 
+class _Recording(ExecutorExtension):
+    """The profiler's hooks during a measured step: every op's clock marks, and the timer's
+    forward context (None: none) in place of the run's own hooks."""
+
+    records = True
+
+    def __init__(self, timer: TaskTimer | None):
+        self.timer = timer
+        self.marks: list[tuple[Op, object, object]] = []
+
+    def forward_context(self, op: Op) -> AbstractContextManager:
+        return self.timer.forward_context(op) if self.timer is not None else nullcontext()
+
+    def record(self, op: Op, start: object, end: object) -> None:
+        self.marks.append((op, start, end))
+
+
+class _TimedStepEnd(ExecutorExtension):
+    """The method's work before the optimizer step, as its timer does it (roots in place)."""
+
+    def __init__(self, timer: TaskTimer):
+        self.timer = timer
+
+    def before_optimizer_step(self) -> None:
+        self.timer.before_optimizer_step()
+
+
 def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -> list[list[Record]]:
     """Run `steps` gradient-dropping steps; per step, this rank's op records (ms from its start)."""
     topology = executor.topology
@@ -64,17 +92,11 @@ def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -
     for step in range(steps):
         dist.barrier()
         zero = clock.mark()
-        marks: list[tuple[Op, object, object]] = []
-        executor.recorder = lambda op, start, end: marks.append((op, start, end))
-        if step == steps - 1:  # the last step's forwards may feed the task timings (K-FAC's captures)
-            executor.forward_context = timer.forward_context
-        else:
-            executor.forward_context = lambda op: nullcontext()
-        try:
+        # the last step's forwards may feed the task timings (K-FAC's captures)
+        recording = _Recording(timer if step == steps - 1 else None)
+        with executor.hooks_of(recording):
             executor.run_step(0, actions, update=False)
-        finally:
-            executor.recorder = None
-        records.append([(rank, str(op), clock.elapsed_ms(zero, start), clock.elapsed_ms(zero, end)) for op, start, end in marks])
+        records.append([(rank, str(op), clock.elapsed_ms(zero, start), clock.elapsed_ms(zero, end)) for op, start, end in recording.marks])
     return records
 
 
@@ -130,8 +152,6 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
     step) on gradients of ones; parameters, optimizer state, learning-rate schedule and loss scale
     are restored afterwards. Collective."""
     step_end = executor.step_end
-    saved_hook = step_end.before_optimizer_step
-    step_end.before_optimizer_step = timer.before_optimizer_step
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
     optimizer_state = copy.deepcopy(step_end.optimizer.state_dict())
@@ -144,7 +164,8 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
             for buffer in step_end.buffers.values():
                 buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
             dist.barrier()
-            samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
+            with executor.hooks_of(_TimedStepEnd(timer)):
+                samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
     finally:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
@@ -156,7 +177,6 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
             step_end.scaler.load_state_dict(scaler_state)
         for buffer in step_end.buffers.values():
             buffer.zero_()
-        step_end.before_optimizer_step = saved_hook
     return samples[1:]
 
 
@@ -177,11 +197,7 @@ def measure_profile(
 ) -> tuple[Profile, list[Record]]:
     """The run's profile (ms, medians, with their samples) and the op records of the last measured
     step, all ranks. `timer` measures the curvature method's tasks (`MethodParts.timer`)."""
-    saved_context = executor.forward_context
-    try:
-        records = _step_records(executor, rank, warmup + repeats, timer)
-    finally:
-        executor.forward_context = saved_context
+    records = _step_records(executor, rank, warmup + repeats, timer)
     transfers = _transfer_times(executor, rank)
     reduces = _grad_reduce_times(executor, repeats)
     tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
