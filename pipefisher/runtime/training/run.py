@@ -11,7 +11,7 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
-from pipefisher.methods.registry import method_of, task_rules
+from pipefisher.methods.registry import method, method_of
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (
@@ -40,7 +40,7 @@ def describe(config: RunConfig) -> str:
     section = config.curvature
     if section is not None:
         k = f"every {section.refresh_steps} steps" if section.refresh_steps else "interval chosen by the packer"
-        parts.append(f"{task_rules(config.optimizer.name).label} refresh {k}, {section.placement}")
+        parts.append(f"{method(config.optimizer.name).label} refresh {k}, {section.placement}")
     if config.workers_per_layer is not None:
         parts.append(f"K-FAC gradient workers {config.workers_per_layer} per layer")
     if config.optimizer.zero:
@@ -140,8 +140,7 @@ def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timel
     device = current_device(config.run.backend)
     executor, schedule = build_executor(config, rank, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
-    method = method_of(config)
-    parts = method.runtime_parts()
+    parts = method_of(config).runtime_parts()
     timer = parts.timer(config, modules, parts.skip(staged_model(config)))
     profile, records = measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP, repeats=repeats)
     if rank == 0:
@@ -190,7 +189,7 @@ def _report_profile(profile, output: str, timeline: str | None) -> int:
         weight = f" (weight gradient {stage.weight:.3f} ms)" if stage.weight else ""
         print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms{weight}, p2p {stage.p2p:.3f} ms, "
               f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms, "
-              f"{len(stage.layers)} {task_rules(profile.method).label} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
+              f"{len(stage.layers)} {method(profile.method).label} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
               f"inverses (roots) {stage.inverse_time:.3f} ms")
     print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))
     return 0
