@@ -100,7 +100,7 @@ def assert_resumes_bit_for_bit(config: RunConfig, stop_after: int, folder) -> st
 
 def dies_while_saving(rank: int, world: int, config: RunConfig, fatal_step: int) -> TrainResult:
     """Train with checkpoints; rank 0 is killed half-way through writing the checkpoint of `fatal_step`."""
-    from pipefisher.runtime import checkpoint
+    from pipefisher.runtime.training import checkpoint
 
     original = checkpoint.torch.save
 

@@ -191,7 +191,7 @@ def fault_script(tmp_path) -> Path:
     script = tmp_path / "faulty_run.py"
     script.write_text(
         "import os, signal, sys\n"
-        "from pipefisher.runtime import plan_runner\n"
+        "from pipefisher.runtime.pipeline import plan_runner\n"
         "original = plan_runner.PlanRunner.run_step\n"
         "def run_step(self, step):\n"
         "    if step == 3 and self.rank == 1 and os.environ.get('TORCHELASTIC_RESTART_COUNT') == '0':\n"
