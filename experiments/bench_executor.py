@@ -157,9 +157,9 @@ class Timers:
 def install_profiling(timers: Timers) -> None:
     from torch.distributed.pipelining import stage as torch_stage
 
-    from pipefisher.runtime import comm as pf_comm
-    from pipefisher.runtime import stage as pf_stage
-    from pipefisher.runtime import step_end as pf_step_end
+    from pipefisher.runtime.pipeline import comm as pf_comm
+    from pipefisher.runtime.pipeline import stage as pf_stage
+    from pipefisher.runtime.gradient_path import step_end as pf_step_end
 
     # pipefisher
     timers.wrap(pf_comm.Handle, "wait", "pf: comm wait")

@@ -15,14 +15,14 @@ from pipefisher.planning.comm.plan import (
     sync_collective,
 )
 from pipefisher.core.ir import Op, OpKind
-from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan
-from pipefisher.schedules import get_schedule
+from pipefisher.schedules import SCHEDULES, get_schedule
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "chimera"]
+from builders import layered_profile
+from sweeps import cases, micro_batches_for
 
 
 def first_order(schedule):
@@ -30,32 +30,23 @@ def first_order(schedule):
 
 
 def kfac_profile(num_stages, layers=2):
-    stage = StageProfile(
-        forward=1.0, backward=2.0, p2p=0.05,
-        layers=tuple(LayerProfile(f"layer{i}", 0.05, 0.05, 0.6, 0.6, 0.02, 0.1, 0.1) for i in range(layers)),
-    )
-    return Profile(stages=(stage,) * num_stages)
+    """Every stage alike: F 1, B 2, p2p 0.05; `layers` K-FAC layers with inverses 0.6, syncs 0.1."""
+    return layered_profile(num_stages, layers, spread=False, p2p=0.05, inverse=0.6, sync=0.1, names="layer{i}")
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
-@pytest.mark.parametrize("stages", [2, 3, 4, 8])
-def test_every_first_order_schedule_replays(name, stages):
-    for micro_batches in (stages, 2 * stages, 4 * stages):
-        if name in ("chimera", "interleaved") and micro_batches % stages:
-            continue
-        if name == "chimera" and stages % 2:
-            continue
-        schedule = get_schedule(name, stages, micro_batches, 2 if name == "interleaved" else None)
-        for data_parallel in (1, 2):
-            for tied in (False, True):
-                replay(plan_actions(Topology(schedule, data_parallel), first_order(schedule), tied))
+@pytest.mark.parametrize("name, stages, micro_batches", cases(*((d, (d, 2 * d, 4 * d)) for d in (2, 3, 4, 8))))
+def test_every_first_order_schedule_replays(name, stages, micro_batches):
+    schedule = get_schedule(name, stages, micro_batches)
+    for data_parallel in (1, 2):
+        for tied in (False, True):
+            replay(plan_actions(Topology(schedule, data_parallel), first_order(schedule), tied))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("placement", ["packed", "after-step"])
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_kfac_plans_replay(name, placement, data_parallel):
-    schedule = get_schedule(name, 4, 8, 2 if name == "interleaved" else None)
+    schedule = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
     profile = kfac_profile(schedule.num_stages)
     result = pack(schedule, profile, PackOptions(refresh_steps=3, data_parallel=data_parallel))
     plan = result.plan if placement == "packed" else after_step_plan(schedule, profile, 3, data_parallel=data_parallel)
@@ -63,9 +54,10 @@ def test_kfac_plans_replay(name, placement, data_parallel):
     launched = {a.target for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH}
     kinds = {collective.kind for collective in launched}
     assert {"step", "tied"} <= kinds
-    assert ("sync" in kinds) == (data_parallel > 1 or name == "chimera"), "factors are synced over every replica"
-    assert ("exchange" in kinds) == (name == "chimera"), "inverses are exchanged between pipes"
-    assert ("grad" in kinds) == (data_parallel > 1 or name == "chimera")
+    replicated = data_parallel > 1 or schedule.num_pipes > 1  # Chimera's two pipes hold every stage twice
+    assert ("sync" in kinds) == replicated, "factors are synced over every replica"
+    assert ("exchange" in kinds) == (schedule.num_pipes > 1), "inverses are exchanged between pipes"
+    assert ("grad" in kinds) == replicated
 
 
 def test_channels_carry_one_direction_in_micro_batch_order_and_one_receive_is_posted_ahead():

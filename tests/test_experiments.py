@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pipefisher.methods.registry import methods
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
 
@@ -35,7 +37,7 @@ def test_the_executor_benchmark_runs_and_its_variants_start_alike():
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+@pytest.mark.parametrize("method", methods())
 def test_the_pipefisher_benchmark_runs(method, tmp_path):
     tiny = ["--method", method, "--schedules", "1f1b", "--repeats", "1", "--min-steps", "2", "--max-rounds", "1", "--warmup-cycles", "1",
             "--profile-warmup", "1", "--profile-repeats", "1", "--micro-batches", "2", "--micro-batch-size", "2", "--layers", "2",

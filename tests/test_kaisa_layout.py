@@ -2,9 +2,9 @@
 
 import pytest
 
+from builders import layered_profile
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.ir import OpKind
-from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.plan import ActionKind, GradientPath, plan_actions
 from pipefisher.planning.comm.replay import replay
@@ -53,8 +53,7 @@ def test_gradient_workers_and_zero1_do_not_combine():
 def test_plans_with_gradient_workers_drop_the_precondition_op_and_broadcast_in_blocks(schedule):
     sched = get_schedule(schedule, 2, 4)
     topology = Topology(sched, data_parallel=2)
-    layers = tuple(LayerProfile(f"layer{i}", 0.05, 0.05, 0.6, 0.6, 0.02, 0.1, 0.1) for i in range(3))
-    profile = Profile(stages=(StageProfile(forward=1.0, backward=2.0, layers=layers),) * 2)
+    profile = layered_profile(2, 3, spread=False, inverse=0.6, sync=0.1, names="layer{i}")
     plan = pack(sched, profile, PackOptions(data_parallel=2, precondition=False, refresh_steps=2)).plan
     assert not any(op.kind is OpKind.PRECONDITION for step in plan.steps for ops in step for op in ops)
     replicas = len(topology.replica_ranks(0))

@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from builders import tiny_model
 from pipefisher.config import config_from_dict
 from pipefisher.methods.kfac import KFACConfig, KFACEngine
 from pipefisher.methods.kfac.layer import select_layers
@@ -25,7 +26,7 @@ from pipefisher.runtime.gradient_path.buffers import Ownership, unique_parameter
 from pipefisher.runtime.training.trainer import tensor_bytes
 from pipefisher.schedules import get_schedule
 
-MODEL = {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3}
+MODEL = tiny_model()
 PIPELINES = {
     "1f1b-dp2": {"stages": 2, "micro_batches": 4, "schedule": "1f1b", "data_parallel": 2},
     "chimera-dp2": {"stages": 2, "micro_batches": 4, "schedule": "chimera", "data_parallel": 2},

@@ -28,6 +28,8 @@ from pipefisher.planning.simulate import COLLECTIVES
 from pipefisher.planning.tasks import CYCLE_KINDS, TaskGraph, build_tasks
 from pipefisher.schedules import get_schedule
 
+from builders import layered_profile
+
 
 def weights_after_backwards(schedule: Schedule) -> Schedule:
     """The schedule with each B followed by its W (1F1B's memory, its bubbles)."""
@@ -61,16 +63,7 @@ MUST_MOVE = {("1f1b+w-late 3x6", None), ("1f1b+w-late 3x6", 2)}
 
 def profile_for(num_stages, layers=3, inverse=0.4, weight_time=1.0, sync=0.1, method="kfac", grad_reduce=0.0):
     """Forward 1, backward 2 (of which `weight_time` the weight gradient); layer sizes vary."""
-    stages = []
-    for stage in range(num_stages):
-        scale = 1.0 + 0.3 * stage
-        stages.append(StageProfile(
-            forward=1.0, backward=2.0, weight=weight_time, grad_reduce=grad_reduce,
-            layers=tuple(LayerProfile(f"l{stage}.{i}", 0.05 * (i + 1) * scale, 0.05 * (layers - i) * scale,
-                                      inverse * (i + 1) * scale, inverse * (layers - i) / 2 * scale, 0.02, sync, sync)
-                         for i in range(layers)),
-        ))
-    return Profile(stages=tuple(stages), time_unit="ms", method=method)
+    return layered_profile(num_stages, layers, inverse=inverse, weight=weight_time, sync=sync, method=method, grad_reduce=grad_reduce)
 
 
 def check_weights(plan: Plan) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from pipefisher.core.ir import Op, OpKind, ScheduleError
-from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, profile_from_dict
+from pipefisher.core.profile import ProfileError, profile_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import task_rules
 from pipefisher.planning.comm.plan import ActionKind, CommOrderError, plan_actions
@@ -14,22 +14,22 @@ from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan, simulate_plan, validate_plan
 from pipefisher.planning.tasks import build_tasks
-from pipefisher.schedules import get_schedule
+from pipefisher.schedules import SCHEDULES, get_schedule
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "chimera"]
+from builders import layered_profile
+from sweeps import micro_batches_for
 
 
 def shampoo_profile(num_stages, layers=2, root=0.6, sync=0.1):
     """Shampoo layers: roots of L (inverse_a) and R (inverse_b), the gradient's sync (sync_a)."""
-    stage = StageProfile(
-        forward=1.0, backward=2.0, p2p=0.05,
-        layers=tuple(LayerProfile(f"w{i}", 0.0, 0.0, root, root / 2, 0.0, sync, 0.0) for i in range(layers)),
-    )
-    return Profile(stages=(stage,) * num_stages, method="shampoo")
+    return layered_profile(num_stages, layers, spread=False, p2p=0.05, curvature=0.0, inverse=root, inverse_b=root / 2,
+                           precondition=0.0, sync=sync, sync_b=0.0, names="w{i}", method="shampoo")
 
 
 def schedule_of(name, stages=4, micro_batches=8):
-    return get_schedule(name, stages, micro_batches, 2 if name == "interleaved" else None)
+    """Schedule `name` with its own chunks per rank, on the fewest micro-batches from
+    `micro_batches` on that it takes."""
+    return get_schedule(name, stages, micro_batches_for(name, stages, at_least=micro_batches))
 
 
 def test_shampoo_has_no_curvature_no_precondition_and_one_sync_per_layer():

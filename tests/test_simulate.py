@@ -5,7 +5,9 @@ import pytest
 from pipefisher.core.ir import backward, dependencies, forward
 from pipefisher.core.profile import Profile, StageProfile, uniform_profile
 from pipefisher.planning.simulate import Interval, OpDurations, simulate, simulate_ops
-from pipefisher.schedules import get_schedule
+from pipefisher.schedules import SCHEDULES, get_schedule
+
+from sweeps import micro_batches_for
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -36,9 +38,9 @@ def test_interleaving_shrinks_the_bubble():
     assert inter.busy_time(0) == pytest.approx(plain.busy_time(0))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "chimera"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_timeline_respects_order_dependencies_and_p2p(name):
-    schedule = get_schedule(name, 4, 8)
+    schedule = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
     stages = tuple(StageProfile(forward=1.0 + s / 10, backward=2.0 + s / 7, p2p=0.25) for s in range(schedule.num_stages))
     timeline = simulate(schedule, Profile(stages=stages))
     end = {iv.op: iv.end for ivs in timeline.ranks for iv in ivs}
@@ -128,9 +130,9 @@ def test_profile_with_wrong_stage_count_is_rejected():
         simulate(get_schedule("interleaved", 4, 8), uniform_profile(4))
 
 
-@pytest.mark.parametrize("name, chunks", [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("chimera", None)])
-def test_simulate_agrees_with_simulate_ops_and_a_generic_dependency_function(name, chunks):
-    schedule = get_schedule(name, 4, 8, chunks)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_simulate_agrees_with_simulate_ops_and_a_generic_dependency_function(name):
+    schedule = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
     stages = tuple(
         StageProfile(forward=1.0 + s / 10, backward=2.0 + s / 7, p2p=0.25, step_end=0.1 * s, grad_reduce=0.3 * (s % 3))
         for s in range(schedule.num_stages)

@@ -4,8 +4,10 @@ import weakref
 import pytest
 
 from pipefisher.core.ir import ScheduleError, backward, dependencies, forward
-from pipefisher.schedules import get_schedule
+from pipefisher.schedules import SCHEDULES, get_schedule
 from pipefisher.schedules.validate import StageDependencies, execution_order, schedule_dependencies, schedule_graph, validate
+
+from sweeps import micro_batches_for
 
 
 def edited(schedule, rank, ops):
@@ -72,9 +74,9 @@ def test_execution_order_respects_dependencies():
     assert len(seen) == sum(len(r) for r in s.ranks)
 
 
-@pytest.mark.parametrize("name, chunks", [("gpipe", None), ("1f1b", None), ("interleaved", 2), ("chimera", None)])
-def test_plain_dependencies_run_in_the_order_a_generic_dependency_function_gives(name, chunks):
-    s = get_schedule(name, 4, 8, chunks)
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_plain_dependencies_run_in_the_order_a_generic_dependency_function_gives(name):
+    s = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
     generic = list(execution_order(s.ranks, lambda op: dependencies(op, s.num_stages)))
     assert list(execution_order(s.ranks, schedule_dependencies(s))) == generic
 

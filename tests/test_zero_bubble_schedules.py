@@ -15,17 +15,18 @@ import pytest
 
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.ir import OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
-from pipefisher.core.profile import Profile, StageProfile, uniform_profile
+from pipefisher.core.profile import Profile, uniform_profile
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
 from pipefisher.schedules.validate import validate
+
+from builders import layered_profile
 
 ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")
 
 
 def split_profile(num_stages: int, forward: float, input_gradient: float, weight: float) -> Profile:
-    stage = StageProfile(forward=forward, backward=input_gradient + weight, weight=weight)
-    return Profile(stages=(stage,) * num_stages, time_unit="units", device="test")
+    return layered_profile(num_stages, 0, forward=forward, backward=input_gradient + weight, weight=weight, time_unit="units", device="test")
 
 
 def bubbles(schedule: Schedule, profile: Profile) -> list[float]:

@@ -198,15 +198,12 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
     """A profile of the run's stages and the layers of its curvature method (K-FAC for first-order
     runs) with made-up times in ms (no measuring): forward 1, backward 2, curvature 0.01 per
     factor, inverses (roots) and syncs as given."""
-    from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+    from builders import layered_profile
     from pipefisher.runtime.training.pipefisher_run import stage_layer_names
 
-    stages = []
-    for stage in range(num_stages):
-        names = stage_layer_names(config, stage, num_stages)
-        layers = tuple(LayerProfile(name, 0.01, 0.01, inverse, inverse, 0.01, sync, sync) for name in names)
-        stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
-    return Profile(stages=tuple(stages), method=method_of(config).name)
+    names = [stage_layer_names(config, stage, num_stages) for stage in range(num_stages)]
+    return layered_profile(num_stages, names=names, spread=False, curvature=0.01, inverse=inverse, precondition=0.01, sync=sync,
+                           method=method_of(config).name)
 
 
 def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> TrainResult:

@@ -1,5 +1,6 @@
 import pytest
 
+from builders import tiny_model
 from pipefisher.config import RunConfig, config_from_dict
 
 
@@ -10,7 +11,7 @@ def tiny_config():
     def make(**pipeline) -> RunConfig:
         return config_from_dict(
             {
-                "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+                "model": tiny_model(),
                 "data": {"micro_batch_size": 2},
                 "pipeline": {"stages": 2, "micro_batches": 4, **pipeline},
                 "optimizer": {"name": "sgd", "lr": 0.1},

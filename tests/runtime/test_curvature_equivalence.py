@@ -15,6 +15,8 @@ from pipefisher.config import config_from_dict
 from pipefisher.methods.registry import methods
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
+from builders import tiny_model
+from sweeps import pipeline
 
 pytestmark = pytest.mark.dist
 
@@ -35,9 +37,9 @@ def shipped_defaults(method: str, schedule: str, data_parallel: int = 1, optimiz
     `optimizer`), the method's defaults but for `SGD_BASE`."""
     assert method in SGD_BASE, f"curvature method {method!r} has no entry in SGD_BASE: add its shipped defaults there"
     return config_from_dict({
-        "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+        "model": tiny_model(),
         "data": {"micro_batch_size": 2},
-        "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": data_parallel},
+        "pipeline": pipeline(schedule, data_parallel=data_parallel),
         "optimizer": {"name": optimizer or method, "lr": 0.01},
         method: SGD_BASE[method],
         "run": {"steps": STEPS, "timeout": 30, "master_port": 0, "in_order": True},

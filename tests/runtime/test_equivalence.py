@@ -7,6 +7,8 @@ import torch
 from _workers import pipelined
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
+from pipefisher.schedules import SCHEDULES
+from sweeps import pipeline
 
 pytestmark = pytest.mark.dist
 
@@ -23,9 +25,9 @@ def assert_same_training(config, results, reference):
     assert reference.losses[-1] < reference.losses[0]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_ranks_equal_the_reference(schedule, tiny_config):
-    config = tiny_config(schedule=schedule)
+    config = tiny_config(**pipeline(schedule))
     results = run_group(pipelined, config.world_size, args=(config,), timeout=20, deadline=120)
     assert_same_training(config, results, train_reference(config))
 
@@ -37,9 +39,9 @@ def test_adamw_and_more_micro_batches_equal_the_reference(tiny_config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_data_parallel_2x2_equals_the_reference(schedule, tiny_config):
-    config = tiny_config(schedule=schedule, data_parallel=2)
+    config = tiny_config(**pipeline(schedule, data_parallel=2))
     assert config.world_size == 4
     results = run_group(pipelined, 4, args=(config,), timeout=30, deadline=180)
     assert_same_training(config, results, train_reference(config))

@@ -5,6 +5,7 @@ decision), however many layers the model has; Shampoo's roots and preconditionin
 import pytest
 
 from _workers import host_reads_per_step
+from pipefisher.methods.registry import methods
 from pipefisher.runtime.training.launch import run_group
 
 pytestmark = pytest.mark.dist
@@ -15,7 +16,7 @@ def reads(config):
     return [[sum(step.values()) for step in rank] for rank in counts], counts
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "kfac", "shampoo"])
+@pytest.mark.parametrize("optimizer", ["sgd", *methods()])
 def test_host_reads_per_step_do_not_grow_with_the_layers(optimizer, tiny_config):
     totals = {}
     for layers in (2, 8):

@@ -2,8 +2,8 @@
 
 from dataclasses import replace
 
+from builders import layered_profile
 from pipefisher.config import config_from_dict
-from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.runtime.training.assembly import build_schedule
 from pipefisher.runtime.training.pipefisher_run import make_plan, stage_layer_names
 
@@ -20,12 +20,8 @@ def run_config(schedule):
 
 def profile_of(config, inverse):
     """Forward 1 ms, backward 2 ms per stage; every layer's inverses take `inverse` ms."""
-    stages = []
-    for stage in range(2):
-        names = stage_layer_names(config, stage, 2)
-        layers = tuple(LayerProfile(name, 0.01, 0.01, inverse, inverse, 0.001) for name in names)
-        stages.append(StageProfile(forward=1.0, backward=2.0, layers=layers))
-    return Profile(stages=tuple(stages))
+    names = [stage_layer_names(config, stage, 2) for stage in range(2)]
+    return layered_profile(2, names=names, spread=False, curvature=0.01, inverse=inverse, precondition=0.001)
 
 
 def test_work_that_fits_the_bubbles_is_logged_with_its_small_overhead():

@@ -15,6 +15,8 @@ from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
+from builders import tiny_model
+from sweeps import dealt, pipeline
 
 pytestmark = pytest.mark.dist
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
@@ -25,9 +27,9 @@ def kfac_config(schedule, placement, data_parallel=1, **kfac):
     defaults). Two stages, in-order mode (NCCL's rule on gloo), a profile measured before training."""
     return config_from_dict(
         {
-            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "model": tiny_model(),
             "data": {"micro_batch_size": 2},
-            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": data_parallel},
+            "pipeline": pipeline(schedule, data_parallel=data_parallel),
             "optimizer": {"name": "kfac", "lr": 0.1, "momentum": 0.9},
             "kfac": {"refresh_steps": 2, "placement": placement, "factor_decay": 0.5, "damping": 0.01, **kfac},
             "run": {"steps": 5, "timeout": 30, "master_port": 0, "in_order": True},
@@ -50,17 +52,19 @@ def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "chimera", "zbv"])
+@pytest.mark.parametrize("schedule", dealt(0, 2))
 def test_kfac_with_data_parallel_replicas_equals_the_reference(schedule):
     """Factors are synced over every replica of a stage (pipes x data-parallel copies);
-    after-step placement computes the same bit for bit (below). One schedule of each family here;
+    after-step placement computes the same bit for bit (below). Half the schedules here, the
+    other half in test_shampoo_pipeline.py's copy of this test;
     test_curvature_equivalence.py runs every schedule with two copies."""
     assert_equal_to_reference(kfac_config(schedule, "packed", data_parallel=2), PARAMETER_ATOL)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", dealt(1, 2))
 def test_packed_and_after_step_placements_are_bitwise_identical(schedule):
-    """Plans differ in when curvature runs; factors still sum their micro-batches in order."""
+    """Plans differ in when curvature runs; factors still sum their micro-batches in order.
+    Half the schedules here, the other half in test_shampoo_pipeline.py's copy of this test."""
     runs = {}
     for placement in ("packed", "after-step"):
         config = kfac_config(schedule, placement)
@@ -162,7 +166,7 @@ def test_measuring_a_profile_mid_run_leaves_no_trace(optimizer):
     optimizer state and learning-rate schedule: training continues bit for bit."""
     config = config_from_dict(
         {
-            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "model": tiny_model(),
             "data": {"micro_batch_size": 2},
             "pipeline": {"stages": 2, "micro_batches": 4, "schedule": "1f1b"},
             "optimizer": {"name": optimizer, "lr": 0.01, "weight_decay": 0.01, "clip_norm": 0.5, "warmup_steps": 2,

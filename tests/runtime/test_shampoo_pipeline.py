@@ -15,6 +15,8 @@ from pipefisher.core.profile import load_profile
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
+from builders import tiny_model
+from sweeps import dealt, pipeline
 
 pytestmark = pytest.mark.dist
 #: parameters agree to this absolute tolerance besides rtol 1e-5 (see `shampoo_config` for why the
@@ -34,9 +36,9 @@ def shampoo_config(schedule, placement, data_parallel=1, **shampoo):
     the null space of the head's rank-3 right statistic by 1000, is swept there."""
     return config_from_dict(
         {
-            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "model": tiny_model(),
             "data": {"micro_batch_size": 2},
-            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": data_parallel},
+            "pipeline": pipeline(schedule, data_parallel=data_parallel),
             "optimizer": {"name": "shampoo", "lr": 0.01, "momentum": 0.9, "clip_norm": 1.0, "eps": 1e-3},
             "shampoo": {"refresh_steps": 2, "placement": placement, "epsilon": 1e-4, "block_size": 12, **shampoo},
             "run": {"steps": 5, "timeout": 30, "master_port": 0, "in_order": True},
@@ -53,18 +55,20 @@ def test_shampoo_on_the_pipeline_equals_the_reference(schedule, placement):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "chimera", "zbv"])
+@pytest.mark.parametrize("schedule", dealt(1, 2))
 def test_shampoo_with_data_parallel_replicas_equals_the_reference(schedule):
     """The captured gradient is synced over every replica of a stage (pipes x data-parallel);
-    after-step placement computes the same bit for bit (below). One schedule of each family here;
+    after-step placement computes the same bit for bit (below). Half the schedules here, the
+    other half in test_pipefisher.py's copy of this test;
     test_curvature_equivalence.py runs every schedule with two copies."""
     assert_equal_to_reference(shampoo_config(schedule, "packed", data_parallel=2), PARAMETER_ATOL)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "chimera"])
+@pytest.mark.parametrize("schedule", dealt(0, 2))
 def test_packed_and_after_step_shampoo_are_bitwise_identical(schedule):
-    """Placement changes when statistics and roots run, never what they compute."""
+    """Placement changes when statistics and roots run, never what they compute. Half the
+    schedules here, the other half in test_pipefisher.py's copy of this test."""
     runs = {}
     for placement in ("packed", "after-step"):
         config = shampoo_config(schedule, placement, grafting="sgd", root="newton", beta2=0.9)

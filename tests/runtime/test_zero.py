@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined_with_records
+from builders import tiny_model
 
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.runtime.gradient_path.buffers import GradientBuffer, Ownership
+from pipefisher.methods.registry import methods
 from pipefisher.runtime.training.checkpoint import CheckpointError, resumable_step
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
@@ -26,7 +28,7 @@ def zero_config(schedule, zero, optimizer="adamw", **overrides):
     summation order into full-size steps."""
     return config_from_dict(
         {
-            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "model": tiny_model(),
             "data": {"micro_batch_size": 2},
             "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": 2},
             "optimizer": {"name": optimizer, "lr": 0.01, "eps": 1e-3, "clip_norm": 0.5, "weight_decay": 0.01, "zero": zero},
@@ -72,7 +74,7 @@ def test_zero1_with_lamb_equals_the_unsharded_run():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+@pytest.mark.parametrize("method", methods())
 def test_zero1_under_a_curvature_method_equals_the_reference(method):
     """K-FAC preconditions before the reduction; Shampoo preconditions (with its grafting state)
     only the parameters a rank owns, after it."""

@@ -8,12 +8,14 @@ import pytest
 import yaml
 
 from _workers import assert_equal_to_reference
+from builders import tiny_model
 from pipefisher.config import config_from_dict
 from pipefisher.core.profile import load_profile
+from pipefisher.schedules import SCHEDULES, chunks_per_rank
+from sweeps import splits_backward
 
 pytestmark = pytest.mark.dist
 
-V_SHAPED = ("zbv", "dualpipev")
 #: as in test_pipefisher.py: damped inverses amplify last-bit differences (Shampoo on these
 #: schedules: test_curvature_equivalence.py and test_shampoo_pipeline.py)
 KFAC_ATOL = 2e-4
@@ -25,7 +27,7 @@ def zb_config(schedule, ranks, optimizer="sgd", layers=4, data_parallel=1, **sec
     settings = {"refresh_steps": 2, "placement": "packed"}
     method = {optimizer: {**settings, **({"factor_decay": 0.5, "damping": 0.01} if optimizer == "kfac" else {})}} if optimizer in ("kfac", "shampoo") else {}
     return config_from_dict({
-        "model": {"layers": layers, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+        "model": tiny_model(layers=layers),
         "data": {"micro_batch_size": 2},
         "pipeline": {"stages": ranks, "micro_batches": 4 * ranks, "schedule": schedule, "data_parallel": data_parallel},
         "optimizer": {"name": optimizer, "lr": 0.05, **({"momentum": 0.9} if optimizer != "sgd" else {})},
@@ -36,16 +38,21 @@ def zb_config(schedule, ranks, optimizer="sgd", layers=4, data_parallel=1, **sec
 
 
 def stages_of(schedule, ranks):
-    return 2 * ranks if schedule in V_SHAPED else ranks
+    return ranks * chunks_per_rank(schedule)
 
 
-@pytest.mark.parametrize("schedule,ranks", [("zb-h1", 2), ("zbv", 1), ("zbv", 2), ("dualpipev", 1), ("dualpipev", 2)])
+#: every registered schedule that splits the backward, on 1 and 2 ranks where that cuts the
+#: 4-block model into 2 or 4 stages (ZB-H1 on 2 ranks; ZB-V and DualPipeV on 1 and 2)
+ZERO_BUBBLE_RUNS = [(name, ranks) for name in SCHEDULES if splits_backward(name) for ranks in (1, 2) if stages_of(name, ranks) in (2, 4)]
+
+
+@pytest.mark.parametrize("schedule,ranks", ZERO_BUBBLE_RUNS)
 def test_first_order_equals_the_reference(schedule, ranks):
     assert stages_of(schedule, ranks) in (2, 4)
     assert_equal_to_reference(zb_config(schedule, ranks), parameter_atol=1e-7)
 
 
-@pytest.mark.parametrize("schedule,ranks", [("zb-h1", 2), ("zbv", 1), ("zbv", 2), ("dualpipev", 1), ("dualpipev", 2)])
+@pytest.mark.parametrize("schedule,ranks", ZERO_BUBBLE_RUNS)
 def test_kfac_packed_equals_the_reference(schedule, ranks):
     assert_equal_to_reference(zb_config(schedule, ranks, "kfac"), KFAC_ATOL)
 
@@ -70,7 +77,7 @@ def test_the_profiler_measures_the_weight_gradient_apart(tmp_path):
     run_file, profile_path = tmp_path / "zb.yaml", tmp_path / "zb-profile.yaml"
     config = zb_config("zb-h1", 2)
     run_file.write_text(yaml.safe_dump({
-        "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+        "model": tiny_model(),
         "data": {"micro_batch_size": 2},
         "pipeline": {"stages": 2, "micro_batches": config.pipeline.micro_batches, "schedule": "zb-h1"},
         "optimizer": {"name": "sgd", "lr": 0.05},

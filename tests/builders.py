@@ -1,0 +1,72 @@
+"""The one tiny model and the one profile builder of the tests (pytest puts this folder on
+sys.path: `from builders import tiny_model, layered_profile`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+
+#: the tiny Transformer of the distributed tests (schedules/tiny-regression.yaml's model): 4
+#: blocks of width 16, 2 heads, feed-forward 32, sequences of 4 inputs of 8 numbers, 3 outputs
+TINY_MODEL = {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3}
+
+
+def tiny_model(**changes) -> dict:
+    """A fresh copy of `TINY_MODEL` (a run config's `model` section), with `changes`."""
+    return {**TINY_MODEL, **changes}
+
+
+def layered_profile(
+    num_stages: int,
+    layers: int = 3,
+    *,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    p2p: float = 0.0,
+    weight: float = 0.0,
+    grad_reduce: float = 0.0,
+    curvature: float = 0.05,
+    inverse: float = 0.4,
+    inverse_b: float | None = None,
+    precondition: float = 0.02,
+    sync: float = 0.0,
+    sync_b: float | None = None,
+    capture_a_bytes: int = 0,
+    capture_b_bytes: int = 0,
+    spread: bool = True,
+    stage_growth: float = 0.3,
+    names: str | Sequence[Sequence[str]] = "l{stage}.{i}",
+    method: str = "kfac",
+    time_unit: str = "ms",
+    device: str = "",
+) -> Profile:
+    """A made-up profile: `num_stages` stages of `forward` and `backward` (of which `weight` the
+    weight gradient), `p2p` and `grad_reduce`, with `layers` curvature layers each, named by the
+    format `names` (`stage`, `i`) or given per stage as lists (which then set the count).
+
+    spread (default): tasks differ in length by layer and stage: layer i of L on stage s has
+    curvature c(i+1)g (A) and c(L-i)g (B) and inverses v(i+1)g (A) and v(L-i)g/2 (B), with
+    c = `curvature`, v = `inverse`, g = 1 + `stage_growth` s. spread=False: every layer alike,
+    curvature c for both factors, inverses v (A) and `inverse_b` (B, default v). Every layer
+    takes `precondition`, syncs `sync` (A) and `sync_b` (B, default `sync`) and captures the
+    bytes given per micro-batch."""
+    assert inverse_b is None or not spread, "inverse_b is for spread=False (spread sets B's inverse from A's)"
+    sync_b = sync if sync_b is None else sync_b
+    stages = []
+    for stage in range(num_stages):
+        stage_names = [names.format(stage=stage, i=i) for i in range(layers)] if isinstance(names, str) else list(names[stage])
+        count = len(stage_names)
+        if spread:
+            scale = 1.0 + stage_growth * stage
+            times = [(curvature * (i + 1) * scale, curvature * (count - i) * scale,
+                      inverse * (i + 1) * scale, inverse * (count - i) / 2 * scale) for i in range(count)]
+        else:
+            times = [(curvature, curvature, inverse, inverse if inverse_b is None else inverse_b)] * count
+        stage_layers = tuple(
+            LayerProfile(name, curvature_a, curvature_b, inverse_a, inverse_b_, precondition, sync, sync_b,
+                         capture_a_bytes=capture_a_bytes, capture_b_bytes=capture_b_bytes)
+            for name, (curvature_a, curvature_b, inverse_a, inverse_b_) in zip(stage_names, times)
+        )
+        stages.append(StageProfile(forward=forward, backward=backward, p2p=p2p, grad_reduce=grad_reduce, layers=stage_layers, weight=weight))
+    return Profile(stages=tuple(stages), time_unit=time_unit, device=device, method=method)

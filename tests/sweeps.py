@@ -1,0 +1,74 @@
+"""What the sweeps iterate: the registries of schedules (`pipefisher.schedules.SCHEDULES`) and of
+curvature methods (`pipefisher.methods.registry.methods()`), so that a schedule or a
+method added to a registry is swept by every sweep without editing a test.
+
+Sizes come from the schedule itself, never from its name: a size is valid when the schedule's
+generator builds it (`get_schedule` raises ScheduleError for the others: Chimera's even D and N a
+multiple of D, interleaved's N a multiple of D, DualPipeV's N >= 2D, ...). A sweep whose sizes
+leave a registered schedule without a case fails at collection, naming it, rather than sweep
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from pipefisher.core.ir import ScheduleError
+from pipefisher.schedules import SCHEDULES, get_schedule
+
+def builds(name: str, stages: int, micro_batches: int) -> bool:
+    """Whether schedule `name` (with its own chunks per rank) exists on `stages` ranks and
+    `micro_batches` micro-batches."""
+    try:
+        get_schedule(name, stages, micro_batches)
+    except ScheduleError:
+        return False
+    return True
+
+
+def micro_batches_for(name: str, stages: int = 2, at_least: int = 4) -> int:
+    """The fewest micro-batches, `at_least` or more, schedule `name` runs on `stages` ranks."""
+    for micro_batches in range(at_least, at_least + 8 * stages + 1):
+        if builds(name, stages, micro_batches):
+            return micro_batches
+    raise AssertionError(f"schedule {name!r} builds on {stages} stages with none of {at_least}..{at_least + 8 * stages} micro-batches")
+
+
+def pipeline(name: str, stages: int = 2, at_least: int = 4, **more) -> dict:
+    """The `pipeline` section of a run of schedule `name`: `stages` ranks and the fewest
+    micro-batches from `at_least` on that it builds with (4 for every schedule registered today)."""
+    return {"schedule": name, "stages": stages, "micro_batches": micro_batches_for(name, stages, at_least), **more}
+
+
+def cases(*sizes: tuple[int, Iterable[int]], first: bool = False, names: Iterable[str] = SCHEDULES) -> list:
+    """`pytest.param(name, D, N)` for every schedule of `names` (default: the registry) and every
+    (D, Ns) of `sizes`: each N of Ns the schedule builds on D stages (with `first`: only the first
+    such N); ids `name-DxN`."""
+    params, covered = [], set()
+    for name in names:
+        for d, micro_batches in sizes:
+            for n in micro_batches:
+                if builds(name, d, n):
+                    params.append(pytest.param(name, d, n, id=f"{name}-{d}x{n}"))
+                    covered.add(name)
+                    if first:
+                        break
+    missing = [name for name in names if name not in covered]
+    assert not missing, f"no size of this sweep builds schedule(s) {missing}: give the sweep sizes they accept"
+    return params
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` splits the backward into input and weight gradients (B and W)."""
+    return get_schedule(name, 2, micro_batches_for(name, 2)).splits_backward
+
+
+def dealt(part: int, parts: int, names: Sequence[str] | None = None) -> list[str]:
+    """The registry's schedules dealt round-robin over `parts` tests, this test's share
+    (`part` of 0..parts-1): expensive combinations run a share each, the tests together every
+    schedule once."""
+    names = list(SCHEDULES if names is None else names)
+    assert 0 <= part < parts <= len(names)
+    return names[part::parts]
