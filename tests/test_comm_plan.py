@@ -2,20 +2,10 @@
 
 import pytest
 
-from pipefisher.planning.comm.plan import (
-    STEP,
-    Action,
-    ActionKind,
-    CommOrderError,
-    CommPlan,
-    Message,
-    input_message,
-    output_message,
-    plan_actions,
-    sync_collective,
-)
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.actions import STEP, Action, ActionKind, CommOrderError, CommPlan, Message, input_message, output_message, sync_collective
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan

@@ -6,7 +6,8 @@ from builders import layered_profile
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.ir import OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import ActionKind, GradientPath, plan_actions
+from pipefisher.planning.comm.actions import ActionKind, GradientPath
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.layouts.kaisa import grad_workers, worker_count
 from pipefisher.planning.packing.pack import PackOptions, pack

@@ -9,7 +9,8 @@ from pipefisher.core.ir import Op, OpKind, ScheduleError
 from pipefisher.core.profile import ProfileError, profile_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import task_rules
-from pipefisher.planning.comm.plan import ActionKind, CommOrderError, plan_actions
+from pipefisher.planning.comm.actions import ActionKind, CommOrderError
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan, simulate_plan, validate_plan

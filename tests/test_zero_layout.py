@@ -6,7 +6,8 @@ import random
 import pytest
 
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import ActionKind, GradientPath, gather_collective, plan_actions
+from pipefisher.planning.comm.actions import ActionKind, GradientPath, gather_collective
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.layouts.zero import contiguous_shards, shard_owners
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan

@@ -110,7 +110,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _add_pack(subparsers) -> None:
-    parser = subparsers.add_parser("pack", help="place curvature work (K-FAC, Shampoo) into the bubbles; report the refresh interval")
+    parser = subparsers.add_parser("pack", help="place a curvature method's work into the bubbles; report the refresh interval")
     add_pipeline_arguments(parser)
     parser.add_argument("--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -307,7 +307,7 @@ def _add_run(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="pipefisher", description="Plan and run pipeline-parallel training with K-FAC in the bubbles.")
+    parser = ArgumentParser(prog="pipefisher", description="Plan and run pipeline-parallel training with second-order optimizer work in the bubbles.")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_simulate(subparsers)
     _add_pack(subparsers)

@@ -16,8 +16,8 @@ import yaml
 from pipefisher.cli.args import UsageError, positive_int
 from pipefisher.config import FIRST_ORDER, RunConfig, load_config
 from pipefisher.core.settings import check_ranges, declared
-from pipefisher.methods.settings import RefreshConfig
 from pipefisher.methods.registry import methods
+from pipefisher.methods.settings import RefreshConfig
 
 #: the keys every method's section has a flag for
 COMMON_FLAGS = ("placement", "refresh_steps")

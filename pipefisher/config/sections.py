@@ -71,7 +71,7 @@ class OptimizerConfig:
     lr: float = setting(0.05, "learning rate after warm-up", low=0, low_open=True)
     momentum: float = setting(0.0, "SGD momentum", low=0, high=1, high_open=True)
     weight_decay: float = setting(0.0, "decoupled weight decay (0 = off)", low=0)
-    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW/LAMB moment decays (and Shampoo's Adam grafting)", low=0, high=1, high_open=True)
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW/LAMB moment decays (also read by a curvature method's Adam grafting)", low=0, high=1, high_open=True)
     eps: float = setting(1e-8, "AdamW/LAMB epsilon", low=0, low_open=True)
     clip_norm: float = setting(0.0, "clip the global gradient norm, after preconditioning (0 = off)", low=0)
     warmup_steps: int = setting(0, "steps of linear warm-up", low=0)

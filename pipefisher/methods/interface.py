@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import Collective, CollectiveKind
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.comm import Comm, Handle
 

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, required=True, help="the CSV row (bs) to use")
     parser.add_argument("--model", choices=sorted(BERT_SIZES), help="model size (default: from the file name)")
     parser.add_argument("--seq-len", type=int, default=128, help="sequence length, for capture sizes (default 128)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="dtype K-FAC captures in (default fp32)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="dtype the captured activations and gradients are held in (default fp32)")
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write (.yaml, or .json)")
     args = parser.parse_args(argv)
     try:

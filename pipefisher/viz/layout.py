@@ -15,6 +15,7 @@ from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.simulate import Bubble, Timeline, simulate
 from pipefisher.viz.timeline_io import RecordedTimeline
+from pipefisher.methods.registry import method
 
 #: Colour class of every op kind; the renderers key their colours and characters on it.
 CATEGORY: dict[OpKind, str] = {
@@ -71,7 +72,8 @@ class Panel:
     its steps, `step_ends` every rank's end of step after its last op (gradient all-reduce,
     optimizer step; from the profile's `step_end`). `step_time` is the mean over the steps; `bubble_fraction` is the first-order
     schedule's idle share (0..1) for planned panels, the recorded idle share otherwise.
-    `refresh_steps`/`utilization` (0..1) are set for K-FAC packings; `drawn_steps`, when set,
+    `method` (the curvature method's label), `refresh_steps` and `utilization` (0..1) are set
+    for packings; `drawn_steps`, when set,
     says the panel holds only its first that many steps (see `first_steps`).
     """
 
@@ -91,6 +93,7 @@ class Panel:
     refresh_steps: int | None = None
     utilization: float | None = None
     step_ends: tuple[Bubble, ...] = ()
+    method: str = ""
     drawn_steps: int | None = None
 
     @property
@@ -111,7 +114,7 @@ class Panel:
         first_order = "first-order " if self.first_order_step_time is not None else ""
         figures.append(f"{first_order}bubble {100 * self.bubble_fraction:.1f} %")
         if self.refresh_steps is not None:
-            figures.append(f"K-FAC refresh every {self.refresh_steps} steps")
+            figures.append(f"{self.method} refresh every {self.refresh_steps} steps".lstrip())
         if self.utilization is not None:
             figures.append(f"bubble utilisation {100 * self.utilization:.1f} %")
         if self.drawn_steps is not None:
@@ -150,7 +153,7 @@ def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions |
     Raises ProfileError when `profile` lists no layers.
     """
     if not any(stage.layers for stage in profile.stages):
-        raise ProfileError("packing needs a profile whose stages list `layers` (K-FAC or Shampoo task costs); this one has none")
+        raise ProfileError("packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none")
     return packed_panel(schedule, pack(schedule, profile, options))
 
 
@@ -171,6 +174,7 @@ def packed_panel(schedule: Schedule, result: PackResult) -> Panel:
         first_order_step_time=result.first_order_step_time,
         refresh_steps=result.refresh_steps,
         utilization=result.bubble_utilization,
+        method=method(result.plan.method).label,
     )
 
 

@@ -29,7 +29,8 @@ from pipefisher.methods.interface import CurvatureRuntime, MethodParts, Referenc
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.registry import register, unregister
 from pipefisher.methods.settings import RefreshConfig
-from pipefisher.planning.comm.plan import Collective, CollectiveKind, inverse_owners
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.comm.plan import inverse_owners
 
 
 @dataclass(frozen=True)

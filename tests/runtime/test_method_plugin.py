@@ -13,7 +13,8 @@ from _workers import assert_equal_to_reference
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import ActionKind, plan_actions
+from pipefisher.planning.comm.actions import ActionKind
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.pack import PackOptions, pack
 from pipefisher.planning.plan import validate_plan

@@ -12,8 +12,8 @@ from builders import tiny_model
 
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.topology import Topology
-from pipefisher.runtime.gradient_path.buffers import GradientBuffer, Ownership
 from pipefisher.methods.registry import methods
+from pipefisher.runtime.gradient_path.buffers import GradientBuffer, Ownership
 from pipefisher.runtime.training.checkpoint import CheckpointError, resumable_step
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference

@@ -30,11 +30,9 @@ Scaling (why B does not depend on micro-batch count or size):
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,15 +44,13 @@ from pipefisher.methods.kfac import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
 from pipefisher.methods.kfac.factors import (
-    INVERSE_METHODS,
-    InverseMethod,
     accumulate_covariance,
     damped_inverse,
     damping_too_small,
     fold_ema,
     kl_clip_scale,
-    precondition_matrix,
 )
+from pipefisher.methods.kfac.settings import KFACConfig, KFACNumericsWarning, PreconditionReport
 from pipefisher.methods.kfac.layer import (
     FACTORS,
     BuiltFactor,
@@ -63,56 +59,12 @@ from pipefisher.methods.kfac.layer import (
     Health,
     LayerInfo,
     LayerState,
+    apply_inverses,
+    checked,
     prefer_ok,
     select_layers,
+    valid,
 )
-
-
-class KFACNumericsWarning(RuntimeWarning):
-    """A layer skipped an inversion or has damping lost to float rounding."""
-
-
-@dataclass(frozen=True)
-class KFACConfig:
-    """K-FAC hyper-parameters.
-
-    ``damping`` λ > 0: curvature ``(A + √λ I) ⊗ (B + √λ I)``. ``factor_decay`` in [0, 1): EMA
-    weight of the old factor (0 = fresh factor only). ``kl_clip``: bound on ``lr² Σ⟨G̃, G⟩`` or
-    None. ``grad_scale``: λ in the B scaling (None = row count). ``max_factor_dim``: larger
-    layers stay first-order.
-    """
-
-    damping: float = 1e-3
-    factor_decay: float = 0.95
-    inverse: InverseMethod = "eigen"
-    kl_clip: float | None = None
-    grad_scale: float | None = None
-    max_factor_dim: int = 8192
-
-    def __post_init__(self) -> None:
-        if not (self.damping > 0.0 and math.isfinite(self.damping)):
-            raise ValueError(f"damping must be a finite positive number, got {self.damping}")
-        if math.sqrt(self.damping) < torch.finfo(torch.float32).tiny:
-            raise ValueError(f"damping {self.damping:g} underflows in float32")
-        if not 0.0 <= self.factor_decay < 1.0:
-            raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
-        if self.inverse not in INVERSE_METHODS:
-            raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {self.inverse!r}")
-        if self.kl_clip is not None and not self.kl_clip > 0.0:
-            raise ValueError(f"kl_clip must be positive or None, got {self.kl_clip}")
-        if self.grad_scale is not None and not self.grad_scale > 0.0:
-            raise ValueError(f"grad_scale must be positive or None, got {self.grad_scale}")
-
-
-@dataclass(frozen=True)
-class PreconditionReport:
-    """Outcome of one whole-model precondition, as 0-dim float64 tensors on the parameters'
-    device (read them with ``float()``, a host read): ``vg_sum = Σ⟨G̃, G⟩`` before clipping and
-    the factor (≤ 1) all preconditioned gradients were multiplied by. Both None without
-    ``kl_clip`` (not computed)."""
-
-    vg_sum: Tensor | None
-    clip_scale: Tensor | None
 
 
 class KFACEngine:
@@ -165,7 +117,7 @@ class KFACEngine:
         """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (numel × element
         size, as stored: A without a bias column); 0 when none. Layers fed the same input (e.g.
         query, key, value) each count the one tensor they share."""
-        tensors = self._state(layer).captures[_checked(factor)].get(micro_batch, [])
+        tensors = self._state(layer).captures[checked(factor)].get(micro_batch, [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def built_rows(self, layer: str, factor: Factor) -> int:
@@ -175,11 +127,11 @@ class KFACEngine:
 
     def factor(self, layer: str, factor: Factor) -> Tensor | None:
         """The running (EMA) factor, or None before its first finite one (reads a flag)."""
-        return _valid(self._state(layer).ema.get(factor))
+        return valid(self._state(layer).ema.get(factor))
 
     def inverse(self, layer: str, factor: Factor) -> Tensor | None:
         """The committed damped inverse used by precondition, or None (identity; reads a flag)."""
-        return _valid(self._state(layer).active.get(factor))
+        return valid(self._state(layer).active.get(factor))
 
     # ----------------------------------------------------------------- operations (no host reads)
     @contextmanager
@@ -200,7 +152,7 @@ class KFACEngine:
         """Accumulate ``xᵀx`` of one micro-batch's capture into the built factor and free it
         (``e`` rows divided by the micro-batch's loss scale, in the factor dtype)."""
         st = self._state(layer)
-        tensors = st.captures[_checked(factor)].pop(micro_batch, None)
+        tensors = st.captures[checked(factor)].pop(micro_batch, None)
         if tensors is None:
             raise KeyError(f"layer {layer!r}: nothing captured for {factor}, micro-batch {micro_batch!r}")
         scale = st.loss_scales.pop(micro_batch, None) if factor == "B" else None
@@ -282,20 +234,20 @@ class KFACEngine:
         i.e. the inverse its commit would use (the pending one if that inversion succeeded,
         else the one in use, else the identity); selected on the device."""
         st = self._state(layer)
-        return self._next_active(st, _checked(factor)).value.contiguous()
+        return self._next_active(st, checked(factor)).value.contiguous()
 
     def inverse_buffer(self, layer: str, factor: Factor) -> Tensor:
         """On the other replicas: an empty (n, n) tensor of the factor dtype and device to
         receive the broadcast of :meth:`shared_inverse` into."""
         st = self._state(layer)
-        n = st.info.size(_checked(factor))
+        n = st.info.size(checked(factor))
         return torch.empty(n, n, dtype=st.dtype, device=st.module.weight.device)
 
     def fresh_inverse(self, layer: str, factor: Factor) -> Tensor:
         """On a replica that inverted ``factor`` without keeping inverses in use: its pending
         inverse where that inversion succeeded, else NaN (a receiver that checks keeps its own)."""
         st = self._state(layer)
-        pending = st.pending.get(_checked(factor))
+        pending = st.pending.get(checked(factor))
         if pending is None:
             n = st.info.size(factor)
             return torch.full((n, n), float("nan"), dtype=st.dtype, device=st.module.weight.device)
@@ -307,11 +259,11 @@ class KFACEngine:
         :meth:`fresh_inverse`)."""
         st = self._state(layer)
         ok = torch.isfinite(tensor).all() if checked else torch.ones((), dtype=torch.bool, device=tensor.device)
-        st.pending[_checked(factor)] = Flagged(tensor, ok)
+        st.pending[checked(factor)] = Flagged(tensor, ok)
 
     def discard_inverse(self, layer: str, factor: Factor) -> None:
         """Forget ``factor``'s pending inverse (a replica that computed it for others only)."""
-        self._state(layer).pending.pop(_checked(factor), None)
+        self._state(layer).pending.pop(checked(factor), None)
 
     def gradients(self, layer: str) -> list[Tensor]:
         """The layer's weight and bias gradients (those that exist), in that order."""
@@ -340,7 +292,7 @@ class KFACEngine:
         if bias is not None:  # a frozen bias contributes a zero column
             column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
             grad = torch.cat([grad, column[:, None]], 1)
-        new = self._apply_inverses(st, grad)
+        new = apply_inverses(st, grad)
         vg = (new * grad.to(new.dtype)).sum() if self.config.kl_clip is not None else None
         din = st.info.in_features
         weight.grad.copy_(new[:, :din].T if st.info.transposed else new[:, :din])
@@ -403,7 +355,7 @@ class KFACEngine:
             raise KeyError(f"{layer!r} is not a K-FAC layer") from None
 
     def _built(self, layer: str, factor: Factor) -> BuiltFactor:
-        built = self._state(layer).built.get(_checked(factor))
+        built = self._state(layer).built.get(checked(factor))
         if built is None:
             raise RuntimeError(f"layer {layer!r}: no curvature accumulated for factor {factor}")
         return built
@@ -440,28 +392,5 @@ class KFACEngine:
         pending = st.pending.get(factor)
         return old if pending is None else prefer_ok(pending, old)
 
-    @staticmethod
-    def _apply_inverses(st: LayerState, grad: Tensor) -> Tensor:
-        """``B⁻¹ G A⁻¹`` in the factor dtype; each inverse that is not ok is skipped on the device
-        (``torch.where``), so G passes through bit for bit."""
-        out = grad.to(st.dtype)
-        b_inv, a_inv = st.active.get("B"), st.active.get("A")
-        if b_inv is not None:
-            out = torch.where(b_inv.ok, precondition_matrix(out, None, b_inv.value), out)
-        if a_inv is not None:
-            out = torch.where(a_inv.ok, precondition_matrix(out, a_inv.value, None), out)
-        return out
-
     def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
         return read_counters({(name, f): c for name, st in self._layers.items() for f, c in st.counters.items()})
-
-
-def _checked(factor: Factor) -> Factor:
-    if factor not in FACTORS:
-        raise ValueError(f"factor must be 'A' or 'B', got {factor!r}")
-    return factor
-
-
-def _valid(slot: Flagged | None) -> Tensor | None:
-    """The slot's value if it is ok, else None (a host read of the flag: inspection only)."""
-    return slot.value if slot is not None and bool(slot.ok) else None

@@ -20,9 +20,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from pipefisher.methods.kfac.engine import KFACConfig, KFACEngine, PreconditionReport
+from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import InverseMethod
 from pipefisher.methods.kfac.layer import FACTORS, Health, LayerInfo
+from pipefisher.methods.kfac.settings import KFACConfig, PreconditionReport
 
 
 class KFAC:

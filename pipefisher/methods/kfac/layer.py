@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from pipefisher.methods.kfac.factors import factor_dtype
+from pipefisher.methods.kfac.factors import factor_dtype, precondition_matrix
 
 Factor = Literal["A", "B"]
 FACTORS: tuple[Factor, Factor] = ("A", "B")
@@ -86,6 +86,18 @@ def prefer_ok(new: Flagged, old: Flagged | None) -> Flagged:
     return Flagged(torch.where(new.ok, new.value, old.value), new.ok | old.ok)
 
 
+def checked(factor: Factor) -> Factor:
+    """`factor` if it is "A" or "B"; ValueError otherwise."""
+    if factor not in FACTORS:
+        raise ValueError(f"factor must be 'A' or 'B', got {factor!r}")
+    return factor
+
+
+def valid(slot: Flagged | None) -> Tensor | None:
+    """The slot's value if it is ok, else None (a host read of the flag: inspection only)."""
+    return slot.value if slot is not None and bool(slot.ok) else None
+
+
 @dataclass
 class LayerState:
     """Everything K-FAC keeps for one layer.
@@ -141,3 +153,15 @@ def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
     if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2:
         return LayerInfo(name, weight.shape[0], weight.shape[1], getattr(module, "bias", None) is not None, transposed=True)
     return None
+
+
+def apply_inverses(st: LayerState, grad: Tensor) -> Tensor:
+    """``B⁻¹ G A⁻¹`` in the factor dtype; each inverse that is not ok is skipped on the device
+    (``torch.where``), so G passes through bit for bit."""
+    out = grad.to(st.dtype)
+    b_inv, a_inv = st.active.get("B"), st.active.get("A")
+    if b_inv is not None:
+        out = torch.where(b_inv.ok, precondition_matrix(out, None, b_inv.value), out)
+    if a_inv is not None:
+        out = torch.where(a_inv.ok, precondition_matrix(out, a_inv.value, None), out)
+    return out

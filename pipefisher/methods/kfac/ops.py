@@ -31,9 +31,11 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
-from pipefisher.methods.kfac.engine import KFACConfig, KFACEngine
+from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
-from pipefisher.planning.comm.plan import Collective, CollectiveKind, inverse_owners
+from pipefisher.methods.kfac.settings import KFACConfig
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.layouts.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF

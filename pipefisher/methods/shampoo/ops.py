@@ -28,7 +28,8 @@ from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, Tas
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.settings import ShampooSettings
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
-from pipefisher.planning.comm.plan import Collective, CollectiveKind, inverse_owners
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.pipeline.clock import timed_ms

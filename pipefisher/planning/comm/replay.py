@@ -17,7 +17,7 @@ from collections import defaultdict, deque
 from collections.abc import Hashable, Sequence
 
 from pipefisher.core.ir import format_grid
-from pipefisher.planning.comm.plan import Action, ActionKind, CommOrderError, CommPlan, GroupKey, SendDone
+from pipefisher.planning.comm.actions import Action, ActionKind, CommOrderError, CommPlan, GroupKey, SendDone
 
 #: an operation as all its participants see it: ("p2p", group, src, dst, k) or ("coll", group, k)
 Joint = tuple

@@ -33,7 +33,8 @@ from functools import cached_property
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.capture_memory import capture_peaks
-from pipefisher.planning.packing.greedy import STRATEGIES, Placed, Strategy, Windows, lower_bounds, place, precondition_in_bubbles, step_windows
+from pipefisher.planning.packing.greedy import STRATEGIES, Placed, Strategy, Windows, place, step_windows
+from pipefisher.planning.packing.bounds import lower_bounds, precondition_in_bubbles
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.plan_builder import Built, PlanBuilder
 from pipefisher.planning.packing.report import DeviceReport, FrontierPoint, PackResult, device_reports

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pipefisher.planning.comm.plan import STEP, TIED, Collective, gather_collective, grad_collective, grad_q_collective
+from pipefisher.planning.comm.actions import STEP, TIED, Collective, gather_collective, grad_collective, grad_q_collective
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients, clip_coefficient
 from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.gradient_path.precision import LossScaler

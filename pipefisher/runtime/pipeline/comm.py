@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import torch.distributed as dist
 from torch import Tensor
 
-from pipefisher.planning.comm.plan import GroupKey
+from pipefisher.planning.comm.actions import GroupKey
 from pipefisher.planning.comm.volume import ring_bytes
 
 #: starts the operations of one call on a group; returns their works

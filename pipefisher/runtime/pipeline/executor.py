@@ -19,8 +19,7 @@ from torch import Tensor
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.plan import (Action, ActionKind, Collective, CollectiveKind, GradientPath, Message, SendDone, input_message,
-                                          output_message)
+from pipefisher.planning.comm.actions import Action, ActionKind, Collective, CollectiveKind, GradientPath, Message, SendDone, input_message, output_message
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.pipeline.clock import Clock

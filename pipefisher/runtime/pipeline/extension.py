@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
 from pipefisher.core.ir import Op, OpKind
-from pipefisher.planning.comm.plan import Collective, CollectiveKind
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.runtime.pipeline.comm import Handle
 
 

@@ -8,7 +8,8 @@ and replayed under NCCL's rule (`pipefisher.planning.comm.replay`) before the fi
 from __future__ import annotations
 
 from pipefisher.core.ir import Schedule
-from pipefisher.planning.comm.plan import CommPlan, plan_actions
+from pipefisher.planning.comm.actions import CommPlan
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.executor import Executor, StepResult

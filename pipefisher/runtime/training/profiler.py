@@ -29,7 +29,8 @@ import torch.distributed as dist
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.methods.interface import TaskTimer
-from pipefisher.planning.comm.plan import Message, plan_actions
+from pipefisher.planning.comm.actions import Message
+from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.simulate import Interval, Timeline
 from pipefisher.runtime.pipeline.clock import timed_ms

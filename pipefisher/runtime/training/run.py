@@ -42,7 +42,7 @@ def describe(config: RunConfig) -> str:
         k = f"every {section.refresh_steps} steps" if section.refresh_steps else "interval chosen by the packer"
         parts.append(f"{method(config.optimizer.name).label} refresh {k}, {section.placement}")
     if config.workers_per_layer is not None:
-        parts.append(f"K-FAC gradient workers {config.workers_per_layer} per layer")
+        parts.append(f"gradient workers {config.workers_per_layer} per layer")
     if config.optimizer.zero:
         parts.append(f"ZeRO-{config.optimizer.zero}")
     if config.comm.powersgd_rank:

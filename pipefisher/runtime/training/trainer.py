@@ -17,7 +17,8 @@ from pipefisher.core.profile import profile_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.models.init import derive_seed
 from pipefisher.optim import build_optimizer, build_scheduler
-from pipefisher.planning.comm.plan import GradientPath, group_members
+from pipefisher.planning.comm.actions import GradientPath
+from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision

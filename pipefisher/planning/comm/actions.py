@@ -1,0 +1,219 @@
+"""The vocabulary of communication planning: messages between stages, collectives and their
+kinds, the actions a rank issues, the gradient path of a replicated stage, and a `CommPlan` of
+every rank's actions. Pure Python: no torch."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
+
+from pipefisher.core.ir import Op, OpKind, ScheduleError
+from pipefisher.core.topology import Topology
+from pipefisher.planning.layouts.kaisa import GradWorkers
+
+#: a communicator by purpose, e.g. ("grad", stage); see `pipefisher.planning.comm.plan`
+GroupKey = tuple
+
+
+class CommOrderError(ScheduleError):
+    """The issue order deadlocks or mismatches under NCCL's rule; the message has the grid."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """The tensor that `consumer` needs from another stage: an activation (into a forward) or a
+    gradient (into a backward). Named after its consumer, e.g. ``1F3`` or ``0B3``."""
+
+    consumer: Op
+
+    @property
+    def producer(self) -> Op:
+        op = self.consumer
+        stage = op.stage - 1 if op.kind is OpKind.FORWARD else op.stage + 1
+        return Op(op.kind, stage, op.micro_batch, op.pipe)
+
+    @property
+    def lower_stage(self) -> int:
+        """The lower stage of the boundary the message crosses."""
+        return min(self.consumer.stage, self.producer.stage)
+
+    def channel(self, replica: int) -> GroupKey:
+        direction = "fwd" if self.consumer.kind is OpKind.FORWARD else "bwd"
+        return (direction, replica, self.consumer.pipe, self.lower_stage)
+
+    def __str__(self) -> str:
+        return str(self.consumer)
+
+
+def input_message(op: Op, num_stages: int) -> Message | None:
+    """The message `op` consumes, if it is a forward past the first stage or a backward before
+    the last."""
+    if (op.kind is OpKind.FORWARD and op.stage > 0) or (op.kind is OpKind.BACKWARD and op.stage < num_stages - 1):
+        return Message(op)
+    return None
+
+
+def output_message(op: Op, num_stages: int) -> Message | None:
+    """The message `op` produces for the neighbouring stage, if any."""
+    if op.kind is OpKind.FORWARD and op.stage < num_stages - 1:
+        return Message(Op(OpKind.FORWARD, op.stage + 1, op.micro_batch, op.pipe))
+    if op.kind is OpKind.BACKWARD and op.stage > 0:
+        return Message(Op(OpKind.BACKWARD, op.stage - 1, op.micro_batch, op.pipe))
+    return None
+
+
+class CollectiveKind(str, Enum):
+    """What a collective does; the value is its name in messages and traces."""
+
+    #: a curvature method's sync of a statistic's input over a stage's replicas
+    SYNC = "sync"
+    #: a refresh result (inverse, root) broadcast from the replica that computed it
+    EXCHANGE = "exchange"
+    #: a replicated stage's gradient reduction (ZeRO-1: to the owners)
+    GRAD = "grad"
+    #: PowerSGD's second reduction, of the Q factors
+    GRAD_Q = "grad_q"
+    #: gradient workers' broadcast of each layer's preconditioned gradient within a block
+    PGRAD = "pgrad"
+    #: ZeRO-1's broadcast of the updated parameters from their owners
+    GATHER = "gather"
+    #: the sum of a tied weight's gradient over the stages that hold copies
+    TIED = "tied"
+    #: the world reduction of the step's loss, norm and flags (the optimizer step follows it)
+    STEP = "step"
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective call on `group`: its kind and what it is of (e.g. (stage, layer, factor)
+    for a sync)."""
+
+    kind: CollectiveKind
+    group: GroupKey
+    key: tuple = ()
+
+    def __str__(self) -> str:
+        return ":".join([self.kind.value, *(str(part) for part in self.key)])
+
+
+@dataclass(frozen=True, slots=True)
+class SendDone:
+    """What a WAIT for a send names: the send of `message` has completed."""
+
+    message: Message
+
+
+class ActionKind(str, Enum):
+    RUN = "run"
+    POST = "post"
+    SEND = "send"
+    LAUNCH = "launch"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One thing a rank does, in issue order. `target` is the op (RUN), the message (POST, SEND,
+    WAIT for a receive), a `SendDone` (WAIT for a send) or the collective. POST and SEND
+    name the communicator (`group`) and the other end's global rank (`peer`)."""
+
+    kind: ActionKind
+    target: Op | Message | Collective | tuple
+    group: GroupKey | None = None
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind is ActionKind.RUN:
+            return str(self.target)
+        if isinstance(self.target, tuple):
+            return f"wsend:{self.target[1]}"
+        prefix = {ActionKind.POST: "recv:", ActionKind.SEND: "send:", ActionKind.LAUNCH: "+", ActionKind.WAIT: "w:"}[self.kind]
+        return prefix + str(self.target)
+
+
+def run(op: Op) -> Action:
+    return Action(ActionKind.RUN, op)
+
+
+@dataclass(frozen=True)
+class GradientPath:
+    """How a replicated stage's gradient travels at the end of a step: `sharded` (ZeRO-1: reduced
+    to the parameters' owners, who broadcast the updated parameters after the world reduction),
+    `compressed` (PowerSGD: a second all-reduce, of the Q factors, once the first is in),
+    `workers_per_layer` (K-FAC with G gradient workers per layer, fewer than the stage's
+    replicas: once reduced, they precondition their layers and broadcast them within their block,
+    ``pgrad``; None: every replica preconditions before the reduction)."""
+
+    sharded: bool = False
+    compressed: bool = False
+    workers_per_layer: int | None = None
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """`steps[j][rank]`: the actions of global `rank` in step j of the cycle; `members[group]`:
+    the global ranks of every communicator the actions use."""
+
+    topology: Topology
+    steps: tuple[tuple[tuple[Action, ...], ...], ...]
+    members: dict[GroupKey, tuple[int, ...]]
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    def outstanding(self, step: int, rank: int) -> tuple[list[Collective], list[Collective]]:
+        """At the boundary before cycle step `step`: the collectives `rank` launched earlier in the
+        cycle and waits for later, split into those every member has launched by then (they can
+        complete now) and those some member launches later. In launch order."""
+        launched_by: dict[Collective, set[int]] = defaultdict(set)
+        for earlier in self.steps[:step]:
+            for other, actions in enumerate(earlier):
+                for action in actions:
+                    if action.kind is ActionKind.LAUNCH:
+                        launched_by[action.target].add(other)
+        open_: dict[Collective, None] = {}  # launched, not yet waited for: in launch order
+        for earlier in self.steps[:step]:
+            for action in earlier[rank]:
+                if action.kind is ActionKind.LAUNCH:
+                    open_[action.target] = None
+                elif action.kind is ActionKind.WAIT:
+                    open_.pop(action.target, None)
+        complete, incomplete = [], []
+        for collective in open_:
+            everyone = launched_by[collective] >= set(self.members[collective.group])
+            (complete if everyone else incomplete).append(collective)
+        return complete, incomplete
+
+
+def sync_collective(stage: int, layer: str, factor: str) -> Collective:
+    return Collective(CollectiveKind.SYNC, ("curv", stage), (stage, layer, factor))
+
+
+def exchange_collective(stage: int, layer: str, factor: str) -> Collective:
+    return Collective(CollectiveKind.EXCHANGE, ("curv", stage), (stage, layer, factor))
+
+
+def grad_collective(stage: int) -> Collective:
+    return Collective(CollectiveKind.GRAD, ("grad", stage), (stage,))
+
+
+def grad_q_collective(stage: int) -> Collective:
+    """PowerSGD's all-reduce of stage `stage`'s Q factors (after the one of its P factors)."""
+    return Collective(CollectiveKind.GRAD_Q, ("grad", stage), (stage,))
+
+
+def pgrad_collective(topology: Topology, rank: int, stage: int, workers: int) -> Collective:
+    """The broadcasts of stage `stage`'s preconditioned gradients within `rank`'s block."""
+    grid = GradWorkers(topology.replica_ranks(stage), workers)
+    return Collective(CollectiveKind.PGRAD, ("pgrad", stage, grid.block(rank)), (stage,))
+
+
+def gather_collective(stage: int) -> Collective:
+    """ZeRO-1's broadcast of stage `stage`'s updated parameters from their owners."""
+    return Collective(CollectiveKind.GATHER, ("grad", stage), (stage,))
+
+
+TIED = Collective(CollectiveKind.TIED, ("tied",))
+STEP = Collective(CollectiveKind.STEP, ("world",))
