@@ -1,6 +1,5 @@
 """The run's K-FAC plan: what `pipefisher run --optimizer kfac` logs about it."""
 
-from dataclasses import replace
 
 from builders import layered_profile
 from pipefisher.config import config_from_dict
@@ -35,9 +34,9 @@ def test_work_that_fits_no_bubble_is_amortised_and_the_log_says_why():
     config = run_config("1f1b")
     summary = make_plan(config, build_schedule(config), profile_of(config, 50.0)).summary
     assert "fit no bubble; k grew from" in summary
-    capped = replace(config, kfac=replace(config.kfac, max_refresh_steps=3))
+    capped = config.with_overrides(kfac={"max_refresh_steps": 3})
     summary = make_plan(capped, build_schedule(capped), profile_of(config, 50.0)).summary
     assert "refresh every 3 steps" in summary and "up to max_refresh_steps" in summary
-    pinned = replace(config, kfac=replace(config.kfac, refresh_steps=8))
+    pinned = config.with_overrides(kfac={"refresh_steps": 8})
     summary = make_plan(pinned, build_schedule(pinned), profile_of(config, 50.0)).summary
     assert "refresh every 8 steps" in summary and "fit no bubble" not in summary

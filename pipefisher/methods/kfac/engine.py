@@ -60,7 +60,7 @@ from pipefisher.methods.kfac.layer import (
     LayerInfo,
     LayerState,
     apply_inverses,
-    checked,
+    known_factor,
     prefer_ok,
     select_layers,
     valid,
@@ -117,7 +117,7 @@ class KFACEngine:
         """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (numel × element
         size, as stored: A without a bias column); 0 when none. Layers fed the same input (e.g.
         query, key, value) each count the one tensor they share."""
-        tensors = self._state(layer).captures[checked(factor)].get(micro_batch, [])
+        tensors = self._state(layer).captures[known_factor(factor)].get(micro_batch, [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def built_rows(self, layer: str, factor: Factor) -> int:
@@ -152,7 +152,7 @@ class KFACEngine:
         """Accumulate ``xᵀx`` of one micro-batch's capture into the built factor and free it
         (``e`` rows divided by the micro-batch's loss scale, in the factor dtype)."""
         st = self._state(layer)
-        tensors = st.captures[checked(factor)].pop(micro_batch, None)
+        tensors = st.captures[known_factor(factor)].pop(micro_batch, None)
         if tensors is None:
             raise KeyError(f"layer {layer!r}: nothing captured for {factor}, micro-batch {micro_batch!r}")
         scale = st.loss_scales.pop(micro_batch, None) if factor == "B" else None
@@ -234,20 +234,20 @@ class KFACEngine:
         i.e. the inverse its commit would use (the pending one if that inversion succeeded,
         else the one in use, else the identity); selected on the device."""
         st = self._state(layer)
-        return self._next_active(st, checked(factor)).value.contiguous()
+        return self._next_active(st, known_factor(factor)).value.contiguous()
 
     def inverse_buffer(self, layer: str, factor: Factor) -> Tensor:
         """On the other replicas: an empty (n, n) tensor of the factor dtype and device to
         receive the broadcast of :meth:`shared_inverse` into."""
         st = self._state(layer)
-        n = st.info.size(checked(factor))
+        n = st.info.size(known_factor(factor))
         return torch.empty(n, n, dtype=st.dtype, device=st.module.weight.device)
 
     def fresh_inverse(self, layer: str, factor: Factor) -> Tensor:
         """On a replica that inverted ``factor`` without keeping inverses in use: its pending
         inverse where that inversion succeeded, else NaN (a receiver that checks keeps its own)."""
         st = self._state(layer)
-        pending = st.pending.get(checked(factor))
+        pending = st.pending.get(known_factor(factor))
         if pending is None:
             n = st.info.size(factor)
             return torch.full((n, n), float("nan"), dtype=st.dtype, device=st.module.weight.device)
@@ -259,11 +259,11 @@ class KFACEngine:
         :meth:`fresh_inverse`)."""
         st = self._state(layer)
         ok = torch.isfinite(tensor).all() if checked else torch.ones((), dtype=torch.bool, device=tensor.device)
-        st.pending[checked(factor)] = Flagged(tensor, ok)
+        st.pending[known_factor(factor)] = Flagged(tensor, ok)
 
     def discard_inverse(self, layer: str, factor: Factor) -> None:
         """Forget ``factor``'s pending inverse (a replica that computed it for others only)."""
-        self._state(layer).pending.pop(checked(factor), None)
+        self._state(layer).pending.pop(known_factor(factor), None)
 
     def gradients(self, layer: str) -> list[Tensor]:
         """The layer's weight and bias gradients (those that exist), in that order."""
@@ -355,7 +355,7 @@ class KFACEngine:
             raise KeyError(f"{layer!r} is not a K-FAC layer") from None
 
     def _built(self, layer: str, factor: Factor) -> BuiltFactor:
-        built = self._state(layer).built.get(checked(factor))
+        built = self._state(layer).built.get(known_factor(factor))
         if built is None:
             raise RuntimeError(f"layer {layer!r}: no curvature accumulated for factor {factor}")
         return built

@@ -86,7 +86,7 @@ def prefer_ok(new: Flagged, old: Flagged | None) -> Flagged:
     return Flagged(torch.where(new.ok, new.value, old.value), new.ok | old.ok)
 
 
-def checked(factor: Factor) -> Factor:
+def known_factor(factor: Factor) -> Factor:
     """`factor` if it is "A" or "B"; ValueError otherwise."""
     if factor not in FACTORS:
         raise ValueError(f"factor must be 'A' or 'B', got {factor!r}")
