@@ -78,7 +78,7 @@ class OptimizerConfig:
     decay: Literal["constant", "linear"] = setting("constant", "after warm-up: constant, or linear to 0 at decay_steps")
     decay_steps: int = setting(0, "step at which linear decay reaches 0 (0 = the run's last step; fix it when --resume splits a run)", low=0)
     zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over each stage's replicas (its owner updates and broadcasts each parameter)",
-                        low=0, high=1, note="0 = off")
+                        low=0, high=1, note="0 = off, 1 = the optimizer state sharded over each stage's replicas")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """The run's K-FAC plan: what `pipefisher run --optimizer kfac` logs about it."""
 
-
 from builders import layered_profile
 from pipefisher.config import config_from_dict
 from pipefisher.runtime.training.assembly import build_schedule
