@@ -6,7 +6,7 @@ from builders import layered_profile
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.ir import OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.actions import ActionKind, GradientPath
+from pipefisher.planning.comm.actions import ActionKind, GradientPath, Reduction
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.layouts.kaisa import grad_workers, worker_count
@@ -48,6 +48,9 @@ def test_gradient_workers_and_zero1_do_not_combine():
     with pytest.raises(ConfigError, match="use kfac.grad_worker_fraction 1 or optimizer.zero 0"):
         config_from_dict({"optimizer": {"name": "kfac", "zero": 1}, "pipeline": {"data_parallel": 2},
                           "kfac": {"grad_worker_fraction": 0.5}})
+    with pytest.raises(ValueError, match="ZeRO-1 reduces to owners"):
+        GradientPath(Reduction.SHARDED, workers_per_layer=1)
+    assert GradientPath(Reduction.COMPRESSED, workers_per_layer=1).compressed, "PowerSGD and gradient workers combine"
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "chimera"])

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.actions import ActionKind, GradientPath, gather_collective
+from pipefisher.planning.comm.actions import ActionKind, GradientPath, Reduction, gather_collective
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.layouts.zero import contiguous_shards, shard_owners
@@ -44,7 +44,7 @@ def test_owners_follow_the_runs_and_fewer_parameters_than_ranks_leave_ranks_empt
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
 def test_sharded_plans_broadcast_after_the_world_reduction_and_replay_under_nccl_rules(schedule):
     topology = Topology(get_schedule(schedule, 2, 4, 2 if schedule == "interleaved" else None), data_parallel=2)
-    comm = replay(plan_actions(topology, schedule_plan(topology.schedule), tied=True, path=GradientPath(sharded=True)))
+    comm = replay(plan_actions(topology, schedule_plan(topology.schedule), tied=True, path=GradientPath(Reduction.SHARDED)))
     for rank, actions in enumerate(comm.steps[0]):
         names = [str(action) for action in actions]
         stages = sorted({stage for _, stage in topology.stages_of(rank)})

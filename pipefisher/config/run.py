@@ -19,6 +19,7 @@ from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig
 from pipefisher.core.settings import ConfigError, check_ranges
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
+from pipefisher.planning.comm.actions import GradientPath, Reduction
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank
 
 
@@ -77,6 +78,21 @@ class RunConfig:
         replicas = stage_replica_count(self)
         workers = self.curvature.gradient_workers(replicas) if self.curvature is not None else replicas
         return workers if workers < replicas else None
+
+    @property
+    def gradient_path(self) -> GradientPath:
+        """How a replicated stage's gradient travels: optimizer.zero 1 or comm.powersgd_rank picks
+        the reduction (not both), the method's gradient workers join it (ConfigError naming the keys
+        for a combination that does not exist)."""
+        chosen = [reduction for reduction, key in ((Reduction.SHARDED, self.optimizer.zero), (Reduction.COMPRESSED, self.comm.powersgd_rank)) if key]
+        if len(chosen) > 1:
+            raise ConfigError("comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
+                              "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)")
+        try:
+            return GradientPath(chosen[0] if chosen else Reduction.ALL_REDUCE, self.workers_per_layer)
+        except ValueError as exc:
+            name = self.optimizer.name
+            raise ConfigError(f"{name}.grad_worker_fraction: {exc}; use {name}.grad_worker_fraction 1 or optimizer.zero 0") from None
 
     @property
     def model_chunks(self) -> int:
@@ -219,11 +235,9 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
     if model.kind == "transformer" and model.hidden % model.heads:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
-    if config.comm.powersgd_rank and config.optimizer.zero:
-        raise ConfigError("comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
-                          "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)")
     for name, section in config.methods:
         section.check(name, config)
+    config.gradient_path  # the reduction and gradient workers combine
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
 

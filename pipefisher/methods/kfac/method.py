@@ -26,12 +26,9 @@ class KfacConfig(RefreshConfig):
         if config.optimizer.name != name:
             return
         try:
-            workers = worker_count(config.stage_replicas, self.grad_worker_fraction)
+            worker_count(config.stage_replicas, self.grad_worker_fraction)
         except ValueError as exc:
             raise ConfigError(f"{name}.grad_worker_fraction: {exc}") from None
-        if workers < config.stage_replicas and config.optimizer.zero:
-            raise ConfigError(f"{name}.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "
-                              f"reduces to owners; use {name}.grad_worker_fraction 1 or optimizer.zero 0")
 
     def gradient_workers(self, replicas: int) -> int:
         return worker_count(replicas, self.grad_worker_fraction)

@@ -136,18 +136,40 @@ def run(op: Op) -> Action:
     return Action(ActionKind.RUN, op)
 
 
+class Reduction(str, Enum):
+    """How a replicated stage's gradient is reduced over its replicas (one of them per run)."""
+
+    #: every replica gets the whole sum
+    ALL_REDUCE = "all-reduce"
+    #: ZeRO-1: reduced to the parameters' owners, who broadcast the updated parameters after the
+    #: world reduction (``gather``)
+    SHARDED = "zero-1"
+    #: PowerSGD: an all-reduce of the P factors, then, once it is in, one of the Q factors (``grad_q``)
+    COMPRESSED = "powersgd"
+
+
 @dataclass(frozen=True)
 class GradientPath:
-    """How a replicated stage's gradient travels at the end of a step: `sharded` (ZeRO-1: reduced
-    to the parameters' owners, who broadcast the updated parameters after the world reduction),
-    `compressed` (PowerSGD: a second all-reduce, of the Q factors, once the first is in),
-    `workers_per_layer` (K-FAC with G gradient workers per layer, fewer than the stage's
-    replicas: once reduced, they precondition their layers and broadcast them within their block,
-    ``pgrad``; None: every replica preconditions before the reduction)."""
+    """How a replicated stage's gradient travels at the end of a step: its `reduction`, and
+    `workers_per_layer` G (gradient workers, fewer than the stage's replicas: once reduced, they
+    precondition their layers and broadcast them within their block, ``pgrad``; None: every
+    replica preconditions before the reduction). Workers need every replica's reduced gradient,
+    so they do not combine with ZeRO-1 (ValueError: the one place this rule lives)."""
 
-    sharded: bool = False
-    compressed: bool = False
+    reduction: Reduction = Reduction.ALL_REDUCE
     workers_per_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduction is Reduction.SHARDED and self.workers_per_layer is not None:
+            raise ValueError("gradient workers need every replica's reduced gradient, ZeRO-1 reduces to owners")
+
+    @property
+    def sharded(self) -> bool:
+        return self.reduction is Reduction.SHARDED
+
+    @property
+    def compressed(self) -> bool:
+        return self.reduction is Reduction.COMPRESSED
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from pipefisher.core.profile import profile_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.models.init import derive_seed
 from pipefisher.optim import build_optimizer, build_scheduler
-from pipefisher.planning.comm.actions import GradientPath
 from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.gradient_path.powersgd import PowerSGD
@@ -81,8 +80,8 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
         )
     model = staged_model(config)
     tied = has_tied_weights(model, schedule)
-    sharded, compression = config.optimizer.zero == 1, config.comm.powersgd_rank
-    path = GradientPath(sharded=sharded, compressed=bool(compression), workers_per_layer=config.workers_per_layer)
+    path = config.gradient_path
+    sharded, compression = path.sharded, config.comm.powersgd_rank
     members = group_members(topology, tied, path)
     comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout)
     num_stages = schedule.num_stages
