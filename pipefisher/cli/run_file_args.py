@@ -36,9 +36,9 @@ def _argument_type(annotation: Any) -> dict[str, Any]:
     if typing.get_origin(annotation) is Literal:
         return {"choices": list(typing.get_args(annotation))}
     if annotation is int:
-        return {"type": positive_int}
+        return {"type": positive_int, "metavar": "K"}
     if annotation is float:
-        return {"type": float, "metavar": "X"}
+        return {"type": float, "metavar": "F"}
     return {"type": str}
 
 
