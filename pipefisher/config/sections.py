@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipefisher.core.settings import setting
+from pipefisher.schedules import SCHEDULES
 
 
 #: the BERT presets of `pipefisher.models.bert.BERT_PRESETS` (a test holds the two to the same names)
@@ -55,7 +56,7 @@ class DataConfig:
 class PipelineConfig:
     """The pipeline: world size = stages x data_parallel."""
 
-    schedule: str = setting("1f1b", "pipeline schedule (`pipefisher.schedules.SCHEDULES`)")
+    schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
     stages: int = setting(2, "pipeline depth D: ranks per pipeline", low=0, low_open=True)
     micro_batches: int = setting(4, "micro-batches per step of each pipeline", low=0, low_open=True)
     chunks: int = setting(2, "interleaved: model chunks per rank", low=0, low_open=True)
