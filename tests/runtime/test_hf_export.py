@@ -1,18 +1,17 @@
 """`pipefisher export`: a pipelined run's checkpoint loads into `GPT2LMHeadModel.from_pretrained`
 and computes the loss the run computed with those parameters."""
 
-import dataclasses
 import shutil
 
 import pytest
 import torch
-import yaml
 from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
 from _workers import checkpointing  # noqa: E402
 from pipefisher.cli.main import main  # noqa: E402
+from pipefisher.config.reference import resolved_yaml  # noqa: E402
 from pipefisher.runtime.training.assembly import data_source  # noqa: E402
 from pipefisher.runtime.training.launch import run_group  # noqa: E402
 from test_hf_runs import hf_run  # noqa: E402
@@ -26,7 +25,7 @@ def test_an_exported_checkpoint_loads_into_from_pretrained_with_the_same_loss(tm
                     run={"steps": 3, "in_order": False})
     # the run file the user would export from: this configuration as YAML
     run_file = tmp_path / "run.yaml"
-    run_file.write_text(yaml.safe_dump(dataclasses.asdict(config)))
+    run_file.write_text(resolved_yaml(config))
     losses = run_group(checkpointing, 2, args=(config, False), timeout=60, deadline=240)[0].losses
     # step 3 is the newest checkpoint; keep only step 2, whose parameters computed the loss of step 3
     shutil.rmtree(folder / "step-000003")
