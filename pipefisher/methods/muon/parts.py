@@ -1,0 +1,13 @@
+"""Muon's torch side as the runtime, profiler and reference read it (`MethodParts`)."""
+
+from pipefisher.methods.interface import MethodParts
+from pipefisher.methods.muon.ops import MuonRuntime, MuonTimer, first_order_globs, matrix_names
+from pipefisher.methods.muon.reference import ReferenceMuon
+
+PARTS = MethodParts(
+    runtime=MuonRuntime,
+    timer=MuonTimer,
+    layer_names=matrix_names,
+    skip=first_order_globs,
+    reference=ReferenceMuon,
+)

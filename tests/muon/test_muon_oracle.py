@@ -1,0 +1,84 @@
+"""`torch.optim.Muon` (torch 2.13) as the oracle of Muon's maths: several steps of a small model
+with non-square matrices (wide and tall), weight decay, Nesterov or not, both shape scales. With
+the bfloat16 iteration (torch's) our engine and step give torch's parameters to the bit; the
+float32 iteration (our default) is torch's up to bfloat16's rounding."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import mse_loss
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from pipefisher.methods.muon.engine import MuonEngine
+from pipefisher.methods.muon.newton_schulz import MuonSettings, orthogonalise
+from pipefisher.methods.muon.optimizer import MuonStep
+
+LR, DECAY, STEPS = 0.02, 0.1, 5
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def train_ours(net: nn.Module, settings: MuonSettings, data) -> None:
+    engine = MuonEngine(net, settings)
+    step = MuonStep([(m.parameter, engine.scale(name)) for name, m in engine.matrices.items()], lr=LR, weight_decay=DECAY)
+    for x, y in data:
+        net.zero_grad()
+        mse_loss(net(x), y).backward()
+        for name in engine.names():
+            engine.orthogonalise(name)
+        engine.apply()
+        step.step()
+
+
+def train_torch(net: nn.Module, data, **options) -> None:
+    optimizer = torch.optim.Muon([p for p in net.parameters() if p.dim() == 2], lr=LR, weight_decay=DECAY, **options)
+    for x, y in data:
+        net.zero_grad()
+        mse_loss(net(x), y).backward()
+        optimizer.step()
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 6, generator=generator), torch.randn(16, 3, generator=generator)) for _ in range(STEPS)]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_bfloat16_muon_equals_torch_bit_for_bit(nesterov, adjust_lr):
+    ours, theirs = model(), model()
+    train_ours(ours, MuonSettings(momentum=0.9, nesterov=nesterov, dtype=torch.bfloat16, adjust_lr=adjust_lr), batches())
+    train_torch(theirs, batches(), momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr)
+    start = model()
+    for (name, mine), reference, initial in zip(ours.named_parameters(), theirs.parameters(), start.parameters()):
+        if mine.dim() == 2:
+            assert not torch.equal(mine, initial), f"{name} moved"
+            assert torch.equal(mine, reference), name
+
+
+@pytest.mark.parametrize("shape", [(12, 6), (3, 12), (64, 64)])
+def test_the_float32_iteration_is_torchs_up_to_its_bfloat16_rounding(shape):
+    """torch iterates in bfloat16 (8 significant bits, rounded at every product): its result is
+    about 2 % from the float32 one in Frobenius norm."""
+    update = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    ours = orthogonalise(update, MuonSettings())
+    theirs = _zeropower_via_newtonschulz(update, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+    assert ours.dtype == torch.float32
+    assert torch.linalg.norm(ours - theirs) < 0.04 * torch.linalg.norm(ours)
+
+
+@pytest.mark.parametrize("shape", [(8, 20), (20, 8), (12, 12)])
+def test_the_iteration_leaves_singular_values_near_one(shape):
+    """Independent of torch's code: the SVD of the result (float64) of a random matrix."""
+    update = torch.randn(*shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    result = orthogonalise(update, MuonSettings(dtype=torch.float64))
+    singular = torch.linalg.svdvals(result)
+    assert singular.min() > 0.6 and singular.max() < 1.25, singular
+    u, _, vh = torch.linalg.svd(update, full_matrices=False)
+    assert torch.nn.functional.cosine_similarity(result.flatten(), (u @ vh).flatten(), dim=0) > 0.98, "the polar factor's direction"
