@@ -1,6 +1,7 @@
 """`torch.optim.Muon` (torch 2.13) as the oracle of Muon's maths: several steps of a small model
 with non-square matrices (wide and tall), weight decay, Nesterov or not, both shape scales. With
-the bfloat16 iteration (torch's) our engine and step give torch's parameters to the bit; the
+the bfloat16 iteration (torch's) our engine and step give torch's parameters (to the bit where
+the shape scale is 1); the
 float32 iteration (our default) is torch's up to bfloat16's rounding."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def model() -> nn.Module:
 
 def train_ours(net: nn.Module, settings: MuonSettings, data) -> None:
     engine = MuonEngine(net, settings)
-    step = MuonStep([(m.parameter, engine.scale(name)) for name, m in engine.matrices.items()], lr=LR, weight_decay=DECAY)
+    step = MuonStep([m.parameter for m in engine.matrices.values()], lr=LR, weight_decay=DECAY)
     for x, y in data:
         net.zero_grad()
         mse_loss(net(x), y).backward()
@@ -51,7 +52,9 @@ def batches():
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
-def test_bfloat16_muon_equals_torch_bit_for_bit(nesterov, adjust_lr):
+def test_bfloat16_muon_equals_torch(nesterov, adjust_lr):
+    """To the bit where the shape scale is 1 (the wide and square matrices under ``original``);
+    elsewhere s·O is rounded to float32 before the step, which torch folds into lr."""
     ours, theirs = model(), model()
     train_ours(ours, MuonSettings(momentum=0.9, nesterov=nesterov, dtype=torch.bfloat16, adjust_lr=adjust_lr), batches())
     train_torch(theirs, batches(), momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr)
@@ -59,7 +62,8 @@ def test_bfloat16_muon_equals_torch_bit_for_bit(nesterov, adjust_lr):
     for (name, mine), reference, initial in zip(ours.named_parameters(), theirs.parameters(), start.parameters()):
         if mine.dim() == 2:
             assert not torch.equal(mine, initial), f"{name} moved"
-            assert torch.equal(mine, reference), name
+            exact = adjust_lr == "original" and mine.shape[0] <= mine.shape[1]
+            torch.testing.assert_close(mine, reference, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7, msg=name)
 
 
 @pytest.mark.parametrize("shape", [(12, 6), (3, 12), (64, 64)])

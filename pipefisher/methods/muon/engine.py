@@ -86,18 +86,16 @@ class MuonEngine:
         return matrix.update
 
     def apply(self, updates: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
-        """The step goes ahead: commit every new momentum, and put each update into the `.grad`
-        of its parameter (where `updates` accepts it), for the optimizer's step."""
+        """The step goes ahead: commit every new momentum, and put each update times its shape
+        scale into the `.grad` of its parameter (where `updates` accepts it), for `MuonStep`."""
         for matrix in self.matrices.values():
             if matrix.pending is not None:
                 matrix.buffer, matrix.pending = matrix.pending, None
             if matrix.update is not None and matrix.parameter.grad is not None and updates(matrix.parameter):
+                scale = shape_scale(matrix.rows, matrix.cols, self.settings.adjust_lr)
                 matrix.parameter.grad.copy_(matrix.update)
-
-    def scale(self, name: str) -> float:
-        """The shape scale of matrix `name`'s step (`shape_scale`)."""
-        matrix = self.matrices[name]
-        return shape_scale(matrix.rows, matrix.cols, self.settings.adjust_lr)
+                if scale != 1.0:
+                    matrix.parameter.grad.mul_(scale)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The momentum buffers this engine holds, by matrix name."""

@@ -24,10 +24,12 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 class MuonConfig(RefreshConfig):
     """Muon settings (used with optimizer.name muon; `pipefisher.methods.muon`): momentum
     orthogonalised by Newton–Schulz every step for the weights of linear layers but the model's
-    first-order ones and tied copies; the other parameters take the first-order rule. Of the placement keys, refresh_steps only sets how many
-    steps a plan's cycle has (the drift check's period), max_overhead, max_refresh_steps and
-    max_capture_mb have nothing to act on, and split cannot be turned off."""
+    first-order ones and tied copies; the other parameters take the first-order rule. Of the
+    placement keys, refresh_steps only sets how many steps a plan's cycle has, max_overhead,
+    max_refresh_steps and max_capture_mb have nothing to act on, and split cannot be turned off."""
 
+    refresh_steps: int = setting(10, "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
+                                     "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1")
     momentum: float = setting(0.95, "Muon's momentum μ: B ← μB + (1 − μ)g", low=0, high=1, high_open=True)
     nesterov: bool = setting(True, "orthogonalise g + μ(B − g) (Nesterov) instead of B")
     ns_steps: int = setting(5, "Newton–Schulz iterations", low=1, high=99)
