@@ -10,11 +10,11 @@ from builders import tiny_model
 from pipefisher.config import config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.muon.engine import MuonEngine
+from pipefisher.methods.muon.memory import MuonLayer
 from pipefisher.methods.muon.newton_schulz import MuonSettings
 from pipefisher.methods.muon.ops import MuonRuntime, first_order_globs
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.planning.memory import StageState, optimizer_state, rank_memory
-from pipefisher.methods.muon.memory import MuonLayer
 from pipefisher.runtime.gradient_path.buffers import unique_parameters
 from pipefisher.schedules import get_schedule
 

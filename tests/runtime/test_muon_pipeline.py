@@ -3,20 +3,19 @@ on every schedule, with two data-parallel copies too): fp16's loss scale and ove
 clipping on both paths (the P op of an unreplicated stage, the shares of a replicated one),
 clipping's rule, a resume in the middle of a cycle, and a profile that times its matrices."""
 
-import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined_with_records
+from _workers import assert_resumes_bit_for_bit, pipelined_with_records, profiled_by_the_cli
 from builders import tiny_model
 from pipefisher.config import ConfigError, config_from_dict
-from pipefisher.core.profile import load_profile
+from pipefisher.planning.packing.pack import PackOptions, pack
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
+from pipefisher.schedules import get_schedule
 from sweeps import pipeline
 
 pytestmark = pytest.mark.dist
@@ -80,20 +79,14 @@ def test_bad_muon_settings_are_one_line_errors():
 
 
 def test_profile_of_a_muon_run_times_its_matrices_and_packs_them_into_the_drain(tmp_path):
-    profile_path = tmp_path / "muon.yaml"
-    result = subprocess.run(
-        ["pipefisher", "profile", str(TINY), "-o", str(profile_path), "--master-port", "0", "--repeats", "2", "--optimizer", "muon"],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
-    profile = load_profile(profile_path)
+    """The measured per-matrix times are the P op's; on 1F1B's two stages the first stage's P op
+    lengthens the step, the last stage's lies (mostly) in its drain bubble."""
+    profile, _ = profiled_by_the_cli(TINY, tmp_path, "muon")
     assert profile.method == "muon"
     names = [layer.name for layer in profile.stages[0].layers]
     assert "embed.weight" in names and not any(name.endswith("bias") or "norm" in name for name in names)
     assert all(layer.precondition > 0 and layer.inverse_a == layer.curvature_a == 0 for stage in profile.stages for layer in stage.layers)
-    packed = subprocess.run(["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
-                            capture_output=True, text=True, timeout=60)
-    assert packed.returncode == 0, packed.stderr
-    report = json.loads(packed.stdout)
-    assert report["method"] == "muon" and report["refresh_steps"] == 1
-    assert all(device["precondition_time"] > 0 for device in report["devices"])
+    packing = pack(get_schedule("1f1b", 2, 4), profile, PackOptions(percentile=None))
+    first, last = (sum(layer.precondition for layer in stage.layers) for stage in profile.stages)
+    step = packing.first_order.step_time
+    assert packing.refresh_steps == 1 and step + first - 1e-9 <= packing.cycle_time < step + first + 0.5 * last
