@@ -1,11 +1,9 @@
 """`torch.optim.Muon` (torch 2.13) as the oracle of Muon's maths: several steps of a small model
 with non-square matrices (wide and tall), weight decay, Nesterov or not, both shape scales. With
 the bfloat16 iteration (torch's) our engine and step give torch's parameters (to the bit where
-the shape scale is 1); the
-float32 iteration (our default) is torch's up to bfloat16's rounding."""
+the shape scale is 1); the float32 iteration (our default) is torch's up to bfloat16's rounding."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
