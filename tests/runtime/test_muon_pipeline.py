@@ -35,12 +35,13 @@ def muon_config(schedule="1f1b", data_parallel=1, run=None, **muon):
     })
 
 
-@pytest.mark.parametrize("data_parallel", [1, 2])
-def test_fp16_overflows_leave_muon_as_it_was_and_the_run_equals_the_reference(data_parallel):
+@pytest.mark.parametrize("data_parallel, placement", [(1, "after-step"), (2, "packed")])
+def test_fp16_overflows_leave_muon_as_it_was_and_the_run_equals_the_reference(data_parallel, placement):
     """A loss scale of 2^20 overflows the first steps: every rank skips them alike, the momentum
     keeps no trace of their infinite gradients (else every later update would be NaN), and the
-    run equals its reference; one copy orthogonalises in the P op, two share the matrices."""
-    config = muon_config(data_parallel=data_parallel, run={"precision": "fp16", "loss_scale": 2.0**20})
+    run equals its reference; one copy orthogonalises in the P op (here at the end of the step's
+    work; the sweeps run it packed), two share the matrices."""
+    config = muon_config(data_parallel=data_parallel, run={"precision": "fp16", "loss_scale": 2.0**20}, placement=placement)
     runs = run_group(pipelined_with_records, config.world_size, args=(config,), timeout=30, deadline=180)
     overflows = [[record["overflow"] for record in records] for _, records in runs]
     assert all(flags == overflows[0] for flags in overflows) and overflows[0][0] and not overflows[0][-1], overflows

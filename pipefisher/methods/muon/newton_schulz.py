@@ -88,9 +88,3 @@ def shape_scale(rows: int, cols: int, rule: str) -> float:
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"adjust_lr: {rule!r} is not original or match_rms_adamw")
 
-
-def ns_flops(rows: int, cols: int, steps: int) -> int:
-    """Multiply-adds of the iteration on a (rows, cols) matrix: per step, the Gram matrix (n²m), its
-    square (n³) and the product with X (n²m), n = min, m = max."""
-    n, m = min(rows, cols), max(rows, cols)
-    return steps * (2 * n * n * m + n ** 3)
