@@ -2,6 +2,7 @@
 
 from pipefisher.methods.interface import MethodParts
 from pipefisher.methods.muon.ops import MuonRuntime, MuonTimer, first_order_globs, matrix_names
+from pipefisher.methods.muon.optimizer import MuonStep
 from pipefisher.methods.muon.reference import ReferenceMuon
 
 PARTS = MethodParts(
@@ -10,4 +11,6 @@ PARTS = MethodParts(
     layer_names=matrix_names,
     skip=first_order_globs,
     reference=ReferenceMuon,
+    preconditioned=lambda config, module, skip: matrix_names(module, skip),
+    optimizer=lambda config, param_groups: MuonStep(param_groups, lr=config.optimizer_settings.lr),
 )
