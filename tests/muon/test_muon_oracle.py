@@ -84,3 +84,46 @@ def test_the_iteration_leaves_singular_values_near_one(shape):
     assert singular.min() > 0.6 and singular.max() < 1.25, singular
     u, _, vh = torch.linalg.svd(update, full_matrices=False)
     assert torch.nn.functional.cosine_similarity(result.flatten(), (u @ vh).flatten(), dim=0) > 0.98, "the polar factor's direction"
+
+
+def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_rest():
+    """The run's optimizer (`build_optimizer` with Muon's parts: its matrices, `MuonStep` at
+    muon.lr, AdamW at optimizer.lr for embeddings' biases and norms) after the reference twin's
+    hooks, against `torch.optim.Muon` and `torch.optim.AdamW` on a copy of the tiny transformer."""
+    from builders import tiny_model
+    from pipefisher.config import config_from_dict
+    from pipefisher.methods.registry import method_of
+    from pipefisher.optim import build_optimizer
+    from pipefisher.optim.first_order import no_decay
+    from pipefisher.runtime.training.assembly import data_source, staged_model
+
+    config = config_from_dict({
+        "model": tiny_model(), "data": {"micro_batch_size": 4}, "pipeline": {"stages": 1, "micro_batches": 1},
+        "optimizer": {"name": "muon", "lr": 3e-3, "weight_decay": 0.1, "eps": 1e-3},
+        "muon": {"lr": LR, "momentum": 0.9, "ns_dtype": "bfloat16"},
+    })
+    model, parts = staged_model(config), method_of(config).runtime_parts()
+    net = model.build_stage(0, 1, seed=0)
+    twin = model.build_stage(0, 1, seed=0)
+    ours = build_optimizer(config, [net], skip=parts.skip(model))
+    hooks = parts.reference(config, model, net)
+    owned = set(parts.preconditioned(config, twin, parts.skip(model)))
+    named = dict(twin.named_parameters())
+    rest = [name for name in named if name not in owned]
+    theirs = [torch.optim.Muon([named[name] for name in owned], lr=LR, weight_decay=0.1, momentum=0.9),
+              torch.optim.AdamW([{"params": [named[n] for n in rest if not no_decay(n)], "weight_decay": 0.1},
+                                 {"params": [named[n] for n in rest if no_decay(n)], "weight_decay": 0.0}],
+                                lr=3e-3, eps=1e-3, foreach=False)]
+    assert owned and rest and all(named[name].dim() == 2 for name in owned)
+    batch = data_source(config)
+    for step in range(STEPS):
+        for module, optimizers in ((net, [ours]), (twin, theirs)):
+            module.zero_grad()
+            model.loss(module(None, batch(step, 0)), batch(step, 0))[0].backward()
+            if module is net:
+                hooks.before_optimizer_step(step)
+                hooks.before_optimizer_update(step)
+            for optimizer in optimizers:
+                optimizer.step()
+    for name, value in net.named_parameters():
+        torch.testing.assert_close(value, named[name], rtol=1e-6, atol=1e-7, msg=name)
