@@ -1,4 +1,4 @@
-"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo), those a program
+"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo, SOAP), those a program
 registers (`register`) and those installed packages declare under the entry-point group
 ``pipefisher.methods`` (each entry a `CurvatureMethod`). Everything outside a method's folder
 finds a method here, by name. Pure Python: no torch."""
@@ -11,13 +11,14 @@ from pipefisher.core.ir import ScheduleError
 from pipefisher.methods.kfac.method import KFAC
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.shampoo.method import SHAMPOO
+from pipefisher.methods.soap.method import SOAP
 
 ENTRY_POINT_GROUP = "pipefisher.methods"
 #: the method of profile and plan files written before they named one, and the method whose
 #: tasks `pipefisher profile` times for a first-order run
 DEFAULT_METHOD = KFAC.name
 
-_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO)}
+_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO, SOAP)}
 _entry_points_loaded = False
 
 

@@ -1,0 +1,13 @@
+"""SOAP's torch side as the runtime, profiler and reference read it (`MethodParts`)."""
+
+from pipefisher.methods.interface import MethodParts
+from pipefisher.methods.soap.ops import SoapRuntime, SoapTimer, matrix_names, tied_skip
+from pipefisher.methods.soap.reference import ReferenceSoap
+
+PARTS = MethodParts(
+    runtime=SoapRuntime,
+    timer=SoapTimer,
+    layer_names=matrix_names,
+    skip=lambda model: tied_skip(model.tied_parameters()),
+    reference=ReferenceSoap,
+)
