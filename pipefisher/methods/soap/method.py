@@ -9,21 +9,17 @@ from pipefisher.core.settings import ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
 
-#: the published precondition frequency (Vyas et al. 2024): the packer chooses no longer interval
-PUBLISHED_INTERVAL = 10
-
 
 @dataclass(frozen=True)
 class SoapConfig(RefreshConfig):
     """SOAP settings (used with optimizer.name soap; `pipefisher.methods.soap`): Adam in the
     eigenbases of Shampoo's statistics, which come from the reduced gradient of every step; the
     refresh of the eigenbases goes into the bubbles. The published hyper-parameters are the
-    defaults; weight decay is optimizer.weight_decay (published: 0.01). Placement keys as
-    `RefreshConfig`."""
+    defaults; weight decay is optimizer.weight_decay (published: 0.01); the published refresh
+    interval (precondition frequency) is 10 where one is fixed (refresh_steps; 0 lets the packer
+    choose). Placement keys as `RefreshConfig`."""
 
     lr: float = setting(3e-3, "learning rate of SOAP's step (0 = optimizer.lr)", low=0)
-    max_refresh_steps: int = setting(PUBLISHED_INTERVAL, "cap on the refresh interval the packer may choose", low=0,
-                                     note="0 = no cap; 10 = the published precondition frequency")
     beta1: float = setting(0.95, "decay of Adam's first moment", low=0, high=1, high_open=True)
     beta2: float = setting(0.95, "decay of Adam's second moment (in the eigenbasis)", low=0, high=1, high_open=True)
     statistics_beta: float = setting(0.0, "decay of the statistics L, R", low=0, high=1, high_open=True, note="0 = beta2")
