@@ -8,9 +8,9 @@ eigenbases ``Q_L``, ``Q_R`` in use, ``G' = Q_Lᵀ G Q_R``, ``m <- lerp(m, G, 1 -
 basis), ``v <- lerp(v, G'², 1 - β₂)`` (eigenbasis), direction
 ``Q_L ((Q_Lᵀ m Q_R) / (√v + ε)) Q_Rᵀ · √(1 - β₂ᵗ) / (1 - β₁ᵗ)`` (t: the matrix's directions so far);
 then ``L <- lerp(L, G Gᵀ, 1 - β_s)`` and ``R <- lerp(R, Gᵀ G, 1 - β_s)``. The first call gives no
-direction (``.grad`` zeroed, `moved` False): it folds G and takes the eigendecomposition of the
-statistics as the first bases. A step then applies ``p <- (p - lr · direction)(1 - lr · wd)``
-(`pipefisher.methods.soap.front.SoapStep`).
+direction (``.grad`` zeroed): it folds G and takes the eigendecomposition of the statistics as the
+first bases. A step then applies ``p <- (p - lr · direction)(1 - lr · wd)``, skipping a
+parameter's first (`pipefisher.methods.soap.front.SoapStep`).
 
 Refresh, per matrix and factor f: ``snapshot()`` keeps the statistics at a fixed point (the
 refresh cycle's start); ``refresh(name, f)`` computes from the snapshot and the bases in use one
@@ -48,7 +48,6 @@ class SoapEngine:
     def __init__(self, module: nn.Module, settings: SoapSettings | None = None, skip: Iterable[str] = ()) -> None:
         self.settings = settings or SoapSettings()
         self._matrices = {name: new_matrix(name, p, self.settings) for name, p in matrix_parameters(module, skip).items()}
-        self._moved: set[int] = set()
         #: counter totals per matrix already accounted for; present once warned
         self._baseline: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -61,11 +60,6 @@ class SoapEngine:
     def parameters(self) -> list[nn.Parameter]:
         """The matrices' parameters, in `matrices` order (what SOAP's step updates)."""
         return [st.parameter for st in self._matrices.values()]
-
-    def moved(self, parameter: nn.Parameter) -> bool:
-        """Whether `parameter` took a SOAP direction in the last `precondition_all` (False for a
-        matrix's first call and for other parameters): the step applies to it."""
-        return id(parameter) in self._moved
 
     def updates(self, name: str) -> int:
         """Directions matrix `name` took so far (t of its bias correction)."""
@@ -92,7 +86,6 @@ class SoapEngine:
         see the module doc: ``.grad`` becomes the direction (in its own dtype; computed in
         ``settings.dtype``), and the gradient is folded into the statistics; a matrix's first call
         takes its first eigenbases instead of a direction and zeroes ``.grad``."""
-        self._moved.clear()
         for st in self._matrices.values():
             p = st.parameter
             if p.grad is None or (keep is not None and not keep(p)):
@@ -101,7 +94,6 @@ class SoapEngine:
             self._fold(st, g)
             if st.started:
                 p.grad.copy_(self._direction(st, g).view_as(p.grad))
-                self._moved.add(id(p))
             else:
                 self._first_bases(st)
                 p.grad.zero_()

@@ -26,20 +26,23 @@ from pipefisher.methods.soap.settings import SoapSettings
 
 class SoapStep(torch.optim.Optimizer):
     """The step after SOAP's direction (in ``.grad``): ``p <- (p - lr · d)(1 - lr · weight_decay)``,
-    pytorch_optimizer's order; a parameter that took no direction in this step (`moved` False: a
-    matrix's first SOAP step) is left alone, weight decay included."""
+    pytorch_optimizer's order. A parameter's first step is skipped, weight decay included: SOAP's
+    first call on a matrix takes its eigenbases and gives no direction (`SoapEngine.precondition_all`;
+    both run on the same steps). Its state per parameter is that count of steps."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 3e-3, weight_decay: float = 0.0,
-                 moved: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
+    def __init__(self, params: Iterable[Any], lr: float = 3e-3, weight_decay: float = 0.0) -> None:
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-        self._moved = moved
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
         for group in self.param_groups:
             lr, decay = group["lr"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None or not self._moved(p):
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                if state["step"] == 1:
                     continue
                 p.add_(p.grad, alpha=-lr)
                 if decay:
@@ -61,7 +64,7 @@ class SOAP:
         settings = SoapSettings(beta1=betas[0], beta2=betas[1], statistics_beta=statistics_beta, epsilon=eps, block_size=block_size,
                                 dtype=dtype, statistics_dtype=statistics_dtype)
         self.engine = SoapEngine(model, settings, skip)
-        self.optimizer = SoapStep(self.engine.parameters(), lr, weight_decay, self.engine.moved)
+        self.optimizer = SoapStep(self.engine.parameters(), lr, weight_decay)
         self.frequency = precondition_frequency
         self.steps = 0
 
