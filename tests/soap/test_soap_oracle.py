@@ -76,8 +76,8 @@ def test_the_comparison_sees_a_refresh_that_keeps_the_second_moment_in_its_old_o
     assert (ours[-1] - oracle[-1]).abs().max() > 1e-4
 
 
-def _commit_without_reordering(self, name=None):
-    for st in self._selected(name):
+def _commit_without_reordering(self):
+    for st in self._matrices.values():
         for factor, fs in st.factors.items():
             if fs.pending is not None:
                 fs.basis, fs.pending = fs.pending[: st.info.statistic_numel(factor)].clone(), None

@@ -151,10 +151,10 @@ class SoapEngine:
         if fs.snapshot is not None:
             fs.pending = tensor.to(device=st.parameter.device, dtype=self.settings.dtype)
 
-    def commit(self, name: str | None = None) -> None:
-        """Pending bases become the ones in use (None: every matrix), and each block's second
-        moment follows its basis' new column order (rows for A, columns for B)."""
-        for st in self._selected(name):
+    def commit(self) -> None:
+        """Pending bases become the ones in use, and each block's second moment follows its
+        basis' new column order (rows for A, columns for B)."""
+        for st in self._matrices.values():
             for factor, fs in st.factors.items():
                 if fs.pending is None:
                     continue
@@ -198,9 +198,6 @@ class SoapEngine:
             return self._matrices[name]
         except KeyError:
             raise KeyError(f"{name!r} is not a SOAP matrix") from None
-
-    def _selected(self, name: str | None) -> list[MatrixState]:
-        return list(self._matrices.values()) if name is None else [self._matrix(name)]
 
     def _direction(self, st: MatrixState, g: Tensor) -> Tensor:
         """SOAP's bias-corrected direction of ``g`` (``(rows, cols)``), updating the moments."""

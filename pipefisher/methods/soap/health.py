@@ -7,9 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import torch
-from torch import Tensor
-
 
 class SoapNumericsWarning(RuntimeWarning):
     """A SOAP matrix skipped a non-finite gradient or kept a previous eigenbasis."""
@@ -26,13 +23,8 @@ class SoapHealth:
     kept_bases: int = 0
 
 
-COUNTERS: tuple[str, ...] = tuple(f.name for f in fields(SoapHealth))
-SKIPPED_STATISTICS, KEPT_BASES = range(len(COUNTERS))
-
-
-def zero_counters(device: torch.device) -> Tensor:
-    """A fresh int64 vector of :data:`COUNTERS` on ``device``."""
-    return torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+#: positions of the counters in a matrix's vector (`pipefisher.methods.counters.zero_counters`)
+SKIPPED_STATISTICS, KEPT_BASES = range(len(fields(SoapHealth)))
 
 
 def message(name: str, values: tuple[int, ...]) -> str:

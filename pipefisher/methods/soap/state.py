@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo
-from pipefisher.methods.soap.health import zero_counters
+from pipefisher.methods.counters import zero_counters
+from pipefisher.methods.soap.health import SoapHealth
 from pipefisher.methods.soap.settings import SoapSettings
 
 
@@ -66,7 +67,7 @@ def new_matrix(name: str, parameter: nn.Parameter, settings: SoapSettings) -> Ma
     device = parameter.device
     moments = [torch.zeros(info.shape, dtype=settings.dtype, device=device) for _ in range(2)]
     factors = {f: FactorState(torch.zeros(info.statistic_numel(f), dtype=settings.statistics_dtype, device=device)) for f in FACTORS}
-    return MatrixState(info, parameter, *moments, zero_counters(device), factors)
+    return MatrixState(info, parameter, *moments, zero_counters(SoapHealth, device), factors)
 
 
 def pending_numel(info: MatrixInfo, factor: Factor) -> int:
