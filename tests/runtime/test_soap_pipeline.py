@@ -58,6 +58,17 @@ def test_its_plans_have_no_syncs_and_replay_under_the_nccl_rule(schedule):
     assert "sync" not in launched and ("exchange" in launched) == (pipe.num_pipes > 1)
 
 
+def test_task_rules_take_a_method_without_syncs_and_refuse_syncs_it_does_not_have():
+    from pipefisher.methods.method import TaskRules
+    from pipefisher.methods.registry import task_rules
+
+    assert task_rules("soap").sync_for("A") is None and task_rules("soap").syncs == ()
+    with pytest.raises(ValueError, match="names syncs of a method without any"):
+        TaskRules(curvature=False, syncs=(), sync_of=(("A", "A"), ("B", "A")), precondition=False)
+    with pytest.raises(ValueError, match="must name one sync of `syncs`"):
+        TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"), ("B", "B")), precondition=False)
+
+
 @pytest.mark.dist
 def test_packed_and_after_step_compute_the_same_and_equal_the_reference():
     """Placement changes when the refresh runs, never what it computes; Chimera splits it over
