@@ -30,7 +30,7 @@ Per schedule, one 2-process group:
 
 Nothing in the package is changed.
 
-Usage: python experiments/bench_pipefisher.py [--method kfac|shampoo|...] [--schedules 1f1b gpipe chimera] [--repeats 7]
+Usage: python experiments/bench_pipefisher.py [--method kfac|shampoo|... (a registered method)] [--schedules 1f1b gpipe chimera] [--repeats 7]
        [--max-rounds 20] [--time-budget 75] [--min-steps 4] [--warmup-cycles 2]
        [--micro-batches 4] [--micro-batch-size 2] [--hidden 128] [--heads 4] [--ffn 256]
        [--seq-len 512] [--layers 2] [--inverse eigen] [--refresh-steps K]
@@ -94,7 +94,7 @@ def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: st
         "reprofile_threshold": 1e9, "reprofile_patience": 10**6,
     }
     own = {"kfac": {"damping": args["damping"], "inverse": args["inverse"]},
-           "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]}}.get(method, {})  # others: their defaults
+           "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]}}.get(method, {})  # other methods: their defaults
     return {
         "model": {
             "kind": "transformer", "layers": args["layers"], "hidden": args["hidden"], "heads": args["heads"],

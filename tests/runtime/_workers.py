@@ -83,6 +83,19 @@ def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> Tra
     return train_pipelined(config, rank, CPU, resume_from=start)
 
 
+def with_one_sgd(rank: int, world: int, config: RunConfig) -> TrainResult:
+    """Train (with checkpoints) as runs did before `<method>.first_order`: one SGD over every
+    parameter at the method's lr and momentum (constant rate)."""
+    from pipefisher.optim import parameter_groups
+
+    executor, _ = build_executor(config, rank, CPU)
+    settings = config.optimizer_settings
+    modules = [stage.module for stage in executor.stages.values()]
+    executor.step_end.optimizer = torch.optim.SGD(parameter_groups(modules, settings.weight_decay), lr=settings.lr,
+                                                  momentum=settings.momentum, foreach=False)
+    return train_pipelined(config, rank, CPU, executor=executor)
+
+
 def assert_resumes_bit_for_bit(config: RunConfig, stop_after: int, folder) -> str:
     """Train `config` straight through with a checkpoint after every step, and again in two parts
     (stopped after `stop_after` steps, then resumed from the newest checkpoint that verifies):
@@ -204,6 +217,21 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
     names = [stage_layer_names(config, stage, num_stages) for stage in range(num_stages)]
     return layered_profile(num_stages, names=names, spread=False, curvature=0.01, inverse=inverse, precondition=0.01, sync=sync,
                            method=method_of(config).name)
+
+
+def profiled_by_the_cli(run_file, folder, optimizer: str):
+    """`pipefisher profile RUN_FILE --optimizer OPTIMIZER` (2 repeats): the profile it wrote into
+    `folder` and its file's path."""
+    import subprocess
+    from pathlib import Path
+
+    from pipefisher.core.profile import load_profile
+
+    path = Path(folder) / f"{optimizer}.yaml"
+    result = subprocess.run(["pipefisher", "profile", str(run_file), "-o", str(path), "--master-port", "0", "--repeats", "2",
+                             "--optimizer", optimizer], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return load_profile(path), path
 
 
 def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> TrainResult:

@@ -31,9 +31,6 @@ class SoapConfig(RefreshConfig):
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:
             return
-        if self.momentum or config.optimizer.momentum:
-            key = f"{name}.momentum" if self.momentum else "optimizer.momentum"
-            raise ConfigError(f"{key}: SOAP keeps its own first moment ({name}.beta1); set it to 0")
         if config.optimizer.zero:
             raise ConfigError(f"optimizer.zero: {name} keeps every replica's statistics from the reduced gradient, "
                               "which ZeRO-1 gives the owner only; use optimizer.zero 0")
