@@ -32,12 +32,13 @@ PARAMETER_ATOL = 1e-5
 
 def soap_config(schedule, placement="packed", steps=6, **soap):
     """Two ranks of a 4-block transformer, in-order mode, clipping, refresh every 2 steps (the
-    bases of cycle 1 in use from step 4), the published lr and ε 1e-3 as in the equivalence sweep."""
+    bases of cycle 1 in use from step 4), the published lr; SOAP's ε and the rest's AdamW ε 1e-3
+    as in the equivalence sweep (gradients that are zero in exact arithmetic)."""
     return config_from_dict({
         "model": tiny_model(),
         "data": {"micro_batch_size": 2},
         "pipeline": pipeline(schedule),
-        "optimizer": {"name": "soap", "clip_norm": 1.0},
+        "optimizer": {"name": "soap", "clip_norm": 1.0, "eps": 1e-3},
         "soap": {"refresh_steps": 2, "placement": placement, "epsilon": 1e-3, **soap},
         "run": {"steps": steps, "timeout": 30, "master_port": 0, "in_order": True},
     })
