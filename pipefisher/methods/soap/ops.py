@@ -3,10 +3,10 @@ each step's end.
 
 Step end (before the optimizer step, every step, every replica alike): the reduced, clipped
 gradient of each SOAP matrix becomes its direction and is folded into the statistics (no sync:
-every replica of a stage holds the same reduced gradient). The direction needs the final
-gradient, so it cannot move into the bubbles; the statistics alone could (into the next step's),
-but they are under half of the step-end work (docs/methods.md measures it) and would hold a copy
-of the gradient until then.
+every replica of a stage holds the same reduced gradient). The direction needs the final, clipped
+gradient, so it stays there; the statistics alone could go into the next step's early bubbles,
+holding a copy of the gradient until then, with a per-step task kind the packer does not have
+(docs/methods.md measures their share).
 
 Refresh cycle of k steps (`Plan.steps`): IA/IB compute the new left/right eigenbases of every
 matrix (one power-iteration step with QR) from the statistics as of the cycle's start (the
