@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from host_reads import count_host_reads
+from rounding import sums_in_two_orders
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.soap import SoapEngine, SoapNumericsWarning, SoapSettings
@@ -60,12 +61,7 @@ def test_a_gradient_summed_in_another_order_gives_the_same_direction(monkeypatch
     another order would then step differently. The tie-break fixes it (not vacuous: without it
     the directions differ)."""
     monkeypatch.setattr(soap_basis, "TIE_BREAK", tie_break)
-    gen = torch.Generator().manual_seed(5)
-    parts = [torch.randn(16, 3, generator=gen) for _ in range(8)]
-    in_sequence = sum(parts[1:], parts[0].clone())
-    by_halves = sum(parts[1:4], parts[0].clone()) + sum(parts[5:], parts[4].clone())
-    assert not torch.equal(in_sequence, by_halves), "the two orders round differently"
-    following = torch.randn(16, 3, generator=gen)
+    in_sequence, by_halves, following = sums_in_two_orders(16, 3)
     directions = []
     for gradient in (in_sequence, by_halves):
         layer = nn.Linear(3, 16, bias=False)
