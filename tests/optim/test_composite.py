@@ -69,7 +69,7 @@ def test_the_rest_steps_as_adamw_and_the_preconditioned_parameters_as_the_method
         for name, p in module.named_parameters():
             (owned if PRECONDITIONED[method](module, name, p) else rest).append((name, p))
     assert owned and rest
-    adamw = torch.optim.AdamW(decay_groups(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, foreach=False)
+    adamw = torch.optim.AdamW(decay_groups(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, fused=True)
     sgd = torch.optim.SGD(decay_groups(owned, 0.1), lr=0.02, momentum=0.9, foreach=False)
     for step in range(STEPS):
         backward(modules, model, config, step)
