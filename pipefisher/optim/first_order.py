@@ -74,10 +74,10 @@ def named(module: nn.Module, names: Iterable[str]) -> list[nn.Parameter]:
 
 
 def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
-    """SGD (with optional momentum), AdamW or LAMB (`settings.name`) over `groups`.
-    `foreach=False` (SGD) and fused AdamW keep per-parameter updates identical however parameters are
-    grouped across ranks; fused AdamW also keeps its step counters on the parameters' device, so
-    a step reads nothing back to the host."""
+    """SGD (with optional momentum), AdamW or LAMB (`settings.name`) over `groups`. Each updates
+    every parameter tensor on its own, so its update is identical however parameters are grouped
+    across ranks: SGD with `foreach=False`, AdamW fused (one kernel per tensor, its step counter on
+    the parameter's device: no host read per parameter, which the unfused AdamW makes)."""
     if settings.name == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, foreach=False)
     if settings.name == "adamw":

@@ -48,6 +48,11 @@ def backward(modules: list[nn.Module], model: TinyRegression, config, step: int)
     model.loss(x, batch)[0].backward()
 
 
+def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    return [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+
+
 #: what each method preconditions in the tiny transformer, stated independently of its code
 PRECONDITIONED = {"kfac": lambda module, name, p: isinstance(module.get_submodule(name.rsplit(".", 1)[0]), nn.Linear),
                   "shampoo": lambda module, name, p: p.dim() >= 2}
@@ -64,10 +69,8 @@ def test_the_rest_steps_as_adamw_and_the_preconditioned_parameters_as_the_method
         for name, p in module.named_parameters():
             (owned if PRECONDITIONED[method](module, name, p) else rest).append((name, p))
     assert owned and rest
-    decayed = lambda named, wd: [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": wd},  # noqa: E731
-                                 {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
-    adamw = torch.optim.AdamW(decayed(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, fused=True)  # fused, as the run's AdamW
-    sgd = torch.optim.SGD(decayed(owned, 0.1), lr=0.02, momentum=0.9, foreach=False)
+    adamw = torch.optim.AdamW(decay_groups(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, fused=True)
+    sgd = torch.optim.SGD(decay_groups(owned, 0.1), lr=0.02, momentum=0.9, foreach=False)
     for step in range(STEPS):
         backward(modules, model, config, step)
         backward(twins, model, config, step)

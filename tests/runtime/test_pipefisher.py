@@ -160,10 +160,11 @@ def test_a_profile_of_another_run_is_refused(tmp_path, measured):
     assert result.returncode == 2 and "profile has 2 stages but the schedule needs 4" in result.stderr
 
 
-@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw", "kfac"])
 def test_measuring_a_profile_mid_run_leaves_no_trace(optimizer):
     """The profiler's steps drop their gradients and its end-of-step timing restores parameters,
-    optimizer state and learning-rate schedule: training continues bit for bit."""
+    optimizer state and learning-rate schedule: training continues bit for bit (kfac: its
+    optimizer, SGD and AdamW for the rest, on a plan without curvature work)."""
     config = config_from_dict(
         {
             "model": tiny_model(),
