@@ -96,6 +96,24 @@ def results_table(results: list[MethodResult], target: float) -> list[str]:
     return rows
 
 
+def goal_lines(results: list[MethodResult], target: float) -> list[str]:
+    """The issue's goal on this workload: the curvature method with the fewest median steps to
+    the target against AdamW (the first of `results`): steps <= 0.5x and time <= 0.6x, here
+    and at paper scale; and each curvature method's measured step against AdamW's."""
+    base, curvature = results[0], [r for r in results if r.method not in FIRST_ORDER]
+    if not curvature or base.times is None:
+        return ["Goal: no curvature method ran."]
+    best = min(curvature, key=lambda r: r.median_steps(target))
+    steps = best.median_steps(target) / base.median_steps(target)
+    here = steps * best.times.measured_ms / base.times.measured_ms if best.times else math.inf
+    paper = steps * best.times.paper_ms / base.times.paper_ms if best.times else math.inf
+    met = steps <= 0.5 and here <= 0.6 and paper <= 0.6
+    lines = [f"Goal (best curvature method {best.method}): steps {steps:.2f}x AdamW's (goal <= 0.5), time {here:.2f}x here and "
+             f"{paper:.2f}x at paper scale (goal <= 0.6): {'met' if met else 'not met'}."]
+    costs = ", ".join(f"{r.method} {r.times.measured_ms / base.times.measured_ms:.2f}x" for r in curvature if r.times)
+    return lines + [f"Measured packed step against AdamW's pipelined step: {costs}."]
+
+
 def grid_table(grid: dict[Setting, RunResult], target: float) -> list[str]:
     """Markdown rows of the seed-0 grid: setting, final held-out loss, steps to target."""
     rows = ["| method | setting | held-out loss at the end | steps to target |", "|---|---|---|---|"]

@@ -46,12 +46,12 @@ class Sizing:
     steps: int = 600
     warmup: int = 30
     micro_batches: int = 4
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     seq_len: int = 32
     vocab_size: int = 2000
     holdout: float = 0.1
     eval_every: int = 25
-    eval_batches: int = 16
+    eval_batches: int = 24
 
 
 @dataclass(frozen=True)

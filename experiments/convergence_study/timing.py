@@ -9,7 +9,8 @@
   (`profiles/reference/bert-large_time_memory_p100.csv`, micro-batch 32). Those times are K-FAC's
   tasks: another method's tasks are assumed to cost what K-FAC's cost at the same place (its
   statistics as K-FAC's factors, its refresh as the inversion, its per-step work as the
-  preconditioning). AdamW and LAMB get the first-order step.
+  preconditioning, paid in the stage's end of step by a method that preconditions in the
+  optimizer step). AdamW and LAMB get the first-order step (the profile has no optimizer time).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ class StepTime:
     paper_k: int
 
 
-def measure(workload: str, method: str, sizing: Sizing) -> tuple[float, int]:
-    """(median step time [ms] after the warm-up steps, k) of a real `pipefisher run`."""
+def measure(workload: str, method: str, sizing: Sizing, k: int = 0) -> tuple[float, int]:
+    """(median step time [ms] after the warm-up steps, k) of a real `pipefisher run`; `k` > 0 pins
+    a curvature method's interval (0: its packer chooses)."""
     flags = [f"--{section}.{key}" for section, keys in overrides(WORKLOADS[workload], sizing).items() for key in keys]
     values = [str(value) for keys in overrides(WORKLOADS[workload], sizing).values() for value in keys.values()]
     args = [item for pair in zip(flags, values) for item in pair if not pair[0].endswith(".steps")]
+    if k:
+        args += [f"--{method}.refresh_steps", str(k)]
     command = [sys.executable, "-m", "pipefisher", "run", WORKLOADS[workload].run_file, "--json", "--steps", str(TIMED_STEPS),
                "--optimizer", method, "--master-port", "0", *args]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -59,6 +63,7 @@ def measure(workload: str, method: str, sizing: Sizing) -> tuple[float, int]:
 def paper_scale(method: str) -> tuple[float, int]:
     """(predicted step time [ms], k) of `method` on the BERT-Large Chimera 8 x 8 run (P100 times)."""
     from pipefisher.config import load_config
+    from pipefisher.methods.registry import task_rules
     from pipefisher.planning.packing.pack import pack
     from pipefisher.planning.simulate import simulate
     from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
@@ -73,16 +78,22 @@ def paper_scale(method: str) -> tuple[float, int]:
     schedule = build_schedule(config)
     if method in FIRST_ORDER:
         return simulate(schedule, profile).step_time, 0
-    packed = pack(schedule, dataclasses.replace(profile, method=method), pack_options(config))
+    profile = dataclasses.replace(profile, method=method)
+    if not task_rules(method).precondition:  # it preconditions in the optimizer step: the stage's end pays it
+        profile = dataclasses.replace(profile, stages=tuple(
+            dataclasses.replace(stage, step_end=stage.step_end + sum(layer.precondition for layer in stage.layers)) for stage in profile.stages))
+    packed = pack(schedule, profile, pack_options(config))
     return packed.step_time, packed.refresh_steps
 
 
-def step_time(workload: str, method: str, sizing: Sizing, cache: Path) -> StepTime:
-    """`method`'s step times on `workload`, from the cache or measured now."""
+def step_time(workload: str, method: str, sizing: Sizing, cache: Path, again: bool = False) -> StepTime:
+    """`method`'s step times on `workload`, from the cache or measured now; `again`: measured
+    anew at the cached k (all methods back to back under the same load of the machine)."""
     path = cache / f"steptime-{workload}-{method}-{sizing.micro_batches}x{sizing.micro_batch_size}x{sizing.seq_len}-{sizing.vocab_size}.json"
-    if path.is_file():
-        return StepTime(**json.loads(path.read_text()))
-    measured, k = measure(workload, method, sizing)
+    before = StepTime(**json.loads(path.read_text())) if path.is_file() else None
+    if before is not None and not again:
+        return before
+    measured, k = measure(workload, method, sizing, before.k if before else 0)
     paper, paper_k = paper_scale(method)
     found = StepTime(measured, k, paper, paper_k)
     cache.mkdir(parents=True, exist_ok=True)
