@@ -235,7 +235,7 @@ class TorchVariant:
         cls = getattr(pipelining, pair.torch_name)
         # loss_fn on every rank; scale_grads=True -> mean over micro-batches, as pipefisher's loss
         self.schedule = cls(stages if pair.multi else stages[0], n_microbatches=n, loss_fn=mse)
-        self.optimizer = build_optimizer(config.optimizer, self.modules)
+        self.optimizer = build_optimizer(config, self.modules)
         self.data = SyntheticRegression(config.data, config.model)
         self.step_index = 0
 

@@ -1,7 +1,7 @@
 """Training-state memory per rank and gradient traffic per step of the paper run (BERT-Base, 4
 stages, 1F1B: schedules/bert-base-1f1b-4x4.yaml) with 1, 2 and 4 data-parallel copies, for the
-LAMB baseline and for K-FAC (SGD with momentum after preconditioning, plus K-FAC's factors and
-inverses): plain data parallelism, ZeRO stage 1, rank-4 PowerSGD, and (K-FAC) one gradient worker
+LAMB baseline and for K-FAC (SGD with momentum after preconditioning, the run file's
+kfac.first_order rule for what K-FAC leaves, plus K-FAC's factors and inverses): plain data parallelism, ZeRO stage 1, rank-4 PowerSGD, and (K-FAC) one gradient worker
 per layer (kfac.grad_worker_fraction 1/R), from `pipefisher.planning.memory`.
 
 The stages are the real ones (pipefisher's BERT code, seed 0, on the CPU): parameter sizes and
@@ -22,13 +22,16 @@ from pipefisher.runtime.training.stopping import entry_point
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GB = 2**20, 10**9
+#: kfac.first_order's rule and its state, in words
+REST = {"lamb": ("LAMB", "LAMB's two fp32 moments"), "adamw": ("AdamW", "AdamW's two fp32 moments"), "sgd": ("its SGD", "the same")}
 
 HEADER = """\
 Training-state memory per rank of the PipeFisher paper run ({run}: BERT-Base, {stages} stages, {schedule}, \
 micro-batches of {micro_batch} x {seq_len} tokens), from `pipefisher.planning.memory` over the real stages built \
 by pipefisher's BERT code (seed 0). Counted: fp32 parameters and fp32 gradients (whole on every rank, \
 with or without ZeRO-1, as the runtime keeps them), the optimizer's state (LAMB: two fp32 moments; \
-K-FAC: SGD's fp32 momentum buffer, momentum {momentum}) over the parameters a rank updates (ZeRO-1: \
+K-FAC: SGD's fp32 momentum buffer, momentum {momentum}, for the layers it preconditions, \
+{rest} for the parameters it leaves) over the parameters a rank updates (ZeRO-1: \
 the ones it owns, `pipefisher.planning.layouts.zero.shard_owners`), and K-FAC's state once a refresh is committed \
 (running factors A and B and their committed inverses, fp32, with flags and counters; A includes the \
 bias column; every replica keeps every inverse, except with gradient workers: then only the layer's \
@@ -47,7 +50,7 @@ all-reduces and inverse broadcasts are extra and not in it. MiB = 2^20 bytes.
 
 def stage_states(config) -> list:
     """The run's stages as `pipefisher.planning.memory.StageState`s: built for real, then measured."""
-    from pipefisher.methods.kfac.layer import select_layers
+    from pipefisher.methods.kfac.layer import preconditioned_parameters, select_layers
     from pipefisher.methods.kfac.memory import KfacLayer
     from pipefisher.planning.memory import StageState
     from pipefisher.models.bert import BertStagedModel, bert_preset
@@ -59,10 +62,12 @@ def stage_states(config) -> list:
         module = model.build_stage(index, config.pipeline.stages, seed=0)
         layers = select_layers(module, model.first_order_linears())
         parameters = unique_parameters(module)
+        owned = {id(module.get_parameter(name)) for name in preconditioned_parameters(module, model.first_order_linears())}
         stages.append(StageState(
             tuple(p.numel() for p in parameters),
             tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
             tuple(tuple(p.shape) for p in parameters),
+            tuple(id(p) in owned for p in parameters),
         ))
         del module
     return stages
@@ -74,8 +79,8 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
     from pipefisher.core.topology import Topology
 
     schedule = get_schedule(config.pipeline.schedule, config.pipeline.stages, config.pipeline.micro_batches)
-    lamb, kfac = optimizer_state("lamb"), optimizer_state("kfac", momentum)
-    kfac_label = f"K-FAC + SGD (momentum {momentum:g})"
+    lamb, kfac = optimizer_state("lamb"), optimizer_state("kfac", momentum, first_order=config.kfac.first_order)
+    kfac_label = f"K-FAC + SGD (momentum {momentum:g}), {REST[config.kfac.first_order][0]} for the rest"
     lines = [
         ("| data-parallel copies | optimizer | data-parallel path | parameters (MiB) | gradients (MiB) | optimizer state (MiB) "
          "| K-FAC state (MiB) | PowerSGD state (MiB) | total (MiB) | gradient traffic (MiB/step) |"),
@@ -130,7 +135,8 @@ def main() -> None:
     stages = stage_states(config)
     data_parallels = [int(item) for item in args.data_parallel.split(",")]
     header = HEADER.format(run=Path(args.config).name, stages=config.pipeline.stages, schedule=config.pipeline.schedule.upper(),
-                           micro_batch=config.data.micro_batch_size, seq_len=config.model.seq_len, momentum=f"{args.momentum:g}")
+                           micro_batch=config.data.micro_batch_size, seq_len=config.model.seq_len, momentum=f"{args.momentum:g}",
+                           rest=REST[config.kfac.first_order][1])
     biggest = max(max(stage.parameters) for stage in stages)
     numels = ", ".join(f"{stage.numel / 1e6:.2f} M ({len(stage.curvature_layers)} K-FAC layers)" for stage in stages)
     text = "\n".join([

@@ -11,7 +11,7 @@ import torch
 from builders import tiny_model
 from pipefisher.config import config_from_dict
 from pipefisher.methods.kfac import KFACConfig, KFACEngine
-from pipefisher.methods.kfac.layer import select_layers
+from pipefisher.methods.kfac.layer import preconditioned_parameters, select_layers
 from pipefisher.methods.kfac.memory import KfacLayer
 from pipefisher.planning.memory import (
     StageState,
@@ -38,12 +38,17 @@ OPTIMIZERS = {
     "lamb": {"name": "lamb"},
     "sgd-momentum": {"name": "sgd", "momentum": 0.9},
     "sgd": {"name": "sgd"},
-    "kfac-momentum": {"name": "kfac", "momentum": 0.9},
+    "kfac-momentum": {"name": "kfac", "momentum": 0.9},  # AdamW for the parameters K-FAC leaves
+    "kfac-momentum-rest-sgd": {"name": "kfac", "momentum": 0.9, "kfac": {"first_order": "sgd"}},
+    "kfac-rest-lamb": {"name": "kfac", "kfac": {"first_order": "lamb"}},
 }
 
 
 def setup(pipeline: str, optimizer: dict | None = None, zero: int = 0):
-    config = config_from_dict({"model": MODEL, "pipeline": PIPELINES[pipeline], "optimizer": {**(optimizer or {}), "zero": zero}})
+    """The run of `optimizer` (its "kfac" entry: the kfac section) on `pipeline`."""
+    optimizer = dict(optimizer or {})
+    section = optimizer.pop("kfac", {})
+    config = config_from_dict({"model": MODEL, "pipeline": PIPELINES[pipeline], "optimizer": {**optimizer, "zero": zero}, "kfac": section})
     p = config.pipeline
     schedule = get_schedule(p.schedule, p.stages, p.micro_batches, p.chunks if p.schedule == "interleaved" else None)
     return config, TinyRegression(config.model), Topology(schedule, p.data_parallel)
@@ -56,16 +61,18 @@ def stage_states(model: TinyRegression, num_stages: int) -> list[StageState]:
         module = model.build_stage(index, num_stages, seed=0)
         layers = select_layers(module, model.first_order_linears())
         parameters = unique_parameters(module)
+        owned = {id(module.get_parameter(name)) for name in preconditioned_parameters(module, model.first_order_linears())}
         states.append(StageState(tuple(p.numel() for p in parameters),
                                  tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
-                                 tuple(tuple(p.shape) for p in parameters)))
+                                 tuple(tuple(p.shape) for p in parameters), tuple(id(p) in owned for p in parameters)))
     return states
 
 
 def modelled(config, model, topology):
     settings = config.optimizer_settings
+    rule = config.curvature.first_order if config.curvature is not None else "adamw"
     return rank_memory(topology, stage_states(model, topology.schedule.num_stages),
-                       optimizer_state(settings.name, settings.momentum), config.optimizer.zero)
+                       optimizer_state(settings.name, settings.momentum, first_order=rule), config.optimizer.zero)
 
 
 def test_the_model_imports_no_torch():
@@ -85,7 +92,7 @@ def test_optimizer_state_per_rank_is_what_torch_holds_after_a_step(pipeline, opt
     for rank in range(topology.world_size):
         modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
         ownership = Ownership(topology, rank, modules, sharded=zero == 1)
-        real = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
+        real = build_optimizer(config, modules.values(), ownership.updates, model.first_order_linears())
         for module in modules.values():
             for parameter in module.parameters():
                 parameter.grad = torch.ones_like(parameter)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
@@ -100,7 +101,7 @@ class ReferenceCurvature:
     with the pipeline's cycle semantics: refresh cycles of `refresh_steps`, new refresh results
     committed after a cycle's last step. Hooks: `capture` around each micro-batch's
     forward/backward, `before_optimizer_step` after the backwards (raw gradients, before the tied
-    sum), `before_optimizer_update` on the clipped gradients right before the SGD step,
+    sum), `before_optimizer_update` on the clipped gradients right before the optimizer step,
     `after_optimizer_step`. `config`: the run (`RunConfig`); `model`: its `StagedModel`;
     `modules`: what the reference trains."""
 
@@ -132,10 +133,21 @@ class MethodParts:
     `CurvatureRuntime` over its stages' `modules` ((pipe, stage) -> module); `timer(config,
     modules, skip)`: its `TaskTimer`; `layer_names(stage module, skip)`: the layers its tasks
     name, in order; `skip(staged model)`: globs of what stays first-order; `reference(config,
-    model, modules)`: its `ReferenceCurvature`."""
+    model, modules)`: its `ReferenceCurvature`.
+
+    `preconditioned(config, module, skip)`: names (as `module.named_parameters()` gives them) of
+    the parameters of `module` (a stage, or the reference's whole model) whose update the method
+    owns in the run `config`: the ones whose ``.grad`` it rewrites, stepped by its `optimizer`; every
+    other parameter is stepped by the section's `first_order` rule (`pipefisher.optim.build_optimizer`).
+    `optimizer(config, param_groups)`: the update rule of those parameters, a torch optimizer over
+    `param_groups` (decayed and undecayed groups, each with its ``weight_decay``; a parameter whose
+    ``.grad`` is None must be left alone); None: SGD at the section's lr and momentum
+    (`RunConfig.optimizer_settings`), stepping the gradient the method wrote."""
 
     runtime: Callable[..., CurvatureRuntime]
     timer: Callable[[Any, dict, tuple[str, ...]], TaskTimer]
     layer_names: Callable[[nn.Module, tuple[str, ...]], list[str]]
     skip: Callable[[Any], tuple[str, ...]]
     reference: Callable[[Any, Any, nn.Module], ReferenceCurvature]
+    preconditioned: Callable[[Any, nn.Module, tuple[str, ...]], list[str]]
+    optimizer: Callable[[Any, list[dict]], Optimizer] | None = None

@@ -16,8 +16,12 @@ class RefreshConfig:
     `reprofile_patience` cycles in a row, the run measures again and re-packs (a steady gap right
     after a fresh measurement counts as the simulator's error, not as drift)."""
 
-    lr: float = setting(0.0, "learning rate of the SGD step after preconditioning (0 = optimizer.lr)", low=0)
-    momentum: float = setting(0.0, "momentum of that SGD step (0 = optimizer.momentum)", low=0, high=1, high_open=True)
+    lr: float = setting(0.0, "learning rate of the step of the parameters this method preconditions (0 = optimizer.lr)", low=0)
+    momentum: float = setting(0.0, "momentum of that step when it is SGD (0 = optimizer.momentum)", low=0, high=1, high_open=True)
+    first_order: Literal["adamw", "lamb", "sgd"] = setting(
+        "adamw", "rule of the parameters this method does not precondition (embeddings, tied copies, norms, biases it leaves): "
+        "adamw or lamb at optimizer.lr (the rate of both when lr is 0) with optimizer.betas, eps, weight_decay; "
+        "sgd: the method's own SGD step at this section's lr and momentum, as before this key")
     refresh_steps: int = setting(0, "refresh interval k: new refresh results every k steps", low=0, note="0 lets the packer choose")
     placement: Literal["packed", "after-step"] = setting(
         "packed", "packed: the refresh work in the bubbles; after-step: in one block after the first step of each cycle")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from pipefisher.config import OptimizerConfig, RunConfig
 from pipefisher.methods.registry import methods
+from pipefisher.optim.composite import Composite
 
 
 def no_decay(name: str) -> bool:
@@ -30,21 +32,59 @@ def parameter_groups(modules: Iterable[nn.Module], weight_decay: float,
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
 
 
-def build_optimizer(config: OptimizerConfig, modules: Iterable[nn.Module],
-                    keep: Callable[[nn.Parameter], bool] = lambda parameter: True) -> torch.optim.Optimizer:
-    """SGD (with optional momentum; also the step after K-FAC or Shampoo preconditioning), AdamW or
-    LAMB over the parameters of `modules` that `keep` accepts (ZeRO-1: the rank's own).
+def build_optimizer(config: RunConfig, modules: Iterable[nn.Module], keep: Callable[[nn.Parameter], bool] = lambda parameter: True,
+                    skip: tuple[str, ...] | None = None) -> torch.optim.Optimizer:
+    """The run's optimizer over the parameters of `modules` that `keep` accepts (ZeRO-1: the
+    rank's own). A first-order run: its `optimizer.name` rule. A curvature run: a `Composite` of
+    the method's rule over the parameters it preconditions (`MethodParts.preconditioned`, with its
+    `skip` globs, `MethodParts.skip` of the model: required) and the section's `first_order` rule
+    over the rest (`rest_settings`)."""
+    modules = list(modules)
+    settings = config.optimizer
+    if config.curvature is None:
+        return first_order(settings, parameter_groups(modules, settings.weight_decay, keep))
+    if skip is None:
+        raise ValueError(f"build_optimizer: a {settings.name} run needs its skip globs (MethodParts.skip of the model)")
+    parts = methods()[settings.name].runtime_parts()
+    owned = {id(parameter) for module in modules for parameter in named(module, parts.preconditioned(config, module, skip))}
+    method_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) in owned)
+    rest_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) not in owned)
+    method_rule = (parts.optimizer or (lambda run, groups: first_order(replace(run.optimizer_settings, name="sgd"), groups)))
+    section = config.curvature.first_order
+    refusal = "" if section == "sgd" else (
+        f"the checkpoint's optimizer state is one SGD over every parameter (written before {settings.name}.first_order); "
+        f"resume it with {settings.name}.first_order: sgd")
+    single = [p for group in parameter_groups(modules, settings.weight_decay, keep) for p in group["params"]]
+    return Composite({"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)},
+                     single, refusal)
+
+
+def rest_settings(config: RunConfig) -> OptimizerConfig:
+    """The settings of a curvature run's parameters that its method does not precondition: its
+    section's `first_order` rule, with the section's lr and momentum for sgd (the method's own
+    SGD step), else with optimizer.lr, betas, eps and weight_decay."""
+    rule = config.curvature.first_order
+    return replace(config.optimizer_settings if rule == "sgd" else config.optimizer, name=rule)
+
+
+def named(module: nn.Module, names: Iterable[str]) -> list[nn.Parameter]:
+    """The parameters of `module` called `names` (tied copies answer to each of their names)."""
+    by_name = dict(module.named_parameters(remove_duplicate=False))
+    return [by_name[name] for name in names]
+
+
+def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """SGD (with optional momentum), AdamW or LAMB (`settings.name`) over `groups`.
     `foreach=False` keeps per-parameter updates identical however parameters are grouped across ranks."""
-    groups = parameter_groups(modules, config.weight_decay, keep)
-    if config.name == "sgd" or config.name in methods():  # a curvature method preconditions, then SGD steps
-        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, foreach=False)
-    if config.name == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
-    if config.name == "lamb":
+    if settings.name == "sgd":
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, foreach=False)
+    if settings.name == "adamw":
+        return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, foreach=False)
+    if settings.name == "lamb":
         from pipefisher.optim.lamb import Lamb
 
-        return Lamb(groups, lr=config.lr, betas=config.betas, eps=config.eps)
-    raise ValueError(f"optimizer.name: {config.name!r} is not one of sgd, adamw, lamb, {', '.join(methods())}")
+        return Lamb(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+    raise ValueError(f"optimizer.name: {settings.name!r} is not one of sgd, adamw, lamb, {', '.join(methods())}")
 
 
 def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:

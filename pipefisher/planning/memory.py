@@ -8,6 +8,8 @@ interleaved ranks hold several):
   gradients whatever the precision; ZeRO-1 cuts neither);
 - optimizer state: per parameter tensor the runtime's optimizer updates, i.e. every parameter of
   the rank's stages without ZeRO, the rank's own (`pipefisher.planning.layouts.zero.shard_owners`) with ZeRO-1;
+  under a curvature method, the parameters it does not precondition (`StageState.preconditioned`)
+  hold the state of its section's `first_order` rule (`OptimizerState.rest`);
 - curvature state: what the curvature method holds per layer once a refresh is committed (its
   memory model, `CurvatureLayer`; K-FAC's is `pipefisher.methods.kfac.memory`), for every layer of
   every held stage; with G gradient workers per layer (`pipefisher.planning.layouts.kaisa`) a rank
@@ -55,11 +57,17 @@ class CurvatureLayer(Protocol):
 class StageState:
     """One stage's trainable parameters as element counts, each tensor once, in
     ``module.parameters()`` order (the order ZeRO-1 shards them in), the curvature method's
-    layers, and the parameters' shapes in the same order (PowerSGD's traffic needs them)."""
+    layers, the parameters' shapes in the same order (PowerSGD's traffic needs them) and whether
+    the curvature method preconditions each (empty: every one)."""
 
     parameters: tuple[int, ...]
     curvature_layers: tuple[CurvatureLayer, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
+    preconditioned: tuple[bool, ...] = ()
+
+    def preconditions(self, index: int) -> bool:
+        """Whether the curvature method preconditions parameter `index`."""
+        return not self.preconditioned or self.preconditioned[index]
 
     @property
     def numel(self) -> int:
@@ -70,30 +78,37 @@ class StageState:
 class OptimizerState:
     """What an optimizer keeps per parameter tensor: ``bytes_per_element`` × numel plus
     ``bytes_per_tensor``; ``curvature``: a curvature method preconditions the gradients first
-    (its state is counted as curvature state, from the stages' `curvature_layers`)."""
+    (its state is counted as curvature state, from the stages' `curvature_layers`); ``rest``: the
+    state of the parameters it does not precondition (None: the same as the others')."""
 
     name: str
     bytes_per_element: int
     bytes_per_tensor: int = 0
     curvature: bool = False
+    rest: OptimizerState | None = None
 
-    def tensor_bytes(self, numel: int) -> int:
+    def tensor_bytes(self, numel: int, preconditioned: bool = True) -> int:
+        """Bytes kept for a parameter of `numel` elements; `preconditioned`: by the curvature method."""
+        if not preconditioned and self.rest is not None:
+            return self.rest.tensor_bytes(numel)
         return self.bytes_per_element * numel + self.bytes_per_tensor
 
 
-def optimizer_state(name: str, momentum: float = 0.0, element_bytes: int = 4) -> OptimizerState:
+def optimizer_state(name: str, momentum: float = 0.0, element_bytes: int = 4, first_order: str = "adamw") -> OptimizerState:
     """The state of pipefisher's optimizer `name` (`optimizer.name`) over parameters of
     `element_bytes` each: SGD a momentum buffer when momentum > 0 (also after a curvature
-    method, whose memory model `CurvatureMethod.memory` must exist: ValueError otherwise); torch
-    AdamW two moments and a 0-dim fp32 step tensor; pipefisher's LAMB two moments (its step is a
-    Python int)."""
+    method, whose memory model `CurvatureMethod.memory` must exist: ValueError otherwise; the
+    parameters it does not precondition keep the state of its `first_order` rule, that SGD's for
+    sgd); torch AdamW two moments and a 0-dim fp32 step tensor; pipefisher's LAMB two moments (its
+    step is a Python int)."""
     if name == "sgd":
         return OptimizerState(name, element_bytes if momentum > 0 else 0)
     known = methods()
     if name in known:
         if not known[name].memory:
             raise ValueError(f"optimizer {name!r}: the method declares no memory model (CurvatureMethod.memory)")
-        return OptimizerState(name, element_bytes if momentum > 0 else 0, curvature=True)
+        rest = None if first_order == "sgd" else optimizer_state(first_order, element_bytes=element_bytes)
+        return OptimizerState(name, element_bytes if momentum > 0 else 0, curvature=True, rest=rest)
     if name == "adamw":
         return OptimizerState(name, 2 * element_bytes, bytes_per_tensor=4)
     if name == "lamb":
@@ -191,8 +206,7 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
             ranks = topology.replica_ranks(index)
             replicas = len(ranks)
             grid = GradWorkers(ranks, workers_per_layer) if workers_per_layer is not None and workers_per_layer < replicas else None
-            mine = stage.parameters if owners[index] is None else [
-                numel for numel, owner in zip(stage.parameters, owners[index]) if owner == rank]
+            mine = [number for number in range(len(stage.parameters)) if owners[index] is None or owners[index][number] == rank]
             gradient_bytes = stage.numel * widths.gradient
             parameter_bytes = stage.numel * widths.parameter
             if zero:  # reduce-scatter to the owners, then the owners' all-gather of parameters
@@ -212,7 +226,8 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
                                    for layer in stage.curvature_layers)
             parts.append(StageMemory(
                 pipe, index, replicas, parameter_bytes, gradient_bytes,
-                sum(optimizer.tensor_bytes(numel) for numel in mine), curvature, traffic, compression,
+                sum(optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine),
+                curvature, traffic, compression,
             ))
         result.append(RankMemory(rank, tuple(parts)))
     return tuple(result)

@@ -4,7 +4,8 @@ second-moment preconditioner refreshed in the bubbles.
 Per parameter p (tied copies stay first-order, as Shampoo keeps them), from the whole gradient g of
 each refresh cycle's first step: v ← β·v + (1 − β)·g² (one statistic per parameter: the method has
 one part, A), its refresh result s = 1 / (√v + ε), used from the next cycle on, and every step the
-reduced, clipped gradient becomes s ⊙ g before the SGD step. Its run-file section is `diagonal`.
+reduced, clipped gradient becomes s ⊙ g before the SGD step; the other parameters (the tied
+copies) step with the section's `first_order` rule. Its run-file section is `diagonal`.
 
 Importing this module registers the method (spawned ranks import it when they unpickle the run's
 config); tests that only want it for a while use `registered()`.
@@ -223,7 +224,7 @@ class ReferenceDiagonal(ReferenceCurvature):
 
 
 PARTS = MethodParts(runtime=DiagonalRuntime, timer=DiagonalTimer, layer_names=parameter_names, skip=tied_skip,
-                    reference=ReferenceDiagonal)
+                    reference=ReferenceDiagonal, preconditioned=lambda config, module, skip: parameter_names(module, skip))
 DIAGONAL = CurvatureMethod(
     name="diagonal", label="Diagonal",
     rules=TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"),), precondition=False, factors=("A",)),

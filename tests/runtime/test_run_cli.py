@@ -134,7 +134,8 @@ def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cos
     base = load_config(TINY).with_overrides(pipeline={"data_parallel": 2})
     assert describe(base) == "1f1b: 2 stages x 2 replica(s), 4 micro-batches of 4, fp32, 20 steps, sgd lr 0.05"
     kfac = describe(base.with_overrides(optimizer={"name": "kfac"}, kfac={"grad_worker_fraction": 0.5}))
-    assert kfac.endswith("kfac lr 0.05, K-FAC refresh interval chosen by the packer, packed, gradient workers 1 per layer")
+    assert kfac.endswith("kfac lr 0.05, adamw lr 0.05 for the rest, K-FAC refresh interval chosen by the packer, packed, "
+                         "gradient workers 1 per layer")
     assert describe(base.with_overrides(optimizer={"name": "adamw", "zero": 1})).endswith("adamw lr 0.05, ZeRO-1")
     shampoo = describe(base.with_overrides(optimizer={"name": "shampoo"}, shampoo={"refresh_steps": 3, "placement": "after-step"},
                                            comm={"powersgd_rank": 2, "powersgd_start_step": 5}, run={"precision": "bf16"}))

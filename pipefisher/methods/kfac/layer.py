@@ -143,6 +143,13 @@ def select_layers(
     return layers
 
 
+def preconditioned_parameters(model: nn.Module, skip: Iterable[str] = ()) -> list[str]:
+    """Names of the parameters K-FAC rewrites the gradients of: weight and bias of every layer
+    `select_layers` picks."""
+    return [f"{name}.{part}" for name, st in select_layers(model, skip).items()
+            for part in ("weight", "bias")[:1 + int(st.info.has_bias)]]
+
+
 def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
     """The K-FAC view of `module` when it is a linear map of its last input dimension: an
     ``nn.Linear``, or a ``Conv1D`` (by class name, so this module needs no transformers) with a

@@ -34,14 +34,14 @@ from pipefisher.methods.shampoo.grafting import graft_direction, transfer_norm
 from pipefisher.methods.shampoo.health import ShampooHealth, ShampooNumericsWarning
 from pipefisher.methods.shampoo.roots import inverse_root
 from pipefisher.methods.shampoo.settings import ShampooSettings
-from pipefisher.methods.shampoo.state import MatrixState, Roots, is_matrix, new_matrix, trainable_parameters
+from pipefisher.methods.shampoo.state import MatrixState, Roots, is_matrix, new_matrix, owned_parameters
 
 
 class ShampooEngine:
     """Shampoo state of every trainable parameter of ``module`` and the operations on it.
 
     Matrices: parameters with ``ndim >= 2`` whose name matches none of the ``skip`` globs; every
-    other trainable parameter only takes the grafting direction. Tied parameters count once,
+    other trainable parameter only takes the grafting direction (none with ``matrices_only``). Tied parameters count once,
     under their first name in ``named_parameters()``. All state lives on each parameter's device,
     statistics in ``settings.statistics_dtype``, everything else in ``settings.dtype``.
     """
@@ -50,7 +50,7 @@ class ShampooEngine:
         self.settings = settings or ShampooSettings()
         patterns = tuple(skip)
         dtype = self.settings.dtype
-        self._parameters = trainable_parameters(module)
+        self._parameters = owned_parameters(module, patterns, self.settings.matrices_only)
         self._matrices = {
             name: new_matrix(name, p, self.settings.block_size, self.settings.statistics_dtype)
             for name, p in self._parameters.items() if is_matrix(name, p, patterns)

@@ -38,16 +38,18 @@ from pipefisher.runtime.pipeline.comm import Comm, Handle
 
 def shampoo_settings(config: RunConfig) -> ShampooSettings:
     """The engine's settings from the run's shampoo section; Adam grafting takes optimizer.betas[1]
-    and optimizer.eps."""
+    and optimizer.eps; it holds only the matrices unless the rest steps with Shampoo's SGD
+    (`shampoo.first_order` sgd)."""
     s, o = config.shampoo, config.optimizer
     return ShampooSettings(beta2=s.beta2, epsilon=s.epsilon, block_size=s.block_size, root=s.root, grafting=s.grafting,
                            graft_beta2=o.betas[1], graft_epsilon=o.eps, start_step=s.start_step,
-                           statistics_dtype=getattr(torch, s.statistics_dtype))
+                           statistics_dtype=getattr(torch, s.statistics_dtype), matrices_only=s.first_order != "sgd")
 
 
 def tied_skip(tied: list[tuple[str, str]]) -> tuple[str, ...]:
-    """Globs of the tied weights' copies: Shampoo grafts them only (their statistics would need the
-    gradient summed over the stages that hold them, which exists only at the end of the step)."""
+    """Globs of the tied weights' copies: Shampoo does not precondition them (their statistics would
+    need the gradient summed over the stages that hold them, which exists only at the end of the
+    step); it grafts them only when it owns them (`shampoo.first_order` sgd)."""
     return tuple(sorted({f"*{name}" for _, name in tied}))
 
 

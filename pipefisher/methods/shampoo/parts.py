@@ -1,8 +1,9 @@
 """Shampoo's torch side as the runtime, profiler and reference read it (`MethodParts`)."""
 
 from pipefisher.methods.interface import MethodParts
-from pipefisher.methods.shampoo.ops import ShampooRuntime, ShampooTimer, matrix_names, tied_skip
+from pipefisher.methods.shampoo.ops import ShampooRuntime, ShampooTimer, matrix_names, shampoo_settings, tied_skip
 from pipefisher.methods.shampoo.reference import ReferenceShampoo
+from pipefisher.methods.shampoo.state import owned_parameters
 
 PARTS = MethodParts(
     runtime=ShampooRuntime,
@@ -10,4 +11,5 @@ PARTS = MethodParts(
     layer_names=matrix_names,
     skip=lambda model: tied_skip(model.tied_parameters()),
     reference=ReferenceShampoo,
+    preconditioned=lambda config, module, skip: list(owned_parameters(module, skip, shampoo_settings(config).matrices_only)),
 )

@@ -31,6 +31,8 @@ class ShampooSettings:
     statistics: a statistic ``G Gᵀ`` squares the gradient's condition number, so float32 resolves
     its eigenvalues only down to about ``1e-7 λ_max``; below that a root with a small ``epsilon``
     amplifies rounding (any change in the order of a sum) into a different update.
+    ``matrices_only``: the engine holds and rewrites only the matrices, leaving every other
+    parameter to the run's first-order rule (False: those take the grafting direction).
     """
 
     beta2: float = 1.0
@@ -43,6 +45,7 @@ class ShampooSettings:
     start_step: int = 0
     dtype: torch.dtype = torch.float32
     statistics_dtype: torch.dtype = torch.float64
+    matrices_only: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.beta2 <= 1.0:

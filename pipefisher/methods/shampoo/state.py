@@ -52,6 +52,12 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
+def owned_parameters(module: nn.Module, skip: Iterable[str], matrices_only: bool) -> dict[str, nn.Parameter]:
+    """The parameters whose gradient Shampoo rewrites: every trainable one, or only its matrices."""
+    patterns = tuple(skip)
+    return {name: p for name, p in trainable_parameters(module).items() if not matrices_only or is_matrix(name, p, patterns)}
+
+
 def is_matrix(name: str, parameter: Tensor, skip: Iterable[str]) -> bool:
     """At least 2-D and matching none of the ``skip`` globs (fnmatch, case-sensitive)."""
     return parameter.dim() >= 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)

@@ -143,6 +143,12 @@ def _problem(folder: Path, manifest: dict, world_size: int) -> str | None:
     return None
 
 
+def _before_added(config: RunConfig) -> dict[str, Any]:
+    """Keys added since checkpoints were written whose behaviour then was not today's default: a
+    curvature run's other parameters stepped with its method's SGD (`first_order` sgd)."""
+    return {f"{config.optimizer.name}.first_order": "sgd"} if config.curvature is not None else {}
+
+
 def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[str]]:
     """The newest step of this configuration whose files all verify, and one line for every newer
     step it skips (why). CheckpointError if there is none, or the newest complete step is of
@@ -150,7 +156,7 @@ def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[
     directory = Path(directory)
     skipped: list[str] = []
     ours = identity(config)
-    defaults = identity(RunConfig())  # keys added since a checkpoint was written count as their defaults
+    defaults = {**identity(RunConfig()), **_before_added(config)}  # keys added since a checkpoint was written
     for step, folder in _steps(directory):
         try:
             manifest = json.loads((folder / MANIFEST).read_text())
@@ -165,7 +171,7 @@ def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[
         if differing is not None:
             raise CheckpointError(
                 f"the checkpoint in {directory} is from another configuration: {differing} is "
-                f"{theirs.get(differing)!r} there and {ours.get(differing)!r} here"
+                f"{theirs.get(differing)!r} there and {ours.get(differing)!r} here; set {differing}: {theirs.get(differing)!r} to resume it"
             )
         problem = _problem(folder, manifest, config.world_size)
         if problem is None:

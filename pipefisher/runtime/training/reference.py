@@ -29,7 +29,7 @@ from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import data_source, staged_model
 from pipefisher.runtime.training.stopping import Stopped, stop_request
-from pipefisher.runtime.training.trainer import StepCallback, TrainResult
+from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None, eval
     precision = Precision(config.run.precision, device)
     net = (_unsplit if hasattr(model, "unsplit") else _stages_in_sequence)(model, config, precision)
     stages = net.modules
-    optimizer = build_optimizer(config.optimizer_settings, stages)
+    optimizer = build_optimizer(config, stages, skip=method_skip(config, model))
     scheduler = build_scheduler(config, optimizer)
     micro_batch = data_source(config)
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None

@@ -12,6 +12,7 @@ import torch
 from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import method, method_of
+from pipefisher.optim import rest_settings
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (
@@ -34,11 +35,14 @@ def describe_pipeline(config: RunConfig) -> str:
 
 
 def describe(config: RunConfig) -> str:
-    """The run in one line: pipeline, precision, steps, optimizer, and every setting that changes
-    the training or its cost (curvature refresh and placement, ZeRO, PowerSGD, gradient workers)."""
+    """The run in one line: pipeline, precision, steps, optimizer (and a curvature run's rule for
+    the rest), and every setting that changes the training or its cost (curvature refresh and
+    placement, ZeRO, PowerSGD, gradient workers)."""
     parts = [describe_pipeline(config), f"{config.run.steps} steps", f"{config.optimizer.name} lr {config.optimizer_settings.lr:g}"]
     section = config.curvature
     if section is not None:
+        rest = rest_settings(config)
+        parts.append(f"{rest.name} lr {rest.lr:g} for the rest")
         k = f"every {section.refresh_steps} steps" if section.refresh_steps else "interval chosen by the packer"
         parts.append(f"{method(config.optimizer.name).label} refresh {k}, {section.placement}")
     if config.workers_per_layer is not None:

@@ -15,6 +15,7 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import profile_from_dict
 from pipefisher.core.topology import Topology
+from pipefisher.methods.registry import method_of
 from pipefisher.models.init import derive_seed
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.planning.comm.plan import group_members
@@ -101,7 +102,7 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     bucket_bytes = int(config.run.bucket_mb * 2**20)
     ownership = Ownership(topology, rank, modules, sharded)
     buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if sharded else None) for key, module in modules.items()}
-    optimizer = build_optimizer(config.optimizer_settings, modules.values(), ownership.updates)
+    optimizer = build_optimizer(config, modules.values(), ownership.updates, method_skip(config, model))
     powersgd = {
         key: PowerSGD(buffer, compression, seed=config.run.seed * 1009 + key[1], loss_scale=grad_scale)
         for key, buffer in buffers.items() if compression and len(topology.replica_ranks(key[1])) > 1
@@ -121,6 +122,11 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
 
     executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path)
     return executor, schedule
+
+
+def method_skip(config: RunConfig, model) -> tuple[str, ...] | None:
+    """The globs of what the run's curvature method leaves first-order in `model` (None: a first-order run)."""
+    return method_of(config).runtime_parts().skip(model) if config.curvature is not None else None
 
 
 def has_tied_weights(model, schedule: Schedule) -> bool:

@@ -1,0 +1,134 @@
+"""The optimizer of a curvature run (`build_optimizer`): the parameters its method preconditions
+step with the method's SGD, every other one with the section's `first_order` rule, each exactly
+as an independent torch optimizer over just those parameters; `first_order: sgd` is the one SGD
+of before, and a state dict of that one SGD loads only then."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from builders import tiny_model
+from pipefisher.config import config_from_dict
+from pipefisher.models.tiny import TinyRegression
+from pipefisher.optim import build_optimizer, build_scheduler, no_decay, parameter_groups
+from pipefisher.runtime.training.assembly import data_source
+from pipefisher.runtime.training.trainer import method_skip
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def run(method: str, **section):
+    """A two-stage tiny transformer under `method`: its lr 0.02 with momentum 0.9, optimizer.lr
+    0.005 with weight decay 0.1 (AdamW's betas and eps from the optimizer section)."""
+    return config_from_dict({
+        "model": tiny_model(), "optimizer": {"name": method, "lr": 0.005, "weight_decay": 0.1, "betas": [0.8, 0.99], "eps": 1e-6},
+        method: {"lr": 0.02, "momentum": 0.9, **section}})
+
+
+def stages(config) -> tuple[list[nn.Module], TinyRegression]:
+    model = TinyRegression(config.model)
+    return [model.build_stage(index, 2, seed=0) for index in range(2)], model
+
+
+def backward(modules: list[nn.Module], model: TinyRegression, config, step: int) -> None:
+    """Real gradients: the model's loss on micro-batch (step, 0)."""
+    batch = data_source(config)(step, 0)
+    x = None
+    for module in modules:
+        x = module(x, batch)
+    model.loss(x, batch)[0].backward()
+
+
+#: what each method preconditions in the tiny transformer, stated independently of its code
+PRECONDITIONED = {"kfac": lambda module, name, p: isinstance(module.get_submodule(name.rsplit(".", 1)[0]), nn.Linear),
+                  "shampoo": lambda module, name, p: p.dim() >= 2}
+
+
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_the_rest_steps_as_adamw_and_the_preconditioned_parameters_as_the_methods_sgd(method):
+    config = run(method)
+    modules, model = stages(config)
+    twins = [copy.deepcopy(module) for module in modules]
+    optimizer = build_optimizer(config, modules, skip=method_skip(config, model))
+    owned, rest = [], []
+    for module in twins:
+        for name, p in module.named_parameters():
+            (owned if PRECONDITIONED[method](module, name, p) else rest).append((name, p))
+    assert owned and rest
+    decayed = lambda named, wd: [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": wd},  # noqa: E731
+                                 {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(decayed(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, foreach=False)
+    sgd = torch.optim.SGD(decayed(owned, 0.1), lr=0.02, momentum=0.9, foreach=False)
+    for step in range(STEPS):
+        backward(modules, model, config, step)
+        backward(twins, model, config, step)
+        optimizer.step()
+        adamw.step()
+        sgd.step()
+        for module in modules + twins:
+            module.zero_grad(set_to_none=True)
+    for module, twin in zip(modules, twins):
+        for (name, p), (_, expected) in zip(module.named_parameters(), twin.named_parameters()):
+            assert torch.equal(p, expected), name
+    assert len(optimizer.state) == len(owned) + len(rest)
+
+
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_first_order_sgd_is_the_one_sgd_of_before_and_loads_its_state(method):
+    """The one SGD over every parameter at the section's lr and momentum: stepped the same, and its
+    state dict (a checkpoint written before `first_order`) continues bit for bit."""
+    config = run(method, first_order="sgd")
+    modules, model = stages(config)
+    twins = [copy.deepcopy(module) for module in modules]
+    before = torch.optim.SGD(parameter_groups(twins, 0.1), lr=0.02, momentum=0.9, foreach=False)
+    for step in range(STEPS):
+        backward(twins, model, config, step)
+        before.step()
+        before.zero_grad(set_to_none=True)
+    for module, twin in zip(modules, twins):
+        module.load_state_dict(twin.state_dict())
+    optimizer = build_optimizer(config, modules, skip=method_skip(config, model))
+    optimizer.load_state_dict(copy.deepcopy(before.state_dict()))  # as from a file: no shared buffers
+    for step in range(STEPS, 2 * STEPS):
+        for net, stepper in ((modules, optimizer), (twins, before)):
+            backward(net, model, config, step)
+            stepper.step()
+            stepper.zero_grad(set_to_none=True)
+    for module, twin in zip(modules, twins):
+        assert all(torch.equal(p, q) for p, q in zip(module.parameters(), twin.parameters()))
+
+
+def test_a_state_of_one_sgd_is_refused_under_adamw_with_the_fix():
+    config = run("kfac")
+    modules, model = stages(config)
+    before = torch.optim.SGD(parameter_groups(modules, 0.1), lr=0.02, momentum=0.9, foreach=False)
+    with pytest.raises(ValueError, match="resume it with kfac.first_order: sgd"):
+        build_optimizer(config, modules, skip=method_skip(config, model)).load_state_dict(before.state_dict())
+
+
+def test_a_curvature_run_needs_the_skip_globs():
+    config = run("kfac")
+    with pytest.raises(ValueError, match="skip globs"):
+        build_optimizer(config, stages(config)[0])
+
+
+def test_the_schedule_scales_both_rules_from_their_own_rates():
+    config = run("kfac").with_overrides(optimizer={"warmup_steps": 4}, run={"steps": 10})
+    modules, model = stages(config)
+    optimizer = build_optimizer(config, modules, skip=method_skip(config, model))
+    scheduler = build_scheduler(config, optimizer)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    rates = {name: [group["lr"] for group in part.param_groups] for name, part in optimizer.parts.items()}
+    assert rates == {"method": pytest.approx([0.01, 0.01]), "rest": pytest.approx([0.0025, 0.0025])}, "half-way through warm-up"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01), "the reported rate is the method's"
