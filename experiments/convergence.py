@@ -17,7 +17,7 @@ gradients) is recorded; BERT is judged on its MLM loss, GPT-2 on its LM loss.
 3. Every other method on its grid (the lr of AdamW/LAMB, or of the method's section; a curvature
    method gives AdamW at the tuned AdamW lr to what it does not precondition), seed 0; the setting
    with the fewest steps to the target wins (then the lowest final loss); seeds 1.. at it.
-   A grid whose best point is at an edge grows past it (a factor of 3), up to twice.
+   A grid whose best point is at an edge grows past it (a factor of 3), once.
 
 Steps to target: first crossing of the held-out curve, linear between evaluations. Time to
 target: steps x step time. Writes OUT.png (curves vs step and vs time), OUT.csv (every
@@ -58,7 +58,7 @@ GRIDS = {
 QUICK = Sizing(steps=30, warmup=3, micro_batches=2, micro_batch_size=2, seq_len=16, vocab_size=600, eval_every=10, eval_batches=2)
 QUICK_K = 10
 #: how often a grid whose best point is at an edge grows past it
-EXTEND = 2
+EXTEND = 1
 
 
 def log(t0: float, message: str) -> None:

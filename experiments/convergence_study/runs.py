@@ -94,8 +94,17 @@ def make_config(setting: Setting, sizing: Sizing):
         changes["optimizer"] = {**changes["optimizer"], "name": setting.method, "lr": setting.lr}
     else:
         changes["optimizer"] = {**changes["optimizer"], "name": setting.method, "lr": setting.base_lr}
-        changes[setting.method] = {"lr": setting.lr, "refresh_steps": setting.k}
+        changes[setting.method] = {"lr": setting.lr, "refresh_steps": setting.k, **rest_rule(workload, setting.method)}
     return load_config(ROOT / workload.run_file).with_overrides(**changes)
+
+
+def rest_rule(workload: Workload, method: str) -> dict[str, str]:
+    """AdamW for what `method` does not precondition, where its section names that rule
+    (`first_order`: adamw, lamb or sgd; the BERT demo's run file says lamb, its baseline)."""
+    from pipefisher.config import load_config
+
+    rule = getattr(load_config(ROOT / workload.run_file).section(method), "first_order", None)
+    return {"first_order": "adamw"} if rule in ("adamw", "lamb", "sgd") else {}
 
 
 def cache_path(setting: Setting, sizing: Sizing, cache: Path) -> Path:

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, overrides
+from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, overrides, rest_rule
 
 TIMED_STEPS = 14
 WARMUP = 4
@@ -50,6 +50,7 @@ def measure(workload: str, method: str, sizing: Sizing, k: int = 0) -> tuple[flo
     args = [item for pair in zip(flags, values) for item in pair if not pair[0].endswith(".steps")]
     if k:
         args += [f"--{method}.refresh_steps", str(k)]
+    args += [item for key, value in rest_rule(WORKLOADS[workload], method).items() for item in (f"--{method}.{key}", value)] if method not in FIRST_ORDER else []
     command = [sys.executable, "-m", "pipefisher", "run", WORKLOADS[workload].run_file, "--json", "--steps", str(TIMED_STEPS),
                "--optimizer", method, "--master-port", "0", *args]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
