@@ -52,6 +52,11 @@ class Composite(torch.optim.Optimizer):
             raise ValueError(f"optimizer state of parts {sorted(state_dict['parts'])}, this optimizer has {sorted(self.parts)}")
         for name, part in self.parts.items():
             part.load_state_dict(state_dict["parts"][name])
+        self._share_groups()
+
+    def _share_groups(self) -> None:
+        """`param_groups` are the parts' group dicts again (a part's `load_state_dict` makes new ones)."""
+        self.param_groups = [group for part in self.parts.values() for group in part.param_groups]
 
     def _load_single(self, state_dict: dict[str, Any]) -> None:
         """Each part takes the per-parameter state of its parameters from one optimizer's state dict
@@ -68,3 +73,4 @@ class Composite(torch.optim.Optimizer):
             own["state"] = {number: state_dict["state"][index[id(parameter)]] for number, parameter in enumerate(mine)
                             if index[id(parameter)] in state_dict["state"]}
             part.load_state_dict(own)
+        self._share_groups()

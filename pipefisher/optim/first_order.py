@@ -75,11 +75,13 @@ def named(module: nn.Module, names: Iterable[str]) -> list[nn.Parameter]:
 
 def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """SGD (with optional momentum), AdamW or LAMB (`settings.name`) over `groups`.
-    `foreach=False` keeps per-parameter updates identical however parameters are grouped across ranks."""
+    `foreach=False` (SGD) and fused AdamW keep per-parameter updates identical however parameters are
+    grouped across ranks; fused AdamW also keeps its step counters on the parameters' device, so
+    a step reads nothing back to the host."""
     if settings.name == "sgd":
         return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, foreach=False)
     if settings.name == "adamw":
-        return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, foreach=False)
+        return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=True)
     if settings.name == "lamb":
         from pipefisher.optim.lamb import Lamb
 
