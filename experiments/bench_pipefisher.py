@@ -30,7 +30,7 @@ Per schedule, one 2-process group:
 
 Nothing in the package is changed.
 
-Usage: python experiments/bench_pipefisher.py [--method kfac|shampoo] [--schedules 1f1b gpipe chimera] [--repeats 7]
+Usage: python experiments/bench_pipefisher.py [--method kfac|shampoo|... (a registered method)] [--schedules 1f1b gpipe chimera] [--repeats 7]
        [--max-rounds 20] [--time-budget 75] [--min-steps 4] [--warmup-cycles 2]
        [--micro-batches 4] [--micro-batch-size 2] [--hidden 128] [--heads 4] [--ffn 256]
        [--seq-len 512] [--layers 2] [--inverse eigen] [--refresh-steps K]
@@ -58,7 +58,7 @@ import yaml
 from pipefisher.config import RunConfig, config_from_dict
 from pipefisher.core.ir import OpKind
 from pipefisher.core.profile import Profile
-from pipefisher.methods.registry import method_of
+from pipefisher.methods.registry import method_of, methods
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, simulate
@@ -94,7 +94,7 @@ def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: st
         "reprofile_threshold": 1e9, "reprofile_patience": 10**6,
     }
     own = {"kfac": {"damping": args["damping"], "inverse": args["inverse"]},
-           "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]}}[method]
+           "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]}}.get(method, {})  # other methods: their defaults
     return {
         "model": {
             "kind": "transformer", "layers": args["layers"], "hidden": args["hidden"], "heads": args["heads"],
@@ -540,7 +540,7 @@ def report(results: list[dict], args: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=["kfac", "shampoo"], default="kfac", help="the curvature method of the two packed variants")
+    parser.add_argument("--method", choices=list(methods()), default="kfac", help="the curvature method of the two packed variants")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "chimera"], choices=["1f1b", "gpipe", "chimera"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-steps", type=int, default=4, help="timed steps per block, rounded up to whole cycles")

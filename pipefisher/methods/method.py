@@ -3,7 +3,8 @@
 Every method's refresh work of one layer (a matrix it preconditions) is expressed in the same op
 kinds, so the packer, plans, the NCCL-order check, the simulator and viz serve all methods alike.
 A layer has one or two *parts* (`TaskRules.factors`: K-FAC's input and output-gradient factors,
-Shampoo's left and right statistics, one for a diagonal method), and per part:
+Shampoo's left and right statistics, one for a diagonal method; none for a method whose work
+recurs every step, which is then its P op alone), and per part:
 
 - curvature CA/CB per micro-batch (methods whose statistics are sums over micro-batches);
 - a sync SA/SB, an all-reduce of its input over the stage's replicas (pipes x data-parallel);
@@ -29,7 +30,8 @@ FACTORS = ("A", "B")
 class TaskRules:
     """The task structure of one curvature method.
 
-    `factors`: the parts of a layer's refresh work, a prefix of ("A", "B").
+    `factors`: the parts of a layer's refresh work, a prefix of ("A", "B"); () for a method
+    without refresh work (its work is the per-step precondition).
     `curvature`: each part is built from per-micro-batch curvature tasks of the cycle's first
     step (CA/CB); otherwise from the stage's whole gradient of that step (after its backwards).
     `syncs`: the inputs all-reduced over a replicated stage, one sync op each, named by part.
@@ -45,8 +47,8 @@ class TaskRules:
     factors: tuple[str, ...] = FACTORS
 
     def __post_init__(self) -> None:
-        if self.factors not in (FACTORS[:1], FACTORS):
-            raise ValueError(f"factors: {self.factors!r} must be ('A',) or ('A', 'B')")
+        if self.factors not in ((), FACTORS[:1], FACTORS):
+            raise ValueError(f"factors: {self.factors!r} must be (), ('A',) or ('A', 'B')")
         if {part for part, _ in self.sync_of} != set(self.factors) or not set(self.syncs) <= set(self.factors):
             raise ValueError(f"sync_of: {self.sync_of!r} must name one sync of `syncs` for each of {self.factors!r}")
 

@@ -1,4 +1,4 @@
-"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo), those a program
+"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo, Muon), those a program
 registers (`register`) and those installed packages declare under the entry-point group
 ``pipefisher.methods`` (each entry a `CurvatureMethod`). Everything outside a method's folder
 finds a method here, by name. Pure Python: no torch."""
@@ -10,6 +10,7 @@ from importlib.metadata import entry_points
 from pipefisher.core.ir import ScheduleError
 from pipefisher.methods.kfac.method import KFAC
 from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.muon.method import MUON
 from pipefisher.methods.shampoo.method import SHAMPOO
 
 ENTRY_POINT_GROUP = "pipefisher.methods"
@@ -17,7 +18,7 @@ ENTRY_POINT_GROUP = "pipefisher.methods"
 #: tasks `pipefisher profile` times for a first-order run
 DEFAULT_METHOD = KFAC.name
 
-_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO)}
+_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO, MUON)}
 _entry_points_loaded = False
 
 

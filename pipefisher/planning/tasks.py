@@ -240,7 +240,7 @@ def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_p
         if not layers:
             continue
         synced = len(replicas[stage]) * data_parallel > 1
-        exchanged = len(replicas[stage]) > 1 and split
+        exchanged = len(replicas[stage]) > 1 and split and bool(rules.factors)
         for layer in layers:
             name = layer.name
             for factor in rules.factors:

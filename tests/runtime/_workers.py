@@ -219,6 +219,21 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
                            method=method_of(config).name)
 
 
+def profiled_by_the_cli(run_file, folder, optimizer: str):
+    """`pipefisher profile RUN_FILE --optimizer OPTIMIZER` (2 repeats): the profile it wrote into
+    `folder` and its file's path."""
+    import subprocess
+    from pathlib import Path
+
+    from pipefisher.core.profile import load_profile
+
+    path = Path(folder) / f"{optimizer}.yaml"
+    result = subprocess.run(["pipefisher", "profile", str(run_file), "-o", str(path), "--master-port", "0", "--repeats", "2",
+                             "--optimizer", optimizer], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return load_profile(path), path
+
+
 def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> TrainResult:
     """Train `config` pipelined and in one process: every rank's losses equal the reference's to
     rtol 1e-5, its parameters (pipe 1's named as pipe 0's) to rtol 1e-5 and `parameter_atol`.

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined
+from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined, profiled_by_the_cli
 from pipefisher.config import config_from_dict
-from pipefisher.core.profile import load_profile
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import SCHEDULES
@@ -92,13 +91,7 @@ def test_shampoo_resumes_mid_cycle_bit_for_bit_with_collectives_in_flight(tmp_pa
 
 
 def test_profile_of_a_shampoo_run_times_its_tasks_and_packs(tmp_path):
-    profile_path = tmp_path / "shampoo.yaml"
-    result = subprocess.run(
-        ["pipefisher", "profile", str(TINY), "-o", str(profile_path), "--master-port", "0", "--repeats", "2", "--optimizer", "shampoo"],
-        capture_output=True, text=True, timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
-    profile = load_profile(profile_path)
+    profile, profile_path = profiled_by_the_cli(TINY, tmp_path, "shampoo")
     assert profile.method == "shampoo"
     layers = [layer for stage in profile.stages for layer in stage.layers]
     assert "embed.weight" in [layer.name for layer in profile.stages[0].layers]

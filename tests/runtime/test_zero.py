@@ -77,9 +77,14 @@ def test_zero1_with_lamb_equals_the_unsharded_run():
 @pytest.mark.parametrize("method", methods())
 def test_zero1_under_a_curvature_method_equals_the_reference(method):
     """K-FAC preconditions before the reduction; Shampoo preconditions (with its grafting state)
-    only the parameters a rank owns, after it."""
+    only the parameters a rank owns, after it; Muon shares a replicated stage's work among its
+    replicas itself, and refuses ZeRO-1 in one line (None)."""
     sections = {"kfac": {"refresh_steps": 2, "factor_decay": 0.5, "damping": 0.01},
-                "shampoo": {"refresh_steps": 2, "block_size": 12, "epsilon": 1e-4}}
+                "shampoo": {"refresh_steps": 2, "block_size": 12, "epsilon": 1e-4}, "muon": None}
+    if sections[method] is None:
+        with pytest.raises(ConfigError, match=rf"^optimizer.zero: {method} shares each replicated stage's"):
+            zero_config("chimera", 1, method)
+        return
     config = zero_config("chimera", 1, method).with_overrides(optimizer={"lr": 0.05 if method == "kfac" else 0.01},
                                                               run={"steps": 4}, **{method: sections[method]})
     assert_equal_to_reference(config, 2e-4)

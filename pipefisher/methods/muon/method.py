@@ -1,0 +1,65 @@
+"""Muon's declaration: its run-file section, its task rules and where its torch parts live. Pure Python.
+
+Muon has no refresh work: its work is the orthogonalisation of every step, the P op of a stage.
+On a stage with one replica the P op runs as soon as the stage's gradient is final (in the drain
+bubble on most stages); a replicated stage (Chimera's pipes, data-parallel copies) orthogonalises
+after its gradient reduction, each replica a share of the matrices (one gradient worker per
+matrix, `gradient_workers`), and broadcasts its share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pipefisher.core.settings import ConfigError, setting
+from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.settings import RefreshConfig
+
+#: the quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+@dataclass(frozen=True)
+class MuonConfig(RefreshConfig):
+    """Muon settings (used with optimizer.name muon; `pipefisher.methods.muon`): momentum
+    orthogonalised by Newton–Schulz every step for the weights of linear layers but the model's
+    first-order ones and tied copies; the other parameters take the first-order rule. Of the
+    placement keys, refresh_steps only sets how many steps a plan's cycle has, max_overhead,
+    max_refresh_steps and max_capture_mb have nothing to act on, and split cannot be turned off."""
+
+    refresh_steps: int = setting(10, "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
+                                     "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1")
+    momentum: float = setting(0.95, "Muon's momentum μ: B ← μB + (1 − μ)g", low=0, high=1, high_open=True)
+    nesterov: bool = setting(True, "orthogonalise g + μ(B − g) (Nesterov) instead of B")
+    ns_steps: int = setting(5, "Newton–Schulz iterations", low=1, high=99)
+    ns_coefficients: tuple[float, float, float] = setting(NS_COEFFICIENTS, "quintic Newton–Schulz coefficients a, b, c")
+    eps: float = setting(1e-7, "floor of the Frobenius norm the momentum is divided by first", low=0, low_open=True)
+    adjust_lr: Literal["original", "match_rms_adamw"] = setting(
+        "original", "shape scale of the step of a (rows, cols) matrix: original √max(1, rows/cols); "
+                    "match_rms_adamw 0.2·√max(rows, cols)")
+    ns_dtype: Literal["float32", "bfloat16", "float64"] = setting(
+        "float32", "dtype of the Newton–Schulz iteration (bfloat16 as torch.optim.Muon, fast on GPUs, but its rounding "
+        "can turn a gradient summed in another order, over replicas, into an update 2 % apart)")
+
+    def check(self, name: str, config: Any) -> None:
+        if config.optimizer.name != name:
+            return
+        if not self.split:
+            raise ConfigError(f"{name}.split: false is not possible: a replicated stage always orthogonalises a share "
+                              "per replica after the gradient reduction; remove the key")
+        if config.optimizer.zero and config.stage_replicas > 1:
+            raise ConfigError(f"optimizer.zero: {name} shares each replicated stage's orthogonalisation among its replicas "
+                              "itself, which needs every replica's reduced gradient; use optimizer.zero 0")
+
+    def gradient_workers(self, replicas: int) -> int:
+        """One replica orthogonalises each matrix (after the reduction) and broadcasts it."""
+        return 1
+
+
+MUON = CurvatureMethod(
+    name="muon", label="Muon",
+    rules=TaskRules(curvature=False, syncs=(), sync_of=(), precondition=True, factors=()),
+    settings=MuonConfig, parts="pipefisher.methods.muon.parts:PARTS", flags=("momentum", "adjust_lr"),
+    memory="pipefisher.methods.muon.memory:MuonLayer",
+)

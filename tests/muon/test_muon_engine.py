@@ -1,0 +1,90 @@
+"""Muon's engine beyond the oracle: which weights it takes, the shape scale of a Conv1D weight
+(stored transposed), a skipped step, the state a checkpoint keeps, and the memory model against
+the tensors each replica holds."""
+
+import pytest
+import torch
+from torch import nn
+
+from builders import tiny_model
+from pipefisher.config import config_from_dict
+from pipefisher.core.topology import Topology
+from pipefisher.methods.muon.engine import MuonEngine
+from pipefisher.methods.muon.memory import MuonLayer
+from pipefisher.methods.muon.newton_schulz import MuonSettings
+from pipefisher.methods.muon.ops import MuonRuntime, first_order_globs
+from pipefisher.models.tiny import TinyRegression
+from pipefisher.planning.memory import StageState, optimizer_state, rank_memory
+from pipefisher.runtime.gradient_path.buffers import unique_parameters
+from pipefisher.schedules import get_schedule
+
+
+def test_it_takes_the_linear_weights_but_skipped_ones_and_leaves_the_rest():
+    net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    assert MuonEngine(net, MuonSettings()).names() == ["1.weight", "3.weight"]
+    assert MuonEngine(net, MuonSettings(), skip=("*3.weight",)).names() == ["1.weight"]
+
+
+def test_a_conv1d_weight_takes_the_scale_of_the_layer_it_maps():
+    """GPT-2's Conv1D stores an (in, out) weight: its step is the transposed twin Linear's."""
+    from transformers.pytorch_utils import Conv1D
+
+    linear, conv = nn.Linear(4, 12, bias=False), Conv1D(12, 4)
+    with torch.no_grad():
+        conv.weight.copy_(linear.weight.T)
+    gradient = torch.randn(12, 4)
+    linear.weight.grad, conv.weight.grad = gradient.clone(), gradient.T.clone()
+    settings = MuonSettings()
+    for module in (linear, conv):
+        engine = MuonEngine(module, settings)
+        engine.orthogonalise("weight")
+        engine.apply()
+    assert MuonEngine(conv, settings).matrices["weight"].rows == 12
+    torch.testing.assert_close(conv.weight.grad, linear.weight.grad.T, rtol=1e-6, atol=1e-7)
+    assert torch.linalg.svdvals(linear.weight.grad).mean() > 1.4, "√3 times an orthogonalised matrix"
+
+
+def test_a_step_not_applied_leaves_the_momentum_and_the_checkpoint_round_trips():
+    net = nn.Linear(5, 3)
+    engine = MuonEngine(net, MuonSettings(momentum=0.5))
+    net.weight.grad = torch.ones(3, 5)
+    engine.orthogonalise("weight")
+    engine.apply()
+    kept = engine.state_dict()["weight"].clone()
+    assert torch.equal(kept, torch.full((3, 5), 0.5))
+    engine.orthogonalise("weight", gradient=torch.full((3, 5), float("inf")))  # fp16 overflowed: no apply
+    assert torch.equal(engine.state_dict()["weight"], kept)
+    restored = MuonEngine(nn.Linear(5, 3), MuonSettings(momentum=0.5))
+    restored.load_state_dict(engine.state_dict())
+    assert torch.equal(restored.state_dict()["weight"], kept)
+    with pytest.raises(ValueError, match="'weight': momentum of shape"):
+        restored.load_state_dict({"weight": torch.zeros(5, 3)})
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
+    """Every rank holds each matrix's update; its momentum only where the rank orthogonalises it."""
+    config = config_from_dict({"model": tiny_model(), "pipeline": {"stages": 2, "micro_batches": 4, "data_parallel": data_parallel},
+                               "optimizer": {"name": "muon"}})
+    model = TinyRegression(config.model)
+    topology = Topology(get_schedule("1f1b", 2, 4), data_parallel)
+    skip = first_order_globs(model)
+    states = []
+    for stage in range(2):
+        module = model.build_stage(stage, 2, seed=0)
+        engine = MuonEngine(module, MuonSettings(), skip)
+        states.append(StageState(tuple(p.numel() for p in unique_parameters(module)),
+                                 tuple(MuonLayer(name, m.rows, m.cols) for name, m in engine.matrices.items())))
+    modelled = rank_memory(topology, states, optimizer_state("muon"), workers_per_layer=config.workers_per_layer)
+    for rank in range(topology.world_size):
+        (pipe, stage), = topology.stages_of(rank)
+        module = model.build_stage(stage, 2, seed=0)
+        runtime = MuonRuntime(config, topology, rank, {(pipe, stage): module}, comm=None, plan=None, skip=skip)
+        engine = runtime.engines[(pipe, stage)]
+        for name in runtime.own_share(stage):
+            engine.orthogonalise(name, gradient=torch.randn_like(engine.matrices[name].parameter))
+        for name in engine.names():
+            engine.update_buffer(name)
+        engine.apply()
+        held = sum(t.numel() * t.element_size() for m in engine.matrices.values() for t in (m.buffer, m.update) if t is not None)
+        assert held == modelled[rank].curvature_bytes
