@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence_study.report import MethodResult, final, goal_lines, grid_table, plot, results_table, steps_to, write_csv  # noqa: E402
-from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, RunResult, Setting, Sizing, run  # noqa: E402
+from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, RunResult, Setting, Sizing, cached, run  # noqa: E402
 from convergence_study.timing import StepTime, paper_scale, step_time  # noqa: E402
 from pipefisher.core.files import experiment_output  # noqa: E402
 from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
@@ -89,10 +89,13 @@ class Study:
     def __init__(self, workload: str, sizing: Sizing, seeds: int, cache: Path, quick: bool, t0: float, remeasure: bool = False):
         self.workload, self.sizing, self.seeds, self.cache, self.quick, self.t0 = workload, sizing, seeds, cache, quick, t0
         self.remeasure = remeasure
+        self.train_new = True
         self.grid: dict[Setting, RunResult] = {}
         self.all: dict[Setting, RunResult] = {}
 
     def train(self, setting: Setting) -> RunResult:
+        if not self.train_new and cached(setting, self.sizing, self.cache) is None:
+            raise RuntimeError(f"{setting.name} was not run (--cached-only)")
         result = run(setting, self.sizing, self.cache)
         self.all[setting] = result
         log(self.t0, f"{setting.name}: held-out {final(result):.3f} ({result.seconds:.0f} s, "
@@ -160,7 +163,7 @@ def study_workload(study: Study, methods: list[str], measure: bool) -> tuple[lis
         try:
             results.append(study.method(method, adamw.lr, target, measure))
         except Exception as exc:  # a method that cannot run here is reported, the others go on
-            failed.append(f"{method}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:] or ''}")
+            failed.append(f"{method}: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1]}")
             log(study.t0, f"{study.workload} {method} failed: {failed[-1]}")
     return results, target, failed
 
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke version: tiny sizes, 2-point grids, no step-time measurement")
     parser.add_argument("--no-measure", action="store_true", help="no `pipefisher run` timing: the reference runs' ms/step instead")
     parser.add_argument("--remeasure", action="store_true", help="measure every step time anew (at the cached k), back to back")
+    parser.add_argument("--cached-only", action="store_true", help="train nothing: a method with a run missing from the cache is reported as not run")
     parser.add_argument("--cache", default="", help="run cache folder (default $PIPEFISHER_CACHE/convergence or /tmp/pfcache/convergence)")
     parser.add_argument("--out", default=str(experiment_output("convergence")),
                         help=f"OUT.png, OUT.csv and OUT.md (default {experiment_output('convergence')})")
@@ -193,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     per_workload, lines, all_runs = {}, [], {}
     for workload in args.workloads.split(","):
         study = Study(workload, sizing, seeds, cache, args.quick, t0, args.remeasure)
+        study.train_new = not args.cached_only
         results, target, failed = study_workload(study, methods, measure)
         per_workload[workload] = (results, target)
         all_runs.update(study.all)
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"final. Tuned methods, seeds 0..{seeds - 1}:", "", *results_table(results, target), "",
                   *goal_lines(results, target), "",
                   "Grids (seed 0):", "", *grid_table(study.grid, target), ""]
-        lines += [f"Failed: {line}" for line in failed] + ([""] if failed else [])
+        lines += [f"Not in the table: {line}" for line in failed] + ([""] if failed else [])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out.with_suffix(".csv"), all_runs)
