@@ -66,11 +66,12 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The optimizer; a curvature method preconditions, then SGD steps (weight decay skips biases
-    and LayerNorm weights)."""
+    """The optimizer; a curvature method preconditions, then SGD steps what it preconditions and
+    its section's `first_order` rule the rest (weight decay skips biases and LayerNorm weights)."""
 
     name: str = setting("sgd", "sgd, adamw, lamb, or a curvature method (its section holds its settings)")
-    lr: float = setting(0.05, "learning rate after warm-up", low=0, low_open=True)
+    lr: float = setting(0.05, "learning rate after warm-up (a curvature method's: its section's lr unless 0; see its first_order)",
+                        low=0, low_open=True)
     momentum: float = setting(0.0, "SGD momentum", low=0, high=1, high_open=True)
     weight_decay: float = setting(0.0, "decoupled weight decay (0 = off)", low=0)
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW/LAMB moment decays (also read by a curvature method's Adam grafting)", low=0, high=1, high_open=True)

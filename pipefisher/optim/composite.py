@@ -3,6 +3,7 @@ method's rule for the parameters it preconditions, a first-order rule for the re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,27 +12,42 @@ from torch import nn
 
 class Composite(torch.optim.Optimizer):
     """`parts` (name -> optimizer, disjoint parameters) as one optimizer: `step` steps each in
-    order; `param_groups` are the parts' own group dicts, in that order (a learning-rate scheduler
-    scales every part; ``param_groups[0]`` is the first part's); `state` is their union by
-    parameter. `state_dict()` is ``{"parts": {name: part.state_dict()}}``.
+    order; `param_groups` are the parts' own group dicts, in that order, read anew on every access
+    (a part that loads a state dict gets new ones; a learning-rate scheduler scales every part;
+    ``param_groups[0]`` is the first part's); `state` is their union by parameter. `state_dict()`
+    is ``{"parts": {name: part.state_dict()}}``.
 
     `single`: every parameter in the index order of the one optimizer a checkpoint written before
     the composite holds (its state dict loads when `refusal` is ""; `refusal` says why it cannot)."""
 
-    def __init__(self, parts: dict[str, torch.optim.Optimizer], single: list[nn.Parameter] = (), refusal: str = "") -> None:
+    def __init__(self, parts: dict[str, torch.optim.Optimizer], single: Sequence[nn.Parameter] = (), refusal: str = "") -> None:
         self.parts = dict(parts)
         self._single, self._refusal = list(single), refusal
-        super().__init__([group for part in self.parts.values() for group in part.param_groups], {})
+        super().__init__([{"params": []}], {})  # hooks and profiling names; groups and state are the parts'
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every part's parameter groups, in part order (a new list of the parts' dicts)."""
+        return [group for part in self.parts.values() for group in part.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value: list) -> None:
+        self._refuse_setting(value)
 
     @property
     def state(self) -> dict[torch.Tensor, Any]:
-        """Every part's state by parameter (a new dict; the parts' entries)."""
+        """Every part's state by parameter (a new dict of the parts' entries)."""
         return {parameter: state for part in self.parts.values() for parameter, state in part.state.items()}
 
     @state.setter
     def state(self, value: dict) -> None:
-        if value:  # `Optimizer.__init__` sets an empty one; the parts hold the state
-            raise ValueError("a Composite's state is its parts'; load it with load_state_dict")
+        self._refuse_setting(value)
+
+    @staticmethod
+    def _refuse_setting(value: Any) -> None:
+        """`Optimizer.__init__` sets empty groups and state; anything else goes to the parts."""
+        if value:
+            raise ValueError("a Composite's parameter groups and state are its parts'; load a state with load_state_dict")
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -52,11 +68,6 @@ class Composite(torch.optim.Optimizer):
             raise ValueError(f"optimizer state of parts {sorted(state_dict['parts'])}, this optimizer has {sorted(self.parts)}")
         for name, part in self.parts.items():
             part.load_state_dict(state_dict["parts"][name])
-        self._share_groups()
-
-    def _share_groups(self) -> None:
-        """`param_groups` are the parts' group dicts again (a part's `load_state_dict` makes new ones)."""
-        self.param_groups = [group for part in self.parts.values() for group in part.param_groups]
 
     def _load_single(self, state_dict: dict[str, Any]) -> None:
         """Each part takes the per-parameter state of its parameters from one optimizer's state dict
@@ -73,4 +84,3 @@ class Composite(torch.optim.Optimizer):
             own["state"] = {number: state_dict["state"][index[id(parameter)]] for number, parameter in enumerate(mine)
                             if index[id(parameter)] in state_dict["state"]}
             part.load_state_dict(own)
-        self._share_groups()

@@ -32,7 +32,7 @@ def test_a_conv1d_weight_takes_the_scale_of_the_layer_it_maps():
     linear, conv = nn.Linear(4, 12, bias=False), Conv1D(12, 4)
     with torch.no_grad():
         conv.weight.copy_(linear.weight.T)
-    gradient = torch.randn(12, 4)
+    gradient = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
     linear.weight.grad, conv.weight.grad = gradient.clone(), gradient.T.clone()
     settings = MuonSettings()
     for module in (linear, conv):
@@ -41,7 +41,8 @@ def test_a_conv1d_weight_takes_the_scale_of_the_layer_it_maps():
         engine.apply()
     assert MuonEngine(conv, settings).matrices["weight"].rows == 12
     torch.testing.assert_close(conv.weight.grad, linear.weight.grad.T, rtol=1e-6, atol=1e-7)
-    assert torch.linalg.svdvals(linear.weight.grad).mean() > 1.4, "√3 times an orthogonalised matrix"
+    # five quintic iterations leave singular values in about [0.7, 1.2]: times √3 (12 rows, 4 columns)
+    assert 1.1 < torch.linalg.svdvals(linear.weight.grad).mean() < 2.1, "√3 times an orthogonalised matrix"
 
 
 def test_a_step_not_applied_leaves_the_momentum_and_the_checkpoint_round_trips():

@@ -66,7 +66,7 @@ def test_the_rest_steps_as_adamw_and_the_preconditioned_parameters_as_the_method
     assert owned and rest
     decayed = lambda named, wd: [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": wd},  # noqa: E731
                                  {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
-    adamw = torch.optim.AdamW(decayed(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, fused=True)
+    adamw = torch.optim.AdamW(decayed(rest, 0.1), lr=0.005, betas=(0.8, 0.99), eps=1e-6, fused=True)  # fused, as the run's AdamW
     sgd = torch.optim.SGD(decayed(owned, 0.1), lr=0.02, momentum=0.9, foreach=False)
     for step in range(STEPS):
         backward(modules, model, config, step)
@@ -121,29 +121,24 @@ def test_a_curvature_run_needs_the_skip_globs():
         build_optimizer(config, stages(config)[0])
 
 
-def test_the_schedule_scales_both_rules_from_their_own_rates():
+def test_the_schedule_scales_both_rules_from_their_own_rates_also_after_a_state_is_loaded():
+    """Loading a state dict gives the parts new group dicts (the profiler restores its state
+    before training starts): the scheduler must go on scaling those."""
     config = run("kfac").with_overrides(optimizer={"warmup_steps": 4}, run={"steps": 10})
     modules, model = stages(config)
     optimizer = build_optimizer(config, modules, skip=method_skip(config, model))
     scheduler = build_scheduler(config, optimizer)
+
+    def rates() -> dict[str, list[float]]:
+        return {name: [group["lr"] for group in part.param_groups] for name, part in optimizer.parts.items()}
+
     for _ in range(2):
         optimizer.step()
         scheduler.step()
-    rates = {name: [group["lr"] for group in part.param_groups] for name, part in optimizer.parts.items()}
-    assert rates == {"method": pytest.approx([0.01, 0.01]), "rest": pytest.approx([0.0025, 0.0025])}, "half-way through warm-up"
+    assert rates() == {"method": pytest.approx([0.01, 0.01]), "rest": pytest.approx([0.0025, 0.0025])}, "half-way through warm-up"
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01), "the reported rate is the method's"
-
-
-def test_the_schedule_still_reaches_both_rules_after_a_state_is_loaded():
-    """A part's load_state_dict makes new group dicts: the composite's groups must follow them (the
-    profiler restores the optimizer state before training starts)."""
-    config = run("kfac").with_overrides(optimizer={"warmup_steps": 4}, run={"steps": 10})
-    modules, model = stages(config)
-    optimizer = build_optimizer(config, modules, skip=method_skip(config, model))
-    optimizer.load_state_dict(optimizer.state_dict())
-    scheduler = build_scheduler(config, optimizer)
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     for _ in range(2):
         optimizer.step()
         scheduler.step()
-    rates = {name: [group["lr"] for group in part.param_groups] for name, part in optimizer.parts.items()}
-    assert rates == {"method": pytest.approx([0.01, 0.01]), "rest": pytest.approx([0.0025, 0.0025])}
+    assert rates() == {"method": pytest.approx([0.02, 0.02]), "rest": pytest.approx([0.005, 0.005])}, "warmed up"
