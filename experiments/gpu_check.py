@@ -4,7 +4,7 @@ the host syncs that fire inside its steps.
 `pipefisher run` cannot do this for a multi-stage run file on a one-GPU machine: its local
 launcher starts one process per stage, each NCCL rank needs its own GPU (it refuses, exit 2);
 `--reference` always trains on the CPU. Here the run is a world of one process (NCCL on cuda:0, or gloo on the
-CPU) running the real executor, plan runner and K-FAC/Shampoo runtime with pipeline.stages = 1.
+CPU) running the real executor, plan runner and curvature method's runtime with pipeline.stages = 1.
 
     python experiments/gpu_check.py schedules/tiny-cpu.yaml --device cuda --precision bf16 \
         --optimizer kfac --steps 20 --sync-debug 3 --json out.json
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipefisher.config import load_config  # noqa: E402
+from pipefisher.methods.registry import methods  # noqa: E402
 from pipefisher.runtime.training.assembly import staged_model  # noqa: E402
 from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
 from pipefisher.runtime.training.trainer import train_pipelined  # noqa: E402
@@ -71,8 +72,7 @@ def train(args) -> dict:
     config = load_config(args.config).with_overrides(
         pipeline={"stages": 1, "schedule": "1f1b", "data_parallel": 1},
         optimizer={"name": args.optimizer},
-        kfac={"refresh_steps": args.refresh_steps},
-        shampoo={"refresh_steps": args.refresh_steps},
+        **{name: {"refresh_steps": args.refresh_steps} for name in methods()},
         run={"steps": args.steps, "precision": args.precision, "backend": "nccl" if args.device == "cuda" else "gloo"},
     )
     staged_model(config)  # builds and caches the tokenizer and tokens before the process group starts
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--optimizer", default="lamb")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--refresh-steps", type=int, default=2, help="K-FAC/Shampoo refresh interval (pinned)")
+    parser.add_argument("--refresh-steps", type=int, default=2, help="the curvature method's refresh interval (pinned)")
     parser.add_argument("--sync-debug", type=int, default=0, metavar="S", help="warn on host syncs after step S")
     parser.add_argument("--ops", type=int, default=0, metavar="N", help="check the linear algebra at size N instead")
     parser.add_argument("--port", type=int, default=29533)

@@ -1,11 +1,17 @@
-"""Numerics counters kept on the device (K-FAC's and Shampoo's health) and read in one go."""
+"""Numerics counters kept on the device (the methods' health) and read in one go."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from dataclasses import fields
 
 import torch
 from torch import Tensor
+
+
+def zero_counters(health: type, device: torch.device) -> Tensor:
+    """A fresh int64 vector on ``device`` with one counter per field of the dataclass ``health``."""
+    return torch.zeros(len(fields(health)), dtype=torch.int64, device=device)
 
 
 def read_counters(counters: Mapping[Hashable, Tensor]) -> dict[Hashable, tuple[int, ...]]:

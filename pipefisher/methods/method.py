@@ -34,8 +34,10 @@ class TaskRules:
     without refresh work (its work is the per-step precondition).
     `curvature`: each part is built from per-micro-batch curvature tasks of the cycle's first
     step (CA/CB); otherwise from the stage's whole gradient of that step (after its backwards).
-    `syncs`: the inputs all-reduced over a replicated stage, one sync op each, named by part.
-    `sync_of[f]`: the sync whose result part f's refresh work reads.
+    `syncs`: the inputs all-reduced over a replicated stage, one sync op each, named by part;
+    none for a method whose inputs are alike on every replica already (SOAP's statistics come from
+    the reduced gradient).
+    `sync_of[f]`: the sync whose result part f's refresh work reads (empty when `syncs` is).
     `precondition`: a per-step precondition op after the stage's backwards, before the gradient
     reduction (False: the method preconditions in the optimizer step, on the reduced gradient).
     """
@@ -49,11 +51,17 @@ class TaskRules:
     def __post_init__(self) -> None:
         if self.factors not in ((), FACTORS[:1], FACTORS):
             raise ValueError(f"factors: {self.factors!r} must be (), ('A',) or ('A', 'B')")
-        if {part for part, _ in self.sync_of} != set(self.factors) or not set(self.syncs) <= set(self.factors):
+        if not self.syncs:
+            if self.sync_of:
+                raise ValueError(f"sync_of: {self.sync_of!r} names syncs of a method without any (`syncs` is empty)")
+            return
+        parts = [part for part, _ in self.sync_of]
+        if sorted(parts) != sorted(self.factors) or not {sync for _, sync in self.sync_of} <= set(self.syncs) <= set(self.factors):
             raise ValueError(f"sync_of: {self.sync_of!r} must name one sync of `syncs` for each of {self.factors!r}")
 
-    def sync_for(self, factor: str) -> str:
-        return dict(self.sync_of)[factor]
+    def sync_for(self, factor: str) -> str | None:
+        """The sync part `factor`'s refresh work reads; None for a method without syncs."""
+        return dict(self.sync_of).get(factor)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo, Muon), those a program
+"""The registry of curvature methods: the built-in ones (K-FAC, Shampoo, Muon, SOAP), those a program
 registers (`register`) and those installed packages declare under the entry-point group
 ``pipefisher.methods`` (each entry a `CurvatureMethod`). Everything outside a method's folder
 finds a method here, by name. Pure Python: no torch."""
@@ -12,13 +12,14 @@ from pipefisher.methods.kfac.method import KFAC
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.muon.method import MUON
 from pipefisher.methods.shampoo.method import SHAMPOO
+from pipefisher.methods.soap.method import SOAP
 
 ENTRY_POINT_GROUP = "pipefisher.methods"
 #: the method of profile and plan files written before they named one, and the method whose
 #: tasks `pipefisher profile` times for a first-order run
 DEFAULT_METHOD = KFAC.name
 
-_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO, MUON)}
+_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO, MUON, SOAP)}
 _entry_points_loaded = False
 
 

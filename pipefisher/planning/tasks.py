@@ -115,7 +115,8 @@ class TaskGraph:
         if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
             return self._input(op, FACTOR_OF[kind], first_step)
         if kind in (OpKind.INV_A, OpKind.INV_B):
-            syncs = self._syncs.get((SYNC[self.rules.sync_for(FACTOR_OF[kind])], op.stage, op.layer))
+            source = self.rules.sync_for(FACTOR_OF[kind])
+            syncs = self._syncs.get((SYNC[source], op.stage, op.layer)) if source is not None else None
             if syncs:
                 return tuple(syncs)
             return self._input(op, FACTOR_OF[kind], first_step)

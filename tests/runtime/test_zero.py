@@ -78,11 +78,12 @@ def test_zero1_with_lamb_equals_the_unsharded_run():
 def test_zero1_under_a_curvature_method_equals_the_reference(method):
     """K-FAC preconditions before the reduction; Shampoo preconditions (with its grafting state)
     only the parameters a rank owns, after it; Muon shares a replicated stage's work among its
-    replicas itself, and refuses ZeRO-1 in one line (None)."""
+    replicas itself and SOAP folds the reduced gradient on every replica: both refuse ZeRO-1 in
+    one line (None)."""
     sections = {"kfac": {"refresh_steps": 2, "factor_decay": 0.5, "damping": 0.01},
-                "shampoo": {"refresh_steps": 2, "block_size": 12, "epsilon": 1e-4}, "muon": None}
+                "shampoo": {"refresh_steps": 2, "block_size": 12, "epsilon": 1e-4}, "muon": None, "soap": None}
     if sections[method] is None:
-        with pytest.raises(ConfigError, match=rf"^optimizer.zero: {method} shares each replicated stage's"):
+        with pytest.raises(ConfigError, match=rf"^optimizer.zero: {method} "):
             zero_config("chimera", 1, method)
         return
     config = zero_config("chimera", 1, method).with_overrides(optimizer={"lr": 0.05 if method == "kfac" else 0.01},

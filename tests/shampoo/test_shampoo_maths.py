@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from rounding import sums_in_two_orders
 from _shampoo_dense import adam_direction, as_numpy, blocks, gram_inverse_root, inverse_root, one_step_direction, shampoo_direction
 from pipefisher.methods.shampoo import Shampoo
 
@@ -71,12 +72,7 @@ def test_a_gradient_summed_in_another_order_gives_the_same_direction(statistics_
     captured gradients differ in their last bits. With a singular statistic at the default ε,
     eigenvalues at rounding level count as zero (not as curvature scaled by up to ε^(-1/4)), so
     both orders precondition the next gradient alike."""
-    gen = torch.Generator().manual_seed(5)
-    parts = [torch.randn(3, 16, generator=gen) for _ in range(8)]
-    in_sequence = sum(parts[1:], parts[0].clone())
-    by_halves = sum(parts[1:4], parts[0].clone()) + sum(parts[5:], parts[4].clone())
-    assert not torch.equal(in_sequence, by_halves), "the two orders round differently"
-    following = torch.randn(3, 16, generator=gen)
+    in_sequence, by_halves, following = sums_in_two_orders(3, 16)
     directions = []
     for gradient in (in_sequence, by_halves):
         layer = nn.Linear(16, 3, bias=False)

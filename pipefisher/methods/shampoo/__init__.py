@@ -7,8 +7,9 @@ operations one call at a time for the pipeline executor. The method's declaratio
 
 from importlib import import_module
 
+_BLOCKS = "pipefisher.methods.blocks"
 _EXPORTS = {
-    "FACTORS": "blocks", "Factor": "blocks", "MatrixInfo": "blocks", "ShampooEngine": "engine", "Shampoo": "front",
+    "FACTORS": _BLOCKS, "Factor": _BLOCKS, "MatrixInfo": _BLOCKS, "ShampooEngine": "engine", "Shampoo": "front",
     "ShampooHealth": "health", "ShampooNumericsWarning": "health", "Grafting": "settings", "RootMethod": "settings",
     "ShampooSettings": "settings",
 }
@@ -18,4 +19,5 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    module = _EXPORTS[name]
+    return getattr(import_module(module if "." in module else f"{__name__}.{module}"), name)

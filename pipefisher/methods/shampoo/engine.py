@@ -1,7 +1,7 @@
 """Per-matrix Shampoo operations, callable one at a time in any dependency-respecting order.
 
 Life of one refresh, per matrix (a >= 2-D trainable parameter viewed as ``(rows, cols)`` and cut
-into blocks, :mod:`pipefisher.methods.shampoo.blocks`) and factor ``f`` in {"A", "B"}:
+into blocks, :mod:`pipefisher.methods.blocks`) and factor ``f`` in {"A", "B"}:
 ``capture(name)`` (copy of ``.grad``) -> the replicas sum ``captured_gradient(name)`` in place ->
 ``update_statistics(name, f)`` for both factors -> ``release(name)``; ``compute_root(name, f)``
 (or, on a replica that did not compute it: ``shared_root`` broadcast into ``root_buffer``, then
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from pipefisher.methods.counters import read_counters
 from pipefisher.methods.shampoo import checkpoint as _checkpoint
 from pipefisher.methods.shampoo import health as _health
-from pipefisher.methods.shampoo.blocks import FACTORS, Factor, MatrixInfo, block_views
+from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo, block_views
 from pipefisher.methods.shampoo.grafting import graft_direction, transfer_norm
 from pipefisher.methods.shampoo.health import ShampooHealth, ShampooNumericsWarning
 from pipefisher.methods.shampoo.roots import inverse_root
@@ -168,7 +168,7 @@ class ShampooEngine:
 
     def shared_root(self, name: str, factor: Factor) -> Tensor:
         """The pending roots of ``factor`` as ONE contiguous 1-D tensor (block layout of
-        :mod:`pipefisher.methods.shampoo.blocks`), to broadcast to the other replicas (do not modify)."""
+        :mod:`pipefisher.methods.blocks`), to broadcast to the other replicas (do not modify)."""
         pending = self._matrix(name).factors[_checked(factor)].pending
         if pending is None:
             raise RuntimeError(f"Shampoo matrix {name!r}: no pending {factor} roots; call compute_root first")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefisher.methods.shampoo.blocks import FACTORS, MatrixInfo
+from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.health import ShampooHealth
 from pipefisher.methods.shampoo.settings import Grafting, RootMethod, ShampooSettings

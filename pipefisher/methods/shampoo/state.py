@@ -10,13 +10,13 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.methods.shampoo import health as _health
-from pipefisher.methods.shampoo.blocks import FACTORS, Factor, MatrixInfo
+from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo
 
 
 @dataclass
 class Roots:
     """All block roots of one factor: ``value`` the flat 1-D tensor (layout of
-    :mod:`pipefisher.methods.shampoo.blocks`) and ``ok`` a ``(blocks,)`` device bool, False where that
+    :mod:`pipefisher.methods.blocks`) and ``ok`` a ``(blocks,)`` device bool, False where that
     block never had a valid root (its values are then a NaN placeholder)."""
 
     value: Tensor

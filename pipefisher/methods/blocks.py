@@ -1,10 +1,12 @@
-"""How a Shampoo matrix is cut into blocks, and the flat layout of its per-block tensors.
+"""How a preconditioned matrix (Shampoo's, SOAP's) is cut into blocks, and the flat layout of its
+per-block tensors.
 
 A parameter of shape ``(d0, d1, ...)`` is viewed as the matrix ``(rows, cols) = (d0, d1·...)``.
 Rows are cut into chunks of ``block_size`` (the last may be shorter), columns likewise; block
 ``(i, j)`` is the k-th with ``k = i·J + j`` (row-major over the grid, J column chunks). Factor
 "A" holds one ``rows_i × rows_i`` matrix per block, factor "B" one ``cols_j × cols_j``; a flat
-tensor of a factor concatenates its blocks' matrices (each row-major) in block order.
+tensor of a factor concatenates its blocks' matrices (each row-major) in block order. Pure Python
+(memory models read it without torch).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 Factor = Literal["A", "B"]
 FACTORS: tuple[Factor, Factor] = ("A", "B")
@@ -28,7 +31,7 @@ def split_sizes(length: int, block_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class MatrixInfo:
-    """A Shampoo matrix as the planner sees it: parameter ``name``, its matrix ``shape``
+    """A blocked matrix as the planner sees it: parameter ``name``, its matrix ``shape``
     ``(rows, cols)`` and the chunk sizes of its rows and columns (each summing to the dimension)."""
 
     name: str
@@ -60,7 +63,7 @@ class MatrixInfo:
         raise ValueError(f"factor must be 'A' or 'B', got {factor!r}")
 
     def statistic_numel(self, factor: Factor) -> int:
-        """Elements of all of ``factor``'s block matrices (statistics or roots) together."""
+        """Elements of all of ``factor``'s block matrices (statistics, roots, bases) together."""
         return sum(n * n for n in self.block_sizes(factor))
 
     def grid(self) -> Iterator[tuple[int, slice, slice]]:

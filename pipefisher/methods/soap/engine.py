@@ -1,0 +1,259 @@
+"""Per-matrix SOAP operations (Vyas et al. 2024: Adam in the eigenbasis of Shampoo's statistics),
+callable one at a time in any dependency-respecting order.
+
+Every step, on the reduced, clipped gradient G of each matrix (a >= 2-D parameter viewed as
+``(rows, cols)`` and cut into blocks, :mod:`pipefisher.methods.blocks`), ``precondition_all``
+replaces ``.grad`` by SOAP's direction and folds G into the statistics. Per block, with the
+eigenbases ``Q_L``, ``Q_R`` in use, ``G' = Q_Lᵀ G Q_R``, ``m <- lerp(m, G, 1 - β₁)`` (original
+basis), ``v <- lerp(v, G'², 1 - β₂)`` (eigenbasis), direction
+``Q_L ((Q_Lᵀ m Q_R) / (√v + ε)) Q_Rᵀ · √(1 - β₂ᵗ) / (1 - β₁ᵗ)`` (t: the matrix's directions so far);
+then ``L <- lerp(L, G Gᵀ, 1 - β_s)`` and ``R <- lerp(R, Gᵀ G, 1 - β_s)``. The first call gives no
+direction (``.grad`` zeroed): it folds G and takes the eigendecomposition of the statistics as the
+first bases. A step then applies ``p <- (p - lr · direction)(1 - lr · wd)``, skipping a
+parameter's first (`pipefisher.methods.soap.front.SoapStep`).
+
+Refresh, per matrix and factor f: ``snapshot()`` keeps the statistics at a fixed point (the
+refresh cycle's start); ``refresh(name, f)`` computes from the snapshot and the bases in use one
+power-iteration step with QR (:func:`pipefisher.methods.soap.basis.power_basis`), pending (a
+replica that did not compute it: ``shared_basis`` broadcast into ``basis_buffer``, then
+``receive_basis``); ``commit()`` puts pending bases in use and reorders ``v`` like their columns.
+
+Host reads: none, except one in ``check_health`` (once per refresh cycle), inspection and
+``load_state_dict``; and inside ``torch.linalg.eigh``/``qr`` on CUDA (see the basis module).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.methods.blocks import Factor, MatrixInfo, block_views
+from pipefisher.methods.counters import read_counters
+from pipefisher.methods.soap import checkpoint as _checkpoint
+from pipefisher.methods.soap.basis import eigenbasis, power_basis
+from pipefisher.methods.soap.health import KEPT_BASES, SKIPPED_STATISTICS, SoapHealth, SoapNumericsWarning, message
+from pipefisher.methods.soap.settings import SoapSettings
+from pipefisher.methods.soap.state import MatrixState, matrix_parameters, new_matrix, pending_numel
+
+
+class SoapEngine:
+    """SOAP state of the matrices of ``module`` (`pipefisher.methods.soap.state.matrix_parameters`
+    with the ``skip`` globs) and the operations on it; all state on each parameter's device."""
+
+    def __init__(self, module: nn.Module, settings: SoapSettings | None = None, skip: Iterable[str] = ()) -> None:
+        self.settings = settings or SoapSettings()
+        self._matrices = {name: new_matrix(name, p, self.settings) for name, p in matrix_parameters(module, skip).items()}
+        #: counter totals per matrix already accounted for; present once warned
+        self._baseline: dict[str, int] = {}
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------------- inspection
+    def matrices(self) -> list[MatrixInfo]:
+        """The matrices in parameter order, with their block structure (for the planner)."""
+        return [st.info for st in self._matrices.values()]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The matrices' parameters, in `matrices` order (what SOAP's step updates)."""
+        return [st.parameter for st in self._matrices.values()]
+
+    def updates(self, name: str) -> int:
+        """Directions matrix `name` took so far (t of its bias correction)."""
+        return self._matrix(name).updates
+
+    def statistics(self, name: str, factor: Factor) -> list[Tensor]:
+        """Views of ``factor``'s block statistics, in block order (do not modify)."""
+        st = self._matrix(name)
+        return block_views(st.factors[factor].statistic, st.info.block_sizes(factor))
+
+    def basis(self, name: str, factor: Factor) -> list[Tensor] | None:
+        """Views of ``factor``'s block eigenbases in use (columns), or None before the first step."""
+        st = self._matrix(name)
+        basis = st.factors[factor].basis
+        return None if basis is None else block_views(basis, st.info.block_sizes(factor))
+
+    def health(self) -> dict[str, SoapHealth]:
+        """Per-matrix numerics counters as host values (one host read for all matrices)."""
+        return {name: SoapHealth(*values) for name, values in self._read_counters().items()}
+
+    # ----------------------------------------------------------------- every step (no host reads)
+    def precondition_all(self, keep: Callable[[nn.Parameter], bool] | None = None) -> None:
+        """SOAP's step-end work on every matrix with a ``.grad`` (with `keep`: those it accepts),
+        see the module doc: ``.grad`` becomes the direction (in its own dtype; computed in
+        ``settings.dtype``), and the gradient is folded into the statistics; a matrix's first call
+        takes its first eigenbases instead of a direction and zeroes ``.grad``."""
+        for st in self._matrices.values():
+            p = st.parameter
+            if p.grad is None or (keep is not None and not keep(p)):
+                continue
+            g = p.grad.detach().reshape(st.info.shape).to(self.settings.dtype)
+            self._fold(st, g)
+            if st.started:
+                p.grad.copy_(self._direction(st, g).view_as(p.grad))
+            else:
+                self._first_bases(st)
+                p.grad.zero_()
+
+    # ----------------------------------------------------------------- refresh (no host reads)
+    def snapshot(self) -> None:
+        """Keep every started matrix's statistics as the next refreshes' input."""
+        for st in self._matrices.values():
+            if st.started:
+                for fs in st.factors.values():
+                    fs.snapshot = fs.statistic.clone()
+
+    def refresh(self, name: str, factor: Factor) -> None:
+        """Pending eigenbases of ``factor`` from its snapshot and the bases in use (nothing before
+        the first snapshot); a block whose refresh fails keeps its basis and column order."""
+        st = self._matrix(name)
+        fs = st.factors[factor]
+        if fs.snapshot is None:
+            return
+        sizes = st.info.block_sizes(factor)
+        pending = self.basis_buffer(name, factor)
+        bases = block_views(pending, sizes)
+        orders = _order_views(pending, sizes)
+        stats, current = block_views(fs.snapshot, sizes), block_views(fs.basis, sizes)
+        for n in sorted(set(sizes)):
+            indices = [k for k, size in enumerate(sizes) if size == n]
+            before = torch.stack([current[k] for k in indices])
+            fresh, order, ok = power_basis(torch.stack([stats[k] for k in indices]), before)
+            keep = torch.arange(n, device=order.device).expand_as(order)
+            for i, k in enumerate(indices):
+                bases[k].copy_(torch.where(ok[i], fresh[i].to(pending.dtype), before[i]))
+                orders[k].copy_(torch.where(ok[i], order[i], keep[i]))
+            st.counters[KEPT_BASES].add_((~ok).sum())
+        fs.pending = pending
+
+    def shared_basis(self, name: str, factor: Factor) -> Tensor:
+        """The pending result of ``factor`` as ONE contiguous 1-D tensor (bases, then column
+        orders), to broadcast to the other replicas; a placeholder where nothing was refreshed
+        (before the first snapshot, which every replica knows alike)."""
+        pending = self._matrix(name).factors[factor].pending
+        return pending if pending is not None else self.basis_buffer(name, factor).zero_()
+
+    def basis_buffer(self, name: str, factor: Factor) -> Tensor:
+        """An empty tensor of :meth:`shared_basis`'s shape, dtype and device."""
+        st = self._matrix(name)
+        return torch.empty(pending_numel(st.info, factor), dtype=self.settings.dtype, device=st.parameter.device)
+
+    def receive_basis(self, name: str, factor: Factor, tensor: Tensor) -> None:
+        """Keep a received :meth:`shared_basis` tensor as ``factor``'s pending result (ignored
+        before the first snapshot, when the sender refreshed nothing)."""
+        st = self._matrix(name)
+        fs = st.factors[factor]
+        if tensor.numel() != pending_numel(st.info, factor):
+            raise ValueError(f"SOAP matrix {name!r}: {factor} basis of {tensor.numel()} elements, want {pending_numel(st.info, factor)}")
+        if fs.snapshot is not None:
+            fs.pending = tensor.to(device=st.parameter.device, dtype=self.settings.dtype)
+
+    def commit(self) -> None:
+        """Pending bases become the ones in use, and each block's second moment follows its
+        basis' new column order (rows for A, columns for B)."""
+        for st in self._matrices.values():
+            for factor, fs in st.factors.items():
+                if fs.pending is None:
+                    continue
+                sizes = st.info.block_sizes(factor)
+                fs.basis = fs.pending[: st.info.statistic_numel(factor)].clone()
+                orders = _order_views(fs.pending, sizes)
+                for k, rows, cols in st.info.grid():
+                    block = st.exp_avg_sq[rows, cols]
+                    order = orders[k].long()
+                    block.copy_(block.index_select(0 if factor == "A" else 1, order))
+                fs.pending = None
+
+    def check_health(self) -> None:
+        """One host read of every counter: warn (:class:`SoapNumericsWarning`) the first time a
+        matrix skipped a statistics update or kept a basis; call once per refresh cycle."""
+        for name, values in self._read_counters().items():
+            if name not in self._warned and sum(values) > self._baseline.get(name, 0):
+                self._warned.add(name)
+                warnings.warn(message(name, values), SoapNumericsWarning, stacklevel=2)
+
+    # ----------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Per matrix: statistics, snapshots, bases in use and pending, moments, its direction
+        count and health counters (nested dicts of tensors and ints)."""
+        return {"matrices": {name: _checkpoint.matrix_state(st) for name, st in self._matrices.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (copies) into an engine over an equally shaped model
+        with the same matrices and block size. Trouble counted before is not warned about again."""
+        matrices = state["matrices"]
+        if set(matrices) != set(self._matrices):
+            raise ValueError(f"SOAP matrices differ: checkpoint {sorted(matrices)} vs model {sorted(self._matrices)}")
+        for name, entry in matrices.items():
+            _checkpoint.load_matrix_state(self._matrices[name], entry, self.settings)
+        self._baseline = {name: sum(values) for name, values in self._read_counters().items()}
+        self._warned = set()
+
+    # ----------------------------------------------------------------- internals
+    def _matrix(self, name: str) -> MatrixState:
+        try:
+            return self._matrices[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a SOAP matrix") from None
+
+    def _direction(self, st: MatrixState, g: Tensor) -> Tensor:
+        """SOAP's bias-corrected direction of ``g`` (``(rows, cols)``), updating the moments."""
+        s = self.settings
+        st.updates += 1
+        t = st.updates
+        info = st.info
+        left = block_views(st.factors["A"].basis, info.block_sizes("A"))
+        right = block_views(st.factors["B"].basis, info.block_sizes("B"))
+        st.exp_avg.lerp_(g, 1.0 - s.beta1)
+        out = torch.empty_like(g)
+        for k, rows, cols in info.grid():
+            q_left, q_right = left[k], right[k]
+            v = st.exp_avg_sq[rows, cols]
+            v.lerp_((q_left.T @ g[rows, cols] @ q_right).square(), 1.0 - s.beta2)
+            rotated = q_left.T @ st.exp_avg[rows, cols] @ q_right
+            out[rows, cols] = q_left @ (rotated / (v.sqrt() + s.epsilon)) @ q_right.T
+        return out.mul_(math.sqrt(1.0 - s.beta2**t) / (1.0 - s.beta1**t))
+
+    def _fold(self, st: MatrixState, g: Tensor) -> None:
+        """``S <- lerp(S, G Gᵀ or Gᵀ G, 1 - β_s)`` per block and factor; a non-finite gradient
+        leaves the statistics unchanged and is counted (device-side)."""
+        g = g.to(self.settings.statistics_dtype)
+        finite = torch.isfinite(g).all()
+        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        weight = torch.where(finite, 1.0 - self.settings.statistics_decay, 0.0).to(g.dtype)
+        for factor, fs in st.factors.items():
+            stats = block_views(fs.statistic, st.info.block_sizes(factor))
+            for k, rows, cols in st.info.grid():
+                block = g[rows, cols]
+                stats[k].lerp_(block @ block.T if factor == "A" else block.T @ block, weight)
+        st.counters[SKIPPED_STATISTICS].add_(~finite)
+
+    def _first_bases(self, st: MatrixState) -> None:
+        """Each factor's first eigenbases from its statistics (the identity where that fails)."""
+        for factor, fs in st.factors.items():
+            sizes = st.info.block_sizes(factor)
+            basis = torch.empty_like(fs.statistic, dtype=self.settings.dtype)
+            views, stats = block_views(basis, sizes), block_views(fs.statistic, sizes)
+            for n in sorted(set(sizes)):
+                indices = [k for k, size in enumerate(sizes) if size == n]
+                fresh, ok = eigenbasis(torch.stack([stats[k] for k in indices]))
+                eye = torch.eye(n, dtype=fresh.dtype, device=fresh.device)
+                for i, k in enumerate(indices):
+                    views[k].copy_(torch.where(ok[i], fresh[i], eye))
+                st.counters[KEPT_BASES].add_((~ok).sum())
+            fs.basis = basis
+
+    def _read_counters(self) -> dict[str, tuple[int, ...]]:
+        return read_counters({name: st.counters for name, st in self._matrices.items()})
+
+
+def _order_views(pending: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
+    """The column-order part of a pending result: one 1-D view of n numbers per block."""
+    views, start = [], sum(n * n for n in sizes)
+    for n in sizes:
+        views.append(pending[start:start + n])
+        start += n
+    return views

@@ -1,0 +1,111 @@
+"""Single-process SOAP for users, and the step that applies SOAP's direction.
+
+Typical loop (SOAP steps the matrices; give the other parameters a first-order rule, e.g. AdamW)::
+
+    soap = SOAP(model, lr=3e-3, weight_decay=0.01, precondition_frequency=10)
+    others = torch.optim.AdamW(soap.others(model), lr=3e-3)
+    for x, y in data:
+        soap.zero_grad(); others.zero_grad()
+        loss_fn(model(x), y).backward()
+        soap.step(); others.step()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipefisher.methods.blocks import FACTORS, MatrixInfo
+from pipefisher.methods.soap.engine import SoapEngine
+from pipefisher.methods.soap.health import SoapHealth
+from pipefisher.methods.soap.settings import SoapSettings
+
+
+class SoapStep(torch.optim.Optimizer):
+    """The step after SOAP's direction (in ``.grad``): ``p <- (p - lr · d)(1 - lr · weight_decay)``,
+    pytorch_optimizer's order. A parameter's first step is skipped, weight decay included: SOAP's
+    first call on a matrix takes its eigenbases and gives no direction (`SoapEngine.precondition_all`;
+    both run on the same steps). Its state per parameter is that count of steps."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 3e-3, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        for group in self.param_groups:
+            lr, decay = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                if state["step"] == 1:
+                    continue
+                p.add_(p.grad, alpha=-lr)
+                if decay:
+                    p.mul_(1.0 - lr * decay)
+
+
+class SOAP:
+    """SOAP of every matrix of ``model`` (see :class:`SoapEngine` for the maths and the choice of
+    matrices; ``skip``: globs of names left out), refreshed as `pytorch_optimizer.SOAP` does: the
+    first step takes the first eigenbases and no step, then after every ``precondition_frequency``
+    -th step one power-iteration step from the statistics of that step."""
+
+    def __init__(self, model: nn.Module, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
+                 statistics_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
+                 precondition_frequency: int = 10, block_size: int = 1024, skip: Iterable[str] = (),
+                 dtype: torch.dtype = torch.float32, statistics_dtype: torch.dtype = torch.float64) -> None:
+        if precondition_frequency < 1:
+            raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+        settings = SoapSettings(beta1=betas[0], beta2=betas[1], statistics_beta=statistics_beta, epsilon=eps, block_size=block_size,
+                                dtype=dtype, statistics_dtype=statistics_dtype)
+        self.engine = SoapEngine(model, settings, skip)
+        self.optimizer = SoapStep(self.engine.parameters(), lr, weight_decay)
+        self.frequency = precondition_frequency
+        self.steps = 0
+
+    def matrices(self) -> list[MatrixInfo]:
+        """The matrices SOAP steps, with their block structure."""
+        return self.engine.matrices()
+
+    def others(self, model: nn.Module) -> list[nn.Parameter]:
+        """The trainable parameters of ``model`` SOAP does not step (for a first-order rule)."""
+        mine = {id(p) for p in self.engine.parameters()}
+        return [p for p in model.parameters() if p.requires_grad and id(p) not in mine]
+
+    def health(self) -> dict[str, SoapHealth]:
+        """Per-matrix numerics counters (one host read)."""
+        return self.engine.health()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        """Direction, step and statistics of every matrix; the eigenbases' refresh when due."""
+        self.engine.precondition_all()
+        self.optimizer.step()
+        self.steps += 1
+        if self.steps > 1 and (self.steps - 1) % self.frequency == 0:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """New eigenbases of every matrix from its current statistics, in use at once; warns about
+        numerical trouble (one host read)."""
+        self.engine.snapshot()
+        for info in self.engine.matrices():
+            for factor in FACTORS:
+                self.engine.refresh(info.name, factor)
+        self.engine.commit()
+        self.engine.check_health()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine.state_dict(), "optimizer": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state["engine"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])

@@ -1,0 +1,36 @@
+"""SOAP's memory model of one matrix (`pipefisher.planning.memory.CurvatureLayer`). Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefisher.methods.blocks import FACTORS, split_sizes
+
+#: bytes of one matrix's health counters (int64 vector, one per `pipefisher.methods.soap.health.SoapHealth` field)
+COUNTER_BYTES = 2 * 8
+
+
+@dataclass(frozen=True)
+class SoapLayer:
+    """A SOAP matrix ``(rows, cols)`` cut into blocks of ``block_size``; ``statistics_bytes`` per
+    element of its statistics and their snapshot (float64 by default)."""
+
+    name: str
+    rows: int
+    cols: int
+    block_size: int = 1024
+    statistics_bytes: int = 8
+
+    def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
+        """After a committed refresh, per factor: the statistic and its snapshot (``statistics_bytes``
+        each) and the eigenbases in use (``element_bytes``), one n x n per block; Adam's two moments
+        (``rows x cols`` each) and the counters. Every replica keeps all of it (`keeps_results`
+        makes no difference: the step end needs the bases)."""
+        row_blocks, col_blocks = split_sizes(self.rows, self.block_size), split_sizes(self.cols, self.block_size)
+        squares = {"A": sum(r * r for r in row_blocks) * len(col_blocks), "B": sum(c * c for c in col_blocks) * len(row_blocks)}
+        per_factor = sum(2 * self.statistics_bytes * squares[f] + element_bytes * squares[f] for f in FACTORS)
+        return per_factor + 2 * element_bytes * self.gradient_elements + COUNTER_BYTES
+
+    @property
+    def gradient_elements(self) -> int:
+        return self.rows * self.cols

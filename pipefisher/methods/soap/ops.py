@@ -1,0 +1,147 @@
+"""SOAP in the executor: handlers of IA/IB and X, the provider of its exchange, and its work at
+each step's end.
+
+Step end (before the optimizer step, every step, every replica alike): the reduced, clipped
+gradient of each SOAP matrix becomes its direction and is folded into the statistics (no sync:
+every replica of a stage holds the same reduced gradient). The direction needs the final, clipped
+gradient, so it stays there; the statistics alone could go into the next step's early bubbles,
+holding a copy of the gradient until then, with a per-step task kind the packer does not have
+(docs/methods.md measures their share).
+
+Refresh cycle of k steps (`Plan.steps`): IA/IB compute the new left/right eigenbases of every
+matrix (one power-iteration step with QR) from the statistics as of the cycle's start (the
+snapshot taken at the previous cycle's end) and the bases in use, wherever the packer put them;
+with split refresh work one replica computes each and its exchange (X) broadcasts it. After the
+cycle's last step the new bases are committed (used from the next cycle on) and the statistics
+are snapshotted for the next cycle. The first step of the run takes the first bases by
+eigendecomposition at its end and makes no step; the first cycle, without a snapshot, refreshes
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from pipefisher.config import RunConfig
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.topology import Topology
+from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.methods.soap.engine import SoapEngine
+from pipefisher.methods.soap.settings import SoapSettings
+from pipefisher.methods.soap.state import matrix_parameters
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.comm.plan import inverse_owners
+from pipefisher.planning.plan import Plan
+from pipefisher.planning.tasks import FACTOR_OF
+from pipefisher.runtime.pipeline.clock import timed_ms
+from pipefisher.runtime.pipeline.comm import Comm, Handle
+
+
+def soap_settings(config: RunConfig) -> SoapSettings:
+    """The engine's settings from the run's soap section (statistics_beta 0 means beta2)."""
+    s = config.soap
+    return SoapSettings(beta1=s.beta1, beta2=s.beta2, statistics_beta=s.statistics_beta or None, epsilon=s.epsilon,
+                        block_size=s.block_size, statistics_dtype=getattr(torch, s.statistics_dtype))
+
+
+def tied_skip(tied: list[tuple[str, str]]) -> tuple[str, ...]:
+    """Globs of the tied weights' copies (an embedding and a head): a first-order rule steps them."""
+    return tuple(sorted({f"*{name}" for _, name in tied}))
+
+
+def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
+    """Parameters of `module` that SOAP preconditions, in order, without allocating anything
+    (works on the meta device)."""
+    return list(matrix_parameters(module, skip))
+
+
+class SoapRuntime(CurvatureRuntime):
+    """The SOAP state of one rank's stages, the handlers of its op kinds and the provider of its
+    exchange. The loss scale is not needed: the step end sees unscaled gradients."""
+
+    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
+                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+        self.topology, self.rank, self.comm = topology, rank, comm
+        settings = soap_settings(config)
+        self.engines = {key: SoapEngine(module, settings, skip) for key, module in modules.items()}
+        #: a rank holds at most one copy of a stage
+        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
+        self.set_plan(plan)
+
+    def set_plan(self, plan: Plan) -> None:
+        self.owners = inverse_owners(plan)
+
+    def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
+        return {OpKind.INV_A: self._refresh, OpKind.INV_B: self._refresh,
+                OpKind.EXCHANGE: lambda op: None}  # its launches are the whole op
+
+    def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
+        return {CollectiveKind.EXCHANGE: self._launch_exchange}
+
+    def before_optimizer_step(self, updates: Callable[[nn.Parameter], bool]) -> None:
+        for engine in self.engines.values():
+            engine.precondition_all(updates)
+
+    def end_of_cycle(self) -> None:
+        """Commit the cycle's bases, snapshot the statistics for the next cycle's refresh, report
+        numerical trouble (one host read per stage)."""
+        for engine in self.engines.values():
+            engine.commit()
+            engine.snapshot()
+            engine.check_health()
+
+    def state_dict(self) -> dict:
+        return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for (pipe, stage), engine in self.engines.items():
+            engine.load_state_dict(state[f"{pipe}.{stage}"])
+
+    def _refresh(self, op: Op) -> None:
+        self.engines[(op.pipe, op.stage)].refresh(op.layer, FACTOR_OF[op.kind])
+
+    def _launch_exchange(self, collective: Collective) -> Handle:
+        stage, layer, factor = collective.key
+        engine = self._engine_of_stage[stage]
+        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
+                                    shared=lambda: engine.shared_basis(layer, factor),
+                                    buffer=lambda: engine.basis_buffer(layer, factor),
+                                    receive=lambda tensor: engine.receive_basis(layer, factor, tensor))
+
+
+class SoapTimer(TaskTimer):
+    """SOAP's task times per matrix: the refresh of each factor (from statistics and first bases
+    of a random gradient); and, in the step end, the direction and the statistics update with
+    bases in place."""
+
+    method = "soap"
+
+    def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
+        settings = soap_settings(config)
+        self.modules = modules
+        self.engines = {key: SoapEngine(module, settings, skip) for key, module in modules.items()}  # throwaway
+
+    def before_optimizer_step(self) -> None:
+        for engine in self.engines.values():
+            engine.precondition_all()
+
+    def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
+        measurements: dict[tuple[int, str], LayerMeasurement] = {}
+        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
+            parameters = engine.parameters()
+            saved = [p.grad for p in parameters]
+            for p in parameters:
+                p.grad = torch.randn_like(p)
+            engine.precondition_all()  # statistics and first bases
+            for p, grad in zip(parameters, saved):
+                p.grad = grad
+            engine.snapshot()
+            for info in engine.matrices():
+                samples = {f"inverse_{factor.lower()}": timed_ms(lambda factor=factor: engine.refresh(info.name, factor), executor.device)
+                           for factor in "AB"}
+                measurements[(stage, info.name)] = (samples, {})
+            engine.commit()
+        return measurements

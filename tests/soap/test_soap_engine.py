@@ -1,0 +1,177 @@
+"""The engine's task API: the eigenbasis of a null space, shared bases, host reads, numerical
+trouble, checkpoints mid-cycle, the memory model and the settings."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from host_reads import count_host_reads
+from rounding import sums_in_two_orders
+from pipefisher.config import ConfigError, config_from_dict
+from pipefisher.methods.blocks import FACTORS
+from pipefisher.methods.soap import SoapEngine, SoapNumericsWarning, SoapSettings
+from pipefisher.methods.soap import basis as soap_basis
+from pipefisher.methods.soap.memory import SoapLayer
+from pipefisher.runtime.training.trainer import tensor_bytes
+
+SETTINGS = SoapSettings(block_size=4)
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Embedding(4, 3))
+
+
+def set_gradients(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def refresh(engine: SoapEngine) -> None:
+    """A cycle's end as the pipeline has it: every refresh, the commit, the next snapshot."""
+    for info in engine.matrices():
+        for factor in FACTORS:
+            engine.refresh(info.name, factor)
+    engine.commit()
+    engine.snapshot()
+
+
+def run(engine: SoapEngine, model: nn.Module, seeds: range) -> None:
+    for seed in seeds:
+        set_gradients(model, seed)
+        engine.precondition_all()
+        refresh(engine)
+
+
+def test_matrices_are_the_2d_weights_but_embedding_tables_and_skipped_names():
+    engine = SoapEngine(tiny_model(), SETTINGS, skip=("2.*",))
+    assert [(info.name, info.row_blocks, info.col_blocks) for info in engine.matrices()] == [("0.weight", (4, 3), (4, 1))]
+
+
+@pytest.mark.parametrize("tie_break, same", [(soap_basis.TIE_BREAK, True), (0.0, False)])
+def test_a_gradient_summed_in_another_order_gives_the_same_direction(monkeypatch, tie_break, same):
+    """A 16 x 3 gradient leaves a 13-dimensional null space in its left statistic, whose
+    eigenbasis a plain decomposition takes from rounding: replicas that sum the micro-batches in
+    another order would then step differently. The tie-break fixes it (not vacuous: without it
+    the directions differ)."""
+    monkeypatch.setattr(soap_basis, "TIE_BREAK", tie_break)
+    in_sequence, by_halves, following = sums_in_two_orders(16, 3)
+    directions = []
+    for gradient in (in_sequence, by_halves):
+        layer = nn.Linear(3, 16, bias=False)
+        engine = SoapEngine(layer)
+        for g in (gradient, following):
+            layer.weight.grad = g.clone()
+            engine.precondition_all()
+        directions.append(layer.weight.grad)
+    close = torch.allclose(directions[0], directions[1], rtol=0, atol=1e-4 * directions[0].abs().max().item())
+    assert close == same
+
+
+def test_received_bases_step_exactly_like_the_computed_ones_and_the_first_cycle_sends_nothing():
+    model = tiny_model()
+    computing, receiving = SoapEngine(model, SETTINGS), SoapEngine(copy.deepcopy(model), SETTINGS)
+    twin = receiving.parameters()[0]
+    for seed in range(3):
+        set_gradients(model, seed)
+        twin.grad = model[0].weight.grad.clone()
+        computing.precondition_all()
+        receiving.precondition_all()
+        for info in computing.matrices():
+            for factor in FACTORS:
+                computing.refresh(info.name, factor)
+                receiving.receive_basis(info.name, factor, computing.shared_basis(info.name, factor).clone())
+        if seed == 0:
+            assert computing.basis("0.weight", "A") is not None and computing.statistics("0.weight", "A")
+            assert all(fs.pending is None for e in (computing, receiving) for st in e._matrices.values() for fs in st.factors.values())
+        for engine in (computing, receiving):
+            engine.commit()
+            engine.snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(computing.basis("0.weight", "B"), receiving.basis("0.weight", "B")))
+    set_gradients(model, 9)
+    twin.grad = model[0].weight.grad.clone()
+    computing.precondition_all()
+    receiving.precondition_all()
+    assert torch.equal(model[0].weight.grad, twin.grad)
+    with pytest.raises(ValueError, match="'0.weight': A basis of 3 elements"):
+        receiving.receive_basis("0.weight", "A", torch.zeros(3))
+
+
+def test_the_step_end_and_the_refresh_read_nothing_on_the_host_and_the_health_check_reads_once():
+    model = tiny_model()
+    engine = SoapEngine(model, SETTINGS)
+    set_gradients(model, 0)
+    with count_host_reads() as reads:
+        for seed in range(3):
+            engine.precondition_all()
+            refresh(engine)
+    assert sum(reads.values()) == 0
+    with count_host_reads() as reads:
+        engine.check_health()
+    assert sum(reads.values()) == 1, "the health check reads every counter at once"
+
+
+def test_a_non_finite_gradient_keeps_the_statistics_and_bases_counts_and_warns_once():
+    model = tiny_model()
+    engine = SoapEngine(model, SETTINGS)
+    run(engine, model, range(2))
+    before = [s.clone() for s in engine.statistics("0.weight", "A")]
+    set_gradients(model, 2)
+    model[0].weight.grad[0, 0] = float("nan")
+    engine.precondition_all()
+    refresh(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.statistics("0.weight", "A")))
+    assert engine.health()["0.weight"].skipped_statistics == 1
+    assert all(torch.isfinite(b).all() for f in FACTORS for b in engine.basis("0.weight", f))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.check_health()
+        engine.check_health()
+    assert [type(w.message) for w in caught] == [SoapNumericsWarning]
+
+
+def test_a_state_dict_taken_mid_cycle_resumes_bit_identically():
+    model = tiny_model()
+    engine = SoapEngine(model, SETTINGS)
+    run(engine, model, range(2))
+    set_gradients(model, 2)
+    engine.precondition_all()
+    engine.refresh("0.weight", "A")  # mid-cycle: one factor's basis pending
+    restored_model = copy.deepcopy(model)
+    restored = SoapEngine(restored_model, SETTINGS)
+    restored.load_state_dict(copy.deepcopy(engine.state_dict()))
+    for e, m in ((engine, model), (restored, restored_model)):
+        e.refresh("0.weight", "B")
+        e.commit()
+        e.snapshot()
+        set_gradients(m, 3)
+        e.precondition_all()
+    assert torch.equal(model[0].weight.grad, restored_model[0].weight.grad)
+    with pytest.raises(ValueError, match="SOAP matrices differ"):
+        SoapEngine(nn.Linear(5, 7), SETTINGS).load_state_dict(engine.state_dict())
+
+
+def test_the_memory_model_counts_what_the_engine_holds_after_a_commit():
+    model = nn.Sequential(nn.Linear(9, 6, bias=False), nn.Linear(6, 2, bias=False))
+    engine = SoapEngine(model, SETTINGS)
+    run(engine, model, range(2))
+    layers = [SoapLayer(info.name, *info.shape, block_size=4) for info in engine.matrices()]
+    assert tensor_bytes(engine.state_dict()) == sum(layer.state_bytes() for layer in layers)
+
+
+@pytest.mark.parametrize("field, value", [("beta1", 1.0), ("beta2", -0.1), ("statistics_beta", 1.0), ("epsilon", 0.0),
+                                          ("block_size", 0), ("dtype", torch.float16)])
+def test_settings_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SoapSettings(**{field: value})
+
+
+def test_zero1_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="^optimizer.zero: soap keeps every replica's statistics .* use optimizer.zero 0$"):
+        config_from_dict({"optimizer": {"name": "soap", "zero": 1}, "pipeline": {"data_parallel": 2}})
