@@ -68,3 +68,25 @@ def test_the_executor_benchmark_compares_the_zero_bubble_schedules_with_torchs()
         # pipefisher's median, torch's median, the ratio of medians, the paired ratio
         assert all(float(cell) > 0 for cell in cells[2:6]), row
     assert "registers no schedule" not in result.stdout
+
+
+@pytest.mark.slow  # about 40 s here: 12 tiny reference runs with held-out evaluation
+def test_the_convergence_study_runs_end_to_end_on_held_out_text(tmp_path):
+    """--quick: AdamW and the first registered curvature method on both workloads; the target is
+    the median of AdamW's final held-out losses, every tuned method gets a table row, and the
+    figure and the evaluations are written."""
+    import csv
+
+    out = tmp_path / "conv"
+    result = run("convergence.py", "--quick", "--cache", str(tmp_path / "cache"), "--out", str(out), timeout=240)
+    assert result.returncode == 0, result.stderr
+    method = next(iter(methods()))
+    rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
+    for workload, loss in (("bert", "MLM"), ("gpt2", "LM")):
+        adamw = [row for row in rows if row["workload"] == workload and row["method"] == "adamw" and row["step"] == "30"]
+        tuned = {row["lr"] for row in adamw if row["seed"] != "0"}
+        assert len(tuned) == 1, "the seeds beyond 0 run at the tuned setting"
+        finals = sorted(float(row["held_out_loss"]) for row in adamw if row["lr"] in tuned)
+        assert len(finals) == 2 and f"held-out {loss} loss {finals[1]:.3f}, " in result.stdout
+    assert result.stdout.count(f"| {method} | lr ") == 6 and result.stdout.count("| adamw | lr ") == 6
+    assert out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".md").read_text() in result.stdout + "\n"

@@ -50,6 +50,7 @@ class DataConfig:
     vocab_size: int = setting(4000, "size of a tokenizer trained on the corpus", low=0, low_open=True)
     mask_prob: float = setting(0.15, "bert: share of tokens masked", low=0, high=1, low_open=True, high_open=True)
     cache_dir: str = setting("", "where tokenizers and tokens are cached (\"\" = the default cache folder)")
+    holdout: float = setting(0.0, "text: share of the corpus's documents never trained on, for held-out evaluation (0 = none)", low=0, high=1, high_open=True)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedMo
         data = text_data(config)
     except (ValueError, OSError) as exc:
         message = str(exc).splitlines()[0]
-        raise ConfigError(f"data.{message}" if message.startswith("tokenizer:") else f"data: {message}") from None
+        raise ConfigError(f"data.{message}" if message.startswith(("tokenizer:", "holdout:")) else f"data: {message}") from None
     if settings.hf_weights:
         if data.vocab_size > model.config.vocab_size:
             raise ConfigError(f"data: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
@@ -113,16 +113,24 @@ def _hf_staged(settings: ModelConfig, overrides: tuple[tuple[str, object], ...] 
         raise ConfigError(f"model.{exc}") from None
 
 
-@functools.cache
-def _causal_data(data: DataConfig, seq_len: int):
-    from pipefisher.data.causal import CausalLMData
+def _documents(data: DataConfig, held_out: bool) -> list[list[str]]:
+    """The corpus's training documents (all when `data.holdout` is 0), or its held-out ones."""
     from pipefisher.data.corpus import embedded_corpus, read_corpus
+    from pipefisher.data.holdout import split_documents
+
+    documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
+    return split_documents(documents, data.holdout)[held_out] if data.holdout or held_out else documents
+
+
+@functools.cache
+def _causal_data(data: DataConfig, seq_len: int, held_out: bool = False):
+    from pipefisher.data.causal import CausalLMData
     from pipefisher.data.pretraining import default_cache_dir
     from pipefisher.data.tokenizer import train_byte_level_bpe
     from tokenizers import Tokenizer
 
     cache = data.cache_dir or str(default_cache_dir())
-    documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
+    documents = _documents(data, held_out)
     if data.tokenizer:  # its errors are reported as data.tokenizer
         if not Path(data.tokenizer).is_file():
             raise ValueError(f"tokenizer: no such file {data.tokenizer}")
@@ -131,7 +139,7 @@ def _causal_data(data: DataConfig, seq_len: int):
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
             raise ValueError(f"tokenizer: {data.tokenizer} is not a tokenizer.json ({str(exc).splitlines()[0]})") from None
     else:
-        tokenizer = train_byte_level_bpe(documents, data.vocab_size, cache)
+        tokenizer = train_byte_level_bpe(_documents(data, False), data.vocab_size, cache)
     return CausalLMData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, cache)
 
 
@@ -141,14 +149,13 @@ def causal_data(config: RunConfig):
 
 
 @functools.cache
-def _pretraining_data(data: DataConfig, seq_len: int):
-    from pipefisher.data.corpus import embedded_corpus, read_corpus
+def _pretraining_data(data: DataConfig, seq_len: int, held_out: bool = False):
     from pipefisher.data.pretraining import PretrainingData, default_cache_dir
     from pipefisher.data.tokenizer import load_vocab, train_wordpiece
 
     cache = data.cache_dir or str(default_cache_dir())
-    documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
-    tokenizer = load_vocab(data.vocab) if data.vocab else train_wordpiece(documents, data.vocab_size, cache)
+    documents = _documents(data, held_out)
+    tokenizer = load_vocab(data.vocab) if data.vocab else train_wordpiece(_documents(data, False), data.vocab_size, cache)
     return PretrainingData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, data.mask_prob, cache)
 
 
@@ -161,6 +168,19 @@ def text_data(config: RunConfig):
     """The run's text data: BERT pretraining (`data.kind: bert`) or causal LM (`causal`); each has
     `tokenizer`, `vocab_size` and `micro_batch`."""
     return pretraining_data(config) if config.data.kind == "bert" else causal_data(config)
+
+
+def held_out_batches(config: RunConfig, count: int) -> list[dict]:
+    """`count` micro-batches of the text run's held-out documents (`data.holdout` > 0; the
+    tokenizer is the run's, trained without them), the same for every `data.seed`
+    (`pipefisher.data.holdout.evaluation_batches`); ConfigError naming data.holdout otherwise."""
+    from pipefisher.data.holdout import evaluation_batches
+
+    if config.data.kind not in ("bert", "causal") or not config.data.holdout:
+        raise ConfigError("data.holdout: held-out evaluation needs text data (data.kind bert or causal) and data.holdout > 0")
+    data = dataclasses.replace(config.data, seed=0)
+    build = _pretraining_data if config.data.kind == "bert" else _causal_data
+    return evaluation_batches(build(data, config.model.seq_len, True), count)
 
 
 def data_source(config: RunConfig) -> MicroBatchFn:

@@ -32,7 +32,21 @@ from pipefisher.runtime.training.stopping import Stopped, stop_request
 from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
 
 
-def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> TrainResult:
+@dataclass(frozen=True)
+class Evaluation:
+    """Evaluation during `train_reference`: before step 1, after every `every` steps and after the
+    last, the loss and its parts averaged over `batches` (eval mode, no gradients; each batch's
+    loss as a micro-batch's, unscaled) go to `report(steps done, {"loss": .., part: ..})`."""
+
+    every: int
+    batches: list[dict]
+    report: Callable[[int, dict[str, float]], None]
+
+    def due(self, done: int, steps: int) -> bool:
+        return done % self.every == 0 or done == steps
+
+
+def train_reference(config: RunConfig, on_step: StepCallback | None = None, evaluation: Evaluation | None = None) -> TrainResult:
     """The same training in one process: the unsplit model where the model offers it, else all
     stages in sequence with tied copies' gradients summed; micro-batches in id order, the same
     precision, clipping, schedule and curvature method's cycle. Parameters are named as the model names them
@@ -51,6 +65,8 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
     tied = net.tied
     curvature = method_of(config).runtime_parts().reference(config, model, nn.ModuleList(stages)) if config.curvature else None
     losses = []
+    if evaluation is not None:
+        evaluation.report(0, _evaluate(net, evaluation.batches))
     for step in range(config.run.steps):
         start = time.perf_counter()
         step_loss = 0.0
@@ -98,9 +114,30 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None) -> T
         losses.append(step_loss)
         if on_step is not None:
             on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
+        if evaluation is not None and evaluation.due(step + 1, config.run.steps):
+            evaluation.report(step + 1, _evaluate(net, evaluation.batches))
         if stop_request.signum:
             raise Stopped(step + 1, stop_request.signum)
     return TrainResult(losses, {name: parameter.detach().clone() for name, parameter in net.named_parameters()})
+
+
+def _evaluate(net: _Net, batches: list[dict]) -> dict[str, float]:
+    """Mean loss and loss parts of `net` over `batches`, in eval mode without gradients (the
+    modules' training flags restored after)."""
+    modes = [(module, module.training) for stage in net.modules for module in stage.modules()]
+    totals: dict[str, float] = {}
+    try:
+        for stage in net.modules:
+            stage.eval()
+        with torch.no_grad():
+            for batch in batches:
+                loss, parts = net.loss(batch)
+                for name, value in {"loss": loss, **parts}.items():
+                    totals[name] = totals.get(name, 0.0) + float(value) / len(batches)
+    finally:
+        for module, training in modes:
+            module.training = training
+    return totals
 
 
 @dataclass

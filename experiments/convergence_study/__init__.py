@@ -1,0 +1,1 @@
+"""The convergence study's parts (experiments/convergence.py runs it)."""
