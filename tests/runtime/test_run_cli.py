@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipefisher.methods.registry import methods
+
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
 
 
@@ -148,7 +150,7 @@ def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
     assert warnings == [
-        "pipefisher: warning: --profile has no effect on a first-order run (optimizer sgd); it serves the packer of --optimizer kfac or shampoo",
+        f"pipefisher: warning: --profile has no effect on a first-order run (optimizer sgd); it serves the packer of --optimizer {' or '.join(methods())}",
         "pipefisher: warning: --shampoo-refresh-steps has no effect with optimizer sgd; it applies to --optimizer shampoo",
         "pipefisher: warning: fp16 on a CPU is emulated, about 10x slower than fp32 here; bf16 or fp32 train at full speed",
     ], result.stderr
