@@ -12,7 +12,7 @@ Typical loop (SOAP steps the matrices; give the other parameters a first-order r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,31 +22,17 @@ from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.health import SoapHealth
 from pipefisher.methods.soap.settings import SoapSettings
+from pipefisher.optim.decoupled import DecoupledStep
 
 
-class SoapStep(torch.optim.Optimizer):
+class SoapStep(DecoupledStep):
     """The step after SOAP's direction (in ``.grad``): ``p <- (p - lr · d)(1 - lr · weight_decay)``,
     pytorch_optimizer's order. A parameter's first step is skipped, weight decay included: SOAP's
     first call on a matrix takes its eigenbases and gives no direction (`SoapEngine.precondition_all`;
     both run on the same steps). Its state per parameter is that count of steps."""
 
     def __init__(self, params: Iterable[Any], lr: float = 3e-3, weight_decay: float = 0.0) -> None:
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        for group in self.param_groups:
-            lr, decay = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                if state["step"] == 1:
-                    continue
-                p.add_(p.grad, alpha=-lr)
-                if decay:
-                    p.mul_(1.0 - lr * decay)
+        super().__init__(params, lr, weight_decay, decay_first=False, skip_first=True)
 
 
 class SOAP:
