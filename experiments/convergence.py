@@ -105,6 +105,7 @@ class Study:
     def times(self, method: str, measure: bool) -> StepTime | None:
         if not measure:
             return None
+        log(self.t0, f"{self.workload} {method}: its step time, from the cache or a `pipefisher run` now")
         times = step_time(self.workload, method, self.sizing, self.cache, again=self.remeasure)
         log(self.t0, f"{self.workload} {method}: {times.measured_ms:.1f} ms/step here (k {times.k}), "
                      f"{times.paper_ms:.0f} ms at paper scale (k {times.paper_k})")
