@@ -130,13 +130,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
         comm={"powersgd_rank": args.powersgd_rank},
         run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
-             "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None},
+             "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None,
+             "trace": args.trace},
     )
     check_run_outputs(config)
     method = method_of(config).name
     warn_without_effect(args, config)
     config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
     warn_if_emulated(config)
+    if args.reference and config.run.trace:
+        raise UsageError("--reference trains in one process without the executor whose actions a trace labels; "
+                         "drop --trace (run.trace) or --reference")
     if args.reference and config.comm.powersgd_rank:
         raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
                          "drop --powersgd-rank (comm.powersgd_rank) or --reference")
@@ -300,6 +304,8 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint that verifies, up to --steps (checkpoint.resume always)")
     parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
+    parser.add_argument("--trace", metavar="DIR", help="write a PyTorch profiler trace per rank of steps run.trace_from.. "
+                                                       "(default 3 and 4), every action labelled (run.trace)")
     parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     add_key_arguments(parser)

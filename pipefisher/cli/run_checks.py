@@ -18,6 +18,12 @@ def check_run_outputs(config: RunConfig) -> None:
         check_output(config.run.metrics, "run.metrics (--metrics)")
     if config.checkpoint.dir:
         check_output(config.checkpoint.dir, "checkpoint.dir (--checkpoint-dir)", folder=True)
+    if config.run.trace:
+        check_output(config.run.trace, "run.trace (--trace)", folder=True)
+        last = config.run.trace_from + config.run.trace_steps - 1
+        if last > config.run.steps:
+            raise UsageError(f"run.trace_from {config.run.trace_from} + run.trace_steps {config.run.trace_steps}: the trace would end at step "
+                             f"{last}, after the run's last step {config.run.steps}; lower them or raise --steps")
 
 
 def warn_without_effect(args: argparse.Namespace, config: RunConfig) -> None:

@@ -119,3 +119,6 @@ class RunSettings:
     loss_scale: float = setting(65536.0, "fp16: initial loss scale (halved on overflow, doubled after 2000 clean steps)", low=0, low_open=True)
     bucket_mb: float = setting(25.0, "size of the gradient all-reduce buckets, MiB", low=0, low_open=True)
     in_order: bool = setting(False, "hold every process group to NCCL's in-order rule (a test mode for gloo)")
+    trace: str = setting("", "folder for one PyTorch profiler trace per rank (rank<R>.json, Chrome/Perfetto format) of the traced steps (\"\" = none)")
+    trace_from: int = setting(3, "first traced step, 1-based (the steps before it warm up)", low=1)
+    trace_steps: int = setting(2, "how many steps the trace covers", low=1)

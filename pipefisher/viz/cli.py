@@ -17,6 +17,7 @@ import argparse
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,6 +64,9 @@ def add_viz_parser(subparsers: Any) -> None:
     parser.add_argument("--curvature", action="store_true",
                         help="pack the profile's curvature tasks into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
     parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v1 JSON)")
+    parser.add_argument("--trace", metavar="DIR", help="draw the steps a `pipefisher run --trace DIR` traced; with a run file or "
+                                                       "--schedule, below the simulator's prediction from the trace's own op times "
+                                                       "(or --profile's)")
     parser.add_argument("-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)")
     parser.add_argument("--max-steps", type=positive_int, metavar="K",
                         help="draw only the first K steps of a refresh cycle or recording (default: all); titles and tables keep the whole")
@@ -81,7 +85,7 @@ def run_viz(args: argparse.Namespace) -> int:
     if args.json and (args.compare is None or kind == "-"):
         raise UsageError("--json prints --compare's table; use it with --compare and -o FILE" if kind == "-" else "--json applies to --compare")
     compared = None
-    if args.compare is not None and args.timeline is None:
+    if args.compare is not None and args.timeline is None and args.trace is None:
         compared, setup = compare_entries(args)
         panels = [row.panel for row in compared]
     else:
@@ -136,6 +140,8 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
     combinations raise UsageError. --compare goes through `compare_entries`."""
     if args.timeline is not None:
         return [_timeline_panel(args)]
+    if args.trace is not None:
+        return _trace_panels(args)
     config = _run_file(args)
     if args.schedule is None and config is None:
         raise UsageError("nothing to draw: give a run file, --schedule S, --compare S1,S2 or --timeline FILE")
@@ -220,3 +226,32 @@ def _timeline_panel(args: argparse.Namespace) -> Panel:
 
     record = load_timeline(args.timeline)
     return recorded_panel(record, record.name or Path(args.timeline).name)
+
+
+def _trace_panels(args: argparse.Namespace) -> list[Panel]:
+    """The traced steps; with a schedule (run file or --schedule), the simulated step first, on
+    --profile's times or the trace's median op times per stage."""
+    from pipefisher.viz.trace_io import load_trace, trace_profile
+
+    clash = next((flag for flag, value in {"--timeline": args.timeline, "--compare": args.compare, "--curvature": args.curvature or None,
+                                            "--json": args.json or None}.items() if value is not None), None)
+    if clash is not None:
+        raise UsageError(f"--trace draws a traced run beside its schedule's prediction; drop {clash}")
+    measured = load_trace(args.trace)
+    config = _run_file(args)
+    name = args.schedule or (config.schedule if config else None)
+    if name is None:
+        return [recorded_panel(measured, measured.name)]
+    stages = args.stages or (config.stages if config else measured.num_ranks)
+    micro_batches = args.micro_batches or (config.micro_batches if config else None)
+    if micro_batches is None:
+        raise UsageError("--trace with --schedule: give --micro-batches (or a run file)")
+    chunks = args.chunks or (config.chunks if config else None)
+    pipeline = argparse.Namespace(schedule=name, stages=stages, micro_batches=micro_batches, profile=args.profile,
+                                  chunks=chunks if name == "interleaved" else None)
+    schedule, profile = build_pipeline(pipeline)
+    if args.profile is None:
+        profile = trace_profile(measured, schedule.num_stages)
+    predicted = schedule_panel(schedule, profile)
+    return [replace(predicted, name=f"{predicted.name} predicted ({'--profile' if args.profile else 'trace op times'})"),
+            recorded_panel(measured, measured.name)]

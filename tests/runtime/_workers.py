@@ -305,3 +305,20 @@ def powersgd_against_torch(rank: int, world: int, rank_r: int, steps: int) -> li
             reduced = torch_powersgd.powerSGD_hook(state, Bucket()).wait()
         results.append((buffer.flat.clone(), reduced.clone() * world))
     return results
+
+
+def counting_batches(rank: int, world: int, config: RunConfig) -> tuple[dict, dict]:
+    """Train; (how often each (step, global micro-batch) was built on this rank, the names each
+    micro-batch of the last step moved to the device)."""
+    from collections import Counter
+
+    executor, _ = build_executor(config, rank, CPU)
+    built, build = Counter(), executor.micro_batch
+
+    def counted(step: int, micro_batch: int):
+        built[(step, micro_batch)] += 1
+        return build(step, micro_batch)
+
+    executor.micro_batch = counted
+    train_pipelined(config, rank, CPU, executor=executor)
+    return dict(built), {key: sorted(batch.moved) for key, batch in executor._batches.items()}

@@ -10,12 +10,13 @@ this rank) and leaves its output for the SEND that follows. After the actions, t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
@@ -33,6 +34,10 @@ MicroBatchFn = Callable[[int, int], dict[str, Tensor]]
 MessageSpec = Callable[[Message], tuple[tuple[int, ...], torch.dtype]]
 
 
+#: what an unlabelled action runs under (no profiler on: labels would cost without showing)
+UNLABELLED = nullcontext()
+
+
 class StepFailure(RuntimeError):
     """An op failed; the message names the rank, the step and the op."""
 
@@ -47,11 +52,31 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    """Host tensors onto `device` without blocking the host (pinned, non-blocking on CUDA)."""
-    if device.type != "cuda":
-        return {name: tensor.to(device) for name, tensor in batch.items()}
-    return {name: tensor.pin_memory().to(device, non_blocking=True) for name, tensor in batch.items()}
+class DeviceBatch(Mapping[str, Tensor]):
+    """One micro-batch: its host tensors, each copied to `device` when first read (pinned and
+    non-blocking on CUDA) and kept. A stage moves only what it reads (a middle stage of BERT
+    its attention mask), and the stages a rank holds share one copy."""
+
+    def __init__(self, host: dict[str, Tensor], device: torch.device):
+        self.host, self.device = host, device
+        self.moved: dict[str, Tensor] = {}
+
+    def __getitem__(self, name: str) -> Tensor:
+        tensor = self.moved.get(name)
+        if tensor is None:
+            host = self.host[name]
+            if self.device.type == "cuda":
+                tensor = host.pin_memory().to(self.device, non_blocking=True)
+            else:
+                tensor = host.to(self.device)
+            self.moved[name] = tensor
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.host)
+
+    def __len__(self) -> int:
+        return len(self.host)
 
 
 def describe(action: Action) -> str:
@@ -105,6 +130,8 @@ class Executor:
         step_end.before_optimizer_step = self._before_optimizer_step
         self.clock = Clock(device)
         self.current_step = 0
+        #: (step, global micro-batch) -> that micro-batch, built once per step on this rank
+        self._batches: dict[tuple[int, int], DeviceBatch] = {}
         self._receives: dict[Message, tuple[Tensor, Handle]] = {}
         self._inputs: dict[Message, Tensor] = {}
         self._outputs: dict[Message, Tensor] = {}
@@ -155,19 +182,24 @@ class Executor:
         instead of applied (profiling steps leave the model as it was)."""
         start = time.perf_counter()
         self.current_step = step
+        self._batches = {}
         self.step_end.update, self.step_end.step = update, step
-        for action in actions:
+        labelled = torch.autograd._profiler_enabled()  # torch.profiler, or NVTX ranges under emit_nvtx
+        with record_function(f"step {step + 1}") if labelled else UNLABELLED:
+            for action in actions:
+                try:
+                    with record_function(str(action)) if labelled else UNLABELLED:
+                        self._perform(action)
+                except Exception as exc:
+                    raise StepFailure(f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}") from exc
+            pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
+            if pending:  # a plan runs every W of a step within it; the gradients would be incomplete
+                raise StepFailure(f"rank {self.rank} failed at step {step + 1}: weight gradients of stage(s) {', '.join(pending)} still pending at its end")
             try:
-                self._perform(action)
+                with record_function("step end") if labelled else UNLABELLED:
+                    record = self.step_end.finish()
             except Exception as exc:
-                raise StepFailure(f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}") from exc
-        pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
-        if pending:  # a plan runs every W of a step within it; the gradients would be incomplete
-            raise StepFailure(f"rank {self.rank} failed at step {step + 1}: weight gradients of stage(s) {', '.join(pending)} still pending at its end")
-        try:
-            record = self.step_end.finish()
-        except Exception as exc:
-            raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
+                raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
         loss = record.pop("loss")
         return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=record)
 
@@ -212,8 +244,10 @@ class Executor:
     # -- handlers ----------------------------------------------------------------------------
     def _forward(self, op: Op) -> None:
         stage = self.stages[(op.pipe, op.stage)]
-        global_mb = self.topology.global_micro_batch(self.rank, op.micro_batch)
-        batch = to_device(self.micro_batch(self.current_step, global_mb), self.device)
+        key = (self.current_step, self.topology.global_micro_batch(self.rank, op.micro_batch))
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = DeviceBatch(self.micro_batch(*key), self.device)
         inputs = None if stage.first else self._input_of(op)
         with self._forward_context(op):
             output = stage.forward(op.micro_batch, inputs, batch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +42,7 @@ class StageRuntime:
         """From now on, backward computes input gradients and `weight` the weight gradients."""
         self.split = SplitBackward(self.module)
 
-    def forward(self, micro_batch: int, inputs: Tensor | None, batch: dict[str, Tensor]) -> Tensor | None:
+    def forward(self, micro_batch: int, inputs: Tensor | None, batch: Mapping[str, Tensor]) -> Tensor | None:
         """Run the stage on the previous stage's activation (None on the first stage) and the
         micro-batch; return the activation to pass on (None on the last stage)."""
         if not self.first:

@@ -30,6 +30,7 @@ from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import build_schedule, data_source, staged_model
 from pipefisher.runtime.training.checkpoint import commit, load_rank, save_rank
 from pipefisher.runtime.training.stopping import Stopped
+from pipefisher.runtime.training.tracing import StepTracer
 
 StepCallback = Callable[[StepResult], None]
 
@@ -139,7 +140,8 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
     """Train on this rank (with `executor` if given, else a fresh one from `build_executor`) up
     to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
     Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
-    a signal stops the run: then every rank raises `Stopped` after the same step."""
+    a signal stops the run: then every rank raises `Stopped` after the same step. `run.trace`:
+    a profiler trace of the steps it names (`pipefisher.runtime.training.tracing`)."""
     if executor is None:
         executor, _ = build_executor(config, rank, device)
     start, state = 0, None
@@ -160,8 +162,11 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         runner.resume()
     losses = []
     every = config.checkpoint.every
+    tracer = StepTracer(config, rank, device)
     for step in range(start, config.run.steps):
+        tracer.before(step)
         result = runner.run_step(step)
+        tracer.after(step)
         losses.append(result.loss)
         if on_step is not None:
             on_step(result)

@@ -1,0 +1,107 @@
+"""Measured timelines from `pipefisher run --trace` (PyTorch profiler traces, Chrome format).
+
+The executor labels every action it performs while a profiler is on: ``step N`` around a step,
+the op's string form (``1F3``, ``0CA2:encoder.layer.1...``) around an op, ``recv:``/``send:``/
+``w:``/``+`` around communication and ``step end`` around the end of step. Of those, the ops and
+their steps (1-based, as the run counts them) make a `RecordedTimeline` (times in ms on the traces' shared clock: every rank of one
+machine writes the same ``baseTimeNanoseconds``), and their median times per stage a `Profile`,
+so the simulator can predict the same steps without the waits. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipefisher.core.ir import Op, OpKind, ScheduleError
+from pipefisher.core.profile import Profile, StageProfile
+from pipefisher.viz.timeline_io import SCHEMA, RecordedTimeline, TimelineError, timeline_from_dict
+
+STEP = re.compile(r"step (\d+)$")
+RANK_FILE = re.compile(r"rank(\d+)\.json$")
+
+
+def trace_files(path: str | Path) -> list[Path]:
+    """A trace folder's `rank<R>.json` files in rank order (or the one file `path`)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise TimelineError(f"{path}: no such trace folder or file (write one with `pipefisher run ... --trace DIR`)")
+    found = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := RANK_FILE.search(p.name)))
+    if not found:
+        raise TimelineError(f"{path}: holds no rank<R>.json trace (write one with `pipefisher run ... --trace DIR`)")
+    ranks = [rank for rank, _ in found]
+    if ranks != list(range(len(ranks))):
+        raise TimelineError(f"{path}: traces of ranks {ranks}; expected rank0.json .. rank{len(ranks) - 1}.json")
+    return [p for _, p in found]
+
+
+def _labelled(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TimelineError(f"{path}: not a readable JSON trace ({exc})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise TimelineError(f"{path}: no traceEvents; expected a PyTorch profiler trace (Chrome format)")
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+
+
+def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
+    """The `pipefisher.timeline/v1` object of the labelled ops in `paths` (one trace per rank)."""
+    ranks: list[list[dict[str, Any]]] = []
+    starts: dict[int, float] = {}
+    for path in paths:
+        events = _labelled(path)
+        steps = [(e["ts"], e["ts"] + e["dur"], int(m.group(1))) for e in events if (m := STEP.match(e["name"]))]
+        if not steps:
+            raise TimelineError(f"{path}: no 'step N' region; was it written by `pipefisher run --trace`?")
+        for begin, _, step in steps:
+            starts[step] = min(starts.get(step, begin), begin)
+        entries = []
+        for event in events:
+            try:
+                op = Op.parse(event["name"])
+            except (ScheduleError, ValueError):
+                continue
+            start = event["ts"]
+            step = next((s for begin, end, s in steps if begin <= start <= end), None)
+            if step is not None:
+                entries.append({"op": str(op), "start": start / 1e3, "end": (start + event["dur"]) / 1e3, "step": step})
+        ranks.append(sorted(entries, key=lambda e: e["start"]))
+    traced = sorted({entry["step"] for entries in ranks for entry in entries})
+    data: dict[str, Any] = {"schema": SCHEMA, "time_unit": "ms", "step_starts": [starts[step] / 1e3 for step in traced], "ranks": ranks}
+    if name:
+        data["name"] = name
+    return data
+
+
+def load_trace(path: str | Path, name: str = "") -> RecordedTimeline:
+    """The measured timeline of a trace folder (or one rank's trace file)."""
+    return timeline_from_dict(trace_to_dict(trace_files(path), name or f"measured ({Path(path).name})"))
+
+
+def trace_profile(record: RecordedTimeline, num_stages: int) -> Profile:
+    """Median forward, backward and weight time [ms] of each of `num_stages` stages in `record`
+    (backward includes the weight part when the trace splits it off, as `StageProfile` counts it)."""
+    times: dict[tuple[int, OpKind], list[float]] = defaultdict(list)
+    for step in record.steps:
+        for intervals in step.ranks:
+            for interval in intervals:
+                times[(interval.op.stage, interval.op.kind)].append(interval.end - interval.start)
+
+    def median(stage: int, kind: OpKind) -> float:
+        return statistics.median(times[(stage, kind)]) if times[(stage, kind)] else 0.0
+
+    missing = [stage for stage in range(num_stages) if not times[(stage, OpKind.FORWARD)]]
+    if missing:
+        raise TimelineError(f"the trace has no forward of stage {missing[0]}; is it a trace of this run's schedule?")
+    stages = tuple(StageProfile(forward=median(s, OpKind.FORWARD), backward=median(s, OpKind.BACKWARD) + median(s, OpKind.WEIGHT),
+                                weight=median(s, OpKind.WEIGHT)) for s in range(num_stages))
+    return Profile(stages=stages, time_unit="ms", device="measured trace")

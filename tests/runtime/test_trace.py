@@ -1,0 +1,77 @@
+"""`pipefisher run --trace DIR`: a profiler trace per rank with every executor action labelled,
+and `pipefisher viz --trace` drawing it under the simulator's prediction."""
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pipefisher.config import load_config
+from pipefisher.core.topology import Topology
+from pipefisher.planning.comm.plan import plan_actions
+from pipefisher.runtime.pipeline.plan_runner import schedule_plan
+from pipefisher.runtime.training.assembly import build_schedule
+
+TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
+
+
+def pipefisher(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["pipefisher", *args], capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("trace")
+    done = pipefisher("run", str(TINY), "--steps", "4", "--trace", str(folder), "--master-port", "0")
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def labels_of_step(path: Path, step: int) -> Counter:
+    """The labelled regions inside a rank's region `step N` (1-based), the step's own region and
+    torch's (`gloo:send`, `Optimizer.step#SGD.step`) excluded."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    (region,) = [e for e in events if e["name"] == f"step {step}"]
+    inside = [e["name"] for e in events if region["ts"] < e["ts"] <= region["ts"] + region["dur"]
+              and not e["name"].startswith(("gloo:", "Optimizer."))]
+    return Counter(inside)
+
+
+@pytest.mark.dist
+def test_every_action_of_a_traced_step_is_a_labelled_region(traced):
+    """Steps 3 and 4 are traced (run.trace_from 3, trace_steps 2); each rank's regions in step 3
+    are exactly its actions of the plan, by their string form, plus the end of step."""
+    config = load_config(TINY)
+    schedule = build_schedule(config)
+    plan = plan_actions(Topology(schedule, 1), schedule_plan(schedule))
+    assert sorted(p.name for p in traced.iterdir()) == ["rank0.json", "rank1.json"]
+    for rank in range(2):
+        expected = Counter(str(action) for action in plan.steps[0][rank]) + Counter(["step end"])
+        assert labels_of_step(traced / f"rank{rank}.json", 3) == expected
+        assert labels_of_step(traced / f"rank{rank}.json", 4) == expected
+
+
+@pytest.mark.dist
+def test_viz_draws_the_trace_under_its_prediction(traced, tmp_path):
+    done = pipefisher("viz", str(TINY), "--trace", str(traced), "-o", "-", "--width", "100")
+    assert done.returncode == 0, done.stderr
+    assert "1f1b predicted (trace op times): D=2, N=4" in done.stdout
+    assert f"measured ({traced.name}): D=2, 2 steps" in done.stdout
+    assert "step    3" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--steps", "3"), "run.trace_from 3 + run.trace_steps 2: the trace would end at step 4, after the run's last step 3"),
+    (("--steps", "4", "--reference"), "--reference trains in one process without the executor"),
+])
+def test_a_trace_the_run_cannot_write_is_one_line(tmp_path, args, message):
+    done = pipefisher("run", str(TINY), "--trace", str(tmp_path / "t"), *args)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "t").exists()
+
+
+def test_viz_of_a_folder_without_traces_is_one_line(tmp_path):
+    done = pipefisher("viz", "--trace", str(tmp_path), "-o", "-")
+    assert done.returncode == 2 and "holds no rank<R>.json trace" in done.stderr
