@@ -67,6 +67,8 @@ def add_viz_parser(subparsers: Any) -> None:
     parser.add_argument("--trace", metavar="DIR", help="draw the steps a `pipefisher run --trace DIR` traced; with a run file or "
                                                        "--schedule, below the simulator's prediction from the trace's own op times "
                                                        "(or --profile's)")
+    parser.add_argument("--actions", action="store_true", help="--trace: draw every action of the first traced step (receives, "
+                                                                "sends, waits, collectives, end of step too) instead; .png or .svg")
     parser.add_argument("-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)")
     parser.add_argument("--max-steps", type=positive_int, metavar="K",
                         help="draw only the first K steps of a refresh cycle or recording (default: all); titles and tables keep the whole")
@@ -84,6 +86,8 @@ def run_viz(args: argparse.Namespace) -> int:
         raise UsageError(f"--width {width}: the text chart needs at least {MIN_WIDTH} columns")
     if args.json and (args.compare is None or kind == "-"):
         raise UsageError("--json prints --compare's table; use it with --compare and -o FILE" if kind == "-" else "--json applies to --compare")
+    if args.actions:
+        return _draw_actions(args, kind)
     compared = None
     if args.compare is not None and args.timeline is None and args.trace is None:
         compared, setup = compare_entries(args)
@@ -255,3 +259,17 @@ def _trace_panels(args: argparse.Namespace) -> list[Panel]:
     predicted = schedule_panel(schedule, profile)
     return [replace(predicted, name=f"{predicted.name} predicted ({'--profile' if args.profile else 'trace op times'})"),
             recorded_panel(measured, measured.name)]
+
+
+def _draw_actions(args: argparse.Namespace, kind: str) -> int:
+    """--trace DIR --actions -o OUT.png|svg: the first traced step, every action labelled."""
+    if args.trace is None:
+        raise UsageError("--actions draws a trace's actions; give --trace DIR (from `pipefisher run --trace DIR`)")
+    if kind not in (".png", ".svg"):
+        raise UsageError(f"--actions draws a figure; give -o OUT.png or OUT.svg, not {args.output}")
+    from pipefisher.viz.action_figure import render_actions
+    from pipefisher.viz.trace_io import trace_files
+
+    render_actions(trace_files(args.trace), Path(args.output))
+    print(f"{args.output}: every action of the first traced step of {args.trace}")
+    return 0

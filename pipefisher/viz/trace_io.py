@@ -42,7 +42,8 @@ def trace_files(path: str | Path) -> list[Path]:
     return [p for _, p in found]
 
 
-def _labelled(path: Path) -> list[dict[str, Any]]:
+def labelled_events(path: Path) -> list[dict[str, Any]]:
+    """The labelled regions (Chrome complete events of category user_annotation) of one trace."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -58,7 +59,7 @@ def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
     ranks: list[list[dict[str, Any]]] = []
     starts: dict[int, float] = {}
     for path in paths:
-        events = _labelled(path)
+        events = labelled_events(path)
         steps = [(e["ts"], e["ts"] + e["dur"], int(m.group(1))) for e in events if (m := STEP.match(e["name"]))]
         if not steps:
             raise TimelineError(f"{path}: no 'step N' region; was it written by `pipefisher run --trace`?")

@@ -75,3 +75,17 @@ def test_a_trace_the_run_cannot_write_is_one_line(tmp_path, args, message):
 def test_viz_of_a_folder_without_traces_is_one_line(tmp_path):
     done = pipefisher("viz", "--trace", str(tmp_path), "-o", "-")
     assert done.returncode == 2 and "holds no rank<R>.json trace" in done.stderr
+
+
+@pytest.mark.dist
+def test_viz_draws_every_action_of_a_traced_step(traced, tmp_path):
+    from pipefisher.viz.action_figure import step_regions
+    from pipefisher.viz.trace_io import trace_files
+
+    step, regions = step_regions(trace_files(traced))
+    assert step == 3
+    for rank in range(2):
+        assert Counter(r.label for r in regions if r.rank == rank) == labels_of_step(traced / f"rank{rank}.json", 3)
+    done = pipefisher("viz", "--trace", str(traced), "--actions", "-o", str(tmp_path / "step.png"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "step.png").stat().st_size > 10_000
