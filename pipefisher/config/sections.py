@@ -119,3 +119,5 @@ class RunSettings:
     loss_scale: float = setting(65536.0, "fp16: initial loss scale (halved on overflow, doubled after 2000 clean steps)", low=0, low_open=True)
     bucket_mb: float = setting(25.0, "size of the gradient all-reduce buckets, MiB", low=0, low_open=True)
     in_order: bool = setting(False, "hold every process group to NCCL's in-order rule (a test mode for gloo)")
+    compile: bool = setting(False, "compile each stage's repeated blocks with torch.compile (pipelined runs; the reference stays "
+                                   "eager); not with kfac or the zero-bubble schedules (zb-h1, zbv, dualpipev)")
