@@ -28,7 +28,9 @@ def check_run_outputs(config: RunConfig) -> None:
 
 def warn_without_effect(args: argparse.Namespace, config: RunConfig) -> None:
     """One line for each flag the run's optimizer does not read: --profile on a first-order run,
-    a method's flags (--kfac-*, ...) with another optimizer."""
+    a method's flags (--kfac-*, ...) with another optimizer; and for run.compile with --reference."""
+    if args.reference and config.run.compile:
+        say("warning: run.compile has no effect with --reference: the reference trains eager, as the check of compiled runs")
     if args.profile is not None and config.curvature is None:
         say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
             f"it serves the packer of --optimizer {' or '.join(methods())}")

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipefisher.core.files import load_structured
+from pipefisher.core.ir import ScheduleError
 from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
                                          RunSettings)
 from pipefisher.core.settings import ConfigError, check_ranges
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.comm.actions import GradientPath, Reduction
-from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank
+from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,19 @@ def _check(config: RunConfig) -> None:
     config.gradient_path  # the reduction and gradient workers combine
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
+    if config.run.compile and _splits_backward(pipeline):
+        raise ConfigError(f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
+                          "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b")
+
+
+def _splits_backward(pipeline: PipelineConfig) -> bool:
+    """Whether the run's schedule splits its backwards (zero-bubble schedules); False for a
+    schedule that cannot be built, whose error comes where the run builds it."""
+    try:
+        chunks = chunks_per_rank(pipeline.schedule, pipeline.chunks)
+        return get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks).splits_backward
+    except ScheduleError:
+        return False
 
 
 def load_config(path: str | Path) -> RunConfig:

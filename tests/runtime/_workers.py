@@ -75,6 +75,15 @@ def bert_one_step(rank: int, world: int, config: RunConfig) -> TrainResult:
     return train_pipelined(config, rank, CPU)
 
 
+def compiled_pipelined(rank: int, world: int, config: RunConfig) -> tuple[TrainResult, dict[str, int]]:
+    """Train (`run.compile` compiles the stages' blocks); with the run, torch.compile's graphs
+    (`graphs`) and graph breaks (`breaks`) in this rank."""
+    from torch._dynamo.utils import counters
+
+    result = train_pipelined(config, rank, CPU)
+    return result, {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+
+
 def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> TrainResult:
     """Train with checkpoints; with `resume`, from the newest checkpoint that verifies."""
     from pipefisher.runtime.training.checkpoint import resumable_step

@@ -25,6 +25,9 @@ class KfacConfig(RefreshConfig):
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:
             return
+        if config.run.compile:
+            raise ConfigError(f"run.compile: {name} captures each layer's inputs and output gradients with hooks registered per "
+                              "micro-batch, which split every compiled block and recompile it each micro-batch; set run.compile false")
         try:
             worker_count(config.stage_replicas, self.grad_worker_fraction)
         except ValueError as exc:

@@ -9,7 +9,7 @@ pipelined run's to float tolerance.
 
 A model that offers its unsplit form (`unsplit`, `unsplit_loss`, `stage_ends`: Hugging Face
 models) is trained as that one object, the independent check of the split; others as their
-stages in sequence.
+stages in sequence. It always runs eager, `run.compile` or not: it is the check of compiled stages too.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.pipeline.comm import Comm
+from pipefisher.runtime.pipeline.compiled import compile_blocks
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.pipeline.stage import StageRuntime
@@ -69,7 +70,8 @@ def tensor_bytes(value: object) -> int:
 
 
 def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[Executor, Schedule]:
-    """The executor of `rank` in an initialised process group of `config.world_size` ranks.
+    """The executor of `rank` in an initialised process group of `config.world_size` ranks, its
+    stages' repeated blocks compiled under `run.compile` (`pipefisher.runtime.pipeline.compiled`).
 
     Collective: every rank must call it (it creates the process groups).
     """
@@ -91,6 +93,9 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
         (pipe, stage): model.build_stage(stage, num_stages, config.run.seed).to(device)
         for pipe, stage in topology.stages_of(rank)
     }
+    if config.run.compile:
+        for module in modules.values():
+            compile_blocks(module)
     torch.manual_seed(derive_seed(config.run.seed, f"rank/{rank}"))  # this rank's dropout, on every device
     precision = Precision(config.run.precision, device)
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
