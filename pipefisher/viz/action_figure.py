@@ -20,7 +20,8 @@ from pipefisher.viz.trace_io import STEP, labelled_events
 from pipefisher.viz.timeline_io import TimelineError
 
 #: label prefix -> (category, colour) of a communication action or the end of step
-OTHER = {"recv:": ("receive posted", "#bdbdbd"), "send:": ("send", "#7f7f7f"), "w:": ("wait", "#d62728"),
+#: (the wait on the step's world reduction applies the optimizer: it is the end of step's)
+OTHER = {"w:step": ("end of step", "#6a51a3"), "recv:": ("receive posted", "#bdbdbd"), "send:": ("send", "#7f7f7f"), "w:": ("wait", "#d62728"),
          "+": ("collective launched", "#222222"), "wsend:": ("wait", "#d62728"), "step end": ("end of step", "#6a51a3")}
 OP_CATEGORY = {"F": "forward", "B": "backward", "W": "weight", "CA": "curvature-a", "CB": "curvature-b", "SA": "sync",
                "SB": "sync", "IA": "inverse-a", "IB": "inverse-b", "X": "sync", "P": "precondition"}

@@ -113,6 +113,11 @@ def run_viz(args: argparse.Namespace) -> int:
         else:
             print(("\n" if kind == "-" else "") + str(setup))
             print(format_compare_table(compared))
+    if args.trace is not None:
+        from pipefisher.viz.trace_io import trace_files
+        from pipefisher.viz.trace_summary import format_summary, summarise
+
+        print(("\n" if kind == "-" else "") + format_summary(summarise(trace_files(args.trace))))
     return 0
 
 

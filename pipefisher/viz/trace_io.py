@@ -10,6 +10,7 @@ so the simulator can predict the same steps without the waits. Pure Python: no t
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import statistics
@@ -23,7 +24,7 @@ from pipefisher.core.profile import Profile, StageProfile
 from pipefisher.viz.timeline_io import SCHEMA, RecordedTimeline, TimelineError, timeline_from_dict
 
 STEP = re.compile(r"step (\d+)$")
-RANK_FILE = re.compile(r"rank(\d+)\.json$")
+RANK_FILE = re.compile(r"rank(\d+)\.json(\.gz)?$")
 
 
 def trace_files(path: str | Path) -> list[Path]:
@@ -42,16 +43,22 @@ def trace_files(path: str | Path) -> list[Path]:
     return [p for _, p in found]
 
 
-def labelled_events(path: Path) -> list[dict[str, Any]]:
-    """The labelled regions (Chrome complete events of category user_annotation) of one trace."""
+def load_events(path: Path) -> list[dict[str, Any]]:
+    """Every event of one Chrome-format trace (a `.json` or gzipped `.json.gz` file)."""
     try:
-        data = json.loads(path.read_text())
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        data = json.loads(text)
     except (OSError, ValueError) as exc:
         raise TimelineError(f"{path}: not a readable JSON trace ({exc})") from None
     events = data.get("traceEvents") if isinstance(data, dict) else None
     if not isinstance(events, list):
         raise TimelineError(f"{path}: no traceEvents; expected a PyTorch profiler trace (Chrome format)")
-    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    return [e for e in events if isinstance(e, dict)]
+
+
+def labelled_events(path: Path) -> list[dict[str, Any]]:
+    """The labelled regions (Chrome complete events of category user_annotation) of one trace."""
+    return [e for e in load_events(path) if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
 
 
 def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:

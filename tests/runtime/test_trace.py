@@ -89,3 +89,15 @@ def test_viz_draws_every_action_of_a_traced_step(traced, tmp_path):
     done = pipefisher("viz", "--trace", str(traced), "--actions", "-o", str(tmp_path / "step.png"))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "step.png").stat().st_size > 10_000
+
+
+@pytest.mark.dist
+def test_the_summary_accounts_for_each_traced_step(traced):
+    from pipefisher.viz.trace_io import trace_files
+    from pipefisher.viz.trace_summary import summarise
+
+    summaries = summarise(trace_files(traced))
+    assert [(s.rank, s.step) for s in summaries] == [(0, 3), (0, 4), (1, 3), (1, 4)]
+    for s in summaries:
+        assert {"forward", "backward", "end of step"} <= set(s.actions) and s.device_busy is None
+        assert 0 <= s.outside_actions < s.wall

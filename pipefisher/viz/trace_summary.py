@@ -1,0 +1,85 @@
+"""Where a traced step's time went (`pipefisher viz --trace DIR --summary`), per rank and step.
+
+From a `pipefisher run --trace` folder: the step's wall time; the host time inside the
+executor's actions by category (forward, backward, waits, the end of step...; see
+`pipefisher.viz.action_figure.category`) and outside any (the executor's own work); on a GPU,
+the time the device was busy (the union of its kernels, copies and sets) and its kernel count.
+All times in ms. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipefisher.viz.action_figure import category
+from pipefisher.viz.trace_io import STEP, load_events
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One rank's traced step; times in ms; `device_busy` None without device activity."""
+
+    rank: int
+    step: int
+    wall: float
+    actions: dict[str, float] = field(default_factory=dict)
+    device_busy: float | None = None
+    kernels: int = 0
+    top_kernels: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def outside_actions(self) -> float:
+        return self.wall - sum(self.actions.values())
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def summarise(paths: Sequence[Path]) -> list[StepSummary]:
+    """Every rank's traced steps, in rank then step order."""
+    found = []
+    for rank, path in enumerate(paths):
+        events = [e for e in load_events(path) if e.get("ph") == "X"]
+        labelled = [e for e in events if e.get("cat") == "user_annotation"]
+        device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+        for region in sorted((e for e in labelled if STEP.match(e["name"])), key=lambda e: e["ts"]):
+            begin, end = region["ts"], region["ts"] + region["dur"]
+            actions: dict[str, float] = defaultdict(float)
+            for event in labelled:
+                kind = category(event["name"]) if begin < event["ts"] <= end else None
+                if kind is not None:
+                    actions[kind[0]] += event["dur"] / 1e3
+            inside = [(e["ts"], e["ts"] + e["dur"]) for e in device if begin <= e["ts"] <= end]
+            per_kernel: dict[str, float] = defaultdict(float)
+            for e in device:
+                if e["cat"] == "kernel" and begin <= e["ts"] <= end:
+                    per_kernel[e["name"]] += e["dur"] / 1e3
+            top = tuple(sorted(per_kernel.items(), key=lambda item: -item[1])[:5])
+            found.append(StepSummary(rank, int(STEP.match(region["name"]).group(1)), region["dur"] / 1e3, dict(actions),
+                                     _union(inside) / 1e3 if device else None, sum(1 for e in device if e["cat"] == "kernel"
+                                                                                   and begin <= e["ts"] <= end), top))
+    return found
+
+
+def format_summary(summaries: Sequence[StepSummary]) -> str:
+    """A table per rank and step, and each step's heaviest kernels on a GPU."""
+    lines = []
+    for s in summaries:
+        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(s.actions.items(), key=lambda item: -item[1]))
+        device = "" if s.device_busy is None else f"; device busy {s.device_busy:.1f} ms ({100 * s.device_busy / s.wall:.0f} %), {s.kernels} kernels"
+        lines.append(f"rank {s.rank} step {s.step}: {s.wall:.1f} ms{device}")
+        lines.append(f"  host time in actions [ms]: {parts}; outside any action {s.outside_actions:.1f}")
+        if s.top_kernels:
+            lines.append("  heaviest kernels [ms]: " + "; ".join(f"{name[:60]} {ms:.1f}" for name, ms in s.top_kernels))
+    return "\n".join(lines)
