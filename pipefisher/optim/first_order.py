@@ -76,10 +76,13 @@ def named(module: nn.Module, names: Iterable[str]) -> list[nn.Parameter]:
 def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """SGD (with optional momentum), AdamW or LAMB (`settings.name`) over `groups`. Each updates
     every parameter tensor on its own, so its update is identical however parameters are grouped
-    across ranks: SGD with `foreach=False`, AdamW fused (one kernel per tensor, its step counter on
-    the parameter's device: no host read per parameter, which the unfused AdamW makes)."""
+    across ranks, and none reads a tensor into Python: SGD without momentum fused (one kernel per
+    device and dtype); with momentum torch's choice, multi-tensor on CUDA and one tensor at a
+    time on a CPU (the fused kernel starts all momentum buffers at once: a parameter whose first
+    gradient comes in a later step than the others' fails); AdamW fused (its step counter on the
+    parameter's device); LAMB `pipefisher.optim.lamb.Lamb`, multi-tensor."""
     if settings.name == "sgd":
-        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, foreach=False)
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, fused=True if settings.momentum == 0 else None)
     if settings.name == "adamw":
         return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=True)
     if settings.name == "lamb":

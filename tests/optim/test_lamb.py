@@ -1,4 +1,5 @@
-"""LAMB against a float64 hand computation, zero-norm cases, weight decay, state_dict round trip."""
+"""LAMB against a float64 hand computation, zero-norm cases, weight decay, state_dict round trip;
+a parameter's update whatever steps beside it, and no host reads."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 
 import pytest
 import torch
+from host_reads import count_host_reads
 
 from pipefisher.models.bert import BertConfig, BertStagedModel
 from pipefisher.optim import no_decay
@@ -104,9 +106,49 @@ def test_state_dict_round_trip_and_groups() -> None:
     assert not torch.equal(second[0], torch.ones(4))
 
 
+
+def test_a_parameters_update_is_the_same_whatever_steps_beside_it() -> None:
+    """One group stepped together, one tensor at a time, or split over two optimizers (as ZeRO-1
+    splits over ranks): the same parameters bit for bit, float32 and float64 and a transposed
+    (not contiguous) one in one group; a parameter without a gradient keeps its value and gets no state."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [((5, 3), torch.float32), ((7,), torch.float64), ((4, 4), torch.float32), ((2,), torch.float32), ((3,), torch.float64)]
+    initial = [torch.randn(shape, generator=g, dtype=dtype) for shape, dtype in shapes]
+    initial[2] = initial[2].t()
+    grads = [[torch.randn(p.shape, generator=g, dtype=p.dtype) for p in initial[:-1]] for _ in range(4)]
+    settings = {"lr": 0.05, "weight_decay": 0.01}
+
+    def trained(split: list[list[int]], batch_elements: int | None) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.clone()) for p in initial]
+        optimizers = [Lamb([params[i] for i in part], batch_elements=batch_elements, **settings) for part in split]
+        for step in grads:
+            for p, grad in zip(params, step):
+                p.grad = grad.clone()
+            for optimizer in optimizers:
+                optimizer.step()
+        assert all(params[-1] not in optimizer.state for optimizer in optimizers)
+        return [p.detach() for p in params]
+
+    together = trained([[0, 1, 2, 3, 4]], None)
+    for other in (trained([[0, 1, 2, 3, 4]], 1), trained([[3, 0], [4, 2, 1]], 10**6), trained([[1, 2, 3, 4, 0]], 20)):
+        assert all(torch.equal(a, b) for a, b in zip(together, other))
+    assert torch.equal(together[-1], initial[-1]) and not torch.equal(together[0], initial[0])
+
+
+def test_a_step_reads_no_tensor_into_python() -> None:
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.zeros(4))]
+    optimizer = Lamb(params, lr=0.1, weight_decay=0.01, batch_elements=6)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        with count_host_reads() as reads:
+            optimizer.step()
+        assert not reads, dict(reads)
+
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay")],
+    [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
+     ({"batch_elements": 0}, "batch_elements")],
 )
 def test_rejects_bad_arguments(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
