@@ -95,7 +95,7 @@ def fail_eigh(*args, **kwargs):
 
 def test_failed_eigen_decomposition_keeps_the_previous_inverse(monkeypatch):
     model = tiny_mlp()
-    kfac = KFAC(model)
+    kfac = KFAC(model, inverse="eigen")
     refresh(kfac, model, *data(8))
     good = {(n, f): kfac.engine.inverse(n, f).clone() for n in ("0", "2") for f in FACTORS}
     monkeypatch.setattr(torch.linalg, "eigh", fail_eigh)
@@ -124,7 +124,7 @@ def test_shared_inverse_is_the_one_commit_would_make_active(monkeypatch):
     """Pending if that inversion succeeded, else the one in use, else the identity; a failed
     inversion after a successful one before the commit keeps the successful one."""
     model = tiny_mlp()
-    engine = KFACEngine(model, KFACConfig(damping=0.1))
+    engine = KFACEngine(model, KFACConfig(damping=0.1, inverse="eigen"))
 
     def invert(mb: int, fail: bool) -> None:
         invert_layer_2_a(engine, model, monkeypatch, mb, fail)
@@ -150,7 +150,7 @@ def test_a_fresh_inverse_says_failure_as_nan_and_a_checking_receiver_keeps_its_o
     """Gradient workers: a source that keeps no inverse in use sends its pending inverse, or NaN
     where that inversion failed; a receiver that checks keeps the inverse it has."""
     model = tiny_mlp()
-    source, worker = (KFACEngine(model, KFACConfig(damping=0.1)) for _ in range(2))
+    source, worker = (KFACEngine(model, KFACConfig(damping=0.1, inverse="eigen")) for _ in range(2))
 
     def invert(engine, mb: int, fail: bool) -> None:
         invert_layer_2_a(engine, model, monkeypatch, mb, fail)

@@ -38,7 +38,7 @@ class KFAC:
         model: nn.Module,
         damping: float = 1e-3,
         factor_decay: float = 0.95,
-        inverse: InverseMethod = "eigen",
+        inverse: InverseMethod = "cholesky",
         kl_clip: float | None = None,
         skip: Iterable[str] = (),
         max_factor_dim: int = 8192,

@@ -17,7 +17,7 @@ class KfacConfig(RefreshConfig):
 
     damping: float = setting(1e-3, "added to each factor before its inverse", low=0, low_open=True)
     factor_decay: float = setting(0.95, "EMA decay of the factors", low=0, high=1, high_open=True)
-    inverse: Literal["eigen", "cholesky"] = setting("eigen", "how a damped factor is inverted")
+    inverse: Literal["eigen", "cholesky"] = setting("cholesky", "how a damped factor is inverted: cholesky (no host sync; on rounding-indefinite factors it fails and the layer keeps its previous inverse) or eigen (clamps negative eigenvalues; syncs with the host on CUDA)")
     grad_worker_fraction: float = setting(
         1.0, "share of a stage's R replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
              "(KAISA; a multiple of 1/R that divides R; 1 = every replica preconditions before the reduction)")

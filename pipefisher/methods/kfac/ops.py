@@ -182,7 +182,7 @@ class KfacTimer(TaskTimer):
     method = "kfac"
 
     def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), damping: float = 1e-3,
-                 inverse: str = "eigen"):
+                 inverse: str = "cholesky"):
         self.engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
         self.damping, self.inverse = damping, inverse
 

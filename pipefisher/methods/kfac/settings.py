@@ -27,7 +27,7 @@ class KFACConfig:
 
     damping: float = 1e-3
     factor_decay: float = 0.95
-    inverse: InverseMethod = "eigen"
+    inverse: InverseMethod = "cholesky"
     kl_clip: float | None = None
     grad_scale: float | None = None
     max_factor_dim: int = 8192
