@@ -72,3 +72,13 @@ def dealt(part: int, parts: int, names: Sequence[str] | None = None) -> list[str
     names = list(SCHEDULES if names is None else names)
     assert 0 <= part < parts <= len(names)
     return names[part::parts]
+
+
+def paired(methods: Sequence[str], per_method: int = 2, names: Sequence[str] | None = None) -> list:
+    """`pytest.param(method, schedule)` pairs for sweeps too expensive for every combination: the
+    i-th pair takes method i mod M and schedule i mod S of the registry, max(per_method·M, S)
+    pairs, so every method meets `per_method` schedules (or more) and every schedule a method."""
+    names = list(SCHEDULES if names is None else names)
+    count = max(per_method * len(methods), len(names))
+    pairs = [(methods[i % len(methods)], names[i % len(names)]) for i in range(count)]
+    return [pytest.param(method, name, id=f"{method}-{name}") for method, name in pairs]
