@@ -28,7 +28,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from pipefisher.config import load_config  # noqa: E402
 from pipefisher.methods.registry import methods  # noqa: E402
 from pipefisher.runtime.training.assembly import staged_model  # noqa: E402
+from pipefisher.runtime.training.launch import world_of_one  # noqa: E402
 from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
 from pipefisher.runtime.training.trainer import train_pipelined  # noqa: E402
 
@@ -77,10 +77,6 @@ def train(args) -> dict:
     )
     staged_model(config)  # builds and caches the tokenizer and tokens before the process group starts
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(config.run.backend, rank=0, world_size=1)
     syncs = SyncLog()
     steps: list[dict] = []
     last = [time.perf_counter()]
@@ -95,10 +91,11 @@ def train(args) -> dict:
         if not args.quiet:
             print(f"step {result.step}: loss {result.loss:.5f}, {1000 * result.seconds:.2f} ms", file=sys.stderr, flush=True)
 
-    with syncs:
-        result = train_pipelined(config, 0, device, on_step=on_step)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with world_of_one(config.run.backend, device, args.port):
+        with syncs:
+            result = train_pipelined(config, 0, device, on_step=on_step)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     out = {
         "config": args.config, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "precision": args.precision, "optimizer": args.optimizer, "steps": steps,
@@ -106,7 +103,6 @@ def train(args) -> dict:
         "syncs_after_step": args.sync_debug or None, "syncs": dict(syncs.sites), "sync_stacks": syncs.examples,
         "max_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
     }
-    dist.destroy_process_group()
     return out
 
 
@@ -160,7 +156,7 @@ def main() -> None:
     parser.add_argument("--refresh-steps", type=int, default=2, help="the curvature method's refresh interval (pinned)")
     parser.add_argument("--sync-debug", type=int, default=0, metavar="S", help="warn on host syncs after step S")
     parser.add_argument("--ops", type=int, default=0, metavar="N", help="check the linear algebra at size N instead")
-    parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--port", type=int, default=0, help="MASTER_PORT of the world of one (0: a free one)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()

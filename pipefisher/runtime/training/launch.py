@@ -5,6 +5,7 @@ torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
 and runs `fn(rank, world, *args)` after `init_distributed`. When a rank fails, the others get
 `grace` seconds to fail on their own (they will, their peer is gone) and are then killed; with
 a `deadline`, the whole group is killed when it passes. Child tracebacks come back in the error.
+`world_of_one` makes this process a group by itself (a one-stage run in-process).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -114,6 +116,31 @@ def init_distributed(backend: str, timeout: float) -> torch.device:
         store = dist.PrefixStore(f"pipefisher/attempt-{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
     return device
+
+
+@contextmanager
+def world_of_one(backend: str, device: torch.device, port: int | None = None, timeout: float = 60.0) -> Iterator[None]:
+    """This process as the whole process group (rank 0 of 1, `backend`, MASTER_PORT `port` or a
+    free one) for as long as the context lasts; `device` becomes the current GPU when it is one.
+    The torchrun variables it sets are restored after (a `pipefisher run` started later must not
+    take itself for a rank of this group)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved = {name: os.environ.get(name) for name in group}
+    os.environ.update(group)
+    try:
+        dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=timeout))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _die_with_parent() -> None:
