@@ -89,7 +89,8 @@ def flops_and_peak(config, device: torch.device, devices: int) -> tuple[float | 
 
 
 def compare_one_stage(workload: Workload, optimizer: str, args, device: torch.device) -> Comparison:
-    settings = BenchSettings(optimizer, args.precision, args.warmup + args.repeats * args.steps, 1, args.compile, args.quick)
+    settings = BenchSettings(optimizer, args.precision, args.warmup + args.repeats * args.steps, 1, args.compile, args.quick,
+                             args.micro_batch_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     config = settings.config(workload, backend)
     flops, peak = flops_and_peak(config, device, 1)
@@ -109,7 +110,7 @@ def compare_one_stage(workload: Workload, optimizer: str, args, device: torch.de
 
 
 def compare_two_stage(workload: Workload, optimizer: str, args, device: torch.device) -> Comparison:
-    settings = BenchSettings(optimizer, args.precision, args.warmup + args.steps, 2, args.compile, args.quick)
+    settings = BenchSettings(optimizer, args.precision, args.warmup + args.steps, 2, args.compile, args.quick, args.micro_batch_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     config = settings.config(workload, backend)
     flops, peak = flops_and_peak(config, device, 2)
@@ -138,6 +139,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks (run.compile; compile_blocks)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default: the run file's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 micro-batches of 2, 1 repeat, 2 steps, 1 warm-up")
     parser.add_argument("--out", type=Path, help="write the table here (markdown) and the measurements beside it (.json)")
     args = parser.parse_args(argv)

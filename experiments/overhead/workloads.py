@@ -36,7 +36,8 @@ GPU_MODELS = ("bert-tiny", "bert-4x128", "bert-base", "gpt2-tiny")
 class BenchSettings:
     """What one comparison runs: `optimizer` (adamw or lamb), `precision` (fp32 or bf16),
     `steps` in all (warm-up included: the learning-rate schedule spans them), `stages` (1 or 2),
-    torch.compile of the blocks, and `quick` sizes (2 micro-batches of 2 sequences)."""
+    torch.compile of the blocks, `quick` sizes (2 micro-batches of 2 sequences), and
+    `micro_batch_size` (sequences per micro-batch; None: the run file's)."""
 
     optimizer: str
     precision: str
@@ -44,6 +45,7 @@ class BenchSettings:
     stages: int
     compile: bool = False
     quick: bool = False
+    micro_batch_size: int | None = None
 
     def overrides(self, workload: Workload, backend: str) -> dict[str, dict[str, Any]]:
         """{section: {key: value}} applied to the workload's run file, in-process and as
@@ -57,6 +59,8 @@ class BenchSettings:
         if self.quick:
             sections["pipeline"]["micro_batches"] = 2
             sections["data"] = {"micro_batch_size": 2}
+        if self.micro_batch_size is not None:
+            sections.setdefault("data", {})["micro_batch_size"] = self.micro_batch_size
         if self.compile:
             sections["run"]["compile"] = True
         return {section: values for section, values in sections.items() if values}
