@@ -25,7 +25,7 @@ step (`overhead.flops`: 6 x matmul weights x tokens + 12 x layers x hidden x seq
 sequence) x steps / seconds / the devices' peak dense bf16 FLOP/s (H100 SXM 989e12, H100 PCIe
 756e12, H200 989e12, A100 312e12; another device: no MFU, and a note says so).
 
-    python experiments/bench_overhead.py --out docs/overhead.md            # the CPU run (~10 min on 2 cores)
+    python experiments/bench_overhead.py --out docs/overhead.md            # the CPU run (~12 min on 2 cores)
     python experiments/bench_overhead.py --device cuda --precision bf16 --out /tmp/overhead-gpu.md
     python experiments/bench_overhead.py --quick --arms one-stage          # a smoke run, seconds
 """
@@ -137,7 +137,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of one-stage, two-stage")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per side per repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7, help="paired repeats (default 7; the ratio is their median)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks (run.compile; compile_blocks)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default: the run file's)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 micro-batches of 2, 1 repeat, 2 steps, 1 warm-up")
