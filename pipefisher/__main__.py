@@ -2,6 +2,6 @@
 
 import sys
 
-from pipefisher.cli.main import main
+from pipefisher.cli.entry import main
 
 sys.exit(main())

@@ -123,4 +123,4 @@ class RunSettings:
     trace_from: int = setting(3, "first traced step, 1-based (the steps before it warm up)", low=1)
     trace_steps: int = setting(2, "how many steps the trace covers", low=1)
     compile: bool = setting(False, "compile each stage's repeated blocks with torch.compile (pipelined runs; the reference stays "
-                                   "eager); not with kfac or the zero-bubble schedules (zb-h1, zbv, dualpipev)")
+                                   "eager); refused by methods that capture with hooks and by the zero-bubble schedules (zb-h1, zbv, dualpipev)")

@@ -58,9 +58,10 @@ def assert_equals_the_unsplit_model(config, parameter_atol=1e-6):
     return reference
 
 
-@pytest.mark.parametrize("hf_config", list(DATA))
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "chimera"])
+@pytest.mark.parametrize("hf_config, schedule", list(zip(DATA, ["1f1b", "gpipe", "chimera"])))
 def test_pipelined_hf_models_equal_the_unsplit_model(hf_config, schedule, cache):
+    """Each model on one schedule, each schedule with one model (every schedule on the
+    pipefisher models: test_equivalence.py)."""
     assert_equals_the_unsplit_model(hf_run(cache, hf_config, schedule))
 
 

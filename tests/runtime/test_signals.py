@@ -61,8 +61,8 @@ def assert_one_line(lines: list[str], signum: int, header: str, said: str) -> No
     assert len(rest) == 1 and said in rest[0] and name in rest[0], text
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize("moment", ["starting", "ranks starting", "first step"])
+@pytest.mark.parametrize("moment, signum", [("starting", signal.SIGTERM), ("ranks starting", signal.SIGINT),
+                                             ("first step", signal.SIGTERM), ("starting", signal.SIGINT)])
 def test_a_run_stopped_at_any_moment_says_one_line(moment, signum):
     """'starting': the interpreter is importing; 'ranks starting': the header is out and the rank
     processes start (their own start-up, rendezvous); 'first step': the ranks train."""
