@@ -26,6 +26,13 @@ from pipefisher.runtime.pipeline.comm import Comm, Handle
 LayerMeasurement = tuple[dict[str, list[float]], dict[str, int]]
 
 
+def tied_copies(model) -> tuple[str, ...]:
+    """Globs of `model`'s tied weights' copies (a head tied to an embedding). Their gradient is
+    whole only after the tied sum at the end of the step, so a method that preconditions during
+    the step skips them (`MethodParts.skip`) and a first-order rule steps them."""
+    return tuple(sorted({f"*{name}" for _, name in model.tied_parameters()}))
+
+
 def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: int, collective: Collective,
                          shared: Callable[[], Tensor], buffer: Callable[[], Tensor],
                          receive: Callable[[Tensor], None], sent: Callable[[], None] | None = None) -> Handle:

@@ -60,15 +60,15 @@ def summarise(paths: Sequence[Path]) -> list[StepSummary]:
                 kind = category(event["name"]) if begin < event["ts"] <= end else None
                 if kind is not None:
                     actions[kind[0]] += event["dur"] / 1e3
-            inside = [(e["ts"], e["ts"] + e["dur"]) for e in device if begin <= e["ts"] <= end]
+            inside = [e for e in device if begin <= e["ts"] <= end]
+            kernels = [e for e in inside if e["cat"] == "kernel"]
             per_kernel: dict[str, float] = defaultdict(float)
-            for e in device:
-                if e["cat"] == "kernel" and begin <= e["ts"] <= end:
-                    per_kernel[e["name"]] += e["dur"] / 1e3
+            for kernel in kernels:
+                per_kernel[kernel["name"]] += kernel["dur"] / 1e3
             top = tuple(sorted(per_kernel.items(), key=lambda item: -item[1])[:5])
+            busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in inside]) / 1e3 if device else None
             found.append(StepSummary(rank, int(STEP.match(region["name"]).group(1)), region["dur"] / 1e3, dict(actions),
-                                     _union(inside) / 1e3 if device else None, sum(1 for e in device if e["cat"] == "kernel"
-                                                                                   and begin <= e["ts"] <= end), top))
+                                     busy, len(kernels), top))
     return found
 
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.settings import setting
-from pipefisher.methods.interface import CurvatureRuntime, MethodParts, ReferenceCurvature, TaskTimer, broadcast_from_owner
+from pipefisher.methods.interface import CurvatureRuntime, MethodParts, ReferenceCurvature, TaskTimer, broadcast_from_owner, tied_copies
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.registry import register, unregister
 from pipefisher.methods.settings import RefreshConfig
@@ -44,8 +44,6 @@ class DiagonalConfig(RefreshConfig):
     epsilon: float = setting(0.1, "added to the square root of the second moment", low=0, low_open=True)
 
 
-def tied_skip(model) -> tuple[str, ...]:
-    return tuple(f"*{name}" for _, name in model.tied_parameters())
 
 
 def parameter_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -202,7 +200,7 @@ class ReferenceDiagonal(ReferenceCurvature):
 
     def __init__(self, config, model, modules: nn.Module):
         super().__init__(config, model, modules)
-        self.state = DiagonalState(modules, config.diagonal, tied_skip(model))
+        self.state = DiagonalState(modules, config.diagonal, tied_copies(model))
         self._loss_scale = None
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):
@@ -223,7 +221,7 @@ class ReferenceDiagonal(ReferenceCurvature):
             self.state.commit()
 
 
-PARTS = MethodParts(runtime=DiagonalRuntime, timer=DiagonalTimer, layer_names=parameter_names, skip=tied_skip,
+PARTS = MethodParts(runtime=DiagonalRuntime, timer=DiagonalTimer, layer_names=parameter_names, skip=tied_copies,
                     reference=ReferenceDiagonal, preconditioned=lambda config, module, skip: parameter_names(module, skip))
 DIAGONAL = CurvatureMethod(
     name="diagonal", label="Diagonal",

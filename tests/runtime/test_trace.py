@@ -101,3 +101,22 @@ def test_the_summary_accounts_for_each_traced_step(traced):
     for s in summaries:
         assert {"forward", "backward", "end of step"} <= set(s.actions) and s.device_busy is None
         assert 0 <= s.outside_actions < s.wall
+
+
+def test_the_summary_counts_overlapping_device_work_once(tmp_path):
+    """Device busy time is the union of kernels and copies inside the step (µs in, ms out)."""
+    from pipefisher.viz.trace_io import trace_files
+    from pipefisher.viz.trace_summary import summarise
+
+    def event(name, cat, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [event("step 3", "user_annotation", 0, 10_000), event("0F0", "user_annotation", 100, 4_000),
+              event("gemm", "kernel", 1_000, 2_000), event("add", "kernel", 2_000, 2_000), event("copy", "gpu_memcpy", 6_000, 500),
+              event("late", "kernel", 20_000, 1_000)]
+    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
+    (summary,) = summarise(trace_files(tmp_path))
+    assert (summary.step, summary.wall, summary.kernels) == (3, 10.0, 2)
+    assert summary.device_busy == pytest.approx(3.5) and summary.actions == {"forward": 4.0}
+    assert summary.outside_actions == pytest.approx(6.0)
+    assert summary.top_kernels == (("gemm", 2.0), ("add", 2.0))

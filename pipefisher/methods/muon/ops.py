@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer
+from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, tied_copies
 from pipefisher.methods.muon.engine import MuonEngine, linear_weights
 from pipefisher.methods.muon.newton_schulz import DTYPES, MuonSettings
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
@@ -42,7 +42,7 @@ def muon_settings(config: RunConfig) -> MuonSettings:
 def first_order_globs(model) -> tuple[str, ...]:
     """Globs of the weights Muon leaves first-order: the model's first-order linear layers and the
     tied copies (their gradient is whole only after the tied sum at the end of the step)."""
-    return tuple(sorted({f"*{name}.weight" for name in model.first_order_linears()} | {f"*{name}" for _, name in model.tied_parameters()}))
+    return tuple(sorted({f"*{name}.weight" for name in model.first_order_linears()} | set(tied_copies(model))))
 
 
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:

@@ -46,13 +46,6 @@ def shampoo_settings(config: RunConfig) -> ShampooSettings:
                            statistics_dtype=getattr(torch, s.statistics_dtype), matrices_only=s.first_order != "sgd")
 
 
-def tied_skip(tied: list[tuple[str, str]]) -> tuple[str, ...]:
-    """Globs of the tied weights' copies: Shampoo does not precondition them (their statistics would
-    need the gradient summed over the stages that hold them, which exists only at the end of the
-    step); it grafts them only when it owns them (`shampoo.first_order` sgd)."""
-    return tuple(sorted({f"*{name}" for _, name in tied}))
-
-
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
     """Parameters of `module` that Shampoo preconditions, in order, without allocating anything
     (works on the meta device)."""

@@ -9,7 +9,8 @@ from torch import nn
 from pipefisher.config import RunConfig
 from pipefisher.methods.interface import ReferenceCurvature
 from pipefisher.methods.shampoo.engine import ShampooEngine
-from pipefisher.methods.shampoo.ops import shampoo_settings, tied_skip
+from pipefisher.methods.interface import tied_copies
+from pipefisher.methods.shampoo.ops import shampoo_settings
 
 
 class ReferenceShampoo(ReferenceCurvature):
@@ -18,7 +19,7 @@ class ReferenceShampoo(ReferenceCurvature):
 
     def __init__(self, config: RunConfig, model, modules: nn.Module):
         super().__init__(config, model, modules)
-        self.engine = ShampooEngine(modules, shampoo_settings(config), skip=tied_skip(model.tied_parameters()))
+        self.engine = ShampooEngine(modules, shampoo_settings(config), skip=tied_copies(model))
         self._loss_scale = None
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):

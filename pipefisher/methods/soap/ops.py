@@ -47,11 +47,6 @@ def soap_settings(config: RunConfig) -> SoapSettings:
                         block_size=s.block_size, statistics_dtype=getattr(torch, s.statistics_dtype))
 
 
-def tied_skip(tied: list[tuple[str, str]]) -> tuple[str, ...]:
-    """Globs of the tied weights' copies (an embedding and a head): a first-order rule steps them."""
-    return tuple(sorted({f"*{name}" for _, name in tied}))
-
-
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
     """Parameters of `module` that SOAP preconditions, in order, without allocating anything
     (works on the meta device)."""

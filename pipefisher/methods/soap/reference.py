@@ -8,7 +8,8 @@ from pipefisher.config import RunConfig
 from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.interface import ReferenceCurvature
 from pipefisher.methods.soap.engine import SoapEngine
-from pipefisher.methods.soap.ops import soap_settings, tied_skip
+from pipefisher.methods.interface import tied_copies
+from pipefisher.methods.soap.ops import soap_settings
 
 
 class ReferenceSoap(ReferenceCurvature):
@@ -18,7 +19,7 @@ class ReferenceSoap(ReferenceCurvature):
 
     def __init__(self, config: RunConfig, model, modules: nn.Module):
         super().__init__(config, model, modules)
-        self.engine = SoapEngine(modules, soap_settings(config), skip=tied_skip(model.tied_parameters()))
+        self.engine = SoapEngine(modules, soap_settings(config), skip=tied_copies(model))
 
     def before_optimizer_update(self, step: int) -> None:
         self.engine.precondition_all()
