@@ -124,7 +124,7 @@ def _add_pack(subparsers) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     config = load_run(args).with_overrides(
-        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel, "tensor_parallel": args.tensor_parallel},
         optimizer={"name": args.optimizer, "zero": args.zero},
         **method_overrides(args),
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
@@ -197,7 +197,7 @@ def _resume_step(config) -> int | None:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_run(args).with_overrides(
-        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel},
+        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel, "tensor_parallel": args.tensor_parallel},
         optimizer={"name": args.optimizer, "zero": args.zero},
         comm={"powersgd_rank": args.powersgd_rank},
         run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
@@ -266,6 +266,7 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="ranks each block is split over (pipeline.tensor_parallel)")
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
@@ -295,6 +296,7 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (<method>.plan); "
                                        "checked against the run first")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
+    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="ranks each block is split over (pipeline.tensor_parallel)")
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
     parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")

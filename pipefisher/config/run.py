@@ -38,7 +38,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pipeline.stages * self.pipeline.data_parallel
+        return self.pipeline.stages * self.pipeline.data_parallel * self.pipeline.tensor_parallel
 
     def __getattr__(self, name: str) -> RefreshConfig:
         """A curvature method's section by its name: ``config.kfac``, ``config.shampoo``."""
@@ -241,9 +241,28 @@ def _check(config: RunConfig) -> None:
     config.gradient_path  # the reduction and gradient workers combine
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
+    if pipeline.tensor_parallel > 1:
+        _check_tensor_parallel(config)
     if config.run.compile and _splits_backward(pipeline):
         raise ConfigError(f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
                           "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b")
+
+
+def _check_tensor_parallel(config: RunConfig) -> None:
+    """The rules of pipeline.tensor_parallel T > 1 that the run file alone decides (the widths of
+    bert and hf models are checked when the model is built)."""
+    model, degree = config.model, config.pipeline.tensor_parallel
+    if model.kind == "mlp":
+        raise ConfigError("pipeline.tensor_parallel: model.kind mlp has no tensor-parallel split; use model.kind transformer, "
+                          "bert or hf, or pipeline.tensor_parallel 1")
+    if model.kind == "transformer":
+        for name, value in (("heads", model.heads), ("ffn", model.ffn)):
+            if value % degree:
+                raise ConfigError(f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; "
+                                  f"make it a divisor of {value}")
+    if config.run.compile:
+        raise ConfigError("run.compile: tensor-parallel blocks call collectives inside forward and backward, which "
+                          "compiled blocks do not; set run.compile false or pipeline.tensor_parallel 1")
 
 
 def _splits_backward(pipeline: PipelineConfig) -> bool:

@@ -55,13 +55,15 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The pipeline: world size = stages x data_parallel."""
+    """The pipeline: world size = stages x data_parallel x tensor_parallel."""
 
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
     stages: int = setting(2, "pipeline depth D: ranks per pipeline", low=0, low_open=True)
     micro_batches: int = setting(4, "micro-batches per step of each pipeline", low=0, low_open=True)
     chunks: int = setting(2, "interleaved: model chunks per rank", low=0, low_open=True)
     data_parallel: int = setting(1, "copies of the pipeline", low=0, low_open=True)
+    tensor_parallel: int = setting(1, "ranks each block is split over, Megatron-style (attention by heads, the MLP by its hidden "
+                                      "features); they share a node", low=0, low_open=True)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
+from pipefisher.core.tensor_parallel import TensorParallelPlan
+
 #: one micro-batch: named tensors (inputs, targets, masks, labels) of the data source
 Batch = dict[str, Tensor]
 
@@ -35,3 +37,8 @@ class StagedModel(Protocol):
 
     def first_order_linears(self) -> tuple[str, ...]:
         """Glob patterns of Linear layers that stay first-order."""
+
+    def tensor_parallel_plan(self, degree: int) -> TensorParallelPlan:
+        """Which Linear layers `degree` tensor-parallel processes split, and how
+        (`pipefisher.core.tensor_parallel`); ValueError naming the model field `degree` does not
+        divide, or when the model cannot be split."""

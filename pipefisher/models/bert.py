@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.models.init import build_initialised
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -145,21 +146,22 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.heads = config.num_attention_heads
+        self.head_size = config.hidden_size // config.num_attention_heads
         self.dropout = config.attention_probs_dropout_prob
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: Tensor, keep: Tensor) -> Tensor:
-        """x: (B, T, hidden); keep: (B, 1, 1, T) bool, True = attend to that key."""
-        batch, seq, hidden = x.shape
-        split = lambda t: t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2)
+        """x: (B, T, hidden); keep: (B, 1, 1, T) bool, True = attend to that key. Returns (B, T, width
+        of the projections): hidden, or a tensor-parallel shard's heads only."""
+        batch, seq, _ = x.shape
+        split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(1, 2)
         attended = F.scaled_dot_product_attention(
             split(self.query(x)), split(self.key(x)), split(self.value(x)),
             attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
         )
-        return attended.transpose(1, 2).reshape(batch, seq, hidden)
+        return attended.transpose(1, 2).flatten(2)
 
 
 class AddNorm(nn.Module):
@@ -362,3 +364,15 @@ class BertStagedModel:
     def first_order_linears(self) -> tuple[str, ...]:
         """Glob patterns of Linear module names that K-FAC leaves first-order: the tied decoder."""
         return (DECODER,)
+
+    def tensor_parallel_plan(self, degree: int) -> TensorParallelPlan:
+        """Megatron's split of every encoder block (`pipefisher.core.tensor_parallel`); ValueError
+        naming the field `degree` does not divide. Embeddings, pooler and heads stay whole: the
+        decoder is tied to the word embedding of the first stage, and a vocabulary split would
+        need a cross-entropy over vocabulary shards."""
+        for name in ("num_attention_heads", "intermediate_size"):
+            if getattr(self.config, name) % degree:
+                raise ValueError(f"{name}: {getattr(self.config, name)} is not divisible by pipeline.tensor_parallel {degree}")
+        block = "encoder.layer.*."
+        return {f"{block}attention.self.{name}": Split.COLUMN for name in ("query", "key", "value")} | {
+            f"{block}attention.output.dense": Split.ROW, f"{block}intermediate.dense": Split.COLUMN, f"{block}output.dense": Split.ROW}

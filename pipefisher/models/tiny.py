@@ -23,23 +23,24 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.config import ModelConfig
+from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.models.init import build_initialised
 
 
 class SelfAttention(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_size = hidden // heads
         self.query = nn.Linear(hidden, hidden)
         self.key = nn.Linear(hidden, hidden)
         self.value = nn.Linear(hidden, hidden)
         self.output = nn.Linear(hidden, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq, hidden = x.shape
-        split = lambda t: t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2)
+        batch, seq, _ = x.shape
+        split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(1, 2)  # a shard's heads under tensor parallelism
         attended = nn.functional.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)))
-        return self.output(attended.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.output(attended.transpose(1, 2).flatten(2))
 
 
 class Block(nn.Module):
@@ -139,3 +140,13 @@ class TinyRegression:
 
     def first_order_linears(self) -> tuple[str, ...]:
         return ()
+
+    def tensor_parallel_plan(self, degree: int) -> TensorParallelPlan:
+        """Megatron's split of every transformer block (`pipefisher.core.tensor_parallel`); the
+        embedding, final norm and head stay whole. The run file's checks ensure `degree` divides
+        the heads and the feed-forward width; an MLP has no plan (ValueError)."""
+        if self.config.kind != "transformer":
+            raise ValueError(f"kind: {self.config.kind} has no tensor-parallel split")
+        block = "blocks.*."
+        return {f"{block}attention.{name}": Split.COLUMN for name in ("query", "key", "value")} | {
+            f"{block}attention.output": Split.ROW, f"{block}intermediate": Split.COLUMN, f"{block}output": Split.ROW}

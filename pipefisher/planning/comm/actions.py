@@ -82,6 +82,8 @@ class CollectiveKind(str, Enum):
     TIED = "tied"
     #: the world reduction of the step's loss, norm and flags (the optimizer step follows it)
     STEP = "step"
+    #: the all-reduces of an op's partial results over its rank's tensor-parallel processes
+    TENSOR = "tensor"
 
 
 @dataclass(frozen=True, slots=True)

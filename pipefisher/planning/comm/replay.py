@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 
 from pipefisher.core.ir import format_grid
 from pipefisher.planning.comm.actions import Action, ActionKind, CommOrderError, CommPlan, GroupKey, SendDone
+from pipefisher.planning.comm.processes import process_programs
 
 #: an operation as all its participants see it: ("p2p", group, src, dst, k) or ("coll", group, k)
 Joint = tuple
@@ -148,8 +149,9 @@ def _group_name(group: GroupKey) -> str:
 
 
 def replay(plan: CommPlan, name: str = "plan") -> CommPlan:
-    """Check that every rank's actions over one cycle complete under NCCL's rules; return `plan`
-    or raise CommOrderError (see the module docstring)."""
-    programs = [tuple(action for step in plan.steps for action in step[rank]) for rank in range(plan.world_size)]
-    _Replay(programs, plan.members, name).run()
+    """Check that every process's actions over one cycle (a rank's, on its shard's communicators,
+    with the tensor-parallel all-reduces of `pipefisher.planning.comm.processes`) complete under
+    NCCL's rules; return `plan` or raise CommOrderError (see the module docstring)."""
+    programs, members = process_programs(plan)
+    _Replay(programs, members, name).run()
     return plan

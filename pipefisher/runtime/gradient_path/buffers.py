@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.core.topology import Topology
+from pipefisher.models.tensor_parallel import split_parameters
 from pipefisher.planning.layouts.zero import shard_owners
 from pipefisher.runtime.pipeline.comm import Comm, Handle, done
 
@@ -150,18 +151,21 @@ class TiedGradients:
 
 
 class GlobalNorm:
-    """The L2 norm of the whole model's gradient, each logical parameter counted once: this rank's
-    share of the squared norm (`local_square`, over the parameters it owns), summed over all
-    ranks by the caller."""
+    """The L2 norm of the whole model's gradient, each logical parameter counted once: this
+    process's share of the squared norm (`local_square`, over the parameters it owns; of what the
+    tensor-parallel processes of a rank hold whole, shard 0 counts it), summed over all processes
+    by the caller."""
 
-    def __init__(self, topology: Topology, ownership: Ownership, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]]):
+    def __init__(self, topology: Topology, ownership: Ownership, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]],
+                 shard: int = 0):
         last = topology.schedule.num_stages - 1
         # the last stage's tied copy duplicates the first stage's: count it once
         skip = {(last, name) for selector, name in tied if selector == "last"} if last > 0 else set()
         self.counted: list[nn.Parameter] = []
         for (pipe, stage), module in sorted(stages.items()):
+            split = split_parameters(module)
             for name, parameter in module.named_parameters():
-                if (stage, name) not in skip and parameter.requires_grad and ownership.counts(parameter):
+                if (stage, name) not in skip and parameter.requires_grad and ownership.counts(parameter) and (shard == 0 or parameter in split):
                     self.counted.append(parameter)
 
     def local_square(self, device: torch.device) -> Tensor:

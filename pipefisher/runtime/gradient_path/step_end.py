@@ -34,7 +34,8 @@ class StepEnd:
     `finish()`.
 
     `update` False (profiling) drops the gradients instead of applying them: no reduction, no
-    optimizer step; the loss is still summed. `ownership` says which parameters this rank updates
+    optimizer step; the loss is still summed. `reports_loss` False: this process's losses are
+    left out of the sum (a tensor-parallel shard other than 0). `ownership` says which parameters this rank updates
     (all of them without ZeRO).
     """
 
@@ -54,9 +55,13 @@ class StepEnd:
         ownership: Ownership | None = None,
         powersgd: dict[tuple[int, int], PowerSGD] | None = None,
         powersgd_start: int = 0,
+        reports_loss: bool = True,
     ):
         self.comm, self.device, self.ownership = comm, device, ownership
         self.powersgd, self.powersgd_start = powersgd or {}, powersgd_start
+        #: whether this process's losses count in the world reduction (one of a rank's
+        #: tensor-parallel processes, which compute the same loss, reports it)
+        self.reports_loss = reports_loss
         #: the step being run (0-based; the executor sets it)
         self.step = 0
         self.stages, self.buffers, self.optimizer = stages, buffers, optimizer
@@ -145,6 +150,8 @@ class StepEnd:
         total, parts = zero, dict.fromkeys(self.loss_parts, zero)
         for stage in self.stages.values():
             stage_total, stage_parts = stage.take_loss()
+            if not self.reports_loss:
+                continue
             if stage_total is not None:
                 total = total + stage_total.double()
             for name, value in stage_parts.items():

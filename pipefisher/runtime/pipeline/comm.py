@@ -20,9 +20,13 @@ from concurrent.futures import Future
 import torch.distributed as dist
 from torch import Tensor
 
+from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import GroupKey
+from pipefisher.planning.comm.processes import process_members, shard_key
 from pipefisher.planning.comm.volume import ring_bytes
 
+#: the communicator of this rank's tensor-parallel processes
+TENSOR: GroupKey = ("tensor",)
 #: starts the operations of one call on a group; returns their works
 Start = Callable[[dist.ProcessGroup], list]
 
@@ -71,22 +75,36 @@ class _Lane:
 
 
 class Comm:
-    """Process groups of `members` (group key -> global ranks) and asynchronous calls on them.
+    """Process groups of `members` (group key -> ranks) and asynchronous calls on them.
 
-    Collective construction: every rank builds Comm with the same `members`, before the first step.
+    Collective construction: every process builds Comm with the same `members`, before the first
+    step. With tensor parallelism (`topology.tensor_parallel` > 1) this process is shard `shard`
+    of `rank`: it creates every process's copy of every group
+    (`pipefisher.planning.comm.processes`), keeps its shard's, and addresses peers by rank; the
+    rank's tensor-parallel processes share `tensor_group` (``TENSOR``).
     """
 
-    def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0):
+    def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0,
+                 topology: Topology | None = None, shard: int = 0, tensor_group: dist.ProcessGroup | None = None):
         self.rank, self.in_order, self.timeout = rank, in_order, timeout
         self.members = members
+        self.shard = shard
+        self._process = (lambda r: r) if topology is None else (lambda r: topology.process(r, shard))
         #: bytes this rank sent, by communicator kind (a group key's first part), under ring
         #: algorithms' volume (`pipefisher.planning.comm.volume`); the step end reads and clears it
         self.sent_bytes: Counter[str] = Counter()
         self.groups: dict[GroupKey, dist.ProcessGroup] = {}
-        for key in sorted(members, key=repr):
-            group = dist.new_group(list(members[key]))
-            if rank in members[key]:
-                self.groups[key] = group
+        processes = members if topology is None else process_members(topology, members)
+        mine = {key if topology is None else shard_key(key, shard, topology): key for key in members}
+        for key in sorted(processes, key=repr):
+            if key[0] == TENSOR[0]:
+                continue  # the device mesh's
+            group = dist.new_group(list(processes[key]))
+            if key in mine and self._process(rank) in processes[key]:
+                self.groups[mine[key]] = group
+        if tensor_group is not None:
+            self.groups[TENSOR] = tensor_group
+            self.members = {**members, TENSOR: tuple(range(dist.get_world_size(tensor_group)))}
         self._lanes = {key: _Lane("/".join(map(str, key))) for key in self.groups} if in_order else {}
 
     def group(self, key: GroupKey) -> dist.ProcessGroup:
@@ -114,10 +132,10 @@ class Comm:
 
     def send(self, tensor: Tensor, peer: int, key: GroupKey) -> Handle:
         self._count("send", [tensor], key)
-        return self.call(key, lambda group: [dist.isend(tensor, peer, group=group)])
+        return self.call(key, lambda group: [dist.isend(tensor, self._process(peer), group=group)])
 
     def recv(self, buffer: Tensor, peer: int, key: GroupKey) -> Handle:
-        return self.call(key, lambda group: [dist.irecv(buffer, peer, group=group)])
+        return self.call(key, lambda group: [dist.irecv(buffer, self._process(peer), group=group)])
 
     def all_reduce(self, tensors: list[Tensor], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
         """Sum each tensor over the group, in place."""
@@ -128,9 +146,16 @@ class Comm:
         """Sum each tensor over the group into the copy of its global rank; the other members'
         copies are left undefined."""
         self._count("reduce", [t for t, _ in pairs], key)
-        return self.call(key, lambda group: [dist.reduce(t, root, group=group, async_op=True) for t, root in pairs])
+        return self.call(key, lambda group: [dist.reduce(t, self._process(root), group=group, async_op=True) for t, root in pairs])
 
     def broadcast(self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
         """Each tensor of the pair's global rank into that tensor of every member, in place."""
         self._count("broadcast", [t for t, _ in pairs], key)
-        return self.call(key, lambda group: [dist.broadcast(t, root, group=group, async_op=True) for t, root in pairs], on_done)
+        return self.call(key, lambda group: [dist.broadcast(t, self._process(root), group=group, async_op=True) for t, root in pairs], on_done)
+
+    def tensor_all_reduce(self, tensor: Tensor) -> Tensor:
+        """Sum `tensor` over this rank's tensor-parallel processes, in place, and wait: the
+        blocking all-reduce inside a forward or backward (in order, in the in-order mode)."""
+        self._count("all_reduce", [tensor], TENSOR)
+        self.call(TENSOR, lambda group: [dist.all_reduce(tensor, group=group, async_op=True)]).wait()
+        return tensor

@@ -212,7 +212,7 @@ class PipeFisherTrainer(PlanRunner):
         self.log(self.curvature_plan.summary)
 
     def log(self, message: str) -> None:
-        if self.rank == 0:
+        if self.rank == 0 and self.executor.comm.shard == 0:
             print(f"pipefisher: {message}", file=sys.stderr, flush=True)
 
     def _measure(self) -> Profile:

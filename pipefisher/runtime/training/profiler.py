@@ -112,15 +112,15 @@ def _transfer_times(executor: Executor, rank: int, repeats: int = 5) -> dict[int
             continue
         shape, dtype = executor.message_spec(Message(Op(OpKind.FORWARD, stage + 1, 0)))
         buffer = torch.zeros(shape, dtype=dtype, device=executor.device)
-        forward, backward = comm.group(("fwd", 0, 0, stage)), comm.group(("bwd", 0, 0, stage))
+        forward, backward = ("fwd", 0, 0, stage), ("bwd", 0, 0, stage)
 
         def ping_pong() -> None:
             if rank == a:
-                dist.send(buffer, b, group=forward)
-                dist.recv(buffer, b, group=backward)
+                comm.send(buffer, b, forward).wait()
+                comm.recv(buffer, b, backward).wait()
             else:
-                dist.recv(buffer, a, group=forward)
-                dist.send(buffer, a, group=backward)
+                comm.recv(buffer, a, forward).wait()
+                comm.send(buffer, a, backward).wait()
 
         ping_pong()  # connects
         times[stage] = [round_trip / 2 for round_trip in timed_ms(ping_pong, executor.device, repeats)]

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from pipefisher.config import RunConfig
 from pipefisher.methods.registry import method_of
+from pipefisher.models.tensor_parallel import emulate_shards, unsharded_parameters
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
@@ -155,8 +156,14 @@ class _Net:
 def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
     """The stages in sequence under the run's autocast, each stage's output rounded to the
     compute dtype as the pipeline sends it; then the loss and its parts. Parameters are named
-    "<stage>.<name>" as the pipelined run names them."""
+    "<stage>.<name>" as the pipelined run names them. Under tensor parallelism each split layer
+    holds its shards side by side (`pipefisher.models.tensor_parallel.emulate_shards`), so a
+    curvature method sees the blocks the processes see; they are reported joined."""
     stages = [model.build_stage(index, config.model_chunks, config.run.seed) for index in range(config.model_chunks)]
+    degree = config.pipeline.tensor_parallel
+    if degree > 1:
+        for stage in stages:
+            emulate_shards(stage, model.tensor_parallel_plan(degree), degree)
 
     def loss(batch: dict) -> tuple:
         x = None
@@ -169,7 +176,7 @@ def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
             return model.loss(x, batch)
 
     return _Net(stages, loss, _local_tied_copies(stages, model.tied_parameters()),
-                lambda: [(f"{i}.{name}", p) for i, stage in enumerate(stages) for name, p in stage.named_parameters()])
+                lambda: [(f"{i}.{name}", p) for i, stage in enumerate(stages) for name, p in unsharded_parameters(stage)])
 
 
 def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:

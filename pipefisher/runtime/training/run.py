@@ -28,8 +28,9 @@ def describe_pipeline(config: RunConfig) -> str:
     p = config.pipeline
     per_rank = chunks_per_rank(p.schedule, p.chunks)
     chunks = f" x {per_rank} chunks" if per_rank > 1 else ""
+    tensor = f" x {p.tensor_parallel} tensor-parallel" if p.tensor_parallel > 1 else ""
     return (
-        f"{p.schedule}: {p.stages} stages{chunks} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
+        f"{p.schedule}: {p.stages} stages{chunks}{tensor} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
         f"of {config.data.micro_batch_size}, {config.run.precision}"
     )
 

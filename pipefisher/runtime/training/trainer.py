@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule
@@ -17,13 +18,14 @@ from pipefisher.core.profile import profile_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import method_of
 from pipefisher.models.init import derive_seed
+from pipefisher.models.tensor_parallel import gather_parameters, parallelize
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.gradient_path.step_end import StepEnd
-from pipefisher.runtime.pipeline.comm import Comm
+from pipefisher.runtime.pipeline.comm import TENSOR, Comm
 from pipefisher.runtime.pipeline.compiled import compile_blocks
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
@@ -69,34 +71,42 @@ def tensor_bytes(value: object) -> int:
     return visit(value)
 
 
-def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[Executor, Schedule]:
-    """The executor of `rank` in an initialised process group of `config.world_size` ranks, its
-    stages' repeated blocks compiled under `run.compile` (`pipefisher.runtime.pipeline.compiled`).
+def build_executor(config: RunConfig, process: int, device: torch.device) -> tuple[Executor, Schedule]:
+    """The executor of global process `process` in an initialised process group of
+    `config.world_size` processes (the rank and tensor-parallel shard it is:
+    `pipefisher.core.topology`), its stages' repeated blocks compiled under `run.compile`
+    (`pipefisher.runtime.pipeline.compiled`).
 
-    Collective: every rank must call it (it creates the process groups).
+    Collective: every process must call it (it creates the process groups).
     """
     schedule = build_schedule(config)
-    topology = Topology(schedule, config.pipeline.data_parallel)
-    if dist.get_world_size() != topology.world_size:
+    topology = Topology(schedule, config.pipeline.data_parallel, config.pipeline.tensor_parallel)
+    if dist.get_world_size() != topology.processes:
         raise RuntimeError(
             f"world size {dist.get_world_size()} != pipeline.stages {config.pipeline.stages} x "
-            f"pipeline.data_parallel {config.pipeline.data_parallel}"
+            f"pipeline.data_parallel {config.pipeline.data_parallel} x pipeline.tensor_parallel {topology.tensor_parallel}"
         )
+    rank, shard = topology.rank_of_process(process)
     model = staged_model(config)
     tied = has_tied_weights(model, schedule)
     path = config.gradient_path
     sharded, compression = path.sharded, config.comm.powersgd_rank
     members = group_members(topology, tied, path)
-    comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout)
+    mesh = device_mesh(topology, device) if topology.tensor_parallel > 1 else None
+    comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout, topology=topology, shard=shard,
+                tensor_group=mesh.get_group("tensor") if mesh is not None else None)
     num_stages = schedule.num_stages
-    modules = {
-        (pipe, stage): model.build_stage(stage, num_stages, config.run.seed).to(device)
-        for pipe, stage in topology.stages_of(rank)
-    }
+    modules = {}
+    for pipe, stage in topology.stages_of(rank):
+        module = model.build_stage(stage, num_stages, config.run.seed)
+        if mesh is not None:
+            parallelize(module, model.tensor_parallel_plan(topology.tensor_parallel), mesh["tensor"], comm.tensor_all_reduce)
+        modules[(pipe, stage)] = module.to(device)
     if config.run.compile:
         for module in modules.values():
             compile_blocks(module)
-    torch.manual_seed(derive_seed(config.run.seed, f"rank/{rank}"))  # this rank's dropout, on every device
+    # this rank's dropout, on every device; a rank's tensor-parallel processes draw the same masks
+    torch.manual_seed(derive_seed(config.run.seed, f"rank/{rank}"))
     precision = Precision(config.run.precision, device)
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
@@ -117,9 +127,9 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
     step_end = StepEnd(
         comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
         tied=TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
-        norm=GlobalNorm(topology, ownership, modules, model.tied_parameters()) if clip > 0 else None,
+        norm=GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard) if clip > 0 else None,
         clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer), ownership=ownership,
-        powersgd=powersgd, powersgd_start=config.comm.powersgd_start_step,
+        powersgd=powersgd, powersgd_start=config.comm.powersgd_start_step, reports_loss=shard == 0,
     )
     micro_batch_size = config.data.micro_batch_size
 
@@ -128,6 +138,13 @@ def build_executor(config: RunConfig, rank: int, device: torch.device) -> tuple[
 
     executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path)
     return executor, schedule
+
+
+def device_mesh(topology: Topology, device: torch.device) -> DeviceMesh:
+    """The device mesh (data, pipeline, tensor) of the run's processes (`Topology`'s layout).
+    Collective: every process creates it."""
+    shape = (topology.data_parallel, topology.pipeline_ranks, topology.tensor_parallel)
+    return DeviceMesh(device.type, torch.arange(topology.processes).reshape(shape), mesh_dim_names=("data", "pipeline", "tensor"))
 
 
 def method_skip(config: RunConfig, model) -> tuple[str, ...] | None:
@@ -140,19 +157,20 @@ def has_tied_weights(model, schedule: Schedule) -> bool:
     return bool(model.tied_parameters()) and schedule.num_stages > 1
 
 
-def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step: StepCallback | None = None,
+def train_pipelined(config: RunConfig, process: int, device: torch.device, on_step: StepCallback | None = None,
                     executor: Executor | None = None, resume_from: int | None = None) -> TrainResult:
-    """Train on this rank (with `executor` if given, else a fresh one from `build_executor`) up
+    """Train on this process (with `executor` if given, else a fresh one from `build_executor`) up
     to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
     Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
     a signal stops the run: then every rank raises `Stopped` after the same step. `run.trace`:
     a profiler trace of the steps it names (`pipefisher.runtime.training.tracing`)."""
     if executor is None:
-        executor, _ = build_executor(config, rank, device)
+        executor, _ = build_executor(config, process, device)
+    rank = executor.rank
     start, state = 0, None
     if resume_from is not None:
         start = resume_from
-        state = load_rank(config.checkpoint.dir, start, rank, device)
+        state = load_rank(config.checkpoint.dir, start, process, device)
         _restore(executor, state, config)
     if config.curvature is not None:
         from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
@@ -167,7 +185,7 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         runner.resume()
     losses = []
     every = config.checkpoint.every
-    tracer = StepTracer(config, rank, device)
+    tracer = StepTracer(config, process, device)
     for step in range(start, config.run.steps):
         tracer.before(step)
         result = runner.run_step(step)
@@ -178,13 +196,15 @@ def train_pipelined(config: RunConfig, rank: int, device: torch.device, on_step:
         done = step + 1
         signum = result.extra.get("stop_signal")
         if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps or signum):
-            save_checkpoint(config, rank, executor, runner, done)
+            save_checkpoint(config, process, executor, runner, done)
         if signum:
             raise Stopped(done, signum, config.checkpoint.dir or None)
     parameters = {}
+    tensor_group = executor.comm.groups.get(TENSOR)
     for (pipe, stage), runtime in executor.stages.items():
         prefix = f"p{pipe}.{stage}" if pipe else f"{stage}"
-        for name, parameter in runtime.module.named_parameters():
+        named = runtime.module.named_parameters() if tensor_group is None else gather_parameters(runtime.module, tensor_group)
+        for name, parameter in named:
             parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
     return TrainResult(losses, parameters, gather_state_bytes(executor, runner))
 
@@ -200,13 +220,13 @@ def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str
     return tuple(everyone)
 
 
-def save_checkpoint(config: RunConfig, rank: int, executor: Executor, runner: PlanRunner, step: int) -> None:
-    """Every rank saves its state of `step`; rank 0 commits the step once all have. Collective."""
+def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner: PlanRunner, step: int) -> None:
+    """Every process saves its state of `step`; process 0 commits the step once all have. Collective."""
     runner.quiesce()
-    record = save_rank(config.checkpoint.dir, step, rank, _state(executor, runner, step))
+    record = save_rank(config.checkpoint.dir, step, process, _state(executor, runner, step))
     records: list = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
-    if rank == 0:
+    if process == 0:
         commit(config.checkpoint.dir, step, config, records, config.checkpoint.keep)
     dist.barrier()
 
