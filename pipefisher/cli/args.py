@@ -61,6 +61,13 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2; zbv and dualpipev hold 2)")
 
 
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel T: the degree the command's profile must describe (`build_pipeline`)."""
+    parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="T",
+                        help="tensor-parallel degree T: the --profile must describe one of T ranks (its tensor_parallel; "
+                             "python -m pipefisher.viz.bert_profile --tensor-parallel T makes one); default 1")
+
+
 def check_planning_size(schedule: str, stages: int, micro_batches: int, chunks: int | None, limit: int, what: str) -> None:
     """UsageError when D x N (x the chunks per rank) exceeds `limit`, before anything is built."""
     per_rank = chunks_per_rank(schedule, chunks)
@@ -74,13 +81,21 @@ def check_planning_size(schedule: str, stages: int, micro_batches: int, chunks: 
 def build_pipeline(args: argparse.Namespace, profile_required: bool = False, limit: int = MAX_SIMULATED_SLOTS,
                    what: str = "simulating") -> tuple:
     """(schedule, profile) from the shared arguments; without a profile, unit times per rank.
-    Refuses (UsageError) a pipeline of more than `limit` slots (`check_planning_size`)."""
+    Refuses (UsageError) a pipeline of more than `limit` slots (`check_planning_size`) and, where
+    the command takes --tensor-parallel T, a profile of another degree (unit times: only T = 1)."""
     check_planning_size(args.schedule, args.stages, args.micro_batches, args.chunks, limit, what)
     schedule = validate(get_schedule(args.schedule, args.stages, args.micro_batches, args.chunks))
+    degree = getattr(args, "tensor_parallel", None)
     if args.profile is not None:
         profile = load_profile(args.profile)
+        if degree is not None and profile.tensor_parallel != degree:
+            raise UsageError(f"--tensor-parallel {degree}: {args.profile} describes tensor_parallel {profile.tensor_parallel}; "
+                             f"give --tensor-parallel {profile.tensor_parallel} or a profile made at degree {degree}")
     elif profile_required:
         raise UsageError("--profile is required")
+    elif degree not in (None, 1):
+        raise UsageError(f"--tensor-parallel {degree}: unit times have no tensor-parallel model; give a --profile made at degree {degree} "
+                         f"(python -m pipefisher.viz.bert_profile CSV --tensor-parallel {degree})")
     else:
         # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.
         chunks = schedule.num_stages // schedule.num_ranks

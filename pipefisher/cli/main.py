@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from pipefisher.core.table import format_table
-from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments, build_pipeline,
-                                 check_output, positive_int, say)
+from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments,
+                                 add_tensor_parallel_argument, build_pipeline, check_output, positive_int, say)
 from pipefisher.cli.config_command import add_config_parser
 from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
 from pipefisher.cli.run_file_args import (add_key_arguments, add_method_arguments, add_placement_arguments, load_run, method_overrides,
@@ -86,6 +86,7 @@ def _add_simulate(subparsers) -> None:
     parser = subparsers.add_parser("simulate", help="timeline of one step: step time, busy and bubble time per device")
     add_pipeline_arguments(parser)
     parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v1); default: unit times")
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(handler=_cmd_simulate)
 
@@ -113,6 +114,7 @@ def _add_pack(subparsers) -> None:
     parser = subparsers.add_parser("pack", help="place a curvature method's work into the bubbles; report the refresh interval")
     add_pipeline_arguments(parser)
     parser.add_argument("--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)")
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
     add_placement_arguments(parser)

@@ -18,6 +18,11 @@ Optional additions (files without them are written and read exactly as before):
 - ``weight`` of a stage: the part of its `backward` that is the weight gradient of one
   micro-batch, which zero-bubble schedules run as a separate op (W) after the input gradient (B);
   0 = unknown: half of `backward` (input and weight gradients cost alike, as Qi et al. assume).
+- ``tensor_parallel`` of the profile: the tensor-parallel degree T it was measured or modelled at
+  (written only when > 1; 1 when left out). Its times and capture sizes are those of ONE
+  tensor-parallel rank: the forward/backward of its shard of each stage (with the stage's
+  tensor-parallel all-reduces) and the curvature tasks of its layers' shards
+  (`pipefisher.core.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -161,13 +166,15 @@ class StageProfile:
 @dataclass(frozen=True)
 class Profile:
     """Per-stage costs; `method`: the curvature method whose tasks the layers' times are
-    (a name in `pipefisher.methods.registry`; written only when not `DEFAULT_METHOD`)."""
+    (a name in `pipefisher.methods.registry`; written only when not `DEFAULT_METHOD`);
+    `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are (module docstring)."""
 
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
     device: str = ""
     micro_batch_size: int | None = None
     method: str = DEFAULT_METHOD
+    tensor_parallel: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -200,6 +207,8 @@ class Profile:
             data["micro_batch_size"] = self.micro_batch_size
         if self.method != DEFAULT_METHOD:
             data["method"] = self.method
+        if self.tensor_parallel > 1:
+            data["tensor_parallel"] = self.tensor_parallel
         data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
 
@@ -340,6 +349,9 @@ def profile_from_dict(data: Any) -> Profile:
     mbs = data.get("micro_batch_size")
     if mbs is not None and (isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1):
         raise ProfileError(f"micro_batch_size: {mbs!r} must be a positive integer")
+    degree = data.get("tensor_parallel", 1)
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ProfileError(f"tensor_parallel: {degree!r} must be a positive integer (the tensor-parallel degree; 1 = none)")
     method = data.get("method", DEFAULT_METHOD)
     if method not in methods():
         raise ProfileError(f"method: {method!r} is not one of {', '.join(methods())}")
@@ -352,6 +364,7 @@ def profile_from_dict(data: Any) -> Profile:
         device=str(data.get("device", "")),
         micro_batch_size=mbs,
         method=method,
+        tensor_parallel=degree,
     )
 
 

@@ -21,6 +21,10 @@ interleaved ranks hold several):
   (`powersgd_elements`); with gradient workers, plus the broadcasts of every layer's
   preconditioned gradient within a block of R/G replicas.
 
+Tensor parallelism: give the `StageState`s of one tensor-parallel rank (its shards of the split
+Linears, the replicated parameters whole; `pipefisher.planning.transformer_state` builds them for
+pipefisher's BERT); every figure is then that rank's.
+
 Not counted: activations, captured inputs/output-gradients, built (unsynced) statistics,
 communication and temporary buffers, allocator slack. The runtime counts traffic per bucket, so
 its bytes can differ from this whole-stage model by integer rounding (under 2 bytes a bucket).

@@ -2,8 +2,10 @@
 
 Usage: python -m pipefisher.viz.bert_profile CSV --stages D --micro-batch-size B -o PROFILE.yaml
 [--model bert-base|bert-large] (default: the model the CSV's file name starts with) [--seq-len 128]
-[--dtype fp32|bf16]. The model's blocks are cut into D stages of equal compute (see
-`pipefisher.planning.transformer_profile`); times in ms; capture sizes for the sequence length and dtype.
+[--dtype fp32|bf16] [--tensor-parallel T [--tp-bandwidth GBPS]]. The model's blocks are cut into D stages of equal compute (see
+`pipefisher.planning.transformer_profile`); times in ms; capture sizes for the sequence length and dtype;
+with T > 1 the profile of one of T tensor-parallel ranks (its shards, its share of the block and the
+modelled tensor-parallel all-reduces).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from pipefisher.cli.args import USAGE_ERROR, UsageError
 from pipefisher.core.profile import ProfileError
-from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
+from pipefisher.planning.transformer_profile import BERT_SIZES, DEFAULT_TP_BANDWIDTH_GBPS, read_block_times, transformer_profile
 
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -39,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", choices=sorted(BERT_SIZES), help="model size (default: from the file name)")
     parser.add_argument("--seq-len", type=int, default=128, help="sequence length, for capture sizes (default 128)")
     parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="dtype the captured activations and gradients are held in (default fp32)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="profile one of T tensor-parallel ranks (Megatron's split of each block; default 1)")
+    parser.add_argument("--tp-bandwidth", type=float, default=DEFAULT_TP_BANDWIDTH_GBPS, metavar="GBPS",
+                        help=f"all-reduce bus bandwidth in GB/s for the modelled tensor-parallel all-reduces (default {DEFAULT_TP_BANDWIDTH_GBPS:g})")
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write (.yaml, or .json)")
     args = parser.parse_args(argv)
     try:
@@ -50,12 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             raise UsageError(f"cannot read block times from {args.csv}: {exc}") from None
         profile = transformer_profile(times, blocks, args.stages, hidden, ffn, args.micro_batch_size, device=args.csv.stem,
-                                      seq_len=args.seq_len, capture_dtype_bytes=_DTYPE_BYTES[args.dtype])
+                                      seq_len=args.seq_len, capture_dtype_bytes=_DTYPE_BYTES[args.dtype],
+                                      tensor_parallel=args.tensor_parallel, tp_bandwidth_gbps=args.tp_bandwidth)
         profile.save(args.output)
     except (UsageError, ProfileError, OSError) as exc:
         print(f"bert_profile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
-    print(f"{args.output}: {blocks} blocks in {args.stages} stages, micro-batch size {args.micro_batch_size}")
+    degree = f", tensor-parallel rank of {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+    print(f"{args.output}: {blocks} blocks in {args.stages} stages, micro-batch size {args.micro_batch_size}{degree}")
     return 0
 
 
