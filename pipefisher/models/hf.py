@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipefisher.core.tensor_parallel import TensorParallelPlan
 from pipefisher.models import Batch
 from pipefisher.models.hf_layouts import Layout, bert_pretraining_loss, find_layout
 from pipefisher.models.init import derive_seed
@@ -215,6 +216,18 @@ class HfStagedModel:
     def first_order_linears(self) -> tuple[str, ...]:
         """Modules whose weight is a tied copy: they stay first-order, as their source does."""
         return tuple(sorted({target.rsplit(".", 1)[0] for target in self.tied if target.endswith(".weight")}))
+
+    def tensor_parallel_plan(self, degree: int) -> TensorParallelPlan:
+        """The layout's split of every block (`Layout.tensor_parallel`); ValueError naming the
+        config field `degree` does not divide, or why the family has no split."""
+        layout = self.layout
+        if not layout.tensor_parallel:
+            raise ValueError(f"hf_class: {layout.no_tensor_parallel}")
+        for name in layout.tensor_parallel_fields:
+            value = getattr(self.config, name)
+            if value % degree:
+                raise ValueError(f"hf_config: {name} {value} is not divisible by pipeline.tensor_parallel {degree}")
+        return {f"{layout.blocks}.*.{path}": split for path, split in layout.tensor_parallel.items()}
 
     def _initialise(self, root: nn.Module, seed: int) -> None:
         """The model's `_init_weights` on every module of `root`, children before parents, each

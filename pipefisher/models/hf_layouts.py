@@ -13,13 +13,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from pipefisher.core.tensor_parallel import Split
 from pipefisher.models import Batch
 
 IGNORE_INDEX = -100
@@ -53,6 +54,12 @@ class Layout:
     loss_parts: tuple[str, ...] = ()
     #: config fields that must be false/null: they change the forward in ways this layout does not follow
     unsupported: tuple[str, ...] = ()
+    #: Megatron's split of a block (paths under the block list's ``<i>``), {} when the family has none
+    tensor_parallel: dict[str, Split] = field(default_factory=dict)
+    #: config fields a tensor-parallel degree must divide
+    tensor_parallel_fields: tuple[str, ...] = ()
+    #: why the family has no tensor-parallel split, for the error
+    no_tensor_parallel: str = ""
 
 
 def _positions(like: Tensor) -> Tensor:
@@ -132,6 +139,8 @@ LAYOUTS: dict[str, Layout] = {
         model_inputs=_causal_inputs,
         outputs=lambda out: out.logits,
         unsupported=("add_cross_attention",),
+        no_tensor_parallel="GPT-2 projects query, key and value with one fused Conv1D (c_attn), which pipefisher does not split; "
+                           "use a Llama-like model (e.g. hf_config llama-tiny)",
     ),
     "bert.encoder.layer": Layout(
         blocks="bert.encoder.layer",
@@ -147,6 +156,8 @@ LAYOUTS: dict[str, Layout] = {
         outputs=lambda out: (out.prediction_logits, out.seq_relationship_logits),
         loss_parts=("mlm", "nsp"),
         unsupported=("is_decoder", "add_cross_attention"),
+        no_tensor_parallel="Hugging Face's BERT attention reshapes by its configured head count, which a shard does not have; "
+                           "use model.kind bert (the same architecture, split) or a Llama-like model",
     ),
     "model.layers": Layout(
         blocks="model.layers",
@@ -161,6 +172,9 @@ LAYOUTS: dict[str, Layout] = {
         model_inputs=_causal_inputs,
         outputs=lambda out: out.logits,
         unsupported=("sliding_window",),
+        tensor_parallel={**{f"self_attn.{name}": Split.COLUMN for name in ("q_proj", "k_proj", "v_proj")}, "self_attn.o_proj": Split.ROW,
+                         "mlp.gate_proj": Split.COLUMN, "mlp.up_proj": Split.COLUMN, "mlp.down_proj": Split.ROW},
+        tensor_parallel_fields=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
     ),
 }
 

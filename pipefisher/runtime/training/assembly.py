@@ -29,12 +29,21 @@ def build_schedule(config: RunConfig) -> Schedule:
 
 def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
     """The model of the run behind the staged-model interface (ConfigError if it cannot be split
-    into the run's stages); BERT and Hugging Face models call `on_data()` once the split is valid,
-    before they build (or load from the cache) the tokenizer and tokens."""
-    if config.model.kind == "hf":
-        return _hf_model(config, on_data)
-    if config.model.kind != "bert":
-        return TinyRegression(config.model)
+    into the run's stages and tensor-parallel shards); BERT and Hugging Face models call
+    `on_data()` once the split is valid, before they build (or load from the cache) the tokenizer
+    and tokens."""
+    model = _hf_model(config, on_data) if config.model.kind == "hf" else (
+        _bert_model(config, on_data) if config.model.kind == "bert" else TinyRegression(config.model))
+    degree = config.pipeline.tensor_parallel
+    if degree > 1:
+        try:
+            model.tensor_parallel_plan(degree)
+        except ValueError as exc:
+            raise ConfigError(f"model.{exc}; or set pipeline.tensor_parallel 1") from None
+    return model
+
+
+def _bert_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
     from pipefisher.models.bert import BertConfig, BertStagedModel, bert_preset
 
     settings = config.model

@@ -10,6 +10,8 @@ pipelined run's to float tolerance.
 A model that offers its unsplit form (`unsplit`, `unsplit_loss`, `stage_ends`: Hugging Face
 models) is trained as that one object, the independent check of the split; others as their
 stages in sequence. It always runs eager, `run.compile` or not: it is the check of compiled stages too.
+Under tensor parallelism every split layer holds its shards side by side, and the parameters are
+reported joined, under the unsplit model's names.
 """
 
 from __future__ import annotations
@@ -156,14 +158,8 @@ class _Net:
 def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
     """The stages in sequence under the run's autocast, each stage's output rounded to the
     compute dtype as the pipeline sends it; then the loss and its parts. Parameters are named
-    "<stage>.<name>" as the pipelined run names them. Under tensor parallelism each split layer
-    holds its shards side by side (`pipefisher.models.tensor_parallel.emulate_shards`), so a
-    curvature method sees the blocks the processes see; they are reported joined."""
-    stages = [model.build_stage(index, config.model_chunks, config.run.seed) for index in range(config.model_chunks)]
-    degree = config.pipeline.tensor_parallel
-    if degree > 1:
-        for stage in stages:
-            emulate_shards(stage, model.tensor_parallel_plan(degree), degree)
+    "<stage>.<name>" as the pipelined run names them."""
+    stages = [_with_shards(model.build_stage(index, config.model_chunks, config.run.seed), model, config) for index in range(config.model_chunks)]
 
     def loss(batch: dict) -> tuple:
         x = None
@@ -183,7 +179,7 @@ def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:
     """The unsplit model object under the run's autocast, its own loss; the output of the last
     block of every stage but the last is rounded to the compute dtype, as the pipeline sends it.
     Parameters keep the model's own names."""
-    unsplit = model.unsplit(config.run.seed)
+    unsplit = _with_shards(model.unsplit(config.run.seed), model, config)
     for name in model.stage_ends(config.model_chunks):
         unsplit.get_submodule(name).register_forward_hook(lambda module, inputs, output: output.to(precision.compute_dtype))
 
@@ -191,7 +187,15 @@ def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:
         with precision.autocast():
             return model.unsplit_loss(unsplit, batch)
 
-    return _Net([unsplit], loss, [], lambda: list(unsplit.named_parameters()))
+    return _Net([unsplit], loss, [], lambda: list(unsharded_parameters(unsplit)))
+
+
+def _with_shards(module: nn.Module, model, config: RunConfig) -> nn.Module:
+    """`module` with each layer a tensor-parallel run splits held as its shards side by side
+    (`pipefisher.models.tensor_parallel.emulate_shards`), so a curvature method sees the blocks the
+    processes see; `module` itself without tensor parallelism."""
+    degree = config.pipeline.tensor_parallel
+    return emulate_shards(module, model.tensor_parallel_plan(degree), degree) if degree > 1 else module
 
 
 def _local_tied_copies(stages: list[nn.Module], tied: list[tuple[str, str]]) -> list[nn.Parameter]:

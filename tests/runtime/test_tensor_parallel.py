@@ -1,0 +1,91 @@
+"""Tensor parallelism (pipeline.tensor_parallel): two processes per rank, each holding its shards
+of every block, train exactly like the single-process reference that holds the shards side by
+side, in the in-order mode (NCCL's rule on gloo, the tensor-parallel all-reduces included): first
+order, and every curvature method preconditioning each shard's block, packed and after the step,
+on 1F1B and Chimera; with data parallelism; on a Hugging Face Llama; and a resume is bit for bit.
+"""
+
+import pytest
+
+from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit
+from pipefisher.config import ConfigError
+from pipefisher.methods.registry import methods
+from pipefisher.runtime.training.reference import train_reference
+from test_curvature_equivalence import PARAMETER_ATOL, shipped_defaults
+
+pytestmark = pytest.mark.dist
+
+
+def tensor_parallel(method: str, schedule: str, optimizer: str | None = None, data_parallel: int = 1, **section):
+    """`shipped_defaults` (2 stages of the 4-block transformer, in-order mode) split over 2
+    tensor-parallel processes per rank, the global gradient norm clipped (its sum over shards)."""
+    config = shipped_defaults(method, schedule, data_parallel, optimizer, **section)
+    return config.with_overrides(pipeline={"tensor_parallel": 2}, optimizer={"clip_norm": 0.5})
+
+
+#: first order, K-FAC and Shampoo on both schedules and placements; every other method on 1F1B
+FULL_SWEEP = ("kfac", "shampoo")
+CASES = ([("adamw", schedule, None) for schedule in ("1f1b", "chimera")]
+         + [(method, schedule, placement) for method in FULL_SWEEP for schedule in ("1f1b", "chimera") for placement in ("packed", "after-step")]
+         + [(method, "1f1b", "packed") for method in methods() if method not in FULL_SWEEP])
+
+
+@pytest.mark.parametrize("optimizer, schedule, placement", CASES)
+def test_tensor_parallel_equals_the_reference(optimizer, schedule, placement):
+    if placement is None:
+        config = tensor_parallel("kfac", schedule, optimizer=optimizer)
+    else:
+        config = tensor_parallel(optimizer, schedule, placement=placement)
+    assert_equal_to_reference(config, PARAMETER_ATOL)
+
+
+@pytest.mark.parametrize("method", [name for name in methods() if name != "muon"])
+def test_each_shard_is_its_own_block(method):
+    """Not vacuous: splitting changes nothing for a first-order optimizer, but a curvature method
+    preconditions each shard's block, not the whole layer's."""
+    def losses(degree: int, optimizer: str | None = None) -> list[float]:
+        config = shipped_defaults(method, "1f1b", optimizer=optimizer).with_overrides(pipeline={"tensor_parallel": degree})
+        return train_reference(config).losses
+
+    assert losses(2, "adamw") == pytest.approx(losses(1, "adamw"), rel=1e-6)
+    assert losses(2) != pytest.approx(losses(1), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_equal_the_reference():
+    """Tensor x pipeline x data parallelism: 2 x 2 x 2 = 8 processes, K-FAC packed."""
+    assert_equal_to_reference(tensor_parallel("kfac", "1f1b", data_parallel=2), PARAMETER_ATOL)
+
+
+def test_a_tensor_parallel_resume_is_bit_for_bit(tmp_path):
+    assert_resumes_bit_for_bit(tensor_parallel("shampoo", "1f1b"), 3, tmp_path)
+
+
+def test_what_cannot_be_split_is_refused_in_one_line():
+    base = shipped_defaults("kfac", "1f1b", optimizer="adamw")
+    with pytest.raises(ConfigError, match=r"^pipeline.tensor_parallel: 3 does not divide model.heads 2"):
+        base.with_overrides(pipeline={"tensor_parallel": 3})
+    with pytest.raises(ConfigError, match=r"^pipeline.tensor_parallel: model.kind mlp has no tensor-parallel split"):
+        base.with_overrides(model={"kind": "mlp"}, pipeline={"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match=r"^run.compile: tensor-parallel blocks"):
+        base.with_overrides(pipeline={"tensor_parallel": 2}, run={"compile": True})
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_splits_over_two_processes(tmp_path):
+    """Llama's attention (grouped key/value heads) and gated MLP split over 2 processes, 2 stages,
+    K-FAC on each shard: equal to the unsplit `transformers` model holding the shards side by side."""
+    pytest.importorskip("transformers")
+    from test_hf_runs import assert_equals_the_unsplit_model, hf_run
+
+    config = hf_run(str(tmp_path), "llama-tiny", pipeline={"tensor_parallel": 2}, optimizer={"name": "kfac"}, kfac={"refresh_steps": 2})
+    assert_equals_the_unsplit_model(config, parameter_atol=PARAMETER_ATOL)
+
+
+def test_gpt2_is_refused_with_the_reason(tmp_path):
+    pytest.importorskip("transformers")
+    from pipefisher.runtime.training.assembly import staged_model
+    from test_hf_runs import hf_run
+
+    with pytest.raises(ConfigError, match=r"^model.hf_class: GPT-2 projects query, key and value with one fused Conv1D"):
+        staged_model(hf_run(str(tmp_path), "gpt2-tiny", pipeline={"tensor_parallel": 2}))
