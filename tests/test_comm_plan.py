@@ -6,7 +6,8 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import STEP, Action, ActionKind, CommOrderError, CommPlan, Message, input_message, output_message, sync_collective
 from pipefisher.planning.comm.plan import plan_actions
-from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.comm.processes import process_programs
+from pipefisher.planning.comm.replay import replay, replay_programs
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan
 from pipefisher.schedules import SCHEDULES, get_schedule
@@ -216,3 +217,40 @@ def test_packed_chimera_plans_replay_over_a_sweep_of_task_times(stages, micro_ba
                 for k in (None, 2, 3):
                     plan = pack(schedule, profile, PackOptions(refresh_steps=k)).plan
                     replay(plan_actions(Topology(schedule), plan, tied=True), name=f"c{curvature} i{inverse} s{sync} k{k}")
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_tensor_parallel_plans_replay_with_their_all_reduces(name):
+    """Two tensor-parallel processes per rank, two replicas, K-FAC packed: every process runs its
+    rank's actions on its shard's communicators, each forward and input-gradient backward
+    followed by an all-reduce over its rank's processes; the step's world reduction spans all."""
+    schedule = get_schedule(name, 2, micro_batches_for(name, 2, at_least=4))
+    profile = kfac_profile(schedule.num_stages)
+    plan = pack(schedule, profile, PackOptions(refresh_steps=2, data_parallel=2)).plan
+    topology = Topology(schedule, data_parallel=2, tensor_parallel=2)
+    comm = replay(plan_actions(topology, plan, tied=True))
+    programs, members = process_programs(comm)
+    assert len(programs) == topology.processes == 2 * topology.world_size
+    assert members[("world",)] == tuple(range(topology.processes))
+    for process, program in enumerate(programs):
+        rank, shard = topology.rank_of_process(process)
+        ops = [a.target for a in program if a.kind is ActionKind.RUN and a.target.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
+        reduces = [a.target for a in program if a.kind is ActionKind.LAUNCH and a.target.kind.value == "tensor"]
+        assert [c.key for c in reduces] == [(str(op),) for op in ops]
+        assert all(set(members[c.group]) == {2 * rank, 2 * rank + 1} for c in reduces)
+        for action in program:
+            if action.kind in (ActionKind.POST, ActionKind.SEND):
+                assert action.peer % 2 == shard and process in members[action.group], "a shard talks to the same shard of its peers"
+
+
+def test_tensor_parallel_processes_that_reduce_in_different_orders_are_caught():
+    schedule = get_schedule("1f1b", 2, 4)
+    topology = Topology(schedule, tensor_parallel=2)
+    programs, members = process_programs(plan_actions(topology, first_order(schedule)))
+    shard_one = list(programs[1])
+    launches = [i for i, a in enumerate(shard_one) if a.kind is ActionKind.LAUNCH and a.target.kind.value == "tensor"]
+    for first, second in ((launches[0], launches[1]), (launches[0] + 1, launches[1] + 1)):  # the launches and their waits
+        shard_one[first], shard_one[second] = shard_one[second], shard_one[first]
+    programs[1] = tuple(shard_one)
+    with pytest.raises(CommOrderError, match=r"mismatch on tensor/0: rank 0 has tensor:0F0; rank 1 has tensor:0F1"):
+        replay_programs(programs, members)

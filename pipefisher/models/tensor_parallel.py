@@ -146,6 +146,21 @@ def unsharded_parameters(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name, parameter.detach()
 
 
+def join_shard_states(states: list[dict[str, Tensor]], plan: TensorParallelPlan) -> dict[str, Tensor]:
+    """One state dict of the unsplit stage from its shards' (`states[t]`: process t's, of a stage
+    split by `plan` over len(states) processes): split layers' weights and biases joined, the rest
+    taken from shard 0 (every shard holds it whole)."""
+    joined = dict(states[0])
+    for key in states[0]:
+        module, _, kind = key.rpartition(".")
+        split = split_of(module, plan)
+        if split is None or kind not in ("weight", "bias"):
+            continue
+        if kind == "weight" or split is Split.COLUMN:
+            joined[key] = torch.cat([state[key] for state in states], dim=1 if kind == "weight" and split is Split.ROW else 0)
+    return joined
+
+
 def split_parameters(module: nn.Module) -> set[nn.Parameter]:
     """The parameters of `module`'s tensor-parallel shards (what each process holds a part of)."""
     return {parameter for child in module.modules() if getattr(child, "tensor_split", None) is not None

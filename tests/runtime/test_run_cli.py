@@ -78,7 +78,7 @@ def test_more_nccl_ranks_than_gpus_exits_2_before_starting_processes(tmp_path):
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [
             f"pipefisher: error: run.backend nccl: 2 processes on this machine need 2 GPUs, it has {torch.cuda.device_count()} "
-            "(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer ranks (pipeline.stages x pipeline.data_parallel)"]
+            "(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer processes (pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)"]
 
 
 def test_port_in_use_exits_2_before_starting_processes():

@@ -5,13 +5,19 @@ order, and every curvature method preconditioning each shard's block, packed and
 on 1F1B and Chimera; with data parallelism; on a Hugging Face Llama; and a resume is bit for bit.
 """
 
+import json
+import subprocess
+
 import pytest
+import torch
 
 from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit
 from pipefisher.config import ConfigError
 from pipefisher.methods.registry import methods
 from pipefisher.runtime.training.reference import train_reference
+from pipefisher.runtime.training.run import tensor_parallel_placement
 from test_curvature_equivalence import PARAMETER_ATOL, shipped_defaults
+from test_run_cli import TINY
 
 pytestmark = pytest.mark.dist
 
@@ -74,12 +80,19 @@ def test_what_cannot_be_split_is_refused_in_one_line():
 @pytest.mark.slow
 def test_a_hugging_face_llama_splits_over_two_processes(tmp_path):
     """Llama's attention (grouped key/value heads) and gated MLP split over 2 processes, 2 stages,
-    K-FAC on each shard: equal to the unsplit `transformers` model holding the shards side by side."""
+    K-FAC on each shard: equal to the unsplit `transformers` model holding the shards side by side;
+    the checkpoint's shards join into the unsplit model's state dict (what `pipefisher export` writes)."""
     pytest.importorskip("transformers")
+    from pipefisher.runtime.training.export import merged_state_dict
     from test_hf_runs import assert_equals_the_unsplit_model, hf_run
 
-    config = hf_run(str(tmp_path), "llama-tiny", pipeline={"tensor_parallel": 2}, optimizer={"name": "kfac"}, kfac={"refresh_steps": 2})
-    assert_equals_the_unsplit_model(config, parameter_atol=PARAMETER_ATOL)
+    config = hf_run(str(tmp_path), "llama-tiny", pipeline={"tensor_parallel": 2}, optimizer={"name": "kfac"}, kfac={"refresh_steps": 2},
+                    checkpoint={"dir": str(tmp_path / "checkpoints")})
+    reference = assert_equals_the_unsplit_model(config, parameter_atol=PARAMETER_ATOL)
+    merged = merged_state_dict(config, config.run.steps)
+    assert merged.keys() >= reference.parameters.keys()
+    for name, value in reference.parameters.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=PARAMETER_ATOL)
 
 
 def test_gpt2_is_refused_with_the_reason(tmp_path):
@@ -89,3 +102,23 @@ def test_gpt2_is_refused_with_the_reason(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^model.hf_class: GPT-2 projects query, key and value with one fused Conv1D"):
         staged_model(hf_run(str(tmp_path), "gpt2-tiny", pipeline={"tensor_parallel": 2}))
+
+
+def test_a_ranks_processes_must_share_a_node():
+    assert tensor_parallel_placement(2, 8) is None and tensor_parallel_placement(4, 4) is None
+    assert tensor_parallel_placement(2, 3) == (
+        "pipeline.tensor_parallel: the 2 processes of a rank all-reduce inside every forward and backward and must share a node; "
+        "torchrun starts 3 per node: make --nproc-per-node a multiple of 2")
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_tensor_parallel_flag_like_the_reference():
+    """`--tensor-parallel 2` under torchrun (4 processes: 2 stages x 2 shards) and in one process."""
+    def losses(*launcher: str, extra: tuple[str, ...] = ()) -> list[float]:
+        result = subprocess.run([*launcher, "run", str(TINY), "--tensor-parallel", "2", "--steps", "2", "--json", *extra],
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return [json.loads(line)["loss"] for line in result.stdout.splitlines()]
+
+    torchrun = losses("torchrun", "--standalone", "--nproc-per-node", "4", "-m", "pipefisher")
+    assert torchrun == pytest.approx(losses("pipefisher", extra=("--reference",)), rel=1e-5)

@@ -152,6 +152,11 @@ def replay(plan: CommPlan, name: str = "plan") -> CommPlan:
     """Check that every process's actions over one cycle (a rank's, on its shard's communicators,
     with the tensor-parallel all-reduces of `pipefisher.planning.comm.processes`) complete under
     NCCL's rules; return `plan` or raise CommOrderError (see the module docstring)."""
-    programs, members = process_programs(plan)
-    _Replay(programs, members, name).run()
+    replay_programs(*process_programs(plan), name)
     return plan
+
+
+def replay_programs(programs: Sequence[Sequence[Action]], members: dict[GroupKey, tuple[int, ...]], name: str = "plan") -> None:
+    """Check that the actions of every process (`programs[p]`, on communicators of the processes
+    `members` names) complete under NCCL's rules, or raise CommOrderError."""
+    _Replay(programs, members, name).run()

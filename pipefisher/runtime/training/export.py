@@ -15,6 +15,7 @@ import torch
 
 from pipefisher.config import ConfigError, RunConfig
 from pipefisher.core.files import write_folder_atomically
+from pipefisher.models.tensor_parallel import join_shard_states
 from pipefisher.runtime.training.assembly import staged_model, text_data
 from pipefisher.runtime.training.checkpoint import load_rank, resumable_step
 
@@ -32,16 +33,20 @@ class Exported:
 
 
 def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
-    """The unsplit model's state dict from every rank's checkpoint of `step`: pipe 0's stages."""
+    """The unsplit model's state dict from every process's checkpoint of `step`: pipe 0's stages,
+    each joined from its tensor-parallel shards (`join_shard_states`)."""
+    degree = config.pipeline.tensor_parallel
+    plan = staged_model(config).tensor_parallel_plan(degree) if degree > 1 else {}
     merged: dict[str, torch.Tensor] = {}
     found: set[str] = set()
-    for rank in range(config.world_size):
+    for rank in range(config.world_size // degree):
         if len(found) == config.model_chunks:
             break  # every stage of pipe 0 is in: the other ranks hold replicas
-        for key, state in load_rank(config.checkpoint.dir, step, rank, torch.device("cpu"))["stages"].items():
+        shards = [load_rank(config.checkpoint.dir, step, rank * degree + shard, torch.device("cpu"))["stages"] for shard in range(degree)]
+        for key in shards[0]:
             if key.split(".")[0] == "0" and key not in found:
                 found.add(key)
-                merged.update(state)
+                merged.update(join_shard_states([stages[key] for stages in shards], plan))
     return merged
 
 

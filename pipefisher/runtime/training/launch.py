@@ -80,7 +80,7 @@ def gpu_shortfall(backend: str, local_processes: int) -> str | None:
     if resolve_backend(backend) != "nccl" or local_processes <= available:
         return None
     return (f"run.backend nccl: {local_processes} processes on this machine need {local_processes} GPUs, it has {available} "
-            f"(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer ranks (pipeline.stages x pipeline.data_parallel)")
+            f"(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer processes (pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)")
 
 
 def current_device(backend: str) -> torch.device:

@@ -63,6 +63,10 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
         raise ProfileError(f"method: the profile times {profile.method} tasks but this run uses {method}; "
                            "measure a profile of this run with `pipefisher profile`")
     profile.require_stages(num_stages, hint="one entry per model chunk of this run")
+    degree = config.pipeline.tensor_parallel
+    if profile.tensor_parallel != degree:
+        raise ProfileError(f"tensor_parallel: the profile times the shards of {profile.tensor_parallel} tensor-parallel processes, "
+                           f"this run has pipeline.tensor_parallel {degree}; measure a profile of this run with `pipefisher profile`")
     for stage, entry in enumerate(profile.stages):
         expected = stage_layer_names(config, stage, num_stages)
         found = [layer.name for layer in entry.layers]

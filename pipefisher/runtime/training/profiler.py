@@ -236,6 +236,7 @@ def measure_profile(
         )
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
     profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
+                      tensor_parallel=executor.topology.tensor_parallel,
                       method=timer.method)
     return profile, sorted(last_step)
 

@@ -206,7 +206,11 @@ def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> N
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
         print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
-              f"(pipeline.stages x pipeline.data_parallel)", file=sys.stderr)
+              f"(pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)", file=sys.stderr)
+        sys.exit(2)
+    problem = tensor_parallel_placement(config.pipeline.tensor_parallel, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if problem is not None:
+        print(f"pipefisher: error: {problem}", file=sys.stderr)
         sys.exit(2)
     try:
         code = work(init_distributed(config.run.backend, config.run.timeout))
@@ -218,6 +222,16 @@ def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> N
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def tensor_parallel_placement(degree: int, per_node: int) -> str | None:
+    """Why `per_node` processes per node cannot hold whole tensor-parallel groups of `degree`
+    processes, if they cannot. Processes of a rank are consecutive (`pipefisher.core.topology`), so
+    torchrun keeps them on one node exactly when its processes per node are a multiple of `degree`."""
+    if per_node % degree == 0:
+        return None
+    return (f"pipeline.tensor_parallel: the {degree} processes of a rank all-reduce inside every forward and backward and must "
+            f"share a node; torchrun starts {per_node} per node: make --nproc-per-node a multiple of {degree}")
 
 
 def check_port(config: RunConfig) -> str | None:
