@@ -205,13 +205,13 @@ def measure_profile(
     step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (records[warmup:], transfers, reduces, tasks, (held_stages, step_end)))
+    dist.all_gather_object(gathered, (executor.comm.shard, records[warmup:], transfers, reduces, tasks, (held_stages, step_end)))
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
     layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
     capture_bytes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
-    for rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end) in gathered:
+    for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end) in gathered:
         for stage, values in rank_transfers.items():
             stage_samples[stage]["p2p"].extend(values)
         for stage, values in rank_reduces.items():
@@ -220,7 +220,8 @@ def measure_profile(
             stage_samples[stage]["step_end"].extend(value / len(rank_stages) for value in rank_step_end)
         for step_records in rank_records:
             _add_compute_samples(step_records, stage_samples)
-        last_step.extend(rank_records[-1])
+        if shard == 0:  # a rank's tensor-parallel processes run the same ops: the timeline shows a rank once
+            last_step.extend(rank_records[-1])
         for (stage, layer), (samples, sizes) in rank_tasks.items():
             if layer not in layer_order[stage]:
                 layer_order[stage].append(layer)

@@ -137,18 +137,19 @@ def _print_failure(failure: GroupFailure) -> None:
 PROFILE_WARMUP = 1
 
 
-def _profile_worker(rank: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
+def _profile_worker(process: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
     from pipefisher.runtime.training.assembly import staged_model
     from pipefisher.runtime.training.profiler import measure_profile, records_to_timeline
     from pipefisher.runtime.training.trainer import build_executor
 
     device = current_device(config.run.backend)
-    executor, schedule = build_executor(config, rank, device)
+    executor, schedule = build_executor(config, process, device)
     modules = {key: stage.module for key, stage in executor.stages.items()}
     parts = method_of(config).runtime_parts()
     timer = parts.timer(config, modules, parts.skip(staged_model(config)))
-    profile, records = measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP, repeats=repeats)
-    if rank == 0:
+    profile, records = measure_profile(executor, executor.rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP,
+                                       repeats=repeats)
+    if process == 0:
         profile.save(output)
         if timeline:
             from pipefisher.viz.timeline_io import save_timeline
