@@ -221,20 +221,26 @@ def test_packed_chimera_plans_replay_over_a_sweep_of_task_times(stages, micro_ba
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_tensor_parallel_plans_replay_with_their_all_reduces(name):
-    """Two tensor-parallel processes per rank, two replicas, K-FAC packed: every process runs its
-    rank's actions on its shard's communicators, each forward and input-gradient backward
-    followed by an all-reduce over its rank's processes; the step's world reduction spans all."""
+    """Two tensor-parallel processes per rank, two replicas, K-FAC packed, every A factor built in
+    shares: every process runs its rank's actions on its shard's communicators, each forward and
+    input-gradient backward, and each op that first reads an A factor (its inversion, or the
+    exchange of a replica that does not invert it), followed by an all-reduce over its rank's
+    processes; the step's world reduction spans all."""
     schedule = get_schedule(name, 2, micro_batches_for(name, 2, at_least=4))
     profile = kfac_profile(schedule.num_stages)
     plan = pack(schedule, profile, PackOptions(refresh_steps=2, data_parallel=2)).plan
     topology = Topology(schedule, data_parallel=2, tensor_parallel=2)
-    comm = replay(plan_actions(topology, plan, tied=True))
+    shared = frozenset((op.stage, op.layer, "A") for op in plan.curvature_ops() if op.layer)
+    comm = replay(plan_actions(topology, plan, tied=True, shared=shared))
+    inversions = (OpKind.INV_A, OpKind.INV_B)
+    assert {op for op in comm.tensor_ops if op.kind in inversions} == {op for op in plan.curvature_ops() if op.kind is OpKind.INV_A}
     programs, members = process_programs(comm)
     assert len(programs) == topology.processes == 2 * topology.world_size
     assert members[("world",)] == tuple(range(topology.processes))
     for process, program in enumerate(programs):
         rank, shard = topology.rank_of_process(process)
-        ops = [a.target for a in program if a.kind is ActionKind.RUN and a.target.kind in (OpKind.FORWARD, OpKind.BACKWARD)]
+        ops = [a.target for a in program if a.kind is ActionKind.RUN and (a.target.kind in (OpKind.FORWARD, OpKind.BACKWARD)
+                                                                          or a.target in comm.tensor_ops)]
         reduces = [a.target for a in program if a.kind is ActionKind.LAUNCH and a.target.kind.value == "tensor"]
         assert [c.key for c in reduces] == [(str(op),) for op in ops]
         assert all(set(members[c.group]) == {2 * rank, 2 * rank + 1} for c in reduces)

@@ -40,6 +40,10 @@ class TaskRules:
     `sync_of[f]`: the sync whose result part f's refresh work reads (empty when `syncs` is).
     `precondition`: a per-step precondition op after the stage's backwards, before the gradient
     reduction (False: the method preconditions in the optimizer step, on the reduced gradient).
+    `shared_when_split`: (split, part) pairs: under tensor parallelism the part's statistic of a
+    layer split that way is the same on every shard of a rank (K-FAC: a column split's input
+    factor, a row split's output-gradient factor), so each shard builds it from its share of the
+    rows and the refresh work that reads it first sums it over the shards.
     """
 
     curvature: bool
@@ -47,10 +51,14 @@ class TaskRules:
     sync_of: tuple[tuple[str, str], ...]
     precondition: bool
     factors: tuple[str, ...] = FACTORS
+    shared_when_split: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.factors not in ((), FACTORS[:1], FACTORS):
             raise ValueError(f"factors: {self.factors!r} must be (), ('A',) or ('A', 'B')")
+        for split, part in self.shared_when_split:
+            if split not in ("column", "row") or part not in self.factors:
+                raise ValueError(f"shared_when_split: ({split!r}, {part!r}) must pair 'column' or 'row' with one of {self.factors!r}")
         if not self.syncs:
             if self.sync_of:
                 raise ValueError(f"sync_of: {self.sync_of!r} names syncs of a method without any (`syncs` is empty)")
@@ -58,6 +66,11 @@ class TaskRules:
         parts = [part for part, _ in self.sync_of]
         if sorted(parts) != sorted(self.factors) or not {sync for _, sync in self.sync_of} <= set(self.syncs) <= set(self.factors):
             raise ValueError(f"sync_of: {self.sync_of!r} must name one sync of `syncs` for each of {self.factors!r}")
+
+    def shared_factor(self, split: str | None) -> str | None:
+        """The part whose statistic a layer split as `split` ("column", "row", None) shares over
+        the shards of a rank; None when nothing is shared."""
+        return dict(self.shared_when_split).get(split)
 
     def sync_for(self, factor: str) -> str | None:
         """The sync part `factor`'s refresh work reads; None for a method without syncs."""

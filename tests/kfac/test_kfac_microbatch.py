@@ -120,3 +120,38 @@ def test_new_inverses_take_effect_only_after_commit():
     engine.precondition("2")
     expected = engine.inverse("2", "B") @ grad @ engine.inverse("2", "A")
     torch.testing.assert_close(layer_grad(model[2]), expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_factors_built_in_row_shares_and_summed_equal_the_whole(count):
+    """Tensor parallelism: each of `count` sharers builds a factor from its share of every
+    capture's rows; their sealed totals and row counts summed give the factor of all rows."""
+    def engine_after_backward(share: int | None) -> KFACEngine:
+        torch.manual_seed(0)
+        model = tiny_mlp()
+        x, y = data(32)
+        engine = KFACEngine(model, KFACConfig(factor_decay=0.0, grad_scale=32))
+        if share is not None:
+            for name in NAMES:
+                for factor in FACTORS:
+                    engine.share_rows(name, factor, share, count)
+        for mb, (xm, ym) in enumerate(zip(x.split(16), y.split(16))):
+            with engine.capture(mb):
+                (mse_loss(model(xm), ym, reduction="sum") / y.numel()).backward()
+            for name in NAMES:
+                for factor in FACTORS:
+                    engine.curvature(name, factor, mb)
+        return engine
+
+    whole, shares = engine_after_backward(None), [engine_after_backward(index) for index in range(count)]
+    for name in NAMES:
+        for factor in FACTORS:
+            parts = [engine.sync_tensors(name, factor) for engine in shares]
+            assert all(rows.item() < 32 for _, rows in parts), "each sharer builds from part of the rows"
+            total, rows = parts[0]
+            for other_total, other_rows in parts[1:]:
+                total.add_(other_total)
+                rows.add_(other_rows)
+            shares[0].invert(name, factor)
+            whole.invert(name, factor)
+            torch.testing.assert_close(shares[0].factor(name, factor), whole.factor(name, factor), rtol=1e-12, atol=1e-15)

@@ -165,12 +165,20 @@ class KFACEngine:
         if built.sealed:
             raise RuntimeError(f"layer {layer!r}: factor {factor} was synced; invert it first")
         ones = factor == "A" and st.info.has_bias
+        share = st.row_shares.get(factor)
         for t in tensors:
             rows = t.reshape(-1, t.shape[-1])
+            if share is not None:
+                rows = rows.tensor_split(share[1])[share[0]]
             if scale is not None:
                 rows = rows.to(built.total.dtype) / scale
             accumulate_covariance(built.total, rows, ones)
             built.rows += rows.shape[0]
+
+    def share_rows(self, layer: str, factor: Factor, index: int, count: int) -> None:
+        """Build ``factor`` of ``layer`` from share ``index`` of ``count`` of every capture's rows
+        only; the caller sums :meth:`sync_tensors` over the ``count`` sharers before ``invert``."""
+        self._state(layer).row_shares[known_factor(factor)] = (index, count)
 
     def release(self, layer: str, micro_batch: Hashable | None = None) -> None:
         """Drop captures of ``layer`` (one micro-batch, or all) without taking curvature."""

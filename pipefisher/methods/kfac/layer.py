@@ -122,6 +122,9 @@ class LayerState:
     pending: dict[Factor, Flagged] = field(default_factory=dict)
     active: dict[Factor, Flagged] = field(default_factory=dict)
     counters: dict[Factor, Tensor] = field(default_factory=dict)
+    #: factor -> (index, count): this process builds the factor from share `index` of `count` of
+    #: each capture's rows (tensor parallelism: the factor is the same on every shard, which sum it)
+    row_shares: dict[Factor, tuple[int, int]] = field(default_factory=dict)
 
 
 def select_layers(

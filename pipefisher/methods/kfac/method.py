@@ -39,7 +39,8 @@ class KfacConfig(RefreshConfig):
 
 KFAC = CurvatureMethod(
     name="kfac", label="K-FAC",
-    rules=TaskRules(curvature=True, syncs=("A", "B"), sync_of=(("A", "A"), ("B", "B")), precondition=True),
+    rules=TaskRules(curvature=True, syncs=("A", "B"), sync_of=(("A", "A"), ("B", "B")), precondition=True,
+                    shared_when_split=(("column", "A"), ("row", "B"))),
     settings=KfacConfig, parts="pipefisher.methods.kfac.parts:PARTS", flags=("grad_worker_fraction",),
     memory="pipefisher.methods.kfac.memory:KfacLayer",
 )

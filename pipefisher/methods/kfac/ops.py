@@ -30,9 +30,10 @@ from torch import Tensor, nn
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner, shared_statistics
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
+from pipefisher.methods.kfac.method import KFAC
 from pipefisher.methods.kfac.settings import KFACConfig
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
@@ -64,6 +65,11 @@ class KfacRuntime(CurvatureRuntime):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
         engine_config = kfac_engine_config(config, rows_per_step(config))
         self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
+        layers = {(stage, info.name) for (_, stage), engine in self.engines.items() for info in engine.layers()}
+        self.shared_statistics = frozenset(key for key in shared_statistics(modules, KFAC.rules) if key[:2] in layers)
+        for stage, layer, factor in self.shared_statistics:
+            engine = next(engine for (_, s), engine in self.engines.items() if s == stage)
+            engine.share_rows(layer, factor, comm.shard, topology.tensor_parallel)
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         self.lr = config.optimizer_settings.lr
@@ -132,6 +138,7 @@ class KfacRuntime(CurvatureRuntime):
     def _invert(self, op: Op) -> None:
         factor = FACTOR_OF[op.kind]
         decompose = self.works_for(op.stage, op.layer) or self._exchange_source(op.stage, op.layer, factor)
+        self._sum_over_shards(op, factor)
         self._engine(op).invert(op.layer, factor, decompose=decompose)
 
     def _fold_shared(self, op: Op) -> None:
@@ -139,7 +146,15 @@ class KfacRuntime(CurvatureRuntime):
         average, so every replica keeps the same state; the inverse itself comes by broadcast."""
         for factor in "AB":
             if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+                self._sum_over_shards(op, factor)
                 self._engine(op).invert(op.layer, factor, decompose=False)
+
+    def _sum_over_shards(self, op: Op, factor: str) -> None:
+        """A statistic the rank's tensor-parallel processes built in shares: summed over them
+        (blocking, inside the op that first reads it; `pipefisher.planning.comm.processes`)."""
+        if (op.stage, op.layer, factor) in self.shared_statistics:
+            for tensor in self._engine(op).sync_tensors(op.layer, factor):
+                self.comm.tensor_all_reduce(tensor)
 
     def _precondition(self, op: Op) -> None:
         self._engine(op).precondition_all(self.lr)

@@ -40,8 +40,13 @@ from pipefisher.planning.comm.actions import (Action, ActionKind, Collective, Co
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 
-def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: GradientPath = GradientPath()) -> CommPlan:
+def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: GradientPath = GradientPath(),
+                 shared: frozenset[tuple[int, str, str]] = frozenset()) -> CommPlan:
     """The actions of every global rank for every step of `plan`'s cycle (see the module docstring).
+
+    `shared`: the (stage, layer, factor) statistics a rank's tensor-parallel processes build in
+    shares (`TaskRules.shared_when_split`); the refresh work that first reads one (its inversion,
+    or the exchange where another replica inverts it) sums it over the processes.
 
     `tied`: the model has weights shared by the first and last stage (their gradients are summed
     over the ``("tied",)`` group at the end of every step). `path.sharded`: the owners of a
@@ -73,7 +78,22 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
                 actions += [Action(ActionKind.WAIT, c) for c in exchanges]
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
-    return CommPlan(topology, tuple(steps), group_members(topology, tied, path))
+    return CommPlan(topology, tuple(steps), group_members(topology, tied, path), tensor_reading_ops(plan, shared, owners))
+
+
+def tensor_reading_ops(plan: Plan, shared: frozenset[tuple[int, str, str]], owners: dict[tuple[int, str, str], int]) -> frozenset[Op]:
+    """The ops of `plan` that sum a `shared` statistic over the rank's tensor-parallel processes:
+    its inversion, or the exchange of a replica that does not invert it (it folds the statistic)."""
+    if not shared:
+        return frozenset()
+    found = set()
+    for op in plan.curvature_ops():
+        if op.kind in (OpKind.INV_A, OpKind.INV_B) and (op.stage, op.layer, FACTOR_OF[op.kind]) in shared:
+            found.add(op)
+        elif op.kind is OpKind.EXCHANGE and any((op.stage, op.layer, factor) in shared and owner != op.pipe
+                                                for (stage, layer, factor), owner in owners.items() if (stage, layer) == (op.stage, op.layer)):
+            found.add(op)
+    return frozenset(found)
 
 
 def inverse_owners(plan: Plan) -> dict[tuple[int, str, str], int]:

@@ -10,7 +10,9 @@ communicator of its T processes, on which every forward and every backward of an
 sums its blocks' partial results (`TENSOR_KINDS`): blocking all-reduces, issued and completed
 inside the op. `process_programs` writes those into the programs the replay checks, so the
 pipeline's point-to-point, the data-parallel and curvature collectives and the tensor-parallel
-all-reduces are checked together under NCCL's rule. Pure Python: no torch.
+all-reduces are checked together under NCCL's rule. So is the sum of a statistic the processes
+build in shares, inside the curvature op that first reads it (`CommPlan.tensor_ops`). Pure Python:
+no torch.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def _process_action(action: Action, shard: int, topology: Topology) -> Action:
 
 def process_programs(plan: CommPlan) -> tuple[list[tuple[Action, ...]], dict[GroupKey, tuple[int, ...]]]:
     """(every process's actions over the cycle, every communicator's processes): the ranks'
-    actions on their shard's communicators, each forward and backward followed by its
-    tensor-parallel all-reduce (launched and waited for at once: the op blocks on it)."""
+    actions on their shard's communicators, each forward and backward, and each op of
+    `plan.tensor_ops`, followed by its tensor-parallel all-reduce (launched and waited for at
+    once: the op blocks on it)."""
     topology = plan.topology
     programs = []
     for process in range(topology.processes):
@@ -80,7 +83,8 @@ def process_programs(plan: CommPlan) -> tuple[list[tuple[Action, ...]], dict[Gro
         for step in plan.steps:
             for action in step[rank]:
                 program.append(_process_action(action, shard, topology))
-                if topology.tensor_parallel > 1 and action.kind is ActionKind.RUN and action.target.kind in TENSOR_KINDS:
+                if topology.tensor_parallel > 1 and action.kind is ActionKind.RUN and (
+                        action.target.kind in TENSOR_KINDS or action.target in plan.tensor_ops):
                     collective = tensor_collective(rank, action.target)
                     program += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
         programs.append(tuple(program))

@@ -21,7 +21,11 @@ def schedule_plan(schedule: Schedule) -> Plan:
 
 
 class PlanRunner:
-    """Runs `plan` on `executor` (rank `rank`); `cycle_step` is the position in the plan's cycle."""
+    """Runs `plan` on `executor` (rank `rank`); `cycle_step` is the position in the plan's cycle.
+    `shared_statistics`: the curvature statistics the rank's tensor-parallel processes build in
+    shares (`pipefisher.planning.comm.plan.plan_actions`); none for a first-order run."""
+
+    shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
 
     def __init__(self, executor: Executor, rank: int, plan: Plan, tied: bool):
         self.executor, self.rank, self.tied = executor, rank, tied
@@ -31,7 +35,8 @@ class PlanRunner:
     def set_plan(self, plan: Plan) -> None:
         """Use `plan` from the next cycle on (call at a cycle boundary)."""
         self.plan = plan
-        self.comm: CommPlan = replay(plan_actions(self.executor.topology, plan, self.tied, self.executor.gradient_path), name=plan.schedule.name)
+        self.comm: CommPlan = replay(plan_actions(self.executor.topology, plan, self.tied, self.executor.gradient_path, self.shared_statistics),
+                                     name=plan.schedule.name)
 
     def run_step(self, step: int) -> StepResult:
         actions = self.comm.steps[self.cycle_step][self.rank]

@@ -210,6 +210,7 @@ class PipeFisherTrainer(PlanRunner):
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
                                            (lambda: scaler.scale) if scaler is not None else (lambda: None))
+        self.shared_statistics = self.runtime.shared_statistics
         super().__init__(executor, rank, self.curvature_plan.plan, tied)
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0
