@@ -53,12 +53,14 @@ def test_layers_are_shards_whose_times_scale_by_their_sizes():
     two = {layer.name: layer for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32, tensor_parallel=2).stages
            for layer in stage.layers}
     query, query2 = one["block0.attention.query"], two["block0.attention.query"]  # column: 1024 -> 512 outputs
-    assert query2.curvature_a == query.curvature_a and query2.inverse_a == query.inverse_a
+    # every shard sees the whole input: its A factor is built from half the rows, then summed
+    assert query2.curvature_a == pytest.approx(query.curvature_a / 2) and query2.inverse_a == query.inverse_a
     assert query2.curvature_b == pytest.approx(query.curvature_b / 4) and query2.inverse_b == pytest.approx(query.inverse_b / 8)
     assert query2.precondition == pytest.approx(query.precondition * 1024 * 512 * 1536 / (1024 * 1024 * 2048))
     assert (query2.capture_a_bytes, query2.capture_b_bytes) == (rows * 4 * 1024, rows * 4 * 512)
     out, out2 = one["block1.output"], two["block1.output"]  # row: 4096 -> 2048 inputs, the bias on shard 0
     assert out2.inverse_a == pytest.approx(out.inverse_a * (2048 + 1) ** 3 / (4096 + 1) ** 3) and out2.inverse_b == out.inverse_b
+    assert out2.curvature_b == pytest.approx(out.curvature_b / 2), "the output gradient is whole on every shard: half the rows each"
     assert (out2.capture_a_bytes, out2.capture_b_bytes) == (rows * 4 * 2048, rows * 4 * 1024)
 
 

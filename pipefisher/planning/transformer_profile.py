@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
+from pipefisher.methods.registry import DEFAULT_METHOD, task_rules
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS, shard_features
 from pipefisher.planning.comm.volume import ring_bytes
 
@@ -72,18 +73,25 @@ def block_layers(times: BlockTimes, hidden: int, ffn: int, capture_rows: int = 0
     """The block's K-FAC layers with the block totals split as the module docstring says;
     capture sizes in bytes for `capture_rows` token rows per micro-batch (0: unknown); at
     `tensor_parallel` T one rank's shards, each task the share of the block total its shard's
-    sizes give against the whole block's."""
+    sizes give against the whole block's; a factor the rank's shards share (the times' method's
+    `TaskRules.shared_when_split`) is built by each from 1/T of the rows."""
     whole = block_layer_shapes(hidden, ffn)
     shapes = block_layer_shapes(hidden, ffn, tensor_parallel)
     row_bytes = capture_rows * capture_dtype_bytes
     square = sum((din + 1) ** 2 + dout**2 for _, din, dout in whole)
     cube = sum((din + 1) ** 3 + dout**3 for _, din, dout in whole)
     product = sum(din * dout * (din + dout) for _, din, dout in whole)
+
+    def rows(name: str, factor: str) -> float:
+        """The share of the rows this rank's shard builds `factor` of layer `name` from."""
+        shared = tensor_parallel > 1 and task_rules(DEFAULT_METHOD).shared_factor(BLOCK_SPLITS[name].value) == factor
+        return 1 / tensor_parallel if shared else 1.0
+
     return [
         LayerProfile(
             name=name,
-            curvature_a=times.time_kron * (din + 1) ** 2 / square,
-            curvature_b=times.time_kron * dout**2 / square,
+            curvature_a=times.time_kron * (din + 1) ** 2 / square * rows(name, "A"),
+            curvature_b=times.time_kron * dout**2 / square * rows(name, "B"),
             inverse_a=times.time_inv * (din + 1) ** 3 / cube,
             inverse_b=times.time_inv * dout**3 / cube,
             precondition=times.time_prec * din * dout * (din + dout) / product,

@@ -5,8 +5,7 @@ Life of one refresh, per layer and factor ``f`` in {"A", "B"}:
 replicas sum ``sync_tensors(layer, f)`` (``sync`` does it blocking) -> ``invert(layer, f)`` ->
 (the inverse goes from the replica that computed it, ``shared_inverse``, to the others,
 ``inverse_buffer`` + ``receive_inverse``) -> ``commit(layer)``; ``precondition_all`` uses the
-committed inverses every step. The pipeline executor and :class:`pipefisher.methods.kfac.KFAC` both
-drive exactly these calls.
+committed inverses every step (the executor and :class:`pipefisher.methods.kfac.KFAC` alike).
 
 Host reads: none of these calls reads a tensor value on the host (on a GPU each read would stall
 the queue), whatever the number of layers. Numerical trouble becomes 0-dim device bools, states
@@ -23,7 +22,7 @@ Scaling (why B does not depend on micro-batch count or size):
   scaled by ``R_m / R``, i.e. ``1/M`` for equal micro-batches), the per-row loss gradient is
   ``λ e_r`` with ``λ = R``. Then ``B = (1/R) Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of
   per-example gradient outer products. ``λ`` defaults to this replica's row count of the
-  factor (taken before the replica sum); set ``KFACConfig.grad_scale`` for other loss scalings
+  factor (taken before the replica sum; set it when rows are shared, ``share_rows``); set ``KFACConfig.grad_scale`` for other loss scalings
   (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass the scale to ``capture``: the
   ``e`` rows are divided by it before their outer products.
 """
@@ -165,19 +164,16 @@ class KFACEngine:
         if built.sealed:
             raise RuntimeError(f"layer {layer!r}: factor {factor} was synced; invert it first")
         ones = factor == "A" and st.info.has_bias
-        share = st.row_shares.get(factor)
+        index, count = st.row_shares.get(factor, (0, 1))
         for t in tensors:
-            rows = t.reshape(-1, t.shape[-1])
-            if share is not None:
-                rows = rows.tensor_split(share[1])[share[0]]
+            rows = t.reshape(-1, t.shape[-1]).tensor_split(count)[index]
             if scale is not None:
                 rows = rows.to(built.total.dtype) / scale
             accumulate_covariance(built.total, rows, ones)
             built.rows += rows.shape[0]
 
     def share_rows(self, layer: str, factor: Factor, index: int, count: int) -> None:
-        """Build ``factor`` of ``layer`` from share ``index`` of ``count`` of every capture's rows
-        only; the caller sums :meth:`sync_tensors` over the ``count`` sharers before ``invert``."""
+        """Build ``factor`` from share ``index`` of ``count`` of each capture's rows (the sharers sum :meth:`sync_tensors`)."""
         self._state(layer).row_shares[known_factor(factor)] = (index, count)
 
     def release(self, layer: str, micro_batch: Hashable | None = None) -> None:
