@@ -48,7 +48,7 @@ def test_tensor_parallel_equals_the_reference(optimizer, schedule, placement):
     assert_equal_to_reference(config, PARAMETER_ATOL)
 
 
-@pytest.mark.parametrize("method", [name for name in methods() if name != "muon"])
+@pytest.mark.parametrize("method", methods())
 def test_each_shard_is_its_own_block(method):
     """Not vacuous: splitting changes nothing for a first-order optimizer, but a curvature method
     preconditions each shard's block, not the whole layer's."""
