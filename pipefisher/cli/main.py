@@ -268,7 +268,7 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="ranks each block is split over (pipeline.tensor_parallel)")
+    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="processes each block is split over (pipeline.tensor_parallel)")
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
@@ -298,7 +298,7 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (<method>.plan); "
                                        "checked against the run first")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="ranks each block is split over (pipeline.tensor_parallel)")
+    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="processes each block is split over (pipeline.tensor_parallel)")
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
     parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")

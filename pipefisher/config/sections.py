@@ -62,8 +62,8 @@ class PipelineConfig:
     micro_batches: int = setting(4, "micro-batches per step of each pipeline", low=0, low_open=True)
     chunks: int = setting(2, "interleaved: model chunks per rank", low=0, low_open=True)
     data_parallel: int = setting(1, "copies of the pipeline", low=0, low_open=True)
-    tensor_parallel: int = setting(1, "ranks each block is split over, Megatron-style (attention by heads, the MLP by its hidden "
-                                      "features); they share a node", low=0, low_open=True)
+    tensor_parallel: int = setting(1, "processes each block is split over, Megatron-style (attention by heads, the MLP by its "
+                                      "hidden features); a rank's processes share a node", low=0, low_open=True)
 
 
 @dataclass(frozen=True)

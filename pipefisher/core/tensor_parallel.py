@@ -36,11 +36,19 @@ BLOCK_SPLITS: dict[str, Split] = {
 
 
 def split_of(name: str, plan: TensorParallelPlan) -> Split | None:
-    """How the module called `name` is split under `plan` (its first matching glob), None when replicated."""
+    """How the module called `name` is split under `plan` (its first glob that matches it dot-part
+    by dot-part, as `parallelize_module` matches), None when replicated."""
+    parts = name.split(".")
     for pattern, split in plan.items():
-        if fnmatch.fnmatchcase(name, pattern):
+        globs = pattern.split(".")
+        if len(globs) == len(parts) and all(fnmatch.fnmatchcase(part, glob) for part, glob in zip(parts, globs)):
             return split
     return None
+
+
+def split_dim(split: Split) -> int:
+    """The dimension of a Linear weight (outputs, inputs) that `split` cuts."""
+    return 0 if split is Split.COLUMN else 1
 
 
 def shard_range(size: int, degree: int, index: int) -> tuple[int, int]:

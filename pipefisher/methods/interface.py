@@ -18,7 +18,6 @@ from torch.optim import Optimizer
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.methods.method import TaskRules
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.comm import Comm, Handle
@@ -49,16 +48,10 @@ def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: 
     return comm.broadcast([(target, source)], collective.group, on_done=lambda: receive(target))
 
 
-def shared_statistics(modules: dict[tuple[int, int], nn.Module], rules: TaskRules) -> frozenset[tuple[int, str, str]]:
-    """The (stage, layer, part) statistics that this process's tensor-parallel shards of
-    `modules` share with the rank's other processes (`TaskRules.shared_when_split`)."""
-    return frozenset((stage, name, part) for (_, stage), module in modules.items() for name, child in module.named_modules()
-                     if (part := rules.shared_factor(getattr(getattr(child, "tensor_split", None), "value", None))))
-
-
 class CurvatureRuntime:
     """One rank's state of a curvature method over its stages, and its part in every step.
-    `shared_statistics`: what its tensor-parallel processes build in shares (`shared_statistics`)."""
+    `shared_statistics`: the (stage, layer, part) statistics its tensor-parallel processes build
+    in shares (`TaskRules.shared_statistics`)."""
 
     shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
 

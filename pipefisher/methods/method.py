@@ -20,8 +20,11 @@ A method's torch side (`MethodParts`, `pipefisher.methods.interface`) is named b
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipefisher.core.tensor_parallel import TensorParallelPlan, split_of
 
 FACTORS = ("A", "B")
 
@@ -71,6 +74,17 @@ class TaskRules:
         """The part whose statistic a layer split as `split` ("column", "row", None) shares over
         the shards of a rank; None when nothing is shared."""
         return dict(self.shared_when_split).get(split)
+
+    def shared_statistics(self, layers: Iterable[tuple[int, str]], plan: TensorParallelPlan) -> frozenset[tuple[int, str, str]]:
+        """(stage, layer, part) of the (stage, layer) `layers` whose part the shards of a rank
+        share when `plan` splits the model (`shared_when_split`)."""
+        found = set()
+        for stage, name in layers:
+            split = split_of(name, plan)
+            part = self.shared_factor(split.value if split is not None else None)
+            if part is not None:
+                found.add((stage, name, part))
+        return frozenset(found)
 
     def sync_for(self, factor: str) -> str | None:
         """The sync part `factor`'s refresh work reads; None for a method without syncs."""

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from pipefisher.core.tensor_parallel import Split, TensorParallelPlan, holds_bias, shard_range, split_of
+from pipefisher.core.tensor_parallel import Split, TensorParallelPlan, holds_bias, shard_range, split_dim, split_of
 
 #: sums a tensor over the rank's tensor-parallel processes, in place, and returns it
 Reduce = Callable[[Tensor], Tensor]
@@ -59,7 +60,7 @@ def shard_linear(full: nn.Linear, split: Split, degree: int, index: int) -> nn.L
     """Shard `index` of `degree` of `full` as a new Linear with copies of its slices
     (`pipefisher.core.tensor_parallel`); a row split's bias only on shard 0."""
     weight = full.weight.detach()
-    dim = 0 if split is Split.COLUMN else 1
+    dim = split_dim(split)
     start, stop = shard_range(weight.shape[dim], degree, index)
     has_bias = full.bias is not None and holds_bias(split, index)
     shard = nn.Linear(*reversed(weight.narrow(dim, start, stop - start).shape), bias=has_bias, device=weight.device, dtype=weight.dtype)
@@ -73,11 +74,14 @@ def shard_linear(full: nn.Linear, split: Split, degree: int, index: int) -> nn.L
 
 class _LocalShard(ParallelStyle):
     """Keep this process's shard of a Linear (in place: the same module, a smaller weight) and
-    sum over the shards where the split needs it."""
+    sum over the shards where the split needs it. Column-split layers that read one input (query,
+    key and value; Llama's gate and up) share one `_CopyToShards` of it (`copies`), so its
+    gradient is summed once, as Megatron does: two all-reduces per block in the forward, two in
+    the backward."""
 
-    def __init__(self, split: Split, reduce: Reduce):
+    def __init__(self, split: Split, reduce: Reduce, copies: WeakTensorKeyDictionary):
         super().__init__()
-        self.split, self.reduce = split, reduce
+        self.split, self.reduce, self.copies = split, reduce, copies
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
@@ -86,9 +90,14 @@ class _LocalShard(ParallelStyle):
         module.weight, module.bias = shard.weight, shard.bias
         module.out_features, module.in_features = shard.weight.shape
         module.tensor_split = self.split
-        reduce = self.reduce
+        reduce, copies = self.reduce, self.copies
         if self.split is Split.COLUMN:
-            module.register_forward_pre_hook(lambda _, args: (_CopyToShards.apply(args[0], reduce), *args[1:]))
+            def copy_input(_, args):
+                if args[0] not in copies:
+                    copies[args[0]] = _CopyToShards.apply(args[0], reduce)
+                return (copies[args[0]], *args[1:])
+
+            module.register_forward_pre_hook(copy_input)
         else:
             module.register_forward_hook(lambda _, args, output: _SumOverShards.apply(output, reduce))
         return module
@@ -96,7 +105,8 @@ class _LocalShard(ParallelStyle):
 
 def parallelize(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh, reduce: Reduce) -> nn.Module:
     """`module` with this process's shards of the plan's layers (`mesh`: the tensor dimension)."""
-    return parallelize_module(module, mesh, {pattern: _LocalShard(split, reduce) for pattern, split in plan.items()})
+    copies = WeakTensorKeyDictionary()
+    return parallelize_module(module, mesh, {pattern: _LocalShard(split, reduce, copies) for pattern, split in plan.items()})
 
 
 class ShardedLinear(nn.Module):
@@ -116,8 +126,7 @@ class ShardedLinear(nn.Module):
 
     def unsharded(self) -> dict[str, Tensor]:
         """The unsplit layer's weight (and bias), detached."""
-        dim = 0 if self.split is Split.COLUMN else 1
-        full = {"weight": torch.cat([shard.weight.detach() for shard in self.shards], dim=dim)}
+        full = {"weight": torch.cat([shard.weight.detach() for shard in self.shards], dim=split_dim(self.split))}
         biases = [shard.bias.detach() for shard in self.shards if shard.bias is not None]
         if biases:
             full["bias"] = torch.cat(biases) if self.split is Split.COLUMN else biases[0]
@@ -157,8 +166,13 @@ def join_shard_states(states: list[dict[str, Tensor]], plan: TensorParallelPlan)
         if split is None or kind not in ("weight", "bias"):
             continue
         if kind == "weight" or split is Split.COLUMN:
-            joined[key] = torch.cat([state[key] for state in states], dim=1 if kind == "weight" and split is Split.ROW else 0)
+            joined[key] = torch.cat([state[key] for state in states], dim=split_dim(split) if kind == "weight" else 0)
     return joined
+
+
+def applied_plan(module: nn.Module) -> dict[str, Split]:
+    """The split of each of `module`'s layers that `parallelize` split, by exact name."""
+    return {name: child.tensor_split for name, child in module.named_modules() if getattr(child, "tensor_split", None) is not None}
 
 
 def split_parameters(module: nn.Module) -> set[nn.Parameter]:
@@ -169,13 +183,14 @@ def split_parameters(module: nn.Module) -> set[nn.Parameter]:
 
 def gather_parameters(module: nn.Module, group: dist.ProcessGroup) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every parameter of a tensor-parallel process's `module`, split layers
-    gathered from the processes of `group` (collective: every process of the group calls it)."""
+    gathered from the processes of `group` (collective: every process of the group calls it); a
+    row split's bias only where it lives, on shard 0."""
     degree = dist.get_world_size(group)
     for name, child in module.named_modules():
         split = getattr(child, "tensor_split", None)
         if split is None:
             continue
-        for key, dim in (("weight", 0 if split is Split.COLUMN else 1), ("bias", 0)):
+        for key, dim in (("weight", split_dim(split)), ("bias", 0)):
             local = getattr(child, key)
             if key == "bias" and split is Split.ROW:  # whole, on shard 0
                 if local is not None:

@@ -53,3 +53,33 @@ def test_side_by_side_shards_compute_the_unsplit_model(kind):
     stage.eval(), emulated.eval()
     for ours, theirs in zip(emulated(None, batch), stage(None, batch)):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_a_block_sums_over_the_shards_twice_forward_and_twice_backward(kind):
+    """Megatron's count: the row-split outputs (attention, MLP) in the forward, the column-split
+    inputs in the backward, where query, key and value share one sum of their input's gradient."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipefisher.models.tensor_parallel import parallelize
+    from pipefisher.runtime.training.launch import world_of_one
+
+    model = MODELS[kind]()
+    calls = {"forward": 0, "backward": 0}
+    phase = {"now": "forward"}
+
+    def counting(tensor: torch.Tensor) -> torch.Tensor:
+        calls[phase["now"]] += 1
+        return tensor
+
+    with world_of_one("gloo", torch.device("cpu")):
+        stage = model.build_stage(0, 1, seed=3)
+        parallelize(stage, model.tensor_parallel_plan(1), DeviceMesh("cpu", [0]), counting)
+        batch = ({"input_ids": torch.randint(0, 50, (2, 8)), "token_type_ids": torch.zeros(2, 8, dtype=torch.long),
+                  "attention_mask": torch.ones(2, 8)} if kind == "bert" else {"inputs": torch.randn(2, 8, 16)})
+        output = stage(None, batch)
+        blocks = 4 if kind == "bert" else 2
+        assert calls == {"forward": 2 * blocks, "backward": 0}
+        phase["now"] = "backward"
+        sum(part.sum() for part in (output if isinstance(output, tuple) else (output,))).backward()
+        assert calls == {"forward": 2 * blocks, "backward": 2 * blocks}

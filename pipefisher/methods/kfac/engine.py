@@ -22,7 +22,7 @@ Scaling (why B does not depend on micro-batch count or size):
   scaled by ``R_m / R``, i.e. ``1/M`` for equal micro-batches), the per-row loss gradient is
   ``λ e_r`` with ``λ = R``. Then ``B = (1/R) Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of
   per-example gradient outer products. ``λ`` defaults to this replica's row count of the
-  factor (taken before the replica sum; set it when rows are shared, ``share_rows``); set ``KFACConfig.grad_scale`` for other loss scalings
+  factor (taken before the replica sum; ``share_rows`` needs it set); set ``KFACConfig.grad_scale`` for other loss scalings
   (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass the scale to ``capture``: the
   ``e`` rows are divided by it before their outer products.
 """
@@ -113,16 +113,14 @@ class KFACEngine:
         return list(self._state(layer).captures[factor])
 
     def captured_bytes(self, layer: str, factor: Factor, micro_batch: Hashable) -> int:
-        """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (numel × element
-        size, as stored: A without a bias column); 0 when none. Layers fed the same input (e.g.
-        query, key, value) each count the one tensor they share."""
+        """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (as stored: A
+        without a bias column; 0 when none); layers fed one input each count the tensor they share."""
         tensors = self._state(layer).captures[known_factor(factor)].get(micro_batch, [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def built_rows(self, layer: str, factor: Factor) -> int:
         """This replica's rows accumulated into the factor being built (0 when none)."""
-        built = self._state(layer).built.get(factor)
-        return 0 if built is None else built.rows
+        return getattr(self._state(layer).built.get(factor), "rows", 0)
 
     def factor(self, layer: str, factor: Factor) -> Tensor | None:
         """The running (EMA) factor, or None before its first finite one (reads a flag)."""
@@ -174,6 +172,8 @@ class KFACEngine:
 
     def share_rows(self, layer: str, factor: Factor, index: int, count: int) -> None:
         """Build ``factor`` from share ``index`` of ``count`` of each capture's rows (the sharers sum :meth:`sync_tensors`)."""
+        if factor == "B" and self.config.grad_scale is None:  # λ would be this share's row count
+            raise ValueError("grad_scale: B's scale is the whole step's row count; set it to share B's rows")
         self._state(layer).row_shares[known_factor(factor)] = (index, count)
 
     def release(self, layer: str, micro_batch: Hashable | None = None) -> None:

@@ -30,10 +30,11 @@ from torch import Tensor, nn
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner, shared_statistics
+from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.methods.kfac.method import KFAC
+from pipefisher.models.tensor_parallel import applied_plan
 from pipefisher.methods.kfac.settings import KFACConfig
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
@@ -65,13 +66,9 @@ class KfacRuntime(CurvatureRuntime):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
         engine_config = kfac_engine_config(config, rows_per_step(config))
         self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
-        layers = {(stage, info.name) for (_, stage), engine in self.engines.items() for info in engine.layers()}
-        self.shared_statistics = frozenset(key for key in shared_statistics(modules, KFAC.rules) if key[:2] in layers)
-        for stage, layer, factor in self.shared_statistics:
-            engine = next(engine for (_, s), engine in self.engines.items() if s == stage)
-            engine.share_rows(layer, factor, comm.shard, topology.tensor_parallel)
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
+        self.shared_statistics = share_rows(self._engine_of_stage, modules, comm.shard, topology.tensor_parallel)
         self.lr = config.optimizer_settings.lr
         workers = config.workers_per_layer
         #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
@@ -189,6 +186,17 @@ class KfacRuntime(CurvatureRuntime):
         pairs = [(gradient, grid.worker(number, block)) for number, name in enumerate(names) for gradient in engine.gradients(name)]
         return self.comm.broadcast(pairs, collective.group)
 
+def share_rows(engines: dict[int, KFACEngine], modules: dict[tuple[int, int], nn.Module], shard: int, degree: int) -> frozenset:
+    """Have each stage's engine build the factors its tensor-parallel shards share
+    (`TaskRules.shared_statistics` of the split `parallelize` applied) from share `shard` of
+    `degree` of the rows; returns them as (stage, layer, factor)."""
+    applied = {name: split for (_, stage), module in modules.items() for name, split in applied_plan(module).items()}
+    shared = KFAC.rules.shared_statistics(((stage, info.name) for stage, engine in engines.items() for info in engine.layers()), applied)
+    for stage, layer, factor in shared:
+        engines[stage].share_rows(layer, factor, shard, degree)
+    return shared
+
+
 class KfacTimer(TaskTimer):
     """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor
     sync over the stage's replicas, eigen/Cholesky inverse of a factor's size, preconditioning;
@@ -198,14 +206,18 @@ class KfacTimer(TaskTimer):
 
     def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), damping: float = 1e-3,
                  inverse: str = "cholesky"):
-        self.engines = {key: KFACEngine(module, skip=skip) for key, module in modules.items()}  # throwaway: timing only
-        self.damping, self.inverse = damping, inverse
+        # throwaway: timing only (B's scale does not change the time)
+        self.engines = {key: KFACEngine(module, KFACConfig(grad_scale=1.0), skip=skip) for key, module in modules.items()}
+        self.modules, self.damping, self.inverse = modules, damping, inverse
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
+        """Times as the run's engines work: a shared factor from this shard's share of the rows."""
         device = executor.device
+        share_rows({stage: engine for (_, stage), engine in self.engines.items()}, self.modules, executor.comm.shard,
+                   executor.topology.tensor_parallel)
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
         for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
             group = executor.comm.groups.get(("curv", stage))

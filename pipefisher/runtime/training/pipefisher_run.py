@@ -56,6 +56,16 @@ def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[st
     return parts.layer_names(module, parts.skip(model))
 
 
+def shared_statistics(config: RunConfig, num_stages: int) -> frozenset[tuple[int, str, str]]:
+    """(stage, layer, part) of every stage's statistics that a rank's tensor-parallel processes
+    build in shares (`TaskRules.shared_statistics`); none without tensor parallelism."""
+    degree = config.pipeline.tensor_parallel
+    if degree == 1:
+        return frozenset()
+    layers = ((stage, name) for stage in range(num_stages) for name in stage_layer_names(config, stage, num_stages))
+    return method_of(config).rules.shared_statistics(layers, staged_model(config).tensor_parallel_plan(degree))
+
+
 def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
     """Refuse a profile of another run: other curvature method, stage count or layer names."""
     method = method_of(config).name
@@ -210,7 +220,7 @@ class PipeFisherTrainer(PlanRunner):
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
                                            (lambda: scaler.scale) if scaler is not None else (lambda: None))
-        self.shared_statistics = self.runtime.shared_statistics
+        self.shared_statistics = shared_statistics(config, self.schedule.num_stages)
         super().__init__(executor, rank, self.curvature_plan.plan, tied)
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0

@@ -92,7 +92,8 @@ class StepReporter:
             summary += f", {label} every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
         print(summary, file=sys.stderr, flush=True)
         if state_bytes:
-            print(f"pipefisher: state per rank, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
+            each = "process" if self.config.pipeline.tensor_parallel > 1 else "rank"
+            print(f"pipefisher: state per {each}, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
                 f"; {method(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else "") + (
                 f"; PowerSGD {_mib(state_bytes, 'compression')}" if self.config.comm.powersgd_rank else ""),
                 file=sys.stderr, flush=True)
