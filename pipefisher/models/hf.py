@@ -161,11 +161,14 @@ class HfStagedModel:
 
     def build_stage(self, index: int, num_stages: int, seed: int) -> HfStage:
         """Stage `index` of `num_stages` on the CPU, initialised (or loaded from `weights`) with
-        each parameter a function of (seed, its module's name) alone. Does not touch the global RNG."""
+        each parameter a function of (seed, its module's name) alone (under `torch.device("meta")`:
+        its skeleton, uninitialised). Does not touch the global RNG."""
         stage = HfStage(self.layout, self.config, index == 0, index == num_stages - 1)
         names = self.stage_modules(index, num_stages)
         for name, module in zip(names, copy.deepcopy([self._skeleton.get_submodule(n) for n in names])):
             _attach(stage, name, module)
+        if torch.empty(()).device.type == "meta":
+            return stage  # built under torch.device("meta"): names and shapes only, nothing to initialise
         stage.to_empty(device="cpu")
         self._initialise(stage, seed)
         held = dict(stage.named_parameters(remove_duplicate=False))
