@@ -63,9 +63,10 @@ def shard_linear(full: nn.Linear, split: Split, degree: int, index: int) -> nn.L
     dim = split_dim(split)
     start, stop = shard_range(weight.shape[dim], degree, index)
     has_bias = full.bias is not None and holds_bias(split, index)
-    shard = nn.Linear(*reversed(weight.narrow(dim, start, stop - start).shape), bias=has_bias, device=weight.device, dtype=weight.dtype)
+    part = weight.narrow(dim, start, stop - start)
+    shard = nn.Linear(part.shape[1], part.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
-        shard.weight.copy_(weight.narrow(dim, start, stop - start))
+        shard.weight.copy_(part)
         if has_bias:
             shard.bias.copy_(full.bias[start:stop] if split is Split.COLUMN else full.bias)
     shard.train(full.training)
@@ -126,20 +127,21 @@ class ShardedLinear(nn.Module):
 
     def unsharded(self) -> dict[str, Tensor]:
         """The unsplit layer's weight (and bias), detached."""
-        full = {"weight": torch.cat([shard.weight.detach() for shard in self.shards], dim=split_dim(self.split))}
+        full = {"weight": join_shards(self.split, "weight", [shard.weight.detach() for shard in self.shards])}
         biases = [shard.bias.detach() for shard in self.shards if shard.bias is not None]
         if biases:
-            full["bias"] = torch.cat(biases) if self.split is Split.COLUMN else biases[0]
+            full["bias"] = join_shards(self.split, "bias", biases)
         return full
 
 
 def emulate_shards(module: nn.Module, plan: TensorParallelPlan, degree: int) -> nn.Module:
     """`module` with each of the plan's Linear layers replaced by a `ShardedLinear` of `degree`
     shards (the single-process reference of a tensor-parallel run)."""
-    targets = [(name, child) for name, child in module.named_modules() if split_of(name, plan) and isinstance(child, nn.Linear)]
-    for name, child in targets:
+    targets = [(name, child, split) for name, child in module.named_modules()
+               if (split := split_of(name, plan)) is not None and isinstance(child, nn.Linear)]
+    for name, child, split in targets:
         parent_name, _, attribute = name.rpartition(".")
-        setattr(module.get_submodule(parent_name), attribute, ShardedLinear(child, split_of(name, plan), degree))
+        setattr(module.get_submodule(parent_name), attribute, ShardedLinear(child, split, degree))
     return module
 
 
@@ -155,6 +157,14 @@ def unsharded_parameters(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name, parameter.detach()
 
 
+def join_shards(split: Split, kind: str, parts: list[Tensor]) -> Tensor:
+    """A split layer's unsplit `kind` ("weight" or "bias") from its shards' `parts`, in shard order
+    (a row split's bias: the one part, shard 0's)."""
+    if kind == "bias" and split is Split.ROW:
+        return parts[0]
+    return torch.cat(parts, dim=split_dim(split) if kind == "weight" else 0)
+
+
 def join_shard_states(states: list[dict[str, Tensor]], plan: TensorParallelPlan) -> dict[str, Tensor]:
     """One state dict of the unsplit stage from its shards' (`states[t]`: process t's, of a stage
     split by `plan` over len(states) processes): split layers' weights and biases joined, the rest
@@ -163,10 +173,8 @@ def join_shard_states(states: list[dict[str, Tensor]], plan: TensorParallelPlan)
     for key in states[0]:
         module, _, kind = key.rpartition(".")
         split = split_of(module, plan)
-        if split is None or kind not in ("weight", "bias"):
-            continue
-        if kind == "weight" or split is Split.COLUMN:
-            joined[key] = torch.cat([state[key] for state in states], dim=split_dim(split) if kind == "weight" else 0)
+        if split is not None and kind in ("weight", "bias"):
+            joined[key] = join_shards(split, kind, [state[key] for state in states if key in state])
     return joined
 
 
@@ -177,8 +185,7 @@ def applied_plan(module: nn.Module) -> dict[str, Split]:
 
 def split_parameters(module: nn.Module) -> set[nn.Parameter]:
     """The parameters of `module`'s tensor-parallel shards (what each process holds a part of)."""
-    return {parameter for child in module.modules() if getattr(child, "tensor_split", None) is not None
-            for parameter in child.parameters(recurse=False)}
+    return {parameter for name in applied_plan(module) for parameter in module.get_submodule(name).parameters(recurse=False)}
 
 
 def gather_parameters(module: nn.Module, group: dist.ProcessGroup) -> Iterator[tuple[str, Tensor]]:
@@ -186,22 +193,18 @@ def gather_parameters(module: nn.Module, group: dist.ProcessGroup) -> Iterator[t
     gathered from the processes of `group` (collective: every process of the group calls it); a
     row split's bias only where it lives, on shard 0."""
     degree = dist.get_world_size(group)
-    for name, child in module.named_modules():
-        split = getattr(child, "tensor_split", None)
-        if split is None:
-            continue
-        for key, dim in (("weight", split_dim(split)), ("bias", 0)):
-            local = getattr(child, key)
-            if key == "bias" and split is Split.ROW:  # whole, on shard 0
-                if local is not None:
-                    yield f"{name}.bias", local.detach()
-                continue
+    splits = applied_plan(module)
+    for name, split in splits.items():
+        for kind in ("weight", "bias"):
+            local = getattr(module.get_submodule(name), kind)
             if local is None:
                 continue
-            parts = [torch.empty_like(local) for _ in range(degree)]
-            dist.all_gather(parts, local.detach().contiguous(), group=group)
-            yield f"{name}.{key}", torch.cat(parts, dim=dim)
-    split_names = {name for name, child in module.named_modules() if getattr(child, "tensor_split", None) is not None}
+            if kind == "bias" and split is Split.ROW:  # whole, on shard 0
+                parts = [local.detach()]
+            else:
+                parts = [torch.empty_like(local) for _ in range(degree)]
+                dist.all_gather(parts, local.detach().contiguous(), group=group)
+            yield f"{name}.{kind}", join_shards(split, kind, parts)
     for name, parameter in module.named_parameters():
-        if name.rpartition(".")[0] not in split_names:
+        if name.rpartition(".")[0] not in splits:
             yield name, parameter.detach()
