@@ -98,8 +98,9 @@ def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, 
     place = result.rank_of(prediction.layout)
     where = f"ranks #{place} of {len(result.ranked)} packed" if place else (
         "does not fit the budget" if prediction.memory.total > budget else "is not among the packed (slower first-order step)")
-    return (f"the run file's layout {own.describe()} with {own.method}: {prediction.step_ms:.1f} ms per step, "
-            f"{prediction.memory.total / GiB:.2f} GiB; {where}; the best ({best.layout.describe()}) "
+    return (f"the run file's layout {own.describe()} with {own.method} (k={prediction.layout.refresh_steps}): "
+            f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, bubble "
+            f"{100 * prediction.bubble_share:.0f} %), {prediction.memory.total / GiB:.2f} GiB; {where}; the best ({best.layout.describe()}) "
             f"{best.step_ms:.1f} ms, {100 * (prediction.step_ms / best.step_ms - 1):+.1f} % for the run file's")
 
 

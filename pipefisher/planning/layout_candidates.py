@@ -119,10 +119,11 @@ def pipeline_shapes(space: SearchSpace, sizes: ModelSizes) -> Iterator[tuple[int
 def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str) -> list[Layout]:
     """Every layout of `space` for `sizes` with optimizer `method` (see the module docstring):
     the model's blocks split evenly over stages x chunks, each schedule buildable at its shape,
-    micro_batches = global batch / (micro_batch_size x data_parallel) a whole number."""
+    micro_batches = global batch / (micro_batch_size x data_parallel) a whole number. One stage
+    runs 1F1B only (the others degenerate to it, or to GPipe's larger activation peak)."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
-        for name in space.schedules:
+        for name in space.schedules if stages > 1 else [name for name in space.schedules if name == "1f1b"] or space.schedules[:1]:
             chunks = chunks_per_rank(name, DEFAULT_CHUNKS if name in CONFIGURABLE_CHUNKS else None)
             if sizes.blocks % (stages * chunks):
                 continue

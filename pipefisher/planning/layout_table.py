@@ -35,8 +35,8 @@ def why(prediction: Prediction, best: Prediction, budget: int) -> str:
     name, extra = max(((key, mine[key] - theirs[key]) for key in mine), key=lambda item: item[1])
     detail = {"bubble": f"bubble {100 * prediction.bubble_share:.0f} % vs {100 * best.bubble_share:.0f} %",
               "refresh overhead": f"refresh adds {100 * prediction.overhead_share:.1f} % (k={prediction.layout.refresh_steps})",
-              "work": "more work per device" + (f" (recompute {prediction.layout.recompute})" if prediction.layout.recompute != "none"
-                                                else f" (reduction {prediction.reduce_ms:.0f} ms, TP all-reduces)")}[name]
+              "work": f"busy {mine['work']:.0f} ms vs {theirs['work']:.0f} ms per device"
+                      + (f" (recompute {prediction.layout.recompute})" if prediction.layout.recompute != "none" else "")}[name]
     return f"+{prediction.step_ms - best.step_ms:.0f} ms: {detail}"
 
 
