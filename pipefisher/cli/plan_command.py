@@ -47,6 +47,8 @@ def add_plan_parser(subparsers) -> None:
     parser.add_argument("--method", choices=[*FIRST_ORDER, *methods()],
                         help="optimizer to plan for (default: optimizer.name if a curvature method, else the curvature "
                              "section the run file writes, else optimizer.name)")
+    parser.add_argument("--max-tensor-parallel", type=positive_int, default=8, metavar="T",
+                        help="largest tensor-parallel degree tried (default 8; 1: pipeline and data parallelism only)")
     parser.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
     parser.add_argument("--packed", type=positive_int, default=DEFAULT_PACKED,
                         help=f"most layouts packed, the fastest first-order ones that fit (default {DEFAULT_PACKED})")
@@ -114,7 +116,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     source = time_source(args, sizes, method)
     pipeline = config.pipeline
     global_batch = config.data.micro_batch_size * pipeline.micro_batches * pipeline.data_parallel
-    space = SearchSpace(args.gpus, global_batch, source.micro_batch_sizes, source.tensor_parallel,
+    degrees = tuple(t for t in source.tensor_parallel or range(1, args.max_tensor_parallel + 1) if t <= args.max_tensor_parallel)
+    space = SearchSpace(args.gpus, global_batch, source.micro_batch_sizes, degrees,
                         recompute=RECOMPUTE_MODES, powersgd_ranks=(config.comm.powersgd_rank,))
     context = PlanContext(sizes, source, first_order, config.section(method) if is_curvature(method) else None,
                           config.optimizer_settings.momentum, config.run.precision, args.dp_bandwidth_gbps)

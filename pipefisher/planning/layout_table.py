@@ -33,7 +33,7 @@ def why(prediction: Prediction, best: Prediction, budget: int) -> str:
         return f"fastest: bubble {100 * prediction.bubble_share:.0f} %{k}; {headroom:.1f} GiB free"
     mine, theirs = _parts(prediction), _parts(best)
     name, extra = max(((key, mine[key] - theirs[key]) for key in mine), key=lambda item: item[1])
-    detail = {"bubble": f"bubble {100 * prediction.bubble_share:.0f} % vs {100 * best.bubble_share:.0f} %",
+    detail = {"bubble": f"bubble {100 * prediction.bubble_share:.1f} % vs {100 * best.bubble_share:.1f} %",
               "refresh overhead": f"refresh adds {100 * prediction.overhead_share:.1f} % (k={prediction.layout.refresh_steps})",
               "work": f"busy {mine['work']:.0f} ms vs {theirs['work']:.0f} ms per device"
                       + (f" (recompute {prediction.layout.recompute})" if prediction.layout.recompute != "none" else "")}[name]
