@@ -260,6 +260,10 @@ def _check_tensor_parallel(config: RunConfig) -> None:
             if value % degree:
                 raise ConfigError(f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; "
                                   f"make it a divisor of {value}")
+    if model.recompute != "none":
+        raise ConfigError(f"model.recompute: {model.recompute} would run each recomputed block's tensor-parallel all-reduces again "
+                          "inside the backward, outside the issue order the executor checks; set model.recompute none or "
+                          "pipeline.tensor_parallel 1")
     if config.run.compile:
         raise ConfigError("run.compile: tensor-parallel blocks call collectives inside forward and backward, which "
                           "compiled blocks do not; set run.compile false or pipeline.tensor_parallel 1")

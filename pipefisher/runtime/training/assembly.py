@@ -40,7 +40,17 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
             model.tensor_parallel_plan(degree)
         except ValueError as exc:
             raise ConfigError(f"model.{exc}; or set pipeline.tensor_parallel 1") from None
+    recompute_plan(model, config.model.recompute)
     return model
+
+
+def recompute_plan(model: StagedModel, mode: str) -> tuple[str, ...]:
+    """The module globs `model.recompute` `mode` checkpoints in `model`'s stages; ConfigError
+    naming the key when the model has nothing that mode recomputes."""
+    try:
+        return model.recompute_plan(mode)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
 
 
 def _bert_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
