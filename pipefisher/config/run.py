@@ -243,6 +243,10 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if pipeline.tensor_parallel > 1:
         _check_tensor_parallel(config)
+    if model.recompute == "blocks" and _splits_backward(pipeline):
+        raise ConfigError(f"model.recompute: blocks under {pipeline.schedule}, whose split backward recomputes each block again for "
+                          "every weight-gradient pass (9 times instead of once on the regression model); use model.recompute selective or "
+                          "pipeline.schedule 1f1b")
     if config.run.compile and _splits_backward(pipeline):
         raise ConfigError(f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
                           "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b")

@@ -11,8 +11,8 @@ are built with `announce=False`, and the methods that capture with hooks refuse 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from torch import nn
@@ -20,25 +20,25 @@ from torch.utils.checkpoint import checkpoint
 
 from pipefisher.core.tensor_parallel import module_matches
 
-_recomputing = [False]
+class _Recomputation:
+    """The context of a recomputed forward (re-entrant: PyTorch may recompute a block more than once)."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _Recomputation.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _Recomputation.depth -= 1
 
 
 def recomputing() -> bool:
     """Whether the forward running now is a checkpointed module's recomputation (inside a backward)."""
-    return _recomputing[0]
-
-
-@contextmanager
-def _announced() -> Iterator[None]:
-    outer, _recomputing[0] = _recomputing[0], True
-    try:
-        yield
-    finally:
-        _recomputing[0] = outer
+    return _Recomputation.depth > 0
 
 
 def _announce() -> tuple[Any, Any]:
-    return nullcontext(), _announced()
+    return nullcontext(), _Recomputation()
 
 
 def _checkpointed(forward: Callable[..., Any], announce: bool) -> Callable[..., Any]:

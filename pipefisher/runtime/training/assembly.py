@@ -90,6 +90,7 @@ def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedMo
         model.check_split(config.model_chunks)
     except ValueError as exc:
         raise ConfigError(f"model.{exc}") from None
+    recompute_plan(model, settings.recompute)  # refused before the data is built
     if model.layout.data != config.data.kind:
         raise ConfigError(f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}")
     if on_data is not None:
