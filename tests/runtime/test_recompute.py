@@ -95,7 +95,7 @@ def _kfac_config(schedule: str, mode: str):
         "model": tiny_model(recompute=mode),
         "data": {"micro_batch_size": 2},
         "pipeline": pipeline(schedule),
-        "optimizer": {"name": "kfac", "lr": 0.01},
+        "optimizer": {"name": "kfac", "lr": 0.01, "eps": 1e-3},
         "kfac": {"refresh_steps": 2},
         "run": {"steps": 2, "timeout": 30, "master_port": 0, "in_order": True},
     })
