@@ -102,7 +102,7 @@ def _kfac_config(schedule: str, mode: str):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("schedule, mode", [("1f1b", "blocks"), ("zb-h1", "selective")])
+@pytest.mark.parametrize("schedule, mode", [("1f1b", "blocks"), pytest.param("zb-h1", "selective", marks=pytest.mark.slow)])
 def test_a_pipelined_kfac_run_with_recomputation_equals_the_reference(schedule, mode):
     """2 gloo ranks recomputing against the single-process reference (which does not): K-FAC's factors
     would differ with a layer captured twice, and its SGD steps what it does not precondition."""

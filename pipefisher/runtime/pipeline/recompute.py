@@ -20,8 +20,11 @@ from torch.utils.checkpoint import checkpoint
 
 from pipefisher.core.tensor_parallel import module_matches
 
+
 class _Recomputation:
-    """The context of a recomputed forward (re-entrant: PyTorch may recompute a block more than once)."""
+    """The context of a recomputed forward (re-entrant: PyTorch may recompute a block more than
+    once). A process-wide count, not a thread's: on a GPU the backward, and so the recomputation,
+    runs on the autograd engine's device thread while the thread that called it waits."""
 
     depth = 0
 
