@@ -34,6 +34,9 @@ class ModelConfig:
     seq_len: int = setting(8, "tokens per sequence (every kind)", low=0, low_open=True)
     input_dim: int = setting(16, "transformer/mlp: features per input token", low=0, low_open=True)
     output_dim: int = setting(4, "transformer/mlp: regression targets per token", low=0, low_open=True)
+    recompute: Literal["none", "selective", "blocks"] = setting(
+        "none", "activation recomputation: blocks keeps each block's input and recomputes its inside in the backward; "
+                "selective only the attention core (scores, softmax, dropout); none keeps everything")
 
 
 @dataclass(frozen=True)

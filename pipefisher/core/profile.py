@@ -23,6 +23,8 @@ Optional additions (files without them are written and read exactly as before):
   tensor-parallel rank: the forward/backward of its shard of each stage (with the stage's
   tensor-parallel all-reduces) and the curvature tasks of its layers' shards
   (`pipefisher.core.tensor_parallel`).
+- ``recompute`` of the profile: the `model.recompute` mode of the measured run (`RECOMPUTE_MODES`;
+  written only when not "none"): its backward times include recomputing that part of the forward.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce", "weight")
 #: layer times a file may leave out (0)
 _OPTIONAL_LAYER_TIMES = ("sync_a", "sync_b")
 TIME_UNITS = ("s", "ms", "us", "units")
+#: the modes of `model.recompute`: what the backward recomputes of the forward
+RECOMPUTE_MODES = ("none", "selective", "blocks")
 
 
 class ProfileError(ValueError):
@@ -167,7 +171,8 @@ class StageProfile:
 class Profile:
     """Per-stage costs; `method`: the curvature method whose tasks the layers' times are
     (a name in `pipefisher.methods.registry`; written only when not `DEFAULT_METHOD`);
-    `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are (module docstring)."""
+    `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are; `recompute`: the
+    activation recomputation the backward times include (module docstring)."""
 
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
@@ -175,6 +180,7 @@ class Profile:
     micro_batch_size: int | None = None
     method: str = DEFAULT_METHOD
     tensor_parallel: int = 1
+    recompute: str = "none"
 
     @property
     def num_stages(self) -> int:
@@ -209,6 +215,8 @@ class Profile:
             data["method"] = self.method
         if self.tensor_parallel > 1:
             data["tensor_parallel"] = self.tensor_parallel
+        if self.recompute != "none":
+            data["recompute"] = self.recompute
         data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
 
@@ -355,6 +363,9 @@ def profile_from_dict(data: Any) -> Profile:
     method = data.get("method", DEFAULT_METHOD)
     if method not in methods():
         raise ProfileError(f"method: {method!r} is not one of {', '.join(methods())}")
+    recompute = data.get("recompute", "none")
+    if recompute not in RECOMPUTE_MODES:
+        raise ProfileError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)} (the run's model.recompute)")
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ProfileError("stages: missing; give one entry per pipeline stage")
@@ -365,6 +376,7 @@ def profile_from_dict(data: Any) -> Profile:
         micro_batch_size=mbs,
         method=method,
         tensor_parallel=degree,
+        recompute=recompute,
     )
 
 

@@ -38,12 +38,14 @@ BLOCK_SPLITS: dict[str, Split] = {
 def split_of(name: str, plan: TensorParallelPlan) -> Split | None:
     """How the module called `name` is split under `plan` (its first glob that matches it dot-part
     by dot-part, as `parallelize_module` matches), None when replicated."""
-    parts = name.split(".")
-    for pattern, split in plan.items():
-        globs = pattern.split(".")
-        if len(globs) == len(parts) and all(fnmatch.fnmatchcase(part, glob) for part, glob in zip(parts, globs)):
-            return split
-    return None
+    return next((split for pattern, split in plan.items() if module_matches(name, pattern)), None)
+
+
+def module_matches(name: str, pattern: str) -> bool:
+    """Whether the module called `name` matches the glob `pattern` dot-part by dot-part ("blocks.*"
+    matches "blocks.2", not "blocks.2.norm1")."""
+    parts, globs = name.split("."), pattern.split(".")
+    return len(globs) == len(parts) and all(fnmatch.fnmatchcase(part, glob) for part, glob in zip(parts, globs))
 
 
 def split_dim(split: Split) -> int:

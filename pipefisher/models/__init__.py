@@ -42,3 +42,8 @@ class StagedModel(Protocol):
         """Which Linear layers `degree` tensor-parallel processes split, and how
         (`pipefisher.core.tensor_parallel`); ValueError naming the model field `degree` does not
         divide, or when the model cannot be split."""
+
+    def recompute_plan(self, mode: str) -> tuple[str, ...]:
+        """Globs of the modules `model.recompute` `mode` (none, selective, blocks) checkpoints
+        (`pipefisher.runtime.pipeline.recompute`); ValueError naming the key when the model has
+        nothing that mode could recompute."""

@@ -6,7 +6,7 @@ stage's names do not depend on the split and the union of all stages' state dict
 one-stage model's state dict:
 
     embeddings.{word_embeddings,position_embeddings,token_type_embeddings,LayerNorm}   stage 0
-    encoder.layer.<i>.attention.self.{query,key,value}, encoder.layer.<i>.attention.output.dense,
+    encoder.layer.<i>.attention.self.{query,key,value,core}, encoder.layer.<i>.attention.output.dense,
     encoder.layer.<i>.intermediate.dense, encoder.layer.<i>.output.dense (+ .LayerNorm)
     pooler.dense, cls.predictions.transform.{dense,LayerNorm}, cls.predictions.decoder,
     cls.seq_relationship                                                            last stage
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
+from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -147,20 +148,17 @@ class SelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.head_size = config.hidden_size // config.num_attention_heads
-        self.dropout = config.attention_probs_dropout_prob
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.core = AttentionCore(config.attention_probs_dropout_prob)
 
     def forward(self, x: Tensor, keep: Tensor) -> Tensor:
         """x: (B, T, hidden); keep: (B, 1, 1, T) bool, True = attend to that key. Returns (B, T, width
         of the projections): hidden, or a tensor-parallel shard's heads only."""
         batch, seq, _ = x.shape
         split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            split(self.query(x)), split(self.key(x)), split(self.value(x)),
-            attn_mask=keep, dropout_p=self.dropout if self.training else 0.0,
-        )
+        attended = self.core(split(self.query(x)), split(self.key(x)), split(self.value(x)), keep)
         return attended.transpose(1, 2).flatten(2)
 
 
@@ -376,3 +374,8 @@ class BertStagedModel:
         block = "encoder.layer.*."
         return {f"{block}attention.self.{name}": Split.COLUMN for name in ("query", "key", "value")} | {
             f"{block}attention.output.dense": Split.ROW, f"{block}intermediate.dense": Split.COLUMN, f"{block}output.dense": Split.ROW}
+
+    def recompute_plan(self, mode: str) -> tuple[str, ...]:
+        """Modules `model.recompute` `mode` checkpoints: every encoder block, or (selective)
+        every block's attention core."""
+        return {"none": (), "blocks": ("encoder.layer.*",), "selective": ("encoder.layer.*.attention.self.core",)}[mode]

@@ -232,6 +232,14 @@ class HfStagedModel:
                 raise ValueError(f"hf_config: {name} {value} is not divisible by pipeline.tensor_parallel {degree}")
         return {f"{layout.blocks}.*.{path}": split for path, split in layout.tensor_parallel.items()}
 
+    def recompute_plan(self, mode: str) -> tuple[str, ...]:
+        """Modules `model.recompute` `mode` checkpoints: every block of the block list; ValueError
+        for selective (a Hugging Face attention module computes its core inline, no module to name)."""
+        if mode == "selective":
+            raise ValueError(f"recompute: selective needs an attention core apart from its projections, which "
+                             f"{self.cls.__name__} computes inside its attention module; use model.recompute blocks")
+        return {"none": (), "blocks": (f"{self.layout.blocks}.*",)}[mode]
+
     def _initialise(self, root: nn.Module, seed: int) -> None:
         """The model's `_init_weights` on every module of `root`, children before parents, each
         under a CPU RNG seeded from (seed, module name); the global RNG is left as it was."""

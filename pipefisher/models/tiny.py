@@ -5,8 +5,8 @@ Module names are global, the same in every split, so the union of all stages' pa
 one-stage model's:
 
     embed                                                           first stage
-    blocks.<i>.{norm1,attention.{query,key,value,output},norm2,     transformer block i
-                intermediate,output}
+    blocks.<i>.{norm1,attention.{query,key,value,output,core},      transformer block i
+                norm2,intermediate,output}
     blocks.<i>.linear                                               MLP layer i
     norm (transformer only), head                                   last stage
 
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from pipefisher.config import ModelConfig
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
+from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised
 
 
@@ -35,11 +36,12 @@ class SelfAttention(nn.Module):
         self.key = nn.Linear(hidden, hidden)
         self.value = nn.Linear(hidden, hidden)
         self.output = nn.Linear(hidden, hidden)
+        self.core = AttentionCore()
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(1, 2)  # a shard's heads under tensor parallelism
-        attended = nn.functional.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)))
+        attended = self.core(split(self.query(x)), split(self.key(x)), split(self.value(x)))
         return self.output(attended.transpose(1, 2).flatten(2))
 
 
@@ -150,3 +152,10 @@ class TinyRegression:
         block = "blocks.*."
         return {f"{block}attention.{name}": Split.COLUMN for name in ("query", "key", "value")} | {
             f"{block}attention.output": Split.ROW, f"{block}intermediate": Split.COLUMN, f"{block}output": Split.ROW}
+
+    def recompute_plan(self, mode: str) -> tuple[str, ...]:
+        """Modules `model.recompute` `mode` checkpoints: blocks: every block (an MLP's layers);
+        selective: every block's attention core; ValueError for an MLP's selective (no attention)."""
+        if mode == "selective" and self.config.kind != "transformer":
+            raise ValueError(f"recompute: model.kind {self.config.kind} has no attention to recompute selectively; use blocks or none")
+        return {"none": (), "blocks": ("blocks.*",), "selective": ("blocks.*.attention.core",)}[mode]

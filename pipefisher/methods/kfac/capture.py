@@ -15,6 +15,7 @@ from functools import partial
 from torch import Tensor, nn
 
 from pipefisher.methods.kfac.layer import LayerState
+from pipefisher.runtime.pipeline.recompute import recomputing
 
 
 def _record(state: LayerState, micro_batch: Hashable, key: str, tensor: Tensor) -> None:
@@ -49,6 +50,8 @@ def _forward_hook(
     inputs: tuple,
     output: Tensor,
 ) -> None:
+    if recomputing():  # the backward's second forward of a checkpointed block: recorded once, at the first
+        return
     _record(state, micro_batch, "A", inputs[0])
     if output.requires_grad:
         output.register_hook(_OutputGradHook(state, micro_batch, loss_scale))

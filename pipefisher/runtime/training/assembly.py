@@ -40,7 +40,17 @@ def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -
             model.tensor_parallel_plan(degree)
         except ValueError as exc:
             raise ConfigError(f"model.{exc}; or set pipeline.tensor_parallel 1") from None
+    recompute_plan(model, config.model.recompute)
     return model
+
+
+def recompute_plan(model: StagedModel, mode: str) -> tuple[str, ...]:
+    """The module globs `model.recompute` `mode` checkpoints in `model`'s stages; ConfigError
+    naming the key when the model has nothing that mode recomputes."""
+    try:
+        return model.recompute_plan(mode)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
 
 
 def _bert_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
@@ -80,6 +90,7 @@ def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedMo
         model.check_split(config.model_chunks)
     except ValueError as exc:
         raise ConfigError(f"model.{exc}") from None
+    recompute_plan(model, settings.recompute)  # refused before the data is built
     if model.layout.data != config.data.kind:
         raise ConfigError(f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}")
     if on_data is not None:

@@ -232,7 +232,8 @@ class PipeFisherTrainer(PlanRunner):
 
     def _measure(self) -> Profile:
         timer = self.parts.timer(self.config, self.modules, self.skip)
-        profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer)
+        profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer,
+                                     recompute=self.config.model.recompute)
         return profile
 
     def _initial_profile(self) -> tuple[Profile, bool]:

@@ -195,9 +195,11 @@ def measure_profile(
     timer: TaskTimer,
     warmup: int = 1,
     repeats: int = 3,
+    recompute: str = "none",
 ) -> tuple[Profile, list[Record]]:
     """The run's profile (ms, medians, with their samples) and the op records of the last measured
-    step, all ranks. `timer` measures the curvature method's tasks (`MethodParts.timer`)."""
+    step, all ranks. `timer` measures the curvature method's tasks (`MethodParts.timer`);
+    `recompute`: the run's `model.recompute`, which its backward times include."""
     records = _step_records(executor, rank, warmup + repeats, timer)
     transfers = _transfer_times(executor, rank)
     reduces = _grad_reduce_times(executor, repeats)
@@ -238,7 +240,7 @@ def measure_profile(
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
     profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
                       tensor_parallel=executor.topology.tensor_parallel,
-                      method=timer.method)
+                      method=timer.method, recompute=recompute)
     return profile, sorted(last_step)
 
 

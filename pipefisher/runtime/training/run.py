@@ -148,7 +148,7 @@ def _profile_worker(process: int, world: int, config: RunConfig, output: str, ti
     parts = method_of(config).runtime_parts()
     timer = parts.timer(config, modules, parts.skip(staged_model(config)))
     profile, records = measure_profile(executor, executor.rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP,
-                                       repeats=repeats)
+                                       repeats=repeats, recompute=config.model.recompute)
     if process == 0:
         profile.save(output)
         if timeline:

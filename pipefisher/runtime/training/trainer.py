@@ -29,8 +29,9 @@ from pipefisher.runtime.pipeline.comm import TENSOR, Comm
 from pipefisher.runtime.pipeline.compiled import compile_blocks
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
+from pipefisher.runtime.pipeline.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
-from pipefisher.runtime.training.assembly import build_schedule, data_source, staged_model
+from pipefisher.runtime.training.assembly import build_schedule, data_source, recompute_plan, staged_model
 from pipefisher.runtime.training.checkpoint import commit, load_rank, save_rank
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
@@ -101,6 +102,7 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
         module = model.build_stage(stage, num_stages, config.run.seed)
         if mesh is not None:
             parallelize(module, model.tensor_parallel_plan(topology.tensor_parallel), mesh["tensor"], comm.tensor_all_reduce)
+        recompute_modules(module, recompute_plan(model, config.model.recompute), announce=not config.run.compile)
         modules[(pipe, stage)] = module.to(device)
     if config.run.compile:
         for module in modules.values():
