@@ -243,10 +243,9 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if pipeline.tensor_parallel > 1:
         _check_tensor_parallel(config)
-    if model.recompute == "blocks" and _splits_backward(pipeline):
-        raise ConfigError(f"model.recompute: blocks under {pipeline.schedule}, whose split backward recomputes each block again for "
-                          "every weight-gradient pass (9 times instead of once on the regression model); use model.recompute selective or "
-                          "pipeline.schedule 1f1b")
+    problem = recompute_problem(model.recompute, pipeline.schedule, pipeline.tensor_parallel, _splits_backward(pipeline))
+    if problem:
+        raise ConfigError(f"model.recompute: {problem}")
     if config.run.compile and _splits_backward(pipeline):
         raise ConfigError(f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
                           "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b")
@@ -264,13 +263,21 @@ def _check_tensor_parallel(config: RunConfig) -> None:
             if value % degree:
                 raise ConfigError(f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; "
                                   f"make it a divisor of {value}")
-    if model.recompute != "none":
-        raise ConfigError(f"model.recompute: {model.recompute} would run each recomputed block's tensor-parallel all-reduces again "
-                          "inside the backward, outside the issue order the executor checks; set model.recompute none or "
-                          "pipeline.tensor_parallel 1")
     if config.run.compile:
         raise ConfigError("run.compile: tensor-parallel blocks call collectives inside forward and backward, which "
                           "compiled blocks do not; set run.compile false or pipeline.tensor_parallel 1")
+
+
+def recompute_problem(recompute: str, schedule: str, tensor_parallel: int, splits_backward: bool) -> str:
+    """Why `model.recompute` cannot run under this schedule and tensor-parallel degree, with the
+    fix ("" when it can); `splits_backward`: the schedule splits backwards (zero-bubble ones)."""
+    if recompute != "none" and tensor_parallel > 1:
+        return (f"{recompute} would run each recomputed block's tensor-parallel all-reduces again inside the backward, "
+                "outside the issue order the executor checks; set model.recompute none or pipeline.tensor_parallel 1")
+    if recompute == "blocks" and splits_backward:
+        return (f"blocks under {schedule}, whose split backward recomputes each block again for every weight-gradient pass "
+                "(9 times instead of once on the regression model); use model.recompute selective or pipeline.schedule 1f1b")
+    return ""
 
 
 def _splits_backward(pipeline: PipelineConfig) -> bool:

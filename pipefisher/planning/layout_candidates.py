@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from pipefisher.config.run import recompute_problem
 from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
@@ -137,12 +138,15 @@ def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str) -> lis
 
 
 def _variants(base: Layout, space: SearchSpace, replicated: bool) -> Iterable[Layout]:
-    """`base` with each recompute mode and gradient path: plain, ZeRO-1 and PowerSGD where there
-    are data-parallel replicas (ZeRO-1 and PowerSGD exclude each other)."""
+    """`base` with each recompute mode the run allows (`recompute_problem`) and gradient path: plain,
+    ZeRO-1 and PowerSGD where there are data-parallel replicas (ZeRO-1 and PowerSGD exclude each other)."""
     paths = [(False, 0)]
     if replicated:
         paths += [(True, 0)] + [(False, rank) for rank in space.powersgd_ranks if rank]
+    splits = base.build_schedule().splits_backward
     for recompute in space.recompute:
+        if recompute_problem(recompute, base.schedule, base.tensor_parallel, splits):
+            continue
         for zero, powersgd_rank in paths:
             yield replace(base, zero=zero, powersgd_rank=powersgd_rank, recompute=recompute)
 

@@ -9,7 +9,7 @@ no measured `grad_reduce`, each stage's reduction is the bytes a rank sends for 
 (`rank_memory`'s ring model: all-reduce, ZeRO-1's reduce + broadcast or PowerSGD's factors) at
 `dp_bandwidth_gbps`, and (stage replicas > 1) a curvature layer's factor syncs, where the layer is
 one of a Transformer block's Linears of known shape, are the all-reduce of its n x n factors
-at that bandwidth. Recomputation: `_recomputed` (backward += the recomputed share of the forward).
+at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += the recomputed share of the forward).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pipefisher.planning.layout_candidates import Layout
 from pipefisher.planning.layout_memory import MemoryUse, layout_memory, state_per_rank
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes
+from pipefisher.planning.recompute import recompute_forward_share, with_recompute
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
@@ -86,14 +87,17 @@ def is_curvature(method: str) -> bool:
 
 
 def _recomputed(profile: Profile, mode: str, sizes: ModelSizes) -> Profile:
-    """The profile with recomputation's cost (interim until `pipefisher.planning.recompute`):
-    ``blocks`` adds the whole forward to every backward, ``selective`` the attention core's share
-    of it (its flops over the block's, 2s / (4h + 2ffn + 2s) per token); the weight gradient stays."""
+    """The profile with recomputation's cost (`pipefisher.planning.recompute`): each stage's
+    backward grows by the share of its forward that `mode` recomputes, by flops, its blocks
+    dealt out evenly and the last stage's vocabulary projection counted outside them."""
     if mode == "none":
         return profile
-    share = 1.0 if mode == "blocks" else sizes.seq_len / (2 * sizes.hidden + sizes.ffn + sizes.seq_len)
-    return replace(profile, stages=tuple(replace(stage, backward=stage.backward + share * stage.forward, weight=stage.weight_gradient)
-                                         for stage in profile.stages))
+    stages = profile.num_stages
+    bounds = [round(stage * sizes.blocks / stages) for stage in range(stages + 1)]
+    head = 2.0 * sizes.seq_len * sizes.hidden * sizes.vocab
+    shares = [recompute_forward_share(mode, sizes.hidden, sizes.ffn, sizes.seq_len, bounds[i + 1] - bounds[i],
+                                      head if i == stages - 1 else 0.0) for i in range(stages)]
+    return with_recompute(profile, mode, shares)
 
 
 def _factor_sizes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[int, int]]:

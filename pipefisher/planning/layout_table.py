@@ -8,10 +8,9 @@ from typing import Any
 
 import yaml
 
-from pipefisher.config import ModelConfig, config_from_dict
+from pipefisher.config import config_from_dict
 from pipefisher.core.table import format_table
 from pipefisher.planning.layout_candidates import Layout
-from pipefisher.planning.layout_model import PlanError
 from pipefisher.planning.layout_predict import Prediction, is_curvature
 
 GiB = 2**30
@@ -75,9 +74,8 @@ def prediction_dict(prediction: Prediction) -> dict[str, Any]:
 
 def run_file_of(raw: dict[str, Any], layout: Layout) -> str:
     """The run file `raw` (as its YAML parsed) with the layout's pipeline, micro-batch size,
-    optimizer, ZeRO-1, PowerSGD and refresh interval set; checked by the config loader
-    (ConfigError if it does not load). `model.recompute` is written only where it is a key
-    (a run file without it recomputes nothing)."""
+    optimizer, ZeRO-1, PowerSGD, refresh interval and recomputation set; checked by the config
+    loader (ConfigError if it does not load)."""
     data = {section: dict(values or {}) for section, values in raw.items()}
     data.setdefault("pipeline", {}).update(schedule=layout.schedule, stages=layout.stages, micro_batches=layout.micro_batches,
                                           data_parallel=layout.data_parallel, tensor_parallel=layout.tensor_parallel)
@@ -90,9 +88,6 @@ def run_file_of(raw: dict[str, Any], layout: Layout) -> str:
     data.setdefault("comm", {})["powersgd_rank"] = layout.powersgd_rank
     if is_curvature(layout.method):
         data.setdefault(layout.method, {})["refresh_steps"] = layout.refresh_steps
-    if "recompute" in ModelConfig.__dataclass_fields__:
-        data.setdefault("model", {})["recompute"] = layout.recompute
-    elif layout.recompute != "none":
-        raise PlanError(f"recompute {layout.recompute!r}: this pipefisher has no model.recompute key to write it to")
+    data.setdefault("model", {})["recompute"] = layout.recompute
     config_from_dict(data)
     return yaml.safe_dump(data, sort_keys=False)
