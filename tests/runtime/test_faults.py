@@ -56,8 +56,8 @@ class Launched:
             time.sleep(0.05)
 
     def ranks(self) -> list[int]:
-        """PIDs of the rank processes the launcher started."""
-        found = []
+        """PIDs of the rank processes the launcher started: the children of its forkserver."""
+        processes = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
@@ -66,9 +66,9 @@ class Launched:
                 except OSError:
                     continue
                 parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-                if parent == self.proc.pid and b"spawn_main" in cmdline:
-                    found.append(int(entry.name))
-        return found
+                processes[int(entry.name)] = (parent, cmdline)
+        servers = {pid for pid, (parent, cmdline) in processes.items() if parent == self.proc.pid and b"forkserver" in cmdline}
+        return [pid for pid, (parent, _) in processes.items() if parent in servers]
 
     def finish(self, limit: float) -> tuple[int, str]:
         code = self.proc.wait(timeout=limit)
