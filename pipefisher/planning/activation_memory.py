@@ -215,13 +215,27 @@ def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool
     return saved + grads
 
 
-def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_bytes: Sequence[int]) -> list[int]:
+def backward_transient_bytes(shape: ModelShape, last: bool, micro_batch_size: int, precision: str = "fp32") -> int:
+    """The most bytes a stage's backward allocates beyond what the forward kept, at once: on the
+    last stage the gradient of the log-probabilities and of the logits (2·bsV, fp32, while the
+    log-softmax is still held); elsewhere a block's feed-forward gradient and two b·s·h gradients."""
+    b, c = micro_batch_size, PRECISIONS[precision]
+    if last and shape.vocab:
+        return 2 * b * shape.seq_len * shape.vocab * 4
+    return b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
+
+
+def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_bytes: Sequence[int],
+                     transient_bytes: Sequence[int] | None = None) -> list[int]:
     """Per rank, the most activation bytes held at once over its op order: a forward adds its
     stage's `stage_bytes`; a backward frees them and, where the schedule has a weight op for that
-    micro-batch, adds the stage's `pending_bytes` until the weight op frees them."""
+    micro-batch, adds the stage's `pending_bytes` until the weight op frees them. With
+    `transient_bytes` (per stage, `backward_transient_bytes`), a backward also counts them on top
+    of what is held when it starts."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
                          f"{len(stage_bytes)} and {len(pending_bytes)}")
+    transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
     weighted = {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
     peaks = []
     for ops in schedule.ranks:
@@ -231,6 +245,7 @@ def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_byt
             if op.kind is OpKind.FORWARD:
                 held += stage_bytes[op.stage]
             elif op.kind is OpKind.BACKWARD:
+                peak = max(peak, held + transient[op.stage])
                 held += (pending_bytes[op.stage] if key in weighted else 0) - stage_bytes[op.stage]
             elif op.kind is OpKind.WEIGHT:
                 held -= pending_bytes[op.stage]
