@@ -202,8 +202,10 @@ def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool
     the graph below the parameters' join points, i.e. every saved tensor of the blocks (what
     autograd saved for them is not freed by the input gradient, which retains the graph), and the
     gradient reaching each join point (a Linear's or LayerNorm's output: about 6 bsh + 2 bsf per
-    block, in the compute dtype). The first stage's input (token ids) needs no gradient, so its
-    backward runs whole at B and holds nothing (0)."""
+    block, in the compute dtype). The last stage's heads keep theirs too, and the gradient of the
+    logits (the decoder's output) takes the place of the freed log-softmax, the same size. The
+    first stage's input (token ids) needs no gradient, so its backward runs whole at B and holds
+    nothing (0)."""
     if first:
         return 0
     c = PRECISIONS[precision]
@@ -212,7 +214,7 @@ def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool
     bsh, bsf = b * shape.seq_len * shape.hidden, b * shape.seq_len * shape.ffn
     grads = blocks * (bsh * 6 + bsf * 2) * c
     saved = blocks * block_bytes(shape, b, c, r)
-    return saved + grads
+    return saved + grads + (_head_bytes(shape, b, c, r) if last else 0)
 
 
 def backward_transient_bytes(shape: ModelShape, last: bool, micro_batch_size: int, precision: str = "fp32") -> int:
