@@ -15,9 +15,9 @@ stream), one block of dropout 0 keeps, in bytes:
     tiny (pre-LN):   bsh(2r + 6c) + 2bsf·c + 16bs + 4abs
     Llama (RMSNorm): bsh(8 + 2r + 2c + n1 + n2 + 2c·kv/a) + 4bsf·c + 8bs + 4abs  n1 = 4 if c = 4 else 3c, n2 = 4 if c = 4 else 2c
 
-with fp32 (c = r = 4) BERT's bsh(32) + bsf(8) (34 in Korthikanti's units of a 2-byte 4h-wide
-model is the same order: no dropout masks, flash attention's q, k, v, output and log-sum-exp
-instead of the s² scores). Under bf16 autocast (as on the CPU: LayerNorm keeps its input dtype,
+at fp32 (c = r = 4) BERT's block is sbh·(32 + 8f/h) bytes, sbh·64 at f = 4h, against Korthikanti
+et al.'s sbh·(34 + 5as/h) for 2-byte activations with 1-byte dropout masks and the s² scores: at
+dropout 0 pipefisher keeps no masks and flash attention keeps no scores. Under bf16 autocast (as on the CPU: LayerNorm keeps its input dtype,
 cross-entropy and the log-sum-exp run in fp32) a Linear whose input needs a gradient keeps a
 bf16 copy of its weight per micro-batch (2 bytes × weight elements); the residual stream is fp32
 on the first stage (fp32 embeddings; tiny's embedding is a Linear, bf16) and bf16 on the others
