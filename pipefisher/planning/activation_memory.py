@@ -1,0 +1,256 @@
+"""Bytes of activations a pipeline stage keeps per micro-batch, and their peak per rank over a
+schedule. Pure Python: no torch.
+
+Counted are the tensors autograd saves from a stage's forward until its backward (each storage
+once, parameters excluded), plus what pipefisher's stage runtime holds beside them (the stage's
+input and output tensors, `pipefisher.runtime.pipeline.stage.StageRuntime`). The per-block
+counts were read off `torch.autograd.graph.saved_tensors_hooks` on the real modules
+(`pipefisher.runtime.training.memory_probe.saved_bytes`; the tests compare them again). In the
+notation of Korthikanti et al. 2022 (b micro-batch size, s sequence, h hidden, a heads, f
+feed-forward width, c bytes of the compute dtype (4 fp32, 2 bf16), r bytes of the residual
+stream), one block of dropout 0 keeps, in bytes:
+
+    BERT (post-LN):  bsh(x + 6c + 2r) + 2bsf·c + bs(c + 16) + 4abs      x = c if r = c else 3c
+    GPT-2 (pre-LN):  bsh(2r + 6c) + 5bsf·c + 16bs + 4abs                (gelu_new keeps 4 tensors)
+    tiny (pre-LN):   bsh(2r + 6c) + 2bsf·c + 16bs + 4abs
+    Llama (RMSNorm): bsh(8 + 2r + 2c + n1 + n2 + 2c·kv/a) + 4bsf·c + 8bs + 4abs  n1 = 4 if c = 4 else 3c, n2 = 4 if c = 4 else 2c
+
+at fp32 (c = r = 4) BERT's block is sbh·(32 + 8f/h) bytes, sbh·64 at f = 4h, against Korthikanti
+et al.'s sbh·(34 + 5as/h) for 2-byte activations with 1-byte dropout masks and the s² scores: at
+dropout 0 pipefisher keeps no masks and flash attention keeps no scores. Under bf16 autocast (as on the CPU: LayerNorm keeps its input dtype,
+cross-entropy and the log-sum-exp run in fp32) a Linear whose input needs a gradient keeps a
+bf16 copy of its weight per micro-batch (2 bytes × weight elements); the residual stream is fp32
+on the first stage (fp32 embeddings; tiny's embedding is a Linear, bf16) and bf16 on the others
+(they receive bf16). Dropout p > 0 (BERT, CPU): masks of c bytes per dropped element and the
+attention's math path (three a·s² tensors per block) instead of flash attention.
+Recompute "blocks" keeps a block's input only (bsh·r) and, during one block's backward, that
+block's full activations again (`recompute_transient_bytes`); "selective" drops the attention
+core's own saved tensors (log-sum-exp, mask, the s² tensors), keeping its inputs q, k, v and its
+output (the next Linear saves it anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipefisher.core.ir import OpKind, Schedule
+
+RECOMPUTE_MODES = ("none", "selective", "blocks")
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+KINDS = ("bert", "tiny", "llama", "gpt2")
+#: bytes of int64 token ids and labels
+ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's sizes as the activation model takes them. `kv_heads`: Llama's key/value
+    heads (0 = `heads`); `inputs`/`outputs`: tiny's input features and regression targets per
+    token; `dropout`: the probability of BERT's dropout layers."""
+
+    kind: str
+    blocks: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    kv_heads: int = 0
+    inputs: int = 0
+    outputs: int = 0
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.dropout and self.kind != "bert":
+            raise ValueError(f"dropout: the model covers dropout > 0 for bert only; use 0 for {self.kind}")
+
+    @classmethod
+    def from_sizes(cls, sizes, heads: int, seq_len: int, dropout: float = 0.0) -> ModelShape:
+        """BERT's shape from `pipefisher.planning.transformer_state.TransformerSizes`."""
+        return cls("bert", sizes.blocks, sizes.hidden, heads, sizes.ffn, sizes.vocab, seq_len, dropout=dropout)
+
+
+def _check(shape: ModelShape, blocks: int, precision: str, recompute: str, tensor_parallel: int) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if blocks < 0:
+        raise ValueError(f"blocks: expected 0 or more, got {blocks}")
+    if tensor_parallel < 1 or shape.heads % tensor_parallel or shape.ffn % tensor_parallel:
+        raise ValueError(f"tensor_parallel: {tensor_parallel} does not divide heads {shape.heads} and ffn {shape.ffn}")
+
+
+def _residual_bytes(shape: ModelShape, first: bool, c: int) -> int:
+    """Bytes per element of the residual stream: the stage input's dtype (bf16 received from the
+    previous stage), on the first stage the embedding's output (fp32, tiny's Linear: c)."""
+    return c if not first or shape.kind == "tiny" else 4
+
+
+def block_bytes(shape: ModelShape, b: int, c: int, r: int, recompute: str = "none", tensor_parallel: int = 1) -> int:
+    """Bytes one block keeps for a micro-batch of `b` sequences (module docstring), its input
+    included; `c`, `r`: bytes of the compute dtype and of the residual stream. Under tensor
+    parallelism the attention and feed-forward interiors are a rank's shard (1/T of the heads and
+    of f), the residual stream whole."""
+    if recompute == "blocks":
+        return b * shape.seq_len * shape.hidden * r
+    s, h, t = shape.seq_len, shape.hidden, tensor_parallel
+    bsh, bs, inner, f = b * s * h, b * s, b * s * h // t, shape.ffn // t
+    bsf, bas = b * s * f, b * (shape.heads // t) * s
+    stats = 4 * bs * 4  # two norms' mean and rstd (RMSNorm: rstd twice), fp32
+    core = 4 * bas + (bs * c if shape.kind == "bert" else 0)  # log-sum-exp; BERT's float mask
+    weights = 0
+    if shape.kind == "bert":
+        x = c if r == c else 3 * c
+        held = bsh * (x + 2 * r + c) + inner * 4 * c + bsf * 2 * c
+        if shape.dropout:  # math attention: q·scale, kᵀ, softmax, mask, dropped probs; two hidden masks, output copy
+            core = 3 * bas * s * c
+            held += 2 * bsh * c
+        weights = 4 * h * h // t + 2 * h * f
+    elif shape.kind in ("gpt2", "tiny"):
+        held = bsh * (2 * r + 2 * c) + inner * 4 * c + bsf * (5 if shape.kind == "gpt2" else 2) * c
+        weights = 4 * h * h // t + 2 * h * f
+    else:
+        kv = (shape.kv_heads or shape.heads) // t
+        head = h // shape.heads
+        n1, n2 = (4, 4) if c == 4 else (3 * c, 2 * c)
+        held = bsh * (8 + 2 * r + n1 + n2) + inner * 2 * c + 2 * bs * kv * head * c + 4 * bsf * c
+        stats = 2 * bs * 4
+        weights = 2 * h * h // t + 2 * h * kv * head + 3 * h * f
+    if recompute == "selective":
+        core = 0
+    return held + core + stats + (2 * weights if c == 2 else 0)
+
+
+def _embedding_bytes(shape: ModelShape, b: int, c: int) -> int:
+    s, bs = shape.seq_len, b * shape.seq_len
+    if shape.kind == "bert":  # ids, token types, positions; LayerNorm's input and statistics (+ dropout's mask)
+        return 2 * bs * ID_BYTES + s * ID_BYTES + bs * shape.hidden * 4 + 2 * bs * 4 + (bs * shape.hidden * 4 if shape.dropout else 0)
+    if shape.kind == "gpt2":
+        return bs * ID_BYTES + s * ID_BYTES
+    if shape.kind == "tiny":
+        return bs * shape.inputs * c
+    return bs * ID_BYTES
+
+
+def _head_bytes(shape: ModelShape, b: int, c: int, r: int) -> int:
+    """The last stage's final norm, heads, logits and loss (log-softmax in fp32, labels, scalars)."""
+    s, h, v = shape.seq_len, shape.hidden, shape.vocab
+    bs, bsh = b * s, b * s * h
+    casts = 0
+    if shape.kind == "bert":  # transform (dense, gelu, LayerNorm), decoder, pooler, NSP head and both losses
+        held = bsh * (c + 2 * c + c) + 2 * bs * 4 + b * h * c + (b * h * c if c != r else 0)
+        loss = bs * v * 4 + bs * ID_BYTES + b * 2 * 4 + b * ID_BYTES + 16
+        casts = h * h + v * h + h * h + 2 * h
+    elif shape.kind == "gpt2":  # ln_f, lm_head, cross-entropy
+        held = bsh * (r + c) + 2 * bs * 4
+        loss = bs * v * 4 + bs * ID_BYTES + 4
+        casts = v * h
+    elif shape.kind == "tiny":  # norm, regression head, MSE (output and targets in fp32)
+        held = bsh * (r + c) + 2 * bs * 4
+        loss = 2 * bs * shape.outputs * 4
+        casts = shape.outputs * h
+    else:  # RMSNorm, lm_head, cross-entropy
+        held = bsh * (4 + r + c) + bs * 4
+        loss = bs * v * 4 + bs * ID_BYTES + 4
+        casts = v * h
+    return held + loss + (2 * casts if c == 2 else 0)
+
+
+def micro_batch_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int,
+                      precision: str = "fp32", recompute: str = "none", tensor_parallel: int = 1) -> int:
+    """Bytes a stage of `blocks` blocks (with the embeddings if `first`; the final norm, heads,
+    logits and loss if `last`) keeps for one micro-batch from its forward until its backward,
+    on one tensor-parallel rank. ValueError naming a bad argument."""
+    _check(shape, blocks, precision, recompute, tensor_parallel)
+    b, c = micro_batch_size, PRECISIONS[precision]
+    r = _residual_bytes(shape, first, c)
+    bsh = b * shape.seq_len * shape.hidden
+    total = blocks * block_bytes(shape, b, c, r, recompute, tensor_parallel)
+    if not first:
+        # the received input (c bytes) is held; the first block's saved input is that same tensor
+        # unless it keeps a copy (Llama's RMSNorm upcasts a bf16 input to fp32)
+        total += bsh * c if shape.kind == "llama" and c != 4 and blocks and recompute != "blocks" else 0
+        total += 0 if blocks else bsh * c
+    else:
+        total += _embedding_bytes(shape, b, c)
+    if shape.kind == "llama" and blocks and recompute != "blocks":
+        total += 2 * shape.seq_len * (shape.hidden // shape.heads) * 4  # rotary cos and sin, shared by the blocks
+    if last:
+        total += _head_bytes(shape, b, c, r) + 4  # and the loss the stage holds for its backward
+    else:
+        total += bsh * r  # the stage's output, held for its backward
+    return total
+
+
+def recompute_transient_bytes(shape: ModelShape, micro_batch_size: int, first: bool, precision: str = "fp32",
+                              recompute: str = "none", tensor_parallel: int = 1) -> int:
+    """Extra bytes at a backward under recompute "blocks": one block's activations, rebuilt; 0 otherwise."""
+    if recompute != "blocks":
+        return 0
+    c = PRECISIONS[precision]
+    return block_bytes(shape, micro_batch_size, c, _residual_bytes(shape, first, c), "none", tensor_parallel)
+
+
+def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int,
+                         precision: str = "fp32") -> int:
+    """Bytes a micro-batch still holds between its input gradient (op B) and its weight gradient
+    (op W) under the split backward (`pipefisher.runtime.pipeline.split_backward`): PyTorch keeps
+    the graph below the parameters' join points, i.e. every saved tensor of the blocks (what
+    autograd saved for them is not freed by the input gradient, which retains the graph), and the
+    gradient reaching each join point (a Linear's or LayerNorm's output: about 6 bsh + 2 bsf per
+    block, in the compute dtype). The last stage's heads keep theirs too, and the gradient of the
+    logits (the decoder's output) takes the place of the freed log-softmax, the same size. The
+    first stage's input (token ids) needs no gradient, so its backward runs whole at B and holds
+    nothing (0)."""
+    if first:
+        return 0
+    c = PRECISIONS[precision]
+    b = micro_batch_size
+    r = _residual_bytes(shape, first, c)
+    bsh, bsf = b * shape.seq_len * shape.hidden, b * shape.seq_len * shape.ffn
+    grads = blocks * (bsh * 6 + bsf * 2) * c
+    saved = blocks * block_bytes(shape, b, c, r)
+    return saved + grads + (_head_bytes(shape, b, c, r) if last else 0)
+
+
+def backward_transient_bytes(shape: ModelShape, last: bool, micro_batch_size: int, precision: str = "fp32") -> int:
+    """The most bytes a stage's backward allocates beyond what the forward kept, at once: on the
+    last stage the gradient of the log-probabilities and of the logits (2·bsV, fp32, while the
+    log-softmax is still held); elsewhere a block's feed-forward gradient and two b·s·h gradients."""
+    b, c = micro_batch_size, PRECISIONS[precision]
+    if last and shape.vocab:
+        return 2 * b * shape.seq_len * shape.vocab * 4
+    return b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
+
+
+def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_bytes: Sequence[int],
+                     transient_bytes: Sequence[int] | None = None) -> list[int]:
+    """Per rank, the most activation bytes held at once over its op order: a forward adds its
+    stage's `stage_bytes`; a backward frees them and, where the schedule has a weight op for that
+    micro-batch, adds the stage's `pending_bytes` until the weight op frees them. With
+    `transient_bytes` (per stage, `backward_transient_bytes`), a backward also counts them on top
+    of what is held when it starts."""
+    if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
+        raise ValueError(f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
+                         f"{len(stage_bytes)} and {len(pending_bytes)}")
+    transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
+    weighted = {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
+    peaks = []
+    for ops in schedule.ranks:
+        held = peak = 0
+        for op in ops:
+            key = (op.pipe, op.stage, op.micro_batch)
+            if op.kind is OpKind.FORWARD:
+                held += stage_bytes[op.stage]
+            elif op.kind is OpKind.BACKWARD:
+                peak = max(peak, held + transient[op.stage])
+                held += (pending_bytes[op.stage] if key in weighted else 0) - stage_bytes[op.stage]
+            elif op.kind is OpKind.WEIGHT:
+                held -= pending_bytes[op.stage]
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks

@@ -1,0 +1,122 @@
+"""The activation model against what autograd saves on pipefisher's real stages, its per-rank peaks
+over hand-counted schedules, and the whole per-rank model against live tensor bytes of a run."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipefisher.planning.activation_memory import ModelShape, activation_peaks, micro_batch_bytes
+from pipefisher.runtime.training.memory_probe import saved_bytes
+from pipefisher.schedules import get_schedule
+
+B, S, VOCAB = 3, 20, 300
+
+
+def test_one_f_one_b_holds_as_many_micro_batches_as_stages_ahead():
+    schedule = get_schedule("1f1b", 2, 4)
+    assert activation_peaks(schedule, [10, 100], [0, 0]) == [20, 100]
+    assert activation_peaks(get_schedule("gpipe", 2, 4), [10, 100], [0, 0]) == [40, 400]
+    # a backward's transient counts on top of what is held when it starts
+    assert activation_peaks(schedule, [10, 100], [0, 0], [5, 7]) == [25, 107]
+
+
+def test_split_backward_holds_pending_bytes_until_the_weight_op():
+    # rank 1 of zb-h1: F0 B0 F1 B1 W0 F2 B2 W1 ...: a forward on top of one pending micro-batch
+    assert activation_peaks(get_schedule("zb-h1", 2, 4), [10, 100], [0, 30]) == [20, 130]
+
+
+def test_chimera_ranks_hold_both_pipes_stages():
+    schedule = get_schedule("chimera", 2, 4)
+    peaks = activation_peaks(schedule, [10, 100], [0, 0])
+    # rank 0: 0F0 (10), p1.1F1 (+100), then p1.1B1 frees it: 110 at most
+    assert peaks == [110, 110]
+
+
+def test_bad_arguments_name_the_field():
+    shape = ModelShape("bert", 2, 32, 2, 64, VOCAB, S)
+    with pytest.raises(ValueError, match="precision"):
+        micro_batch_bytes(shape, 1, True, False, B, precision="fp8")
+    with pytest.raises(ValueError, match="recompute"):
+        micro_batch_bytes(shape, 1, True, False, B, recompute="all")
+    with pytest.raises(ValueError, match="stage_bytes"):
+        activation_peaks(get_schedule("1f1b", 2, 4), [1], [0, 0])
+
+
+def _stages_saved(model, shape, batch, precision, num_stages=2):
+    """(measured, predicted) bytes per stage: a stage's forward (and loss) under `saved_bytes`, its
+    input (sent in the compute dtype) and output held as the stage runtime holds them."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    results, x = [], None
+    for index in range(num_stages):
+        stage = model.build_stage(index, num_stages, 0).train()
+        inputs = None if x is None else x.detach().to(dtype).requires_grad_(True)
+        last = index == num_stages - 1
+
+        def forward():
+            output = stage(inputs, batch)
+            return model.loss(output, batch)[0] if last else output
+
+        measured = saved_bytes(stage, forward, precision, lambda output: (inputs, output))
+        predicted = micro_batch_bytes(shape, shape.blocks // num_stages, index == 0, last, B, precision)
+        results.append((measured, predicted))
+        if not last:
+            with torch.no_grad():
+                x = stage(inputs, batch)
+    return results
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bert_stages_keep_what_autograd_saves(precision):
+    from pipefisher.models.bert import BertConfig, BertStagedModel
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = torch.randint(0, VOCAB, (B, S))
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
+             "mlm_labels": ids.clone(), "nsp_labels": torch.zeros(B, dtype=torch.long)}
+    shape = ModelShape("bert", 2, 48, 3, 160, VOCAB, S)
+    for measured, predicted in _stages_saved(BertStagedModel(config, S), shape, batch, precision):
+        assert predicted == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tiny_stages_keep_what_autograd_saves(precision):
+    from pipefisher.config import ModelConfig
+    from pipefisher.models.tiny import TinyRegression
+
+    settings = ModelConfig(kind="transformer", layers=2, hidden=48, heads=3, ffn=160, seq_len=S, input_dim=16, output_dim=4)
+    batch = {"inputs": torch.randn(B, S, 16), "targets": torch.randn(B, S, 4)}
+    shape = ModelShape("tiny", 2, 48, 3, 160, 0, S, inputs=16, outputs=4)
+    for measured, predicted in _stages_saved(TinyRegression(settings), shape, batch, precision):
+        assert predicted == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt2_stages_keep_what_autograd_saves(precision):
+    pytest.importorskip("transformers")
+    from pipefisher.models.hf import HfStagedModel, load_hf_config
+
+    config = load_hf_config("gpt2-tiny", vocab_size=VOCAB, n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, VOCAB, (B, S))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    shape = ModelShape("gpt2", 2, config.n_embd, config.n_head, config.n_inner, VOCAB, S)
+    for measured, predicted in _stages_saved(HfStagedModel("GPT2LMHeadModel", config, S), shape, batch, precision):
+        assert predicted == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.slow
+def test_predicted_peak_per_rank_is_within_ten_percent_of_live_tensor_bytes():
+    from pipefisher.config import load_config
+    from pipefisher.runtime.training.launch import run_group
+    from pipefisher.runtime.training.memory_check import measure, predict
+
+    config = load_config("schedules/tiny-cpu.yaml")
+    change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
+    config = dataclasses.replace(config, optimizer=change("optimizer", name="adamw"), model=change("model", seq_len=32),
+                                 data=change("data", micro_batch_size=8), run=change("run", steps=2))
+    predicted = predict(config)
+    measured = run_group(measure, config.world_size, (config,), timeout=120)
+    for peak, live in zip(predicted, measured):
+        assert peak.activation_bytes > 0.3 * live  # activations are a real share of the peak
+        assert peak.total_bytes == pytest.approx(live, rel=0.10)
