@@ -3,13 +3,11 @@ state, PowerSGD's; `pipefisher.planning.memory.rank_memory` over the model's
 `transformer_stage_states`) plus activations held at the schedule's peak. Captures of a packed
 plan are added by the caller (`pipefisher.planning.layout_predict`). Pure Python: no torch.
 
-Activations: `pipefisher.planning.activation_memory` where it exists; until then an interim
-estimate (`_interim_micro_batch_bytes`): per block and micro-batch the stored activations of
-Korthikanti et al. (2022, "Reducing activation recomputation", sec. 4) at 16-bit,
-s·b·h·(10 + 24/T + 5·a·s/(h·T)) bytes, doubled for fp32; selective recomputation drops the
-attention-core term 5·a·s/(h·T); recomputing whole blocks keeps each block's input (s·b·h values)
-plus, while one block is recomputed, its full activations; the last stage also keeps its
-fp32 logits (s·b·vocab values) per micro-batch held.
+Activations: `pipefisher.planning.activation_memory` (what autograd saves per micro-batch, held
+from each forward to its backward, or its weight gradient under a split backward, at the
+schedule's peak) and the point-to-point buffers (`pipefisher.planning.peak_memory`). K-FAC's
+captured inputs are the tensors autograd saves too while their micro-batch is in flight: both
+counts keep them, an overestimate of at most one capture per micro-batch in flight.
 """
 
 from __future__ import annotations
@@ -19,15 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipefisher.core.ir import OpKind, Schedule
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
 from pipefisher.planning.layout_candidates import Layout
+from pipefisher.planning.activation_memory import activation_peaks
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.planning.memory import OptimizerState, RankMemory, optimizer_state, rank_memory
+from pipefisher.planning.peak_memory import comm_buffer_bytes, stage_activation_bytes
 from pipefisher.planning.transformer_state import TransformerSizes, transformer_stage_states
 
-_VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -87,48 +85,18 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     return _STATES[key]
 
 
-def _interim_micro_batch_bytes(sizes: ModelSizes, blocks: int, last: bool, micro_batch_size: int, precision: str,
-                               recompute: str, tensor_parallel: int) -> int:
-    """Activations one micro-batch leaves on a stage of `blocks` blocks (module docstring)."""
-    s, b, h, t = sizes.seq_len, micro_batch_size, sizes.hidden, tensor_parallel
-    half = s * b * h * (10 + 24 / t + (0 if recompute == "selective" else 5 * sizes.heads * s / (h * t)))
-    per_block = half * _VALUE_BYTES[precision] / 2
-    held = s * b * h * _VALUE_BYTES[precision] * blocks if recompute == "blocks" else per_block * blocks
-    logits = s * b * sizes.vocab * 4 if last else 0
-    return int(held + logits)
-
-
-def _interim_peaks(schedule: Schedule, stage_bytes: Sequence[int]) -> list[int]:
-    """Per rank, the most activation bytes held at once: a forward of stage s adds its bytes until
-    the backward (the weight gradient where the schedule splits it) releases them."""
-    release = OpKind.WEIGHT if schedule.splits_backward else OpKind.BACKWARD
-    peaks = []
-    for ops in schedule.ranks:
-        held = peak = 0
-        for op in ops:
-            if op.kind is OpKind.FORWARD:
-                held += stage_bytes[op.stage]
-                peak = max(peak, held)
-            elif op.kind is release:
-                held -= stage_bytes[op.stage]
-        peaks.append(peak)
-    return peaks
-
-
 @lru_cache(maxsize=4096)
 def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp32") -> tuple[int, ...]:
-    """Per rank, activation bytes at the schedule's peak (plus one block recomputed, under
-    recompute blocks)."""
+    """Per rank of one pipeline, activation bytes at the schedule's peak
+    (`pipefisher.planning.activation_memory.activation_peaks`, with each backward's transient
+    bytes) plus its point-to-point buffers (`comm_buffer_bytes`)."""
     schedule = layout.build_schedule()
-    per_piece = sizes.blocks // layout.pieces
-    last = layout.pieces - 1
-    stage_bytes = [_interim_micro_batch_bytes(sizes, per_piece, piece == last, layout.micro_batch_size, precision,
-                                              layout.recompute, layout.tensor_parallel) for piece in range(layout.pieces)]
-    transient = 0
-    if layout.recompute == "blocks":
-        whole = _interim_micro_batch_bytes(sizes, 1, False, layout.micro_batch_size, precision, "none", layout.tensor_parallel)
-        transient = whole - _interim_micro_batch_bytes(sizes, 1, False, layout.micro_batch_size, precision, "blocks", layout.tensor_parallel)
-    return tuple(peak + transient for peak in _interim_peaks(schedule, stage_bytes))
+    shape = sizes.shape
+    kept, pending, transient = stage_activation_bytes(shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute,
+                                                      layout.tensor_parallel)
+    peaks = activation_peaks(schedule, kept, pending, transient)
+    topology = Topology(schedule)
+    return tuple(peak + comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision) for rank, peak in enumerate(peaks))
 
 
 def layout_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32",

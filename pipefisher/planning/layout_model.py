@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipefisher.config import RunConfig
+from pipefisher.planning.activation_memory import ModelShape
 
 
 class PlanError(ValueError):
@@ -30,6 +31,8 @@ BERT_PRESET_SIZES = {
     "bert-base": (12, 768, 12, 3072),
     "bert-large": (24, 1024, 16, 4096),
 }
+#: dropout of the BERT presets (`model.dropout` -1)
+BERT_DROPOUT = 0.1
 #: config.json keys of each size, GPT-2's spelling first
 _KEYS = {"blocks": ("n_layer", "num_hidden_layers"), "hidden": ("n_embd", "hidden_size"),
          "heads": ("n_head", "num_attention_heads"), "ffn": ("n_inner", "intermediate_size"),
@@ -40,7 +43,9 @@ _KEYS = {"blocks": ("n_layer", "num_hidden_layers"), "hidden": ("n_embd", "hidde
 class ModelSizes:
     """A Transformer's sizes: `blocks` attention blocks of width `hidden`, `heads` heads, an FFN of
     `ffn` features, a vocabulary of `vocab` tokens (0: none), sequences of `seq_len` tokens;
-    `name`: the preset or config it came from (what the reference CSVs are named after)."""
+    `name`: the preset or config it came from (what the reference CSVs are named after);
+    `activations`: the rest of what the activation model needs (`ModelShape`: its architecture,
+    key/value heads, dropout, the tiny model's input and output widths)."""
 
     kind: str
     name: str
@@ -50,13 +55,21 @@ class ModelSizes:
     ffn: int
     vocab: int
     seq_len: int
+    activations: ModelShape | None = None
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model as `pipefisher.planning.activation_memory` takes it."""
+        return self.activations or ModelShape("bert", self.blocks, self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
 
     def tensor_parallel_degrees(self, limit: int = 8) -> tuple[int, ...]:
         """Degrees T <= `limit` that divide both the heads and the FFN width (Megatron's split)."""
         return tuple(t for t in range(1, limit + 1) if self.heads % t == 0 and self.ffn % t == 0)
 
 
-def _json_sizes(path: Path | Any, what: str) -> dict[str, int]:
+def _json_sizes(path: Path | Any, what: str) -> dict[str, Any]:
+    """The sizes in a config.json, its architecture as the activation model names it (gpt2, bert;
+    llama for the other decoders), key/value heads (0: as many as heads) and BERT's dropout."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -69,6 +82,10 @@ def _json_sizes(path: Path | Any, what: str) -> dict[str, int]:
         if not isinstance(value, int) or value < 1:
             raise PlanError(f"{what}: {path} gives no {' or '.join(keys)}; the planner needs the model's {field}")
         sizes[field] = value
+    model_type = data.get("model_type", "")
+    sizes["architecture"] = model_type if model_type in ("gpt2", "bert") else "llama"
+    sizes["kv_heads"] = data.get("num_key_value_heads") or 0
+    sizes["dropout"] = data.get("hidden_dropout_prob", BERT_DROPOUT) if model_type == "bert" else 0.0
     return sizes
 
 
@@ -78,12 +95,16 @@ def model_sizes(config: RunConfig) -> ModelSizes:
     if model.kind == "mlp":
         raise PlanError("model.kind: mlp has no attention blocks to plan a layout for; use model.kind bert, hf or transformer")
     if model.kind == "transformer":
-        return ModelSizes("transformer", "transformer", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len)
+        shape = ModelShape("tiny", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len,
+                           inputs=model.input_dim, outputs=model.output_dim)
+        return ModelSizes("transformer", "transformer", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len, shape)
     if model.kind == "bert" and not model.config_json:
         if model.preset not in BERT_PRESET_SIZES:
             raise PlanError(f"model.preset: {model.preset!r} has no sizes here; use one of {', '.join(BERT_PRESET_SIZES)}")
         blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
-        return ModelSizes("bert", model.preset, blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len)
+        dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
+        shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
+        return ModelSizes("bert", model.preset, blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, shape)
     if model.kind == "bert":
         where, name = Path(model.config_json), Path(model.config_json).stem
     else:
@@ -91,4 +112,8 @@ def model_sizes(config: RunConfig) -> ModelSizes:
         where = shipped if shipped.is_file() else Path(model.hf_config)
         name = model.hf_config
     found = _json_sizes(where, "model.config_json" if model.kind == "bert" else "model.hf_config")
-    return ModelSizes(model.kind, name, found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"], model.seq_len)
+    dropout = found["dropout"] if model.dropout < 0 or found["architecture"] != "bert" else model.dropout
+    shape = ModelShape(found["architecture"], found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"],
+                       model.seq_len, kv_heads=found["kv_heads"], dropout=dropout)
+    return ModelSizes(model.kind, name, found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"], model.seq_len,
+                      shape)
