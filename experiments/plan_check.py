@@ -1,0 +1,297 @@
+"""The layout planner's step-time predictions against real `pipefisher run`s on this machine.
+
+For each shipped CPU model (schedules/tiny-cpu.yaml: BERT 4 x 128 with LAMB; schedules/gpt2-tiny-cpu.yaml:
+GPT-2 4 x 128 with AdamW) it measures ONE profile with `pipefisher profile` at the run file's own split
+(2 stages, 1F1B, 4 micro-batches, the run file's optimizer; K-FAC's tasks are timed too) and predicts
+every layout from it (`predict`): other schedules and micro-batch counts reuse the stages' times;
+K-FAC packs the profile's layers (the packer the run itself uses); Chimera's and data parallelism's
+replicated stages get a gradient all-reduce of their parameters' ring volume at the bandwidth of the
+profile's stage-boundary transfer; data parallelism over 1-stage pipelines merges the 2 stages into one
+(times and step ends added). Then it runs every layout with `pipefisher run --json` (2 processes each),
+the layouts in turn and the whole round repeated (A B C ..., A B C ...), so that the machine's load
+drifts hit all alike. A run's value is the median over its timed refresh cycles (1 step each for a
+first-order optimizer) of the cycle's mean step time (rank 0's `step_time_ms`), after the warm-up
+steps; a layout's measured time is the median over repeats. Reported: predicted and measured ms, the
+spread over repeats, the error, and Spearman's rank correlation of predicted against measured.
+
+    python experiments/plan_check.py --out docs/plan_check.md      # writes docs/plan_check.md and .json
+    python experiments/plan_check.py --quick                        # 3 layouts, 1 repeat: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipefisher.config import RunConfig, config_from_dict  # noqa: E402
+from pipefisher.core.profile import Profile, StageProfile, load_profile  # noqa: E402
+from pipefisher.planning.comm.volume import ring_bytes  # noqa: E402
+from pipefisher.planning.packing.pack import pack  # noqa: E402
+from pipefisher.planning.simulate import simulate  # noqa: E402
+from pipefisher.runtime.training.pipefisher_run import pack_options  # noqa: E402
+from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
+from pipefisher.schedules import get_schedule  # noqa: E402
+
+MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
+FIRST_ORDER = ("sgd", "adamw", "lamb")
+RUN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a model: `stages` pipeline stages x `data_parallel` replicas (one process each),
+    `micro_batches` per replica and step, `method` the optimizer (a first-order one, or a curvature
+    method packed into the bubbles)."""
+
+    model: str
+    schedule: str
+    stages: int
+    micro_batches: int
+    method: str
+    data_parallel: int = 1
+
+    @property
+    def processes(self) -> int:
+        return self.stages * self.data_parallel
+
+    @property
+    def label(self) -> str:
+        split = f"{self.stages} st" + (f" x {self.data_parallel} dp" if self.data_parallel > 1 else "")
+        return f"{self.schedule}, {split}, N={self.micro_batches}, {self.method}"
+
+
+def layouts(quick: bool) -> list[Layout]:
+    """The checked layouts, all on 2 processes (this machine has 2 cores: more processes than cores
+    time-share them, which no per-device model predicts)."""
+    bert, gpt2 = "bert-4x128", "gpt2-tiny"
+    chosen = [
+        Layout(bert, "1f1b", 2, 4, "lamb"),
+        Layout(bert, "gpipe", 2, 4, "lamb"),
+        Layout(bert, "1f1b", 2, 8, "lamb"),
+        Layout(bert, "1f1b", 2, 2, "lamb"),
+        Layout(bert, "chimera", 2, 4, "lamb"),
+        Layout(bert, "zb-h1", 2, 4, "lamb"),
+        Layout(bert, "1f1b", 2, 4, "kfac"),
+        Layout(bert, "1f1b", 1, 4, "lamb", data_parallel=2),
+        Layout(gpt2, "1f1b", 2, 4, "adamw"),
+        Layout(gpt2, "gpipe", 2, 8, "adamw"),
+    ]
+    return [chosen[0], chosen[4], chosen[8]] if quick else chosen
+
+
+def run_config(layout: Layout) -> RunConfig:
+    """The run file of `layout.model` with the layout's keys set."""
+    data = yaml.safe_load((ROOT / MODELS[layout.model]).read_text())
+    data["pipeline"].update(schedule=layout.schedule, stages=layout.stages, micro_batches=layout.micro_batches,
+                            data_parallel=layout.data_parallel)
+    data["optimizer"]["name"] = layout.method
+    return config_from_dict(data)
+
+
+def layout_flags(layout: Layout, profile: Path) -> list[str]:
+    """`pipefisher run` flags that make the model's run file run `layout` (a curvature method packs
+    from `profile`, the profile the prediction uses, and never re-profiles)."""
+    flags = ["--schedule", layout.schedule, "--pipeline.stages", str(layout.stages), "--pipeline.micro_batches",
+             str(layout.micro_batches), "--data-parallel", str(layout.data_parallel), "--optimizer", layout.method]
+    if layout.method not in FIRST_ORDER:
+        flags += ["--profile", str(profile), f"--{layout.method}.reprofile_threshold", "1000"]
+    return flags
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the prediction needs beyond the profile: parameter bytes per stage at the profiled
+    split and of the whole model, and the bytes of one stage-boundary message."""
+
+    stage_parameter_bytes: tuple[int, ...]
+    model_parameter_bytes: int
+    boundary_bytes: int
+
+
+def model_facts(config: RunConfig) -> ModelFacts:
+    """Counted on the real stage modules (fp32 parameters; the boundary: micro-batch x sequence x hidden fp32)."""
+    from pipefisher.runtime.training.assembly import staged_model
+
+    model, stages = staged_model(config), config.pipeline.stages
+
+    def parameter_bytes(stage: int, of: int) -> int:
+        return 4 * sum(p.numel() for p in model.build_stage(stage, of, config.run.seed).parameters())
+
+    module = model.build_stage(0, stages, config.run.seed)
+    hidden = next(p.shape[-1] for name, p in module.named_parameters() if "embed" in name or "wte" in name)
+    return ModelFacts(tuple(parameter_bytes(s, stages) for s in range(stages)), parameter_bytes(0, 1),
+                      4 * config.data.micro_batch_size * config.model.seq_len * hidden)
+
+
+def all_reduce_ms(parameter_bytes: int, replicas: int, profile: Profile, facts: ModelFacts) -> float:
+    """A ring all-reduce of `parameter_bytes` over `replicas` ranks at the profile's measured
+    stage-boundary bandwidth (boundary bytes / p2p time)."""
+    bandwidth = facts.boundary_bytes / profile.stages[0].p2p  # bytes per ms
+    return ring_bytes("all_reduce", parameter_bytes, replicas) / bandwidth
+
+
+def with_replicas(profile: Profile, layout: Layout, facts: ModelFacts) -> Profile:
+    """The profile for `layout`: merged into one stage for 1-stage pipelines; each replicated stage
+    (Chimera's two pipes, data-parallel copies) with its gradient all-reduce."""
+    replicas = layout.data_parallel * (2 if layout.schedule == "chimera" else 1)
+    if layout.stages == 1:
+        whole = StageProfile(forward=sum(s.forward for s in profile.stages), backward=sum(s.backward for s in profile.stages),
+                             step_end=sum(s.step_end for s in profile.stages),
+                             layers=tuple(layer for s in profile.stages for layer in s.layers))
+        reduce = all_reduce_ms(facts.model_parameter_bytes, replicas, profile, facts) if replicas > 1 else 0.0
+        return replace(profile, stages=(replace(whole, grad_reduce=reduce),))
+    if replicas == 1:
+        return profile
+    return replace(profile, stages=tuple(
+        replace(stage, grad_reduce=all_reduce_ms(size, replicas, profile, facts))
+        for stage, size in zip(profile.stages, facts.stage_parameter_bytes)))
+
+
+def predict(layout: Layout, profile: Profile, facts: ModelFacts) -> tuple[float, int]:
+    """(predicted mean step time in ms, refresh interval k: 1 for first-order) of `layout`."""
+    schedule = get_schedule(layout.schedule, layout.stages, layout.micro_batches)
+    profile = with_replicas(profile.at_percentile(50), layout, facts)
+    if layout.method in FIRST_ORDER:
+        return simulate(schedule, profile).step_time, 1
+    result = pack(schedule, profile, pack_options(run_config(layout)))
+    return result.step_time, result.refresh_steps
+
+
+def measure_profile(model: str, folder: Path) -> Path:
+    path = folder / f"{model}.yaml"
+    command = [sys.executable, "-m", "pipefisher", "profile", MODELS[model], "-o", str(path), "--master-port", "0"]
+    call(command)
+    return path
+
+
+def call(command: list[str]) -> str:
+    """stdout of `command` run from the checkout; RuntimeError with its last stderr line on failure."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{shlex.join(command[1:])} exited with {done.returncode}: {last}")
+    return done.stdout
+
+
+def measure_run(layout: Layout, profile: Path, refresh_steps: int, warmup: int, timed: int) -> float:
+    """Median over the timed refresh cycles of one fresh run of the cycle's mean step time (ms)."""
+    cycles_warm, cycles_timed = -(-warmup // refresh_steps), -(-timed // refresh_steps)
+    steps = (cycles_warm + cycles_timed) * refresh_steps
+    command = [sys.executable, "-m", "pipefisher", "run", MODELS[layout.model], "--json", "--master-port", "0",
+               "--steps", str(steps), *layout_flags(layout, profile)]
+    records = [json.loads(line) for line in call(command).splitlines() if line.startswith("{")]
+    if len(records) != steps:
+        raise RuntimeError(f"{layout.label}: the run reported {len(records)} steps, not {steps}")
+    if records[-1].get("refresh_steps", 1) != refresh_steps:
+        raise RuntimeError(f"{layout.label}: the run refreshed every {records[-1]['refresh_steps']} steps, "
+                           f"the prediction every {refresh_steps}")
+    times = [record["step_time_ms"] for record in records[cycles_warm * refresh_steps:]]
+    return statistics.median(statistics.fmean(times[i:i + refresh_steps]) for i in range(0, len(times), refresh_steps))
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | schedule | stages x replicas | micro-batches | optimizer | processes | predicted [ms] | "
+             "measured median [ms] | measured min–max [ms] | error [%] |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lay = row["layout"]
+        lines.append(f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
+                     f"{lay['method']}{' (packed, k=%d)' % row['refresh_steps'] if lay['method'] not in FIRST_ORDER else ''} | "
+                     f"{row['processes']} | {row['predicted_ms']:.1f} | {row['measured_ms']:.1f} | "
+                     f"{min(row['repeats_ms']):.1f}–{max(row['repeats_ms']):.1f} | {row['error'] * 100:+.1f} |")
+    return "\n".join(lines)
+
+
+def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str) -> tuple[str, float, float]:
+    """The Markdown page, Spearman's rho and the largest absolute error (a share)."""
+    rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    worst = max(abs(r["error"]) for r in rows)
+    return "\n".join([
+        "# Layout predictions against measured steps", "",
+        "Written by `experiments/plan_check.py` (its docstring has the method). Back to the [README](../README.md).", "",
+        f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)", "",
+        f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the end. "
+        f"One profile per model (`pipefisher profile RUN.yaml`: 2 stages, 1F1B, 4 micro-batches); "
+        f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
+        f"{args.repeats} repeats of every layout, interleaved.", "",
+        table(rows), "",
+        f"Spearman's rank correlation of predicted against measured: **{rho:.3f}**; largest error "
+        f"**{worst * 100:.1f} %**.", ""]), rho, worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh runs per layout, interleaved (median; default 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run, rounded up to whole refresh cycles (default 5)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 layouts, 1 repeat, 1 warm-up and 2 timed steps")
+    parser.add_argument("--out", type=Path, help="write the Markdown table here and the raw numbers beside it (.json)")
+    parser.add_argument("--profile-dir", type=Path, default=Path("/tmp/pipefisher-experiments/plan_check"),
+                        help="where the measured profiles go")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.warmup, args.steps = 1, 1, 2
+    for flag in ("repeats", "warmup", "steps"):
+        if getattr(args, flag) < 1:
+            print(f"plan_check: error: --{flag}: {getattr(args, flag)} is not a positive count", file=sys.stderr)
+            return 2
+    started = time.perf_counter()
+    chosen = layouts(args.quick)
+    args.profile_dir.mkdir(parents=True, exist_ok=True)
+    profiles, predictions = {}, {}
+    for model in dict.fromkeys(layout.model for layout in chosen):
+        path = measure_profile(model, args.profile_dir)
+        base = Layout(model, "1f1b", 2, 4, "adamw")
+        profiles[model] = (path, load_profile(path), model_facts(run_config(base)))
+        print(f"profiled {model}: {path}", file=sys.stderr, flush=True)
+    for layout in chosen:
+        _, profile, facts = profiles[layout.model]
+        predictions[layout] = predict(layout, profile, facts)
+    measured: dict[Layout, list[float]] = {layout: [] for layout in chosen}
+    for repeat in range(args.repeats):
+        for layout in chosen:
+            value = measure_run(layout, profiles[layout.model][0], predictions[layout][1], args.warmup, args.steps)
+            measured[layout].append(value)
+            print(f"repeat {repeat + 1}/{args.repeats} {layout.label}: {value:.1f} ms "
+                  f"(predicted {predictions[layout][0]:.1f} ms)", file=sys.stderr, flush=True)
+    rows = []
+    for layout in chosen:
+        median = statistics.median(measured[layout])
+        predicted, k = predictions[layout]
+        rows.append({"layout": asdict(layout), "processes": layout.processes, "predicted_ms": predicted, "refresh_steps": k,
+                     "measured_ms": median, "repeats_ms": measured[layout], "error": predicted / median - 1})
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    seconds = time.perf_counter() - started
+    text, rho, worst = report(rows, args, seconds, load)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            {"command": sys.argv, "seconds": seconds, "load_average": load, "spearman": rho, "max_abs_error": worst,
+             "profiles": {m: str(p[0]) for m, p in profiles.items()}, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(entry_point(main, "plan_check"))
