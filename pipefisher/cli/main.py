@@ -14,6 +14,7 @@ from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments,
                                  add_tensor_parallel_argument, build_pipeline, check_output, positive_int, say)
 from pipefisher.cli.config_command import add_config_parser
+from pipefisher.cli.plan_command import add_plan_parser
 from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
 from pipefisher.cli.run_file_args import (add_key_arguments, add_method_arguments, add_placement_arguments, load_run, method_overrides,
                                           optimizer_names, placement_section)
@@ -21,6 +22,7 @@ from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError, load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, method_of, methods
+from pipefisher.planning.layout_model import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
@@ -325,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(subparsers)
     _add_export(subparsers)
     add_config_parser(subparsers)
+    add_plan_parser(subparsers)
     from pipefisher.viz.cli import add_viz_parser
 
     add_viz_parser(subparsers)
@@ -341,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)
-    except (UsageError, ScheduleError, ProfileError, ConfigError) as exc:
+    except (UsageError, ScheduleError, ProfileError, ConfigError, PlanError) as exc:
         print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
     except (KeyboardInterrupt, Terminated) as exc:  # before (or without) a run's own handlers: planning, preparing data

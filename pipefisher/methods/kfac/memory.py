@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 #: bytes of a K-FAC validity flag (a 0-dim bool tensor); one per running factor, one per inverse
 FLAG_BYTES = 1
@@ -15,6 +16,9 @@ class KfacLayer:
     """A K-FAC layer's factor dimensions: ``a_size`` = in_features (+1 when the bias is folded
     in as a trailing ones column), ``b_size`` = out_features (as `pipefisher.methods.kfac.LayerInfo`)."""
 
+    #: whether the method preconditions a Linear layer's bias with its weight
+    PRECONDITIONS_BIAS: ClassVar[bool] = True
+
     name: str
     a_size: int
     b_size: int
@@ -24,6 +28,11 @@ class KfacLayer:
         and, when the rank keeps the layer's inverses, the committed inverse (n² elements and a flag)."""
         copies = 2 if keeps_results else 1
         return sum(copies * (n * n * element_bytes + FLAG_BYTES) + COUNTER_BYTES for n in (self.a_size, self.b_size))
+
+    @classmethod
+    def from_linear(cls, name: str, inputs: int, outputs: int, bias: bool) -> KfacLayer:
+        """The model of a Linear layer of `inputs` -> `outputs` features (`bias`: the rank holds its bias)."""
+        return cls(name, inputs + bias, outputs)
 
     @property
     def gradient_elements(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pipefisher.methods.blocks import FACTORS, split_sizes
 
@@ -14,6 +15,9 @@ COUNTER_BYTES = 2 * 8
 class SoapLayer:
     """A SOAP matrix ``(rows, cols)`` cut into blocks of ``block_size``; ``statistics_bytes`` per
     element of its statistics and their snapshot (float64 by default)."""
+
+    #: whether the method preconditions a Linear layer's bias with its weight
+    PRECONDITIONS_BIAS: ClassVar[bool] = False
 
     name: str
     rows: int
@@ -30,6 +34,11 @@ class SoapLayer:
         squares = {"A": sum(r * r for r in row_blocks) * len(col_blocks), "B": sum(c * c for c in col_blocks) * len(row_blocks)}
         per_factor = sum(2 * self.statistics_bytes * squares[f] + element_bytes * squares[f] for f in FACTORS)
         return per_factor + 2 * element_bytes * self.gradient_elements + COUNTER_BYTES
+
+    @classmethod
+    def from_linear(cls, name: str, inputs: int, outputs: int, bias: bool) -> SoapLayer:
+        """The model of a Linear layer's weight (outputs x inputs) at the default block size and statistics dtype."""
+        return cls(name, outputs, inputs)
 
     @property
     def gradient_elements(self) -> int:

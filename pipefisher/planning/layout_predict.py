@@ -1,0 +1,198 @@
+"""The prediction of one layout: its step time per optimizer step, throughput, memory per rank and
+why. Pure Python: no torch.
+
+Step time: the simulator's first-order step (`simulate`) of the layout's schedule with the time
+source's profile; for a curvature method the packer's chosen plan (`pack` with the method
+section's options): its cycle time over its refresh interval k, i.e. the mean step with the
+refresh work in the bubbles and what does not fit. Data-parallel traffic: where the profile has
+no measured `grad_reduce`, each stage's reduction is the bytes a rank sends for it
+(`rank_memory`'s ring model: all-reduce, ZeRO-1's reduce + broadcast or PowerSGD's factors) at
+`dp_bandwidth_gbps`, and (stage replicas > 1) a curvature layer's factor syncs, where the layer is
+one of a Transformer block's Linears of known shape, are the all-reduce of its n x n factors
+at that bandwidth. Recomputation: `_recomputed` (backward += the recomputed share of the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+from pipefisher.config import FIRST_ORDER
+from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.profile import LayerProfile, Profile
+from pipefisher.methods.settings import RefreshConfig
+from pipefisher.planning.comm.volume import ring_bytes
+from pipefisher.planning.layout_candidates import Layout
+from pipefisher.planning.layout_memory import MemoryUse, layout_memory, state_per_rank
+from pipefisher.planning.layout_model import ModelSizes
+from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes
+from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
+from pipefisher.planning.simulate import simulate
+from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
+from pipefisher.planning.transformer_state import BLOCK_MODULES
+
+TimeSource = Union[ReferenceTimes, MeasuredTimes]
+#: data-parallel all-reduce bandwidth assumed (GB/s, nccl-tests' busbw), a round figure for
+#: 100 Gb/s InfiniBand between nodes; `--dp-bandwidth-gbps` sets it
+DEFAULT_DP_BANDWIDTH_GBPS = 10.0
+FACTOR_BYTES = 4
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every prediction of one search shares: the model's sizes, the time source, the rule
+    first-order parameters take (`first_order`), the curvature method's run-file section (None:
+    first-order only), SGD momentum (optimizer state), precision (activations) and the
+    data-parallel bandwidth (GB/s)."""
+
+    sizes: ModelSizes
+    source: TimeSource
+    first_order: str
+    section: RefreshConfig | None = None
+    momentum: float = 0.0
+    precision: str = "fp32"
+    dp_bandwidth_gbps: float = DEFAULT_DP_BANDWIDTH_GBPS
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout (its `refresh_steps` the packer's k) and what it is predicted to do: `step_ms`
+    per optimizer step (ms), `first_order_ms` the same pipeline's first-order step, `bubble_share`
+    idle share of device time in the first-order step (0..1), `overhead_share` the refresh work's
+    added time over the first-order step (0..1+), `reduce_ms` the slowest stage's data-parallel
+    reduction (ms), `memory` its rank with the most bytes; `reason` the packer's choice of k."""
+
+    layout: Layout
+    step_ms: float
+    first_order_ms: float
+    bubble_share: float
+    overhead_share: float
+    reduce_ms: float
+    memory: MemoryUse
+    tokens_per_sample: int
+    reason: str = ""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.layout.global_batch / (self.step_ms / 1e3) if self.step_ms else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.samples_per_s * self.tokens_per_sample
+
+
+def is_curvature(method: str) -> bool:
+    return method not in FIRST_ORDER
+
+
+def _recomputed(profile: Profile, mode: str, sizes: ModelSizes) -> Profile:
+    """The profile with recomputation's cost (interim until `pipefisher.planning.recompute`):
+    ``blocks`` adds the whole forward to every backward, ``selective`` the attention core's share
+    of it (its flops over the block's, 2s / (4h + 2ffn + 2s) per token); the weight gradient stays."""
+    if mode == "none":
+        return profile
+    share = 1.0 if mode == "blocks" else sizes.seq_len / (2 * sizes.hidden + sizes.ffn + sizes.seq_len)
+    return replace(profile, stages=tuple(replace(stage, backward=stage.backward + share * stage.forward, weight=stage.weight_gradient)
+                                         for stage in profile.stages))
+
+
+def _factor_sizes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[int, int]]:
+    """Layer-name suffix -> (A, B) factor sizes of a block's Linears (reference and BERT module names)."""
+    shapes = {name: (din + 1, dout) for name, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, tensor_parallel)}
+    return {**{f".{name}": shape for name, shape in shapes.items()},
+            **{f".{BLOCK_MODULES[name]}": shapes[name] for name in BLOCK_LAYERS}}
+
+
+def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
+    """`profile` with each stage's modelled gradient reduction where it has no measured one."""
+    per_ms = MS_PER_UNIT[profile.time_unit]
+    states = state_per_rank(layout, context.sizes, context.first_order, context.momentum)
+    traffic = {part.stage: part.grad_comm_bytes for rank in states for part in rank.stages}
+    scale = 1e3 / (context.dp_bandwidth_gbps * 1e9) / per_ms
+    return replace(profile, stages=tuple(replace(stage, grad_reduce=stage.grad_reduce or traffic.get(index, 0) * scale)
+                                         for index, stage in enumerate(profile.stages)))
+
+
+def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
+    """`profile` with modelled factor syncs of the layers of known shape that have no measured ones."""
+    replicas = (2 if layout.schedule == "chimera" else 1) * layout.data_parallel
+    if replicas < 2:
+        return profile
+    scale = 1e3 / (context.dp_bandwidth_gbps * 1e9) / MS_PER_UNIT[profile.time_unit]
+    factors = _factor_sizes(context.sizes, layout.tensor_parallel)
+
+    def sync(layer: LayerProfile) -> LayerProfile:
+        found = next((shape for suffix, shape in factors.items() if layer.name.endswith(suffix)), None)
+        if found is None or layer.sync_a or layer.sync_b:
+            return layer
+        a, b = (ring_bytes("all_reduce", n * n * FACTOR_BYTES, replicas) * scale for n in found)
+        return replace(layer, sync_a=a, sync_b=b)
+
+    return replace(profile, stages=tuple(replace(stage, layers=tuple(map(sync, stage.layers))) for stage in profile.stages))
+
+
+def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
+    """The profile a layout's prediction simulates: the source's at its split, micro-batch size
+    and degree, with recomputation, gradient reductions and (`syncs`) factor syncs."""
+    profile = context.source.profile(layout.pieces, layout.micro_batch_size, layout.tensor_parallel)
+    profile = _with_reductions(_recomputed(profile, layout.recompute, context.sizes), layout, context)
+    return _with_syncs(profile, layout, context) if syncs else profile
+
+
+_FIRST_ORDER: dict[tuple, tuple[float, float, float]] = {}
+
+
+def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float, float]:
+    """(step ms, bubble share, slowest reduction ms) of the layout's first-order step; cached on
+    the pipeline and its reductions (layouts that differ in method or ZeRO-1 alone share it)."""
+    profile = layout_profile(layout, context, syncs=False)
+    key = (context, layout.schedule, layout.stages, layout.micro_batches, layout.chunks, layout.micro_batch_size,
+           layout.tensor_parallel, layout.recompute, tuple(stage.grad_reduce for stage in profile.stages))
+    if key not in _FIRST_ORDER:
+        timeline = simulate(layout.build_schedule(), profile)
+        per_ms = MS_PER_UNIT[profile.time_unit]
+        _FIRST_ORDER[key] = (timeline.step_time * per_ms, timeline.bubble_fraction,
+                             max(stage.grad_reduce for stage in profile.stages) * per_ms)
+    return _FIRST_ORDER[key]
+
+
+def pack_options(layout: Layout, context: PlanContext, capture_budget: int | None = None) -> PackOptions:
+    """The packer's options for the layout: its method section's, its data-parallel copies, its
+    refresh interval when pinned (layout.refresh_steps > 0), captures capped at `capture_budget`
+    bytes per device (at least 1 MiB) where given and the section sets no cap."""
+    options = PackOptions.from_section(context.section, data_parallel=layout.data_parallel, refresh_steps=layout.refresh_steps or None)
+    if capture_budget is None or options.max_capture_mb is not None:
+        return options
+    return replace(options, max_capture_mb=max(1.0, capture_budget / 2**20))
+
+
+def _packed(layout: Layout, context: PlanContext, capture_budget: int | None) -> tuple[PackResult, Profile]:
+    profile = layout_profile(layout, context)
+    schedule, options = layout.build_schedule(), pack_options(layout, context, capture_budget)
+    try:
+        return pack(schedule, profile, options), profile
+    except ScheduleError:  # the capture cap's eager placement can deadlock (a packer limitation): no cap then
+        return pack(schedule, profile, replace(options, max_capture_mb=None)), profile
+
+
+def predict(layout: Layout, context: PlanContext, memory_budget: int | None = None) -> Prediction:
+    """The prediction of `layout` (module docstring). A curvature method is packed; where its
+    captures then exceed `memory_budget` (bytes per device) it is packed again with the captures
+    capped at what the budget leaves beside state and activations. The prediction's layout holds
+    the chosen k (or the layout's pinned `refresh_steps`)."""
+    first_ms, bubble, reduce_ms = first_order_time(layout, context)
+    tokens = context.sizes.seq_len
+    held = layout_memory(layout, context.sizes, context.first_order, context.momentum, context.precision)
+    if not is_curvature(layout.method):
+        return Prediction(layout, first_ms, first_ms, bubble, 0.0, reduce_ms, held, tokens)
+    if context.section is None:
+        raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
+    result, profile = _packed(layout, context, None)
+    if memory_budget is not None and held.total + max(p.bytes for p in result.capture_peaks) > memory_budget >= held.total:
+        result, profile = _packed(layout, context, memory_budget - held.total)
+    step_ms = result.cycle_time / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
+    packed = replace(layout, refresh_steps=result.refresh_steps)
+    captures = [peak.bytes for peak in result.capture_peaks]
+    memory = layout_memory(packed, context.sizes, context.first_order, context.momentum, context.precision, captures)
+    return Prediction(packed, step_ms, first_ms, bubble, step_ms / first_ms - 1 if first_ms else 0.0, reduce_ms, memory, tokens,
+                      result.reason)

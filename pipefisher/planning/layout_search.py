@@ -1,0 +1,128 @@
+"""The layout search: every layout of a GPU count (`layout_candidates`), pruned cheaply, the best
+packed. Pure Python: no torch.
+
+1. enumerate the layouts (first-order method);
+2. simulate each one's first-order step (cheap) and take its memory per rank twice: with the
+   first-order state and with the curvature method's (without captures);
+3. drop what exceeds the budget; of layouts that differ only in their gradient path (ZeRO-1,
+   PowerSGD) keep the fastest (then smallest);
+4. pack the curvature method for the fastest by first-order time, at most `top`, (captures capped to
+   the budget's headroom where they do not fit) and drop those whose captures still do not fit;
+   stop once `shown` packed layouts fit and the next first-order step is already longer than the
+   `shown`-th packed one (packing only adds time, so the first `shown` places are exact);
+5. rank by predicted time per step, then memory.
+
+`SearchResult` says how many layouts each step enumerated, dropped and packed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from pipefisher.planning.layout_candidates import Layout, SearchSpace, check_sources_cover, enumerate_layouts
+from pipefisher.planning.layout_memory import MemoryUse, layout_memory
+from pipefisher.planning.layout_model import PlanError
+from pipefisher.planning.layout_predict import PlanContext, Prediction, first_order_time, is_curvature, predict
+
+#: layouts packed per search (the fastest by first-order time that fit)
+DEFAULT_PACKED = 12
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """`ranked`: predictions of the method that fit, fastest first; `first_order`: the fastest
+    first-order layouts that fit (for comparison); counts of each step; `seconds` the search took."""
+
+    ranked: tuple[Prediction, ...]
+    first_order: tuple[Prediction, ...]
+    method: str
+    enumerated: int
+    over_budget: int
+    dominated: int  # slower or bigger variants of a kept layout (recompute where none fits, another gradient path)
+    packed: int
+    over_after_packing: int
+    seconds: float
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+    def rank_of(self, layout: Layout) -> int | None:
+        """1-based place of `layout` (any refresh interval) among the ranked, or None."""
+        key = replace(layout, refresh_steps=0)
+        return next((i for i, p in enumerate(self.ranked, 1) if replace(p.layout, refresh_steps=0) == key), None)
+
+
+def _progress(items: Sequence, what: str) -> Iterable:
+    """`items`, with a progress bar on stderr once the loop has taken 2 s."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, delay=2.0, leave=False, unit="layout")
+
+
+def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse:
+    return layout_memory(layout, context.sizes, first_order, context.momentum, context.precision)
+
+
+def _pipeline_key(layout: Layout) -> Layout:
+    """The layout without its gradient path (what ZeRO-1 and PowerSGD variants share)."""
+    return replace(layout, zero=False, powersgd_rank=0)
+
+
+def search(space: SearchSpace, context: PlanContext, method: str, memory_budget: int, top: int = DEFAULT_PACKED,
+           shown: int = 10, progress: bool = False) -> SearchResult:
+    """The ranked layouts of `space` for optimizer `method` within `memory_budget` bytes per device
+    (module docstring); `shown`: the places that must be exact. PlanError where no layout exists or none fits (naming the least memory any needs)."""
+    started = time.perf_counter()
+    first_order = context.first_order if is_curvature(method) else method
+    layouts = enumerate_layouts(space, context.sizes, first_order)
+    problem = check_sources_cover(space, context.sizes, layouts)
+    if problem:
+        raise PlanError(problem)
+    memory = [(layout, _memory(layout, first_order, context), _memory(replace(layout, method=method), first_order, context))
+              for layout in layouts]
+    fits = {layout: (plain.total <= memory_budget, own.total <= memory_budget) for layout, plain, own in memory}
+
+    def needed(layout: Layout, which: int) -> bool:
+        """Fits, and is not a recompute variant of a layout that fits without recomputing (slower, never better)."""
+        return fits[layout][which] and (layout.recompute == "none" or not fits[replace(layout, recompute="none")][which])
+
+    simulated = [(layout, plain, own) for layout, plain, own in memory if needed(layout, 0) or needed(layout, 1)]
+    quick: list[tuple[Prediction, MemoryUse]] = []
+    for layout, plain, own in (_progress(simulated, "simulating") if progress else simulated):
+        ms, bubble, reduce_ms = first_order_time(layout, context)
+        quick.append((Prediction(layout, ms, ms, bubble, 0.0, reduce_ms, plain, context.sizes.seq_len), own))
+    fitting_first = sorted((p for p, _ in quick if needed(p.layout, 0)), key=lambda p: (p.step_ms, p.memory.total))
+    fitting = [(p, own) for p, own in quick if needed(p.layout, 1)]
+    if not fitting:
+        least = min(memory, key=lambda entry: entry[2].total)
+        raise PlanError(f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
+                        f"per device ({least[0].describe()}, recompute {least[0].recompute}{', ZeRO-1' if least[0].zero else ''})")
+    best_of_pipeline: dict[Layout, tuple[Prediction, MemoryUse]] = {}
+    for prediction, own in fitting:
+        key = _pipeline_key(prediction.layout)
+        held = best_of_pipeline.get(key)
+        if held is None or (prediction.step_ms, own.total) < (held[0].step_ms, held[1].total):
+            best_of_pipeline[key] = (prediction, own)
+    kept = sorted(best_of_pipeline.values(), key=lambda pair: (pair[0].step_ms, pair[1].total))
+    over_budget = sum(not fit[1] for fit in fits.values())
+    if not is_curvature(method):
+        ranked = [p for p, _ in kept]
+        return SearchResult(tuple(ranked), tuple(fitting_first), method, len(layouts), over_budget,
+                            len(layouts) - over_budget - len(kept), 0, 0, time.perf_counter() - started)
+    packed: list[Prediction] = []
+    for quick_prediction, _ in (_progress(kept[:top], "packing") if progress else kept[:top]):
+        fitting_packed = sorted(p.step_ms for p in packed if p.memory.total <= memory_budget)
+        if len(fitting_packed) >= shown and quick_prediction.step_ms >= fitting_packed[shown - 1]:
+            break  # a packed step is never shorter than its first-order step: no later layout enters the top `shown`
+        packed.append(predict(replace(quick_prediction.layout, method=method), context, memory_budget))
+    ranked = sorted((p for p in packed if p.memory.total <= memory_budget), key=lambda p: (p.step_ms, p.memory.total))
+    if not ranked:
+        least = min(packed, key=lambda p: p.memory.total)
+        raise PlanError(f"--memory-gb {memory_budget / GiB:g}: no packed layout fits with its captures; the smallest needs "
+                        f"{least.memory.total / GiB:.2f} GiB per device ({least.layout.describe()})")
+    return SearchResult(tuple(ranked), tuple(fitting_first), method, len(layouts), over_budget,
+                        len(layouts) - over_budget - len(kept), len(packed), len(packed) - len(ranked), time.perf_counter() - started)

@@ -1,0 +1,149 @@
+"""Where a layout's per-stage times come from. Pure Python: no torch.
+
+- `ReferenceTimes`: a per-block CSV (the paper's P100 block times, `profiles/reference/`) gives a
+  profile at any split, micro-batch size (its `bs` rows) and tensor-parallel degree
+  (`transformer_profile`). It times K-FAC's tasks only (`DEFAULT_METHOD`).
+- `MeasuredTimes`: profiles of `pipefisher profile` (pipefisher.profile/v1). A profile of the
+  layout's split, micro-batch size and degree is taken as it is. Another split is made from a
+  profile of the same micro-batch size and degree: every layer is given to the new stage that
+  holds its block (layers are named by global module names; the block is the first number in the
+  name, e.g. ``encoder.layer.7.attention.self.query``; layers of no block stay at the first or
+  last stage, wherever they were), and each stage's forward, backward, weight, step end and
+  gradient reduction are the old stages' shares in proportion to the blocks the new stage takes
+  of each (an approximation: it assumes the blocks of a stage cost alike and puts the embedding's
+  and the heads' time where their neighbouring blocks go). p2p is the largest of the old stages'.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+
+from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
+from pipefisher.methods.registry import DEFAULT_METHOD
+from pipefisher.planning.layout_model import ModelSizes, PlanError
+from pipefisher.planning.transformer_profile import read_block_times, transformer_profile
+
+_BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+#: ms per profile time unit
+MS_PER_UNIT = {"s": 1e3, "ms": 1.0, "us": 1e-3, "units": 1.0}
+
+
+def block_of(name: str) -> int | None:
+    """The block a layer belongs to: the first number among its dotted name's parts (None: none)."""
+    found = _BLOCK.search(name)
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class ReferenceTimes:
+    """A per-block CSV (columns bs, time_f, time_b, time_kron, time_inv, time_prec, mem_act, ...)."""
+
+    path: Path
+    sizes: ModelSizes
+    micro_batch_sizes: tuple[int, ...] = ()
+    method: str = DEFAULT_METHOD
+    tensor_parallel: tuple[int, ...] | None = None  # any degree the model allows
+
+    @classmethod
+    def open(cls, path: str | Path, sizes: ModelSizes) -> ReferenceTimes:
+        import csv
+
+        try:
+            with open(path, newline="") as handle:
+                rows = [int(row["bs"]) for row in csv.DictReader(handle)]
+        except (OSError, KeyError, ValueError) as exc:
+            raise PlanError(f"--reference-csv: cannot read {path} as per-block times with a bs column ({exc})") from None
+        return cls(Path(path), sizes, tuple(sorted(rows)))
+
+    def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
+        """The modelled profile of `pieces` stages (times in ms)."""
+        return _reference_profile(self.path, self.sizes, pieces, micro_batch_size, tensor_parallel)
+
+
+@lru_cache(maxsize=1024)
+def _reference_profile(path: Path, sizes: ModelSizes, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
+    times = read_block_times(path, micro_batch_size)
+    return transformer_profile(times, sizes.blocks, pieces, sizes.hidden, sizes.ffn, micro_batch_size,
+                               device=f"{path.name} (modelled)", seq_len=sizes.seq_len, tensor_parallel=tensor_parallel)
+
+
+@dataclass(frozen=True)
+class MeasuredTimes:
+    """Measured profiles, each with the file it came from (see the module docstring)."""
+
+    profiles: tuple[tuple[str, Profile], ...]
+    sizes: ModelSizes
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def check(cls, profiles: Sequence[tuple[str, Profile]], sizes: ModelSizes, method: str | None) -> MeasuredTimes:
+        """The source, or PlanError for a profile of another model, method or without a micro-batch size."""
+        for path, profile in profiles:
+            if profile.micro_batch_size is None:
+                raise PlanError(f"{path}: micro_batch_size missing; the planner needs the micro-batch size the profile was measured at")
+            if method is not None and profile.method != method:
+                raise PlanError(f"{path}: the profile times {profile.method} tasks, the run's method is {method}; "
+                                f"measure one with `pipefisher profile --optimizer {method}`")
+            blocks = sorted({b for stage in profile.stages for layer in stage.layers if (b := block_of(layer.name)) is not None})
+            if blocks != list(range(sizes.blocks)):
+                held = f"blocks {blocks[0]}..{blocks[-1]}" if blocks else "no numbered blocks"
+                raise PlanError(f"{path}: its layers cover {held}, the run's model ({sizes.name}) has {sizes.blocks} blocks; "
+                                "profile this run's model")
+        return cls(tuple(profiles), sizes)
+
+    @property
+    def micro_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({profile.micro_batch_size for _, profile in self.profiles}))
+
+    @property
+    def tensor_parallel(self) -> tuple[int, ...]:
+        return tuple(sorted({profile.tensor_parallel for _, profile in self.profiles}))
+
+    @property
+    def method(self) -> str:
+        return self.profiles[0][1].method
+
+    def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
+        """The profile of `pieces` stages at this micro-batch size and degree."""
+        key = (pieces, micro_batch_size, tensor_parallel)
+        if key not in self._cache:
+            same = [p for _, p in self.profiles if (p.micro_batch_size, p.tensor_parallel) == (micro_batch_size, tensor_parallel)]
+            if not same:
+                raise ProfileError(f"no profile at micro-batch size {micro_batch_size} and tensor_parallel {tensor_parallel}")
+            exact = [p for p in same if p.num_stages == pieces]
+            self._cache[key] = exact[0] if exact else resplit(same[0], pieces, self.sizes.blocks)
+        return self._cache[key]
+
+
+def _stage_blocks(stage: StageProfile) -> set[int]:
+    return {b for layer in stage.layers if (b := block_of(layer.name)) is not None}
+
+
+def resplit(profile: Profile, pieces: int, blocks: int) -> Profile:
+    """`profile` cut into `pieces` stages of blocks/pieces blocks each (module docstring)."""
+    per = blocks // pieces
+    old = [_stage_blocks(stage) for stage in profile.stages]
+    scaled = ("forward", "backward", "weight", "step_end", "grad_reduce")
+    stages = []
+    for new in range(pieces):
+        mine = set(range(new * per, (new + 1) * per))
+        share = [len(mine & held) / len(held) if held else float(_edge(index, new, len(old), pieces)) for index, held in enumerate(old)]
+        times = {name: sum(s * getattr(stage, name) for s, stage in zip(share, profile.stages)) for name in scaled}
+        layers: list[LayerProfile] = []
+        for index, stage in enumerate(profile.stages):
+            for layer in stage.layers:
+                block = block_of(layer.name)
+                if block in mine or (block is None and _edge(index, new, len(old), pieces)):
+                    layers.append(layer)
+        stages.append(StageProfile(p2p=max(stage.p2p for stage in profile.stages), layers=tuple(layers), **times))
+    return replace(profile, stages=tuple(stages))
+
+
+def _edge(old_index: int, new_index: int, old_count: int, new_count: int) -> bool:
+    """Whether what old stage `old_index` holds outside blocks goes to new stage `new_index`: the
+    first stage's to the first, any other's to the last."""
+    return new_index == 0 if old_index == 0 else new_index == new_count - 1
