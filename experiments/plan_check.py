@@ -3,11 +3,12 @@
 For each shipped CPU model (schedules/tiny-cpu.yaml: BERT 4 x 128 with LAMB; schedules/gpt2-tiny-cpu.yaml:
 GPT-2 4 x 128 with AdamW) it measures ONE profile with `pipefisher profile` at the run file's own split
 (2 stages, 1F1B, 4 micro-batches, the run file's optimizer; K-FAC's tasks are timed too) and predicts
-every layout from it (`predict`): other schedules and micro-batch counts reuse the stages' times;
-K-FAC packs the profile's layers (the packer the run itself uses); Chimera's and data parallelism's
-replicated stages get a gradient all-reduce of their parameters' ring volume at the bandwidth of the
-profile's stage-boundary transfer; data parallelism over 1-stage pipelines merges the 2 stages into one
-(times and step ends added). Then it runs every layout with `pipefisher run --json` (2 processes each),
+every layout from it with the planner's `predict` (`pipefisher.planning.layout_predict`, what
+`pipefisher plan` ranks by): other schedules and micro-batch counts reuse the stages' times,
+interleaved's and a 1-stage pipeline's pieces are the profile re-split by blocks
+(`layout_sources.resplit`), K-FAC is packed, and replicated stages (Chimera's pipes, data-parallel
+copies) get the ring all-reduce of their gradients at the bandwidth of the profile's measured
+stage-boundary transfer. Then it runs every layout with `pipefisher run --json` (2 processes each),
 the layouts in turn and the whole round repeated (A B C ..., A B C ...), so that the machine's load
 drifts hit all alike. A run's value is the median over its timed refresh cycles (1 step each for a
 first-order optimizer) of the cycle's mean step time (rank 0's `step_time_ms`), after the warm-up
@@ -37,13 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipefisher.config import RunConfig, config_from_dict  # noqa: E402
-from pipefisher.core.profile import Profile, StageProfile, load_profile  # noqa: E402
-from pipefisher.planning.comm.volume import ring_bytes  # noqa: E402
-from pipefisher.planning.packing.pack import pack  # noqa: E402
-from pipefisher.planning.simulate import simulate  # noqa: E402
-from pipefisher.runtime.training.pipefisher_run import pack_options  # noqa: E402
+from pipefisher.core.profile import Profile, load_profile  # noqa: E402
+from pipefisher.planning.layout_candidates import layout_of_run  # noqa: E402
+from pipefisher.planning.layout_model import model_sizes  # noqa: E402
+from pipefisher.planning.layout_predict import PlanContext, predict  # noqa: E402
+from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes  # noqa: E402
 from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
-from pipefisher.schedules import get_schedule  # noqa: E402
 
 MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
 FIRST_ORDER = ("sgd", "adamw", "lamb")
@@ -51,7 +51,7 @@ RUN_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
-class Layout:
+class Case:
     """One way to run a model: `stages` pipeline stages x `data_parallel` replicas (one process each),
     `micro_batches` per replica and step, `method` the optimizer (a first-order one, or a curvature
     method packed into the bubbles)."""
@@ -73,101 +73,70 @@ class Layout:
         return f"{self.schedule}, {split}, N={self.micro_batches}, {self.method}"
 
 
-def layouts(quick: bool) -> list[Layout]:
+def layouts(quick: bool) -> list[Case]:
     """The checked layouts, all on 2 processes (this machine has 2 cores: more processes than cores
     time-share them, which no per-device model predicts)."""
     bert, gpt2 = "bert-4x128", "gpt2-tiny"
     chosen = [
-        Layout(bert, "1f1b", 2, 4, "lamb"),
-        Layout(bert, "gpipe", 2, 4, "lamb"),
-        Layout(bert, "1f1b", 2, 8, "lamb"),
-        Layout(bert, "1f1b", 2, 2, "lamb"),
-        Layout(bert, "chimera", 2, 4, "lamb"),
-        Layout(bert, "zb-h1", 2, 4, "lamb"),
-        Layout(bert, "1f1b", 2, 4, "kfac"),
-        Layout(bert, "1f1b", 1, 4, "lamb", data_parallel=2),
-        Layout(gpt2, "1f1b", 2, 4, "adamw"),
-        Layout(gpt2, "gpipe", 2, 8, "adamw"),
+        Case(bert, "1f1b", 2, 4, "lamb"),
+        Case(bert, "gpipe", 2, 4, "lamb"),
+        Case(bert, "1f1b", 2, 8, "lamb"),
+        Case(bert, "1f1b", 2, 2, "lamb"),
+        Case(bert, "chimera", 2, 4, "lamb"),
+        Case(bert, "zb-h1", 2, 4, "lamb"),
+        Case(bert, "interleaved", 2, 4, "lamb"),
+        Case(bert, "1f1b", 2, 4, "kfac"),
+        Case(bert, "1f1b", 1, 4, "lamb", data_parallel=2),
+        Case(gpt2, "1f1b", 2, 4, "adamw"),
+        Case(gpt2, "gpipe", 2, 8, "adamw"),
     ]
-    return [chosen[0], chosen[4], chosen[8]] if quick else chosen
+    return [chosen[0], chosen[4], chosen[9]] if quick else chosen
 
 
-def run_config(layout: Layout) -> RunConfig:
-    """The run file of `layout.model` with the layout's keys set."""
-    data = yaml.safe_load((ROOT / MODELS[layout.model]).read_text())
-    data["pipeline"].update(schedule=layout.schedule, stages=layout.stages, micro_batches=layout.micro_batches,
-                            data_parallel=layout.data_parallel)
-    data["optimizer"]["name"] = layout.method
+def run_config(case: Case) -> RunConfig:
+    """The run file of `case.model` with the layout's keys set."""
+    data = yaml.safe_load((ROOT / MODELS[case.model]).read_text())
+    data["pipeline"].update(schedule=case.schedule, stages=case.stages, micro_batches=case.micro_batches,
+                            data_parallel=case.data_parallel)
+    data["optimizer"]["name"] = case.method
     return config_from_dict(data)
 
 
-def layout_flags(layout: Layout, profile: Path) -> list[str]:
-    """`pipefisher run` flags that make the model's run file run `layout` (a curvature method packs
+def layout_flags(case: Case, profile: Path) -> list[str]:
+    """`pipefisher run` flags that make the model's run file run `case` (a curvature method packs
     from `profile`, the profile the prediction uses, and never re-profiles)."""
-    flags = ["--schedule", layout.schedule, "--pipeline.stages", str(layout.stages), "--pipeline.micro_batches",
-             str(layout.micro_batches), "--data-parallel", str(layout.data_parallel), "--optimizer", layout.method]
-    if layout.method not in FIRST_ORDER:
-        flags += ["--profile", str(profile), f"--{layout.method}.reprofile_threshold", "1000"]
+    flags = ["--schedule", case.schedule, "--pipeline.stages", str(case.stages), "--pipeline.micro_batches",
+             str(case.micro_batches), "--data-parallel", str(case.data_parallel), "--optimizer", case.method]
+    if case.schedule == "interleaved":
+        flags += ["--pipeline.chunks", "2"]
+    if case.method not in FIRST_ORDER:
+        flags += ["--profile", str(profile), f"--{case.method}.reprofile_threshold", "1000"]
     return flags
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the prediction needs beyond the profile: parameter bytes per stage at the profiled
-    split and of the whole model, and the bytes of one stage-boundary message."""
-
-    stage_parameter_bytes: tuple[int, ...]
-    model_parameter_bytes: int
-    boundary_bytes: int
-
-
-def model_facts(config: RunConfig) -> ModelFacts:
-    """Counted on the real stage modules (fp32 parameters; the boundary: micro-batch x sequence x hidden fp32)."""
-    from pipefisher.runtime.training.assembly import staged_model
-
-    model, stages = staged_model(config), config.pipeline.stages
-
-    def parameter_bytes(stage: int, of: int) -> int:
-        return 4 * sum(p.numel() for p in model.build_stage(stage, of, config.run.seed).parameters())
-
-    module = model.build_stage(0, stages, config.run.seed)
-    hidden = next(p.shape[-1] for name, p in module.named_parameters() if "embed" in name or "wte" in name)
-    return ModelFacts(tuple(parameter_bytes(s, stages) for s in range(stages)), parameter_bytes(0, 1),
-                      4 * config.data.micro_batch_size * config.model.seq_len * hidden)
+def planner_context(case: Case, profile_path: Path, profile: Profile) -> PlanContext:
+    """The planner's context for `case`'s model and method, times from the one measured profile;
+    the data-parallel bandwidth is the profile's stage-boundary transfer (one micro-batch's
+    activation, micro-batch x sequence x hidden fp32, over its measured p2p time), not the planner's
+    default for InfiniBand between GPUs."""
+    config = run_config(case)
+    sizes = model_sizes(config)
+    curvature = case.method not in FIRST_ORDER
+    boundary_bytes = 4 * config.data.micro_batch_size * sizes.seq_len * sizes.hidden
+    bandwidth_gbps = boundary_bytes / (profile.stages[0].p2p * MS_PER_UNIT[profile.time_unit] / 1e3) / 1e9
+    return PlanContext(sizes, MeasuredTimes.check([(str(profile_path), profile)], sizes, None),
+                       config.section(case.method).first_order if curvature else case.method,
+                       config.section(case.method) if curvature else None, config.optimizer_settings.momentum,
+                       config.run.precision, bandwidth_gbps)
 
 
-def all_reduce_ms(parameter_bytes: int, replicas: int, profile: Profile, facts: ModelFacts) -> float:
-    """A ring all-reduce of `parameter_bytes` over `replicas` ranks at the profile's measured
-    stage-boundary bandwidth (boundary bytes / p2p time)."""
-    bandwidth = facts.boundary_bytes / profile.stages[0].p2p  # bytes per ms
-    return ring_bytes("all_reduce", parameter_bytes, replicas) / bandwidth
-
-
-def with_replicas(profile: Profile, layout: Layout, facts: ModelFacts) -> Profile:
-    """The profile for `layout`: merged into one stage for 1-stage pipelines; each replicated stage
-    (Chimera's two pipes, data-parallel copies) with its gradient all-reduce."""
-    replicas = layout.data_parallel * (2 if layout.schedule == "chimera" else 1)
-    if layout.stages == 1:
-        whole = StageProfile(forward=sum(s.forward for s in profile.stages), backward=sum(s.backward for s in profile.stages),
-                             step_end=sum(s.step_end for s in profile.stages),
-                             layers=tuple(layer for s in profile.stages for layer in s.layers))
-        reduce = all_reduce_ms(facts.model_parameter_bytes, replicas, profile, facts) if replicas > 1 else 0.0
-        return replace(profile, stages=(replace(whole, grad_reduce=reduce),))
-    if replicas == 1:
-        return profile
-    return replace(profile, stages=tuple(
-        replace(stage, grad_reduce=all_reduce_ms(size, replicas, profile, facts))
-        for stage, size in zip(profile.stages, facts.stage_parameter_bytes)))
-
-
-def predict(layout: Layout, profile: Profile, facts: ModelFacts) -> tuple[float, int]:
-    """(predicted mean step time in ms, refresh interval k: 1 for first-order) of `layout`."""
-    schedule = get_schedule(layout.schedule, layout.stages, layout.micro_batches)
-    profile = with_replicas(profile.at_percentile(50), layout, facts)
-    if layout.method in FIRST_ORDER:
-        return simulate(schedule, profile).step_time, 1
-    result = pack(schedule, profile, pack_options(run_config(layout)))
-    return result.step_time, result.refresh_steps
+def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[float, int]:
+    """(predicted mean step time in ms, refresh interval k: 1 for first-order) of `case`: the
+    layout planner's `predict` of the run file's layout."""
+    config = run_config(case)
+    layout = layout_of_run(config.pipeline, config.data.micro_batch_size, case.method)
+    prediction = predict(layout, planner_context(case, profile_path, profile))
+    return prediction.step_ms, max(prediction.layout.refresh_steps, 1)
 
 
 def measure_profile(model: str, folder: Path) -> Path:
@@ -187,17 +156,17 @@ def call(command: list[str]) -> str:
     return done.stdout
 
 
-def measure_run(layout: Layout, profile: Path, refresh_steps: int, warmup: int, timed: int) -> float:
+def measure_run(case: Case, profile: Path, refresh_steps: int, warmup: int, timed: int) -> float:
     """Median over the timed refresh cycles of one fresh run of the cycle's mean step time (ms)."""
     cycles_warm, cycles_timed = -(-warmup // refresh_steps), -(-timed // refresh_steps)
     steps = (cycles_warm + cycles_timed) * refresh_steps
-    command = [sys.executable, "-m", "pipefisher", "run", MODELS[layout.model], "--json", "--master-port", "0",
-               "--steps", str(steps), *layout_flags(layout, profile)]
+    command = [sys.executable, "-m", "pipefisher", "run", MODELS[case.model], "--json", "--master-port", "0",
+               "--steps", str(steps), *layout_flags(case, profile)]
     records = [json.loads(line) for line in call(command).splitlines() if line.startswith("{")]
     if len(records) != steps:
-        raise RuntimeError(f"{layout.label}: the run reported {len(records)} steps, not {steps}")
+        raise RuntimeError(f"{case.label}: the run reported {len(records)} steps, not {steps}")
     if records[-1].get("refresh_steps", 1) != refresh_steps:
-        raise RuntimeError(f"{layout.label}: the run refreshed every {records[-1]['refresh_steps']} steps, "
+        raise RuntimeError(f"{case.label}: the run refreshed every {records[-1]['refresh_steps']} steps, "
                            f"the prediction every {refresh_steps}")
     times = [record["step_time_ms"] for record in records[cycles_warm * refresh_steps:]]
     return statistics.median(statistics.fmean(times[i:i + refresh_steps]) for i in range(0, len(times), refresh_steps))
@@ -259,27 +228,25 @@ def main() -> int:
     chosen = layouts(args.quick)
     args.profile_dir.mkdir(parents=True, exist_ok=True)
     profiles, predictions = {}, {}
-    for model in dict.fromkeys(layout.model for layout in chosen):
+    for model in dict.fromkeys(case.model for case in chosen):
         path = measure_profile(model, args.profile_dir)
-        base = Layout(model, "1f1b", 2, 4, "adamw")
-        profiles[model] = (path, load_profile(path), model_facts(run_config(base)))
+        profiles[model] = (path, load_profile(path))
         print(f"profiled {model}: {path}", file=sys.stderr, flush=True)
-    for layout in chosen:
-        _, profile, facts = profiles[layout.model]
-        predictions[layout] = predict(layout, profile, facts)
-    measured: dict[Layout, list[float]] = {layout: [] for layout in chosen}
+    for case in chosen:
+        predictions[case] = predict_case(case, *profiles[case.model])
+    measured: dict[Case, list[float]] = {case: [] for case in chosen}
     for repeat in range(args.repeats):
-        for layout in chosen:
-            value = measure_run(layout, profiles[layout.model][0], predictions[layout][1], args.warmup, args.steps)
-            measured[layout].append(value)
-            print(f"repeat {repeat + 1}/{args.repeats} {layout.label}: {value:.1f} ms "
-                  f"(predicted {predictions[layout][0]:.1f} ms)", file=sys.stderr, flush=True)
+        for case in chosen:
+            value = measure_run(case, profiles[case.model][0], predictions[case][1], args.warmup, args.steps)
+            measured[case].append(value)
+            print(f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
+                  f"(predicted {predictions[case][0]:.1f} ms)", file=sys.stderr, flush=True)
     rows = []
-    for layout in chosen:
-        median = statistics.median(measured[layout])
-        predicted, k = predictions[layout]
-        rows.append({"layout": asdict(layout), "processes": layout.processes, "predicted_ms": predicted, "refresh_steps": k,
-                     "measured_ms": median, "repeats_ms": measured[layout], "error": predicted / median - 1})
+    for case in chosen:
+        median = statistics.median(measured[case])
+        predicted, k = predictions[case]
+        rows.append({"layout": asdict(case), "processes": case.processes, "predicted_ms": predicted, "refresh_steps": k,
+                     "measured_ms": median, "repeats_ms": measured[case], "error": predicted / median - 1})
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     seconds = time.perf_counter() - started
     text, rho, worst = report(rows, args, seconds, load)
