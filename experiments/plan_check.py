@@ -199,13 +199,36 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
         "# Layout predictions against measured steps", "",
         "Written by `experiments/plan_check.py` (its docstring has the method). Back to the [README](../README.md).", "",
         f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)", "",
-        f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the end. "
+        f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
         f"One profile per model (`pipefisher profile RUN.yaml`: 2 stages, 1F1B, 4 micro-batches); "
         f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
         f"{args.repeats} repeats of every layout, interleaved.", "",
         table(rows), "",
         f"Spearman's rank correlation of predicted against measured: **{rho:.3f}**; largest error "
-        f"**{worst * 100:.1f} %**.", ""]), rho, worst
+        f"**{worst * 100:.1f} %**.", "", *NOTES]), rho, worst
+
+
+#: what the page says below every table: what the numbers are and what the prediction leaves out
+NOTES = [
+    "Predicted: `pipefisher.planning.layout_predict.predict` (what `pipefisher plan` ranks by) on the one profile "
+    "of the model; error = predicted / measured − 1. Every layout runs 2 single-threaded processes on the 2 cores: "
+    "with 4 processes two ranks share each core and the operating system's time slicing, not the schedule, decides "
+    "when an op runs, which no per-device model describes (a 4-process layout here measures the scheduler, so none "
+    "is in the check).",
+    "",
+    "What the prediction leaves out, by construction:",
+    "",
+    "- K-FAC's end of step is the profiled optimizer's (LAMB or AdamW over every parameter): K-FAC steps its layers "
+    "with SGD and the rest with AdamW, and preconditions (the profile's per-layer `precondition`).",
+    "- Stage times come from the 1F1B run the profile measured, where one rank idles in the bubbles; layouts that "
+    "keep both ranks busy all the time (Chimera, data parallelism) share the machine's memory bandwidth and any "
+    "other load with the second rank throughout.",
+    "- Interleaved pieces and the 1-stage pipeline are the 2-stage profile re-split by blocks "
+    "(`layout_sources.resplit`): a stage's time is shared out by the number of blocks each piece takes, so the "
+    "embedding's and the heads' time is spread over the stage's blocks.",
+    "- The data-parallel gradient all-reduce runs at the bandwidth of the profile's stage-boundary transfer (one "
+    "activation message over its measured p2p time, latency included).",
+]
 
 
 def main() -> int:
@@ -224,7 +247,7 @@ def main() -> int:
         if getattr(args, flag) < 1:
             print(f"plan_check: error: --{flag}: {getattr(args, flag)} is not a positive count", file=sys.stderr)
             return 2
-    started = time.perf_counter()
+    started, load_at_start = time.perf_counter(), os.getloadavg()
     chosen = layouts(args.quick)
     args.profile_dir.mkdir(parents=True, exist_ok=True)
     profiles, predictions = {}, {}
@@ -247,7 +270,7 @@ def main() -> int:
         predicted, k = predictions[case]
         rows.append({"layout": asdict(case), "processes": case.processes, "predicted_ms": predicted, "refresh_steps": k,
                      "measured_ms": median, "repeats_ms": measured[case], "error": predicted / median - 1})
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = " and ".join(" ".join(f"{x:.2f}" for x in loads) for loads in (load_at_start, os.getloadavg()))
     seconds = time.perf_counter() - started
     text, rho, worst = report(rows, args, seconds, load)
     print(text)
