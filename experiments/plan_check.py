@@ -233,6 +233,26 @@ NOTES = [
 ]
 
 
+def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """model -> (profile file, profile); case -> (predicted ms, k); case -> measured ms per repeat.
+    RuntimeError (one line) when a profile or run fails."""
+    args.profile_dir.mkdir(parents=True, exist_ok=True)
+    profiles = {}
+    for model in dict.fromkeys(case.model for case in chosen):
+        path = measure_profile(model, args.profile_dir)
+        profiles[model] = (path, load_profile(path))
+        print(f"profiled {model}: {path}", file=sys.stderr, flush=True)
+    predictions = {case: predict_case(case, *profiles[case.model]) for case in chosen}
+    measured: dict[Case, list[float]] = {case: [] for case in chosen}
+    for repeat in range(args.repeats):
+        for case in chosen:
+            value = measure_run(case, profiles[case.model][0], predictions[case][1], args.warmup, args.steps)
+            measured[case].append(value)
+            print(f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
+                  f"(predicted {predictions[case][0]:.1f} ms)", file=sys.stderr, flush=True)
+    return profiles, predictions, measured
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="fresh runs per layout, interleaved (median; default 3)")
@@ -251,21 +271,11 @@ def main() -> int:
             return 2
     started, load_at_start = time.perf_counter(), os.getloadavg()
     chosen = layouts(args.quick)
-    args.profile_dir.mkdir(parents=True, exist_ok=True)
-    profiles, predictions = {}, {}
-    for model in dict.fromkeys(case.model for case in chosen):
-        path = measure_profile(model, args.profile_dir)
-        profiles[model] = (path, load_profile(path))
-        print(f"profiled {model}: {path}", file=sys.stderr, flush=True)
-    for case in chosen:
-        predictions[case] = predict_case(case, *profiles[case.model])
-    measured: dict[Case, list[float]] = {case: [] for case in chosen}
-    for repeat in range(args.repeats):
-        for case in chosen:
-            value = measure_run(case, profiles[case.model][0], predictions[case][1], args.warmup, args.steps)
-            measured[case].append(value)
-            print(f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
-                  f"(predicted {predictions[case][0]:.1f} ms)", file=sys.stderr, flush=True)
+    try:
+        profiles, predictions, measured = predict_and_measure(chosen, args)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"plan_check: {exc}", file=sys.stderr)
+        return 1
     rows = []
     for case in chosen:
         median = statistics.median(measured[case])
