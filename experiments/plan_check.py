@@ -1,0 +1,299 @@
+"""The layout planner's step-time predictions against real `pipefisher run`s on this machine.
+
+For each shipped CPU model (schedules/tiny-cpu.yaml: BERT 4 x 128 with LAMB; schedules/gpt2-tiny-cpu.yaml:
+GPT-2 4 x 128 with AdamW) it measures ONE profile with `pipefisher profile` at the run file's own split
+(2 stages, 1F1B, 4 micro-batches, the run file's optimizer; K-FAC's tasks are timed too) and predicts
+every layout from it with the planner's `predict` (`pipefisher.planning.layout_predict`, what
+`pipefisher plan` ranks by): other schedules and micro-batch counts reuse the stages' times,
+interleaved's and a 1-stage pipeline's pieces are the profile re-split by blocks
+(`layout_sources.resplit`), K-FAC is packed, and replicated stages (Chimera's pipes, data-parallel
+copies) get the ring all-reduce of their gradients at the bandwidth of the profile's measured
+stage-boundary transfer. Then it runs every layout with `pipefisher run --json` (2 processes each),
+the layouts in turn and the whole round repeated (A B C ..., A B C ...), so that the machine's load
+drifts hit all alike. A run's value is the median over its timed refresh cycles (1 step each for a
+first-order optimizer) of the cycle's mean step time (rank 0's `step_time_ms`), after the warm-up
+steps; a layout's measured time is the median over repeats. Reported: predicted and measured ms, the
+spread over repeats, the error, and Spearman's rank correlation of predicted against measured.
+
+    python experiments/plan_check.py --out docs/plan_check.md      # writes docs/plan_check.md and .json
+    python experiments/plan_check.py --quick                        # 3 layouts, 1 repeat: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipefisher.config import RunConfig, config_from_dict  # noqa: E402
+from pipefisher.core.profile import Profile, load_profile  # noqa: E402
+from pipefisher.planning.layout_candidates import layout_of_run  # noqa: E402
+from pipefisher.planning.layout_model import model_sizes  # noqa: E402
+from pipefisher.planning.layout_predict import PlanContext, predict  # noqa: E402
+from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes  # noqa: E402
+from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
+
+MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
+FIRST_ORDER = ("sgd", "adamw", "lamb")
+RUN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way to run a model: `stages` pipeline stages x `data_parallel` replicas (one process each),
+    `micro_batches` per replica and step, `method` the optimizer (a first-order one, or a curvature
+    method packed into the bubbles)."""
+
+    model: str
+    schedule: str
+    stages: int
+    micro_batches: int
+    method: str
+    data_parallel: int = 1
+
+    @property
+    def processes(self) -> int:
+        return self.stages * self.data_parallel
+
+    @property
+    def label(self) -> str:
+        split = f"{self.stages} st" + (f" x {self.data_parallel} dp" if self.data_parallel > 1 else "")
+        return f"{self.schedule}, {split}, N={self.micro_batches}, {self.method}"
+
+
+def layouts(quick: bool) -> list[Case]:
+    """The checked layouts, all on 2 processes (this machine has 2 cores: more processes than cores
+    time-share them, which no per-device model predicts)."""
+    bert, gpt2 = "bert-4x128", "gpt2-tiny"
+    chosen = [
+        Case(bert, "1f1b", 2, 4, "lamb"),
+        Case(bert, "gpipe", 2, 4, "lamb"),
+        Case(bert, "1f1b", 2, 8, "lamb"),
+        Case(bert, "1f1b", 2, 2, "lamb"),
+        Case(bert, "chimera", 2, 4, "lamb"),
+        Case(bert, "zb-h1", 2, 4, "lamb"),
+        Case(bert, "interleaved", 2, 4, "lamb"),
+        Case(bert, "1f1b", 2, 4, "kfac"),
+        Case(bert, "1f1b", 1, 4, "lamb", data_parallel=2),
+        Case(gpt2, "1f1b", 2, 4, "adamw"),
+        Case(gpt2, "gpipe", 2, 8, "adamw"),
+    ]
+    return [chosen[0], chosen[4], chosen[9]] if quick else chosen
+
+
+def run_config(case: Case) -> RunConfig:
+    """The run file of `case.model` with the layout's keys set."""
+    data = yaml.safe_load((ROOT / MODELS[case.model]).read_text())
+    data["pipeline"].update(schedule=case.schedule, stages=case.stages, micro_batches=case.micro_batches,
+                            data_parallel=case.data_parallel)
+    data["optimizer"]["name"] = case.method
+    return config_from_dict(data)
+
+
+def layout_flags(case: Case, profile: Path) -> list[str]:
+    """`pipefisher run` flags that make the model's run file run `case` (a curvature method packs
+    from `profile`, the profile the prediction uses, and never re-profiles)."""
+    flags = ["--schedule", case.schedule, "--pipeline.stages", str(case.stages), "--pipeline.micro_batches",
+             str(case.micro_batches), "--data-parallel", str(case.data_parallel), "--optimizer", case.method]
+    if case.schedule == "interleaved":
+        flags += ["--pipeline.chunks", "2"]
+    if case.method not in FIRST_ORDER:
+        flags += ["--profile", str(profile), f"--{case.method}.reprofile_threshold", "1000"]
+    return flags
+
+
+def planner_context(case: Case, profile_path: Path, profile: Profile) -> PlanContext:
+    """The planner's context for `case`'s model and method, times from the one measured profile;
+    the data-parallel bandwidth is the profile's stage-boundary transfer (one micro-batch's
+    activation, micro-batch x sequence x hidden fp32, over its measured p2p time), not the planner's
+    default for InfiniBand between GPUs."""
+    config = run_config(case)
+    sizes = model_sizes(config)
+    curvature = case.method not in FIRST_ORDER
+    boundary_bytes = 4 * config.data.micro_batch_size * sizes.seq_len * sizes.hidden
+    bandwidth_gbps = boundary_bytes / (profile.stages[0].p2p * MS_PER_UNIT[profile.time_unit] / 1e3) / 1e9
+    return PlanContext(sizes, MeasuredTimes.check([(str(profile_path), profile)], sizes, None),
+                       config.section(case.method).first_order if curvature else case.method,
+                       config.section(case.method) if curvature else None, config.optimizer_settings.momentum,
+                       config.run.precision, bandwidth_gbps)
+
+
+def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[float, int]:
+    """(predicted mean step time in ms, refresh interval k: 1 for first-order) of `case`: the
+    layout planner's `predict` of the run file's layout."""
+    config = run_config(case)
+    layout = layout_of_run(config.pipeline, config.data.micro_batch_size, case.method)
+    prediction = predict(layout, planner_context(case, profile_path, profile))
+    return prediction.step_ms, max(prediction.layout.refresh_steps, 1)
+
+
+def measure_profile(model: str, folder: Path) -> Path:
+    path = folder / f"{model}.yaml"
+    command = [sys.executable, "-m", "pipefisher", "profile", MODELS[model], "-o", str(path), "--master-port", "0"]
+    call(command)
+    return path
+
+
+def call(command: list[str]) -> str:
+    """stdout of `command` run from the checkout; RuntimeError with its last stderr line on failure."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{shlex.join(command[1:])} exited with {done.returncode}: {last}")
+    return done.stdout
+
+
+def measure_run(case: Case, profile: Path, refresh_steps: int, warmup: int, timed: int) -> float:
+    """Median over the timed refresh cycles of one fresh run of the cycle's mean step time (ms)."""
+    cycles_warm, cycles_timed = -(-warmup // refresh_steps), -(-timed // refresh_steps)
+    steps = (cycles_warm + cycles_timed) * refresh_steps
+    command = [sys.executable, "-m", "pipefisher", "run", MODELS[case.model], "--json", "--master-port", "0",
+               "--steps", str(steps), *layout_flags(case, profile)]
+    records = [json.loads(line) for line in call(command).splitlines() if line.startswith("{")]
+    if len(records) != steps:
+        raise RuntimeError(f"{case.label}: the run reported {len(records)} steps, not {steps}")
+    if records[-1].get("refresh_steps", 1) != refresh_steps:
+        raise RuntimeError(f"{case.label}: the run refreshed every {records[-1]['refresh_steps']} steps, "
+                           f"the prediction every {refresh_steps}")
+    times = [record["step_time_ms"] for record in records[cycles_warm * refresh_steps:]]
+    return statistics.median(statistics.fmean(times[i:i + refresh_steps]) for i in range(0, len(times), refresh_steps))
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | schedule | stages x replicas | micro-batches | optimizer | processes | predicted [ms] | "
+             "measured median [ms] | measured min–max [ms] | error [%] |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lay = row["layout"]
+        lines.append(f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
+                     f"{lay['method']}{' (packed, k=%d)' % row['refresh_steps'] if lay['method'] not in FIRST_ORDER else ''} | "
+                     f"{row['processes']} | {row['predicted_ms']:.1f} | {row['measured_ms']:.1f} | "
+                     f"{min(row['repeats_ms']):.1f}–{max(row['repeats_ms']):.1f} | {row['error'] * 100:+.1f} |")
+    return "\n".join(lines)
+
+
+def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str) -> tuple[str, float, float]:
+    """The Markdown page, Spearman's rho and the largest absolute error (a share)."""
+    rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
+    worst = max(abs(r["error"]) for r in rows)
+    return "\n".join([
+        "# Layout predictions against measured steps", "",
+        "Written by `experiments/plan_check.py` (its docstring has the method). Back to the [README](../README.md).", "",
+        f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)", "",
+        f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
+        f"One profile per model (`pipefisher profile RUN.yaml`: 2 stages, 1F1B, 4 micro-batches); "
+        f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
+        f"{args.repeats} repeats of every layout, interleaved.", "",
+        table(rows), "",
+        f"Spearman's rank correlation of predicted against measured: **{rho:.3f}**; largest error "
+        f"**{worst * 100:.1f} %**.", "", *NOTES]), rho, worst
+
+
+#: what the page says below every table: what the numbers are and what the prediction leaves out
+NOTES = [
+    "Predicted: `pipefisher.planning.layout_predict.predict` (what `pipefisher plan` ranks by) on the one profile "
+    "of the model; error = predicted / measured − 1. Every layout runs 2 single-threaded processes on the 2 cores: "
+    "with 4 processes two ranks share each core and the operating system's time slicing, not the schedule, decides "
+    "when an op runs, which no per-device model describes (a 4-process layout here measures the scheduler, so none "
+    "is in the check).",
+    "",
+    "What the prediction leaves out, by construction:",
+    "",
+    "- K-FAC's end of step is the profiled optimizer's (LAMB or AdamW over every parameter): K-FAC steps its layers "
+    "with SGD and the rest with AdamW, and preconditions (the profile's per-layer `precondition`).",
+    "- Stage times come from the 1F1B run the profile measured, where one rank idles in the bubbles; layouts that "
+    "keep both ranks busy all the time (Chimera, data parallelism) share the machine's memory bandwidth and any "
+    "other load with the second rank throughout.",
+    "- Interleaved pieces and the 1-stage pipeline are the 2-stage profile re-split by blocks "
+    "(`layout_sources.resplit`): a stage's time is shared out by the number of blocks each piece takes, so the "
+    "embedding's and the heads' time is spread over the stage's blocks, and the 1-stage pipeline's end of step is "
+    "the sum of both stages' ends of step, which counts twice what each rank of the 2-stage run does once (the "
+    "all-reduce of BERT's tied embedding/decoder weights, the step's world reduction).",
+    "- The data-parallel gradient all-reduce runs at the bandwidth of the profile's stage-boundary transfer (one "
+    "activation message over its measured p2p time, latency included).",
+]
+
+
+def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """model -> (profile file, profile); case -> (predicted ms, k); case -> measured ms per repeat.
+    RuntimeError (one line) when a profile or run fails."""
+    args.profile_dir.mkdir(parents=True, exist_ok=True)
+    profiles = {}
+    for model in dict.fromkeys(case.model for case in chosen):
+        path = measure_profile(model, args.profile_dir)
+        profiles[model] = (path, load_profile(path))
+        print(f"profiled {model}: {path}", file=sys.stderr, flush=True)
+    predictions = {case: predict_case(case, *profiles[case.model]) for case in chosen}
+    measured: dict[Case, list[float]] = {case: [] for case in chosen}
+    for repeat in range(args.repeats):
+        for case in chosen:
+            value = measure_run(case, profiles[case.model][0], predictions[case][1], args.warmup, args.steps)
+            measured[case].append(value)
+            print(f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
+                  f"(predicted {predictions[case][0]:.1f} ms)", file=sys.stderr, flush=True)
+    return profiles, predictions, measured
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh runs per layout, interleaved (median; default 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run, rounded up to whole refresh cycles (default 5)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 layouts, 1 repeat, 1 warm-up and 2 timed steps")
+    parser.add_argument("--out", type=Path, help="write the Markdown table here and the raw numbers beside it (.json)")
+    parser.add_argument("--profile-dir", type=Path, default=Path("/tmp/pipefisher-experiments/plan_check"),
+                        help="where the measured profiles go")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.warmup, args.steps = 1, 1, 2
+    for flag in ("repeats", "warmup", "steps"):
+        if getattr(args, flag) < 1:
+            print(f"plan_check: error: --{flag}: {getattr(args, flag)} is not a positive count", file=sys.stderr)
+            return 2
+    started, load_at_start = time.perf_counter(), os.getloadavg()
+    chosen = layouts(args.quick)
+    try:
+        profiles, predictions, measured = predict_and_measure(chosen, args)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"plan_check: {exc}", file=sys.stderr)
+        return 1
+    rows = []
+    for case in chosen:
+        median = statistics.median(measured[case])
+        predicted, k = predictions[case]
+        rows.append({"layout": asdict(case), "processes": case.processes, "predicted_ms": predicted, "refresh_steps": k,
+                     "measured_ms": median, "repeats_ms": measured[case], "error": predicted / median - 1})
+    load = " and ".join(" ".join(f"{x:.2f}" for x in loads) for loads in (load_at_start, os.getloadavg()))
+    seconds = time.perf_counter() - started
+    text, rho, worst = report(rows, args, seconds, load)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            {"command": sys.argv, "seconds": seconds, "load_average": load, "spearman": rho, "max_abs_error": worst,
+             "profiles": {m: str(p[0]) for m, p in profiles.items()}, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(entry_point(main, "plan_check"))

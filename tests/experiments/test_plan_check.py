@@ -1,0 +1,54 @@
+"""experiments/plan_check.py: its predictions are the planner's on one 2-stage profile (the
+measured p2p sets the data-parallel bandwidth), and bad flags are one line and exit 2. The
+measured side (real runs, minutes) is the script's own job."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from plan_check import Case, planner_context, predict_case  # noqa: E402
+
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile  # noqa: E402
+from pipefisher.planning.simulate import simulate  # noqa: E402
+from pipefisher.schedules import get_schedule  # noqa: E402
+
+
+def layer(block: int) -> LayerProfile:
+    return LayerProfile(f"encoder.layer.{block}.attention.self.query", 0.1, 0.1, 0.5, 0.5, 0.05)
+
+
+#: tiny-cpu's split: blocks 0-1 and 2-3; a 262,144-byte boundary message (8 x 64 x 128 fp32) in 2 ms
+PROFILE = Profile((StageProfile(forward=10.0, backward=20.0, p2p=2.0, step_end=5.0, layers=(layer(0), layer(1))),
+                   StageProfile(forward=30.0, backward=50.0, step_end=7.0, layers=(layer(2), layer(3)))), micro_batch_size=8)
+PATH = Path("bert.yaml")
+
+
+def test_first_order_pipelines_at_the_profiled_split_are_its_simulated_step():
+    for schedule, micro_batches in [("1f1b", 4), ("gpipe", 8), ("zb-h1", 4)]:
+        predicted, k = predict_case(Case("bert-4x128", schedule, 2, micro_batches, "lamb"), PATH, PROFILE)
+        assert k == 1
+        assert predicted == pytest.approx(simulate(get_schedule(schedule, 2, micro_batches), PROFILE).step_time)
+
+
+def test_the_data_parallel_bandwidth_is_the_measured_boundary_transfers():
+    context = planner_context(Case("bert-4x128", "1f1b", 1, 4, "lamb", data_parallel=2), PATH, PROFILE)
+    assert context.dp_bandwidth_gbps == pytest.approx(8 * 64 * 128 * 4 / 2e-3 / 1e9)
+    merged, _ = predict_case(Case("bert-4x128", "1f1b", 1, 4, "lamb", data_parallel=2), PATH, PROFILE)
+    assert merged > 4 * (40 + 70) + 12, "one stage of both stages' work, plus its gradient all-reduce"
+
+
+def test_a_curvature_method_is_packed_with_a_refresh_interval():
+    predicted, k = predict_case(Case("bert-4x128", "1f1b", 2, 4, "kfac"), PATH, PROFILE)
+    assert k >= 1 and predicted >= simulate(get_schedule("1f1b", 2, 4), PROFILE).step_time
+
+
+def test_a_bad_count_is_one_line_and_exit_2():
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "plan_check.py"), "--repeats", "0"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["plan_check: error: --repeats: 0 is not a positive count"]
