@@ -41,8 +41,8 @@ from pipefisher.config import RunConfig, config_from_dict  # noqa: E402
 from pipefisher.core.profile import Profile, load_profile  # noqa: E402
 from pipefisher.planning.layout_candidates import layout_of_run  # noqa: E402
 from pipefisher.planning.layout_model import model_sizes  # noqa: E402
-from pipefisher.planning.layout_predict import PlanContext, predict  # noqa: E402
-from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes  # noqa: E402
+from pipefisher.planning.layout_predict import PlanContext, predict, source_bandwidth_gbps  # noqa: E402
+from pipefisher.planning.layout_sources import MeasuredTimes  # noqa: E402
 from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
 
 MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
@@ -122,12 +122,11 @@ def planner_context(case: Case, profile_path: Path, profile: Profile) -> PlanCon
     config = run_config(case)
     sizes = model_sizes(config)
     curvature = case.method not in FIRST_ORDER
-    boundary_bytes = 4 * config.data.micro_batch_size * sizes.seq_len * sizes.hidden
-    bandwidth_gbps = boundary_bytes / (profile.stages[0].p2p * MS_PER_UNIT[profile.time_unit] / 1e3) / 1e9
-    return PlanContext(sizes, MeasuredTimes.check([(str(profile_path), profile)], sizes, None),
+    source = MeasuredTimes.check([(str(profile_path), profile)], sizes, None)
+    return PlanContext(sizes, source,
                        config.section(case.method).first_order if curvature else case.method,
                        config.section(case.method) if curvature else None, config.optimizer_settings.momentum,
-                       config.run.precision, bandwidth_gbps)
+                       config.run.precision, source_bandwidth_gbps(source, sizes, config.run.precision))
 
 
 def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[float, int]:

@@ -17,7 +17,8 @@ from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 from pipefisher.planning.layout_candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
 from pipefisher.planning.layout_model import ModelSizes, PlanError, model_sizes
-from pipefisher.planning.layout_predict import DEFAULT_DP_BANDWIDTH_GBPS, PlanContext, Prediction, is_curvature, predict
+from pipefisher.planning.layout_predict import (DEFAULT_DP_BANDWIDTH_GBPS, PlanContext, Prediction, is_curvature, predict,
+                                                source_bandwidth_gbps)
 from pipefisher.planning.layout_search import DEFAULT_PACKED, GiB, SearchResult, search
 from pipefisher.planning.layout_sources import MeasuredTimes, ReferenceTimes
 from pipefisher.planning.layout_table import prediction_dict, ranked_table, run_file_of
@@ -52,8 +53,9 @@ def add_plan_parser(subparsers) -> None:
     parser.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
     parser.add_argument("--packed", type=positive_int, default=DEFAULT_PACKED,
                         help=f"most layouts packed, the fastest first-order ones that fit (default {DEFAULT_PACKED})")
-    parser.add_argument("--dp-bandwidth-gbps", type=_positive_float, default=DEFAULT_DP_BANDWIDTH_GBPS,
-                        help=f"data-parallel all-reduce bandwidth, GB/s (default {DEFAULT_DP_BANDWIDTH_GBPS:g})")
+    parser.add_argument("--dp-bandwidth-gbps", type=_positive_float, default=None,
+                        help="data-parallel all-reduce bandwidth, GB/s (default: what a --profile's p2p times show, "
+                             f"else {DEFAULT_DP_BANDWIDTH_GBPS:g})")
     parser.add_argument("-o", "--output", help="write the best layout as a run file (YAML) here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.set_defaults(handler=_cmd_plan)
@@ -120,7 +122,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     space = SearchSpace(args.gpus, global_batch, source.micro_batch_sizes, degrees,
                         recompute=RECOMPUTE_MODES, powersgd_ranks=(config.comm.powersgd_rank,))
     context = PlanContext(sizes, source, first_order, config.section(method) if is_curvature(method) else None,
-                          config.optimizer_settings.momentum, config.run.precision, args.dp_bandwidth_gbps)
+                          config.optimizer_settings.momentum, config.run.precision,
+                          args.dp_bandwidth_gbps or source_bandwidth_gbps(source, sizes, config.run.precision))
     budget = int(args.memory_gb * GiB)
     result = search(space, context, method, budget, top=args.packed, shown=args.top, progress=not args.json)
     own = layout_of_run(pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank)

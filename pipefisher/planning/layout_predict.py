@@ -3,8 +3,9 @@ why. Pure Python: no torch.
 
 Step time: the simulator's first-order step (`simulate`) of the layout's schedule with the time
 source's profile; for a curvature method the packer's chosen plan (`pack` with the method
-section's options): its cycle time over its refresh interval k, i.e. the mean step with the
-refresh work in the bubbles and what does not fit. Data-parallel traffic: where the profile has
+section's options, which choose at a percentile of the profile's samples): the chosen plan's
+cycle simulated at the profile's own (median) times over its refresh interval k, i.e. the mean
+step with the refresh work in the bubbles and what does not fit. Data-parallel traffic: where the profile has
 no measured `grad_reduce`, each stage's reduction is the bytes a rank sends for it
 (`rank_memory`'s ring model: all-reduce, ZeRO-1's reduce + broadcast or PowerSGD's factors) at
 `dp_bandwidth_gbps`, and (stage replicas > 1) a curvature layer's factor syncs, where the layer is
@@ -21,13 +22,15 @@ from pipefisher.config import FIRST_ORDER
 from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile
 from pipefisher.methods.settings import RefreshConfig
+from pipefisher.planning.activation_memory import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.layout_candidates import Layout
 from pipefisher.planning.layout_memory import MemoryUse, layout_memory, state_per_rank
 from pipefisher.planning.layout_model import ModelSizes
-from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes
+from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
 from pipefisher.planning.recompute import recompute_forward_share, with_recompute
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
+from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
 from pipefisher.planning.transformer_state import BLOCK_MODULES
@@ -80,6 +83,18 @@ class Prediction:
     @property
     def tokens_per_s(self) -> float:
         return self.samples_per_s * self.tokens_per_sample
+
+
+def source_bandwidth_gbps(source: TimeSource, sizes: ModelSizes, precision: str) -> float:
+    """The data-parallel bandwidth a search assumes: what the first measured profile's stage-boundary
+    transfers show (`measured_bandwidth_gbps`; activations in the run's compute dtype), else
+    `DEFAULT_DP_BANDWIDTH_GBPS`."""
+    if isinstance(source, MeasuredTimes):
+        for _, profile in source.profiles:
+            found = measured_bandwidth_gbps(profile, sizes, PRECISIONS[precision])
+            if found:
+                return found
+    return DEFAULT_DP_BANDWIDTH_GBPS
 
 
 def is_curvature(method: str) -> bool:
@@ -194,7 +209,7 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
     result, profile = _packed(layout, context, None)
     if memory_budget is not None and held.total + max(p.bytes for p in result.capture_peaks) > memory_budget >= held.total:
         result, profile = _packed(layout, context, memory_budget - held.total)
-    step_ms = result.cycle_time / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
+    step_ms = cycle_time(simulate_plan(result.plan, profile)) / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
     packed = replace(layout, refresh_steps=result.refresh_steps)
     captures = [peak.bytes for peak in result.capture_peaks]
     memory = layout_memory(packed, context.sizes, context.first_order, context.momentum, context.precision, captures)
