@@ -19,21 +19,26 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 BEGIN, END = "<!-- memory check table -->", "<!-- end of memory check table -->"
 
-#: (run file, schedule, data-parallel copies, ZeRO stage, micro-batch size, precision)
+#: (run file, schedule, data-parallel copies, ZeRO stage, micro-batch size, precision, recompute)
 LAYOUTS = (
-    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "gpipe", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "interleaved", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "chimera", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "1f1b", 2, 1, 8, "fp32"),
-    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "bf16"),
-    ("gpt2-tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32"),
-    ("gpt2-tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32"),
+    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "gpipe", 1, 0, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "interleaved", 1, 0, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "chimera", 1, 0, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "1f1b", 2, 1, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "bf16", "none"),
+    ("gpt2-tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32", "none"),
+    ("gpt2-tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32", "none"),
+    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32", "blocks"),
+    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32", "selective"),
+    ("tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32", "selective"),
+    ("gpt2-tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32", "blocks"),
 )
 
 
-def layout_config(run_file: str, schedule: str, data_parallel: int, zero: int, micro_batch_size: int, precision: str):
+def layout_config(run_file: str, schedule: str, data_parallel: int, zero: int, micro_batch_size: int, precision: str,
+                  recompute: str):
     """The run file with the layout applied: AdamW, 2 steps, sequences of 64 tokens."""
     from pipefisher.config import load_config
 
@@ -41,8 +46,14 @@ def layout_config(run_file: str, schedule: str, data_parallel: int, zero: int, m
     change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
     return dataclasses.replace(
         config, pipeline=change("pipeline", schedule=schedule, data_parallel=data_parallel),
-        optimizer=change("optimizer", name="adamw", zero=zero), model=change("model", seq_len=64),
+        optimizer=change("optimizer", name="adamw", zero=zero), model=change("model", seq_len=64, recompute=recompute),
         data=change("data", micro_batch_size=micro_batch_size), run=change("run", precision=precision, steps=2))
+
+
+def layout_label(run_file: str, schedule: str, data_parallel: int, zero: int, micro_batch: int, precision: str,
+                 recompute: str) -> str:
+    return (f"{run_file.removesuffix('.yaml')} {schedule}, R={data_parallel}{', ZeRO-1' if zero else ''}, b={micro_batch}, "
+            f"{precision}{'' if recompute == 'none' else ', recompute ' + recompute}")
 
 
 def check(config) -> list[tuple]:
@@ -77,11 +88,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "docs" / "memory_model.md"), help="Markdown file whose table to replace ('' = none)")
     parser.add_argument("--only", type=int, default=0, help="run the first N layouts only (0 = all)")
+    parser.add_argument("--match", default="", help="run the layouts whose label contains this text only")
     args = parser.parse_args()
     rows = []
     for layout in LAYOUTS[: args.only or None]:
-        run_file, schedule, data_parallel, zero, micro_batch, precision = layout
-        label = f"{run_file.removesuffix('.yaml')} {schedule}, R={data_parallel}{', ZeRO-1' if zero else ''}, b={micro_batch}, {precision}"
+        if args.match not in (label := layout_label(*layout)):
+            continue
         rows.append((label, check(layout_config(*layout))))
         print(table(rows[-1:])[-1], flush=True)
     lines = table(rows)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipefisher.core.topology import Topology
 from pipefisher.planning.activation_memory import (PRECISIONS, ModelShape, activation_peaks, backward_transient_bytes,
-                                                   micro_batch_bytes, recompute_transient_bytes, weight_pending_bytes)
+                                                   micro_batch_bytes, weight_pending_bytes)
 from pipefisher.planning.memory import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
 
 
@@ -64,8 +64,8 @@ def stage_activation_bytes(shape: ModelShape, num_stages: int, micro_batch_size:
     kept = [micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel)
             for first, last in ends]
     pending = [weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision) for first, last in ends]
-    transient = [backward_transient_bytes(shape, last, micro_batch_size, precision)
-                 + recompute_transient_bytes(shape, micro_batch_size, first, precision, recompute, tensor_parallel) for first, last in ends]
+    transient = [backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+                 for first, last in ends]
     return kept, pending, transient
 
 
