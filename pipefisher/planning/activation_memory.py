@@ -224,30 +224,41 @@ def backward_transient_bytes(shape: ModelShape, first: bool, last: bool, micro_b
     return max(head, block)
 
 
+def activation_held(ops: Sequence, stage_bytes: Sequence[int], pending_bytes: Sequence[int], transient_bytes: Sequence[int],
+                    weighted: set[tuple]) -> list[tuple[int, int]]:
+    """Per op of one rank's op list (ops without activations, e.g. curvature tasks, change
+    nothing), the activation bytes held (during, after) it: a forward adds its stage's
+    `stage_bytes`; a backward counts its stage's `transient_bytes` on top of what is held when it
+    starts, then frees the stage bytes and, where `weighted` holds its (pipe, stage, micro-batch),
+    adds the stage's `pending_bytes` until the weight op frees them."""
+    held, result = 0, []
+    for op in ops:
+        during = held
+        if op.kind is OpKind.FORWARD:
+            held += stage_bytes[op.stage]
+            during = held
+        elif op.kind is OpKind.BACKWARD:
+            during = held + transient_bytes[op.stage]
+            held += (pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0) - stage_bytes[op.stage]
+        elif op.kind is OpKind.WEIGHT:
+            held -= pending_bytes[op.stage]
+        result.append((max(during, held), held))
+    return result
+
+
+def weighted_micro_batches(schedule: Schedule) -> set[tuple]:
+    """(pipe, stage, micro-batch) of every weight op (W) of `schedule` (split backward)."""
+    return {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
+
+
 def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_bytes: Sequence[int],
                      transient_bytes: Sequence[int] | None = None) -> list[int]:
-    """Per rank, the most activation bytes held at once over its op order: a forward adds its
-    stage's `stage_bytes`; a backward frees them and, where the schedule has a weight op for that
-    micro-batch, adds the stage's `pending_bytes` until the weight op frees them. With
-    `transient_bytes` (per stage, `backward_transient_bytes`), a backward also counts them on top
-    of what is held when it starts."""
+    """Per rank, the most activation bytes held at once over its op order (`activation_held`;
+    `transient_bytes` per stage, `backward_transient_bytes`: none when not given)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
                          f"{len(stage_bytes)} and {len(pending_bytes)}")
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
-    weighted = {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
-    peaks = []
-    for ops in schedule.ranks:
-        held = peak = 0
-        for op in ops:
-            key = (op.pipe, op.stage, op.micro_batch)
-            if op.kind is OpKind.FORWARD:
-                held += stage_bytes[op.stage]
-            elif op.kind is OpKind.BACKWARD:
-                peak = max(peak, held + transient[op.stage])
-                held += (pending_bytes[op.stage] if key in weighted else 0) - stage_bytes[op.stage]
-            elif op.kind is OpKind.WEIGHT:
-                held -= pending_bytes[op.stage]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
+    weighted = weighted_micro_batches(schedule)
+    return [max((during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted)), default=0)
+            for ops in schedule.ranks]
