@@ -1,7 +1,8 @@
 """The per-rank memory model (`pipefisher.planning.peak_memory`) against the bytes of live tensors
-at the peak of real runs on this CPU (gloo, one process per rank): several schedules, models and
-optimizer layouts. Prints a Markdown table (predicted MiB per rank by kind, measured MiB, error)
-and writes it into --out between its table markers. About 30 s a layout here.
+at the peak of real runs on this CPU (gloo, one process per rank): several schedules, models,
+optimizer layouts, activation recomputation and K-FAC (packed, from a profile measured first).
+Prints a Markdown table (predicted MiB per rank by kind, measured MiB, error) and writes it into
+--out between its table markers. About 2.5 minutes here (14 layouts).
 
     python experiments/memory_check.py
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 from pathlib import Path
 
 from pipefisher.runtime.training.stopping import entry_point
@@ -19,47 +21,83 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 BEGIN, END = "<!-- memory check table -->", "<!-- end of memory check table -->"
 
-#: (run file, schedule, data-parallel copies, ZeRO stage, micro-batch size, precision)
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One checked run: the run file with these settings (`optimizer` a curvature method: its
+    packed placement, from a profile measured first)."""
+
+    run_file: str
+    schedule: str = "1f1b"
+    data_parallel: int = 1
+    zero: int = 0
+    micro_batch_size: int = 8
+    precision: str = "fp32"
+    recompute: str = "none"
+    optimizer: str = "adamw"
+
+    @property
+    def label(self) -> str:
+        extras = [f"ZeRO-{self.zero}"] * bool(self.zero) + [f"recompute {self.recompute}"] * (self.recompute != "none")
+        extras += [f"{self.optimizer} packed"] * (self.optimizer != "adamw")
+        return ", ".join([f"{self.run_file.removesuffix('.yaml')} {self.schedule}", f"R={self.data_parallel}",
+                          f"b={self.micro_batch_size}", self.precision, *extras])
+
+
 LAYOUTS = (
-    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "gpipe", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "interleaved", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "chimera", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32"),
-    ("tiny-cpu.yaml", "1f1b", 2, 1, 8, "fp32"),
-    ("tiny-cpu.yaml", "1f1b", 1, 0, 8, "bf16"),
-    ("gpt2-tiny-cpu.yaml", "1f1b", 1, 0, 8, "fp32"),
-    ("gpt2-tiny-cpu.yaml", "zb-h1", 1, 0, 8, "fp32"),
+    Layout("tiny-cpu.yaml", "1f1b"),
+    Layout("tiny-cpu.yaml", "gpipe"),
+    Layout("tiny-cpu.yaml", "interleaved"),
+    Layout("tiny-cpu.yaml", "chimera"),
+    Layout("tiny-cpu.yaml", "zb-h1"),
+    Layout("tiny-cpu.yaml", "1f1b", data_parallel=2, zero=1),
+    Layout("tiny-cpu.yaml", "1f1b", precision="bf16"),
+    Layout("gpt2-tiny-cpu.yaml", "1f1b"),
+    Layout("gpt2-tiny-cpu.yaml", "zb-h1"),
+    Layout("tiny-cpu.yaml", "1f1b", recompute="blocks"),
+    Layout("tiny-cpu.yaml", "1f1b", recompute="selective"),
+    Layout("tiny-cpu.yaml", "zb-h1", recompute="selective"),
+    Layout("gpt2-tiny-cpu.yaml", "1f1b", recompute="blocks"),
+    Layout("tiny-cpu.yaml", "1f1b", optimizer="kfac"),
 )
 
 
-def layout_config(run_file: str, schedule: str, data_parallel: int, zero: int, micro_batch_size: int, precision: str):
-    """The run file with the layout applied: AdamW, 2 steps, sequences of 64 tokens."""
+def layout_config(layout: Layout, profile_dir: Path):
+    """The run file with the layout applied: 2 steps (a curvature method: two refresh cycles),
+    sequences of 64 tokens; a curvature method packs from a profile of this run measured into
+    `profile_dir` first."""
     from pipefisher.config import load_config
+    from pipefisher.runtime.training.run import profile_run
 
-    config = load_config(ROOT / "schedules" / run_file)
+    config = load_config(ROOT / "schedules" / layout.run_file)
     change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
-    return dataclasses.replace(
-        config, pipeline=change("pipeline", schedule=schedule, data_parallel=data_parallel),
-        optimizer=change("optimizer", name="adamw", zero=zero), model=change("model", seq_len=64),
-        data=change("data", micro_batch_size=micro_batch_size), run=change("run", precision=precision, steps=2))
+    config = dataclasses.replace(
+        config, pipeline=change("pipeline", schedule=layout.schedule, data_parallel=layout.data_parallel),
+        optimizer=change("optimizer", name=layout.optimizer, zero=layout.zero), model=change("model", seq_len=64, recompute=layout.recompute),
+        data=change("data", micro_batch_size=layout.micro_batch_size), run=change("run", precision=layout.precision, steps=2, master_port=0))
+    if config.curvature is None:
+        return config
+    profile = profile_dir / f"{layout.optimizer}-{layout.schedule}.yaml"
+    if profile_run(config, str(profile), None, repeats=2):
+        raise SystemExit(f"{layout.label}: measuring its profile failed")
+    return config.with_overrides(**{layout.optimizer: {"profile": str(profile), "placement": "packed"}})
 
 
 def check(config) -> list[tuple]:
     """(predicted `RankPeak`, measured bytes) per rank of a run."""
     from pipefisher.runtime.training.launch import run_group
-    from pipefisher.runtime.training.memory_check import measure, predict
+    from pipefisher.runtime.training.memory_check import measure, measured_steps, predict
 
-    return list(zip(predict(config), run_group(measure, config.world_size, (config,), timeout=300)))
+    steps = measured_steps(config)
+    return list(zip(predict(config), run_group(measure, config.world_size, (config, steps), timeout=300)))
 
 
 def table(rows: list[tuple[str, list[tuple]]]) -> list[str]:
-    lines = ["| layout | rank | parameters | gradients | optimizer | activations (peak) | p2p buffers | predicted | measured | error |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| layout | rank | parameters | gradients | optimizer | curvature | activations | captures | refresh copies | p2p buffers | predicted | measured | error |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for label, ranks in rows:
         for peak, measured in ranks:
-            cells = [peak.parameter_bytes, peak.gradient_bytes, peak.optimizer_bytes, peak.activation_bytes,
-                     peak.comm_buffer_bytes, peak.total_bytes, measured]
+            cells = [peak.parameter_bytes, peak.gradient_bytes, peak.optimizer_bytes, peak.curvature_bytes, peak.activation_bytes,
+                     peak.capture_bytes, peak.refresh_bytes, peak.comm_buffer_bytes, peak.total_bytes, measured]
             error = 100 * (peak.total_bytes - measured) / measured
             lines.append(f"| {label} | {peak.rank} | " + " | ".join(f"{cell / MiB:.2f}" for cell in cells) + f" | {error:+.1f} % |")
     return lines
@@ -77,13 +115,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "docs" / "memory_model.md"), help="Markdown file whose table to replace ('' = none)")
     parser.add_argument("--only", type=int, default=0, help="run the first N layouts only (0 = all)")
+    parser.add_argument("--match", default="", help="run the layouts whose label contains this text only")
     args = parser.parse_args()
     rows = []
-    for layout in LAYOUTS[: args.only or None]:
-        run_file, schedule, data_parallel, zero, micro_batch, precision = layout
-        label = f"{run_file.removesuffix('.yaml')} {schedule}, R={data_parallel}{', ZeRO-1' if zero else ''}, b={micro_batch}, {precision}"
-        rows.append((label, check(layout_config(*layout))))
-        print(table(rows[-1:])[-1], flush=True)
+    with tempfile.TemporaryDirectory() as profile_dir:
+        for layout in LAYOUTS[: args.only or None]:
+            if args.match in layout.label:
+                rows.append((layout.label, check(layout_config(layout, Path(profile_dir)))))
+                print(table(rows[-1:])[-1], flush=True)
     lines = table(rows)
     print("\n".join(lines))
     if args.out:

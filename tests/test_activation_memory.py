@@ -106,17 +106,18 @@ def test_gpt2_stages_keep_what_autograd_saves(precision):
 
 
 @pytest.mark.slow
-def test_predicted_peak_per_rank_is_within_ten_percent_of_live_tensor_bytes():
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+def test_predicted_peak_per_rank_is_within_ten_percent_of_live_tensor_bytes(recompute):
     from pipefisher.config import load_config
     from pipefisher.runtime.training.launch import run_group
     from pipefisher.runtime.training.memory_check import measure, predict
 
     config = load_config("schedules/tiny-cpu.yaml")
     change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
-    config = dataclasses.replace(config, optimizer=change("optimizer", name="adamw"), model=change("model", seq_len=32),
+    config = dataclasses.replace(config, optimizer=change("optimizer", name="adamw"), model=change("model", seq_len=32, recompute=recompute),
                                  data=change("data", micro_batch_size=8), run=change("run", steps=2))
     predicted = predict(config)
     measured = run_group(measure, config.world_size, (config,), timeout=120)
     for peak, live in zip(predicted, measured):
-        assert peak.activation_bytes > 0.3 * live  # activations are a real share of the peak
+        assert peak.activation_bytes > (0.3 if recompute == "none" else 0.1) * live  # activations are a real share of the peak
         assert peak.total_bytes == pytest.approx(live, rel=0.10)

@@ -89,3 +89,28 @@ def test_unknown_capture_sizes_report_zero():
     unknown = replace(profile, stages=tuple(replace(s, layers=tuple(replace(l, capture_a_bytes=0, capture_b_bytes=0) for l in s.layers))
                                             for s in profile.stages))
     assert pack(schedule, unknown).capture_peak_bytes == 0
+
+
+def test_activations_and_captures_are_summed_op_by_op_not_at_their_own_peaks():
+    from pipefisher.planning.cycle_memory import cycle_peaks
+
+    schedule = get_schedule("gpipe", 2, 4)
+    profile = profile_with_captures(2)
+    plan = after_step_plan(schedule, profile, 1)
+    captured = 4 * 2 * (A + B)  # after the flush, before any curvature task
+    # GPipe holds its 4 micro-batches' activations before the first backward, its captures after the last
+    joint = cycle_peaks(plan, profile, [10, 100], [0, 0], [0, 0], {})
+    assert [(p.activation_bytes, p.capture_bytes) for p in joint] == [(0, captured)] * 2
+    joint = cycle_peaks(plan, profile, [10**9, 10**9], [0, 0], [0, 0], {})
+    assert [(p.activation_bytes, p.capture_bytes) for p in joint] == [(4 * 10**9, 0)] * 2
+
+
+def test_a_refresh_copy_is_held_from_the_layers_first_curvature_task_to_the_cycle_end():
+    from pipefisher.planning.cycle_memory import cycle_peaks
+
+    schedule = get_schedule("1f1b", 2, 4)
+    profile = layered_profile(2, 2, spread=False)  # no capture sizes
+    copy = 7_000_000
+    refresh = {(stage, layer.name): copy for stage, entry in enumerate(profile.stages) for layer in entry.layers}
+    joint = cycle_peaks(after_step_plan(schedule, profile, 2), profile, [0, 0], [0, 0], [0, 0], refresh)
+    assert [(p.refresh_bytes, p.total_bytes) for p in joint] == [(2 * copy, 2 * copy)] * 2  # both layers of the rank's stage

@@ -24,7 +24,7 @@ on the first stage (fp32 embeddings; tiny's embedding is a Linear, bf16) and bf1
 (they receive bf16). Dropout p > 0 (BERT, CPU): masks of c bytes per dropped element and the
 attention's math path (three a·s² tensors per block) instead of flash attention.
 Recompute "blocks" keeps a block's input only (bsh·r) and, during one block's backward, that
-block's full activations again (`recompute_transient_bytes`); "selective" drops the attention
+block's full activations again (`backward_transient_bytes`); "selective" drops the attention
 core's own saved tensors (log-sum-exp, mask, the s² tensors), keeping its inputs q, k, v and its
 output (the next Linear saves it anyway).
 """
@@ -186,15 +186,6 @@ def micro_batch_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, m
     return total
 
 
-def recompute_transient_bytes(shape: ModelShape, micro_batch_size: int, first: bool, precision: str = "fp32",
-                              recompute: str = "none", tensor_parallel: int = 1) -> int:
-    """Extra bytes at a backward under recompute "blocks": one block's activations, rebuilt; 0 otherwise."""
-    if recompute != "blocks":
-        return 0
-    c = PRECISIONS[precision]
-    return block_bytes(shape, micro_batch_size, c, _residual_bytes(shape, first, c), "none", tensor_parallel)
-
-
 def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int,
                          precision: str = "fp32") -> int:
     """Bytes a micro-batch still holds between its input gradient (op B) and its weight gradient
@@ -217,40 +208,57 @@ def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool
     return saved + grads + (_head_bytes(shape, b, c, r) if last else 0)
 
 
-def backward_transient_bytes(shape: ModelShape, last: bool, micro_batch_size: int, precision: str = "fp32") -> int:
-    """The most bytes a stage's backward allocates beyond what the forward kept, at once: on the
-    last stage the gradient of the log-probabilities and of the logits (2·bsV, fp32, while the
-    log-softmax is still held); elsewhere a block's feed-forward gradient and two b·s·h gradients."""
+def backward_transient_bytes(shape: ModelShape, first: bool, last: bool, micro_batch_size: int, precision: str = "fp32",
+                             recompute: str = "none", tensor_parallel: int = 1) -> int:
+    """The most bytes a stage's backward allocates beyond what the forward kept, at once. Two
+    phases, one after the other: on the last stage the loss's, the gradients of the
+    log-probabilities and of the logits (2·bsV, fp32, while the log-softmax is still held); then
+    the blocks', one block at a time: its feed-forward gradient and two b·s·h gradients, and
+    under recompute "blocks" that block's activations, rebuilt (the head's gradients are freed
+    by then, so the phases do not add up)."""
     b, c = micro_batch_size, PRECISIONS[precision]
-    if last and shape.vocab:
-        return 2 * b * shape.seq_len * shape.vocab * 4
-    return b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
+    head = 2 * b * shape.seq_len * shape.vocab * 4 if last and shape.vocab else 0
+    block = b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
+    if recompute == "blocks":
+        block += block_bytes(shape, b, c, _residual_bytes(shape, first, c), "none", tensor_parallel)
+    return max(head, block)
+
+
+def activation_held(ops: Sequence, stage_bytes: Sequence[int], pending_bytes: Sequence[int], transient_bytes: Sequence[int],
+                    weighted: set[tuple]) -> list[tuple[int, int]]:
+    """Per op of one rank's op list (ops without activations, e.g. curvature tasks, change
+    nothing), the activation bytes held (during, after) it: a forward adds its stage's
+    `stage_bytes`; a backward counts its stage's `transient_bytes` on top of what is held when it
+    starts, then frees the stage bytes and, where `weighted` holds its (pipe, stage, micro-batch),
+    adds the stage's `pending_bytes` until the weight op frees them."""
+    held, result = 0, []
+    for op in ops:
+        during = held
+        if op.kind is OpKind.FORWARD:
+            held += stage_bytes[op.stage]
+            during = held
+        elif op.kind is OpKind.BACKWARD:
+            during = held + transient_bytes[op.stage]
+            held += (pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0) - stage_bytes[op.stage]
+        elif op.kind is OpKind.WEIGHT:
+            held -= pending_bytes[op.stage]
+        result.append((max(during, held), held))
+    return result
+
+
+def weighted_micro_batches(schedule: Schedule) -> set[tuple]:
+    """(pipe, stage, micro-batch) of every weight op (W) of `schedule` (split backward)."""
+    return {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
 
 
 def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_bytes: Sequence[int],
                      transient_bytes: Sequence[int] | None = None) -> list[int]:
-    """Per rank, the most activation bytes held at once over its op order: a forward adds its
-    stage's `stage_bytes`; a backward frees them and, where the schedule has a weight op for that
-    micro-batch, adds the stage's `pending_bytes` until the weight op frees them. With
-    `transient_bytes` (per stage, `backward_transient_bytes`), a backward also counts them on top
-    of what is held when it starts."""
+    """Per rank, the most activation bytes held at once over its op order (`activation_held`;
+    `transient_bytes` per stage, `backward_transient_bytes`: none when not given)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
                          f"{len(stage_bytes)} and {len(pending_bytes)}")
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
-    weighted = {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
-    peaks = []
-    for ops in schedule.ranks:
-        held = peak = 0
-        for op in ops:
-            key = (op.pipe, op.stage, op.micro_batch)
-            if op.kind is OpKind.FORWARD:
-                held += stage_bytes[op.stage]
-            elif op.kind is OpKind.BACKWARD:
-                peak = max(peak, held + transient[op.stage])
-                held += (pending_bytes[op.stage] if key in weighted else 0) - stage_bytes[op.stage]
-            elif op.kind is OpKind.WEIGHT:
-                held -= pending_bytes[op.stage]
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
+    weighted = weighted_micro_batches(schedule)
+    return [max((during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted)), default=0)
+            for ops in schedule.ranks]

@@ -36,9 +36,8 @@ class CapturePeak:
     after: Op | None = None
 
 
-def capture_peaks(plan: Plan, profile: Profile) -> list[CapturePeak]:
-    """Per rank, the peak of extra captured bytes held over one refresh cycle of `plan`."""
-    layers = [stage.layers for stage in profile.stages]
+def capture_held(plan: Plan, profile: Profile, rank: int) -> list[list[int]]:
+    """Per step of `plan`'s cycle, the extra captured bytes `rank` holds after each of its ops."""
     by_name = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
     release = OpKind.WEIGHT if plan.schedule.splits_backward else OpKind.BACKWARD
 
@@ -46,26 +45,35 @@ def capture_peaks(plan: Plan, profile: Profile) -> list[CapturePeak]:
         found = by_name[stage][layer]
         return found.capture_a_bytes if factor == "A" else found.capture_b_bytes
 
+    held, result = 0, []
+    released: set[tuple] = set()
+    curvature_done: set[tuple] = set()  # (micro-batch key, layer, factor)
+    for index, step in enumerate(plan.steps):
+        after = []
+        for op in step[rank]:
+            key = (op.pipe, op.stage, op.micro_batch)
+            if op.kind is release and index == 0:
+                released.add(key)
+                held += sum(size(op.stage, name, factor) for name in by_name[op.stage] for factor in "AB"
+                            if (key, name, factor) not in curvature_done)
+            elif op.kind in _CURVATURE_FACTOR:
+                factor = _CURVATURE_FACTOR[op.kind]
+                curvature_done.add((key, op.layer, factor))
+                if key in released:
+                    held -= size(op.stage, op.layer, factor)
+            after.append(held)
+        result.append(after)
+    return result
+
+
+def capture_peaks(plan: Plan, profile: Profile) -> list[CapturePeak]:
+    """Per rank, the peak of extra captured bytes held over one refresh cycle of `plan`."""
     peaks = []
     for rank in range(plan.schedule.num_ranks):
-        held, peak = 0, CapturePeak(rank, 0)
-        released: set[tuple] = set()
-        curvature_done: set[tuple] = set()  # (micro-batch key, layer, factor)
-        for index, step in enumerate(plan.steps):
-            for op in step[rank]:
-                key = (op.pipe, op.stage, op.micro_batch)
-                if op.kind is release and index == 0:
-                    released.add(key)
-                    held += sum(size(op.stage, layer.name, factor) for layer in layers[op.stage] for factor in "AB"
-                                if (key, layer.name, factor) not in curvature_done)
-                elif op.kind in _CURVATURE_FACTOR:
-                    factor = _CURVATURE_FACTOR[op.kind]
-                    curvature_done.add((key, op.layer, factor))
-                    if key in released:
-                        held -= size(op.stage, op.layer, factor)
-                else:
-                    continue
-                if held > peak.bytes:
-                    peak = CapturePeak(rank, held, index, op)
+        peak = CapturePeak(rank, 0)
+        for index, held in enumerate(capture_held(plan, profile, rank)):
+            for op, after in zip(plan.steps[index][rank], held):
+                if after > peak.bytes:
+                    peak = CapturePeak(rank, after, index, op)
         peaks.append(peak)
     return peaks

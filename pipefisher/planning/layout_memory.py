@@ -43,7 +43,7 @@ class MemoryUse:
         return self.state + self.activations + self.captures
 
 
-def _layer_model(method: str):
+def layer_memory_model(method: str):
     """The curvature method's `from_linear` memory model, or None (first-order, or not modelled)."""
     known = methods().get(method)
     if known is None or not known.memory:
@@ -55,14 +55,14 @@ def _layer_model(method: str):
 def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState:
     """The optimizer state of `method`; a curvature method without a memory model keeps its
     first-order rule's state (its own state is not counted)."""
-    if method in methods() and _layer_model(method) is None:
+    if method in methods() and layer_memory_model(method) is None:
         return optimizer_state(first_order)
     return optimizer_state(method, momentum, first_order=first_order)
 
 
 @lru_cache(maxsize=256)
 def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: str):
-    model = _layer_model(method)
+    model = layer_memory_model(method)
     transformer = TransformerSizes(sizes.blocks, sizes.hidden, sizes.ffn, sizes.vocab, max_positions=max(512, sizes.seq_len))
     return transformer_stage_states(transformer, pieces, model.from_linear if model else None, tensor_parallel=tensor_parallel,
                                     preconditions_bias=bool(model and model.PRECONDITIONS_BIAS))

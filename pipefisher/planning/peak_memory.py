@@ -3,9 +3,10 @@ most activations it holds at once over its op order (`pipefisher.planning.activa
 the curvature captures it holds beyond those (`pipefisher.planning.capture_memory`), and its
 point-to-point receive and send buffers. Pure Python: no torch.
 
-The training state is resident all step; the activations peak once per step; captures and
-buffers are added at their own peaks, so the sum bounds the rank's peak from above (they
-coincide on the schedules checked, docs/memory_model.md). Gradients live in one flat buffer per
+The training state is resident all step; the activations peak once per step; given per rank,
+captures are added at their own peak, an upper bound; given the curvature plan and its profile,
+activations, captures and the refresh's statistics copies are taken at the op of the cycle where
+their sum peaks (`pipefisher.planning.cycle_memory`). Buffers are added at their peak. Gradients live in one flat buffer per
 stage whose buckets are views (`pipefisher.runtime.gradient_path.buffers`), so the reduction
 allocates nothing beside them; ZeRO-1's parameter buffer replaces the parameters' own storage.
 """
@@ -17,8 +18,11 @@ from dataclasses import dataclass
 
 from pipefisher.core.topology import Topology
 from pipefisher.planning.activation_memory import (PRECISIONS, ModelShape, activation_peaks, backward_transient_bytes,
-                                                   micro_batch_bytes, recompute_transient_bytes, weight_pending_bytes)
+                                                   micro_batch_bytes, weight_pending_bytes)
+from pipefisher.core.profile import Profile
+from pipefisher.planning.cycle_memory import CyclePeak, cycle_peaks
 from pipefisher.planning.memory import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
+from pipefisher.planning.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class RankPeak:
     activation_bytes: int
     capture_bytes: int = 0
     comm_buffer_bytes: int = 0
+    refresh_bytes: int = 0
 
     @property
     def parameter_bytes(self) -> int:
@@ -49,8 +54,8 @@ class RankPeak:
 
     @property
     def total_bytes(self) -> int:
-        """Training state + activation peak + held captures + point-to-point buffers."""
-        return self.training.total_bytes + self.activation_bytes + self.capture_bytes + self.comm_buffer_bytes
+        """Training state + activations + held captures + refresh copies + point-to-point buffers."""
+        return self.training.total_bytes + self.activation_bytes + self.capture_bytes + self.refresh_bytes + self.comm_buffer_bytes
 
 
 def stage_activation_bytes(shape: ModelShape, num_stages: int, micro_batch_size: int, precision: str = "fp32",
@@ -64,8 +69,8 @@ def stage_activation_bytes(shape: ModelShape, num_stages: int, micro_batch_size:
     kept = [micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel)
             for first, last in ends]
     pending = [weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision) for first, last in ends]
-    transient = [backward_transient_bytes(shape, last, micro_batch_size, precision)
-                 + recompute_transient_bytes(shape, micro_batch_size, first, precision, recompute, tensor_parallel) for first, last in ends]
+    transient = [backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+                 for first, last in ends]
     return kept, pending, transient
 
 
@@ -77,21 +82,35 @@ def comm_buffer_bytes(topology: Topology, rank: int, shape: ModelShape, micro_ba
     return sum(boundary * ((stage > 0) + (stage < last)) for _, stage in topology.stages_of(rank))
 
 
+def refresh_copy_bytes(stage_states: Sequence[StageState], element_bytes: int = 4) -> dict[tuple[int, str], int]:
+    """Per (stage, layer name), the refresh's copy of the layer's statistics (`cycle_memory`)."""
+    return {(index, layer.name): layer.state_bytes(element_bytes, False)
+            for index, stage in enumerate(stage_states) for layer in stage.curvature_layers}
+
+
 def peak_memory(topology: Topology, stage_states: Sequence[StageState], optimizer: OptimizerState, shape: ModelShape,
                 micro_batch_size: int, precision: str = "fp32", recompute: str = "none", zero: int = 0,
                 capture_bytes_per_rank: Sequence[int] | None = None, widths: ElementBytes = ElementBytes(),
-                workers_per_layer: int | None = None, powersgd_rank: int = 0, tensor_parallel: int = 1) -> list[RankPeak]:
+                workers_per_layer: int | None = None, powersgd_rank: int = 0, tensor_parallel: int = 1,
+                plan: Plan | None = None, profile: Profile | None = None) -> list[RankPeak]:
     """Every global rank's peak bytes (index = rank) for `stage_states` (one per stage index)
     placed by `topology`; `capture_bytes_per_rank`: per pipeline rank, the captures it holds at
-    its peak (`pipefisher.planning.capture_memory.capture_peaks`; None: no curvature captures)."""
+    its peak (`pipefisher.planning.capture_memory.capture_peaks`; None: no curvature captures);
+    `plan` and `profile` (both or neither): the curvature plan the run executes and the profile
+    of its capture sizes, whose cycle gives activations, captures and refresh copies at their
+    joint peak instead (`capture_bytes_per_rank` is then ignored)."""
     schedule = topology.schedule
     training = rank_memory(topology, stage_states, optimizer, zero, widths, workers_per_layer, powersgd_rank)
     kept, pending, transient = stage_activation_bytes(shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel)
-    peaks = activation_peaks(schedule, kept, pending, transient)
+    if plan is not None and profile is not None:
+        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh_copy_bytes(stage_states, widths.factor))
+    else:
+        peaks = activation_peaks(schedule, kept, pending, transient)
+        captures = capture_bytes_per_rank if capture_bytes_per_rank is not None else [0] * schedule.num_ranks
+        joint = [CyclePeak(rank, peaks[rank], captures[rank], 0) for rank in range(schedule.num_ranks)]
     result = []
     for rank in range(topology.world_size):
-        pipeline_rank = topology.pipeline_rank(rank)
-        captures = capture_bytes_per_rank[pipeline_rank] if capture_bytes_per_rank is not None else 0
-        result.append(RankPeak(rank, training[rank], peaks[pipeline_rank], captures,
-                               comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision)))
+        held = joint[topology.pipeline_rank(rank)]
+        result.append(RankPeak(rank, training[rank], held.activation_bytes, held.capture_bytes,
+                               comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision), held.refresh_bytes))
     return result

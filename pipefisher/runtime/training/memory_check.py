@@ -2,8 +2,11 @@
 at the peak of a real run: the bridge from a run file to the model's inputs (`model_shape`,
 `stage_states`, `predict`) and the measuring worker (`measure`), one process per rank.
 
-A run trains `run.steps` steps (at least 2); the probe (`LiveTensorBytes`) starts at the end of
-the first step, once the optimizer's state exists, and watches the second."""
+The probe (`LiveTensorBytes`) watches the steps of `measured_steps`: a first-order run's second
+step (the optimizer's state exists by then); a curvature run's second refresh cycle, k steps
+(its state, captures held across steps, and the refresh's temporaries all inside). A curvature
+run packs its plan from the profile file its section names (`<method>.profile`), and so does
+`predict`: the same deterministic packer on the same profile gives the plan the run executes."""
 
 from __future__ import annotations
 
@@ -14,8 +17,12 @@ import torch
 from pipefisher.config import RunConfig
 from pipefisher.core.topology import Topology
 from pipefisher.planning.activation_memory import ModelShape
-from pipefisher.planning.memory import StageState, optimizer_state
+from pipefisher.core.profile import Profile, load_profile
+from pipefisher.methods.registry import method_of
+from pipefisher.planning.layout_memory import layer_memory_model
+from pipefisher.planning.memory import CurvatureLayer, StageState, optimizer_state
 from pipefisher.planning.peak_memory import RankPeak, peak_memory
+from pipefisher.planning.plan import Plan
 from pipefisher.runtime.training.assembly import build_schedule, staged_model
 from pipefisher.runtime.training.memory_probe import LiveTensorBytes
 
@@ -39,44 +46,93 @@ def model_shape(config: RunConfig, model) -> ModelShape:
                       hf.vocab_size, settings.seq_len, kv_heads=hf.num_key_value_heads)
 
 
+def _curvature_layers(config: RunConfig, model, module) -> tuple[tuple[CurvatureLayer, ...], set[int]]:
+    """The curvature method's memory model of each layer it works on in stage `module`, and the
+    ids of the parameters it preconditions; nothing for a first-order run."""
+    if config.curvature is None:
+        return (), set()
+    method = method_of(config)
+    parts, layer_model = method.runtime_parts(), layer_memory_model(method.name)
+    skip = parts.skip(model)
+    layers = []
+    for name in parts.layer_names(module, skip):
+        layer = module.get_submodule(name)
+        inputs, outputs = (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else tuple(layer.weight.shape)
+        layers.append(layer_model.from_linear(name, inputs, outputs, getattr(layer, "bias", None) is not None))
+    named = dict(module.named_parameters())
+    return tuple(layers), {id(named[name]) for name in parts.preconditioned(config, module, skip)}
+
+
 def stage_states(config: RunConfig, model) -> list[StageState]:
-    """Every stage's parameters, read off the real stages (first-order runs)."""
+    """Every stage's parameters, read off the real stages, with the curvature method's layers and
+    the parameters it preconditions (curvature runs)."""
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
 
     num_stages = build_schedule(config).num_stages
     states = []
     for index in range(num_stages):
-        parameters = unique_parameters(model.build_stage(index, num_stages, config.run.seed))
-        states.append(StageState(tuple(p.numel() for p in parameters), shapes=tuple(tuple(p.shape) for p in parameters)))
+        module = model.build_stage(index, num_stages, config.run.seed)
+        parameters = unique_parameters(module)
+        layers, preconditioned = _curvature_layers(config, model, module)
+        states.append(StageState(tuple(p.numel() for p in parameters), layers, tuple(tuple(p.shape) for p in parameters),
+                                 tuple(id(p) in preconditioned for p in parameters) if layers else ()))
     return states
 
 
+def _curvature_run(config: RunConfig) -> tuple[Profile, Plan]:
+    """The profile a curvature run packs from (its section's file) and the plan it executes."""
+    from pipefisher.runtime.training.pipefisher_run import check_profile_matches, make_plan
+
+    schedule = build_schedule(config)
+    section = config.curvature
+    if not section.profile:
+        raise ValueError(f"{method_of(config).name}.profile: the check packs the run's plan from a profile file; "
+                         "measure one with `pipefisher profile RUN.yaml -o FILE` and name it there")
+    profile = load_profile(section.profile)
+    check_profile_matches(profile, config, schedule.num_stages)
+    return profile, make_plan(config, schedule, profile).plan
+
+
+def measured_steps(config: RunConfig) -> tuple[int, int]:
+    """(first, last): the probe starts at the end of step `first` and stops at the end of step
+    `last` (1-based): step 2 of a first-order run, the second refresh cycle of a curvature run."""
+    if config.curvature is None:
+        return 1, 2
+    k = _curvature_run(config)[1].refresh_steps
+    return k, 2 * k
+
+
 def predict(config: RunConfig) -> list[RankPeak]:
-    """The memory model's peak per rank for a first-order run file."""
-    if config.curvature is not None:
-        raise ValueError("optimizer.name: the check covers first-order runs; the curvature methods' captures need a plan and a profile")
+    """The memory model's peak per rank for a run file (a curvature run's section names its profile)."""
     model = staged_model(config)
     topology = Topology(build_schedule(config), config.pipeline.data_parallel, config.pipeline.tensor_parallel)
-    optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
+    section, profile, plan = config.curvature, None, None
+    if section is None:
+        optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
+    else:
+        optimizer = optimizer_state(config.optimizer.name, config.optimizer_settings.momentum, first_order=section.first_order)
+        profile, plan = _curvature_run(config)
     return peak_memory(topology, stage_states(config, model), optimizer, model_shape(config, model), config.data.micro_batch_size,
                        config.run.precision, getattr(config.model, "recompute", "none"), config.optimizer.zero,
-                       powersgd_rank=config.comm.powersgd_rank)
+                       workers_per_layer=config.workers_per_layer, powersgd_rank=config.comm.powersgd_rank, plan=plan, profile=profile)
 
 
-def measure(rank: int, world: int, config: RunConfig) -> int:
-    """Peak bytes of live tensors on this rank over the run's second step (a `run_group` worker)."""
+def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (1, 2)) -> int:
+    """Peak bytes of live tensors on this rank from the end of step `steps[0]` to the end of step
+    `steps[1]` (`measured_steps`; a `run_group` worker)."""
     from pipefisher.runtime.training.trainer import build_executor, train_pipelined
 
     device = torch.device("cpu")
     executor, _ = build_executor(config, rank, device)
     probe = LiveTensorBytes()
+    first, last = steps
 
     def on_step(result) -> None:
-        if result.step == 1:
+        if result.step == first:
             probe.census()
             probe.__enter__()
-        elif result.step == 2:
+        elif result.step == last:
             probe.__exit__(None, None, None)
 
-    train_pipelined(dataclasses.replace(config, run=dataclasses.replace(config.run, steps=2)), rank, device, on_step, executor)
+    train_pipelined(dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)), rank, device, on_step, executor)
     return probe.peak
