@@ -12,11 +12,13 @@ from pipefisher.config import config_from_dict, load_config
 from pipefisher.core.profile import load_profile
 from pipefisher.planning.layout_candidates import Layout, SearchSpace, enumerate_layouts
 from pipefisher.planning.layout_model import PlanError, model_sizes
+from pipefisher.planning.layout_memory import layout_memory
 from pipefisher.planning.layout_predict import PlanContext, layout_profile, pack_options, predict
 from pipefisher.planning.layout_search import GiB, search
 from pipefisher.planning.layout_sources import ReferenceTimes, block_of, resplit
 from pipefisher.planning.layout_table import run_file_of
 from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,9 +59,12 @@ def test_a_prediction_is_the_simulation_and_the_packing_of_its_layout():
     assert prediction.first_order_ms == pytest.approx(simulate(layout.build_schedule(), profile).step_time)
     packed = pack(layout.build_schedule(), profile, pack_options(layout, context))
     assert prediction.layout.refresh_steps == packed.refresh_steps
-    assert prediction.step_ms == pytest.approx(packed.cycle_time / packed.refresh_steps)
+    assert prediction.step_ms == pytest.approx(cycle_time(simulate_plan(packed.plan, profile)) / packed.refresh_steps)
     assert prediction.reduce_ms > 0  # two data-parallel copies reduce their gradients
-    assert prediction.memory.captures == packed.capture_peaks[prediction.memory.rank % 4].bytes > 0
+    # captures and refresh copies at their joint peak with the activations: no more than the separate peaks
+    before = layout_memory(layout, context.sizes, context.first_order, context.momentum, context.precision)
+    assert prediction.memory.captures > 0 and prediction.memory.activations <= before.activations
+    assert prediction.memory.total > before.total
     assert prediction.tokens_per_s == pytest.approx(16 * 4 * 2 * 128 / (prediction.step_ms / 1e3))
 
 
@@ -67,9 +72,8 @@ def test_the_budget_drops_what_does_not_fit_and_the_best_run_file_loads_back():
     context, batch = _context()
     space = SearchSpace(4, batch, (16, 32), recompute=("none",))
     roomy = search(space, context, "kfac", 64 * GiB, top=2, shown=2)
-    biggest = max(p.memory.total for p in roomy.first_order)
     smallest = min(p.memory.total for p in roomy.first_order)
-    budget = (biggest + smallest) // 2
+    budget = max(p.memory.total for p in roomy.ranked) - 1
     tight = search(space, context, "kfac", budget, top=2, shown=2)
     assert tight.over_budget > roomy.over_budget
     assert all(p.memory.total <= budget for p in tight.ranked)

@@ -1,13 +1,14 @@
 """Bytes per rank of a layout: training state (parameters, gradients, optimizer and curvature
 state, PowerSGD's; `pipefisher.planning.memory.rank_memory` over the model's
-`transformer_stage_states`) plus activations held at the schedule's peak. Captures of a packed
-plan are added by the caller (`pipefisher.planning.layout_predict`). Pure Python: no torch.
+`transformer_stage_states`) plus activations held at the schedule's peak (`layout_memory`); for a
+packed curvature plan, the joint peak over its refresh cycle of activations, captures and the
+refresh's copies of the statistics (`packed_memory`, `pipefisher.planning.cycle_memory`, which
+counts a captured input once: as an activation until its backward, as a capture after).
+Pure Python: no torch.
 
 Activations: `pipefisher.planning.activation_memory` (what autograd saves per micro-batch, held
 from each forward to its backward, or its weight gradient under a split backward, at the
-schedule's peak) and the point-to-point buffers (`pipefisher.planning.peak_memory`). K-FAC's
-captured inputs are the tensors autograd saves too while their micro-batch is in flight: both
-counts keep them, an overestimate of at most one capture per micro-batch in flight.
+schedule's peak) and the point-to-point buffers (`pipefisher.planning.peak_memory`).
 """
 
 from __future__ import annotations
@@ -17,21 +18,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pipefisher.core.profile import Profile
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
 from pipefisher.planning.layout_candidates import Layout
 from pipefisher.planning.activation_memory import activation_peaks
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.planning.memory import OptimizerState, RankMemory, optimizer_state, rank_memory
+from pipefisher.planning.cycle_memory import cycle_peaks
 from pipefisher.planning.peak_memory import comm_buffer_bytes, stage_activation_bytes
-from pipefisher.planning.transformer_state import TransformerSizes, transformer_stage_states
+from pipefisher.planning.plan import Plan
+from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
+from pipefisher.planning.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
 
 
 
 @dataclass(frozen=True)
 class MemoryUse:
-    """Bytes of the rank with the most (`rank`): its training state, activations at the
-    schedule's peak and captures of the packed plan; `total` their sum."""
+    """Bytes of the rank with the most (`rank`): its training state, activations (with the
+    point-to-point buffers) and, for a packed plan, its captures and the refresh's copies of the
+    statistics, the last two at their joint peak with the activations; `total` their sum."""
 
     rank: int
     state: int
@@ -99,15 +105,55 @@ def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp3
     return tuple(peak + comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision) for rank, peak in enumerate(peaks))
 
 
-def layout_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32",
-                  captures: Sequence[int] = ()) -> MemoryUse:
-    """The rank with the most bytes: state + activations (+ `captures[rank]` where given)."""
+def layout_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32") -> MemoryUse:
+    """The rank with the most bytes before any curvature plan: state + activations."""
     states = state_per_rank(layout, sizes, first_order, momentum)
     activations = activation_per_rank(layout, sizes, precision)
     pipeline = len(activations)
+    return max((MemoryUse(rank, states[rank].total_bytes, activations[rank % pipeline]) for rank in range(len(states))),
+               key=lambda found: found.total)
+
+
+def block_linear_shapes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[int, int]]:
+    """Layer-name suffix -> (inputs, outputs) of a block's Linears on one tensor-parallel rank,
+    under the reference profiles' names (``.attention.query``) and BERT's module names."""
+    shapes = {name: (din, dout) for name, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, tensor_parallel)}
+    return {**{f".{name}": shape for name, shape in shapes.items()},
+            **{f".{BLOCK_MODULES[name]}": shapes[name] for name in BLOCK_LAYERS}}
+
+
+def _refresh_bytes(layout: Layout, sizes: ModelSizes, profile: Profile) -> dict[tuple[int, str], int]:
+    """Per (stage, layer) of the profile, the refresh's copy of the layer's statistics (fp32) in
+    the method's memory model; layers of unknown shape (outside the blocks) hold none."""
+    model = layer_memory_model(layout.method)
+    if model is None:
+        return {}
+    shapes = block_linear_shapes(sizes, layout.tensor_parallel)
+    found = {}
+    for index, stage in enumerate(profile.stages):
+        for layer in stage.layers:
+            shape = next((shape for suffix, shape in shapes.items() if layer.name.endswith(suffix)), None)
+            if shape is not None:
+                found[(index, layer.name)] = model.from_linear(layer.name, *shape, True).state_bytes(4, False)
+    return found
+
+
+def packed_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str, plan: Plan,
+                  profile: Profile) -> MemoryUse:
+    """The rank with the most bytes under a packed curvature plan: its state, and the joint peak
+    over the plan's refresh cycle of activations, captures and refresh copies (`cycle_peaks`),
+    plus its point-to-point buffers."""
+    states = state_per_rank(layout, sizes, first_order, momentum)
+    shape = sizes.shape
+    kept, pending, transient = stage_activation_bytes(shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute,
+                                                      layout.tensor_parallel)
+    joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile))
+    topology = Topology(plan.schedule)
+    pipeline = len(joint)
 
     def use(rank: int) -> MemoryUse:
-        return MemoryUse(rank, states[rank].total_bytes, activations[rank % pipeline],
-                         captures[rank % pipeline] if captures else 0)
+        peak = joint[rank % pipeline]
+        buffers = comm_buffer_bytes(topology, rank % pipeline, shape, layout.micro_batch_size, precision)
+        return MemoryUse(rank, states[rank].total_bytes, peak.activation_bytes + buffers, peak.capture_bytes + peak.refresh_bytes)
 
     return max((use(rank) for rank in range(len(states))), key=lambda found: found.total)

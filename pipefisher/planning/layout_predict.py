@@ -25,15 +25,13 @@ from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.activation_memory import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.layout_candidates import Layout
-from pipefisher.planning.layout_memory import MemoryUse, layout_memory, state_per_rank
+from pipefisher.planning.layout_memory import MemoryUse, block_linear_shapes, layout_memory, packed_memory, state_per_rank
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
 from pipefisher.planning.recompute import recompute_forward_share, with_recompute
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
-from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
-from pipefisher.planning.transformer_state import BLOCK_MODULES
 
 TimeSource = Union[ReferenceTimes, MeasuredTimes]
 #: data-parallel all-reduce bandwidth assumed (GB/s, nccl-tests' busbw), a round figure for
@@ -117,9 +115,7 @@ def _recomputed(profile: Profile, mode: str, sizes: ModelSizes) -> Profile:
 
 def _factor_sizes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[int, int]]:
     """Layer-name suffix -> (A, B) factor sizes of a block's Linears (reference and BERT module names)."""
-    shapes = {name: (din + 1, dout) for name, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, tensor_parallel)}
-    return {**{f".{name}": shape for name, shape in shapes.items()},
-            **{f".{BLOCK_MODULES[name]}": shapes[name] for name in BLOCK_LAYERS}}
+    return {suffix: (din + 1, dout) for suffix, (din, dout) in block_linear_shapes(sizes, tensor_parallel).items()}
 
 
 def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
@@ -211,7 +207,6 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
         result, profile = _packed(layout, context, memory_budget - held.total)
     step_ms = cycle_time(simulate_plan(result.plan, profile)) / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
     packed = replace(layout, refresh_steps=result.refresh_steps)
-    captures = [peak.bytes for peak in result.capture_peaks]
-    memory = layout_memory(packed, context.sizes, context.first_order, context.momentum, context.precision, captures)
+    memory = packed_memory(packed, context.sizes, context.first_order, context.momentum, context.precision, result.plan, profile)
     return Prediction(packed, step_ms, first_ms, bubble, step_ms / first_ms - 1 if first_ms else 0.0, reduce_ms, memory, tokens,
                       result.reason)
