@@ -225,8 +225,8 @@ NOTES = [
     "- Interleaved pieces and the 1-stage pipeline are the 2-stage profile re-split by blocks "
     "(`layout_sources.resplit`): a stage's time is shared out by the number of blocks each piece takes, so the "
     "embedding's and the heads' time is spread over the stage's blocks, and the 1-stage pipeline's end of step is "
-    "the sum of both stages' ends of step, which counts twice what each rank of the 2-stage run does once (the "
-    "all-reduce of BERT's tied embedding/decoder weights, the step's world reduction).",
+    "the larger of the two stages' (mostly fixed costs: the all-reduce of BERT's tied embedding/decoder weights, "
+    "the step's world reduction, starting the optimizer), not their sum.",
     "- The data-parallel gradient all-reduce runs at the bandwidth of the profile's stage-boundary transfer (one "
     "activation message over its measured p2p time, latency included).",
 ]
