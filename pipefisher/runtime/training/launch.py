@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
+import multiprocessing.reduction as reduction
 import os
 import pickle
 import queue
@@ -25,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -172,11 +173,9 @@ def _child(call: bytes, rank: int, world: int, place: _Place, backend: str, time
     blocked (see `run_group`) and lets them in once their handling is set and the process group is
     joined (a signal inside the store's connect makes it log a C++ stack): one that came meanwhile
     is handled then, not lost and not a traceback. It takes the launcher's environment, working
-    directory and import path (`place`) before it unpickles `call` = (fn, args)."""
-    os.environ.clear()
-    os.environ.update(place.env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    os.chdir(place.cwd)
-    sys.path[:] = place.path
+    directory, import path and streams (`place`) before it unpickles `call` = (fn, args)."""
+    place.enter()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if on_signal == "kill":  # the launcher ends the group; the child must not die in the middle on its own
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
@@ -205,14 +204,41 @@ def _child(call: bytes, rank: int, world: int, place: _Place, backend: str, time
 PRELOADED = ("torch", "torch.distributed", "pipefisher.runtime.training.trainer")
 
 
+def _adopt(wrapped) -> int:
+    return wrapped.detach()
+
+
+class _InheritedFd:
+    """The launcher's file descriptor `fd`, duplicated into the rank's process when the process
+    is started (multiprocessing's own fd passing): an int there."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _adopt, (reduction.DupFd(self.fd),)
+
+
 @dataclass(frozen=True)
 class _Place:
     """Where a rank runs: the launcher's environment (plus the group's variables), working
-    directory and import path, which a forked process would otherwise take from the forkserver."""
+    directory, import path, stdout and stderr, which a forked process would otherwise take from
+    the forkserver as they were when it started."""
 
     env: dict[str, str]
     cwd: str
     path: list[str]
+    streams: tuple = field(default_factory=lambda: (_InheritedFd(1), _InheritedFd(2)))
+
+    def enter(self) -> None:
+        """Take them in the rank's process (its streams: the file descriptors it was handed)."""
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        for target, fd in zip((1, 2), self.streams):
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _context() -> mp.context.BaseContext:
