@@ -223,8 +223,9 @@ NOTES = [
     "keep both ranks busy all the time (Chimera, data parallelism) share the machine's memory bandwidth and any "
     "other load with the second rank throughout.",
     "- Interleaved pieces and the 1-stage pipeline are the 2-stage profile re-split by blocks "
-    "(`layout_sources.resplit`): a stage's time is shared out by the number of blocks each piece takes, so the "
-    "embedding's and the heads' time is spread over the stage's blocks, and the 1-stage pipeline's end of step is "
+    "(`layout_sources.resplit`): a stage's time is shared out by the forward flops each piece takes (a block's; "
+    "the heads' with the last piece; the embeddings' lookups none), which assumes time splits like flops, and the "
+    "1-stage pipeline's end of step is "
     "the larger of the two stages' (mostly fixed costs: the all-reduce of BERT's tied embedding/decoder weights, "
     "the step's world reduction, starting the optimizer), not their sum.",
     "- The data-parallel gradient all-reduce runs at the bandwidth of the profile's stage-boundary transfer (one "

@@ -91,13 +91,16 @@ def test_the_budget_drops_what_does_not_fit_and_the_best_run_file_loads_back():
 
 def test_a_measured_profile_resplits_by_blocks():
     profile = load_profile(ROOT / "profiles" / "tiny-cpu-1f1b.yaml")
-    four = resplit(profile, 4, 4)
+    sizes = model_sizes(load_config(ROOT / "schedules" / "tiny-cpu.yaml"))
+    four = resplit(profile, 4, sizes)
     assert [sorted({block_of(layer.name) for layer in stage.layers} - {None}) for stage in four.stages] == [[0], [1], [2], [3]]
     assert sorted(layer.name for stage in four.stages for layer in stage.layers) == \
            sorted(layer.name for stage in profile.stages for layer in stage.layers)
     assert sum(s.forward for s in four.stages) == pytest.approx(sum(s.forward for s in profile.stages))
     assert sum(s.backward for s in four.stages) == pytest.approx(sum(s.backward for s in profile.stages))
     assert four.stages[-1].layers[-1].name == profile.stages[-1].layers[-1].name  # the heads stay last
+    # the heads' flops (vocabulary projection) stay with the last piece, not spread over the blocks
+    assert four.stages[3].forward > 2 * four.stages[2].forward
 
 
 @pytest.mark.parametrize("argv, message", [
