@@ -138,9 +138,15 @@ def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[floa
     return prediction.step_ms, max(prediction.layout.refresh_steps, 1)
 
 
+#: measured steps of the one profile per model (medians): at the profile's default of 5, the same layout's
+#: prediction moved by 15 % between two profiles taken minutes apart
+PROFILE_REPEATS = 15
+
+
 def measure_profile(model: str, folder: Path) -> Path:
     path = folder / f"{model}.yaml"
-    command = [sys.executable, "-m", "pipefisher", "profile", MODELS[model], "-o", str(path), "--master-port", "0"]
+    command = [sys.executable, "-m", "pipefisher", "profile", MODELS[model], "-o", str(path), "--master-port", "0",
+               "--repeats", str(PROFILE_REPEATS)]
     call(command)
     return path
 
@@ -199,7 +205,7 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
         "Written by `experiments/plan_check.py` (its docstring has the method). Back to the [README](../README.md).", "",
         f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)", "",
         f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
-        f"One profile per model (`pipefisher profile RUN.yaml`: 2 stages, 1F1B, 4 micro-batches); "
+        f"One profile per model (`pipefisher profile RUN.yaml --repeats {PROFILE_REPEATS}`: 2 stages, 1F1B, 4 micro-batches); "
         f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
         f"{args.repeats} repeats of every layout, interleaved.", "",
         table(rows), "",
