@@ -41,26 +41,38 @@ _KEYS = {"blocks": ("n_layer", "num_hidden_layers"), "hidden": ("n_embd", "hidde
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """A Transformer's sizes: `blocks` attention blocks of width `hidden`, `heads` heads, an FFN of
-    `ffn` features, a vocabulary of `vocab` tokens (0: none), sequences of `seq_len` tokens;
-    `name`: the preset or config it came from (what the reference CSVs are named after);
-    `activations`: the rest of what the activation model needs (`ModelShape`: its architecture,
-    key/value heads, dropout, the tiny model's input and output widths)."""
+    """A run's model as the planner takes it: its `kind` (run-file `model.kind`), `name` (the preset
+    or config it came from, what the reference CSVs are named after) and `shape` (blocks, hidden,
+    heads, FFN width, vocabulary (0: none), sequence length and what the activation model needs
+    beside them); the sizes are read off the shape."""
 
     kind: str
     name: str
-    blocks: int
-    hidden: int
-    heads: int
-    ffn: int
-    vocab: int
-    seq_len: int
-    activations: ModelShape | None = None
+    shape: ModelShape
 
     @property
-    def shape(self) -> ModelShape:
-        """The model as `pipefisher.planning.activation_memory` takes it."""
-        return self.activations or ModelShape("bert", self.blocks, self.hidden, self.heads, self.ffn, self.vocab, self.seq_len)
+    def blocks(self) -> int:
+        return self.shape.blocks
+
+    @property
+    def hidden(self) -> int:
+        return self.shape.hidden
+
+    @property
+    def heads(self) -> int:
+        return self.shape.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.shape.ffn
+
+    @property
+    def vocab(self) -> int:
+        return self.shape.vocab
+
+    @property
+    def seq_len(self) -> int:
+        return self.shape.seq_len
 
     def tensor_parallel_degrees(self, limit: int = 8) -> tuple[int, ...]:
         """Degrees T <= `limit` that divide both the heads and the FFN width (Megatron's split)."""
@@ -97,14 +109,14 @@ def model_sizes(config: RunConfig) -> ModelSizes:
     if model.kind == "transformer":
         shape = ModelShape("tiny", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len,
                            inputs=model.input_dim, outputs=model.output_dim)
-        return ModelSizes("transformer", "transformer", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len, shape)
+        return ModelSizes("transformer", "transformer", shape)
     if model.kind == "bert" and not model.config_json:
         if model.preset not in BERT_PRESET_SIZES:
             raise PlanError(f"model.preset: {model.preset!r} has no sizes here; use one of {', '.join(BERT_PRESET_SIZES)}")
         blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
         dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
         shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
-        return ModelSizes("bert", model.preset, blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, shape)
+        return ModelSizes("bert", model.preset, shape)
     if model.kind == "bert":
         where, name = Path(model.config_json), Path(model.config_json).stem
     else:
@@ -115,5 +127,4 @@ def model_sizes(config: RunConfig) -> ModelSizes:
     dropout = found["dropout"] if model.dropout < 0 or found["architecture"] != "bert" else model.dropout
     shape = ModelShape(found["architecture"], found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"],
                        model.seq_len, kv_heads=found["kv_heads"], dropout=dropout)
-    return ModelSizes(model.kind, name, found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"], model.seq_len,
-                      shape)
+    return ModelSizes(model.kind, name, shape)
