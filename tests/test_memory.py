@@ -23,7 +23,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.optim import build_optimizer
 from pipefisher.runtime.gradient_path.buffers import Ownership, unique_parameters
-from pipefisher.runtime.training.trainer import tensor_bytes
+from pipefisher.runtime.training.checkpoint import tensor_bytes
 from pipefisher.schedules import get_schedule
 
 MODEL = tiny_model()

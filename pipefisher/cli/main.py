@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments,
                                  add_tensor_parallel_argument, build_pipeline, check_output, positive_int, say)
+from pipefisher.cli.checkpoint_command import add_checkpoint_parser
 from pipefisher.cli.config_command import add_config_parser
 from pipefisher.cli.plan_command import add_plan_parser
 from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
@@ -185,17 +186,18 @@ def _resume_step(config) -> int | None:
     says which newer checkpoints were skipped and why."""
     if config.checkpoint.resume == "never":
         return None
-    from pipefisher.runtime.training.checkpoint import CheckpointError, has_checkpoints, resumable_step
+    from pipefisher.runtime.training.checkpoint import CheckpointError, has_checkpoints, resumable_step, resumption
 
     if config.checkpoint.resume == "auto" and not has_checkpoints(config.checkpoint.dir):
         return None  # nothing saved yet: a first start
     try:
         step, skipped = resumable_step(config.checkpoint.dir, config)
+        how = resumption(config.checkpoint.dir, step, config)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     for line in skipped:
         say(f"checkpoint {line}")
-    say(f"resuming from step {step}" + (", the newest checkpoint that verifies" if skipped else ""))
+    say(how.summary(fell_back=bool(skipped)))
     return step
 
 
@@ -328,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(subparsers)
     add_config_parser(subparsers)
     add_plan_parser(subparsers)
+    add_checkpoint_parser(subparsers)
     from pipefisher.viz.cli import add_viz_parser
 
     add_viz_parser(subparsers)

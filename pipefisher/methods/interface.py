@@ -54,6 +54,14 @@ class CurvatureRuntime:
     in shares (`TaskRules.shared_statistics`)."""
 
     shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
+    #: its engines by (pipe, stage), each with ``state_dict()`` and ``load_state_dict(state)``
+    engines: dict[tuple[int, int], Any]
+    #: paths ("a/b"; "" = the whole) in an engine's state dict of the dicts keyed by a layer's or
+    #: parameter's global name: a layout-free checkpoint stores their entries under those names
+    named_sections: tuple[str, ...] = ("",)
+    #: keys of such an entry ("*/key": that key of every dict in the entry) that hold the work of
+    #: an unfinished refresh cycle: carried over only to a resumption on the same layout
+    cycle_slots: tuple[str, ...] = ()
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         """Handlers of the method's op kinds."""
@@ -82,11 +90,23 @@ class CurvatureRuntime:
         """Make the cycle's refresh results the ones in use."""
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
-        raise NotImplementedError
+    def keeps(self, stage: int, name: str) -> bool:
+        """Whether this rank keeps the refresh results of `stage`'s layer or matrix `name` (False
+        on a replica that is not one of its gradient workers): a checkpoint takes them from one that does."""
+        return True
 
-    def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError
+    def cycle_state(self) -> dict:
+        """Its state outside the engines that belongs to the refresh cycle in progress (tied to
+        this rank's layout: a checkpoint keeps it for a resumption on the same layout only)."""
+        return {}
+
+    def load_cycle_state(self, state: dict) -> None:
+        """Restore :meth:`cycle_state` output."""
+
+    def state_dict(self) -> dict:
+        """Every engine's state by "<pipe>.<stage>" and the cycle's state (for byte counts)."""
+        return {"engines": {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()},
+                "cycle": self.cycle_state()}
 
 
 class TaskTimer:

@@ -3,11 +3,9 @@ method's rule for the parameters it preconditions, a first-order rule for the re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 
 class Composite(torch.optim.Optimizer):
@@ -15,14 +13,10 @@ class Composite(torch.optim.Optimizer):
     order; `param_groups` are the parts' own group dicts, in that order, read anew on every access
     (a part that loads a state dict gets new ones; a learning-rate scheduler scales every part;
     ``param_groups[0]`` is the first part's); `state` is their union by parameter. `state_dict()`
-    is ``{"parts": {name: part.state_dict()}}``.
+    is ``{"parts": {name: part.state_dict()}}``."""
 
-    `single`: every parameter in the index order of the one optimizer a checkpoint written before
-    the composite holds (its state dict loads when `refusal` is ""; `refusal` says why it cannot)."""
-
-    def __init__(self, parts: dict[str, torch.optim.Optimizer], single: Sequence[nn.Parameter] = (), refusal: str = "") -> None:
+    def __init__(self, parts: dict[str, torch.optim.Optimizer]) -> None:
         self.parts = dict(parts)
-        self._single, self._refusal = list(single), refusal
         super().__init__([{"params": []}], {})  # hooks and profiling names; groups and state are the parts'
 
     @property
@@ -60,27 +54,8 @@ class Composite(torch.optim.Optimizer):
         return {"parts": {name: part.state_dict() for name, part in self.parts.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A composite's state dict (the same parts), or one optimizer's over `single` (see the class)."""
-        if "parts" not in state_dict:
-            self._load_single(state_dict)
-            return
-        if set(state_dict["parts"]) != set(self.parts):
-            raise ValueError(f"optimizer state of parts {sorted(state_dict['parts'])}, this optimizer has {sorted(self.parts)}")
+        """A composite's state dict of the same parts."""
+        if set(state_dict.get("parts", ())) != set(self.parts):
+            raise ValueError(f"optimizer state of parts {sorted(state_dict.get('parts', ()))}, this optimizer has {sorted(self.parts)}")
         for name, part in self.parts.items():
             part.load_state_dict(state_dict["parts"][name])
-
-    def _load_single(self, state_dict: dict[str, Any]) -> None:
-        """Each part takes the per-parameter state of its parameters from one optimizer's state dict
-        over `single`; the parts keep their own hyperparameters."""
-        if self._refusal or not self._single:
-            raise ValueError(self._refusal or "the optimizer state is of one optimizer; this one is a Composite")
-        counted = sum(len(group["params"]) for group in state_dict["param_groups"])
-        if counted != len(self._single):
-            raise ValueError(f"the optimizer state covers {counted} parameters, this optimizer {len(self._single)}")
-        index = {id(parameter): number for number, parameter in enumerate(self._single)}
-        for part in self.parts.values():
-            own = part.state_dict()
-            mine = [parameter for group in part.param_groups for parameter in group["params"]]
-            own["state"] = {number: state_dict["state"][index[id(parameter)]] for number, parameter in enumerate(mine)
-                            if index[id(parameter)] in state_dict["state"]}
-            part.load_state_dict(own)

@@ -50,13 +50,7 @@ def build_optimizer(config: RunConfig, modules: Iterable[nn.Module], keep: Calla
     method_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) in owned)
     rest_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) not in owned)
     method_rule = (parts.optimizer or (lambda run, groups: first_order(replace(run.optimizer_settings, name="sgd"), groups)))
-    section = config.curvature.first_order
-    refusal = "" if section == "sgd" else (
-        f"the checkpoint's optimizer state is one SGD over every parameter (written before {settings.name}.first_order); "
-        f"resume it with {settings.name}.first_order: sgd")
-    single = [p for group in parameter_groups(modules, settings.weight_decay, keep) for p in group["params"]]
-    return Composite({"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)},
-                     single, refusal)
+    return Composite({"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)})
 
 
 def rest_settings(config: RunConfig) -> OptimizerConfig:

@@ -1,7 +1,7 @@
 """The optimizer of a curvature run (`build_optimizer`): the parameters its method preconditions
 step with the method's SGD, every other one with the section's `first_order` rule, each exactly
-as an independent torch optimizer over just those parameters; `first_order: sgd` is the one SGD
-of before, and a state dict of that one SGD loads only then."""
+as an independent torch optimizer over just those parameters; `first_order: sgd` steps as one SGD
+over every parameter."""
 
 from __future__ import annotations
 
@@ -86,36 +86,20 @@ def test_the_rest_steps_as_adamw_and_the_preconditioned_parameters_as_the_method
 
 
 @pytest.mark.parametrize("method", ["kfac", "shampoo"])
-def test_first_order_sgd_is_the_one_sgd_of_before_and_loads_its_state(method):
-    """The one SGD over every parameter at the section's lr and momentum: stepped the same, and its
-    state dict (a checkpoint written before `first_order`) continues bit for bit."""
+def test_first_order_sgd_steps_as_one_sgd_over_every_parameter(method):
+    """`first_order: sgd` at the section's lr and momentum is one SGD over every parameter."""
     config = run(method, first_order="sgd")
     modules, model = stages(config)
     twins = [copy.deepcopy(module) for module in modules]
-    before = torch.optim.SGD(parameter_groups(twins, 0.1), lr=0.02, momentum=0.9, foreach=False)
-    for step in range(STEPS):
-        backward(twins, model, config, step)
-        before.step()
-        before.zero_grad(set_to_none=True)
-    for module, twin in zip(modules, twins):
-        module.load_state_dict(twin.state_dict())
+    one = torch.optim.SGD(parameter_groups(twins, 0.1), lr=0.02, momentum=0.9, foreach=False)
     optimizer = build_optimizer(config, modules, skip=method_skip(config, model))
-    optimizer.load_state_dict(copy.deepcopy(before.state_dict()))  # as from a file: no shared buffers
-    for step in range(STEPS, 2 * STEPS):
-        for net, stepper in ((modules, optimizer), (twins, before)):
+    for step in range(2 * STEPS):
+        for net, stepper in ((modules, optimizer), (twins, one)):
             backward(net, model, config, step)
             stepper.step()
             stepper.zero_grad(set_to_none=True)
     for module, twin in zip(modules, twins):
         assert all(torch.equal(p, q) for p, q in zip(module.parameters(), twin.parameters()))
-
-
-def test_a_state_of_one_sgd_is_refused_under_adamw_with_the_fix():
-    config = run("kfac")
-    modules, model = stages(config)
-    before = torch.optim.SGD(parameter_groups(modules, 0.1), lr=0.02, momentum=0.9, foreach=False)
-    with pytest.raises(ValueError, match="resume it with kfac.first_order: sgd"):
-        build_optimizer(config, modules, skip=method_skip(config, model)).load_state_dict(before.state_dict())
 
 
 def test_a_curvature_run_needs_the_skip_globs():

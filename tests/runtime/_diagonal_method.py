@@ -99,10 +99,12 @@ class DiagonalRuntime(CurvatureRuntime):
     backward of a cycle's first step; SA all-reduces it over the stage's replicas; IA folds it and
     computes the scale on the owner; X folds it elsewhere and receives the owner's scale."""
 
+    named_sections = ("second_moment", "scale", "pending", "captured")
+
     def __init__(self, config, topology, rank, modules, comm, plan, skip=(), loss_scale=lambda: None):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
-        self.states = {key: DiagonalState(module, config.diagonal, skip) for key, module in modules.items()}
-        self._state_of_stage = {stage: state for (_, stage), state in self.states.items()}
+        self.engines = {key: DiagonalState(module, config.diagonal, skip) for key, module in modules.items()}
+        self._state_of_stage = {stage: state for (_, stage), state in self.engines.items()}
         ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
         self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
         self._gradient_ops = Counter((op.pipe, op.stage) for op in ops if op.kind is self._final_kind)
@@ -114,7 +116,7 @@ class DiagonalRuntime(CurvatureRuntime):
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {OpKind.SYNC_A: lambda op: None,
-                OpKind.INV_A: lambda op: self.states[(op.pipe, op.stage)].refresh(op.layer),
+                OpKind.INV_A: lambda op: self.engines[(op.pipe, op.stage)].refresh(op.layer),
                 OpKind.EXCHANGE: self._fold_shared}
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Any]]:
@@ -129,26 +131,19 @@ class DiagonalRuntime(CurvatureRuntime):
             return
         self._gradient_ops_run[key] = 0
         if cycle_step == 0:
-            self.states[key].capture(self.loss_scale())
+            self.engines[key].capture(self.loss_scale())
 
     def before_optimizer_step(self, updates: Callable[[nn.Parameter], bool]) -> None:
-        for state in self.states.values():
+        for state in self.engines.values():
             state.precondition(updates)
 
     def end_of_cycle(self) -> None:
-        for state in self.states.values():
+        for state in self.engines.values():
             state.commit()
-
-    def state_dict(self) -> dict:
-        return {f"{pipe}.{stage}": state.state_dict() for (pipe, stage), state in self.states.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for (pipe, stage), own in self.states.items():
-            own.load_state_dict(state[f"{pipe}.{stage}"])
 
     def _fold_shared(self, op: Op) -> None:
         if self.owners[(op.stage, op.layer, "A")] != op.pipe:
-            self.states[(op.pipe, op.stage)].fold(op.layer)
+            self.engines[(op.pipe, op.stage)].fold(op.layer)
 
     def _launch_sync(self, collective: Collective):
         stage, name, _ = collective.key
@@ -170,17 +165,17 @@ class DiagonalTimer(TaskTimer):
     method = "diagonal"
 
     def __init__(self, config, modules, skip=()):
-        self.states = {key: DiagonalState(module, config.diagonal, skip) for key, module in modules.items()}
+        self.engines = {key: DiagonalState(module, config.diagonal, skip) for key, module in modules.items()}
 
     def before_optimizer_step(self) -> None:
-        for state in self.states.values():
+        for state in self.engines.values():
             state.precondition()
 
     def measure(self, executor) -> dict:
         from pipefisher.runtime.pipeline.clock import timed_ms
 
         measurements = {}
-        for (pipe, stage), state in sorted(self.states.items(), key=lambda item: (item[0][1], item[0][0])):
+        for (pipe, stage), state in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
             group = executor.comm.groups.get(("curv", stage))
             for name, parameter in state.parameters.items():
                 def refresh(name: str = name, parameter: nn.Parameter = parameter) -> None:

@@ -219,27 +219,3 @@ def test_a_resumed_rank_launches_again_its_part_of_collectives_its_peers_launch_
     comm = replay(plan_actions(Topology(schedule), make_plan(config, schedule, profile).plan))
     assert any(comm.outstanding(1, rank)[1] for rank in range(4)), "the case this test is about"
     assert_resumes_bit_for_bit(config, 4, tmp_path)
-
-
-def test_a_checkpoint_written_before_first_order_resumes_with_first_order_sgd(tmp_path):
-    """A checkpoint of one SGD over every parameter, its manifest without `kfac.first_order`: a run
-    with `kfac.first_order: sgd` continues it bit for bit; the default (AdamW) is refused, naming the fix."""
-    from _workers import checkpointing, with_one_sgd
-    from pipefisher.runtime.training.checkpoint import MANIFEST, CheckpointError, resumable_step, step_folder
-
-    config = kfac_config("1f1b", "packed", first_order="sgd").with_overrides(
-        run={"steps": 4}, checkpoint={"dir": str(tmp_path), "every": 2})
-    before = run_group(with_one_sgd, config.world_size, args=(config,), timeout=30, deadline=240)
-    manifest = step_folder(tmp_path, 2) / MANIFEST
-    written = json.loads(manifest.read_text())
-    del written["config"]["kfac.first_order"]
-    manifest.write_text(json.dumps(written))
-    for path in step_folder(tmp_path, 4).iterdir():
-        path.unlink()
-    step_folder(tmp_path, 4).rmdir()
-    with pytest.raises(CheckpointError, match="kfac.first_order is 'sgd' there and 'adamw' here; set kfac.first_order: 'sgd'"):
-        resumable_step(tmp_path, config.with_overrides(kfac={"first_order": "adamw"}))
-    resumed = run_group(checkpointing, config.world_size, args=(config, True), timeout=30, deadline=240)
-    for whole, rest in zip(before, resumed):
-        assert rest.losses == whole.losses[2:]
-        assert all(torch.equal(value, whole.parameters[key]) for key, value in rest.parameters.items())

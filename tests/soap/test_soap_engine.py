@@ -17,7 +17,7 @@ from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.soap import SoapEngine, SoapNumericsWarning, SoapSettings
 from pipefisher.methods.soap import basis as soap_basis
 from pipefisher.methods.soap.memory import SoapLayer
-from pipefisher.runtime.training.trainer import tensor_bytes
+from pipefisher.runtime.training.checkpoint import tensor_bytes
 
 SETTINGS = SoapSettings(block_size=4)
 

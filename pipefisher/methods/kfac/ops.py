@@ -61,6 +61,8 @@ class KfacRuntime(CurvatureRuntime):
     of its collectives. `loss_scale()`: fp16's current loss scale (None otherwise), recorded with
     every capture so that B is the factor of the unscaled loss."""
 
+    cycle_slots = ("built", "captures", "loss_scales", "pending")
+
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
@@ -90,6 +92,9 @@ class KfacRuntime(CurvatureRuntime):
         grid = self.grids.get(stage)
         return grid is None or grid.works_for(self.rank, self._numbers[stage][layer])
 
+    def keeps(self, stage: int, name: str) -> bool:
+        return name not in self._numbers[stage] or self.works_for(stage, name)
+
     def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
         return (stage, layer) in self.exchanged and self.rank == self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
 
@@ -110,13 +115,6 @@ class KfacRuntime(CurvatureRuntime):
             return nullcontext()
         scale = self.loss_scale()
         return self.engines[(op.pipe, op.stage)].capture(op.micro_batch, loss_scale=None if scale is None else scale.clone())
-
-    def state_dict(self) -> dict:
-        return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for (pipe, stage), engine in self.engines.items():
-            engine.load_state_dict(state[f"{pipe}.{stage}"])
 
     def end_of_cycle(self) -> None:
         """Make the cycle's inverses the ones in use; report numerical trouble."""

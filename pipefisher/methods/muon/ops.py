@@ -82,12 +82,8 @@ class MuonRuntime(CurvatureRuntime):
     def end_of_cycle(self) -> None:
         """Nothing to commit: Muon has no refresh results."""
 
-    def state_dict(self) -> dict:
-        return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for (pipe, stage), engine in self.engines.items():
-            engine.load_state_dict(state[f"{pipe}.{stage}"])
+    def keeps(self, stage: int, name: str) -> bool:
+        return name in self.own_share(stage) or name not in self._engine_of_stage[stage].names()
 
     def own_share(self, stage: int) -> list[str]:
         """The matrices of `stage` this rank orthogonalises (all of them on an unreplicated stage)."""

@@ -57,6 +57,9 @@ class ShampooRuntime(CurvatureRuntime):
     its collectives. `loss_scale()`: fp16's current loss scale (None otherwise); the captured
     gradient is divided by it."""
 
+    named_sections = ("exp_avg_sq", "matrices")
+    cycle_slots = ("captured", "*/pending")
+
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
@@ -114,15 +117,11 @@ class ShampooRuntime(CurvatureRuntime):
             engine.commit()
             engine.check_health()
 
-    def state_dict(self) -> dict:
-        return {
-            "engines": {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()},
-            "unfolded": [[pipe, stage, name, count] for (pipe, stage, name), count in self._unfolded.items()],
-        }
+    def cycle_state(self) -> dict:
+        """The captured gradients not yet folded into both factors' statistics."""
+        return {"unfolded": [[pipe, stage, name, count] for (pipe, stage, name), count in self._unfolded.items()]}
 
-    def load_state_dict(self, state: dict) -> None:
-        for (pipe, stage), engine in self.engines.items():
-            engine.load_state_dict(state["engines"][f"{pipe}.{stage}"])
+    def load_cycle_state(self, state: dict) -> None:
         self._unfolded = {(pipe, stage, name): count for pipe, stage, name, count in state["unfolded"]}
 
     # -- handlers ----------------------------------------------------------------------------

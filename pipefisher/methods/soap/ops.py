@@ -57,6 +57,9 @@ class SoapRuntime(CurvatureRuntime):
     """The SOAP state of one rank's stages, the handlers of its op kinds and the provider of its
     exchange. The loss scale is not needed: the step end sees unscaled gradients."""
 
+    named_sections = ("matrices",)
+    cycle_slots = ("*/pending",)
+
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.topology, self.rank, self.comm = topology, rank, comm
@@ -87,13 +90,6 @@ class SoapRuntime(CurvatureRuntime):
             engine.commit()
             engine.snapshot()
             engine.check_health()
-
-    def state_dict(self) -> dict:
-        return {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for (pipe, stage), engine in self.engines.items():
-            engine.load_state_dict(state[f"{pipe}.{stage}"])
 
     def _refresh(self, op: Op) -> None:
         self.engines[(op.pipe, op.stage)].refresh(op.layer, FACTOR_OF[op.kind])

@@ -1,7 +1,7 @@
 """`pipefisher export`: a pipelined run's checkpoint as a Hugging Face model folder.
 
-The stages' state dicts carry the model's own parameter names, so the unsplit model's state dict
-is their union (the first pipe's copies; every replica holds the same values). It is loaded into
+A checkpoint keeps every parameter under the unsplit model's name (`checkpoint_state`), so the
+unsplit model's state dict is its ``model/`` entries, each joined from its tensor-parallel shards. It is loaded into
 the `transformers` model object and written with `save_pretrained`, beside the run's tokenizer,
 so `AutoModel*.from_pretrained(folder)` and `tokenizers.Tokenizer.from_file` read it back.
 """
@@ -17,7 +17,7 @@ from pipefisher.config import ConfigError, RunConfig
 from pipefisher.core.files import write_folder_atomically
 from pipefisher.models.tensor_parallel import join_shard_states
 from pipefisher.runtime.training.assembly import staged_model, text_data
-from pipefisher.runtime.training.checkpoint import load_rank, resumable_step
+from pipefisher.runtime.training.checkpoint import StateReader, resumable_step
 
 
 @dataclass(frozen=True)
@@ -33,21 +33,16 @@ class Exported:
 
 
 def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
-    """The unsplit model's state dict from every process's checkpoint of `step`: pipe 0's stages,
-    each joined from its tensor-parallel shards (`join_shard_states`)."""
+    """The unsplit model's state dict from the checkpoint of `step`: its ``model/`` entries, each
+    joined from its tensor-parallel shards (`join_shard_states`)."""
     degree = config.pipeline.tensor_parallel
-    plan = staged_model(config).tensor_parallel_plan(degree) if degree > 1 else {}
-    merged: dict[str, torch.Tensor] = {}
-    found: set[str] = set()
-    for rank in range(config.world_size // degree):
-        if len(found) == config.model_chunks:
-            break  # every stage of pipe 0 is in: the other ranks hold replicas
-        shards = [load_rank(config.checkpoint.dir, step, rank * degree + shard, torch.device("cpu"))["stages"] for shard in range(degree)]
-        for key in shards[0]:
-            if key.split(".")[0] == "0" and key not in found:
-                found.add(key)
-                merged.update(join_shard_states([stages[key] for stages in shards], plan))
-    return merged
+    reader = StateReader(config.checkpoint.dir, step)
+    entries = {key[len("model/"):]: reader.get(key) for key in reader.keys("model/")}
+    if degree == 1:
+        return entries
+    plan = staged_model(config).tensor_parallel_plan(degree)
+    shards = [{key.rpartition("@")[0]: value for key, value in entries.items() if key.endswith(f"@{shard}")} for shard in range(degree)]
+    return join_shard_states(shards, plan)
 
 
 def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:

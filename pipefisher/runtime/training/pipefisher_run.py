@@ -246,13 +246,8 @@ class PipeFisherTrainer(PlanRunner):
         return self._measure(), True
 
     def state_dict(self) -> dict:
-        """Position in the cycle, the profile the plan comes from, and every engine's state
-        (call after `quiesce`)."""
-        return {"cycle_step": self.cycle_step, "profile": self.profile.to_dict(), "engines": self.runtime.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.cycle_step = int(state["cycle_step"])
-        self.runtime.load_state_dict(state["engines"])
+        """Every engine's state (for byte counts; checkpoints: `checkpoint_state`)."""
+        return self.runtime.state_dict()
 
     @property
     def predicted_step_ms(self) -> float:

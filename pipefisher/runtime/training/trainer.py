@@ -32,7 +32,9 @@ from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.pipeline.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import build_schedule, data_source, recompute_plan, staged_model
-from pipefisher.runtime.training.checkpoint import commit, load_rank, save_rank
+from pipefisher.runtime.training.checkpoint import StateReader, commit, resumption, save_rank, tensor_bytes
+from pipefisher.runtime.training.checkpoint_state import (process_state, restore_curvature, restore_executor, tied_aliases,
+                                                           write_priority)
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
 
@@ -50,26 +52,6 @@ class TrainResult:
     losses: list[float]
     parameters: dict[str, Tensor]
     state_bytes: tuple[dict[str, int], ...] = ()
-
-
-def tensor_bytes(value: object) -> int:
-    """Bytes of the tensors in a nested structure of dicts, lists and tuples (each storage once)."""
-    seen: set[tuple[int, int]] = set()
-
-    def visit(item: object) -> int:
-        if isinstance(item, Tensor):
-            key = (item.untyped_storage().data_ptr(), item.untyped_storage().nbytes())
-            if key in seen:
-                return 0
-            seen.add(key)
-            return item.untyped_storage().nbytes()
-        if isinstance(item, dict):
-            return sum(visit(v) for v in item.values())
-        if isinstance(item, (list, tuple)):
-            return sum(visit(v) for v in item)
-        return 0
-
-    return visit(value)
 
 
 def build_executor(config: RunConfig, process: int, device: torch.device) -> tuple[Executor, Schedule]:
@@ -169,21 +151,23 @@ def train_pipelined(config: RunConfig, process: int, device: torch.device, on_st
     if executor is None:
         executor, _ = build_executor(config, process, device)
     rank = executor.rank
-    start, state = 0, None
+    start, reader, same_layout = 0, None, True
     if resume_from is not None:
         start = resume_from
-        state = load_rank(config.checkpoint.dir, start, process, device)
-        _restore(executor, state, config)
+        reader = StateReader(config.checkpoint.dir, start, tied_aliases(staged_model(config)))
+        same_layout = resumption(config.checkpoint.dir, start, config).same_layout
+        restore_executor(executor, reader, config, process, same_layout)
     if config.curvature is not None:
         from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
 
-        profile = profile_from_dict(state["curvature"]["profile"]) if state else None
+        # another layout's profile times other stages: this run measures (or reads) its own
+        profile = profile_from_dict(reader.get("run/profile")) if reader is not None and same_layout else None
         runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile)
-        if state:
-            runner.load_state_dict(state["curvature"])
+        if reader is not None:
+            restore_curvature(runner, reader, process, same_layout)
     else:
         runner = PlanRunner(executor, rank, schedule_plan(executor.topology.schedule), executor.tied)
-    if state:
+    if reader is not None:
         runner.resume()
     losses = []
     every = config.checkpoint.every
@@ -223,44 +207,22 @@ def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str
 
 
 def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner: PlanRunner, step: int) -> None:
-    """Every process saves its state of `step`; process 0 commits the step once all have. Collective."""
+    """Every process saves the entries of `step` it is the lowest holder of (and its own
+    layout-tied state); process 0 commits the step once all have. Collective."""
     runner.quiesce()
-    record = save_rank(config.checkpoint.dir, step, process, _state(executor, runner, step))
+    entries = process_state(executor, runner, process)
+    shared = write_priority(executor, runner, [key for key in entries if not key.startswith("local/")])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shared)
+    writer: dict[str, tuple[int, int]] = {}
+    for holder, priorities in enumerate(everyone):
+        for key, priority in priorities.items():
+            writer[key] = min(writer.get(key, (priority, holder)), (priority, holder))
+    mine = {key: value for key, value in entries.items() if writer.get(key, (0, process))[1] == process}
+    record = save_rank(config.checkpoint.dir, step, process, mine)
     records: list = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
     if process == 0:
-        commit(config.checkpoint.dir, step, config, records, config.checkpoint.keep)
+        cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
+        commit(config.checkpoint.dir, step, config, records, config.checkpoint.keep, cycle)
     dist.barrier()
-
-
-def _state(executor: Executor, runner: PlanRunner, step: int) -> dict:
-    """Everything a rank needs to continue bit for bit after `step` completed steps."""
-    scaler = executor.step_end.scaler
-    return {
-        "step": step,
-        "stages": {f"{pipe}.{stage}": runtime.module.state_dict() for (pipe, stage), runtime in executor.stages.items()},
-        "optimizer": executor.optimizer.state_dict(),
-        "scheduler_step": executor.scheduler.last_epoch if executor.scheduler is not None else None,
-        "loss_scaler": scaler.state_dict() if scaler is not None else None,
-        "curvature": runner.state_dict(),
-        "powersgd": {f"{pipe}.{stage}": c.state_dict() for (pipe, stage), c in executor.step_end.powersgd.items()},
-        "rng": torch.random.get_rng_state(),
-        "rng_device": torch.cuda.get_rng_state(executor.device) if executor.device.type == "cuda" else None,
-    }
-
-
-def _restore(executor: Executor, state: dict, config: RunConfig) -> None:
-    for (pipe, stage), runtime in executor.stages.items():
-        runtime.module.load_state_dict(state["stages"][f"{pipe}.{stage}"])
-    executor.optimizer.load_state_dict(state["optimizer"])
-    for (pipe, stage), compressor in executor.step_end.powersgd.items():
-        compressor.load_state_dict(state["powersgd"][f"{pipe}.{stage}"])
-    if executor.step_end.scaler is not None:
-        executor.step_end.scaler.load_state_dict(state["loss_scaler"])
-    if executor.scheduler is not None and state["scheduler_step"] is not None:
-        # The schedule comes from this run's configuration; only its position is restored, by a
-        # scheduler that starts there (stepping one before any optimizer step would warn).
-        executor.step_end.scheduler = build_scheduler(config, executor.optimizer, position=state["scheduler_step"])
-    torch.random.set_rng_state(state["rng"])
-    if state.get("rng_device") is not None and executor.device.type == "cuda":  # checkpoints before it lack it
-        torch.cuda.set_rng_state(state["rng_device"], executor.device)

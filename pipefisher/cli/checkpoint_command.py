@@ -1,0 +1,94 @@
+"""`pipefisher checkpoint inspect DIR`: what a checkpoint holds (step, model, method, layout, the
+refresh cycle's position, bytes per kind) and whether every file verifies against its manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipefisher.cli.args import UsageError, positive_int
+
+
+def _bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
+
+
+def _model(config: dict) -> str:
+    kind = config.get("model.kind", "?")
+    if kind == "hf":
+        return f"hf {config.get('model.hf_config')}"
+    if kind == "bert":
+        return f"bert {config.get('model.preset')}"
+    return f"{kind}: {config.get('model.layers')} blocks of width {config.get('model.hidden')}"
+
+
+def describe(folder: Path, manifest: dict) -> list[str]:
+    """The lines `inspect` prints for the step in `folder` (its manifest read)."""
+    from pipefisher.runtime.training.checkpoint import FORMAT, describe_layout, verify
+
+    problem = verify(folder, manifest)
+    files = manifest.get("files", {})
+    lines = [f"checkpoint {folder}: step {manifest.get('step')}"]
+    if manifest.get("format") != FORMAT:
+        lines.append(f"format:   {manifest.get('format', 1)}, written before layout-free checkpoints (format {FORMAT}): "
+                     "this pipefisher cannot resume it")
+    else:
+        config = manifest["config"]
+        lines.append(f"model:    {_model(config)}; optimizer {config.get('optimizer.name')}, precision {config.get('run.precision')}")
+        lines.append(f"layout:   {describe_layout(manifest['layout'])}; {len(files)} processes")
+        cycle = manifest.get("cycle")
+        if cycle is not None:
+            where = "at a boundary" if cycle["position"] == 0 else f"inside, after step {cycle['position']}"
+            lines.append(f"cycle:    refresh every {cycle['refresh_steps']} steps, {where}")
+        kinds: dict[str, int] = {}
+        for entry in files.values():
+            for kind, count in entry.get("bytes", {}).items():
+                kinds[kind] = kinds.get(kind, 0) + count
+        total = sum(entry["size"] for entry in files.values())
+        lines.append("bytes:    " + ", ".join(f"{kind} {_bytes(count)}" for kind, count in sorted(kinds.items()) if count)
+                     + f" (tensors); {_bytes(total)} on disk")
+    lines.append(f"verifies: {'yes: every file has its size and SHA-256' if problem is None else 'NO: ' + problem}")
+    return lines
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from pipefisher.runtime.training.checkpoint import MANIFEST, read_manifest, step_folder
+
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise UsageError(f"DIR: {directory} is not a folder")
+    if args.step is not None:
+        folder = step_folder(directory, args.step)
+    else:
+        complete = sorted((p for p in directory.glob("step-*") if (p / MANIFEST).exists()), reverse=True)
+        if not complete:
+            raise UsageError(f"DIR: {directory} holds no complete checkpoint (no step-*/{MANIFEST})")
+        folder = complete[0]
+    try:
+        manifest = read_manifest(folder)
+    except FileNotFoundError:
+        raise UsageError(f"--step: {folder} has no {MANIFEST} (missing or stopped while saving)") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{folder / MANIFEST} is unreadable: {exc}") from None
+    lines = describe(folder, manifest)
+    if args.json:
+        print(json.dumps({"folder": str(folder), "manifest": {k: v for k, v in manifest.items() if k != "files"},
+                          "files": {name: {k: v for k, v in entry.items() if k != "keys"} for name, entry in manifest["files"].items()},
+                          "verifies": lines[-1].startswith("verifies: yes")}, indent=1))
+    else:
+        print("\n".join(lines))
+    return 0 if lines[-1].startswith("verifies: yes") else 1
+
+
+def add_checkpoint_parser(subparsers) -> None:
+    parser = subparsers.add_parser("checkpoint", help="inspect a run's checkpoints")
+    commands = parser.add_subparsers(dest="checkpoint_command", required=True, parser_class=type(parser))
+    inspect = commands.add_parser("inspect", help="what a checkpoint holds and whether it verifies (exit 1: it does not)")
+    inspect.add_argument("directory", metavar="DIR", help="the run's checkpoint.dir")
+    inspect.add_argument("--step", type=positive_int, help="the step to inspect (default: the newest complete one)")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(handler=_cmd_inspect)

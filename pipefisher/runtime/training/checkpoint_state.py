@@ -1,0 +1,257 @@
+"""A process's training state under layout-free keys, and back: what lets a checkpoint resume on
+any stages, schedule, data parallelism, ZeRO and method placement of the same model.
+
+Keys ("/"-separated; a stage's parameter names are the unsplit model's, `pipefisher.models.init`):
+
+- ``model/<name>``: a parameter or buffer;
+- ``optimizer/<part>/<name>``: a parameter's first-order optimizer state (part ``all``, or a
+  curvature run's ``method`` and ``rest``), written by the replica that updates it (ZeRO-1: its owner);
+- ``curvature/<section>/<name>``: a curvature engine's entry for a layer, matrix or parameter
+  (`CurvatureRuntime.named_sections`) without its unfinished cycle's slots; ``curvature/rest``:
+  an engine's state outside those sections (e.g. Shampoo's step count);
+- ``run/<what>``: the scheduler's position, the loss scaler, the refresh cycle's position, the profile;
+- ``local/<process>/<kind>/…``: what is tied to the layout (random streams, PowerSGD's state;
+  inside a refresh cycle the process's own whole curvature entries), used only by a resumption
+  on the same layout.
+
+Under tensor parallelism a shard's keys end in ``@<shard>`` (the degree is part of the identity).
+Replicas hold equal values, so each key is written once (`write_priority` says by whom).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipefisher.config import RunConfig
+from pipefisher.models.init import derive_seed
+from pipefisher.optim import build_scheduler
+from pipefisher.optim.composite import Composite
+from pipefisher.runtime.pipeline.executor import Executor
+from pipefisher.runtime.training.checkpoint import StateReader
+
+#: the key of an engine's state outside its named sections
+REST = "curvature/rest"
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """A tied weight's name -> its other copy's (both ways), from `model.tied_parameters()`."""
+    names = [name for _, name in model.tied_parameters()]
+    return {a: b for a in names for b in names if a != b}
+
+
+def _suffix(executor: Executor) -> str:
+    return f"@{executor.comm.shard}" if executor.topology.tensor_parallel > 1 else ""
+
+
+def write_priority(executor: Executor, runner, keys) -> dict[str, int]:
+    """Per key, 0 where this process holds the entry as its updater does, else 1: a replica that
+    does not update a parameter (ZeRO-1) may hold stale state for it, and one that is not a
+    gradient worker of a layer (`CurvatureRuntime.keeps`) lacks its refresh results. The writer of
+    a key is the holder with the lowest (priority, process)."""
+    first: dict[str, nn.Parameter] = {}
+    stage_of: dict[str, int] = {}
+    for (_, stage), runtime in executor.stages.items():
+        for name, module in runtime.module.named_modules():
+            own = next(module.parameters(recurse=False), None)
+            if own is not None:
+                first.setdefault(name, own)
+                stage_of[name] = stage
+        for name, parameter in runtime.module.named_parameters(remove_duplicate=False):
+            first[name], stage_of[name] = parameter, stage
+    updates = executor.step_end.applies_to
+    curvature = getattr(runner, "runtime", None)
+    priority = {}
+    for key in keys:
+        name = key.rpartition("/")[2].partition("@")[0]
+        parameter = first.get(name)
+        kept = curvature is None or not key.startswith("curvature/") or name not in stage_of or curvature.keeps(stage_of[name], name)
+        priority[key] = 0 if kept and (parameter is None or updates(parameter)) else 1
+    return priority
+
+
+def _optimizer_parts(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
+    return dict(optimizer.parts) if isinstance(optimizer, Composite) else {"all": optimizer}
+
+
+def _parameter_names(modules) -> dict[int, str]:
+    """id(parameter) -> its global name, over this process's stages."""
+    return {id(p): name for module in modules for name, p in module.named_parameters()}
+
+
+def _indexed(part: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """A torch optimizer's parameters in its state dict's index order."""
+    return [p for group in part.param_groups for p in group["params"]]
+
+
+def _section(state: dict, path: str) -> dict:
+    for part in filter(None, path.split("/")):
+        state = state[part]
+    return state
+
+
+def _split_slots(entry: Any, slots: tuple[str, ...]) -> tuple[Any, dict[tuple[Any, str], Any]]:
+    """(the entry without its cycle `slots`, {(inner key or None, slot): value} of those it holds)."""
+    if not isinstance(entry, dict) or not slots:
+        return entry, {}
+    kept, taken = dict(entry), {}
+    for slot in slots:
+        head, _, key = slot.rpartition("/")
+        inner = [name for name, value in entry.items() if isinstance(value, dict)] if head == "*" else [None]
+        for name in inner:
+            if name is not None and kept[name] is entry[name]:
+                kept[name] = dict(entry[name])  # a copy: the engine's own dict stays whole
+            holder = kept if name is None else kept[name]
+            if key in holder:
+                taken[(name, key)] = holder.pop(key)
+    return kept, taken
+
+
+def _put_slots(entry: dict, taken: dict[tuple[Any, str], Any]) -> dict:
+    """`entry` with the slots `_split_slots` took put back."""
+    entry = dict(entry)
+    for (name, key), value in taken.items():
+        if name is None:
+            entry[key] = value
+        else:
+            entry[name] = {**entry[name], key: value}
+    return entry
+
+
+def _stage_key(pipe: int, stage: int) -> str:
+    return f"{pipe}.{stage}"
+
+
+def process_state(executor: Executor, runner, process: int) -> dict[str, Any]:
+    """Everything process `process` holds that a run continues from, under layout-free keys (call
+    after `runner.quiesce()`)."""
+    suffix, entries = _suffix(executor), {}
+    modules = [runtime.module for runtime in executor.stages.values()]
+    for module in modules:
+        entries.update({f"model/{name}{suffix}": value for name, value in module.state_dict().items()})
+    names = _parameter_names(modules)
+    for part_name, part in _optimizer_parts(executor.optimizer).items():
+        state = part.state_dict()["state"]
+        for index, parameter in enumerate(_indexed(part)):
+            if index in state:
+                entries[f"optimizer/{part_name}/{names[id(parameter)]}{suffix}"] = state[index]
+    scheduler, scaler = executor.scheduler, executor.step_end.scaler
+    entries["run/scheduler_step"] = scheduler.last_epoch if scheduler is not None else None
+    entries["run/loss_scaler"] = scaler.state_dict() if scaler is not None else None
+    local = f"local/{process}"
+    entries[f"{local}/rng/host"] = torch.random.get_rng_state()
+    if executor.device.type == "cuda":
+        entries[f"{local}/rng/device"] = torch.cuda.get_rng_state(executor.device)
+    for (pipe, stage), compressor in executor.step_end.powersgd.items():
+        entries[f"{local}/powersgd/{_stage_key(pipe, stage)}"] = compressor.state_dict()
+    runtime = getattr(runner, "runtime", None)
+    if runtime is not None:
+        entries["run/cycle_step"] = runner.cycle_step
+        entries["run/profile"] = runner.profile.to_dict()
+        entries[f"{local}/cycle/runtime"] = runtime.cycle_state()
+        entries.update(_curvature_entries(runtime, f"{local}/cycle", suffix, runner.cycle_step != 0))
+    return entries
+
+
+def _curvature_entries(runtime, local: str, suffix: str, mid_cycle: bool) -> dict[str, Any]:
+    """Each engine's named entries without their cycle slots under global keys; inside a cycle
+    also this process's whole entry under its own key: replicas part way through a cycle differ
+    (one has folded a factor another has not yet received). At a cycle's boundary the slots hold
+    no work (a resumption takes them from a fresh engine)."""
+    entries: dict[str, Any] = {}
+    for (pipe, stage), engine in runtime.engines.items():
+        state = engine.state_dict()
+        rest = copy.copy(state)
+        for path in runtime.named_sections:
+            prefix = f"{path}/" if path else ""
+            for name, entry in _section(state, path).items():
+                entries[f"curvature/{prefix}{name}{suffix}"] = _split_slots(entry, runtime.cycle_slots)[0]
+                if mid_cycle:
+                    entries[f"{local}/{_stage_key(pipe, stage)}/{prefix}{name}"] = entry
+            if path:
+                rest.pop(path.split("/")[0], None)
+            else:
+                rest = {}
+        entries.setdefault(REST, rest)
+    return entries
+
+
+def restore_executor(executor: Executor, reader: StateReader, config: RunConfig, process: int, same_layout: bool) -> None:
+    """Load this process's parameters, optimizer state, loss scaler and schedule position from
+    `reader`; on the same layout also its random streams and PowerSGD state, else streams
+    re-seeded from (seed, rank, step). KeyError naming an entry the checkpoint lacks."""
+    suffix = _suffix(executor)
+    modules = [runtime.module for runtime in executor.stages.values()]
+    for module in modules:
+        wanted = module.state_dict()
+        module.load_state_dict({name: _required(reader, f"model/{name}{suffix}") for name in wanted})
+    names = _parameter_names(modules)
+    for part_name, part in _optimizer_parts(executor.optimizer).items():
+        state = part.state_dict()
+        for index, parameter in enumerate(_indexed(part)):
+            entry = reader.get(f"optimizer/{part_name}/{names[id(parameter)]}{suffix}")
+            if entry is not None:
+                state["state"][index] = entry
+        part.load_state_dict(state)
+    if executor.step_end.scaler is not None:
+        executor.step_end.scaler.load_state_dict(_required(reader, "run/loss_scaler"))
+    position = reader.get("run/scheduler_step")
+    if executor.scheduler is not None and position is not None:
+        # The schedule comes from this run's configuration; only its position is restored, by a
+        # scheduler that starts there (stepping one before any optimizer step would warn).
+        executor.step_end.scheduler = build_scheduler(config, executor.optimizer, position=position)
+    local = f"local/{process}"
+    if not same_layout:
+        torch.manual_seed(derive_seed(config.run.seed, f"rank/{executor.rank}/step/{reader.manifest['step']}"))
+        return
+    torch.random.set_rng_state(_required(reader, f"{local}/rng/host"))
+    device_state = reader.get(f"{local}/rng/device")
+    if device_state is not None and executor.device.type == "cuda":
+        torch.cuda.set_rng_state(device_state, executor.device)
+    for (pipe, stage), compressor in executor.step_end.powersgd.items():
+        compressor.load_state_dict(_required(reader, f"{local}/powersgd/{_stage_key(pipe, stage)}"))
+
+
+def restore_curvature(runner, reader: StateReader, process: int, same_layout: bool) -> None:
+    """Load the curvature runtime's engines of `runner` (a `PipeFisherTrainer`) from `reader`: each
+    engine's named entries that belong to its stage. On the same layout a process's own whole
+    entries and the cycle's position come back; on another the cycle starts anew (the slots as a
+    fresh engine's)."""
+    runtime, suffix = runner.runtime, _suffix(runner.executor)
+    local = f"local/{process}/cycle"
+    rest = reader.get(REST, {})
+    for (pipe, stage), engine in runtime.engines.items():
+        fresh = engine.state_dict()
+        module = runner.modules[(pipe, stage)]
+        owned = {name for name, _ in module.named_modules()} | {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        state = {**fresh, **rest}
+        for path in runtime.named_sections:
+            prefix = f"curvature/{path}/" if path else "curvature/"
+            template = _section(fresh, path)
+            names = {key[len(prefix):len(key) - len(suffix)] for key in reader.keys(prefix) if key.endswith(suffix)} & owned | set(template)
+            section = {}
+            for name in sorted(names):
+                own = reader.get(f"{local}/{_stage_key(pipe, stage)}/{path + '/' if path else ''}{name}") if same_layout else None
+                entry = own if own is not None else reader.get(f"{prefix}{name}{suffix}", template.get(name))
+                if own is None and isinstance(template.get(name), dict):
+                    _, slots = _split_slots(template[name], runtime.cycle_slots)
+                    entry = _put_slots(entry, slots)
+                section[name] = entry
+            if path:
+                _section(state, path.rpartition("/")[0])[path.rpartition("/")[2]] = section
+            else:
+                state = section
+        engine.load_state_dict(state)
+    if same_layout:
+        runner.cycle_step = int(_required(reader, "run/cycle_step"))
+        runtime.load_cycle_state(_required(reader, f"{local}/runtime"))
+
+
+def _required(reader: StateReader, key: str) -> Any:
+    value = reader.get(key, KeyError)
+    if value is KeyError:
+        raise KeyError(f"the checkpoint in {reader.folder} holds no {key!r}")
+    return value
