@@ -26,9 +26,11 @@ def _model(config: dict) -> str:
     return f"{kind}: {config.get('model.layers')} blocks of width {config.get('model.hidden')}"
 
 
-def describe(folder: Path, manifest: dict) -> list[str]:
-    """The lines `inspect` prints for the step in `folder` (its manifest read)."""
-    from pipefisher.runtime.training.checkpoint import FORMAT, describe_layout, verify
+def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
+    """The lines `inspect` prints for the step in `folder` (its manifest read), and why it does
+    not verify (None: it does)."""
+    from pipefisher.runtime.training.checkpoint import FORMAT, verify
+    from pipefisher.runtime.training.resumption import describe_layout
 
     problem = verify(folder, manifest)
     files = manifest.get("files", {})
@@ -39,7 +41,7 @@ def describe(folder: Path, manifest: dict) -> list[str]:
     else:
         config = manifest["config"]
         lines.append(f"model:    {_model(config)}; optimizer {config.get('optimizer.name')}, precision {config.get('run.precision')}")
-        lines.append(f"layout:   {describe_layout(manifest['layout'])}; {len(files)} processes")
+        lines.append(f"layout:   {describe_layout({**manifest['layout'], **manifest.get('plan', {})})}; {len(files)} processes")
         cycle = manifest.get("cycle")
         if cycle is not None:
             where = "at a boundary" if cycle["position"] == 0 else f"inside, after step {cycle['position']}"
@@ -52,11 +54,11 @@ def describe(folder: Path, manifest: dict) -> list[str]:
         lines.append("bytes:    " + ", ".join(f"{kind} {_bytes(count)}" for kind, count in sorted(kinds.items()) if count)
                      + f" (tensors); {_bytes(total)} on disk")
     lines.append(f"verifies: {'yes: every file has its size and SHA-256' if problem is None else 'NO: ' + problem}")
-    return lines
+    return lines, problem
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from pipefisher.runtime.training.checkpoint import MANIFEST, read_manifest, step_folder
+    from pipefisher.runtime.training.checkpoint import MANIFEST, read_manifest, step_folder, steps
 
     directory = Path(args.directory)
     if not directory.is_dir():
@@ -64,7 +66,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.step is not None:
         folder = step_folder(directory, args.step)
     else:
-        complete = sorted((p for p in directory.glob("step-*") if (p / MANIFEST).exists()), reverse=True)
+        complete = [folder for _, folder in steps(directory) if (folder / MANIFEST).exists()]
         if not complete:
             raise UsageError(f"DIR: {directory} holds no complete checkpoint (no step-*/{MANIFEST})")
         folder = complete[0]
@@ -74,14 +76,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise UsageError(f"--step: {folder} has no {MANIFEST} (missing or stopped while saving)") from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"{folder / MANIFEST} is unreadable: {exc}") from None
-    lines = describe(folder, manifest)
+    lines, problem = describe(folder, manifest)
     if args.json:
         print(json.dumps({"folder": str(folder), "manifest": {k: v for k, v in manifest.items() if k != "files"},
                           "files": {name: {k: v for k, v in entry.items() if k != "keys"} for name, entry in manifest["files"].items()},
-                          "verifies": lines[-1].startswith("verifies: yes")}, indent=1))
+                          "problem": problem}, indent=1))
     else:
         print("\n".join(lines))
-    return 0 if lines[-1].startswith("verifies: yes") else 1
+    return 0 if problem is None else 1
 
 
 def add_checkpoint_parser(subparsers) -> None:

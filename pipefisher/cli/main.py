@@ -186,7 +186,8 @@ def _resume_step(config) -> int | None:
     says which newer checkpoints were skipped and why."""
     if config.checkpoint.resume == "never":
         return None
-    from pipefisher.runtime.training.checkpoint import CheckpointError, has_checkpoints, resumable_step, resumption
+    from pipefisher.runtime.training.checkpoint import CheckpointError, has_checkpoints
+    from pipefisher.runtime.training.resumption import resumable_step, resumption
 
     if config.checkpoint.resume == "auto" and not has_checkpoints(config.checkpoint.dir):
         return None  # nothing saved yet: a first start

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -48,20 +48,31 @@ def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: 
     return comm.broadcast([(target, source)], collective.group, on_done=lambda: receive(target))
 
 
+class CurvatureEngine(Protocol):
+    """A method's state over one stage: what a checkpoint saves and restores."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class CurvatureRuntime:
     """One rank's state of a curvature method over its stages, and its part in every step.
     `shared_statistics`: the (stage, layer, part) statistics its tensor-parallel processes build
     in shares (`TaskRules.shared_statistics`)."""
 
     shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
-    #: its engines by (pipe, stage), each with ``state_dict()`` and ``load_state_dict(state)``
-    engines: dict[tuple[int, int], Any]
-    #: paths ("a/b"; "" = the whole) in an engine's state dict of the dicts keyed by a layer's or
-    #: parameter's global name: a layout-free checkpoint stores their entries under those names
+    #: its engines by (pipe, stage)
+    engines: dict[tuple[int, int], CurvatureEngine]
+    #: keys of an engine's state dict ("" = the state dict itself) whose values are dicts keyed by
+    #: a layer's or parameter's global name: a layout-free checkpoint keeps those entries by name.
+    #: The rest of an engine's state dict must be equal on every engine, shard and replica.
     named_sections: tuple[str, ...] = ("",)
     #: keys of such an entry ("*/key": that key of every dict in the entry) that hold the work of
     #: an unfinished refresh cycle: carried over only to a resumption on the same layout
     cycle_slots: tuple[str, ...] = ()
+    #: keys of such an entry that only a rank that `keeps` the layer's refresh results holds
+    result_slots: tuple[str, ...] = ()
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         """Handlers of the method's op kinds."""

@@ -86,7 +86,7 @@ def compiled_pipelined(rank: int, world: int, config: RunConfig) -> tuple[TrainR
 
 def checkpointing(rank: int, world: int, config: RunConfig, resume: bool) -> TrainResult:
     """Train with checkpoints; with `resume`, from the newest checkpoint that verifies."""
-    from pipefisher.runtime.training.checkpoint import resumable_step
+    from pipefisher.runtime.training.resumption import resumable_step
 
     start = resumable_step(config.checkpoint.dir, config)[0] if resume else None
     return train_pipelined(config, rank, CPU, resume_from=start)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pipefisher.config import config_from_dict
-from pipefisher.runtime.training.checkpoint import MANIFEST, CheckpointError, StateReader, commit, resumable_step, save_rank, step_folder
+from pipefisher.runtime.training.checkpoint import MANIFEST, CheckpointError, StateReader, commit, save_rank, step_folder
+from pipefisher.runtime.training.resumption import manifest_fields, resumable_step
 
 CONFIG = config_from_dict({"pipeline": {"stages": 2}})
 
@@ -12,7 +13,7 @@ CONFIG = config_from_dict({"pipeline": {"stages": 2}})
 def save(directory, step, keep=2, ranks=2):
     records = [save_rank(directory, step, rank, {f"local/{rank}/rng/host": torch.arange(100.0) + rank, f"model/w{rank}": torch.ones(3)})
                for rank in range(ranks)]
-    commit(directory, step, CONFIG, records, keep)
+    commit(directory, step, manifest_fields(CONFIG, None), records, keep)
 
 
 def steps(directory):

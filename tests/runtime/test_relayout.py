@@ -15,7 +15,8 @@ import torch
 
 from _workers import checkpointing
 from pipefisher.config import config_from_dict
-from pipefisher.runtime.training.checkpoint import CheckpointError, resumable_step, resumption, step_folder
+from pipefisher.runtime.training.checkpoint import CheckpointError, StateReader, step_folder
+from pipefisher.runtime.training.resumption import resumable_step, resumption
 from pipefisher.runtime.training.launch import run_group
 from builders import tiny_model
 
@@ -100,6 +101,14 @@ def test_kfac_gradient_workers_resume_on_one_replica(tmp_path):
     assert_continues(before, run_file("kfac"), tmp_path)
 
 
+def test_a_replica_holds_after_resuming_only_the_refresh_results_it_keeps(tmp_path):
+    """Checkpoints take each layer's inverses from its gradient worker; a resumed replica that is
+    not its worker does not get them: every process's curvature state has the uninterrupted run's bytes."""
+    before = run_file("kfac", data_parallel=2, micro_batches=2, workers=0.5)
+    straight, resumed = stop_and_resume(before, before, tmp_path)
+    assert [held["curvature"] for held in resumed[0].state_bytes] == [held["curvature"] for held in straight[0].state_bytes]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "kfac"])
 def test_gpt2_resumes_from_two_stages_on_one(optimizer, tmp_path):
@@ -118,15 +127,35 @@ def test_gpt2_resumes_from_two_stages_on_one(optimizer, tmp_path):
 
 def test_a_stop_inside_a_refresh_cycle_restarts_the_cycle_on_another_layout(tmp_path):
     """Stopped after step 3 of K-FAC cycles of 2 steps (one step into the second cycle), resumed
-    on 4 stages: the resumption names what it drops; the cycle restarts at step 4, so step 4 and
-    5 still use the inverses of the first cycle as the uninterrupted run does (equal losses), and
-    the run goes on training."""
-    before, after = run_file("kfac", refresh=2), run_file("kfac", refresh=2, stages=4)
-    straight, resumed = stop_and_resume(before, after, tmp_path)
-    how = resumption(tmp_path / "checkpoints", STOP, config_from_dict(after))
+    on 4 stages: the resumption names what it drops; the new cycle starts at step 4 with the first
+    cycle's inverses in use, as the uninterrupted run's step 4 has, so the parameters after step 4
+    (the stopped cycle's boundary) are that run's; from step 5 on that run uses the stopped cycle's
+    inverses, so the parameters after step 5 differ."""
+    directory = tmp_path / "checkpoints"
+    whole = config_from_dict(run_file("kfac", refresh=2)).with_overrides(checkpoint={"dir": str(directory), "every": 1, "keep": STEPS})
+    run_group(checkpointing, whole.world_size, args=(whole, False), timeout=30, deadline=240)
+    resumed_folder = tmp_path / "resumed"
+    resumed_folder.mkdir()
+    shutil.copytree(step_folder(directory, STOP), step_folder(resumed_folder, STOP))
+    after = config_from_dict(run_file("kfac", refresh=2, stages=4)).with_overrides(checkpoint={"dir": str(resumed_folder), "every": 1})
+    how = resumption(resumed_folder, STOP, after)
     assert not how.same_layout and any("refresh cycle stopped after step 1 of 2" in line for line in how.dropped)
-    torch.testing.assert_close(torch.tensor(resumed[0].losses[:2]), torch.tensor(straight[0].losses[STOP:STOP + 2]), rtol=1e-5, atol=0)
-    assert all(torch.isfinite(torch.tensor(result.losses)).all() for result in resumed)
+
+    def parameters_after(steps: int) -> dict[str, torch.Tensor]:
+        results = run_group(checkpointing, after.world_size, args=(after.with_overrides(run={"steps": steps}), True), timeout=30, deadline=240)
+        return by_global_name({key: value for result in results for key, value in result.parameters.items()})
+
+    def straight(step: int, names) -> dict[str, torch.Tensor]:
+        reader = StateReader(directory, step)
+        return {name: reader.required(f"model/{name}") for name in names}
+
+    at_boundary = parameters_after(STOP + 1)
+    expected = straight(STOP + 1, at_boundary)
+    for name, value in at_boundary.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=PARAMETER_ATOL, msg=name)
+    later = parameters_after(STOP + 2)
+    expected = straight(STOP + 2, later)
+    assert any(not torch.allclose(later[name], expected[name], rtol=1e-4, atol=1e-4) for name in later)
 
 
 def test_the_same_layout_carries_everything_and_another_says_what_it_drops(tmp_path):
@@ -137,7 +166,9 @@ def test_the_same_layout_carries_everything_and_another_says_what_it_drops(tmp_p
     assert resumption(directory, STOP, config).summary() == f"resuming from step {STOP}"
     other = config.with_overrides(pipeline={"data_parallel": 1, "micro_batches": 4})
     dropped = resumption(directory, STOP, other).dropped
-    assert [line.split(" (")[0] for line in dropped] == ["the random streams", "PowerSGD's error feedback and warm start"]
+    assert [line.split(" (")[0] for line in dropped] == ["the random streams", "PowerSGD's error feedback and warm start", "the profile"]
+    replanned = resumption(directory, STOP, config.with_overrides(kfac={"placement": "after-step"}))
+    assert replanned.same_processes and not replanned.same_plan and [line.split(" (")[0] for line in replanned.dropped] == ["the profile"]
 
 
 def test_another_model_or_an_older_format_is_refused_in_one_line(tmp_path):

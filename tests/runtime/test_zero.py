@@ -14,7 +14,7 @@ from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
 from pipefisher.runtime.gradient_path.buffers import GradientBuffer, Ownership
-from pipefisher.runtime.training.checkpoint import resumable_step, resumption
+from pipefisher.runtime.training.resumption import resumable_step, resumption
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import get_schedule

@@ -62,6 +62,7 @@ class KfacRuntime(CurvatureRuntime):
     every capture so that B is the factor of the unscaled loss."""
 
     cycle_slots = ("built", "captures", "loss_scales", "pending")
+    result_slots = ("active",)
 
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):

@@ -51,8 +51,8 @@ class PlanRunner:
         """Called after the last step of every cycle."""
 
     def state_dict(self) -> dict | None:
-        """What a checkpoint keeps of the runner besides the executor's state (call after
-        `quiesce`); a first-order run keeps nothing."""
+        """The runner's own state besides the executor's, for byte counts (call after `quiesce`;
+        checkpoints: `pipefisher.runtime.training.checkpoint_state`); a first-order run has none."""
         return None
 
     def quiesce(self) -> None:

@@ -15,15 +15,16 @@ Keys ("/"-separated; a stage's parameter names are the unsplit model's, `pipefis
   on the same layout.
 
 Under tensor parallelism a shard's keys end in ``@<shard>`` (the degree is part of the identity).
-Replicas hold equal values, so each key is written once (`write_priority` says by whom).
+Replicas hold equal values, so each key is written once (`entries_to_write` says by whom).
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipefisher.config import RunConfig
@@ -31,7 +32,12 @@ from pipefisher.models.init import derive_seed
 from pipefisher.optim import build_scheduler
 from pipefisher.optim.composite import Composite
 from pipefisher.runtime.pipeline.executor import Executor
+from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.checkpoint import StateReader
+
+if TYPE_CHECKING:
+    from pipefisher.methods.interface import CurvatureRuntime
+    from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
 
 #: the key of an engine's state outside its named sections
 REST = "curvature/rest"
@@ -47,37 +53,19 @@ def _suffix(executor: Executor) -> str:
     return f"@{executor.comm.shard}" if executor.topology.tensor_parallel > 1 else ""
 
 
-def write_priority(executor: Executor, runner, keys) -> dict[str, int]:
-    """Per key, 0 where this process holds the entry as its updater does, else 1: a replica that
-    does not update a parameter (ZeRO-1) may hold stale state for it, and one that is not a
-    gradient worker of a layer (`CurvatureRuntime.keeps`) lacks its refresh results. The writer of
-    a key is the holder with the lowest (priority, process)."""
-    first: dict[str, nn.Parameter] = {}
-    stage_of: dict[str, int] = {}
-    for (_, stage), runtime in executor.stages.items():
-        for name, module in runtime.module.named_modules():
-            own = next(module.parameters(recurse=False), None)
-            if own is not None:
-                first.setdefault(name, own)
-                stage_of[name] = stage
-        for name, parameter in runtime.module.named_parameters(remove_duplicate=False):
-            first[name], stage_of[name] = parameter, stage
-    updates = executor.step_end.applies_to
-    curvature = getattr(runner, "runtime", None)
-    priority = {}
-    for key in keys:
-        name = key.rpartition("/")[2].partition("@")[0]
-        parameter = first.get(name)
-        kept = curvature is None or not key.startswith("curvature/") or name not in stage_of or curvature.keeps(stage_of[name], name)
-        priority[key] = 0 if kept and (parameter is None or updates(parameter)) else 1
-    return priority
+def _stage_key(pipe: int, stage: int) -> str:
+    return f"{pipe}.{stage}"
+
+
+def _curvature(runner: PlanRunner) -> CurvatureRuntime | None:
+    return getattr(runner, "runtime", None)
 
 
 def _optimizer_parts(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
     return dict(optimizer.parts) if isinstance(optimizer, Composite) else {"all": optimizer}
 
 
-def _parameter_names(modules) -> dict[int, str]:
+def _parameter_names(modules: Iterable[nn.Module]) -> dict[int, str]:
     """id(parameter) -> its global name, over this process's stages."""
     return {id(p): name for module in modules for name, p in module.named_parameters()}
 
@@ -87,14 +75,9 @@ def _indexed(part: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in part.param_groups for p in group["params"]]
 
 
-def _section(state: dict, path: str) -> dict:
-    for part in filter(None, path.split("/")):
-        state = state[part]
-    return state
-
-
 def _split_slots(entry: Any, slots: tuple[str, ...]) -> tuple[Any, dict[tuple[Any, str], Any]]:
-    """(the entry without its cycle `slots`, {(inner key or None, slot): value} of those it holds)."""
+    """(the entry without `slots`, {(inner key or None, slot): value} of those it holds); a slot
+    "*/key" is that key of every dict in the entry."""
     if not isinstance(entry, dict) or not slots:
         return entry, {}
     kept, taken = dict(entry), {}
@@ -121,13 +104,16 @@ def _put_slots(entry: dict, taken: dict[tuple[Any, str], Any]) -> dict:
     return entry
 
 
-def _stage_key(pipe: int, stage: int) -> str:
-    return f"{pipe}.{stage}"
+def _with_slots_of(entry: Any, template: Any, slots: tuple[str, ...]) -> Any:
+    """`entry` with its `slots` as in `template` (a fresh engine's entry)."""
+    if not isinstance(entry, dict) or not isinstance(template, dict):
+        return entry
+    return _put_slots(_split_slots(entry, slots)[0], _split_slots(template, slots)[1])
 
 
-def process_state(executor: Executor, runner, process: int) -> dict[str, Any]:
+def process_state(executor: Executor, runner: PlanRunner, process: int) -> dict[str, Any]:
     """Everything process `process` holds that a run continues from, under layout-free keys (call
-    after `runner.quiesce()`)."""
+    after `runner.quiesce()`). A parameter in its optimizer without state yet has an empty entry."""
     suffix, entries = _suffix(executor), {}
     modules = [runtime.module for runtime in executor.stages.values()]
     for module in modules:
@@ -136,8 +122,7 @@ def process_state(executor: Executor, runner, process: int) -> dict[str, Any]:
     for part_name, part in _optimizer_parts(executor.optimizer).items():
         state = part.state_dict()["state"]
         for index, parameter in enumerate(_indexed(part)):
-            if index in state:
-                entries[f"optimizer/{part_name}/{names[id(parameter)]}{suffix}"] = state[index]
+            entries[f"optimizer/{part_name}/{names[id(parameter)]}{suffix}"] = state.get(index, {})
     scheduler, scaler = executor.scheduler, executor.step_end.scaler
     entries["run/scheduler_step"] = scheduler.last_epoch if scheduler is not None else None
     entries["run/loss_scaler"] = scaler.state_dict() if scaler is not None else None
@@ -147,7 +132,7 @@ def process_state(executor: Executor, runner, process: int) -> dict[str, Any]:
         entries[f"{local}/rng/device"] = torch.cuda.get_rng_state(executor.device)
     for (pipe, stage), compressor in executor.step_end.powersgd.items():
         entries[f"{local}/powersgd/{_stage_key(pipe, stage)}"] = compressor.state_dict()
-    runtime = getattr(runner, "runtime", None)
+    runtime = _curvature(runner)
     if runtime is not None:
         entries["run/cycle_step"] = runner.cycle_step
         entries["run/profile"] = runner.profile.to_dict()
@@ -156,7 +141,7 @@ def process_state(executor: Executor, runner, process: int) -> dict[str, Any]:
     return entries
 
 
-def _curvature_entries(runtime, local: str, suffix: str, mid_cycle: bool) -> dict[str, Any]:
+def _curvature_entries(runtime: CurvatureRuntime, local: str, suffix: str, mid_cycle: bool) -> dict[str, Any]:
     """Each engine's named entries without their cycle slots under global keys; inside a cycle
     also this process's whole entry under its own key: replicas part way through a cycle differ
     (one has folded a factor another has not yet received). At a cycle's boundary the slots hold
@@ -164,62 +149,96 @@ def _curvature_entries(runtime, local: str, suffix: str, mid_cycle: bool) -> dic
     entries: dict[str, Any] = {}
     for (pipe, stage), engine in runtime.engines.items():
         state = engine.state_dict()
-        rest = copy.copy(state)
-        for path in runtime.named_sections:
-            prefix = f"{path}/" if path else ""
-            for name, entry in _section(state, path).items():
+        for section in runtime.named_sections:
+            prefix = f"{section}/" if section else ""
+            for name, entry in (state[section] if section else state).items():
                 entries[f"curvature/{prefix}{name}{suffix}"] = _split_slots(entry, runtime.cycle_slots)[0]
                 if mid_cycle:
                     entries[f"{local}/{_stage_key(pipe, stage)}/{prefix}{name}"] = entry
-            if path:
-                rest.pop(path.split("/")[0], None)
-            else:
-                rest = {}
-        entries.setdefault(REST, rest)
+        entries.setdefault(REST, {key: value for key, value in state.items() if key not in runtime.named_sections}
+                           if "" not in runtime.named_sections else {})
     return entries
 
 
-def restore_executor(executor: Executor, reader: StateReader, config: RunConfig, process: int, same_layout: bool) -> None:
+def _write_priority(executor: Executor, runner: PlanRunner, keys: Iterable[str]) -> dict[str, int]:
+    """Per key, 0 where this process holds the entry as its updater does, else 1: a replica that
+    does not update a parameter (ZeRO-1) may hold stale state for it, and one that does not keep
+    a layer's refresh results (`CurvatureRuntime.keeps`: not its gradient worker) lacks them."""
+    first: dict[str, nn.Parameter] = {}
+    stage_of: dict[str, int] = {}
+    for (_, stage), runtime in executor.stages.items():
+        for name, module in runtime.module.named_modules():
+            own = next(module.parameters(recurse=False), None)
+            if own is not None:
+                first.setdefault(name, own)
+                stage_of[name] = stage
+        for name, parameter in runtime.module.named_parameters(remove_duplicate=False):
+            first[name], stage_of[name] = parameter, stage
+    updates, curvature = executor.step_end.applies_to, _curvature(runner)
+    priority = {}
+    for key in keys:
+        name = key.rpartition("/")[2].partition("@")[0]
+        parameter = first.get(name)
+        kept = curvature is None or not key.startswith("curvature/") or name not in stage_of or curvature.keeps(stage_of[name], name)
+        priority[key] = 0 if kept and (parameter is None or updates(parameter)) else 1
+    return priority
+
+
+def entries_to_write(executor: Executor, runner: PlanRunner, entries: dict[str, Any]) -> dict[str, Any]:
+    """This process's share of `entries` (`process_state`): its own layout-tied entries, and every
+    shared key it is the writer of, the holder with the lowest (write priority, process), so each
+    key is written once. Collective over the world (an all-gather of the keys)."""
+    shared = _write_priority(executor, runner, [key for key in entries if not key.startswith("local/")])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shared)
+    writer: dict[str, tuple[int, int]] = {}
+    for holder, priorities in enumerate(everyone):
+        for key, priority in priorities.items():
+            writer[key] = min(writer.get(key, (priority, holder)), (priority, holder))
+    process = dist.get_rank()
+    return {key: value for key, value in entries.items() if key.startswith("local/") or writer[key][1] == process}
+
+
+def restore_executor(executor: Executor, reader: StateReader, config: RunConfig, process: int, same_processes: bool) -> None:
     """Load this process's parameters, optimizer state, loss scaler and schedule position from
-    `reader`; on the same layout also its random streams and PowerSGD state, else streams
+    `reader`; with the same processes also its random streams and PowerSGD state, else streams
     re-seeded from (seed, rank, step). KeyError naming an entry the checkpoint lacks."""
     suffix = _suffix(executor)
     modules = [runtime.module for runtime in executor.stages.values()]
     for module in modules:
-        wanted = module.state_dict()
-        module.load_state_dict({name: _required(reader, f"model/{name}{suffix}") for name in wanted})
+        module.load_state_dict({name: reader.required(f"model/{name}{suffix}") for name in module.state_dict()})
     names = _parameter_names(modules)
     for part_name, part in _optimizer_parts(executor.optimizer).items():
         state = part.state_dict()
         for index, parameter in enumerate(_indexed(part)):
-            entry = reader.get(f"optimizer/{part_name}/{names[id(parameter)]}{suffix}")
-            if entry is not None:
+            entry = reader.required(f"optimizer/{part_name}/{names[id(parameter)]}{suffix}")
+            if entry:
                 state["state"][index] = entry
         part.load_state_dict(state)
     if executor.step_end.scaler is not None:
-        executor.step_end.scaler.load_state_dict(_required(reader, "run/loss_scaler"))
+        executor.step_end.scaler.load_state_dict(reader.required("run/loss_scaler"))
     position = reader.get("run/scheduler_step")
     if executor.scheduler is not None and position is not None:
         # The schedule comes from this run's configuration; only its position is restored, by a
         # scheduler that starts there (stepping one before any optimizer step would warn).
         executor.step_end.scheduler = build_scheduler(config, executor.optimizer, position=position)
     local = f"local/{process}"
-    if not same_layout:
+    if not same_processes:
         torch.manual_seed(derive_seed(config.run.seed, f"rank/{executor.rank}/step/{reader.manifest['step']}"))
         return
-    torch.random.set_rng_state(_required(reader, f"{local}/rng/host"))
+    torch.random.set_rng_state(reader.required(f"{local}/rng/host"))
     device_state = reader.get(f"{local}/rng/device")
     if device_state is not None and executor.device.type == "cuda":
         torch.cuda.set_rng_state(device_state, executor.device)
     for (pipe, stage), compressor in executor.step_end.powersgd.items():
-        compressor.load_state_dict(_required(reader, f"{local}/powersgd/{_stage_key(pipe, stage)}"))
+        compressor.load_state_dict(reader.required(f"{local}/powersgd/{_stage_key(pipe, stage)}"))
 
 
-def restore_curvature(runner, reader: StateReader, process: int, same_layout: bool) -> None:
-    """Load the curvature runtime's engines of `runner` (a `PipeFisherTrainer`) from `reader`: each
-    engine's named entries that belong to its stage. On the same layout a process's own whole
-    entries and the cycle's position come back; on another the cycle starts anew (the slots as a
-    fresh engine's)."""
+def restore_curvature(runner: PipeFisherTrainer, reader: StateReader, process: int, same_layout: bool) -> None:
+    """Load the curvature engines of `runner` from `reader`: each engine's named entries that
+    belong to its stage, without the refresh results of a layer this rank does not keep. On the
+    same layout a process's own whole entries and the cycle's position come back; on another the
+    cycle starts anew (the cycle slots as a fresh engine's)."""
     runtime, suffix = runner.runtime, _suffix(runner.executor)
     local = f"local/{process}/cycle"
     rest = reader.get(REST, {})
@@ -228,30 +247,27 @@ def restore_curvature(runner, reader: StateReader, process: int, same_layout: bo
         module = runner.modules[(pipe, stage)]
         owned = {name for name, _ in module.named_modules()} | {name for name, _ in module.named_parameters(remove_duplicate=False)}
         state = {**fresh, **rest}
-        for path in runtime.named_sections:
-            prefix = f"curvature/{path}/" if path else "curvature/"
-            template = _section(fresh, path)
-            names = {key[len(prefix):len(key) - len(suffix)] for key in reader.keys(prefix) if key.endswith(suffix)} & owned | set(template)
-            section = {}
-            for name in sorted(names):
-                own = reader.get(f"{local}/{_stage_key(pipe, stage)}/{path + '/' if path else ''}{name}") if same_layout else None
-                entry = own if own is not None else reader.get(f"{prefix}{name}{suffix}", template.get(name))
-                if own is None and isinstance(template.get(name), dict):
-                    _, slots = _split_slots(template[name], runtime.cycle_slots)
-                    entry = _put_slots(entry, slots)
-                section[name] = entry
-            if path:
-                _section(state, path.rpartition("/")[0])[path.rpartition("/")[2]] = section
+        for section in runtime.named_sections:
+            prefix = f"curvature/{section}/" if section else "curvature/"
+            template = fresh[section] if section else fresh
+            saved = {key[len(prefix):len(key) - len(suffix)] for key in reader.keys(prefix) if key.endswith(suffix)} & owned
+            entries = {}
+            for name in sorted(saved | set(template)):
+                own = reader.get(f"{local}/{_stage_key(pipe, stage)}/{section + '/' if section else ''}{name}") if same_layout else None
+                if own is not None:
+                    entries[name] = own
+                    continue
+                entry = _with_slots_of(reader.get(f"{prefix}{name}{suffix}", template.get(name)), template.get(name), runtime.cycle_slots)
+                if not runtime.keeps(stage, name):
+                    if not isinstance(entry, dict):
+                        continue  # its whole state is a refresh result it does not keep
+                    entry = _with_slots_of(entry, template.get(name), runtime.result_slots)
+                entries[name] = entry
+            if section:
+                state[section] = entries
             else:
-                state = section
+                state = entries
         engine.load_state_dict(state)
     if same_layout:
-        runner.cycle_step = int(_required(reader, "run/cycle_step"))
-        runtime.load_cycle_state(_required(reader, f"{local}/runtime"))
-
-
-def _required(reader: StateReader, key: str) -> Any:
-    value = reader.get(key, KeyError)
-    if value is KeyError:
-        raise KeyError(f"the checkpoint in {reader.folder} holds no {key!r}")
-    return value
+        runner.cycle_step = int(reader.required("run/cycle_step"))
+        runtime.load_cycle_state(reader.required(f"{local}/runtime"))

@@ -17,7 +17,8 @@ from pipefisher.config import ConfigError, RunConfig
 from pipefisher.core.files import write_folder_atomically
 from pipefisher.models.tensor_parallel import join_shard_states
 from pipefisher.runtime.training.assembly import staged_model, text_data
-from pipefisher.runtime.training.checkpoint import StateReader, resumable_step
+from pipefisher.runtime.training.checkpoint import StateReader
+from pipefisher.runtime.training.resumption import resumable_step
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.pipeline.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import build_schedule, data_source, recompute_plan, staged_model
-from pipefisher.runtime.training.checkpoint import StateReader, commit, resumption, save_rank, tensor_bytes
-from pipefisher.runtime.training.checkpoint_state import (process_state, restore_curvature, restore_executor, tied_aliases,
-                                                           write_priority)
+from pipefisher.runtime.training.checkpoint import StateReader, commit, save_rank, tensor_bytes
+from pipefisher.runtime.training.checkpoint_state import (entries_to_write, process_state, restore_curvature, restore_executor,
+                                                           tied_aliases)
+from pipefisher.runtime.training.resumption import manifest_fields, resumption
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
 
@@ -151,20 +152,20 @@ def train_pipelined(config: RunConfig, process: int, device: torch.device, on_st
     if executor is None:
         executor, _ = build_executor(config, process, device)
     rank = executor.rank
-    start, reader, same_layout = 0, None, True
+    start, reader, how = 0, None, None
     if resume_from is not None:
         start = resume_from
         reader = StateReader(config.checkpoint.dir, start, tied_aliases(staged_model(config)))
-        same_layout = resumption(config.checkpoint.dir, start, config).same_layout
-        restore_executor(executor, reader, config, process, same_layout)
+        how = resumption(config.checkpoint.dir, start, config)
+        restore_executor(executor, reader, config, process, how.same_processes)
     if config.curvature is not None:
         from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
 
         # another layout's profile times other stages: this run measures (or reads) its own
-        profile = profile_from_dict(reader.get("run/profile")) if reader is not None and same_layout else None
+        profile = profile_from_dict(reader.required("run/profile")) if how is not None and how.same_layout else None
         runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile)
         if reader is not None:
-            restore_curvature(runner, reader, process, same_layout)
+            restore_curvature(runner, reader, process, how.same_layout)
     else:
         runner = PlanRunner(executor, rank, schedule_plan(executor.topology.schedule), executor.tied)
     if reader is not None:
@@ -210,19 +211,11 @@ def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner:
     """Every process saves the entries of `step` it is the lowest holder of (and its own
     layout-tied state); process 0 commits the step once all have. Collective."""
     runner.quiesce()
-    entries = process_state(executor, runner, process)
-    shared = write_priority(executor, runner, [key for key in entries if not key.startswith("local/")])
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, shared)
-    writer: dict[str, tuple[int, int]] = {}
-    for holder, priorities in enumerate(everyone):
-        for key, priority in priorities.items():
-            writer[key] = min(writer.get(key, (priority, holder)), (priority, holder))
-    mine = {key: value for key, value in entries.items() if writer.get(key, (0, process))[1] == process}
+    mine = entries_to_write(executor, runner, process_state(executor, runner, process))
     record = save_rank(config.checkpoint.dir, step, process, mine)
     records: list = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
     if process == 0:
         cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
-        commit(config.checkpoint.dir, step, config, records, config.checkpoint.keep, cycle)
+        commit(config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep)
     dist.barrier()
