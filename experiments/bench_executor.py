@@ -313,7 +313,7 @@ def worker(rank: int, world: int, args: dict, micro_batches: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", nargs="+", choices=list(PAIRS), default=list(DEFAULT_SCHEDULES),
                         help="pipefisher schedules, each run beside its torch counterpart (see PAIRS)")
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks (processes)")

@@ -128,7 +128,7 @@ def compare_two_stage(workload: Workload, optimizer: str, args, device: torch.de
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: {','.join(CPU_MODELS)} "
                                          f"on the CPU, {','.join(GPU_MODELS)} on CUDA, bert-tiny with --quick)")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated, of adamw, lamb")

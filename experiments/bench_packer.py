@@ -68,7 +68,7 @@ def at_bound(result: PackResult, budget: float) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
                         help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
     parser.add_argument("--max-overhead", type=float, default=0.01)

@@ -539,7 +539,7 @@ def report(results: list[dict], args: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", choices=list(methods()), default="kfac", help="the curvature method of the two packed variants")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "chimera"], choices=["1f1b", "gpipe", "chimera"])
     parser.add_argument("--repeats", type=int, default=7)

@@ -26,7 +26,7 @@ from pipefisher.schedules.validate import validate
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=256)

@@ -170,7 +170,7 @@ def study_workload(study: Study, methods: list[str], measure: bool) -> tuple[lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="bert,gpt2", help="comma-separated, of: " + ", ".join(WORKLOADS))
     parser.add_argument("--methods", default="", help="comma-separated (default: adamw, lamb and every registered curvature method)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 600; --quick 30)")

@@ -147,7 +147,7 @@ def ops(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default="schedules/tiny-cpu.yaml")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")

@@ -87,7 +87,7 @@ def table(timings: list[LayerTiming]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)

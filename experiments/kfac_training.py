@@ -103,7 +103,7 @@ def tune(optimizer: str, target: float, max_steps: int) -> Result:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=float, default=1e-4, help="target full-batch MSE")
     parser.add_argument("--max-steps", type=int, default=3000)
     parser.add_argument("--json", action="store_true")

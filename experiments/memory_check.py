@@ -112,7 +112,7 @@ def write_table(path: Path, lines: list[str]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "docs" / "memory_model.md"), help="Markdown file whose table to replace ('' = none)")
     parser.add_argument("--only", type=int, default=0, help="run the first N layouts only (0 = all)")
     parser.add_argument("--match", default="", help="run the layouts whose label contains this text only")

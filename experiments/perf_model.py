@@ -97,7 +97,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
                         help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
     parser.add_argument("-o", "--output", type=Path, default=experiment_output("perf_model"),

@@ -260,7 +260,7 @@ def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> tuple[d
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="fresh runs per layout, interleaved (median; default 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run, rounded up to whole refresh cycles (default 5)")

@@ -69,7 +69,7 @@ def expected_factor(rank: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
     parser.add_argument("--start", type=int, default=10, help="comm.powersgd_start_step (default 10, the warm-up)")
     parser.add_argument("--steps", type=int, default=300)

@@ -21,7 +21,7 @@ from pipefisher.schedules import SCHEDULES, get_schedule
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("profile", help="a pipefisher.profile/v1 file (`pipefisher profile`)")
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     parser.add_argument("--micro-batches", type=int, default=4)

@@ -61,7 +61,7 @@ def step_times(config, name: str, steps: int, skip: int, refresh_steps: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default="schedules/gpt2-tiny-cpu.yaml")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)

@@ -96,7 +96,7 @@ def step_end(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="a run file (2 stages), e.g. schedules/gpt2-tiny-cpu.yaml")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)

@@ -119,7 +119,7 @@ def shampoo_table() -> list[str]:
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0]).parse_args()
     print("K-FAC, per tensor-parallel rank (shard 0), 24 blocks x 6 Linear shards, micro-batch 32 x 128 for the modelled time:\n")
     print("\n".join(kfac_table()))
     print("\nShampoo, per tensor-parallel rank, 24 blocks x 6 weight shards (block size 1024: the default; 4096: no blocking here):\n")

@@ -121,7 +121,7 @@ def deepspeed_table() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "schedules" / "bert-base-1f1b-4x4.yaml"), help="the run file (model, pipeline)")
     parser.add_argument("--data-parallel", default="1,2,4", help="comma-separated data-parallel copies (default 1,2,4)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum after K-FAC preconditioning (default 0.9)")

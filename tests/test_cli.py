@@ -230,3 +230,28 @@ def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
     write_folder_atomically(tmp_path / "model", lambda folder: (folder / "weights").write_text("w"))
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json", "weights"]
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+TINY = str(Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["run", TINY, "--kfac.damp", "0.3"],
+     "pipefisher: error: unrecognized argument --kfac.damp; did you mean --kfac.damping? (see pipefisher run --help)"),
+    (["config", "--show", TINY, "--kfac.dampng=0.3"],
+     "pipefisher: error: unrecognized argument --kfac.dampng; did you mean --kfac.damping? (see pipefisher config --help)"),
+    (["run", TINY, "--step", "3"], "pipefisher: error: unrecognized argument --step; did you mean --steps? (see pipefisher run --help)"),
+    (["simulate", "--schedule", "1f1b", "-D", "2", "-N", "4", "--micro-batch", "4"],
+     "pipefisher: error: unrecognized argument --micro-batch; did you mean --micro-batches? (see pipefisher simulate --help)"),
+])
+def test_an_abbreviated_or_mistyped_option_is_refused_with_the_one_it_meant(args, line, capsys):
+    assert main(args) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_no_parser_of_the_package_or_experiments_takes_abbreviations():
+    root = Path(__file__).resolve().parents[1]
+    for path in [*root.glob("pipefisher/**/*.py"), *root.glob("experiments/*.py")]:
+        for line in path.read_text().splitlines():
+            if "argparse.ArgumentParser(" in line and "class " not in line:
+                assert "allow_abbrev=False" in line, f"{path.relative_to(root)}: {line.strip()}"

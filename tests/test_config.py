@@ -80,3 +80,12 @@ def test_packer_settings_reach_the_packer():
     options = pack_options(config)
     assert (options.percentile, options.max_refresh_steps, options.max_capture_mb, options.margin) == (75, 6, 512, 0.1)
     assert pack_options(config_from_dict({})).max_capture_mb is None
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"kfac": {"dampng": 0.1}}, "kfac.dampng: unknown key; did you mean damping?"),
+    ({"optimzer": {"lr": 0.1}}, "optimzer: unknown section; did you mean optimizer?"),
+])
+def test_a_mistyped_key_or_section_names_the_one_it_meant(data, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        config_from_dict(data)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipefisher.core.profile import load_profile, uniform_profile
+from pipefisher.core.settings import closest
 from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
 from pipefisher.schedules.validate import validate
 
@@ -30,10 +31,50 @@ class UsageError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Reports a usage error as one line (UsageError) instead of argparse's usage block."""
+    """Reports a usage error as one line (UsageError) instead of argparse's usage block; takes
+    long options only as written (no abbreviations: `--kfac.damp` is not `--kfac.damping`), and
+    names the option an unrecognized one most likely meant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+        """argparse's, but an unrecognized option is reported by the (sub)command that got it,
+        with the closest option it has: "unrecognized argument --kfac.damp; did you mean --kfac.damping?"."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = _chosen_command(self, parsed)
+            unknown = next((extra.split("=", 1)[0] for extra in extras if extra.startswith("--")), None)
+            meant = _closest_option(unknown, list(parser._option_string_actions)) if unknown else None
+            if meant:
+                parser.error(f"unrecognized argument {unknown}; did you mean {meant}?")
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
+def _closest_option(unknown: str, options: list[str]) -> str | None:
+    """The option a mistyped `unknown` most likely meant; `--SECTION.KEY` is compared by KEY
+    against the keys of its own section (the shared `--SECTION.` would make any key look close)."""
+    section, dot, key = unknown.rpartition(".")
+    keys = {option[len(section) + 1:]: option for option in options if dot and option.startswith(section + ".")}
+    if keys:
+        meant = closest(key, keys)
+        return keys[meant] if meant else None
+    return closest(unknown, options)
+
+
+def _chosen_command(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser that `parsed` chose (`parser` itself without subcommands)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            if chosen is not None:
+                return _chosen_command(chosen, parsed)
+    return parser
 
 
 def _checked(text: str, convert: Callable[[str], Any], noun: str, ok: Callable[[Any], bool], requirement: str,

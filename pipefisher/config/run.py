@@ -17,7 +17,7 @@ from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
 from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
                                          RunSettings)
-from pipefisher.core.settings import ConfigError, check_ranges
+from pipefisher.core.settings import ConfigError, check_ranges, closest
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.comm.actions import GradientPath, Reduction
@@ -164,7 +164,8 @@ def _section(cls: type, data: Any, where: str) -> Any:
     known = [f.name for f in fields(cls)]
     for key in data:
         if key not in known:
-            raise ConfigError(f"{where}.{key}: unknown key; allowed keys: {', '.join(known)}")
+            meant = closest(str(key), known)
+            raise ConfigError(f"{where}.{key}: unknown key; " + (f"did you mean {meant}?" if meant else f"allowed keys: {', '.join(known)}"))
     section = cls(**{key: _convert(value, hints[key], f"{where}.{key}") for key, value in data.items()})
     check_ranges(section, where)
     return section
@@ -182,7 +183,8 @@ def config_from_dict(data: Any) -> RunConfig:
     hints = typing.get_type_hints(RunConfig)
     for key in data:
         if key not in sections:
-            raise ConfigError(f"{key}: unknown section; allowed sections: {', '.join(sections)}")
+            meant = closest(str(key), sections)
+            raise ConfigError(f"{key}: unknown section; " + (f"did you mean {meant}?" if meant else f"allowed sections: {', '.join(sections)}"))
     config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in fixed},
                        methods=tuple((name, _section(method.settings, data.get(name), name)) for name, method in known.items()))
     _check(config)

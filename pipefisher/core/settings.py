@@ -5,6 +5,7 @@ validates a section against them, `described_keys` documents it. Pure Python."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Callable
@@ -16,6 +17,12 @@ _META = "pipefisher.setting"
 
 class ConfigError(ValueError):
     """A bad run file or override; the message names the key and what is allowed."""
+
+
+def closest(word: str, candidates: typing.Iterable[str]) -> str | None:
+    """The candidate a mistyped `word` most likely meant (`difflib.get_close_matches`), None if none is close."""
+    matches = difflib.get_close_matches(word, list(candidates), n=1)
+    return matches[0] if matches else None
 
 
 @dataclass(frozen=True)

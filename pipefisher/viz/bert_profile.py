@@ -34,7 +34,7 @@ def _model(csv: Path, given: str | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit code 0, or 2 with one line on stderr for bad input."""
-    parser = argparse.ArgumentParser(prog="python -m pipefisher.viz.bert_profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipefisher.viz.bert_profile", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("csv", type=Path, help="per-block CSV with columns bs, time_f, time_b, time_kron, time_inv, time_prec")
     parser.add_argument("--stages", "-D", type=int, required=True, help="pipeline stages D")
     parser.add_argument("--micro-batch-size", type=int, required=True, help="the CSV row (bs) to use")
