@@ -255,3 +255,19 @@ def test_no_parser_of_the_package_or_experiments_takes_abbreviations():
         for line in path.read_text().splitlines():
             if "argparse.ArgumentParser(" in line and "class " not in line:
                 assert "allow_abbrev=False" in line, f"{path.relative_to(root)}: {line.strip()}"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--steps", "99999999999999999999999"],
+     "run.steps: 99999999999999999999999 exceeds 1,000,000,000, more steps than any run takes (12 days at 1 ms a step)"),
+    (["--pipeline.stages", "9999999"], "pipeline.stages: 9999999 exceeds 1,048,576, more than any cluster could run (2^20)"),
+])
+def test_absurd_counts_are_refused_before_anything_starts(args, line, capsys):
+    assert main(["run", TINY, *args]) == 2
+    assert capsys.readouterr().err == f"pipefisher: error: {line}\n"
+
+
+def test_numbers_on_the_command_line_are_read_as_in_a_run_file(capsys):
+    assert main(["config", "--show", TINY, "--optimizer.lr", "1e-3", "--kfac.damping", "3E-2", "--run.steps", "1e3"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert (shown["optimizer"]["lr"], shown["kfac"]["damping"], shown["run"]["steps"]) == (0.001, 0.03, 1000)

@@ -89,3 +89,45 @@ def test_packer_settings_reach_the_packer():
 def test_a_mistyped_key_or_section_names_the_one_it_meant(data, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         config_from_dict(data)
+
+
+def test_numbers_are_read_as_people_write_them(tmp_path):
+    from pipefisher.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  lr: 3e-2\n  eps: 1E-9\n  momentum: .5\nkfac:\n  damping: 1.5e-3\nrun:\n  steps: 1_000\n  seed: 1e3\n")
+    config = load_config(path)
+    assert (config.optimizer.lr, config.optimizer.eps, config.optimizer.momentum, config.kfac.damping) == (0.03, 1e-9, 0.5, 1.5e-3)
+    assert (config.run.steps, config.run.seed) == (1000, 1000) and type(config.run.seed) is int
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"run": {"steps": 2.5}}, "run.steps: expected an integer, got 2.5"),
+    ({"run": {"in_order": 1}}, "run.in_order: expected true or false, got 1"),
+    ({"optimizer": {"lr": "1e-3"}}, "optimizer.lr: expected a number, got '1e-3'"),
+    ({"optimizer": {"weight_decay": float("inf")}}, "optimizer.weight_decay: expected a finite number, got inf"),
+    ({"run": {"steps": 10**23}}, "run.steps: 100000000000000000000000 exceeds 1,000,000,000, more steps than any run takes"),
+    ({"pipeline": {"data_parallel": 2**21}}, "pipeline.data_parallel: 2097152 exceeds 1,048,576, more than any cluster could run"),
+    ({"kfac": {"refresh_steps": 10**12}}, "kfac.refresh_steps: 1000000000000 exceeds 1,000,000,000"),
+    ({"run": {"seed": 2**64}}, "run.seed: 18446744073709551616 is beyond a 64-bit integer"),
+])
+def test_integers_bools_and_counts_are_refused_by_key_beyond_what_a_run_reaches(data, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict(data)
+
+
+@pytest.mark.parametrize("text, line", [
+    ("model:\n\tkind: bert\n", "run.yaml:2:1: a tab character; YAML indents with spaces"),
+    ("model:\n  kind: bert\n  layers 4\n", "run.yaml:3:3: a key without its ':'; write `key: value`"),
+    ("model:\n  kind bert\n  layers: 4\n", "run.yaml:3:9: a ':' where no key may start; is the line above missing its ':'"),
+    ("optimizer:\n  betas: [0.9, 0.95\n", "run.yaml:3:1: not valid YAML: expected ',' or ']'"),
+    ("model:\n  layers: 4\n  layers: 8\n", "run.yaml:3:3: 'layers' is written twice in this mapping; keep one"),
+])
+def test_a_yaml_mistake_is_one_line_with_its_place(tmp_path, text, line):
+    from pipefisher.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value).startswith(f"{tmp_path}/{line}") and "\n" not in str(error.value)

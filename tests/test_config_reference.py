@@ -54,3 +54,34 @@ def test_a_bad_key_or_value_exits_2_naming_it(args, message, capsys):
 def test_config_needs_one_of_show_and_keys(capsys):
     assert main(["config"]) == 2
     assert "give --show RUN.yaml" in capsys.readouterr().err
+
+
+def _printed_defaults() -> dict[str, dict[str, str]]:
+    """{section: {key: default as the reference page prints it}}; `<method>`'s keys in every method's section."""
+    from pipefisher.methods.registry import methods
+
+    printed: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in run_file_reference().splitlines():
+        if line.startswith("## `"):
+            section = line[4:-1]
+        elif line.startswith("| `"):
+            key, _, default = (cell.strip() for cell in line.split("|")[1:4])
+            printed.setdefault(section, {})[key.strip("`")] = default.strip("`")
+    shared = printed.pop("<method>")
+    for name in methods():
+        printed[name] = {**shared, **printed.get(name, {})}
+    return printed
+
+
+def test_every_default_the_reference_prints_is_read_back_as_itself():
+    from pipefisher.config import config_to_dict
+    from pipefisher.core.files import parse_yaml
+
+    defaults = config_to_dict(config_from_dict({}))
+    printed = _printed_defaults()
+    assert {section: set(keys) for section, keys in printed.items()} == {section: set(keys) for section, keys in defaults.items()}
+    for section, keys in printed.items():
+        for key, text in keys.items():
+            read = config_to_dict(config_from_dict({section: {key: parse_yaml(text)}}))[section][key]
+            assert read == defaults[section][key] and type(read) is type(defaults[section][key]), f"{section}.{key}: {text}"

@@ -89,9 +89,21 @@ def _checked(text: str, convert: Callable[[str], Any], noun: str, ok: Callable[[
     return value
 
 
+def whole(text: str) -> int:
+    """An integer as people write it: 12, 1_000, or a whole number in float notation (1e3), as
+    the run file takes it; ValueError otherwise."""
+    try:
+        return int(text)
+    except ValueError:
+        number = float(text)
+        if not number.is_integer():
+            raise
+        return int(number)
+
+
 def positive_int(text: str) -> int:
-    """An integer >= 1 (argparse type)."""
-    return _checked(text, int, "an integer", lambda v: v >= 1, "must be at least 1")
+    """An integer >= 1 (argparse type), in any form `whole` takes."""
+    return _checked(text, whole, "an integer", lambda v: v >= 1, "must be at least 1")
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:

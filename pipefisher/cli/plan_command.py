@@ -9,10 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
-import yaml
-
 from pipefisher.cli.args import UsageError, _checked, check_output, positive_int, say
 from pipefisher.config import FIRST_ORDER, RunConfig, load_config
+from pipefisher.core.files import parse_yaml
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 from pipefisher.planning.layout_candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
@@ -62,7 +61,7 @@ def add_plan_parser(subparsers) -> None:
 
 
 def _raw_run_file(path: str) -> dict:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = parse_yaml(Path(path).read_text()) or {}
     return {section: values or {} for section, values in data.items()}
 
 

@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 import yaml
 
-from pipefisher.cli.args import UsageError, positive_int
+from pipefisher.cli.args import UsageError, positive_int, whole
 from pipefisher.config import FIRST_ORDER, RunConfig, load_config
+from pipefisher.core.files import parse_yaml
 from pipefisher.core.settings import check_ranges, declared
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
@@ -78,7 +79,7 @@ def key_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if dest.startswith("key:") and text is not None:
             section, key = dest[len("key:"):].split(".", 1)
             try:
-                value = yaml.safe_load(text)
+                value = parse_yaml(text)
             except yaml.YAMLError:
                 raise UsageError(f"--{section}.{key}: {text!r} is not a YAML value") from None
             overrides.setdefault(section, {})[key] = text if value is None else value
@@ -107,7 +108,7 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in PACK_KEYS:
             setting = declared(field)
             allowed = f"{setting.range}" + (f", {setting.range.note}" if setting.range.note else "")
-            parser.add_argument(_flag_name(field.name), type=hints[field.name], metavar="K" if hints[field.name] is int else "X",
+            parser.add_argument(_flag_name(field.name), type=whole if hints[field.name] is int else float, metavar="K" if hints[field.name] is int else "X",
                                 help=f"{setting.doc} ({allowed}; default {field.default:g})")
     parser.add_argument("--no-split", action="store_true", help="every replica does its own refresh work (split false)")
 

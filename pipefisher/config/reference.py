@@ -20,6 +20,13 @@ Every key of a run file (`schedules/*.yaml`), generated from its declaration in 
 it). Any key can be set on the command line of `run`, `profile` and `config` as
 `--SECTION.KEY VALUE` (YAML syntax: `--optimizer.betas "[0.9, 0.95]"`). Back to the
 [README](../README.md); how run files are used: [run files](run-files.md).
+
+Numbers are read as people write them, in a file and on the command line (YAML 1.2 and Python's
+`float()`): `1e-3`, `3E-2`, `.5`, `1_000`. An integer key takes a whole number in any of these
+forms (`steps: 1e3` is 1000; `2.5` is refused); a true/false key takes only `true` or `false`.
+Counts of steps stop at 10^9 (12 days at 1 ms a step) and counts of processes or micro-batches
+at 2^20: a larger value is a typo, refused with the key. A key written twice, or unknown
+(`kfac.dampng: unknown key; did you mean damping?`), is refused too.
 """
 
 
@@ -30,13 +37,17 @@ def _default(value: object) -> str:
         return str(value).lower()
     if isinstance(value, tuple):
         return "[" + ", ".join(f"{v:g}" for v in value) + "]"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return f"{value:g}" if float(f"{value:g}") == value else repr(value)  # as the loader reads it back
+    return str(value)
 
 
 def _table(keys: list[DescribedKey]) -> list[str]:
     lines = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for key in keys:
         allowed = "" if key.range is None else str(key.range) + (f" ({key.range.note})" if key.range.note else "")
+        if key.range is not None and key.range.ceiling is not None:
+            allowed += f", at most {key.range.ceiling.most:,}"
         lines.append(f"| `{key.name}` | {key.type} | `{_default(key.default)}` | {allowed} | {key.doc} |")
     return lines
 

@@ -8,6 +8,7 @@ Python: no torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -124,6 +125,16 @@ def config_to_dict(config: RunConfig) -> dict[str, dict[str, Any]]:
     return data
 
 
+def whole_number(value: Any, where: str) -> int:
+    """An integer key's value: an int, or a float that is a whole number (`1e3` -> 1000, as YAML
+    1.2 reads 1e3 as a float); ConfigError naming `where` otherwise (`check_ranges` bounds it)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
 def _convert(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
     if origin is Literal:
@@ -141,12 +152,12 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
+        return whole_number(value, where)
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):

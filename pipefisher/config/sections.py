@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipefisher.core.settings import setting
+from pipefisher.core.settings import COUNT_CEILING, STEP_CEILING, setting
 from pipefisher.schedules import SCHEDULES
 
 
@@ -61,12 +61,12 @@ class PipelineConfig:
     """The pipeline: world size = stages x data_parallel x tensor_parallel."""
 
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
-    stages: int = setting(2, "pipeline depth D: ranks per pipeline", low=0, low_open=True)
-    micro_batches: int = setting(4, "micro-batches per step of each pipeline", low=0, low_open=True)
-    chunks: int = setting(2, "interleaved: model chunks per rank", low=0, low_open=True)
-    data_parallel: int = setting(1, "copies of the pipeline", low=0, low_open=True)
+    stages: int = setting(2, "pipeline depth D: ranks per pipeline", low=0, low_open=True, ceiling=COUNT_CEILING)
+    micro_batches: int = setting(4, "micro-batches per step of each pipeline", low=0, low_open=True, ceiling=COUNT_CEILING)
+    chunks: int = setting(2, "interleaved: model chunks per rank", low=0, low_open=True, ceiling=COUNT_CEILING)
+    data_parallel: int = setting(1, "copies of the pipeline", low=0, low_open=True, ceiling=COUNT_CEILING)
     tensor_parallel: int = setting(1, "processes each block is split over, Megatron-style (attention by heads, the MLP by its "
-                                      "hidden features); a rank's processes share a node", low=0, low_open=True)
+                                      "hidden features); a rank's processes share a node", low=0, low_open=True, ceiling=COUNT_CEILING)
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,9 @@ class OptimizerConfig:
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW/LAMB moment decays (also read by a curvature method's Adam grafting)", low=0, high=1, high_open=True)
     eps: float = setting(1e-8, "AdamW/LAMB epsilon", low=0, low_open=True)
     clip_norm: float = setting(0.0, "clip the global gradient norm, after preconditioning (0 = off)", low=0)
-    warmup_steps: int = setting(0, "steps of linear warm-up", low=0)
+    warmup_steps: int = setting(0, "steps of linear warm-up", low=0, ceiling=STEP_CEILING)
     decay: Literal["constant", "linear"] = setting("constant", "after warm-up: constant, or linear to 0 at decay_steps")
-    decay_steps: int = setting(0, "step at which linear decay reaches 0 (0 = the run's last step; fix it when --resume splits a run)", low=0)
+    decay_steps: int = setting(0, "step at which linear decay reaches 0 (0 = the run's last step; fix it when --resume splits a run)", low=0, ceiling=STEP_CEILING)
     zero: int = setting(0, "ZeRO stage: 1 shards the optimizer state over each stage's replicas (its owner updates and broadcasts each parameter)",
                         low=0, high=1, note="0 = off, 1 = the optimizer state sharded over each stage's replicas")
 
@@ -94,7 +94,7 @@ class CheckpointConfig:
     """Checkpoints, also written when a signal stops the run."""
 
     dir: str = setting("", "folder of the checkpoints (\"\" = none)")
-    every: int = setting(0, "steps between checkpoints (0 = only at the end)", low=0)
+    every: int = setting(0, "steps between checkpoints (0 = only at the end)", low=0, ceiling=STEP_CEILING)
     keep: int = setting(2, "newest complete checkpoints kept", low=1)
     resume: Literal["never", "auto", "always"] = setting(
         "never", "never: start at step 0; auto: continue from the newest checkpoint that verifies, if any; always: require one")
@@ -105,14 +105,14 @@ class CommConfig:
     """Gradient compression over the data-parallel dimension."""
 
     powersgd_rank: int = setting(0, "rank r of PowerSGD for each replicated stage's gradient reduction (0 = off)", low=0)
-    powersgd_start_step: int = setting(0, "first step (0-based) that compresses; earlier ones reduce uncompressed", low=0)
+    powersgd_start_step: int = setting(0, "first step (0-based) that compresses; earlier ones reduce uncompressed", low=0, ceiling=STEP_CEILING)
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """How the run is carried out."""
 
-    steps: int = setting(3, "steps of the whole run", low=0, low_open=True)
+    steps: int = setting(3, "steps of the whole run", low=0, low_open=True, ceiling=STEP_CEILING)
     seed: int = setting(0, "seed of the model's initialisation")
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", "torch.distributed backend (auto: nccl on GPUs, gloo on CPUs)")
     master_addr: str = setting("127.0.0.1", "address of rank 0 for local launches")
@@ -125,7 +125,7 @@ class RunSettings:
     bucket_mb: float = setting(25.0, "size of the gradient all-reduce buckets, MiB", low=0, low_open=True)
     in_order: bool = setting(False, "hold every process group to NCCL's in-order rule (a test mode for gloo)")
     trace: str = setting("", "folder for one PyTorch profiler trace per rank (rank<R>.json, Chrome/Perfetto format) of the traced steps (\"\" = none)")
-    trace_from: int = setting(3, "first traced step, 1-based (the steps before it warm up)", low=1)
-    trace_steps: int = setting(2, "how many steps the trace covers", low=1)
+    trace_from: int = setting(3, "first traced step, 1-based (the steps before it warm up)", low=1, ceiling=STEP_CEILING)
+    trace_steps: int = setting(2, "how many steps the trace covers", low=1, ceiling=STEP_CEILING)
     compile: bool = setting(False, "compile each stage's repeated blocks with torch.compile (pipelined runs; the reference stays "
                                    "eager); refused by methods that capture with hooks and by the zero-bubble schedules (zb-h1, zbv, dualpipev)")

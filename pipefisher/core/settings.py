@@ -26,10 +26,27 @@ def closest(word: str, candidates: typing.Iterable[str]) -> str | None:
 
 
 @dataclass(frozen=True)
+class Ceiling:
+    """The most a count can be that a run could reach, and why: a larger value is a typo, refused
+    with `why` (the key's range text stays its natural one, e.g. "positive")."""
+
+    most: int
+    why: str
+
+
+#: counts of steps: a billion steps are 12 days at 1 ms a step, 1000x the longest published training runs
+STEP_CEILING = Ceiling(10**9, "more steps than any run takes (12 days at 1 ms a step)")
+#: counts of processes and of pieces of a step: 2^20, 10x the largest accelerator clusters
+COUNT_CEILING = Ceiling(2**20, "more than any cluster could run (2^20)")
+#: the largest integer any key takes: a 64-bit signed integer (what torch, numpy and the OS hold)
+MAX_INTEGER = 2**63 - 1
+
+
+@dataclass(frozen=True)
 class Range:
     """Allowed values of a number: `low`..`high` (None: unbounded), ends open or closed;
     `special`: values allowed outside the range (e.g. -1 = the model's own); `note` says what
-    the special or boundary values mean."""
+    the special or boundary values mean; `ceiling`: the most a count may be (`Ceiling`)."""
 
     low: float | None = None
     high: float | None = None
@@ -37,18 +54,29 @@ class Range:
     high_open: bool = False
     special: tuple[float, ...] = ()
     note: str = ""
+    ceiling: Ceiling | None = None
 
     def contains(self, value: float) -> bool:
+        return not self.problem(value)
+
+    def problem(self, value: float) -> str:
+        """What is wrong with `value` ("must be ...", "exceeds ..."), "" when it is allowed."""
         if value in self.special:
-            return True
+            return ""
+        if self.ceiling is not None and value > self.ceiling.most:
+            return f"exceeds {self.ceiling.most:,}, {self.ceiling.why}"
         if not math.isfinite(value):
-            return False
+            return f"must be {self}"
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return not (self.high is not None and (value >= self.high if self.high_open else value > self.high))
+            return f"must be {self}"
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return f"must be {self}"
+        return ""
 
     def __str__(self) -> str:
-        if self.high is None:
+        if self.low is None and self.high is None:
+            text = "any number"
+        elif self.high is None:
             text = "positive" if self.low == 0 and self.low_open else f"{'>' if self.low_open else '>='} {self.low:g}"
         elif self.low is None:
             text = f"{'<' if self.high_open else '<='} {self.high:g}"
@@ -66,11 +94,12 @@ class Setting:
 
 
 def setting(default: Any, doc: str, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-            high_open: bool = False, special: tuple[float, ...] = (), note: str = "") -> Any:
+            high_open: bool = False, special: tuple[float, ...] = (), note: str = "", ceiling: Ceiling | None = None) -> Any:
     """A run-file key: a dataclass field with `default`, one line of `doc` and, for numbers, the
-    range low..high (open ends as flagged) with `special` values allowed besides."""
-    bounded = low is not None or high is not None
-    declared = Setting(doc, Range(low, high, low_open, high_open, special, note) if bounded else None)
+    range low..high (open ends as flagged) with `special` values allowed besides, and for counts
+    the `ceiling` no run reaches."""
+    bounded = low is not None or high is not None or ceiling is not None
+    declared = Setting(doc, Range(low, high, low_open, high_open, special, note, ceiling) if bounded else None)
     if isinstance(default, (list, dict, set)):
         raise TypeError("a setting's default must be immutable (use a tuple)")
     return dataclasses.field(default=default, metadata={_META: declared})
@@ -85,18 +114,23 @@ def declared(field: dataclasses.Field) -> Setting:
 
 def check_ranges(section: Any, where: str, label: Callable[[str], str] | None = None) -> None:
     """ConfigError naming `where`.key (or `label(key)`: a command-line flag) for the first number
-    outside its declared range (each element of a tuple on its own, named `key[i]`)."""
+    outside its declared range or ceiling, or an integer beyond 64 bits (each element of a tuple
+    on its own, named `key[i]`)."""
     for field in dataclasses.fields(section):
         allowed = declared(field).range
-        if allowed is None:
-            continue
         value = getattr(section, field.name)
         values = value if isinstance(value, tuple) else (value,)
         for index, element in enumerate(values):
-            if not allowed.contains(element):
+            if isinstance(element, bool) or not isinstance(element, (int, float)):
+                continue
+            problem = allowed.problem(element) if allowed is not None else ""
+            if not problem and isinstance(element, int) and abs(element) > MAX_INTEGER:
+                problem = "is beyond a 64-bit integer"
+            if problem:
                 name = (label(field.name) if label else f"{where}.{field.name}") + (f"[{index}]" if isinstance(value, tuple) else "")
-                note = f" ({allowed.note})" if allowed.note else ""
-                raise ConfigError(f"{name}: {element:g} must be {allowed}{note}")
+                note = f" ({allowed.note})" if allowed is not None and allowed.note and problem.startswith("must") else ""
+                shown = element if isinstance(element, int) else f"{element:g}"
+                raise ConfigError(f"{name}: {shown} {problem}{note}")
 
 
 def type_name(annotation: Any) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pipefisher.core.settings import ConfigError, setting
+from pipefisher.core.settings import STEP_CEILING, ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
 
@@ -29,7 +29,8 @@ class MuonConfig(RefreshConfig):
     max_refresh_steps and max_capture_mb have nothing to act on, and split cannot be turned off."""
 
     refresh_steps: int = setting(10, "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
-                                     "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1")
+                                     "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1",
+                                 ceiling=STEP_CEILING)
     momentum: float = setting(0.95, "Muon's momentum μ: B ← μB + (1 − μ)g", low=0, high=1, high_open=True)
     nesterov: bool = setting(True, "orthogonalise g + μ(B − g) (Nesterov) instead of B")
     ns_steps: int = setting(5, "Newton–Schulz iterations", low=1, high=99)

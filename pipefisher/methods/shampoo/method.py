@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipefisher.core.settings import setting
+from pipefisher.core.settings import STEP_CEILING, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
 
@@ -21,7 +21,7 @@ class ShampooConfig(RefreshConfig):
     block_size: int = setting(1024, "longer dimensions are cut into blocks of this size", low=0, low_open=True)
     root: Literal["eigen", "newton"] = setting("eigen", "how the inverse 4th root is computed")
     grafting: Literal["adam", "sgd", "none"] = setting("adam", "the step size comes from this optimizer's (adam: optimizer.betas[1], optimizer.eps)")
-    start_step: int = setting(0, "steps before it use the grafting direction alone", low=0)
+    start_step: int = setting(0, "steps before it use the grafting direction alone", low=0, ceiling=STEP_CEILING)
     statistics_dtype: Literal["float64", "float32"] = setting(
         "float64", "dtype of the statistics (GGᵀ squares the gradient's condition number; float32 resolves ~1e-7 of its largest eigenvalue)")
 
