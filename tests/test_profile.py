@@ -160,3 +160,41 @@ def test_at_percentile_matches_numpy():
             profile.at_percentile(q)
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+def test_what_a_profile_was_measured_at_is_written_read_and_checked(tmp_path):
+    measured = {**GOOD, "seq_len": 128, "precision": "bf16", "model": "bert bert-base"}
+    path = tmp_path / "p.yaml"
+    profile_from_dict(measured).save(path)
+    loaded = load_profile(path)
+    assert (loaded.micro_batch_size, loaded.seq_len, loaded.precision, loaded.model) == (32, 128, "bf16", "bert bert-base")
+    assert profile_from_dict(GOOD).seq_len is None and profile_from_dict(GOOD).model == "", "absent: unknown"
+    for field, value, message in [("seq_len", 0, "seq_len: 0 must be a positive integer"),
+                                  ("precision", "fp8", "precision: 'fp8' is not one of fp32, bf16, fp16")]:
+        with pytest.raises(ProfileError, match=message):
+            profile_from_dict({**GOOD, field: value})
+
+
+def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
+    from dataclasses import replace
+    from pathlib import Path
+
+    from pipefisher.config import load_config
+    from pipefisher.runtime.training.pipefisher_run import check_profile_matches, stage_layer_names
+
+    config = load_config(Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml").with_overrides(optimizer={"name": "kfac"})
+    stages = tuple(StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in stage_layer_names(config, stage, 2)))
+                   for stage in range(2))
+    profile = Profile(stages, micro_batch_size=8, seq_len=64, precision="fp32", model="bert bert-4x128")
+    check_profile_matches(profile, config, 2)
+    check_profile_matches(Profile(stages), config, 2)  # a profile that records nothing of its run is not checked
+    for field, value, line in [
+        ("micro_batch_size", 32, "micro_batch_size: the profile was measured at data.micro_batch_size 32, this run has 8; "),
+        ("seq_len", 128, "seq_len: the profile was measured at model.seq_len 128, this run has 64; "),
+        ("precision", "bf16", "precision: the profile was measured at run.precision bf16, this run has fp32; "),
+        ("model", "bert bert-base", "model: the profile was measured at model bert bert-base, this run has bert bert-4x128; "),
+        ("recompute", "blocks", "recompute: the profile was measured at model.recompute blocks, this run has none; "),
+    ]:
+        with pytest.raises(ProfileError) as error:
+            check_profile_matches(replace(profile, **{field: value}), config, 2)
+        assert str(error.value) == line + "its times do not hold here: measure a profile of this run with `pipefisher profile`"

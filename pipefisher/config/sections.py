@@ -4,6 +4,7 @@ each key declared once: its type, default, range and one line of documentation. 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pipefisher.core.settings import COUNT_CEILING, STEP_CEILING, setting
@@ -37,6 +38,18 @@ class ModelConfig:
     recompute: Literal["none", "selective", "blocks"] = setting(
         "none", "activation recomputation: blocks keeps each block's input and recomputes its inside in the backward; "
                 "selective only the attention core (scores, softmax, dropout); none keeps everything")
+
+    @property
+    def identity(self) -> str:
+        """The model in one line, as a profile records what it measured (its `model`): "bert
+        bert-base", "hf gpt2-tiny", "transformer layers 4 hidden 32 heads 2 ffn 64", ...; files
+        by their name. Two runs of one identity time alike per micro-batch of one shape."""
+        if self.kind == "bert":
+            return f"bert {Path(self.config_json).name if self.config_json else self.preset}"
+        if self.kind == "hf":
+            return " ".join(part for part in ("hf", Path(self.hf_config).name, self.hf_class) if part)
+        shape = f"layers {self.layers} hidden {self.hidden} input_dim {self.input_dim} output_dim {self.output_dim}"
+        return f"mlp {shape}" if self.kind == "mlp" else f"transformer {shape} heads {self.heads} ffn {self.ffn}"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ Optional additions (files without them are written and read exactly as before):
   (`pipefisher.core.tensor_parallel`).
 - ``recompute`` of the profile: the `model.recompute` mode of the measured run (`RECOMPUTE_MODES`;
   written only when not "none"): its backward times include recomputing that part of the forward.
+- ``seq_len``, ``precision`` and ``model`` of the profile: the run's `model.seq_len`,
+  `run.precision` (`PRECISIONS`) and model (`pipefisher.config.model_identity`, e.g. "bert
+  bert-base") it was measured at, like `micro_batch_size`; absent = unknown (files written before
+  them, profiles modelled from reference tables), and a run checks only what a profile records.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ _OPTIONAL_LAYER_TIMES = ("sync_a", "sync_b")
 TIME_UNITS = ("s", "ms", "us", "units")
 #: the modes of `model.recompute`: what the backward recomputes of the forward
 RECOMPUTE_MODES = ("none", "selective", "blocks")
+#: the values of `run.precision`
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ProfileError(ValueError):
@@ -172,7 +178,8 @@ class Profile:
     """Per-stage costs; `method`: the curvature method whose tasks the layers' times are
     (a name in `pipefisher.methods.registry`; written only when not `DEFAULT_METHOD`);
     `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are; `recompute`: the
-    activation recomputation the backward times include (module docstring)."""
+    activation recomputation the backward times include; `micro_batch_size`, `seq_len`,
+    `precision`, `model`: what the times were measured at (None or "": unknown; module docstring)."""
 
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
@@ -181,6 +188,9 @@ class Profile:
     method: str = DEFAULT_METHOD
     tensor_parallel: int = 1
     recompute: str = "none"
+    seq_len: int | None = None
+    precision: str | None = None
+    model: str = ""
 
     @property
     def num_stages(self) -> int:
@@ -217,6 +227,7 @@ class Profile:
             data["tensor_parallel"] = self.tensor_parallel
         if self.recompute != "none":
             data["recompute"] = self.recompute
+        data.update({key: getattr(self, key) for key in ("seq_len", "precision", "model") if getattr(self, key)})
         data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
 
@@ -366,6 +377,15 @@ def profile_from_dict(data: Any) -> Profile:
     recompute = data.get("recompute", "none")
     if recompute not in RECOMPUTE_MODES:
         raise ProfileError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)} (the run's model.recompute)")
+    seq_len = data.get("seq_len")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ProfileError(f"seq_len: {seq_len!r} must be a positive integer (the run's model.seq_len)")
+    precision = data.get("precision")
+    if precision is not None and precision not in PRECISIONS:
+        raise ProfileError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)} (the run's run.precision)")
+    model = data.get("model", "")
+    if not isinstance(model, str):
+        raise ProfileError(f"model: {model!r} must be text naming the measured model, e.g. 'bert bert-base'")
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ProfileError("stages: missing; give one entry per pipeline stage")
@@ -377,6 +397,9 @@ def profile_from_dict(data: Any) -> Profile:
         method=method,
         tensor_parallel=degree,
         recompute=recompute,
+        seq_len=seq_len,
+        precision=precision,
+        model=model,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from pipefisher.cli.args import USAGE_ERROR, UsageError
@@ -48,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write (.yaml, or .json)")
     args = parser.parse_args(argv)
     try:
-        blocks, hidden, ffn = BERT_SIZES[_model(args.csv, args.model)]
+        model = _model(args.csv, args.model)
+        blocks, hidden, ffn = BERT_SIZES[model]
         try:
             times = read_block_times(args.csv, args.micro_batch_size)
         except (OSError, KeyError, ValueError) as exc:
@@ -58,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = transformer_profile(times, blocks, args.stages, hidden, ffn, args.micro_batch_size, device=args.csv.stem,
                                       seq_len=args.seq_len, capture_dtype_bytes=_DTYPE_BYTES[args.dtype],
                                       tensor_parallel=args.tensor_parallel, tp_bandwidth_gbps=args.tp_bandwidth)
-        profile.save(args.output)
+        # the table's sequence length and precision are its own, unknown here: only the model is recorded
+        replace(profile, model=f"bert {model}").save(args.output)
     except (UsageError, ProfileError, OSError) as exc:
         print(f"bert_profile: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
-from pipefisher.runtime.training.profiler import measure_profile
+from pipefisher.runtime.training.profiler import measure_profile, measured_at
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,24 @@ def shared_statistics(config: RunConfig, num_stages: int) -> frozenset[tuple[int
     return method_of(config).rules.shared_statistics(layers, staged_model(config).tensor_parallel_plan(degree))
 
 
+#: what a profile records of the run it measured, with the run's key of each
+_MEASURED_AT = (("micro_batch_size", "data.micro_batch_size"), ("seq_len", "model.seq_len"), ("precision", "run.precision"),
+                ("model", "model"), ("recompute", "model.recompute"))
+
+
+def _run_value(config: RunConfig, key: str) -> Any:
+    """The run's value of `key` of `_MEASURED_AT` ("model": its identity)."""
+    if key == "model":
+        return config.model.identity
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
 def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
-    """Refuse a profile of another run: other curvature method, stage count or layer names."""
+    """Refuse a profile of another run, naming the first field that differs: the curvature
+    method, stage count, tensor-parallel degree, layer names, or what it was measured at
+    (micro-batch size, sequence length, precision, model, recomputation; a field the profile
+    leaves out is unknown and not checked)."""
     method = method_of(config).name
     if profile.method != method:
         raise ProfileError(f"method: the profile times {profile.method} tasks but this run uses {method}; "
@@ -87,6 +104,11 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
                 f"stages[{stage}].layers do not match the model: missing {missing[:3]}, unknown {extra[:3]}; "
                 "measure a profile of this run with `pipefisher profile`"
             )
+    for field, key in _MEASURED_AT:
+        measured, here = getattr(profile, field), _run_value(config, key)
+        if measured not in (None, "") and measured != here:
+            raise ProfileError(f"{field}: the profile was measured at {key} {measured}, this run has {here}; "
+                               "its times do not hold here: measure a profile of this run with `pipefisher profile`")
 
 
 def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> None:
@@ -233,7 +255,7 @@ class PipeFisherTrainer(PlanRunner):
     def _measure(self) -> Profile:
         timer = self.parts.timer(self.config, self.modules, self.skip)
         profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer,
-                                     recompute=self.config.model.recompute)
+                                     **measured_at(self.config))
         return profile
 
     def _initial_profile(self) -> tuple[Profile, bool]:

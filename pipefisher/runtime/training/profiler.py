@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.methods.interface import TaskTimer
@@ -187,6 +188,13 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread(s) per rank"
 
 
+def measured_at(config: RunConfig) -> dict[str, Any]:
+    """`measure_profile`'s keywords that record what `config`'s profile is measured at, besides
+    its micro-batch size and tensor-parallel degree (`check_profile_matches` compares them)."""
+    return {"recompute": config.model.recompute, "seq_len": config.model.seq_len, "precision": config.run.precision,
+            "model": config.model.identity}
+
+
 def measure_profile(
     executor: Executor,
     rank: int,
@@ -196,10 +204,14 @@ def measure_profile(
     warmup: int = 1,
     repeats: int = 3,
     recompute: str = "none",
+    seq_len: int | None = None,
+    precision: str | None = None,
+    model: str = "",
 ) -> tuple[Profile, list[Record]]:
     """The run's profile (ms, medians, with their samples) and the op records of the last measured
     step, all ranks. `timer` measures the curvature method's tasks (`MethodParts.timer`);
-    `recompute`: the run's `model.recompute`, which its backward times include."""
+    `recompute`: the run's `model.recompute`, which its backward times include; `seq_len`,
+    `precision`, `model`: what else it is measured at, recorded in the profile (`measured_at`)."""
     records = _step_records(executor, rank, warmup + repeats, timer)
     transfers = _transfer_times(executor, rank)
     reduces = _grad_reduce_times(executor, repeats)
@@ -240,7 +252,7 @@ def measure_profile(
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
     profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
                       tensor_parallel=executor.topology.tensor_parallel,
-                      method=timer.method, recompute=recompute)
+                      method=timer.method, recompute=recompute, seq_len=seq_len, precision=precision, model=model)
     return profile, sorted(last_step)
 
 

@@ -139,7 +139,7 @@ PROFILE_WARMUP = 1
 
 def _profile_worker(process: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
     from pipefisher.runtime.training.assembly import staged_model
-    from pipefisher.runtime.training.profiler import measure_profile, records_to_timeline
+    from pipefisher.runtime.training.profiler import measure_profile, measured_at, records_to_timeline
     from pipefisher.runtime.training.trainer import build_executor
 
     device = current_device(config.run.backend)
@@ -148,7 +148,7 @@ def _profile_worker(process: int, world: int, config: RunConfig, output: str, ti
     parts = method_of(config).runtime_parts()
     timer = parts.timer(config, modules, parts.skip(staged_model(config)))
     profile, records = measure_profile(executor, executor.rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP,
-                                       repeats=repeats, recompute=config.model.recompute)
+                                       repeats=repeats, **measured_at(config))
     if process == 0:
         profile.save(output)
         if timeline:
