@@ -271,3 +271,8 @@ def test_numbers_on_the_command_line_are_read_as_in_a_run_file(capsys):
     assert main(["config", "--show", TINY, "--optimizer.lr", "1e-3", "--kfac.damping", "3E-2", "--run.steps", "1e3"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert (shown["optimizer"]["lr"], shown["kfac"]["damping"], shown["run"]["steps"]) == (0.001, 0.03, 1000)
+
+
+def test_a_method_key_flag_with_another_optimizer_is_a_warning(capsys):
+    assert main(["run", TINY, "--kfac.damping", "0.2", "--reference", "--trace", "unused"]) == 2  # stops before training
+    assert "pipefisher: warning: --kfac.damping has no effect with optimizer lamb; it applies to --optimizer kfac\n" in capsys.readouterr().err

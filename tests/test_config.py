@@ -131,3 +131,23 @@ def test_a_yaml_mistake_is_one_line_with_its_place(tmp_path, text, line):
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert str(error.value).startswith(f"{tmp_path}/{line}") and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"model": {"kind": "bert", "hidden": 256}, "data": {"kind": "bert"}},
+     "model.hidden: read by model.kind transformer or mlp; this run's model.kind is bert "
+     "(its size comes from model.preset or model.config_json); drop model.hidden"),
+    ({"model": {"kind": "transformer", "preset": "bert-base"}}, "model.preset: read by model.kind bert; this run's model.kind is transformer; drop model.preset"),
+    ({"model": {"kind": "mlp", "heads": 4}}, "model.heads: read by model.kind transformer; this run's model.kind is mlp; drop model.heads"),
+    ({"data": {"kind": "synthetic", "vocab_size": 300}},
+     "data.vocab_size: read by data.kind bert or causal; this run's data.kind is synthetic (it makes regression data from data.seed alone)"),
+    ({"model": {"kind": "hf"}, "data": {"kind": "causal", "mask_prob": 0.2}}, "data.mask_prob: read by data.kind bert; this run's data.kind is causal"),
+])
+def test_a_key_the_chosen_kind_does_not_read_is_refused_naming_what_reads_it(data, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        config_from_dict(data)
+
+
+def test_defaults_and_other_methods_sections_are_not_refused():
+    config = config_from_dict({"model": {"kind": "bert", "hidden": 32}, "data": {"kind": "bert"}, "shampoo": {"lr": 0.1}})
+    assert config.model.hidden == 32 and config.optimizer.name == "sgd", "a default, and a section for --optimizer shampoo"

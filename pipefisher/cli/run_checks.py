@@ -28,16 +28,19 @@ def check_run_outputs(config: RunConfig) -> None:
 
 def warn_without_effect(args: argparse.Namespace, config: RunConfig) -> None:
     """One line for each flag the run's optimizer does not read: --profile on a first-order run,
-    a method's flags (--kfac-*, ...) with another optimizer; and for run.compile with --reference."""
+    a method's flags (--kfac-*, --kfac.KEY, ...) with another optimizer; and for run.compile with
+    --reference. (A run file's method sections are silent: a file carries several for --optimizer.)"""
     if args.reference and config.run.compile:
         say("warning: run.compile has no effect with --reference: the reference trains eager, as the check of compiled runs")
     if args.profile is not None and config.curvature is None:
         say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
             f"it serves the packer of --optimizer {' or '.join(methods())}")
     for section in methods():
-        named = [flag for flag, value in vars(args).items() if flag.startswith(f"{section}_") and value is not None]
+        given = [dest for dest, value in vars(args).items() if value is not None]
+        named = [flag for flag in given if flag.startswith(f"{section}_")] + [dest[len("key:"):] for dest in given
+                                                                                if dest.startswith(f"key:{section}.")]
         if named and config.optimizer.name != section:
-            flags = ", ".join("--" + flag.replace("_", "-") for flag in named)
+            flags = ", ".join("--" + (flag if "." in flag else flag.replace("_", "-")) for flag in named)
             say(f"warning: {flags} {'has' if len(named) == 1 else 'have'} no effect with optimizer {config.optimizer.name}; "
                 f"{'it applies' if len(named) == 1 else 'they apply'} to --optimizer {section}")
 

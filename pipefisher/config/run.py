@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from pipefisher.config.applies import check_applies
 from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
 from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
@@ -244,6 +245,7 @@ def _check(config: RunConfig) -> None:
                           + " or ".join(fits))
     if config.data.tokenizer and config.data.kind != "causal":
         raise ConfigError("data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab")
+    check_applies(config)
     names = FIRST_ORDER + tuple(name for name, _ in config.methods)
     if config.optimizer.name not in names:
         raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
