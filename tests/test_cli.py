@@ -230,3 +230,18 @@ def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
     write_folder_atomically(tmp_path / "model", lambda folder: (folder / "weights").write_text("w"))
     assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json", "weights"]
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"pipefisher {version('pipefisher')}\n"
+
+
+@pytest.mark.parametrize("command", ["run", "profile"])
+def test_run_and_profile_help_say_every_key_is_a_flag(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "Every run-file key is also a flag --SECTION.KEY VALUE" in " ".join(capsys.readouterr().out.split())
