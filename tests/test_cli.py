@@ -276,3 +276,18 @@ def test_numbers_on_the_command_line_are_read_as_in_a_run_file(capsys):
 def test_a_method_key_flag_with_another_optimizer_is_a_warning(capsys):
     assert main(["run", TINY, "--kfac.damping", "0.2", "--reference", "--trace", "unused"]) == 2  # stops before training
     assert "pipefisher: warning: --kfac.damping has no effect with optimizer lamb; it applies to --optimizer kfac\n" in capsys.readouterr().err
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    result = run_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"pipefisher {version('pipefisher')}\n"
+
+
+@pytest.mark.parametrize("command", ["run", "profile"])
+def test_run_and_profile_help_say_every_key_is_a_flag(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "Every run-file key is also a flag --SECTION.KEY VALUE" in " ".join(capsys.readouterr().out.split())

@@ -321,8 +321,19 @@ def _add_run(subparsers) -> None:
     parser.set_defaults(handler=_cmd_run)
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when run from a checkout never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pipefisher")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="pipefisher", description="Plan and run pipeline-parallel training with second-order optimizer work in the bubbles.")
+    parser.add_argument("--version", action="version", version=f"pipefisher {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_simulate(subparsers)
     _add_pack(subparsers)

@@ -65,8 +65,15 @@ def _sections() -> dict[str, type]:
     return {**sections, **{name: method.settings for name, method in methods().items()}}
 
 
+#: what `run --help` and `profile --help` say after their flags
+KEY_FLAGS_EPILOG = ("Every run-file key is also a flag --SECTION.KEY VALUE (e.g. --optimizer.lr 0.001, --data.cache_dir DIR), "
+                    "applied over the run file; `pipefisher config --keys` lists them all (docs/run-file-keys.md).")
+
+
 def add_key_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--SECTION.KEY VALUE` for every key (not listed in --help: docs/run-file-keys.md lists them)."""
+    """`--SECTION.KEY VALUE` for every key (not listed one by one in --help, which says they exist:
+    docs/run-file-keys.md lists them)."""
+    parser.epilog = KEY_FLAGS_EPILOG
     for section, cls in _sections().items():
         for field in dataclasses.fields(cls):
             parser.add_argument(f"--{section}.{field.name}", dest=f"key:{section}.{field.name}", metavar="VALUE", help=argparse.SUPPRESS)

@@ -129,7 +129,8 @@ class RunSettings:
     seed: int = setting(0, "seed of the model's initialisation")
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", "torch.distributed backend (auto: nccl on GPUs, gloo on CPUs)")
     master_addr: str = setting("127.0.0.1", "address of rank 0 for local launches")
-    master_port: int = setting(29511, "port of rank 0 for local launches (0 picks a free one)", low=0, high=65535)
+    master_port: int = setting(0, "port of the local launcher's rendezvous store (0: a free one, bound at once, so runs on one host "
+                                  "never collide)", low=0, high=65535)
     timeout: float = setting(60.0, "seconds any rank may wait for another before the run aborts", low=0, low_open=True)
     metrics: str = setting("", "file that gets one JSON line per step (\"\" = none)")
     precision: Literal["fp32", "bf16", "fp16"] = setting(

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from pipefisher.core.settings import ConfigError
+
 # Pure-Python standard-library modules (present in Python 3.10 to 3.14 and not split into
 # separate distro packages such as python3-tk) whose docstrings join the embedded corpus; they
 # are read as source, never imported.
@@ -164,19 +166,36 @@ def read_corpus(path: str | Path, fmt: Literal["auto", "sentences", "text"] = "a
     return documents
 
 
+class CacheUnwritable(ConfigError):
+    """The data cache folder cannot be written (read-only, not a folder, no permission, full);
+    the message is one line naming the folder, the reason and the two settings that move it."""
+
+    def __init__(self, folder: Path, error: OSError):
+        reason = error.strerror or type(error).__name__
+        super().__init__(f"data cache {folder}: cannot write there ({reason}); point PIPEFISHER_CACHE or data.cache_dir "
+                         f"(--data.cache_dir DIR) at a writable folder")
+
+
 def write_once(path: Path, write: Callable[[Path], None]) -> Path:
     """Create cache file `path` with `write(temporary path)` unless it exists. Publishing is a
     hard link, atomic and first-writer-wins: concurrent processes all end up reading the same
-    complete file. Returns `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    complete file. Returns `path`. Raises CacheUnwritable when the folder cannot be created or
+    written (any OSError of the file system: EROFS, EACCES, ENOTDIR, ENOSPC, ...)."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.open("wb").close()  # an OSError here, not inside a writer that reports its own way (tokenizers)
         write(partial)
         os.link(partial, path)
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise CacheUnwritable(path.parent, exc) from exc
     finally:
-        partial.unlink(missing_ok=True)
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            pass  # the folder is not there or not a folder: nothing was written
     return path
 
 

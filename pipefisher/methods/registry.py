@@ -1,11 +1,18 @@
 """The registry of curvature methods: the built-in ones (K-FAC, Shampoo, Muon, SOAP), those a program
 registers (`register`) and those installed packages declare under the entry-point group
 ``pipefisher.methods`` (each entry a `CurvatureMethod`). Everything outside a method's folder
-finds a method here, by name. Pure Python: no torch."""
+finds a method here, by name. Pure Python: no torch.
+
+A name is taken once: `register` refuses a second, different method of a taken name, and an
+installed plugin that does not load or whose name is taken is skipped with one warning line on
+stderr (by the launching process, not again by each rank it starts): a broken or clashing plugin
+never breaks the commands that do not use it, nor replaces a built-in method."""
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+import multiprocessing
+import sys
+from importlib.metadata import EntryPoint, entry_points
 
 from pipefisher.core.ir import ScheduleError
 from pipefisher.methods.kfac.method import KFAC
@@ -19,31 +26,69 @@ ENTRY_POINT_GROUP = "pipefisher.methods"
 #: tasks `pipefisher profile` times for a first-order run
 DEFAULT_METHOD = KFAC.name
 
-_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in (KFAC, SHAMPOO, MUON, SOAP)}
+_BUILT_IN: tuple[CurvatureMethod, ...] = (KFAC, SHAMPOO, MUON, SOAP)
+_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in _BUILT_IN}
 _entry_points_loaded = False
 
 
 def register(method: CurvatureMethod) -> CurvatureMethod:
-    """Make `method` known by its name (again: the newer declaration wins); returns it."""
+    """Make `method` known by its name; returns it. Registering the same object again is a no-op;
+    ValueError if the name is not an identifier, is a first-order optimizer's, or is taken by
+    another method (`unregister` it first)."""
     if not method.name.isidentifier() or method.name in ("sgd", "adamw", "lamb"):
         raise ValueError(f"method name {method.name!r}: must be an identifier that is not a first-order optimizer")
+    taken = _METHODS.get(method.name)
+    if taken is not None and taken is not method:
+        raise ValueError(f"method name {method.name!r} is taken by {_origin(taken)}; choose another name")
     _METHODS[method.name] = method
     return method
 
 
+def _origin(method: CurvatureMethod) -> str:
+    return f"the built-in {method.label}" if _built_in(method) else f"another method ({method.label})"
+
+
+def _built_in(method: CurvatureMethod | None) -> bool:
+    return any(method is built_in for built_in in _BUILT_IN)
+
+
 def unregister(name: str) -> None:
-    """Forget method `name` (tests that register one of their own)."""
-    _METHODS.pop(name, None)
+    """Forget method `name` (tests that register one of their own); built-in methods stay."""
+    if not _built_in(_METHODS.get(name)):
+        _METHODS.pop(name, None)
 
 
 def methods() -> dict[str, CurvatureMethod]:
-    """Every known method by name, built-in ones first."""
+    """Every known method by name, built-in ones first, then the installed plugins that load."""
     global _entry_points_loaded
     if not _entry_points_loaded:
         _entry_points_loaded = True
         for entry in entry_points(group=ENTRY_POINT_GROUP):
-            register(entry.load())
+            _register_plugin(entry)
     return dict(_METHODS)
+
+
+def _register_plugin(entry: EntryPoint) -> None:
+    """Register the method entry point `entry` names, or warn in one line why it is skipped."""
+    plugin = f"method plugin {entry.name!r} (entry point {entry.value})"
+    try:
+        loaded = entry.load()
+    except Exception as exc:  # anything its import raises: the host goes on without it
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        return _warn(f"{plugin} did not load: {type(exc).__name__}: {detail}; commands that do not use it work")
+    if not isinstance(loaded, CurvatureMethod):
+        return _warn(f"{plugin} is a {type(loaded).__name__}, not a CurvatureMethod; skipped")
+    try:
+        register(loaded)
+    except ValueError as exc:
+        _warn(f"{plugin}: {exc}; skipped")
+
+
+def _warn(message: str) -> None:
+    """One warning line on stderr, from the process a user started (a rank the local launcher
+    forked has a parent process and stays quiet: its launcher said it)."""
+    if multiprocessing.parent_process() is None:
+        print(f"pipefisher: warning: {message}", file=sys.stderr, flush=True)
 
 
 def method(name: str) -> CurvatureMethod:

@@ -57,10 +57,12 @@ class SearchResult:
 
 
 def _progress(items: Sequence, what: str) -> Iterable:
-    """`items`, with a progress bar on stderr once the loop has taken 2 s."""
+    """`items`, with a progress bar on stderr once the loop has taken 2 s, when stderr is a terminal."""
     from tqdm import tqdm
 
-    return tqdm(items, desc=what, delay=2.0, leave=False, unit="layout")
+    from pipefisher.core.terminal import progress_bars
+
+    return tqdm(items, desc=what, delay=2.0, leave=False, unit="layout", disable=not progress_bars())
 
 
 def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse:

@@ -1,8 +1,14 @@
 import collections
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from pipefisher.data.corpus import (
+    CacheUnwritable,
     corpus_fingerprint,
     embedded_corpus,
     prose_sentences,
@@ -123,6 +129,35 @@ def test_write_once_keeps_the_first_file(tmp_path):
     write_once(path, lambda partial: partial.write_bytes(b"second"))
     assert path.read_bytes() == b"first"
     assert sorted(p.name for p in path.parent.iterdir()) == ["cache.bin"]
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+def test_write_once_names_the_folder_it_cannot_write(tmp_path, code):
+    def full(partial):
+        raise OSError(code, os.strerror(code))
+
+    with pytest.raises(CacheUnwritable) as caught:
+        write_once(tmp_path / "cache.bin", full)
+    message = str(caught.value)
+    assert message.startswith(f"data cache {tmp_path}: cannot write there ({os.strerror(code)})")
+    assert "PIPEFISHER_CACHE" in message and "data.cache_dir" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_cache_is_one_line_and_exit_2(tmp_path):
+    """A cache folder under a regular file cannot be made, by root too (ENOTDIR)."""
+    (tmp_path / "file").write_text("")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join("\n".join(f"Sentence {i} of document {d} is here." for i in range(3)) for d in range(6)))
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PIPEFISHER_CACHE": str(tmp_path / "file" / "cache")}
+    result = subprocess.run([sys.executable, "-m", "pipefisher", "run", str(root / "schedules" / "tiny-cpu.yaml"), "--reference",
+                             "--steps", "1", "--data.corpus", str(corpus)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[-1] == (f"pipefisher: error: data cache {tmp_path / 'file' / 'cache'}: cannot write there "
+                                              "(Not a directory); point PIPEFISHER_CACHE or data.cache_dir (--data.cache_dir DIR) "
+                                              "at a writable folder")
+    assert "Traceback" not in result.stderr
 
 
 def test_fingerprint_sees_content_and_grouping():

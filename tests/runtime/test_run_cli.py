@@ -88,7 +88,28 @@ def test_port_in_use_exits_2_before_starting_processes():
         port = sock.getsockname()[1]
         result = run_cli("--master-port", str(port), timeout=30)
     assert result.returncode == 2
-    assert f"port {port} on 127.0.0.1 is in use" in result.stderr and result.stderr.count("\n") == 1
+    assert result.stderr.splitlines() == [f"pipefisher: error: run.master_port: port {port} on 127.0.0.1 is in use; pass --master-port "
+                                          "with a free port, or 0 (the default) to let the launcher take one"]
+
+
+def test_a_taken_port_met_at_the_bind_is_the_same_usage_error():
+    """Taken between the check and the bind: the launcher's own store refuses it as one line."""
+    from pipefisher.runtime.training.launch import PortInUse, hosted_store
+
+    first = hosted_store("127.0.0.1", 0, timeout=5)
+    with pytest.raises(PortInUse, match=f"port {first.port} on 127.0.0.1 is in use"):
+        hosted_store("127.0.0.1", first.port, timeout=5)
+
+
+@pytest.mark.dist
+def test_two_runs_at_once_on_one_host_both_succeed():
+    """The run file names no port: each launcher serves its store on a port the OS gives it."""
+    started = [subprocess.Popen(["pipefisher", "run", str(TINY), "--steps", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    outcomes = [proc.communicate(timeout=120) for proc in started]
+    assert [proc.returncode for proc in started] == [0, 0], [err for _, err in outcomes]
+    ports = {err.splitlines()[0].rpartition("port ")[2] for _, err in outcomes}
+    assert len(ports) == 2
 
 
 @pytest.mark.dist

@@ -26,6 +26,8 @@ def traced(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("trace")
     done = pipefisher("run", str(TINY), "--steps", "4", "--trace", str(folder), "--master-port", "0")
     assert done.returncode == 0, done.stderr
+    # the torch profiler's own log lines (kineto's profiler_start/stop) stay off
+    assert all(line.startswith(("pipefisher", "step ")) for line in done.stderr.splitlines()), done.stderr
     return folder
 
 

@@ -8,12 +8,15 @@ so `AutoModel*.from_pretrained(folder)` and `tokenizers.Tokenizer.from_file` rea
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipefisher.config import ConfigError, RunConfig
+from pipefisher.core.terminal import progress_bars
 from pipefisher.core.files import write_folder_atomically
 from pipefisher.models.tensor_parallel import join_shard_states
 from pipefisher.runtime.training.assembly import staged_model, text_data
@@ -46,6 +49,19 @@ def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
     return join_shard_states(shards, plan)
 
 
+@contextmanager
+def _transformers_progress_bars(shown: bool) -> Iterator[None]:
+    """`transformers`' own progress bars ("Writing model shards") on or off while the context lasts."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    (logging.enable_progress_bar if shown else logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (logging.enable_progress_bar if was else logging.disable_progress_bar)()
+
+
 def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
     """Write the newest checkpoint of `config` that verifies (in checkpoint.dir) to `folder` as a
     Hugging Face model folder (config.json, model.safetensors, tokenizer.json). ConfigError when
@@ -59,7 +75,8 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
     folder = Path(folder)
 
     def write(temporary: Path) -> None:
-        unsplit.save_pretrained(temporary)
+        with _transformers_progress_bars(progress_bars()):
+            unsplit.save_pretrained(temporary)
         text_data(config).tokenizer.save(str(temporary / "tokenizer.json"))
 
     write_folder_atomically(folder, write)

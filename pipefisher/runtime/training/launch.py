@@ -2,7 +2,9 @@
 
 `run_group(fn, world)` starts `world` processes on this machine (forked from a server that has
 imported torch once, `_context`), each with the launcher's environment plus what torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread each,
-and runs `fn(rank, world, *args)` after `init_distributed`. When a rank fails, the others get
+and runs `fn(rank, world, *args)` after `init_distributed`. The launcher itself serves the
+group's rendezvous store (`hosted_store`) for the group's life, on a port the OS gives it unless
+one is asked for: two groups on one host never race for a port. When a rank fails, the others get
 `grace` seconds to fail on their own (they will, their peer is gone) and are then killed; with
 a `deadline`, the whole group is killed when it passes. Child tracebacks come back in the error.
 `world_of_one` makes this process a group by itself (a one-stage run in-process).
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipefisher.core.settings import ConfigError
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.stopping import STOP_SIGNALS, signal_name, stop_request, stop_signals_blocked
 
@@ -53,7 +56,28 @@ class GroupFailure(RuntimeError):
         self.failures = failures
 
 
+class PortInUse(ConfigError):
+    """The port asked for the launcher's rendezvous store is taken (one line, a usage error)."""
+
+    def __init__(self, port: int, host: str):
+        super().__init__(f"run.master_port: port {port} on {host} is in use; pass --master-port with a free port, "
+                         "or 0 (the default) to let the launcher take one")
+
+
+def hosted_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store of a local group, served by this process: on `port`, or (0) on a port
+    the OS picks as it binds, so that no other job can take it between choosing and binding.
+    Its `.port` is the bound port; it serves until the object is dropped. PortInUse when `port`
+    is taken."""
+    try:
+        return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    except dist.DistNetworkError:
+        raise PortInUse(port, host) from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (another process may take it before it is bound: `hosted_store` does not
+    race)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -98,8 +122,10 @@ def current_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(backend: str, timeout: float) -> torch.device:
+def init_distributed(backend: str, timeout: float, hosted: bool = False) -> torch.device:
     """Join the process group described by the torchrun environment; return this rank's device.
+    `hosted`: the store at MASTER_ADDR:MASTER_PORT is the launcher's (`hosted_store`), every
+    rank is its client (under torchrun, rank 0 serves it).
 
     Under torchrun's restarts (`--max-restarts`) every attempt of the workers shares the agent's
     key-value store, and keys of a dead attempt (e.g. a peer's old address) could be read by the
@@ -113,7 +139,11 @@ def init_distributed(backend: str, timeout: float) -> torch.device:
         return device
     wait = timedelta(seconds=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if hosted:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, wait)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
+    elif attempt is None:
         dist.init_process_group(backend, init_method="env://", timeout=wait)
     else:
         store, rank, world = next(dist.rendezvous("env://", timeout=wait))
@@ -187,7 +217,7 @@ def _child(call: bytes, rank: int, world: int, place: _Place, backend: str, time
     code = 0
     try:
         fn, args = pickle.loads(call)
-        init_distributed(backend, timeout)
+        init_distributed(backend, timeout, hosted=True)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         # Plain pickle: tensors travel as bytes, not as shared memory this process takes with it.
         results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
@@ -263,8 +293,12 @@ def run_group(
     deadline: float | None = None,
     grace: float | None = None,
     on_signal: str = "kill",
+    store: dist.TCPStore | None = None,
 ) -> list[Any]:
     """`[fn(rank, world, *args) for rank in range(world)]`, each in its own process.
+
+    The ranks meet at `store` (a `hosted_store`), else at one this call serves on `port` (None or
+    0: a port the OS picks; PortInUse when `port` is taken).
 
     `fn` must be importable (module level). `timeout` bounds any wait inside the group;
     `deadline` (seconds, optional) bounds the whole run. Raises GroupFailure naming every failed
@@ -277,7 +311,8 @@ def run_group(
     """
     ctx = _context()
     results = ctx.Queue()
-    env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": str(port or free_port(host)), "OMP_NUM_THREADS": "1"}
+    store = store if store is not None else hosted_store(host, port or 0, timeout)
+    env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": str(store.port), "OMP_NUM_THREADS": "1"}
     place, call = _Place(env, os.getcwd(), list(sys.path)), pickle.dumps((fn, args))
     procs = [ctx.Process(target=_child, args=(call, rank, world, place, backend, timeout, results, on_signal), daemon=True)
              for rank in range(world)]

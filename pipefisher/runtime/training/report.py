@@ -16,6 +16,7 @@ import threading
 from typing import TextIO
 
 from pipefisher.config import RunConfig
+from pipefisher.core.terminal import progress_bars
 from pipefisher.methods.registry import method
 from pipefisher.runtime.pipeline.executor import StepResult
 
@@ -36,7 +37,7 @@ class StepReporter:
         self.metrics: TextIO | None = open(config.run.metrics, "a") if config.run.metrics else None
         self.times: list[float] = []
         self.last: dict = {}
-        use_bar = sys.stderr.isatty() and not as_json if progress is None else progress
+        use_bar = progress_bars() and not as_json if progress is None else progress
         self.bar = None
         if use_bar:
             from tqdm import tqdm

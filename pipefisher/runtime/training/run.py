@@ -16,7 +16,8 @@ from pipefisher.optim import rest_settings
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (
-    GroupFailure, Interrupted, current_device, free_port, gpu_shortfall, init_distributed, port_in_use, resolve_backend, run_group,
+    GroupFailure, Interrupted, PortInUse, current_device, gpu_shortfall, hosted_store, init_distributed, port_in_use, resolve_backend,
+    run_group,
 )
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.runtime.training.stopping import Stopped, stop_request
@@ -99,18 +100,24 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
         _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume_from))
     if _refuse_missing_gpus(config):
         return 2
-    port = config.run.master_port or free_port(config.run.master_addr)
+    store = _store(config)
     backend = resolve_backend(config.run.backend)
-    print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {port})", file=sys.stderr)
+    print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {store.port})", file=sys.stderr)
     try:
         codes = run_group(
             _local_worker, config.world_size, args=(config, as_json, resume_from), backend=backend,
-            timeout=config.run.timeout, port=port, host=config.run.master_addr, on_signal="forward",
+            timeout=config.run.timeout, host=config.run.master_addr, on_signal="forward", store=store,
         )
     except GroupFailure as failure:
         _print_failure(failure)
         return 1
     return max(codes)
+
+
+def _store(config: RunConfig):
+    """The local group's rendezvous store on run.master_port (0: a port the OS picks); PortInUse
+    (a usage error) when the port asked for is taken."""
+    return hosted_store(config.run.master_addr, config.run.master_port, config.run.timeout)
 
 
 def _refuse_missing_gpus(config: RunConfig) -> bool:
@@ -174,12 +181,12 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
             return _report_profile(load_profile(output), output, timeline) if rank == 0 else 0
 
         _under_torchrun(config, work)
-    port = config.run.master_port or free_port(config.run.master_addr)
+    store = _store(config)
     try:
         profiles = run_group(
             _profile_worker, config.world_size, args=(config, output, timeline, repeats),
-            backend=resolve_backend(config.run.backend), timeout=config.run.timeout, port=port, host=config.run.master_addr,
-            on_signal="kill",
+            backend=resolve_backend(config.run.backend), timeout=config.run.timeout, host=config.run.master_addr,
+            on_signal="kill", store=store,
         )
     except GroupFailure as failure:
         _print_failure(failure)
@@ -240,6 +247,5 @@ def check_port(config: RunConfig) -> str | None:
     if "RANK" in os.environ or config.run.master_port == 0:
         return None
     if port_in_use(config.run.master_port, config.run.master_addr):
-        return (f"run.master_port: port {config.run.master_port} on {config.run.master_addr} is in use; "
-                "pass --master-port with a free port (0 picks one)")
+        return str(PortInUse(config.run.master_port, config.run.master_addr))
     return None

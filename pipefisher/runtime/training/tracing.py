@@ -4,7 +4,8 @@ The executor labels its actions (`pipefisher.runtime.pipeline.executor`) wheneve
 on; this module turns one on for steps `trace_from .. trace_from + trace_steps - 1` (1-based),
 with one untraced warm-up step before them when there is one, and writes
 `<run.trace>/rank<R>.json` (Chrome trace format: ui.perfetto.dev, chrome://tracing,
-`pipefisher viz --trace`). Off (`run.trace: ""`), nothing is started.
+`pipefisher viz --trace`). Off (`run.trace: ""`), nothing is started. The profiler's own log
+lines (kineto's `profiler_start`, `profiler_stop`) are off unless KINETO_LOG_LEVEL asks for them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from pipefisher.config import RunConfig
+
+
+#: kineto's log level above all of its messages (its highest, USDT, is 5)
+QUIET_KINETO = "6"
 
 
 def trace_file(folder: str | Path, rank: int) -> Path:
@@ -37,6 +42,7 @@ class StepTracer:
     def before(self, step: int) -> None:
         if self.path is None or step != self.start:
             return
+        os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)  # read as the profiler first starts
         self.profiler = profile(activities=self.activities,
                                 schedule=schedule(wait=0, warmup=self.warmup, active=self.end - self.start - self.warmup, repeat=1),
                                 on_trace_ready=self._write)
