@@ -4,12 +4,18 @@ checkpoints that verify (real `pipefisher run`s of schedules/tiny-regression.yam
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from pipefisher.runtime.training.checkpoint import step_folder
+import pytest
+import yaml
+
+from pipefisher.config import load_config
+from pipefisher.runtime.training.checkpoint import CheckpointError, step_folder
+from pipefisher.runtime.training.resumption import resumable_step
 
 RUN_FILE = str(Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml")
 
@@ -65,3 +71,64 @@ def test_retention_keeps_the_good_step_a_fallback_skipped_past(tmp_path):
     assert (moved / "rank-1.pt").exists()
     assert f"pipefisher: checkpoint step 4 does not verify ({rank_file}: " in resumed.stderr
     assert f"moved to {moved}" in resumed.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of tiny-regression at step 2 (1f1b, 2 stages × 1 replica × 4 micro-batches, sgd lr 0.05)."""
+    directory = tmp_path_factory.mktemp("advice") / "checkpoints"
+    first = run(directory, "--steps", "2")
+    assert first.returncode == 0, first.stderr
+    return directory
+
+
+def advice(message: str) -> dict[str, dict[str, object]]:
+    """The keys a refusal says to set ("set a.b: 1, c.d: x to resume it"), as with_overrides takes them."""
+    found = re.search(r"; set (.+) to resume it$", message)
+    assert found, message
+    sections: dict[str, dict[str, object]] = {}
+    for pair in found.group(1).split(", "):
+        key, _, value = pair.partition(": ")
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = yaml.safe_load(value)
+    return sections
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"pipeline": {"data_parallel": 2}}, "the checkpoint's step takes 4 micro-batches (pipeline.micro_batches 4 × pipeline.data_parallel 1); "
+                                         "here 8 (pipeline.micro_batches 4 × pipeline.data_parallel 2); set pipeline.micro_batches: 2 to resume it"),
+    ({"pipeline": {"data_parallel": 3}}, "set pipeline.micro_batches: 4, pipeline.data_parallel: 1 to resume it"),
+    ({"pipeline": {"schedule": "chimera", "data_parallel": 4}}, "set pipeline.micro_batches: 4, pipeline.data_parallel: 1 to resume it"),
+    ({"optimizer": {"lr": 0.01}}, "optimizer.lr is 0.05 there and 0.01 here; set optimizer.lr: 0.05 to resume it"),
+    ({"optimizer": {"name": "kfac"}}, "optimizer.name is sgd there and kfac here; set optimizer.name: sgd to resume it"),
+    ({"model": {"hidden": 16, "ffn": 32}}, "set model.ffn: 64, model.hidden: 32 to resume it"),
+])
+def test_every_advice_to_resume_names_keys_that_resume(checkpoint, change, said):
+    """The refusal names keys that exist, with values that make `resumable_step` take the step."""
+    config = load_config(RUN_FILE).with_overrides(checkpoint={"dir": str(checkpoint)}, **change)
+    with pytest.raises(CheckpointError) as refused:
+        resumable_step(checkpoint, config)
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith(said), message
+    assert resumable_step(checkpoint, config.with_overrides(**advice(message))) == (2, [])
+
+
+def test_the_cli_follows_its_own_advice_and_resumes(checkpoint):
+    """`--data-parallel 2` changes the step's batch: the one line says which key to set; the run
+    given that key on the command line resumes."""
+    refused = run(checkpoint, "--steps", "3", "--resume", "--data-parallel", "2")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    flags = [part for section, values in advice(refused.stderr.strip()).items()
+             for name, value in values.items() for part in (f"--{section}.{name}", str(value))]
+    assert flags == ["--pipeline.micro_batches", "2"]
+    resumed = run(checkpoint, "--steps", "3", "--resume", "--data-parallel", "2", *flags)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "pipefisher: resuming from step 2, written on 1f1b, 2 stages × 1 replica × 4 micro-batches, on another layout" in resumed.stderr
+
+
+def test_a_checkpoint_of_another_model_is_said_as_a_whole(checkpoint):
+    config = load_config(RUN_FILE).with_overrides(model={"kind": "mlp"})
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"the checkpoint in {checkpoint} is of another model (transformer: 4 blocks of width 32, synthetic data there; "
+            "mlp: 4 blocks of width 32, synthetic data here); resume it with its own run file or give another --checkpoint-dir")):
+        resumable_step(checkpoint, config)
