@@ -92,6 +92,10 @@ def test_a_writer_sets_aside_the_steps_a_resume_skips_past_and_a_reader_does_not
     assert step == 1 and steps(tmp_path) == [1]
     assert skipped == [f"step 2 does not verify ({step_folder(tmp_path, 2) / 'rank-0.pt'}: 0 bytes, the manifest says {size} "
                        f"(truncated or overwritten)): moved to {tmp_path / 'corrupt-step-000002'}"]
+    (step_folder(tmp_path, 1) / "rank-1.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no checkpoint in .* to resume from"):
+        resumable_step(tmp_path, CONFIG, writer=True)
+    assert steps(tmp_path) == [1]  # no step to continue from: nothing is moved
 
 
 def test_a_checkpoint_of_another_model_is_said_as_a_whole(tmp_path):

@@ -101,12 +101,14 @@ def describe_layout(values: dict[str, Any]) -> str:
 
 def resumable_step(directory: str | Path, config: RunConfig, writer: bool = False) -> tuple[int, list[str]]:
     """The newest step of this configuration whose files all verify, and one line for every newer
-    step it skips (why). `writer`: the caller holds the folder (`checkpoint_lock`), and a complete
-    step that does not verify is set aside (`set_aside`) rather than left to be counted or chosen.
-    CheckpointError if there is none, or the newest complete step is of another model, another
-    configuration (saying which keys to set to resume it) or an older format."""
+    step it skips (why). `writer`: the caller holds the folder (`checkpoint_lock`) and continues
+    from the step found, so each newer complete step that does not verify is set aside
+    (`set_aside`, its line says where) rather than left to be counted or chosen; nothing is moved
+    when no step is found. CheckpointError if there is none, or the newest complete step is of
+    another model, another configuration (saying which keys to set to resume it) or an older format."""
     directory = Path(directory)
     skipped: list[str] = []
+    corrupt: dict[int, tuple[Path, int, str]] = {}  # index in skipped -> the step's (folder, step, problem)
     for step, folder in steps(directory):
         try:
             manifest = read_manifest(folder)
@@ -119,8 +121,11 @@ def resumable_step(directory: str | Path, config: RunConfig, writer: bool = Fals
             _check_identity(directory, folder, manifest, config)
         problem = step_problem(folder)
         if problem is None:
+            for index, (path, other, why) in corrupt.items() if writer else ():
+                skipped[index] = set_aside(path, other, why)
             return step, skipped
-        skipped.append(set_aside(folder, step, problem) if writer else f"step {step}: {problem}")
+        corrupt[len(skipped)] = (folder, step, problem)
+        skipped.append(f"step {step}: {problem}")
     reason = "; ".join(skipped) if skipped else "no step folders"
     raise CheckpointError(f"no checkpoint in {directory} to resume from ({reason})")
 
