@@ -17,20 +17,11 @@ def _bytes(count: int) -> str:
     return f"{count} B"
 
 
-def _model(config: dict) -> str:
-    kind = config.get("model.kind", "?")
-    if kind == "hf":
-        return f"hf {config.get('model.hf_config')}"
-    if kind == "bert":
-        return f"bert {config.get('model.preset')}"
-    return f"{kind}: {config.get('model.layers')} blocks of width {config.get('model.hidden')}"
-
-
 def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
     """The lines `inspect` prints for the step in `folder` (its manifest read), and why it does
     not verify (None: it does)."""
     from pipefisher.runtime.training.checkpoint import FORMAT, verify
-    from pipefisher.runtime.training.resumption import describe_layout
+    from pipefisher.runtime.training.resumption import describe_layout, describe_model
 
     problem = verify(folder, manifest)
     files = manifest.get("files", {})
@@ -40,7 +31,7 @@ def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
                      "this pipefisher cannot resume it")
     else:
         config = manifest["config"]
-        lines.append(f"model:    {_model(config)}; optimizer {config.get('optimizer.name')}, precision {config.get('run.precision')}")
+        lines.append(f"model:    {describe_model(config)}; optimizer {config.get('optimizer.name')}, precision {config.get('run.precision')}")
         lines.append(f"layout:   {describe_layout({**manifest['layout'], **manifest.get('plan', {})})}; {len(files)} processes")
         cycle = manifest.get("cycle")
         if cycle is not None:

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments,
@@ -27,6 +28,7 @@ from pipefisher.planning.layout_model import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
+from pipefisher.runtime.training.checkpoint_lock import FolderInUse, hold_checkpoint_folder
 from pipefisher.schedules import SCHEDULES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -174,11 +176,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     problem = None if args.reference else check_port(config)
     if problem:
         raise UsageError(problem)
-    resume_from = None if args.reference else _resume_step(config)
-    if resume_from is not None and resume_from >= config.run.steps:
-        say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
-        return 0
-    return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
+    with _checkpoint_writer(config, args.reference):
+        resume_from = None if args.reference else _resume_step(config)
+        if resume_from is not None and resume_from >= config.run.steps:
+            say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
+            return 0
+        return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
+
+
+def _checkpoint_writer(config, reference: bool) -> AbstractContextManager:
+    """The lock that makes this run checkpoint.dir's one writer, for the run's life
+    (`pipefisher.runtime.training.checkpoint_lock`; FolderInUse when another run holds it). None
+    is taken without a folder, for --reference (it writes no checkpoints), and under torchrun on
+    every process but 0 (process 0 holds it for the group)."""
+    if not config.checkpoint.dir or reference or os.environ.get("RANK", "0") != "0":
+        return nullcontext()
+    return hold_checkpoint_folder(config.checkpoint.dir)
 
 
 def _resume_step(config) -> int | None:
@@ -192,7 +205,7 @@ def _resume_step(config) -> int | None:
     if config.checkpoint.resume == "auto" and not has_checkpoints(config.checkpoint.dir):
         return None  # nothing saved yet: a first start
     try:
-        step, skipped = resumable_step(config.checkpoint.dir, config)
+        step, skipped = resumable_step(config.checkpoint.dir, config, writer=True)  # this run holds the folder
         how = resumption(config.checkpoint.dir, step, config)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
@@ -359,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)
-    except (UsageError, ScheduleError, ProfileError, ConfigError, PlanError) as exc:
+    except (UsageError, ScheduleError, ProfileError, ConfigError, PlanError, FolderInUse) as exc:
         print(f"pipefisher: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
     except (KeyboardInterrupt, Terminated) as exc:  # before (or without) a run's own handlers: planning, preparing data

@@ -165,11 +165,13 @@ def test_resume_names_a_corrupt_rank_file_and_falls_back_to_the_previous_checkpo
     resumed = pipefisher("run", config, "--resume", "--steps", 6, "--json", "--master-port", 0)
     assert resumed.returncode == 0, resumed.stderr
     why = "truncated or overwritten" if how == "truncated" else "its SHA-256 differs from the manifest's (corrupt)"
-    assert f"pipefisher: checkpoint step 4: {bad}: " in resumed.stderr and why in resumed.stderr
+    moved = folder / "corrupt-step-000004"
+    assert f"pipefisher: checkpoint step 4 does not verify ({bad}: " in resumed.stderr and why in resumed.stderr
+    assert f"): moved to {moved}\n" in resumed.stderr and (moved / "rank-1.pt").exists()
     assert "pipefisher: resuming from step 2, the newest checkpoint that verifies" in resumed.stderr
     straight = pipefisher("run", run_file(tmp_path / "straight"), "--steps", 6, "--json", "--master-port", 0)
     assert losses(resumed) == {s: loss for s, loss in losses(straight).items() if s > 2}
-    # the corrupt step 4 of the abandoned history is replaced; the kept ones all verify
+    # the corrupt step 4 of the abandoned history was set aside; the kept ones all verify
     assert sorted(p.name for p in folder.glob("step-*")) == ["step-000004", "step-000006"]
     again = pipefisher("run", config, "--resume", "--steps", 6, "--master-port", 0)
     assert again.returncode == 0 and "nothing to do" in again.stderr and "checkpoint step" not in again.stderr

@@ -8,8 +8,10 @@ of itself (`pipefisher.runtime.training.resumption`: the configuration that must
 that may change, the refresh cycle's position) and every file's size, SHA-256, keys and tensor
 bytes per kind. A process writes its file to a temporary name, flushes it to disk, hashes what is
 on disk and renames it into place; process 0 writes the manifest (atomically) only after every
-process has, so a step without a manifest is incomplete. Pruning keeps the `keep` newest complete
-steps of the run's own history and never the new one.
+process has, so a step without a manifest is incomplete. Retention (`prune`) keeps the `keep`
+newest steps of the run's own history *that verify*, the new one first; a step that does not verify
+is never counted nor chosen: it is moved aside to ``DIR/corrupt-step-000006/`` (`set_aside`), for
+people to look at and delete. One run writes a folder (`checkpoint_lock`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,11 +127,10 @@ def save_rank(directory: str | Path, step: int, process: int, entries: dict[str,
     return FileRecord(path.name, path.stat().st_size, _sha256(path), tuple(entries), tuple(sorted(kinds.items())))
 
 
-def commit(directory: str | Path, step: int, run: dict[str, Any], records: list[FileRecord], keep: int = 2) -> None:
+def commit(directory: str | Path, step: int, run: dict[str, Any], records: list[FileRecord], keep: int = 2) -> list[str]:
     """Process 0, once every process saved `step`: write its manifest (`run`: what it says of the
     run, `pipefisher.runtime.training.resumption.manifest_fields`), point `latest` at it, and
-    prune: later steps (another history, e.g. after resuming from an earlier step) and complete
-    steps beyond the `keep` newest go; an incomplete step older than the kept ones goes too."""
+    `prune`; the lines to say (a step set aside)."""
     directory = Path(directory)
     folder = step_folder(directory, step)
     for record in records:
@@ -141,14 +143,74 @@ def commit(directory: str | Path, step: int, run: dict[str, Any], records: list[
     }
     _atomic_write(folder / MANIFEST, lambda path: path.write_text(json.dumps(manifest, indent=1) + "\n"))
     _atomic_write(directory / "latest", lambda path: path.write_text(json.dumps({"step": step}) + "\n"))
+    _known_good[folder] = _signature(folder, manifest)  # every file was hashed on disk as it was written
+    return prune(directory, step, keep)
+
+
+def prune(directory: Path, step: int, keep: int) -> list[str]:
+    """Keep `step` (just committed) and the newest older steps that verify, `keep` in all. Later
+    steps go (another history, e.g. after resuming from an earlier step), and so do incomplete
+    steps and the older ones beyond those kept. Only the candidates for keeping are verified (a
+    step this process verified before, its files unchanged since, is not hashed again); one that
+    does not verify is set aside. The lines to say, one per step set aside."""
+    lines: list[str] = []
     kept = 0
     for other, path in steps(directory):
-        if other > step:
-            shutil.rmtree(path, ignore_errors=True)
-        elif (path / MANIFEST).exists() and kept < max(keep, 1):
+        if other == step:
             kept += 1
-        elif other < step:
+        elif other < step and kept < max(keep, 1) and (path / MANIFEST).exists():
+            problem = step_problem(path)
+            if problem is None:
+                kept += 1
+            else:
+                lines.append(set_aside(path, other, problem))
+        else:
             shutil.rmtree(path, ignore_errors=True)
+    return lines
+
+
+def set_aside(folder: Path, step: int, problem: str) -> str:
+    """Move the step in `folder`, which does not verify (`problem`), to ``corrupt-step-NNNNNN``
+    beside it (``-2``, ``-3`` … when that name is taken), out of every listing of steps; the line
+    that says so ("step 6 does not verify (…): moved to …")."""
+    target, copy_number = folder.with_name(f"corrupt-{folder.name}"), 1
+    while target.exists():
+        copy_number += 1
+        target = folder.with_name(f"corrupt-{folder.name}-{copy_number}")
+    os.replace(folder, target)
+    _known_good.pop(folder, None)
+    return f"step {step} does not verify ({problem}): moved to {target}"
+
+
+#: steps this process knows to verify: folder -> `_signature` when it knew (hashed, or written)
+_known_good: dict[Path, tuple] = {}
+
+
+def _signature(folder: Path, manifest: dict) -> tuple:
+    """The manifest's files as (name, size, modification time) on disk now (None: missing)."""
+    def stat(name: str) -> tuple[int, int] | None:
+        try:
+            found = (folder / name).stat()
+        except FileNotFoundError:
+            return None
+        return found.st_size, found.st_mtime_ns
+
+    return tuple((name, stat(name)) for name in sorted(manifest.get("files", {})))
+
+
+def step_problem(folder: Path) -> str | None:
+    """Why the complete step in `folder` cannot be resumed (its manifest unreadable, or `verify`),
+    or None; not hashed again when this process verified it and its files are unchanged."""
+    try:
+        manifest = read_manifest(folder)
+    except (OSError, ValueError):
+        return f"{folder / MANIFEST} is unreadable"
+    if _known_good.get(folder) == _signature(folder, manifest):
+        return None
+    problem = verify(folder, manifest)
+    if problem is None:
+        _known_good[folder] = _signature(folder, manifest)
+    return problem
 
 
 def verify(folder: Path, manifest: dict) -> str | None:

@@ -14,13 +14,22 @@ Configuration keys fall in four tiers:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipefisher.config import RunConfig, config_to_dict
+import json
+
+import yaml
+
+from pipefisher.config import ConfigError, RunConfig, config_to_dict
+from pipefisher.core.ir import ScheduleError
 from pipefisher.methods.registry import methods
-from pipefisher.runtime.training.checkpoint import FORMAT, MANIFEST, CheckpointError, read_manifest, step_folder, steps, verify
+from pipefisher.runtime.training.checkpoint import (FORMAT, MANIFEST, CheckpointError, read_manifest, set_aside, step_folder, step_problem,
+                                                    steps)
+from pipefisher.schedules import chunks_per_rank, get_schedule
+from pipefisher.schedules.validate import validate
 
 _FREE = {
     ("run", "steps"), ("run", "master_port"), ("run", "master_addr"), ("run", "backend"), ("run", "timeout"), ("run", "metrics"),
@@ -31,6 +40,8 @@ _PROCESSES = {
     ("pipeline", "schedule"), ("pipeline", "stages"), ("pipeline", "micro_batches"), ("pipeline", "chunks"),
     ("pipeline", "data_parallel"), ("optimizer", "zero"),
 }
+#: the identity's count of a step's micro-batches (over all replicas): not a key, the advice sets keys
+STEP_MICRO_BATCHES = "pipeline.step_micro_batches"
 _PLAN = {("model", "recompute"), ("run", "compile")}
 #: keys of the curvature method's section that say where its work runs, not what it computes
 _PLACEMENT = {
@@ -53,14 +64,17 @@ def _tiers(config: RunConfig) -> dict[str, dict[str, Any]]:
             tier = ("processes" if (section, key) in _PROCESSES else
                     "plan" if (section, key) in _PLAN or (section == method and key in _PLACEMENT) else "identity")
             tiers[tier][f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
-    tiers["identity"]["pipeline.step_micro_batches"] = config.pipeline.micro_batches * config.pipeline.data_parallel
+    tiers["identity"][STEP_MICRO_BATCHES] = config.pipeline.micro_batches * config.pipeline.data_parallel
     return tiers
 
 
-def _defaults(config: RunConfig) -> dict[str, dict[str, Any]]:
-    """The tiers of the defaults of `config`'s optimizer: what a key added since a checkpoint was
-    written counts as."""
-    return _tiers(RunConfig().with_overrides(optimizer={"name": config.optimizer.name}))
+def _defaults(optimizer: str) -> dict[str, dict[str, Any]]:
+    """The tiers of the defaults of a run of `optimizer` (of the default optimizer when that one is
+    not registered here): what a key added since a checkpoint was written counts as."""
+    try:
+        return _tiers(RunConfig().with_overrides(optimizer={"name": optimizer}))
+    except ConfigError:
+        return _tiers(RunConfig())
 
 
 def manifest_fields(config: RunConfig, cycle: tuple[int, int] | None) -> dict[str, Any]:
@@ -85,14 +99,16 @@ def describe_layout(values: dict[str, Any]) -> str:
     return ", ".join(words)
 
 
-def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[str]]:
+def resumable_step(directory: str | Path, config: RunConfig, writer: bool = False) -> tuple[int, list[str]]:
     """The newest step of this configuration whose files all verify, and one line for every newer
-    step it skips (why). CheckpointError if there is none, or the newest complete step is of
-    another configuration or an older format."""
+    step it skips (why). `writer`: the caller holds the folder (`checkpoint_lock`) and continues
+    from the step found, so each newer complete step that does not verify is set aside
+    (`set_aside`, its line says where) rather than left to be counted or chosen; nothing is moved
+    when no step is found. CheckpointError if there is none, or the newest complete step is of
+    another model, another configuration (saying which keys to set to resume it) or an older format."""
     directory = Path(directory)
     skipped: list[str] = []
-    ours = _tiers(config)["identity"]
-    defaults = _defaults(config)["identity"]
+    corrupt: dict[int, tuple[Path, int, str]] = {}  # index in skipped -> the step's (folder, step, problem)
     for step, folder in steps(directory):
         try:
             manifest = read_manifest(folder)
@@ -100,26 +116,125 @@ def resumable_step(directory: str | Path, config: RunConfig) -> tuple[int, list[
             skipped.append(f"step {step}: incomplete (no {MANIFEST}: stopped while saving)")
             continue
         except (OSError, ValueError):
-            skipped.append(f"step {step}: {folder / MANIFEST} is unreadable")
-            continue
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{folder} is a checkpoint of format {manifest.get('format', 1)}, written before layout-free checkpoints "
-                f"(format {FORMAT}); this pipefisher cannot read it: resume it with the version that wrote it, or start afresh "
-                "with checkpoint.resume: never and another checkpoint.dir")
-        theirs = {**defaults, **manifest.get("config", {})}
-        differing = next((key for key in sorted(set(ours) | set(theirs)) if theirs.get(key) != ours.get(key)), None)
-        if differing is not None:
-            raise CheckpointError(
-                f"the checkpoint in {directory} is from another configuration: {differing} is "
-                f"{theirs.get(differing)!r} there and {ours.get(differing)!r} here; set {differing}: {theirs.get(differing)!r} to resume it"
-            )
-        problem = verify(folder, manifest)
+            pass  # step_problem says it is unreadable
+        else:
+            _check_identity(directory, folder, manifest, config)
+        problem = step_problem(folder)
         if problem is None:
+            for index, (path, other, why) in corrupt.items() if writer else ():
+                skipped[index] = set_aside(path, other, why)
             return step, skipped
+        corrupt[len(skipped)] = (folder, step, problem)
         skipped.append(f"step {step}: {problem}")
     reason = "; ".join(skipped) if skipped else "no step folders"
     raise CheckpointError(f"no checkpoint in {directory} to resume from ({reason})")
+
+
+def _check_identity(directory: Path, folder: Path, manifest: dict, config: RunConfig) -> None:
+    """CheckpointError unless `config` computes what the step's `manifest` was written by."""
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{folder} is a checkpoint of format {manifest.get('format', 1)}, written before layout-free checkpoints "
+            f"(format {FORMAT}); this pipefisher cannot read it: resume it with the version that wrote it, or start afresh "
+            "with checkpoint.resume: never and another checkpoint.dir")
+    ours = _tiers(config)["identity"]
+    written = manifest.get("config", {})
+    theirs = {**_defaults(written.get("optimizer.name", config.optimizer.name))["identity"], **written}
+    if theirs == ours:
+        return
+    if any(theirs.get(key) != ours.get(key) for key in _model_keys(ours)):
+        raise CheckpointError(
+            f"the checkpoint in {directory} is of another model ({describe_model(theirs)}, {theirs.get('data.kind')} data there; "
+            f"{describe_model(ours)}, {ours.get('data.kind')} data here); resume it with its own run file or give another --checkpoint-dir")
+    advice = _advice(config, theirs, manifest["layout"])
+    differing = [key for key in sorted(set(ours) | set(theirs)) if theirs.get(key) != ours.get(key)]
+    named = [key for key in differing if advice is None or key in advice or key == STEP_MICRO_BATCHES]  # the causes
+    differences = "; ".join(_difference(key, theirs, ours, manifest["layout"], config) for key in named)
+    fix = ("set " + ", ".join(f"{key}: {_yaml(value)}" for key, value in advice.items()) + " to resume it" if advice is not None
+           else "no setting of this run file makes it resume: resume it with its own run file or give another --checkpoint-dir")
+    raise CheckpointError(f"the checkpoint in {directory} is from another configuration: {differences}; {fix}")
+
+
+#: the keys that name a model kind's model: another value is another model, not a setting to change
+_NAMING_KEYS = {"bert": ("model.preset", "model.config_json"), "hf": ("model.hf_config", "model.hf_class")}
+
+
+def _model_keys(identity: dict[str, Any]) -> tuple[str, ...]:
+    """The identity keys that say which model a run trains (its kind, its data's kind, and the
+    keys naming it); a checkpoint that differs in one is of another model."""
+    return ("model.kind", "data.kind", *_NAMING_KEYS.get(identity.get("model.kind"), ()))
+
+
+def describe_model(values: dict[str, Any]) -> str:
+    """A model of a manifest's "config" in words: "hf gpt2-tiny", "bert bert-tiny",
+    "transformer: 4 blocks of width 32"."""
+    kind = values.get("model.kind", "?")
+    if kind == "hf":
+        return f"hf {values.get('model.hf_config')}"
+    if kind == "bert":
+        return f"bert {values.get('model.preset')}"
+    return f"{kind}: {values.get('model.layers')} blocks of width {values.get('model.hidden')}"
+
+
+def _difference(key: str, theirs: dict[str, Any], ours: dict[str, Any], layout: dict[str, Any], config: RunConfig) -> str:
+    """One identity key that differs, in words."""
+    if key != STEP_MICRO_BATCHES:
+        return f"{key} is {_yaml(theirs.get(key))} there and {_yaml(ours.get(key))} here"
+    return (f"the checkpoint's step takes {theirs.get(key)} micro-batches (pipeline.micro_batches {layout['pipeline.micro_batches']} × "
+            f"pipeline.data_parallel {layout['pipeline.data_parallel']}); here {ours.get(key)} (pipeline.micro_batches "
+            f"{config.pipeline.micro_batches} × pipeline.data_parallel {config.pipeline.data_parallel})")
+
+
+def _yaml(value: Any) -> str:
+    """`value` as a run file and --SECTION.KEY read it back."""
+    if isinstance(value, str) and value and yaml.safe_load(value) == value:
+        return value
+    return json.dumps(value)
+
+
+def _advice(config: RunConfig, theirs: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any] | None:
+    """The keys ("section.key" -> value) to set in `config` for its identity to be `theirs` and its
+    schedule valid, as few as found; None if none is found. The step's micro-batches are matched
+    by this run's micro-batches, else the checkpoint's micro-batches and replicas, else its layout."""
+    ours = _tiers(config)["identity"]
+    keys = [key for key in sorted(set(ours) | set(theirs)) if key != STEP_MICRO_BATCHES and theirs.get(key) != ours.get(key)]
+    for pipeline in _layouts(config, theirs[STEP_MICRO_BATCHES], layout):
+        advice = {key: theirs.get(key) for key in keys} | pipeline
+        if not _resumes(config, advice, theirs):
+            continue
+        for key in keys:  # the fewest: drop each key the others already bring
+            fewer = {k: v for k, v in advice.items() if k != key}
+            if _resumes(config, fewer, theirs):
+                advice = fewer
+        return advice
+    return None
+
+
+def _layouts(config: RunConfig, step_micro_batches: int, layout: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The pipeline keys to try for a step of `step_micro_batches` (none when it is the run's)."""
+    replicas = config.pipeline.data_parallel
+    if config.pipeline.micro_batches * replicas == step_micro_batches:
+        yield {}
+        return
+    if step_micro_batches % replicas == 0:
+        yield {"pipeline.micro_batches": step_micro_batches // replicas}
+    yield {key: layout[key] for key in ("pipeline.micro_batches", "pipeline.data_parallel")}
+    yield {key: value for key, value in layout.items() if key.startswith("pipeline.")}
+
+
+def _resumes(config: RunConfig, advice: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Whether `config` with `advice` applied has the identity `theirs` and a valid schedule."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in advice.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = tuple(value) if isinstance(value, list) else value
+    try:
+        advised = config.with_overrides(**sections)
+        pipeline = advised.pipeline
+        validate(get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks_per_rank(pipeline.schedule, pipeline.chunks)))
+    except (ConfigError, ScheduleError, KeyError):
+        return False
+    return _tiers(advised)["identity"] == theirs
 
 
 @dataclass(frozen=True)
@@ -150,7 +265,7 @@ class Resumption:
 def resumption(directory: str | Path, step: int, config: RunConfig) -> Resumption:
     """How `config` continues from the verified `step` in `directory`."""
     manifest = read_manifest(step_folder(directory, step))
-    defaults, ours = _defaults(config), _tiers(config)
+    defaults, ours = _defaults(config.optimizer.name), _tiers(config)
     processes = {**defaults["processes"], **manifest["layout"]}
     plan = {**defaults["plan"], **manifest.get("plan", {})}
     before = describe_layout({**processes, **plan})

@@ -4,6 +4,7 @@ the step loop with checkpoints. `pipefisher.runtime.training.reference` trains t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -217,5 +218,6 @@ def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner:
     dist.all_gather_object(records, record)
     if process == 0:
         cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
-        commit(config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep)
+        for line in commit(config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep):
+            print(f"pipefisher: checkpoint {line}", file=sys.stderr, flush=True)
     dist.barrier()
