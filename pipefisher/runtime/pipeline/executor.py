@@ -179,12 +179,14 @@ class Executor:
     # -- a step ------------------------------------------------------------------------------
     def run_step(self, step: int, actions: Sequence[Action], update: bool = True) -> StepResult:
         """Perform `actions` as step `step` (0-based); with `update=False` gradients are dropped
-        instead of applied (profiling steps leave the model as it was)."""
-        start = time.perf_counter()
+        instead of applied (profiling steps leave the model as it was). The result's `seconds`
+        times the region labelled ``step N`` under a profiler: a traced step's time
+        (`pipefisher.viz.trace_io`) is the interval `pipefisher run` prints."""
         self.current_step = step
         self._batches = {}
         self.step_end.update, self.step_end.step = update, step
         labelled = torch.autograd._profiler_enabled()  # torch.profiler, or NVTX ranges under emit_nvtx
+        start = time.perf_counter()
         with record_function(f"step {step + 1}") if labelled else UNLABELLED:
             for action in actions:
                 try:
@@ -200,8 +202,9 @@ class Executor:
                     record = self.step_end.finish()
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
+        seconds = time.perf_counter() - start
         loss = record.pop("loss")
-        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=record)
+        return StepResult(step=step + 1, loss=loss, seconds=seconds, extra=record)
 
     def _perform(self, action: Action) -> None:
         kind, target = action.kind, action.target
