@@ -70,7 +70,7 @@ def category(label: str) -> tuple[str, str] | None:
 
 def render_actions(paths: Sequence[Path], output: Path, step: int | None = None) -> None:
     """Draw the step's actions of every rank into `output` (.png or .svg), titled with the step's
-    time (`pipefisher.viz.trace_io`: as `pipefisher run` printed it)."""
+    time as `pipefisher run` printed it (`pipefisher.viz.trace_io`; a trace without it: none)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -95,7 +95,8 @@ def render_actions(paths: Sequence[Path], output: Path, step: int | None = None)
     axes.invert_yaxis()
     axes.set_xlim(0, span)
     axes.set_xlabel("time from the step's start [ms]")
-    time = StepTimes((step,), (step_durations(labelled_events(paths[0]))[step],), "ms")
+    ms = step_durations(labelled_events(paths[0])).get(step)
+    time = f"step {step}" if ms is None else str(StepTimes((step,), (ms,), "ms"))
     axes.set_title(f"{time}; every action the executor performed (labels from the profiler trace)", fontsize=9)
     figure.legend(handles=[Patch(color=c, label=n) for n, c in seen.items()], loc="lower center", ncol=min(len(seen), 8),
                   fontsize=7, frameon=False)

@@ -7,9 +7,11 @@ their steps (1-based, as the run counts them) make a `RecordedTimeline` (times i
 machine writes the same ``baseTimeNanoseconds``), and their median times per stage a `Profile`,
 so the simulator can predict the same steps without the waits. Pure Python: no torch.
 
-A traced step's time is the duration of rank 0's ``step N`` region: the executor's `run_step`
-times that region with the clock whose reading `pipefisher run` prints as the step time (rank 0
-reports), so the two agree to within the microseconds of entering and leaving the region.
+A traced step's time is the one `pipefisher run` printed for it: rank 0 reports, and its
+executor writes its step timer's reading after the step (``step N time T ms``,
+`pipefisher.core.trace_labels`). Rank 0's ``step N`` region spans the same interval on the
+profiler's clock, but entering and leaving a region under the profiler costs tens of µs, enough to
+change a last printed digit; traces without the marker have no step times (`step_durations`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from typing import Any
 
 from pipefisher.core.ir import Op, OpKind, ScheduleError
 from pipefisher.core.profile import Profile, StageProfile
+from pipefisher.core.trace_labels import STEP, STEP_TIME
 from pipefisher.viz.timeline_io import SCHEMA, RecordedTimeline, TimelineError, timeline_from_dict
 
-STEP = re.compile(r"step (\d+)$")
 RANK_FILE = re.compile(r"rank(\d+)\.json(\.gz)?$")
 
 
@@ -72,14 +74,15 @@ def step_spans(events: Sequence[dict[str, Any]]) -> list[tuple[float, float, int
 
 
 def step_durations(events: Sequence[dict[str, Any]]) -> dict[int, float]:
-    """Step N -> its time [ms] by the module's definition, from rank 0's trace `events`."""
-    return {step: (end - begin) / 1e3 for begin, end, step in step_spans(events)}
+    """Step N -> its time [ms] by the module's definition, from rank 0's labelled trace `events`;
+    a step without a ``step N time T ms`` marker (a trace written before markers) is left out."""
+    return {int(m.group(1)): float(m.group(2)) for e in events if (m := STEP_TIME.match(e["name"]))}
 
 
 def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
     """The `pipefisher.timeline/v1` object of the labelled ops in `paths` (one trace per rank, rank
-    0 first); its `step_times` are the durations of the first trace's ``step N`` regions (the
-    module's definition), left out when that trace lacks a region of a step with ops."""
+    0 first); its `step_times` are the first trace's `step_durations` (the module's definition),
+    left out when that trace lacks one of a step with ops."""
     ranks: list[list[dict[str, Any]]] = []
     starts: dict[int, float] = {}
     durations: dict[int, float] = {}

@@ -1,7 +1,8 @@
 """Where a traced step's time went (`pipefisher viz --trace DIR --summary`), per rank and step.
 
-From a `pipefisher run --trace` folder: the step's wall time on the rank (rank 0's is the step's
-time as `pipefisher run` prints it: `pipefisher.viz.trace_io`); the host time inside the
+From a `pipefisher run --trace` folder: the step's time on the rank's own step timer (rank 0's is
+the one `pipefisher run` prints: `pipefisher.viz.trace_io.step_durations`; in a trace without
+its markers, the span of the rank's ``step N`` region); the host time inside the
 executor's actions by category (forward, backward, waits, the end of step...; see
 `pipefisher.viz.action_figure.category`) and outside any (the executor's own work); on a GPU,
 the time the device was busy (the union of its kernels, copies and sets) and its kernel count.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from pipefisher.viz.action_figure import category
 from pipefisher.viz.timeline_io import StepTimes
-from pipefisher.viz.trace_io import load_events, step_spans
+from pipefisher.viz.trace_io import load_events, step_durations, step_spans
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -55,6 +56,7 @@ def summarise(paths: Sequence[Path]) -> list[StepSummary]:
         events = [e for e in load_events(path) if e.get("ph") == "X"]
         labelled = [e for e in events if e.get("cat") == "user_annotation"]
         device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+        timed = step_durations(labelled)
         for begin, end, step in step_spans(labelled):
             actions: dict[str, float] = defaultdict(float)
             for event in labelled:
@@ -68,7 +70,7 @@ def summarise(paths: Sequence[Path]) -> list[StepSummary]:
                 per_kernel[kernel["name"]] += kernel["dur"] / 1e3
             top = tuple(sorted(per_kernel.items(), key=lambda item: -item[1])[:5])
             busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in inside]) / 1e3 if device else None
-            found.append(StepSummary(rank, step, (end - begin) / 1e3, dict(actions), busy, len(kernels), top))
+            found.append(StepSummary(rank, step, timed.get(step, (end - begin) / 1e3), dict(actions), busy, len(kernels), top))
     return found
 
 
