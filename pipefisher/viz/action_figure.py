@@ -16,7 +16,8 @@ from pathlib import Path
 from pipefisher.core.files import write_atomically
 from pipefisher.core.ir import Op, ScheduleError
 from pipefisher.viz.figure import COLOURS
-from pipefisher.viz.trace_io import STEP, labelled_events
+from pipefisher.viz.timeline_io import StepTimes
+from pipefisher.viz.trace_io import labelled_events, step_durations, step_spans
 from pipefisher.viz.timeline_io import TimelineError
 
 #: label prefix -> (category, colour) of a communication action or the end of step
@@ -42,14 +43,13 @@ def step_regions(paths: Sequence[Path], step: int | None = None) -> tuple[int, l
     regions: list[Region] = []
     for rank, path in enumerate(paths):
         events = labelled_events(path)
-        steps = {int(m.group(1)): e for e in events if (m := STEP.match(e["name"]))}
+        steps = {n: (begin, end) for begin, end, n in step_spans(events)}
         if not steps:
             raise TimelineError(f"{path}: no 'step N' region; was it written by `pipefisher run --trace`?")
         step = min(steps) if step is None else step
         if step not in steps:
             raise TimelineError(f"{path}: step {step} was not traced; traced steps: {', '.join(map(str, sorted(steps)))}")
-        region = steps[step]
-        begin, end = region["ts"], region["ts"] + region["dur"]
+        begin, end = steps[step]
         regions += [Region(rank, e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events
                     if begin < e["ts"] <= end and category(e["name"]) is not None]
     return step, regions
@@ -69,7 +69,8 @@ def category(label: str) -> tuple[str, str] | None:
 
 
 def render_actions(paths: Sequence[Path], output: Path, step: int | None = None) -> None:
-    """Draw the step's actions of every rank into `output` (.png or .svg)."""
+    """Draw the step's actions of every rank into `output` (.png or .svg), titled with the step's
+    time as `pipefisher run` printed it (`pipefisher.viz.trace_io`; a trace without it: none)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -94,7 +95,9 @@ def render_actions(paths: Sequence[Path], output: Path, step: int | None = None)
     axes.invert_yaxis()
     axes.set_xlim(0, span)
     axes.set_xlabel("time from the step's start [ms]")
-    axes.set_title(f"step {step}: every action the executor performed (labels from the profiler trace)", fontsize=9)
+    ms = step_durations(labelled_events(paths[0])).get(step)
+    time = f"step {step}" if ms is None else str(StepTimes((step,), (ms,), "ms"))
+    axes.set_title(f"{time}; every action the executor performed (labels from the profiler trace)", fontsize=9)
     figure.legend(handles=[Patch(color=c, label=n) for n, c in seen.items()], loc="lower center", ncol=min(len(seen), 8),
                   fontsize=7, frameon=False)
     figure.tight_layout(rect=(0, 0.1, 1, 1))

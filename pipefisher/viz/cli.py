@@ -117,7 +117,9 @@ def run_viz(args: argparse.Namespace) -> int:
         from pipefisher.viz.trace_io import trace_files
         from pipefisher.viz.trace_summary import format_summary, summarise
 
-        print(("\n" if kind == "-" else "") + format_summary(summarise(trace_files(args.trace))))
+        measured = panels[-1].step_times  # `_trace_panels` puts the recording last
+        assert measured is not None
+        print(("\n" if kind == "-" else "") + format_summary(summarise(trace_files(args.trace)), measured))
     return 0
 
 

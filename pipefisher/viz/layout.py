@@ -14,7 +14,7 @@ from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.simulate import Bubble, Timeline, simulate
-from pipefisher.viz.timeline_io import RecordedTimeline
+from pipefisher.viz.timeline_io import RecordedTimeline, StepTimes
 from pipefisher.methods.registry import method
 
 #: Colour class of every op kind; the renderers key their colours and characters on it.
@@ -70,7 +70,9 @@ class Panel:
 
     Step `step_ids[j]` begins at `step_starts[j]`; `bubbles` are every rank's idle gaps within
     its steps, `step_ends` every rank's end of step after its last op (gradient all-reduce,
-    optimizer step; from the profile's `step_end`). `step_time` is the mean over the steps; `bubble_fraction` is the first-order
+    optimizer step; from the profile's `step_end`). `step_time` is the mean over the steps (for a
+    recording, of its `step_times`: each step's time as the run measured it, or its stated
+    stand-in; the title lists them); `bubble_fraction` is the first-order
     schedule's idle share (0..1) for planned panels, the recorded idle share otherwise.
     `method` (the curvature method's label), `refresh_steps` and `utilization` (0..1) are set
     for packings; `drawn_steps`, when set,
@@ -95,10 +97,12 @@ class Panel:
     step_ends: tuple[Bubble, ...] = ()
     method: str = ""
     drawn_steps: int | None = None
+    step_times: StepTimes | None = None
 
     @property
     def title(self) -> str:
-        """One line: name, shape, step time, bubble fraction and, for packings, k and utilisation."""
+        """One line: name, shape, step time (a recording's: each step's and their mean, as
+        `StepTimes` writes them), bubble fraction and, for packings, k and utilisation."""
         shape = [f"D={self.num_ranks}"]
         if self.micro_batches is not None:
             shape.append(f"N={self.micro_batches}")
@@ -110,7 +114,10 @@ class Panel:
         notes = ["mean"] if len(self.step_ids) > 1 else []
         if self.first_order_step_time is not None:
             notes.append(f"first-order {self.first_order_step_time:.4g} {unit}")
-        figures = [f"step {self.step_time:.4g} {unit}" + (f" ({'; '.join(notes)})" if notes else "")]
+        if self.step_times is not None:
+            figures = [str(self.step_times)]
+        else:
+            figures = [f"step {self.step_time:.4g} {unit}" + (f" ({'; '.join(notes)})" if notes else "")]
         first_order = "first-order " if self.first_order_step_time is not None else ""
         figures.append(f"{first_order}bubble {100 * self.bubble_fraction:.1f} %")
         if self.refresh_steps is not None:
@@ -179,7 +186,7 @@ def packed_panel(schedule: Schedule, result: PackResult) -> Panel:
 
 
 def recorded_panel(record: RecordedTimeline, name: str) -> Panel:
-    """A recording, drawn from its first step's start; pipes and chunks are read off the ops
+    """A recording, drawn from its first step's start, titled with its `measured` step times; pipes and chunks are read off the ops
     (a stage beyond the rank count without pipes means interleaved chunks)."""
     ops = [iv.op for step in record.steps for ivs in step.ranks for iv in ivs]
     num_pipes = 1 + max((op.pipe for op in ops), default=0)
@@ -187,6 +194,7 @@ def recorded_panel(record: RecordedTimeline, name: str) -> Panel:
     origin = record.starts[0]
     busy = sum(step.busy_time(rank) for step in record.steps for rank in range(step.num_ranks))
     total = sum(step.step_time * step.num_ranks for step in record.steps)
+    measured = record.measured
     return _panel(
         name,
         record.steps,
@@ -194,7 +202,8 @@ def recorded_panel(record: RecordedTimeline, name: str) -> Panel:
         record.step_ids,
         num_pipes=num_pipes,
         chunked=chunked,
-        step_time=sum(step.step_time for step in record.steps) / len(record.steps),
+        step_time=measured.mean,
+        step_times=measured,
         bubble_fraction=1 - busy / total if total > 0 else 0.0,
     )
 

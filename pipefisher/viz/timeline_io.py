@@ -10,7 +10,12 @@ A file holds one JSON object::
 shared by all ranks (any origin, in `time_unit`: s, ms, us or units). `step` (optional, default
 0) is the training step an op belongs to; `step_starts` (optional) gives each step's start, in
 the order of the sorted step indices, and defaults to the earliest start among the step's ops.
-`name` is optional. The profiler writes this format; `pipefisher viz --timeline` draws it.
+`step_times` (optional, same order, in `time_unit`) is each step's wall-clock time as the run
+timed it (`pipefisher viz --trace` writes rank 0's `step N` region, the interval `pipefisher run`
+prints as the step time); without it a step's time is the span from its start to its last op's
+end, which leaves out the end of step (gradient all-reduce, optimizer step), and says so
+(`StepTimes.basis`). `name` is optional. The profiler writes this format; `pipefisher viz
+--timeline` draws it.
 """
 
 from __future__ import annotations
@@ -28,10 +33,55 @@ from pipefisher.core.profile import TIME_UNITS, ProfileError
 from pipefisher.planning.simulate import Interval, Timeline
 
 SCHEMA = "pipefisher.timeline/v1"
+#: `StepTimes.basis` of a recording without `step_times`
+OP_SPAN = "step start to last op"
+#: `StepTimes` lists each step's time up to this many steps, and their mean, min and max beyond
+MAX_LISTED = 6
 
 
 class TimelineError(ProfileError):
     """A recorded timeline is malformed (a ProfileError, so the CLI reports it in one line)."""
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Step `step_ids[j]` took `times[j]` (in `time_unit`); `basis` is "" for the step's wall-clock
+    time as the run timed it, else what was timed instead (`OP_SPAN`)."""
+
+    step_ids: tuple[int, ...]
+    times: tuple[float, ...]
+    time_unit: str
+    basis: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.times or len(self.times) != len(self.step_ids):
+            raise TimelineError("step times need one time per step, and at least one step")
+
+    @property
+    def mean(self) -> float:
+        return sum(self.times) / len(self.times)
+
+    def number(self, value: float) -> str:
+        """`value` in ms to 0.1, as `pipefisher run` prints a step time; other units to 4 digits."""
+        return f"{value:.1f}" if self.time_unit == "ms" else f"{value:.4g}"
+
+    def format(self, value: float) -> str:
+        """`number(value)` and the unit."""
+        return f"{self.number(value)} {self.time_unit}"
+
+    def __str__(self) -> str:
+        """``step 3: 416.6 ms``, ``steps 3, 4: 416.6, 365.1 ms; mean 390.9 ms`` or, beyond
+        `MAX_LISTED` steps, ``steps 1..50: mean 27.0 ms (min 25.1 ms, max 30.2 ms)``; a basis
+        follows the step numbers in parentheses."""
+        basis = f" ({self.basis})" if self.basis else ""
+        if len(self.times) == 1:
+            return f"step {self.step_ids[0]}{basis}: {self.format(self.times[0])}"
+        mean = self.format(self.mean)
+        if len(self.times) > MAX_LISTED:
+            return (f"steps {self.step_ids[0]}..{self.step_ids[-1]}{basis}: mean {mean} "
+                    f"(min {self.format(min(self.times))}, max {self.format(max(self.times))})")
+        values = ", ".join(self.number(t) for t in self.times)
+        return f"steps {', '.join(map(str, self.step_ids))}{basis}: {values} {self.time_unit}; mean {mean}"
 
 
 @dataclass(frozen=True)
@@ -43,10 +93,21 @@ class RecordedTimeline:
     starts: tuple[float, ...]
     step_ids: tuple[int, ...]
     name: str = ""
+    step_times: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.steps or not len(self.steps) == len(self.starts) == len(self.step_ids):
             raise TimelineError("a recorded timeline needs one start and one step index per step, and at least one step")
+        if self.step_times is not None and len(self.step_times) != len(self.steps):
+            raise TimelineError(f"step_times: {len(self.step_times)} times for {len(self.steps)} steps")
+
+    @property
+    def measured(self) -> StepTimes:
+        """Each step's time: `step_times` as recorded, or without them each step's span from its
+        start to its last op's end (basis `OP_SPAN`)."""
+        if self.step_times is not None:
+            return StepTimes(self.step_ids, self.step_times, self.time_unit)
+        return StepTimes(self.step_ids, tuple(step.step_time for step in self.steps), self.time_unit, OP_SPAN)
 
     @property
     def time_unit(self) -> str:
@@ -119,9 +180,9 @@ def timeline_from_dict(data: Any) -> RecordedTimeline:
     """Parse and check a v1 object; every error names the field (e.g. ``ranks[1][4].end``)."""
     if not isinstance(data, dict):
         raise TimelineError("expected a JSON object with schema, time_unit, ranks")
-    unknown = sorted(set(data) - {"schema", "name", "time_unit", "step_starts", "ranks"})
+    unknown = sorted(set(data) - {"schema", "name", "time_unit", "step_starts", "step_times", "ranks"})
     if unknown:
-        raise TimelineError(f"unknown field {unknown[0]!r}; known fields are name, ranks, schema, step_starts, time_unit")
+        raise TimelineError(f"unknown field {unknown[0]!r}; known fields are name, ranks, schema, step_starts, step_times, time_unit")
     if data.get("schema") != SCHEMA:
         raise TimelineError(f"schema: {data.get('schema')!r} is not {SCHEMA!r}")
     unit = data.get("time_unit")
@@ -143,7 +204,20 @@ def timeline_from_dict(data: Any) -> RecordedTimeline:
     name = data.get("name", "")
     if not isinstance(name, str):
         raise TimelineError(f"name: expected a string, got {name!r}")
-    return RecordedTimeline(steps=tuple(steps), starts=tuple(starts), step_ids=tuple(step_ids), name=name)
+    return RecordedTimeline(steps=tuple(steps), starts=tuple(starts), step_ids=tuple(step_ids), name=name,
+                            step_times=_step_times(data.get("step_times"), len(step_ids)))
+
+
+def _step_times(given: Any, num_steps: int) -> tuple[float, ...] | None:
+    if given is None:
+        return None
+    if not isinstance(given, list) or len(given) != num_steps:
+        raise TimelineError(f"step_times: expected a list of {num_steps} numbers, one per step")
+    times = tuple(_number(v, f"step_times[{j}]") for j, v in enumerate(given))
+    negative = next((j for j, t in enumerate(times) if t < 0), None)
+    if negative is not None:
+        raise TimelineError(f"step_times[{negative}]: {times[negative]} is negative")
+    return times
 
 
 def _step_starts(given: Any, entries: list[list[tuple[int, Op, float, float]]], step_ids: list[int]) -> list[float]:

@@ -6,6 +6,12 @@ the op's string form (``1F3``, ``0CA2:encoder.layer.1...``) around an op, ``recv
 their steps (1-based, as the run counts them) make a `RecordedTimeline` (times in ms on the traces' shared clock: every rank of one
 machine writes the same ``baseTimeNanoseconds``), and their median times per stage a `Profile`,
 so the simulator can predict the same steps without the waits. Pure Python: no torch.
+
+A traced step's time is the one `pipefisher run` printed for it: rank 0 reports, and its
+executor writes its step timer's reading after the step (``step N time T ms``,
+`pipefisher.core.trace_labels`). Rank 0's ``step N`` region spans the same interval on the
+profiler's clock, but entering and leaving a region under the profiler costs tens of µs, enough to
+change a last printed digit; traces without the marker have no step times (`step_durations`).
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ from typing import Any
 
 from pipefisher.core.ir import Op, OpKind, ScheduleError
 from pipefisher.core.profile import Profile, StageProfile
+from pipefisher.core.trace_labels import STEP, STEP_TIME
 from pipefisher.viz.timeline_io import SCHEMA, RecordedTimeline, TimelineError, timeline_from_dict
 
-STEP = re.compile(r"step (\d+)$")
 RANK_FILE = re.compile(r"rank(\d+)\.json(\.gz)?$")
 
 
@@ -61,17 +67,34 @@ def labelled_events(path: Path) -> list[dict[str, Any]]:
     return [e for e in load_events(path) if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
 
 
+def step_spans(events: Sequence[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """(begin, end, N) of every ``step N`` region among one trace's `events` (µs), in time order."""
+    return sorted((e["ts"], e["ts"] + e["dur"], int(m.group(1))) for e in events
+                  if e.get("ph") == "X" and e.get("cat") == "user_annotation" and (m := STEP.match(e["name"])))
+
+
+def step_durations(events: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Step N -> its time [ms] by the module's definition, from rank 0's labelled trace `events`;
+    a step without a ``step N time T ms`` marker (a trace written before markers) is left out."""
+    return {int(m.group(1)): float(m.group(2)) for e in events if (m := STEP_TIME.match(e["name"]))}
+
+
 def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
-    """The `pipefisher.timeline/v1` object of the labelled ops in `paths` (one trace per rank)."""
+    """The `pipefisher.timeline/v1` object of the labelled ops in `paths` (one trace per rank, rank
+    0 first); its `step_times` are the first trace's `step_durations` (the module's definition),
+    left out when that trace lacks one of a step with ops."""
     ranks: list[list[dict[str, Any]]] = []
     starts: dict[int, float] = {}
+    durations: dict[int, float] = {}
     for path in paths:
         events = labelled_events(path)
-        steps = [(e["ts"], e["ts"] + e["dur"], int(m.group(1))) for e in events if (m := STEP.match(e["name"]))]
+        steps = step_spans(events)
         if not steps:
             raise TimelineError(f"{path}: no 'step N' region; was it written by `pipefisher run --trace`?")
         for begin, _, step in steps:
             starts[step] = min(starts.get(step, begin), begin)
+        if not ranks:  # the first trace: rank 0's
+            durations = step_durations(events)
         entries = []
         for event in events:
             try:
@@ -85,6 +108,8 @@ def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
         ranks.append(sorted(entries, key=lambda e: e["start"]))
     traced = sorted({entry["step"] for entries in ranks for entry in entries})
     data: dict[str, Any] = {"schema": SCHEMA, "time_unit": "ms", "step_starts": [starts[step] / 1e3 for step in traced], "ranks": ranks}
+    if traced and all(step in durations for step in traced):
+        data["step_times"] = [durations[step] for step in traced]
     if name:
         data["name"] = name
     return data

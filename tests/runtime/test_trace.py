@@ -2,6 +2,7 @@
 and `pipefisher viz --trace` drawing it under the simulator's prediction."""
 
 import json
+import re
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -22,13 +23,19 @@ def pipefisher(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory) -> Path:
+def traced_run(tmp_path_factory) -> tuple[Path, str]:
+    """The trace folder of a 4-step run (steps 3 and 4 traced) and the run's stdout."""
     folder = tmp_path_factory.mktemp("trace")
     done = pipefisher("run", str(TINY), "--steps", "4", "--trace", str(folder), "--master-port", "0")
     assert done.returncode == 0, done.stderr
     # the torch profiler's own log lines (kineto's profiler_start/stop) stay off
     assert all(line.startswith(("pipefisher", "step ")) for line in done.stderr.splitlines()), done.stderr
-    return folder
+    return folder, done.stdout
+
+
+@pytest.fixture(scope="module")
+def traced(traced_run) -> Path:
+    return traced_run[0]
 
 
 def labels_of_step(path: Path, step: int) -> Counter:
@@ -62,6 +69,29 @@ def test_viz_draws_the_trace_under_its_prediction(traced, tmp_path):
     assert "1f1b predicted (trace op times): D=2, N=4" in done.stdout
     assert f"measured ({traced.name}): D=2, 2 steps" in done.stdout
     assert "step    3" in done.stdout
+
+
+@pytest.mark.dist
+def test_viz_gives_the_step_times_the_run_printed(traced_run, tmp_path):
+    """The run's printed step times of steps 3 and 4 are, digit for digit, the figure title's and
+    the summary's; their mean is the mean of what the run printed to within its 0.1 ms."""
+    from pipefisher.viz.trace_io import load_trace
+
+    folder, stdout = traced_run
+    printed = {int(m[1]): float(m[2]) for m in re.finditer(r"^step (\d+)/4 .*step time (\d+\.\d) ms", stdout, re.M)}
+    measured = load_trace(folder).measured
+    assert measured.step_ids == (3, 4) and measured.basis == "", measured
+    assert [measured.number(t) for t in measured.times] == [f"{printed[3]:.1f}", f"{printed[4]:.1f}"], (measured, stdout)
+    assert float(measured.number(measured.mean)) == pytest.approx((printed[3] + printed[4]) / 2, abs=0.1 + 1e-9)
+    listed = f"steps 3, 4: {measured.number(measured.times[0])}, {measured.number(measured.times[1])} ms; mean {measured.number(measured.mean)} ms"
+    assert str(measured) == listed
+    done = pipefisher("viz", str(TINY), "--trace", str(folder), "-o", "-", "--width", "150")
+    assert done.returncode == 0, done.stderr
+    (title,) = [line for line in done.stdout.splitlines() if line.startswith(f"measured ({folder.name}): ")]
+    assert f"; {listed}; bubble " in title
+    assert f"\nmeasured {listed}\n" in done.stdout
+    rank0 = {int(m[1]): m[2] for m in re.finditer(r"^rank 0 step (\d+): (\d+\.\d) ms", done.stdout, re.M)}
+    assert rank0 == {3: measured.number(measured.times[0]), 4: measured.number(measured.times[1])}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,7 +8,7 @@ from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import recorded_panel
-from pipefisher.viz.timeline_io import SCHEMA, TimelineError, load_timeline, save_timeline
+from pipefisher.viz.timeline_io import MAX_LISTED, OP_SPAN, SCHEMA, StepTimes, TimelineError, load_timeline, save_timeline
 
 
 def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
@@ -49,6 +49,9 @@ def test_without_steps_and_starts_a_recording_is_one_step_from_its_first_op(tmp_
         ({"ranks": [[{"op": "0F0", "start": 0}]]}, "ranks[0][0].end: missing"),
         ({"ranks": [[{"op": "0F0", "start": 0, "end": 1, "rank": 0}]]}, "unknown field 'rank'"),
         ({"step_starts": [0, 1]}, "step_starts"),
+        ({"step_times": [1, 2]}, "step_times: expected a list of 1 numbers"),
+        ({"step_times": [-1]}, "step_times[0]: -1.0 is negative"),
+        ({"step_times": ["1"]}, "step_times[0]: '1' is not a finite number"),
         ({"ranks": []}, "ranks"),
     ],
 )
@@ -70,6 +73,24 @@ def test_viz_draws_a_recording(tmp_path, capsys):
     save_timeline([timeline, timeline], path)
     assert main(["viz", "--timeline", str(path), "-o", "-", "--width", "63"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("m.json: D=4, 2 steps; step 27 units (mean); bubble 33.3 %")
+    assert out.startswith(f"m.json: D=4, 2 steps\nsteps 0, 1 ({OP_SPAN}): 27, 27 units; mean 27 units\nbubble 33.3 %")
     rows = [line for line in out.splitlines() if line.startswith("rank ")]
     assert rows[3] == "rank 3 |...0aa1bb2cc3dd4ee5ff.........0aa1bb2cc3dd4ee5ff......|"
+
+
+def test_a_recording_with_step_times_is_titled_with_them(tmp_path):
+    """`step_times` (the run's own step times) replace the ops' span, which leaves out the end of step."""
+    path = tmp_path / "t.json"
+    ranks = [[{"op": "0F0", "start": 0.0, "end": 1.0, "step": 3}, {"op": "0F0", "start": 10.0, "end": 11.0, "step": 4}]]
+    path.write_text(json.dumps({"schema": SCHEMA, "time_unit": "ms", "step_starts": [0.0, 10.0], "step_times": [9.96, 8.0], "ranks": ranks}))
+    record = load_timeline(path)
+    assert record.measured == StepTimes((3, 4), (9.96, 8.0), "ms")
+    panel = recorded_panel(record, "r")
+    assert panel.step_time == pytest.approx(8.98)
+    assert panel.title == "r: D=1, 2 steps; steps 3, 4: 10.0, 8.0 ms; mean 9.0 ms; bubble 0.0 %"
+
+
+def test_step_times_list_a_few_steps_and_sum_up_many():
+    assert str(StepTimes((7,), (2.5,), "us", OP_SPAN)) == f"step 7 ({OP_SPAN}): 2.5 us"
+    many = StepTimes(tuple(range(1, MAX_LISTED + 2)), tuple(float(t) for t in range(MAX_LISTED + 1)), "ms")
+    assert str(many) == f"steps 1..{MAX_LISTED + 1}: mean {MAX_LISTED / 2:.1f} ms (min 0.0 ms, max {MAX_LISTED:.1f} ms)"

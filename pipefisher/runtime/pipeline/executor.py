@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
+from pipefisher.core.trace_labels import step_label, step_time_label
 from pipefisher.planning.comm.actions import Action, ActionKind, Collective, CollectiveKind, GradientPath, Message, SendDone, input_message, output_message
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
@@ -179,13 +180,15 @@ class Executor:
     # -- a step ------------------------------------------------------------------------------
     def run_step(self, step: int, actions: Sequence[Action], update: bool = True) -> StepResult:
         """Perform `actions` as step `step` (0-based); with `update=False` gradients are dropped
-        instead of applied (profiling steps leave the model as it was)."""
-        start = time.perf_counter()
+        instead of applied (profiling steps leave the model as it was). Under a profiler the step is
+        the region ``step N`` and a marker after it carries the result's `seconds`
+        (`pipefisher.core.trace_labels`), so a trace gives the step time `pipefisher run` prints."""
         self.current_step = step
         self._batches = {}
         self.step_end.update, self.step_end.step = update, step
         labelled = torch.autograd._profiler_enabled()  # torch.profiler, or NVTX ranges under emit_nvtx
-        with record_function(f"step {step + 1}") if labelled else UNLABELLED:
+        start = time.perf_counter()
+        with record_function(step_label(step + 1)) if labelled else UNLABELLED:
             for action in actions:
                 try:
                     with record_function(str(action)) if labelled else UNLABELLED:
@@ -200,8 +203,12 @@ class Executor:
                     record = self.step_end.finish()
             except Exception as exc:
                 raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
+        seconds = time.perf_counter() - start
+        if labelled:
+            with record_function(step_time_label(step + 1, 1000 * seconds)):
+                pass
         loss = record.pop("loss")
-        return StepResult(step=step + 1, loss=loss, seconds=time.perf_counter() - start, extra=record)
+        return StepResult(step=step + 1, loss=loss, seconds=seconds, extra=record)
 
     def _perform(self, action: Action) -> None:
         kind, target = action.kind, action.target
