@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import yaml
 
-from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, percentile, profile_from_dict
+from pipefisher.core.percentile import percentile
+from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, profile_from_dict
 
 GOOD = {
     "schema": "pipefisher.profile/v1",

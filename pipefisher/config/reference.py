@@ -26,13 +26,13 @@ Numbers are read as people write them, in a file and on the command line (YAML 1
 forms (`steps: 1e3` is 1000; `2.5` is refused); a true/false key takes only `true` or `false`.
 Counts of steps stop at 10^9 (12 days at 1 ms a step) and counts of processes or micro-batches
 at 2^20: a larger value is a typo, refused with the key. A key written twice, or unknown
-(`kfac.dampng: unknown key; did you mean damping?`), is refused too.
+(`optimizer.lrr: unknown key; did you mean lr?`), is refused too.
 
 A model or data key that the run's `model.kind` or `data.kind` does not read (its meaning names
 the kinds that do) is refused when set to other than its default: `model.hidden: read by
 model.kind transformer or mlp; this run's model.kind is bert (...); drop model.hidden`. A method's
 section is read only when `optimizer.name` names the method: a run file may carry several for
-`--optimizer` to choose from, and a `--kfac.KEY` flag with another optimizer gets a warning.
+`--optimizer` to choose from, and a `--METHOD.KEY` flag with another optimizer gets a warning.
 """
 
 

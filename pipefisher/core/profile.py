@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -43,6 +43,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from pipefisher.core.files import load_structured, write_text_atomically
+from pipefisher.core.percentile import check_percentile, percentile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 
 
@@ -209,7 +210,7 @@ class Profile:
         """This profile with every time field that has samples set to the q-th percentile of its
         samples (`percentile`); fields without samples, and all samples, unchanged. q = 50 gives
         the medians. ValueError unless 0 <= q <= 100."""
-        _check_percentile(q)
+        check_percentile(q)
         stages = tuple(
             replace(_at_percentile(stage, q), layers=tuple(_at_percentile(layer, q) for layer in stage.layers))
             for stage in self.stages
@@ -243,24 +244,6 @@ def uniform_profile(num_stages: int, forward: float = 1.0, backward: float = 2.0
     """Identical stages without K-FAC layers, in abstract time units."""
     stage = StageProfile(forward=forward, backward=backward, p2p=p2p)
     return Profile(stages=(stage,) * num_stages, time_unit="units", device="uniform")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0 <= q <= 100) of non-empty `values`, interpolating linearly between
-    order statistics (numpy.percentile's default method)."""
-    _check_percentile(q)
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
-
-
-def _check_percentile(q: float) -> None:
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile {q!r} is not in [0, 100]")
 
 
 Timed = TypeVar("Timed", LayerProfile, StageProfile)
@@ -406,17 +389,3 @@ def profile_from_dict(data: Any) -> Profile:
 def load_profile(path: str | Path) -> Profile:
     """Read a profile from YAML or JSON (JSON when the suffix is .json)."""
     return load_structured(path, "profile", profile_from_dict, ProfileError, schema=SCHEMA)
-
-
-__all__ = [
-    "SCHEMA",
-    "LayerProfile",
-    "StageProfile",
-    "Profile",
-    "ProfileError",
-    "Samples",
-    "load_profile",
-    "percentile",
-    "profile_from_dict",
-    "uniform_profile",
-]
