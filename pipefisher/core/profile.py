@@ -196,7 +196,7 @@ class Profile:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def require_stages(self, num_stages: int, hint: str = "") -> "Profile":
+    def require_stages(self, num_stages: int, hint: str = "") -> Profile:
         """Return self if it has `num_stages` stages, else raise ProfileError."""
         if self.num_stages != num_stages:
             raise ProfileError(

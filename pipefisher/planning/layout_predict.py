@@ -16,10 +16,9 @@ at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Union
 
 from pipefisher.config import FIRST_ORDER
-from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.ir import ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.activation_memory import PRECISIONS
@@ -33,7 +32,7 @@ from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
 
-TimeSource = Union[ReferenceTimes, MeasuredTimes]
+TimeSource = ReferenceTimes | MeasuredTimes
 #: data-parallel all-reduce bandwidth assumed (GB/s, nccl-tests' busbw), a round figure for
 #: 100 Gb/s InfiniBand between nodes; `--dp-bandwidth-gbps` sets it
 DEFAULT_DP_BANDWIDTH_GBPS = 10.0
