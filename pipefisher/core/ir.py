@@ -276,7 +276,7 @@ def dependencies(op: Op, num_stages: int) -> tuple[Op, ...]:
 
 
 def format_grid(
-    ranks: Sequence[Sequence[Op]],
+    ranks: Sequence[Sequence[object]],  # ops, or any printable cells (the comm plan's actions)
     mark: Iterable[tuple[int, int]] = (),
     max_columns: int = 48,
 ) -> str:
