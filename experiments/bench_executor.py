@@ -248,7 +248,7 @@ class TorchVariant:
             losses: list = []
             self.schedule.step(*inputs, target=torch.cat([batch["targets"] for batch in batches]), losses=losses,
                                return_outputs=False)
-            loss = sum(float(l.detach()) for l in losses) / len(losses)
+            loss = sum(float(item.detach()) for item in losses) / len(losses)
         else:
             self.schedule.step(*inputs, return_outputs=False)
         self.optimizer.step()

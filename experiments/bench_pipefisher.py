@@ -130,7 +130,7 @@ def load_average() -> str:
 class Window:
     """Wall time of a collective region (slowest rank) and the cores other processes used."""
 
-    def __enter__(self) -> "Window":
+    def __enter__(self) -> Window:
         dist.barrier()
         self.machine, self.cpu, self.start = machine_busy_seconds(), time.process_time(), time.perf_counter()
         return self

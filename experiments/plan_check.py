@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
@@ -189,8 +189,9 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lay = row["layout"]
+        packed = f" (packed, k={row['refresh_steps']:d})" if lay["method"] not in FIRST_ORDER else ""
         lines.append(f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
-                     f"{lay['method']}{' (packed, k=%d)' % row['refresh_steps'] if lay['method'] not in FIRST_ORDER else ''} | "
+                     f"{lay['method']}{packed} | "
                      f"{row['processes']} | {row['predicted_ms']:.1f} | {row['measured_ms']:.1f} | "
                      f"{min(row['repeats_ms']):.1f}–{max(row['repeats_ms']):.1f} | {row['error'] * 100:+.1f} |")
     return "\n".join(lines)

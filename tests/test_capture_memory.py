@@ -86,7 +86,7 @@ def test_a_cap_that_cannot_be_met_says_so():
 def test_unknown_capture_sizes_report_zero():
     schedule = get_schedule("1f1b", 2, 4)
     profile = profile_with_captures(2)
-    unknown = replace(profile, stages=tuple(replace(s, layers=tuple(replace(l, capture_a_bytes=0, capture_b_bytes=0) for l in s.layers))
+    unknown = replace(profile, stages=tuple(replace(s, layers=tuple(replace(layer, capture_a_bytes=0, capture_b_bytes=0) for layer in s.layers))
                                             for s in profile.stages))
     assert pack(schedule, unknown).capture_peak_bytes == 0
 

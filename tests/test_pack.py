@@ -264,7 +264,7 @@ def test_packing_sizes_kfac_tasks_at_the_percentile_and_keeps_bubbles_nominal():
     schedule = get_schedule("1f1b", 2, 4)
     base = layered_profile(2, inverse=0.1, stage_growth=0.0)
     slow_tail = tuple(replace(s, samples={"forward": (1.0, 1.0, 1.0, 1.0, 3.0)},
-                              layers=tuple(replace(l, samples={"inverse_a": (0.1, 0.1, 0.1, 0.1, 2.5)}) for l in s.layers))
+                              layers=tuple(replace(layer, samples={"inverse_a": (0.1, 0.1, 0.1, 0.1, 2.5)}) for layer in s.layers))
                       for s in base.stages)
     noisy = replace(base, stages=slow_tail)
     median = pack(schedule, noisy, PackOptions(percentile=50))

@@ -27,7 +27,7 @@ def steps_to(result: RunResult, target: float) -> float:
         if math.isfinite(loss) and loss <= target:
             if previous is None:
                 return float(step)
-            (s0, l0), share = previous, (previous[1] - target) / (previous[1] - loss)
+            (s0, _), share = previous, (previous[1] - target) / (previous[1] - loss)
             return s0 + share * (step - s0)
         previous = (step, loss)
     return math.inf

@@ -103,7 +103,7 @@ class RunConfig:
         pipeline.chunks for interleaved, 2 for zbv and dualpipev, 1 otherwise)."""
         return self.pipeline.stages * chunks_per_rank(self.pipeline.schedule, self.pipeline.chunks)
 
-    def with_overrides(self, **sections: dict[str, Any]) -> "RunConfig":
+    def with_overrides(self, **sections: dict[str, Any]) -> RunConfig:
         """A copy with some keys of some sections replaced (None values are ignored), checked."""
         data = config_to_dict(self)
         for section, values in sections.items():
@@ -253,7 +253,7 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
     for name, section in config.methods:
         section.check(name, config)
-    config.gradient_path  # the reduction and gradient workers combine
+    _ = config.gradient_path  # raises ConfigError unless the reduction and gradient workers combine
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if pipeline.tensor_parallel > 1:

@@ -148,7 +148,10 @@ def write_folder_atomically(folder: str | Path, write: Callable[[Path], None]) -
 
 def write_text_atomically(path: str | Path, text: str) -> None:
     """`text` into `path` through `write_atomically`."""
-    write_atomically(path, lambda temporary: temporary.write_text(text))
+    def write(temporary: Path) -> None:
+        temporary.write_text(text)
+
+    write_atomically(path, write)
 
 
 def experiment_output(name: str) -> Path:

@@ -121,7 +121,7 @@ class Op:
         return text
 
     @classmethod
-    def parse(cls, text: str) -> "Op":
+    def parse(cls, text: str) -> Op:
         """Inverse of `str(op)`."""
         match = _OP_PATTERN.match(text.strip())
         if match is None:
@@ -197,7 +197,7 @@ class Schedule:
             for position, op in enumerate(ops):
                 yield rank, position, op
 
-    def with_ranks(self, ranks: Sequence[Sequence[Op]], name: str | None = None) -> "Schedule":
+    def with_ranks(self, ranks: Sequence[Sequence[Op]], name: str | None = None) -> Schedule:
         """The same pipeline with other op lists (e.g. K-FAC ops inserted)."""
         return Schedule(
             name=name or self.name,
@@ -222,7 +222,7 @@ class Schedule:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Schedule":
+    def from_dict(cls, data: dict) -> Schedule:
         try:
             return cls(
                 name=str(data["name"]),
@@ -242,7 +242,7 @@ class Schedule:
         write_text_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Schedule":
+    def load(cls, path: str | Path) -> Schedule:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
@@ -276,7 +276,7 @@ def dependencies(op: Op, num_stages: int) -> tuple[Op, ...]:
 
 
 def format_grid(
-    ranks: Sequence[Sequence[Op]],
+    ranks: Sequence[Sequence[object]],  # ops, or any printable cells (the comm plan's actions)
     mark: Iterable[tuple[int, int]] = (),
     max_columns: int = 48,
 ) -> str:

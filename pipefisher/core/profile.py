@@ -197,7 +197,7 @@ class Profile:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def require_stages(self, num_stages: int, hint: str = "") -> "Profile":
+    def require_stages(self, num_stages: int, hint: str = "") -> Profile:
         """Return self if it has `num_stages` stages, else raise ProfileError."""
         if self.num_stages != num_stages:
             raise ProfileError(
@@ -250,7 +250,8 @@ Timed = TypeVar("Timed", LayerProfile, StageProfile)
 
 
 def _at_percentile(item: Timed, q: float) -> Timed:
-    return replace(item, **{key: percentile(values, q) for key, values in item.samples.items()})
+    times: dict[str, Any] = {key: percentile(values, q) for key, values in item.samples.items()}
+    return replace(item, **times)
 
 
 def _check_time(value: Any, where: str) -> float:
@@ -308,8 +309,8 @@ def _layer(data: Any, where: str) -> LayerProfile:
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{where}.name: missing; give the layer's module name")
-    times = {key: _time(data, key, where, required=key not in _OPTIONAL_LAYER_TIMES) for key in LayerProfile.TIME_FIELDS}
-    sizes = {key: _bytes(data, key, where) for key in LayerProfile.BYTE_FIELDS}
+    times: dict[str, Any] = {key: _time(data, key, where, required=key not in _OPTIONAL_LAYER_TIMES) for key in LayerProfile.TIME_FIELDS}
+    sizes: dict[str, Any] = {key: _bytes(data, key, where) for key in LayerProfile.BYTE_FIELDS}
     samples = _samples(data.get("samples", {}), LayerProfile.TIME_FIELDS, f"{where}.samples")
     return LayerProfile(name=name, **times, **sizes, samples=samples)
 

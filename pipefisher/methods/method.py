@@ -73,7 +73,7 @@ class TaskRules:
     def shared_factor(self, split: str | None) -> str | None:
         """The part whose statistic a layer split as `split` ("column", "row", None) shares over
         the shards of a rank; None when nothing is shared."""
-        return dict(self.shared_when_split).get(split)
+        return None if split is None else dict(self.shared_when_split).get(split)
 
     def shared_statistics(self, layers: Iterable[tuple[int, str]], plan: TensorParallelPlan) -> frozenset[tuple[int, str, str]]:
         """(stage, layer, part) of the (stage, layer) `layers` whose part the shards of a rank

@@ -207,9 +207,9 @@ def find_layout(model: nn.Module) -> Layout:
                        if not any(parameter.startswith(f"{module}.") for module in held)})
         if left:
             raise ValueError(f"hf_class: {name} has parameters no stage would hold ({', '.join(left)})")
-        for field in layout.unsupported:
-            if getattr(model.config, field, None):
-                raise ValueError(f"hf_config: {name}: config field {field} = {getattr(model.config, field)!r} is not supported by "
+        for key in layout.unsupported:
+            if getattr(model.config, key, None):
+                raise ValueError(f"hf_config: {name}: config field {key} = {getattr(model.config, key)!r} is not supported by "
                                  f"the {blocks} splitter; set it to null/false in the config")
         kinds = set(getattr(model.config, "layer_types", None) or ()) - {"full_attention"}
         if kinds:

@@ -54,7 +54,7 @@ def cycle_peaks(plan: Plan, profile: Profile, stage_bytes: Sequence[int], pendin
         for step, captured in zip(plan.steps, capture_held(plan, profile, rank)):
             activations = activation_held(step[rank], stage_bytes, pending_bytes, transient_bytes, weighted)
             for op, (during, after), captured_after in zip(step[rank], activations, captured):
-                if op.kind in _CURVATURE and (op.stage, op.layer) not in started:
+                if op.kind in _CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
                     started.add((op.stage, op.layer))
                     refresh += refresh_bytes.get((op.stage, op.layer), 0)
                 for candidate in (CyclePeak(rank, during, captured_before, refresh), CyclePeak(rank, after, captured_after, refresh)):

@@ -14,7 +14,6 @@ schedule's peak) and the point-to-point buffers (`pipefisher.planning.peak_memor
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 

@@ -86,7 +86,7 @@ def _json_sizes(path: Path | Any, what: str) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise PlanError(f"{what}: cannot read {path} as a JSON model config ({exc})") from None
-    sizes = {}
+    sizes: dict[str, Any] = {}
     for field, keys in _KEYS.items():
         value = next((data[key] for key in keys if data.get(key) is not None), None)
         if field == "ffn" and value is None and "hidden" in sizes:
@@ -117,10 +117,11 @@ def model_sizes(config: RunConfig) -> ModelSizes:
         dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
         shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
         return ModelSizes("bert", model.preset, shape)
+    where: Path | Any  # a shipped config is a resource (a Traversable), not always a Path
     if model.kind == "bert":
         where, name = Path(model.config_json), Path(model.config_json).stem
     else:
-        shipped = resources.files("pipefisher.models").joinpath("hf_configs", f"{model.hf_config}.json")
+        shipped = resources.files("pipefisher.models").joinpath("hf_configs").joinpath(f"{model.hf_config}.json")
         where = shipped if shipped.is_file() else Path(model.hf_config)
         name = model.hf_config
     found = _json_sizes(where, "model.config_json" if model.kind == "bert" else "model.hf_config")

@@ -16,10 +16,9 @@ at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Union
 
 from pipefisher.config import FIRST_ORDER
-from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.ir import ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.activation_memory import PRECISIONS
@@ -33,7 +32,7 @@ from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
 
-TimeSource = Union[ReferenceTimes, MeasuredTimes]
+TimeSource = ReferenceTimes | MeasuredTimes
 #: data-parallel all-reduce bandwidth assumed (GB/s, nccl-tests' busbw), a round figure for
 #: 100 Gb/s InfiniBand between nodes; `--dp-bandwidth-gbps` sets it
 DEFAULT_DP_BANDWIDTH_GBPS = 10.0
@@ -175,6 +174,8 @@ def pack_options(layout: Layout, context: PlanContext, capture_budget: int | Non
     """The packer's options for the layout: its method section's, its data-parallel copies, its
     refresh interval when pinned (layout.refresh_steps > 0), captures capped at `capture_budget`
     bytes per device (at least 1 MiB) where given and the section sets no cap."""
+    if context.section is None:
+        raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
     options = PackOptions.from_section(context.section, data_parallel=layout.data_parallel, refresh_steps=layout.refresh_steps or None)
     if capture_budget is None or options.max_capture_mb is not None:
         return options

@@ -123,8 +123,8 @@ def search(space: SearchSpace, context: PlanContext, method: str, memory_budget:
         packed.append(predict(replace(quick_prediction.layout, method=method), context, memory_budget))
     ranked = sorted((p for p in packed if p.memory.total <= memory_budget), key=lambda p: (p.step_ms, p.memory.total))
     if not ranked:
-        least = min(packed, key=lambda p: p.memory.total)
+        smallest = min(packed, key=lambda p: p.memory.total)
         raise PlanError(f"--memory-gb {memory_budget / GiB:g}: no packed layout fits with its captures; the smallest needs "
-                        f"{least.memory.total / GiB:.2f} GiB per device ({least.layout.describe()})")
+                        f"{smallest.memory.total / GiB:.2f} GiB per device ({smallest.layout.describe()})")
     return SearchResult(tuple(ranked), tuple(fitting_first), method, len(layouts), over_budget,
                         len(layouts) - over_budget - len(kept), len(packed), len(packed) - len(ranked), time.perf_counter() - started)

@@ -107,7 +107,8 @@ class MeasuredTimes:
 
     @property
     def micro_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({profile.micro_batch_size for _, profile in self.profiles}))
+        # (`check` refuses a profile without one)
+        return tuple(sorted({size for _, profile in self.profiles if (size := profile.micro_batch_size) is not None}))
 
     @property
     def tensor_parallel(self) -> tuple[int, ...]:

@@ -210,7 +210,8 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
             ranks = topology.replica_ranks(index)
             replicas = len(ranks)
             grid = GradWorkers(ranks, workers_per_layer) if workers_per_layer is not None and workers_per_layer < replicas else None
-            mine = [number for number in range(len(stage.parameters)) if owners[index] is None or owners[index][number] == rank]
+            owner = owners[index]
+            mine = [number for number in range(len(stage.parameters)) if owner is None or owner[number] == rank]
             gradient_bytes = stage.numel * widths.gradient
             parameter_bytes = stage.numel * widths.parameter
             if zero:  # reduce-scatter to the owners, then the owners' all-gather of parameters

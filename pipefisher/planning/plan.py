@@ -62,7 +62,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
+    def from_dict(cls, data: dict) -> Plan:
         if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
             raise ScheduleError(f"schema: {data.get('schema') if isinstance(data, dict) else None!r} is not {PLAN_SCHEMA!r}")
         try:
@@ -77,7 +77,7 @@ class Plan:
         write_text_atomically(path, json.dumps(self.to_dict()) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         """The plan in file `path`; ScheduleError naming the file for anything that is not one."""
         return load_structured(path, "plan", cls.from_dict, ScheduleError, schema=PLAN_SCHEMA)
 

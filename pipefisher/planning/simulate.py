@@ -11,11 +11,12 @@ early wait for the last one; that wait is not modelled). Times are in the profil
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
 from operator import add, attrgetter
+from typing import Any
 
 from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind, Schedule, splits_backward
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError
@@ -38,9 +39,10 @@ class Interval:
     def many(cls, ops: Iterable[Op], starts: Iterable[float], ends: Iterable[float]) -> list[Interval]:
         """`[Interval(op, start, end) for op, start, end in zip(ops, starts, ends)]`, built field by
         field in bulk: one constructor call per op would dominate simulating a large schedule."""
-        fields = [list(ops), list(starts), list(ends)]
-        intervals = list(map(object.__new__, repeat(cls, min(map(len, fields)))))
-        for slot, values in zip((cls.op, cls.start, cls.end), fields):
+        fields: list[list[Any]] = [list(ops), list(starts), list(ends)]
+        intervals: list[Interval] = list(map(object.__new__, repeat(cls, min(map(len, fields)))))
+        slots = [getattr(cls, name) for name in ("op", "start", "end")]  # the __slots__ descriptors
+        for slot, values in zip(slots, fields):
             for _ in map(slot.__set__, intervals, values):
                 pass
         return intervals
@@ -155,9 +157,11 @@ class OpDurations:
 
     def layer(self, op: Op) -> LayerProfile:
         try:
-            return self._layers[op.stage][op.layer]
+            if op.layer is not None:
+                return self._layers[op.stage][op.layer]
         except (KeyError, IndexError):
-            raise ProfileError(f"op {op}: stage {op.stage} of the profile has no layer {op.layer!r}") from None
+            pass
+        raise ProfileError(f"op {op}: stage {op.stage} of the profile has no layer {op.layer!r}")
 
     def work(self, op: Op) -> float:
         """How long `op` keeps its rank busy (collectives: the transfer, not the rank)."""
@@ -255,14 +259,18 @@ def _intervals(graph: OpGraph, numbers: list[int], starts: list[float], busy: li
     return tuple(Interval.many(map(graph.ops.__getitem__, numbers), starts, ends))
 
 
-class _Memo(dict):
+#: (producer cost class, consumer cost class, cross-rank)
+_DelayKey = tuple[int, int, bool]
+
+
+class _Memo(dict[_DelayKey, float]):
     """key -> compute(key), each key computed once."""
 
-    def __init__(self, compute: Callable[[Hashable], float]) -> None:
+    def __init__(self, compute: Callable[[_DelayKey], float]) -> None:
         super().__init__()
         self.compute = compute
 
-    def __missing__(self, key: Hashable) -> float:
+    def __missing__(self, key: _DelayKey) -> float:
         value = self[key] = self.compute(key)
         return value
 
@@ -276,7 +284,7 @@ class _Costs:
     """
 
     def __init__(self, ops: Sequence[Op], durations: OpDurations) -> None:
-        classes = Numbering()
+        classes: Numbering[tuple] = Numbering()
         self.cost_class = list(map(classes.__getitem__, map(_TIMING_FIELDS, ops)))
         example = dict(zip(self.cost_class, ops))
         examples = [example[number] for number in range(len(classes))]

@@ -57,7 +57,7 @@ class TaskGraph:
         self._compute: dict[tuple, Op] = {}
         for _, _, op in schedule.ops():
             self._compute[(op.kind, op.stage, op.micro_batch, op.pipe)] = op
-            if op.kind is OpKind.FORWARD and op.stage == 0:
+            if op.kind is OpKind.FORWARD and op.stage == 0 and op.micro_batch is not None:  # a forward has one
                 self.micro_batches[op.pipe].append(op.micro_batch)
         self._curvature: dict[tuple, list[Op]] = defaultdict(list)
         self._syncs: dict[tuple, list[Op]] = defaultdict(list)
@@ -69,7 +69,9 @@ class TaskGraph:
                 self._syncs[(op.kind, op.stage, op.layer)].append(op)
             elif op.kind in (OpKind.INV_A, OpKind.INV_B):
                 self._inverses[(op.pipe, op.stage, op.layer)].append(op)
-        position = {pipe: {mb: i for i, mb in enumerate(order)} for pipe, order in self.micro_batches.items()}
+        position: dict[int, dict[int | None, int]] = {
+            pipe: {mb: i for i, mb in enumerate(order)} for pipe, order in self.micro_batches.items()
+        }
         self._previous: dict[Op, Op] = {}
         for (_, pipe, _, _), curvature in self._curvature.items():
             in_order = sorted(set(curvature), key=lambda op: position[pipe][op.micro_batch])
@@ -110,8 +112,8 @@ class TaskGraph:
         if kind.is_compute:
             return dependencies(op, self.schedule.num_stages)
         if kind in (OpKind.CURV_A, OpKind.CURV_B):
-            previous = self._previous_curvature(op)
-            return ((self.first_step_input(op),) if first_step else ()) + previous
+            first = self.first_step_input(op) if first_step else None
+            return ((first,) if first is not None else ()) + self._previous_curvature(op)
         if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
             return self._input(op, FACTOR_OF[kind], first_step)
         if kind in (OpKind.INV_A, OpKind.INV_B):
@@ -122,8 +124,8 @@ class TaskGraph:
             return self._input(op, FACTOR_OF[kind], first_step)
         if kind is OpKind.EXCHANGE:
             # its replica folds the synced factors it did not invert into its running average
-            syncs = (sync for factor in self.rules.factors for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
-            return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(syncs)
+            folded = (sync for factor in self.rules.factors for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
+            return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(folded)
         if kind is OpKind.PRECONDITION:
             return self.gradient_ops(op)
         raise ValueError(f"no dependency rule for {op}")
@@ -168,7 +170,7 @@ class CurvatureTasks:
     @cached_property
     def cycle_work(self) -> tuple[tuple[float, ...], ...]:
         """`cycle_work[rank][i]`: how long `cycle[rank][i]` keeps its rank busy (0 for collectives)."""
-        same: dict[tuple, float] = {}  # curvature of one layer takes as long for every micro-batch
+        same: dict[tuple | Op, float] = {}  # curvature of one layer takes as long for every micro-batch
         keys = [[(op.kind, op.stage, op.layer) if op.micro_batch is not None else op for op in ops] for ops in self.cycle]
         for ops, rank_keys in zip(self.cycle, keys):
             for op, key in zip(ops, rank_keys):

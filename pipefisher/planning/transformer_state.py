@@ -114,7 +114,7 @@ def transformer_stage_states(sizes: TransformerSizes, num_stages: int, layer_mod
         tensors = _stage_tensors(sizes, stage, num_stages, tensor_parallel, index)
         curvature = [t for t in tensors if layer_model is not None and t.linear is not None
                      and not any(fnmatch.fnmatchcase(t.module, pattern) for pattern in first_order)]
-        layers = [layer_model(t.module, *t.linear) for t in curvature if len(t.shape) == 2] if layer_model else []
+        layers = [layer_model(t.module, *t.linear) for t in curvature if len(t.shape) == 2 and t.linear is not None] if layer_model else []
         chosen = {id(t) for t in curvature if len(t.shape) == 2 or preconditions_bias}
         numels = tuple(_numel(t.shape) for t in tensors)
         states.append(StageState(numels, tuple(layers), tuple(t.shape for t in tensors), tuple(id(t) in chosen for t in tensors)))

@@ -11,6 +11,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Generic, TypeVar
 from operator import attrgetter
 from weakref import finalize
 
@@ -79,23 +80,26 @@ class OpGraph:
         return tuple(self.ops[dep] for dep in self.deps[number])
 
 
-class Numbering(dict):
+Key = TypeVar("Key", bound=Hashable)
+
+
+class Numbering(dict[Key, int], Generic[Key]):
     """Key -> number. Looking up a key that has none gives it the next free number (counting on
     from `next_free`) and lists the key in `added`."""
 
-    def __init__(self, items: Iterable[tuple[Hashable, int]] = (), next_free: int = 0) -> None:
+    def __init__(self, items: Iterable[tuple[Key, int]] = (), next_free: int = 0) -> None:
         super().__init__(items)
         self.next_free = next_free
-        self.added: list[Hashable] = []
+        self.added: list[Key] = []
 
-    def __missing__(self, key: Hashable) -> int:
+    def __missing__(self, key: Key) -> int:
         number = self[key] = self.next_free
         self.next_free += 1
         self.added.append(key)
         return number
 
 
-def _number(keys_per_rank: Sequence[Sequence[Hashable]]) -> tuple[Numbering, list[list[int]]]:
+def _number(keys_per_rank: Sequence[Sequence[Key]]) -> tuple[Numbering[Key], list[list[int]]]:
     """Number each key by its first place in the lists, rank by rank (a repeated key keeps that
     number); return the numbering and each rank's numbers."""
     flat = list(chain.from_iterable(keys_per_rank))
@@ -117,7 +121,7 @@ def op_graph(ranks: Sequence[Sequence[Op]], deps: DependencyFn) -> OpGraph:
 def _stage_graph(ranks: Sequence[Sequence[Op]], num_stages: int) -> OpGraph:
     """`op_graph` for `StageDependencies`: ops are keyed by their fields, and the dependency rule
     (`ir.stage_dependencies`) is evaluated once per (kind, stage)."""
-    fields = [list(map(_FIELDS, ops)) for ops in ranks]
+    fields: list[list[tuple]] = [list(map(_FIELDS, ops)) for ops in ranks]
     numbers, numbered = _number(fields)
     rules: dict[tuple[OpKind, int], tuple[tuple[OpKind, int], ...]] = {}
     dep_numbers = []

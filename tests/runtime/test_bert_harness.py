@@ -123,9 +123,9 @@ def test_the_demo_learns_on_the_embedded_corpus():
     result = run_tiny("--steps", "40", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    first, last = sum(l["mlm"] for l in lines[:5]) / 5, sum(l["mlm"] for l in lines[-5:]) / 5
+    first, last = sum(line["mlm"] for line in lines[:5]) / 5, sum(line["mlm"] for line in lines[-5:]) / 5
     assert last < first - 0.8, f"MLM loss fell only from {first:.3f} to {last:.3f}"
-    assert all(l["tokens_per_s"] > 0 and "lr" in l for l in lines)
+    assert all(line["tokens_per_s"] > 0 and "lr" in line for line in lines)
 
 
 @pytest.mark.slow

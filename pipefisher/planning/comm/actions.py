@@ -121,9 +121,30 @@ class Action:
     name the communicator (`group`) and the other end's global rank (`peer`)."""
 
     kind: ActionKind
-    target: Op | Message | Collective | tuple
+    target: Op | Message | Collective | SendDone
     group: GroupKey | None = None
     peer: int | None = None
+
+    @property
+    def op(self) -> Op:
+        """The target of a RUN."""
+        if not isinstance(self.target, Op):
+            raise TypeError(f"{self.kind.value} action on {self.target}: not an op")
+        return self.target
+
+    @property
+    def message(self) -> Message:
+        """The target of a POST, a SEND or a receive's WAIT."""
+        if not isinstance(self.target, Message):
+            raise TypeError(f"{self.kind.value} action on {self.target}: not a message")
+        return self.target
+
+    @property
+    def collective(self) -> Collective:
+        """The target of a LAUNCH or a collective's WAIT."""
+        if not isinstance(self.target, Collective):
+            raise TypeError(f"{self.kind.value} action on {self.target}: not a collective")
+        return self.target
 
     def __str__(self) -> str:
         if self.kind is ActionKind.RUN:
@@ -199,15 +220,16 @@ class CommPlan:
             for other, actions in enumerate(earlier):
                 for action in actions:
                     if action.kind is ActionKind.LAUNCH:
-                        launched_by[action.target].add(other)
+                        launched_by[action.collective].add(other)
         open_: dict[Collective, None] = {}  # launched, not yet waited for: in launch order
         for earlier in self.steps[:step]:
             for action in earlier[rank]:
                 if action.kind is ActionKind.LAUNCH:
-                    open_[action.target] = None
-                elif action.kind is ActionKind.WAIT:
+                    open_[action.collective] = None
+                elif action.kind is ActionKind.WAIT and isinstance(action.target, Collective):
                     open_.pop(action.target, None)
-        complete, incomplete = [], []
+        complete: list[Collective] = []
+        incomplete: list[Collective] = []
         for collective in open_:
             everyone = launched_by[collective] >= set(self.members[collective.group])
             (complete if everyone else incomplete).append(collective)

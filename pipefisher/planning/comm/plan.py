@@ -61,7 +61,7 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
     synced = {(op.stage, op.layer, FACTOR_OF[op.kind]) for op in plan.curvature_ops() if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)}
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
-    steps = []
+    steps: list[tuple[tuple[Action, ...], ...]] = []
     #: per rank, the syncs it has waited for in the cycle so far (a sync feeds several ops)
     waited: list[set[Collective]] = [set() for _ in range(topology.world_size)]
     for index, step in enumerate(plan.steps):
@@ -73,8 +73,8 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
             actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
             actions += _end_of_step(topology, rank, actions, tied_ranks, path)
             if last_step:
-                exchanges = [a.target for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.EXCHANGE]
-                exchanges += [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.EXCHANGE]
+                exchanges = [a.collective for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.EXCHANGE]
+                exchanges += [a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.EXCHANGE]
                 actions += [Action(ActionKind.WAIT, c) for c in exchanges]
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
@@ -100,7 +100,7 @@ def inverse_owners(plan: Plan) -> dict[tuple[int, str, str], int]:
     """(stage, layer, factor) -> the pipe whose rank computes that inverse."""
     owners: dict[tuple[int, str, str], int] = {}
     for op in plan.curvature_ops():
-        if op.kind in (OpKind.INV_A, OpKind.INV_B):
+        if op.kind in (OpKind.INV_A, OpKind.INV_B) and op.layer is not None:  # (an inversion names its layer)
             owners.setdefault((op.stage, op.layer, FACTOR_OF[op.kind]), op.pipe)
     return owners
 
@@ -124,20 +124,21 @@ def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, 
         return Action(ActionKind.POST, message, message.channel(replica), rank_of(message.producer))
 
     inputs = [input_message(op, num_stages) for op in ops]
-    receiving = [i for i, message in enumerate(inputs) if message is not None and rank_of(message.producer) != rank]
+    received = {i: message for i, message in enumerate(inputs) if message is not None and rank_of(message.producer) != rank}
+    receiving = list(received)
     next_receive = dict(zip(receiving, receiving[1:]))
     receives_here = set(receiving)
     gradient_final = _gradient_final_positions(ops)
     if receiving:
-        yield post(inputs[receiving[0]])
+        yield post(received[receiving[0]])
     for position, op in enumerate(ops):
         if position in receives_here:
-            yield Action(ActionKind.WAIT, inputs[position])
+            yield Action(ActionKind.WAIT, received[position])
             if position in next_receive:
-                yield post(inputs[next_receive[position]])
+                yield post(received[next_receive[position]])
         for action in _curvature_waits(op, owners, synced, rules):
-            if action.target not in waited:
-                waited.add(action.target)
+            if action.collective not in waited:
+                waited.add(action.collective)
                 yield action
         yield run(op)
         yield from _curvature_launches(op, rules)
@@ -164,32 +165,37 @@ def _curvature_waits(op: Op, owners: dict, synced: set, rules: TaskRules) -> Ite
     inputs of the factors its replica did not compute (it folds them into its running state).
     The caller drops waits for a sync the rank already waited for (Shampoo's one gradient sync
     feeds both factors)."""
+    layer = op.layer
+    if layer is None:  # not curvature work
+        return
     if op.kind in (OpKind.INV_A, OpKind.INV_B):
-        key = (op.stage, op.layer, rules.sync_for(FACTOR_OF[op.kind]))
-        if key in synced:
-            yield Action(ActionKind.WAIT, sync_collective(*key))
+        source = rules.sync_for(FACTOR_OF[op.kind])
+        if source is not None and (op.stage, layer, source) in synced:
+            yield Action(ActionKind.WAIT, sync_collective(op.stage, layer, source))
     elif op.kind is OpKind.EXCHANGE:
-        inputs = dict.fromkeys(rules.sync_for(factor) for factor in rules.factors if owners.get((op.stage, op.layer, factor)) != op.pipe)
+        inputs = dict.fromkeys(rules.sync_for(factor) for factor in rules.factors if owners.get((op.stage, layer, factor)) != op.pipe)
         for source in inputs:
-            key = (op.stage, op.layer, source)
-            if key in synced:
-                yield Action(ActionKind.WAIT, sync_collective(*key))
+            if source is not None and (op.stage, layer, source) in synced:
+                yield Action(ActionKind.WAIT, sync_collective(op.stage, layer, source))
 
 
 def _curvature_launches(op: Op, rules: TaskRules) -> Iterator[Action]:
+    layer = op.layer
+    if layer is None:  # not curvature work
+        return
     if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B):
-        yield Action(ActionKind.LAUNCH, sync_collective(op.stage, op.layer, FACTOR_OF[op.kind]))
+        yield Action(ActionKind.LAUNCH, sync_collective(op.stage, layer, FACTOR_OF[op.kind]))
     elif op.kind is OpKind.EXCHANGE:
         for factor in rules.factors:
-            yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, op.layer, factor))
+            yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, layer, factor))
 
 
 def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], path: GradientPath) -> list[Action]:
     """Sends drained, gradient reductions done (PowerSGD: each followed by its Q all-reduce), tied
     weights summed, then the world reduction (the optimizer step runs when it completes); with
     ZeRO-1 the owners' parameter broadcasts last."""
-    tail = [Action(ActionKind.WAIT, SendDone(a.target)) for a in actions if a.kind is ActionKind.SEND]
-    reduced = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.GRAD]
+    tail = [Action(ActionKind.WAIT, SendDone(a.message)) for a in actions if a.kind is ActionKind.SEND]
+    reduced = [a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD]
     if path.compressed:
         for collective in reduced:
             tail += [Action(ActionKind.WAIT, collective), Action(ActionKind.LAUNCH, grad_q_collective(collective.key[0]))]

@@ -67,6 +67,7 @@ def _process_action(action: Action, shard: int, topology: Topology) -> Action:
         target = Collective(target.kind, shard_key(target.group, shard, topology), target.key)
     if action.group is None:
         return Action(action.kind, target)
+    assert action.peer is not None, action  # POST and SEND name a peer with their communicator
     return Action(action.kind, target, shard_key(action.group, shard, topology), topology.process(action.peer, shard))
 
 
@@ -84,8 +85,8 @@ def process_programs(plan: CommPlan) -> tuple[list[tuple[Action, ...]], dict[Gro
             for action in step[rank]:
                 program.append(_process_action(action, shard, topology))
                 if topology.tensor_parallel > 1 and action.kind is ActionKind.RUN and (
-                        action.target.kind in TENSOR_KINDS or action.target in plan.tensor_ops):
-                    collective = tensor_collective(rank, action.target)
+                        action.op.kind in TENSOR_KINDS or action.op in plan.tensor_ops):
+                    collective = tensor_collective(rank, action.op)
                     program += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
         programs.append(tuple(program))
     return programs, process_members(topology, plan.members)

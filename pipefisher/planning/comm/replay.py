@@ -27,7 +27,7 @@ Joint = tuple
 def _handle(action: Action) -> Hashable:
     """What a WAIT names: the message of a receive, the `SendDone` of a send, or a collective."""
     if action.kind is ActionKind.SEND:
-        return SendDone(action.target)
+        return SendDone(action.message)
     return action.target
 
 
@@ -50,13 +50,15 @@ class _Replay:
         return self.members[joint[1]]
 
     def _issue(self, rank: int, position: int, action: Action) -> None:
+        key: tuple
         if action.kind is ActionKind.LAUNCH:
-            group = action.target.group
+            group = action.collective.group
             if rank not in self.members.get(group, ()):
                 raise self._error(f"rank {rank} launches {action.target} on {group}, a group it is not in", [(rank, position)])
             key = ("coll", group, rank)
             joint: Joint = ("coll", group, self.counts[key])
         else:
+            assert action.group is not None, action  # POST and SEND name their communicator
             group = action.group
             src, dst = (rank, action.peer) if action.kind is ActionKind.SEND else (action.peer, rank)
             key = (action.kind, group, src, dst)

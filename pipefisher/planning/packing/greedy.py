@@ -114,7 +114,7 @@ def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) ->
                     windows[index] = (start + work, end)
                     break
         items = [((iv.start, 0), iv.op) for iv in first_order.ranks[rank]]
-        items += [((math.inf if reserved[op] is None else reserved[op], 1), op) for op in preconditions]
+        items += [((math.inf if (at := reserved[op]) is None else at, 1), op) for op in preconditions]
         ranks.append([op for _, op in sorted(items, key=lambda item: item[0])])
     preconditioned = simulate_ops(ranks, tasks.graph.dependencies, tasks.durations, f"{tasks.schedule.name} with preconditioning")
     free = tuple(
@@ -159,7 +159,7 @@ class _Greedy:
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
         self.ops: list[list[Op]] = []
         unit_of: dict[Op, int] = {}
-        chains: dict[tuple, int] = {}
+        chains: dict[tuple | Op, int] = {}
         #: per unit, per task: its work and its cycle index (the tie-break)
         self.work: list[list[float]] = []
         self.index: list[list[int]] = []
@@ -191,8 +191,10 @@ class _Greedy:
             if self.curvature[unit]:
                 continue  # a chain waits for its first-step inputs (op_release) and itself only
             for op in ops:
-                parents = {unit_of.get(dep): dep for dep in tasks.graph.dependencies(op) + extra.get(op, ())}
-                parents.pop(None, None)
+                parents: dict[int, Op] = {}
+                for dep in tasks.graph.dependencies(op) + extra.get(op, ()):
+                    if (parent := unit_of.get(dep)) is not None:
+                        parents[parent] = dep
                 parents.pop(unit, None)
                 for parent, dep in parents.items():  # (a chain's tasks all pass on the same delay)
                     delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
@@ -265,6 +267,7 @@ class _Greedy:
     def _place_weight(self, rank: int, step: int, local_start: float, cursor: float) -> float:
         """Place `rank`'s next W of `step` at `cursor` in the window at `local_start`; its end."""
         movable, head = self.movable, self.weight_head[rank]
+        assert movable is not None, "W ops are placed only when they move"
         end = cursor + movable.work[rank][head]
         slot = _new(Slot, (step, local_start, 1, self.sequence, 0))
         self.weights_placed[step][movable.ops[rank][head]] = _new(Placement, (slot, cursor, end))
@@ -289,7 +292,7 @@ class _Greedy:
                 continue
             if chosen is None:
                 waiting = weight is not None and weight[0] > cursor + TOLERANCE  # (else it fits a later window)
-                upcoming = min(pending[0][0] if pending else math.inf, weight[0] if waiting else math.inf)
+                upcoming = min(pending[0][0] if pending else math.inf, weight[0] if weight is not None and waiting else math.inf)
                 if upcoming < end:
                     cursor = upcoming
                     continue

@@ -301,7 +301,7 @@ def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, sp
 
 def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
     schedule, profile = tasks.schedule, tasks.profile
-    layer_index = {(stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)}
+    layer_index: dict[tuple[int, str | None], int] = {(stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)}
 
     def collectives(ops: tuple[Op, ...], kinds: set[OpKind]) -> list[Op]:
         return sorted((op for op in ops if op.kind in kinds), key=lambda op: (op.stage, layer_index[(op.stage, op.layer)], op.kind.value))

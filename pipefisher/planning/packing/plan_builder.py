@@ -110,8 +110,8 @@ class PlanBuilder:
 
     def _free(self, rank: int, step: int, weights: dict[int, dict[Op, Placement]]) -> tuple[tuple[float, float], ...]:
         """The windows of `rank` in `step`: with the W ops' time where they move in that step."""
-        moving = step in weights and self.windows.weights is not None
-        return (self.windows.weights if moving else self.windows).free[rank]
+        moving = self.windows.weights if step in weights else None
+        return (moving if moving is not None else self.windows).free[rank]
 
     # -- leftovers ------------------------------------------------------------------------------
     def _append(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int) -> None:
