@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pipefisher.core.settings import ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
-from pipefisher.methods.settings import RefreshConfig
+from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class SoapConfig(RefreshConfig):
     refresh of the eigenbases goes into the bubbles. The published hyper-parameters are the
     defaults; weight decay is optimizer.weight_decay (published: 0.01); the published refresh
     interval (precondition frequency) is 10 where one is fixed (refresh_steps; 0 lets the packer
-    choose). Placement keys as `RefreshConfig`."""
+    choose). Placement keys as `RefreshConfig`. `pipefisher.methods.soap.SoapEngine` takes it (with its
+    own working dtype)."""
 
     lr: float = setting(3e-3, "learning rate of SOAP's step (0 = optimizer.lr)", low=0)
     beta1: float = setting(0.95, "decay of Adam's first moment", low=0, high=1, high_open=True)
@@ -25,8 +26,13 @@ class SoapConfig(RefreshConfig):
     statistics_beta: float = setting(0.0, "decay of the statistics L, R", low=0, high=1, high_open=True, note="0 = beta2")
     epsilon: float = setting(1e-8, "added to the square root of the second moment", low=0, low_open=True)
     block_size: int = setting(1024, "longer dimensions are cut into blocks of this size", low=0, low_open=True)
-    statistics_dtype: Literal["float64", "float32"] = setting(
+    statistics_dtype: StatisticsDtype = setting(
         "float64", "dtype of the statistics (float64 resolves their null space, which decides the eigenbasis there)")
+
+    @property
+    def statistics_decay(self) -> float:
+        """The decay of the statistics in use: `statistics_beta`, or `beta2` when it is 0."""
+        return self.statistics_beta or self.beta2
 
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:
