@@ -18,3 +18,7 @@ PRECISIONS: tuple[Precision, ...] = typing.get_args(Precision)
 #: the torch.distributed backends a run may ask for (run.backend; auto picks nccl or gloo)
 Backend = Literal["auto", "gloo", "nccl"]
 BACKENDS: tuple[Backend, ...] = typing.get_args(Backend)
+
+#: the modes of model.recompute: what the backward recomputes of the forward
+Recompute = Literal["none", "selective", "blocks"]
+RECOMPUTE_MODES: tuple[Recompute, ...] = typing.get_args(Recompute)

@@ -18,9 +18,10 @@ INVERSE_METHODS: tuple[InverseMethod, ...] = typing.get_args(InverseMethod)
 
 @dataclass(frozen=True)
 class KfacConfig(RefreshConfig):
-    """K-FAC settings (used with optimizer.name kfac): the run-file section and what
-    `pipefisher.methods.kfac.KFACEngine` takes (with the engine's own grad_scale, kl_clip and
-    max_factor_dim)."""
+    """K-FAC settings (used with optimizer.name kfac)."""
+
+    # the one settings class of K-FAC: the run file's section, and what `KFACEngine` takes (with
+    # the engine's own grad_scale, kl_clip and max_factor_dim); its docstring is the page's text
 
     damping: float = setting(1e-3, "added to each factor before its inverse", low=0, low_open=True)
     factor_decay: float = setting(0.95, "EMA decay of the factors", low=0, high=1, high_open=True)

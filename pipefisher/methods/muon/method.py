@@ -32,9 +32,10 @@ class MuonConfig(RefreshConfig):
     orthogonalised by Newton–Schulz every step for the weights of linear layers but the model's
     first-order ones and tied copies; the other parameters take the first-order rule. Of the
     placement keys, refresh_steps only sets how many steps a plan's cycle has, max_overhead,
-    max_refresh_steps and max_capture_mb have nothing to act on, and split cannot be turned off.
-    `pipefisher.methods.muon.MuonEngine` and the maths of `pipefisher.methods.muon.newton_schulz`
-    take it as it is."""
+    max_refresh_steps and max_capture_mb have nothing to act on, and split cannot be turned off."""
+
+    # the one settings class of Muon: the run file's section, and what `MuonEngine` and the maths
+    # of `newton_schulz` take as it is
 
     refresh_steps: int = setting(10, "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
                                      "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1",

@@ -22,8 +22,10 @@ GRAFTINGS: tuple[Grafting, ...] = typing.get_args(Grafting)
 class ShampooConfig(RefreshConfig):
     """Shampoo settings (used with optimizer.name shampoo; `pipefisher.methods.shampoo`): the
     statistics come from the gradient of every refresh cycle's first step. Placement keys as
-    `RefreshConfig`. `pipefisher.methods.shampoo.ShampooEngine` takes it, with the values of the
-    rest of the run passed on their own (Adam grafting's decay and epsilon, the working dtype)."""
+    `RefreshConfig`."""
+
+    # the one settings class of Shampoo: the run file's section, and what `ShampooEngine` takes
+    # (with the values of the rest of the run on their own: Adam grafting's decay and epsilon, dtype)
 
     beta2: float = setting(1.0, "decay of the statistics", low=0, high=1, low_open=True, note="1 = a plain sum")
     epsilon: float = setting(1e-12, "added before the inverse 4th root", low=0, low_open=True)

@@ -17,8 +17,10 @@ class SoapConfig(RefreshConfig):
     refresh of the eigenbases goes into the bubbles. The published hyper-parameters are the
     defaults; weight decay is optimizer.weight_decay (published: 0.01); the published refresh
     interval (precondition frequency) is 10 where one is fixed (refresh_steps; 0 lets the packer
-    choose). Placement keys as `RefreshConfig`. `pipefisher.methods.soap.SoapEngine` takes it (with its
-    own working dtype)."""
+    choose). Placement keys as `RefreshConfig`."""
+
+    # the one settings class of SOAP: the run file's section, and what `SoapEngine` takes (with its
+    # own working dtype)
 
     lr: float = setting(3e-3, "learning rate of SOAP's step (0 = optimizer.lr)", low=0)
     beta1: float = setting(0.95, "decay of Adam's first moment", low=0, high=1, high_open=True)
