@@ -70,7 +70,6 @@ def step_end(args: argparse.Namespace) -> None:
 
     from pipefisher.config import load_config
     from pipefisher.methods.soap.engine import SoapEngine
-    from pipefisher.methods.soap.ops import soap_settings
     from pipefisher.runtime.training.assembly import staged_model
 
     torch.set_num_threads(1)
@@ -82,7 +81,7 @@ def step_end(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|")
     for index in range(config.pipeline.stages):
         module = model.build_stage(index, config.pipeline.stages, config.run.seed)
-        engine = SoapEngine(module, soap_settings(config), skip)
+        engine = SoapEngine(module, config.soap, skip)
         for p in engine.parameters():
             p.grad = torch.randn_like(p)
         engine.precondition_all()  # statistics and first bases

@@ -10,7 +10,7 @@ import torch
 
 from builders import tiny_model
 from pipefisher.config import config_from_dict
-from pipefisher.methods.kfac import KFACConfig, KFACEngine
+from pipefisher.methods.kfac import KfacConfig, KFACEngine
 from pipefisher.methods.kfac.layer import preconditioned_parameters, select_layers
 from pipefisher.methods.kfac.memory import KfacLayer
 from pipefisher.planning.memory import (
@@ -127,7 +127,7 @@ def test_kfac_state_per_rank_is_what_the_engines_hold_after_each_committed_refre
     num_stages = topology.schedule.num_stages
     for rank in range(topology.world_size):
         modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
-        engines = {key: KFACEngine(module, KFACConfig(), model.first_order_linears()) for key, module in modules.items()}
+        engines = {key: KFACEngine(module, KfacConfig(), model.first_order_linears()) for key, module in modules.items()}
         assert all(engine.layers() for engine in engines.values())
         for cycle in range(2):  # the first refresh creates the state, the second replaces it
             for (pipe, stage), engine in engines.items():

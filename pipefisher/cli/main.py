@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
+from pipefisher.core.names import BACKENDS, PRECISIONS
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments,
                                  add_tensor_parallel_argument, build_pipeline, check_output, positive_int, say)
@@ -31,7 +32,6 @@ from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.runtime.training.checkpoint_lock import FolderInUse, hold_checkpoint_folder
 from pipefisher.schedules import SCHEDULES
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 def _simulate_summary(schedule, timeline: Timeline) -> dict:
     devices = []
@@ -289,7 +289,7 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="processes each block is split over (pipeline.tensor_parallel)")
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
+    parser.add_argument("--backend", choices=BACKENDS, help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--optimizer", choices=optimizer_names(),
                         help=f"override optimizer.name: the tasks of its curvature method are timed (of {DEFAULT_METHOD} for a first-order optimizer)")
@@ -320,7 +320,7 @@ def _add_run(subparsers) -> None:
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
     parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="override run.backend")
+    parser.add_argument("--backend", choices=BACKENDS, help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pipefisher.config.applies import check_applies
 from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
+from pipefisher.core.names import FIRST_ORDER
 from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
                                          RunSettings)
 from pipefisher.core.settings import ConfigError, check_ranges, closest
@@ -109,9 +110,6 @@ class RunConfig:
         for section, values in sections.items():
             data[section].update({k: v for k, v in values.items() if v is not None})
         return config_from_dict(data)
-
-
-FIRST_ORDER = ("sgd", "adamw", "lamb")
 
 
 def default_method_sections() -> tuple[tuple[str, RefreshConfig], ...]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipefisher.core.names import Backend, Precision, Recompute
 from pipefisher.core.settings import COUNT_CEILING, STEP_CEILING, setting
 from pipefisher.schedules import SCHEDULES
 
@@ -35,7 +36,7 @@ class ModelConfig:
     seq_len: int = setting(8, "tokens per sequence (every kind)", low=0, low_open=True)
     input_dim: int = setting(16, "transformer/mlp: features per input token", low=0, low_open=True)
     output_dim: int = setting(4, "transformer/mlp: regression targets per token", low=0, low_open=True)
-    recompute: Literal["none", "selective", "blocks"] = setting(
+    recompute: Recompute = setting(
         "none", "activation recomputation: blocks keeps each block's input and recomputes its inside in the backward; "
                 "selective only the attention core (scores, softmax, dropout); none keeps everything")
 
@@ -127,13 +128,13 @@ class RunSettings:
 
     steps: int = setting(3, "steps of the whole run", low=0, low_open=True, ceiling=STEP_CEILING)
     seed: int = setting(0, "seed of the model's initialisation")
-    backend: Literal["auto", "gloo", "nccl"] = setting("auto", "torch.distributed backend (auto: nccl on GPUs, gloo on CPUs)")
+    backend: Backend = setting("auto", "torch.distributed backend (auto: nccl on GPUs, gloo on CPUs)")
     master_addr: str = setting("127.0.0.1", "address of rank 0 for local launches")
     master_port: int = setting(0, "port of the local launcher's rendezvous store (0: a free one, bound at once, so runs on one host "
                                   "never collide)", low=0, high=65535)
     timeout: float = setting(60.0, "seconds any rank may wait for another before the run aborts", low=0, low_open=True)
     metrics: str = setting("", "file that gets one JSON line per step (\"\" = none)")
-    precision: Literal["fp32", "bf16", "fp16"] = setting(
+    precision: Precision = setting(
         "fp32", "fp32, or bf16/fp16 autocast with fp32 master weights, optimizer and curvature state")
     loss_scale: float = setting(65536.0, "fp16: initial loss scale (halved on overflow, doubled after 2000 clean steps)", low=0, low_open=True)
     bucket_mb: float = setting(25.0, "size of the gradient all-reduce buckets, MiB", low=0, low_open=True)

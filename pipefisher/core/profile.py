@@ -43,6 +43,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from pipefisher.core.files import load_structured, write_text_atomically
+from pipefisher.core.names import PRECISIONS, RECOMPUTE_MODES
 from pipefisher.core.percentile import check_percentile, percentile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 
@@ -53,10 +54,6 @@ _OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce", "weight")
 #: layer times a file may leave out (0)
 _OPTIONAL_LAYER_TIMES = ("sync_a", "sync_b")
 TIME_UNITS = ("s", "ms", "us", "units")
-#: the modes of `model.recompute`: what the backward recomputes of the forward
-RECOMPUTE_MODES = ("none", "selective", "blocks")
-#: the values of `run.precision`
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ProfileError(ValueError):

@@ -133,6 +133,20 @@ def check_ranges(section: Any, where: str, label: Callable[[str], str] | None = 
                 raise ConfigError(f"{name}: {shown} {problem}{note}")
 
 
+def check_section(section: Any, where: str) -> None:
+    """`check_ranges`, and first ConfigError naming `where`.key for a value outside its key's
+    `Literal` choices or an integer key holding another number: the checks a run file's values
+    get (`pipefisher.config.run`) for a section built in code (an engine's settings)."""
+    hints = typing.get_type_hints(type(section))
+    for field in dataclasses.fields(section):
+        annotation, value = hints[field.name], getattr(section, field.name)
+        if typing.get_origin(annotation) is Literal and value not in typing.get_args(annotation):
+            raise ConfigError(f"{where}.{field.name}: {value!r} is not {type_name(annotation)}")
+        if annotation is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{where}.{field.name}: expected an integer, got {value!r}")
+    check_ranges(section, where)
+
+
 def type_name(annotation: Any) -> str:
     """A field's type as the run file writes it: int, number, text, true/false, one of a, b, list."""
     if typing.get_origin(annotation) is Literal:

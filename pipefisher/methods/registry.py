@@ -15,6 +15,7 @@ import sys
 from importlib.metadata import EntryPoint, entry_points
 
 from pipefisher.core.ir import ScheduleError
+from pipefisher.core.names import FIRST_ORDER
 from pipefisher.methods.kfac.method import KFAC
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.muon.method import MUON
@@ -35,7 +36,7 @@ def register(method: CurvatureMethod) -> CurvatureMethod:
     """Make `method` known by its name; returns it. Registering the same object again is a no-op;
     ValueError if the name is not an identifier, is a first-order optimizer's, or is taken by
     another method (`unregister` it first)."""
-    if not method.name.isidentifier() or method.name in ("sgd", "adamw", "lamb"):
+    if not method.name.isidentifier() or method.name in FIRST_ORDER:
         raise ValueError(f"method name {method.name!r}: must be an identifier that is not a first-order optimizer")
     taken = _METHODS.get(method.name)
     if taken is not None and taken is not method:

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipefisher.core.settings import STEP_CEILING, setting
+from pipefisher.core.names import FirstOrder
+
+#: the float dtypes a method may keep its statistics in (the name of a torch dtype)
+StatisticsDtype = Literal["float64", "float32"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +22,7 @@ class RefreshConfig:
 
     lr: float = setting(0.0, "learning rate of the step of the parameters this method preconditions (0 = optimizer.lr)", low=0)
     momentum: float = setting(0.0, "momentum of that step when it is SGD (0 = optimizer.momentum)", low=0, high=1, high_open=True)
-    first_order: Literal["adamw", "lamb", "sgd"] = setting(
+    first_order: FirstOrder = setting(
         "adamw", "rule of the parameters this method does not precondition (embeddings, tied copies, norms, biases it leaves): "
         "adamw or lamb at optimizer.lr (the rate of both when lr is 0) with optimizer.betas, eps, weight_decay; "
         "sgd: the method's own SGD step at this section's lr and momentum, as before this key")

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefisher.core.ir import OpKind, Schedule
+from pipefisher.core.names import RECOMPUTE_MODES
 
-RECOMPUTE_MODES = ("none", "selective", "blocks")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 KINDS = ("bert", "tiny", "llama", "gpt2")
 #: bytes of int64 token ids and labels

@@ -14,10 +14,10 @@ from functools import lru_cache
 
 from pipefisher.config.run import recompute_problem
 from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.names import RECOMPUTE_MODES
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 
-RECOMPUTE_MODES = ("none", "selective", "blocks")
 #: the largest tensor-parallel degree enumerated (one node's GPUs)
 MAX_TENSOR_PARALLEL = 8
 

@@ -9,7 +9,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, layer_grad, reference_factors, tiny_mlp, vec
-from pipefisher.methods.kfac import KFAC, KFACConfig
+from pipefisher.methods.kfac import KFAC
 from pipefisher.methods.kfac.factors import damped_inverse
 
 
@@ -180,4 +180,4 @@ def test_only_linear_layers_within_the_size_limit_and_not_skipped_are_preconditi
 ])
 def test_invalid_configuration_is_rejected(kwargs):
     with pytest.raises(ValueError):
-        KFACConfig(**kwargs)
+        KFAC(tiny_mlp(), **kwargs)

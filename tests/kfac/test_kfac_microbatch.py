@@ -11,7 +11,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, layer_grad, tiny_mlp
-from pipefisher.methods.kfac import FACTORS, KFACConfig, KFACEngine
+from pipefisher.methods.kfac import FACTORS, KfacConfig, KFACEngine
 
 NAMES = ("0", "2")
 
@@ -22,7 +22,7 @@ def factors_from_split(sizes: list[int], seed: int = 0) -> dict[tuple[str, str],
     micro-batch loss is its row-sum scaled by 1/R (the batch mean), as a pipeline would use."""
     model = tiny_mlp()
     x, y = data(sum(sizes))
-    engine = KFACEngine(model, KFACConfig(factor_decay=0.0))
+    engine = KFACEngine(model, KfacConfig(factor_decay=0.0))
     losses = []
     for mb, (xm, ym) in enumerate(zip(x.split(sizes), y.split(sizes))):
         with engine.capture(mb):
@@ -52,7 +52,7 @@ def test_curvature_over_micro_batches_equals_one_batch(sizes):
 def test_equal_micro_batches_with_mean_over_m_scaling_match_one_batch():
     model = tiny_mlp()
     x, y = data(32)
-    engine = KFACEngine(model, KFACConfig(factor_decay=0.0))
+    engine = KFACEngine(model, KfacConfig(factor_decay=0.0))
     for mb, (xm, ym) in enumerate(zip(x.split(8), y.split(8))):
         with engine.capture(mb):
             (mse_loss(model(xm), ym) / 4).backward()
@@ -107,7 +107,7 @@ def test_curvature_after_sync_and_invert_without_curvature_are_errors():
 def test_new_inverses_take_effect_only_after_commit():
     model = tiny_mlp()
     x, y = data(8)
-    engine = KFACEngine(model, KFACConfig(damping=0.1))
+    engine = KFACEngine(model, KfacConfig(damping=0.1))
     with engine.capture(0):
         mse_loss(model(x), y).backward()
     for f in FACTORS:
@@ -130,7 +130,7 @@ def test_factors_built_in_row_shares_and_summed_equal_the_whole(count):
         torch.manual_seed(0)
         model = tiny_mlp()
         x, y = data(32)
-        engine = KFACEngine(model, KFACConfig(factor_decay=0.0, grad_scale=32))
+        engine = KFACEngine(model, KfacConfig(factor_decay=0.0), grad_scale=32)
         if share is not None:
             for name in NAMES:
                 for factor in FACTORS:

@@ -11,7 +11,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, tiny_mlp
-from pipefisher.methods.kfac import FACTORS, KFAC, KFACConfig, KFACEngine, KFACNumericsWarning
+from pipefisher.methods.kfac import FACTORS, KFAC, KfacConfig, KFACEngine, KFACNumericsWarning
 
 
 def refresh(kfac: KFAC, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -124,7 +124,7 @@ def test_shared_inverse_is_the_one_commit_would_make_active(monkeypatch):
     """Pending if that inversion succeeded, else the one in use, else the identity; a failed
     inversion after a successful one before the commit keeps the successful one."""
     model = tiny_mlp()
-    engine = KFACEngine(model, KFACConfig(damping=0.1, inverse="eigen"))
+    engine = KFACEngine(model, KfacConfig(damping=0.1, inverse="eigen"))
 
     def invert(mb: int, fail: bool) -> None:
         invert_layer_2_a(engine, model, monkeypatch, mb, fail)
@@ -150,7 +150,7 @@ def test_a_fresh_inverse_says_failure_as_nan_and_a_checking_receiver_keeps_its_o
     """Gradient workers: a source that keeps no inverse in use sends its pending inverse, or NaN
     where that inversion failed; a receiver that checks keeps the inverse it has."""
     model = tiny_mlp()
-    source, worker = (KFACEngine(model, KFACConfig(damping=0.1, inverse="eigen")) for _ in range(2))
+    source, worker = (KFACEngine(model, KfacConfig(damping=0.1, inverse="eigen")) for _ in range(2))
 
     def invert(engine, mb: int, fail: bool) -> None:
         invert_layer_2_a(engine, model, monkeypatch, mb, fail)
@@ -177,7 +177,7 @@ def scaled_factors(loss_scale, restore: bool = False) -> dict[tuple[str, str], t
     """Factors of one float32 capture of ``mse * loss_scale`` (optionally through a checkpoint
     taken before curvature); a tensor scale is then changed in place as GradScaler.update does."""
     model = tiny_mlp(dtype=torch.float32)
-    engine = KFACEngine(model, KFACConfig(factor_decay=0.0))
+    engine = KFACEngine(model, KfacConfig(factor_decay=0.0))
     x, y = data(8)
     with engine.capture(0, loss_scale):
         loss = mse_loss(model(x.float()), y.float())
@@ -188,7 +188,7 @@ def scaled_factors(loss_scale, restore: bool = False) -> dict[tuple[str, str], t
         buffer = io.BytesIO()
         torch.save(engine.state_dict(), buffer)
         buffer.seek(0)
-        engine = KFACEngine(copy.deepcopy(model), KFACConfig(factor_decay=0.0))
+        engine = KFACEngine(copy.deepcopy(model), KfacConfig(factor_decay=0.0))
         engine.load_state_dict(torch.load(buffer))
     for n in ("0", "2"):
         for f in FACTORS:

@@ -11,7 +11,7 @@ from torch.nn.functional import mse_loss
 
 from _kfac_models import data, tiny_mlp
 from host_reads import count_host_reads
-from pipefisher.methods.kfac import FACTORS, KFACConfig, KFACEngine
+from pipefisher.methods.kfac import FACTORS, KfacConfig, KFACEngine
 
 
 def mlp(layers: int) -> torch.nn.Sequential:
@@ -62,7 +62,7 @@ def refresh(engine: KFACEngine, model: torch.nn.Module, group: dist.ProcessGroup
 @pytest.mark.parametrize("kl_clip", [None, 1e-3])
 def test_refresh_and_precondition_read_nothing_on_the_host(world, layers, kl_clip):
     model = mlp(layers)
-    engine = KFACEngine(model, KFACConfig(kl_clip=kl_clip, factor_decay=0.5))
+    engine = KFACEngine(model, KfacConfig(factor_decay=0.5), kl_clip=kl_clip)
     with count_host_reads() as reads:
         for _ in range(2):  # the second refresh folds into the EMA and replaces inverses
             model.zero_grad()

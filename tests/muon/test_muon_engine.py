@@ -11,7 +11,7 @@ from pipefisher.config import config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.muon.engine import MuonEngine
 from pipefisher.methods.muon.memory import MuonLayer
-from pipefisher.methods.muon.newton_schulz import MuonSettings
+from pipefisher.methods.muon.method import MuonConfig
 from pipefisher.methods.muon.ops import MuonRuntime, first_order_globs
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.planning.memory import StageState, optimizer_state, rank_memory
@@ -21,8 +21,8 @@ from pipefisher.schedules import get_schedule
 
 def test_it_takes_the_linear_weights_but_skipped_ones_and_leaves_the_rest():
     net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
-    assert MuonEngine(net, MuonSettings()).names() == ["1.weight", "3.weight"]
-    assert MuonEngine(net, MuonSettings(), skip=("*3.weight",)).names() == ["1.weight"]
+    assert MuonEngine(net, MuonConfig()).names() == ["1.weight", "3.weight"]
+    assert MuonEngine(net, MuonConfig(), skip=("*3.weight",)).names() == ["1.weight"]
 
 
 def test_a_conv1d_weight_takes_the_scale_of_the_layer_it_maps():
@@ -34,7 +34,7 @@ def test_a_conv1d_weight_takes_the_scale_of_the_layer_it_maps():
         conv.weight.copy_(linear.weight.T)
     gradient = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
     linear.weight.grad, conv.weight.grad = gradient.clone(), gradient.T.clone()
-    settings = MuonSettings()
+    settings = MuonConfig()
     for module in (linear, conv):
         engine = MuonEngine(module, settings)
         engine.orthogonalise("weight")
@@ -47,7 +47,7 @@ def test_a_conv1d_weight_takes_the_scale_of_the_layer_it_maps():
 
 def test_a_step_not_applied_leaves_the_momentum_and_the_checkpoint_round_trips():
     net = nn.Linear(5, 3)
-    engine = MuonEngine(net, MuonSettings(momentum=0.5))
+    engine = MuonEngine(net, MuonConfig(momentum=0.5))
     net.weight.grad = torch.ones(3, 5)
     engine.orthogonalise("weight")
     engine.apply()
@@ -55,7 +55,7 @@ def test_a_step_not_applied_leaves_the_momentum_and_the_checkpoint_round_trips()
     assert torch.equal(kept, torch.full((3, 5), 0.5))
     engine.orthogonalise("weight", gradient=torch.full((3, 5), float("inf")))  # fp16 overflowed: no apply
     assert torch.equal(engine.state_dict()["weight"], kept)
-    restored = MuonEngine(nn.Linear(5, 3), MuonSettings(momentum=0.5))
+    restored = MuonEngine(nn.Linear(5, 3), MuonConfig(momentum=0.5))
     restored.load_state_dict(engine.state_dict())
     assert torch.equal(restored.state_dict()["weight"], kept)
     with pytest.raises(ValueError, match="'weight': momentum of shape"):
@@ -73,7 +73,7 @@ def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
     states = []
     for stage in range(2):
         module = model.build_stage(stage, 2, seed=0)
-        engine = MuonEngine(module, MuonSettings(), skip)
+        engine = MuonEngine(module, MuonConfig(), skip)
         states.append(StageState(tuple(p.numel() for p in unique_parameters(module)),
                                  tuple(MuonLayer(name, m.rows, m.cols) for name, m in engine.matrices.items())))
     modelled = rank_memory(topology, states, optimizer_state("muon"), workers_per_layer=config.workers_per_layer)

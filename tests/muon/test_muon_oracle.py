@@ -12,7 +12,8 @@ from torch.nn.functional import mse_loss
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from pipefisher.methods.muon.engine import MuonEngine
-from pipefisher.methods.muon.newton_schulz import MuonSettings, orthogonalise
+from pipefisher.methods.muon.method import MuonConfig
+from pipefisher.methods.muon.newton_schulz import orthogonalise
 from pipefisher.methods.muon.optimizer import MuonStep
 
 LR, DECAY, STEPS = 0.02, 0.1, 5
@@ -23,7 +24,7 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def train_ours(net: nn.Module, settings: MuonSettings, data) -> None:
+def train_ours(net: nn.Module, settings: MuonConfig, data) -> None:
     engine = MuonEngine(net, settings)
     step = MuonStep([m.parameter for m in engine.matrices.values()], lr=LR, weight_decay=DECAY)
     for x, y in data:
@@ -54,7 +55,7 @@ def test_bfloat16_muon_equals_torch(nesterov, adjust_lr):
     """To the bit where the shape scale is 1 (the wide and square matrices under ``original``);
     elsewhere s·O is rounded to float32 before the step, which torch folds into lr."""
     ours, theirs = model(), model()
-    train_ours(ours, MuonSettings(momentum=0.9, nesterov=nesterov, dtype=torch.bfloat16, adjust_lr=adjust_lr), batches())
+    train_ours(ours, MuonConfig(momentum=0.9, nesterov=nesterov, ns_dtype="bfloat16", adjust_lr=adjust_lr), batches())
     train_torch(theirs, batches(), momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr)
     start = model()
     for (name, mine), reference, initial in zip(ours.named_parameters(), theirs.parameters(), start.parameters()):
@@ -69,7 +70,7 @@ def test_the_float32_iteration_is_torchs_up_to_its_bfloat16_rounding(shape):
     """torch iterates in bfloat16 (8 significant bits, rounded at every product): its result is
     about 2 % from the float32 one in Frobenius norm."""
     update = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
-    ours = orthogonalise(update, MuonSettings())
+    ours = orthogonalise(update, MuonConfig())
     theirs = _zeropower_via_newtonschulz(update, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
     assert ours.dtype == torch.float32
     assert torch.linalg.norm(ours - theirs) < 0.04 * torch.linalg.norm(ours)
@@ -79,7 +80,7 @@ def test_the_float32_iteration_is_torchs_up_to_its_bfloat16_rounding(shape):
 def test_the_iteration_leaves_singular_values_near_one(shape):
     """Independent of torch's code: the SVD of the result (float64) of a random matrix."""
     update = torch.randn(*shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    result = orthogonalise(update, MuonSettings(dtype=torch.float64))
+    result = orthogonalise(update, MuonConfig(ns_dtype="float64"))
     singular = torch.linalg.svdvals(result)
     assert singular.min() > 0.6 and singular.max() < 1.25, singular
     u, _, vh = torch.linalg.svd(update, full_matrices=False)

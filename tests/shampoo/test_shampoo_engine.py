@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from host_reads import count_host_reads
-from pipefisher.methods.shampoo import FACTORS, ShampooEngine, ShampooNumericsWarning, ShampooSettings
+from pipefisher.methods.shampoo import FACTORS, ShampooConfig, ShampooEngine, ShampooNumericsWarning
 
 
 def tiny_model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -43,12 +43,14 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-SETTINGS = ShampooSettings(beta2=0.95, epsilon=1e-6, block_size=4, grafting="adam", graft_beta2=0.9)
+SETTINGS = ShampooConfig(beta2=0.95, epsilon=1e-6, block_size=4, grafting="adam")
+#: the engine's values besides its section
+GRAFT = {"graft_beta2": 0.9}
 
 
 def test_state_dict_round_trip_mid_refresh_resumes_bit_identically():
     model = tiny_model()
-    engine = ShampooEngine(model, SETTINGS)
+    engine = ShampooEngine(model, SETTINGS, **GRAFT)
     for step in range(2):
         set_gradients(model, step)
         refresh(engine)
@@ -64,10 +66,10 @@ def test_state_dict_round_trip_mid_refresh_resumes_bit_identically():
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
     twin_model, blank_model = copy.deepcopy(model), copy.deepcopy(model)
-    twin = ShampooEngine(twin_model, SETTINGS)
+    twin = ShampooEngine(twin_model, SETTINGS, **GRAFT)
     twin.load_state_dict(state)
     assert twin.step == 2
-    blank = ShampooEngine(blank_model, SETTINGS)  # no checkpoint: shows the comparison is not vacuous
+    blank = ShampooEngine(blank_model, SETTINGS, **GRAFT)  # no checkpoint: shows the comparison is not vacuous
     blank.capture()
 
     outputs = []
@@ -92,10 +94,10 @@ def test_state_dict_round_trip_mid_refresh_resumes_bit_identically():
     assert not any(torch.allclose(a, b) for a, b in zip(outputs[0], blank_out))
 
 def test_load_state_dict_refuses_other_matrices():
-    state = ShampooEngine(tiny_model(), SETTINGS).state_dict()
+    state = ShampooEngine(tiny_model(), SETTINGS, **GRAFT).state_dict()
     other = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4))
     with pytest.raises(ValueError, match="'2.weight'"):
-        ShampooEngine(other, SETTINGS).load_state_dict(state)
+        ShampooEngine(other, SETTINGS, **GRAFT).load_state_dict(state)
 
 
 @pytest.mark.parametrize("dtype, epsilon, rtol", [(torch.float64, 1e-6, 1e-8), (torch.float32, 1e-3, 1e-4)])
@@ -103,7 +105,7 @@ def test_eigen_and_newton_roots_agree(dtype, epsilon, rtol):
     roots = {}
     for method in ("eigen", "newton"):
         model = tiny_model(dtype)
-        engine = ShampooEngine(model, ShampooSettings(epsilon=epsilon, block_size=4, root=method, dtype=dtype))
+        engine = ShampooEngine(model, ShampooConfig(epsilon=epsilon, block_size=4, root=method), dtype=dtype)
         for step in range(3):
             set_gradients(model, step)
             refresh(engine)
@@ -116,7 +118,7 @@ def test_eigen_and_newton_roots_agree(dtype, epsilon, rtol):
 
 def test_non_finite_gradient_keeps_statistics_and_roots_counts_and_warns_once():
     model = tiny_model()
-    engine = ShampooEngine(model, SETTINGS)
+    engine = ShampooEngine(model, SETTINGS, **GRAFT)
     set_gradients(model, 0)
     refresh(engine)
     before = {(i.name, f): [r.clone() for r in engine.roots(i.name, f)] for i in engine.matrices() for f in FACTORS}
@@ -138,7 +140,7 @@ def test_non_finite_gradient_keeps_statistics_and_roots_counts_and_warns_once():
 
 def test_failed_root_keeps_the_previous_one_and_without_one_the_block_takes_the_graft_direction():
     """Gradients of 1e30 overflow float32 statistics: every root of that matrix fails."""
-    settings = ShampooSettings(epsilon=1e-6, block_size=4, grafting="none", statistics_dtype=torch.float32)
+    settings = ShampooConfig(epsilon=1e-6, block_size=4, grafting="none", statistics_dtype="float32")
     model = tiny_model()
     engine = ShampooEngine(model, settings)
     set_gradients(model, 0)
@@ -168,8 +170,8 @@ def test_failed_root_keeps_the_previous_one_and_without_one_the_block_takes_the_
 def test_received_roots_precondition_exactly_like_the_computed_ones():
     model = tiny_model()
     receiver_model = copy.deepcopy(model)
-    source = ShampooEngine(model, SETTINGS)
-    receiver = ShampooEngine(receiver_model, SETTINGS)
+    source = ShampooEngine(model, SETTINGS, **GRAFT)
+    receiver = ShampooEngine(receiver_model, SETTINGS, **GRAFT)
     set_gradients(model, 0)
     refresh(source)
     # pending roots exist only between compute_root and commit: share them then
@@ -199,7 +201,7 @@ def test_received_roots_precondition_exactly_like_the_computed_ones():
 
 
 def test_a_received_failed_block_is_not_used():
-    settings = ShampooSettings(epsilon=1e-6, block_size=4, grafting="none")
+    settings = ShampooConfig(epsilon=1e-6, block_size=4, grafting="none")
     model = tiny_model()
     engine = ShampooEngine(model, settings)
     engine.receive_root("0.weight", "A", torch.full((engine.matrices()[0].statistic_numel("A"),), float("nan")))
@@ -215,8 +217,8 @@ def test_a_received_failed_block_is_not_used():
 
 def test_tasks_read_nothing_on_the_host_and_the_health_check_reads_once():
     model = tiny_model()
-    engine = ShampooEngine(model, SETTINGS)
-    other = ShampooEngine(copy.deepcopy(model), SETTINGS)
+    engine = ShampooEngine(model, SETTINGS, **GRAFT)
+    other = ShampooEngine(copy.deepcopy(model), SETTINGS, **GRAFT)
     set_gradients(model, 0)
     with count_host_reads() as reads:
         engine.capture()
@@ -248,15 +250,17 @@ def test_tasks_read_nothing_on_the_host_and_the_health_check_reads_once():
 @pytest.mark.parametrize("field, value", [
     ("beta2", 0.0), ("beta2", 1.5), ("epsilon", 0.0), ("epsilon", float("inf")), ("block_size", 0),
     ("block_size", 2.5), ("root", "cholesky"), ("grafting", "adagrad"), ("graft_beta2", 1.0),
-    ("graft_epsilon", -1.0), ("start_step", -1), ("dtype", torch.bfloat16),
+    ("graft_epsilon", -1.0), ("start_step", -1), ("dtype", torch.bfloat16), ("statistics_dtype", "bfloat16"),
 ])
 def test_settings_validation_names_the_field(field, value):
-    with pytest.raises(ValueError, match=f"^{field} must"):
-        ShampooSettings(**{field: value})
+    """A run-file key is named as the run file names it (shampoo.key), the engine's own values by their name."""
+    own = field in ("graft_beta2", "graft_epsilon", "dtype")
+    with pytest.raises(ValueError, match=f"^{field} must" if own else rf"^shampoo\.{field}: "):
+        ShampooEngine(tiny_model(), **({field: value} if own else {"settings": ShampooConfig(**{field: value})}))
 
 
 def test_unknown_names_and_factors_and_missing_captures_are_refused():
-    engine = ShampooEngine(tiny_model(), SETTINGS)
+    engine = ShampooEngine(tiny_model(), SETTINGS, **GRAFT)
     with pytest.raises(KeyError, match="'0.bias' is not a Shampoo matrix"):
         engine.capture("0.bias")
     with pytest.raises(ValueError, match="factor must be 'A' or 'B'"):

@@ -14,12 +14,12 @@ from host_reads import count_host_reads
 from rounding import sums_in_two_orders
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.methods.blocks import FACTORS
-from pipefisher.methods.soap import SoapEngine, SoapNumericsWarning, SoapSettings
+from pipefisher.methods.soap import SoapConfig, SoapEngine, SoapNumericsWarning
 from pipefisher.methods.soap import basis as soap_basis
 from pipefisher.methods.soap.memory import SoapLayer
 from pipefisher.runtime.training.checkpoint import tensor_bytes
 
-SETTINGS = SoapSettings(block_size=4)
+SETTINGS = SoapConfig(block_size=4)
 
 
 def tiny_model() -> nn.Module:
@@ -166,10 +166,10 @@ def test_the_memory_model_counts_what_the_engine_holds_after_a_commit():
 
 
 @pytest.mark.parametrize("field, value", [("beta1", 1.0), ("beta2", -0.1), ("statistics_beta", 1.0), ("epsilon", 0.0),
-                                          ("block_size", 0), ("dtype", torch.float16)])
+                                          ("block_size", 0), ("dtype", torch.float16), ("statistics_dtype", "float16")])
 def test_settings_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        SoapSettings(**{field: value})
+        SoapEngine(tiny_model(), **({"dtype": value} if field == "dtype" else {"settings": SoapConfig(**{field: value})}))
 
 
 def test_zero1_is_refused_in_one_line():

@@ -22,7 +22,7 @@ Scaling (why B does not depend on micro-batch count or size):
   scaled by ``R_m / R``, i.e. ``1/M`` for equal micro-batches), the per-row loss gradient is
   ``λ e_r`` with ``λ = R``. Then ``B = (1/R) Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of
   per-example gradient outer products. ``λ`` defaults to this replica's row count of the
-  factor (taken before the replica sum; ``share_rows`` needs it set); set ``KFACConfig.grad_scale`` for other loss scalings
+  factor (taken before the replica sum; ``share_rows`` needs it set); set the engine's ``grad_scale`` for other loss scalings
   (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass the scale to ``capture``: the
   ``e`` rows are divided by it before their outer products.
 """
@@ -42,14 +42,9 @@ from pipefisher.methods.counters import read_counters
 from pipefisher.methods.kfac import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
-from pipefisher.methods.kfac.factors import (
-    accumulate_covariance,
-    damped_inverse,
-    damping_too_small,
-    fold_ema,
-    kl_clip_scale,
-)
-from pipefisher.methods.kfac.settings import KFACConfig, KFACNumericsWarning, PreconditionReport
+from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, damping_too_small, fold_ema, kl_clip_scale
+from pipefisher.methods.kfac.method import KfacConfig
+from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionReport, check_engine_settings
 from pipefisher.methods.kfac.layer import (
     FACTORS,
     BuiltFactor,
@@ -67,13 +62,15 @@ from pipefisher.methods.kfac.layer import (
 
 
 class KFACEngine:
-    """K-FAC state of the selected linear layers (``nn.Linear``, ``Conv1D``) of ``model`` and the operations on it."""
+    """K-FAC state of the selected linear layers (``nn.Linear``, ``Conv1D``) of ``model`` and the operations on it:
+    the run-file section ``config`` with ``grad_scale``, ``kl_clip`` (`check_engine_settings`) and
+    ``max_factor_dim`` (larger layers stay first-order)."""
 
-    def __init__(
-        self, model: nn.Module, config: KFACConfig | None = None, skip: Iterable[str] = ()
-    ) -> None:
-        self.config = config or KFACConfig()
-        self._layers = select_layers(model, skip, self.config.max_factor_dim)
+    def __init__(self, model: nn.Module, config: KfacConfig | None = None, skip: Iterable[str] = (), *,
+                 grad_scale: float | None = None, kl_clip: float | None = None, max_factor_dim: int = 8192) -> None:
+        self.config = check_engine_settings(config or KfacConfig(), grad_scale, kl_clip)
+        self.grad_scale, self.kl_clip = grad_scale, kl_clip
+        self._layers = select_layers(model, skip, max_factor_dim)
         self._anchor = next(model.parameters(), None)  # where engine-wide tensors live
         self._reported: dict[tuple[str, Factor], tuple[int, ...]] = {}
 
@@ -172,7 +169,7 @@ class KFACEngine:
 
     def share_rows(self, layer: str, factor: Factor, index: int, count: int) -> None:
         """Build ``factor`` from share ``index`` of ``count`` of each capture's rows (the sharers sum :meth:`sync_tensors`)."""
-        if factor == "B" and self.config.grad_scale is None:  # λ would be this share's row count
+        if factor == "B" and self.grad_scale is None:  # λ would be this share's row count
             raise ValueError("grad_scale: B's scale is the whole step's row count; set it to share B's rows")
         self._state(layer).row_shares[known_factor(factor)] = (index, count)
 
@@ -297,7 +294,7 @@ class KFACEngine:
             column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
             grad = torch.cat([grad, column[:, None]], 1)
         new = apply_inverses(st, grad)
-        vg = (new * grad.to(new.dtype)).sum() if self.config.kl_clip is not None else None
+        vg = (new * grad.to(new.dtype)).sum() if self.kl_clip is not None else None
         din = st.info.in_features
         weight.grad.copy_(new[:, :din].T if st.info.transposed else new[:, :din])
         if bias is not None and bias.grad is not None:
@@ -321,7 +318,7 @@ class KFACEngine:
         """
         names = list(self._layers) if layers is None else list(layers)
         vgs = [vg for vg in map(self.precondition, names) if vg is not None]
-        if self.config.kl_clip is None:
+        if self.kl_clip is None:
             return PreconditionReport(None, None)
         device = self._anchor.device if self._anchor is not None else torch.device("cpu")
         vg_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -329,7 +326,7 @@ class KFACEngine:
             vg_sum = torch.stack([vg.to(device, torch.float64) for vg in vgs]).sum()
         if group is not None:
             dist.all_reduce(vg_sum, group=group)
-        scale = kl_clip_scale(vg_sum, self.config.kl_clip, lr)
+        scale = kl_clip_scale(vg_sum, self.kl_clip, lr)
         for name in names:
             self.rescale(name, scale)
         return PreconditionReport(vg_sum, scale)
@@ -370,7 +367,7 @@ class KFACEngine:
         if built.sealed:
             return
         if factor == "B":
-            lam = self.config.grad_scale if self.config.grad_scale is not None else built.rows
+            lam = self.grad_scale if self.grad_scale is not None else built.rows
             built.total.mul_(float(lam) ** 2)
         built.count = torch.full((1,), float(built.rows), dtype=torch.float64, device=built.total.device)
         built.sealed = True

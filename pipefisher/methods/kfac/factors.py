@@ -11,13 +11,11 @@ Conventions (shared by every caller):
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-InverseMethod = Literal["eigen", "cholesky"]
-INVERSE_METHODS: tuple[str, ...] = ("eigen", "cholesky")
+from pipefisher.methods.kfac.method import INVERSE_METHODS, InverseMethod
 
 
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -21,13 +21,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from pipefisher.methods.kfac.engine import KFACEngine
-from pipefisher.methods.kfac.factors import InverseMethod
 from pipefisher.methods.kfac.layer import FACTORS, Health, LayerInfo
-from pipefisher.methods.kfac.settings import KFACConfig, PreconditionReport
+from pipefisher.methods.kfac.method import InverseMethod, KfacConfig
+from pipefisher.methods.kfac.settings import PreconditionReport
 
 
 class KFAC:
-    """K-FAC preconditioner for the linear layers (``nn.Linear``, ``Conv1D``) of ``model`` (see :class:`KFACConfig`).
+    """K-FAC preconditioner for the linear layers (``nn.Linear``, ``Conv1D``) of ``model`` (see :class:`KfacConfig` and :class:`KFACEngine`).
 
     ``skip``: glob patterns of module names kept first-order. ``process_group``: factors are
     all-reduced over it before inversion (data parallelism); None = no communication.
@@ -45,8 +45,8 @@ class KFAC:
         grad_scale: float | None = None,
         process_group: Any = None,
     ) -> None:
-        config = KFACConfig(damping, factor_decay, inverse, kl_clip, grad_scale, max_factor_dim)
-        self.engine = KFACEngine(model, config, skip)
+        config = KfacConfig(damping=damping, factor_decay=factor_decay, inverse=inverse)
+        self.engine = KFACEngine(model, config, skip, grad_scale=grad_scale, kl_clip=kl_clip, max_factor_dim=max_factor_dim)
         self.process_group = process_group
         self._next_micro_batch = 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Any, Literal
 
 from pipefisher.core.settings import ConfigError, setting
@@ -10,14 +11,21 @@ from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.layouts.kaisa import worker_count
 
+#: how a damped factor is inverted
+InverseMethod = Literal["eigen", "cholesky"]
+INVERSE_METHODS: tuple[InverseMethod, ...] = typing.get_args(InverseMethod)
+
 
 @dataclass(frozen=True)
 class KfacConfig(RefreshConfig):
     """K-FAC settings (used with optimizer.name kfac)."""
 
+    # the one settings class of K-FAC: the run file's section, and what `KFACEngine` takes (with
+    # the engine's own grad_scale, kl_clip and max_factor_dim); its docstring is the page's text
+
     damping: float = setting(1e-3, "added to each factor before its inverse", low=0, low_open=True)
     factor_decay: float = setting(0.95, "EMA decay of the factors", low=0, high=1, high_open=True)
-    inverse: Literal["eigen", "cholesky"] = setting("cholesky", "how a damped factor is inverted: cholesky (no host sync; on rounding-indefinite factors it fails and the layer keeps its previous inverse) or eigen (clamps negative eigenvalues; syncs with the host on CUDA)")
+    inverse: InverseMethod = setting("cholesky", "how a damped factor is inverted: cholesky (no host sync; on rounding-indefinite factors it fails and the layer keeps its previous inverse) or eigen (clamps negative eigenvalues; syncs with the host on CUDA)")
     grad_worker_fraction: float = setting(
         1.0, "share of a stage's R replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
              "(KAISA; a multiple of 1/R that divides R; 1 = every replica preconditions before the reduction)")

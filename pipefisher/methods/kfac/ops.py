@@ -20,7 +20,7 @@ reduction each worker preconditions its layers and broadcasts them within its bl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -33,9 +33,8 @@ from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
-from pipefisher.methods.kfac.method import KFAC
+from pipefisher.methods.kfac.method import KFAC, KfacConfig
 from pipefisher.models.tensor_parallel import applied_plan
-from pipefisher.methods.kfac.settings import KFACConfig
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.layouts.kaisa import GradWorkers
@@ -45,11 +44,11 @@ from pipefisher.runtime.pipeline.clock import timed_ms
 from pipefisher.runtime.pipeline.comm import Comm, Handle
 
 
-def kfac_engine_config(config: RunConfig, rows_per_step: int) -> KFACConfig:
-    """Engine settings; B is scaled by the rows of the whole step (all micro-batches, all
-    replicas), so every replica builds the same factor as the single-process reference."""
-    k = config.kfac
-    return KFACConfig(damping=k.damping, factor_decay=k.factor_decay, inverse=k.inverse, grad_scale=float(rows_per_step))
+def kfac_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> KFACEngine:
+    """The engine of the run's kfac section for `module`; B is scaled by the rows of the whole step
+    (all micro-batches, all replicas), so every replica builds the same factor as the
+    single-process reference."""
+    return KFACEngine(module, config.kfac, skip, grad_scale=float(rows_per_step(config)))
 
 
 def rows_per_step(config: RunConfig) -> int:
@@ -67,8 +66,7 @@ class KfacRuntime(CurvatureRuntime):
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
-        engine_config = kfac_engine_config(config, rows_per_step(config))
-        self.engines = {key: KFACEngine(module, engine_config, skip) for key, module in modules.items()}
+        self.engines = {key: kfac_engine(config, module, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         self.shared_statistics = share_rows(self._engine_of_stage, modules, comm.shard, topology.tensor_parallel)
@@ -203,11 +201,10 @@ class KfacTimer(TaskTimer):
 
     method = "kfac"
 
-    def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), damping: float = 1e-3,
-                 inverse: str = "cholesky"):
+    def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), settings: KfacConfig = KfacConfig()):
         # throwaway: timing only (B's scale does not change the time)
-        self.engines = {key: KFACEngine(module, KFACConfig(grad_scale=1.0), skip=skip) for key, module in modules.items()}
-        self.modules, self.damping, self.inverse = modules, damping, inverse
+        self.engines = {key: KFACEngine(module, settings, skip=skip, grad_scale=1.0) for key, module in modules.items()}
+        self.modules, self.settings = modules, settings
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
@@ -236,7 +233,7 @@ class KfacTimer(TaskTimer):
                     n = info.size(factor)
                     matrix = torch.randn(n, n, device=device)
                     matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
-                    samples[f"inverse_{suffix}"] = timed_ms(lambda: damped_inverse(matrix, self.damping, self.inverse), device)
+                    samples[f"inverse_{suffix}"] = timed_ms(lambda: damped_inverse(matrix, self.settings.damping, self.settings.inverse), device)
                     if group is not None:
                         buffer = torch.zeros(n, n, device=device)
                         samples[f"sync_{suffix}"] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)

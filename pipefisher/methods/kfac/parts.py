@@ -7,7 +7,7 @@ from pipefisher.methods.kfac.reference import ReferenceKfac
 
 PARTS = MethodParts(
     runtime=KfacRuntime,
-    timer=lambda config, modules, skip: KfacTimer(modules, skip, config.kfac.damping, config.kfac.inverse),
+    timer=lambda config, modules, skip: KfacTimer(modules, skip, config.kfac),
     layer_names=lambda module, skip: list(select_layers(module, skip)),
     skip=lambda model: model.first_order_linears(),
     reference=ReferenceKfac,

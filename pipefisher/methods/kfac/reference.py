@@ -8,8 +8,7 @@ from torch import nn
 
 from pipefisher.config import RunConfig
 from pipefisher.methods.interface import ReferenceCurvature
-from pipefisher.methods.kfac.engine import KFACEngine
-from pipefisher.methods.kfac.ops import kfac_engine_config, rows_per_step
+from pipefisher.methods.kfac.ops import kfac_engine
 
 
 class ReferenceKfac(ReferenceCurvature):
@@ -20,7 +19,7 @@ class ReferenceKfac(ReferenceCurvature):
         super().__init__(config, model, modules)
         self.lr = config.optimizer_settings.lr
         skip = model.first_order_linears()
-        self.engine = KFACEngine(modules, kfac_engine_config(config, rows_per_step(config)), skip=[f"*.{p}" for p in skip])
+        self.engine = kfac_engine(config, modules, [f"*.{p}" for p in skip])
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):
         return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from pipefisher.methods.muon.newton_schulz import MuonSettings, momentum_update, orthogonalise, shape_scale
+from pipefisher.core.settings import check_section
+from pipefisher.methods.muon.method import MUON, MuonConfig
+from pipefisher.methods.muon.newton_schulz import momentum_update, orthogonalise, shape_scale
 
 
 @dataclass
@@ -54,9 +56,11 @@ def linear_weights(module: nn.Module, skip: Iterable[str] = ()) -> dict[str, tup
 
 
 class MuonEngine:
-    """Muon's matrices of one module (see the module docstring)."""
+    """Muon's matrices of one module (see the module docstring), stepped as the run-file section
+    `settings` says (checked, `check_section`)."""
 
-    def __init__(self, module: nn.Module, settings: MuonSettings, skip: Iterable[str] = ()):
+    def __init__(self, module: nn.Module, settings: MuonConfig, skip: Iterable[str] = ()):
+        check_section(settings, MUON.name)
         self.settings = settings
         self.matrices = {name: MuonMatrix(name, weight, rows, cols) for name, (weight, rows, cols) in linear_weights(module, skip).items()}
 

@@ -10,6 +10,7 @@ matrix, `gradient_workers`), and broadcasts its share.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Any, Literal
 
 from pipefisher.core.settings import STEP_CEILING, ConfigError, setting
@@ -18,6 +19,11 @@ from pipefisher.methods.settings import RefreshConfig
 
 #: the quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+#: the shape scale of the step of a (rows, cols) matrix (`pipefisher.methods.muon.newton_schulz.shape_scale`)
+AdjustLr = Literal["original", "match_rms_adamw"]
+ADJUST_LR: tuple[AdjustLr, ...] = typing.get_args(AdjustLr)
+#: the dtypes of the Newton–Schulz iteration (the name of a torch dtype)
+NsDtype = Literal["float32", "bfloat16", "float64"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,9 @@ class MuonConfig(RefreshConfig):
     placement keys, refresh_steps only sets how many steps a plan's cycle has, max_overhead,
     max_refresh_steps and max_capture_mb have nothing to act on, and split cannot be turned off."""
 
+    # the one settings class of Muon: the run file's section, and what `MuonEngine` and the maths
+    # of `newton_schulz` take as it is
+
     refresh_steps: int = setting(10, "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
                                      "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1",
                                  ceiling=STEP_CEILING)
@@ -36,10 +45,10 @@ class MuonConfig(RefreshConfig):
     ns_steps: int = setting(5, "Newton–Schulz iterations", low=1, high=99)
     ns_coefficients: tuple[float, float, float] = setting(NS_COEFFICIENTS, "quintic Newton–Schulz coefficients a, b, c")
     eps: float = setting(1e-7, "floor of the Frobenius norm the momentum is divided by first", low=0, low_open=True)
-    adjust_lr: Literal["original", "match_rms_adamw"] = setting(
+    adjust_lr: AdjustLr = setting(
         "original", "shape scale of the step of a (rows, cols) matrix: original √max(1, rows/cols); "
                     "match_rms_adamw 0.2·√max(rows, cols)")
-    ns_dtype: Literal["float32", "bfloat16", "float64"] = setting(
+    ns_dtype: NsDtype = setting(
         "float32", "dtype of the Newton–Schulz iteration (bfloat16 as torch.optim.Muon, fast on GPUs, but its rounding "
         "can turn a gradient summed in another order, over replicas, into an update 2 % apart)")
 

@@ -17,50 +17,22 @@ is torch's to the bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+from pipefisher.methods.dtypes import torch_dtype
+from pipefisher.methods.muon.method import ADJUST_LR, AdjustLr, MuonConfig
 
 
-@dataclass(frozen=True)
-class MuonSettings:
-    """`momentum` μ in [0, 1); `nesterov`; `ns_steps` ≥ 1 iterations with `coefficients` (a, b, c);
-    `eps` > 0 floors the norm; `dtype` of the iteration; `adjust_lr` the shape scale's rule."""
-
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-    eps: float = 1e-7
-    dtype: torch.dtype = torch.float32
-    adjust_lr: str = "original"
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if not 1 <= self.ns_steps < 100:
-            raise ValueError(f"ns_steps must be in [1, 99], got {self.ns_steps}")
-        if len(self.coefficients) != 3:
-            raise ValueError(f"coefficients must be three numbers, got {self.coefficients!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be positive, got {self.eps}")
-        if self.dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype}")
-        if self.adjust_lr not in ("original", "match_rms_adamw"):
-            raise ValueError(f"adjust_lr must be original or match_rms_adamw, got {self.adjust_lr!r}")
-
-
-def orthogonalise(update: Tensor, settings: MuonSettings) -> Tensor:
-    """The Newton–Schulz orthogonalisation of a 2-D `update`, in `settings.dtype` (a new tensor,
+def orthogonalise(update: Tensor, settings: MuonConfig) -> Tensor:
+    """The Newton–Schulz orthogonalisation of a 2-D `update`, in `settings.ns_dtype` (a new tensor,
     same shape). Its singular values end near 1 (the quintic is tuned for speed, not convergence:
     roughly within [0.7, 1.2]); a zero matrix stays zero."""
     if update.dim() != 2:
         raise ValueError(f"Muon orthogonalises matrices, got shape {tuple(update.shape)}")
-    a, b, c = settings.coefficients
-    x = update.to(settings.dtype)
+    a, b, c = settings.ns_coefficients
+    x = update.to(torch_dtype(settings.ns_dtype))
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -72,19 +44,19 @@ def orthogonalise(update: Tensor, settings: MuonSettings) -> Tensor:
     return x.T if tall else x
 
 
-def momentum_update(buffer: Tensor, gradient: Tensor, settings: MuonSettings) -> tuple[Tensor, Tensor]:
+def momentum_update(buffer: Tensor, gradient: Tensor, settings: MuonConfig) -> tuple[Tensor, Tensor]:
     """(the new buffer, what is orthogonalised) from the old `buffer` and `gradient`; `buffer` is
     left as it is (the step may still be skipped)."""
     new = buffer.lerp(gradient, 1 - settings.momentum)
     return new, gradient.lerp(new, settings.momentum) if settings.nesterov else new
 
 
-def shape_scale(rows: int, cols: int, rule: str) -> float:
+def shape_scale(rows: int, cols: int, rule: AdjustLr) -> float:
     """The factor on the learning rate of a (rows, cols) matrix's step: ``original``
     √max(1, rows/cols), ``match_rms_adamw`` 0.2·√max(rows, cols) (an update RMS like AdamW's)."""
     if rule == "original":
         return math.sqrt(max(1.0, rows / cols))
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"adjust_lr: {rule!r} is not original or match_rms_adamw")
+    raise ValueError(f"adjust_lr: {rule!r} is not one of {', '.join(ADJUST_LR)}")
 

@@ -24,19 +24,11 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, tied_copies
 from pipefisher.methods.muon.engine import MuonEngine, linear_weights
-from pipefisher.methods.muon.newton_schulz import DTYPES, MuonSettings
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.layouts.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.clock import timed_ms
 from pipefisher.runtime.pipeline.comm import Comm, Handle
-
-
-def muon_settings(config: RunConfig) -> MuonSettings:
-    """The maths' settings from the run's muon section."""
-    s = config.muon
-    return MuonSettings(momentum=s.momentum, nesterov=s.nesterov, ns_steps=s.ns_steps, coefficients=s.ns_coefficients, eps=s.eps,
-                        dtype=DTYPES[s.ns_dtype], adjust_lr=s.adjust_lr)
 
 
 def first_order_globs(model) -> tuple[str, ...]:
@@ -63,8 +55,7 @@ class MuonRuntime(CurvatureRuntime):
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.rank, self.comm, self.loss_scale = rank, comm, loss_scale
-        settings = muon_settings(config)
-        self.engines = {key: MuonEngine(module, settings, skip) for key, module in modules.items()}
+        self.engines = {key: MuonEngine(module, config.muon, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (_, stage), engine in self.engines.items()}
         self.grids = {stage: grid for stage in self._engine_of_stage if (grid := share_grid(topology, stage)) is not None}
@@ -116,7 +107,7 @@ class MuonTimer(TaskTimer):
 
     def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
         self.config, self.modules = config, modules
-        self.engines = {key: MuonEngine(module, muon_settings(config), skip) for key, module in modules.items()}  # throwaway
+        self.engines = {key: MuonEngine(module, config.muon, skip) for key, module in modules.items()}  # throwaway
         self._shares: dict[tuple[int, int], list[str]] = {}
 
     def before_optimizer_step(self) -> None:

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from pipefisher.config import RunConfig
 from pipefisher.methods.interface import ReferenceCurvature
 from pipefisher.methods.muon.engine import MuonEngine
-from pipefisher.methods.muon.ops import first_order_globs, muon_settings
+from pipefisher.methods.muon.ops import first_order_globs
 
 
 class ReferenceMuon(ReferenceCurvature):
@@ -17,7 +17,7 @@ class ReferenceMuon(ReferenceCurvature):
     momentum then stays as it was). No refresh cycle: refresh_steps is not needed."""
 
     def __init__(self, config: RunConfig, model, modules: nn.Module):
-        self.engine = MuonEngine(modules, muon_settings(config), skip=first_order_globs(model))
+        self.engine = MuonEngine(modules, config.muon, skip=first_order_globs(model))
         self._loss_scale: Tensor | None = None
 
     def capture(self, step: int, micro_batch: int, loss_scale: Tensor | None = None):

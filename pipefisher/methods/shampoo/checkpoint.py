@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipefisher.methods.shampoo.settings import ShampooSettings
 from pipefisher.methods.shampoo.state import FactorState, MatrixState, Roots
 
 ROOT_SLOTS: tuple[str, ...] = ("pending", "committed")
@@ -29,13 +28,13 @@ def matrix_state(st: MatrixState) -> dict[str, Any]:
     return entry
 
 
-def load_matrix_state(st: MatrixState, entry: dict[str, Any], settings: ShampooSettings) -> None:
+def load_matrix_state(st: MatrixState, entry: dict[str, Any], dtype: torch.dtype, statistics_dtype: torch.dtype) -> None:
     """Restore :func:`matrix_state` output into ``st`` as copies on its parameter's device,
-    statistics in ``settings.statistics_dtype``, other floats in ``settings.dtype``; sizes must
+    statistics in ``statistics_dtype``, other floats in ``dtype``; sizes must
     match ``st.info`` (ValueError naming the matrix otherwise)."""
     info, device = st.info, st.parameter.device
 
-    def tensor(t: Tensor, numel: int, what: str, float_dtype: torch.dtype | None = settings.dtype) -> Tensor:
+    def tensor(t: Tensor, numel: int, what: str, float_dtype: torch.dtype | None = dtype) -> Tensor:
         if t.numel() != numel:
             raise ValueError(f"Shampoo matrix {info.name!r}: {what} has {t.numel()} elements, want {numel}")
         return t.to(device=device, dtype=float_dtype or t.dtype, copy=True)
@@ -43,7 +42,7 @@ def load_matrix_state(st: MatrixState, entry: dict[str, Any], settings: ShampooS
     for factor in st.factors:
         slot = entry[factor]
         numel = info.statistic_numel(factor)
-        fs = FactorState(tensor(slot["statistic"], numel, f"{factor} statistic", settings.statistics_dtype),
+        fs = FactorState(tensor(slot["statistic"], numel, f"{factor} statistic", statistics_dtype),
                          tensor(slot["counters"], len(st.factors[factor].counters), "counters", None))
         for name in ROOT_SLOTS:
             if name in slot:

@@ -19,6 +19,7 @@ inspection (``health``, ``statistics``, ``roots``) and ``load_state_dict``; and 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,14 +27,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipefisher.core.settings import check_section
 from pipefisher.methods.counters import read_counters
+from pipefisher.methods.dtypes import torch_dtype, working_dtype
 from pipefisher.methods.shampoo import checkpoint as _checkpoint
 from pipefisher.methods.shampoo import health as _health
 from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo, block_views
 from pipefisher.methods.shampoo.grafting import graft_direction, transfer_norm
 from pipefisher.methods.shampoo.health import ShampooHealth, ShampooNumericsWarning
 from pipefisher.methods.shampoo.roots import inverse_root
-from pipefisher.methods.shampoo.settings import ShampooSettings
+from pipefisher.methods.shampoo.method import SHAMPOO, ShampooConfig
 from pipefisher.methods.shampoo.state import MatrixState, Roots, is_matrix, new_matrix, owned_parameters
 
 
@@ -43,20 +46,33 @@ class ShampooEngine:
     Matrices: parameters with ``ndim >= 2`` whose name matches none of the ``skip`` globs; every
     other trainable parameter only takes the grafting direction (none with ``matrices_only``). Tied parameters count once,
     under their first name in ``named_parameters()``. All state lives on each parameter's device,
-    statistics in ``settings.statistics_dtype``, everything else in ``settings.dtype``.
+    statistics in ``settings.statistics_dtype``, everything else in ``dtype`` (float32 or float64).
+
+    ``settings``: the run-file section (checked, `check_section`); besides it the values from the
+    rest of the run: Adam grafting's second-moment decay ``graft_beta2`` in [0, 1) and denominator
+    term ``graft_epsilon`` > 0 (a run's optimizer.betas[1] and optimizer.eps), and
+    ``matrices_only`` (a run's `ShampooConfig.matrices_only`).
     """
 
-    def __init__(self, module: nn.Module, settings: ShampooSettings | None = None, skip: Iterable[str] = ()) -> None:
-        self.settings = settings or ShampooSettings()
+    def __init__(self, module: nn.Module, settings: ShampooConfig | None = None, skip: Iterable[str] = (), *,
+                 graft_beta2: float = 0.999, graft_epsilon: float = 1e-8, dtype: torch.dtype = torch.float32,
+                 matrices_only: bool = False) -> None:
+        self.settings = settings or ShampooConfig()
+        check_section(self.settings, SHAMPOO.name)
+        if not 0.0 <= graft_beta2 < 1.0:
+            raise ValueError(f"graft_beta2 must be in [0, 1), got {graft_beta2}")
+        if not (graft_epsilon > 0.0 and math.isfinite(graft_epsilon)):
+            raise ValueError(f"graft_epsilon must be a finite positive number, got {graft_epsilon}")
+        self.graft_beta2, self.graft_epsilon = graft_beta2, graft_epsilon
+        self.dtype, self.statistics_dtype = working_dtype(dtype), torch_dtype(self.settings.statistics_dtype)
         patterns = tuple(skip)
-        dtype = self.settings.dtype
-        self._parameters = owned_parameters(module, patterns, self.settings.matrices_only)
+        self._parameters = owned_parameters(module, patterns, matrices_only)
         self._matrices = {
-            name: new_matrix(name, p, self.settings.block_size, self.settings.statistics_dtype)
+            name: new_matrix(name, p, self.settings.block_size, self.statistics_dtype)
             for name, p in self._parameters.items() if is_matrix(name, p, patterns)
         }
         self._exp_avg_sq = (
-            {name: torch.zeros(p.shape, dtype=dtype, device=p.device) for name, p in self._parameters.items()}
+            {name: torch.zeros(p.shape, dtype=self.dtype, device=p.device) for name, p in self._parameters.items()}
             if self.settings.grafting == "adam" else {}
         )
         self._step = 0
@@ -94,11 +110,11 @@ class ShampooEngine:
     # ----------------------------------------------------------------- refresh tasks (no host reads)
     def capture(self, name: str | None = None) -> None:
         """Copy the matrix's current ``.grad`` (any float dtype; None counts as zeros) into its
-        captured ``(rows, cols)`` gradient in ``settings.dtype``; None: every matrix."""
+        captured ``(rows, cols)`` gradient in ``dtype``; None: every matrix."""
         for st in self._selected(name):
             rows, cols = st.info.shape
             p = st.parameter
-            captured = torch.zeros(rows, cols, dtype=self.settings.dtype, device=p.device)
+            captured = torch.zeros(rows, cols, dtype=self.dtype, device=p.device)
             if p.grad is not None:
                 captured.copy_(p.grad.detach().reshape(rows, cols))
             st.captured = captured
@@ -177,7 +193,7 @@ class ShampooEngine:
     def root_buffer(self, name: str, factor: Factor) -> Tensor:
         """An empty tensor of :meth:`shared_root`'s shape, dtype and device to receive it into."""
         st = self._matrix(name)
-        return torch.empty_like(st.factors[_checked(factor)].statistic, dtype=self.settings.dtype)
+        return torch.empty_like(st.factors[_checked(factor)].statistic, dtype=self.dtype)
 
     def receive_root(self, name: str, factor: Factor, tensor: Tensor) -> None:
         """Store a received :meth:`shared_root` tensor as ``factor``'s pending roots (kept, not
@@ -187,7 +203,7 @@ class ShampooEngine:
         if tensor.shape != fs.statistic.shape:
             raise ValueError(f"Shampoo matrix {name!r}: {factor} roots of shape {tuple(tensor.shape)}, "
                              f"want {tuple(fs.statistic.shape)}")
-        value = tensor.to(device=fs.statistic.device, dtype=self.settings.dtype)
+        value = tensor.to(device=fs.statistic.device, dtype=self.dtype)
         views = block_views(value, st.info.block_sizes(factor))
         fs.pending = Roots(value, torch.stack([torch.isfinite(v).all() for v in views]))
 
@@ -211,7 +227,7 @@ class ShampooEngine:
     # ----------------------------------------------------------------- every step (no host reads)
     def precondition_all(self, keep: Callable[[nn.Parameter], bool] | None = None) -> None:
         """Replace every parameter's ``.grad`` by its Shampoo direction (see the module doc),
-        computed in ``settings.dtype`` and written back in ``.grad``'s dtype; with `keep`, only
+        computed in ``dtype`` and written back in ``.grad``'s dtype; with `keep`, only
         of the parameters it accepts (ZeRO-1: those this rank updates; the others' grafting state
         stays untouched).
 
@@ -224,8 +240,8 @@ class ShampooEngine:
         for name, p in self._parameters.items():
             if p.grad is None or (keep is not None and not keep(p)):
                 continue
-            g = p.grad.detach().to(self.settings.dtype)
-            graft = graft_direction(g, self._exp_avg_sq.get(name), self.settings, self._step)
+            g = p.grad.detach().to(self.dtype)
+            graft = graft_direction(g, self._exp_avg_sq.get(name), self._step, self.graft_beta2, self.graft_epsilon)
             st = self._matrices.get(name)
             direction = graft if st is None else self._shampoo_direction(st, g, graft)
             p.grad.copy_(direction)
@@ -250,7 +266,7 @@ class ShampooEngine:
         if set(state["exp_avg_sq"]) != set(self._exp_avg_sq):
             raise ValueError("Shampoo grafting state differs from this engine's (other grafting or parameters)")
         for name, entry in matrices.items():
-            _checkpoint.load_matrix_state(self._matrices[name], entry, self.settings)
+            _checkpoint.load_matrix_state(self._matrices[name], entry, self.dtype, self.statistics_dtype)
         for name, saved in state["exp_avg_sq"].items():
             target = self._exp_avg_sq[name]
             if saved.shape != target.shape:

@@ -24,14 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
+from pipefisher.methods.dtypes import dtype_name
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.health import ShampooHealth
-from pipefisher.methods.shampoo.settings import Grafting, RootMethod, ShampooSettings
+from pipefisher.methods.shampoo.method import Grafting, RootMethod, ShampooConfig
 
 
 class Shampoo:
     """Shampoo preconditioner of every trainable parameter of ``model`` (see
-    :class:`ShampooSettings` for the hyper-parameters and :class:`ShampooEngine` for the maths).
+    :class:`ShampooConfig` for the hyper-parameters and :class:`ShampooEngine` for the maths).
 
     ``skip``: globs of parameter names that only take the grafting direction. ``process_group``:
     the captured gradients are summed over it (``all_reduce``, SUM) before the statistics are
@@ -55,10 +56,9 @@ class Shampoo:
         skip: Iterable[str] = (),
         process_group: Any = None,
     ) -> None:
-        settings = ShampooSettings(beta2=beta2, epsilon=epsilon, block_size=block_size, root=root, grafting=grafting,
-                                   graft_beta2=graft_beta2, graft_epsilon=graft_epsilon, start_step=start_step, dtype=dtype,
-                                   statistics_dtype=statistics_dtype)
-        self.engine = ShampooEngine(model, settings, skip)
+        settings = ShampooConfig(beta2=beta2, epsilon=epsilon, block_size=block_size, root=root, grafting=grafting,
+                                 start_step=start_step, statistics_dtype=dtype_name(statistics_dtype))
+        self.engine = ShampooEngine(model, settings, skip, graft_beta2=graft_beta2, graft_epsilon=graft_epsilon, dtype=dtype)
         self.process_group = process_group
 
     def matrices(self) -> list[MatrixInfo]:

@@ -9,22 +9,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.methods.shampoo.settings import ShampooSettings
 
 
-def graft_direction(grad: Tensor, exp_avg_sq: Tensor | None, settings: ShampooSettings, step: int) -> Tensor:
+def graft_direction(grad: Tensor, exp_avg_sq: Tensor | None, step: int, beta2: float, epsilon: float) -> Tensor:
     """The grafting direction of ``grad`` at precondition call ``step`` (1-based), a new tensor.
 
-    With Adam grafting ``exp_avg_sq`` (same shape and dtype as ``grad``) is updated in place
-    first; otherwise it is unused (None).
+    Adam grafting (``β = beta2``, ``ε = epsilon``) has the second moment ``exp_avg_sq`` (same
+    shape and dtype as ``grad``), updated in place first; SGD and no grafting have None.
     """
-    if settings.grafting != "adam":
-        return grad.clone()
     if exp_avg_sq is None:
-        raise ValueError("Adam grafting needs its second-moment state")
-    b2 = settings.graft_beta2
+        return grad.clone()
+    b2 = beta2
     exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-    denominator = (exp_avg_sq / (1.0 - b2**step)).sqrt_().add_(settings.graft_epsilon)
+    denominator = (exp_avg_sq / (1.0 - b2**step)).sqrt_().add_(epsilon)
     return grad / denominator
 
 

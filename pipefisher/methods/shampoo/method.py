@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Literal
 
 from pipefisher.core.settings import STEP_CEILING, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
-from pipefisher.methods.settings import RefreshConfig
+from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
+
+#: how the inverse 4th root is computed: float64 eigendecomposition or the coupled Newton iteration
+RootMethod = Literal["eigen", "newton"]
+ROOT_METHODS: tuple[RootMethod, ...] = typing.get_args(RootMethod)
+#: the optimizer whose direction gives each block's step size
+Grafting = Literal["adam", "sgd", "none"]
+GRAFTINGS: tuple[Grafting, ...] = typing.get_args(Grafting)
 
 
 @dataclass(frozen=True)
@@ -16,14 +24,24 @@ class ShampooConfig(RefreshConfig):
     statistics come from the gradient of every refresh cycle's first step. Placement keys as
     `RefreshConfig`."""
 
+    # the one settings class of Shampoo: the run file's section, and what `ShampooEngine` takes
+    # (with the values of the rest of the run on their own: Adam grafting's decay and epsilon, dtype)
+
     beta2: float = setting(1.0, "decay of the statistics", low=0, high=1, low_open=True, note="1 = a plain sum")
     epsilon: float = setting(1e-12, "added before the inverse 4th root", low=0, low_open=True)
     block_size: int = setting(1024, "longer dimensions are cut into blocks of this size", low=0, low_open=True)
-    root: Literal["eigen", "newton"] = setting("eigen", "how the inverse 4th root is computed")
-    grafting: Literal["adam", "sgd", "none"] = setting("adam", "the step size comes from this optimizer's (adam: optimizer.betas[1], optimizer.eps)")
+    root: RootMethod = setting("eigen", "how the inverse 4th root is computed")
+    grafting: Grafting = setting("adam", "the step size comes from this optimizer's (adam: optimizer.betas[1], optimizer.eps)")
     start_step: int = setting(0, "steps before it use the grafting direction alone", low=0, ceiling=STEP_CEILING)
-    statistics_dtype: Literal["float64", "float32"] = setting(
+    statistics_dtype: StatisticsDtype = setting(
         "float64", "dtype of the statistics (GGᵀ squares the gradient's condition number; float32 resolves ~1e-7 of its largest eigenvalue)")
+
+    @property
+    def matrices_only(self) -> bool:
+        """Whether the engine holds only the matrices: the other parameters take the run's
+        first-order rule, unless they step with Shampoo's SGD (first_order sgd) and so take the
+        grafting direction."""
+        return self.first_order != "sgd"
 
 
 #: Shampoo's statistics need the stage's whole gradient: one sync (named A) carries it to both factors

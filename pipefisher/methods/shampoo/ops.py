@@ -15,7 +15,7 @@ gradient (grafting is not linear), so it runs in the step end, right before the 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.shampoo.engine import ShampooEngine
-from pipefisher.methods.shampoo.settings import ShampooSettings
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
@@ -36,14 +35,12 @@ from pipefisher.runtime.pipeline.clock import timed_ms
 from pipefisher.runtime.pipeline.comm import Comm, Handle
 
 
-def shampoo_settings(config: RunConfig) -> ShampooSettings:
-    """The engine's settings from the run's shampoo section; Adam grafting takes optimizer.betas[1]
+def shampoo_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> ShampooEngine:
+    """The engine of the run's shampoo section for `module`: Adam grafting takes optimizer.betas[1]
     and optimizer.eps; it holds only the matrices unless the rest steps with Shampoo's SGD
-    (`shampoo.first_order` sgd)."""
-    s, o = config.shampoo, config.optimizer
-    return ShampooSettings(beta2=s.beta2, epsilon=s.epsilon, block_size=s.block_size, root=s.root, grafting=s.grafting,
-                           graft_beta2=o.betas[1], graft_epsilon=o.eps, start_step=s.start_step,
-                           statistics_dtype=getattr(torch, s.statistics_dtype), matrices_only=s.first_order != "sgd")
+    (`ShampooConfig.matrices_only`)."""
+    return ShampooEngine(module, config.shampoo, skip, graft_beta2=config.optimizer.betas[1], graft_epsilon=config.optimizer.eps,
+                         matrices_only=config.shampoo.matrices_only)
 
 
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -63,8 +60,7 @@ class ShampooRuntime(CurvatureRuntime):
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
-        settings = shampoo_settings(config)
-        self.engines = {key: ShampooEngine(module, settings, skip) for key, module in modules.items()}
+        self.engines = {key: shampoo_engine(config, module, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
@@ -167,9 +163,8 @@ class ShampooTimer(TaskTimer):
     method = "shampoo"
 
     def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
-        settings = shampoo_settings(config)
         self.modules = modules
-        self.engines = {key: ShampooEngine(module, settings, skip) for key, module in modules.items()}  # throwaway
+        self.engines = {key: shampoo_engine(config, module, skip) for key, module in modules.items()}  # throwaway
         self._measured: dict[tuple[int, str], LayerMeasurement] | None = None
 
     def before_optimizer_step(self) -> None:

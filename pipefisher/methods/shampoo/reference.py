@@ -8,9 +8,8 @@ from torch import nn
 
 from pipefisher.config import RunConfig
 from pipefisher.methods.interface import ReferenceCurvature
-from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.interface import tied_copies
-from pipefisher.methods.shampoo.ops import shampoo_settings
+from pipefisher.methods.shampoo.ops import shampoo_engine
 
 
 class ReferenceShampoo(ReferenceCurvature):
@@ -19,7 +18,7 @@ class ReferenceShampoo(ReferenceCurvature):
 
     def __init__(self, config: RunConfig, model, modules: nn.Module):
         super().__init__(config, model, modules)
-        self.engine = ShampooEngine(modules, shampoo_settings(config), skip=tied_copies(model))
+        self.engine = shampoo_engine(config, modules, tied_copies(model))
         self._loss_scale = None
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.methods.shampoo.settings import RootMethod
+from pipefisher.methods.shampoo.method import RootMethod
 
 ROOT_ORDER = 4  # Shampoo on a matrix preconditions each side with the inverse 4th root
 NEWTON_ITERATIONS = 100

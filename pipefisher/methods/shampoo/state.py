@@ -25,8 +25,8 @@ class Roots:
 
 @dataclass
 class FactorState:
-    """One factor of a matrix: the flat ``statistic`` (all blocks, zeros at first, in the settings'
-    ``statistics_dtype``), roots (in the settings' ``dtype``) computed
+    """One factor of a matrix: the flat ``statistic`` (all blocks, zeros at first, in the engine's
+    ``statistics_dtype``), roots (in the engine's ``dtype``) computed
     or received since the last commit (``pending``), roots in use (``committed``; None before the
     first commit) and device int64 ``counters`` (:mod:`pipefisher.methods.shampoo.health`)."""
 

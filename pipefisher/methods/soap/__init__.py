@@ -9,7 +9,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "SOAP": "front", "SoapStep": "front", "SoapEngine": "engine", "SoapHealth": "health", "SoapNumericsWarning": "health",
-    "SoapSettings": "settings",
+    "SoapConfig": "method",
 }
 __all__ = sorted(_EXPORTS)
 

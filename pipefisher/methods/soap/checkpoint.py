@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipefisher.methods.soap.settings import SoapSettings
 from pipefisher.methods.soap.state import MatrixState, pending_numel
 
 #: a factor's optional tensors (absent ones are left out, never None)
@@ -22,9 +21,9 @@ def matrix_state(st: MatrixState) -> dict[str, Any]:
     return entry
 
 
-def load_matrix_state(st: MatrixState, entry: dict[str, Any], settings: SoapSettings) -> None:
+def load_matrix_state(st: MatrixState, entry: dict[str, Any], float_dtype: torch.dtype, statistics_dtype: torch.dtype) -> None:
     """Restore :func:`matrix_state` output into ``st`` as copies on its parameter's device, the
-    statistic and snapshot in ``settings.statistics_dtype``, other floats in ``settings.dtype``;
+    statistic and snapshot in ``statistics_dtype``, other floats in ``float_dtype``;
     sizes must match ``st.info`` (ValueError naming the matrix otherwise)."""
     info, device = st.info, st.parameter.device
 
@@ -34,15 +33,15 @@ def load_matrix_state(st: MatrixState, entry: dict[str, Any], settings: SoapSett
         return t.to(device=device, dtype=dtype or t.dtype, copy=True)
 
     rows, cols = info.shape
-    st.exp_avg = tensor(entry["exp_avg"], rows * cols, "exp_avg", settings.dtype).view(info.shape)
-    st.exp_avg_sq = tensor(entry["exp_avg_sq"], rows * cols, "exp_avg_sq", settings.dtype).view(info.shape)
+    st.exp_avg = tensor(entry["exp_avg"], rows * cols, "exp_avg", float_dtype).view(info.shape)
+    st.exp_avg_sq = tensor(entry["exp_avg_sq"], rows * cols, "exp_avg_sq", float_dtype).view(info.shape)
     st.counters = tensor(entry["counters"], len(st.counters), "counters", None)
     st.updates = int(entry["updates"])
     for factor, fs in st.factors.items():
         slot = entry[factor]
         numel = info.statistic_numel(factor)
         sizes = {"snapshot": numel, "basis": numel, "pending": pending_numel(info, factor)}
-        dtypes = {"snapshot": settings.statistics_dtype, "basis": settings.dtype, "pending": settings.dtype}
-        fs.statistic = tensor(slot["statistic"], numel, f"{factor} statistic", settings.statistics_dtype)
+        dtypes = {"snapshot": statistics_dtype, "basis": float_dtype, "pending": float_dtype}
+        fs.statistic = tensor(slot["statistic"], numel, f"{factor} statistic", statistics_dtype)
         for name in SLOTS:
             setattr(fs, name, tensor(slot[name], sizes[name], f"{factor} {name}", dtypes[name]) if name in slot else None)

@@ -32,22 +32,32 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipefisher.core.settings import check_section
 from pipefisher.methods.blocks import Factor, MatrixInfo, block_views
 from pipefisher.methods.counters import read_counters
+from pipefisher.methods.dtypes import torch_dtype, working_dtype
 from pipefisher.methods.soap import checkpoint as _checkpoint
 from pipefisher.methods.soap.basis import eigenbasis, power_basis
 from pipefisher.methods.soap.health import KEPT_BASES, SKIPPED_STATISTICS, SoapHealth, SoapNumericsWarning, message
-from pipefisher.methods.soap.settings import SoapSettings
+from pipefisher.methods.soap.method import SOAP, SoapConfig
 from pipefisher.methods.soap.state import MatrixState, matrix_parameters, new_matrix, pending_numel
 
 
 class SoapEngine:
     """SOAP state of the matrices of ``module`` (`pipefisher.methods.soap.state.matrix_parameters`
-    with the ``skip`` globs) and the operations on it; all state on each parameter's device."""
+    with the ``skip`` globs) and the operations on it; all state on each parameter's device: the
+    statistics, their snapshot and the refresh maths in ``settings.statistics_dtype`` (float64 by
+    default: it resolves the statistics' null space far below the tie-break that fixes the
+    eigenbasis there, `pipefisher.methods.soap.basis`), the eigenbases and moments in ``dtype``
+    (float32 or float64). ``settings``: the run-file section (checked, `check_section`)."""
 
-    def __init__(self, module: nn.Module, settings: SoapSettings | None = None, skip: Iterable[str] = ()) -> None:
-        self.settings = settings or SoapSettings()
-        self._matrices = {name: new_matrix(name, p, self.settings) for name, p in matrix_parameters(module, skip).items()}
+    def __init__(self, module: nn.Module, settings: SoapConfig | None = None, skip: Iterable[str] = (), *,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.settings = settings or SoapConfig()
+        check_section(self.settings, SOAP.name)
+        self.dtype, self.statistics_dtype = working_dtype(dtype), torch_dtype(self.settings.statistics_dtype)
+        self._matrices = {name: new_matrix(name, p, self.settings.block_size, self.dtype, self.statistics_dtype)
+                          for name, p in matrix_parameters(module, skip).items()}
         #: counter totals per matrix already accounted for; present once warned
         self._baseline: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -84,13 +94,13 @@ class SoapEngine:
     def precondition_all(self, keep: Callable[[nn.Parameter], bool] | None = None) -> None:
         """SOAP's step-end work on every matrix with a ``.grad`` (with `keep`: those it accepts),
         see the module doc: ``.grad`` becomes the direction (in its own dtype; computed in
-        ``settings.dtype``), and the gradient is folded into the statistics; a matrix's first call
+        ``dtype``), and the gradient is folded into the statistics; a matrix's first call
         takes its first eigenbases instead of a direction and zeroes ``.grad``."""
         for st in self._matrices.values():
             p = st.parameter
             if p.grad is None or (keep is not None and not keep(p)):
                 continue
-            g = p.grad.detach().reshape(st.info.shape).to(self.settings.dtype)
+            g = p.grad.detach().reshape(st.info.shape).to(self.dtype)
             self._fold(st, g)
             if st.started:
                 p.grad.copy_(self._direction(st, g).view_as(p.grad))
@@ -139,7 +149,7 @@ class SoapEngine:
     def basis_buffer(self, name: str, factor: Factor) -> Tensor:
         """An empty tensor of :meth:`shared_basis`'s shape, dtype and device."""
         st = self._matrix(name)
-        return torch.empty(pending_numel(st.info, factor), dtype=self.settings.dtype, device=st.parameter.device)
+        return torch.empty(pending_numel(st.info, factor), dtype=self.dtype, device=st.parameter.device)
 
     def receive_basis(self, name: str, factor: Factor, tensor: Tensor) -> None:
         """Keep a received :meth:`shared_basis` tensor as ``factor``'s pending result (ignored
@@ -149,7 +159,7 @@ class SoapEngine:
         if tensor.numel() != pending_numel(st.info, factor):
             raise ValueError(f"SOAP matrix {name!r}: {factor} basis of {tensor.numel()} elements, want {pending_numel(st.info, factor)}")
         if fs.snapshot is not None:
-            fs.pending = tensor.to(device=st.parameter.device, dtype=self.settings.dtype)
+            fs.pending = tensor.to(device=st.parameter.device, dtype=self.dtype)
 
     def commit(self) -> None:
         """Pending bases become the ones in use, and each block's second moment follows its
@@ -188,7 +198,7 @@ class SoapEngine:
         if set(matrices) != set(self._matrices):
             raise ValueError(f"SOAP matrices differ: checkpoint {sorted(matrices)} vs model {sorted(self._matrices)}")
         for name, entry in matrices.items():
-            _checkpoint.load_matrix_state(self._matrices[name], entry, self.settings)
+            _checkpoint.load_matrix_state(self._matrices[name], entry, self.dtype, self.statistics_dtype)
         self._baseline = {name: sum(values) for name, values in self._read_counters().items()}
         self._warned = set()
 
@@ -220,7 +230,7 @@ class SoapEngine:
     def _fold(self, st: MatrixState, g: Tensor) -> None:
         """``S <- lerp(S, G Gᵀ or Gᵀ G, 1 - β_s)`` per block and factor; a non-finite gradient
         leaves the statistics unchanged and is counted (device-side)."""
-        g = g.to(self.settings.statistics_dtype)
+        g = g.to(self.statistics_dtype)
         finite = torch.isfinite(g).all()
         g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
         weight = torch.where(finite, 1.0 - self.settings.statistics_decay, 0.0).to(g.dtype)
@@ -235,7 +245,7 @@ class SoapEngine:
         """Each factor's first eigenbases from its statistics (the identity where that fails)."""
         for factor, fs in st.factors.items():
             sizes = st.info.block_sizes(factor)
-            basis = torch.empty_like(fs.statistic, dtype=self.settings.dtype)
+            basis = torch.empty_like(fs.statistic, dtype=self.dtype)
             views, stats = block_views(basis, sizes), block_views(fs.statistic, sizes)
             for n in sorted(set(sizes)):
                 indices = [k for k, size in enumerate(sizes) if size == n]

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
+from pipefisher.methods.dtypes import dtype_name
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.health import SoapHealth
-from pipefisher.methods.soap.settings import SoapSettings
+from pipefisher.methods.soap.method import SoapConfig
 from pipefisher.optim.decoupled import DecoupledStep
 
 
@@ -47,9 +48,9 @@ class SOAP:
                  dtype: torch.dtype = torch.float32, statistics_dtype: torch.dtype = torch.float64) -> None:
         if precondition_frequency < 1:
             raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-        settings = SoapSettings(beta1=betas[0], beta2=betas[1], statistics_beta=statistics_beta, epsilon=eps, block_size=block_size,
-                                dtype=dtype, statistics_dtype=statistics_dtype)
-        self.engine = SoapEngine(model, settings, skip)
+        settings = SoapConfig(beta1=betas[0], beta2=betas[1], statistics_beta=statistics_beta or 0.0, epsilon=eps,
+                              block_size=block_size, statistics_dtype=dtype_name(statistics_dtype))
+        self.engine = SoapEngine(model, settings, skip, dtype=dtype)
         self.optimizer = SoapStep(self.engine.parameters(), lr, weight_decay)
         self.frequency = precondition_frequency
         self.steps = 0

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pipefisher.core.settings import ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
-from pipefisher.methods.settings import RefreshConfig
+from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
 
 
 @dataclass(frozen=True)
@@ -19,14 +19,22 @@ class SoapConfig(RefreshConfig):
     interval (precondition frequency) is 10 where one is fixed (refresh_steps; 0 lets the packer
     choose). Placement keys as `RefreshConfig`."""
 
+    # the one settings class of SOAP: the run file's section, and what `SoapEngine` takes (with its
+    # own working dtype)
+
     lr: float = setting(3e-3, "learning rate of SOAP's step (0 = optimizer.lr)", low=0)
     beta1: float = setting(0.95, "decay of Adam's first moment", low=0, high=1, high_open=True)
     beta2: float = setting(0.95, "decay of Adam's second moment (in the eigenbasis)", low=0, high=1, high_open=True)
     statistics_beta: float = setting(0.0, "decay of the statistics L, R", low=0, high=1, high_open=True, note="0 = beta2")
     epsilon: float = setting(1e-8, "added to the square root of the second moment", low=0, low_open=True)
     block_size: int = setting(1024, "longer dimensions are cut into blocks of this size", low=0, low_open=True)
-    statistics_dtype: Literal["float64", "float32"] = setting(
+    statistics_dtype: StatisticsDtype = setting(
         "float64", "dtype of the statistics (float64 resolves their null space, which decides the eigenbasis there)")
+
+    @property
+    def statistics_decay(self) -> float:
+        """The decay of the statistics in use: `statistics_beta`, or `beta2` when it is 0."""
+        return self.statistics_beta or self.beta2
 
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:

@@ -30,7 +30,6 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.soap.engine import SoapEngine
-from pipefisher.methods.soap.settings import SoapSettings
 from pipefisher.methods.soap.state import matrix_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
@@ -38,13 +37,6 @@ from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.pipeline.clock import timed_ms
 from pipefisher.runtime.pipeline.comm import Comm, Handle
-
-
-def soap_settings(config: RunConfig) -> SoapSettings:
-    """The engine's settings from the run's soap section (statistics_beta 0 means beta2)."""
-    s = config.soap
-    return SoapSettings(beta1=s.beta1, beta2=s.beta2, statistics_beta=s.statistics_beta or None, epsilon=s.epsilon,
-                        block_size=s.block_size, statistics_dtype=getattr(torch, s.statistics_dtype))
 
 
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -63,8 +55,7 @@ class SoapRuntime(CurvatureRuntime):
     def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
                  plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
         self.topology, self.rank, self.comm = topology, rank, comm
-        settings = soap_settings(config)
-        self.engines = {key: SoapEngine(module, settings, skip) for key, module in modules.items()}
+        self.engines = {key: SoapEngine(module, config.soap, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
         self.set_plan(plan)
@@ -111,9 +102,8 @@ class SoapTimer(TaskTimer):
     method = "soap"
 
     def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
-        settings = soap_settings(config)
         self.modules = modules
-        self.engines = {key: SoapEngine(module, settings, skip) for key, module in modules.items()}  # throwaway
+        self.engines = {key: SoapEngine(module, config.soap, skip) for key, module in modules.items()}  # throwaway
 
     def before_optimizer_step(self) -> None:
         for engine in self.engines.values():

@@ -9,7 +9,6 @@ from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.interface import ReferenceCurvature
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.interface import tied_copies
-from pipefisher.methods.soap.ops import soap_settings
 
 
 class ReferenceSoap(ReferenceCurvature):
@@ -19,7 +18,7 @@ class ReferenceSoap(ReferenceCurvature):
 
     def __init__(self, config: RunConfig, model, modules: nn.Module):
         super().__init__(config, model, modules)
-        self.engine = SoapEngine(modules, soap_settings(config), skip=tied_copies(model))
+        self.engine = SoapEngine(modules, config.soap, skip=tied_copies(model))
 
     def before_optimizer_update(self, step: int) -> None:
         self.engine.precondition_all()

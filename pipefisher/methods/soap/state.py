@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo
 from pipefisher.methods.counters import zero_counters
 from pipefisher.methods.soap.health import SoapHealth
-from pipefisher.methods.soap.settings import SoapSettings
 
 
 @dataclass
@@ -61,12 +60,13 @@ def matrix_parameters(module: nn.Module, skip: Iterable[str]) -> dict[str, nn.Pa
             if p.requires_grad and p.dim() >= 2 and id(p) not in tables and not any(fnmatch.fnmatchcase(name, g) for g in patterns)}
 
 
-def new_matrix(name: str, parameter: nn.Parameter, settings: SoapSettings) -> MatrixState:
-    """Zero statistics and moments, no eigenbases, for ``parameter``, on its device."""
-    info = MatrixInfo.of(name, tuple(parameter.shape), settings.block_size)
+def new_matrix(name: str, parameter: nn.Parameter, block_size: int, dtype: torch.dtype, statistics_dtype: torch.dtype) -> MatrixState:
+    """Zero statistics (in ``statistics_dtype``) and moments (in ``dtype``), no eigenbases, for
+    ``parameter`` cut into blocks of ``block_size``, on its device."""
+    info = MatrixInfo.of(name, tuple(parameter.shape), block_size)
     device = parameter.device
-    moments = [torch.zeros(info.shape, dtype=settings.dtype, device=device) for _ in range(2)]
-    factors = {f: FactorState(torch.zeros(info.statistic_numel(f), dtype=settings.statistics_dtype, device=device)) for f in FACTORS}
+    moments = [torch.zeros(info.shape, dtype=dtype, device=device) for _ in range(2)]
+    factors = {f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device)) for f in FACTORS}
     return MatrixState(info, parameter, *moments, zero_counters(SoapHealth, device), factors)
 
 
