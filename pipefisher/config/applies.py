@@ -1,6 +1,7 @@
 """Which model and data kinds read which keys: a key set (to other than its default) that the
 run's `model.kind` or `data.kind` does not read is refused in one line naming what reads it,
-instead of being ignored in silence. One table, `APPLIES`; keys not in it are read by every kind.
+instead of being ignored in silence. One table, `applies`: the model keys each registered model
+kind declares it reads, and `DATA_APPLIES`; keys not in it are read by every kind.
 
 Curvature-method sections are not in it: a run file carries the sections of several methods for
 `--optimizer` to choose from (`schedules/tiny-cpu.yaml`), so a method's section set while another
@@ -13,37 +14,37 @@ import dataclasses
 from typing import Any
 
 from pipefisher.core.settings import ConfigError
+from pipefisher.models.registry import kinds, model_kind, readers
 
-_NETS = ("transformer", "mlp")
 _TEXT = ("bert", "causal")
 
-#: "section.key" -> (the key that chooses, the values of it that read the key)
-APPLIES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "model.preset": ("model.kind", ("bert",)),
-    "model.config_json": ("model.kind", ("bert",)),
-    "model.hf_config": ("model.kind", ("hf",)),
-    "model.hf_class": ("model.kind", ("hf",)),
-    "model.hf_weights": ("model.kind", ("hf",)),
-    "model.dropout": ("model.kind", ("bert", "hf")),
-    "model.layers": ("model.kind", _NETS),
-    "model.hidden": ("model.kind", _NETS),
-    "model.heads": ("model.kind", ("transformer",)),
-    "model.ffn": ("model.kind", ("transformer",)),
-    "model.input_dim": ("model.kind", _NETS),
-    "model.output_dim": ("model.kind", _NETS),
-    "data.corpus": ("data.kind", _TEXT),
-    "data.vocab_size": ("data.kind", _TEXT),
-    "data.holdout": ("data.kind", _TEXT),
-    "data.vocab": ("data.kind", ("bert",)),
-    "data.mask_prob": ("data.kind", ("bert",)),
+#: "data.key" -> the data kinds that read it; the model part of the table is each model kind's
+#: declared keys (`pipefisher.models.kind.ModelKind.keys`)
+DATA_APPLIES: dict[str, tuple[str, ...]] = {
+    "data.corpus": _TEXT,
+    "data.vocab_size": _TEXT,
+    "data.holdout": _TEXT,
+    "data.vocab": ("bert",),
+    "data.mask_prob": ("bert",),
 }
+#: what a data kind reads instead of the keys of others, for the refusal's last words
+_DATA_INSTEAD = {"synthetic": "it makes regression data from data.seed alone"}
 
-#: what a kind reads instead of the keys of others, for the refusal's last words
-_INSTEAD = {
-    "model.kind bert": "its size comes from model.preset or model.config_json",
-    "model.kind hf": "its size comes from model.hf_config",
-    "data.kind synthetic": "it makes regression data from data.seed alone",
-}
+
+def applies(config: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """"section.key" -> (the key that chooses, the values of it that read the key): the `model`
+    keys some registered model kind does not read (in `ModelConfig`'s order), then `DATA_APPLIES`."""
+    model_keys = {f"model.{field.name}": ("model.kind", readers(field.name)) for field in dataclasses.fields(config.model)}
+    every = tuple(kinds())
+    return {key: rule for key, rule in model_keys.items() if rule[1] != every} | {
+        key: ("data.kind", kinds_of_data) for key, kinds_of_data in DATA_APPLIES.items()}
+
+
+def _instead(chooser: str, chosen: str) -> str:
+    """What the chosen kind reads instead of a key it does not ("" = nothing to say)."""
+    if chooser == "model.kind":
+        return model_kind(chosen).instead
+    return _DATA_INSTEAD.get(chosen, "")
 
 
 def _value(config: Any, key: str) -> Any:
@@ -57,12 +58,12 @@ def _default(config: Any, key: str) -> Any:
 
 
 def check_applies(config: Any) -> None:
-    """ConfigError for the first key of `APPLIES` set to other than its default while the run's
+    """ConfigError for the first key of `applies(config)` set to other than its default while the run's
     choosing key has a value that does not read it: "model.hidden: read by model.kind transformer
     or mlp; this run's model.kind is bert (its size comes from model.preset ...); drop it"."""
-    for key, (chooser, readers) in APPLIES.items():
+    for key, (chooser, reading) in applies(config).items():
         chosen = _value(config, chooser)
-        if chosen not in readers and _value(config, key) != _default(config, key):
-            instead = _INSTEAD.get(f"{chooser} {chosen}")
-            raise ConfigError(f"{key}: read by {chooser} {' or '.join(readers)}; this run's {chooser} is {chosen}"
+        if chosen not in reading and _value(config, key) != _default(config, key):
+            instead = _instead(chooser, chosen)
+            raise ConfigError(f"{key}: read by {chooser} {' or '.join(reading)}; this run's {chooser} is {chosen}"
                               + (f" ({instead})" if instead else "") + f"; drop {key}")

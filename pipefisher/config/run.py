@@ -23,6 +23,7 @@ from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig
 from pipefisher.core.settings import ConfigError, check_ranges, closest
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
+from pipefisher.models.registry import kinds, model_kind
 from pipefisher.planning.comm.actions import GradientPath, Reduction
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 
@@ -229,26 +230,28 @@ def split_hint(layers: int, what: str) -> str:
 
 def _check(config: RunConfig) -> None:
     pipeline, model = config.pipeline, config.model
+    kind = model_kind(model.kind)
     if pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if model.kind in ("transformer", "mlp") and model.layers % config.model_chunks:
+    blocks = getattr(model, kind.blocks_key) if kind.blocks_key else 0
+    if blocks % config.model_chunks:
         factors, product = stage_count_terms(pipeline)
         raise ConfigError(
-            f"model.layers: {model.layers} blocks cannot be split into {config.model_chunks} equal stages "
-            f"({factors}); {split_hint(model.layers, product)}"
+            f"model.{kind.blocks_key}: {blocks} blocks cannot be split into {config.model_chunks} equal stages "
+            f"({factors}); {split_hint(blocks, product)}"
         )
-    fits = {"transformer": ("synthetic",), "mlp": ("synthetic",), "bert": ("bert",), "hf": ("causal", "bert")}[model.kind]
-    if config.data.kind not in fits:
+    if config.data.kind not in kind.data:
         raise ConfigError(f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; it needs data.kind "
-                          + " or ".join(fits))
+                          + " or ".join(kind.data))
     if config.data.tokenizer and config.data.kind != "causal":
         raise ConfigError("data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab")
     check_applies(config)
     names = FIRST_ORDER + tuple(name for name, _ in config.methods)
     if config.optimizer.name not in names:
         raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
-    if model.kind == "transformer" and model.hidden % model.heads:
-        raise ConfigError(f"model.heads: {model.heads} does not divide model.hidden {model.hidden}")
+    problem = kind.check(model)
+    if problem:
+        raise ConfigError(problem)
     for name, section in config.methods:
         section.check(name, config)
     _ = config.gradient_path  # raises ConfigError unless the reduction and gradient workers combine
@@ -265,17 +268,19 @@ def _check(config: RunConfig) -> None:
 
 
 def _check_tensor_parallel(config: RunConfig) -> None:
-    """The rules of pipeline.tensor_parallel T > 1 that the run file alone decides (the widths of
-    bert and hf models are checked when the model is built)."""
+    """The rules of pipeline.tensor_parallel T > 1 that the run file alone decides (the widths a
+    model reads from elsewhere, e.g. bert and hf configs, are checked when the model is built)."""
     model, degree = config.model, config.pipeline.tensor_parallel
-    if model.kind == "mlp":
-        raise ConfigError("pipeline.tensor_parallel: model.kind mlp has no tensor-parallel split; use model.kind transformer, "
-                          "bert or hf, or pipeline.tensor_parallel 1")
-    if model.kind == "transformer":
-        for name, value in (("heads", model.heads), ("ffn", model.ffn)):
-            if value % degree:
-                raise ConfigError(f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; "
-                                  f"make it a divisor of {value}")
+    kind = model_kind(model.kind)
+    if not kind.tensor_parallel:
+        splittable = ", ".join(name for name, other in kinds().items() if other.tensor_parallel)
+        raise ConfigError(f"pipeline.tensor_parallel: model.kind {kind.name} has no tensor-parallel split; use model.kind "
+                          f"{splittable}, or pipeline.tensor_parallel 1")
+    for name in kind.tensor_parallel_divides:
+        value = getattr(model, name)
+        if value % degree:
+            raise ConfigError(f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; "
+                              f"make it a divisor of {value}")
     if config.run.compile:
         raise ConfigError("run.compile: tensor-parallel blocks call collectives inside forward and backward, which "
                           "compiled blocks do not; set run.compile false or pipeline.tensor_parallel 1")

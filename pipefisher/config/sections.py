@@ -4,11 +4,11 @@ each key declared once: its type, default, range and one line of documentation. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from pipefisher.core.names import Backend, Precision, Recompute
 from pipefisher.core.settings import COUNT_CEILING, STEP_CEILING, setting
+from pipefisher.models.registry import model_kind
 from pipefisher.schedules import SCHEDULES
 
 
@@ -20,8 +20,9 @@ BertPreset = Literal["bert-tiny", "bert-mini", "bert-4x128", "bert-base", "bert-
 class ModelConfig:
     """The model and how it is cut into stages."""
 
-    kind: Literal["transformer", "mlp", "bert", "hf"] = setting(
-        "transformer", "transformer/mlp: a small regression model; bert: BERT pretraining (MLM + NSP); hf: a Hugging Face model (the hf extra)")
+    kind: str = setting(
+        "transformer", "a kind of `pipefisher.models.registry`: transformer/mlp: a small regression model; bert: BERT pretraining "
+                       "(MLM + NSP); hf: a Hugging Face model (the hf extra)")
     preset: BertPreset = setting("bert-tiny", "bert: the size of the model (`pipefisher.models.bert.BERT_PRESETS`)")
     config_json: str = setting("", "a Hugging Face BERT config.json instead of the preset (\"\" = the preset)")
     hf_config: str = setting("gpt2-tiny", "hf: a config.json path, or a config shipped with pipefisher (gpt2-tiny, bert-tiny, llama-tiny, gpt2-medium)")
@@ -45,12 +46,7 @@ class ModelConfig:
         """The model in one line, as a profile records what it measured (its `model`): "bert
         bert-base", "hf gpt2-tiny", "transformer layers 4 hidden 32 heads 2 ffn 64", ...; files
         by their name. Two runs of one identity time alike per micro-batch of one shape."""
-        if self.kind == "bert":
-            return f"bert {Path(self.config_json).name if self.config_json else self.preset}"
-        if self.kind == "hf":
-            return " ".join(part for part in ("hf", Path(self.hf_config).name, self.hf_class) if part)
-        shape = f"layers {self.layers} hidden {self.hidden} input_dim {self.input_dim} output_dim {self.output_dim}"
-        return f"mlp {shape}" if self.kind == "mlp" else f"transformer {shape} heads {self.heads} ffn {self.ffn}"
+        return model_kind(self.kind).identity(self)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
-"""Models cut into pipeline stages, behind one interface the runtime and the reference use."""
+"""Models cut into pipeline stages, behind one interface the runtime and the reference use. The
+kinds of model a run file names are declared in `pipefisher.models.registry`. Importing this
+package does not import torch (the registry is read by torch-free configuration and planning)."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Protocol
 
 from pipefisher.core.tensor_parallel import TensorParallelPlan
 
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
 #: one micro-batch: named tensors (inputs, targets, masks, labels) of the data source
-Batch = dict[str, Tensor]
+Batch = dict[str, "Tensor"]
 
 
 class StagedModel(Protocol):

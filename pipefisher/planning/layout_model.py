@@ -3,8 +3,9 @@ building the model (pure Python: no torch), and the planner's error.
 
 BERT presets are listed here by their sizes (`pipefisher.models.bert.BERT_PRESETS` builds them
 with torch); a BERT `model.config_json` and Hugging Face configs (`model.hf_config`, shipped or a
-path) are read as JSON (GPT-2's and BERT/Llama's key names). `model.kind mlp` has no attention
-block to plan for: `PlanError`.
+path) are read as JSON (GPT-2's and BERT/Llama's key names); each kind's function here is named by
+its declaration (`ModelKind.sizes`). A kind without one (`model.kind mlp`: no attention block to
+plan for) is a `PlanError`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from pipefisher.config import RunConfig
+from pipefisher.models.kind import load
+from pipefisher.models.registry import kinds, model_kind
 from pipefisher.planning.activation_memory import ModelShape
 
 
@@ -42,13 +45,15 @@ _KEYS = {"blocks": ("n_layer", "num_hidden_layers"), "hidden": ("n_embd", "hidde
 @dataclass(frozen=True)
 class ModelSizes:
     """A run's model as the planner takes it: its `kind` (run-file `model.kind`), `name` (the preset
-    or config it came from, what the reference CSVs are named after) and `shape` (blocks, hidden,
+    or config it came from, what the reference CSVs are named after), `shape` (blocks, hidden,
     heads, FFN width, vocabulary (0: none), sequence length and what the activation model needs
-    beside them); the sizes are read off the shape."""
+    beside them) and `head_transform`; the sizes are read off the shape."""
 
     kind: str
     name: str
     shape: ModelShape
+    #: its heads transform the hidden state before the vocabulary projection (BERT's)
+    head_transform: bool = False
 
     @property
     def blocks(self) -> int:
@@ -102,30 +107,50 @@ def _json_sizes(path: Path | Any, what: str) -> dict[str, Any]:
 
 
 def model_sizes(config: RunConfig) -> ModelSizes:
-    """The sizes of `config`'s model (PlanError for a kind or preset without them)."""
+    """The sizes of `config`'s model, by its kind's `sizes` (`pipefisher.models.registry`);
+    PlanError for a kind or preset without them."""
+    kind = model_kind(config.model.kind)
+    if not kind.sizes:
+        plannable = [name for name, other in kinds().items() if other.sizes]
+        raise PlanError(f"model.kind: {kind.name} has no attention blocks to plan a layout for; "
+                        f"use model.kind {', '.join(plannable[:-1])} or {plannable[-1]}")
+    return load(kind.sizes)(config)
+
+
+def transformer_sizes(config: RunConfig) -> ModelSizes:
+    """The sizes of model.kind transformer: its run-file keys."""
     model = config.model
-    if model.kind == "mlp":
-        raise PlanError("model.kind: mlp has no attention blocks to plan a layout for; use model.kind bert, hf or transformer")
-    if model.kind == "transformer":
-        shape = ModelShape("tiny", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len,
-                           inputs=model.input_dim, outputs=model.output_dim)
-        return ModelSizes("transformer", "transformer", shape)
-    if model.kind == "bert" and not model.config_json:
-        if model.preset not in BERT_PRESET_SIZES:
-            raise PlanError(f"model.preset: {model.preset!r} has no sizes here; use one of {', '.join(BERT_PRESET_SIZES)}")
-        blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
-        dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
-        shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
-        return ModelSizes("bert", model.preset, shape)
-    where: Path | Any  # a shipped config is a resource (a Traversable), not always a Path
-    if model.kind == "bert":
-        where, name = Path(model.config_json), Path(model.config_json).stem
-    else:
-        shipped = resources.files("pipefisher.models").joinpath("hf_configs").joinpath(f"{model.hf_config}.json")
-        where = shipped if shipped.is_file() else Path(model.hf_config)
-        name = model.hf_config
-    found = _json_sizes(where, "model.config_json" if model.kind == "bert" else "model.hf_config")
+    shape = ModelShape("tiny", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len,
+                       inputs=model.input_dim, outputs=model.output_dim)
+    return ModelSizes("transformer", "transformer", shape)
+
+
+def bert_sizes(config: RunConfig) -> ModelSizes:
+    """The sizes of model.kind bert: its preset's, or its `model.config_json`'s; its heads have
+    BERT's transform before the vocabulary projection."""
+    model = config.model
+    if model.config_json:
+        return _config_json_sizes(config, Path(model.config_json), Path(model.config_json).stem, "model.config_json", True)
+    if model.preset not in BERT_PRESET_SIZES:
+        raise PlanError(f"model.preset: {model.preset!r} has no sizes here; use one of {', '.join(BERT_PRESET_SIZES)}")
+    blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
+    dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
+    shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
+    return ModelSizes("bert", model.preset, shape, head_transform=True)
+
+
+def hf_sizes(config: RunConfig) -> ModelSizes:
+    """The sizes of model.kind hf: its `model.hf_config`'s (shipped or a path)."""
+    model = config.model
+    shipped = resources.files("pipefisher.models").joinpath("hf_configs").joinpath(f"{model.hf_config}.json")
+    return _config_json_sizes(config, shipped if shipped.is_file() else Path(model.hf_config), model.hf_config, "model.hf_config", False)
+
+
+def _config_json_sizes(config: RunConfig, where: Path | Any, name: str, key: str, head_transform: bool) -> ModelSizes:
+    """The sizes of the config.json at `where` (named `name`, read for run-file key `key`)."""
+    model = config.model
+    found = _json_sizes(where, key)
     dropout = found["dropout"] if model.dropout < 0 or found["architecture"] != "bert" else model.dropout
     shape = ModelShape(found["architecture"], found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"],
                        model.seq_len, kv_heads=found["kv_heads"], dropout=dropout)
-    return ModelSizes(model.kind, name, shape)
+    return ModelSizes(model.kind, name, shape, head_transform)

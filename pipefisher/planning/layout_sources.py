@@ -175,7 +175,7 @@ def _part_flops(sizes: ModelSizes) -> tuple[float, float]:
     """Forward flops per sequence of one block and of the heads (the vocabulary projection, BERT's
     transform before it); the embeddings' lookups count as none."""
     linear, core = block_flops(sizes.hidden, sizes.ffn, sizes.seq_len)
-    transform = 2.0 * sizes.seq_len * sizes.hidden * sizes.hidden if sizes.kind == "bert" else 0.0
+    transform = 2.0 * sizes.seq_len * sizes.hidden * sizes.hidden if sizes.head_transform else 0.0
     return linear + core, 2.0 * sizes.seq_len * sizes.hidden * sizes.vocab + transform
 
 

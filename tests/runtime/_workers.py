@@ -230,15 +230,15 @@ def profiled_by_the_cli(run_file, folder, optimizer: str):
     return load_profile(path), path
 
 
-def assert_equal_to_reference(config: RunConfig, parameter_atol: float) -> TrainResult:
-    """Train `config` pipelined and in one process: every rank's losses equal the reference's to
-    rtol 1e-5, its parameters (pipe 1's named as pipe 0's) to rtol 1e-5 and `parameter_atol`.
-    Returns the reference."""
+def assert_equal_to_reference(config: RunConfig, parameter_atol: float, worker=pipelined) -> TrainResult:
+    """Train `config` pipelined (each rank runs `worker`, by default `pipelined`) and in one
+    process: every rank's losses equal the reference's to rtol 1e-5, its parameters (pipe 1's
+    named as pipe 0's) to rtol 1e-5 and `parameter_atol`. Returns the reference."""
     from pipefisher.runtime.training.launch import run_group
     from pipefisher.runtime.training.reference import train_reference
 
     reference = train_reference(config)
-    results = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=240)
+    results = run_group(worker, config.world_size, args=(config,), timeout=30, deadline=240)
     for result in results:
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
         for key, value in result.parameters.items():

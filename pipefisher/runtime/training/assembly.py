@@ -14,6 +14,7 @@ from pipefisher.config import ConfigError, DataConfig, ModelConfig, RunConfig, s
 from pipefisher.core.ir import Schedule
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.models import StagedModel
+from pipefisher.models.registry import model_kind
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.pipeline.executor import MicroBatchFn
@@ -28,12 +29,11 @@ def build_schedule(config: RunConfig) -> Schedule:
 
 
 def staged_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
-    """The model of the run behind the staged-model interface (ConfigError if it cannot be split
-    into the run's stages and tensor-parallel shards); BERT and Hugging Face models call
-    `on_data()` once the split is valid, before they build (or load from the cache) the tokenizer
-    and tokens."""
-    model = _hf_model(config, on_data) if config.model.kind == "hf" else (
-        _bert_model(config, on_data) if config.model.kind == "bert" else TinyRegression(config.model))
+    """The model of the run behind the staged-model interface, built by its kind's builder
+    (`pipefisher.models.registry`; ConfigError if it cannot be split into the run's stages and
+    tensor-parallel shards); BERT and Hugging Face models call `on_data()` once the split is valid,
+    before they build (or load from the cache) the tokenizer and tokens."""
+    model = model_kind(config.model.kind).build(config, on_data)
     degree = config.pipeline.tensor_parallel
     if degree > 1:
         try:
@@ -53,7 +53,15 @@ def recompute_plan(model: StagedModel, mode: str) -> tuple[str, ...]:
         raise ConfigError(f"model.{exc}") from None
 
 
-def _bert_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
+def regression_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
+    """The builder of model.kind transformer and mlp: the regression model (its data is synthetic,
+    built by `data_source`; `on_data` is not called)."""
+    return TinyRegression(config.model)
+
+
+def bert_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
+    """The builder of model.kind bert: a preset or `model.config_json`, split-checked, with the
+    vocabulary of the run's pretraining data."""
     from pipefisher.models.bert import BertConfig, BertStagedModel, bert_preset
 
     settings = config.model
@@ -79,8 +87,8 @@ def _unsplittable(config: RunConfig, what: str, count: int) -> ConfigError:
     return ConfigError(f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}")
 
 
-def _hf_model(config: RunConfig, on_data: Callable[[], None] | None) -> StagedModel:
-    """The run's Hugging Face model: its config with the run's dropout, vocabulary and special
+def hf_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
+    """The builder of model.kind hf, the run's Hugging Face model: its config with the run's dropout, vocabulary and special
     ids, checked against the run's stages and data before the data is built."""
     settings = config.model
     model = _hf_staged(settings)

@@ -18,6 +18,7 @@ import torch
 from pipefisher.config import ConfigError, RunConfig
 from pipefisher.core.terminal import progress_bars
 from pipefisher.core.files import write_folder_atomically
+from pipefisher.models.registry import model_kind
 from pipefisher.models.tensor_parallel import join_shard_states
 from pipefisher.runtime.training.assembly import staged_model, text_data
 from pipefisher.runtime.training.checkpoint import StateReader
@@ -66,7 +67,7 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
     """Write the newest checkpoint of `config` that verifies (in checkpoint.dir) to `folder` as a
     Hugging Face model folder (config.json, model.safetensors, tokenizer.json). ConfigError when
     the run's model is not a Hugging Face model; CheckpointError when there is no usable checkpoint."""
-    if config.model.kind != "hf":
+    if not model_kind(config.model.kind).exports:
         raise ConfigError(f"model.kind: export writes Hugging Face models; this run's model is {config.model.kind!r}")
     step, _ = resumable_step(config.checkpoint.dir, config)
     model = staged_model(config)

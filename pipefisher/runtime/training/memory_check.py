@@ -19,6 +19,8 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.activation_memory import ModelShape
 from pipefisher.core.profile import Profile, load_profile
 from pipefisher.methods.registry import method_of
+from pipefisher.models.kind import load
+from pipefisher.models.registry import kinds, model_kind
 from pipefisher.planning.layout_memory import layer_memory_model
 from pipefisher.planning.memory import CurvatureLayer, StageState, optimizer_state
 from pipefisher.planning.peak_memory import RankPeak, peak_memory
@@ -28,22 +30,39 @@ from pipefisher.runtime.training.memory_probe import LiveTensorBytes
 
 
 def model_shape(config: RunConfig, model) -> ModelShape:
-    """The run's model as the activation model takes it (`model`: its `staged_model`)."""
+    """The run's model as the activation model takes it (`model`: its `staged_model`), by its
+    kind's `activation_shape` (`pipefisher.models.registry`); ValueError naming model.kind for a
+    model the activation model does not cover."""
+    kind = model_kind(config.model.kind)
+    if not kind.activation_shape:
+        covered = ", ".join(name for name, other in kinds().items() if other.activation_shape)
+        raise ValueError(f"model.kind: the activation model covers {covered}, not {kind.name}")
+    return load(kind.activation_shape)(config, model)
+
+
+def bert_shape(config: RunConfig, model) -> ModelShape:
+    """The activation shape of model.kind bert: its BERT config's sizes."""
+    bert = model.config
+    return ModelShape("bert", bert.num_hidden_layers, bert.hidden_size, bert.num_attention_heads, bert.intermediate_size,
+                      bert.vocab_size, config.model.seq_len, dropout=bert.hidden_dropout_prob)
+
+
+def transformer_shape(config: RunConfig, model) -> ModelShape:
+    """The activation shape of model.kind transformer: its run-file keys."""
     settings = config.model
-    if settings.kind == "bert":
-        bert = model.config
-        return ModelShape("bert", bert.num_hidden_layers, bert.hidden_size, bert.num_attention_heads, bert.intermediate_size,
-                          bert.vocab_size, settings.seq_len, dropout=bert.hidden_dropout_prob)
-    if settings.kind == "transformer":
-        return ModelShape("tiny", settings.layers, settings.hidden, settings.heads, settings.ffn, 0, settings.seq_len,
-                          inputs=settings.input_dim, outputs=settings.output_dim)
-    if settings.kind != "hf" or model.config.model_type not in ("gpt2", "llama"):
-        raise ValueError(f"model.kind: the activation model covers bert, transformer and hf gpt2/llama, not {settings.kind}")
-    hf = model.config
+    return ModelShape("tiny", settings.layers, settings.hidden, settings.heads, settings.ffn, 0, settings.seq_len,
+                      inputs=settings.input_dim, outputs=settings.output_dim)
+
+
+def hf_shape(config: RunConfig, model) -> ModelShape:
+    """The activation shape of model.kind hf: GPT-2 and Llama-like configs (ValueError otherwise)."""
+    hf, seq_len = model.config, config.model.seq_len
     if hf.model_type == "gpt2":
-        return ModelShape("gpt2", hf.n_layer, hf.n_embd, hf.n_head, hf.n_inner or 4 * hf.n_embd, hf.vocab_size, settings.seq_len)
+        return ModelShape("gpt2", hf.n_layer, hf.n_embd, hf.n_head, hf.n_inner or 4 * hf.n_embd, hf.vocab_size, seq_len)
+    if hf.model_type != "llama":
+        raise ValueError(f"model.kind: the activation model covers hf gpt2 and llama models, not {hf.model_type}")
     return ModelShape("llama", hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.intermediate_size,
-                      hf.vocab_size, settings.seq_len, kv_heads=hf.num_key_value_heads)
+                      hf.vocab_size, seq_len, kv_heads=hf.num_key_value_heads)
 
 
 def _curvature_layers(config: RunConfig, model, module) -> tuple[tuple[CurvatureLayer, ...], set[int]]:

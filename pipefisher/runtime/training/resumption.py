@@ -26,6 +26,7 @@ import yaml
 from pipefisher.config import ConfigError, RunConfig, config_to_dict
 from pipefisher.core.ir import ScheduleError
 from pipefisher.methods.registry import methods
+from pipefisher.models.registry import kinds
 from pipefisher.runtime.training.checkpoint import (FORMAT, MANIFEST, CheckpointError, read_manifest, set_aside, step_folder, step_problem,
                                                     steps)
 from pipefisher.schedules import chunks_per_rank, get_schedule
@@ -155,24 +156,25 @@ def _check_identity(directory: Path, folder: Path, manifest: dict, config: RunCo
     raise CheckpointError(f"the checkpoint in {directory} is from another configuration: {differences}; {fix}")
 
 
-#: the keys that name a model kind's model: another value is another model, not a setting to change
-_NAMING_KEYS = {"bert": ("model.preset", "model.config_json"), "hf": ("model.hf_config", "model.hf_class")}
+def _naming_keys(values: dict[str, Any]) -> tuple[str, ...]:
+    """The keys that name the model of a manifest's "config" (its kind's `naming_keys`; none for a
+    kind this process does not know): another value is another model, not a setting to change."""
+    kind = kinds().get(values.get("model.kind", ""))
+    return tuple(f"model.{key}" for key in kind.naming_keys) if kind is not None else ()
 
 
 def _model_keys(identity: dict[str, Any]) -> tuple[str, ...]:
     """The identity keys that say which model a run trains (its kind, its data's kind, and the
     keys naming it); a checkpoint that differs in one is of another model."""
-    return ("model.kind", "data.kind", *_NAMING_KEYS.get(identity.get("model.kind"), ()))
+    return ("model.kind", "data.kind", *_naming_keys(identity))
 
 
 def describe_model(values: dict[str, Any]) -> str:
-    """A model of a manifest's "config" in words: "hf gpt2-tiny", "bert bert-tiny",
-    "transformer: 4 blocks of width 32"."""
-    kind = values.get("model.kind", "?")
-    if kind == "hf":
-        return f"hf {values.get('model.hf_config')}"
-    if kind == "bert":
-        return f"bert {values.get('model.preset')}"
+    """A model of a manifest's "config" in words: its kind and the value of its first naming key
+    ("hf gpt2-tiny", "bert bert-tiny"), or its blocks and width ("transformer: 4 blocks of width 32")."""
+    kind, naming = values.get("model.kind", "?"), _naming_keys(values)
+    if naming:
+        return f"{kind} {values.get(naming[0])}"
     return f"{kind}: {values.get('model.layers')} blocks of width {values.get('model.hidden')}"
 
 

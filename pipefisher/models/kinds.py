@@ -1,0 +1,48 @@
+"""The built-in model kinds' declarations (`pipefisher.models.kind.ModelKind`): the regression
+models (transformer, mlp), BERT pretraining (bert) and Hugging Face models (hf). Pure Python: no
+torch; each kind's builder, planner sizes and activation shape are named, imported when used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipefisher.models.kind import ModelKind
+
+_ASSEMBLY = "pipefisher.runtime.training.assembly"
+_SIZES = "pipefisher.planning.layout_model"
+_SHAPES = "pipefisher.runtime.training.memory_check"
+_REGRESSION_KEYS = ("layers", "hidden", "input_dim", "output_dim")
+
+
+def _regression_shape(model: Any) -> str:
+    return f"layers {model.layers} hidden {model.hidden} input_dim {model.input_dim} output_dim {model.output_dim}"
+
+
+def _transformer_problem(model: Any) -> str:
+    return f"model.heads: {model.heads} does not divide model.hidden {model.hidden}" if model.hidden % model.heads else ""
+
+
+TRANSFORMER = ModelKind(
+    "transformer", ("synthetic",), (*_REGRESSION_KEYS, "heads", "ffn"),
+    lambda model: f"transformer {_regression_shape(model)} heads {model.heads} ffn {model.ffn}",
+    f"{_ASSEMBLY}:regression_model", sizes=f"{_SIZES}:transformer_sizes", activation_shape=f"{_SHAPES}:transformer_shape",
+    blocks_key="layers", tensor_parallel_divides=("heads", "ffn"), check=_transformer_problem)
+
+MLP = ModelKind(
+    "mlp", ("synthetic",), _REGRESSION_KEYS, lambda model: f"mlp {_regression_shape(model)}",
+    f"{_ASSEMBLY}:regression_model", blocks_key="layers", tensor_parallel=False)
+
+BERT = ModelKind(
+    "bert", ("bert",), ("preset", "config_json", "dropout"),
+    lambda model: f"bert {Path(model.config_json).name if model.config_json else model.preset}",
+    f"{_ASSEMBLY}:bert_model", sizes=f"{_SIZES}:bert_sizes", activation_shape=f"{_SHAPES}:bert_shape",
+    naming_keys=("preset", "config_json"), instead="its size comes from model.preset or model.config_json")
+
+HF = ModelKind(
+    "hf", ("causal", "bert"), ("hf_config", "hf_class", "hf_weights", "dropout"),
+    lambda model: " ".join(part for part in ("hf", Path(model.hf_config).name, model.hf_class) if part),
+    f"{_ASSEMBLY}:hf_model", sizes=f"{_SIZES}:hf_sizes", activation_shape=f"{_SHAPES}:hf_shape",
+    naming_keys=("hf_config", "hf_class"), instead="its size comes from model.hf_config", exports=True)
+
+BUILT_IN: tuple[ModelKind, ...] = (TRANSFORMER, MLP, BERT, HF)
