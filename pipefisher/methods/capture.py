@@ -67,7 +67,12 @@ class CapturedLayer:
 def rows_per_step(config: Any) -> int:
     """Rows (tokens) a step's gradient sums over, every micro-batch and replica: the factor that
     turns a "B" record into the per-row gradient of the step's mean loss (`RunConfig`)."""
-    return config.pipeline.micro_batches * config.pipeline.data_parallel * config.data.micro_batch_size * config.model.seq_len
+    return (
+        config.pipeline.micro_batches
+        * config.pipeline.data_parallel
+        * config.data.micro_batch_size
+        * config.model.seq_len
+    )
 
 
 def _record(state: Capturing, micro_batch: Hashable, key: Factor, tensor: Tensor) -> None:

@@ -68,7 +68,9 @@ def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
         return LayerInfo(name, module.in_features, module.out_features, module.bias is not None)
     weight = getattr(module, "weight", None)
     if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2:
-        return LayerInfo(name, weight.shape[0], weight.shape[1], getattr(module, "bias", None) is not None, transposed=True)
+        return LayerInfo(
+            name, weight.shape[0], weight.shape[1], getattr(module, "bias", None) is not None, transposed=True
+        )
     return None
 
 
@@ -89,7 +91,9 @@ def select_linears(model: nn.Module, skip: Iterable[str] = (), max_size: int | N
     return layers
 
 
-def linear_parameters(model: nn.Module, skip: Iterable[str] = (), bias: bool = True, max_size: int | None = None) -> list[str]:
+def linear_parameters(
+    model: nn.Module, skip: Iterable[str] = (), bias: bool = True, max_size: int | None = None
+) -> list[str]:
     """Names of the parameters of the layers `select_linears` picks (weights, and biases with
     `bias`): what a method that preconditions those layers returns as `MethodParts.preconditioned`."""
     return [name for layer in select_linears(model, skip, max_size).values() for name in layer.parameter_names(bias)]

@@ -34,7 +34,15 @@ if TYPE_CHECKING:
 
 #: the tiny Transformer of the distributed tests (schedules/tiny-regression.yaml's model): 4
 #: blocks of width 16, 2 heads, feed-forward 32, sequences of 4 inputs of 8 numbers, 3 outputs
-TINY_MODEL: dict[str, int] = {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3}
+TINY_MODEL: dict[str, int] = {
+    "layers": 4,
+    "hidden": 16,
+    "heads": 2,
+    "ffn": 32,
+    "seq_len": 4,
+    "input_dim": 8,
+    "output_dim": 3,
+}
 #: losses and parameters of a pipelined run match the reference's to this relative tolerance
 RTOL = 1e-5
 #: parameters of a pipelined run match the reference's to this absolute tolerance (by default)
@@ -122,7 +130,9 @@ def pipelined(rank: int, world: int, config: RunConfig) -> TrainResult:
     return train_pipelined(config, rank, torch.device("cpu"))
 
 
-def assert_equal_to_reference(config: RunConfig, parameter_atol: float = PARAMETER_ATOL, rtol: float = RTOL) -> TrainResult:
+def assert_equal_to_reference(
+    config: RunConfig, parameter_atol: float = PARAMETER_ATOL, rtol: float = RTOL
+) -> TrainResult:
     """Train `config` pipelined (one process per rank) and in one process (the reference): every
     rank's losses equal the reference's to `rtol`, its parameters (pipe 1's named as pipe 0's) to
     `rtol` and `parameter_atol`. Returns the reference's result; AssertionError otherwise."""
@@ -150,7 +160,9 @@ def assert_equal_on_every_schedule(
         assert_equal_to_reference(method_run(method, schedule, data_parallel, **section), parameter_atol)
 
 
-def assert_not_vacuous(config: RunConfig, unchanged: int | None = None, rel: float = 1e-4) -> tuple[list[float], list[float]]:
+def assert_not_vacuous(
+    config: RunConfig, unchanged: int | None = None, rel: float = 1e-4
+) -> tuple[list[float], list[float]]:
     """The method of `config` changes the updates: the reference's losses differ from those of the
     same run with plain SGD (`optimizer.name` sgd, the rest alike) from loss `unchanged` on (to
     `rel`), and equal them before (to 1e-6). `unchanged` defaults to 3 for a method with refresh
@@ -167,6 +179,10 @@ def assert_not_vacuous(config: RunConfig, unchanged: int | None = None, rel: flo
         unchanged = 3 if method_of(config).rules.factors else 1
     curvature = train_reference(config).losses
     first_order = train_reference(config.with_overrides(optimizer={"name": "sgd"})).losses
-    assert curvature[:unchanged] == pytest.approx(first_order[:unchanged], rel=1e-6), "the first steps should be plain SGD's"
-    assert curvature[unchanged:] != pytest.approx(first_order[unchanged:], rel=rel), "the method does not change the updates"
+    assert curvature[:unchanged] == pytest.approx(first_order[:unchanged], rel=1e-6), (
+        "the first steps should be plain SGD's"
+    )
+    assert curvature[unchanged:] != pytest.approx(first_order[unchanged:], rel=rel), (
+        "the method does not change the updates"
+    )
     return curvature, first_order
