@@ -6,16 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
-
-#: the tiny Transformer of the distributed tests (schedules/tiny-regression.yaml's model): 4
-#: blocks of width 16, 2 heads, feed-forward 32, sequences of 4 inputs of 8 numbers, 3 outputs
-TINY_MODEL = {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3}
-
-
-def tiny_model(**changes) -> dict:
-    """A fresh copy of `TINY_MODEL` (a run config's `model` section), with `changes`."""
-    return {**TINY_MODEL, **changes}
-
+from pipefisher.testing.harness import TINY_MODEL, tiny_model  # noqa: F401  (the public harness's tiny model)
 
 def layered_profile(
     num_stages: int,

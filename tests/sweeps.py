@@ -15,31 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 
-from pipefisher.core.ir import ScheduleError
 from pipefisher.schedules import SCHEDULES, get_schedule
-
-def builds(name: str, stages: int, micro_batches: int) -> bool:
-    """Whether schedule `name` (with its own chunks per rank) exists on `stages` ranks and
-    `micro_batches` micro-batches."""
-    try:
-        get_schedule(name, stages, micro_batches)
-    except ScheduleError:
-        return False
-    return True
-
-
-def micro_batches_for(name: str, stages: int = 2, at_least: int = 4) -> int:
-    """The fewest micro-batches, `at_least` or more, schedule `name` runs on `stages` ranks."""
-    for micro_batches in range(at_least, at_least + 8 * stages + 1):
-        if builds(name, stages, micro_batches):
-            return micro_batches
-    raise AssertionError(f"schedule {name!r} builds on {stages} stages with none of {at_least}..{at_least + 8 * stages} micro-batches")
-
-
-def pipeline(name: str, stages: int = 2, at_least: int = 4, **more) -> dict:
-    """The `pipeline` section of a run of schedule `name`: `stages` ranks and the fewest
-    micro-batches from `at_least` on that it builds with (4 for every schedule registered today)."""
-    return {"schedule": name, "stages": stages, "micro_batches": micro_batches_for(name, stages, at_least), **more}
+from pipefisher.testing.harness import builds, micro_batches_for, pipeline  # noqa: F401  (the public harness's sizes)
 
 
 def cases(*sizes: tuple[int, Iterable[int]], first: bool = False, names: Iterable[str] = SCHEDULES) -> list:

@@ -8,17 +8,19 @@ commit and its checkpoint state. Its `TaskTimer` measures its tasks for the prof
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.pipeline.comm import Comm, Handle
 
@@ -63,7 +65,7 @@ class CurvatureRuntime:
 
     shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
     #: its engines by (pipe, stage)
-    engines: dict[tuple[int, int], CurvatureEngine]
+    engines: Mapping[tuple[int, int], CurvatureEngine]
     #: keys of an engine's state dict ("" = the state dict itself) whose values are dicts keyed by
     #: a layer's or parameter's global name: a layout-free checkpoint keeps those entries by name.
     #: The rest of an engine's state dict must be equal on every engine, shard and replica.
@@ -120,6 +122,80 @@ class CurvatureRuntime:
                 "cycle": self.cycle_state()}
 
 
+E = TypeVar("E", bound=CurvatureEngine)
+
+
+class StageRuntime(CurvatureRuntime, Generic[E]):
+    """The constructor and bookkeeping every method's runtime repeats, as a base class: subclass
+    it, define `build_engine` (one engine per (pipe, stage) this rank holds), `handlers`,
+    `collectives` and `end_of_cycle`; call `stage_gradient_final` from `after_backward` to act
+    once a stage's gradient of the step is whole; use `owner`/`owns` (who computes a part's refresh
+    work, from the plan) and `broadcast`/`all_reduce` (an exchange, a sync) in the handlers.
+
+    Its constructor is `MethodParts.runtime`'s signature: `config` (the `RunConfig`; its
+    `curvature` is the method's section), `topology`, `rank`, `modules` ((pipe, stage) -> the
+    stage's module), `comm`, the first `plan`, `skip` (`MethodParts.skip` globs) and `loss_scale()`
+    (fp16's current loss scale, None otherwise)."""
+
+    def __init__(self, config: Any, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
+                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None) -> None:
+        self.config, self.topology, self.rank, self.comm, self.loss_scale = config, topology, rank, comm, loss_scale
+        self.engines: dict[tuple[int, int], E] = {key: self.build_engine(config, module, skip) for key, module in modules.items()}
+        #: a rank holds at most one copy of a stage
+        self.engine_of_stage: dict[int, E] = {stage: engine for (_, stage), engine in self.engines.items()}
+        ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
+        self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
+        self._gradient_ops = Counter((op.pipe, op.stage) for op in ops if op.kind is self._final_kind)
+        self._gradient_ops_run: Counter[tuple[int, int]] = Counter()
+        self.owners: dict[tuple[int, str, str], int] = {}
+        self.set_plan(plan)
+
+    def build_engine(self, config: Any, module: nn.Module, skip: tuple[str, ...]) -> E:
+        """The method's engine of one stage's `module` (its layers not matching `skip`)."""
+        raise NotImplementedError
+
+    def engine(self, op: Op) -> E:
+        """The engine of `op`'s (pipe, stage)."""
+        return self.engines[(op.pipe, op.stage)]
+
+    def set_plan(self, plan: Plan) -> None:
+        self.owners = inverse_owners(plan)
+
+    def owner(self, stage: int, layer: str, part: str) -> int:
+        """The pipe whose replica 0 computes the refresh work of (`stage`, `layer`, `part`)."""
+        return self.owners[(stage, layer, part)]
+
+    def owns(self, op: Op, part: str) -> bool:
+        """Whether `op` (an IA/IB, an X) runs on the pipe that computes `part` of its layer; an X
+        on another pipe folds the synced statistic and receives the result by `broadcast`."""
+        return op.layer is not None and self.owner(op.stage, op.layer, part) == op.pipe
+
+    def stage_gradient_final(self, op: Op) -> bool:
+        """Call from `after_backward` with every backward op: True at the op after which the
+        stage's gradient of the step is whole (its last backward, or weight op on a schedule that
+        splits the backward), False otherwise."""
+        key = (op.pipe, op.stage)
+        if op.kind is not self._final_kind:
+            return False
+        self._gradient_ops_run[key] += 1
+        if self._gradient_ops_run[key] < self._gradient_ops[key]:
+            return False
+        self._gradient_ops_run[key] = 0
+        return True
+
+    def all_reduce(self, collective: Collective, tensors: list[Tensor]) -> Handle:
+        """A sync: sum `tensors` in place over the replicas of the stage (`collective.group`)."""
+        return self.comm.all_reduce(tensors, collective.group)
+
+    def broadcast(self, collective: Collective, shared: Callable[[], Tensor], buffer: Callable[[], Tensor],
+                  receive: Callable[[Tensor], None], sent: Callable[[], None] | None = None) -> Handle:
+        """An exchange of `collective.key` = (stage, layer, part) from its owner
+        (`broadcast_from_owner`)."""
+        stage, layer, part = collective.key
+        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owner(stage, layer, part), collective,
+                                    shared, buffer, receive, sent)
+
+
 class TaskTimer:
     """Measures a method's tasks for the profiler on one rank; `method` names it (`Profile.method`)."""
 
@@ -140,31 +216,48 @@ class TaskTimer:
 
 class ReferenceCurvature:
     """A curvature method of the whole model in one process (the reference twin of its runtime),
-    with the pipeline's cycle semantics: refresh cycles of `refresh_steps`, new refresh results
-    committed after a cycle's last step. Hooks: `capture` around each micro-batch's
-    forward/backward, `before_optimizer_step` after the backwards (raw gradients, before the tied
-    sum), `before_optimizer_update` on the clipped gradients right before the optimizer step,
-    `after_optimizer_step`. `config`: the run (`RunConfig`); `model`: its `StagedModel`;
-    `modules`: what the reference trains."""
+    with the pipeline's cycle semantics: refresh cycles of `refresh_steps` (`self.k`), new refresh
+    results committed after a cycle's last step. `config`: the run (`RunConfig`); `model`: its
+    `StagedModel`; `modules`: what the reference trains (an ``nn.ModuleList`` of the stages, so a
+    parameter's name is its stage's prefixed by "<stage>.": globs of `MethodParts.skip` match it
+    with a leading "*." (`pipefisher.methods.layers.whole_model_globs`)).
+
+    Hooks, in the order `pipefisher run --reference` calls them in a step:
+
+    - `capture(step, micro_batch, loss_scale)` around each micro-batch's forward and backward
+      (`loss_scale`: fp16's scale of that micro-batch's loss, None otherwise);
+    - `after_step_backwards(step)` once every micro-batch's backward ran: raw gradients, before
+      the tied sum and clipping (where the pipeline's per-stage work, P ops included, sees them);
+    - `before_optimizer_update(step)` on the summed, clipped gradients right before the optimizer
+      step (not on an fp16 overflow);
+    - `after_optimizer_step(step)`."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "before_optimizer_step" in vars(cls):
+            raise TypeError(f"{cls.__name__}.before_optimizer_step: the reference's hook after the backwards is "
+                            "`after_step_backwards(step)` (renamed in method API v1; `before_optimizer_step` is the runtime's)")
 
     def __init__(self, config: Any, model: Any, modules: nn.Module) -> None:
         name = config.optimizer.name
         section = config.curvature
         if section.refresh_steps < 1:
             raise ValueError(f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer")
-        self.k = section.refresh_steps
+        #: the refresh interval: step s is the first of its cycle when s % k == 0, the last when s % k == k - 1
+        self.k: int = section.refresh_steps
 
     def capture(self, step: int, micro_batch: int, loss_scale: Tensor | None = None) -> AbstractContextManager:
+        """Context around micro-batch `micro_batch`'s forward and backward of `step`."""
         return nullcontext()
 
-    def before_optimizer_step(self, step: int) -> None:
-        pass
+    def after_step_backwards(self, step: int) -> None:
+        """After the step's backwards, on the raw gradients (before the tied sum and clipping)."""
 
     def before_optimizer_update(self, step: int) -> None:
-        pass
+        """On the clipped gradients right before the optimizer step."""
 
     def after_optimizer_step(self, step: int) -> None:
-        pass
+        """After the optimizer step (commit a cycle's results at its last step)."""
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
             module.zero_grad()
             model.loss(module(None, batch(step, 0)), batch(step, 0))[0].backward()
             if module is net:
-                hooks.before_optimizer_step(step)
+                hooks.after_step_backwards(step)
                 hooks.before_optimizer_update(step)
             for optimizer in optimizers:
                 optimizer.step()

@@ -202,7 +202,7 @@ class ReferenceDiagonal(ReferenceCurvature):
         self._loss_scale = loss_scale
         return super().capture(step, micro_batch, loss_scale)
 
-    def before_optimizer_step(self, step: int) -> None:
+    def after_step_backwards(self, step: int) -> None:
         if step % self.k == 0:
             self.state.capture(self._loss_scale)
             for name in self.state.parameters:

@@ -14,12 +14,9 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import OpKind
 from pipefisher.methods.registry import method_of
 from pipefisher.runtime.training.trainer import TrainResult, build_executor, train_pipelined
+from pipefisher.testing.harness import assert_equal_to_reference, pipelined  # noqa: F401  (the public harness; tests import them here)
 
 CPU = torch.device("cpu")
-
-
-def pipelined(rank: int, world: int, config: RunConfig) -> TrainResult:
-    return train_pipelined(config, rank, CPU)
 
 
 def _break_backward(config: RunConfig, rank: int, fault) -> TrainResult:
@@ -228,23 +225,6 @@ def profiled_by_the_cli(run_file, folder, optimizer: str):
                              "--optimizer", optimizer], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     return load_profile(path), path
-
-
-def assert_equal_to_reference(config: RunConfig, parameter_atol: float, worker=pipelined) -> TrainResult:
-    """Train `config` pipelined (each rank runs `worker`, by default `pipelined`) and in one
-    process: every rank's losses equal the reference's to rtol 1e-5, its parameters (pipe 1's
-    named as pipe 0's) to rtol 1e-5 and `parameter_atol`. Returns the reference."""
-    from pipefisher.runtime.training.launch import run_group
-    from pipefisher.runtime.training.reference import train_reference
-
-    reference = train_reference(config)
-    results = run_group(worker, config.world_size, args=(config,), timeout=30, deadline=240)
-    for result in results:
-        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
-        for key, value in result.parameters.items():
-            name = key.split(".", 1)[1] if key.startswith("p1.") else key
-            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-5, atol=parameter_atol)
-    return reference
 
 
 def powersgd_against_torch(rank: int, world: int, rank_r: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipefisher.methods.counters import read_counters
-from pipefisher.methods.kfac import capture as _capture
+from pipefisher.methods import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
 from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, damping_too_small, fold_ema, kl_clip_scale

@@ -3,7 +3,6 @@ Hugging Face's ``Conv1D`` (GPT-2's linear map, weight stored transposed as (in, 
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -12,32 +11,13 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.methods.kfac.factors import factor_dtype, precondition_matrix
+from pipefisher.methods.layers import LayerInfo, linear_info, linear_parameters, select_linears
+
+__all__ = ["FACTORS", "BuiltFactor", "Factor", "Flagged", "Health", "LayerInfo", "LayerState", "apply_inverses", "known_factor",
+           "linear_info", "preconditioned_parameters", "prefer_ok", "select_layers", "valid"]
 
 Factor = Literal["A", "B"]
 FACTORS: tuple[Factor, Factor] = ("A", "B")
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """A K-FAC layer as the planner sees it: ``a_size = din + has_bias`` (A), ``b_size = dout`` (B).
-    ``transposed``: the weight is stored (din, dout), as Conv1D stores it."""
-
-    name: str
-    in_features: int
-    out_features: int
-    has_bias: bool
-    transposed: bool = False
-
-    @property
-    def a_size(self) -> int:
-        return self.in_features + int(self.has_bias)
-
-    @property
-    def b_size(self) -> int:
-        return self.out_features
-
-    def size(self, factor: Factor) -> int:
-        return self.a_size if factor == "A" else self.b_size
 
 
 @dataclass
@@ -130,39 +110,18 @@ class LayerState:
 def select_layers(
     model: nn.Module, skip: Iterable[str] = (), max_factor_dim: int = 8192
 ) -> dict[str, LayerState]:
-    """K-FAC state for every linear layer of ``model`` (see `linear_info`) in module order, except
-    those whose name matches a glob in ``skip`` and those with a factor larger than
-    ``max_factor_dim`` (e.g. a vocabulary projection). Other modules (embeddings, LayerNorm, ...)
-    are left first-order."""
-    patterns = list(skip)
-    layers: dict[str, LayerState] = {}
-    for name, module in model.named_modules():
-        info = linear_info(name, module)
-        if info is None or any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
-        if max(info.a_size, info.b_size) > max_factor_dim:
-            continue
-        layers[name] = LayerState(info, module, factor_dtype(module.weight.dtype))
-    return layers
+    """K-FAC state for every linear layer of ``model`` (`pipefisher.methods.layers.select_linears`)
+    in module order, except those whose name matches a glob in ``skip`` and those with a factor
+    larger than ``max_factor_dim`` (e.g. a vocabulary projection). Other modules (embeddings,
+    LayerNorm, ...) are left first-order."""
+    return {name: LayerState(layer.info, layer.module, factor_dtype(layer.module.weight.dtype))
+            for name, layer in select_linears(model, skip, max_factor_dim).items()}
 
 
 def preconditioned_parameters(model: nn.Module, skip: Iterable[str] = ()) -> list[str]:
     """Names of the parameters K-FAC rewrites the gradients of: weight and bias of every layer
     `select_layers` picks."""
-    return [f"{name}.{part}" for name, st in select_layers(model, skip).items()
-            for part in ("weight", "bias")[:1 + int(st.info.has_bias)]]
-
-
-def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
-    """The K-FAC view of `module` when it is a linear map of its last input dimension: an
-    ``nn.Linear``, or a ``Conv1D`` (by class name, so this module needs no transformers) with a
-    (din, dout) weight; None for anything else."""
-    if isinstance(module, nn.Linear):
-        return LayerInfo(name, module.in_features, module.out_features, module.bias is not None)
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2:
-        return LayerInfo(name, weight.shape[0], weight.shape[1], getattr(module, "bias", None) is not None, transposed=True)
-    return None
+    return linear_parameters(model, skip, max_size=8192)
 
 
 def apply_inverses(st: LayerState, grad: Tensor) -> Tensor:

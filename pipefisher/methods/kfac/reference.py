@@ -24,7 +24,7 @@ class ReferenceKfac(ReferenceCurvature):
     def capture(self, step: int, micro_batch: int, loss_scale=None):
         return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()
 
-    def before_optimizer_step(self, step: int) -> None:
+    def after_step_backwards(self, step: int) -> None:
         if step % self.k == 0:
             for info in self.engine.layers():
                 for factor in ("A", "B"):

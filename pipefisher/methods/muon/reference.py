@@ -24,7 +24,7 @@ class ReferenceMuon(ReferenceCurvature):
         self._loss_scale = loss_scale
         return super().capture(step, micro_batch, loss_scale)
 
-    def before_optimizer_step(self, step: int) -> None:
+    def after_step_backwards(self, step: int) -> None:
         for name in self.engine.names():
             self.engine.orthogonalise(name, self._loss_scale)
 

@@ -25,7 +25,7 @@ class ReferenceShampoo(ReferenceCurvature):
         self._loss_scale = loss_scale
         return nullcontext()
 
-    def before_optimizer_step(self, step: int) -> None:
+    def after_step_backwards(self, step: int) -> None:
         if step % self.k:
             return
         for info in self.engine.matrices():

@@ -85,7 +85,7 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None, eval
             for name, value in parts.items():
                 extra[name] += float(value) / total
         if curvature:
-            curvature.before_optimizer_step(step)
+            curvature.after_step_backwards(step)
         if len(tied) > 1:
             combined = sum(p.grad for p in tied)
             for parameter in tied:

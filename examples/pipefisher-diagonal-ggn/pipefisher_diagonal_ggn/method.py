@@ -1,0 +1,30 @@
+"""The method's declaration: its run-file section `diag_ggn`, its task rules, where its torch
+side lives. Pure Python (planning imports it without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefisher.core.settings import setting
+from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.settings import RefreshConfig
+
+
+@dataclass(frozen=True)
+class DiagGgnConfig(RefreshConfig):
+    """Diagonal GGN settings (used with optimizer.name diag_ggn)."""
+
+    decay: float = setting(0.5, "decay of the running means of a² and e²", low=0, high=1, high_open=True)
+    damping: float = setting(0.1, "added to each running mean before its inverse square root", low=0, low_open=True)
+
+
+DIAG_GGN = CurvatureMethod(
+    name="diag_ggn",
+    label="Diagonal GGN",
+    # per layer two parts, each built per micro-batch (CA/CB), summed over replicas (SA/SB),
+    # refreshed (IA/IB), and a P op per stage and step before the gradient reduction
+    rules=TaskRules(curvature=True, syncs=("A", "B"), sync_of=(("A", "A"), ("B", "B")), precondition=True),
+    settings=DiagGgnConfig,
+    parts="pipefisher_diagonal_ggn.runtime:PARTS",
+    flags=("damping",),
+)
