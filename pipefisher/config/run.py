@@ -245,7 +245,6 @@ def _check(config: RunConfig) -> None:
                           + " or ".join(kind.data))
     if config.data.tokenizer and config.data.kind != "causal":
         raise ConfigError("data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab")
-    check_applies(config)
     names = FIRST_ORDER + tuple(name for name, _ in config.methods)
     if config.optimizer.name not in names:
         raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
@@ -265,6 +264,7 @@ def _check(config: RunConfig) -> None:
     if config.run.compile and _splits_backward(pipeline):
         raise ConfigError(f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
                           "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b")
+    check_applies(config)  # last: what cannot run at all is said first, then what would be ignored
 
 
 def _check_tensor_parallel(config: RunConfig) -> None:

@@ -21,8 +21,16 @@ from sweeps import pipeline
 BATCH, SEQ = 2, 8
 
 
+def _mlp_model(**changes) -> dict:
+    """The tiny model's section as an MLP: without the attention heads and feed-forward width it has none of."""
+    model = tiny_model(kind="mlp", **changes)
+    del model["heads"], model["ffn"]
+    return model
+
+
 def _tiny(kind: str = "transformer"):
-    return staged_model(config_from_dict({"model": tiny_model(kind=kind, seq_len=SEQ)}))
+    model = _mlp_model(seq_len=SEQ) if kind == "mlp" else tiny_model(kind=kind, seq_len=SEQ)
+    return staged_model(config_from_dict({"model": model}))
 
 
 def _bert():
@@ -114,7 +122,7 @@ def test_a_pipelined_kfac_run_with_recomputation_equals_the_reference(schedule, 
      "model.recompute: blocks under zbv, whose split backward recomputes each block again"),
     ({"model": tiny_model(heads=2, recompute="blocks"), "pipeline": {"tensor_parallel": 2}},
      "model.recompute: blocks would run each recomputed block's tensor-parallel all-reduces again"),
-    ({"model": tiny_model(kind="mlp", recompute="selective")}, "model.recompute: model.kind mlp has no attention"),
+    ({"model": _mlp_model(recompute="selective")}, "model.recompute: model.kind mlp has no attention"),
 ])
 def test_recompute_refuses_what_it_cannot_serve_in_one_line(data, message):
     with pytest.raises(ConfigError, match=message) as raised:
