@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from pipefisher.core.settings import ConfigError
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.training.stopping import STOP_SIGNALS, signal_name, stop_request, stop_signals_blocked
+from pipefisher.runtime.signals import STOP_SIGNALS, stop_request
+from pipefisher.runtime.training.stopping import signal_name, stop_signals_blocked
 
 
 class Interrupted(RuntimeError):

@@ -242,8 +242,7 @@ class PipeFisherTrainer(PlanRunner):
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
                                            (lambda: scaler.scale) if scaler is not None else (lambda: None))
-        self.shared_statistics = shared_statistics(config, self.schedule.num_stages)
-        super().__init__(executor, rank, self.curvature_plan.plan, tied)
+        super().__init__(executor, rank, self.curvature_plan.plan, tied, shared_statistics(config, self.schedule.num_stages))
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
