@@ -9,7 +9,7 @@ re-measures and re-packs at the cycle boundary.
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -34,6 +34,8 @@ from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
 from pipefisher.runtime.training.profiler import measure_profile, measured_at
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ class PipeFisherTrainer(PlanRunner):
 
     def log(self, message: str) -> None:
         if self.rank == 0 and self.executor.comm.shard == 0:
-            print(f"pipefisher: {message}", file=sys.stderr, flush=True)
+            logger.info("%s", message)
 
     def _measure(self) -> Profile:
         timer = self.parts.timer(self.config, self.modules, self.skip)

@@ -4,7 +4,7 @@ the step loop with checkpoints. `pipefisher.runtime.training.reference` trains t
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +42,8 @@ from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
 
 StepCallback = Callable[[StepResult], None]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -230,5 +232,5 @@ def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner:
     if process == 0:
         cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
         for line in commit(config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep):
-            print(f"pipefisher: checkpoint {line}", file=sys.stderr, flush=True)
+            logger.info("checkpoint %s", line)
     dist.barrier()
