@@ -364,10 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The exit code: 0, 1 for a failed run, 2 for bad input, 128 + the signal that stopped it."""
+    from pipefisher.runtime.console import show_runtime_messages
     from pipefisher.runtime.training.stopping import Terminated, interruption_exit, raise_on_sigterm
 
     if threading.current_thread() is threading.main_thread():
         raise_on_sigterm()
+    show_runtime_messages()
     try:
         args = build_parser().parse_args(argv)
         handler: Callable[[argparse.Namespace], int] = args.handler

@@ -1,78 +1,103 @@
 """The collective end of a step, after a rank's last op: gradients reduced over each stage's
-replicas (launched as soon as the stage's gradient is final), tied weights summed, then one
-all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16 overflow flag, stop
-signal (`pipefisher.runtime.training.stopping`)]; when it completes, clipping, `before_optimizer_step`
-(Shampoo's preconditioning) and the optimizer step (both skipped on every rank alike when fp16
-overflowed) and the learning-rate schedule; with ZeRO-1 the owners then broadcast the updated
-parameters. `finish` reads the reduced numbers once: the step's only host synchronisation.
+replicas (launched as soon as the stage's gradient is final) by the run's gradient path
+(`pipefisher.runtime.gradient_path.reduction`: all-reduce, ZeRO-1 or PowerSGD), tied weights
+summed, then one all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16
+overflow flag, stop signal (`pipefisher.runtime.signals`)]; when it completes, clipping,
+`before_optimizer_step` (Shampoo's preconditioning) and the optimizer step (both skipped on every
+rank alike when fp16 overflowed) and the learning-rate schedule; with ZeRO-1 the owners then
+broadcast the updated parameters. `finish` reads the reduced numbers once: the step's only host
+synchronisation.
 
-ZeRO-1 (the gradient buffers have owners): a stage's gradient is reduced to the owner of each
-bucket instead of to every holder, and each rank's optimizer holds only what it owns. PowerSGD
-(`powersgd`, from step `powersgd_start` on): the reduction is the two all-reduces of
-`pipefisher.runtime.gradient_path.powersgd`, ``grad`` and ``grad_q``.
+`StepEnd` receives everything at construction, in three parts: the `Gradients` it reduces, the
+`OptimizerStep` it applies and the `LossReport` it sums.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pipefisher.planning.comm.actions import STEP, TIED, Collective, gather_collective, grad_collective, grad_q_collective
+from pipefisher.planning.comm.actions import STEP, TIED, Collective
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients, clip_coefficient
-from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.gradient_path.precision import LossScaler
+from pipefisher.runtime.gradient_path.reduction import AllReduce, GradientReduction
 from pipefisher.runtime.pipeline.comm import Comm, Handle, done
 from pipefisher.runtime.pipeline.stage import StageRuntime
-from pipefisher.runtime.training.stopping import stop_request
+from pipefisher.runtime.signals import stop_request
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """What a rank's end of step reduces: its `stages` and their gradient `buffers` (by (pipe,
+    stage)), `ownership` (which parameters this rank updates: all of them without ZeRO), the
+    gradient path's `reduction` (default: an all-reduce of `buffers`) and the `tied` weights'
+    sum (None: no weight tied across stages)."""
+
+    stages: dict[tuple[int, int], StageRuntime]
+    buffers: dict[tuple[int, int], GradientBuffer]
+    ownership: Ownership | None = None
+    reduction: GradientReduction | None = None
+    tied: TiedGradients | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What applies the reduced gradients: the `optimizer` and its `scheduler`, fp16's `scaler`,
+    clipping to `clip_norm` (0: none) of the `norm` over all ranks, and `before_optimizer_step`,
+    run on the reduced, clipped gradients right before every optimizer step (the executor's
+    extensions' hook)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    scaler: LossScaler | None = None
+    clip_norm: float = 0.0
+    norm: GlobalNorm | None = None
+    before_optimizer_step: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class LossReport:
+    """The loss's named `parts` besides the total; `reports` False: this process's losses are
+    left out of the sum (a tensor-parallel shard other than 0, which computes the same loss)."""
+
+    parts: tuple[str, ...] = ()
+    reports: bool = True
 
 
 class StepEnd:
-    """Providers of the end-of-step collectives (`grad`, `tied`, `step`, ZeRO-1's `gather`) and
-    `finish()`.
+    """Providers of the end-of-step collectives (`grad`, `tied`, `step`, ZeRO-1's `gather`,
+    PowerSGD's `grad_q`) and `finish()`.
 
-    `update` False (profiling) drops the gradients instead of applying them: no reduction, no
-    optimizer step; the loss is still summed. `reports_loss` False: this process's losses are
-    left out of the sum (a tensor-parallel shard other than 0). `ownership` says which parameters this rank updates
-    (all of them without ZeRO).
+    `begin(step, update)` before each step: `update` False (profiling) drops the gradients instead
+    of applying them: no reduction, no optimizer step; the loss is still summed.
     """
 
-    def __init__(
-        self,
-        comm: Comm,
-        device: torch.device,
-        stages: dict[tuple[int, int], StageRuntime],
-        buffers: dict[tuple[int, int], GradientBuffer],
-        optimizer: torch.optim.Optimizer,
-        loss_parts: tuple[str, ...] = (),
-        tied: TiedGradients | None = None,
-        norm: GlobalNorm | None = None,
-        clip_norm: float = 0.0,
-        scaler: LossScaler | None = None,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        ownership: Ownership | None = None,
-        powersgd: dict[tuple[int, int], PowerSGD] | None = None,
-        powersgd_start: int = 0,
-        reports_loss: bool = True,
-    ):
-        self.comm, self.device, self.ownership = comm, device, ownership
-        self.powersgd, self.powersgd_start = powersgd or {}, powersgd_start
-        #: whether this process's losses count in the world reduction (one of a rank's
-        #: tensor-parallel processes, which compute the same loss, reports it)
-        self.reports_loss = reports_loss
-        #: the step being run (0-based; the executor sets it)
+    def __init__(self, comm: Comm, device: torch.device, gradients: Gradients, optimizer_step: OptimizerStep,
+                 loss: LossReport = LossReport()):
+        self.comm, self.device = comm, device
+        self.stages, self.buffers, self.ownership, self.tied = gradients.stages, gradients.buffers, gradients.ownership, gradients.tied
+        #: the gradient path's strategy
+        self.reduction = gradients.reduction if gradients.reduction is not None else AllReduce(gradients.buffers)
+        self.optimizer, self.scheduler, self.scaler = optimizer_step.optimizer, optimizer_step.scheduler, optimizer_step.scaler
+        self.clip_norm, self.norm = optimizer_step.clip_norm, optimizer_step.norm
+        self.before_optimizer_step = optimizer_step.before_optimizer_step
+        self.loss_parts = loss.parts
+        #: whether this process's losses count in the world reduction
+        self.reports_loss = loss.reports
+        #: the step being run (0-based) and whether it updates (`begin`)
         self.step = 0
-        self.stages, self.buffers, self.optimizer = stages, buffers, optimizer
-        self.loss_parts, self.tied, self.norm, self.clip_norm = loss_parts, tied, norm, clip_norm
-        self.scaler, self.scheduler = scaler, scheduler
         self.update = True
-        #: runs on the reduced, clipped gradients right before every optimizer step
-        self.before_optimizer_step: Callable[[], None] = lambda: None
         self._reduced: Tensor | None = None
         self._values: list[float] | None = None
         self._lr = 0.0
+
+    def begin(self, step: int, update: bool = True) -> None:
+        """Step `step` (0-based) starts; `update` False: its gradients are dropped."""
+        self.step, self.update = step, update
 
     def applies_to(self, parameter: torch.nn.Parameter) -> bool:
         """Whether this rank updates `parameter` (with ZeRO-1, only its owner does)."""
@@ -83,61 +108,31 @@ class StepEnd:
         return [gradient for buffer in self.buffers.values() for parameter, gradient in zip(buffer.parameters, buffer.gradients)
                 if self.applies_to(parameter)]
 
-    def _stage_buffers(self, stage: int) -> list[GradientBuffer]:
-        return [buffer for (pipe, s), buffer in self.buffers.items() if s == stage]
-
-    def _compressors(self, stage: int) -> list[PowerSGD]:
-        """The stage's PowerSGD states when this step compresses, else []."""
-        if not self.update or self.step < self.powersgd_start:
-            return []
-        return [compressor for (pipe, s), compressor in self.powersgd.items() if s == stage]
-
-
     # -- collectives ------------------------------------------------------------------------
     def launch_grad(self, collective: Collective) -> Handle:
-        """Sum the gradient of stage `collective.key[0]` over its replicas, bucket by bucket."""
+        """Reduce the gradient of stage `collective.key[0]` over its replicas (the gradient path)."""
         if not self.update:
             return done()
-        buffers = self._stage_buffers(collective.key[0])
-        compressors = self._compressors(collective.key[0])
-        if compressors:
-            factors = [tensor for compressor in compressors for tensor in compressor.p_factors()]
-            return self.comm.all_reduce(factors, collective.group)
-        buckets = [bucket for buffer in buffers for bucket in buffer.buckets]
-        if buffers and buffers[0].owners is not None:
-            return self.comm.reduce([(b, owner) for buffer in buffers for b, owner in zip(buffer.buckets, buffer.bucket_owners)],
-                                    collective.group)
-        return self.comm.all_reduce(buckets, collective.group)
+        return self.reduction.launch_grad(self.comm, collective, self.step)
 
     def launch_grad_q(self, collective: Collective) -> Handle:
-        """PowerSGD's second all-reduce (its ``grad`` all-reduce is in): the Q factors of stage
-        `collective.key[0]`, then the gradient decompressed. Nothing before its start step."""
-        compressors = self._compressors(collective.key[0])
-        if not compressors:
+        """The gradient path's second reduction (PowerSGD's Q factors, then the decompression)."""
+        if not self.update:
             return done()
-        factors = [tensor for compressor in compressors for tensor in compressor.q_factors()]
-        return self.comm.all_reduce(factors, collective.group, on_done=lambda: [c.decompress() for c in compressors])
+        return self.reduction.launch_grad_q(self.comm, collective, self.step)
 
     def reduce_now(self, stage: int) -> None:
         """Stage `stage`'s whole gradient path at once, outside a plan's actions (the profiler
-        times it): the reduction (PowerSGD's two all-reduces as from its start step on; the caller
-        keeps and restores its state) and ZeRO-1's broadcasts. Collective over the stage's replicas."""
-        step, self.step = self.step, max(self.step, self.powersgd_start)
-        try:
-            self.launch_grad(grad_collective(stage)).wait()
-            self.launch_grad_q(grad_q_collective(stage)).wait()
-            if self.ownership is not None and self.ownership.sharded:
-                self.launch_gather(gather_collective(stage)).wait()
-        finally:
-            self.step = step
+        times it; with PowerSGD as from its start step on, the caller keeping and restoring its
+        state). Collective over the stage's replicas."""
+        if self.update:
+            self.reduction.reduce_now(self.comm, stage, self.step)
 
     def launch_gather(self, collective: Collective) -> Handle:
         """ZeRO-1: every owner broadcasts its updated parameters of stage `collective.key[0]`."""
         if not self.update:
             return done()
-        buffers = self._stage_buffers(collective.key[0])
-        return self.comm.broadcast([(b, owner) for buffer in buffers for b, owner in zip(buffer.parameter_buckets, buffer.bucket_owners)],
-                                   collective.group)
+        return self.reduction.launch_gather(self.comm, collective)
 
     def launch_tied(self, collective: Collective) -> Handle:
         if not self.update or self.tied is None:

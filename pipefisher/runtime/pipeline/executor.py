@@ -26,7 +26,7 @@ from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.pipeline.clock import Clock
 from pipefisher.runtime.pipeline.comm import Comm, Handle, done
-from pipefisher.runtime.pipeline.extension import ExecutorExtension
+from pipefisher.runtime.pipeline.extension import ExecutorExtension, Extensions
 from pipefisher.runtime.pipeline.stage import StageRuntime
 
 #: (step, global micro-batch) -> the micro-batch's named tensors
@@ -107,9 +107,12 @@ class Executor:
         device: torch.device,
         tied: bool = False,
         gradient_path: GradientPath = GradientPath(),
+        extensions: Extensions | None = None,
     ):
         """`tied`: the model's tied weights live on several stages (the end of step sums them);
-        `gradient_path`: ZeRO-1 or PowerSGD at the end of the step (`pipefisher.planning.comm.plan`)."""
+        `gradient_path`: ZeRO-1 or PowerSGD at the end of the step (`pipefisher.planning.comm.plan`);
+        `extensions`: where the extensions `extend` adds go, the one `step_end` was built with
+        (its `before_optimizer_step` runs theirs)."""
         self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
         self.tied, self.gradient_path = tied, gradient_path
         self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
@@ -127,8 +130,7 @@ class Executor:
             CollectiveKind.GATHER: step_end.launch_gather, CollectiveKind.GRAD_Q: step_end.launch_grad_q,
         }
         #: the extensions whose hooks run (forward context, after backward, before the optimizer step, record)
-        self.extensions: tuple[ExecutorExtension, ...] = ()
-        step_end.before_optimizer_step = self._before_optimizer_step
+        self._extensions = extensions if extensions is not None else Extensions()
         self.clock = Clock(device)
         self.current_step = 0
         #: (step, global micro-batch) -> that micro-batch, built once per step on this rank
@@ -165,9 +167,14 @@ class Executor:
             stack.enter_context(extension.forward_context(op))
         return stack
 
-    def _before_optimizer_step(self) -> None:
-        for extension in self.extensions:
-            extension.before_optimizer_step()
+    @property
+    def extensions(self) -> tuple[ExecutorExtension, ...]:
+        """The extensions whose hooks run (forward context, after backward, before the optimizer step, record)."""
+        return self._extensions.active
+
+    @extensions.setter
+    def extensions(self, extensions: tuple[ExecutorExtension, ...]) -> None:
+        self._extensions.active = extensions
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -185,7 +192,7 @@ class Executor:
         (`pipefisher.core.trace_labels`), so a trace gives the step time `pipefisher run` prints."""
         self.current_step = step
         self._batches = {}
-        self.step_end.update, self.step_end.step = update, step
+        self.step_end.begin(step, update)
         labelled = torch.autograd._profiler_enabled()  # torch.profiler, or NVTX ranges under emit_nvtx
         start = time.perf_counter()
         with record_function(step_label(step + 1)) if labelled else UNLABELLED:

@@ -40,3 +40,16 @@ class ExecutorExtension:
 
     def record(self, op: Op, start: object, end: object) -> None:
         """Called with the clock's marks around every op run, when `records` is set."""
+
+
+class Extensions:
+    """The extensions whose hooks run, in the order they were added: shared by the executor (which
+    adds them and calls most hooks) and the step end (which calls `before_optimizer_step`, given
+    it at construction), so that neither patches the other."""
+
+    def __init__(self) -> None:
+        self.active: tuple[ExecutorExtension, ...] = ()
+
+    def before_optimizer_step(self) -> None:
+        for extension in self.active:
+            extension.before_optimizer_step()

@@ -25,10 +25,10 @@ class PlanRunner:
     `shared_statistics`: the curvature statistics the rank's tensor-parallel processes build in
     shares (`pipefisher.planning.comm.plan.plan_actions`); none for a first-order run."""
 
-    shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
-
-    def __init__(self, executor: Executor, rank: int, plan: Plan, tied: bool):
+    def __init__(self, executor: Executor, rank: int, plan: Plan, tied: bool,
+                 shared_statistics: frozenset[tuple[int, str, str]] = frozenset()):
         self.executor, self.rank, self.tied = executor, rank, tied
+        self.shared_statistics = shared_statistics
         self.cycle_step = 0
         self.set_plan(plan)
 

@@ -130,8 +130,9 @@ def process_state(executor: Executor, runner: PlanRunner, process: int) -> dict[
     entries[f"{local}/rng/host"] = torch.random.get_rng_state()
     if executor.device.type == "cuda":
         entries[f"{local}/rng/device"] = torch.cuda.get_rng_state(executor.device)
-    for (pipe, stage), compressor in executor.step_end.powersgd.items():
-        entries[f"{local}/powersgd/{_stage_key(pipe, stage)}"] = compressor.state_dict()
+    reduction = executor.step_end.reduction
+    for (pipe, stage), state in reduction.state_dict().items():
+        entries[f"{local}/{reduction.section}/{_stage_key(pipe, stage)}"] = state
     runtime = _curvature(runner)
     if runtime is not None:
         entries["run/cycle_step"] = runner.cycle_step
@@ -230,8 +231,9 @@ def restore_executor(executor: Executor, reader: StateReader, config: RunConfig,
     device_state = reader.get(f"{local}/rng/device")
     if device_state is not None and executor.device.type == "cuda":
         torch.cuda.set_rng_state(device_state, executor.device)
-    for (pipe, stage), compressor in executor.step_end.powersgd.items():
-        compressor.load_state_dict(reader.required(f"{local}/powersgd/{_stage_key(pipe, stage)}"))
+    reduction = executor.step_end.reduction
+    reduction.load_state_dict({(pipe, stage): reader.required(f"{local}/{reduction.section}/{_stage_key(pipe, stage)}")
+                               for pipe, stage in reduction.state_dict()})
 
 
 def restore_curvature(runner: PipeFisherTrainer, reader: StateReader, process: int, same_layout: bool) -> None:

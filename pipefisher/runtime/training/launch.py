@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from pipefisher.core.settings import ConfigError
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.training.stopping import STOP_SIGNALS, signal_name, stop_request, stop_signals_blocked
+from pipefisher.runtime.console import show_runtime_messages
+from pipefisher.runtime.signals import STOP_SIGNALS, stop_request
+from pipefisher.runtime.training.stopping import signal_name, stop_signals_blocked
 
 
 class Interrupted(RuntimeError):
@@ -190,8 +192,13 @@ def _die_with_parent() -> None:
 def _leave_the_forkserver() -> None:
     """Close this process's copy of the forkserver's keep-alive pipe (CPython hands one to every
     process it forks, and lives while any is open): the server then ends with the launcher, and
-    this process, its child, gets `_die_with_parent`'s SIGTERM as a spawned rank would."""
-    server = forkserver._forkserver
+    this process, its child, gets `_die_with_parent`'s SIGTERM as a spawned rank would.
+
+    Private attributes, read on purpose: CPython has no public API for the keep-alive pipe (nor
+    for the server object), and without closing it the forkserver, and so each rank, would
+    outlive a launcher killed outright. Read defensively: where a CPython lacks them, nothing is
+    closed and only that protection is lost."""
+    server = getattr(forkserver, "_forkserver", None)
     alive = getattr(server, "_forkserver_alive_fd", None)
     if alive is not None:
         os.close(alive)
@@ -212,6 +219,7 @@ def _child(call: bytes, rank: int, world: int, place: _Place, backend: str, time
     else:
         stop_request.install()
     torch.set_num_threads(1)
+    show_runtime_messages()
     _leave_the_forkserver()
     _die_with_parent()
     code = 0

@@ -9,7 +9,7 @@ re-measures and re-packs at the cycle boundary.
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -34,6 +34,8 @@ from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
 from pipefisher.runtime.training.profiler import measure_profile, measured_at
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -242,15 +244,14 @@ class PipeFisherTrainer(PlanRunner):
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
                                            (lambda: scaler.scale) if scaler is not None else (lambda: None))
-        self.shared_statistics = shared_statistics(config, self.schedule.num_stages)
-        super().__init__(executor, rank, self.curvature_plan.plan, tied)
+        super().__init__(executor, rank, self.curvature_plan.plan, tied, shared_statistics(config, self.schedule.num_stages))
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
 
     def log(self, message: str) -> None:
         if self.rank == 0 and self.executor.comm.shard == 0:
-            print(f"pipefisher: {message}", file=sys.stderr, flush=True)
+            logger.info("%s", message)
 
     def _measure(self) -> Profile:
         timer = self.parts.timer(self.config, self.modules, self.skip)

@@ -134,16 +134,15 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[f
     PowerSGD its two all-reduces and their maths, its state restored afterwards), for every
     replicated stage this rank holds. Collective: stages in order on every rank."""
     step_end = executor.step_end
-    step_end.update = True
-    compression = {key: compressor.state_dict() for key, compressor in step_end.powersgd.items()}
+    step_end.begin(step_end.step, update=True)
+    compression = step_end.reduction.state_dict()
     times: dict[int, list[float]] = {}
     for stage in sorted({stage for _, stage in executor.stages}):
         if len(executor.topology.replica_ranks(stage)) < 2:
             continue
         step_end.reduce_now(stage)  # connects
         times[stage] = timed_ms(lambda stage=stage: step_end.reduce_now(stage), executor.device, repeats)
-    for key, state in compression.items():
-        step_end.powersgd[key].load_state_dict(state)
+    step_end.reduction.load_state_dict(compression)
     executor.comm.sent_bytes.clear()
     return times
 
@@ -160,7 +159,7 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
     scheduler_state = step_end.scheduler.state_dict() if step_end.scheduler is not None else None
     scaler_state = step_end.scaler.state_dict() if step_end.scaler is not None else None
     samples = []
-    step_end.update = True
+    step_end.begin(step_end.step, update=True)
     try:
         for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
             for buffer in step_end.buffers.values():

@@ -31,7 +31,8 @@ from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import data_source, staged_model
-from pipefisher.runtime.training.stopping import Stopped, stop_request
+from pipefisher.runtime.signals import stop_request
+from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
 
 

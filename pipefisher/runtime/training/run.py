@@ -20,7 +20,8 @@ from pipefisher.runtime.training.launch import (
     run_group,
 )
 from pipefisher.runtime.training.reference import train_reference
-from pipefisher.runtime.training.stopping import Stopped, stop_request
+from pipefisher.runtime.signals import stop_request
+from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.trainer import TrainResult, train_pipelined
 from pipefisher.schedules import chunks_per_rank
 

@@ -2,8 +2,8 @@
 
 SIGTERM (preemption, time limits) or SIGINT (Ctrl-C) to a rank only sets a flag; the flag goes
 into the end-of-step reduction over all ranks (`StepEnd`), so every rank learns in the same step
-that one of them was signalled. They all finish that step, write a checkpoint when a checkpoint
-directory is set, and exit with 128 + the signal's number.
+that one of them was signalled (`pipefisher.runtime.signals`). They all finish that step, write a
+checkpoint when a checkpoint directory is set, and exit with 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -15,26 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class StopRequest:
-    """The signal this process received (0: none). Installed once per process by its entry point."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-
-    def install(self) -> None:
-        """Catch SIGTERM and SIGINT from now on (main thread only)."""
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._record)
-
-    def _record(self, signum: int, frame) -> None:
-        self.signum = signum
-
-
-#: this process's stop request (signals are per process)
-stop_request = StopRequest()
+from pipefisher.runtime.signals import STOP_SIGNALS
 
 
 class Terminated(BaseException):
@@ -84,14 +65,6 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-
-
-def leave_interrupts_to_the_parent() -> None:
-    """For a pool's worker started under `stop_signals_blocked`: SIGINT (a terminal's Ctrl-C
-    reaches the whole group) is ignored, the parent ends the pool; SIGTERM ends the worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def raise_on_sigterm() -> None:

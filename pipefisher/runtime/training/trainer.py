@@ -4,7 +4,7 @@ the step loop with checkpoints. `pipefisher.runtime.training.reference` trains t
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,12 +23,13 @@ from pipefisher.models.tensor_parallel import gather_parameters, parallelize
 from pipefisher.optim import build_optimizer, build_scheduler
 from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
-from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
-from pipefisher.runtime.gradient_path.step_end import StepEnd
+from pipefisher.runtime.gradient_path.reduction import gradient_reduction
+from pipefisher.runtime.gradient_path.step_end import Gradients, LossReport, OptimizerStep, StepEnd
 from pipefisher.runtime.pipeline.comm import TENSOR, Comm
 from pipefisher.runtime.pipeline.compiled import compile_blocks
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
+from pipefisher.runtime.pipeline.extension import Extensions
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.pipeline.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
@@ -41,6 +42,8 @@ from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
 
 StepCallback = Callable[[StepResult], None]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,6 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
     model = staged_model(config)
     tied = has_tied_weights(model, schedule)
     path = config.gradient_path
-    sharded, compression = path.sharded, config.comm.powersgd_rank
     members = group_members(topology, tied, path)
     mesh = device_mesh(topology, device) if topology.tensor_parallel > 1 else None
     comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout, topology=topology, shard=shard,
@@ -101,29 +103,40 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
                           1.0 / topology.total_micro_batches, precision, grad_scale)
         for key, module in modules.items()
     }
-    bucket_bytes = int(config.run.bucket_mb * 2**20)
-    ownership = Ownership(topology, rank, modules, sharded)
-    buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if sharded else None) for key, module in modules.items()}
-    optimizer = build_optimizer(config, modules.values(), ownership.updates, method_skip(config, model))
-    powersgd = {
-        key: PowerSGD(buffer, compression, seed=config.run.seed * 1009 + key[1], loss_scale=grad_scale)
-        for key, buffer in buffers.items() if compression and len(topology.replica_ranks(key[1])) > 1
-    }
-    clip = config.optimizer.clip_norm
-    step_end = StepEnd(
-        comm, device, stages, buffers, optimizer, loss_parts=model.loss_parts,
-        tied=TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) if tied else None,
-        norm=GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard) if clip > 0 else None,
-        clip_norm=clip, scaler=scaler, scheduler=build_scheduler(config, optimizer), ownership=ownership,
-        powersgd=powersgd, powersgd_start=config.comm.powersgd_start_step, reports_loss=shard == 0,
-    )
+    extensions = Extensions()
+    step_end = build_step_end(config, topology, (rank, shard), comm, device, stages, model, members, scaler, extensions)
     micro_batch_size = config.data.micro_batch_size
 
     def message_spec(message):
         return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
 
-    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path)
+    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path,
+                        extensions=extensions)
     return executor, schedule
+
+
+def build_step_end(config: RunConfig, topology: Topology, process: tuple[int, int], comm: Comm, device: torch.device,
+                   stages: dict[tuple[int, int], StageRuntime], model, members: dict, scaler: LossScaler | None,
+                   extensions: Extensions) -> StepEnd:
+    """The end of step of rank `process[0]` (tensor-parallel shard `process[1]`): its gradient buffers
+    and the run's gradient path (`gradient_reduction`), the optimizer and what applies it, the loss
+    report; the optimizer step runs `extensions`' hooks."""
+    rank, shard = process
+    path = config.gradient_path
+    modules = {key: stage.module for key, stage in stages.items()}
+    bucket_bytes = int(config.run.bucket_mb * 2**20)
+    ownership = Ownership(topology, rank, modules, path.sharded)
+    buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if path.sharded else None) for key, module in modules.items()}
+    grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
+    reduction = gradient_reduction(path, topology, buffers, config.comm.powersgd_rank, config.comm.powersgd_start_step, config.run.seed, grad_scale)
+    tied = TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) \
+        if has_tied_weights(model, topology.schedule) else None
+    optimizer = build_optimizer(config, modules.values(), ownership.updates, method_skip(config, model))
+    clip = config.optimizer.clip_norm
+    applies = OptimizerStep(optimizer, build_scheduler(config, optimizer), scaler, clip,
+                            GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard) if clip > 0 else None,
+                            extensions.before_optimizer_step)
+    return StepEnd(comm, device, Gradients(stages, buffers, ownership, reduction, tied), applies, LossReport(model.loss_parts, shard == 0))
 
 
 def device_mesh(topology: Topology, device: torch.device) -> DeviceMesh:
@@ -200,7 +213,7 @@ def train_pipelined(config: RunConfig, process: int, device: torch.device, on_st
 def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str, int], ...]:
     """Every rank's optimizer-state and curvature-state bytes, on every rank. Collective."""
     runner.quiesce()
-    compression = [tensor for compressor in executor.step_end.powersgd.values() for tensor in compressor.tensors()]
+    compression = executor.step_end.reduction.tensors()
     mine = {"optimizer": tensor_bytes(list(executor.optimizer.state.values())), "curvature": tensor_bytes(runner.state_dict()),
             "compression": tensor_bytes(compression)}
     everyone: list = [None] * dist.get_world_size()
@@ -219,5 +232,5 @@ def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner:
     if process == 0:
         cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
         for line in commit(config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep):
-            print(f"pipefisher: checkpoint {line}", file=sys.stderr, flush=True)
+            logger.info("checkpoint %s", line)
     dist.barrier()
