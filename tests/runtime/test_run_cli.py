@@ -54,7 +54,7 @@ def test_text_output_names_units(reference_losses):
                                      "make pipeline.stages a divisor of 4: 1, 2 or 4"),
         ("checkpoint:\n  resume: auto\n", "checkpoint.resume: 'auto' needs checkpoint.dir (or --checkpoint-dir)"),
         ("pipeline:\n  schedule: chimera\n  micro_batches: 3\n", "micro-batches N=3 must be a multiple of stages D=2"),
-        ("pipeline:\n  stagez: 2\n", "pipeline.stagez: unknown key; allowed keys: schedule, stages"),
+        ("pipeline:\n  stagez: 2\n", "pipeline.stagez: unknown key; did you mean stages?"),
         ("optimizer:\n  name: adam\n", "optimizer.name: 'adam' is not one of sgd, adamw, lamb, kfac"),
         ("run:\n  steps: 0\n", "run.steps: 0 must be positive"),
         ("model: [1, 2]\n", "model: expected a mapping"),
