@@ -71,6 +71,7 @@ from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.stopping import entry_point
 from pipefisher.runtime.training.trainer import build_executor
 
+
 @dataclass(frozen=True)
 class Pair:
     """PyTorch's counterpart of a pipefisher schedule: its class in `torch.distributed.pipelining`,
@@ -117,11 +118,22 @@ def make_config(args: dict, schedule: str, micro_batches: int):
     return config_from_dict(
         {
             "model": {
-                "kind": "transformer", "layers": args["layers"], "hidden": args["hidden"], "heads": args["heads"],
-                "ffn": args["ffn"], "seq_len": args["seq_len"], "input_dim": 16, "output_dim": 4,
+                "kind": "transformer",
+                "layers": args["layers"],
+                "hidden": args["hidden"],
+                "heads": args["heads"],
+                "ffn": args["ffn"],
+                "seq_len": args["seq_len"],
+                "input_dim": 16,
+                "output_dim": 4,
             },
             "data": {"kind": "synthetic", "seed": 0, "micro_batch_size": args["micro_batch_size"]},
-            "pipeline": {"schedule": schedule, "stages": args["ranks"], "micro_batches": micro_batches, "data_parallel": 1},
+            "pipeline": {
+                "schedule": schedule,
+                "stages": args["ranks"],
+                "micro_batches": micro_batches,
+                "data_parallel": 1,
+            },
             "optimizer": {"name": "sgd", "lr": 0.05},
             "run": {"steps": 1, "seed": 0, "backend": "gloo", "timeout": 120},
         }
@@ -222,16 +234,21 @@ class TorchVariant:
         held = torch_stages_of(pair, rank, ranks)
         self.n = n
         self.first, self.last = 0 in held, num_stages - 1 in held
-        self.modules = [TorchStage(TinyRegression(model).build_stage(index, num_stages, config.run.seed), index == 0)
-                        for index in held]
+        self.modules = [
+            TorchStage(TinyRegression(model).build_stage(index, num_stages, config.run.seed), index == 0)
+            for index in held
+        ]
         stages = []
         for index, module in zip(held, self.modules):
             in_width = model.input_dim if index == 0 else model.hidden
             out_width = model.output_dim if index == num_stages - 1 else model.hidden
             example_in = torch.empty(mbs, model.seq_len, in_width).requires_grad_(index > 0)
             example_out = torch.empty(mbs, model.seq_len, out_width).requires_grad_(True)
-            stages.append(pipelining.PipelineStage(module, index, num_stages, torch.device("cpu"),
-                                                   input_args=example_in, output_args=example_out))
+            stages.append(
+                pipelining.PipelineStage(
+                    module, index, num_stages, torch.device("cpu"), input_args=example_in, output_args=example_out
+                )
+            )
         cls = getattr(pipelining, pair.torch_name)
         # loss_fn on every rank; scale_grads=True -> mean over micro-batches, as pipefisher's loss
         self.schedule = cls(stages if pair.multi else stages[0], n_microbatches=n, loss_fn=mse)
@@ -246,8 +263,9 @@ class TorchVariant:
         loss = float("nan")
         if self.last:
             losses: list = []
-            self.schedule.step(*inputs, target=torch.cat([batch["targets"] for batch in batches]), losses=losses,
-                               return_outputs=False)
+            self.schedule.step(
+                *inputs, target=torch.cat([batch["targets"] for batch in batches]), losses=losses, return_outputs=False
+            )
             loss = sum(float(item.detach()) for item in losses) / len(losses)
         else:
             self.schedule.step(*inputs, return_outputs=False)
@@ -308,14 +326,26 @@ def worker(rank: int, world: int, args: dict, micro_batches: int) -> dict:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             samples[name].append(float(slowest) / args["steps"])
     dist.barrier()
-    return {"rank": rank, "samples": samples, "first_loss": first_loss, "warmup": warm,
-            "profiles": {k: dict(v) for k, v in profiles.items()}}
+    return {
+        "rank": rank,
+        "samples": samples,
+        "first_loss": first_loss,
+        "warmup": warm,
+        "profiles": {k: dict(v) for k, v in profiles.items()},
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", nargs="+", choices=list(PAIRS), default=list(DEFAULT_SCHEDULES),
-                        help="pipefisher schedules, each run beside its torch counterpart (see PAIRS)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=list(PAIRS),
+        default=list(DEFAULT_SCHEDULES),
+        help="pipefisher schedules, each run beside its torch counterpart (see PAIRS)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks (processes)")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--repeats", type=int, default=7)
@@ -342,20 +372,43 @@ def main() -> None:
     pieces = math.lcm(*(ranks * PAIRS[s].stages_per_rank for s in schedules))
     if ns.layers % pieces:
         parser.error(f"--layers {ns.layers} cannot be cut into {pieces} equal stages (the schedules' stage counts)")
-    args = {k: getattr(ns, k) for k in ("schedules", "ranks", "repeats", "steps", "warmup", "micro_batch_size", "hidden",
-                                         "heads", "ffn", "seq_len", "layers", "profile")}
+    args = {
+        k: getattr(ns, k)
+        for k in (
+            "schedules",
+            "ranks",
+            "repeats",
+            "steps",
+            "warmup",
+            "micro_batch_size",
+            "hidden",
+            "heads",
+            "ffn",
+            "seq_len",
+            "layers",
+            "profile",
+        )
+    }
     missing = [s for s in schedules if not pipefisher_has(s)]  # decided once, here: every rank runs the same variants
     args.update(schedules=schedules, missing=missing)
 
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"torch {torch.__version__}; {ranks} ranks, gloo 127.0.0.1, torch.set_num_threads(1) per rank; "
-          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} over 1, 5, 15 min")
-    cuts = ", ".join(f"{s} {ranks * PAIRS[s].stages_per_rank} stages ({ns.layers // (ranks * PAIRS[s].stages_per_rank)} "
-                     f"blocks each)" for s in schedules)
-    print(f"model: transformer layers {ns.layers} ({cuts}), hidden {ns.hidden}, heads {ns.heads}, "
-          f"ffn {ns.ffn}, seq_len {ns.seq_len}, input 16, output 4; micro-batch size {ns.micro_batch_size}; SGD lr 0.05")
-    print(f"timing: warm-up {ns.warmup} steps/variant, then {ns.repeats} repeats x {ns.steps} steps/variant, "
-          f"variants alternated (order reversed on odd repeats); sample = slower rank's block time / steps")
+    print(
+        f"torch {torch.__version__}; {ranks} ranks, gloo 127.0.0.1, torch.set_num_threads(1) per rank; "
+        f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} over 1, 5, 15 min"
+    )
+    cuts = ", ".join(
+        f"{s} {ranks * PAIRS[s].stages_per_rank} stages ({ns.layers // (ranks * PAIRS[s].stages_per_rank)} blocks each)"
+        for s in schedules
+    )
+    print(
+        f"model: transformer layers {ns.layers} ({cuts}), hidden {ns.hidden}, heads {ns.heads}, "
+        f"ffn {ns.ffn}, seq_len {ns.seq_len}, input 16, output 4; micro-batch size {ns.micro_batch_size}; SGD lr 0.05"
+    )
+    print(
+        f"timing: warm-up {ns.warmup} steps/variant, then {ns.repeats} repeats x {ns.steps} steps/variant, "
+        f"variants alternated (order reversed on odd repeats); sample = slower rank's block time / steps"
+    )
     for schedule in missing:
         print(f"note: pipefisher registers no schedule {schedule!r} yet: torch {PAIRS[schedule].torch_name} runs alone")
     print()
@@ -369,18 +422,27 @@ def main() -> None:
         medians = {name: statistics.median(values) for name, values in samples.items()}
         # sanity: first-step loss of every variant (same init, same data), from a rank that holds the
         # last stage (the last rank, or rank 0 for torch's V schedules)
-        first_loss = {name: next((r["first_loss"][name] for r in results[::-1] if not math.isnan(r["first_loss"][name])),
-                                 math.nan) for name in samples}
+        first_loss = {
+            name: next(
+                (r["first_loss"][name] for r in results[::-1] if not math.isnan(r["first_loss"][name])), math.nan
+            )
+            for name in samples
+        }
         reference = next(iter(first_loss.values()))
         differences = [abs(v - reference) / abs(reference) for v in first_loss.values()]
         worst = math.nan if any(map(math.isnan, differences)) else max(differences)
-        print(f"N = {n} micro-batches (group run {wall:.0f} s; load average of this machine now "
-              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} over 1, 5, 15 min)")
+        print(
+            f"N = {n} micro-batches (group run {wall:.0f} s; load average of this machine now "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} over 1, 5, 15 min)"
+        )
         print("  first-step loss: " + ", ".join(f"{k} {v:.8f}" for k, v in first_loss.items()))
         print(f"  max relative difference {worst:.2e} -> {'OK' if worst <= 1e-5 else 'MISMATCH'} (tolerance 1e-5)")
         for name, values in samples.items():
-            print(f"  {name:20s} samples ms: " + " ".join(f"{1e3 * v:.1f}" for v in values)
-                  + f" | median {1e3 * medians[name]:.1f} | warm-up {1e3 * results[0]['warmup'][name]:.1f}")
+            print(
+                f"  {name:20s} samples ms: "
+                + " ".join(f"{1e3 * v:.1f}" for v in values)
+                + f" | median {1e3 * medians[name]:.1f} | warm-up {1e3 * results[0]['warmup'][name]:.1f}"
+            )
         if ns.profile:
             for result in results:
                 for name, profile in result["profiles"].items():
@@ -406,13 +468,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for schedule, n, pf, tc, ratio, paired in rows:
         label = f"{schedule} (torch {PAIRS[schedule].torch_name})"
-        print(f"| {label} | {n} | {cell(pf, 1e3)} | {cell(tc, 1e3)} | {cell(ratio, digits=3)} | {cell(paired, digits=3)} |")
+        print(
+            f"| {label} | {n} | {cell(pf, 1e3)} | {cell(tc, 1e3)} | {cell(ratio, digits=3)} | {cell(paired, digits=3)} |"
+        )
     print()
     compared = [row for row in rows if row[4] is not None]
     if compared:
-        print("target: ratio <= 1.05; " + ", ".join(
-            f"{s} N={n}: {'met' if r <= 1.05 else 'NOT met'} (paired {'met' if p <= 1.05 else 'NOT met'})"
-            for s, n, _, _, r, p in compared))
+        print(
+            "target: ratio <= 1.05; "
+            + ", ".join(
+                f"{s} N={n}: {'met' if r <= 1.05 else 'NOT met'} (paired {'met' if p <= 1.05 else 'NOT met'})"
+                for s, n, _, _, r, p in compared
+            )
+        )
 
 
 if __name__ == "__main__":

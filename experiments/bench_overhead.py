@@ -89,13 +89,28 @@ def flops_and_peak(config, device: torch.device, devices: int) -> tuple[float | 
 
 
 def compare_one_stage(workload: Workload, optimizer: str, args, device: torch.device) -> Comparison:
-    settings = BenchSettings(optimizer, args.precision, args.warmup + args.repeats * args.steps, 1, args.compile, args.quick,
-                             args.micro_batch_size)
+    settings = BenchSettings(
+        optimizer,
+        args.precision,
+        args.warmup + args.repeats * args.steps,
+        1,
+        args.compile,
+        args.quick,
+        args.micro_batch_size,
+    )
     backend = "nccl" if device.type == "cuda" else "gloo"
     config = settings.config(workload, backend)
     flops, peak = flops_and_peak(config, device, 1)
-    comparison = Comparison(workload.name, optimizer, "one-stage", "plain PyTorch loop", tokens_per_step(config), args.steps,
-                            flops_per_step=flops, peak=peak)
+    comparison = Comparison(
+        workload.name,
+        optimizer,
+        "one-stage",
+        "plain PyTorch loop",
+        tokens_per_step(config),
+        args.steps,
+        flops_per_step=flops,
+        peak=peak,
+    )
     with world_of_one(backend, device):
         arms = {"baseline": PlainLoop(config, device, args.compile), "pipefisher": PipefisherOneStage(config, device)}
         for side, arm in arms.items():
@@ -110,12 +125,22 @@ def compare_one_stage(workload: Workload, optimizer: str, args, device: torch.de
 
 
 def compare_two_stage(workload: Workload, optimizer: str, args, device: torch.device) -> Comparison:
-    settings = BenchSettings(optimizer, args.precision, args.warmup + args.steps, 2, args.compile, args.quick, args.micro_batch_size)
+    settings = BenchSettings(
+        optimizer, args.precision, args.warmup + args.steps, 2, args.compile, args.quick, args.micro_batch_size
+    )
     backend = "nccl" if device.type == "cuda" else "gloo"
     config = settings.config(workload, backend)
     flops, peak = flops_and_peak(config, device, 2)
-    comparison = Comparison(workload.name, optimizer, "two-stage", "torch.distributed.pipelining Schedule1F1B",
-                            tokens_per_step(config), args.steps, flops_per_step=flops, peak=peak)
+    comparison = Comparison(
+        workload.name,
+        optimizer,
+        "two-stage",
+        "torch.distributed.pipelining Schedule1F1B",
+        tokens_per_step(config),
+        args.steps,
+        flops_per_step=flops,
+        peak=peak,
+    )
     runs = {"baseline": pipelining_run, "pipefisher": pipefisher_run}
     for repeat in range(args.repeats):
         order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
@@ -128,9 +153,14 @@ def compare_two_stage(workload: Workload, optimizer: str, args, device: torch.de
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", help=f"comma-separated, of {', '.join(WORKLOADS)} (default: {','.join(CPU_MODELS)} "
-                                         f"on the CPU, {','.join(GPU_MODELS)} on CUDA, bert-tiny with --quick)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models",
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: {','.join(CPU_MODELS)} "
+        f"on the CPU, {','.join(GPU_MODELS)} on CUDA, bert-tiny with --quick)",
+    )
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated, of adamw, lamb")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
@@ -139,9 +169,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (at least 1)")
     parser.add_argument("--repeats", type=int, default=7, help="paired repeats (default 7; the ratio is their median)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the blocks (run.compile; compile_blocks)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default: the run file's)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 micro-batches of 2, 1 repeat, 2 steps, 1 warm-up")
-    parser.add_argument("--out", type=Path, help="write the table here (markdown) and the measurements beside it (.json)")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=None, help="sequences per micro-batch (default: the run file's)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 2 micro-batches of 2, 1 repeat, 2 steps, 1 warm-up"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="write the table here (markdown) and the measurements beside it (.json)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 2, 1
@@ -155,41 +191,58 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: torch sees no GPU here; use --device cpu")
     if args.device == "cuda" and "two-stage" in args.arms and torch.cuda.device_count() < 2:
-        raise UsageError(f"--arms two-stage on cuda needs 2 GPUs (one NCCL rank each), this machine has "
-                         f"{torch.cuda.device_count()}; use --arms one-stage or --device cpu")
+        raise UsageError(
+            f"--arms two-stage on cuda needs 2 GPUs (one NCCL rank each), this machine has "
+            f"{torch.cuda.device_count()}; use --arms one-stage or --device cpu"
+        )
     if args.compile:
         try:
             from pipefisher.runtime.pipeline.compiled import compile_blocks  # noqa: F401
         except ImportError:
-            raise UsageError("--compile needs run.compile (pipefisher.runtime.pipeline.compiled.compile_blocks), "
-                             "which this checkout lacks") from None
+            raise UsageError(
+                "--compile needs run.compile (pipefisher.runtime.pipeline.compiled.compile_blocks), "
+                "which this checkout lacks"
+            ) from None
     return args
 
 
 def header(args: argparse.Namespace, device: torch.device, comparisons: list[Comparison]) -> list[str]:
     """The lines above the table: the command, the machine and what the numbers are."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, 1 thread per process)"
-    lines = ["# Framework overhead: pipefisher against plain PyTorch", "",
-             "Written by `experiments/bench_overhead.py` (its docstring has the method). Back to the [README](../README.md).", "",
-             "- one-stage: pipefisher's executor with pipeline.stages 1 (a process group of one) against the plain PyTorch loop "
-             "with gradient accumulation, in one process;",
-             "- two-stage: `pipefisher run --json` with 2 stages against `torch.distributed.pipelining` (PipelineStage, "
-             "Schedule1F1B), 2 processes each; both 1F1B over the same two stage modules.",
-             "", "Same model (pipefisher's `build_stage`), micro-batches (`data_source`), optimizer and learning-rate schedule "
-             "(pipefisher's `build_optimizer`: AdamW fused or pipefisher's LAMB), clipping at the run file's norm; the last "
-             "column checks that both sides' first steps agree.", "",
-             f"Command: `python {shlex.join(['experiments/bench_overhead.py', *sys.argv[1:]])}`", "",
-             f"torch {torch.__version__}, {name}, precision {args.precision}"
-             f"{', torch.compile of the blocks' if args.compile else ''}; load average "
-             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the end: other processes shared the machine.",
-             f"{args.warmup} warm-up steps, then {args.repeats} repeats x {args.steps} timed steps per side (one-stage: the sides "
-             "take turns step by step; two-stage: one fresh run of each side per repeat); tokens/s: median over repeats; "
-             "ratio: median over repeats of pipefisher's tokens/s / the baseline's (paired, 1.000 = as fast)."]
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({os.cpu_count()} cores, 1 thread per process)"
+    )
+    lines = [
+        "# Framework overhead: pipefisher against plain PyTorch",
+        "",
+        "Written by `experiments/bench_overhead.py` (its docstring has the method). Back to the [README](../README.md).",
+        "",
+        "- one-stage: pipefisher's executor with pipeline.stages 1 (a process group of one) against the plain PyTorch loop "
+        "with gradient accumulation, in one process;",
+        "- two-stage: `pipefisher run --json` with 2 stages against `torch.distributed.pipelining` (PipelineStage, "
+        "Schedule1F1B), 2 processes each; both 1F1B over the same two stage modules.",
+        "",
+        "Same model (pipefisher's `build_stage`), micro-batches (`data_source`), optimizer and learning-rate schedule "
+        "(pipefisher's `build_optimizer`: AdamW fused or pipefisher's LAMB), clipping at the run file's norm; the last "
+        "column checks that both sides' first steps agree.",
+        "",
+        f"Command: `python {shlex.join(['experiments/bench_overhead.py', *sys.argv[1:]])}`",
+        "",
+        f"torch {torch.__version__}, {name}, precision {args.precision}"
+        f"{', torch.compile of the blocks' if args.compile else ''}; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the end: other processes shared the machine.",
+        f"{args.warmup} warm-up steps, then {args.repeats} repeats x {args.steps} timed steps per side (one-stage: the sides "
+        "take turns step by step; two-stage: one fresh run of each side per repeat); tokens/s: median over repeats; "
+        "ratio: median over repeats of pipefisher's tokens/s / the baseline's (paired, 1.000 = as fast).",
+    ]
     if device.type == "cuda" and any(c.peak is None for c in comparisons):
         lines.append(f"MFU omitted: no peak dense bf16 rate known for {name} (overhead/flops.py PEAK_BF16).")
     elif device.type == "cuda":
-        lines.append("MFU: model FLOPs (6 x matmul weights x tokens + 12 x layers x hidden x seq_len^2 per sequence) / time / "
-                     "the devices' peak dense bf16 FLOP/s.")
+        lines.append(
+            "MFU: model FLOPs (6 x matmul weights x tokens + 12 x layers x hidden x seq_len^2 per sequence) / time / "
+            "the devices' peak dense bf16 FLOP/s."
+        )
     return lines
 
 
@@ -232,9 +285,18 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(
-            {"command": sys.argv, "device": str(device), "torch": torch.__version__, "precision": args.precision,
-             "comparisons": [c.as_dict() for c in comparisons]}, indent=1))
+        args.out.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "device": str(device),
+                    "torch": torch.__version__,
+                    "precision": args.precision,
+                    "comparisons": [c.as_dict() for c in comparisons],
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

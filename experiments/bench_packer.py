@@ -38,7 +38,11 @@ def configurations(reference: Path):
             for schedule_name in ("gpipe", "1f1b", "chimera"):
                 for depth in (4, 8):
                     profile = transformer_profile(times, blocks, depth, hidden, ffn, micro_batch_size, device="P100")
-                    yield (model, micro_batch_size, schedule_name, depth), get_schedule(schedule_name, depth, depth), profile
+                    yield (
+                        (model, micro_batch_size, schedule_name, depth),
+                        get_schedule(schedule_name, depth, depth),
+                        profile,
+                    )
 
 
 def matched(schedule, profile, options: PackOptions, top: int) -> tuple[int, int]:
@@ -68,17 +72,26 @@ def at_bound(result: PackResult, budget: float) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
-                        help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "reference",
+        type=Path,
+        nargs="?",
+        default=REFERENCE,
+        help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)",
+    )
     parser.add_argument("--max-overhead", type=float, default=0.01)
     parser.add_argument("--margin", type=float, default=0.0)
     args = parser.parse_args()
     options = PackOptions(margin=args.margin, max_overhead=args.max_overhead)
     budget = args.max_overhead
 
-    print("| model | bs | schedule | D=N | lower bound | pipefisher k | overhead | published k | overhead | "
-          "matched k not worse | dominated | pipefisher at the bound | why pipefisher's k |")
+    print(
+        "| model | bs | schedule | D=N | lower bound | pipefisher k | overhead | published k | overhead | "
+        "matched k not worse | dominated | pipefisher at the bound | why pipefisher's k |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for (model, bs, name, depth), schedule, profile in configurations(args.reference):
@@ -86,21 +99,28 @@ def main() -> None:
         published = pack(schedule, profile, replace(options, strategy="published"))
         wins, compared = matched(schedule, profile, options, max(ours.refresh_steps, published.refresh_steps))
         rows.append((ours, published, wins == compared, dominated(ours, published)))
-        print(f"| {model} | {bs} | {name} | {depth} | {ours.lower_bound} | {ours.refresh_steps} | {100 * ours.overhead:.2f} % | "
-              f"{published.refresh_steps} | {100 * published.overhead:.2f} % | {wins}/{compared} | "
-              f"{'yes' if rows[-1][3] else 'no'} | {at_the_bound(ours)} | {ours.reason.split(': ', 1)[1]} |", flush=True)
+        print(
+            f"| {model} | {bs} | {name} | {depth} | {ours.lower_bound} | {ours.refresh_steps} | {100 * ours.overhead:.2f} % | "
+            f"{published.refresh_steps} | {100 * published.overhead:.2f} % | {wins}/{compared} | "
+            f"{'yes' if rows[-1][3] else 'no'} | {at_the_bound(ours)} | {ours.reason.split(': ', 1)[1]} |",
+            flush=True,
+        )
 
     fits = [row for row in rows if not row[0].unplaceable]
     print()
-    print(f"configurations: {len(rows)}; pipefisher not worse than the published rule at every matched k: "
-          f"{sum(row[2] for row in rows)}; default dominated by the published rule's: {sum(row[3] for row in rows)}")
+    print(
+        f"configurations: {len(rows)}; pipefisher not worse than the published rule at every matched k: "
+        f"{sum(row[2] for row in rows)}; default dominated by the published rule's: {sum(row[3] for row in rows)}"
+    )
     for label, group in (("all", rows), (f"the {len(fits)} where every task fits some bubble", fits)):
         bound = sum(r[0].lower_bound for r in group)
         ours_k = sum(r[0].refresh_steps for r in group)
         published_k = sum(r[1].refresh_steps for r in group)
-        print(f"sum of refresh intervals ({label}): lower bound {bound}, pipefisher {ours_k} (+{100 * (ours_k / bound - 1):.1f} %), "
-              f"published {published_k} (+{100 * (published_k / bound - 1):.1f} %); at the bound with <= {100 * budget:g} % overhead: "
-              f"pipefisher {sum(at_bound(r[0], budget) for r in group)}, published {sum(at_bound(r[1], budget) for r in group)} of {len(group)}")
+        print(
+            f"sum of refresh intervals ({label}): lower bound {bound}, pipefisher {ours_k} (+{100 * (ours_k / bound - 1):.1f} %), "
+            f"published {published_k} (+{100 * (published_k / bound - 1):.1f} %); at the bound with <= {100 * budget:g} % overhead: "
+            f"pipefisher {sum(at_bound(r[0], budget) for r in group)}, published {sum(at_bound(r[1], budget) for r in group)} of {len(group)}"
+        )
 
     blocks, hidden, ffn = BERT_SIZES["bert-large"]
     times = read_block_times(args.reference / "bert-large_time_memory_p100.csv", 8)
@@ -111,8 +131,10 @@ def main() -> None:
         start = time.perf_counter()
         result = pack(schedule, profile, options)
         durations.append(time.perf_counter() - start)
-    print(f"packing D=8, N=128, 24 layers per stage (1F1B): {statistics.median(durations):.2f} s "
-          f"(median of 5), k={result.refresh_steps}")
+    print(
+        f"packing D=8, N=128, 24 layers per stage (1F1B): {statistics.median(durations):.2f} s "
+        f"(median of 5), k={result.refresh_steps}"
+    )
 
 
 if __name__ == "__main__":

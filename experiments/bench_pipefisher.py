@@ -76,9 +76,16 @@ VARIANTS = ("first-order", "after-step", "packed")
 KFAC_VARIANTS = ("after-step", "packed")
 #: op kinds grouped for the "where the time goes" table
 GROUPS = {
-    OpKind.FORWARD: "F", OpKind.BACKWARD: "B", OpKind.CURV_A: "curv", OpKind.CURV_B: "curv",
-    OpKind.INV_A: "inv", OpKind.INV_B: "inv", OpKind.PRECONDITION: "precond",
-    OpKind.SYNC_A: "comm", OpKind.SYNC_B: "comm", OpKind.EXCHANGE: "comm",
+    OpKind.FORWARD: "F",
+    OpKind.BACKWARD: "B",
+    OpKind.CURV_A: "curv",
+    OpKind.CURV_B: "curv",
+    OpKind.INV_A: "inv",
+    OpKind.INV_B: "inv",
+    OpKind.PRECONDITION: "precond",
+    OpKind.SYNC_A: "comm",
+    OpKind.SYNC_B: "comm",
+    OpKind.EXCHANGE: "comm",
 }
 GROUP_ORDER = ("F", "B", "curv", "inv", "precond", "comm")
 #: a round is quiet when other processes used at most this many cores during each of its blocks
@@ -88,20 +95,37 @@ CLEAN_LOAD = 0.15
 def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: str = "") -> dict:
     method = args["method"]
     placement = {
-        "refresh_steps": k, "margin": args["margin"], "percentile": args["percentile"],
-        "placement": "after-step" if variant == "after-step" else "packed", "profile": profile,
+        "refresh_steps": k,
+        "margin": args["margin"],
+        "percentile": args["percentile"],
+        "placement": "after-step" if variant == "after-step" else "packed",
+        "profile": profile,
         # the plans must stay fixed during the benchmark: no re-profiling
-        "reprofile_threshold": 1e9, "reprofile_patience": 10**6,
+        "reprofile_threshold": 1e9,
+        "reprofile_patience": 10**6,
     }
-    own = {"kfac": {"damping": args["damping"], "inverse": args["inverse"]},
-           "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]}}.get(method, {})  # other methods: their defaults
+    own = {
+        "kfac": {"damping": args["damping"], "inverse": args["inverse"]},
+        "shampoo": {"epsilon": 1e-6, "lr": args["shampoo_lr"]},
+    }.get(method, {})  # other methods: their defaults
     return {
         "model": {
-            "kind": "transformer", "layers": args["layers"], "hidden": args["hidden"], "heads": args["heads"],
-            "ffn": args["ffn"], "seq_len": args["seq_len"], "input_dim": 16, "output_dim": 4,
+            "kind": "transformer",
+            "layers": args["layers"],
+            "hidden": args["hidden"],
+            "heads": args["heads"],
+            "ffn": args["ffn"],
+            "seq_len": args["seq_len"],
+            "input_dim": 16,
+            "output_dim": 4,
         },
         "data": {"kind": "synthetic", "seed": 0, "micro_batch_size": args["micro_batch_size"]},
-        "pipeline": {"schedule": schedule, "stages": STAGES, "micro_batches": args["micro_batches"], "data_parallel": 1},
+        "pipeline": {
+            "schedule": schedule,
+            "stages": STAGES,
+            "micro_batches": args["micro_batches"],
+            "data_parallel": 1,
+        },
         "optimizer": {"name": "sgd" if variant == "first-order" else method, "lr": args["lr"]},
         method: {**own, **placement},
         "run": {"steps": 1, "seed": 0, "backend": "gloo", "timeout": 120},
@@ -136,7 +160,9 @@ class Window:
         return self
 
     def __exit__(self, *exc) -> None:
-        wall = torch.tensor([time.perf_counter() - self.start, machine_busy_seconds() - self.machine], dtype=torch.float64)
+        wall = torch.tensor(
+            [time.perf_counter() - self.start, machine_busy_seconds() - self.machine], dtype=torch.float64
+        )
         ours = torch.tensor([time.process_time() - self.cpu], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # slowest rank; machine-wide busy time (ranks share one machine)
         dist.all_reduce(ours, op=dist.ReduceOp.SUM)
@@ -189,7 +215,9 @@ class Variant:
             "steps": 0,
             "tail": 0.0,  # ms after the last op of a step: sends, gradient all-reduce, optimizer, loss sum
             "step_ms": defaultdict(list),  # cycle step -> step wall times
-            "wall": defaultdict(float), "cpu": defaultdict(float), "faults": defaultdict(float),  # group -> total
+            "wall": defaultdict(float),
+            "cpu": defaultdict(float),
+            "faults": defaultdict(float),  # group -> total
             "cycle": defaultdict(lambda: [0.0, 0.0, 0.0]),  # (cycle step, "F+B"|"K-FAC") -> [wall, cpu, faults]
         }
 
@@ -225,9 +253,12 @@ class Variant:
                     cell = stats["cycle"][(self.cycle_step, "F+B" if kind.is_compute else "K-FAC")]
                     cell[1] += cpu
                     cell[2] += faults
+
             return timed
 
-        self.executor.extend(_TimedHandlers({kind: wrap(kind, handler) for kind, handler in self.executor.handlers.items()}))
+        self.executor.extend(
+            _TimedHandlers({kind: wrap(kind, handler) for kind, handler in self.executor.handlers.items()})
+        )
 
     @property
     def k(self) -> int:
@@ -249,8 +280,10 @@ class Variant:
 
     def plain_rounds(self) -> dict[int, dict]:
         """Statistics without defaultdicts/lambdas (picklable)."""
-        return {r: {key: dict(value) if isinstance(value, defaultdict) else value for key, value in s.items()}
-                for r, s in self.rounds.items()}
+        return {
+            r: {key: dict(value) if isinstance(value, defaultdict) else value for key, value in s.items()}
+            for r, s in self.rounds.items()
+        }
 
 
 # -- plans and profiles --------------------------------------------------------------------------
@@ -265,8 +298,15 @@ def median_profile(profiles: list[Profile]) -> Profile:
             replace(layer, **{f: med([getattr(g.layers[i], f) for g in group]) for f in layer_fields})
             for i, layer in enumerate(stage.layers)
         )
-        stages.append(replace(stage, forward=med([g.forward for g in group]), backward=med([g.backward for g in group]),
-                              p2p=med([g.p2p for g in group]), layers=layers))
+        stages.append(
+            replace(
+                stage,
+                forward=med([g.forward for g in group]),
+                backward=med([g.backward for g in group]),
+                p2p=med([g.p2p for g in group]),
+                layers=layers,
+            )
+        )
     return replace(profiles[0], stages=tuple(stages))
 
 
@@ -309,8 +349,15 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
         """A profile on the first-order executor (gradients dropped: no variant changes), the
         seconds it took and the cores other processes used meanwhile."""
         with Window() as window:  # the profiler's own hooks replace the variant's recorder meanwhile
-            measured, _ = measure_profile(first.executor, rank, modules, cfg.data.micro_batch_size,
-                                          method.timer(cfg, modules, skip), warmup=warmup, repeats=repeats)
+            measured, _ = measure_profile(
+                first.executor,
+                rank,
+                modules,
+                cfg.data.micro_batch_size,
+                method.timer(cfg, modules, skip),
+                warmup=warmup,
+                repeats=repeats,
+            )
         return measured, window.seconds, window.foreign
 
     # -- one profile to pack from; both K-FAC variants load it, with k pinned ------------------
@@ -359,8 +406,14 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
             loads.append(window.foreign)
         repeat += 1
         quiet += max(loads) <= CLEAN_LOAD
-        more = torch.tensor([quiet < args["repeats"] and repeat < args["max_rounds"]
-                             and (repeat < args["repeats"] or time.perf_counter() < budget_end)], dtype=torch.int32)
+        more = torch.tensor(
+            [
+                quiet < args["repeats"]
+                and repeat < args["max_rounds"]
+                and (repeat < args["repeats"] or time.perf_counter() < budget_end)
+            ],
+            dtype=torch.int32,
+        )
         dist.broadcast(more, src=0)
         if not more.item():
             break
@@ -392,11 +445,17 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
             unplaceable=len(packed_result.unplaceable),
             bubble_utilization=packed_result.bubble_utilization,
             reordered=(sum(after_orders[key] != packed_orders.get(key) for key in after_orders), len(after_orders)),
-            predicted={"first-order": simulate(sched, profile).step_time,
-                       **{name: variants[name].trainer.predicted_step_ms for name in KFAC_VARIANTS}},
-            predicted_steps={"first-order": [simulate(sched, profile).step_time],
-                             **{name: [t.step_time for t in simulate_plan(plans[name], profile)] for name in KFAC_VARIANTS}},
-            predicted_interleaved=None if median is None else {
+            predicted={
+                "first-order": simulate(sched, profile).step_time,
+                **{name: variants[name].trainer.predicted_step_ms for name in KFAC_VARIANTS},
+            },
+            predicted_steps={
+                "first-order": [simulate(sched, profile).step_time],
+                **{name: [t.step_time for t in simulate_plan(plans[name], profile)] for name in KFAC_VARIANTS},
+            },
+            predicted_interleaved=None
+            if median is None
+            else {
                 "first-order": simulate(sched, median).step_time,
                 **{name: cycle_time(simulate_plan(plans[name], median)) / k for name in KFAC_VARIANTS},
             },
@@ -437,22 +496,30 @@ def report(results: list[dict], args: dict) -> dict:
     label = f"the {len(quiet)} quiet rounds" if use is quiet else "all rounds (fewer than 3 quiet ones)"
 
     print(f"\n## {schedule}\n")
-    print(f"packing profile (measured in {rank0['profile_seconds']:.1f} s, other processes {rank0['profile_load']:.2f} cores):")
+    print(
+        f"packing profile (measured in {rank0['profile_seconds']:.1f} s, other processes {rank0['profile_load']:.2f} cores):"
+    )
     print("\n".join(profile_lines(rank0["profile"])))
     if rank0["interleaved_profile"]:
         n_quiet, n_all = rank0["interleaved_quiet"]
-        print(f"median of the {n_quiet if n_quiet >= 2 else n_all} {'quiet ' if n_quiet >= 2 else ''}profiles "
-              f"measured between the rounds ({n_quiet} of {n_all} quiet):")
+        print(
+            f"median of the {n_quiet if n_quiet >= 2 else n_all} {'quiet ' if n_quiet >= 2 else ''}profiles "
+            f"measured between the rounds ({n_quiet} of {n_all} quiet):"
+        )
         print("\n".join(profile_lines(rank0["interleaved_profile"])))
     if rank0["chosen_k"] != k:
         print(f"\nthe packer chose k = {rank0['chosen_k']}; --refresh-steps pins k = {k} (figures below for k = {k})")
-    print(f"\npacker (on the packing profile): k = {k}, lower bound = {rank0['lower_bound']}, predicted packing overhead "
-          f"{100 * rank0['pack_overhead']:.2f} % ({args['method']} step {rank0['pack_step']:.1f} ms; first-order "
-          f"{rank0['pack_first_order']:.1f} ms, + preconditioning {rank0['pack_precondition_step']:.1f} ms), "
-          f"bubble utilisation {100 * rank0['bubble_utilization']:.0f} %, tasks that fit no bubble: {rank0['unplaceable']}")
-    print(f"load average {rank0['load'][0]} at start, {rank0['load'][1]} at end; timed: {rounds} rounds x "
-          f"{rank0['block_steps']} steps ({rank0['block_steps'] // k} cycles of k = {k}) per variant after "
-          f"{args['warmup_cycles']} warm-up cycles\n")
+    print(
+        f"\npacker (on the packing profile): k = {k}, lower bound = {rank0['lower_bound']}, predicted packing overhead "
+        f"{100 * rank0['pack_overhead']:.2f} % ({args['method']} step {rank0['pack_step']:.1f} ms; first-order "
+        f"{rank0['pack_first_order']:.1f} ms, + preconditioning {rank0['pack_precondition_step']:.1f} ms), "
+        f"bubble utilisation {100 * rank0['bubble_utilization']:.0f} %, tasks that fit no bubble: {rank0['unplaceable']}"
+    )
+    print(
+        f"load average {rank0['load'][0]} at start, {rank0['load'][1]} at end; timed: {rounds} rounds x "
+        f"{rank0['block_steps']} steps ({rank0['block_steps'] // k} cycles of k = {k}) per variant after "
+        f"{args['warmup_cycles']} warm-up cycles\n"
+    )
 
     def medians(indices):
         return {v: statistics.median(samples[v][i] for i in indices) for v in VARIANTS}
@@ -461,17 +528,26 @@ def report(results: list[dict], args: dict) -> dict:
         return statistics.median(samples[v][i] / samples["first-order"][i] for i in indices)
 
     every, chosen = medians(range(rounds)), medians(use)
-    print(f"| variant | median ms/step (all {rounds} rounds) | ratio | paired ratio | median ms/step ({len(quiet)} quiet rounds) "
-          f"| ratio | paired ratio | samples ms/step (other processes' cores) |")
+    print(
+        f"| variant | median ms/step (all {rounds} rounds) | ratio | paired ratio | median ms/step ({len(quiet)} quiet rounds) "
+        f"| ratio | paired ratio | samples ms/step (other processes' cores) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for v in VARIANTS:
-        q = (f"{fmt(medians(quiet)[v])} | {medians(quiet)[v] / medians(quiet)['first-order']:.3f} | {paired(v, quiet):.3f}"
-             if quiet else "- | - | -")
+        q = (
+            f"{fmt(medians(quiet)[v])} | {medians(quiet)[v] / medians(quiet)['first-order']:.3f} | {paired(v, quiet):.3f}"
+            if quiet
+            else "- | - | -"
+        )
         cells = " ".join(f"{s:.0f}({f:.2f})" for s, f in zip(samples[v], foreign[v]))
-        print(f"| {v} | {fmt(every[v])} | {every[v] / every['first-order']:.3f} | {paired(v, range(rounds)):.3f} | {q} | {cells} |")
+        print(
+            f"| {v} | {fmt(every[v])} | {every[v] / every['first-order']:.3f} | {paired(v, range(rounds)):.3f} | {q} | {cells} |"
+        )
 
     print(f"\nprediction vs measured median over {label}:\n")
-    print("| variant | predicted (packing profile) ms | measured ms | predicted / measured | predicted (interleaved profiles) ms | predicted / measured |")
+    print(
+        "| variant | predicted (packing profile) ms | measured ms | predicted / measured | predicted (interleaved profiles) ms | predicted / measured |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     interleaved = rank0["predicted_interleaved"] or {}
     for v in VARIANTS:
@@ -480,25 +556,39 @@ def report(results: list[dict], args: dict) -> dict:
         print(f"| {v} | {fmt(p)} | {fmt(chosen[v])} | {p / chosen[v]:.3f} | {extra} |")
 
     reordered, factors = rank0["reordered"]
-    why = (f"; the plans accumulate the micro-batches of {reordered} of {factors} factors in a different order, "
-           "which changes float rounding" if reordered else "")
+    why = (
+        f"; the plans accumulate the micro-batches of {reordered} of {factors} factors in a different order, "
+        "which changes float rounding"
+        if reordered
+        else ""
+    )
     after, packed = rank0["losses"]["after-step"], rank0["losses"]["packed"]
     if after == packed:
-        print(f"\nloss check: after-step and packed step losses are bitwise identical over all {len(after)} steps "
-              f"(first {after[0]:.6f}, last {after[-1]:.6f}; first-order last {rank0['losses']['first-order'][-1]:.6f}){why}")
+        print(
+            f"\nloss check: after-step and packed step losses are bitwise identical over all {len(after)} steps "
+            f"(first {after[0]:.6f}, last {after[-1]:.6f}; first-order last {rank0['losses']['first-order'][-1]:.6f}){why}"
+        )
     else:
         diff = max(abs(a - b) for a, b in zip(after, packed))
         rel = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(after, packed))
         finite = all(math.isfinite(x) for x in after + packed)
         verdict = "identical up to float rounding" if rel < 1e-4 and finite else "DIFFERENT"
-        print(f"\nloss check: after-step and packed step losses {verdict} over {len(after)} steps: max |diff| {diff:.3g}, "
-              f"relative {rel:.3g} (last {after[-1]:.6f} vs {packed[-1]:.6f}){why}")
+        print(
+            f"\nloss check: after-step and packed step losses {verdict} over {len(after)} steps: max |diff| {diff:.3g}, "
+            f"relative {rel:.3g} (last {after[-1]:.6f} vs {packed[-1]:.6f}){why}"
+        )
 
     # where the time goes, over the rounds used above
-    print(f"\nwhere the time goes over {label}, ms per step: wall (recorder, without receive waits) / CPU of the op's "
-          "thread / profiled; end of step = after the last op (sends and gradient all-reduces still in flight, "
-          "optimizer, the step's reduction; simulated as the profile's grad_reduce and step_end); idle = step wall - busy wall - end of step (waiting for the other rank):\n")
-    print("| variant | rank | " + " | ".join(GROUP_ORDER) + " | busy | step wall | end of step | idle | page faults per step |")
+    print(
+        f"\nwhere the time goes over {label}, ms per step: wall (recorder, without receive waits) / CPU of the op's "
+        "thread / profiled; end of step = after the last op (sends and gradient all-reduces still in flight, "
+        "optimizer, the step's reduction; simulated as the profile's grad_reduce and step_end); idle = step wall - busy wall - end of step (waiting for the other rank):\n"
+    )
+    print(
+        "| variant | rank | "
+        + " | ".join(GROUP_ORDER)
+        + " | busy | step wall | end of step | idle | page faults per step |"
+    )
     print("| --- | --- | " + " | ".join("---" for _ in GROUP_ORDER) + " | --- | --- | --- | --- | --- |")
     for v in VARIANTS:
         for result in results:
@@ -514,14 +604,22 @@ def report(results: list[dict], args: dict) -> dict:
             wall = sum(sum(ms) for s in stats for ms in s["step_ms"].values()) / steps
             faults = sum(total("faults", g) for g in GROUP_ORDER)
             tail = sum(s["tail"] for s in stats) / steps
-            print(f"| {v} | {result['rank']} | " + " | ".join(cells)
-                  + f" | {busy[0]:.1f} / {busy[1]:.1f} / {sum(predicted.values()):.1f} | {wall:.1f} | {tail:.1f} | "
-                  f"{wall - busy[0] - tail:.1f} | {faults:.0f} |")
+            print(
+                f"| {v} | {result['rank']} | "
+                + " | ".join(cells)
+                + f" | {busy[0]:.1f} / {busy[1]:.1f} / {sum(predicted.values()):.1f} | {wall:.1f} | {tail:.1f} | "
+                f"{wall - busy[0] - tail:.1f} | {faults:.0f} |"
+            )
 
-    print(f"\nper step of the refresh cycle over {label} (step 0 captures the curvature's inputs): median step wall "
-          "measured vs predicted (packing profile); per rank, per step, F+B and K-FAC ops as wall / CPU ms / page faults:\n")
-    print("| variant | cycle step | measured ms | predicted ms | "
-          + " | ".join(f"rank {r['rank']} F+B | rank {r['rank']} K-FAC" for r in results) + " |")
+    print(
+        f"\nper step of the refresh cycle over {label} (step 0 captures the curvature's inputs): median step wall "
+        "measured vs predicted (packing profile); per rank, per step, F+B and K-FAC ops as wall / CPU ms / page faults:\n"
+    )
+    print(
+        "| variant | cycle step | measured ms | predicted ms | "
+        + " | ".join(f"rank {r['rank']} F+B | rank {r['rank']} K-FAC" for r in results)
+        + " |"
+    )
     print("| --- | --- | --- | --- | " + " | ".join("--- | ---" for _ in results) + " |")
     for v in VARIANTS:
         predicted = rank0["predicted_steps"][v]
@@ -532,7 +630,9 @@ def report(results: list[dict], args: dict) -> dict:
                 stats = [r["rounds"][v][i] for i in use]
                 count = sum(len(s["step_ms"].get(j, [])) for s in stats)
                 for what in ("F+B", "K-FAC"):
-                    cell = [sum(s["cycle"].get((j, what), [0, 0, 0])[x] for s in stats) / max(count, 1) for x in range(3)]
+                    cell = [
+                        sum(s["cycle"].get((j, what), [0, 0, 0])[x] for s in stats) / max(count, 1) for x in range(3)
+                    ]
                     cells.append(f"{cell[0]:.1f} / {cell[1]:.1f} / {cell[2]:.0f}" if any(cell) else "-")
             print(f"| {v} | {j} | {fmt(statistics.median(times))} | {fmt(predicted[j])} | " + " | ".join(cells) + " |")
     return {"rank0": rank0, "every": every, "chosen": chosen, "label": label, "quiet": len(quiet), "rounds": rounds}
@@ -540,19 +640,35 @@ def report(results: list[dict], args: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=list(methods()), default="kfac", help="the curvature method of the two packed variants")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "chimera"], choices=["1f1b", "gpipe", "chimera"])
+    parser.add_argument(
+        "--method", choices=list(methods()), default="kfac", help="the curvature method of the two packed variants"
+    )
+    parser.add_argument(
+        "--schedules", nargs="+", default=["1f1b", "gpipe", "chimera"], choices=["1f1b", "gpipe", "chimera"]
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-steps", type=int, default=4, help="timed steps per block, rounded up to whole cycles")
-    parser.add_argument("--max-rounds", type=int, default=20,
-                        help="rounds are added until --repeats of them were quiet, up to this many")
-    parser.add_argument("--time-budget", type=float, default=75.0,
-                        help="seconds per schedule after which no round is added beyond --repeats")
+    parser.add_argument(
+        "--max-rounds",
+        type=int,
+        default=20,
+        help="rounds are added until --repeats of them were quiet, up to this many",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=75.0,
+        help="seconds per schedule after which no round is added beyond --repeats",
+    )
     parser.add_argument("--warmup-cycles", type=int, default=2)
     parser.add_argument("--profile-warmup", type=int, default=2)
     parser.add_argument("--profile-repeats", type=int, default=5)
-    parser.add_argument("--no-reprofile", dest="reprofile", action="store_false",
-                        help="skip the short profiles measured before each round (the second prediction)")
+    parser.add_argument(
+        "--no-reprofile",
+        dest="reprofile",
+        action="store_false",
+        help="skip the short profiles measured before each round (the second prediction)",
+    )
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
@@ -561,15 +677,27 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--shampoo-lr", type=float, default=1e-3,
-                        help="shampoo.lr: its steps take Adam's size (grafting), so --lr's SGD scale would diverge and "
-                             "leave denormal gradients that slow every backward on a CPU")
+    parser.add_argument(
+        "--shampoo-lr",
+        type=float,
+        default=1e-3,
+        help="shampoo.lr: its steps take Adam's size (grafting), so --lr's SGD scale would diverge and "
+        "leave denormal gradients that slow every backward on a CPU",
+    )
     parser.add_argument("--damping", type=float, default=0.01)
     parser.add_argument("--inverse", choices=["eigen", "cholesky"], default="eigen")
-    parser.add_argument("--margin", type=float, default=0.0, help="kfac.margin: share of each bubble the packer keeps free")
-    parser.add_argument("--percentile", type=float, default=90.0, help="kfac.percentile: the packer's percentile of measured op times")
-    parser.add_argument("--refresh-steps", type=int, default=0, help="pin k for both K-FAC variants (0: the packer's choice)")
-    parser.add_argument("--profile-dir", default="", help="where to keep the measured profiles (default: a new temp dir)")
+    parser.add_argument(
+        "--margin", type=float, default=0.0, help="kfac.margin: share of each bubble the packer keeps free"
+    )
+    parser.add_argument(
+        "--percentile", type=float, default=90.0, help="kfac.percentile: the packer's percentile of measured op times"
+    )
+    parser.add_argument(
+        "--refresh-steps", type=int, default=0, help="pin k for both K-FAC variants (0: the packer's choice)"
+    )
+    parser.add_argument(
+        "--profile-dir", default="", help="where to keep the measured profiles (default: a new temp dir)"
+    )
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds per schedule before its group is killed")
     args = vars(parser.parse_args())
 
@@ -578,10 +706,16 @@ def main() -> None:
     print(f"command: `{' '.join(shlex.quote(a) for a in ['python', script, *sys.argv[1:]])}`")
     print(f"options: {args}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {STAGES} ranks (gloo, 1 thread each)\n")
-    print(f"run config of the {args['method']} variants (first-order: optimizer.name sgd; {args['method']}.refresh_steps = the "
-          f"packer's k, {args['method']}.profile = the measured profile; pipeline.schedule per section):\n")
+    print(
+        f"run config of the {args['method']} variants (first-order: optimizer.name sgd; {args['method']}.refresh_steps = the "
+        f"packer's k, {args['method']}.profile = the measured profile; pipeline.schedule per section):\n"
+    )
     print("```yaml")
-    print(yaml.safe_dump(config_dict(args, args["schedules"][0], "packed", k=0, profile="<measured>"), sort_keys=False).rstrip())
+    print(
+        yaml.safe_dump(
+            config_dict(args, args["schedules"][0], "packed", k=0, profile="<measured>"), sort_keys=False
+        ).rstrip()
+    )
     print("```")
     directory = args["profile_dir"] or tempfile.mkdtemp(prefix="bench_pipefisher_")
     os.makedirs(directory, exist_ok=True)
@@ -592,22 +726,32 @@ def main() -> None:
     for schedule in args["schedules"]:
         started = time.perf_counter()
         results = run_group(
-            bench_schedule, STAGES, args=(args, schedule, os.path.join(directory, f"profile-{schedule}.yaml")),
-            backend="gloo", timeout=120, deadline=args["deadline"],
+            bench_schedule,
+            STAGES,
+            args=(args, schedule, os.path.join(directory, f"profile-{schedule}.yaml")),
+            backend="gloo",
+            timeout=120,
+            deadline=args["deadline"],
         )
         summary.append(report(sorted(results, key=lambda r: r["rank"]), args))
         print(f"\n({schedule}: {time.perf_counter() - started:.0f} s)", flush=True)
 
     print("\n## Summary\n")
-    print("| schedule | k | lower bound | packer's predicted overhead | quiet rounds | first-order ms | after-step ms (ratio) | packed ms (ratio) |")
+    print(
+        "| schedule | k | lower bound | packer's predicted overhead | quiet rounds | first-order ms | after-step ms (ratio) | packed ms (ratio) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:
         r, m = s["rank0"], s["chosen"]
         fo = m["first-order"]
-        print(f"| {r['schedule']} | {r['k']} | {r['lower_bound']} | {100 * r['pack_overhead']:.2f} % | {s['quiet']} of {s['rounds']} | "
-              f"{fmt(fo)} | {fmt(m['after-step'])} ({m['after-step'] / fo:.3f}) | {fmt(m['packed'])} ({m['packed'] / fo:.3f}) |")
+        print(
+            f"| {r['schedule']} | {r['k']} | {r['lower_bound']} | {100 * r['pack_overhead']:.2f} % | {s['quiet']} of {s['rounds']} | "
+            f"{fmt(fo)} | {fmt(m['after-step'])} ({m['after-step'] / fo:.3f}) | {fmt(m['packed'])} ({m['packed'] / fo:.3f}) |"
+        )
     print("\n(medians over the quiet rounds when there were at least 3, else over all rounds)\n")
-    print("| schedule | variant | predicted ms (packing profile) | measured ms | predicted / measured | predicted ms (interleaved profiles) | predicted / measured |")
+    print(
+        "| schedule | variant | predicted ms (packing profile) | measured ms | predicted / measured | predicted ms (interleaved profiles) | predicted / measured |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:
         r, m = s["rank0"], s["chosen"]

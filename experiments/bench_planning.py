@@ -31,8 +31,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=64)
     parser.add_argument("--micro-batches", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--reference", type=Path, default=Path(__file__).resolve().parents[1] / "profiles" / "reference",
-                        help="folder with bert-large_time_memory_p100.csv (default: profiles/reference)")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "profiles" / "reference",
+        help="folder with bert-large_time_memory_p100.csv (default: profiles/reference)",
+    )
     args = parser.parse_args()
     phases: dict[str, list[float]] = {"generate": [], "validate": [], "simulate": [], "total": []}
     for _ in range(args.repeats):
@@ -46,8 +50,10 @@ def main() -> None:
         for name, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
             phases[name].append(value)
     ops = sum(len(r) for r in schedule.ranks)
-    print(f"{args.schedule} D={args.stages} N={args.micro_batches}: {ops} ops, step {timeline.step_time:g} units, "
-          f"bubble {100 * timeline.bubble_fraction:.1f} %")
+    print(
+        f"{args.schedule} D={args.stages} N={args.micro_batches}: {ops} ops, step {timeline.step_time:g} units, "
+        f"bubble {100 * timeline.bubble_fraction:.1f} %"
+    )
     for name, values in phases.items():
         print(f"  {name:>8}: {statistics.median(values):.3f} s (median of {args.repeats})")
     csv = args.reference / "bert-large_time_memory_p100.csv"
@@ -62,8 +68,10 @@ def main() -> None:
         start = time.perf_counter()
         result = pack(schedule, profile)
         durations.append(time.perf_counter() - start)
-    print(f"packing BERT-Large 1F1B D=8 N=128 (24 layers per stage): {statistics.median(durations):.3f} s "
-          f"(median of {args.repeats}), k={result.refresh_steps}")
+    print(
+        f"packing BERT-Large 1F1B D=8 N=128 (24 layers per stage): {statistics.median(durations):.3f} s "
+        f"(median of {args.repeats}), k={result.refresh_steps}"
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from convergence_study.report import MethodResult, final, goal_lines, grid_table, plot, results_table, steps_to, write_csv  # noqa: E402
+from convergence_study.report import (
+    MethodResult,
+    final,
+    goal_lines,
+    grid_table,
+    plot,
+    results_table,
+    steps_to,
+    write_csv,
+)  # noqa: E402
 from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, RunResult, Setting, Sizing, cached, run  # noqa: E402
 from convergence_study.timing import StepTime, paper_scale, step_time  # noqa: E402
 from pipefisher.core.files import experiment_output  # noqa: E402
@@ -55,7 +64,9 @@ GRIDS = {
     "soap": (1e-3, 3e-3, 1e-2),
     "muon": (0.01, 0.02, 0.05),
 }
-QUICK = Sizing(steps=30, warmup=3, micro_batches=2, micro_batch_size=2, seq_len=16, vocab_size=600, eval_every=10, eval_batches=2)
+QUICK = Sizing(
+    steps=30, warmup=3, micro_batches=2, micro_batch_size=2, seq_len=16, vocab_size=600, eval_every=10, eval_batches=2
+)
 QUICK_K = 10
 #: how often a grid whose best point is at an edge grows past it
 EXTEND = 1
@@ -86,8 +97,17 @@ def default_methods() -> list[str]:
 class Study:
     """The runs of one workload, in order: AdamW, then each method, each on its grid then seeds."""
 
-    def __init__(self, workload: str, sizing: Sizing, seeds: int, cache: Path, quick: bool, t0: float, remeasure: bool = False):
-        self.workload, self.sizing, self.seeds, self.cache, self.quick, self.t0 = workload, sizing, seeds, cache, quick, t0
+    def __init__(
+        self, workload: str, sizing: Sizing, seeds: int, cache: Path, quick: bool, t0: float, remeasure: bool = False
+    ):
+        self.workload, self.sizing, self.seeds, self.cache, self.quick, self.t0 = (
+            workload,
+            sizing,
+            seeds,
+            cache,
+            quick,
+            t0,
+        )
         self.remeasure = remeasure
         self.train_new = True
         self.grid: dict[Setting, RunResult] = {}
@@ -98,8 +118,11 @@ class Study:
             raise RuntimeError(f"{setting.name} was not run (--cached-only)")
         result = run(setting, self.sizing, self.cache)
         self.all[setting] = result
-        log(self.t0, f"{setting.name}: held-out {final(result):.3f} ({result.seconds:.0f} s, "
-                     f"{1000 * result.seconds / self.sizing.steps:.0f} ms/step incl. evaluation)")
+        log(
+            self.t0,
+            f"{setting.name}: held-out {final(result):.3f} ({result.seconds:.0f} s, "
+            f"{1000 * result.seconds / self.sizing.steps:.0f} ms/step incl. evaluation)",
+        )
         return result
 
     def times(self, method: str, measure: bool) -> StepTime | None:
@@ -107,8 +130,11 @@ class Study:
             return None
         log(self.t0, f"{self.workload} {method}: its step time, from the cache or a `pipefisher run` now")
         times = step_time(self.workload, method, self.sizing, self.cache, again=self.remeasure)
-        log(self.t0, f"{self.workload} {method}: {times.measured_ms:.1f} ms/step here (k {times.k}), "
-                     f"{times.paper_ms:.0f} ms at paper scale (k {times.paper_k})")
+        log(
+            self.t0,
+            f"{self.workload} {method}: {times.measured_ms:.1f} ms/step here (k {times.k}), "
+            f"{times.paper_ms:.0f} ms at paper scale (k {times.paper_k})",
+        )
         return times
 
     def tune(self, method: str, base_lr: float | None, k: int, rank) -> Setting:
@@ -128,15 +154,21 @@ class Study:
         return best
 
     def seeded(self, tuned: Setting) -> list[RunResult]:
-        return [self.grid[tuned]] + [self.train(Setting(tuned.workload, tuned.method, tuned.lr, seed, tuned.base_lr, tuned.k))
-                                     for seed in range(1, self.seeds)]
+        return [self.grid[tuned]] + [
+            self.train(Setting(tuned.workload, tuned.method, tuned.lr, seed, tuned.base_lr, tuned.k))
+            for seed in range(1, self.seeds)
+        ]
 
     def method(self, method: str, base_lr: float, target: float, measure: bool) -> MethodResult:
         curvature = method not in FIRST_ORDER
         times = self.times(method, measure) if curvature else None
         k = times.k if times else QUICK_K
-        tuned = self.tune(method, base_lr if curvature else None, k if curvature else 0,
-                          lambda result: (steps_to(result, target), final(result)))
+        tuned = self.tune(
+            method,
+            base_lr if curvature else None,
+            k if curvature else 0,
+            lambda result: (steps_to(result, target), final(result)),
+        )
         runs = self.seeded(tuned)
         if not curvature:
             times = self.times(method, measure)
@@ -147,7 +179,9 @@ def _reference_time(method: str, runs: list[RunResult], sizing: Sizing) -> StepT
     """--no-measure: the reference runs' own ms/step (evaluation included) stands for the
     measured step; the paper-scale prediction is computed all the same."""
     paper, paper_k = paper_scale(method)
-    return StepTime(1000 * min(r.seconds for r in runs) / sizing.steps, QUICK_K if method not in FIRST_ORDER else 0, paper, paper_k)
+    return StepTime(
+        1000 * min(r.seconds for r in runs) / sizing.steps, QUICK_K if method not in FIRST_ORDER else 0, paper, paper_k
+    )
 
 
 def study_workload(study: Study, methods: list[str], measure: bool) -> tuple[list[MethodResult], float, list[str]]:
@@ -172,16 +206,35 @@ def study_workload(study: Study, methods: list[str], measure: bool) -> tuple[lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="bert,gpt2", help="comma-separated, of: " + ", ".join(WORKLOADS))
-    parser.add_argument("--methods", default="", help="comma-separated (default: adamw, lamb and every registered curvature method)")
+    parser.add_argument(
+        "--methods", default="", help="comma-separated (default: adamw, lamb and every registered curvature method)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 600; --quick 30)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the tuned settings (default 3; --quick 2)")
-    parser.add_argument("--quick", action="store_true", help="a smoke version: tiny sizes, 2-point grids, no step-time measurement")
-    parser.add_argument("--no-measure", action="store_true", help="no `pipefisher run` timing: the reference runs' ms/step instead")
-    parser.add_argument("--remeasure", action="store_true", help="measure every step time anew (at the cached k), back to back")
-    parser.add_argument("--cached-only", action="store_true", help="train nothing: a method with a run missing from the cache is reported as not run")
-    parser.add_argument("--cache", default="", help="run cache folder (default $PIPEFISHER_CACHE/convergence or /tmp/pfcache/convergence)")
-    parser.add_argument("--out", default=str(experiment_output("convergence")),
-                        help=f"OUT.png, OUT.csv and OUT.md (default {experiment_output('convergence')})")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke version: tiny sizes, 2-point grids, no step-time measurement"
+    )
+    parser.add_argument(
+        "--no-measure", action="store_true", help="no `pipefisher run` timing: the reference runs' ms/step instead"
+    )
+    parser.add_argument(
+        "--remeasure", action="store_true", help="measure every step time anew (at the cached k), back to back"
+    )
+    parser.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="train nothing: a method with a run missing from the cache is reported as not run",
+    )
+    parser.add_argument(
+        "--cache",
+        default="",
+        help="run cache folder (default $PIPEFISHER_CACHE/convergence or /tmp/pfcache/convergence)",
+    )
+    parser.add_argument(
+        "--out",
+        default=str(experiment_output("convergence")),
+        help=f"OUT.png, OUT.csv and OUT.md (default {experiment_output('convergence')})",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("PIPEFISHER_CACHE", "/tmp/pfcache")
     sizing = QUICK if args.quick else Sizing()
@@ -202,20 +255,39 @@ def main(argv: list[str] | None = None) -> int:
         results, target, failed = study_workload(study, methods, measure)
         per_workload[workload] = (results, target)
         all_runs.update(study.all)
-        lines += [f"## {WORKLOADS[workload].label}", "",
-                  f"Target: held-out {WORKLOADS[workload].loss} loss {target:.3f}, the median over {seeds} seeds of AdamW's "
-                  f"final. Tuned methods, seeds 0..{seeds - 1}:", "", *results_table(results, target), "",
-                  *goal_lines(results, target), "",
-                  "Grids (seed 0):", "", *grid_table(study.grid, target), ""]
+        lines += [
+            f"## {WORKLOADS[workload].label}",
+            "",
+            f"Target: held-out {WORKLOADS[workload].loss} loss {target:.3f}, the median over {seeds} seeds of AdamW's "
+            f"final. Tuned methods, seeds 0..{seeds - 1}:",
+            "",
+            *results_table(results, target),
+            "",
+            *goal_lines(results, target),
+            "",
+            "Grids (seed 0):",
+            "",
+            *grid_table(study.grid, target),
+            "",
+        ]
         lines += [f"Not in the table: {line}" for line in failed] + ([""] if failed else [])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out.with_suffix(".csv"), all_runs)
     plot(out.with_suffix(".png"), per_workload)
     command = "python experiments/convergence.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = [f"# Convergence on held-out text ({sizing.steps} steps, {seeds} seeds)", "", f"Command: `{command.strip()}`", "",
-              f"Sizes: {sizing}.", ""]
-    text = "\n".join(header + lines) + f"\nFigure: {out.with_suffix('.png')}; every evaluation: {out.with_suffix('.csv')}.\n"
+    header = [
+        f"# Convergence on held-out text ({sizing.steps} steps, {seeds} seeds)",
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        f"Sizes: {sizing}.",
+        "",
+    ]
+    text = (
+        "\n".join(header + lines)
+        + f"\nFigure: {out.with_suffix('.png')}; every evaluation: {out.with_suffix('.csv')}.\n"
+    )
     out.with_suffix(".md").write_text(text)
     print(text)
     log(t0, f"wrote {out.with_suffix('.md')}, .png and .csv")

@@ -63,7 +63,11 @@ class SyncLog:
         if "synchronizing" not in str(message):
             return self._show(message, category, filename, lineno, file, line)
         frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}pipefisher{os.sep}" in f.filename]
-        site = f"{Path(frames[-1].filename).relative_to(ROOT)}:{frames[-1].lineno} {frames[-1].line}" if frames else f"{filename}:{lineno}"
+        site = (
+            f"{Path(frames[-1].filename).relative_to(ROOT)}:{frames[-1].lineno} {frames[-1].line}"
+            if frames
+            else f"{filename}:{lineno}"
+        )
         self.sites[site] += 1
         self.examples.setdefault(site, "".join(traceback.format_list(frames[-4:])))
 
@@ -83,13 +87,24 @@ def train(args) -> dict:
 
     def on_step(result) -> None:
         now = time.perf_counter()  # the step ended with a host read of its loss: the device is done
-        steps.append({"step": result.step, "loss": result.loss, "seconds": result.seconds, "wall": now - last[0],
-                      **{k: v for k, v in result.extra.items() if isinstance(v, (int, float, bool))}})
+        steps.append(
+            {
+                "step": result.step,
+                "loss": result.loss,
+                "seconds": result.seconds,
+                "wall": now - last[0],
+                **{k: v for k, v in result.extra.items() if isinstance(v, (int, float, bool))},
+            }
+        )
         last[0] = now
         if args.sync_debug and device.type == "cuda" and result.step == args.sync_debug:
             torch.cuda.set_sync_debug_mode("warn")  # the steps after this one
         if not args.quiet:
-            print(f"step {result.step}: loss {result.loss:.5f}, {1000 * result.seconds:.2f} ms", file=sys.stderr, flush=True)
+            print(
+                f"step {result.step}: loss {result.loss:.5f}, {1000 * result.seconds:.2f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
 
     with world_of_one(config.run.backend, device, args.port):
         with syncs:
@@ -97,10 +112,16 @@ def train(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     out = {
-        "config": args.config, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "precision": args.precision, "optimizer": args.optimizer, "steps": steps,
+        "config": args.config,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "steps": steps,
         "losses": result.losses,
-        "syncs_after_step": args.sync_debug or None, "syncs": dict(syncs.sites), "sync_stacks": syncs.examples,
+        "syncs_after_step": args.sync_debug or None,
+        "syncs": dict(syncs.sites),
+        "sync_stacks": syncs.examples,
         "max_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
     }
     return out
@@ -165,8 +186,16 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if not args.ops:
         times = [s["wall"] for s in out["steps"][3:]] or [s["wall"] for s in out["steps"]]
-        print(json.dumps({"losses": [round(x, 5) for x in out["losses"]], "median_step_ms": round(1000 * sorted(times)[len(times) // 2], 2),
-                          "syncs": out["syncs"], "max_memory_mib": out["max_memory_mib"]}))
+        print(
+            json.dumps(
+                {
+                    "losses": [round(x, 5) for x in out["losses"]],
+                    "median_step_ms": round(1000 * sorted(times)[len(times) // 2], 2),
+                    "syncs": out["syncs"],
+                    "max_memory_mib": out["max_memory_mib"],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

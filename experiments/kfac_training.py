@@ -22,9 +22,9 @@ from pipefisher.methods.kfac import KFAC, KFACNumericsWarning
 from pipefisher.runtime.training.stopping import entry_point
 
 LR_GRIDS: dict[str, tuple[float, ...]] = {
-    "sgd": tuple(10.0 ** (e / 4) for e in range(-12, 1)),   # 1e-3 .. 1
+    "sgd": tuple(10.0 ** (e / 4) for e in range(-12, 1)),  # 1e-3 .. 1
     "adam": tuple(10.0 ** (e / 4) for e in range(-12, -1)),  # 1e-3 .. 0.56
-    "kfac": tuple(10.0 ** (e / 4) for e in range(-8, 1)),    # 1e-2 .. 1
+    "kfac": tuple(10.0 ** (e / 4) for e in range(-8, 1)),  # 1e-2 .. 1
 }
 MOMENTUM = 0.9  # heavy-ball momentum of SGD, also under K-FAC's preconditioned gradients
 KFAC_SETTINGS = {"damping": 3e-3, "factor_decay": 0.9, "kl_clip": 1e-2}
@@ -54,7 +54,10 @@ def make_task(seed: int = 0, n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
 def make_model(seed: int = 1) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(16, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
         torch.nn.Linear(32, 4),
     )
 

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 BEGIN, END = "<!-- memory check table -->", "<!-- end of memory check table -->"
 
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One checked run: the run file with these settings (`optimizer` a curvature method: its
@@ -39,8 +40,15 @@ class Layout:
     def label(self) -> str:
         extras = [f"ZeRO-{self.zero}"] * bool(self.zero) + [f"recompute {self.recompute}"] * (self.recompute != "none")
         extras += [f"{self.optimizer} packed"] * (self.optimizer != "adamw")
-        return ", ".join([f"{self.run_file.removesuffix('.yaml')} {self.schedule}", f"R={self.data_parallel}",
-                          f"b={self.micro_batch_size}", self.precision, *extras])
+        return ", ".join(
+            [
+                f"{self.run_file.removesuffix('.yaml')} {self.schedule}",
+                f"R={self.data_parallel}",
+                f"b={self.micro_batch_size}",
+                self.precision,
+                *extras,
+            ]
+        )
 
 
 LAYOUTS = (
@@ -71,9 +79,13 @@ def layout_config(layout: Layout, profile_dir: Path):
     config = load_config(ROOT / "schedules" / layout.run_file)
     change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
     config = dataclasses.replace(
-        config, pipeline=change("pipeline", schedule=layout.schedule, data_parallel=layout.data_parallel),
-        optimizer=change("optimizer", name=layout.optimizer, zero=layout.zero), model=change("model", seq_len=64, recompute=layout.recompute),
-        data=change("data", micro_batch_size=layout.micro_batch_size), run=change("run", precision=layout.precision, steps=2, master_port=0))
+        config,
+        pipeline=change("pipeline", schedule=layout.schedule, data_parallel=layout.data_parallel),
+        optimizer=change("optimizer", name=layout.optimizer, zero=layout.zero),
+        model=change("model", seq_len=64, recompute=layout.recompute),
+        data=change("data", micro_batch_size=layout.micro_batch_size),
+        run=change("run", precision=layout.precision, steps=2, master_port=0),
+    )
     if config.curvature is None:
         return config
     profile = profile_dir / f"{layout.optimizer}-{layout.schedule}.yaml"
@@ -92,14 +104,30 @@ def check(config) -> list[tuple]:
 
 
 def table(rows: list[tuple[str, list[tuple]]]) -> list[str]:
-    lines = ["| layout | rank | parameters | gradients | optimizer | curvature | activations | captures | refresh copies | p2p buffers | predicted | measured | error |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| layout | rank | parameters | gradients | optimizer | curvature | activations | captures | refresh copies | p2p buffers | predicted | measured | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for label, ranks in rows:
         for peak, measured in ranks:
-            cells = [peak.parameter_bytes, peak.gradient_bytes, peak.optimizer_bytes, peak.curvature_bytes, peak.activation_bytes,
-                     peak.capture_bytes, peak.refresh_bytes, peak.comm_buffer_bytes, peak.total_bytes, measured]
+            cells = [
+                peak.parameter_bytes,
+                peak.gradient_bytes,
+                peak.optimizer_bytes,
+                peak.curvature_bytes,
+                peak.activation_bytes,
+                peak.capture_bytes,
+                peak.refresh_bytes,
+                peak.comm_buffer_bytes,
+                peak.total_bytes,
+                measured,
+            ]
             error = 100 * (peak.total_bytes - measured) / measured
-            lines.append(f"| {label} | {peak.rank} | " + " | ".join(f"{cell / MiB:.2f}" for cell in cells) + f" | {error:+.1f} % |")
+            lines.append(
+                f"| {label} | {peak.rank} | "
+                + " | ".join(f"{cell / MiB:.2f}" for cell in cells)
+                + f" | {error:+.1f} % |"
+            )
     return lines
 
 
@@ -112,8 +140,12 @@ def write_table(path: Path, lines: list[str]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "memory_model.md"), help="Markdown file whose table to replace ('' = none)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default=str(ROOT / "docs" / "memory_model.md"), help="Markdown file whose table to replace ('' = none)"
+    )
     parser.add_argument("--only", type=int, default=0, help="run the first N layouts only (0 = all)")
     parser.add_argument("--match", default="", help="run the layouts whose label contains this text only")
     args = parser.parse_args()
@@ -127,7 +159,11 @@ def main() -> int:
     print("\n".join(lines))
     if args.out:
         write_table(Path(args.out), lines)
-    return 0 if all(abs(peak.total_bytes - measured) <= 0.1 * measured for _, ranks in rows for peak, measured in ranks) else 1
+    return (
+        0
+        if all(abs(peak.total_bytes - measured) <= 0.1 * measured for _, ranks in rows for peak, measured in ranks)
+        else 1
+    )
 
 
 if __name__ == "__main__":

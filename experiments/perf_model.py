@@ -27,8 +27,17 @@ from pipefisher.schedules import get_schedule
 DEPTHS = (2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 COLUMNS = [
-    "model", "schedule", "micro_batch_size", "stages", "step_time_ms", "bubble_ms_per_device",
-    "curvature_ms_per_device", "inversion_ms_per_device", "lower_bound", "refresh_steps", "overhead",
+    "model",
+    "schedule",
+    "micro_batch_size",
+    "stages",
+    "step_time_ms",
+    "bubble_ms_per_device",
+    "curvature_ms_per_device",
+    "inversion_ms_per_device",
+    "lower_bound",
+    "refresh_steps",
+    "overhead",
 ]
 
 
@@ -61,7 +70,10 @@ def model_rows(reference: Path, schedule_name: str) -> list[dict]:
                         "overhead": round(result.overhead, 4),
                     }
                 )
-                print(f"{model} bs={micro_batch_size:>2} D={depth:>2}: k={result.refresh_steps} (bound {result.lower_bound})", flush=True)
+                print(
+                    f"{model} bs={micro_batch_size:>2} D={depth:>2}: k={result.refresh_steps} (bound {result.lower_bound})",
+                    flush=True,
+                )
     return rows
 
 
@@ -97,11 +109,23 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("reference", type=Path, nargs="?", default=REFERENCE,
-                        help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)")
-    parser.add_argument("-o", "--output", type=Path, default=experiment_output("perf_model"),
-                        help=f"output path without suffix (default {experiment_output('perf_model')}; docs/packing.md's: docs/perf_model)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "reference",
+        type=Path,
+        nargs="?",
+        default=REFERENCE,
+        help="folder with bert-{base,large}_time_memory_p100.csv (default: profiles/reference)",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=experiment_output("perf_model"),
+        help=f"output path without suffix (default {experiment_output('perf_model')}; docs/packing.md's: docs/perf_model)",
+    )
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "chimera"])
     args = parser.parse_args()
     rows = model_rows(args.reference, args.schedule)

@@ -96,8 +96,9 @@ def layouts(quick: bool) -> list[Case]:
 def run_config(case: Case) -> RunConfig:
     """The run file of `case.model` with the layout's keys set."""
     data = yaml.safe_load((ROOT / MODELS[case.model]).read_text())
-    data["pipeline"].update(schedule=case.schedule, stages=case.stages, micro_batches=case.micro_batches,
-                            data_parallel=case.data_parallel)
+    data["pipeline"].update(
+        schedule=case.schedule, stages=case.stages, micro_batches=case.micro_batches, data_parallel=case.data_parallel
+    )
     data["optimizer"]["name"] = case.method
     return config_from_dict(data)
 
@@ -105,8 +106,18 @@ def run_config(case: Case) -> RunConfig:
 def layout_flags(case: Case, profile: Path) -> list[str]:
     """`pipefisher run` flags that make the model's run file run `case` (a curvature method packs
     from `profile`, the profile the prediction uses, and never re-profiles)."""
-    flags = ["--schedule", case.schedule, "--pipeline.stages", str(case.stages), "--pipeline.micro_batches",
-             str(case.micro_batches), "--data-parallel", str(case.data_parallel), "--optimizer", case.method]
+    flags = [
+        "--schedule",
+        case.schedule,
+        "--pipeline.stages",
+        str(case.stages),
+        "--pipeline.micro_batches",
+        str(case.micro_batches),
+        "--data-parallel",
+        str(case.data_parallel),
+        "--optimizer",
+        case.method,
+    ]
     if case.schedule == "interleaved":
         flags += ["--pipeline.chunks", "2"]
     if case.method not in FIRST_ORDER:
@@ -123,10 +134,15 @@ def planner_context(case: Case, profile_path: Path, profile: Profile) -> PlanCon
     sizes = model_sizes(config)
     curvature = case.method not in FIRST_ORDER
     source = MeasuredTimes.check([(str(profile_path), profile)], sizes, None)
-    return PlanContext(sizes, source,
-                       config.section(case.method).first_order if curvature else case.method,
-                       config.section(case.method) if curvature else None, config.optimizer_settings.momentum,
-                       config.run.precision, source_bandwidth_gbps(source, sizes, config.run.precision))
+    return PlanContext(
+        sizes,
+        source,
+        config.section(case.method).first_order if curvature else case.method,
+        config.section(case.method) if curvature else None,
+        config.optimizer_settings.momentum,
+        config.run.precision,
+        source_bandwidth_gbps(source, sizes, config.run.precision),
+    )
 
 
 def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[float, int]:
@@ -145,8 +161,19 @@ PROFILE_REPEATS = 15
 
 def measure_profile(model: str, folder: Path) -> Path:
     path = folder / f"{model}.yaml"
-    command = [sys.executable, "-m", "pipefisher", "profile", MODELS[model], "-o", str(path), "--master-port", "0",
-               "--repeats", str(PROFILE_REPEATS)]
+    command = [
+        sys.executable,
+        "-m",
+        "pipefisher",
+        "profile",
+        MODELS[model],
+        "-o",
+        str(path),
+        "--master-port",
+        "0",
+        "--repeats",
+        str(PROFILE_REPEATS),
+    ]
     call(command)
     return path
 
@@ -165,16 +192,31 @@ def measure_run(case: Case, profile: Path, refresh_steps: int, warmup: int, time
     """Median over the timed refresh cycles of one fresh run of the cycle's mean step time (ms)."""
     cycles_warm, cycles_timed = -(-warmup // refresh_steps), -(-timed // refresh_steps)
     steps = (cycles_warm + cycles_timed) * refresh_steps
-    command = [sys.executable, "-m", "pipefisher", "run", MODELS[case.model], "--json", "--master-port", "0",
-               "--steps", str(steps), *layout_flags(case, profile)]
+    command = [
+        sys.executable,
+        "-m",
+        "pipefisher",
+        "run",
+        MODELS[case.model],
+        "--json",
+        "--master-port",
+        "0",
+        "--steps",
+        str(steps),
+        *layout_flags(case, profile),
+    ]
     records = [json.loads(line) for line in call(command).splitlines() if line.startswith("{")]
     if len(records) != steps:
         raise RuntimeError(f"{case.label}: the run reported {len(records)} steps, not {steps}")
     if records[-1].get("refresh_steps", 1) != refresh_steps:
-        raise RuntimeError(f"{case.label}: the run refreshed every {records[-1]['refresh_steps']} steps, "
-                           f"the prediction every {refresh_steps}")
-    times = [record["step_time_ms"] for record in records[cycles_warm * refresh_steps:]]
-    return statistics.median(statistics.fmean(times[i:i + refresh_steps]) for i in range(0, len(times), refresh_steps))
+        raise RuntimeError(
+            f"{case.label}: the run refreshed every {records[-1]['refresh_steps']} steps, "
+            f"the prediction every {refresh_steps}"
+        )
+    times = [record["step_time_ms"] for record in records[cycles_warm * refresh_steps :]]
+    return statistics.median(
+        statistics.fmean(times[i : i + refresh_steps]) for i in range(0, len(times), refresh_steps)
+    )
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -184,16 +226,20 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | schedule | stages x replicas | micro-batches | optimizer | processes | predicted [ms] | "
-             "measured median [ms] | measured min–max [ms] | error [%] |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | schedule | stages x replicas | micro-batches | optimizer | processes | predicted [ms] | "
+        "measured median [ms] | measured min–max [ms] | error [%] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         lay = row["layout"]
         packed = f" (packed, k={row['refresh_steps']:d})" if lay["method"] not in FIRST_ORDER else ""
-        lines.append(f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
-                     f"{lay['method']}{packed} | "
-                     f"{row['processes']} | {row['predicted_ms']:.1f} | {row['measured_ms']:.1f} | "
-                     f"{min(row['repeats_ms']):.1f}–{max(row['repeats_ms']):.1f} | {row['error'] * 100:+.1f} |")
+        lines.append(
+            f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
+            f"{lay['method']}{packed} | "
+            f"{row['processes']} | {row['predicted_ms']:.1f} | {row['measured_ms']:.1f} | "
+            f"{min(row['repeats_ms']):.1f}–{max(row['repeats_ms']):.1f} | {row['error'] * 100:+.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -201,17 +247,31 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
     """The Markdown page, Spearman's rho and the largest absolute error (a share)."""
     rho = spearman([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
     worst = max(abs(r["error"]) for r in rows)
-    return "\n".join([
-        "# Layout predictions against measured steps", "",
-        "Written by `experiments/plan_check.py` (its docstring has the method). Back to the [README](../README.md).", "",
-        f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)", "",
-        f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
-        f"One profile per model (`pipefisher profile RUN.yaml --repeats {PROFILE_REPEATS}`: 2 stages, 1F1B, 4 micro-batches); "
-        f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
-        f"{args.repeats} repeats of every layout, interleaved.", "",
-        table(rows), "",
-        f"Spearman's rank correlation of predicted against measured: **{rho:.3f}**; largest error "
-        f"**{worst * 100:.1f} %**.", "", *NOTES]), rho, worst
+    return (
+        "\n".join(
+            [
+                "# Layout predictions against measured steps",
+                "",
+                "Written by `experiments/plan_check.py` (its docstring has the method). Back to the [README](../README.md).",
+                "",
+                f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)",
+                "",
+                f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
+                f"One profile per model (`pipefisher profile RUN.yaml --repeats {PROFILE_REPEATS}`: 2 stages, 1F1B, 4 micro-batches); "
+                f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
+                f"{args.repeats} repeats of every layout, interleaved.",
+                "",
+                table(rows),
+                "",
+                f"Spearman's rank correlation of predicted against measured: **{rho:.3f}**; largest error "
+                f"**{worst * 100:.1f} %**.",
+                "",
+                *NOTES,
+            ]
+        ),
+        rho,
+        worst,
+    )
 
 
 #: what the page says below every table: what the numbers are and what the prediction leaves out
@@ -255,20 +315,34 @@ def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> tuple[d
         for case in chosen:
             value = measure_run(case, profiles[case.model][0], predictions[case][1], args.warmup, args.steps)
             measured[case].append(value)
-            print(f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
-                  f"(predicted {predictions[case][0]:.1f} ms)", file=sys.stderr, flush=True)
+            print(
+                f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
+                f"(predicted {predictions[case][0]:.1f} ms)",
+                file=sys.stderr,
+                flush=True,
+            )
     return profiles, predictions, measured
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=3, help="fresh runs per layout, interleaved (median; default 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run, rounded up to whole refresh cycles (default 5)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 layouts, 1 repeat, 1 warm-up and 2 timed steps")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per run, rounded up to whole refresh cycles (default 5)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 3 layouts, 1 repeat, 1 warm-up and 2 timed steps"
+    )
     parser.add_argument("--out", type=Path, help="write the Markdown table here and the raw numbers beside it (.json)")
-    parser.add_argument("--profile-dir", type=Path, default=Path("/tmp/pipefisher-experiments/plan_check"),
-                        help="where the measured profiles go")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=Path("/tmp/pipefisher-experiments/plan_check"),
+        help="where the measured profiles go",
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.warmup, args.steps = 1, 1, 2
@@ -287,8 +361,17 @@ def main() -> int:
     for case in chosen:
         median = statistics.median(measured[case])
         predicted, k = predictions[case]
-        rows.append({"layout": asdict(case), "processes": case.processes, "predicted_ms": predicted, "refresh_steps": k,
-                     "measured_ms": median, "repeats_ms": measured[case], "error": predicted / median - 1})
+        rows.append(
+            {
+                "layout": asdict(case),
+                "processes": case.processes,
+                "predicted_ms": predicted,
+                "refresh_steps": k,
+                "measured_ms": median,
+                "repeats_ms": measured[case],
+                "error": predicted / median - 1,
+            }
+        )
     load = " and ".join(" ".join(f"{x:.2f}" for x in loads) for loads in (load_at_start, os.getloadavg()))
     seconds = time.perf_counter() - started
     text, rho, worst = report(rows, args, seconds, load)
@@ -296,9 +379,20 @@ def main() -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(
-            {"command": sys.argv, "seconds": seconds, "load_average": load, "spearman": rho, "max_abs_error": worst,
-             "profiles": {m: str(p[0]) for m, p in profiles.items()}, "rows": rows}, indent=1))
+        args.out.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "seconds": seconds,
+                    "load_average": load,
+                    "spearman": rho,
+                    "max_abs_error": worst,
+                    "profiles": {m: str(p[0]) for m, p in profiles.items()},
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -46,8 +46,20 @@ def run_file(folder: Path, seed: int, rank: int, start: int) -> Path:
 
 def train(path: Path, steps: int) -> list[dict]:
     """Run one training; its per-step JSON records."""
-    command = [sys.executable, "-m", "pipefisher", "run", str(path), "--data-parallel", "2", "--steps", str(steps),
-               "--json", "--master-port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipefisher",
+        "run",
+        str(path),
+        "--data-parallel",
+        "2",
+        "--steps",
+        str(steps),
+        "--json",
+        "--master-port",
+        "0",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -74,8 +86,11 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=10, help="comm.powersgd_start_step (default 10, the warm-up)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", default=str(experiment_output("powersgd_bert.md")),
-                        help=f"Markdown file to write (default {experiment_output('powersgd_bert.md')}; docs/performance.md's: docs/powersgd_bert.md)")
+    parser.add_argument(
+        "--out",
+        default=str(experiment_output("powersgd_bert.md")),
+        help=f"Markdown file to write (default {experiment_output('powersgd_bert.md')}; docs/performance.md's: docs/powersgd_bert.md)",
+    )
     args = parser.parse_args()
     rows, curves = [], []
     with tempfile.TemporaryDirectory() as folder:
@@ -88,12 +103,21 @@ def main() -> None:
                 print(f"seed {seed} rank {rank}: final loss {records[-1]['loss']:.4f}", file=sys.stderr, flush=True)
             plain, compressed = runs[0], runs[args.rank]
             tail = min(20, args.steps)
-            rows.append({
-                "seed": seed,
-                "final": (plain[-1]["loss"], compressed[-1]["loss"]),
-                "tail": (statistics.mean(r["loss"] for r in plain[-tail:]), statistics.mean(r["loss"] for r in compressed[-tail:])),
-                "bytes": (plain[-1]["grad_comm_bytes"], compressed[0]["grad_comm_bytes"], compressed[-1]["grad_comm_bytes"]),
-            })
+            rows.append(
+                {
+                    "seed": seed,
+                    "final": (plain[-1]["loss"], compressed[-1]["loss"]),
+                    "tail": (
+                        statistics.mean(r["loss"] for r in plain[-tail:]),
+                        statistics.mean(r["loss"] for r in compressed[-tail:]),
+                    ),
+                    "bytes": (
+                        plain[-1]["grad_comm_bytes"],
+                        compressed[0]["grad_comm_bytes"],
+                        compressed[-1]["grad_comm_bytes"],
+                    ),
+                }
+            )
     factor = expected_factor(args.rank)
     lines = [
         f"PowerSGD rank {args.rank} from step {args.start} on the BERT demo (`schedules/tiny-cpu.yaml`, 2 stages x 2 "
@@ -107,8 +131,10 @@ def main() -> None:
     ]
     for row in rows:
         (fp, fc), (tp, tc), (bp, b0, b1) = row["final"], row["tail"], row["bytes"]
-        lines.append(f"| {row['seed']} | {fp:.4f} | {fc:.4f} | {100 * (fc - fp) / fp:+.2f} % | {tp:.4f} | {tc:.4f} | "
-                     f"{100 * (tc - tp) / tp:+.2f} % | {bp:,} | {b0:,} | {b1:,} | {b1 / bp:.4f} |")
+        lines.append(
+            f"| {row['seed']} | {fp:.4f} | {fc:.4f} | {100 * (fc - fp) / fp:+.2f} % | {tp:.4f} | {tc:.4f} | "
+            f"{100 * (tc - tp) / tp:+.2f} % | {bp:,} | {b0:,} | {b1:,} | {b1 / bp:.4f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)

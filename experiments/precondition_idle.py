@@ -37,10 +37,14 @@ def main() -> None:
             if interval.op.kind is OpKind.PRECONDITION:
                 inside = sum(max(0.0, min(interval.end, end) - max(interval.start, start)) for start, end in idle)
                 total, hidden = total + interval.duration, hidden + inside
-                print(f"rank {rank}: {interval.op} {interval.duration:.2f} {profile.time_unit}, {inside:.2f} of it in first-order idle time")
+                print(
+                    f"rank {rank}: {interval.op} {interval.duration:.2f} {profile.time_unit}, {inside:.2f} of it in first-order idle time"
+                )
     share = 100 * hidden / total if total else 0.0
-    print(f"step: first-order {first.step_time:.1f} {profile.time_unit}, with the P ops {timeline.step_time:.1f} "
-          f"(+{100 * (timeline.step_time / first.step_time - 1):.1f} %); P ops {total:.2f} per step, {share:.0f} % in idle time")
+    print(
+        f"step: first-order {first.step_time:.1f} {profile.time_unit}, with the P ops {timeline.step_time:.1f} "
+        f"(+{100 * (timeline.step_time / first.step_time - 1):.1f} %); P ops {total:.2f} per step, {share:.0f} % in idle time"
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,14 @@ def optimizer_for(name: str, parameters: list[torch.nn.Parameter], config, refre
     """AdamW at optimizer.lr, or SOAP with its published settings and --refresh-steps."""
     settings = config.optimizer
     if name == "adamw":
-        return torch.optim.AdamW(parameters, lr=settings.lr, betas=settings.betas, eps=settings.eps,
-                                 weight_decay=settings.weight_decay, fused=True)
+        return torch.optim.AdamW(
+            parameters,
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+            fused=True,
+        )
     from pytorch_optimizer import SOAP
 
     return SOAP(parameters, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=refresh_steps)
@@ -66,7 +72,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="steps left out of each run's median (warm-up, first eigh)")
-    parser.add_argument("--refresh-steps", type=int, default=10, help="SOAP's precondition_frequency (the published 10)")
+    parser.add_argument(
+        "--refresh-steps", type=int, default=10, help="SOAP's precondition_frequency (the published 10)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = load_config(args.config)
@@ -76,8 +84,10 @@ def main() -> None:
             medians[name].append(statistics.median(step_times(config, name, args.steps, args.skip, args.refresh_steps)))
             print(f"round {round_ + 1}: {name} {medians[name][-1]:.1f} ms/step", flush=True)
     adamw, soap = (statistics.median(medians[name]) for name in ("adamw", "soap"))
-    print(f"plain loop, median over {args.rounds} rounds: AdamW {adamw:.1f} ms/step, pytorch_optimizer SOAP "
-          f"{soap:.1f} ms/step ({soap / adamw:.2f}x)")
+    print(
+        f"plain loop, median over {args.rounds} rounds: AdamW {adamw:.1f} ms/step, pytorch_optimizer SOAP "
+        f"{soap:.1f} ms/step ({soap / adamw:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,15 +26,33 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"AdamW": ["--optimizer", "adamw"], "SOAP packed": ["--optimizer", "soap", "--soap-placement", "packed"],
-            "SOAP after-step": ["--optimizer", "soap", "--soap-placement", "after-step"]}
+VARIANTS = {
+    "AdamW": ["--optimizer", "adamw"],
+    "SOAP packed": ["--optimizer", "soap", "--soap-placement", "packed"],
+    "SOAP after-step": ["--optimizer", "soap", "--soap-placement", "after-step"],
+}
 
 
 def step_times(config: str, variant: list[str], steps: int, skip: int, refresh_steps: int) -> list[float]:
     """The step times (ms) of one `pipefisher run`, its first `skip` steps left out."""
-    command = [sys.executable, "-m", "pipefisher.cli.main", "run", config, *variant, "--steps", str(steps), "--json",
-               "--master-port", "0", "--soap-refresh-steps", str(refresh_steps)]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = [
+        sys.executable,
+        "-m",
+        "pipefisher.cli.main",
+        "run",
+        config,
+        *variant,
+        "--steps",
+        str(steps),
+        "--json",
+        "--master-port",
+        "0",
+        "--soap-refresh-steps",
+        str(refresh_steps),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr}")
     return [json.loads(line)["step_time_ms"] for line in result.stdout.splitlines()][skip:]
@@ -45,11 +63,15 @@ def compare(args: argparse.Namespace) -> None:
     load = []
     for _ in range(args.rounds):
         for name, variant in VARIANTS.items():
-            medians[name].append(statistics.median(step_times(args.config, variant, args.steps, args.skip, args.refresh_steps)))
+            medians[name].append(
+                statistics.median(step_times(args.config, variant, args.steps, args.skip, args.refresh_steps))
+            )
             load.append(os.getloadavg()[0])
     adamw = statistics.median(medians["AdamW"])
-    print(f"\n{args.config}: median step time (ms) of steps {args.skip + 1}..{args.steps}, per round and over "
-          f"{args.rounds} rounds (load average {min(load):.1f}..{max(load):.1f} on {os.cpu_count()} cores)\n")
+    print(
+        f"\n{args.config}: median step time (ms) of steps {args.skip + 1}..{args.steps}, per round and over "
+        f"{args.rounds} rounds (load average {min(load):.1f}..{max(load):.1f} on {os.cpu_count()} cores)\n"
+    )
     print("| variant | rounds | median | vs AdamW |\n|---|---|---|---|")
     for name, values in medians.items():
         middle = statistics.median(values)
@@ -77,7 +99,9 @@ def step_end(args: argparse.Namespace) -> None:
     model = staged_model(config)
     skip = tuple(sorted({f"*{name}" for _, name in model.tied_parameters()}))
     print(f"\nSOAP's work per stage, ms (median of {args.repeats}, one thread):\n")
-    print("| stage | matrices | step end: directions + statistics | statistics alone | share | refresh IA + IB (bubbles) |")
+    print(
+        "| stage | matrices | step end: directions + statistics | statistics alone | share | refresh IA + IB (bubbles) |"
+    )
     print("|---|---|---|---|---|---|")
     for index in range(config.pipeline.stages):
         module = model.build_stage(index, config.pipeline.stages, config.run.seed)
@@ -90,8 +114,12 @@ def step_end(args: argparse.Namespace) -> None:
         gradients = [st.parameter.grad.detach().reshape(st.info.shape).clone() for st in states]
         whole = timed_ms(engine.precondition_all, args.repeats)
         folding = timed_ms(lambda: [engine._fold(st, g) for st, g in zip(states, gradients)], args.repeats)
-        refresh = timed_ms(lambda: [engine.refresh(info.name, f) for info in engine.matrices() for f in "AB"], args.repeats)
-        print(f"| {index} | {len(states)} | {whole:.1f} | {folding:.1f} | {100 * folding / whole:.0f} % | {refresh:.1f} |")
+        refresh = timed_ms(
+            lambda: [engine.refresh(info.name, f) for info in engine.matrices() for f in "AB"], args.repeats
+        )
+        print(
+            f"| {index} | {len(states)} | {whole:.1f} | {folding:.1f} | {100 * folding / whole:.0f} % | {refresh:.1f} |"
+        )
 
 
 def main() -> None:
@@ -99,7 +127,9 @@ def main() -> None:
     parser.add_argument("config", help="a run file (2 stages), e.g. schedules/gpt2-tiny-cpu.yaml")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--skip", type=int, default=2, help="first steps left out of each run's median (start-up, first bases)")
+    parser.add_argument(
+        "--skip", type=int, default=2, help="first steps left out of each run's median (start-up, first bases)"
+    )
     parser.add_argument("--refresh-steps", type=int, default=10, help="SOAP's refresh interval in both placements")
     parser.add_argument("--repeats", type=int, default=5, help="samples of each step-end timing")
     parser.add_argument("--only", choices=["compare", "step-end"], help="run one part only")

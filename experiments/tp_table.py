@@ -16,7 +16,12 @@ from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.kfac.memory import KfacLayer
 from pipefisher.core.topology import Topology
 from pipefisher.planning.memory import optimizer_state, rank_memory
-from pipefisher.planning.transformer_profile import BERT_SIZES, block_layer_shapes, read_block_times, transformer_profile
+from pipefisher.planning.transformer_profile import (
+    BERT_SIZES,
+    block_layer_shapes,
+    read_block_times,
+    transformer_profile,
+)
 from pipefisher.planning.transformer_state import TransformerSizes, transformer_stage_states
 from pipefisher.schedules import get_schedule
 
@@ -63,14 +68,20 @@ def kfac_row(degree: int) -> KfacRow:
     """K-FAC over the 24 blocks' shard Linears of rank 0 (the one holding the row-split biases)."""
     blocks, hidden, ffn = BERT_SIZES["bert-large"]
     sizes = TransformerSizes(blocks, hidden, ffn, vocab=30522)
-    (stage,) = transformer_stage_states(sizes, 1, lambda name, din, dout, bias: KfacLayer(name, din + bias, dout),
-                                        tensor_parallel=degree, first_order=("*decoder", *HEADS))
+    (stage,) = transformer_stage_states(
+        sizes,
+        1,
+        lambda name, din, dout, bias: KfacLayer(name, din + bias, dout),
+        tensor_parallel=degree,
+        first_order=("*decoder", *HEADS),
+    )
     layers = stage.curvature_layers
     inverse = sum(EIGEN_FLOPS_PER_CUBE * (layer.a_size**3 + layer.b_size**3) for layer in layers)
     precondition = sum(2 * layer.a_size * layer.b_size * (layer.a_size + layer.b_size) for layer in layers)
     (rank,) = rank_memory(Topology(get_schedule("1f1b", 1, 1), 1), [stage], optimizer_state("kfac", 0.9))
-    profile = transformer_profile(read_block_times(REFERENCE, MICRO_BATCH), blocks, 1, hidden, ffn, MICRO_BATCH,
-                                  tensor_parallel=degree)
+    profile = transformer_profile(
+        read_block_times(REFERENCE, MICRO_BATCH), blocks, 1, hidden, ffn, MICRO_BATCH, tensor_parallel=degree
+    )
     modelled = sum(layer.inverse_a + layer.inverse_b + layer.precondition for layer in profile.stages[0].layers)
     return KfacRow(degree, inverse, precondition, modelled, rank.curvature_bytes)
 
@@ -80,9 +91,15 @@ def shampoo_row(degree: int, block_size: int = SHAMPOO_BLOCK) -> ShampooRow:
     of `block_size`): an inverse 4th root of every block's two statistics, each statistic in
     float64 and its committed root in fp32."""
     blocks, hidden, ffn = BERT_SIZES["bert-large"]
-    infos = [MatrixInfo.of(name, (dout, din), block_size) for name, din, dout in block_layer_shapes(hidden, ffn, degree)]
+    infos = [
+        MatrixInfo.of(name, (dout, din), block_size) for name, din, dout in block_layer_shapes(hidden, ffn, degree)
+    ]
     roots = blocks * sum(EIGEN_FLOPS_PER_CUBE * n**3 for info in infos for f in FACTORS for n in info.block_sizes(f))
-    state = blocks * sum(info.statistic_numel(f) for info in infos for f in FACTORS) * (SHAMPOO_STATISTICS_BYTES + SHAMPOO_ROOT_BYTES)
+    state = (
+        blocks
+        * sum(info.statistic_numel(f) for info in infos for f in FACTORS)
+        * (SHAMPOO_STATISTICS_BYTES + SHAMPOO_ROOT_BYTES)
+    )
     return ShampooRow(degree, block_size, roots, state)
 
 
@@ -93,36 +110,48 @@ def _ratio(value: float, base: float) -> str:
 def kfac_table() -> list[str]:
     rows = [kfac_row(t) for t in DEGREES]
     base = rows[0]
-    lines = ["| T | inverse [GFLOP/refresh] | ratio | precondition [GFLOP/step] | ratio | modelled P100 [ms] | ratio | "
-             "factors + inverses [MiB] | ratio | thesis: work 1/T³ | thesis: memory 1/T² |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| T | inverse [GFLOP/refresh] | ratio | precondition [GFLOP/step] | ratio | modelled P100 [ms] | ratio | "
+        "factors + inverses [MiB] | ratio | thesis: work 1/T³ | thesis: memory 1/T² |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in rows:
-        lines.append(f"| {row.degree} | {row.inverse_flops / GFLOP:.1f} | {_ratio(row.inverse_flops, base.inverse_flops)} | "
-                     f"{row.precondition_flops / GFLOP:.1f} | {_ratio(row.precondition_flops, base.precondition_flops)} | "
-                     f"{row.modelled_ms:.1f} | {_ratio(row.modelled_ms, base.modelled_ms)} | "
-                     f"{row.state_bytes / MiB:.0f} | {_ratio(row.state_bytes, base.state_bytes)} | "
-                     f"{1 / row.degree**3:.3f} | {1 / row.degree**2:.3f} |")
+        lines.append(
+            f"| {row.degree} | {row.inverse_flops / GFLOP:.1f} | {_ratio(row.inverse_flops, base.inverse_flops)} | "
+            f"{row.precondition_flops / GFLOP:.1f} | {_ratio(row.precondition_flops, base.precondition_flops)} | "
+            f"{row.modelled_ms:.1f} | {_ratio(row.modelled_ms, base.modelled_ms)} | "
+            f"{row.state_bytes / MiB:.0f} | {_ratio(row.state_bytes, base.state_bytes)} | "
+            f"{1 / row.degree**3:.3f} | {1 / row.degree**2:.3f} |"
+        )
     return lines
 
 
 def shampoo_table() -> list[str]:
-    lines = ["| T | block size | roots [GFLOP/refresh] | ratio | statistics + roots [MiB] | ratio | thesis: work 1/T³ | thesis: memory 1/T² |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| T | block size | roots [GFLOP/refresh] | ratio | statistics + roots [MiB] | ratio | thesis: work 1/T³ | thesis: memory 1/T² |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for block_size in (SHAMPOO_BLOCK, max(BERT_SIZES["bert-large"][1:])):
         rows = [shampoo_row(t, block_size) for t in DEGREES]
         base = rows[0]
         for row in rows:
-            lines.append(f"| {row.degree} | {row.block_size} | {row.root_flops / GFLOP:.1f} | {_ratio(row.root_flops, base.root_flops)} | "
-                         f"{row.state_bytes / MiB:.0f} | {_ratio(row.state_bytes, base.state_bytes)} | "
-                         f"{1 / row.degree**3:.3f} | {1 / row.degree**2:.3f} |")
+            lines.append(
+                f"| {row.degree} | {row.block_size} | {row.root_flops / GFLOP:.1f} | {_ratio(row.root_flops, base.root_flops)} | "
+                f"{row.state_bytes / MiB:.0f} | {_ratio(row.state_bytes, base.state_bytes)} | "
+                f"{1 / row.degree**3:.3f} | {1 / row.degree**2:.3f} |"
+            )
     return lines
 
 
 def main() -> None:
     argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0]).parse_args()
-    print("K-FAC, per tensor-parallel rank (shard 0), 24 blocks x 6 Linear shards, micro-batch 32 x 128 for the modelled time:\n")
+    print(
+        "K-FAC, per tensor-parallel rank (shard 0), 24 blocks x 6 Linear shards, micro-batch 32 x 128 for the modelled time:\n"
+    )
     print("\n".join(kfac_table()))
-    print("\nShampoo, per tensor-parallel rank, 24 blocks x 6 weight shards (block size 1024: the default; 4096: no blocking here):\n")
+    print(
+        "\nShampoo, per tensor-parallel rank, 24 blocks x 6 weight shards (block size 1024: the default; 4096: no blocking here):\n"
+    )
     print("\n".join(shampoo_table()))
 
 

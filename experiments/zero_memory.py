@@ -23,7 +23,11 @@ from pipefisher.runtime.training.stopping import entry_point
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GB = 2**20, 10**9
 #: kfac.first_order's rule and its state, in words
-REST = {"lamb": ("LAMB", "LAMB's two fp32 moments"), "adamw": ("AdamW", "AdamW's two fp32 moments"), "sgd": ("its SGD", "the same")}
+REST = {
+    "lamb": ("LAMB", "LAMB's two fp32 moments"),
+    "adamw": ("AdamW", "AdamW's two fp32 moments"),
+    "sgd": ("its SGD", "the same"),
+}
 
 HEADER = """\
 Training-state memory per rank of the PipeFisher paper run ({run}: BERT-Base, {stages} stages, {schedule}, \
@@ -62,13 +66,17 @@ def stage_states(config) -> list:
         module = model.build_stage(index, config.pipeline.stages, seed=0)
         layers = select_layers(module, model.first_order_linears())
         parameters = unique_parameters(module)
-        owned = {id(module.get_parameter(name)) for name in preconditioned_parameters(module, model.first_order_linears())}
-        stages.append(StageState(
-            tuple(p.numel() for p in parameters),
-            tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
-            tuple(tuple(p.shape) for p in parameters),
-            tuple(id(p) in owned for p in parameters),
-        ))
+        owned = {
+            id(module.get_parameter(name)) for name in preconditioned_parameters(module, model.first_order_linears())
+        }
+        stages.append(
+            StageState(
+                tuple(p.numel() for p in parameters),
+                tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
+                tuple(tuple(p.shape) for p in parameters),
+                tuple(id(p) in owned for p in parameters),
+            )
+        )
         del module
     return stages
 
@@ -82,8 +90,10 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
     lamb, kfac = optimizer_state("lamb"), optimizer_state("kfac", momentum, first_order=config.kfac.first_order)
     kfac_label = f"K-FAC + SGD (momentum {momentum:g}), {REST[config.kfac.first_order][0]} for the rest"
     lines = [
-        ("| data-parallel copies | optimizer | data-parallel path | parameters (MiB) | gradients (MiB) | optimizer state (MiB) "
-         "| K-FAC state (MiB) | PowerSGD state (MiB) | total (MiB) | gradient traffic (MiB/step) |"),
+        (
+            "| data-parallel copies | optimizer | data-parallel path | parameters (MiB) | gradients (MiB) | optimizer state (MiB) "
+            "| K-FAC state (MiB) | PowerSGD state (MiB) | total (MiB) | gradient traffic (MiB/step) |"
+        ),
         "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for data_parallel in data_parallels:
@@ -91,18 +101,31 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
         variants = [("LAMB", lamb, "all-reduce", {}), (kfac_label, kfac, "all-reduce", {})]
         if data_parallel > 1:
             variants = [
-                ("LAMB", lamb, "all-reduce", {}), ("LAMB", lamb, "ZeRO-1", {"zero": 1}),
+                ("LAMB", lamb, "all-reduce", {}),
+                ("LAMB", lamb, "ZeRO-1", {"zero": 1}),
                 ("LAMB", lamb, "PowerSGD rank 4", {"powersgd_rank": 4}),
-                (kfac_label, kfac, "all-reduce", {}), (kfac_label, kfac, "ZeRO-1", {"zero": 1}),
+                (kfac_label, kfac, "all-reduce", {}),
+                (kfac_label, kfac, "ZeRO-1", {"zero": 1}),
                 (kfac_label, kfac, f"1 gradient worker per layer (f = 1/{data_parallel})", {"workers_per_layer": 1}),
                 (kfac_label, kfac, "PowerSGD rank 4", {"powersgd_rank": 4}),
             ]
         for label, optimizer, path, options in variants:
             ranks = rank_memory(topology, stages, optimizer, **options)
-            cells = [largest(ranks, field) / MiB for field in
-                     ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "curvature_bytes", "compression_bytes", "total_bytes",
-                      "grad_comm_bytes")]
-            lines.append(f"| {data_parallel} | {label} | {path} | " + " | ".join(f"{cell:,.1f}" for cell in cells) + " |")
+            cells = [
+                largest(ranks, field) / MiB
+                for field in (
+                    "parameter_bytes",
+                    "gradient_bytes",
+                    "optimizer_bytes",
+                    "curvature_bytes",
+                    "compression_bytes",
+                    "total_bytes",
+                    "grad_comm_bytes",
+                )
+            ]
+            lines.append(
+                f"| {data_parallel} | {label} | {path} | " + " | ".join(f"{cell:,.1f}" for cell in cells) + " |"
+            )
     return lines
 
 
@@ -121,12 +144,21 @@ def deepspeed_table() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(ROOT / "schedules" / "bert-base-1f1b-4x4.yaml"), help="the run file (model, pipeline)")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", default=str(ROOT / "schedules" / "bert-base-1f1b-4x4.yaml"), help="the run file (model, pipeline)"
+    )
     parser.add_argument("--data-parallel", default="1,2,4", help="comma-separated data-parallel copies (default 1,2,4)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum after K-FAC preconditioning (default 0.9)")
-    parser.add_argument("--out", default=str(experiment_output("zero_memory.md")),
-                        help=f"Markdown file to write ('' = none; default {experiment_output('zero_memory.md')}; docs/performance.md's: docs/zero_memory.md)")
+    parser.add_argument(
+        "--momentum", type=float, default=0.9, help="SGD momentum after K-FAC preconditioning (default 0.9)"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(experiment_output("zero_memory.md")),
+        help=f"Markdown file to write ('' = none; default {experiment_output('zero_memory.md')}; docs/performance.md's: docs/zero_memory.md)",
+    )
     args = parser.parse_args()
 
     from pipefisher.config import load_config
@@ -134,26 +166,47 @@ def main() -> None:
     config = load_config(args.config)
     stages = stage_states(config)
     data_parallels = [int(item) for item in args.data_parallel.split(",")]
-    header = HEADER.format(run=Path(args.config).name, stages=config.pipeline.stages, schedule=config.pipeline.schedule.upper(),
-                           micro_batch=config.data.micro_batch_size, seq_len=config.model.seq_len, momentum=f"{args.momentum:g}",
-                           rest=REST[config.kfac.first_order][1])
+    header = HEADER.format(
+        run=Path(args.config).name,
+        stages=config.pipeline.stages,
+        schedule=config.pipeline.schedule.upper(),
+        micro_batch=config.data.micro_batch_size,
+        seq_len=config.model.seq_len,
+        momentum=f"{args.momentum:g}",
+        rest=REST[config.kfac.first_order][1],
+    )
     biggest = max(max(stage.parameters) for stage in stages)
     numels = ", ".join(f"{stage.numel / 1e6:.2f} M ({len(stage.curvature_layers)} K-FAC layers)" for stage in stages)
-    text = "\n".join([
-        "# Memory and gradient traffic per rank on the data-parallel dimension", "", header, f"Parameters per stage: {numels}.", "",
-        *pipefisher_table(config, stages, data_parallels, args.momentum), "",
-        (f"ZeRO-1 never cuts a parameter, so no rank's share falls below the state of the largest tensor it holds: "
-        f"the word embedding (stage 0) and its decoder copy (stage {len(stages) - 1}), {biggest / 1e6:.2f} M elements each "
-        f"({8 * biggest / MiB:.1f} MiB of LAMB state, {4 * biggest / MiB:.1f} MiB of momentum). K-FAC's state shrinks "
-        "only with gradient workers, and only by its inverses: the running factors stay on every replica."), "",
-        "## Sanity check: ZeRO's own example", "",
-        ("ZeRO's accounting (Rajbhandari et al., SC'20, Figure 1: Ψ = 7.5B parameters, Nd = 64 data-parallel ranks, "
-        "mixed-precision Adam: 2 bytes of fp16 parameters + 2 bytes of fp16 gradients + K = 12 bytes of fp32 optimizer "
-        "state per parameter) through the same per-rank code path (one stage, 64 replicas, the parameters as 256 equal "
-        "tensors). A check of the model's arithmetic, not of pipefisher's runtime, which keeps fp32 parameters and "
-        "gradients. GB = 10^9 bytes."), "",
-        *deepspeed_table(), "",
-    ])
+    text = "\n".join(
+        [
+            "# Memory and gradient traffic per rank on the data-parallel dimension",
+            "",
+            header,
+            f"Parameters per stage: {numels}.",
+            "",
+            *pipefisher_table(config, stages, data_parallels, args.momentum),
+            "",
+            (
+                f"ZeRO-1 never cuts a parameter, so no rank's share falls below the state of the largest tensor it holds: "
+                f"the word embedding (stage 0) and its decoder copy (stage {len(stages) - 1}), {biggest / 1e6:.2f} M elements each "
+                f"({8 * biggest / MiB:.1f} MiB of LAMB state, {4 * biggest / MiB:.1f} MiB of momentum). K-FAC's state shrinks "
+                "only with gradient workers, and only by its inverses: the running factors stay on every replica."
+            ),
+            "",
+            "## Sanity check: ZeRO's own example",
+            "",
+            (
+                "ZeRO's accounting (Rajbhandari et al., SC'20, Figure 1: Ψ = 7.5B parameters, Nd = 64 data-parallel ranks, "
+                "mixed-precision Adam: 2 bytes of fp16 parameters + 2 bytes of fp16 gradients + K = 12 bytes of fp32 optimizer "
+                "state per parameter) through the same per-rank code path (one stage, 64 replicas, the parameters as 256 equal "
+                "tensors). A check of the model's arithmetic, not of pipefisher's runtime, which keeps fp32 parameters and "
+                "gradients. GB = 10^9 bytes."
+            ),
+            "",
+            *deepspeed_table(),
+            "",
+        ]
+    )
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.testing.harness import TINY_MODEL, tiny_model  # noqa: F401  (the public harness's tiny model)
 
+
 def layered_profile(
     num_stages: int,
     layers: int = 3,
@@ -46,18 +47,41 @@ def layered_profile(
     sync_b = sync if sync_b is None else sync_b
     stages = []
     for stage in range(num_stages):
-        stage_names = [names.format(stage=stage, i=i) for i in range(layers)] if isinstance(names, str) else list(names[stage])
+        stage_names = (
+            [names.format(stage=stage, i=i) for i in range(layers)] if isinstance(names, str) else list(names[stage])
+        )
         count = len(stage_names)
         if spread:
             scale = 1.0 + stage_growth * stage
-            times = [(curvature * (i + 1) * scale, curvature * (count - i) * scale,
-                      inverse * (i + 1) * scale, inverse * (count - i) / 2 * scale) for i in range(count)]
+            times = [
+                (
+                    curvature * (i + 1) * scale,
+                    curvature * (count - i) * scale,
+                    inverse * (i + 1) * scale,
+                    inverse * (count - i) / 2 * scale,
+                )
+                for i in range(count)
+            ]
         else:
             times = [(curvature, curvature, inverse, inverse if inverse_b is None else inverse_b)] * count
         stage_layers = tuple(
-            LayerProfile(name, curvature_a, curvature_b, inverse_a, inverse_b_, precondition, sync, sync_b,
-                         capture_a_bytes=capture_a_bytes, capture_b_bytes=capture_b_bytes)
+            LayerProfile(
+                name,
+                curvature_a,
+                curvature_b,
+                inverse_a,
+                inverse_b_,
+                precondition,
+                sync,
+                sync_b,
+                capture_a_bytes=capture_a_bytes,
+                capture_b_bytes=capture_b_bytes,
+            )
             for name, (curvature_a, curvature_b, inverse_a, inverse_b_) in zip(stage_names, times)
         )
-        stages.append(StageProfile(forward=forward, backward=backward, p2p=p2p, grad_reduce=grad_reduce, layers=stage_layers, weight=weight))
+        stages.append(
+            StageProfile(
+                forward=forward, backward=backward, p2p=p2p, grad_reduce=grad_reduce, layers=stage_layers, weight=weight
+            )
+        )
     return Profile(stages=tuple(stages), time_unit=time_unit, device=device, method=method)

@@ -70,11 +70,23 @@ def _stages_saved(model, shape, batch, precision, num_stages=2):
 def test_bert_stages_keep_what_autograd_saves(precision):
     from pipefisher.models.bert import BertConfig, BertStagedModel
 
-    config = BertConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=160,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     ids = torch.randint(0, VOCAB, (B, S))
-    batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
-             "mlm_labels": ids.clone(), "nsp_labels": torch.zeros(B, dtype=torch.long)}
+    batch = {
+        "input_ids": ids,
+        "token_type_ids": torch.zeros_like(ids),
+        "attention_mask": torch.ones_like(ids),
+        "mlm_labels": ids.clone(),
+        "nsp_labels": torch.zeros(B, dtype=torch.long),
+    }
     shape = ModelShape("bert", 2, 48, 3, 160, VOCAB, S)
     for measured, predicted in _stages_saved(BertStagedModel(config, S), shape, batch, precision):
         assert predicted == pytest.approx(measured, rel=0.01)
@@ -85,7 +97,9 @@ def test_tiny_stages_keep_what_autograd_saves(precision):
     from pipefisher.config import ModelConfig
     from pipefisher.models.tiny import TinyRegression
 
-    settings = ModelConfig(kind="transformer", layers=2, hidden=48, heads=3, ffn=160, seq_len=S, input_dim=16, output_dim=4)
+    settings = ModelConfig(
+        kind="transformer", layers=2, hidden=48, heads=3, ffn=160, seq_len=S, input_dim=16, output_dim=4
+    )
     batch = {"inputs": torch.randn(B, S, 16), "targets": torch.randn(B, S, 4)}
     shape = ModelShape("tiny", 2, 48, 3, 160, 0, S, inputs=16, outputs=4)
     for measured, predicted in _stages_saved(TinyRegression(settings), shape, batch, precision):
@@ -114,10 +128,17 @@ def test_predicted_peak_per_rank_is_within_ten_percent_of_live_tensor_bytes(reco
 
     config = load_config("schedules/tiny-cpu.yaml")
     change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
-    config = dataclasses.replace(config, optimizer=change("optimizer", name="adamw"), model=change("model", seq_len=32, recompute=recompute),
-                                 data=change("data", micro_batch_size=8), run=change("run", steps=2))
+    config = dataclasses.replace(
+        config,
+        optimizer=change("optimizer", name="adamw"),
+        model=change("model", seq_len=32, recompute=recompute),
+        data=change("data", micro_batch_size=8),
+        run=change("run", steps=2),
+    )
     predicted = predict(config)
     measured = run_group(measure, config.world_size, (config,), timeout=120)
     for peak, live in zip(predicted, measured):
-        assert peak.activation_bytes > (0.3 if recompute == "none" else 0.1) * live  # activations are a real share of the peak
+        assert (
+            peak.activation_bytes > (0.3 if recompute == "none" else 0.1) * live
+        )  # activations are a real share of the peak
         assert peak.total_bytes == pytest.approx(live, rel=0.10)

@@ -13,7 +13,11 @@ MAX_LINES = 400
 
 
 def test_no_module_is_longer_than_the_limit():
-    long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py") if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
@@ -22,7 +26,11 @@ def _docstrings(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 found.add(id(first.value))
     return found
 

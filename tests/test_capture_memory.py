@@ -18,7 +18,9 @@ A, B = 3_000_000, 5_000_000  # bytes per micro-batch of one layer's input / outp
 
 
 def profile_with_captures(num_stages: int, layers: int = 2, inverse: float = 0.4) -> Profile:
-    return layered_profile(num_stages, layers, spread=False, inverse=inverse, inverse_b=inverse / 2, capture_a_bytes=A, capture_b_bytes=B)
+    return layered_profile(
+        num_stages, layers, spread=False, inverse=inverse, inverse_b=inverse / 2, capture_a_bytes=A, capture_b_bytes=B
+    )
 
 
 def replayed_peak(plan, rank: int, profile: Profile) -> int:
@@ -86,8 +88,13 @@ def test_a_cap_that_cannot_be_met_says_so():
 def test_unknown_capture_sizes_report_zero():
     schedule = get_schedule("1f1b", 2, 4)
     profile = profile_with_captures(2)
-    unknown = replace(profile, stages=tuple(replace(s, layers=tuple(replace(layer, capture_a_bytes=0, capture_b_bytes=0) for layer in s.layers))
-                                            for s in profile.stages))
+    unknown = replace(
+        profile,
+        stages=tuple(
+            replace(s, layers=tuple(replace(layer, capture_a_bytes=0, capture_b_bytes=0) for layer in s.layers))
+            for s in profile.stages
+        ),
+    )
     assert pack(schedule, unknown).capture_peak_bytes == 0
 
 
@@ -113,4 +120,6 @@ def test_a_refresh_copy_is_held_from_the_layers_first_curvature_task_to_the_cycl
     copy = 7_000_000
     refresh = {(stage, layer.name): copy for stage, entry in enumerate(profile.stages) for layer in entry.layers}
     joint = cycle_peaks(after_step_plan(schedule, profile, 2), profile, [0, 0], [0, 0], [0, 0], refresh)
-    assert [(p.refresh_bytes, p.total_bytes) for p in joint] == [(2 * copy, 2 * copy)] * 2  # both layers of the rank's stage
+    assert [(p.refresh_bytes, p.total_bytes) for p in joint] == [
+        (2 * copy, 2 * copy)
+    ] * 2  # both layers of the rank's stage

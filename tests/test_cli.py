@@ -53,13 +53,24 @@ def test_interleaved_default_profile_keeps_work_per_rank():
         (["simulate", "--schedule", "chimera", "--stages", "3", "--micro-batches", "6"], "stages D must be even"),
         (["simulate", "--schedule", "zigzag", "-D", "2", "-N", "2"], "invalid choice: 'zigzag'"),
         (["simulate", "--schedule", "1f1b", "-D", "two", "-N", "2"], "'two' is not an integer"),
-        (["simulate", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", "/nonexistent.yaml"], "cannot read profile"),
+        (
+            ["simulate", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", "/nonexistent.yaml"],
+            "cannot read profile",
+        ),
         (["simulate", "--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "chunks apply to the interleaved"),
         ([], "required: command"),
-        (["simulate", "--schedule", "1f1b", "-D", "100000", "-N", "100000"],
-         "--stages 100000 x --micro-batches 100000 = 10,000,000,000 slots per step: simulating takes at most 262,144"),
-        (["simulate", "--schedule", "interleaved", "-D", "256", "-N", "1024", "--chunks", "2"], "x 2 chunks = 524,288 slots"),
-        (["viz", "--compare", "1f1b,zbv", "-D", "100000", "-N", "100000", "-o", "-"], "simulating takes at most 262,144"),
+        (
+            ["simulate", "--schedule", "1f1b", "-D", "100000", "-N", "100000"],
+            "--stages 100000 x --micro-batches 100000 = 10,000,000,000 slots per step: simulating takes at most 262,144",
+        ),
+        (
+            ["simulate", "--schedule", "interleaved", "-D", "256", "-N", "1024", "--chunks", "2"],
+            "x 2 chunks = 524,288 slots",
+        ),
+        (
+            ["viz", "--compare", "1f1b,zbv", "-D", "100000", "-N", "100000", "-o", "-"],
+            "simulating takes at most 262,144",
+        ),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args, message, capsys):
@@ -83,7 +94,12 @@ def test_usage_error_from_a_real_process_has_no_traceback():
 
 
 def test_module_entry_point_works():
-    result = subprocess.run([sys.executable, "-m", "pipefisher", "simulate", "--schedule", "gpipe", "-D", "2", "-N", "2", "--json"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipefisher", "simulate", "--schedule", "gpipe", "-D", "2", "-N", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step_time"] == pytest.approx(9.0)
 
@@ -100,7 +116,22 @@ def bert_like_profile(tmp_path):
 
 def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
-    code = main(["pack", "--profile", str(bert_like_profile), "--schedule", "1f1b", "-D", "4", "-N", "4", "--json", "-o", str(plan_path)])
+    code = main(
+        [
+            "pack",
+            "--profile",
+            str(bert_like_profile),
+            "--schedule",
+            "1f1b",
+            "-D",
+            "4",
+            "-N",
+            "4",
+            "--json",
+            "-o",
+            str(plan_path),
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert isinstance(data["refresh_steps"], int) and data["refresh_steps"] >= data["lower_bound"] >= 1
@@ -111,7 +142,9 @@ def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys
     assert [p["refresh_steps"] for p in frontier] == sorted(p["refresh_steps"] for p in frontier)
     assert frontier[0]["refresh_steps"] <= data["lower_bound"] or frontier[0]["refresh_steps"] == data["refresh_steps"]
     chosen = next(p for p in frontier if p["refresh_steps"] == data["refresh_steps"])
-    assert chosen["overhead"] == pytest.approx(data["overhead"]) and data["reason"].startswith(f"k = {data['refresh_steps']}")
+    assert chosen["overhead"] == pytest.approx(data["overhead"]) and data["reason"].startswith(
+        f"k = {data['refresh_steps']}"
+    )
     assert data["capture_peak_mib"] > 0 and data["percentile"] == 90.0
     assert max(d["capture_peak_mib"] for d in data["devices"]) == pytest.approx(data["capture_peak_mib"])
     from pipefisher.planning.plan import Plan, validate_plan
@@ -133,10 +166,22 @@ def test_pack_table_from_the_entry_point(bert_like_profile):
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--margin", "1.5"], "must be in [0, 1)"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--percentile", "101"], "--percentile: 101 must be in (0, 100]"),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--percentile", "0"], "--percentile: 0 must be in (0, 100]"),
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-capture-mb", "-3"], "--max-capture-mb: -3 must be >= 0 (0 = no cap)"),
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-capture-mb", "nan"], "--max-capture-mb: nan must be >= 0 (0 = no cap)"),
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-refresh-steps", "-1"], "--max-refresh-steps: -1 must be >= 0 (0 = no cap)"),
-        (["--schedule", "1f1b", "-D", "4", "-N", "10000"], "--stages 4 x --micro-batches 10000 = 40,000 slots per step: packing takes at most 32,768"),
+        (
+            ["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-capture-mb", "-3"],
+            "--max-capture-mb: -3 must be >= 0 (0 = no cap)",
+        ),
+        (
+            ["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-capture-mb", "nan"],
+            "--max-capture-mb: nan must be >= 0 (0 = no cap)",
+        ),
+        (
+            ["--schedule", "1f1b", "-D", "4", "-N", "4", "--max-refresh-steps", "-1"],
+            "--max-refresh-steps: -1 must be >= 0 (0 = no cap)",
+        ),
+        (
+            ["--schedule", "1f1b", "-D", "4", "-N", "10000"],
+            "--stages 4 x --micro-batches 10000 = 40,000 slots per step: packing takes at most 32,768",
+        ),
     ],
 )
 def test_pack_usage_errors_exit_2(bert_like_profile, extra, message, capsys):
@@ -147,7 +192,9 @@ def test_pack_usage_errors_exit_2(bert_like_profile, extra, message, capsys):
 
 def test_pack_rejects_negative_times_and_profiles_without_layers(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("schema: pipefisher.profile/v1\nstages:\n  - {forward: 1, backward: -2}\n  - {forward: 1, backward: 2}\n")
+    bad.write_text(
+        "schema: pipefisher.profile/v1\nstages:\n  - {forward: 1, backward: -2}\n  - {forward: 1, backward: 2}\n"
+    )
     assert main(["pack", "--profile", str(bad), "--schedule", "1f1b", "-D", "2", "-N", "2"]) == 2
     assert "stages[0].backward: -2 is negative" in capsys.readouterr().err
     plain = tmp_path / "plain.yaml"
@@ -161,10 +208,42 @@ def test_a_capture_cap_that_changes_the_plan_is_reported_without_contradiction(t
     MiB: the frontier is of the plans before the cap, and `why` says what the cap cost."""
     times = Path(__file__).resolve().parents[1] / "profiles" / "reference" / "bert-large_time_memory_p100.csv"
     profile = tmp_path / "bl8.yaml"
-    made = subprocess.run([sys.executable, "-m", "pipefisher.viz.bert_profile", str(times), "-D", "8", "--micro-batch-size", "32",
-                           "-o", str(profile)], capture_output=True, text=True, timeout=60)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipefisher.viz.bert_profile",
+            str(times),
+            "-D",
+            "8",
+            "--micro-batch-size",
+            "32",
+            "-o",
+            str(profile),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert made.returncode == 0, made.stderr
-    assert main(["pack", "--profile", str(profile), "--schedule", "chimera", "-D", "8", "-N", "8", "--max-capture-mb", "4000"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                "--profile",
+                str(profile),
+                "--schedule",
+                "chimera",
+                "-D",
+                "8",
+                "-N",
+                "8",
+                "--max-capture-mb",
+                "4000",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "then the 4000 MiB capture cap moved curvature earlier, at 9.86 % overhead" in out
     assert "frontier before the capture cap (k: overhead): 4: 0.00 %" in out and "(packing overhead 9.86 %)" in out
@@ -173,8 +252,12 @@ def test_a_capture_cap_that_changes_the_plan_is_reported_without_contradiction(t
 
 def test_a_reader_that_leaves_early_ends_the_command_quietly():
     """`pipefisher simulate ... | head -1`: no BrokenPipeError traceback, exit 128 + SIGPIPE."""
-    proc = subprocess.Popen([sys.executable, "-m", "pipefisher", "simulate", "--schedule", "1f1b", "-D", "64", "-N", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipefisher", "simulate", "--schedule", "1f1b", "-D", "64", "-N", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.close()  # before the command writes: its first write meets a closed pipe
     assert proc.wait(timeout=60) == 141
     assert proc.stderr.read() == ""
@@ -184,7 +267,25 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
 def files(tmp_path, bert_like_profile):
     """A plan written by pack -o, a binary file, an empty file and a folder, beside the profile."""
     plan = tmp_path / "plan.json"
-    assert main(["pack", "--profile", str(bert_like_profile), "--schedule", "gpipe", "-D", "4", "-N", "4", "-o", str(plan), "--json"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                "--profile",
+                str(bert_like_profile),
+                "--schedule",
+                "gpipe",
+                "-D",
+                "4",
+                "-N",
+                "4",
+                "-o",
+                str(plan),
+                "--json",
+            ]
+        )
+        == 0
+    )
     (tmp_path / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp_path / "empty.yaml").write_text("\n")
     (tmp_path / "folder").mkdir()
@@ -199,19 +300,37 @@ def files(tmp_path, bert_like_profile):
         (["pack", "--profile", "{empty}"], "{empty}: the profile is empty"),
         (["pack", "--profile", "{folder}"], "is a folder; give the profile's file"),
         (["pack", "--profile", "{profile}", "-o", "{folder}"], "-o {folder}: is a folder; give a file name inside it"),
-        (["pack", "--profile", "{profile}", "-o", "{missing}/plan.json"], "folder '{missing}' does not exist; create it first"),
-        (["viz", "--timeline", "{profile}", "-o", "-"], "is a pipefisher profile file (pipefisher.profile/v1), not a timeline"),
-        (["viz", "--schedule", "1f1b", "-D", "2", "-N", "4", "-o", "{missing}/a.png"], "folder '{missing}' does not exist"),
+        (
+            ["pack", "--profile", "{profile}", "-o", "{missing}/plan.json"],
+            "folder '{missing}' does not exist; create it first",
+        ),
+        (
+            ["viz", "--timeline", "{profile}", "-o", "-"],
+            "is a pipefisher profile file (pipefisher.profile/v1), not a timeline",
+        ),
+        (
+            ["viz", "--schedule", "1f1b", "-D", "2", "-N", "4", "-o", "{missing}/a.png"],
+            "folder '{missing}' does not exist",
+        ),
     ],
 )
 def test_input_and_output_files_are_checked_before_any_work(files, args, message, capsys):
     """Every file a command names: exists, is a file of text, of the expected kind (a pipefisher
     file of another kind is named as such); every output: its folder exists and it is no folder."""
-    names = {"plan": files / "plan.json", "binary": files / "binary.yaml", "empty": files / "empty.yaml",
-             "folder": files / "folder", "profile": files / "bert.yaml", "missing": files / "missing"}
+    names = {
+        "plan": files / "plan.json",
+        "binary": files / "binary.yaml",
+        "empty": files / "empty.yaml",
+        "folder": files / "folder",
+        "profile": files / "bert.yaml",
+        "missing": files / "missing",
+    }
     fill = lambda text: text.format(**{key: str(value) for key, value in names.items()})
     capsys.readouterr()
-    assert main([fill(a) for a in args] + (["--schedule", "gpipe", "-D", "4", "-N", "4"] if args[0] == "pack" else [])) == 2
+    assert (
+        main([fill(a) for a in args] + (["--schedule", "gpipe", "-D", "4", "-N", "4"] if args[0] == "pack" else []))
+        == 2
+    )
     err = capsys.readouterr().err
     assert fill(message) in err and err.count("\n") == 1, err
 
@@ -235,15 +354,27 @@ def test_a_folder_is_written_whole_or_not_at_all(tmp_path):
 TINY = str(Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml")
 
 
-@pytest.mark.parametrize("args, line", [
-    (["run", TINY, "--kfac.damp", "0.3"],
-     "pipefisher: error: unrecognized argument --kfac.damp; did you mean --kfac.damping? (see pipefisher run --help)"),
-    (["config", "--show", TINY, "--kfac.dampng=0.3"],
-     "pipefisher: error: unrecognized argument --kfac.dampng; did you mean --kfac.damping? (see pipefisher config --help)"),
-    (["run", TINY, "--step", "3"], "pipefisher: error: unrecognized argument --step; did you mean --steps? (see pipefisher run --help)"),
-    (["simulate", "--schedule", "1f1b", "-D", "2", "-N", "4", "--micro-batch", "4"],
-     "pipefisher: error: unrecognized argument --micro-batch; did you mean --micro-batches? (see pipefisher simulate --help)"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["run", TINY, "--kfac.damp", "0.3"],
+            "pipefisher: error: unrecognized argument --kfac.damp; did you mean --kfac.damping? (see pipefisher run --help)",
+        ),
+        (
+            ["config", "--show", TINY, "--kfac.dampng=0.3"],
+            "pipefisher: error: unrecognized argument --kfac.dampng; did you mean --kfac.damping? (see pipefisher config --help)",
+        ),
+        (
+            ["run", TINY, "--step", "3"],
+            "pipefisher: error: unrecognized argument --step; did you mean --steps? (see pipefisher run --help)",
+        ),
+        (
+            ["simulate", "--schedule", "1f1b", "-D", "2", "-N", "4", "--micro-batch", "4"],
+            "pipefisher: error: unrecognized argument --micro-batch; did you mean --micro-batches? (see pipefisher simulate --help)",
+        ),
+    ],
+)
 def test_an_abbreviated_or_mistyped_option_is_refused_with_the_one_it_meant(args, line, capsys):
     assert main(args) == 2
     assert capsys.readouterr().err == line + "\n"
@@ -257,25 +388,40 @@ def test_no_parser_of_the_package_or_experiments_takes_abbreviations():
                 assert "allow_abbrev=False" in line, f"{path.relative_to(root)}: {line.strip()}"
 
 
-@pytest.mark.parametrize("args, line", [
-    (["--steps", "99999999999999999999999"],
-     "run.steps: 99999999999999999999999 exceeds 1,000,000,000, more steps than any run takes (12 days at 1 ms a step)"),
-    (["--pipeline.stages", "9999999"], "pipeline.stages: 9999999 exceeds 1,048,576, more than any cluster could run (2^20)"),
-])
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--steps", "99999999999999999999999"],
+            "run.steps: 99999999999999999999999 exceeds 1,000,000,000, more steps than any run takes (12 days at 1 ms a step)",
+        ),
+        (
+            ["--pipeline.stages", "9999999"],
+            "pipeline.stages: 9999999 exceeds 1,048,576, more than any cluster could run (2^20)",
+        ),
+    ],
+)
 def test_absurd_counts_are_refused_before_anything_starts(args, line, capsys):
     assert main(["run", TINY, *args]) == 2
     assert capsys.readouterr().err == f"pipefisher: error: {line}\n"
 
 
 def test_numbers_on_the_command_line_are_read_as_in_a_run_file(capsys):
-    assert main(["config", "--show", TINY, "--optimizer.lr", "1e-3", "--kfac.damping", "3E-2", "--run.steps", "1e3"]) == 0
+    assert (
+        main(["config", "--show", TINY, "--optimizer.lr", "1e-3", "--kfac.damping", "3E-2", "--run.steps", "1e3"]) == 0
+    )
     shown = yaml.safe_load(capsys.readouterr().out)
     assert (shown["optimizer"]["lr"], shown["kfac"]["damping"], shown["run"]["steps"]) == (0.001, 0.03, 1000)
 
 
 def test_a_method_key_flag_with_another_optimizer_is_a_warning(capsys):
-    assert main(["run", TINY, "--kfac.damping", "0.2", "--reference", "--trace", "unused"]) == 2  # stops before training
-    assert "pipefisher: warning: --kfac.damping has no effect with optimizer lamb; it applies to --optimizer kfac\n" in capsys.readouterr().err
+    assert (
+        main(["run", TINY, "--kfac.damping", "0.2", "--reference", "--trace", "unused"]) == 2
+    )  # stops before training
+    assert (
+        "pipefisher: warning: --kfac.damping has no effect with optimizer lamb; it applies to --optimizer kfac\n"
+        in capsys.readouterr().err
+    )
 
 
 def test_version_is_the_installed_distributions():

@@ -4,7 +4,17 @@ import pytest
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.actions import STEP, Action, ActionKind, CommOrderError, CommPlan, Message, input_message, output_message, sync_collective
+from pipefisher.planning.comm.actions import (
+    STEP,
+    Action,
+    ActionKind,
+    CommOrderError,
+    CommPlan,
+    Message,
+    input_message,
+    output_message,
+    sync_collective,
+)
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.processes import process_programs
 from pipefisher.planning.comm.replay import replay, replay_programs
@@ -169,8 +179,9 @@ def test_every_step_ends_with_one_world_reduction_after_the_gradient_reductions(
                 last_backward[a.target.stage] = i
         assert sorted(actions[i].target.key[0] for i in launches) == sorted(last_backward)
         for i in launches:
-            assert i == last_backward[actions[i].target.key[0]] + 1 + (actions[i - 1].kind is ActionKind.SEND), \
+            assert i == last_backward[actions[i].target.key[0]] + 1 + (actions[i - 1].kind is ActionKind.SEND), (
                 "a stage's reduction starts right after its last backward (and its send)"
+            )
 
 
 def test_outstanding_collectives_at_a_step_boundary():
@@ -211,12 +222,24 @@ def test_packed_chimera_plans_replay_over_a_sweep_of_task_times(stages, micro_ba
     for curvature in (0.01, 0.05, 0.3):
         for inverse in (0.05, 0.3, 1.0, 3.0):
             for sync in (0.01, 0.5):
-                layers = tuple(replace(layer, curvature_a=curvature, curvature_b=curvature, inverse_a=inverse, inverse_b=inverse,
-                                       sync_a=sync, sync_b=sync) for layer in base.stages[0].layers)
+                layers = tuple(
+                    replace(
+                        layer,
+                        curvature_a=curvature,
+                        curvature_b=curvature,
+                        inverse_a=inverse,
+                        inverse_b=inverse,
+                        sync_a=sync,
+                        sync_b=sync,
+                    )
+                    for layer in base.stages[0].layers
+                )
                 profile = replace(base, stages=tuple(replace(stage, layers=layers) for stage in base.stages))
                 for k in (None, 2, 3):
                     plan = pack(schedule, profile, PackOptions(refresh_steps=k)).plan
-                    replay(plan_actions(Topology(schedule), plan, tied=True), name=f"c{curvature} i{inverse} s{sync} k{k}")
+                    replay(
+                        plan_actions(Topology(schedule), plan, tied=True), name=f"c{curvature} i{inverse} s{sync} k{k}"
+                    )
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -233,20 +256,28 @@ def test_tensor_parallel_plans_replay_with_their_all_reduces(name):
     shared = frozenset((op.stage, op.layer, "A") for op in plan.curvature_ops() if op.layer)
     comm = replay(plan_actions(topology, plan, tied=True, shared=shared))
     inversions = (OpKind.INV_A, OpKind.INV_B)
-    assert {op for op in comm.tensor_ops if op.kind in inversions} == {op for op in plan.curvature_ops() if op.kind is OpKind.INV_A}
+    assert {op for op in comm.tensor_ops if op.kind in inversions} == {
+        op for op in plan.curvature_ops() if op.kind is OpKind.INV_A
+    }
     programs, members = process_programs(comm)
     assert len(programs) == topology.processes == 2 * topology.world_size
     assert members[("world",)] == tuple(range(topology.processes))
     for process, program in enumerate(programs):
         rank, shard = topology.rank_of_process(process)
-        ops = [a.target for a in program if a.kind is ActionKind.RUN and (a.target.kind in (OpKind.FORWARD, OpKind.BACKWARD)
-                                                                          or a.target in comm.tensor_ops)]
+        ops = [
+            a.target
+            for a in program
+            if a.kind is ActionKind.RUN
+            and (a.target.kind in (OpKind.FORWARD, OpKind.BACKWARD) or a.target in comm.tensor_ops)
+        ]
         reduces = [a.target for a in program if a.kind is ActionKind.LAUNCH and a.target.kind.value == "tensor"]
         assert [c.key for c in reduces] == [(str(op),) for op in ops]
         assert all(set(members[c.group]) == {2 * rank, 2 * rank + 1} for c in reduces)
         for action in program:
             if action.kind in (ActionKind.POST, ActionKind.SEND):
-                assert action.peer % 2 == shard and process in members[action.group], "a shard talks to the same shard of its peers"
+                assert action.peer % 2 == shard and process in members[action.group], (
+                    "a shard talks to the same shard of its peers"
+                )
 
 
 def test_tensor_parallel_processes_that_reduce_in_different_orders_are_caught():
@@ -255,7 +286,10 @@ def test_tensor_parallel_processes_that_reduce_in_different_orders_are_caught():
     programs, members = process_programs(plan_actions(topology, first_order(schedule)))
     shard_one = list(programs[1])
     launches = [i for i, a in enumerate(shard_one) if a.kind is ActionKind.LAUNCH and a.target.kind.value == "tensor"]
-    for first, second in ((launches[0], launches[1]), (launches[0] + 1, launches[1] + 1)):  # the launches and their waits
+    for first, second in (
+        (launches[0], launches[1]),
+        (launches[0] + 1, launches[1] + 1),
+    ):  # the launches and their waits
         shard_one[first], shard_one[second] = shard_one[second], shard_one[first]
     programs[1] = tuple(shard_one)
     with pytest.raises(CommOrderError, match=r"mismatch on tensor/0: rank 0 has tensor:0F0; rank 1 has tensor:0F1"):

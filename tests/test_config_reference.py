@@ -22,7 +22,18 @@ def test_the_key_reference_page_is_the_generated_one():
 
 def test_the_reference_names_every_section_and_method():
     page = run_file_reference()
-    for section in ("model", "data", "pipeline", "optimizer", "<method>", "kfac", "shampoo", "checkpoint", "comm", "run"):
+    for section in (
+        "model",
+        "data",
+        "pipeline",
+        "optimizer",
+        "<method>",
+        "kfac",
+        "shampoo",
+        "checkpoint",
+        "comm",
+        "run",
+    ):
         assert f"## `{section}`" in page
     assert "| `damping` | number | `0.001` | positive |" in page
 
@@ -35,16 +46,34 @@ def test_show_prints_the_run_as_a_run_file_of_the_same_run(run_file, capsys):
 
 def test_every_key_can_be_set_on_the_command_line(capsys):
     run_file = str(ROOT / "schedules" / "tiny-cpu.yaml")
-    assert main(["config", "--show", run_file, "--optimizer.betas", "[0.8, 0.9]", "--kfac.damping", "0.02", "--run.in_order", "true"]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "--show",
+                run_file,
+                "--optimizer.betas",
+                "[0.8, 0.9]",
+                "--kfac.damping",
+                "0.02",
+                "--run.in_order",
+                "true",
+            ]
+        )
+        == 0
+    )
     shown = yaml.safe_load(capsys.readouterr().out)
     assert (shown["optimizer"]["betas"], shown["kfac"]["damping"], shown["run"]["in_order"]) == ([0.8, 0.9], 0.02, True)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--optimizer.momentum", "1.5"], "optimizer.momentum: 1.5 must be in [0, 1)"),
-    (["--run.steps", "many"], "run.steps: expected an integer, got 'many'"),
-    (["--model.nope", "3"], "unrecognized arguments: --model.nope"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--optimizer.momentum", "1.5"], "optimizer.momentum: 1.5 must be in [0, 1)"),
+        (["--run.steps", "many"], "run.steps: expected an integer, got 'many'"),
+        (["--model.nope", "3"], "unrecognized arguments: --model.nope"),
+    ],
+)
 def test_a_bad_key_or_value_exits_2_naming_it(args, message, capsys):
     assert main(["config", "--show", str(ROOT / "schedules" / "tiny-cpu.yaml"), *args]) == 2
     err = capsys.readouterr().err
@@ -80,8 +109,12 @@ def test_every_default_the_reference_prints_is_read_back_as_itself():
 
     defaults = config_to_dict(config_from_dict({}))
     printed = _printed_defaults()
-    assert {section: set(keys) for section, keys in printed.items()} == {section: set(keys) for section, keys in defaults.items()}
+    assert {section: set(keys) for section, keys in printed.items()} == {
+        section: set(keys) for section, keys in defaults.items()
+    }
     for section, keys in printed.items():
         for key, text in keys.items():
             read = config_to_dict(config_from_dict({section: {key: parse_yaml(text)}}))[section][key]
-            assert read == defaults[section][key] and type(read) is type(defaults[section][key]), f"{section}.{key}: {text}"
+            assert read == defaults[section][key] and type(read) is type(defaults[section][key]), (
+                f"{section}.{key}: {text}"
+            )

@@ -14,7 +14,9 @@ SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
 
 
 def run(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / script), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / script), *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("script", [path.name for path in SCRIPTS])
@@ -27,8 +29,28 @@ def test_every_experiment_answers_help(script):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_the_executor_benchmark_runs_and_its_variants_start_alike():
-    tiny = ["--micro-batches", "2", "--repeats", "1", "--steps", "1", "--warmup", "1", "--hidden", "16", "--heads", "2",
-            "--ffn", "32", "--seq-len", "4", "--layers", "2", "--micro-batch-size", "2"]
+    tiny = [
+        "--micro-batches",
+        "2",
+        "--repeats",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--ffn",
+        "32",
+        "--seq-len",
+        "4",
+        "--layers",
+        "2",
+        "--micro-batch-size",
+        "2",
+    ]
     result = run("bench_executor.py", *tiny, timeout=240)
     assert result.returncode == 0, result.stderr
     assert "max relative difference" in result.stdout and "-> OK" in result.stdout
@@ -39,10 +61,43 @@ def test_the_executor_benchmark_runs_and_its_variants_start_alike():
 @pytest.mark.slow
 @pytest.mark.parametrize("method", methods())
 def test_the_pipefisher_benchmark_runs(method, tmp_path):
-    tiny = ["--method", method, "--schedules", "1f1b", "--repeats", "1", "--min-steps", "2", "--max-rounds", "1", "--warmup-cycles", "1",
-            "--profile-warmup", "1", "--profile-repeats", "1", "--micro-batches", "2", "--micro-batch-size", "2", "--layers", "2",
-            "--hidden", "16", "--heads", "2", "--ffn", "32", "--seq-len", "8", "--refresh-steps", "2", "--no-reprofile",
-            "--profile-dir", str(tmp_path)]
+    tiny = [
+        "--method",
+        method,
+        "--schedules",
+        "1f1b",
+        "--repeats",
+        "1",
+        "--min-steps",
+        "2",
+        "--max-rounds",
+        "1",
+        "--warmup-cycles",
+        "1",
+        "--profile-warmup",
+        "1",
+        "--profile-repeats",
+        "1",
+        "--micro-batches",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--ffn",
+        "32",
+        "--seq-len",
+        "8",
+        "--refresh-steps",
+        "2",
+        "--no-reprofile",
+        "--profile-dir",
+        str(tmp_path),
+    ]
     result = run("bench_pipefisher.py", *tiny, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "1F1B" in result.stdout or "1f1b" in result.stdout
@@ -55,15 +110,43 @@ def test_the_executor_benchmark_compares_the_zero_bubble_schedules_with_torchs()
     """Issue 18: pipefisher's zb-h1/zbv/dualpipev beside torch's ScheduleInterleavedZeroBubble (one
     stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (two per rank, in a V), same model:
     both sides of every pair run, start from the same loss, and the table gives both medians and the ratios."""
-    tiny = ["--schedules", "zb-h1", "zbv", "dualpipev", "--micro-batches", "4", "--repeats", "2", "--steps", "1",
-            "--warmup", "1", "--hidden", "16", "--heads", "2", "--ffn", "32", "--seq-len", "4", "--layers", "4",
-            "--micro-batch-size", "2"]
+    tiny = [
+        "--schedules",
+        "zb-h1",
+        "zbv",
+        "dualpipev",
+        "--micro-batches",
+        "4",
+        "--repeats",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--ffn",
+        "32",
+        "--seq-len",
+        "4",
+        "--layers",
+        "4",
+        "--micro-batch-size",
+        "2",
+    ]
     result = run("bench_executor.py", *tiny, timeout=240)
     assert result.returncode == 0, result.stderr
     assert "max relative difference" in result.stdout and "-> OK" in result.stdout, result.stdout
-    for schedule, torch_name in [("zb-h1", "ScheduleInterleavedZeroBubble"), ("zbv", "ScheduleZBVZeroBubble"),
-                                 ("dualpipev", "ScheduleDualPipeV")]:
-        row = next(line for line in result.stdout.splitlines() if line.startswith(f"| {schedule} (torch {torch_name}) | 4 |"))
+    for schedule, torch_name in [
+        ("zb-h1", "ScheduleInterleavedZeroBubble"),
+        ("zbv", "ScheduleZBVZeroBubble"),
+        ("dualpipev", "ScheduleDualPipeV"),
+    ]:
+        row = next(
+            line for line in result.stdout.splitlines() if line.startswith(f"| {schedule} (torch {torch_name}) | 4 |")
+        )
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         # pipefisher's median, torch's median, the ratio of medians, the paired ratio
         assert all(float(cell) > 0 for cell in cells[2:6]), row
@@ -83,10 +166,14 @@ def test_the_convergence_study_runs_end_to_end_on_held_out_text(tmp_path):
     method = next(iter(methods()))
     rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
     for workload, loss in (("bert", "MLM"), ("gpt2", "LM")):
-        adamw = [row for row in rows if row["workload"] == workload and row["method"] == "adamw" and row["step"] == "30"]
+        adamw = [
+            row for row in rows if row["workload"] == workload and row["method"] == "adamw" and row["step"] == "30"
+        ]
         tuned = {row["lr"] for row in adamw if row["seed"] != "0"}
         assert len(tuned) == 1, "the seeds beyond 0 run at the tuned setting"
         finals = sorted(float(row["held_out_loss"]) for row in adamw if row["lr"] in tuned)
         assert len(finals) == 2 and f"held-out {loss} loss {finals[1]:.3f}, " in result.stdout
     assert result.stdout.count(f"| {method} | lr ") == 6 and result.stdout.count("| adamw | lr ") == 6
-    assert out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".md").read_text() in result.stdout + "\n"
+    assert (
+        out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".md").read_text() in result.stdout + "\n"
+    )

@@ -27,9 +27,13 @@ def import_graph() -> nx.DiGraph:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 # `from package import submodule` depends on the submodule, not on the package
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+                ]
             for target in targets:
                 if target in modules and target != name:
                     graph.add_edge(name, target)

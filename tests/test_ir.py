@@ -45,7 +45,9 @@ def test_an_op_unpickled_in_another_process_hashes_like_its_ops(tmp_path):
     write = f"import pickle; from pipefisher.core.ir import forward; open({str(path)!r}, 'wb').write(pickle.dumps(forward(1, 2)))"
     read = f"import pickle; from pipefisher.core.ir import forward; print(pickle.loads(open({str(path)!r}, 'rb').read()) in {{forward(1, 2)}})"
     for code, seed in ((write, "1"), (read, "2")):
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}
+        )
         assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
 

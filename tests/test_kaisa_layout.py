@@ -40,14 +40,24 @@ def test_fractions_that_are_not_a_whole_divisor_are_refused_with_the_usable_ones
     with pytest.raises(ValueError, match="use 0.25, 0.5, 1"):
         worker_count(4, fraction)
     with pytest.raises(ConfigError, match=r"kfac.grad_worker_fraction: .* use 0.25, 0.5, 1"):
-        config_from_dict({"optimizer": {"name": "kfac"}, "pipeline": {"schedule": "chimera", "data_parallel": 2},
-                          "kfac": {"grad_worker_fraction": fraction}})
+        config_from_dict(
+            {
+                "optimizer": {"name": "kfac"},
+                "pipeline": {"schedule": "chimera", "data_parallel": 2},
+                "kfac": {"grad_worker_fraction": fraction},
+            }
+        )
 
 
 def test_gradient_workers_and_zero1_do_not_combine():
     with pytest.raises(ConfigError, match="use kfac.grad_worker_fraction 1 or optimizer.zero 0"):
-        config_from_dict({"optimizer": {"name": "kfac", "zero": 1}, "pipeline": {"data_parallel": 2},
-                          "kfac": {"grad_worker_fraction": 0.5}})
+        config_from_dict(
+            {
+                "optimizer": {"name": "kfac", "zero": 1},
+                "pipeline": {"data_parallel": 2},
+                "kfac": {"grad_worker_fraction": 0.5},
+            }
+        )
     with pytest.raises(ValueError, match="ZeRO-1 reduces to owners"):
         GradientPath(Reduction.SHARDED, workers_per_layer=1)
     assert GradientPath(Reduction.COMPRESSED, workers_per_layer=1).compressed, "PowerSGD and gradient workers combine"
@@ -67,7 +77,9 @@ def test_plans_with_gradient_workers_drop_the_precondition_op_and_broadcast_in_b
             names = [str(a) for a in actions]
             launched = [a.target for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind == "pgrad"]
             assert [c.key[0] for c in launched] == sorted({stage for _, stage in topology.stages_of(rank)})
-            assert all(len(comm.members[c.group]) == replicas // workers and rank in comm.members[c.group] for c in launched)
+            assert all(
+                len(comm.members[c.group]) == replicas // workers and rank in comm.members[c.group] for c in launched
+            )
             assert names.index(f"+{launched[-1]}") < names.index("+step"), "preconditioned before the norm"
 
 
@@ -76,7 +88,22 @@ def test_the_cli_refuses_an_unusable_fraction_in_one_line():
     from pathlib import Path
 
     demo = Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml"
-    result = subprocess.run(["pipefisher", "run", str(demo), "--optimizer", "kfac", "--data-parallel", "2",
-                             "--kfac-grad-worker-fraction", "0.3"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            "pipefisher",
+            "run",
+            str(demo),
+            "--optimizer",
+            "kfac",
+            "--data-parallel",
+            "2",
+            "--kfac-grad-worker-fraction",
+            "0.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "pipefisher: error: kfac.grad_worker_fraction: 0.3 x 2 replicas of each stage is not a whole divisor of 2; use 0.5, 1"]
+        "pipefisher: error: kfac.grad_worker_fraction: 0.3 x 2 replicas of each stage is not a whole divisor of 2; use 0.5, 1"
+    ]

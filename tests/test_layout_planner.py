@@ -47,7 +47,15 @@ def test_enumeration_respects_the_gpus_the_model_the_schedules_and_the_global_ba
         layout.build_schedule()  # buildable
         if layout.schedule == "chimera":
             assert layout.stages % 2 == 0 and layout.micro_batches % layout.stages == 0
-    assert {layout.schedule for layout in layouts} >= {"gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zbv", "dualpipev"}
+    assert {layout.schedule for layout in layouts} >= {
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "chimera",
+        "zb-h1",
+        "zbv",
+        "dualpipev",
+    }
     assert {layout.recompute for layout in layouts} == {"none", "selective", "blocks"}
 
 
@@ -83,19 +91,40 @@ def test_the_budget_drops_what_does_not_fit_and_the_best_run_file_loads_back():
     raw = yaml.safe_load(BASE_RUN.read_text())
     best = tight.best.layout
     loaded = config_from_dict(yaml.safe_load(run_file_of(raw, best)))
-    assert (loaded.pipeline.schedule, loaded.pipeline.stages, loaded.pipeline.micro_batches, loaded.pipeline.data_parallel,
-            loaded.pipeline.tensor_parallel, loaded.data.micro_batch_size, loaded.optimizer.name, loaded.kfac.refresh_steps) == \
-           (best.schedule, best.stages, best.micro_batches, best.data_parallel, best.tensor_parallel, best.micro_batch_size,
-            "kfac", best.refresh_steps)
+    assert (
+        loaded.pipeline.schedule,
+        loaded.pipeline.stages,
+        loaded.pipeline.micro_batches,
+        loaded.pipeline.data_parallel,
+        loaded.pipeline.tensor_parallel,
+        loaded.data.micro_batch_size,
+        loaded.optimizer.name,
+        loaded.kfac.refresh_steps,
+    ) == (
+        best.schedule,
+        best.stages,
+        best.micro_batches,
+        best.data_parallel,
+        best.tensor_parallel,
+        best.micro_batch_size,
+        "kfac",
+        best.refresh_steps,
+    )
 
 
 def test_a_measured_profile_resplits_by_blocks():
     profile = load_profile(ROOT / "profiles" / "tiny-cpu-1f1b.yaml")
     sizes = model_sizes(load_config(ROOT / "schedules" / "tiny-cpu.yaml"))
     four = resplit(profile, 4, sizes)
-    assert [sorted({block_of(layer.name) for layer in stage.layers} - {None}) for stage in four.stages] == [[0], [1], [2], [3]]
-    assert sorted(layer.name for stage in four.stages for layer in stage.layers) == \
-           sorted(layer.name for stage in profile.stages for layer in stage.layers)
+    assert [sorted({block_of(layer.name) for layer in stage.layers} - {None}) for stage in four.stages] == [
+        [0],
+        [1],
+        [2],
+        [3],
+    ]
+    assert sorted(layer.name for stage in four.stages for layer in stage.layers) == sorted(
+        layer.name for stage in profile.stages for layer in stage.layers
+    )
     assert sum(s.forward for s in four.stages) == pytest.approx(sum(s.forward for s in profile.stages))
     assert sum(s.backward for s in four.stages) == pytest.approx(sum(s.backward for s in profile.stages))
     assert four.stages[-1].layers[-1].name == profile.stages[-1].layers[-1].name  # the heads stay last
@@ -103,13 +132,16 @@ def test_a_measured_profile_resplits_by_blocks():
     assert four.stages[3].forward > 2 * four.stages[2].forward
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["MLP", "--gpus", "2"], "model.kind: mlp"),
-    (["schedules/tiny-regression.yaml", "--gpus", "2"], "no times to plan with"),
-    ([str(BASE_RUN), "--gpus", "7"], "--gpus 7"),
-    ([str(BASE_RUN), "--gpus", "4", "--profile", "profiles/tiny-cpu-1f1b.yaml"], "blocks"),
-    ([str(BASE_RUN), "--gpus", "4", "--memory-gb", "0.1"], "smallest needs"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["MLP", "--gpus", "2"], "model.kind: mlp"),
+        (["schedules/tiny-regression.yaml", "--gpus", "2"], "no times to plan with"),
+        ([str(BASE_RUN), "--gpus", "7"], "--gpus 7"),
+        ([str(BASE_RUN), "--gpus", "4", "--profile", "profiles/tiny-cpu-1f1b.yaml"], "blocks"),
+        ([str(BASE_RUN), "--gpus", "4", "--memory-gb", "0.1"], "smallest needs"),
+    ],
+)
 def test_what_cannot_be_planned_is_refused_in_one_line(argv, message, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
     if argv[0] == "MLP":
@@ -126,10 +158,18 @@ def test_what_cannot_be_planned_is_refused_in_one_line(argv, message, capsys, mo
 def test_the_cli_ranks_the_layouts_and_writes_the_best(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     out = tmp_path / "best.yaml"
-    assert main(["plan", str(BASE_RUN), "--gpus", "4", "--memory-gb", "16", "--packed", "3", "--top", "3", "-o", str(out)]) == 0
+    assert (
+        main(["plan", str(BASE_RUN), "--gpus", "4", "--memory-gb", "16", "--packed", "3", "--top", "3", "-o", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "step [ms]" in text and "memory [GiB]" in text and "the run file's layout 1f1b D4 x DP1 x TP1" in text
-    assert load_config(out).pipeline.stages * load_config(out).pipeline.data_parallel * load_config(out).pipeline.tensor_parallel == 4
+    assert (
+        load_config(out).pipeline.stages
+        * load_config(out).pipeline.data_parallel
+        * load_config(out).pipeline.tensor_parallel
+        == 4
+    )
 
 
 def test_the_64_gpu_search_packs_a_bounded_number():

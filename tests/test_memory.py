@@ -48,7 +48,9 @@ def setup(pipeline: str, optimizer: dict | None = None, zero: int = 0):
     """The run of `optimizer` (its "kfac" entry: the kfac section) on `pipeline`."""
     optimizer = dict(optimizer or {})
     section = optimizer.pop("kfac", {})
-    config = config_from_dict({"model": MODEL, "pipeline": PIPELINES[pipeline], "optimizer": {**optimizer, "zero": zero}, "kfac": section})
+    config = config_from_dict(
+        {"model": MODEL, "pipeline": PIPELINES[pipeline], "optimizer": {**optimizer, "zero": zero}, "kfac": section}
+    )
     p = config.pipeline
     schedule = get_schedule(p.schedule, p.stages, p.micro_batches, p.chunks if p.schedule == "interleaved" else None)
     return config, TinyRegression(config.model), Topology(schedule, p.data_parallel)
@@ -61,18 +63,29 @@ def stage_states(model: TinyRegression, num_stages: int) -> list[StageState]:
         module = model.build_stage(index, num_stages, seed=0)
         layers = select_layers(module, model.first_order_linears())
         parameters = unique_parameters(module)
-        owned = {id(module.get_parameter(name)) for name in preconditioned_parameters(module, model.first_order_linears())}
-        states.append(StageState(tuple(p.numel() for p in parameters),
-                                 tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
-                                 tuple(tuple(p.shape) for p in parameters), tuple(id(p) in owned for p in parameters)))
+        owned = {
+            id(module.get_parameter(name)) for name in preconditioned_parameters(module, model.first_order_linears())
+        }
+        states.append(
+            StageState(
+                tuple(p.numel() for p in parameters),
+                tuple(KfacLayer(name, st.info.a_size, st.info.b_size) for name, st in layers.items()),
+                tuple(tuple(p.shape) for p in parameters),
+                tuple(id(p) in owned for p in parameters),
+            )
+        )
     return states
 
 
 def modelled(config, model, topology):
     settings = config.optimizer_settings
     rule = config.curvature.first_order if config.curvature is not None else "adamw"
-    return rank_memory(topology, stage_states(model, topology.schedule.num_stages),
-                       optimizer_state(settings.name, settings.momentum, first_order=rule), config.optimizer.zero)
+    return rank_memory(
+        topology,
+        stage_states(model, topology.schedule.num_stages),
+        optimizer_state(settings.name, settings.momentum, first_order=rule),
+        config.optimizer.zero,
+    )
 
 
 def test_the_model_imports_no_torch():
@@ -90,7 +103,9 @@ def test_optimizer_state_per_rank_is_what_torch_holds_after_a_step(pipeline, opt
     expected = modelled(config, model, topology)
     num_stages = topology.schedule.num_stages
     for rank in range(topology.world_size):
-        modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
+        modules = {
+            (pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)
+        }
         ownership = Ownership(topology, rank, modules, sharded=zero == 1)
         real = build_optimizer(config, modules.values(), ownership.updates, model.first_order_linears())
         for module in modules.values():
@@ -98,7 +113,9 @@ def test_optimizer_state_per_rank_is_what_torch_holds_after_a_step(pipeline, opt
                 parameter.grad = torch.ones_like(parameter)
         real.step()
         assert expected[rank].optimizer_bytes == tensor_bytes(list(real.state.values())), f"rank {rank}"
-        assert expected[rank].parameter_bytes == sum(4 * p.numel() for m in modules.values() for p in unique_parameters(m))
+        assert expected[rank].parameter_bytes == sum(
+            4 * p.numel() for m in modules.values() for p in unique_parameters(m)
+        )
         assert expected[rank].gradient_bytes == expected[rank].parameter_bytes
 
 
@@ -126,8 +143,12 @@ def test_kfac_state_per_rank_is_what_the_engines_hold_after_each_committed_refre
     expected = modelled(config, model, topology)
     num_stages = topology.schedule.num_stages
     for rank in range(topology.world_size):
-        modules = {(pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)}
-        engines = {key: KFACEngine(module, KfacConfig(), model.first_order_linears()) for key, module in modules.items()}
+        modules = {
+            (pipe, stage): model.build_stage(stage, num_stages, seed=0) for pipe, stage in topology.stages_of(rank)
+        }
+        engines = {
+            key: KFACEngine(module, KfacConfig(), model.first_order_linears()) for key, module in modules.items()
+        }
         assert all(engine.layers() for engine in engines.values())
         for cycle in range(2):  # the first refresh creates the state, the second replaces it
             for (pipe, stage), engine in engines.items():
@@ -212,7 +233,10 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
     config, model, topology = setup("chimera-dp2", OPTIMIZERS["kfac-momentum"])
     states = stage_states(model, 2)
     optimizer = optimizer_state("kfac", 0.9)
-    every, kept = rank_memory(topology, states, optimizer), rank_memory(topology, states, optimizer, workers_per_layer=workers)
+    every, kept = (
+        rank_memory(topology, states, optimizer),
+        rank_memory(topology, states, optimizer, workers_per_layer=workers),
+    )
     for index, stage in enumerate(states):
         holders = topology.replica_ranks(index)
         factors = sum(layer.state_bytes(keeps_results=False) for layer in stage.curvature_layers)
@@ -225,7 +249,10 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
         assert sum(stage_part(every, rank).curvature_bytes for rank in holders) == 4 * (factors + inverses)
         block = 4 // workers
         extra = sum(4 * layer.a_size * layer.b_size * (block - 1) // block for layer in stage.curvature_layers)
-        assert all(stage_part(kept, rank).grad_comm_bytes - stage_part(every, rank).grad_comm_bytes == extra for rank in holders)
+        assert all(
+            stage_part(kept, rank).grad_comm_bytes - stage_part(every, rank).grad_comm_bytes == extra
+            for rank in holders
+        )
 
 
 def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_whole():
@@ -241,7 +268,9 @@ def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_
             (part,) = compressed[rank].stages
             elements = sum(powersgd_elements(shape, rank_r) for shape in states[part.stage].shapes)
             assert part.grad_comm_bytes == ring_bytes("all_reduce", 4 * elements, 2)
-            assert (part.grad_comm_bytes == plain[rank].grad_comm_bytes) == (rank_r == 10_000), "a huge rank compresses nothing"
+            assert (part.grad_comm_bytes == plain[rank].grad_comm_bytes) == (rank_r == 10_000), (
+                "a huge rank compresses nothing"
+            )
     with pytest.raises(ValueError, match="shapes"):
         rank_memory(topology, [StageState(stage.parameters) for stage in states], optimizer, powersgd_rank=2)
 
@@ -255,7 +284,9 @@ def test_powersgd_state_is_what_the_runtime_keeps():
     for index, stage in enumerate(stage_states(model, 2)):
         buffer = GradientBuffer(model.build_stage(index, 2, seed=0), bucket_bytes=1 << 30)
         for rank_r in (1, 3):
-            assert powersgd_state_bytes(stage.shapes, rank_r) == tensor_bytes(PowerSGD(buffer, rank_r, seed=0).tensors())
+            assert powersgd_state_bytes(stage.shapes, rank_r) == tensor_bytes(
+                PowerSGD(buffer, rank_r, seed=0).tensors()
+            )
 
 
 def test_a_curvature_method_without_a_memory_model_is_refused():

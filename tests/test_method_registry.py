@@ -23,8 +23,10 @@ def plugins(tmp_path) -> Path:
     naming a missing attribute, one a method called `kfac` (Shampoo under K-FAC's name)."""
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "mod.py").write_text("import dataclasses\nfrom pipefisher.methods.shampoo.method import SHAMPOO\n"
-                                               "FAKE = dataclasses.replace(SHAMPOO, name='kfac')\n")
+    (tmp_path / "mypkg" / "mod.py").write_text(
+        "import dataclasses\nfrom pipefisher.methods.shampoo.method import SHAMPOO\n"
+        "FAKE = dataclasses.replace(SHAMPOO, name='kfac')\n"
+    )
     info = tmp_path / "mypkg-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mypkg\nVersion: 0.1\n")
@@ -34,9 +36,26 @@ def plugins(tmp_path) -> Path:
 
 def test_broken_and_clashing_plugins_are_one_warning_each(plugins):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugins)])}
-    result = subprocess.run([sys.executable, "-m", "pipefisher", "run", str(ROOT / "schedules" / "tiny-regression.yaml"), "--reference",
-                             "--steps", "1", "--optimizer", "kfac", "--kfac-refresh-steps", "1"],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipefisher",
+            "run",
+            str(ROOT / "schedules" / "tiny-regression.yaml"),
+            "--reference",
+            "--steps",
+            "1",
+            "--optimizer",
+            "kfac",
+            "--kfac-refresh-steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line]
     assert warnings == [

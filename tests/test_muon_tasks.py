@@ -22,8 +22,18 @@ from sweeps import micro_batches_for
 
 def muon_profile(num_stages: int, orthogonalise: float = 0.3):
     """Two matrices per stage, each orthogonalised in `orthogonalise` ms; nothing else timed."""
-    return layered_profile(num_stages, 2, spread=False, p2p=0.05, grad_reduce=0.2, curvature=0.0, inverse=0.0,
-                           precondition=orthogonalise, names="w{i}", method="muon")
+    return layered_profile(
+        num_stages,
+        2,
+        spread=False,
+        p2p=0.05,
+        grad_reduce=0.2,
+        curvature=0.0,
+        inverse=0.0,
+        precondition=orthogonalise,
+        names="w{i}",
+        method="muon",
+    )
 
 
 def schedule_of(name: str, stages: int = 4):
@@ -49,11 +59,17 @@ def test_unreplicated_plans_validate_simulate_and_replay_and_run_every_p_op_once
         simulate_plan(plan, profile)
         for step in plan.steps:
             preconditions = [op for ops in step for op in ops if op.kind is OpKind.PRECONDITION]
-            assert sorted(preconditions) == sorted(Op(OpKind.PRECONDITION, stage, None, pipe) for pipe, stage in schedule.placement)
+            assert sorted(preconditions) == sorted(
+                Op(OpKind.PRECONDITION, stage, None, pipe) for pipe, stage in schedule.placement
+            )
             for ops in step:  # after the last op that makes its stage's gradient
                 for position, op in enumerate(ops):
                     if op.kind is OpKind.PRECONDITION:
-                        later = [o for o in ops[position:] if o.kind in GRADIENT_KINDS - {OpKind.PRECONDITION} and o.stage == op.stage]
+                        later = [
+                            o
+                            for o in ops[position:]
+                            if o.kind in GRADIENT_KINDS - {OpKind.PRECONDITION} and o.stage == op.stage
+                        ]
                         assert not later, (op, later)
         replay(plan_actions(Topology(schedule, 1), plan, tied=True))
 
@@ -83,12 +99,19 @@ def test_replicated_stages_share_their_matrices_after_the_reduction(name):
     topology = Topology(schedule, data_parallel)
     comm = replay(plan_actions(topology, plan, tied=True, path=GradientPath(workers_per_layer=1)))
     for rank, actions in enumerate(comm.steps[0]):
-        order = [(a.kind, a.target.kind, a.target.key[:1]) for a in actions if a.kind in (ActionKind.LAUNCH, ActionKind.WAIT)
-                 and hasattr(a.target, "kind")]
+        order = [
+            (a.kind, a.target.kind, a.target.key[:1])
+            for a in actions
+            if a.kind in (ActionKind.LAUNCH, ActionKind.WAIT) and hasattr(a.target, "kind")
+        ]
         stages = sorted({stage for _, stage in topology.stages_of(rank)})
         for stage in stages:
             reduced = order.index((ActionKind.WAIT, CollectiveKind.GRAD, (stage,)))
             shared = order.index((ActionKind.LAUNCH, CollectiveKind.PGRAD, (stage,)))
-            assert reduced < shared < order.index((ActionKind.WAIT, CollectiveKind.PGRAD, (stage,))) < order.index(
-                (ActionKind.LAUNCH, CollectiveKind.STEP, ()))
+            assert (
+                reduced
+                < shared
+                < order.index((ActionKind.WAIT, CollectiveKind.PGRAD, (stage,)))
+                < order.index((ActionKind.LAUNCH, CollectiveKind.STEP, ()))
+            )
         assert sum(kind is CollectiveKind.PGRAD for _, kind, _ in order) == 2 * len(stages)

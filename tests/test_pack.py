@@ -116,7 +116,11 @@ def test_tasks_longer_than_every_bubble_are_amortised_up_to_the_cap():
     assert f"k grew from {without.refresh_steps} to amortise" in result.reason
     overhead = {p.refresh_steps: p.overhead for p in result.frontier}
     k = result.refresh_steps
-    assert overhead[k - 1] - overhead[k] >= 0.01 > overhead[k] - pack(schedule, profile, PackOptions(refresh_steps=k + 1)).overhead
+    assert (
+        overhead[k - 1] - overhead[k]
+        >= 0.01
+        > overhead[k] - pack(schedule, profile, PackOptions(refresh_steps=k + 1)).overhead
+    )
     capped = pack(schedule, profile, PackOptions(max_refresh_steps=4))
     assert capped.refresh_steps == 4 and "max_refresh_steps" in capped.reason
 
@@ -142,7 +146,9 @@ def test_chimera_splits_inverses_between_replicas_and_exchanges_them():
     whole = build_tasks(schedule, profile, split=False)
     inverses = lambda tasks: [op for ops in tasks.cycle for op in ops if op.kind in (OpKind.INV_A, OpKind.INV_B)]
     assert len(inverses(whole)) == 2 * len(inverses(split))
-    assert {(op.kind, op.stage, op.layer) for op in inverses(split)} == {(op.kind, op.stage, op.layer) for op in inverses(whole)}
+    assert {(op.kind, op.stage, op.layer) for op in inverses(split)} == {
+        (op.kind, op.stage, op.layer) for op in inverses(whole)
+    }
     loads = [sum(split.durations(op) for op in ops if op.kind in (OpKind.INV_A, OpKind.INV_B)) for ops in split.cycle]
     unsplit = [sum(whole.durations(op) for op in ops if op.kind in (OpKind.INV_A, OpKind.INV_B)) for ops in whole.cycle]
     assert max(loads) < 0.7 * max(unsplit)
@@ -169,7 +175,10 @@ def test_never_worse_than_the_published_rule_at_matched_k_and_never_dominated():
             theirs = pack(schedule, profile, PackOptions(refresh_steps=k, strategy="published"))
             assert at_k.step_time <= theirs.step_time + 1e-9, (name, d, n, k)
         dominated = published.refresh_steps <= ours.refresh_steps and published.overhead <= ours.overhead
-        assert not dominated or (published.refresh_steps, published.overhead) == pytest.approx((ours.refresh_steps, ours.overhead))
+        assert not dominated or (published.refresh_steps, published.overhead) == pytest.approx(
+            (ours.refresh_steps, ours.overhead)
+        )
+
 
 def test_plan_json_round_trip(tmp_path):
     _, profile, result = packed("chimera", 4, 4, None)
@@ -220,7 +229,10 @@ def test_report_fields():
     for key in ("refresh_steps", "first_order_step_time", "step_time", "bubble_utilization", "devices", "lower_bound"):
         assert key in data
     assert 0 <= data["bubble_utilization"] <= 1
-    assert data["refresh_steps"] == max(d["refresh_steps"] for d in data["devices"]) or data["refresh_steps"] >= data["lower_bound"]
+    assert (
+        data["refresh_steps"] == max(d["refresh_steps"] for d in data["devices"])
+        or data["refresh_steps"] >= data["lower_bound"]
+    )
     assert [d["rank"] for d in data["devices"]] == [0, 1, 2, 3]
 
 
@@ -263,9 +275,14 @@ def test_never_predicted_slower_than_the_after_step_placement(name, d, n, chunks
 def test_packing_sizes_kfac_tasks_at_the_percentile_and_keeps_bubbles_nominal():
     schedule = get_schedule("1f1b", 2, 4)
     base = layered_profile(2, inverse=0.1, stage_growth=0.0)
-    slow_tail = tuple(replace(s, samples={"forward": (1.0, 1.0, 1.0, 1.0, 3.0)},
-                              layers=tuple(replace(layer, samples={"inverse_a": (0.1, 0.1, 0.1, 0.1, 2.5)}) for layer in s.layers))
-                      for s in base.stages)
+    slow_tail = tuple(
+        replace(
+            s,
+            samples={"forward": (1.0, 1.0, 1.0, 1.0, 3.0)},
+            layers=tuple(replace(layer, samples={"inverse_a": (0.1, 0.1, 0.1, 0.1, 2.5)}) for layer in s.layers),
+        )
+        for s in base.stages
+    )
     noisy = replace(base, stages=slow_tail)
     median = pack(schedule, noisy, PackOptions(percentile=50))
     high = pack(schedule, noisy, PackOptions(percentile=100))
@@ -274,7 +291,6 @@ def test_packing_sizes_kfac_tasks_at_the_percentile_and_keeps_bubbles_nominal():
     assert (median.refresh_steps, median.overhead) == (nominal.refresh_steps, pytest.approx(nominal.overhead))
     assert (high.refresh_steps, high.step_time) > (median.refresh_steps, median.step_time)
     assert high.to_dict()["percentile"] == 100
-
 
 
 @pytest.mark.parametrize("name, d, n, chunks", CASES)
@@ -316,5 +332,7 @@ def test_every_candidate_is_evaluated_exactly(name, d, n, chunks):
     for k in (1, 2, 4):
         for candidate in packing.candidates(k):
             sources.add(candidate.source.split(",")[0])
-            assert candidate.cycle_time == pytest.approx(cycle_time(simulate_plan(candidate.plan, profile)), rel=1e-9), (k, candidate.source)
+            assert candidate.cycle_time == pytest.approx(
+                cycle_time(simulate_plan(candidate.plan, profile)), rel=1e-9
+            ), (k, candidate.source)
     assert {"fill", "published rule", "after-step"} <= sources

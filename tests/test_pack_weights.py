@@ -33,14 +33,23 @@ from builders import layered_profile
 
 def weights_after_backwards(schedule: Schedule) -> Schedule:
     """The schedule with each B followed by its W (1F1B's memory, its bubbles)."""
-    ranks = [[new for op in ops for new in ((op, weight(op.stage, op.micro_batch, op.pipe)) if op.kind is OpKind.BACKWARD else (op,))]
-             for ops in schedule.ranks]
+    ranks = [
+        [
+            new
+            for op in ops
+            for new in ((op, weight(op.stage, op.micro_batch, op.pipe)) if op.kind is OpKind.BACKWARD else (op,))
+        ]
+        for ops in schedule.ranks
+    ]
     return schedule.with_ranks(ranks, name=f"{schedule.name}+w")
 
 
 def weights_at_the_end(schedule: Schedule) -> Schedule:
     """The schedule with every W deferred to the end of its rank's list (cool-down)."""
-    ranks = [list(ops) + [weight(op.stage, op.micro_batch, op.pipe) for op in ops if op.kind is OpKind.BACKWARD] for ops in schedule.ranks]
+    ranks = [
+        list(ops) + [weight(op.stage, op.micro_batch, op.pipe) for op in ops if op.kind is OpKind.BACKWARD]
+        for ops in schedule.ranks
+    ]
     return schedule.with_ranks(ranks, name=f"{schedule.name}+w-late")
 
 
@@ -63,7 +72,9 @@ MUST_MOVE = {("1f1b+w-late 3x6", None), ("1f1b+w-late 3x6", 2)}
 
 def profile_for(num_stages, layers=3, inverse=0.4, weight_time=1.0, sync=0.1, method="kfac", grad_reduce=0.0):
     """Forward 1, backward 2 (of which `weight_time` the weight gradient); layer sizes vary."""
-    return layered_profile(num_stages, layers, inverse=inverse, weight=weight_time, sync=sync, method=method, grad_reduce=grad_reduce)
+    return layered_profile(
+        num_stages, layers, inverse=inverse, weight=weight_time, sync=sync, method=method, grad_reduce=grad_reduce
+    )
 
 
 def check_weights(plan: Plan) -> None:
@@ -73,7 +84,9 @@ def check_weights(plan: Plan) -> None:
     for step in plan.steps:
         for rank, ops in enumerate(step):
             own = schedule.ranks[rank]
-            assert Counter(op for op in ops if op.kind is OpKind.WEIGHT) == Counter(op for op in own if op.kind is OpKind.WEIGHT)
+            assert Counter(op for op in ops if op.kind is OpKind.WEIGHT) == Counter(
+                op for op in own if op.kind is OpKind.WEIGHT
+            )
             position = {op: i for i, op in enumerate(ops)}
             for op in ops:
                 if op.kind is OpKind.WEIGHT:
@@ -101,8 +114,11 @@ def check_timelines(plan: Plan, timelines, tasks) -> None:
 
 
 @pytest.mark.parametrize("refresh_steps", [None, 1, 2])
-@pytest.mark.parametrize("options", [dict(move_weights=False), dict(), dict(strategy="published"), dict(split=False)],
-                         ids=["fixed", "movable", "published", "unsplit"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(move_weights=False), dict(), dict(strategy="published"), dict(split=False)],
+    ids=["fixed", "movable", "published", "unsplit"],
+)
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_plans_of_weight_schedules_are_valid_and_complete(name, options, refresh_steps):
     schedule = SCHEDULES[name]()
@@ -110,14 +126,20 @@ def test_plans_of_weight_schedules_are_valid_and_complete(name, options, refresh
     result = pack(schedule, profile, PackOptions(refresh_steps=refresh_steps, **options))
     plan = validate_plan(result.plan)
     tasks = build_tasks(schedule, profile, split=options.get("split", True))
-    assert Counter(op for op in plan.curvature_ops() if op.kind in CYCLE_KINDS) == Counter(op for ops in tasks.cycle for op in ops)
+    assert Counter(op for op in plan.curvature_ops() if op.kind in CYCLE_KINDS) == Counter(
+        op for ops in tasks.cycle for op in ops
+    )
     check_weights(plan)
     check_timelines(plan, result.timelines, tasks)
     assert result.cycle_time == pytest.approx(sum(t.step_time for t in result.timelines))
     replay(plan_actions(Topology(schedule), plan, tied=True))
     if options.get("move_weights", True) is False or options.get("strategy") == "published":
         assert result.moved_weights == 0
-    if (name, refresh_steps) in MUST_MOVE and options.get("move_weights", True) and options.get("strategy") != "published":
+    if (
+        (name, refresh_steps) in MUST_MOVE
+        and options.get("move_weights", True)
+        and options.get("strategy") != "published"
+    ):
         # the movable path acts: W ops deferred to the cool-down come forward into the bubbles
         assert result.moved_weights > 0 and moved_weights(plan) == [d.moved_weights for d in result.devices]
 
@@ -193,7 +215,9 @@ def test_a_registered_schedule_moves_weights_into_the_bubbles_of_a_slow_stage():
     tests/runtime/test_zero_bubble_runs.py)."""
     schedule = get_schedule("zbv", 2, 8)
     profile = profile_for(4, inverse=1.0)
-    profile = replace(profile, stages=(replace(profile.stages[0], forward=2.0, backward=4.0, weight=2.0),) + profile.stages[1:])
+    profile = replace(
+        profile, stages=(replace(profile.stages[0], forward=2.0, backward=4.0, weight=2.0),) + profile.stages[1:]
+    )
     for k in (1, 3):
         moved = pack(schedule, profile, PackOptions(refresh_steps=k))
         fixed = pack(schedule, profile, PackOptions(refresh_steps=k, move_weights=False))
@@ -217,7 +241,9 @@ def test_precondition_and_gradient_methods_wait_for_the_weight_gradients():
     precondition = Op(OpKind.PRECONDITION, 2, None)
     assert set(graph.dependencies(precondition)) == {weight(2, mb) for mb in range(8)}
     curvature_b = Op(OpKind.CURV_B, 2, 3, 0, "l2.0")
-    assert Op(OpKind.BACKWARD, 2, 3) in TaskGraph(schedule, [curvature_b], task_rules("kfac")).dependencies(curvature_b), "output gradients are captured at B"
+    assert Op(OpKind.BACKWARD, 2, 3) in TaskGraph(schedule, [curvature_b], task_rules("kfac")).dependencies(
+        curvature_b
+    ), "output gradients are captured at B"
     tasks = build_tasks(schedule, profile_for(4, method="shampoo"))
     inverse = next(op for op in tasks.cycle[1] if op.kind is OpKind.INV_A)
     assert set(tasks.graph.dependencies(inverse)) == {weight(1, mb) for mb in range(8)}

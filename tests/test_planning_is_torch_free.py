@@ -7,7 +7,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "pipefisher"
 #: folders whose every module is torch-free, and the torch-free modules of the other folders
 TORCH_FREE_FOLDERS = ("core", "schedules", "planning", "cli", "config")
-TORCH_FREE_MODULES = ("methods/__init__", "methods/method", "methods/settings", "methods/registry", "viz/cli", "viz/layout", "viz/text", "viz/chrome", "viz/figure", "viz/timeline_io")
+TORCH_FREE_MODULES = (
+    "methods/__init__",
+    "methods/method",
+    "methods/settings",
+    "methods/registry",
+    "viz/cli",
+    "viz/layout",
+    "viz/text",
+    "viz/chrome",
+    "viz/figure",
+    "viz/timeline_io",
+)
 
 
 def module_name(path: Path) -> str:

@@ -22,7 +22,14 @@ GOOD = {
             "step_end": 3.5,
             "grad_reduce": 1.25,
             "layers": [
-                {"name": "block0.attention.query", "curvature_a": 0.61, "curvature_b": 0.61, "inverse_a": 1.4, "inverse_b": 1.4, "precondition": 0.1},
+                {
+                    "name": "block0.attention.query",
+                    "curvature_a": 0.61,
+                    "curvature_b": 0.61,
+                    "inverse_a": 1.4,
+                    "inverse_b": 1.4,
+                    "precondition": 0.1,
+                },
             ],
         },
         {"forward": 29.2, "backward": 49.4},
@@ -78,14 +85,37 @@ def mutate(path_keys, value):
         (["schema"], "other/v9", "schema: 'other/v9' is not supported"),
         (["stages"], [], "stages: missing"),
         (["micro_batch_size"], 0, "micro_batch_size: 0 must be a positive integer"),
-        (["stages", 0, "samples"], {"fwd": [1.0]}, r"stages\[0\]\.samples\.fwd: unknown time field; known: forward, backward, p2p"),
-        (["stages", 0, "samples"], {"forward": []}, r"stages\[0\]\.samples\.forward: expected a non-empty list of times"),
+        (
+            ["stages", 0, "samples"],
+            {"fwd": [1.0]},
+            r"stages\[0\]\.samples\.fwd: unknown time field; known: forward, backward, p2p",
+        ),
+        (
+            ["stages", 0, "samples"],
+            {"forward": []},
+            r"stages\[0\]\.samples\.forward: expected a non-empty list of times",
+        ),
         (["stages", 0, "samples"], {"p2p": [0.5, -1.0]}, r"stages\[0\]\.samples\.p2p\[1\]: -1.0 is negative"),
-        (["stages", 0, "layers", 0, "samples"], {"inverse_a": [1.0, float("inf")]},
-         r"stages\[0\]\.layers\[0\]\.samples\.inverse_a\[1\]: inf is not a finite number"),
-        (["stages", 0, "layers", 0, "samples"], {"forward": [1.0]}, r"stages\[0\]\.layers\[0\]\.samples\.forward: unknown time field"),
-        (["stages", 0, "layers", 0, "capture_a_bytes"], -1, r"stages\[0\]\.layers\[0\]\.capture_a_bytes: -1 is not a non-negative integer"),
-        (["stages", 0, "layers", 0, "capture_b_bytes"], 1.5, r"stages\[0\]\.layers\[0\]\.capture_b_bytes: 1.5 is not a non-negative integer"),
+        (
+            ["stages", 0, "layers", 0, "samples"],
+            {"inverse_a": [1.0, float("inf")]},
+            r"stages\[0\]\.layers\[0\]\.samples\.inverse_a\[1\]: inf is not a finite number",
+        ),
+        (
+            ["stages", 0, "layers", 0, "samples"],
+            {"forward": [1.0]},
+            r"stages\[0\]\.layers\[0\]\.samples\.forward: unknown time field",
+        ),
+        (
+            ["stages", 0, "layers", 0, "capture_a_bytes"],
+            -1,
+            r"stages\[0\]\.layers\[0\]\.capture_a_bytes: -1 is not a non-negative integer",
+        ),
+        (
+            ["stages", 0, "layers", 0, "capture_b_bytes"],
+            1.5,
+            r"stages\[0\]\.layers\[0\]\.capture_b_bytes: 1.5 is not a non-negative integer",
+        ),
     ],
 )
 def test_bad_fields_are_named(keys, value, message):
@@ -115,7 +145,9 @@ def test_unreadable_and_malformed_files_are_profile_errors(tmp_path):
 
 
 SAMPLED = mutate(["stages", 0, "samples"], {"forward": [29.0, 29.2, 31.5], "step_end": [3.5, 4.0]})
-SAMPLED["stages"][0]["layers"][0].update(capture_a_bytes=1024, capture_b_bytes=2048, samples={"inverse_b": [1.4, 1.1, 2.0, 1.3]})
+SAMPLED["stages"][0]["layers"][0].update(
+    capture_a_bytes=1024, capture_b_bytes=2048, samples={"inverse_b": [1.4, 1.1, 2.0, 1.3]}
+)
 
 
 def test_files_without_the_additions_are_written_exactly_as_before():
@@ -168,10 +200,17 @@ def test_what_a_profile_was_measured_at_is_written_read_and_checked(tmp_path):
     path = tmp_path / "p.yaml"
     profile_from_dict(measured).save(path)
     loaded = load_profile(path)
-    assert (loaded.micro_batch_size, loaded.seq_len, loaded.precision, loaded.model) == (32, 128, "bf16", "bert bert-base")
+    assert (loaded.micro_batch_size, loaded.seq_len, loaded.precision, loaded.model) == (
+        32,
+        128,
+        "bf16",
+        "bert bert-base",
+    )
     assert profile_from_dict(GOOD).seq_len is None and profile_from_dict(GOOD).model == "", "absent: unknown"
-    for field, value, message in [("seq_len", 0, "seq_len: 0 must be a positive integer"),
-                                  ("precision", "fp8", "precision: 'fp8' is not one of fp32, bf16, fp16")]:
+    for field, value, message in [
+        ("seq_len", 0, "seq_len: 0 must be a positive integer"),
+        ("precision", "fp8", "precision: 'fp8' is not one of fp32, bf16, fp16"),
+    ]:
         with pytest.raises(ProfileError, match=message):
             profile_from_dict({**GOOD, field: value})
 
@@ -183,19 +222,36 @@ def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
     from pipefisher.config import load_config
     from pipefisher.runtime.training.pipefisher_run import check_profile_matches, stage_layer_names
 
-    config = load_config(Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml").with_overrides(optimizer={"name": "kfac"})
-    stages = tuple(StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in stage_layer_names(config, stage, 2)))
-                   for stage in range(2))
+    config = load_config(Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml").with_overrides(
+        optimizer={"name": "kfac"}
+    )
+    stages = tuple(
+        StageProfile(
+            1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in stage_layer_names(config, stage, 2))
+        )
+        for stage in range(2)
+    )
     profile = Profile(stages, micro_batch_size=8, seq_len=64, precision="fp32", model="bert bert-4x128")
     check_profile_matches(profile, config, 2)
     check_profile_matches(Profile(stages), config, 2)  # a profile that records nothing of its run is not checked
     for field, value, line in [
-        ("micro_batch_size", 32, "micro_batch_size: the profile was measured at data.micro_batch_size 32, this run has 8; "),
+        (
+            "micro_batch_size",
+            32,
+            "micro_batch_size: the profile was measured at data.micro_batch_size 32, this run has 8; ",
+        ),
         ("seq_len", 128, "seq_len: the profile was measured at model.seq_len 128, this run has 64; "),
         ("precision", "bf16", "precision: the profile was measured at run.precision bf16, this run has fp32; "),
-        ("model", "bert bert-base", "model: the profile was measured at model bert bert-base, this run has bert bert-4x128; "),
+        (
+            "model",
+            "bert bert-base",
+            "model: the profile was measured at model bert bert-base, this run has bert bert-4x128; ",
+        ),
         ("recompute", "blocks", "recompute: the profile was measured at model.recompute blocks, this run has none; "),
     ]:
         with pytest.raises(ProfileError) as error:
             check_profile_matches(replace(profile, **{field: value}), config, 2)
-        assert str(error.value) == line + "its times do not hold here: measure a profile of this run with `pipefisher profile`"
+        assert (
+            str(error.value)
+            == line + "its times do not hold here: measure a profile of this run with `pipefisher profile`"
+        )

@@ -26,7 +26,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: records that experiments/ or a GPU session wrote (their commands ran there), not pages
-RECORDS = {"bench_pipefisher_shampoo.md", "bench_zero_bubble.md", "gpu_h100.md", "overhead.md", "powersgd_bert.md", "zero_memory.md"}
+RECORDS = {
+    "bench_pipefisher_shampoo.md",
+    "bench_zero_bubble.md",
+    "gpu_h100.md",
+    "overhead.md",
+    "powersgd_bert.md",
+    "zero_memory.md",
+}
 PAGES = [ROOT / "README.md"] + sorted(page for page in (ROOT / "docs").glob("*.md") if page.name not in RECORDS)
 RUN_STEPS = "3"
 
@@ -64,7 +71,7 @@ def examples(text: str, page: str) -> list[Example]:
         for offset, line in enumerate(lines):
             if line.startswith("$ "):
                 shown = []
-                for following in lines[offset + 1:]:
+                for following in lines[offset + 1 :]:
                     if following.startswith("$ "):
                         break
                     shown.append(following)
@@ -105,7 +112,10 @@ def test_the_pages_show_commands_to_run():
 def anchors(page: Path) -> set[str]:
     """The anchors GitHub gives a page's headings."""
     text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
-    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-") for title in re.findall(r"^#+ (.*)$", text, re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        for title in re.findall(r"^#+ (.*)$", text, re.M)
+    }
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
@@ -136,7 +146,7 @@ def shell(command: str, results) -> subprocess.CompletedProcess:
     if command.startswith("pipefisher "):
         command = f"{sys.executable} -m {command}"
     elif command.startswith("python "):
-        command = f"{sys.executable} {command[len('python '):]}"
+        command = f"{sys.executable} {command[len('python ') :]}"
     if command not in done:
         done[command] = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     return done[command]
@@ -151,4 +161,6 @@ def test_a_page_command_runs_and_prints_what_the_page_shows(example, results):
     assert result.returncode == 0, f"{example}\n{result.stderr[-2000:]}"
     if example.shown:
         shown = [adjusted(line, results[0]) for line in example.shown]
-        assert matches(shown, result.stdout.splitlines()), f"{example}: printed\n{result.stdout}\nthe page shows\n" + "\n".join(shown)
+        assert matches(shown, result.stdout.splitlines()), (
+            f"{example}: printed\n{result.stdout}\nthe page shows\n" + "\n".join(shown)
+        )

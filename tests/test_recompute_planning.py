@@ -21,8 +21,9 @@ def test_shares_by_flops():
     assert recompute_forward_share("blocks", 128, 512, 64, blocks=2) == 1.0
     assert recompute_forward_share("blocks", 128, 512, 64, blocks=2, other_flops=2 * (linear + core)) == 0.5
     assert recompute_forward_share("selective", 128, 512, 64, blocks=3) == pytest.approx(core / (linear + core))
-    assert recompute_forward_share("selective", 128, 512, 1024, 1) > recompute_forward_share("selective", 128, 512, 64, 1), \
-        "the core's share grows with the sequence"
+    assert recompute_forward_share("selective", 128, 512, 1024, 1) > recompute_forward_share(
+        "selective", 128, 512, 64, 1
+    ), "the core's share grows with the sequence"
     with pytest.raises(ValueError, match="mode: 'all'"):
         recompute_forward_share("all", 128, 512, 64, 1)
 

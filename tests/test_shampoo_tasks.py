@@ -23,8 +23,20 @@ from sweeps import micro_batches_for
 
 def shampoo_profile(num_stages, layers=2, root=0.6, sync=0.1):
     """Shampoo layers: roots of L (inverse_a) and R (inverse_b), the gradient's sync (sync_a)."""
-    return layered_profile(num_stages, layers, spread=False, p2p=0.05, curvature=0.0, inverse=root, inverse_b=root / 2,
-                           precondition=0.0, sync=sync, sync_b=0.0, names="w{i}", method="shampoo")
+    return layered_profile(
+        num_stages,
+        layers,
+        spread=False,
+        p2p=0.05,
+        curvature=0.0,
+        inverse=root,
+        inverse_b=root / 2,
+        precondition=0.0,
+        sync=sync,
+        sync_b=0.0,
+        names="w{i}",
+        method="shampoo",
+    )
 
 
 def schedule_of(name, stages=4, micro_batches=8):
@@ -76,7 +88,9 @@ def test_shampoo_plans_validate_simulate_and_replay_under_nccl_order(name, data_
         validate_plan(plan)
         assert len(simulate_plan(plan, profile)) == 3
         comm = replay(plan_actions(Topology(schedule, data_parallel), plan, tied=True))
-        kinds = {a.target.kind for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH}
+        kinds = {
+            a.target.kind for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH
+        }
         assert ("sync" in kinds) == (data_parallel > 1 or name == "chimera")
         assert ("exchange" in kinds) == (name == "chimera")
 
@@ -96,7 +110,11 @@ def test_packed_shampoo_roots_go_into_bubbles_and_syncs_launch_after_the_last_ba
     for ops in plan.steps[0]:
         for position, op in enumerate(ops):
             if op.kind is OpKind.SYNC_A:
-                own = [i for i, o in enumerate(ops) if o.kind is OpKind.BACKWARD and (o.pipe, o.stage) == (op.pipe, op.stage)]
+                own = [
+                    i
+                    for i, o in enumerate(ops)
+                    if o.kind is OpKind.BACKWARD and (o.pipe, o.stage) == (op.pipe, op.stage)
+                ]
                 assert position > max(own)
 
 

@@ -27,7 +27,10 @@ def test_chimera_bubble_fraction_matches_the_paper(d):
 @pytest.mark.parametrize("d, n", [(4, 4), (4, 8), (8, 8), (8, 16)])
 def test_chimera_step_is_shorter_than_1f1b(d, n):
     profile = uniform_profile(d, 1.0, 2.0)
-    assert simulate(get_schedule("chimera", d, n), profile).step_time < simulate(get_schedule("1f1b", d, n), profile).step_time
+    assert (
+        simulate(get_schedule("chimera", d, n), profile).step_time
+        < simulate(get_schedule("1f1b", d, n), profile).step_time
+    )
 
 
 def test_interleaving_shrinks_the_bubble():
@@ -41,7 +44,9 @@ def test_interleaving_shrinks_the_bubble():
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_timeline_respects_order_dependencies_and_p2p(name):
     schedule = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
-    stages = tuple(StageProfile(forward=1.0 + s / 10, backward=2.0 + s / 7, p2p=0.25) for s in range(schedule.num_stages))
+    stages = tuple(
+        StageProfile(forward=1.0 + s / 10, backward=2.0 + s / 7, p2p=0.25) for s in range(schedule.num_stages)
+    )
     timeline = simulate(schedule, Profile(stages=stages))
     end = {iv.op: iv.end for ivs in timeline.ranks for iv in ivs}
     start = {iv.op: iv.start for ivs in timeline.ranks for iv in ivs}
@@ -102,7 +107,10 @@ def test_gradient_reduction_runs_off_the_device_from_the_stages_last_backward():
     all-reduce (7) ends at 22: rank 3 idles from 15 to 22, then spends its step end (1.5)."""
     d, n = 4, 4
     profile = with_step_ends(uniform_profile(d, 1.0, 2.0), [1.5] * d)
-    profile = replace(profile, stages=tuple(replace(stage, grad_reduce=value) for stage, value in zip(profile.stages, [0.5, 0, 0, 7.0])))
+    profile = replace(
+        profile,
+        stages=tuple(replace(stage, grad_reduce=value) for stage, value in zip(profile.stages, [0.5, 0, 0, 7.0])),
+    )
     timeline = simulate(get_schedule("gpipe", d, n), profile)
     assert timeline.reduce_ends == pytest.approx((21.5, 19.0, 17.0, 22.0))
     assert [timeline.tail_start(r) for r in range(d)] == pytest.approx([21.5, 19.0, 17.0, 22.0])
@@ -138,7 +146,9 @@ def test_simulate_agrees_with_simulate_ops_and_a_generic_dependency_function(nam
         for s in range(schedule.num_stages)
     )
     profile = Profile(stages=stages)
-    generic = simulate_ops(schedule.ranks, lambda op: dependencies(op, schedule.num_stages), OpDurations(profile), schedule.name)
+    generic = simulate_ops(
+        schedule.ranks, lambda op: dependencies(op, schedule.num_stages), OpDurations(profile), schedule.name
+    )
     assert simulate(schedule, profile) == generic
 
 

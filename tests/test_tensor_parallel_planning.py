@@ -49,23 +49,39 @@ def test_degree_one_is_the_profile_of_before():
 
 def test_layers_are_shards_whose_times_scale_by_their_sizes():
     hidden, ffn, rows = 1024, 4096, 32 * 128
-    one = {layer.name: layer for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32).stages for layer in stage.layers}
-    two = {layer.name: layer for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32, tensor_parallel=2).stages
-           for layer in stage.layers}
+    one = {
+        layer.name: layer
+        for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32).stages
+        for layer in stage.layers
+    }
+    two = {
+        layer.name: layer
+        for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32, tensor_parallel=2).stages
+        for layer in stage.layers
+    }
     query, query2 = one["block0.attention.query"], two["block0.attention.query"]  # column: 1024 -> 512 outputs
     # every shard sees the whole input: its A factor is built from half the rows, then summed
     assert query2.curvature_a == pytest.approx(query.curvature_a / 2) and query2.inverse_a == query.inverse_a
-    assert query2.curvature_b == pytest.approx(query.curvature_b / 4) and query2.inverse_b == pytest.approx(query.inverse_b / 8)
+    assert query2.curvature_b == pytest.approx(query.curvature_b / 4) and query2.inverse_b == pytest.approx(
+        query.inverse_b / 8
+    )
     assert query2.precondition == pytest.approx(query.precondition * 1024 * 512 * 1536 / (1024 * 1024 * 2048))
     assert (query2.capture_a_bytes, query2.capture_b_bytes) == (rows * 4 * 1024, rows * 4 * 512)
     out, out2 = one["block1.output"], two["block1.output"]  # row: 4096 -> 2048 inputs, the bias on shard 0
-    assert out2.inverse_a == pytest.approx(out.inverse_a * (2048 + 1) ** 3 / (4096 + 1) ** 3) and out2.inverse_b == out.inverse_b
-    assert out2.curvature_b == pytest.approx(out.curvature_b / 2), "the output gradient is whole on every shard: half the rows each"
+    assert (
+        out2.inverse_a == pytest.approx(out.inverse_a * (2048 + 1) ** 3 / (4096 + 1) ** 3)
+        and out2.inverse_b == out.inverse_b
+    )
+    assert out2.curvature_b == pytest.approx(out.curvature_b / 2), (
+        "the output gradient is whole on every shard: half the rows each"
+    )
     assert (out2.capture_a_bytes, out2.capture_b_bytes) == (rows * 4 * 2048, rows * 4 * 1024)
 
 
 def test_forward_and_backward_are_a_share_plus_the_modelled_allreduces():
-    profile = transformer_profile(TIMES, 4, 2, 8, 16, micro_batch_size=4, seq_len=2, tensor_parallel=2, tp_bandwidth_gbps=1e-6)
+    profile = transformer_profile(
+        TIMES, 4, 2, 8, 16, micro_batch_size=4, seq_len=2, tensor_parallel=2, tp_bandwidth_gbps=1e-6
+    )
     # 4 x 2 tokens x 8 wide x 4 bytes = 256 bytes; a ring all-reduce over 2 sends 256 of them; 1e3 bytes/s: 256 ms
     assert tensor_parallel_allreduce_ms(256, 2, 1e-6) == pytest.approx(256.0)
     stage = profile.stages[0]  # 2 blocks
@@ -111,11 +127,13 @@ def test_simulate_without_a_profile_takes_only_degree_one(capsys):
 def test_memory_counts_a_shard_of_each_split_linear_and_replicated_parts_whole():
     h, f, v, p = 8, 16, 10, 6
     sizes = TransformerSizes(blocks=2, hidden=h, ffn=f, vocab=v, max_positions=p)
-    one, = transformer_stage_states(sizes, 1, kfac)
-    shard0, = transformer_stage_states(sizes, 1, kfac, tensor_parallel=2)
-    shard1, = transformer_stage_states(sizes, 1, kfac, tensor_parallel=2, index=1)
+    (one,) = transformer_stage_states(sizes, 1, kfac)
+    (shard0,) = transformer_stage_states(sizes, 1, kfac, tensor_parallel=2)
+    (shard1,) = transformer_stage_states(sizes, 1, kfac, tensor_parallel=2, index=1)
     embeddings = v * h + p * h + 2 * h + 2 * h
-    heads = (h * h + h) * 2 + 2 * h + v + (2 * h + 2)  # pooler, transform + its LayerNorm, decoder bias (tied weight), NSP
+    heads = (
+        (h * h + h) * 2 + 2 * h + v + (2 * h + 2)
+    )  # pooler, transform + its LayerNorm, decoder bias (tied weight), NSP
     block = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
     assert one.numel == embeddings + 2 * block + heads
     # at T = 2: q, k, v 4 x 8 (+ 4 bias), attention output 8 x 4 (+ 8 bias on shard 0), FFN in 8 x 8 (+ 8), FFN out 8 x 8 (+ 8 on shard 0)
@@ -127,7 +145,7 @@ def test_memory_counts_a_shard_of_each_split_linear_and_replicated_parts_whole()
     assert [(layer.a_size, layer.b_size) for layer in shard0.curvature_layers] == a_b * 2 + a_b_heads
     factors = sum(2 * (n * n * 4 + FLAG_BYTES) + COUNTER_BYTES for pair in a_b * 2 + a_b_heads for n in pair)
     topology = Topology(get_schedule("1f1b", 1, 1), 1)
-    rank, = rank_memory(topology, [shard0], optimizer_state("kfac", 0.9, first_order="adamw"))
+    (rank,) = rank_memory(topology, [shard0], optimizer_state("kfac", 0.9, first_order="adamw"))
     first_order = embeddings + 4 * h * 2 + 2 * h + v  # LayerNorms of the blocks and the transform, decoder bias
     preconditioned = shard0.numel - first_order
     assert (rank.parameter_bytes, rank.gradient_bytes) == (4 * shard0.numel, 4 * shard0.numel)
@@ -138,7 +156,7 @@ def test_memory_counts_a_shard_of_each_split_linear_and_replicated_parts_whole()
 
 def test_the_stage_states_follow_the_model_into_stages():
     sizes = TransformerSizes(blocks=4, hidden=8, ffn=16, vocab=10, max_positions=6)
-    whole, = transformer_stage_states(sizes, 1, kfac, tensor_parallel=2)
+    (whole,) = transformer_stage_states(sizes, 1, kfac, tensor_parallel=2)
     stages = transformer_stage_states(sizes, 2, kfac, tensor_parallel=2)
     assert sum(stage.numel for stage in stages) == whole.numel + 10 * 8  # the decoder's own copy of the tied weight
     assert sum(len(stage.curvature_layers) for stage in stages) == len(whole.curvature_layers) == 4 * 6 + 3

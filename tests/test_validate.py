@@ -5,7 +5,13 @@ import pytest
 
 from pipefisher.core.ir import ScheduleError, backward, dependencies, forward
 from pipefisher.schedules import SCHEDULES, get_schedule
-from pipefisher.schedules.validate import StageDependencies, execution_order, schedule_dependencies, schedule_graph, validate
+from pipefisher.schedules.validate import (
+    StageDependencies,
+    execution_order,
+    schedule_dependencies,
+    schedule_graph,
+    validate,
+)
 
 from sweeps import micro_batches_for
 

@@ -26,7 +26,15 @@ ZERO_BUBBLE = ("zb-h1", "zbv", "dualpipev")
 
 
 def split_profile(num_stages: int, forward: float, input_gradient: float, weight: float) -> Profile:
-    return layered_profile(num_stages, 0, forward=forward, backward=input_gradient + weight, weight=weight, time_unit="units", device="test")
+    return layered_profile(
+        num_stages,
+        0,
+        forward=forward,
+        backward=input_gradient + weight,
+        weight=weight,
+        time_unit="units",
+        device="test",
+    )
 
 
 def bubbles(schedule: Schedule, profile: Profile) -> list[float]:
@@ -68,11 +76,15 @@ def test_zb_h1_idles_a_third_of_1f1b_with_unit_forward_input_and_weight_gradient
     assert bubbles(get_schedule("1f1b", d, n), profile) == [3 * (d - 1)] * d
 
 
-@pytest.mark.parametrize("f, b, w", [(f, b, w) for f, b, w in itertools.product((0.5, 1, 2, 3), repeat=3) if w <= min(f, b)])
+@pytest.mark.parametrize(
+    "f, b, w", [(f, b, w) for f, b, w in itertools.product((0.5, 1, 2, 3), repeat=3) if w <= min(f, b)]
+)
 def test_zb_h1_closed_form_holds_while_the_weight_gradient_is_the_shortest(f, b, w):
     for d in (2, 3, 5):
         for n in (d, d + 1, 2 * d + 1):
-            assert bubbles(get_schedule("zb-h1", d, n), split_profile(d, f, b, w)) == pytest.approx([(d - 1) * (f + b - w)] * d)
+            assert bubbles(get_schedule("zb-h1", d, n), split_profile(d, f, b, w)) == pytest.approx(
+                [(d - 1) * (f + b - w)] * d
+            )
 
 
 def test_zb_h1_idles_more_than_the_closed_form_when_the_weight_gradient_is_longer():
@@ -126,7 +138,11 @@ def test_zbv_memory_is_1f1b_peak(d, n):
     most 2r+1 weight gradients pending."""
     schedule = get_schedule("zbv", d, n)
     for rank in range(d):
-        assert peak_activations(schedule.ranks[rank]) / 2 == d == max(map(peak_activations, get_schedule("1f1b", d, n).ranks))
+        assert (
+            peak_activations(schedule.ranks[rank]) / 2
+            == d
+            == max(map(peak_activations, get_schedule("1f1b", d, n).ranks))
+        )
         assert peak_pending_weights(schedule.ranks[rank]) == 2 * rank + 1
 
 
@@ -150,7 +166,9 @@ def test_dualpipev_against_zbv(d, n):
 
 
 def test_dualpipev_needs_two_micro_batches_per_rank_and_says_which():
-    with pytest.raises(ScheduleError, match=re.escape("dualpipev: micro-batches N=7 must be at least 2 x stages D = 8; try 8")):
+    with pytest.raises(
+        ScheduleError, match=re.escape("dualpipev: micro-batches N=7 must be at least 2 x stages D = 8; try 8")
+    ):
         get_schedule("dualpipev", 4, 7)
 
 
@@ -161,7 +179,9 @@ def test_v_placement(name, d):
     assert schedule.params == {"chunks": 2}
     assert schedule.placement == {(0, s): (s if s < d else 2 * d - 1 - s) for s in range(2 * d)}
     assert schedule.placement[(0, d - 1)] == schedule.placement[(0, d)] == d - 1, "the turn of the V is local"
-    assert schedule.placement[(0, 0)] == schedule.placement[(0, 2 * d - 1)] == 0, "rank 0 holds the first stage and the loss"
+    assert schedule.placement[(0, 0)] == schedule.placement[(0, 2 * d - 1)] == 0, (
+        "rank 0 holds the first stage and the loss"
+    )
     for rank in range(d):
         assert {op.stage for op in schedule.ranks[rank]} == {rank, 2 * d - 1 - rank}
 
@@ -172,8 +192,12 @@ def test_torch_builds_the_same_orders():
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     from types import SimpleNamespace
 
-    kinds = {schedules._ComputationType.FORWARD: ["F"], schedules._ComputationType.BACKWARD_INPUT: ["B"],
-             schedules._ComputationType.BACKWARD_WEIGHT: ["W"], schedules._ComputationType.FULL_BACKWARD: ["B", "W"]}
+    kinds = {
+        schedules._ComputationType.FORWARD: ["F"],
+        schedules._ComputationType.BACKWARD_INPUT: ["B"],
+        schedules._ComputationType.BACKWARD_WEIGHT: ["W"],
+        schedules._ComputationType.FULL_BACKWARD: ["B", "W"],
+    }
 
     def torch_order(cls, rank, **fields):
         actions = cls._calculate_single_rank_operations(SimpleNamespace(**fields), rank)
@@ -185,8 +209,13 @@ def test_torch_builds_the_same_orders():
             cases = [("zbv", schedules.ScheduleZBVZeroBubble, {}), ("dualpipev", schedules.ScheduleDualPipeV, {})]
             if n % d == 0:
                 rounds = n // d
-                cases.append(("zb-h1", schedules.ScheduleInterleavedZeroBubble,
-                              {"n_local_stages": 1, "number_of_rounds": rounds, "microbatches_per_round": n // rounds}))
+                cases.append(
+                    (
+                        "zb-h1",
+                        schedules.ScheduleInterleavedZeroBubble,
+                        {"n_local_stages": 1, "number_of_rounds": rounds, "microbatches_per_round": n // rounds},
+                    )
+                )
             for name, cls, extra in cases:
                 ours = get_schedule(name, d, n)
                 for rank in range(d):
@@ -204,12 +233,23 @@ def test_round_trip_through_schedule_json(name):
 
 def test_registry():
     assert set(ZERO_BUBBLE) <= set(SCHEDULES)
-    assert [chunks_per_rank(name) for name in ("gpipe", "1f1b", "chimera", "zb-h1", "zbv", "dualpipev")] == [1, 1, 1, 1, 2, 2]
+    assert [chunks_per_rank(name) for name in ("gpipe", "1f1b", "chimera", "zb-h1", "zbv", "dualpipev")] == [
+        1,
+        1,
+        1,
+        1,
+        2,
+        2,
+    ]
     assert chunks_per_rank("interleaved") == 2 and chunks_per_rank("interleaved", 3) == 3
     assert get_schedule("zbv", 2, 4, chunks=2).num_stages == 4
-    with pytest.raises(ScheduleError, match=re.escape("chunks apply to the interleaved schedule only, not 'zbv' (it has 2 per rank)")):
+    with pytest.raises(
+        ScheduleError, match=re.escape("chunks apply to the interleaved schedule only, not 'zbv' (it has 2 per rank)")
+    ):
         get_schedule("zbv", 2, 4, chunks=3)
-    with pytest.raises(ScheduleError, match=re.escape("chunks apply to the interleaved schedule only, not 'zb-h1' (it has 1 per rank)")):
+    with pytest.raises(
+        ScheduleError, match=re.escape("chunks apply to the interleaved schedule only, not 'zb-h1' (it has 1 per rank)")
+    ):
         get_schedule("zb-h1", 2, 4, chunks=2)
     with pytest.raises(ScheduleError, match="unknown schedule 'zb-h2'; choose one of .*zb-h1, zbv, dualpipev"):
         get_schedule("zb-h2", 2, 4)
@@ -217,19 +257,30 @@ def test_registry():
         chunks_per_rank("zb-h2")
 
 
-@pytest.mark.parametrize("name, stages, layers, model_stages", [
-    ("zbv", 2, 4, 4), ("dualpipev", 2, 8, 4), ("zb-h1", 2, 2, 2), ("interleaved", 2, 8, 4), ("1f1b", 4, 4, 4),
-])
+@pytest.mark.parametrize(
+    "name, stages, layers, model_stages",
+    [
+        ("zbv", 2, 4, 4),
+        ("dualpipev", 2, 8, 4),
+        ("zb-h1", 2, 2, 2),
+        ("interleaved", 2, 8, 4),
+        ("1f1b", 4, 4, 4),
+    ],
+)
 def test_config_cuts_the_model_into_the_schedules_stages(name, stages, layers, model_stages):
-    config = config_from_dict({"pipeline": {"schedule": name, "stages": stages, "micro_batches": 4}, "model": {"layers": layers}})
+    config = config_from_dict(
+        {"pipeline": {"schedule": name, "stages": stages, "micro_batches": 4}, "model": {"layers": layers}}
+    )
     assert config.model_chunks == model_stages
     schedule = get_schedule(name, stages, 4, chunks_per_rank(name, config.pipeline.chunks))
     assert schedule.num_stages == model_stages
 
 
 def test_config_error_names_the_v_schedules_product():
-    message = ("model.layers: 6 blocks cannot be split into 4 equal stages (pipeline.stages 2 x 2 chunks per rank of zbv); "
-               "make 2 x pipeline.stages a divisor of 6")
+    message = (
+        "model.layers: 6 blocks cannot be split into 4 equal stages (pipeline.stages 2 x 2 chunks per rank of zbv); "
+        "make 2 x pipeline.stages a divisor of 6"
+    )
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_dict({"pipeline": {"schedule": "zbv", "stages": 2}, "model": {"layers": 6}})
 

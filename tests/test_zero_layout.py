@@ -44,14 +44,19 @@ def test_owners_follow_the_runs_and_fewer_parameters_than_ranks_leave_ranks_empt
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
 def test_sharded_plans_broadcast_after_the_world_reduction_and_replay_under_nccl_rules(schedule):
     topology = Topology(get_schedule(schedule, 2, 4, 2 if schedule == "interleaved" else None), data_parallel=2)
-    comm = replay(plan_actions(topology, schedule_plan(topology.schedule), tied=True, path=GradientPath(Reduction.SHARDED)))
+    comm = replay(
+        plan_actions(topology, schedule_plan(topology.schedule), tied=True, path=GradientPath(Reduction.SHARDED))
+    )
     for rank, actions in enumerate(comm.steps[0]):
         names = [str(action) for action in actions]
         stages = sorted({stage for _, stage in topology.stages_of(rank)})
         gathers = [gather_collective(stage) for stage in stages]
-        assert names[-2 * len(stages):] == [f"+{g}" for g in gathers] + [f"w:{g}" for g in gathers]
+        assert names[-2 * len(stages) :] == [f"+{g}" for g in gathers] + [f"w:{g}" for g in gathers]
         assert names.index("w:step") < names.index(f"+{gathers[0]}")
-        assert all(a.target.group == ("grad", a.target.key[0]) for a in actions
-                   if a.kind is ActionKind.LAUNCH and a.target.kind == "gather")
+        assert all(
+            a.target.group == ("grad", a.target.key[0])
+            for a in actions
+            if a.kind is ActionKind.LAUNCH and a.target.kind == "gather"
+        )
     unsharded = plan_actions(topology, schedule_plan(topology.schedule), tied=True)
     assert not any("gather" in str(a) for actions in unsharded.steps[0] for a in actions)

@@ -75,9 +75,11 @@ def results_table(results: list[MethodResult], target: float) -> list[str]:
     """Markdown rows of the tuned methods against AdamW (the first of `results`)."""
     base = results[0]
     base_steps = base.median_steps(target)
-    rows = ["| method | tuned setting | held-out loss at the end (median) | steps to target, median (per seed) | × AdamW | "
-            "step here [ms] | time to target here [s] | × AdamW | step at paper scale [ms] (k) | time to target at paper scale [s] | × AdamW |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| method | tuned setting | held-out loss at the end (median) | steps to target, median (per seed) | × AdamW | "
+        "step here [ms] | time to target here [s] | × AdamW | step at paper scale [ms] (k) | time to target at paper scale [s] | × AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for result in results:
         med = result.median_steps(target)
         per_seed = ", ".join(_num(s, ".0f") for s in result.steps(target))
@@ -89,10 +91,14 @@ def results_table(results: list[MethodResult], target: float) -> list[str]:
             base_here = base_steps * base.times.measured_ms / 1000 if base.times else math.inf
             base_paper = base_steps * base.times.paper_ms / 1000 if base.times else math.inf
             paper_k = f" (k {times.paper_k})" if times.paper_k else ""
-            timing = (f"| {times.measured_ms:.1f} | {_num(here, '.1f')} | {_ratio(here, base_here)} | {times.paper_ms:.0f}{paper_k} | "
-                      f"{_num(paper, '.1f')} | {_ratio(paper, base_paper)} |")
-        rows.append(f"| {result.method} | {setting_text(result.tuned, times)} | {result.final():.3f} | {_num(med, '.0f')} ({per_seed}) | "
-                    f"{_ratio(med, base_steps)} {timing}")
+            timing = (
+                f"| {times.measured_ms:.1f} | {_num(here, '.1f')} | {_ratio(here, base_here)} | {times.paper_ms:.0f}{paper_k} | "
+                f"{_num(paper, '.1f')} | {_ratio(paper, base_paper)} |"
+            )
+        rows.append(
+            f"| {result.method} | {setting_text(result.tuned, times)} | {result.final():.3f} | {_num(med, '.0f')} ({per_seed}) | "
+            f"{_ratio(med, base_steps)} {timing}"
+        )
     return rows
 
 
@@ -108,8 +114,10 @@ def goal_lines(results: list[MethodResult], target: float) -> list[str]:
     here = steps * best.times.measured_ms / base.times.measured_ms if best.times else math.inf
     paper = steps * best.times.paper_ms / base.times.paper_ms if best.times else math.inf
     met = steps <= 0.5 and here <= 0.6 and paper <= 0.6
-    lines = [f"Goal (best curvature method {best.method}): steps {steps:.2f}x AdamW's (goal <= 0.5), time {here:.2f}x here and "
-             f"{paper:.2f}x at paper scale (goal <= 0.6): {'met' if met else 'not met'}."]
+    lines = [
+        f"Goal (best curvature method {best.method}): steps {steps:.2f}x AdamW's (goal <= 0.5), time {here:.2f}x here and "
+        f"{paper:.2f}x at paper scale (goal <= 0.6): {'met' if met else 'not met'}."
+    ]
     costs = ", ".join(f"{r.method} {r.times.measured_ms / base.times.measured_ms:.2f}x" for r in curvature if r.times)
     return lines + [f"Measured packed step against AdamW's pipelined step: {costs}."]
 
@@ -118,7 +126,9 @@ def grid_table(grid: dict[Setting, RunResult], target: float) -> list[str]:
     """Markdown rows of the seed-0 grid: setting, final held-out loss, steps to target."""
     rows = ["| method | setting | held-out loss at the end | steps to target |", "|---|---|---|---|"]
     for setting, result in grid.items():
-        rows.append(f"| {setting.method} | {setting_text(setting, None)} | {final(result):.3f} | {_num(steps_to(result, target), '.0f')} |")
+        rows.append(
+            f"| {setting.method} | {setting_text(setting, None)} | {final(result):.3f} | {_num(steps_to(result, target), '.0f')} |"
+        )
     return rows
 
 
@@ -129,7 +139,18 @@ def write_csv(path: Path, runs: dict[Setting, RunResult]) -> None:
         writer.writerow(["workload", "method", "lr", "adamw_lr", "k", "seed", "step", "held_out_loss"])
         for setting, result in runs.items():
             for step, loss in result.evals:
-                writer.writerow([setting.workload, setting.method, setting.lr, setting.base_lr or "", setting.k, setting.seed, step, f"{loss:.5f}"])
+                writer.writerow(
+                    [
+                        setting.workload,
+                        setting.method,
+                        setting.lr,
+                        setting.base_lr or "",
+                        setting.k,
+                        setting.seed,
+                        step,
+                        f"{loss:.5f}",
+                    ]
+                )
 
 
 def plot(path: Path, per_workload: dict[str, tuple[list[MethodResult], float]]) -> None:
@@ -145,9 +166,15 @@ def plot(path: Path, per_workload: dict[str, tuple[list[MethodResult], float]]) 
             steps, losses = result.curve()
             row[0].plot(steps, losses, marker=".", label=result.method)
             if result.times is not None:
-                row[1].plot([s * result.times.measured_ms / 1000 for s in steps], losses, marker=".",
-                            label=f"{result.method}, {result.times.measured_ms:.0f} ms/step")
-        for ax, xlabel in zip(row, ("step", "time on this CPU, measured pipelined step (2 stages, packed) × steps [s]")):
+                row[1].plot(
+                    [s * result.times.measured_ms / 1000 for s in steps],
+                    losses,
+                    marker=".",
+                    label=f"{result.method}, {result.times.measured_ms:.0f} ms/step",
+                )
+        for ax, xlabel in zip(
+            row, ("step", "time on this CPU, measured pipelined step (2 stages, packed) × steps [s]")
+        ):
             ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.3f} (AdamW's final)")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(f"held-out {WORKLOADS[workload].loss} loss (median of seeds)")

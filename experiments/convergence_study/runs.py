@@ -76,7 +76,11 @@ def overrides(workload: Workload, sizing: Sizing) -> dict[str, dict]:
     """The study's run-file overrides of `workload` (the same keys `pipefisher run --SECTION.KEY` takes)."""
     return {
         "model": {"seq_len": sizing.seq_len, "dropout": 0.0},
-        "data": {"micro_batch_size": sizing.micro_batch_size, "vocab_size": sizing.vocab_size, "holdout": sizing.holdout},
+        "data": {
+            "micro_batch_size": sizing.micro_batch_size,
+            "vocab_size": sizing.vocab_size,
+            "holdout": sizing.holdout,
+        },
         "pipeline": {"schedule": "1f1b", "stages": 2, "micro_batches": sizing.micro_batches, "data_parallel": 1},
         "optimizer": {"warmup_steps": sizing.warmup, "decay": "linear", "decay_steps": 0, "clip_norm": 1.0},
         "run": {"steps": sizing.steps},
@@ -145,7 +149,11 @@ def run(setting: Setting, sizing: Sizing, cache: Path) -> RunResult:
     config = make_config(setting, sizing)
     part = WORKLOADS[setting.workload].part
     evals: list[tuple[int, float]] = []
-    evaluation = Evaluation(sizing.eval_every, held_out_batches(config, sizing.eval_batches), lambda step, parts: evals.append((step, parts[part])))
+    evaluation = Evaluation(
+        sizing.eval_every,
+        held_out_batches(config, sizing.eval_batches),
+        lambda step, parts: evals.append((step, parts[part])),
+    )
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

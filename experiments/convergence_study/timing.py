@@ -50,9 +50,26 @@ def measure(workload: str, method: str, sizing: Sizing, k: int = 0) -> tuple[flo
     args = [item for pair in zip(flags, values) for item in pair if not pair[0].endswith(".steps")]
     if k:
         args += [f"--{method}.refresh_steps", str(k)]
-    args += [item for key, value in rest_rule(WORKLOADS[workload], method).items() for item in (f"--{method}.{key}", value)] if method not in FIRST_ORDER else []
-    command = [sys.executable, "-m", "pipefisher", "run", WORKLOADS[workload].run_file, "--json", "--steps", str(TIMED_STEPS),
-               "--optimizer", method, "--master-port", "0", *args]
+    args += (
+        [item for key, value in rest_rule(WORKLOADS[workload], method).items() for item in (f"--{method}.{key}", value)]
+        if method not in FIRST_ORDER
+        else []
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pipefisher",
+        "run",
+        WORKLOADS[workload].run_file,
+        "--json",
+        "--steps",
+        str(TIMED_STEPS),
+        "--optimizer",
+        method,
+        "--master-port",
+        "0",
+        *args,
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -74,15 +91,27 @@ def paper_scale(method: str) -> tuple[float, int]:
     config = load_config(PAPER_RUN).with_overrides(optimizer={"name": method})
     blocks, hidden, ffn = BERT_SIZES["bert-large"]
     size = config.data.micro_batch_size
-    profile = transformer_profile(read_block_times(PAPER_TIMES, size), blocks, config.pipeline.stages, hidden, ffn, size,
-                                  seq_len=config.model.seq_len)
+    profile = transformer_profile(
+        read_block_times(PAPER_TIMES, size),
+        blocks,
+        config.pipeline.stages,
+        hidden,
+        ffn,
+        size,
+        seq_len=config.model.seq_len,
+    )
     schedule = build_schedule(config)
     if method in FIRST_ORDER:
         return simulate(schedule, profile).step_time, 0
     profile = dataclasses.replace(profile, method=method)
     if not task_rules(method).precondition:  # it preconditions in the optimizer step: the stage's end pays it
-        profile = dataclasses.replace(profile, stages=tuple(
-            dataclasses.replace(stage, step_end=stage.step_end + sum(layer.precondition for layer in stage.layers)) for stage in profile.stages))
+        profile = dataclasses.replace(
+            profile,
+            stages=tuple(
+                dataclasses.replace(stage, step_end=stage.step_end + sum(layer.precondition for layer in stage.layers))
+                for stage in profile.stages
+            ),
+        )
     packed = pack(schedule, profile, pack_options(config))
     return packed.step_time, packed.refresh_steps
 
@@ -90,7 +119,10 @@ def paper_scale(method: str) -> tuple[float, int]:
 def step_time(workload: str, method: str, sizing: Sizing, cache: Path, again: bool = False) -> StepTime:
     """`method`'s step times on `workload`, from the cache or measured now; `again`: measured
     anew at the cached k (all methods back to back under the same load of the machine)."""
-    path = cache / f"steptime-{workload}-{method}-{sizing.micro_batches}x{sizing.micro_batch_size}x{sizing.seq_len}-{sizing.vocab_size}.json"
+    path = (
+        cache
+        / f"steptime-{workload}-{method}-{sizing.micro_batches}x{sizing.micro_batch_size}x{sizing.seq_len}-{sizing.vocab_size}.json"
+    )
     before = StepTime(**json.loads(path.read_text())) if path.is_file() else None
     if before is not None and not again:
         return before

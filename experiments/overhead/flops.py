@@ -17,7 +17,11 @@ from pipefisher.runtime.training.report import tokens_per_step
 
 #: peak dense bf16 FLOP/s by a piece of the device name, first match wins (None: known, no entry)
 PEAK_BF16: tuple[tuple[str, float | None], ...] = (
-    ("H100 PCIe", 756e12), ("H100 NVL", None), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", None),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
 )
 
 

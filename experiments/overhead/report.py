@@ -50,14 +50,22 @@ class Comparison:
 
     def latest(self) -> str:
         """The latest repeat's tokens/s of both sides, as a progress line."""
-        rates = (self.tokens_per_step * self.steps / seconds[-1] for seconds in (self.baseline_seconds, self.pipefisher_seconds))
+        rates = (
+            self.tokens_per_step * self.steps / seconds[-1]
+            for seconds in (self.baseline_seconds, self.pipefisher_seconds)
+        )
         return f"{self.model} {self.optimizer} {self.arm}: {self.baseline} {next(rates):,.0f} tokens/s, pipefisher {next(rates):,.0f} tokens/s"
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "baseline_tokens_per_s": self.tokens_per_s(self.baseline_seconds),
-                "pipefisher_tokens_per_s": self.tokens_per_s(self.pipefisher_seconds), "ratio": self.ratio,
-                "baseline_mfu": self.mfu(self.baseline_seconds), "pipefisher_mfu": self.mfu(self.pipefisher_seconds),
-                "first_loss_relative_difference": self.loss_difference}
+        return {
+            **asdict(self),
+            "baseline_tokens_per_s": self.tokens_per_s(self.baseline_seconds),
+            "pipefisher_tokens_per_s": self.tokens_per_s(self.pipefisher_seconds),
+            "ratio": self.ratio,
+            "baseline_mfu": self.mfu(self.baseline_seconds),
+            "pipefisher_mfu": self.mfu(self.pipefisher_seconds),
+            "first_loss_relative_difference": self.loss_difference,
+        }
 
 
 def _percent(value: float | None) -> str:
@@ -66,11 +74,15 @@ def _percent(value: float | None) -> str:
 
 def table(comparisons: list[Comparison]) -> str:
     """The markdown table: one row per comparison."""
-    lines = ["| model | optimizer | arm | baseline | baseline tokens/s | pipefisher tokens/s | pipefisher / baseline "
-             "(median of paired ratios) | baseline MFU | pipefisher MFU | first-step loss, relative difference |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | optimizer | arm | baseline | baseline tokens/s | pipefisher tokens/s | pipefisher / baseline "
+        "(median of paired ratios) | baseline MFU | pipefisher MFU | first-step loss, relative difference |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in comparisons:
-        lines.append(f"| {c.model} | {c.optimizer} | {c.arm} | {c.baseline} | {c.tokens_per_s(c.baseline_seconds):,.0f} | "
-                     f"{c.tokens_per_s(c.pipefisher_seconds):,.0f} | {c.ratio:.3f} | {_percent(c.mfu(c.baseline_seconds))} | "
-                     f"{_percent(c.mfu(c.pipefisher_seconds))} | {c.loss_difference:.1e} |")
+        lines.append(
+            f"| {c.model} | {c.optimizer} | {c.arm} | {c.baseline} | {c.tokens_per_s(c.baseline_seconds):,.0f} | "
+            f"{c.tokens_per_s(c.pipefisher_seconds):,.0f} | {c.ratio:.3f} | {_percent(c.mfu(c.baseline_seconds))} | "
+            f"{_percent(c.mfu(c.pipefisher_seconds))} | {c.loss_difference:.1e} |"
+        )
     return "\n".join(lines)

@@ -45,10 +45,21 @@ class RunFailed(RuntimeError):
     """A `pipefisher run` of the benchmark failed; the message is one line."""
 
 
-def pipefisher_run(workload: Workload, settings: BenchSettings, warmup: int, backend: str, timeout: float) -> tuple[float, float]:
+def pipefisher_run(
+    workload: Workload, settings: BenchSettings, warmup: int, backend: str, timeout: float
+) -> tuple[float, float]:
     """(first step's loss, seconds of the steps after `warmup`) of one `pipefisher run`."""
-    command = [sys.executable, "-m", "pipefisher", "run", workload.run_file, "--json", "--master-port", "0",
-               *settings.flags(workload, backend)]
+    command = [
+        sys.executable,
+        "-m",
+        "pipefisher",
+        "run",
+        workload.run_file,
+        "--json",
+        "--master-port",
+        "0",
+        *settings.flags(workload, backend),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -95,7 +106,9 @@ def pipelining_worker(rank: int, world: int, config: RunConfig, warmup: int, com
     optimizer = build_optimizer(config, [module])
     scheduler = build_scheduler(config, optimizer)
     parameters = dict(module.named_parameters())
-    tied = [parameters[name] for where, name in model.tied_parameters() if name in parameters and (where == "last") == last]
+    tied = [
+        parameters[name] for where, name in model.tied_parameters() if name in parameters and (where == "last") == last
+    ]
     counted = [p for p in module.parameters() if not (last and any(p is t for t in tied))]
     batch = data_source(config)
     clip = config.optimizer.clip_norm
@@ -139,9 +152,17 @@ def pipelining_worker(rank: int, world: int, config: RunConfig, warmup: int, com
     return {"loss": first, "seconds": float(seconds)}
 
 
-def pipelining_run(workload: Workload, settings: BenchSettings, warmup: int, backend: str, timeout: float) -> tuple[float, float]:
+def pipelining_run(
+    workload: Workload, settings: BenchSettings, warmup: int, backend: str, timeout: float
+) -> tuple[float, float]:
     """(first step's loss, slower rank's seconds of the steps after `warmup`) of one torch.distributed.pipelining run."""
     config = settings.config(workload, backend)
-    results = run_group(pipelining_worker, 2, args=(config, warmup, settings.compile), backend=backend,
-                        timeout=config.run.timeout, deadline=timeout)
+    results = run_group(
+        pipelining_worker,
+        2,
+        args=(config, warmup, settings.compile),
+        backend=backend,
+        timeout=config.run.timeout,
+        deadline=timeout,
+    )
     return results[-1]["loss"], results[0]["seconds"]

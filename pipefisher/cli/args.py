@@ -42,7 +42,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
         raise UsageError(f"{message} (see {self.prog} --help)")
 
-    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+    def parse_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:  # type: ignore[override]
         """argparse's, but an unrecognized option is reported by the (sub)command that got it,
         with the closest option it has: "unrecognized argument --kfac.damp; did you mean --kfac.damping?"."""
         parsed, extras = self.parse_known_args(args, namespace)
@@ -60,7 +62,7 @@ def _closest_option(unknown: str, options: list[str]) -> str | None:
     """The option a mistyped `unknown` most likely meant; `--SECTION.KEY` is compared by KEY
     against the keys of its own section (the shared `--SECTION.` would make any key look close)."""
     section, dot, key = unknown.rpartition(".")
-    keys = {option[len(section) + 1:]: option for option in options if dot and option.startswith(section + ".")}
+    keys = {option[len(section) + 1 :]: option for option in options if dot and option.startswith(section + ".")}
     if keys:
         meant = closest(key, keys)
         return keys[meant] if meant else None
@@ -77,8 +79,14 @@ def _chosen_command(parser: argparse.ArgumentParser, parsed: argparse.Namespace)
     return parser
 
 
-def _checked(text: str, convert: Callable[[str], Any], noun: str, ok: Callable[[Any], bool], requirement: str,
-             shown: Callable[[Any], str] = str) -> Any:
+def _checked(
+    text: str,
+    convert: Callable[[str], Any],
+    noun: str,
+    ok: Callable[[Any], bool],
+    requirement: str,
+    shown: Callable[[Any], str] = str,
+) -> Any:
     """`convert(text)` if it parses and passes `ok`, else argparse's error naming the value."""
     try:
         value = convert(text)
@@ -111,28 +119,43 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")
     parser.add_argument("--stages", "-D", type=positive_int, required=True, help="pipeline depth D (ranks)")
     parser.add_argument("--micro-batches", "-N", type=positive_int, required=True, help="micro-batches per step N")
-    parser.add_argument("--chunks", type=positive_int, default=None, help="model chunks per rank (interleaved only; default 2; zbv and dualpipev hold 2)")
+    parser.add_argument(
+        "--chunks",
+        type=positive_int,
+        default=None,
+        help="model chunks per rank (interleaved only; default 2; zbv and dualpipev hold 2)",
+    )
 
 
 def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
     """--tensor-parallel T: the degree the command's profile must describe (`build_pipeline`)."""
-    parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="T",
-                        help="tensor-parallel degree T: the --profile must describe one of T ranks (its tensor_parallel; "
-                             "python -m pipefisher.viz.bert_profile --tensor-parallel T makes one); default 1")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel degree T: the --profile must describe one of T ranks (its tensor_parallel; "
+        "python -m pipefisher.viz.bert_profile --tensor-parallel T makes one); default 1",
+    )
 
 
-def check_planning_size(schedule: str, stages: int, micro_batches: int, chunks: int | None, limit: int, what: str) -> None:
+def check_planning_size(
+    schedule: str, stages: int, micro_batches: int, chunks: int | None, limit: int, what: str
+) -> None:
     """UsageError when D x N (x the chunks per rank) exceeds `limit`, before anything is built."""
     per_rank = chunks_per_rank(schedule, chunks)
     slots = stages * micro_batches * per_rank
     if slots > limit:
         chunked = f" x {per_rank} chunks" if per_rank > 1 else ""
-        raise UsageError(f"--stages {stages} x --micro-batches {micro_batches}{chunked} = {slots:,} slots per step: "
-                         f"{what} takes at most {limit:,} (seconds of work here); use fewer stages or micro-batches")
+        raise UsageError(
+            f"--stages {stages} x --micro-batches {micro_batches}{chunked} = {slots:,} slots per step: "
+            f"{what} takes at most {limit:,} (seconds of work here); use fewer stages or micro-batches"
+        )
 
 
-def build_pipeline(args: argparse.Namespace, profile_required: bool = False, limit: int = MAX_SIMULATED_SLOTS,
-                   what: str = "simulating") -> tuple:
+def build_pipeline(
+    args: argparse.Namespace, profile_required: bool = False, limit: int = MAX_SIMULATED_SLOTS, what: str = "simulating"
+) -> tuple:
     """(schedule, profile) from the shared arguments; without a profile, unit times per rank.
     Refuses (UsageError) a pipeline of more than `limit` slots (`check_planning_size`) and, where
     the command takes --tensor-parallel T, a profile of another degree (unit times: only T = 1)."""
@@ -142,13 +165,17 @@ def build_pipeline(args: argparse.Namespace, profile_required: bool = False, lim
     if args.profile is not None:
         profile = load_profile(args.profile)
         if degree is not None and profile.tensor_parallel != degree:
-            raise UsageError(f"--tensor-parallel {degree}: {args.profile} describes tensor_parallel {profile.tensor_parallel}; "
-                             f"give --tensor-parallel {profile.tensor_parallel} or a profile made at degree {degree}")
+            raise UsageError(
+                f"--tensor-parallel {degree}: {args.profile} describes tensor_parallel {profile.tensor_parallel}; "
+                f"give --tensor-parallel {profile.tensor_parallel} or a profile made at degree {degree}"
+            )
     elif profile_required:
         raise UsageError("--profile is required")
     elif degree not in (None, 1):
-        raise UsageError(f"--tensor-parallel {degree}: unit times have no tensor-parallel model; give a --profile made at degree {degree} "
-                         f"(python -m pipefisher.viz.bert_profile CSV --tensor-parallel {degree})")
+        raise UsageError(
+            f"--tensor-parallel {degree}: unit times have no tensor-parallel model; give a --profile made at degree {degree} "
+            f"(python -m pipefisher.viz.bert_profile CSV --tensor-parallel {degree})"
+        )
     else:
         # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.
         chunks = schedule.num_stages // schedule.num_ranks

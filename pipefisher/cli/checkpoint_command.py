@@ -27,12 +27,18 @@ def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
     files = manifest.get("files", {})
     lines = [f"checkpoint {folder}: step {manifest.get('step')}"]
     if manifest.get("format") != FORMAT:
-        lines.append(f"format:   {manifest.get('format', 1)}, written before layout-free checkpoints (format {FORMAT}): "
-                     "this pipefisher cannot resume it")
+        lines.append(
+            f"format:   {manifest.get('format', 1)}, written before layout-free checkpoints (format {FORMAT}): "
+            "this pipefisher cannot resume it"
+        )
     else:
         config = manifest["config"]
-        lines.append(f"model:    {describe_model(config)}; optimizer {config.get('optimizer.name')}, precision {config.get('run.precision')}")
-        lines.append(f"layout:   {describe_layout({**manifest['layout'], **manifest.get('plan', {})})}; {len(files)} processes")
+        lines.append(
+            f"model:    {describe_model(config)}; optimizer {config.get('optimizer.name')}, precision {config.get('run.precision')}"
+        )
+        lines.append(
+            f"layout:   {describe_layout({**manifest['layout'], **manifest.get('plan', {})})}; {len(files)} processes"
+        )
         cycle = manifest.get("cycle")
         if cycle is not None:
             where = "at a boundary" if cycle["position"] == 0 else f"inside, after step {cycle['position']}"
@@ -42,8 +48,11 @@ def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
             for kind, count in entry.get("bytes", {}).items():
                 kinds[kind] = kinds.get(kind, 0) + count
         total = sum(entry["size"] for entry in files.values())
-        lines.append("bytes:    " + ", ".join(f"{kind} {_bytes(count)}" for kind, count in sorted(kinds.items()) if count)
-                     + f" (tensors); {_bytes(total)} on disk")
+        lines.append(
+            "bytes:    "
+            + ", ".join(f"{kind} {_bytes(count)}" for kind, count in sorted(kinds.items()) if count)
+            + f" (tensors); {_bytes(total)} on disk"
+        )
     lines.append(f"verifies: {'yes: every file has its size and SHA-256' if problem is None else 'NO: ' + problem}")
     return lines, problem
 
@@ -69,9 +78,20 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise UsageError(f"{folder / MANIFEST} is unreadable: {exc}") from None
     lines, problem = describe(folder, manifest)
     if args.json:
-        print(json.dumps({"folder": str(folder), "manifest": {k: v for k, v in manifest.items() if k != "files"},
-                          "files": {name: {k: v for k, v in entry.items() if k != "keys"} for name, entry in manifest["files"].items()},
-                          "problem": problem}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "folder": str(folder),
+                    "manifest": {k: v for k, v in manifest.items() if k != "files"},
+                    "files": {
+                        name: {k: v for k, v in entry.items() if k != "keys"}
+                        for name, entry in manifest["files"].items()
+                    },
+                    "problem": problem,
+                },
+                indent=1,
+            )
+        )
     else:
         print("\n".join(lines))
     return 0 if problem is None else 1
@@ -80,7 +100,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def add_checkpoint_parser(subparsers) -> None:
     parser = subparsers.add_parser("checkpoint", help="inspect a run's checkpoints")
     commands = parser.add_subparsers(dest="checkpoint_command", required=True, parser_class=type(parser))
-    inspect = commands.add_parser("inspect", help="what a checkpoint holds and whether it verifies (exit 1: it does not)")
+    inspect = commands.add_parser(
+        "inspect", help="what a checkpoint holds and whether it verifies (exit 1: it does not)"
+    )
     inspect.add_argument("directory", metavar="DIR", help="the run's checkpoint.dir")
     inspect.add_argument("--step", type=positive_int, help="the step to inspect (default: the newest complete one)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")

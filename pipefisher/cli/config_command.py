@@ -10,10 +10,13 @@ from pipefisher.cli.run_file_args import add_key_arguments, key_overrides, load_
 
 
 def add_config_parser(subparsers) -> None:
-    parser = subparsers.add_parser("config", help="print a run file resolved, or the reference of every run-file key",
-                                   description="--show RUN.yaml prints the run as pipefisher takes it: every section and key with its "
-                                               "value (defaults filled in, --SECTION.KEY VALUE flags applied); --keys prints every "
-                                               "key's type, default, range and meaning (Markdown, as docs/run-file-keys.md).")
+    parser = subparsers.add_parser(
+        "config",
+        help="print a run file resolved, or the reference of every run-file key",
+        description="--show RUN.yaml prints the run as pipefisher takes it: every section and key with its "
+        "value (defaults filled in, --SECTION.KEY VALUE flags applied); --keys prints every "
+        "key's type, default, range and meaning (Markdown, as docs/run-file-keys.md).",
+    )
     parser.add_argument("--show", metavar="RUN.yaml", help="the run file to resolve")
     parser.add_argument("--keys", action="store_true", help="the reference of every run-file key")
     add_key_arguments(parser)

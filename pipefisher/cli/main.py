@@ -13,14 +13,37 @@ from contextlib import AbstractContextManager, nullcontext
 
 from pipefisher.core.names import BACKENDS, PRECISIONS
 from pipefisher.core.table import format_table
-from pipefisher.cli.args import (MAX_PACKED_SLOTS, USAGE_ERROR, ArgumentParser, UsageError, add_pipeline_arguments,
-                                 add_tensor_parallel_argument, build_pipeline, check_output, positive_int, say)
+from pipefisher.cli.args import (
+    MAX_PACKED_SLOTS,
+    USAGE_ERROR,
+    ArgumentParser,
+    UsageError,
+    add_pipeline_arguments,
+    add_tensor_parallel_argument,
+    build_pipeline,
+    check_output,
+    positive_int,
+    say,
+)
 from pipefisher.cli.checkpoint_command import add_checkpoint_parser
 from pipefisher.cli.config_command import add_config_parser
 from pipefisher.cli.plan_command import add_plan_parser
-from pipefisher.cli.run_checks import check_input_files, check_plan, check_run_outputs, warn_if_emulated, warn_without_effect
-from pipefisher.cli.run_file_args import (add_key_arguments, add_method_arguments, add_placement_arguments, load_run, method_overrides,
-                                          optimizer_names, placement_section)
+from pipefisher.cli.run_checks import (
+    check_input_files,
+    check_plan,
+    check_run_outputs,
+    warn_if_emulated,
+    warn_without_effect,
+)
+from pipefisher.cli.run_file_args import (
+    add_key_arguments,
+    add_method_arguments,
+    add_placement_arguments,
+    load_run,
+    method_overrides,
+    optimizer_names,
+    placement_section,
+)
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError, load_profile
@@ -40,7 +63,10 @@ def _simulate_summary(schedule, timeline: Timeline) -> dict:
         devices.append(
             {
                 "rank": rank,
-                "stages": [f"p{pipe}.s{stage}" if schedule.num_pipes > 1 else f"s{stage}" for pipe, stage in schedule.stages_of(rank)],
+                "stages": [
+                    f"p{pipe}.s{stage}" if schedule.num_pipes > 1 else f"s{stage}"
+                    for pipe, stage in schedule.stages_of(rank)
+                ],
                 "busy_time": busy,
                 "bubble_time": timeline.bubble_time(rank),
                 "bubble_fraction": timeline.bubble_time(rank) / timeline.step_time if timeline.step_time else 0.0,
@@ -76,7 +102,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     headers = ["rank", "stages", f"busy [{unit}]", f"bubble [{unit}]", "bubble [%]", "gaps", "peak act [mb]"]
     rows = [
-        [d["rank"], ",".join(d["stages"]), f"{d['busy_time']:.4g}", f"{d['bubble_time']:.4g}", f"{100 * d['bubble_fraction']:.1f}", d["bubbles"], d["peak_activations"]]
+        [
+            d["rank"],
+            ",".join(d["stages"]),
+            f"{d['busy_time']:.4g}",
+            f"{d['bubble_time']:.4g}",
+            f"{100 * d['bubble_fraction']:.1f}",
+            d["bubbles"],
+            d["peak_activations"],
+        ]
         for d in summary["devices"]
     ]
     if any(map(splits_backward, schedule.ranks)):
@@ -102,7 +136,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     schedule, profile = build_pipeline(args, profile_required=True, limit=MAX_PACKED_SLOTS, what="packing")
     if not any(stage.layers for stage in profile.stages):
         raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
-    options = PackOptions.from_section(placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy)
+    options = PackOptions.from_section(
+        placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy
+    )
     result = pack(schedule, profile, options)
     if args.output:
         result.plan.save(args.output)
@@ -116,29 +152,50 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _add_pack(subparsers) -> None:
-    parser = subparsers.add_parser("pack", help="place a curvature method's work into the bubbles; report the refresh interval")
+    parser = subparsers.add_parser(
+        "pack", help="place a curvature method's work into the bubbles; report the refresh interval"
+    )
     add_pipeline_arguments(parser)
-    parser.add_argument("--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)")
+    parser.add_argument(
+        "--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)"
+    )
     add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
     add_placement_arguments(parser)
-    parser.add_argument("--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)")
-    parser.add_argument("--data-parallel", type=positive_int, default=1,
-                        help="copies of the pipeline: factors are synced over them too (default 1)")
+    parser.add_argument(
+        "--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)"
+    )
+    parser.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=1,
+        help="copies of the pipeline: factors are synced over them too (default 1)",
+    )
     parser.set_defaults(handler=_cmd_pack)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     config = load_run(args).with_overrides(
-        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel, "tensor_parallel": args.tensor_parallel},
+        pipeline={
+            "schedule": args.schedule,
+            "data_parallel": args.data_parallel,
+            "tensor_parallel": args.tensor_parallel,
+        },
         optimizer={"name": args.optimizer, "zero": args.zero},
         **method_overrides(args),
         checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
         comm={"powersgd_rank": args.powersgd_rank},
-        run={"steps": args.steps, "backend": args.backend, "master_port": args.master_port, "timeout": args.timeout,
-             "metrics": args.metrics, "precision": args.precision, "in_order": args.in_order or None,
-             "trace": args.trace},
+        run={
+            "steps": args.steps,
+            "backend": args.backend,
+            "master_port": args.master_port,
+            "timeout": args.timeout,
+            "metrics": args.metrics,
+            "precision": args.precision,
+            "in_order": args.in_order or None,
+            "trace": args.trace,
+        },
     )
     check_run_outputs(config)
     method = method_of(config).name
@@ -146,11 +203,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
     warn_if_emulated(config)
     if args.reference and config.run.trace:
-        raise UsageError("--reference trains in one process without the executor whose actions a trace labels; "
-                         "drop --trace (run.trace) or --reference")
+        raise UsageError(
+            "--reference trains in one process without the executor whose actions a trace labels; "
+            "drop --trace (run.trace) or --reference"
+        )
     if args.reference and config.comm.powersgd_rank:
-        raise UsageError("--reference trains in one process, without a gradient reduction to compress; "
-                         "drop --powersgd-rank (comm.powersgd_rank) or --reference")
+        raise UsageError(
+            "--reference trains in one process, without a gradient reduction to compress; "
+            "drop --powersgd-rank (comm.powersgd_rank) or --reference"
+        )
     from pipefisher.runtime.training.assembly import build_schedule
 
     schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
@@ -167,8 +228,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if section is not None and section.plan:
         check_plan(config, schedule, args.reference)
     elif args.plan:
-        raise UsageError(f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
-                         f"{config.optimizer.name} (use --optimizer {' or '.join(methods())})")
+        raise UsageError(
+            f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
+            f"{config.optimizer.name} (use --optimizer {' or '.join(methods())})"
+        )
     if args.reference and section is not None and section.refresh_steps < 1:
         raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
     from pipefisher.runtime.training.run import check_port, run
@@ -217,7 +280,11 @@ def _resume_step(config) -> int | None:
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     config = load_run(args).with_overrides(
-        pipeline={"schedule": args.schedule, "data_parallel": args.data_parallel, "tensor_parallel": args.tensor_parallel},
+        pipeline={
+            "schedule": args.schedule,
+            "data_parallel": args.data_parallel,
+            "tensor_parallel": args.tensor_parallel,
+        },
         optimizer={"name": args.optimizer, "zero": args.zero},
         comm={"powersgd_rank": args.powersgd_rank},
         run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
@@ -244,7 +311,11 @@ def _prepare_model(config) -> None:
     check_input_files(config)
 
     def announce() -> None:
-        print(f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)", file=sys.stderr, flush=True)
+        print(
+            f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     staged_model(config, on_data=announce)
 
@@ -265,16 +336,22 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-    say(f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
-         f"{exported.parameters / 1e6:.2f} M parameters, {exported.weights_bytes / 2**20:.1f} MiB of weights")
+    say(
+        f"wrote {exported.folder}: {exported.model_class} at step {exported.step}, "
+        f"{exported.parameters / 1e6:.2f} M parameters, {exported.weights_bytes / 2**20:.1f} MiB of weights"
+    )
     return 0
 
 
 def _add_export(subparsers) -> None:
     parser = subparsers.add_parser("export", help="write a Hugging Face model's checkpoint as a from_pretrained folder")
     parser.add_argument("config", help="the run's YAML run file (model.kind hf)")
-    parser.add_argument("-o", "--output", required=True, help="folder to write (config.json, model.safetensors, tokenizer.json)")
-    parser.add_argument("--checkpoint-dir", help="the run's checkpoints (checkpoint.dir); the newest that verifies is exported")
+    parser.add_argument(
+        "-o", "--output", required=True, help="folder to write (config.json, model.safetensors, tokenizer.json)"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", help="the run's checkpoints (checkpoint.dir); the newest that verifies is exported"
+    )
     parser.set_defaults(handler=_cmd_export)
 
 
@@ -286,23 +363,39 @@ def _add_profile(subparsers) -> None:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="processes each block is split over (pipeline.tensor_parallel)")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        metavar="T",
+        help="processes each block is split over (pipeline.tensor_parallel)",
+    )
     _add_gradient_path_arguments(parser)
     parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
     parser.add_argument("--backend", choices=BACKENDS, help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
-    parser.add_argument("--optimizer", choices=optimizer_names(),
-                        help=f"override optimizer.name: the tasks of its curvature method are timed (of {DEFAULT_METHOD} for a first-order optimizer)")
+    parser.add_argument(
+        "--optimizer",
+        choices=optimizer_names(),
+        help=f"override optimizer.name: the tasks of its curvature method are timed (of {DEFAULT_METHOD} for a first-order optimizer)",
+    )
     add_key_arguments(parser)
     parser.set_defaults(handler=_cmd_profile)
 
 
 def _add_gradient_path_arguments(parser) -> None:
     """--zero and --powersgd-rank: how the data-parallel gradient travels (run and profile)."""
-    parser.add_argument("--zero", type=int, choices=[0, 1],
-                        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)")
-    parser.add_argument("--powersgd-rank", type=int, metavar="R",
-                        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)")
+    parser.add_argument(
+        "--zero",
+        type=int,
+        choices=[0, 1],
+        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)",
+    )
+    parser.add_argument(
+        "--powersgd-rank",
+        type=int,
+        metavar="R",
+        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)",
+    )
 
 
 def _add_run(subparsers) -> None:
@@ -313,21 +406,42 @@ def _add_run(subparsers) -> None:
     parser.add_argument("--optimizer", choices=optimizer_names(), help="override optimizer.name")
     add_method_arguments(parser)
     parser.add_argument("--profile", help="profile of this run for the packer (<method>.profile); default: measure one")
-    parser.add_argument("--plan", help="run this plan of `pipefisher pack -o` instead of packing (<method>.plan); "
-                                       "checked against the run first")
+    parser.add_argument(
+        "--plan",
+        help="run this plan of `pipefisher pack -o` instead of packing (<method>.plan); checked against the run first",
+    )
     parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument("--tensor-parallel", type=positive_int, metavar="T", help="processes each block is split over (pipeline.tensor_parallel)")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        metavar="T",
+        help="processes each block is split over (pipeline.tensor_parallel)",
+    )
     _add_gradient_path_arguments(parser)
-    parser.add_argument("--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)")
-    parser.add_argument("--in-order", action="store_true", help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)")
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)"
+    )
+    parser.add_argument(
+        "--in-order",
+        action="store_true",
+        help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)",
+    )
     parser.add_argument("--backend", choices=BACKENDS, help="override run.backend")
     parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
     parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
     parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint that verifies, up to --steps (checkpoint.resume always)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint that verifies, up to --steps (checkpoint.resume always)",
+    )
     parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
-    parser.add_argument("--trace", metavar="DIR", help="write a PyTorch profiler trace per rank of steps run.trace_from.. "
-                                                       "(default 3 and 4), every action labelled (run.trace)")
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="write a PyTorch profiler trace per rank of steps run.trace_from.. "
+        "(default 3 and 4), every action labelled (run.trace)",
+    )
     parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
     parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     add_key_arguments(parser)
@@ -345,7 +459,10 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="pipefisher", description="Plan and run pipeline-parallel training with second-order optimizer work in the bubbles.")
+    parser = ArgumentParser(
+        prog="pipefisher",
+        description="Plan and run pipeline-parallel training with second-order optimizer work in the bubbles.",
+    )
     parser.add_argument("--version", action="version", version=f"pipefisher {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_simulate(subparsers)

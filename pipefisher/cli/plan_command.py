@@ -16,8 +16,14 @@ from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 from pipefisher.planning.layout_candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
 from pipefisher.planning.layout_model import ModelSizes, PlanError, model_sizes
-from pipefisher.planning.layout_predict import (DEFAULT_DP_BANDWIDTH_GBPS, PlanContext, Prediction, is_curvature, predict,
-                                                source_bandwidth_gbps)
+from pipefisher.planning.layout_predict import (
+    DEFAULT_DP_BANDWIDTH_GBPS,
+    PlanContext,
+    Prediction,
+    is_curvature,
+    predict,
+    source_bandwidth_gbps,
+)
 from pipefisher.planning.layout_search import DEFAULT_PACKED, GiB, SearchResult, search
 from pipefisher.planning.layout_sources import MeasuredTimes, ReferenceTimes
 from pipefisher.planning.layout_table import prediction_dict, ranked_table, run_file_of
@@ -32,29 +38,56 @@ def _positive_float(text: str) -> float:
 
 
 def add_plan_parser(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="the fastest layout of a run's model on N GPUs within a memory budget, predicted",
-                                   description="Enumerates stages x data-parallel x tensor-parallel layouts, schedules, micro-batch "
-                                               "sizes (the global batch fixed), ZeRO-1 and recomputation; simulates each, packs the "
-                                               "curvature method for the fastest that fit, and ranks them.")
+    parser = subparsers.add_parser(
+        "plan",
+        help="the fastest layout of a run's model on N GPUs within a memory budget, predicted",
+        description="Enumerates stages x data-parallel x tensor-parallel layouts, schedules, micro-batch "
+        "sizes (the global batch fixed), ZeRO-1 and recomputation; simulates each, packs the "
+        "curvature method for the fastest that fit, and ranks them.",
+    )
     parser.add_argument("config", help="YAML run file: model, global batch, optimizer and method settings")
     parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs to lay the run out on")
     parser.add_argument("--memory-gb", type=_positive_float, required=True, help="memory per GPU, GiB (2^30 bytes)")
-    parser.add_argument("--profile", action="append", default=[], metavar="FILE",
-                        help="a measured profile of this run's model (pipefisher.profile/v1; repeat for other splits, "
-                             "micro-batch sizes or degrees)")
-    parser.add_argument("--reference-csv", metavar="CSV", help="per-block times (profiles/reference/*.csv); default for "
-                                                               "bert-base/bert-large: the paper's P100 times")
-    parser.add_argument("--method", choices=[*FIRST_ORDER, *methods()],
-                        help="optimizer to plan for (default: optimizer.name if a curvature method, else the curvature "
-                             "section the run file writes, else optimizer.name)")
-    parser.add_argument("--max-tensor-parallel", type=positive_int, default=8, metavar="T",
-                        help="largest tensor-parallel degree tried (default 8; 1: pipeline and data parallelism only)")
+    parser.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a measured profile of this run's model (pipefisher.profile/v1; repeat for other splits, "
+        "micro-batch sizes or degrees)",
+    )
+    parser.add_argument(
+        "--reference-csv",
+        metavar="CSV",
+        help="per-block times (profiles/reference/*.csv); default for bert-base/bert-large: the paper's P100 times",
+    )
+    parser.add_argument(
+        "--method",
+        choices=[*FIRST_ORDER, *methods()],
+        help="optimizer to plan for (default: optimizer.name if a curvature method, else the curvature "
+        "section the run file writes, else optimizer.name)",
+    )
+    parser.add_argument(
+        "--max-tensor-parallel",
+        type=positive_int,
+        default=8,
+        metavar="T",
+        help="largest tensor-parallel degree tried (default 8; 1: pipeline and data parallelism only)",
+    )
     parser.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
-    parser.add_argument("--packed", type=positive_int, default=DEFAULT_PACKED,
-                        help=f"most layouts packed, the fastest first-order ones that fit (default {DEFAULT_PACKED})")
-    parser.add_argument("--dp-bandwidth-gbps", type=_positive_float, default=None,
-                        help="data-parallel all-reduce bandwidth, GB/s (default: what a --profile's p2p times show, "
-                             f"else {DEFAULT_DP_BANDWIDTH_GBPS:g})")
+    parser.add_argument(
+        "--packed",
+        type=positive_int,
+        default=DEFAULT_PACKED,
+        help=f"most layouts packed, the fastest first-order ones that fit (default {DEFAULT_PACKED})",
+    )
+    parser.add_argument(
+        "--dp-bandwidth-gbps",
+        type=_positive_float,
+        default=None,
+        help="data-parallel all-reduce bandwidth, GB/s (default: what a --profile's p2p times show, "
+        f"else {DEFAULT_DP_BANDWIDTH_GBPS:g})",
+    )
     parser.add_argument("-o", "--output", help="write the best layout as a run file (YAML) here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.set_defaults(handler=_cmd_plan)
@@ -84,12 +117,18 @@ def time_source(args: argparse.Namespace, sizes: ModelSizes, method: str) -> Ref
         return MeasuredTimes.check([(path, load_profile(path)) for path in args.profile], sizes, curvature)
     path = Path(args.reference_csv) if args.reference_csv else REFERENCE_FOLDER / f"{sizes.name}_time_memory_p100.csv"
     if not path.is_file():
-        raise PlanError(f"{sizes.name}: no times to plan with; give --profile FILE (`pipefisher profile`) or --reference-csv CSV")
+        raise PlanError(
+            f"{sizes.name}: no times to plan with; give --profile FILE (`pipefisher profile`) or --reference-csv CSV"
+        )
     if curvature and curvature != DEFAULT_METHOD:
-        raise PlanError(f"{path.name} times {DEFAULT_METHOD}'s tasks, not {curvature}'s; give --profile of a "
-                        f"`pipefisher profile --optimizer {curvature}` run")
+        raise PlanError(
+            f"{path.name} times {DEFAULT_METHOD}'s tasks, not {curvature}'s; give --profile of a "
+            f"`pipefisher profile --optimizer {curvature}` run"
+        )
     if sizes.seq_len != REFERENCE_SEQ_LEN:
-        say(f"warning: {path.name} was measured at {REFERENCE_SEQ_LEN} tokens per sequence, the run has {sizes.seq_len}")
+        say(
+            f"warning: {path.name} was measured at {REFERENCE_SEQ_LEN} tokens per sequence, the run has {sizes.seq_len}"
+        )
     return ReferenceTimes.open(path, sizes)
 
 
@@ -99,12 +138,21 @@ def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, 
     if prediction is None:
         return f"the run file's layout ({own.describe()}) is not one of these GPUs' layouts"
     place = result.rank_of(prediction.layout)
-    where = f"ranks #{place} of {len(result.ranked)} packed" if place else (
-        "does not fit the budget" if prediction.memory.total > budget else "is not among the packed (slower first-order step)")
-    return (f"the run file's layout {own.describe()} with {own.method} (k={prediction.layout.refresh_steps}): "
-            f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, bubble "
-            f"{100 * prediction.bubble_share:.0f} %), {prediction.memory.total / GiB:.2f} GiB; {where}; the best ({best.layout.describe()}) "
-            f"{best.step_ms:.1f} ms, {100 * (prediction.step_ms / best.step_ms - 1):+.1f} % for the run file's")
+    where = (
+        f"ranks #{place} of {len(result.ranked)} packed"
+        if place
+        else (
+            "does not fit the budget"
+            if prediction.memory.total > budget
+            else "is not among the packed (slower first-order step)"
+        )
+    )
+    return (
+        f"the run file's layout {own.describe()} with {own.method} (k={prediction.layout.refresh_steps}): "
+        f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, bubble "
+        f"{100 * prediction.bubble_share:.0f} %), {prediction.memory.total / GiB:.2f} GiB; {where}; the best ({best.layout.describe()}) "
+        f"{best.step_ms:.1f} ms, {100 * (prediction.step_ms / best.step_ms - 1):+.1f} % for the run file's"
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -117,31 +165,64 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     source = time_source(args, sizes, method)
     pipeline = config.pipeline
     global_batch = config.data.micro_batch_size * pipeline.micro_batches * pipeline.data_parallel
-    degrees = tuple(t for t in source.tensor_parallel or range(1, args.max_tensor_parallel + 1) if t <= args.max_tensor_parallel)
-    space = SearchSpace(args.gpus, global_batch, source.micro_batch_sizes, degrees,
-                        recompute=RECOMPUTE_MODES, powersgd_ranks=(config.comm.powersgd_rank,))
-    context = PlanContext(sizes, source, first_order, config.section(method) if is_curvature(method) else None,
-                          config.optimizer_settings.momentum, config.run.precision,
-                          args.dp_bandwidth_gbps or source_bandwidth_gbps(source, sizes, config.run.precision))
+    degrees = tuple(
+        t for t in source.tensor_parallel or range(1, args.max_tensor_parallel + 1) if t <= args.max_tensor_parallel
+    )
+    space = SearchSpace(
+        args.gpus,
+        global_batch,
+        source.micro_batch_sizes,
+        degrees,
+        recompute=RECOMPUTE_MODES,
+        powersgd_ranks=(config.comm.powersgd_rank,),
+    )
+    context = PlanContext(
+        sizes,
+        source,
+        first_order,
+        config.section(method) if is_curvature(method) else None,
+        config.optimizer_settings.momentum,
+        config.run.precision,
+        args.dp_bandwidth_gbps or source_bandwidth_gbps(source, sizes, config.run.precision),
+    )
     budget = int(args.memory_gb * GiB)
     result = search(space, context, method, budget, top=args.packed, shown=args.top, progress=not args.json)
-    own = layout_of_run(pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank)
+    own = layout_of_run(
+        pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank
+    )
     own_prediction = predict(own, context, budget) if own.gpus == args.gpus and _plannable(own, sizes, source) else None
     if args.output:
         Path(args.output).write_text(run_file_of(raw, result.best.layout))
     if args.json:
-        print(json.dumps({"gpus": args.gpus, "memory_bytes": budget, "global_batch": global_batch, "method": method,
-                          "enumerated": result.enumerated, "over_budget": result.over_budget, "dominated": result.dominated,
-                          "packed": result.packed, "over_after_packing": result.over_after_packing, "seconds": result.seconds,
-                          "ranked": [prediction_dict(p) for p in result.ranked[:args.top]],
-                          "first_order_best": prediction_dict(result.first_order[0]) if result.first_order else None,
-                          "run_file_layout": prediction_dict(own_prediction) if own_prediction else None}))
+        print(
+            json.dumps(
+                {
+                    "gpus": args.gpus,
+                    "memory_bytes": budget,
+                    "global_batch": global_batch,
+                    "method": method,
+                    "enumerated": result.enumerated,
+                    "over_budget": result.over_budget,
+                    "dominated": result.dominated,
+                    "packed": result.packed,
+                    "over_after_packing": result.over_after_packing,
+                    "seconds": result.seconds,
+                    "ranked": [prediction_dict(p) for p in result.ranked[: args.top]],
+                    "first_order_best": prediction_dict(result.first_order[0]) if result.first_order else None,
+                    "run_file_layout": prediction_dict(own_prediction) if own_prediction else None,
+                }
+            )
+        )
         return 0
-    print(f"{sizes.name} on {args.gpus} GPUs of {args.memory_gb:g} GiB, global batch {global_batch} x {sizes.seq_len} tokens, "
-          f"{method} (first-order: {first_order}); times from {_source_name(source)}")
-    print(f"{result.enumerated} layouts enumerated, {result.over_budget} over the memory budget, {result.dominated} dominated "
-          f"(recompute or gradient-path variants), {result.packed} packed ({result.over_after_packing} over the budget with "
-          f"captures); {result.seconds:.1f} s")
+    print(
+        f"{sizes.name} on {args.gpus} GPUs of {args.memory_gb:g} GiB, global batch {global_batch} x {sizes.seq_len} tokens, "
+        f"{method} (first-order: {first_order}); times from {_source_name(source)}"
+    )
+    print(
+        f"{result.enumerated} layouts enumerated, {result.over_budget} over the memory budget, {result.dominated} dominated "
+        f"(recompute or gradient-path variants), {result.packed} packed ({result.over_after_packing} over the budget with "
+        f"captures); {result.seconds:.1f} s"
+    )
     print(ranked_table(result.ranked, budget, args.top))
     if is_curvature(method) and result.first_order:
         fastest = result.first_order[0]
@@ -155,8 +236,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _plannable(layout: Layout, sizes: ModelSizes, source) -> bool:
     """Whether the source can time the run file's own layout (its micro-batch size and degree)."""
     degrees = source.tensor_parallel
-    return (layout.micro_batch_size in source.micro_batch_sizes and (degrees is None or layout.tensor_parallel in degrees)
-            and sizes.blocks % layout.pieces == 0)
+    return (
+        layout.micro_batch_size in source.micro_batch_sizes
+        and (degrees is None or layout.tensor_parallel in degrees)
+        and sizes.blocks % layout.pieces == 0
+    )
 
 
 def _source_name(source) -> str:

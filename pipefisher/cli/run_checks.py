@@ -22,8 +22,10 @@ def check_run_outputs(config: RunConfig) -> None:
         check_output(config.run.trace, "run.trace (--trace)", folder=True)
         last = config.run.trace_from + config.run.trace_steps - 1
         if last > config.run.steps:
-            raise UsageError(f"run.trace_from {config.run.trace_from} + run.trace_steps {config.run.trace_steps}: the trace would end at step "
-                             f"{last}, after the run's last step {config.run.steps}; lower them or raise --steps")
+            raise UsageError(
+                f"run.trace_from {config.run.trace_from} + run.trace_steps {config.run.trace_steps}: the trace would end at step "
+                f"{last}, after the run's last step {config.run.steps}; lower them or raise --steps"
+            )
 
 
 def warn_without_effect(args: argparse.Namespace, config: RunConfig) -> None:
@@ -31,18 +33,25 @@ def warn_without_effect(args: argparse.Namespace, config: RunConfig) -> None:
     a method's flags (--kfac-*, --kfac.KEY, ...) with another optimizer; and for run.compile with
     --reference. (A run file's method sections are silent: a file carries several for --optimizer.)"""
     if args.reference and config.run.compile:
-        say("warning: run.compile has no effect with --reference: the reference trains eager, as the check of compiled runs")
+        say(
+            "warning: run.compile has no effect with --reference: the reference trains eager, as the check of compiled runs"
+        )
     if args.profile is not None and config.curvature is None:
-        say(f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
-            f"it serves the packer of --optimizer {' or '.join(methods())}")
+        say(
+            f"warning: --profile has no effect on a first-order run (optimizer {config.optimizer.name}); "
+            f"it serves the packer of --optimizer {' or '.join(methods())}"
+        )
     for section in methods():
         given = [dest for dest, value in vars(args).items() if value is not None]
-        named = [flag for flag in given if flag.startswith(f"{section}_")] + [dest[len("key:"):] for dest in given
-                                                                                if dest.startswith(f"key:{section}.")]
+        named = [flag for flag in given if flag.startswith(f"{section}_")] + [
+            dest[len("key:") :] for dest in given if dest.startswith(f"key:{section}.")
+        ]
         if named and config.optimizer.name != section:
             flags = ", ".join("--" + (flag if "." in flag else flag.replace("_", "-")) for flag in named)
-            say(f"warning: {flags} {'has' if len(named) == 1 else 'have'} no effect with optimizer {config.optimizer.name}; "
-                f"{'it applies' if len(named) == 1 else 'they apply'} to --optimizer {section}")
+            say(
+                f"warning: {flags} {'has' if len(named) == 1 else 'have'} no effect with optimizer {config.optimizer.name}; "
+                f"{'it applies' if len(named) == 1 else 'they apply'} to --optimizer {section}"
+            )
 
 
 def warn_if_emulated(config: RunConfig) -> None:
@@ -56,8 +65,13 @@ def warn_if_emulated(config: RunConfig) -> None:
 def check_input_files(config: RunConfig) -> None:
     """Every file the run file names for the model and data exists, is a file, and (but for the
     safetensors weights) is text; UsageError naming the key otherwise."""
-    named = {"data.corpus": "" if config.data.corpus == "embedded" else config.data.corpus, "data.vocab": config.data.vocab,
-             "data.tokenizer": config.data.tokenizer, "model.config_json": config.model.config_json, "model.hf_weights": config.model.hf_weights}
+    named = {
+        "data.corpus": "" if config.data.corpus == "embedded" else config.data.corpus,
+        "data.vocab": config.data.vocab,
+        "data.tokenizer": config.data.tokenizer,
+        "model.config_json": config.model.config_json,
+        "model.hf_weights": config.model.hf_weights,
+    }
     for key, value in named.items():
         if value:
             check_input(value, key, text=key != "model.hf_weights")
@@ -70,8 +84,10 @@ def check_plan(config: RunConfig, schedule: Schedule, reference: bool) -> None:
 
     path = config.curvature.plan
     if reference:
-        raise UsageError(f"--plan {path}: --reference trains in one process, without a plan; drop --plan "
-                         f"(and pin --{config.optimizer.name}-refresh-steps K)")
+        raise UsageError(
+            f"--plan {path}: --reference trains in one process, without a plan; drop --plan "
+            f"(and pin --{config.optimizer.name}-refresh-steps K)"
+        )
     try:
         check_plan_matches(Plan.load(path), config, schedule)
     except ScheduleError as exc:

@@ -48,14 +48,20 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     for name, method in methods().items():
         hints = typing.get_type_hints(method.settings)
         for key in COMMON_FLAGS + method.flags:
-            what = {"placement": f"where {method.label} work runs", "refresh_steps": "pin the refresh interval k"}.get(key, "override")
-            parser.add_argument(_flag(name, key), dest=f"{name}_{key}", **_argument_type(hints[key]), help=f"{what} ({name}.{key})")
+            what = {"placement": f"where {method.label} work runs", "refresh_steps": "pin the refresh interval k"}.get(
+                key, "override"
+            )
+            parser.add_argument(
+                _flag(name, key), dest=f"{name}_{key}", **_argument_type(hints[key]), help=f"{what} ({name}.{key})"
+            )
 
 
 def method_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """{method: {key: value}} of the method flags given (None: not given)."""
-    return {name: {key: getattr(args, f"{name}_{key}") for key in COMMON_FLAGS + method.flags}
-            for name, method in methods().items()}
+    return {
+        name: {key: getattr(args, f"{name}_{key}") for key in COMMON_FLAGS + method.flags}
+        for name, method in methods().items()
+    }
 
 
 def _sections() -> dict[str, type]:
@@ -66,8 +72,10 @@ def _sections() -> dict[str, type]:
 
 
 #: what `run --help` and `profile --help` say after their flags
-KEY_FLAGS_EPILOG = ("Every run-file key is also a flag --SECTION.KEY VALUE (e.g. --optimizer.lr 0.001, --data.cache_dir DIR), "
-                    "applied over the run file; `pipefisher config --keys` lists them all (docs/run-file-keys.md).")
+KEY_FLAGS_EPILOG = (
+    "Every run-file key is also a flag --SECTION.KEY VALUE (e.g. --optimizer.lr 0.001, --data.cache_dir DIR), "
+    "applied over the run file; `pipefisher config --keys` lists them all (docs/run-file-keys.md)."
+)
 
 
 def add_key_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +84,9 @@ def add_key_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = KEY_FLAGS_EPILOG
     for section, cls in _sections().items():
         for field in dataclasses.fields(cls):
-            parser.add_argument(f"--{section}.{field.name}", dest=f"key:{section}.{field.name}", metavar="VALUE", help=argparse.SUPPRESS)
+            parser.add_argument(
+                f"--{section}.{field.name}", dest=f"key:{section}.{field.name}", metavar="VALUE", help=argparse.SUPPRESS
+            )
 
 
 def key_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -84,7 +94,7 @@ def key_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     overrides: dict[str, dict[str, Any]] = {}
     for dest, text in vars(args).items():
         if dest.startswith("key:") and text is not None:
-            section, key = dest[len("key:"):].split(".", 1)
+            section, key = dest[len("key:") :].split(".", 1)
             try:
                 value = parse_yaml(text)
             except yaml.YAMLError:
@@ -115,8 +125,12 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in PACK_KEYS:
             setting = declared(field)
             allowed = f"{setting.range}" + (f", {setting.range.note}" if setting.range.note else "")
-            parser.add_argument(_flag_name(field.name), type=whole if hints[field.name] is int else float, metavar="K" if hints[field.name] is int else "X",
-                                help=f"{setting.doc} ({allowed}; default {field.default:g})")
+            parser.add_argument(
+                _flag_name(field.name),
+                type=whole if hints[field.name] is int else float,
+                metavar="K" if hints[field.name] is int else "X",
+                help=f"{setting.doc} ({allowed}; default {field.default:g})",
+            )
     parser.add_argument("--no-split", action="store_true", help="every replica does its own refresh work (split false)")
 
 

@@ -1,15 +1,44 @@
 """The run configuration: its sections (`sections`), the run (`run`: loading, checks) and the
 run-file key reference generated from the declarations (`reference`)."""
 
-from pipefisher.config.run import (FIRST_ORDER, RunConfig, config_from_dict, config_to_dict, load_config, split_hint,
-                                   stage_count_terms, stage_replica_count)
-from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
-                                        RunSettings)
+from pipefisher.config.run import (
+    FIRST_ORDER,
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    split_hint,
+    stage_count_terms,
+    stage_replica_count,
+)
+from pipefisher.config.sections import (
+    CheckpointConfig,
+    CommConfig,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    RunSettings,
+)
 from pipefisher.core.settings import ConfigError
 from pipefisher.methods.settings import RefreshConfig
 
 __all__ = [
-    "FIRST_ORDER", "CheckpointConfig", "CommConfig", "ConfigError", "DataConfig", "ModelConfig", "OptimizerConfig",
-    "PipelineConfig", "RefreshConfig", "RunConfig", "RunSettings", "config_from_dict", "config_to_dict", "load_config",
-    "split_hint", "stage_count_terms", "stage_replica_count",
+    "FIRST_ORDER",
+    "CheckpointConfig",
+    "CommConfig",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "RefreshConfig",
+    "RunConfig",
+    "RunSettings",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+    "split_hint",
+    "stage_count_terms",
+    "stage_replica_count",
 ]

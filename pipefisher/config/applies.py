@@ -32,12 +32,15 @@ _DATA_INSTEAD = {"synthetic": "it makes regression data from data.seed alone"}
 
 
 def applies(config: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """"section.key" -> (the key that chooses, the values of it that read the key): the `model`
+    """ "section.key" -> (the key that chooses, the values of it that read the key): the `model`
     keys some registered model kind does not read (in `ModelConfig`'s order), then `DATA_APPLIES`."""
-    model_keys = {f"model.{field.name}": ("model.kind", readers(field.name)) for field in dataclasses.fields(config.model)}
+    model_keys = {
+        f"model.{field.name}": ("model.kind", readers(field.name)) for field in dataclasses.fields(config.model)
+    }
     every = tuple(kinds())
     return {key: rule for key, rule in model_keys.items() if rule[1] != every} | {
-        key: ("data.kind", kinds_of_data) for key, kinds_of_data in DATA_APPLIES.items()}
+        key: ("data.kind", kinds_of_data) for key, kinds_of_data in DATA_APPLIES.items()
+    }
 
 
 def _instead(chooser: str, chosen: str) -> str:
@@ -65,5 +68,8 @@ def check_applies(config: Any) -> None:
         chosen = _value(config, chooser)
         if chosen not in reading and _value(config, key) != _default(config, key):
             instead = _instead(chooser, chosen)
-            raise ConfigError(f"{key}: read by {chooser} {' or '.join(reading)}; this run's {chooser} is {chosen}"
-                              + (f" ({instead})" if instead else "") + f"; drop {key}")
+            raise ConfigError(
+                f"{key}: read by {chooser} {' or '.join(reading)}; this run's {chooser} is {chosen}"
+                + (f" ({instead})" if instead else "")
+                + f"; drop {key}"
+            )

@@ -72,9 +72,13 @@ def run_file_reference() -> str:
     for name in fixed[:4]:
         lines += _section(name, hints[name], described_keys(hints[name]))
     shared = described_keys(RefreshConfig)
-    lines += _section("<method>", RefreshConfig, shared,
-                      before=f"Sections {', '.join(methods())}: `optimizer.name` picks the method, or a first-order "
-                             f"optimizer ({', '.join(FIRST_ORDER)}).")
+    lines += _section(
+        "<method>",
+        RefreshConfig,
+        shared,
+        before=f"Sections {', '.join(methods())}: `optimizer.name` picks the method, or a first-order "
+        f"optimizer ({', '.join(FIRST_ORDER)}).",
+    )
     for name, method in methods().items():
         own = [key for key in described_keys(method.settings) if key not in shared]
         lines += _section(name, method.settings, own, after="Its own keys, besides those of `<method>`.")
@@ -85,6 +89,8 @@ def run_file_reference() -> str:
 
 def resolved_yaml(config: RunConfig) -> str:
     """The whole run, every key with the value it takes, as a run file."""
-    data = {section: {key: list(value) if isinstance(value, tuple) else value for key, value in keys.items()}
-            for section, keys in config_to_dict(config).items()}
+    data = {
+        section: {key: list(value) if isinstance(value, tuple) else value for key, value in keys.items()}
+        for section, keys in config_to_dict(config).items()
+    }
     return yaml.safe_dump(data, sort_keys=False)

@@ -18,8 +18,15 @@ from pipefisher.config.applies import check_applies
 from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
 from pipefisher.core.names import FIRST_ORDER
-from pipefisher.config.sections import (CheckpointConfig, CommConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig,
-                                         RunSettings)
+from pipefisher.config.sections import (
+    CheckpointConfig,
+    CommConfig,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    RunSettings,
+)
 from pipefisher.core.settings import ConfigError, check_ranges, closest
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
@@ -68,8 +75,9 @@ class RunConfig:
         section = self.curvature
         if section is None:
             return self.optimizer
-        return dataclasses.replace(self.optimizer, lr=section.lr or self.optimizer.lr,
-                                   momentum=section.momentum or self.optimizer.momentum)
+        return dataclasses.replace(
+            self.optimizer, lr=section.lr or self.optimizer.lr, momentum=section.momentum or self.optimizer.momentum
+        )
 
     @property
     def stage_replicas(self) -> int:
@@ -89,15 +97,26 @@ class RunConfig:
         """How a replicated stage's gradient travels: optimizer.zero 1 or comm.powersgd_rank picks
         the reduction (not both), the method's gradient workers join it (ConfigError naming the keys
         for a combination that does not exist)."""
-        chosen = [reduction for reduction, key in ((Reduction.SHARDED, self.optimizer.zero), (Reduction.COMPRESSED, self.comm.powersgd_rank)) if key]
+        chosen = [
+            reduction
+            for reduction, key in (
+                (Reduction.SHARDED, self.optimizer.zero),
+                (Reduction.COMPRESSED, self.comm.powersgd_rank),
+            )
+            if key
+        ]
         if len(chosen) > 1:
-            raise ConfigError("comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
-                              "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)")
+            raise ConfigError(
+                "comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
+                "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)"
+            )
         try:
             return GradientPath(chosen[0] if chosen else Reduction.ALL_REDUCE, self.workers_per_layer)
         except ValueError as exc:
             name = self.optimizer.name
-            raise ConfigError(f"{name}.grad_worker_fraction: {exc}; use {name}.grad_worker_fraction 1 or optimizer.zero 0") from None
+            raise ConfigError(
+                f"{name}.grad_worker_fraction: {exc}; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
+            ) from None
 
     @property
     def model_chunks(self) -> int:
@@ -176,7 +195,10 @@ def _section(cls: type, data: Any, where: str) -> Any:
     for key in data:
         if key not in known:
             meant = closest(str(key), known)
-            raise ConfigError(f"{where}.{key}: unknown key; " + (f"did you mean {meant}?" if meant else f"allowed keys: {', '.join(known)}"))
+            raise ConfigError(
+                f"{where}.{key}: unknown key; "
+                + (f"did you mean {meant}?" if meant else f"allowed keys: {', '.join(known)}")
+            )
     section = cls(**{key: _convert(value, hints[key], f"{where}.{key}") for key, value in data.items()})
     check_ranges(section, where)
     return section
@@ -195,9 +217,14 @@ def config_from_dict(data: Any) -> RunConfig:
     for key in data:
         if key not in sections:
             meant = closest(str(key), sections)
-            raise ConfigError(f"{key}: unknown section; " + (f"did you mean {meant}?" if meant else f"allowed sections: {', '.join(sections)}"))
-    config = RunConfig(**{name: _section(hints[name], data.get(name), name) for name in fixed},
-                       methods=tuple((name, _section(method.settings, data.get(name), name)) for name, method in known.items()))
+            raise ConfigError(
+                f"{key}: unknown section; "
+                + (f"did you mean {meant}?" if meant else f"allowed sections: {', '.join(sections)}")
+            )
+    config = RunConfig(
+        **{name: _section(hints[name], data.get(name), name) for name in fixed},
+        methods=tuple((name, _section(method.settings, data.get(name), name)) for name, method in known.items()),
+    )
     _check(config)
     return config
 
@@ -241,10 +268,14 @@ def _check(config: RunConfig) -> None:
             f"({factors}); {split_hint(blocks, product)}"
         )
     if config.data.kind not in kind.data:
-        raise ConfigError(f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; it needs data.kind "
-                          + " or ".join(kind.data))
+        raise ConfigError(
+            f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; it needs data.kind "
+            + " or ".join(kind.data)
+        )
     if config.data.tokenizer and config.data.kind != "causal":
-        raise ConfigError("data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab")
+        raise ConfigError(
+            "data.tokenizer: a tokenizer.json is read by data.kind causal; BERT data takes a vocab.txt as data.vocab"
+        )
     names = FIRST_ORDER + tuple(name for name, _ in config.methods)
     if config.optimizer.name not in names:
         raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
@@ -258,12 +289,16 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if pipeline.tensor_parallel > 1:
         _check_tensor_parallel(config)
-    problem = recompute_problem(model.recompute, pipeline.schedule, pipeline.tensor_parallel, _splits_backward(pipeline))
+    problem = recompute_problem(
+        model.recompute, pipeline.schedule, pipeline.tensor_parallel, _splits_backward(pipeline)
+    )
     if problem:
         raise ConfigError(f"model.recompute: {problem}")
     if config.run.compile and _splits_backward(pipeline):
-        raise ConfigError(f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
-                          "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b")
+        raise ConfigError(
+            f"run.compile: {pipeline.schedule} splits each block's backward into input and weight gradients, "
+            "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b"
+        )
     check_applies(config)  # last: what cannot run at all is said first, then what would be ignored
 
 
@@ -274,27 +309,36 @@ def _check_tensor_parallel(config: RunConfig) -> None:
     kind = model_kind(model.kind)
     if not kind.tensor_parallel:
         splittable = ", ".join(name for name, other in kinds().items() if other.tensor_parallel)
-        raise ConfigError(f"pipeline.tensor_parallel: model.kind {kind.name} has no tensor-parallel split; use model.kind "
-                          f"{splittable}, or pipeline.tensor_parallel 1")
+        raise ConfigError(
+            f"pipeline.tensor_parallel: model.kind {kind.name} has no tensor-parallel split; use model.kind "
+            f"{splittable}, or pipeline.tensor_parallel 1"
+        )
     for name in kind.tensor_parallel_divides:
         value = getattr(model, name)
         if value % degree:
-            raise ConfigError(f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; "
-                              f"make it a divisor of {value}")
+            raise ConfigError(
+                f"pipeline.tensor_parallel: {degree} does not divide model.{name} {value}; make it a divisor of {value}"
+            )
     if config.run.compile:
-        raise ConfigError("run.compile: tensor-parallel blocks call collectives inside forward and backward, which "
-                          "compiled blocks do not; set run.compile false or pipeline.tensor_parallel 1")
+        raise ConfigError(
+            "run.compile: tensor-parallel blocks call collectives inside forward and backward, which "
+            "compiled blocks do not; set run.compile false or pipeline.tensor_parallel 1"
+        )
 
 
 def recompute_problem(recompute: str, schedule: str, tensor_parallel: int, splits_backward: bool) -> str:
     """Why `model.recompute` cannot run under this schedule and tensor-parallel degree, with the
     fix ("" when it can); `splits_backward`: the schedule splits backwards (zero-bubble ones)."""
     if recompute != "none" and tensor_parallel > 1:
-        return (f"{recompute} would run each recomputed block's tensor-parallel all-reduces again inside the backward, "
-                "outside the issue order the executor checks; set model.recompute none or pipeline.tensor_parallel 1")
+        return (
+            f"{recompute} would run each recomputed block's tensor-parallel all-reduces again inside the backward, "
+            "outside the issue order the executor checks; set model.recompute none or pipeline.tensor_parallel 1"
+        )
     if recompute == "blocks" and splits_backward:
-        return (f"blocks under {schedule}, whose split backward recomputes each block again for every weight-gradient pass "
-                "(9 times instead of once on the regression model); use model.recompute selective or pipeline.schedule 1f1b")
+        return (
+            f"blocks under {schedule}, whose split backward recomputes each block again for every weight-gradient pass "
+            "(9 times instead of once on the regression model); use model.recompute selective or pipeline.schedule 1f1b"
+        )
     return ""
 
 

@@ -18,11 +18,14 @@ T = TypeVar("T")
 
 #: YAML 1.2's floats (and Python's `float()`'s) where YAML 1.1 needs a dot and a signed exponent:
 #: 1e-3, 3E-2, 1.5e3, .5, 1_000.5 (PyYAML's own resolver reads 1e-3 as the string '1e-3')
-_FLOAT = re.compile(r"""^[-+]?(?:
+_FLOAT = re.compile(
+    r"""^[-+]?(?:
       [0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?
     | \.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     | \.(?:inf|Inf|INF))$
-    | ^\.(?:nan|NaN|NAN)$""", re.X)
+    | ^\.(?:nan|NaN|NAN)$""",
+    re.X,
+)
 
 
 _DUPLICATE = "is written twice in this mapping; keep one"
@@ -37,8 +40,7 @@ class NumberLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"{key!r} {_DUPLICATE}",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} {_DUPLICATE}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -57,15 +59,21 @@ def parse_yaml(text: str) -> Any:
 _PROBLEMS = (
     ("found character '\\t' that cannot start any token", "a tab character; YAML indents with spaces"),
     ("could not find expected ':'", "a key without its ':'; write `key: value`"),
-    ("mapping values are not allowed here",
-     "a ':' where no key may start; is the line above missing its ':', or is this line indented deeper than its neighbours?"),
+    (
+        "mapping values are not allowed here",
+        "a ':' where no key may start; is the line above missing its ':', or is this line indented deeper than its neighbours?",
+    ),
 )
 
 
 def yaml_problem(exc: yaml.YAMLError, path: str) -> str:
     """One line `path:line:column: what is wrong` for a YAML error (1-based place, where PyYAML knows it)."""
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0] or type(exc).__name__
-    said = problem if problem.endswith(_DUPLICATE) else next((words for known, words in _PROBLEMS if problem.startswith(known)), None)
+    said = (
+        problem
+        if problem.endswith(_DUPLICATE)
+        else next((words for known, words in _PROBLEMS if problem.startswith(known)), None)
+    )
     mark = getattr(exc, "problem_mark", None)
     if problem.startswith("could not find expected ':'"):
         mark = getattr(exc, "context_mark", None) or mark  # where the key began, not the line after
@@ -75,8 +83,9 @@ def yaml_problem(exc: yaml.YAMLError, path: str) -> str:
     return f"{path}:{mark.line + 1}:{mark.column + 1}: {said}" if mark is not None else f"{path}: {said}"
 
 
-def load_structured(path: str | Path, what: str, build: Callable[[Any], T], error: type[ValueError],
-                    schema: str | None = None) -> T:
+def load_structured(
+    path: str | Path, what: str, build: Callable[[Any], T], error: type[ValueError], schema: str | None = None
+) -> T:
     """`build(parsed content of path)`; any problem raises `error` naming the file (and `what` it
     is): unreadable, a folder, not text, empty, not YAML/JSON, or a pipefisher file of another
     kind than `schema` says (its own `schema` field names the kind; `schema` None: a file without
@@ -99,7 +108,11 @@ def load_structured(path: str | Path, what: str, build: Callable[[Any], T], erro
     except yaml.YAMLError as exc:
         raise error(yaml_problem(exc, str(path))) from None
     other = data.get("schema") if isinstance(data, dict) else None
-    if isinstance(other, str) and other.startswith("pipefisher.") and other.split("/")[0] != (schema or "").split("/")[0]:
+    if (
+        isinstance(other, str)
+        and other.startswith("pipefisher.")
+        and other.split("/")[0] != (schema or "").split("/")[0]
+    ):
         kind = other.split(".", 1)[1].split("/")[0]
         raise error(f"{path} is a pipefisher {kind} file ({other}), not a {what}")
     try:
@@ -148,6 +161,7 @@ def write_folder_atomically(folder: str | Path, write: Callable[[Path], None]) -
 
 def write_text_atomically(path: str | Path, text: str) -> None:
     """`text` into `path` through `write_atomically`."""
+
     def write(temporary: Path) -> None:
         temporary.write_text(text)
 

@@ -83,7 +83,9 @@ class Op:
     layer: str | None = None
     _hash: int = field(init=False, repr=False, compare=False)
 
-    def __init__(self, kind: OpKind, stage: int, micro_batch: int | None = None, pipe: int = 0, layer: str | None = None) -> None:
+    def __init__(
+        self, kind: OpKind, stage: int, micro_batch: int | None = None, pipe: int = 0, layer: str | None = None
+    ) -> None:
         """Set the fields once (ops are immutable; schedules build tens of thousands of them, so
         this is written out rather than generated) and check them; ScheduleError if they do not
         fit the kind or are negative."""
@@ -125,9 +127,7 @@ class Op:
         """Inverse of `str(op)`."""
         match = _OP_PATTERN.match(text.strip())
         if match is None:
-            raise ScheduleError(
-                f"cannot parse op {text!r}: expected [p<pipe>.]<stage><KIND>[<micro-batch>][:<layer>]"
-            )
+            raise ScheduleError(f"cannot parse op {text!r}: expected [p<pipe>.]<stage><KIND>[<micro-batch>][:<layer>]")
         mb = match["mb"]
         return cls(
             kind=OpKind(match["kind"]),
@@ -291,7 +291,10 @@ def format_grid(
     start = max(0, min(first - max_columns // 2, length - max_columns))
     stop = min(length, start + max_columns)
     cells = [
-        [(f">{ops[pos]}<" if (rank, pos) in marks else str(ops[pos])) if pos < len(ops) else "." for pos in range(start, stop)]
+        [
+            (f">{ops[pos]}<" if (rank, pos) in marks else str(ops[pos])) if pos < len(ops) else "."
+            for pos in range(start, stop)
+        ]
         for rank, ops in enumerate(ranks)
     ]
     width = max((len(c) for row in cells for c in row), default=1)

@@ -88,7 +88,13 @@ class LayerProfile:
     docstring says. A plain mapping given as `samples` is checked and stored as `Samples`."""
 
     TIME_FIELDS: ClassVar[tuple[str, ...]] = (
-        "curvature_a", "curvature_b", "inverse_a", "inverse_b", "precondition", "sync_a", "sync_b"
+        "curvature_a",
+        "curvature_b",
+        "inverse_a",
+        "inverse_b",
+        "precondition",
+        "sync_a",
+        "sync_b",
     )
     BYTE_FIELDS: ClassVar[tuple[str, ...]] = ("capture_a_bytes", "capture_b_bytes")
 
@@ -153,7 +159,9 @@ class StageProfile:
     def to_dict(self) -> dict[str, Any]:
         """The file's fields; `step_end`, `grad_reduce` and samples only where given."""
         data: dict[str, Any] = {
-            key: getattr(self, key) for key in self.TIME_FIELDS if key not in _OPTIONAL_STAGE_TIMES or getattr(self, key)
+            key: getattr(self, key)
+            for key in self.TIME_FIELDS
+            if key not in _OPTIONAL_STAGE_TIMES or getattr(self, key)
         }
         if self.samples:
             data["samples"] = {key: list(values) for key, values in self.samples.items()}
@@ -306,7 +314,9 @@ def _layer(data: Any, where: str) -> LayerProfile:
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{where}.name: missing; give the layer's module name")
-    times: dict[str, Any] = {key: _time(data, key, where, required=key not in _OPTIONAL_LAYER_TIMES) for key in LayerProfile.TIME_FIELDS}
+    times: dict[str, Any] = {
+        key: _time(data, key, where, required=key not in _OPTIONAL_LAYER_TIMES) for key in LayerProfile.TIME_FIELDS
+    }
     sizes: dict[str, Any] = {key: _bytes(data, key, where) for key in LayerProfile.BYTE_FIELDS}
     samples = _samples(data.get("samples", {}), LayerProfile.TIME_FIELDS, f"{where}.samples")
     return LayerProfile(name=name, **times, **sizes, samples=samples)
@@ -324,7 +334,9 @@ def _stage(data: Any, where: str) -> StageProfile:
     if duplicate is not None:
         raise ProfileError(f"{where}.layers: layer name {duplicate!r} appears twice")
     if _time(data, "weight", where, required=False) > _time(data, "backward", where):
-        raise ProfileError(f"{where}.weight: {data['weight']} exceeds backward {data['backward']}; it is the weight-gradient part of the backward")
+        raise ProfileError(
+            f"{where}.weight: {data['weight']} exceeds backward {data['backward']}; it is the weight-gradient part of the backward"
+        )
     return StageProfile(
         forward=_time(data, "forward", where),
         backward=_time(data, "backward", where),
@@ -351,13 +363,17 @@ def profile_from_dict(data: Any) -> Profile:
         raise ProfileError(f"micro_batch_size: {mbs!r} must be a positive integer")
     degree = data.get("tensor_parallel", 1)
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ProfileError(f"tensor_parallel: {degree!r} must be a positive integer (the tensor-parallel degree; 1 = none)")
+        raise ProfileError(
+            f"tensor_parallel: {degree!r} must be a positive integer (the tensor-parallel degree; 1 = none)"
+        )
     method = data.get("method", DEFAULT_METHOD)
     if method not in methods():
         raise ProfileError(f"method: {method!r} is not one of {', '.join(methods())}")
     recompute = data.get("recompute", "none")
     if recompute not in RECOMPUTE_MODES:
-        raise ProfileError(f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)} (the run's model.recompute)")
+        raise ProfileError(
+            f"recompute: {recompute!r} is not one of {', '.join(RECOMPUTE_MODES)} (the run's model.recompute)"
+        )
     seq_len = data.get("seq_len")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ProfileError(f"seq_len: {seq_len!r} must be a positive integer (the run's model.seq_len)")

@@ -93,8 +93,18 @@ class Setting:
     range: Range | None = None
 
 
-def setting(default: Any, doc: str, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-            high_open: bool = False, special: tuple[float, ...] = (), note: str = "", ceiling: Ceiling | None = None) -> Any:
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    special: tuple[float, ...] = (),
+    note: str = "",
+    ceiling: Ceiling | None = None,
+) -> Any:
     """A run-file key: a dataclass field with `default`, one line of `doc` and, for numbers, the
     range low..high (open ends as flagged) with `special` values allowed besides, and for counts
     the `ceiling` no run reaches."""
@@ -127,8 +137,12 @@ def check_ranges(section: Any, where: str, label: Callable[[str], str] | None = 
             if not problem and isinstance(element, int) and abs(element) > MAX_INTEGER:
                 problem = "is beyond a 64-bit integer"
             if problem:
-                name = (label(field.name) if label else f"{where}.{field.name}") + (f"[{index}]" if isinstance(value, tuple) else "")
-                note = f" ({allowed.note})" if allowed is not None and allowed.note and problem.startswith("must") else ""
+                name = (label(field.name) if label else f"{where}.{field.name}") + (
+                    f"[{index}]" if isinstance(value, tuple) else ""
+                )
+                note = (
+                    f" ({allowed.note})" if allowed is not None and allowed.note and problem.startswith("must") else ""
+                )
                 shown = element if isinstance(element, int) else f"{element:g}"
                 raise ConfigError(f"{name}: {shown} {problem}{note}")
 
@@ -170,5 +184,9 @@ class DescribedKey:
 def described_keys(section: type) -> list[DescribedKey]:
     """Every key of a section class, in declaration order."""
     hints = typing.get_type_hints(section)
-    return [DescribedKey(field.name, type_name(hints[field.name]), field.default, declared(field).range, declared(field).doc)
-            for field in dataclasses.fields(section)]
+    return [
+        DescribedKey(
+            field.name, type_name(hints[field.name]), field.default, declared(field).range, declared(field).doc
+        )
+        for field in dataclasses.fields(section)
+    ]

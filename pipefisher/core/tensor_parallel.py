@@ -30,8 +30,12 @@ TensorParallelPlan = Mapping[str, Split]
 #: the split of each Linear layer of a transformer block, by the names of
 #: `pipefisher.planning.transformer_profile.BLOCK_LAYERS`
 BLOCK_SPLITS: dict[str, Split] = {
-    "attention.query": Split.COLUMN, "attention.key": Split.COLUMN, "attention.value": Split.COLUMN,
-    "attention.output": Split.ROW, "intermediate": Split.COLUMN, "output": Split.ROW,
+    "attention.query": Split.COLUMN,
+    "attention.key": Split.COLUMN,
+    "attention.value": Split.COLUMN,
+    "attention.output": Split.ROW,
+    "intermediate": Split.COLUMN,
+    "output": Split.ROW,
 }
 
 

@@ -60,12 +60,14 @@ class Topology:
 
     def replica_ranks(self, stage: int) -> tuple[int, ...]:
         """All ranks holding a copy of `stage` (other pipes, other data-parallel replicas)."""
-        return tuple(sorted(
-            self.rank(replica, pipe, s)
-            for replica in range(self.data_parallel)
-            for (pipe, s) in self.schedule.placement
-            if s == stage
-        ))
+        return tuple(
+            sorted(
+                self.rank(replica, pipe, s)
+                for replica in range(self.data_parallel)
+                for (pipe, s) in self.schedule.placement
+                if s == stage
+            )
+        )
 
     def global_micro_batch(self, rank: int, micro_batch: int) -> int:
         return self.replica_of(rank) * self.schedule.num_micro_batches + micro_batch

@@ -24,7 +24,9 @@ BATCH_KEYS: tuple[str, ...] = ("input_ids", "attention_mask", "labels")
 _TOKENS_RECIPE = "causal-documents-v1"  # part of the token cache key: change it when tokenization changes
 
 
-def tokenize_documents(documents: list[list[str]], tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> np.ndarray:
+def tokenize_documents(
+    documents: list[list[str]], tokenizer: Tokenizer, cache_dir: str | Path | None = None
+) -> np.ndarray:
     """Token ids (int32) of the documents, each followed by the end-of-text id (sentences joined by
     spaces, no other special tokens); cached in `cache_dir` as .npy keyed by corpus and tokenizer."""
     path = None
@@ -53,10 +55,19 @@ class CausalLMData:
     sharding is the caller's, as for `PretrainingData`.
     """
 
-    def __init__(self, documents: list[list[str]], tokenizer: Tokenizer, seq_len: int, micro_batch_size: int, seed: int,
-                 cache_dir: str | Path | None = None):
+    def __init__(
+        self,
+        documents: list[list[str]],
+        tokenizer: Tokenizer,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        cache_dir: str | Path | None = None,
+    ):
         if seq_len < 2 or micro_batch_size < 1 or seed < 0:
-            raise ValueError(f"need seq_len >= 2, micro_batch_size >= 1 and seed >= 0, got {seq_len}, {micro_batch_size}, {seed}")
+            raise ValueError(
+                f"need seq_len >= 2, micro_batch_size >= 1 and seed >= 0, got {seq_len}, {micro_batch_size}, {seed}"
+            )
         self.tokenizer = tokenizer
         self.seq_len, self.micro_batch_size, self.seed = seq_len, micro_batch_size, seed
         self.end_of_text = end_of_text_id(tokenizer)
@@ -76,6 +87,8 @@ class CausalLMData:
         labels (= input_ids)."""
         if step < 0 or micro_batch < 0:
             raise ValueError(f"step and micro_batch must be >= 0, got {step} and {micro_batch}")
-        rows = np.random.default_rng([self.seed, step, micro_batch]).integers(len(self.sequences), size=self.micro_batch_size)
+        rows = np.random.default_rng([self.seed, step, micro_batch]).integers(
+            len(self.sequences), size=self.micro_batch_size
+        )
         input_ids = torch.from_numpy(self.sequences[rows].astype(np.int64))
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}

@@ -30,7 +30,9 @@ def split_documents(documents: list[list[str]], share: float) -> tuple[list[list
     when a side would be empty while `share` > 0."""
     held = set(held_out_indices(len(documents), share))
     if share > 0 and not 0 < len(held) < len(documents):
-        raise ValueError(f"holdout: {share} of {len(documents)} documents leaves a side empty; use a share that holds out at least one")
+        raise ValueError(
+            f"holdout: {share} of {len(documents)} documents leaves a side empty; use a share that holds out at least one"
+        )
     train = [document for i, document in enumerate(documents) if i not in held]
     return train, [documents[i] for i in sorted(held)]
 

@@ -42,7 +42,9 @@ class TokenizedCorpus:
     def save(self, path: Path) -> None:
         """Write the three arrays to `path` in .npz format."""
         with open(path, "wb") as file:
-            np.savez(file, tokens=self.tokens, sentence_starts=self.sentence_starts, document_starts=self.document_starts)
+            np.savez(
+                file, tokens=self.tokens, sentence_starts=self.sentence_starts, document_starts=self.document_starts
+            )
 
     @property
     def num_documents(self) -> int:
@@ -53,7 +55,9 @@ class TokenizedCorpus:
         return len(self.sentence_starts) - 1
 
 
-def tokenize_corpus(documents: list[list[str]], tokenizer: Tokenizer, cache_dir: str | Path | None = None) -> TokenizedCorpus:
+def tokenize_corpus(
+    documents: list[list[str]], tokenizer: Tokenizer, cache_dir: str | Path | None = None
+) -> TokenizedCorpus:
     """Every sentence of `documents` encoded once (batch encode, no special tokens added; any
     [PAD]/[CLS]/[SEP]/[MASK] produced by the text itself removed). Sentences left empty and then
     documents with fewer than two sentences are dropped. With `cache_dir`, the result is cached
@@ -127,7 +131,9 @@ class PretrainingData:
         self.seq_len, self.micro_batch_size, self.seed, self.mask_prob = seq_len, micro_batch_size, seed, mask_prob
         self.corpus = tokenize_corpus(documents, tokenizer, cache_dir)
         if self.corpus.num_documents < 2:
-            raise ValueError(f"need at least 2 documents of 2+ sentences for next-sentence prediction, got {self.corpus.num_documents}")
+            raise ValueError(
+                f"need at least 2 documents of 2+ sentences for next-sentence prediction, got {self.corpus.num_documents}"
+            )
         self._special = SpecialIds.from_tokenizer(tokenizer)
         self._random_ids = np.setdiff1d(np.arange(self.vocab_size), self._special.as_tuple())
         self._sentence_document = np.repeat(np.arange(self.corpus.num_documents), np.diff(self.corpus.document_starts))
@@ -199,7 +205,9 @@ class PretrainingData:
         mlm_labels[positions] = input_ids[positions]
         action = rng.random(num_masked)
         random_ids = self._random_ids[rng.integers(len(self._random_ids), size=num_masked)]
-        input_ids[positions] = np.where(action < 0.8, special.mask, np.where(action < 0.9, random_ids, input_ids[positions]))
+        input_ids[positions] = np.where(
+            action < 0.8, special.mask, np.where(action < 0.9, random_ids, input_ids[positions])
+        )
         return {
             "input_ids": input_ids,
             "token_type_ids": token_type_ids,

@@ -88,7 +88,10 @@ def train_wordpiece(documents: list[list[str]], vocab_size: int, cache_dir: str 
     def train() -> Tokenizer:
         tokenizer = _bert_pipeline(models.WordPiece(unk_token=UNK))
         trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), continuing_subword_prefix="##", show_progress=False
+            vocab_size=vocab_size,
+            special_tokens=list(SPECIAL_TOKENS),
+            continuing_subword_prefix="##",
+            show_progress=False,
         )
         tokenizer.train_from_iterator((sentence for document in documents for sentence in document), trainer)
         return _add_post_processor(tokenizer)
@@ -109,8 +112,9 @@ def _cache_path(kind: str, recipe: str, documents: list[list[str]], vocab_size: 
     return Path(cache_dir) / f"{kind}-{vocab_size}-{key}.json"
 
 
-def _cached_training(kind: str, recipe: str, documents: list[list[str]], vocab_size: int, cache_dir: str | Path | None,
-                     train) -> Tokenizer:
+def _cached_training(
+    kind: str, recipe: str, documents: list[list[str]], vocab_size: int, cache_dir: str | Path | None, train
+) -> Tokenizer:
     """`train()` once per (corpus, vocab size, recipe) in `cache_dir`: the first tokenizer saved
     there (first writer wins) is the one every later or concurrent call returns."""
     if cache_dir is None:
@@ -132,8 +136,12 @@ def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, cache_dir:
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[END_OF_TEXT],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tokenizer.train_from_iterator((" ".join(document) for document in documents), trainer)
         return tokenizer
 

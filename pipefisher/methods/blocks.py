@@ -84,6 +84,6 @@ def block_views(flat: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
     views = []
     start = 0
     for n in sizes:
-        views.append(flat[start:start + n * n].view(n, n))
+        views.append(flat[start : start + n * n].view(n, n))
         start += n * n
     return views

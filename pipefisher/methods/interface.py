@@ -35,9 +35,17 @@ def tied_copies(model) -> tuple[str, ...]:
     return tuple(sorted({f"*{name}" for _, name in model.tied_parameters()}))
 
 
-def broadcast_from_owner(comm: Comm, topology: Topology, rank: int, owner_pipe: int, collective: Collective,
-                         shared: Callable[[], Tensor], buffer: Callable[[], Tensor],
-                         receive: Callable[[Tensor], None], sent: Callable[[], None] | None = None) -> Handle:
+def broadcast_from_owner(
+    comm: Comm,
+    topology: Topology,
+    rank: int,
+    owner_pipe: int,
+    collective: Collective,
+    shared: Callable[[], Tensor],
+    buffer: Callable[[], Tensor],
+    receive: Callable[[Tensor], None],
+    sent: Callable[[], None] | None = None,
+) -> Handle:
     """An exchange: the refresh result of `collective.key` = (stage, layer, factor) (an inverse, a
     root) goes from the owner pipe's rank of data-parallel replica 0 (`shared()`; `sent()` runs
     there once it is out) to the stage's other replicas, which receive into `buffer()` and hand it
@@ -118,8 +126,10 @@ class CurvatureRuntime:
 
     def state_dict(self) -> dict:
         """Every engine's state by "<pipe>.<stage>" and the cycle's state (for byte counts)."""
-        return {"engines": {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()},
-                "cycle": self.cycle_state()}
+        return {
+            "engines": {f"{pipe}.{stage}": engine.state_dict() for (pipe, stage), engine in self.engines.items()},
+            "cycle": self.cycle_state(),
+        }
 
 
 E = TypeVar("E", bound=CurvatureEngine)
@@ -137,10 +147,21 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
     stage's module), `comm`, the first `plan`, `skip` (`MethodParts.skip` globs) and `loss_scale()`
     (fp16's current loss scale, None otherwise)."""
 
-    def __init__(self, config: Any, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
-                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        topology: Topology,
+        rank: int,
+        modules: dict[tuple[int, int], nn.Module],
+        comm: Comm,
+        plan: Plan,
+        skip: tuple[str, ...] = (),
+        loss_scale: Callable[[], Tensor | None] = lambda: None,
+    ) -> None:
         self.config, self.topology, self.rank, self.comm, self.loss_scale = config, topology, rank, comm, loss_scale
-        self.engines: dict[tuple[int, int], E] = {key: self.build_engine(config, module, skip) for key, module in modules.items()}
+        self.engines: dict[tuple[int, int], E] = {
+            key: self.build_engine(config, module, skip) for key, module in modules.items()
+        }
         #: a rank holds at most one copy of a stage
         self.engine_of_stage: dict[int, E] = {stage: engine for (_, stage), engine in self.engines.items()}
         ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
@@ -187,13 +208,28 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
         """A sync: sum `tensors` in place over the replicas of the stage (`collective.group`)."""
         return self.comm.all_reduce(tensors, collective.group)
 
-    def broadcast(self, collective: Collective, shared: Callable[[], Tensor], buffer: Callable[[], Tensor],
-                  receive: Callable[[Tensor], None], sent: Callable[[], None] | None = None) -> Handle:
+    def broadcast(
+        self,
+        collective: Collective,
+        shared: Callable[[], Tensor],
+        buffer: Callable[[], Tensor],
+        receive: Callable[[Tensor], None],
+        sent: Callable[[], None] | None = None,
+    ) -> Handle:
         """An exchange of `collective.key` = (stage, layer, part) from its owner
         (`broadcast_from_owner`)."""
         stage, layer, part = collective.key
-        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owner(stage, layer, part), collective,
-                                    shared, buffer, receive, sent)
+        return broadcast_from_owner(
+            self.comm,
+            self.topology,
+            self.rank,
+            self.owner(stage, layer, part),
+            collective,
+            shared,
+            buffer,
+            receive,
+            sent,
+        )
 
 
 class TaskTimer:
@@ -235,14 +271,18 @@ class ReferenceCurvature:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "before_optimizer_step" in vars(cls):
-            raise TypeError(f"{cls.__name__}.before_optimizer_step: the reference's hook after the backwards is "
-                            "`after_step_backwards(step)` (renamed in method API v1; `before_optimizer_step` is the runtime's)")
+            raise TypeError(
+                f"{cls.__name__}.before_optimizer_step: the reference's hook after the backwards is "
+                "`after_step_backwards(step)` (renamed in method API v1; `before_optimizer_step` is the runtime's)"
+            )
 
     def __init__(self, config: Any, model: Any, modules: nn.Module) -> None:
         name = config.optimizer.name
         section = config.curvature
         if section.refresh_steps < 1:
-            raise ValueError(f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer")
+            raise ValueError(
+                f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer"
+            )
         #: the refresh interval: step s is the first of its cycle when s % k == 0, the last when s % k == k - 1
         self.k: int = section.refresh_steps
 

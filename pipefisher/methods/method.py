@@ -61,13 +61,17 @@ class TaskRules:
             raise ValueError(f"factors: {self.factors!r} must be (), ('A',) or ('A', 'B')")
         for split, part in self.shared_when_split:
             if split not in ("column", "row") or part not in self.factors:
-                raise ValueError(f"shared_when_split: ({split!r}, {part!r}) must pair 'column' or 'row' with one of {self.factors!r}")
+                raise ValueError(
+                    f"shared_when_split: ({split!r}, {part!r}) must pair 'column' or 'row' with one of {self.factors!r}"
+                )
         if not self.syncs:
             if self.sync_of:
                 raise ValueError(f"sync_of: {self.sync_of!r} names syncs of a method without any (`syncs` is empty)")
             return
         parts = [part for part, _ in self.sync_of]
-        if sorted(parts) != sorted(self.factors) or not {sync for _, sync in self.sync_of} <= set(self.syncs) <= set(self.factors):
+        if sorted(parts) != sorted(self.factors) or not {sync for _, sync in self.sync_of} <= set(self.syncs) <= set(
+            self.factors
+        ):
             raise ValueError(f"sync_of: {self.sync_of!r} must name one sync of `syncs` for each of {self.factors!r}")
 
     def shared_factor(self, split: str | None) -> str | None:
@@ -75,7 +79,9 @@ class TaskRules:
         the shards of a rank; None when nothing is shared."""
         return None if split is None else dict(self.shared_when_split).get(split)
 
-    def shared_statistics(self, layers: Iterable[tuple[int, str]], plan: TensorParallelPlan) -> frozenset[tuple[int, str, str]]:
+    def shared_statistics(
+        self, layers: Iterable[tuple[int, str]], plan: TensorParallelPlan
+    ) -> frozenset[tuple[int, str, str]]:
         """(stage, layer, part) of the (stage, layer) `layers` whose part the shards of a rank
         share when `plan` splits the model (`shared_when_split`)."""
         found = set()

@@ -20,27 +20,55 @@ class RefreshConfig:
     `reprofile_patience` cycles in a row, the run measures again and re-packs (a steady gap right
     after a fresh measurement counts as the simulator's error, not as drift)."""
 
-    lr: float = setting(0.0, "learning rate of the step of the parameters this method preconditions (0 = optimizer.lr)", low=0)
-    momentum: float = setting(0.0, "momentum of that step when it is SGD (0 = optimizer.momentum)", low=0, high=1, high_open=True)
+    lr: float = setting(
+        0.0, "learning rate of the step of the parameters this method preconditions (0 = optimizer.lr)", low=0
+    )
+    momentum: float = setting(
+        0.0, "momentum of that step when it is SGD (0 = optimizer.momentum)", low=0, high=1, high_open=True
+    )
     first_order: FirstOrder = setting(
-        "adamw", "rule of the parameters this method does not precondition (embeddings, tied copies, norms, biases it leaves): "
+        "adamw",
+        "rule of the parameters this method does not precondition (embeddings, tied copies, norms, biases it leaves): "
         "adamw or lamb at optimizer.lr (the rate of both when lr is 0) with optimizer.betas, eps, weight_decay; "
-        "sgd: the method's own SGD step at this section's lr and momentum, as before this key")
-    refresh_steps: int = setting(0, "refresh interval k: new refresh results every k steps", low=0, note="0 lets the packer choose", ceiling=STEP_CEILING)
+        "sgd: the method's own SGD step at this section's lr and momentum, as before this key",
+    )
+    refresh_steps: int = setting(
+        0,
+        "refresh interval k: new refresh results every k steps",
+        low=0,
+        note="0 lets the packer choose",
+        ceiling=STEP_CEILING,
+    )
     placement: Literal["packed", "after-step"] = setting(
-        "packed", "packed: the refresh work in the bubbles; after-step: in one block after the first step of each cycle")
+        "packed", "packed: the refresh work in the bubbles; after-step: in one block after the first step of each cycle"
+    )
     margin: float = setting(0.0, "share of each bubble kept free", low=0, high=1, high_open=True)
-    percentile: float = setting(90.0, "pack with this percentile of the profile's measured samples", low=0, high=100, low_open=True,
-                                note="50 = the median")
+    percentile: float = setting(
+        90.0,
+        "pack with this percentile of the profile's measured samples",
+        low=0,
+        high=100,
+        low_open=True,
+        note="50 = the median",
+    )
     max_overhead: float = setting(0.01, "budget of added step time, a share of the first-order step", low=0)
-    max_refresh_steps: int = setting(0, "cap on the refresh interval the packer may choose", low=0, note="0 = no cap",
-                                     ceiling=STEP_CEILING)
-    max_capture_mb: float = setting(0.0, "cap on captures held per device, MiB (packed plans)", low=0, note="0 = no cap")
+    max_refresh_steps: int = setting(
+        0, "cap on the refresh interval the packer may choose", low=0, note="0 = no cap", ceiling=STEP_CEILING
+    )
+    max_capture_mb: float = setting(
+        0.0, "cap on captures held per device, MiB (packed plans)", low=0, note="0 = no cap"
+    )
     split: bool = setting(True, "spread a stage's refresh work over its pipes' replicas and exchange the results")
-    profile: str = setting("", "a pipefisher.profile/v1 file of this run (\"\" = measure one before training)")
-    plan: str = setting("", "a pipefisher.plan/v1 file (`pipefisher pack -o`) to run as it is instead of packing (\"\" = pack)")
-    reprofile_threshold: float = setting(0.25, "re-profile when the cycle time drifts from the prediction by this share", low=0, low_open=True)
-    reprofile_patience: int = setting(3, "cycles in a row the drift must last", low=0, low_open=True, ceiling=STEP_CEILING)
+    profile: str = setting("", 'a pipefisher.profile/v1 file of this run ("" = measure one before training)')
+    plan: str = setting(
+        "", 'a pipefisher.plan/v1 file (`pipefisher pack -o`) to run as it is instead of packing ("" = pack)'
+    )
+    reprofile_threshold: float = setting(
+        0.25, "re-profile when the cycle time drifts from the prediction by this share", low=0, low_open=True
+    )
+    reprofile_patience: int = setting(
+        3, "cycles in a row the drift must last", low=0, low_open=True, ceiling=STEP_CEILING
+    )
 
     def check(self, name: str, config: Any) -> None:
         """Rules between this section's keys and the rest of the run (`config`, a `RunConfig`;

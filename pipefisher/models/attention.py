@@ -17,4 +17,6 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None) -> Tensor:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )

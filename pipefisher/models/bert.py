@@ -94,7 +94,9 @@ class BertConfig:
         """Config from an HF-style dict: keys this model does not use (architectures, model_type, ...)
         are ignored; a ``position_embedding_type`` other than "absolute" is rejected."""
         if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type: only 'absolute' is supported, got {d['position_embedding_type']!r}")
+            raise ValueError(
+                f"position_embedding_type: only 'absolute' is supported, got {d['position_embedding_type']!r}"
+            )
         names = {field.name for field in dataclasses.fields(cls)}
         return cls(**{key: value for key, value in d.items() if key in names})
 
@@ -138,7 +140,11 @@ class Embeddings(nn.Module):
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(token_type_ids)
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions)
+            + self.token_type_embeddings(token_type_ids)
+        )
         return self.dropout(self.LayerNorm(x))
 
 
@@ -312,7 +318,9 @@ class BertStagedModel:
 
     def __init__(self, config: BertConfig, seq_len: int):
         if not 1 <= seq_len <= config.max_position_embeddings:
-            raise ValueError(f"seq_len: expected 1..{config.max_position_embeddings} (max_position_embeddings), got {seq_len}")
+            raise ValueError(
+                f"seq_len: expected 1..{config.max_position_embeddings} (max_position_embeddings), got {seq_len}"
+            )
         self.config = config
         self.seq_len = seq_len
 
@@ -349,7 +357,9 @@ class BertStagedModel:
         Returns (total, {"mlm": detached, "nsp": detached})."""
         mlm_logits, nsp_logits = output
         labels = batch["mlm_labels"].reshape(-1)
-        summed = F.cross_entropy(mlm_logits.reshape(-1, mlm_logits.shape[-1]), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        summed = F.cross_entropy(
+            mlm_logits.reshape(-1, mlm_logits.shape[-1]), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         mlm = summed / (labels != IGNORE_INDEX).sum().clamp(min=1)
         nsp = F.cross_entropy(nsp_logits, batch["nsp_labels"])
         return mlm + nsp, {"mlm": mlm.detach(), "nsp": nsp.detach()}
@@ -370,10 +380,15 @@ class BertStagedModel:
         need a cross-entropy over vocabulary shards."""
         for name in ("num_attention_heads", "intermediate_size"):
             if getattr(self.config, name) % degree:
-                raise ValueError(f"{name}: {getattr(self.config, name)} is not divisible by pipeline.tensor_parallel {degree}")
+                raise ValueError(
+                    f"{name}: {getattr(self.config, name)} is not divisible by pipeline.tensor_parallel {degree}"
+                )
         block = "encoder.layer.*."
         return {f"{block}attention.self.{name}": Split.COLUMN for name in ("query", "key", "value")} | {
-            f"{block}attention.output.dense": Split.ROW, f"{block}intermediate.dense": Split.COLUMN, f"{block}output.dense": Split.ROW}
+            f"{block}attention.output.dense": Split.ROW,
+            f"{block}intermediate.dense": Split.COLUMN,
+            f"{block}output.dense": Split.ROW,
+        }
 
     def recompute_plan(self, mode: str) -> tuple[str, ...]:
         """Modules `model.recompute` `mode` checkpoints: every encoder block, or (selective)

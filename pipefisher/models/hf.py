@@ -32,8 +32,16 @@ from pipefisher.models.init import derive_seed
 #: config names shipped with the package (`pipefisher/models/hf_configs/<name>.json`)
 SHIPPED_CONFIGS = ("gpt2-tiny", "bert-tiny", "llama-tiny", "gpt2-medium")
 #: config fields that hold dropout probabilities, by family
-DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
-                  "attention_dropout", "mlp_dropout", "hidden_dropout")
+DROPOUT_FIELDS = (
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "attention_dropout",
+    "mlp_dropout",
+    "hidden_dropout",
+)
 
 
 def load_hf_config(spec: str, **overrides: Any):
@@ -68,8 +76,10 @@ def hf_model_class(name: str) -> type:
 
     cls = getattr(transformers, name, None) if name.isidentifier() else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise ValueError(f"hf_class: {name!r} is not a model class of transformers (e.g. GPT2LMHeadModel, "
-                         "BertForPreTraining, LlamaForCausalLM)")
+        raise ValueError(
+            f"hf_class: {name!r} is not a model class of transformers (e.g. GPT2LMHeadModel, "
+            "BertForPreTraining, LlamaForCausalLM)"
+        )
     return cls
 
 
@@ -121,8 +131,11 @@ class HfStagedModel:
         self.loss_parts = self.layout.loss_parts
         #: tied parameter name -> the name of the parameter it is a copy of
         self.tied = dict(self._skeleton.get_expanded_tied_weights_keys())
-        self._first_to_last = [(source, target) for target, source in self.tied.items()
-                               if _under(source, self.layout.first) and _under(target, self.layout.last)]
+        self._first_to_last = [
+            (source, target)
+            for target, source in self.tied.items()
+            if _under(source, self.layout.first) and _under(target, self.layout.last)
+        ]
         self.num_blocks = len(self._skeleton.get_submodule(self.layout.blocks))
         positions = getattr(config, "max_position_embeddings", None)
         if positions is not None and seq_len > positions:
@@ -133,7 +146,9 @@ class HfStagedModel:
     def stage_modules(self, index: int, num_stages: int) -> list[str]:
         """Dotted names of the modules stage `index` of `num_stages` holds."""
         if num_stages < 1 or self.num_blocks % num_stages:
-            raise ValueError(f"num_stages: {num_stages} does not divide the {self.num_blocks} blocks of {self.layout.blocks}")
+            raise ValueError(
+                f"num_stages: {num_stages} does not divide the {self.num_blocks} blocks of {self.layout.blocks}"
+            )
         if not 0 <= index < num_stages:
             raise ValueError(f"index: expected 0..{num_stages - 1}, got {index}")
         per_stage = self.num_blocks // num_stages
@@ -150,8 +165,10 @@ class HfStagedModel:
         where = lambda name: {index for index, modules in enumerate(holders) if _under(name, modules)}
         for target, source in self.tied.items():
             if where(target) != where(source) and (source, target) not in self._first_to_last[:1]:
-                raise ValueError(f"hf_class: {self.cls.__name__} ties {target} to {source}, which {num_stages} stages "
-                                 "hold apart; pipefisher sums the copies of one weight tied across the first and last stage only")
+                raise ValueError(
+                    f"hf_class: {self.cls.__name__} ties {target} to {source}, which {num_stages} stages "
+                    "hold apart; pipefisher sums the copies of one weight tied across the first and last stage only"
+                )
 
     def stage_ends(self, num_stages: int) -> list[str]:
         """Names of the last block of every stage but the last: where the unsplit model's hidden
@@ -236,8 +253,10 @@ class HfStagedModel:
         """Modules `model.recompute` `mode` checkpoints: every block of the block list; ValueError
         for selective (a Hugging Face attention module computes its core inline, no module to name)."""
         if mode == "selective":
-            raise ValueError(f"recompute: selective needs an attention core apart from its projections, which "
-                             f"{self.cls.__name__} computes inside its attention module; use model.recompute blocks")
+            raise ValueError(
+                f"recompute: selective needs an attention core apart from its projections, which "
+                f"{self.cls.__name__} computes inside its attention module; use model.recompute blocks"
+            )
         return {"none": (), "blocks": (f"{self.layout.blocks}.*",)}[mode]
 
     def _initialise(self, root: nn.Module, seed: int) -> None:

@@ -72,8 +72,13 @@ def _causal_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[st
 
     positions = _positions(stand_in)
     no_cache = {_cache_keyword(create_causal_mask): None}
-    mask = create_causal_mask(config=stage.config, inputs_embeds=stand_in, attention_mask=batch.get("attention_mask"),
-                              position_ids=positions, **no_cache)
+    mask = create_causal_mask(
+        config=stage.config,
+        inputs_embeds=stand_in,
+        attention_mask=batch.get("attention_mask"),
+        position_ids=positions,
+        **no_cache,
+    )
     return {"attention_mask": mask, "position_ids": positions, "use_cache": False}
 
 
@@ -86,15 +91,20 @@ def _cache_keyword(create_causal_mask: Callable[..., Any]) -> str:
 
 def _rotary_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
     context = _causal_context(stage, stand_in, batch)
-    context["position_embeddings"] = stage.get_submodule("model.rotary_emb")(stand_in, position_ids=context["position_ids"])
+    context["position_embeddings"] = stage.get_submodule("model.rotary_emb")(
+        stand_in, position_ids=context["position_ids"]
+    )
     return context
 
 
 def _bidirectional_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
     from transformers.masking_utils import create_bidirectional_mask
 
-    return {"attention_mask": create_bidirectional_mask(config=stage.config, inputs_embeds=stand_in,
-                                                        attention_mask=batch["attention_mask"])}
+    return {
+        "attention_mask": create_bidirectional_mask(
+            config=stage.config, inputs_embeds=stand_in, attention_mask=batch["attention_mask"]
+        )
+    }
 
 
 def _gpt2_embed(stage: nn.Module, batch: Batch) -> Tensor:
@@ -108,8 +118,13 @@ def _causal_inputs(batch: Batch) -> dict[str, Tensor]:
 
 
 def _bert_inputs(batch: Batch) -> dict[str, Tensor]:
-    return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"], "attention_mask": batch["attention_mask"],
-            "labels": batch["mlm_labels"], "next_sentence_label": batch["nsp_labels"]}
+    return {
+        "input_ids": batch["input_ids"],
+        "token_type_ids": batch["token_type_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": batch["mlm_labels"],
+        "next_sentence_label": batch["nsp_labels"],
+    }
 
 
 def _bert_head(stage: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -120,7 +135,9 @@ def bert_pretraining_loss(output: tuple[Tensor, Tensor], batch: Batch) -> tuple[
     """BertForPreTraining's loss: masked-LM cross-entropy (mean over labelled positions) plus
     next-sentence cross-entropy (mean over the micro-batch); parts detached."""
     mlm_logits, nsp_logits = output
-    mlm = F.cross_entropy(mlm_logits.reshape(-1, mlm_logits.shape[-1]), batch["mlm_labels"].reshape(-1), ignore_index=IGNORE_INDEX)
+    mlm = F.cross_entropy(
+        mlm_logits.reshape(-1, mlm_logits.shape[-1]), batch["mlm_labels"].reshape(-1), ignore_index=IGNORE_INDEX
+    )
     nsp = F.cross_entropy(nsp_logits.reshape(-1, 2), batch["nsp_labels"].reshape(-1))
     return mlm + nsp, {"mlm": mlm.detach(), "nsp": nsp.detach()}
 
@@ -140,7 +157,7 @@ LAYOUTS: dict[str, Layout] = {
         outputs=lambda out: out.logits,
         unsupported=("add_cross_attention",),
         no_tensor_parallel="GPT-2 projects query, key and value with one fused Conv1D (c_attn), which pipefisher does not split; "
-                           "use a Llama-like model (e.g. hf_config llama-tiny)",
+        "use a Llama-like model (e.g. hf_config llama-tiny)",
     ),
     "bert.encoder.layer": Layout(
         blocks="bert.encoder.layer",
@@ -149,7 +166,9 @@ LAYOUTS: dict[str, Layout] = {
         last=("bert.pooler", "cls"),
         every=(),
         data="bert",
-        embed=lambda stage, batch: stage.get_submodule("bert.embeddings")(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"]),
+        embed=lambda stage, batch: stage.get_submodule("bert.embeddings")(
+            input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"]
+        ),
         context=_bidirectional_context,
         head=_bert_head,
         model_inputs=_bert_inputs,
@@ -157,7 +176,7 @@ LAYOUTS: dict[str, Layout] = {
         loss_parts=("mlm", "nsp"),
         unsupported=("is_decoder", "add_cross_attention"),
         no_tensor_parallel="Hugging Face's BERT attention reshapes by its configured head count, which a shard does not have; "
-                           "use model.kind bert (the same architecture, split) or a Llama-like model",
+        "use model.kind bert (the same architecture, split) or a Llama-like model",
     ),
     "model.layers": Layout(
         blocks="model.layers",
@@ -172,8 +191,13 @@ LAYOUTS: dict[str, Layout] = {
         model_inputs=_causal_inputs,
         outputs=lambda out: out.logits,
         unsupported=("sliding_window",),
-        tensor_parallel={**{f"self_attn.{name}": Split.COLUMN for name in ("q_proj", "k_proj", "v_proj")}, "self_attn.o_proj": Split.ROW,
-                         "mlp.gate_proj": Split.COLUMN, "mlp.up_proj": Split.COLUMN, "mlp.down_proj": Split.ROW},
+        tensor_parallel={
+            **{f"self_attn.{name}": Split.COLUMN for name in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": Split.ROW,
+            "mlp.gate_proj": Split.COLUMN,
+            "mlp.up_proj": Split.COLUMN,
+            "mlp.down_proj": Split.ROW,
+        },
         tensor_parallel_fields=("num_attention_heads", "num_key_value_heads", "intermediate_size"),
     ),
 }
@@ -196,24 +220,39 @@ def find_layout(model: nn.Module) -> Layout:
             continue
         missing = [path for path in (*layout.first, *layout.last, *layout.every) if not _has(model, path)]
         if missing:
-            raise ValueError(f"hf_class: {name} has the block list {blocks} but not {', '.join(missing)}: choose the class with the "
-                             "pretraining head (GPT2LMHeadModel, BertForPreTraining, LlamaForCausalLM, ...)")
+            raise ValueError(
+                f"hf_class: {name} has the block list {blocks} but not {', '.join(missing)}: choose the class with the "
+                "pretraining head (GPT2LMHeadModel, BertForPreTraining, LlamaForCausalLM, ...)"
+            )
         model_type = getattr(model.config, "model_type", None)
         if model_type not in layout.model_types:
-            raise ValueError(f"hf_class: {name} (model_type {model_type}) has the block list {blocks}, but its forward is not "
-                             f"one pipefisher follows; supported model types there: {', '.join(layout.model_types)}")
+            raise ValueError(
+                f"hf_class: {name} (model_type {model_type}) has the block list {blocks}, but its forward is not "
+                f"one pipefisher follows; supported model types there: {', '.join(layout.model_types)}"
+            )
         held = (blocks, *layout.first, *layout.last, *layout.every)
-        left = sorted({parameter.rsplit(".", 1)[0] for parameter, _ in model.named_parameters()
-                       if not any(parameter.startswith(f"{module}.") for module in held)})
+        left = sorted(
+            {
+                parameter.rsplit(".", 1)[0]
+                for parameter, _ in model.named_parameters()
+                if not any(parameter.startswith(f"{module}.") for module in held)
+            }
+        )
         if left:
             raise ValueError(f"hf_class: {name} has parameters no stage would hold ({', '.join(left)})")
         for key in layout.unsupported:
             if getattr(model.config, key, None):
-                raise ValueError(f"hf_config: {name}: config field {key} = {getattr(model.config, key)!r} is not supported by "
-                                 f"the {blocks} splitter; set it to null/false in the config")
+                raise ValueError(
+                    f"hf_config: {name}: config field {key} = {getattr(model.config, key)!r} is not supported by "
+                    f"the {blocks} splitter; set it to null/false in the config"
+                )
         kinds = set(getattr(model.config, "layer_types", None) or ()) - {"full_attention"}
         if kinds:
-            raise ValueError(f"hf_config: {name}: layer_types {sorted(kinds)} are not supported (only full_attention layers)")
+            raise ValueError(
+                f"hf_config: {name}: layer_types {sorted(kinds)} are not supported (only full_attention layers)"
+            )
         return layout
-    raise ValueError(f"hf_class: {name} has no block list pipefisher recognises ({', '.join(LAYOUTS)}): supported are GPT2LMHeadModel, "
-                     "BertForPreTraining, LlamaForCausalLM and models laid out like them")
+    raise ValueError(
+        f"hf_class: {name} has no block list pipefisher recognises ({', '.join(LAYOUTS)}): supported are GPT2LMHeadModel, "
+        "BertForPreTraining, LlamaForCausalLM and models laid out like them"
+    )

@@ -20,29 +20,57 @@ def _regression_shape(model: Any) -> str:
 
 
 def _transformer_problem(model: Any) -> str:
-    return f"model.heads: {model.heads} does not divide model.hidden {model.hidden}" if model.hidden % model.heads else ""
+    return (
+        f"model.heads: {model.heads} does not divide model.hidden {model.hidden}" if model.hidden % model.heads else ""
+    )
 
 
 TRANSFORMER = ModelKind(
-    "transformer", ("synthetic",), (*_REGRESSION_KEYS, "heads", "ffn"),
+    "transformer",
+    ("synthetic",),
+    (*_REGRESSION_KEYS, "heads", "ffn"),
     lambda model: f"transformer {_regression_shape(model)} heads {model.heads} ffn {model.ffn}",
-    f"{_ASSEMBLY}:regression_model", sizes=f"{_SIZES}:transformer_sizes", activation_shape=f"{_SHAPES}:transformer_shape",
-    blocks_key="layers", tensor_parallel_divides=("heads", "ffn"), check=_transformer_problem)
+    f"{_ASSEMBLY}:regression_model",
+    sizes=f"{_SIZES}:transformer_sizes",
+    activation_shape=f"{_SHAPES}:transformer_shape",
+    blocks_key="layers",
+    tensor_parallel_divides=("heads", "ffn"),
+    check=_transformer_problem,
+)
 
 MLP = ModelKind(
-    "mlp", ("synthetic",), _REGRESSION_KEYS, lambda model: f"mlp {_regression_shape(model)}",
-    f"{_ASSEMBLY}:regression_model", blocks_key="layers", tensor_parallel=False)
+    "mlp",
+    ("synthetic",),
+    _REGRESSION_KEYS,
+    lambda model: f"mlp {_regression_shape(model)}",
+    f"{_ASSEMBLY}:regression_model",
+    blocks_key="layers",
+    tensor_parallel=False,
+)
 
 BERT = ModelKind(
-    "bert", ("bert",), ("preset", "config_json", "dropout"),
+    "bert",
+    ("bert",),
+    ("preset", "config_json", "dropout"),
     lambda model: f"bert {Path(model.config_json).name if model.config_json else model.preset}",
-    f"{_ASSEMBLY}:bert_model", sizes=f"{_SIZES}:bert_sizes", activation_shape=f"{_SHAPES}:bert_shape",
-    naming_keys=("preset", "config_json"), instead="its size comes from model.preset or model.config_json")
+    f"{_ASSEMBLY}:bert_model",
+    sizes=f"{_SIZES}:bert_sizes",
+    activation_shape=f"{_SHAPES}:bert_shape",
+    naming_keys=("preset", "config_json"),
+    instead="its size comes from model.preset or model.config_json",
+)
 
 HF = ModelKind(
-    "hf", ("causal", "bert"), ("hf_config", "hf_class", "hf_weights", "dropout"),
+    "hf",
+    ("causal", "bert"),
+    ("hf_config", "hf_class", "hf_weights", "dropout"),
     lambda model: " ".join(part for part in ("hf", Path(model.hf_config).name, model.hf_class) if part),
-    f"{_ASSEMBLY}:hf_model", sizes=f"{_SIZES}:hf_sizes", activation_shape=f"{_SHAPES}:hf_shape",
-    naming_keys=("hf_config", "hf_class"), instead="its size comes from model.hf_config", exports=True)
+    f"{_ASSEMBLY}:hf_model",
+    sizes=f"{_SIZES}:hf_sizes",
+    activation_shape=f"{_SHAPES}:hf_shape",
+    naming_keys=("hf_config", "hf_class"),
+    instead="its size comes from model.hf_config",
+    exports=True,
+)
 
 BUILT_IN: tuple[ModelKind, ...] = (TRANSFORMER, MLP, BERT, HF)

@@ -93,6 +93,7 @@ class _LocalShard(ParallelStyle):
         module.tensor_split = self.split
         reduce, copies = self.reduce, self.copies
         if self.split is Split.COLUMN:
+
             def copy_input(_, args):
                 if args[0] not in copies:
                     copies[args[0]] = _CopyToShards.apply(args[0], reduce)
@@ -107,7 +108,9 @@ class _LocalShard(ParallelStyle):
 def parallelize(module: nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh, reduce: Reduce) -> nn.Module:
     """`module` with this process's shards of the plan's layers (`mesh`: the tensor dimension)."""
     copies = WeakTensorKeyDictionary()
-    return parallelize_module(module, mesh, {pattern: _LocalShard(split, reduce, copies) for pattern, split in plan.items()})
+    return parallelize_module(
+        module, mesh, {pattern: _LocalShard(split, reduce, copies) for pattern, split in plan.items()}
+    )
 
 
 class ShardedLinear(nn.Module):
@@ -137,8 +140,11 @@ class ShardedLinear(nn.Module):
 def emulate_shards(module: nn.Module, plan: TensorParallelPlan, degree: int) -> nn.Module:
     """`module` with each of the plan's Linear layers replaced by a `ShardedLinear` of `degree`
     shards (the single-process reference of a tensor-parallel run)."""
-    targets = [(name, child, split) for name, child in module.named_modules()
-               if (split := split_of(name, plan)) is not None and isinstance(child, nn.Linear)]
+    targets = [
+        (name, child, split)
+        for name, child in module.named_modules()
+        if (split := split_of(name, plan)) is not None and isinstance(child, nn.Linear)
+    ]
     for name, child, split in targets:
         parent_name, _, attribute = name.rpartition(".")
         setattr(module.get_submodule(parent_name), attribute, ShardedLinear(child, split, degree))
@@ -180,12 +186,18 @@ def join_shard_states(states: list[dict[str, Tensor]], plan: TensorParallelPlan)
 
 def applied_plan(module: nn.Module) -> dict[str, Split]:
     """The split of each of `module`'s layers that `parallelize` split, by exact name."""
-    return {name: child.tensor_split for name, child in module.named_modules() if getattr(child, "tensor_split", None) is not None}
+    return {
+        name: child.tensor_split
+        for name, child in module.named_modules()
+        if getattr(child, "tensor_split", None) is not None
+    }
 
 
 def split_parameters(module: nn.Module) -> set[nn.Parameter]:
     """The parameters of `module`'s tensor-parallel shards (what each process holds a part of)."""
-    return {parameter for name in applied_plan(module) for parameter in module.get_submodule(name).parameters(recurse=False)}
+    return {
+        parameter for name in applied_plan(module) for parameter in module.get_submodule(name).parameters(recurse=False)
+    }
 
 
 def gather_parameters(module: nn.Module, group: dist.ProcessGroup) -> Iterator[tuple[str, Tensor]]:

@@ -40,7 +40,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
-        split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(1, 2)  # a shard's heads under tensor parallelism
+        split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(
+            1, 2
+        )  # a shard's heads under tensor parallelism
         attended = self.core(split(self.query(x)), split(self.key(x)), split(self.value(x)))
         return self.output(attended.transpose(1, 2).flatten(2))
 
@@ -151,11 +153,16 @@ class TinyRegression:
             raise ValueError(f"kind: {self.config.kind} has no tensor-parallel split")
         block = "blocks.*."
         return {f"{block}attention.{name}": Split.COLUMN for name in ("query", "key", "value")} | {
-            f"{block}attention.output": Split.ROW, f"{block}intermediate": Split.COLUMN, f"{block}output": Split.ROW}
+            f"{block}attention.output": Split.ROW,
+            f"{block}intermediate": Split.COLUMN,
+            f"{block}output": Split.ROW,
+        }
 
     def recompute_plan(self, mode: str) -> tuple[str, ...]:
         """Modules `model.recompute` `mode` checkpoints: blocks: every block (an MLP's layers);
         selective: every block's attention core; ValueError for an MLP's selective (no attention)."""
         if mode == "selective" and self.config.kind != "transformer":
-            raise ValueError(f"recompute: model.kind {self.config.kind} has no attention to recompute selectively; use blocks or none")
+            raise ValueError(
+                f"recompute: model.kind {self.config.kind} has no attention to recompute selectively; use blocks or none"
+            )
         return {"none": (), "blocks": ("blocks.*",), "selective": ("blocks.*.attention.core",)}[mode]

@@ -41,7 +41,9 @@ class Composite(torch.optim.Optimizer):
     def _refuse_setting(value: Any) -> None:
         """`Optimizer.__init__` sets empty groups and state; anything else goes to the parts."""
         if value:
-            raise ValueError("a Composite's parameter groups and state are its parts'; load a state with load_state_dict")
+            raise ValueError(
+                "a Composite's parameter groups and state are its parts'; load a state with load_state_dict"
+            )
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -56,6 +58,8 @@ class Composite(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A composite's state dict of the same parts."""
         if set(state_dict.get("parts", ())) != set(self.parts):
-            raise ValueError(f"optimizer state of parts {sorted(state_dict.get('parts', ()))}, this optimizer has {sorted(self.parts)}")
+            raise ValueError(
+                f"optimizer state of parts {sorted(state_dict.get('parts', ()))}, this optimizer has {sorted(self.parts)}"
+            )
         for name, part in self.parts.items():
             part.load_state_dict(state_dict["parts"][name])

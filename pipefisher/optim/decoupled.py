@@ -15,8 +15,15 @@ class DecoupledStep(torch.optim.Optimizer):
     whose ``.grad`` is None is left alone. With `skip_first`, a parameter's first step changes
     nothing, weight decay included (its state is that count of steps, ``step``)."""
 
-    def __init__(self, params: Iterable[Any], lr: float, weight_decay: float = 0.0, *, decay_first: bool,
-                 skip_first: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        weight_decay: float = 0.0,
+        *,
+        decay_first: bool,
+        skip_first: bool = False,
+    ) -> None:
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.decay_first, self.skip_first = decay_first, skip_first
 

@@ -18,8 +18,9 @@ def no_decay(name: str) -> bool:
     return name.endswith("bias") or "norm" in name.lower()
 
 
-def parameter_groups(modules: Iterable[nn.Module], weight_decay: float,
-                     keep: Callable[[nn.Parameter], bool] = lambda parameter: True) -> list[dict]:
+def parameter_groups(
+    modules: Iterable[nn.Module], weight_decay: float, keep: Callable[[nn.Parameter], bool] = lambda parameter: True
+) -> list[dict]:
     """Parameters of `modules` (each once, those `keep` accepts) split into decayed and undecayed
     groups (either may be empty)."""
     decayed, undecayed, seen = [], [], set()
@@ -32,8 +33,12 @@ def parameter_groups(modules: Iterable[nn.Module], weight_decay: float,
     return [{"params": decayed, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
 
 
-def build_optimizer(config: RunConfig, modules: Iterable[nn.Module], keep: Callable[[nn.Parameter], bool] = lambda parameter: True,
-                    skip: tuple[str, ...] | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: RunConfig,
+    modules: Iterable[nn.Module],
+    keep: Callable[[nn.Parameter], bool] = lambda parameter: True,
+    skip: tuple[str, ...] | None = None,
+) -> torch.optim.Optimizer:
     """The run's optimizer over the parameters of `modules` that `keep` accepts (ZeRO-1: the
     rank's own). A first-order run: its `optimizer.name` rule. A curvature run: a `Composite` of
     the method's rule over the parameters it preconditions (`MethodParts.preconditioned`, with its
@@ -46,11 +51,17 @@ def build_optimizer(config: RunConfig, modules: Iterable[nn.Module], keep: Calla
     if skip is None:
         raise ValueError(f"build_optimizer: a {settings.name} run needs its skip globs (MethodParts.skip of the model)")
     parts = methods()[settings.name].runtime_parts()
-    owned = {id(parameter) for module in modules for parameter in named(module, parts.preconditioned(config, module, skip))}
+    owned = {
+        id(parameter) for module in modules for parameter in named(module, parts.preconditioned(config, module, skip))
+    }
     method_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) in owned)
     rest_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) not in owned)
-    method_rule = (parts.optimizer or (lambda run, groups: first_order(replace(run.optimizer_settings, name="sgd"), groups)))
-    return Composite({"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)})
+    method_rule = parts.optimizer or (
+        lambda run, groups: first_order(replace(run.optimizer_settings, name="sgd"), groups)
+    )
+    return Composite(
+        {"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)}
+    )
 
 
 def rest_settings(config: RunConfig) -> OptimizerConfig:
@@ -76,7 +87,9 @@ def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Op
     gradient comes in a later step than the others' fails); AdamW fused (its step counter on the
     parameter's device); LAMB `pipefisher.optim.lamb.Lamb`, multi-tensor."""
     if settings.name == "sgd":
-        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, fused=True if settings.momentum == 0 else None)
+        return torch.optim.SGD(
+            groups, lr=settings.lr, momentum=settings.momentum, fused=True if settings.momentum == 0 else None
+        )
     if settings.name == "adamw":
         return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=True)
     if settings.name == "lamb":
@@ -86,7 +99,9 @@ def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Op
     raise ValueError(f"optimizer.name: {settings.name!r} is not one of sgd, adamw, lamb, {', '.join(methods())}")
 
 
-def build_scheduler(config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:
+def build_scheduler(
+    config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0
+) -> torch.optim.lr_scheduler.LRScheduler | None:
     """Warm-up then constant or linear decay over the run's steps (run.steps, so a resumed run
     must keep its step count), starting after `position` optimizer steps (a resumed run, whose
     optimizer state is loaded); None when the rate is constant."""

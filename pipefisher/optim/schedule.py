@@ -24,7 +24,9 @@ class WarmupDecay:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
         if self.total_steps < 1 or self.total_steps < self.warmup_steps:
-            raise ValueError(f"total_steps: expected >= 1 and >= warmup_steps ({self.warmup_steps}), got {self.total_steps}")
+            raise ValueError(
+                f"total_steps: expected >= 1 and >= warmup_steps ({self.warmup_steps}), got {self.total_steps}"
+            )
         for name in ("power", "final_fraction"):
             if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a number, got {getattr(self, name)!r}")
@@ -57,5 +59,6 @@ def warmup_decay(
     if position:
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupDecay(warmup_steps, total_steps, power, final_fraction),
-                                             last_epoch=position - 1)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, WarmupDecay(warmup_steps, total_steps, power, final_fraction), last_epoch=position - 1
+    )

@@ -128,7 +128,13 @@ def block_bytes(shape: ModelShape, b: int, c: int, r: int, recompute: str = "non
 def _embedding_bytes(shape: ModelShape, b: int, c: int) -> int:
     s, bs = shape.seq_len, b * shape.seq_len
     if shape.kind == "bert":  # ids, token types, positions; LayerNorm's input and statistics (+ dropout's mask)
-        return 2 * bs * ID_BYTES + s * ID_BYTES + bs * shape.hidden * 4 + 2 * bs * 4 + (bs * shape.hidden * 4 if shape.dropout else 0)
+        return (
+            2 * bs * ID_BYTES
+            + s * ID_BYTES
+            + bs * shape.hidden * 4
+            + 2 * bs * 4
+            + (bs * shape.hidden * 4 if shape.dropout else 0)
+        )
     if shape.kind == "gpt2":
         return bs * ID_BYTES + s * ID_BYTES
     if shape.kind == "tiny":
@@ -160,8 +166,16 @@ def _head_bytes(shape: ModelShape, b: int, c: int, r: int) -> int:
     return held + loss + (2 * casts if c == 2 else 0)
 
 
-def micro_batch_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int,
-                      precision: str = "fp32", recompute: str = "none", tensor_parallel: int = 1) -> int:
+def micro_batch_bytes(
+    shape: ModelShape,
+    blocks: int,
+    first: bool,
+    last: bool,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+    tensor_parallel: int = 1,
+) -> int:
     """Bytes a stage of `blocks` blocks (with the embeddings if `first`; the final norm, heads,
     logits and loss if `last`) keeps for one micro-batch from its forward until its backward,
     on one tensor-parallel rank. ValueError naming a bad argument."""
@@ -186,8 +200,9 @@ def micro_batch_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, m
     return total
 
 
-def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int,
-                         precision: str = "fp32") -> int:
+def weight_pending_bytes(
+    shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int, precision: str = "fp32"
+) -> int:
     """Bytes a micro-batch still holds between its input gradient (op B) and its weight gradient
     (op W) under the split backward (`pipefisher.runtime.pipeline.split_backward`): PyTorch keeps
     the graph below the parameters' join points, i.e. every saved tensor of the blocks (what
@@ -208,8 +223,15 @@ def weight_pending_bytes(shape: ModelShape, blocks: int, first: bool, last: bool
     return saved + grads + (_head_bytes(shape, b, c, r) if last else 0)
 
 
-def backward_transient_bytes(shape: ModelShape, first: bool, last: bool, micro_batch_size: int, precision: str = "fp32",
-                             recompute: str = "none", tensor_parallel: int = 1) -> int:
+def backward_transient_bytes(
+    shape: ModelShape,
+    first: bool,
+    last: bool,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+    tensor_parallel: int = 1,
+) -> int:
     """The most bytes a stage's backward allocates beyond what the forward kept, at once. Two
     phases, one after the other: on the last stage the loss's, the gradients of the
     log-probabilities and of the logits (2·bsV, fp32, while the log-softmax is still held); then
@@ -224,8 +246,13 @@ def backward_transient_bytes(shape: ModelShape, first: bool, last: bool, micro_b
     return max(head, block)
 
 
-def activation_held(ops: Sequence, stage_bytes: Sequence[int], pending_bytes: Sequence[int], transient_bytes: Sequence[int],
-                    weighted: set[tuple]) -> list[tuple[int, int]]:
+def activation_held(
+    ops: Sequence,
+    stage_bytes: Sequence[int],
+    pending_bytes: Sequence[int],
+    transient_bytes: Sequence[int],
+    weighted: set[tuple],
+) -> list[tuple[int, int]]:
     """Per op of one rank's op list (ops without activations, e.g. curvature tasks, change
     nothing), the activation bytes held (during, after) it: a forward adds its stage's
     `stage_bytes`; a backward counts its stage's `transient_bytes` on top of what is held when it
@@ -239,7 +266,9 @@ def activation_held(ops: Sequence, stage_bytes: Sequence[int], pending_bytes: Se
             during = held
         elif op.kind is OpKind.BACKWARD:
             during = held + transient_bytes[op.stage]
-            held += (pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0) - stage_bytes[op.stage]
+            held += (pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0) - stage_bytes[
+                op.stage
+            ]
         elif op.kind is OpKind.WEIGHT:
             held -= pending_bytes[op.stage]
         result.append((max(during, held), held))
@@ -251,14 +280,22 @@ def weighted_micro_batches(schedule: Schedule) -> set[tuple]:
     return {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
 
 
-def activation_peaks(schedule: Schedule, stage_bytes: Sequence[int], pending_bytes: Sequence[int],
-                     transient_bytes: Sequence[int] | None = None) -> list[int]:
+def activation_peaks(
+    schedule: Schedule,
+    stage_bytes: Sequence[int],
+    pending_bytes: Sequence[int],
+    transient_bytes: Sequence[int] | None = None,
+) -> list[int]:
     """Per rank, the most activation bytes held at once over its op order (`activation_held`;
     `transient_bytes` per stage, `backward_transient_bytes`: none when not given)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
-        raise ValueError(f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
-                         f"{len(stage_bytes)} and {len(pending_bytes)}")
+        raise ValueError(
+            f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
+            f"{len(stage_bytes)} and {len(pending_bytes)}"
+        )
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
     weighted = weighted_micro_batches(schedule)
-    return [max((during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted)), default=0)
-            for ops in schedule.ranks]
+    return [
+        max((during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted)), default=0)
+        for ops in schedule.ranks
+    ]

@@ -54,8 +54,12 @@ def capture_held(plan: Plan, profile: Profile, rank: int) -> list[list[int]]:
             key = (op.pipe, op.stage, op.micro_batch)
             if op.kind is release and index == 0:
                 released.add(key)
-                held += sum(size(op.stage, name, factor) for name in by_name[op.stage] for factor in "AB"
-                            if (key, name, factor) not in curvature_done)
+                held += sum(
+                    size(op.stage, name, factor)
+                    for name in by_name[op.stage]
+                    for factor in "AB"
+                    if (key, name, factor) not in curvature_done
+                )
             elif op.kind in _CURVATURE_FACTOR and op.layer is not None:  # (a curvature op names its layer)
                 factor = _CURVATURE_FACTOR[op.kind]
                 curvature_done.add((key, op.layer, factor))

@@ -40,8 +40,14 @@ class CyclePeak:
         return self.activation_bytes + self.capture_bytes + self.refresh_bytes
 
 
-def cycle_peaks(plan: Plan, profile: Profile, stage_bytes: Sequence[int], pending_bytes: Sequence[int],
-                transient_bytes: Sequence[int], refresh_bytes: Mapping[tuple[int, str], int]) -> list[CyclePeak]:
+def cycle_peaks(
+    plan: Plan,
+    profile: Profile,
+    stage_bytes: Sequence[int],
+    pending_bytes: Sequence[int],
+    transient_bytes: Sequence[int],
+    refresh_bytes: Mapping[tuple[int, str], int],
+) -> list[CyclePeak]:
     """Per rank of `plan`, the peak of activations (per stage: kept F to B, B to W, a backward's
     transient) + captures + refresh copies (`refresh_bytes` per (stage, layer name); a layer not
     named holds none) over one cycle. Activations start from none at every step."""
@@ -57,7 +63,10 @@ def cycle_peaks(plan: Plan, profile: Profile, stage_bytes: Sequence[int], pendin
                 if op.kind in _CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
                     started.add((op.stage, op.layer))
                     refresh += refresh_bytes.get((op.stage, op.layer), 0)
-                for candidate in (CyclePeak(rank, during, captured_before, refresh), CyclePeak(rank, after, captured_after, refresh)):
+                for candidate in (
+                    CyclePeak(rank, during, captured_before, refresh),
+                    CyclePeak(rank, after, captured_after, refresh),
+                ):
                     if candidate.total_bytes > best.total_bytes:
                         best = candidate
                 captured_before = captured_after

@@ -65,8 +65,10 @@ class Layout:
     def describe(self) -> str:
         """Short text: e.g. ``chimera D8 x DP1 x TP1, N8 x mbs32``."""
         chunks = f" c{self.chunks}" if self.schedule in CONFIGURABLE_CHUNKS else ""
-        return (f"{self.schedule}{chunks} D{self.stages} x DP{self.data_parallel} x TP{self.tensor_parallel}, "
-                f"N{self.micro_batches} x mbs{self.micro_batch_size}")
+        return (
+            f"{self.schedule}{chunks} D{self.stages} x DP{self.data_parallel} x TP{self.tensor_parallel}, "
+            f"N{self.micro_batches} x mbs{self.micro_batch_size}"
+        )
 
 
 @lru_cache(maxsize=4096)
@@ -107,8 +109,11 @@ class SearchSpace:
 def pipeline_shapes(space: SearchSpace, sizes: ModelSizes) -> Iterator[tuple[int, int, int]]:
     """(stages, data_parallel, tensor_parallel) with their product the GPU count, T dividing
     heads and ffn (T <= 8) and among the source's degrees."""
-    degrees = [t for t in sizes.tensor_parallel_degrees(MAX_TENSOR_PARALLEL)
-               if space.tensor_parallel is None or t in space.tensor_parallel]
+    degrees = [
+        t
+        for t in sizes.tensor_parallel_degrees(MAX_TENSOR_PARALLEL)
+        if space.tensor_parallel is None or t in space.tensor_parallel
+    ]
     for tensor_parallel in degrees:
         if space.gpus % tensor_parallel:
             continue
@@ -124,7 +129,11 @@ def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str) -> lis
     runs 1F1B only (the others degenerate to it, or to GPipe's larger activation peak)."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
-        for name in space.schedules if stages > 1 else [name for name in space.schedules if name == "1f1b"] or space.schedules[:1]:
+        for name in (
+            space.schedules
+            if stages > 1
+            else [name for name in space.schedules if name == "1f1b"] or space.schedules[:1]
+        ):
             chunks = chunks_per_rank(name, DEFAULT_CHUNKS if name in CONFIGURABLE_CHUNKS else None)
             if sizes.blocks % (stages * chunks):
                 continue
@@ -151,12 +160,23 @@ def _variants(base: Layout, space: SearchSpace, replicated: bool) -> Iterable[La
             yield replace(base, zero=zero, powersgd_rank=powersgd_rank, recompute=recompute)
 
 
-def layout_of_run(pipeline, micro_batch_size: int, method: str, zero: int = 0, powersgd_rank: int = 0,
-                  recompute: str = "none") -> Layout:
+def layout_of_run(
+    pipeline, micro_batch_size: int, method: str, zero: int = 0, powersgd_rank: int = 0, recompute: str = "none"
+) -> Layout:
     """The layout a run file describes (`pipeline`: its `PipelineConfig`)."""
-    return Layout(pipeline.stages, pipeline.data_parallel, pipeline.tensor_parallel, pipeline.schedule,
-                  chunks_per_rank(pipeline.schedule, pipeline.chunks), pipeline.micro_batches, micro_batch_size,
-                  zero=bool(zero), powersgd_rank=powersgd_rank, method=method, recompute=recompute)
+    return Layout(
+        pipeline.stages,
+        pipeline.data_parallel,
+        pipeline.tensor_parallel,
+        pipeline.schedule,
+        chunks_per_rank(pipeline.schedule, pipeline.chunks),
+        pipeline.micro_batches,
+        micro_batch_size,
+        zero=bool(zero),
+        powersgd_rank=powersgd_rank,
+        method=method,
+        recompute=recompute,
+    )
 
 
 def check_sources_cover(space: SearchSpace, sizes: ModelSizes, layouts: Sequence[Layout]) -> str:
@@ -166,9 +186,14 @@ def check_sources_cover(space: SearchSpace, sizes: ModelSizes, layouts: Sequence
     shapes = list(pipeline_shapes(space, sizes))
     if not shapes:
         degrees = space.tensor_parallel or sizes.tensor_parallel_degrees(MAX_TENSOR_PARALLEL)
-        return (f"--gpus {space.gpus}: no stages x data-parallel x tensor-parallel (T in {', '.join(map(str, degrees))}) "
-                f"makes {space.gpus} GPUs for a model of {sizes.blocks} blocks")
+        return (
+            f"--gpus {space.gpus}: no stages x data-parallel x tensor-parallel (T in {', '.join(map(str, degrees))}) "
+            f"makes {space.gpus} GPUs for a model of {sizes.blocks} blocks"
+        )
     sizes_text = ", ".join(map(str, space.micro_batch_sizes))
-    return (f"--gpus {space.gpus}: no schedule fits the global batch of {space.global_batch} samples with micro-batch "
-            f"sizes {sizes_text} (stages x data-parallel x tensor-parallel: "
-            + ", ".join(f"{d}x{r}x{t}" for d, r, t in shapes) + "); change data.micro_batch_size or pipeline.micro_batches")
+    return (
+        f"--gpus {space.gpus}: no schedule fits the global batch of {space.global_batch} samples with micro-batch "
+        f"sizes {sizes_text} (stages x data-parallel x tensor-parallel: "
+        + ", ".join(f"{d}x{r}x{t}" for d, r, t in shapes)
+        + "); change data.micro_batch_size or pipeline.micro_batches"
+    )

@@ -31,7 +31,6 @@ from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_sh
 from pipefisher.planning.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
 
 
-
 @dataclass(frozen=True)
 class MemoryUse:
     """Bytes of the rank with the most (`rank`): its training state, activations (with the
@@ -68,9 +67,16 @@ def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState
 @lru_cache(maxsize=256)
 def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: str):
     model = layer_memory_model(method)
-    transformer = TransformerSizes(sizes.blocks, sizes.hidden, sizes.ffn, sizes.vocab, max_positions=max(512, sizes.seq_len))
-    return transformer_stage_states(transformer, pieces, model.from_linear if model else None, tensor_parallel=tensor_parallel,
-                                    preconditions_bias=bool(model and model.PRECONDITIONS_BIAS))
+    transformer = TransformerSizes(
+        sizes.blocks, sizes.hidden, sizes.ffn, sizes.vocab, max_positions=max(512, sizes.seq_len)
+    )
+    return transformer_stage_states(
+        transformer,
+        pieces,
+        model.from_linear if model else None,
+        tensor_parallel=tensor_parallel,
+        preconditions_bias=bool(model and model.PRECONDITIONS_BIAS),
+    )
 
 
 _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
@@ -80,8 +86,19 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     """Every rank's training state under `layout` (its method, ZeRO-1, PowerSGD), shard 0 of
     tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
-    key = (layout.schedule, layout.stages, layout.chunks, layout.data_parallel, layout.tensor_parallel, layout.zero,
-           powersgd, layout.method, sizes, first_order, momentum)
+    key = (
+        layout.schedule,
+        layout.stages,
+        layout.chunks,
+        layout.data_parallel,
+        layout.tensor_parallel,
+        layout.zero,
+        powersgd,
+        layout.method,
+        sizes,
+        first_order,
+        momentum,
+    )
     if key not in _STATES:
         states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method)
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
@@ -97,28 +114,38 @@ def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp3
     bytes) plus its point-to-point buffers (`comm_buffer_bytes`)."""
     schedule = layout.build_schedule()
     shape = sizes.shape
-    kept, pending, transient = stage_activation_bytes(shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute,
-                                                      layout.tensor_parallel)
+    kept, pending, transient = stage_activation_bytes(
+        shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel
+    )
     peaks = activation_peaks(schedule, kept, pending, transient)
     topology = Topology(schedule)
-    return tuple(peak + comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision) for rank, peak in enumerate(peaks))
+    return tuple(
+        peak + comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision)
+        for rank, peak in enumerate(peaks)
+    )
 
 
-def layout_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32") -> MemoryUse:
+def layout_memory(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32"
+) -> MemoryUse:
     """The rank with the most bytes before any curvature plan: state + activations."""
     states = state_per_rank(layout, sizes, first_order, momentum)
     activations = activation_per_rank(layout, sizes, precision)
     pipeline = len(activations)
-    return max((MemoryUse(rank, states[rank].total_bytes, activations[rank % pipeline]) for rank in range(len(states))),
-               key=lambda found: found.total)
+    return max(
+        (MemoryUse(rank, states[rank].total_bytes, activations[rank % pipeline]) for rank in range(len(states))),
+        key=lambda found: found.total,
+    )
 
 
 def block_linear_shapes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[int, int]]:
     """Layer-name suffix -> (inputs, outputs) of a block's Linears on one tensor-parallel rank,
     under the reference profiles' names (``.attention.query``) and BERT's module names."""
     shapes = {name: (din, dout) for name, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, tensor_parallel)}
-    return {**{f".{name}": shape for name, shape in shapes.items()},
-            **{f".{BLOCK_MODULES[name]}": shapes[name] for name in BLOCK_LAYERS}}
+    return {
+        **{f".{name}": shape for name, shape in shapes.items()},
+        **{f".{BLOCK_MODULES[name]}": shapes[name] for name in BLOCK_LAYERS},
+    }
 
 
 def _refresh_bytes(layout: Layout, sizes: ModelSizes, profile: Profile) -> dict[tuple[int, str], int]:
@@ -137,15 +164,17 @@ def _refresh_bytes(layout: Layout, sizes: ModelSizes, profile: Profile) -> dict[
     return found
 
 
-def packed_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str, plan: Plan,
-                  profile: Profile) -> MemoryUse:
+def packed_memory(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str, plan: Plan, profile: Profile
+) -> MemoryUse:
     """The rank with the most bytes under a packed curvature plan: its state, and the joint peak
     over the plan's refresh cycle of activations, captures and refresh copies (`cycle_peaks`),
     plus its point-to-point buffers."""
     states = state_per_rank(layout, sizes, first_order, momentum)
     shape = sizes.shape
-    kept, pending, transient = stage_activation_bytes(shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute,
-                                                      layout.tensor_parallel)
+    kept, pending, transient = stage_activation_bytes(
+        shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel
+    )
     joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile))
     topology = Topology(plan.schedule)
     pipeline = len(joint)
@@ -153,6 +182,8 @@ def packed_memory(layout: Layout, sizes: ModelSizes, first_order: str, momentum:
     def use(rank: int) -> MemoryUse:
         peak = joint[rank % pipeline]
         buffers = comm_buffer_bytes(topology, rank % pipeline, shape, layout.micro_batch_size, precision)
-        return MemoryUse(rank, states[rank].total_bytes, peak.activation_bytes + buffers, peak.capture_bytes + peak.refresh_bytes)
+        return MemoryUse(
+            rank, states[rank].total_bytes, peak.activation_bytes + buffers, peak.capture_bytes + peak.refresh_bytes
+        )
 
     return max((use(rank) for rank in range(len(states))), key=lambda found: found.total)

@@ -37,9 +37,13 @@ BERT_PRESET_SIZES = {
 #: dropout of the BERT presets (`model.dropout` -1)
 BERT_DROPOUT = 0.1
 #: config.json keys of each size, GPT-2's spelling first
-_KEYS = {"blocks": ("n_layer", "num_hidden_layers"), "hidden": ("n_embd", "hidden_size"),
-         "heads": ("n_head", "num_attention_heads"), "ffn": ("n_inner", "intermediate_size"),
-         "vocab": ("vocab_size",)}
+_KEYS = {
+    "blocks": ("n_layer", "num_hidden_layers"),
+    "hidden": ("n_embd", "hidden_size"),
+    "heads": ("n_head", "num_attention_heads"),
+    "ffn": ("n_inner", "intermediate_size"),
+    "vocab": ("vocab_size",),
+}
 
 
 @dataclass(frozen=True)
@@ -112,16 +116,27 @@ def model_sizes(config: RunConfig) -> ModelSizes:
     kind = model_kind(config.model.kind)
     if not kind.sizes:
         plannable = [name for name, other in kinds().items() if other.sizes]
-        raise PlanError(f"model.kind: {kind.name} has no attention blocks to plan a layout for; "
-                        f"use model.kind {', '.join(plannable[:-1])} or {plannable[-1]}")
+        raise PlanError(
+            f"model.kind: {kind.name} has no attention blocks to plan a layout for; "
+            f"use model.kind {', '.join(plannable[:-1])} or {plannable[-1]}"
+        )
     return load(kind.sizes)(config)
 
 
 def transformer_sizes(config: RunConfig) -> ModelSizes:
     """The sizes of model.kind transformer: its run-file keys."""
     model = config.model
-    shape = ModelShape("tiny", model.layers, model.hidden, model.heads, model.ffn, 0, model.seq_len,
-                       inputs=model.input_dim, outputs=model.output_dim)
+    shape = ModelShape(
+        "tiny",
+        model.layers,
+        model.hidden,
+        model.heads,
+        model.ffn,
+        0,
+        model.seq_len,
+        inputs=model.input_dim,
+        outputs=model.output_dim,
+    )
     return ModelSizes("transformer", "transformer", shape)
 
 
@@ -130,7 +145,9 @@ def bert_sizes(config: RunConfig) -> ModelSizes:
     BERT's transform before the vocabulary projection."""
     model = config.model
     if model.config_json:
-        return _config_json_sizes(config, Path(model.config_json), Path(model.config_json).stem, "model.config_json", True)
+        return _config_json_sizes(
+            config, Path(model.config_json), Path(model.config_json).stem, "model.config_json", True
+        )
     if model.preset not in BERT_PRESET_SIZES:
         raise PlanError(f"model.preset: {model.preset!r} has no sizes here; use one of {', '.join(BERT_PRESET_SIZES)}")
     blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
@@ -143,7 +160,9 @@ def hf_sizes(config: RunConfig) -> ModelSizes:
     """The sizes of model.kind hf: its `model.hf_config`'s (shipped or a path)."""
     model = config.model
     shipped = resources.files("pipefisher.models").joinpath("hf_configs").joinpath(f"{model.hf_config}.json")
-    return _config_json_sizes(config, shipped if shipped.is_file() else Path(model.hf_config), model.hf_config, "model.hf_config", False)
+    return _config_json_sizes(
+        config, shipped if shipped.is_file() else Path(model.hf_config), model.hf_config, "model.hf_config", False
+    )
 
 
 def _config_json_sizes(config: RunConfig, where: Path | Any, name: str, key: str, head_transform: bool) -> ModelSizes:
@@ -151,6 +170,15 @@ def _config_json_sizes(config: RunConfig, where: Path | Any, name: str, key: str
     model = config.model
     found = _json_sizes(where, key)
     dropout = found["dropout"] if model.dropout < 0 or found["architecture"] != "bert" else model.dropout
-    shape = ModelShape(found["architecture"], found["blocks"], found["hidden"], found["heads"], found["ffn"], found["vocab"],
-                       model.seq_len, kv_heads=found["kv_heads"], dropout=dropout)
+    shape = ModelShape(
+        found["architecture"],
+        found["blocks"],
+        found["hidden"],
+        found["heads"],
+        found["ffn"],
+        found["vocab"],
+        model.seq_len,
+        kv_heads=found["kv_heads"],
+        dropout=dropout,
+    )
     return ModelSizes(model.kind, name, shape, head_transform)

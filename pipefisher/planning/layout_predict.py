@@ -24,7 +24,13 @@ from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.activation_memory import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.layout_candidates import Layout
-from pipefisher.planning.layout_memory import MemoryUse, block_linear_shapes, layout_memory, packed_memory, state_per_rank
+from pipefisher.planning.layout_memory import (
+    MemoryUse,
+    block_linear_shapes,
+    layout_memory,
+    packed_memory,
+    state_per_rank,
+)
 from pipefisher.planning.layout_model import ModelSizes
 from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
 from pipefisher.planning.recompute import recompute_forward_share, with_recompute
@@ -107,8 +113,12 @@ def _recomputed(profile: Profile, mode: str, sizes: ModelSizes) -> Profile:
     stages = profile.num_stages
     bounds = [round(stage * sizes.blocks / stages) for stage in range(stages + 1)]
     head = 2.0 * sizes.seq_len * sizes.hidden * sizes.vocab
-    shares = [recompute_forward_share(mode, sizes.hidden, sizes.ffn, sizes.seq_len, bounds[i + 1] - bounds[i],
-                                      head if i == stages - 1 else 0.0) for i in range(stages)]
+    shares = [
+        recompute_forward_share(
+            mode, sizes.hidden, sizes.ffn, sizes.seq_len, bounds[i + 1] - bounds[i], head if i == stages - 1 else 0.0
+        )
+        for i in range(stages)
+    ]
     return with_recompute(profile, mode, shares)
 
 
@@ -123,8 +133,13 @@ def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> 
     states = state_per_rank(layout, context.sizes, context.first_order, context.momentum)
     traffic = {part.stage: part.grad_comm_bytes for rank in states for part in rank.stages}
     scale = 1e3 / (context.dp_bandwidth_gbps * 1e9) / per_ms
-    return replace(profile, stages=tuple(replace(stage, grad_reduce=stage.grad_reduce or traffic.get(index, 0) * scale)
-                                         for index, stage in enumerate(profile.stages)))
+    return replace(
+        profile,
+        stages=tuple(
+            replace(stage, grad_reduce=stage.grad_reduce or traffic.get(index, 0) * scale)
+            for index, stage in enumerate(profile.stages)
+        ),
+    )
 
 
 def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
@@ -142,7 +157,9 @@ def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profi
         a, b = (ring_bytes("all_reduce", n * n * FACTOR_BYTES, replicas) * scale for n in found)
         return replace(layer, sync_a=a, sync_b=b)
 
-    return replace(profile, stages=tuple(replace(stage, layers=tuple(map(sync, stage.layers))) for stage in profile.stages))
+    return replace(
+        profile, stages=tuple(replace(stage, layers=tuple(map(sync, stage.layers))) for stage in profile.stages)
+    )
 
 
 def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
@@ -160,13 +177,25 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
     """(step ms, bubble share, slowest reduction ms) of the layout's first-order step; cached on
     the pipeline and its reductions (layouts that differ in method or ZeRO-1 alone share it)."""
     profile = layout_profile(layout, context, syncs=False)
-    key = (context, layout.schedule, layout.stages, layout.micro_batches, layout.chunks, layout.micro_batch_size,
-           layout.tensor_parallel, layout.recompute, tuple(stage.grad_reduce for stage in profile.stages))
+    key = (
+        context,
+        layout.schedule,
+        layout.stages,
+        layout.micro_batches,
+        layout.chunks,
+        layout.micro_batch_size,
+        layout.tensor_parallel,
+        layout.recompute,
+        tuple(stage.grad_reduce for stage in profile.stages),
+    )
     if key not in _FIRST_ORDER:
         timeline = simulate(layout.build_schedule(), profile)
         per_ms = MS_PER_UNIT[profile.time_unit]
-        _FIRST_ORDER[key] = (timeline.step_time * per_ms, timeline.bubble_fraction,
-                             max(stage.grad_reduce for stage in profile.stages) * per_ms)
+        _FIRST_ORDER[key] = (
+            timeline.step_time * per_ms,
+            timeline.bubble_fraction,
+            max(stage.grad_reduce for stage in profile.stages) * per_ms,
+        )
     return _FIRST_ORDER[key]
 
 
@@ -176,7 +205,9 @@ def pack_options(layout: Layout, context: PlanContext, capture_budget: int | Non
     bytes per device (at least 1 MiB) where given and the section sets no cap."""
     if context.section is None:
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
-    options = PackOptions.from_section(context.section, data_parallel=layout.data_parallel, refresh_steps=layout.refresh_steps or None)
+    options = PackOptions.from_section(
+        context.section, data_parallel=layout.data_parallel, refresh_steps=layout.refresh_steps or None
+    )
     if capture_budget is None or options.max_capture_mb is not None:
         return options
     return replace(options, max_capture_mb=max(1.0, capture_budget / 2**20))
@@ -204,10 +235,24 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
     if context.section is None:
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
     result, profile = _packed(layout, context, None)
-    if memory_budget is not None and held.total + max(p.bytes for p in result.capture_peaks) > memory_budget >= held.total:
+    if (
+        memory_budget is not None
+        and held.total + max(p.bytes for p in result.capture_peaks) > memory_budget >= held.total
+    ):
         result, profile = _packed(layout, context, memory_budget - held.total)
     step_ms = cycle_time(simulate_plan(result.plan, profile)) / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
     packed = replace(layout, refresh_steps=result.refresh_steps)
-    memory = packed_memory(packed, context.sizes, context.first_order, context.momentum, context.precision, result.plan, profile)
-    return Prediction(packed, step_ms, first_ms, bubble, step_ms / first_ms - 1 if first_ms else 0.0, reduce_ms, memory, tokens,
-                      result.reason)
+    memory = packed_memory(
+        packed, context.sizes, context.first_order, context.momentum, context.precision, result.plan, profile
+    )
+    return Prediction(
+        packed,
+        step_ms,
+        first_ms,
+        bubble,
+        step_ms / first_ms - 1 if first_ms else 0.0,
+        reduce_ms,
+        memory,
+        tokens,
+        result.reason,
+    )

@@ -74,8 +74,15 @@ def _pipeline_key(layout: Layout) -> Layout:
     return replace(layout, zero=False, powersgd_rank=0)
 
 
-def search(space: SearchSpace, context: PlanContext, method: str, memory_budget: int, top: int = DEFAULT_PACKED,
-           shown: int = 10, progress: bool = False) -> SearchResult:
+def search(
+    space: SearchSpace,
+    context: PlanContext,
+    method: str,
+    memory_budget: int,
+    top: int = DEFAULT_PACKED,
+    shown: int = 10,
+    progress: bool = False,
+) -> SearchResult:
     """The ranked layouts of `space` for optimizer `method` within `memory_budget` bytes per device
     (module docstring); `shown`: the places that must be exact. PlanError where no layout exists or none fits (naming the least memory any needs)."""
     started = time.perf_counter()
@@ -84,25 +91,31 @@ def search(space: SearchSpace, context: PlanContext, method: str, memory_budget:
     problem = check_sources_cover(space, context.sizes, layouts)
     if problem:
         raise PlanError(problem)
-    memory = [(layout, _memory(layout, first_order, context), _memory(replace(layout, method=method), first_order, context))
-              for layout in layouts]
+    memory = [
+        (layout, _memory(layout, first_order, context), _memory(replace(layout, method=method), first_order, context))
+        for layout in layouts
+    ]
     fits = {layout: (plain.total <= memory_budget, own.total <= memory_budget) for layout, plain, own in memory}
 
     def needed(layout: Layout, which: int) -> bool:
         """Fits, and is not a recompute variant of a layout that fits without recomputing (slower, never better)."""
-        return fits[layout][which] and (layout.recompute == "none" or not fits[replace(layout, recompute="none")][which])
+        return fits[layout][which] and (
+            layout.recompute == "none" or not fits[replace(layout, recompute="none")][which]
+        )
 
     simulated = [(layout, plain, own) for layout, plain, own in memory if needed(layout, 0) or needed(layout, 1)]
     quick: list[tuple[Prediction, MemoryUse]] = []
-    for layout, plain, own in (_progress(simulated, "simulating") if progress else simulated):
+    for layout, plain, own in _progress(simulated, "simulating") if progress else simulated:
         ms, bubble, reduce_ms = first_order_time(layout, context)
         quick.append((Prediction(layout, ms, ms, bubble, 0.0, reduce_ms, plain, context.sizes.seq_len), own))
     fitting_first = sorted((p for p, _ in quick if needed(p.layout, 0)), key=lambda p: (p.step_ms, p.memory.total))
     fitting = [(p, own) for p, own in quick if needed(p.layout, 1)]
     if not fitting:
         least = min(memory, key=lambda entry: entry[2].total)
-        raise PlanError(f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
-                        f"per device ({least[0].describe()}, recompute {least[0].recompute}{', ZeRO-1' if least[0].zero else ''})")
+        raise PlanError(
+            f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
+            f"per device ({least[0].describe()}, recompute {least[0].recompute}{', ZeRO-1' if least[0].zero else ''})"
+        )
     best_of_pipeline: dict[Layout, tuple[Prediction, MemoryUse]] = {}
     for prediction, own in fitting:
         key = _pipeline_key(prediction.layout)
@@ -113,10 +126,19 @@ def search(space: SearchSpace, context: PlanContext, method: str, memory_budget:
     over_budget = sum(not fit[1] for fit in fits.values())
     if not is_curvature(method):
         ranked = [p for p, _ in kept]
-        return SearchResult(tuple(ranked), tuple(fitting_first), method, len(layouts), over_budget,
-                            len(layouts) - over_budget - len(kept), 0, 0, time.perf_counter() - started)
+        return SearchResult(
+            tuple(ranked),
+            tuple(fitting_first),
+            method,
+            len(layouts),
+            over_budget,
+            len(layouts) - over_budget - len(kept),
+            0,
+            0,
+            time.perf_counter() - started,
+        )
     packed: list[Prediction] = []
-    for quick_prediction, _ in (_progress(kept[:top], "packing") if progress else kept[:top]):
+    for quick_prediction, _ in _progress(kept[:top], "packing") if progress else kept[:top]:
         fitting_packed = sorted(p.step_ms for p in packed if p.memory.total <= memory_budget)
         if len(fitting_packed) >= shown and quick_prediction.step_ms >= fitting_packed[shown - 1]:
             break  # a packed step is never shorter than its first-order step: no later layout enters the top `shown`
@@ -124,7 +146,18 @@ def search(space: SearchSpace, context: PlanContext, method: str, memory_budget:
     ranked = sorted((p for p in packed if p.memory.total <= memory_budget), key=lambda p: (p.step_ms, p.memory.total))
     if not ranked:
         smallest = min(packed, key=lambda p: p.memory.total)
-        raise PlanError(f"--memory-gb {memory_budget / GiB:g}: no packed layout fits with its captures; the smallest needs "
-                        f"{smallest.memory.total / GiB:.2f} GiB per device ({smallest.layout.describe()})")
-    return SearchResult(tuple(ranked), tuple(fitting_first), method, len(layouts), over_budget,
-                        len(layouts) - over_budget - len(kept), len(packed), len(packed) - len(ranked), time.perf_counter() - started)
+        raise PlanError(
+            f"--memory-gb {memory_budget / GiB:g}: no packed layout fits with its captures; the smallest needs "
+            f"{smallest.memory.total / GiB:.2f} GiB per device ({smallest.layout.describe()})"
+        )
+    return SearchResult(
+        tuple(ranked),
+        tuple(fitting_first),
+        method,
+        len(layouts),
+        over_budget,
+        len(layouts) - over_budget - len(kept),
+        len(packed),
+        len(packed) - len(ranked),
+        time.perf_counter() - started,
+    )

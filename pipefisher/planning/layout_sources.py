@@ -66,7 +66,9 @@ class ReferenceTimes:
             with open(path, newline="") as handle:
                 rows = [int(row["bs"]) for row in csv.DictReader(handle)]
         except (OSError, KeyError, ValueError) as exc:
-            raise PlanError(f"--reference-csv: cannot read {path} as per-block times with a bs column ({exc})") from None
+            raise PlanError(
+                f"--reference-csv: cannot read {path} as per-block times with a bs column ({exc})"
+            ) from None
         return cls(Path(path), sizes, tuple(sorted(rows)))
 
     def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
@@ -75,10 +77,21 @@ class ReferenceTimes:
 
 
 @lru_cache(maxsize=1024)
-def _reference_profile(path: Path, sizes: ModelSizes, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
+def _reference_profile(
+    path: Path, sizes: ModelSizes, pieces: int, micro_batch_size: int, tensor_parallel: int
+) -> Profile:
     times = read_block_times(path, micro_batch_size)
-    return transformer_profile(times, sizes.blocks, pieces, sizes.hidden, sizes.ffn, micro_batch_size,
-                               device=f"{path.name} (modelled)", seq_len=sizes.seq_len, tensor_parallel=tensor_parallel)
+    return transformer_profile(
+        times,
+        sizes.blocks,
+        pieces,
+        sizes.hidden,
+        sizes.ffn,
+        micro_batch_size,
+        device=f"{path.name} (modelled)",
+        seq_len=sizes.seq_len,
+        tensor_parallel=tensor_parallel,
+    )
 
 
 @dataclass(frozen=True)
@@ -94,15 +107,23 @@ class MeasuredTimes:
         """The source, or PlanError for a profile of another model, method or without a micro-batch size."""
         for path, profile in profiles:
             if profile.micro_batch_size is None:
-                raise PlanError(f"{path}: micro_batch_size missing; the planner needs the micro-batch size the profile was measured at")
+                raise PlanError(
+                    f"{path}: micro_batch_size missing; the planner needs the micro-batch size the profile was measured at"
+                )
             if method is not None and profile.method != method:
-                raise PlanError(f"{path}: the profile times {profile.method} tasks, the run's method is {method}; "
-                                f"measure one with `pipefisher profile --optimizer {method}`")
-            blocks = sorted({b for stage in profile.stages for layer in stage.layers if (b := block_of(layer.name)) is not None})
+                raise PlanError(
+                    f"{path}: the profile times {profile.method} tasks, the run's method is {method}; "
+                    f"measure one with `pipefisher profile --optimizer {method}`"
+                )
+            blocks = sorted(
+                {b for stage in profile.stages for layer in stage.layers if (b := block_of(layer.name)) is not None}
+            )
             if blocks != list(range(sizes.blocks)):
                 held = f"blocks {blocks[0]}..{blocks[-1]}" if blocks else "no numbered blocks"
-                raise PlanError(f"{path}: its layers cover {held}, the run's model ({sizes.name}) has {sizes.blocks} blocks; "
-                                "profile this run's model")
+                raise PlanError(
+                    f"{path}: its layers cover {held}, the run's model ({sizes.name}) has {sizes.blocks} blocks; "
+                    "profile this run's model"
+                )
         return cls(tuple(profiles), sizes)
 
     @property
@@ -122,9 +143,15 @@ class MeasuredTimes:
         """The profile of `pieces` stages at this micro-batch size and degree."""
         key = (pieces, micro_batch_size, tensor_parallel)
         if key not in self._cache:
-            same = [p for _, p in self.profiles if (p.micro_batch_size, p.tensor_parallel) == (micro_batch_size, tensor_parallel)]
+            same = [
+                p
+                for _, p in self.profiles
+                if (p.micro_batch_size, p.tensor_parallel) == (micro_batch_size, tensor_parallel)
+            ]
             if not same:
-                raise ProfileError(f"no profile at micro-batch size {micro_batch_size} and tensor_parallel {tensor_parallel}")
+                raise ProfileError(
+                    f"no profile at micro-batch size {micro_batch_size} and tensor_parallel {tensor_parallel}"
+                )
             exact = [p for p in same if p.num_stages == pieces]
             self._cache[key] = exact[0] if exact else resplit(same[0], pieces, self.sizes)
         return self._cache[key]

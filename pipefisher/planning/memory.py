@@ -43,6 +43,7 @@ from pipefisher.planning.layouts.kaisa import GradWorkers
 from pipefisher.planning.layouts.zero import shard_owners
 from pipefisher.schedules import get_schedule
 
+
 class CurvatureLayer(Protocol):
     """A curvature method's memory model of one layer."""
 
@@ -98,7 +99,9 @@ class OptimizerState:
         return self.bytes_per_element * numel + self.bytes_per_tensor
 
 
-def optimizer_state(name: str, momentum: float = 0.0, element_bytes: int = 4, first_order: str = "adamw") -> OptimizerState:
+def optimizer_state(
+    name: str, momentum: float = 0.0, element_bytes: int = 4, first_order: str = "adamw"
+) -> OptimizerState:
     """The state of pipefisher's optimizer `name` (`optimizer.name`) over parameters of
     `element_bytes` each: SGD a momentum buffer when momentum > 0 (also after a curvature
     method, whose memory model `CurvatureMethod.memory` must exist: ValueError otherwise; the
@@ -183,11 +186,24 @@ class RankMemory:
     @property
     def total_bytes(self) -> int:
         """Parameters + gradients + optimizer state + curvature state + PowerSGD's state (traffic excluded)."""
-        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.curvature_bytes + self.compression_bytes
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_bytes
+            + self.curvature_bytes
+            + self.compression_bytes
+        )
 
 
-def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: OptimizerState, zero: int = 0,
-                widths: ElementBytes = ElementBytes(), workers_per_layer: int | None = None, powersgd_rank: int = 0) -> tuple[RankMemory, ...]:
+def rank_memory(
+    topology: Topology,
+    stages: Sequence[StageState],
+    optimizer: OptimizerState,
+    zero: int = 0,
+    widths: ElementBytes = ElementBytes(),
+    workers_per_layer: int | None = None,
+    powersgd_rank: int = 0,
+) -> tuple[RankMemory, ...]:
     """Every global rank's bytes (index = rank) for `stages` (one per stage index of the schedule)
     placed by `topology`; `zero` 0 (off) or 1 (optimizer state sharded by parameter over each
     stage's replicas, `shard_owners`); `workers_per_layer`: K-FAC's G gradient workers per layer (None:
@@ -209,31 +225,53 @@ def rank_memory(topology: Topology, stages: Sequence[StageState], optimizer: Opt
             stage = stages[index]
             ranks = topology.replica_ranks(index)
             replicas = len(ranks)
-            grid = GradWorkers(ranks, workers_per_layer) if workers_per_layer is not None and workers_per_layer < replicas else None
+            grid = (
+                GradWorkers(ranks, workers_per_layer)
+                if workers_per_layer is not None and workers_per_layer < replicas
+                else None
+            )
             owner = owners[index]
             mine = [number for number in range(len(stage.parameters)) if owner is None or owner[number] == rank]
             gradient_bytes = stage.numel * widths.gradient
             parameter_bytes = stage.numel * widths.parameter
             if zero:  # reduce-scatter to the owners, then the owners' all-gather of parameters
-                traffic = ring_bytes("reduce", gradient_bytes, replicas) + ring_bytes("broadcast", parameter_bytes, replicas)
+                traffic = ring_bytes("reduce", gradient_bytes, replicas) + ring_bytes(
+                    "broadcast", parameter_bytes, replicas
+                )
             elif powersgd_rank:
                 elements = sum(powersgd_elements(shape, powersgd_rank) for shape in stage.shapes)
                 traffic = ring_bytes("all_reduce", elements * widths.gradient, replicas)
             else:
                 traffic = ring_bytes("all_reduce", gradient_bytes, replicas)
-            compression = powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
+            compression = (
+                powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
+            )
             curvature = 0
             if optimizer.curvature:
-                curvature = sum(layer.state_bytes(widths.factor, grid is None or grid.works_for(rank, number))
-                                for number, layer in enumerate(stage.curvature_layers))
+                curvature = sum(
+                    layer.state_bytes(widths.factor, grid is None or grid.works_for(rank, number))
+                    for number, layer in enumerate(stage.curvature_layers)
+                )
                 if grid is not None:  # each layer's preconditioned gradient
-                    traffic += sum(ring_bytes("broadcast", layer.gradient_elements * widths.gradient, grid.block_size)
-                                   for layer in stage.curvature_layers)
-            parts.append(StageMemory(
-                pipe, index, replicas, parameter_bytes, gradient_bytes,
-                sum(optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine),
-                curvature, traffic, compression,
-            ))
+                    traffic += sum(
+                        ring_bytes("broadcast", layer.gradient_elements * widths.gradient, grid.block_size)
+                        for layer in stage.curvature_layers
+                    )
+            parts.append(
+                StageMemory(
+                    pipe,
+                    index,
+                    replicas,
+                    parameter_bytes,
+                    gradient_bytes,
+                    sum(
+                        optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine
+                    ),
+                    curvature,
+                    traffic,
+                    compression,
+                )
+            )
         result.append(RankMemory(rank, tuple(parts)))
     return tuple(result)
 
@@ -264,8 +302,9 @@ def largest(ranks: Sequence[RankMemory], field: str) -> int:
 MIXED_PRECISION_ADAM = OptimizerState("mixed-precision adam", 12)
 
 
-def zero_paper_example(psi: int = 7_500_000_000, data_parallel: int = 64, zero: int = 0,
-                       chunks_per_rank: int = 4) -> RankMemory:
+def zero_paper_example(
+    psi: int = 7_500_000_000, data_parallel: int = 64, zero: int = 0, chunks_per_rank: int = 4
+) -> RankMemory:
     """Sanity check of this model's per-rank path against ZeRO's own accounting (paper, Figure 1:
     Ψ = 7.5B, Nd = 64 gives 120 GB per device without ZeRO, 31.4 GB with P_os): a one-stage
     model of `psi` parameters, cut into ``chunks_per_rank × data_parallel`` nearly equal tensors,
@@ -276,5 +315,7 @@ def zero_paper_example(psi: int = 7_500_000_000, data_parallel: int = 64, zero: 
     base, extra = divmod(psi, chunks)
     sizes = tuple(base + (index < extra) for index in range(chunks))
     topology = Topology(get_schedule("1f1b", 1, 1), data_parallel)
-    ranks = rank_memory(topology, [StageState(sizes)], MIXED_PRECISION_ADAM, zero, ElementBytes(parameter=2, gradient=2))
+    ranks = rank_memory(
+        topology, [StageState(sizes)], MIXED_PRECISION_ADAM, zero, ElementBytes(parameter=2, gradient=2)
+    )
     return max(ranks, key=lambda rank: rank.total_bytes)

@@ -17,8 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefisher.core.topology import Topology
-from pipefisher.planning.activation_memory import (PRECISIONS, ModelShape, activation_peaks, backward_transient_bytes,
-                                                   micro_batch_bytes, weight_pending_bytes)
+from pipefisher.planning.activation_memory import (
+    PRECISIONS,
+    ModelShape,
+    activation_peaks,
+    backward_transient_bytes,
+    micro_batch_bytes,
+    weight_pending_bytes,
+)
 from pipefisher.core.profile import Profile
 from pipefisher.planning.cycle_memory import CyclePeak, cycle_peaks
 from pipefisher.planning.memory import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
@@ -55,26 +61,44 @@ class RankPeak:
     @property
     def total_bytes(self) -> int:
         """Training state + activations + held captures + refresh copies + point-to-point buffers."""
-        return self.training.total_bytes + self.activation_bytes + self.capture_bytes + self.refresh_bytes + self.comm_buffer_bytes
+        return (
+            self.training.total_bytes
+            + self.activation_bytes
+            + self.capture_bytes
+            + self.refresh_bytes
+            + self.comm_buffer_bytes
+        )
 
 
-def stage_activation_bytes(shape: ModelShape, num_stages: int, micro_batch_size: int, precision: str = "fp32",
-                           recompute: str = "none", tensor_parallel: int = 1) -> tuple[list[int], list[int], list[int]]:
+def stage_activation_bytes(
+    shape: ModelShape,
+    num_stages: int,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+    tensor_parallel: int = 1,
+) -> tuple[list[int], list[int], list[int]]:
     """Per stage index: bytes a micro-batch keeps from F to B, from B to W (split backward), and
     its backward's transient bytes (with recompute "blocks", one block's rebuilt activations too)."""
     if num_stages < 1 or shape.blocks % num_stages:
         raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks")
     blocks = shape.blocks // num_stages
     ends = [(index == 0, index == num_stages - 1) for index in range(num_stages)]
-    kept = [micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel)
-            for first, last in ends]
+    kept = [
+        micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+        for first, last in ends
+    ]
     pending = [weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision) for first, last in ends]
-    transient = [backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel)
-                 for first, last in ends]
+    transient = [
+        backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+        for first, last in ends
+    ]
     return kept, pending, transient
 
 
-def comm_buffer_bytes(topology: Topology, rank: int, shape: ModelShape, micro_batch_size: int, precision: str = "fp32") -> int:
+def comm_buffer_bytes(
+    topology: Topology, rank: int, shape: ModelShape, micro_batch_size: int, precision: str = "fp32"
+) -> int:
     """One micro-batch's boundary tensor (b·s·h in the compute dtype) per neighbour of each stage
     the rank holds: the activation it receives from the previous stage, the gradient from the next."""
     boundary = micro_batch_size * shape.seq_len * shape.hidden * PRECISIONS[precision]
@@ -84,15 +108,30 @@ def comm_buffer_bytes(topology: Topology, rank: int, shape: ModelShape, micro_ba
 
 def refresh_copy_bytes(stage_states: Sequence[StageState], element_bytes: int = 4) -> dict[tuple[int, str], int]:
     """Per (stage, layer name), the refresh's copy of the layer's statistics (`cycle_memory`)."""
-    return {(index, layer.name): layer.state_bytes(element_bytes, False)
-            for index, stage in enumerate(stage_states) for layer in stage.curvature_layers}
+    return {
+        (index, layer.name): layer.state_bytes(element_bytes, False)
+        for index, stage in enumerate(stage_states)
+        for layer in stage.curvature_layers
+    }
 
 
-def peak_memory(topology: Topology, stage_states: Sequence[StageState], optimizer: OptimizerState, shape: ModelShape,
-                micro_batch_size: int, precision: str = "fp32", recompute: str = "none", zero: int = 0,
-                capture_bytes_per_rank: Sequence[int] | None = None, widths: ElementBytes = ElementBytes(),
-                workers_per_layer: int | None = None, powersgd_rank: int = 0, tensor_parallel: int = 1,
-                plan: Plan | None = None, profile: Profile | None = None) -> list[RankPeak]:
+def peak_memory(
+    topology: Topology,
+    stage_states: Sequence[StageState],
+    optimizer: OptimizerState,
+    shape: ModelShape,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+    zero: int = 0,
+    capture_bytes_per_rank: Sequence[int] | None = None,
+    widths: ElementBytes = ElementBytes(),
+    workers_per_layer: int | None = None,
+    powersgd_rank: int = 0,
+    tensor_parallel: int = 1,
+    plan: Plan | None = None,
+    profile: Profile | None = None,
+) -> list[RankPeak]:
     """Every global rank's peak bytes (index = rank) for `stage_states` (one per stage index)
     placed by `topology`; `capture_bytes_per_rank`: per pipeline rank, the captures it holds at
     its peak (`pipefisher.planning.capture_memory.capture_peaks`; None: no curvature captures);
@@ -101,7 +140,9 @@ def peak_memory(topology: Topology, stage_states: Sequence[StageState], optimize
     joint peak instead (`capture_bytes_per_rank` is then ignored)."""
     schedule = topology.schedule
     training = rank_memory(topology, stage_states, optimizer, zero, widths, workers_per_layer, powersgd_rank)
-    kept, pending, transient = stage_activation_bytes(shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel)
+    kept, pending, transient = stage_activation_bytes(
+        shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel
+    )
     if plan is not None and profile is not None:
         joint = cycle_peaks(plan, profile, kept, pending, transient, refresh_copy_bytes(stage_states, widths.factor))
     else:
@@ -111,6 +152,14 @@ def peak_memory(topology: Topology, stage_states: Sequence[StageState], optimize
     result = []
     for rank in range(topology.world_size):
         held = joint[topology.pipeline_rank(rank)]
-        result.append(RankPeak(rank, training[rank], held.activation_bytes, held.capture_bytes,
-                               comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision), held.refresh_bytes))
+        result.append(
+            RankPeak(
+                rank,
+                training[rank],
+                held.activation_bytes,
+                held.capture_bytes,
+                comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision),
+                held.refresh_bytes,
+            )
+        )
     return result

@@ -64,7 +64,9 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
         if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
-            raise ScheduleError(f"schema: {data.get('schema') if isinstance(data, dict) else None!r} is not {PLAN_SCHEMA!r}")
+            raise ScheduleError(
+                f"schema: {data.get('schema') if isinstance(data, dict) else None!r} is not {PLAN_SCHEMA!r}"
+            )
         try:
             steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
         except (KeyError, TypeError) as exc:
@@ -111,6 +113,7 @@ def weight_memory_problem(ops: Sequence[Op], schedule_ops: Sequence[Op]) -> str 
 def moved_weights(plan: Plan) -> list[int]:
     """Per rank, how many weight gradients (counted over the cycle's steps) run at another place
     among the forward/backward ops than in the schedule."""
+
     def places(ops: Sequence[Op]) -> dict[Op, int]:
         found, fixed = {}, 0
         for op in ops:
@@ -141,10 +144,12 @@ def _check_collective_order(plan: Plan) -> None:
         first_rank, first = next(iter(orders.items()))
         for rank, order in orders.items():
             if order != first:
-                position = next((i for i, (a, b) in enumerate(zip(order, first)) if a != b), min(len(order), len(first)))
+                position = next(
+                    (i for i, (a, b) in enumerate(zip(order, first)) if a != b), min(len(order), len(first))
+                )
                 raise ScheduleError(
                     f"collectives of ranks {sorted(group)} are launched in different orders: "
-                    f"rank {first_rank} has {first[position:position + 1]}, rank {rank} has {order[position:position + 1]} "
+                    f"rank {first_rank} has {first[position : position + 1]}, rank {rank} has {order[position : position + 1]} "
                     f"at position {position}"
                 )
 
@@ -187,7 +192,9 @@ def validate_plan(plan: Plan) -> Plan:
                 raise ScheduleError(f"step {index}, rank {rank}: forward/backward ops differ from the schedule's")
             weights = Counter(op for op in ops if op.kind is OpKind.WEIGHT)
             if weights != Counter(op for op in own if op.kind is OpKind.WEIGHT):
-                raise ScheduleError(f"step {index}, rank {rank}: weight gradients differ from the schedule's (each runs once per step)")
+                raise ScheduleError(
+                    f"step {index}, rank {rank}: weight gradients differ from the schedule's (each runs once per step)"
+                )
             problem = weight_memory_problem(ops, own)
             if problem is not None:
                 raise ScheduleError(f"step {index}, rank {rank}: {problem}")
@@ -214,7 +221,9 @@ def validate_plan(plan: Plan) -> Plan:
     return plan
 
 
-def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> list[Timeline]:
+def simulate_plan(
+    plan: Plan, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None
+) -> list[Timeline]:
     """Predicted timeline of every step of the cycle (each step starts at time 0).
 
     `cache` (optional, owned by the caller) memoises step timelines across plans of one profile;
@@ -225,7 +234,9 @@ def simulate_plan(plan: Plan, profile: Profile | OpDurations, cache: dict | None
     return [simulate_plan_step(plan, index, durations, cache, graph) for index in range(plan.refresh_steps)]
 
 
-def simulate_plan_step(plan: Plan, index: int, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None) -> Timeline:
+def simulate_plan_step(
+    plan: Plan, index: int, profile: Profile | OpDurations, cache: dict | None = None, graph: TaskGraph | None = None
+) -> Timeline:
     """Predicted timeline of step `index` of the cycle (see `simulate_plan`)."""
     step = plan.steps[index]
     key = (index == 0, step)

@@ -32,7 +32,9 @@ def block_flops(hidden: int, ffn: int, seq_len: int) -> tuple[float, float]:
     return linear, core
 
 
-def recompute_forward_share(mode: str, hidden: int, ffn: int, seq_len: int, blocks: int, other_flops: float = 0.0) -> float:
+def recompute_forward_share(
+    mode: str, hidden: int, ffn: int, seq_len: int, blocks: int, other_flops: float = 0.0
+) -> float:
     """The share of a stage's forward that `mode` recomputes in its backward: the stage holds
     `blocks` Transformer blocks and parts outside them of `other_flops` forward flops per sequence
     (embeddings, final norm, heads). 0 for none; ValueError naming a bad argument."""
@@ -56,12 +58,16 @@ def with_recompute(profile: Profile, mode: str, forward_share: Sequence[float]) 
     half of the old backward, is written out). ProfileError for a profile that already has
     recomputation, ValueError for shares that are not one per stage in [0, 1]."""
     if profile.recompute != "none":
-        raise ProfileError(f"recompute: the profile was measured with model.recompute {profile.recompute}; "
-                           "give one measured with model.recompute none")
+        raise ProfileError(
+            f"recompute: the profile was measured with model.recompute {profile.recompute}; "
+            "give one measured with model.recompute none"
+        )
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"mode: {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if len(forward_share) != profile.num_stages or not all(0.0 <= share <= 1.0 for share in forward_share):
-        raise ValueError(f"forward_share: {list(forward_share)} must hold one share in [0, 1] per stage ({profile.num_stages})")
+        raise ValueError(
+            f"forward_share: {list(forward_share)} must hold one share in [0, 1] per stage ({profile.num_stages})"
+        )
     if mode == "none":
         return profile
     stages = tuple(_recomputing(stage, share) for stage, share in zip(profile.stages, forward_share))

@@ -124,8 +124,11 @@ class Timeline:
         tail = self.tail(rank)
         if tail and gaps and gaps[-1].start >= self.last_end(rank) - 1e-12:
             last, start = gaps.pop(), self.tail_start(rank)
-            gaps += [gap for gap in (Bubble(rank, last.start, start), Bubble(rank, start + tail, last.end + tail))
-                     if gap.duration > min_duration]
+            gaps += [
+                gap
+                for gap in (Bubble(rank, last.start, start), Bubble(rank, start + tail, last.end + tail))
+                if gap.duration > min_duration
+            ]
         return gaps
 
     @property
@@ -294,7 +297,9 @@ class _Costs:
 
 def _comm_end(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> float:
     """When the last collective launched in the step completes."""
-    return max((iv.end + durations.work(iv.op) for ivs in ranks for iv in ivs if iv.op.kind in COLLECTIVES), default=0.0)
+    return max(
+        (iv.end + durations.work(iv.op) for ivs in ranks for iv in ivs if iv.op.kind in COLLECTIVES), default=0.0
+    )
 
 
 def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> tuple[float, ...]:

@@ -38,7 +38,9 @@ _PRODUCER = {OpKind.CURV_A: OpKind.FORWARD, OpKind.CURV_B: OpKind.BACKWARD}
 FACTOR_OF = {kind: factor for table in (CURVATURE, SYNC, INVERSE) for factor, kind in table.items()}
 
 #: Kinds that make up a refresh cycle's work (precondition recurs every step instead).
-CYCLE_KINDS = frozenset({OpKind.CURV_A, OpKind.CURV_B, OpKind.SYNC_A, OpKind.SYNC_B, OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE})
+CYCLE_KINDS = frozenset(
+    {OpKind.CURV_A, OpKind.CURV_B, OpKind.SYNC_A, OpKind.SYNC_B, OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE}
+)
 
 
 class TaskGraph:
@@ -124,7 +126,11 @@ class TaskGraph:
             return self._input(op, FACTOR_OF[kind], first_step)
         if kind is OpKind.EXCHANGE:
             # its replica folds the synced factors it did not invert into its running average
-            folded = (sync for factor in self.rules.factors for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ()))
+            folded = (
+                sync
+                for factor in self.rules.factors
+                for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ())
+            )
             return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(folded)
         if kind is OpKind.PRECONDITION:
             return self.gradient_ops(op)
@@ -171,7 +177,9 @@ class CurvatureTasks:
     def cycle_work(self) -> tuple[tuple[float, ...], ...]:
         """`cycle_work[rank][i]`: how long `cycle[rank][i]` keeps its rank busy (0 for collectives)."""
         same: dict[tuple | Op, float] = {}  # curvature of one layer takes as long for every micro-batch
-        keys = [[(op.kind, op.stage, op.layer) if op.micro_batch is not None else op for op in ops] for ops in self.cycle]
+        keys = [
+            [(op.kind, op.stage, op.layer) if op.micro_batch is not None else op for op in ops] for ops in self.cycle
+        ]
         for ops, rank_keys in zip(self.cycle, keys):
             for op, key in zip(ops, rank_keys):
                 if key not in same:
@@ -189,10 +197,15 @@ def stage_replicas(schedule: Schedule) -> dict[int, list[int]]:
 
 def collective_groups(schedule: Schedule) -> dict[int, frozenset[int]]:
     """stage -> the ranks holding its replicas (the process group of its K-FAC collectives)."""
-    return {stage: frozenset(schedule.placement[(pipe, stage)] for pipe in pipes) for stage, pipes in stage_replicas(schedule).items()}
+    return {
+        stage: frozenset(schedule.placement[(pipe, stage)] for pipe in pipes)
+        for stage, pipes in stage_replicas(schedule).items()
+    }
 
 
-def _inverse_owners(schedule: Schedule, profile: Profile, split: bool, factors: tuple[str, ...]) -> dict[tuple[OpKind, int, str], list[int]]:
+def _inverse_owners(
+    schedule: Schedule, profile: Profile, split: bool, factors: tuple[str, ...]
+) -> dict[tuple[OpKind, int, str], list[int]]:
     """(inverse kind, stage, layer) -> pipes whose rank computes it, for the method's `factors`.
 
     Unsplit, every replica inverts its own copy. Split, each inverse goes to one replica: longest
@@ -211,14 +224,17 @@ def _inverse_owners(schedule: Schedule, profile: Profile, split: bool, factors: 
         return {(kind, stage, name): list(replicas[stage]) for _, kind, stage, name in jobs}
     load = [0.0] * schedule.num_ranks
     for cost, kind, stage, name in sorted(jobs, key=lambda job: (-job[0], job[2], job[3], job[1].value)):
-        pipe = min(replicas[stage], key=lambda p: (load[schedule.placement[(p, stage)]], schedule.placement[(p, stage)]))
+        pipe = min(
+            replicas[stage], key=lambda p: (load[schedule.placement[(p, stage)]], schedule.placement[(p, stage)])
+        )
         load[schedule.placement[(pipe, stage)]] += cost
         owners[(kind, stage, name)] = [pipe]
     return owners
 
 
-def build_tasks(schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1,
-                precondition: bool = True) -> CurvatureTasks:
+def build_tasks(
+    schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1, precondition: bool = True
+) -> CurvatureTasks:
     """Enumerate the ops of one refresh cycle of the profile's curvature method for `schedule`
     (see the module docstring).
 

@@ -65,11 +65,20 @@ def block_layer_shapes(hidden: int, ffn: int, tensor_parallel: int = 1) -> list[
     """(name, inputs, outputs) of the six Linear layers of a block; at `tensor_parallel` T > 1 of
     their shards on one rank (`BLOCK_SPLITS`); ValueError unless T divides the split sizes."""
     shapes = [(hidden, hidden)] * 4 + [(hidden, ffn), (ffn, hidden)]
-    return [(name, *shard_features(din, dout, BLOCK_SPLITS[name], tensor_parallel)) for name, (din, dout) in zip(BLOCK_LAYERS, shapes)]
+    return [
+        (name, *shard_features(din, dout, BLOCK_SPLITS[name], tensor_parallel))
+        for name, (din, dout) in zip(BLOCK_LAYERS, shapes)
+    ]
 
 
-def block_layers(times: BlockTimes, hidden: int, ffn: int, capture_rows: int = 0, capture_dtype_bytes: int = 4,
-                 tensor_parallel: int = 1) -> list[LayerProfile]:
+def block_layers(
+    times: BlockTimes,
+    hidden: int,
+    ffn: int,
+    capture_rows: int = 0,
+    capture_dtype_bytes: int = 4,
+    tensor_parallel: int = 1,
+) -> list[LayerProfile]:
     """The block's K-FAC layers with the block totals split as the module docstring says;
     capture sizes in bytes for `capture_rows` token rows per micro-batch (0: unknown); at
     `tensor_parallel` T one rank's shards, each task the share of the block total its shard's
@@ -142,10 +151,16 @@ def transformer_profile(
     allreduce = 0.0
     if tensor_parallel > 1 and tp_bandwidth_gbps is not None:
         if time_unit not in _MS_PER_UNIT:
-            raise ProfileError(f"time_unit: {time_unit!r} has no duration to cost all-reduces in; use one of {', '.join(_MS_PER_UNIT)}")
+            raise ProfileError(
+                f"time_unit: {time_unit!r} has no duration to cost all-reduces in; use one of {', '.join(_MS_PER_UNIT)}"
+            )
         if micro_batch_size is None:
-            raise ProfileError("micro_batch_size: needed to cost the tensor-parallel all-reduces (or leave them out: tp_bandwidth_gbps None)")
-        ms = tensor_parallel_allreduce_ms(micro_batch_size * seq_len * hidden * capture_dtype_bytes, tensor_parallel, tp_bandwidth_gbps)
+            raise ProfileError(
+                "micro_batch_size: needed to cost the tensor-parallel all-reduces (or leave them out: tp_bandwidth_gbps None)"
+            )
+        ms = tensor_parallel_allreduce_ms(
+            micro_batch_size * seq_len * hidden * capture_dtype_bytes, tensor_parallel, tp_bandwidth_gbps
+        )
         allreduce = ms * _MS_PER_UNIT[time_unit]
     forward = share * (times.time_f / tensor_parallel + ALLREDUCES_FORWARD * allreduce)
     backward = share * (times.time_b / tensor_parallel + ALLREDUCES_BACKWARD * allreduce)
@@ -155,8 +170,13 @@ def transformer_profile(
         first = round(stage * len(layers) / num_stages)
         last = round((stage + 1) * len(layers) / num_stages)
         stages.append(StageProfile(forward=forward, backward=backward, weight=weight, layers=tuple(layers[first:last])))
-    return Profile(stages=tuple(stages), time_unit=time_unit, device=device, micro_batch_size=micro_batch_size,
-                   tensor_parallel=tensor_parallel)
+    return Profile(
+        stages=tuple(stages),
+        time_unit=time_unit,
+        device=device,
+        micro_batch_size=micro_batch_size,
+        tensor_parallel=tensor_parallel,
+    )
 
 
 def tensor_parallel_allreduce_ms(activation_bytes: int, tensor_parallel: int, bandwidth_gbps: float) -> float:

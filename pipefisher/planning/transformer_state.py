@@ -24,8 +24,19 @@ from pipefisher.planning.transformer_profile import BLOCK_LAYERS
 LinearModel = Callable[[str, int, int, bool], CurvatureLayer]
 
 #: module path inside pipefisher's BERT block of each `BLOCK_LAYERS` name
-BLOCK_MODULES = dict(zip(BLOCK_LAYERS, ("attention.self.query", "attention.self.key", "attention.self.value",
-                                        "attention.output.dense", "intermediate.dense", "output.dense")))
+BLOCK_MODULES = dict(
+    zip(
+        BLOCK_LAYERS,
+        (
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+            "intermediate.dense",
+            "output.dense",
+        ),
+    )
+)
 #: the Linear layers curvature methods leave first-order in pipefisher's BERT (the tied decoder)
 FIRST_ORDER = ("cls.predictions.decoder",)
 
@@ -70,7 +81,9 @@ def _block(sizes: TransformerSizes, block: int, degree: int, index: int) -> list
     def linear(name: str) -> list[_Tensor]:
         return _linear(f"{prefix}.{BLOCK_MODULES[name]}", *shapes[name], BLOCK_SPLITS[name], degree, index)
 
-    attention = [t for name in BLOCK_LAYERS[:4] for t in linear(name)] + _norm(f"{prefix}.attention.output.LayerNorm", h)
+    attention = [t for name in BLOCK_LAYERS[:4] for t in linear(name)] + _norm(
+        f"{prefix}.attention.output.LayerNorm", h
+    )
     return attention + linear("intermediate") + linear("output") + _norm(f"{prefix}.output.LayerNorm", h)
 
 
@@ -82,24 +95,34 @@ def _stage_tensors(sizes: TransformerSizes, stage: int, num_stages: int, degree:
     per_stage = sizes.blocks // num_stages
     tensors: list[_Tensor] = []
     if first:
-        tensors += [_Tensor("embeddings.word_embeddings", (sizes.vocab, h)),
-                    _Tensor("embeddings.position_embeddings", (sizes.max_positions, h)),
-                    _Tensor("embeddings.token_type_embeddings", (sizes.type_vocab, h))] + _norm("embeddings.LayerNorm", h)
+        tensors += [
+            _Tensor("embeddings.word_embeddings", (sizes.vocab, h)),
+            _Tensor("embeddings.position_embeddings", (sizes.max_positions, h)),
+            _Tensor("embeddings.token_type_embeddings", (sizes.type_vocab, h)),
+        ] + _norm("embeddings.LayerNorm", h)
     for block in range(stage * per_stage, (stage + 1) * per_stage):
         tensors += _block(sizes, block, degree, index)
     if last:
         decoder = _linear("cls.predictions.decoder", h, sizes.vocab, None, degree, index)
-        tensors += (_linear("pooler.dense", h, h, None, degree, index)
-                    + _linear("cls.predictions.transform.dense", h, h, None, degree, index)
-                    + _norm("cls.predictions.transform.LayerNorm", h)
-                    + (decoder[1:] if first else decoder)
-                    + _linear("cls.seq_relationship", h, 2, None, degree, index))
+        tensors += (
+            _linear("pooler.dense", h, h, None, degree, index)
+            + _linear("cls.predictions.transform.dense", h, h, None, degree, index)
+            + _norm("cls.predictions.transform.LayerNorm", h)
+            + (decoder[1:] if first else decoder)
+            + _linear("cls.seq_relationship", h, 2, None, degree, index)
+        )
     return tensors
 
 
-def transformer_stage_states(sizes: TransformerSizes, num_stages: int, layer_model: LinearModel | None = None,
-                             tensor_parallel: int = 1, index: int = 0, first_order: Sequence[str] = FIRST_ORDER,
-                             preconditions_bias: bool = True) -> list[StageState]:
+def transformer_stage_states(
+    sizes: TransformerSizes,
+    num_stages: int,
+    layer_model: LinearModel | None = None,
+    tensor_parallel: int = 1,
+    index: int = 0,
+    first_order: Sequence[str] = FIRST_ORDER,
+    preconditions_bias: bool = True,
+) -> list[StageState]:
     """Each stage's `StageState` on tensor-parallel rank `index` of `tensor_parallel`: parameter
     sizes and shapes in the model's order; with `layer_model`, a curvature layer per Linear the
     method preconditions (all but the `first_order` globs) and the flags of the parameters it
@@ -112,12 +135,23 @@ def transformer_stage_states(sizes: TransformerSizes, num_stages: int, layer_mod
     states = []
     for stage in range(num_stages):
         tensors = _stage_tensors(sizes, stage, num_stages, tensor_parallel, index)
-        curvature = [t for t in tensors if layer_model is not None and t.linear is not None
-                     and not any(fnmatch.fnmatchcase(t.module, pattern) for pattern in first_order)]
-        layers = [layer_model(t.module, *t.linear) for t in curvature if len(t.shape) == 2 and t.linear is not None] if layer_model else []
+        curvature = [
+            t
+            for t in tensors
+            if layer_model is not None
+            and t.linear is not None
+            and not any(fnmatch.fnmatchcase(t.module, pattern) for pattern in first_order)
+        ]
+        layers = (
+            [layer_model(t.module, *t.linear) for t in curvature if len(t.shape) == 2 and t.linear is not None]
+            if layer_model
+            else []
+        )
         chosen = {id(t) for t in curvature if len(t.shape) == 2 or preconditions_bias}
         numels = tuple(_numel(t.shape) for t in tensors)
-        states.append(StageState(numels, tuple(layers), tuple(t.shape for t in tensors), tuple(id(t) in chosen for t in tensors)))
+        states.append(
+            StageState(numels, tuple(layers), tuple(t.shape for t in tensors), tuple(id(t) in chosen for t in tensors))
+        )
     return states
 
 

@@ -63,6 +63,15 @@ def get_schedule(name: str, num_stages: int, num_micro_batches: int, chunks: int
 
 
 __all__ = [
-    "SCHEDULES", "CONFIGURABLE_CHUNKS", "chunks_per_rank", "get_schedule",
-    "gpipe", "one_f_one_b", "interleaved", "chimera", "zb_h1", "zbv", "dualpipev",
+    "SCHEDULES",
+    "CONFIGURABLE_CHUNKS",
+    "chunks_per_rank",
+    "get_schedule",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved",
+    "chimera",
+    "zb_h1",
+    "zbv",
+    "dualpipev",
 ]

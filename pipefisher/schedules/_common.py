@@ -18,7 +18,9 @@ def check_sizes(name: str, num_stages: int, num_micro_batches: int) -> None:
     require(num_micro_batches >= 1, f"{name}: micro-batches N must be at least 1 (got {num_micro_batches})")
 
 
-def single_pipe(name: str, num_stages: int, num_micro_batches: int, ranks: Sequence[Sequence[Op]], **params: int) -> Schedule:
+def single_pipe(
+    name: str, num_stages: int, num_micro_batches: int, ranks: Sequence[Sequence[Op]], **params: int
+) -> Schedule:
     """A schedule whose stage s lives on rank s (mod the number of ranks, for model chunks)."""
     num_ranks = len(ranks)
     return Schedule(

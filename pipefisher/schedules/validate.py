@@ -219,10 +219,14 @@ def _check_placement(schedule: Schedule) -> None:
     if set(schedule.placement) != expected:
         missing = sorted(expected - set(schedule.placement))
         extra = sorted(set(schedule.placement) - expected)
-        raise ScheduleError(f"{schedule.name}: placement must map every (pipe, stage); missing {missing}, unexpected {extra}")
+        raise ScheduleError(
+            f"{schedule.name}: placement must map every (pipe, stage); missing {missing}, unexpected {extra}"
+        )
     for (pipe, stage), rank in schedule.placement.items():
         if not 0 <= rank < schedule.num_ranks:
-            raise ScheduleError(f"{schedule.name}: pipe {pipe} stage {stage} placed on rank {rank}, but there are {schedule.num_ranks} ranks")
+            raise ScheduleError(
+                f"{schedule.name}: pipe {pipe} stage {stage} placed on rank {rank}, but there are {schedule.num_ranks} ranks"
+            )
     pipe_stage = attrgetter("pipe", "stage")
     for rank, ops in enumerate(schedule.ranks):
         if any(schedule.placement.get(key) != rank for key in set(map(pipe_stage, ops))):
@@ -232,10 +236,17 @@ def _check_placement(schedule: Schedule) -> None:
 def _raise_first_misplaced(schedule: Schedule, rank: int) -> None:
     for position, op in enumerate(schedule.ranks[rank]):
         if op.pipe >= schedule.num_pipes or op.stage >= schedule.num_stages:
-            raise _fail(schedule.name, schedule.ranks, f"op {op} names a pipe or stage outside the schedule", [(rank, position)])
+            raise _fail(
+                schedule.name, schedule.ranks, f"op {op} names a pipe or stage outside the schedule", [(rank, position)]
+            )
         home = schedule.placement[(op.pipe, op.stage)]
         if home != rank:
-            raise _fail(schedule.name, schedule.ranks, f"op {op} is on rank {rank} but its stage lives on rank {home}", [(rank, position)])
+            raise _fail(
+                schedule.name,
+                schedule.ranks,
+                f"op {op} is on rank {rank} but its stage lives on rank {home}",
+                [(rank, position)],
+            )
 
 
 def _counts_are_right(schedule: Schedule) -> bool:
@@ -269,11 +280,23 @@ def _raise_count_error(schedule: Schedule) -> None:
         if op.micro_batch is None:
             continue
         if not 0 <= op.micro_batch < schedule.num_micro_batches:
-            raise _fail(schedule.name, schedule.ranks, f"op {op}: micro-batch outside 0..{schedule.num_micro_batches - 1}", [(rank, position)])
+            raise _fail(
+                schedule.name,
+                schedule.ranks,
+                f"op {op}: micro-batch outside 0..{schedule.num_micro_batches - 1}",
+                [(rank, position)],
+            )
         owner = pipe_of_micro_batch.setdefault(op.micro_batch, op.pipe)
         if owner != op.pipe:
-            raise _fail(schedule.name, schedule.ranks, f"op {op}: micro-batch {op.micro_batch} already belongs to pipe {owner}", [(rank, position)])
-    kinds = (OpKind.FORWARD, OpKind.BACKWARD) + ((OpKind.WEIGHT,) if any(op.kind is OpKind.WEIGHT for op in seen) else ())
+            raise _fail(
+                schedule.name,
+                schedule.ranks,
+                f"op {op}: micro-batch {op.micro_batch} already belongs to pipe {owner}",
+                [(rank, position)],
+            )
+    kinds = (OpKind.FORWARD, OpKind.BACKWARD) + (
+        (OpKind.WEIGHT,) if any(op.kind is OpKind.WEIGHT for op in seen) else ()
+    )
     for mb in range(schedule.num_micro_batches):
         pipe = pipe_of_micro_batch.get(mb)
         if pipe is None:

@@ -132,7 +132,9 @@ def pipelined(rank: int, world: int, config: RunConfig) -> TrainResult:
 
 
 def assert_equal_to_reference(
-    config: RunConfig, parameter_atol: float = PARAMETER_ATOL, rtol: float = RTOL,
+    config: RunConfig,
+    parameter_atol: float = PARAMETER_ATOL,
+    rtol: float = RTOL,
     worker: Callable[[int, int, RunConfig], TrainResult] | None = None,
 ) -> TrainResult:
     """Train `config` pipelined (one process per rank, each running `worker`: `pipelined` unless

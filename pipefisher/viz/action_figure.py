@@ -22,10 +22,28 @@ from pipefisher.viz.timeline_io import TimelineError
 
 #: label prefix -> (category, colour) of a communication action or the end of step
 #: (the wait on the step's world reduction applies the optimizer: it is the end of step's)
-OTHER = {"w:step": ("end of step", "#6a51a3"), "recv:": ("receive posted", "#bdbdbd"), "send:": ("send", "#7f7f7f"), "w:": ("wait", "#d62728"),
-         "+": ("collective launched", "#222222"), "wsend:": ("wait", "#d62728"), "step end": ("end of step", "#6a51a3")}
-OP_CATEGORY = {"F": "forward", "B": "backward", "W": "weight", "CA": "curvature-a", "CB": "curvature-b", "SA": "sync",
-               "SB": "sync", "IA": "inverse-a", "IB": "inverse-b", "X": "sync", "P": "precondition"}
+OTHER = {
+    "w:step": ("end of step", "#6a51a3"),
+    "recv:": ("receive posted", "#bdbdbd"),
+    "send:": ("send", "#7f7f7f"),
+    "w:": ("wait", "#d62728"),
+    "+": ("collective launched", "#222222"),
+    "wsend:": ("wait", "#d62728"),
+    "step end": ("end of step", "#6a51a3"),
+}
+OP_CATEGORY = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight",
+    "CA": "curvature-a",
+    "CB": "curvature-b",
+    "SA": "sync",
+    "SB": "sync",
+    "IA": "inverse-a",
+    "IB": "inverse-b",
+    "X": "sync",
+    "P": "precondition",
+}
 
 
 @dataclass(frozen=True)
@@ -48,10 +66,15 @@ def step_regions(paths: Sequence[Path], step: int | None = None) -> tuple[int, l
             raise TimelineError(f"{path}: no 'step N' region; was it written by `pipefisher run --trace`?")
         step = min(steps) if step is None else step
         if step not in steps:
-            raise TimelineError(f"{path}: step {step} was not traced; traced steps: {', '.join(map(str, sorted(steps)))}")
+            raise TimelineError(
+                f"{path}: step {step} was not traced; traced steps: {', '.join(map(str, sorted(steps)))}"
+            )
         begin, end = steps[step]
-        regions += [Region(rank, e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in events
-                    if begin < e["ts"] <= end and category(e["name"]) is not None]
+        regions += [
+            Region(rank, e["name"], e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3)
+            for e in events
+            if begin < e["ts"] <= end and category(e["name"]) is not None
+        ]
     return step, regions
 
 
@@ -89,8 +112,16 @@ def render_actions(paths: Sequence[Path], output: Path, step: int | None = None)
         left, width = region.start - origin, region.end - region.start
         axes.barh(region.rank, width, left=left, height=0.7, color=colour, edgecolor="white", linewidth=0.3)
         if width > 0.035 * span:
-            axes.text(left + width / 2, region.rank, region.label, ha="center", va="center", fontsize=5.5, clip_on=True,
-                      color="black" if name == "receive posted" else "white")
+            axes.text(
+                left + width / 2,
+                region.rank,
+                region.label,
+                ha="center",
+                va="center",
+                fontsize=5.5,
+                clip_on=True,
+                color="black" if name == "receive posted" else "white",
+            )
     axes.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     axes.invert_yaxis()
     axes.set_xlim(0, span)
@@ -98,7 +129,12 @@ def render_actions(paths: Sequence[Path], output: Path, step: int | None = None)
     ms = step_durations(labelled_events(paths[0])).get(step)
     time = f"step {step}" if ms is None else str(StepTimes((step,), (ms,), "ms"))
     axes.set_title(f"{time}; every action the executor performed (labels from the profiler trace)", fontsize=9)
-    figure.legend(handles=[Patch(color=c, label=n) for n, c in seen.items()], loc="lower center", ncol=min(len(seen), 8),
-                  fontsize=7, frameon=False)
+    figure.legend(
+        handles=[Patch(color=c, label=n) for n, c in seen.items()],
+        loc="lower center",
+        ncol=min(len(seen), 8),
+        fontsize=7,
+        frameon=False,
+    )
     figure.tight_layout(rect=(0, 0.1, 1, 1))
     write_atomically(output, lambda temporary: figure.savefig(temporary, dpi=150))

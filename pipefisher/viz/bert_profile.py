@@ -18,7 +18,12 @@ from pathlib import Path
 
 from pipefisher.cli.args import USAGE_ERROR, UsageError
 from pipefisher.core.profile import ProfileError
-from pipefisher.planning.transformer_profile import BERT_SIZES, DEFAULT_TP_BANDWIDTH_GBPS, read_block_times, transformer_profile
+from pipefisher.planning.transformer_profile import (
+    BERT_SIZES,
+    DEFAULT_TP_BANDWIDTH_GBPS,
+    read_block_times,
+    transformer_profile,
+)
 
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -29,23 +34,44 @@ def _model(csv: Path, given: str | None) -> str:
         return given
     name = next((m for m in BERT_SIZES if csv.name.startswith(m)), None)
     if name is None:
-        raise UsageError(f"{csv.name}: cannot tell the model from the file name; give --model {{{','.join(BERT_SIZES)}}}")
+        raise UsageError(
+            f"{csv.name}: cannot tell the model from the file name; give --model {{{','.join(BERT_SIZES)}}}"
+        )
     return name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit code 0, or 2 with one line on stderr for bad input."""
-    parser = argparse.ArgumentParser(prog="python -m pipefisher.viz.bert_profile", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("csv", type=Path, help="per-block CSV with columns bs, time_f, time_b, time_kron, time_inv, time_prec")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipefisher.viz.bert_profile", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    parser.add_argument(
+        "csv", type=Path, help="per-block CSV with columns bs, time_f, time_b, time_kron, time_inv, time_prec"
+    )
     parser.add_argument("--stages", "-D", type=int, required=True, help="pipeline stages D")
     parser.add_argument("--micro-batch-size", type=int, required=True, help="the CSV row (bs) to use")
     parser.add_argument("--model", choices=sorted(BERT_SIZES), help="model size (default: from the file name)")
     parser.add_argument("--seq-len", type=int, default=128, help="sequence length, for capture sizes (default 128)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="fp32", help="dtype the captured activations and gradients are held in (default fp32)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                        help="profile one of T tensor-parallel ranks (Megatron's split of each block; default 1)")
-    parser.add_argument("--tp-bandwidth", type=float, default=DEFAULT_TP_BANDWIDTH_GBPS, metavar="GBPS",
-                        help=f"all-reduce bus bandwidth in GB/s for the modelled tensor-parallel all-reduces (default {DEFAULT_TP_BANDWIDTH_GBPS:g})")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPE_BYTES),
+        default="fp32",
+        help="dtype the captured activations and gradients are held in (default fp32)",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="profile one of T tensor-parallel ranks (Megatron's split of each block; default 1)",
+    )
+    parser.add_argument(
+        "--tp-bandwidth",
+        type=float,
+        default=DEFAULT_TP_BANDWIDTH_GBPS,
+        metavar="GBPS",
+        help=f"all-reduce bus bandwidth in GB/s for the modelled tensor-parallel all-reduces (default {DEFAULT_TP_BANDWIDTH_GBPS:g})",
+    )
     parser.add_argument("-o", "--output", type=Path, required=True, help="profile file to write (.yaml, or .json)")
     args = parser.parse_args(argv)
     try:
@@ -57,9 +83,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if isinstance(exc, ProfileError):
                 raise
             raise UsageError(f"cannot read block times from {args.csv}: {exc}") from None
-        profile = transformer_profile(times, blocks, args.stages, hidden, ffn, args.micro_batch_size, device=args.csv.stem,
-                                      seq_len=args.seq_len, capture_dtype_bytes=_DTYPE_BYTES[args.dtype],
-                                      tensor_parallel=args.tensor_parallel, tp_bandwidth_gbps=args.tp_bandwidth)
+        profile = transformer_profile(
+            times,
+            blocks,
+            args.stages,
+            hidden,
+            ffn,
+            args.micro_batch_size,
+            device=args.csv.stem,
+            seq_len=args.seq_len,
+            capture_dtype_bytes=_DTYPE_BYTES[args.dtype],
+            tensor_parallel=args.tensor_parallel,
+            tp_bandwidth_gbps=args.tp_bandwidth,
+        )
         # the table's sequence length and precision are its own, unknown here: only the model is recorded
         replace(profile, model=f"bert {model}").save(args.output)
     except (UsageError, ProfileError, OSError) as exc:

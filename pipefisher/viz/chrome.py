@@ -30,9 +30,13 @@ def chrome_trace(panels: Sequence[Panel]) -> dict[str, Any]:
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
         for rank in range(panel.num_ranks):
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": rank, "args": {"sort_index": rank}})
+            events.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": rank, "args": {"sort_index": rank}}
+            )
         for start, step in zip(panel.step_starts, panel.step_ids):
-            events.append({"name": f"step {step}", "cat": "step", "ph": "i", "s": "p", "ts": start * scale, "pid": pid, "tid": 0})
+            events.append(
+                {"name": f"step {step}", "cat": "step", "ph": "i", "s": "p", "ts": start * scale, "pid": pid, "tid": 0}
+            )
         for box in panel.boxes:
             op = box.op
             args: dict[str, Any] = {"kind": op.kind.name, "stage": op.stage, "pipe": op.pipe, "step": box.step}
@@ -53,10 +57,23 @@ def chrome_trace(panels: Sequence[Panel]) -> dict[str, Any]:
                 }
             )
         for end in panel.step_ends:
-            events.append({"name": "step end", "cat": "step_end", "ph": "X", "ts": end.start * scale,
-                           "dur": end.duration * scale, "pid": pid, "tid": end.rank})
+            events.append(
+                {
+                    "name": "step end",
+                    "cat": "step_end",
+                    "ph": "X",
+                    "ts": end.start * scale,
+                    "dur": end.duration * scale,
+                    "pid": pid,
+                    "tid": end.rank,
+                }
+            )
     unit = panels[0].time_unit
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"time_unit": unit, "microseconds_per_unit": MICROSECONDS[unit]}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"time_unit": unit, "microseconds_per_unit": MICROSECONDS[unit]},
+    }
 
 
 def write_chrome_trace(panels: Sequence[Panel], path: str | Path) -> None:

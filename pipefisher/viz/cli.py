@@ -22,8 +22,16 @@ from pathlib import Path
 from typing import Any, cast
 
 from pipefisher.core.files import write_text_atomically
-from pipefisher.cli.args import (MAX_PACKED_SLOTS, MAX_SIMULATED_SLOTS, UsageError, add_pipeline_arguments, build_pipeline,
-                                 check_output, check_planning_size, positive_int)
+from pipefisher.cli.args import (
+    MAX_PACKED_SLOTS,
+    MAX_SIMULATED_SLOTS,
+    UsageError,
+    add_pipeline_arguments,
+    build_pipeline,
+    check_output,
+    check_planning_size,
+    positive_int,
+)
 from pipefisher.viz.compare import Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
 from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
@@ -58,21 +66,47 @@ def add_viz_parser(subparsers: Any) -> None:
     )
     parser.add_argument("config", nargs="?", help="YAML run file: pipeline.schedule/stages/micro_batches/chunks")
     add_pipeline_arguments(cast(argparse.ArgumentParser, _NotRequired(parser)))
-    parser.add_argument("--compare", metavar="S1,S2,...", help="stack schedules on one time axis and print a table of bubble, k, step time and overhead; S+M = S with the profile's tasks of curvature method M packed into its bubbles")
-    parser.add_argument("--profile", help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no curvature layers")
+    parser.add_argument(
+        "--compare",
+        metavar="S1,S2,...",
+        help="stack schedules on one time axis and print a table of bubble, k, step time and overhead; S+M = S with the profile's tasks of curvature method M packed into its bubbles",
+    )
+    parser.add_argument(
+        "--profile",
+        help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no curvature layers",
+    )
     parser.add_argument("--json", action="store_true", help="--compare: print the table as one JSON object")
-    parser.add_argument("--curvature", action="store_true",
-                        help="pack the profile's curvature tasks into the bubbles and draw the whole refresh cycle (needs --profile with layers)")
+    parser.add_argument(
+        "--curvature",
+        action="store_true",
+        help="pack the profile's curvature tasks into the bubbles and draw the whole refresh cycle (needs --profile with layers)",
+    )
     parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v1 JSON)")
-    parser.add_argument("--trace", metavar="DIR", help="draw the steps a `pipefisher run --trace DIR` traced; with a run file or "
-                                                       "--schedule, below the simulator's prediction from the trace's own op times "
-                                                       "(or --profile's)")
-    parser.add_argument("--actions", action="store_true", help="--trace: draw every action of the first traced step (receives, "
-                                                                "sends, waits, collectives, end of step too) instead; .png or .svg")
-    parser.add_argument("-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)")
-    parser.add_argument("--max-steps", type=positive_int, metavar="K",
-                        help="draw only the first K steps of a refresh cycle or recording (default: all); titles and tables keep the whole")
-    parser.add_argument("--width", type=int, help=f"text width in columns (default: the terminal's; at least {MIN_WIDTH})")
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="draw the steps a `pipefisher run --trace DIR` traced; with a run file or "
+        "--schedule, below the simulator's prediction from the trace's own op times "
+        "(or --profile's)",
+    )
+    parser.add_argument(
+        "--actions",
+        action="store_true",
+        help="--trace: draw every action of the first traced step (receives, "
+        "sends, waits, collectives, end of step too) instead; .png or .svg",
+    )
+    parser.add_argument(
+        "-o", "--output", required=True, help="OUT.svg, OUT.png, OUT.json (Chrome/Perfetto trace), OUT.txt or - (text)"
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=positive_int,
+        metavar="K",
+        help="draw only the first K steps of a refresh cycle or recording (default: all); titles and tables keep the whole",
+    )
+    parser.add_argument(
+        "--width", type=int, help=f"text width in columns (default: the terminal's; at least {MIN_WIDTH})"
+    )
     parser.set_defaults(handler=run_viz)
 
 
@@ -85,7 +119,11 @@ def run_viz(args: argparse.Namespace) -> int:
     if kind in (".txt", "-") and width < MIN_WIDTH:
         raise UsageError(f"--width {width}: the text chart needs at least {MIN_WIDTH} columns")
     if args.json and (args.compare is None or kind == "-"):
-        raise UsageError("--json prints --compare's table; use it with --compare and -o FILE" if kind == "-" else "--json applies to --compare")
+        raise UsageError(
+            "--json prints --compare's table; use it with --compare and -o FILE"
+            if kind == "-"
+            else "--json applies to --compare"
+        )
     if args.actions:
         return _draw_actions(args, kind)
     compared = None
@@ -127,7 +165,9 @@ def output_kind(output: str) -> str:
     """The output type of `-o`: its suffix (.svg, .png, .json, .txt) or '-' for stdout."""
     kind = output if output == "-" else Path(output).suffix.lower()
     if kind not in OUTPUTS:
-        raise UsageError(f"-o {output}: unknown output type; use a .svg, .png, .json or .txt file, or - for the terminal")
+        raise UsageError(
+            f"-o {output}: unknown output type; use a .svg, .png, .json or .txt file, or - for the terminal"
+        )
     return kind
 
 
@@ -165,13 +205,21 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
         raise UsageError("--chunks applies to the interleaved schedule only")
     chunks = args.chunks or (config.chunks if config else None)
     pipeline = argparse.Namespace(
-        schedule=name, stages=stages, micro_batches=micro_batches, profile=args.profile,
+        schedule=name,
+        stages=stages,
+        micro_batches=micro_batches,
+        profile=args.profile,
         chunks=chunks if name == "interleaved" else None,
     )
     if args.curvature and args.profile is None:
-        raise UsageError(f"{name} --curvature: needs --profile FILE with a curvature method's layers; the default unit profile has none")
-    schedule, profile = build_pipeline(pipeline, limit=MAX_PACKED_SLOTS if args.curvature else MAX_SIMULATED_SLOTS,
-                                       what="packing" if args.curvature else "simulating")
+        raise UsageError(
+            f"{name} --curvature: needs --profile FILE with a curvature method's layers; the default unit profile has none"
+        )
+    schedule, profile = build_pipeline(
+        pipeline,
+        limit=MAX_PACKED_SLOTS if args.curvature else MAX_SIMULATED_SLOTS,
+        what="packing" if args.curvature else "simulating",
+    )
     return [curvature_panel(schedule, profile) if args.curvature else schedule_panel(schedule, profile)]
 
 
@@ -181,7 +229,9 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
     if args.schedule is not None:
         raise UsageError("give --schedule or --compare, not both")
     if args.curvature:
-        raise UsageError("--curvature applies to --schedule; in --compare write S+M for each schedule S to pack with method M")
+        raise UsageError(
+            "--curvature applies to --schedule; in --compare write S+M for each schedule S to pack with method M"
+        )
     entries = parse_compare(args.compare)
     config = _run_file(args)
     stages = args.stages or (config.stages if config else None)
@@ -211,7 +261,9 @@ def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:
     micro_batches = micro_batches or 2 * stages
     for entry in entries:
         limit, what = (MAX_PACKED_SLOTS, "packing") if entry.packed else (MAX_SIMULATED_SLOTS, "simulating")
-        check_planning_size(entry.schedule, stages, micro_batches, chunks if entry.schedule == "interleaved" else None, limit, what)
+        check_planning_size(
+            entry.schedule, stages, micro_batches, chunks if entry.schedule == "interleaved" else None, limit, what
+        )
     return compare(entries, stages, micro_batches, profile, chunks), Setup(stages, micro_batches, about)
 
 
@@ -226,8 +278,14 @@ def _run_file(args: argparse.Namespace):
 
 def _timeline_panel(args: argparse.Namespace) -> Panel:
     given = {
-        "a run file": args.config, "--schedule": args.schedule, "--compare": args.compare, "--stages": args.stages,
-        "--micro-batches": args.micro_batches, "--chunks": args.chunks, "--profile": args.profile, "--curvature": args.curvature or None,
+        "a run file": args.config,
+        "--schedule": args.schedule,
+        "--compare": args.compare,
+        "--stages": args.stages,
+        "--micro-batches": args.micro_batches,
+        "--chunks": args.chunks,
+        "--profile": args.profile,
+        "--curvature": args.curvature or None,
         "--json": args.json or None,
     }
     clash = next((flag for flag, value in given.items() if value is not None), None)
@@ -244,8 +302,19 @@ def _trace_panels(args: argparse.Namespace) -> list[Panel]:
     --profile's times or the trace's median op times per stage."""
     from pipefisher.viz.trace_io import load_trace, trace_profile
 
-    clash = next((flag for flag, value in {"--timeline": args.timeline, "--compare": args.compare, "--curvature": args.curvature or None,
-                                            "--json": args.json or None}.items() if value is not None), None)
+    clash = next(
+        (
+            flag
+            for flag, value in {
+                "--timeline": args.timeline,
+                "--compare": args.compare,
+                "--curvature": args.curvature or None,
+                "--json": args.json or None,
+            }.items()
+            if value is not None
+        ),
+        None,
+    )
     if clash is not None:
         raise UsageError(f"--trace draws a traced run beside its schedule's prediction; drop {clash}")
     measured = load_trace(args.trace)
@@ -258,14 +327,21 @@ def _trace_panels(args: argparse.Namespace) -> list[Panel]:
     if micro_batches is None:
         raise UsageError("--trace with --schedule: give --micro-batches (or a run file)")
     chunks = args.chunks or (config.chunks if config else None)
-    pipeline = argparse.Namespace(schedule=name, stages=stages, micro_batches=micro_batches, profile=args.profile,
-                                  chunks=chunks if name == "interleaved" else None)
+    pipeline = argparse.Namespace(
+        schedule=name,
+        stages=stages,
+        micro_batches=micro_batches,
+        profile=args.profile,
+        chunks=chunks if name == "interleaved" else None,
+    )
     schedule, profile = build_pipeline(pipeline)
     if args.profile is None:
         profile = trace_profile(measured, schedule.num_stages)
     predicted = schedule_panel(schedule, profile)
-    return [replace(predicted, name=f"{predicted.name} predicted ({'--profile' if args.profile else 'trace op times'})"),
-            recorded_panel(measured, measured.name)]
+    return [
+        replace(predicted, name=f"{predicted.name} predicted ({'--profile' if args.profile else 'trace op times'})"),
+        recorded_panel(measured, measured.name),
+    ]
 
 
 def _draw_actions(args: argparse.Namespace, kind: str) -> int:

@@ -33,6 +33,7 @@ from pipefisher.schedules.validate import validate
 from pipefisher.viz.layout import Panel, packed_panel, schedule_panel
 from pipefisher.viz.stage_split import fit_stages
 
+
 class Entry(NamedTuple):
     """One `--compare` item: a schedule name and the curvature method whose tasks PipeFisher packs
     into its bubbles (None: first-order)."""
@@ -105,26 +106,38 @@ class Compared:
         }
 
 
-def compare(entries: Sequence[Entry], stages: int, micro_batches: int, profile: Profile, chunks: int | None = None) -> list[Compared]:
+def compare(
+    entries: Sequence[Entry], stages: int, micro_batches: int, profile: Profile, chunks: int | None = None
+) -> list[Compared]:
     """Every entry on `stages` ranks and `micro_batches` micro-batches with `profile` (cut into
     chunks where a schedule needs them); `chunks` applies to `interleaved`. A packed entry's panel
     is its whole refresh cycle. Raises ScheduleError for an impossible shape,
     ProfileError for a profile that does not fit or has no layers to pack."""
     rows = []
     for entry in entries:
-        schedule = validate(get_schedule(entry.schedule, stages, micro_batches, chunks if entry.schedule == "interleaved" else None))
+        schedule = validate(
+            get_schedule(entry.schedule, stages, micro_batches, chunks if entry.schedule == "interleaved" else None)
+        )
         if profile.num_stages not in (schedule.num_ranks, schedule.num_stages):
-            chunked = f" or {schedule.num_stages} (one per model chunk)" if schedule.num_stages != schedule.num_ranks else ""
-            raise ProfileError(f"{entry}: the profile has {profile.num_stages} stages; it needs {schedule.num_ranks} (one per rank){chunked}")
+            chunked = (
+                f" or {schedule.num_stages} (one per model chunk)" if schedule.num_stages != schedule.num_ranks else ""
+            )
+            raise ProfileError(
+                f"{entry}: the profile has {profile.num_stages} stages; it needs {schedule.num_ranks} (one per rank){chunked}"
+            )
         fitted = fit_stages(profile, schedule.num_stages)
         if not entry.packed:
             timeline = simulate(schedule, fitted)
             rows.append(_first_order(entry, schedule_panel(schedule, fitted, timeline), timeline))
             continue
         if not any(stage.layers for stage in fitted.stages):
-            raise ProfileError(f"{entry}: packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none")
+            raise ProfileError(
+                f"{entry}: packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none"
+            )
         if entry.method != profile.method:
-            raise ProfileError(f"{entry}: the profile times {profile.method} tasks; write {entry.schedule}+{profile.method}")
+            raise ProfileError(
+                f"{entry}: the profile times {profile.method} tasks; write {entry.schedule}+{profile.method}"
+            )
         result = pack(schedule, fitted)
         rows.append(_packed(entry, packed_panel(schedule, result), result))
     return rows
@@ -135,8 +148,15 @@ def _first_order(entry: Entry, panel: Panel, timeline: Timeline) -> Compared:
 
 
 def _packed(entry: Entry, panel: Panel, result: PackResult) -> Compared:
-    return Compared(entry, panel, result.first_order.time_unit, cycle_bubble_fraction(result.timelines),
-                    result.step_time, result.first_order_step_time, result.refresh_steps)
+    return Compared(
+        entry,
+        panel,
+        result.first_order.time_unit,
+        cycle_bubble_fraction(result.timelines),
+        result.step_time,
+        result.first_order_step_time,
+        result.refresh_steps,
+    )
 
 
 def cycle_bubble_fraction(timelines: Sequence[Timeline]) -> float:
@@ -153,8 +173,13 @@ def format_compare_table(rows: Sequence[Compared]) -> str:
     return format_table(
         ["entry", "bubble [%]", "k [steps]", f"step [{unit}]", "overhead [%]"],
         [
-            (str(r.entry), f"{100 * r.bubble_fraction:.1f}", "-" if r.refresh_steps is None else r.refresh_steps,
-             f"{r.step_time:.4g}", f"{100 * r.overhead:.2f}")
+            (
+                str(r.entry),
+                f"{100 * r.bubble_fraction:.1f}",
+                "-" if r.refresh_steps is None else r.refresh_steps,
+                f"{r.step_time:.4g}",
+                f"{100 * r.overhead:.2f}",
+            )
             for r in rows
         ],
     )

@@ -71,7 +71,9 @@ def render_figure(panels: Sequence[Panel], path: str | Path) -> None:
     entries = _legend_entries(panels)
     columns = min(len(entries), _LEGEND_COLUMNS)
     note_height = 0.2 if _has_variants(panels) else 0.0
-    total = _TOP + sum(h + _TITLE for h in heights) + _AXIS + _LEGEND_ROW * math.ceil(len(entries) / columns) + note_height
+    total = (
+        _TOP + sum(h + _TITLE for h in heights) + _AXIS + _LEGEND_ROW * math.ceil(len(entries) / columns) + note_height
+    )
     span = max(p.end for p in panels) or 1.0
     with rc_context({"svg.fonttype": "none", "svg.hashsalt": "pipefisher", "font.size": 8}):
         fig = Figure(figsize=(_WIDTH, total))
@@ -88,7 +90,12 @@ def render_figure(panels: Sequence[Panel], path: str | Path) -> None:
             ax.tick_params(labelbottom=False)
         axes[-1].set_xlabel(f"time [{panels[-1].time_unit}]")
         _legend(fig, entries, columns, note_height)
-        write_atomically(path, lambda temporary: fig.savefig(temporary, dpi=110, metadata={"Date": None} if path.suffix == ".svg" else None))
+        write_atomically(
+            path,
+            lambda temporary: fig.savefig(
+                temporary, dpi=110, metadata={"Date": None} if path.suffix == ".svg" else None
+            ),
+        )
 
 
 def _draw_panel(ax, panel: Panel, index: int, span: float, axes_points: float, row_points: float) -> None:
@@ -99,10 +106,14 @@ def _draw_panel(ax, panel: Panel, index: int, span: float, axes_points: float, r
         return [(start, rank - _BOX), (end, rank - _BOX), (end, rank + _BOX), (start, rank + _BOX)]
 
     points_per_unit = axes_points / span
-    bubbles = PolyCollection([rect(b.start, b.end, b.rank) for b in panel.bubbles], facecolors=BUBBLE_COLOUR, edgecolors="none")
+    bubbles = PolyCollection(
+        [rect(b.start, b.end, b.rank) for b in panel.bubbles], facecolors=BUBBLE_COLOUR, edgecolors="none"
+    )
     bubbles.set_gid(f"bubbles{index}")
     ax.add_collection(bubbles)
-    step_ends = PolyCollection([rect(e.start, e.end, e.rank) for e in panel.step_ends], facecolors=STEP_END_COLOUR, edgecolors="none")
+    step_ends = PolyCollection(
+        [rect(e.start, e.end, e.rank) for e in panel.step_ends], facecolors=STEP_END_COLOUR, edgecolors="none"
+    )
     step_ends.set_gid(f"step-ends{index}")
     ax.add_collection(step_ends)
     by_category: dict[str, list[Box]] = {}
@@ -134,8 +145,15 @@ def _draw_panel(ax, panel: Panel, index: int, span: float, axes_points: float, r
         for number, box in enumerate(fitting):
             colour = _shade(COLOURS[box.category], box.variant)
             ax.text(
-                (box.start + box.end) / 2, box.rank, box.label, ha="center", va="center", fontsize=_FONT,
-                color="white" if _dark(colour) else "black", clip_on=True, gid=f"label{index}-{number}",
+                (box.start + box.end) / 2,
+                box.rank,
+                box.label,
+                ha="center",
+                va="center",
+                fontsize=_FONT,
+                color="white" if _dark(colour) else "black",
+                clip_on=True,
+                gid=f"label{index}-{number}",
             )
     multi_step = len(panel.step_ids) > 1
     for start, step in zip(panel.step_starts, panel.step_ids):
@@ -180,4 +198,12 @@ def _legend(fig, entries: list, columns: int, note_height: float) -> None:
     if note_height:
         rows = math.ceil(len(entries) / columns)
         note = "box labels: micro-batch, prefixed p1: for pipe 1 (Chimera) or c1: for chunk 1 (interleaved, V-shape)"
-        fig.text(0.5, (0.08 + _LEGEND_ROW * rows) / fig.get_figheight(), note, ha="center", va="bottom", fontsize=7, color="#444444")
+        fig.text(
+            0.5,
+            (0.08 + _LEGEND_ROW * rows) / fig.get_figheight(),
+            note,
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color="#444444",
+        )

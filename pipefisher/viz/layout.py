@@ -160,7 +160,9 @@ def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions |
     Raises ProfileError when `profile` lists no layers.
     """
     if not any(stage.layers for stage in profile.stages):
-        raise ProfileError("packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none")
+        raise ProfileError(
+            "packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none"
+        )
     return packed_panel(schedule, pack(schedule, profile, options))
 
 
@@ -267,7 +269,9 @@ def _panel(
                 if iv.op not in labels:
                     labels[iv.op] = op_label(iv.op, num_ranks, num_pipes, chunked)
                 variant, label = labels[iv.op]
-                boxes.append(Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label))
+                boxes.append(
+                    Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label)
+                )
             bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.idle_gaps(rank))
             if timeline.tail(rank) > 0:
                 start = offset + timeline.tail_start(rank)

@@ -24,7 +24,9 @@ _DIVIDED = ("forward", "backward", "weight", "step_end", "grad_reduce")
 def split_stage(stage: StageProfile, parts: int) -> list[StageProfile]:
     """`stage` cut into `parts` chunks of equal compute (see the module docstring)."""
     layers = stage.layers
-    samples = {name: tuple(v / parts for v in values) if name in _DIVIDED else values for name, values in stage.samples.items()}
+    samples = {
+        name: tuple(v / parts for v in values) if name in _DIVIDED else values for name, values in stage.samples.items()
+    }
     return [
         replace(
             stage,

@@ -25,7 +25,14 @@ _FORWARD = ("0123456789", ")!@#$%^&*(")
 _BACKWARD = ("abcdefghij", "ABCDEFGHIJ")
 #: weight gradient of any micro-batch (pipe 0 / even chunks, pipe 1 / odd chunks)
 WEIGHT = ("w", "W")
-_CURVATURE = {"curvature-a": "+", "curvature-b": "*", "inverse-a": "<", "inverse-b": ">", "precondition": "=", "sync": "|"}
+_CURVATURE = {
+    "curvature-a": "+",
+    "curvature-b": "*",
+    "inverse-a": "<",
+    "inverse-b": ">",
+    "precondition": "=",
+    "sync": "|",
+}
 _CURVATURE_NAMES = {
     "curvature-a": "curvature A",
     "curvature-b": "curvature B",
@@ -150,11 +157,15 @@ def _wrap(parts: list[str], width: int) -> list[str]:
 
 def _legend(panels: Sequence[Panel]) -> list[str]:
     categories = {c for p in panels for c in p.categories}
-    parts = [f"{_FORWARD[0][0]}-{_FORWARD[0][-1]} forward of micro-batch k (k mod 10), {_BACKWARD[0][0]}-{_BACKWARD[0][-1]} its backward"]
+    parts = [
+        f"{_FORWARD[0][0]}-{_FORWARD[0][-1]} forward of micro-batch k (k mod 10), {_BACKWARD[0][0]}-{_BACKWARD[0][-1]} its backward"
+    ]
     if "weight" in categories:
         parts[0] += f" (input gradient where W is split off), {WEIGHT[0]} weight gradient W of any micro-batch"
     if any(box.variant % 2 for p in panels for box in p.boxes if box.op.kind.is_compute):
-        odd = f"{_FORWARD[1]} and {_BACKWARD[1][0]}-{_BACKWARD[1][-1]}" + (f" and {WEIGHT[1]}" if "weight" in categories else "")
+        odd = f"{_FORWARD[1]} and {_BACKWARD[1][0]}-{_BACKWARD[1][-1]}" + (
+            f" and {WEIGHT[1]}" if "weight" in categories else ""
+        )
         parts.append(f"{odd} the same for pipe 1 (Chimera) or odd chunks (interleaved, V-shape)")
     parts += [f"{_CURVATURE[c]} {name}" for c, name in _CURVATURE_NAMES.items() if c in categories]
     if any(p.step_ends for p in panels):

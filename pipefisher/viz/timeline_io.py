@@ -78,8 +78,10 @@ class StepTimes:
             return f"step {self.step_ids[0]}{basis}: {self.format(self.times[0])}"
         mean = self.format(self.mean)
         if len(self.times) > MAX_LISTED:
-            return (f"steps {self.step_ids[0]}..{self.step_ids[-1]}{basis}: mean {mean} "
-                    f"(min {self.format(min(self.times))}, max {self.format(max(self.times))})")
+            return (
+                f"steps {self.step_ids[0]}..{self.step_ids[-1]}{basis}: mean {mean} "
+                f"(min {self.format(min(self.times))}, max {self.format(max(self.times))})"
+            )
         values = ", ".join(self.number(t) for t in self.times)
         return f"steps {', '.join(map(str, self.step_ids))}{basis}: {values} {self.time_unit}; mean {mean}"
 
@@ -97,7 +99,9 @@ class RecordedTimeline:
 
     def __post_init__(self) -> None:
         if not self.steps or not len(self.steps) == len(self.starts) == len(self.step_ids):
-            raise TimelineError("a recorded timeline needs one start and one step index per step, and at least one step")
+            raise TimelineError(
+                "a recorded timeline needs one start and one step index per step, and at least one step"
+            )
         if self.step_times is not None and len(self.step_times) != len(self.steps):
             raise TimelineError(f"step_times: {len(self.step_times)} times for {len(self.steps)} steps")
 
@@ -118,7 +122,9 @@ class RecordedTimeline:
         return self.steps[0].num_ranks
 
 
-def timeline_to_dict(timelines: Sequence[Timeline], starts: Sequence[float] | None = None, name: str = "") -> dict[str, Any]:
+def timeline_to_dict(
+    timelines: Sequence[Timeline], starts: Sequence[float] | None = None, name: str = ""
+) -> dict[str, Any]:
     """The v1 object for steps `timelines` (each with times from its own start); `starts[j]` is
     step j's start on the common clock (default: the steps laid end to end from 0)."""
     if not timelines:
@@ -141,7 +147,9 @@ def timeline_to_dict(timelines: Sequence[Timeline], starts: Sequence[float] | No
     return data
 
 
-def save_timeline(timelines: Sequence[Timeline], path: str | Path, starts: Sequence[float] | None = None, name: str = "") -> None:
+def save_timeline(
+    timelines: Sequence[Timeline], path: str | Path, starts: Sequence[float] | None = None, name: str = ""
+) -> None:
     """Write `timeline_to_dict(timelines, starts, name)` as JSON."""
     write_text_atomically(path, json.dumps(timeline_to_dict(timelines, starts, name)) + "\n")
 
@@ -182,7 +190,9 @@ def timeline_from_dict(data: Any) -> RecordedTimeline:
         raise TimelineError("expected a JSON object with schema, time_unit, ranks")
     unknown = sorted(set(data) - {"schema", "name", "time_unit", "step_starts", "step_times", "ranks"})
     if unknown:
-        raise TimelineError(f"unknown field {unknown[0]!r}; known fields are name, ranks, schema, step_starts, step_times, time_unit")
+        raise TimelineError(
+            f"unknown field {unknown[0]!r}; known fields are name, ranks, schema, step_starts, step_times, time_unit"
+        )
     if data.get("schema") != SCHEMA:
         raise TimelineError(f"schema: {data.get('schema')!r} is not {SCHEMA!r}")
     unit = data.get("time_unit")
@@ -197,15 +207,25 @@ def timeline_from_dict(data: Any) -> RecordedTimeline:
     steps = []
     for step, origin in zip(step_ids, starts):
         per_rank = [
-            tuple(sorted((Interval(op, start - origin, end - origin) for s, op, start, end in ops if s == step), key=lambda iv: (iv.start, iv.end)))
+            tuple(
+                sorted(
+                    (Interval(op, start - origin, end - origin) for s, op, start, end in ops if s == step),
+                    key=lambda iv: (iv.start, iv.end),
+                )
+            )
             for ops in entries
         ]
         steps.append(Timeline(ranks=tuple(per_rank), time_unit=unit))
     name = data.get("name", "")
     if not isinstance(name, str):
         raise TimelineError(f"name: expected a string, got {name!r}")
-    return RecordedTimeline(steps=tuple(steps), starts=tuple(starts), step_ids=tuple(step_ids), name=name,
-                            step_times=_step_times(data.get("step_times"), len(step_ids)))
+    return RecordedTimeline(
+        steps=tuple(steps),
+        starts=tuple(starts),
+        step_ids=tuple(step_ids),
+        name=name,
+        step_times=_step_times(data.get("step_times"), len(step_ids)),
+    )
 
 
 def _step_times(given: Any, num_steps: int) -> tuple[float, ...] | None:

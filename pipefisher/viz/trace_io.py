@@ -69,8 +69,11 @@ def labelled_events(path: Path) -> list[dict[str, Any]]:
 
 def step_spans(events: Sequence[dict[str, Any]]) -> list[tuple[float, float, int]]:
     """(begin, end, N) of every ``step N`` region among one trace's `events` (µs), in time order."""
-    return sorted((e["ts"], e["ts"] + e["dur"], int(m.group(1))) for e in events
-                  if e.get("ph") == "X" and e.get("cat") == "user_annotation" and (m := STEP.match(e["name"])))
+    return sorted(
+        (e["ts"], e["ts"] + e["dur"], int(m.group(1)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and (m := STEP.match(e["name"]))
+    )
 
 
 def step_durations(events: Sequence[dict[str, Any]]) -> dict[int, float]:
@@ -107,7 +110,12 @@ def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
                 entries.append({"op": str(op), "start": start / 1e3, "end": (start + event["dur"]) / 1e3, "step": step})
         ranks.append(sorted(entries, key=lambda e: e["start"]))
     traced = sorted({entry["step"] for entries in ranks for entry in entries})
-    data: dict[str, Any] = {"schema": SCHEMA, "time_unit": "ms", "step_starts": [starts[step] / 1e3 for step in traced], "ranks": ranks}
+    data: dict[str, Any] = {
+        "schema": SCHEMA,
+        "time_unit": "ms",
+        "step_starts": [starts[step] / 1e3 for step in traced],
+        "ranks": ranks,
+    }
     if traced and all(step in durations for step in traced):
         data["step_times"] = [durations[step] for step in traced]
     if name:
@@ -135,6 +143,12 @@ def trace_profile(record: RecordedTimeline, num_stages: int) -> Profile:
     missing = [stage for stage in range(num_stages) if not times[(stage, OpKind.FORWARD)]]
     if missing:
         raise TimelineError(f"the trace has no forward of stage {missing[0]}; is it a trace of this run's schedule?")
-    stages = tuple(StageProfile(forward=median(s, OpKind.FORWARD), backward=median(s, OpKind.BACKWARD) + median(s, OpKind.WEIGHT),
-                                weight=median(s, OpKind.WEIGHT)) for s in range(num_stages))
+    stages = tuple(
+        StageProfile(
+            forward=median(s, OpKind.FORWARD),
+            backward=median(s, OpKind.BACKWARD) + median(s, OpKind.WEIGHT),
+            weight=median(s, OpKind.WEIGHT),
+        )
+        for s in range(num_stages)
+    )
     return Profile(stages=stages, time_unit="ms", device="measured trace")

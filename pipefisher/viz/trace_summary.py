@@ -70,7 +70,9 @@ def summarise(paths: Sequence[Path]) -> list[StepSummary]:
                 per_kernel[kernel["name"]] += kernel["dur"] / 1e3
             top = tuple(sorted(per_kernel.items(), key=lambda item: -item[1])[:5])
             busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in inside]) / 1e3 if device else None
-            found.append(StepSummary(rank, step, timed.get(step, (end - begin) / 1e3), dict(actions), busy, len(kernels), top))
+            found.append(
+                StepSummary(rank, step, timed.get(step, (end - begin) / 1e3), dict(actions), busy, len(kernels), top)
+            )
     return found
 
 
@@ -80,7 +82,11 @@ def format_summary(summaries: Sequence[StepSummary], step_times: StepTimes) -> s
     lines = [f"measured {step_times}"]
     for s in summaries:
         parts = ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(s.actions.items(), key=lambda item: -item[1]))
-        device = "" if s.device_busy is None else f"; device busy {s.device_busy:.1f} ms ({100 * s.device_busy / s.wall:.0f} %), {s.kernels} kernels"
+        device = (
+            ""
+            if s.device_busy is None
+            else f"; device busy {s.device_busy:.1f} ms ({100 * s.device_busy / s.wall:.0f} %), {s.kernels} kernels"
+        )
         lines.append(f"rank {s.rank} step {s.step}: {s.wall:.1f} ms{device}")
         lines.append(f"  host time in actions [ms]: {parts}; outside any action {s.outside_actions:.1f}")
         if s.top_kernels:

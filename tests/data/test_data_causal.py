@@ -66,7 +66,10 @@ def test_micro_batches_are_a_pure_function_of_seed_step_and_micro_batch(document
     other = CausalLMData(documents, tokenizer, SEQ_LEN, BATCH, SEED, cache_dir)
     assert all(torch.equal(batch[key], other.micro_batch(3, 5)[key]) for key in BATCH_KEYS)
     assert not torch.equal(batch["input_ids"], data.micro_batch(3, 6)["input_ids"])
-    assert not torch.equal(batch["input_ids"], CausalLMData(documents, tokenizer, SEQ_LEN, BATCH, SEED + 1, cache_dir).micro_batch(3, 5)["input_ids"])
+    assert not torch.equal(
+        batch["input_ids"],
+        CausalLMData(documents, tokenizer, SEQ_LEN, BATCH, SEED + 1, cache_dir).micro_batch(3, 5)["input_ids"],
+    )
 
 
 def test_a_tokenizer_without_end_of_text_and_a_corpus_too_short_are_refused(documents, tokenizer):

@@ -45,7 +45,9 @@ def test_embedded_corpus_is_deterministic_and_a_fresh_copy(corpus):
 
 
 def test_split_sentences():
-    text = 'He said "Stop." Then he  left.\nSee e.g. Python for more (and i.e. that.) Does it work? Yes, it does! 2. Items'
+    text = (
+        'He said "Stop." Then he  left.\nSee e.g. Python for more (and i.e. that.) Does it work? Yes, it does! 2. Items'
+    )
     assert split_sentences(text) == [
         'He said "Stop."',
         "Then he left.",
@@ -111,8 +113,14 @@ def test_read_corpus_plain_text(tmp_path):
         "poster had been tacked to the wall.\n\nToo short.\n"
     )
     expected = [
-        ["It was a bright cold day in April, and the clocks were striking thirteen.", "Winston Smith slipped quickly through the glass doors."],
-        ["The hallway smelt of boiled cabbage and old rag mats.", "At one end of it a coloured poster had been tacked to the wall."],
+        [
+            "It was a bright cold day in April, and the clocks were striking thirteen.",
+            "Winston Smith slipped quickly through the glass doors.",
+        ],
+        [
+            "The hallway smelt of boiled cabbage and old rag mats.",
+            "At one end of it a coloured poster had been tacked to the wall.",
+        ],
     ]
     assert read_corpus(path) == expected
     assert read_corpus(path, "text") == expected
@@ -148,15 +156,35 @@ def test_an_unwritable_cache_is_one_line_and_exit_2(tmp_path):
     """A cache folder under a regular file cannot be made, by root too (ENOTDIR)."""
     (tmp_path / "file").write_text("")
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join("\n".join(f"Sentence {i} of document {d} is here." for i in range(3)) for d in range(6)))
+    corpus.write_text(
+        "\n\n".join("\n".join(f"Sentence {i} of document {d} is here." for i in range(3)) for d in range(6))
+    )
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PIPEFISHER_CACHE": str(tmp_path / "file" / "cache")}
-    result = subprocess.run([sys.executable, "-m", "pipefisher", "run", str(root / "schedules" / "tiny-cpu.yaml"), "--reference",
-                             "--steps", "1", "--data.corpus", str(corpus)], capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipefisher",
+            "run",
+            str(root / "schedules" / "tiny-cpu.yaml"),
+            "--reference",
+            "--steps",
+            "1",
+            "--data.corpus",
+            str(corpus),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines()[-1] == (f"pipefisher: error: data cache {tmp_path / 'file' / 'cache'}: cannot write there "
-                                              "(Not a directory); point PIPEFISHER_CACHE or data.cache_dir (--data.cache_dir DIR) "
-                                              "at a writable folder")
+    assert result.stderr.splitlines()[-1] == (
+        f"pipefisher: error: data cache {tmp_path / 'file' / 'cache'}: cannot write there "
+        "(Not a directory); point PIPEFISHER_CACHE or data.cache_dir (--data.cache_dir DIR) "
+        "at a writable folder"
+    )
     assert "Traceback" not in result.stderr
 
 

@@ -34,8 +34,11 @@ def test_split_documents_partitions_the_corpus_in_order():
 
 def _gpt2(tmp_path, **data):
     return load_config(ROOT / "schedules" / "gpt2-tiny-cpu.yaml").with_overrides(
-        model={"seq_len": 16}, data={"vocab_size": 600, "micro_batch_size": 2, "cache_dir": str(tmp_path), **data},
-        pipeline={"micro_batches": 2}, run={"steps": 3})
+        model={"seq_len": 16},
+        data={"vocab_size": 600, "micro_batch_size": 2, "cache_dir": str(tmp_path), **data},
+        pipeline={"micro_batches": 2},
+        run={"steps": 3},
+    )
 
 
 def test_training_never_sees_a_held_out_sequence_and_evaluation_batches_ignore_the_seed(tmp_path):
@@ -47,7 +50,9 @@ def test_training_never_sees_a_held_out_sequence_and_evaluation_batches_ignore_t
     other_seed = held_out_batches(config.with_overrides(data={"seed": 5}), 3)
     for a, b in zip(batches, other_seed):
         np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
-    assert len(causal_data(_gpt2(tmp_path)).sequences) > len(causal_data(config).sequences), "holdout 0 trains on the whole corpus"
+    assert len(causal_data(_gpt2(tmp_path)).sequences) > len(causal_data(config).sequences), (
+        "holdout 0 trains on the whole corpus"
+    )
     with pytest.raises(ConfigError, match="data.holdout"):
         held_out_batches(_gpt2(tmp_path), 3)
 
@@ -56,9 +61,13 @@ def test_evaluation_between_steps_sees_the_training_forward_and_changes_nothing(
     config = _gpt2(tmp_path, holdout=0.1)
     first_step = [data_source(config)(0, index) for index in range(config.pipeline.micro_batches)]
     reports: list[tuple[int, dict]] = []
-    evaluated = train_reference(config, evaluation=Evaluation(2, first_step, lambda step, parts: reports.append((step, parts))))
+    evaluated = train_reference(
+        config, evaluation=Evaluation(2, first_step, lambda step, parts: reports.append((step, parts)))
+    )
     plain = train_reference(config)
     assert evaluated.losses == plain.losses
     assert [step for step, _ in reports] == [0, 2, 3]
-    assert reports[0][1]["loss"] == pytest.approx(plain.losses[0], rel=1e-6), "step 1's loss is the untrained model's on those batches"
+    assert reports[0][1]["loss"] == pytest.approx(plain.losses[0], rel=1e-6), (
+        "step 1's loss is the untrained model's on those batches"
+    )
     assert reports[-1][1]["loss"] < reports[0][1]["loss"]

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from pipefisher.data.corpus import corpus_fingerprint, embedded_corpus
-from pipefisher.data.pretraining import BATCH_KEYS, IGNORE_INDEX, PretrainingData, _truncate_pair, embedded_pretraining_data
+from pipefisher.data.pretraining import (
+    BATCH_KEYS,
+    IGNORE_INDEX,
+    PretrainingData,
+    _truncate_pair,
+    embedded_pretraining_data,
+)
 from pipefisher.data.tokenizer import train_wordpiece
 
 SEQ_LEN, BATCH, SEED, VOCAB_SIZE = 64, 8, 11, 1000
@@ -80,7 +86,9 @@ def test_same_corpus_and_micro_batch_in_a_fresh_process(documents, data, cache_d
         "print(corpus_fingerprint(documents))\n"
     )
     path = cache_dir / "from-subprocess.pt"
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == corpus_fingerprint(documents)
     assert_same(torch.load(path), data.micro_batch(5, 3))
 

@@ -35,7 +35,9 @@ def test_round_trip_uses_wordpiece_continuations(tokenizer):
     encoding = tokenizer.encode(sentence, add_special_tokens=False)
     assert any(token.startswith("##") for token in encoding.tokens)
     assert "[UNK]" not in encoding.tokens
-    assert tokenizer.decode(encoding.ids) == "the interpreter raises an exception when it detects unfathomable cafe errors"
+    assert (
+        tokenizer.decode(encoding.ids) == "the interpreter raises an exception when it detects unfathomable cafe errors"
+    )
 
 
 def test_pair_encoding_has_bert_layout(tokenizer):
@@ -74,7 +76,22 @@ def test_load_vocab(tmp_path):
     tokenizer = load_vocab(path)
     assert SpecialIds.from_tokenizer(tokenizer) == SpecialIds(0, 1, 2, 3, 4)
     encoding = tokenizer.encode("The quick brown fox jumped over the lazy dogs. Wombat!", add_special_tokens=False)
-    assert encoding.tokens == ["the", "quick", "brown", "fox", "jump", "##ed", "over", "the", "lazy", "dog", "##s", ".", "[UNK]", "[UNK]"]
+    assert encoding.tokens == [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jump",
+        "##ed",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "##s",
+        ".",
+        "[UNK]",
+        "[UNK]",
+    ]
     assert encoding.ids[:3] == [5, 6, 7]
     assert tokenizer.encode("The fox.").tokens == ["[CLS]", "the", "fox", ".", "[SEP]"]
     path.write_text("\n".join(words) + "\n")

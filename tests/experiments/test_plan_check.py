@@ -23,8 +23,13 @@ def layer(block: int) -> LayerProfile:
 
 
 #: tiny-cpu's split: blocks 0-1 and 2-3; a 262,144-byte boundary message (8 x 64 x 128 fp32) in 2 ms
-PROFILE = Profile((StageProfile(forward=10.0, backward=20.0, p2p=2.0, step_end=5.0, layers=(layer(0), layer(1))),
-                   StageProfile(forward=30.0, backward=50.0, step_end=7.0, layers=(layer(2), layer(3)))), micro_batch_size=8)
+PROFILE = Profile(
+    (
+        StageProfile(forward=10.0, backward=20.0, p2p=2.0, step_end=5.0, layers=(layer(0), layer(1))),
+        StageProfile(forward=30.0, backward=50.0, step_end=7.0, layers=(layer(2), layer(3))),
+    ),
+    micro_batch_size=8,
+)
 PATH = Path("bert.yaml")
 
 
@@ -48,7 +53,12 @@ def test_a_curvature_method_is_packed_with_a_refresh_interval():
 
 
 def test_a_bad_count_is_one_line_and_exit_2():
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "plan_check.py"), "--repeats", "0"],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "plan_check.py"), "--repeats", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["plan_check: error: --repeats: 0 is not a positive count"]

@@ -9,9 +9,9 @@ from torch import Tensor
 def tiny_mlp(bias: bool = True, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Sequential:
     """Linear(4, 6) -> tanh -> Linear(6, 3); its K-FAC layers are named "0" and "2"."""
     gen = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(4, 6, bias=bias), torch.nn.Tanh(), torch.nn.Linear(6, 3, bias=bias)
-    ).to(dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=bias), torch.nn.Tanh(), torch.nn.Linear(6, 3, bias=bias)).to(
+        dtype
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) / p.shape[-1] ** 0.5)
@@ -22,8 +22,10 @@ def data(n: int, seed: int = 1, tokens: int | None = None) -> tuple[Tensor, Tens
     """Inputs (n[, tokens], 4) and targets (n[, tokens], 3) in float64."""
     gen = torch.Generator().manual_seed(seed)
     lead = (n,) if tokens is None else (n, tokens)
-    return (torch.randn(*lead, 4, generator=gen, dtype=torch.float64),
-            torch.randn(*lead, 3, generator=gen, dtype=torch.float64))
+    return (
+        torch.randn(*lead, 4, generator=gen, dtype=torch.float64),
+        torch.randn(*lead, 3, generator=gen, dtype=torch.float64),
+    )
 
 
 def reference_factors(model: torch.nn.Sequential, x: Tensor, y: Tensor) -> dict[str, tuple[Tensor, Tensor]]:

@@ -35,8 +35,13 @@ def test_factors_match_curvlinops_kfac(tokens):
     kfac.update_inverses()
 
     op = curvlinops.KFACLinearOperator(
-        model, torch.nn.MSELoss(reduction="mean"), list(model.parameters()), [(x, y)],
-        fisher_type="empirical", separate_weight_and_bias=False, check_deterministic=False,
+        model,
+        torch.nn.MSELoss(reduction="mean"),
+        list(model.parameters()),
+        [(x, y)],
+        fisher_type="empirical",
+        separate_weight_and_bias=False,
+        check_deterministic=False,
     )
     op.compute_kronecker_factors()
     theirs = op.state_dict()

@@ -57,4 +57,3 @@ def test_kl_clip_over_a_group_uses_the_summed_quadratic_form(results):
         assert vg_sum == pytest.approx(vg, rel=1e-9)
         assert clip_scale == pytest.approx(math.sqrt(1e-6 / (0.01 * vg)), rel=1e-9)
         assert clip_scale < 1.0
-

@@ -48,8 +48,10 @@ def test_preconditioned_gradient_solves_damped_kronecker_system(bias, inverse):
     kfac.precondition()
     for name, (a_ref, b_ref) in refs.items():
         shift = math.sqrt(damping)
-        kron = torch.kron(a_ref + shift * torch.eye(len(a_ref), dtype=a_ref.dtype),
-                          b_ref + shift * torch.eye(len(b_ref), dtype=b_ref.dtype))
+        kron = torch.kron(
+            a_ref + shift * torch.eye(len(a_ref), dtype=a_ref.dtype),
+            b_ref + shift * torch.eye(len(b_ref), dtype=b_ref.dtype),
+        )
         expected = torch.linalg.solve(kron, vec(grads[name]))
         torch.testing.assert_close(vec(layer_grad(model[int(name)])), expected, rtol=1e-9, atol=1e-12)
 
@@ -149,13 +151,15 @@ def test_kl_clip_rescales_all_preconditioned_gradients_by_the_kl_bound():
 
 def test_only_linear_layers_within_the_size_limit_and_not_skipped_are_preconditioned():
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({
-        "embed": torch.nn.Embedding(10, 8),
-        "norm": torch.nn.LayerNorm(8),
-        "hidden": torch.nn.Linear(8, 16),
-        "head": torch.nn.Linear(16, 4, bias=False),
-        "vocab": torch.nn.Linear(16, 100),
-    }).double()
+    model = torch.nn.ModuleDict(
+        {
+            "embed": torch.nn.Embedding(10, 8),
+            "norm": torch.nn.LayerNorm(8),
+            "hidden": torch.nn.Linear(8, 16),
+            "head": torch.nn.Linear(16, 4, bias=False),
+            "vocab": torch.nn.Linear(16, 100),
+        }
+    ).double()
     kfac = KFAC(model, skip=["he*"], max_factor_dim=64, factor_decay=0.0)
     assert [(i.name, i.a_size, i.b_size) for i in kfac.layers()] == [("hidden", 9, 16)]
     tokens = torch.randint(0, 10, (6, 3))
@@ -174,10 +178,19 @@ def test_only_linear_layers_within_the_size_limit_and_not_skipped_are_preconditi
         assert torch.equal(p.grad, before[n]) == (not n.startswith("hidden")), n
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"damping": 0.0}, {"damping": -1.0}, {"damping": float("nan")}, {"damping": 1e-100},
-    {"factor_decay": 1.0}, {"inverse": "qr"}, {"kl_clip": 0.0}, {"grad_scale": -2.0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"damping": 0.0},
+        {"damping": -1.0},
+        {"damping": float("nan")},
+        {"damping": 1e-100},
+        {"factor_decay": 1.0},
+        {"inverse": "qr"},
+        {"kl_clip": 0.0},
+        {"grad_scale": -2.0},
+    ],
+)
 def test_invalid_configuration_is_rejected(kwargs):
     with pytest.raises(ValueError):
         KFAC(tiny_mlp(), **kwargs)

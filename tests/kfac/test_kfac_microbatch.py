@@ -126,6 +126,7 @@ def test_new_inverses_take_effect_only_after_commit():
 def test_factors_built_in_row_shares_and_summed_equal_the_whole(count):
     """Tensor parallelism: each of `count` sharers builds a factor from its share of every
     capture's rows; their sealed totals and row counts summed give the factor of all rows."""
+
     def engine_after_backward(share: int | None) -> KFACEngine:
         torch.manual_seed(0)
         model = tiny_mlp()
@@ -154,4 +155,6 @@ def test_factors_built_in_row_shares_and_summed_equal_the_whole(count):
                 rows.add_(other_rows)
             shares[0].invert(name, factor)
             whole.invert(name, factor)
-            torch.testing.assert_close(shares[0].factor(name, factor), whole.factor(name, factor), rtol=1e-12, atol=1e-15)
+            torch.testing.assert_close(
+                shares[0].factor(name, factor), whole.factor(name, factor), rtol=1e-12, atol=1e-15
+            )

@@ -16,8 +16,14 @@ from pipefisher.models.bert import BERT_PRESETS, BertConfig, BertStagedModel, be
 from pipefisher.optim import no_decay
 
 SMALL = BertConfig(
-    vocab_size=40, hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,
-    max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    vocab_size=40,
+    hidden_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=16,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
 )
 SEQ = 8
 
@@ -141,6 +147,7 @@ def test_padding_does_not_change_real_positions() -> None:
 
 def reference_forward(params: dict[str, torch.Tensor], config: BertConfig, batch: dict[str, torch.Tensor]):
     """BERT written out with plain tensor ops, from HF's description of BertForPreTraining."""
+
     def linear(x, name):
         return x @ params[f"{name}.weight"].T + params[f"{name}.bias"]
 
@@ -152,19 +159,26 @@ def reference_forward(params: dict[str, torch.Tensor], config: BertConfig, batch
     ids = batch["input_ids"]
     seq, heads = ids.shape[1], config.num_attention_heads
     d = config.hidden_size // heads
-    x = (params["embeddings.word_embeddings.weight"][ids] + params["embeddings.position_embeddings.weight"][:seq]
-         + params["embeddings.token_type_embeddings.weight"][batch["token_type_ids"]])
+    x = (
+        params["embeddings.word_embeddings.weight"][ids]
+        + params["embeddings.position_embeddings.weight"][:seq]
+        + params["embeddings.token_type_embeddings.weight"][batch["token_type_ids"]]
+    )
     x = norm(x, "embeddings.LayerNorm")
     pad = (1 - batch["attention_mask"].double())[:, None, None, :] * -1e30
     for i in range(config.num_hidden_layers):
         block = f"encoder.layer.{i}"
         q, k, v = (
-            linear(x, f"{block}.attention.self.{n}").unflatten(-1, (heads, d)).transpose(1, 2) for n in ("query", "key", "value")
+            linear(x, f"{block}.attention.self.{n}").unflatten(-1, (heads, d)).transpose(1, 2)
+            for n in ("query", "key", "value")
         )
         weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d) + pad, dim=-1)
         context = (weights @ v).transpose(1, 2).flatten(2)
         x = norm(x + linear(context, f"{block}.attention.output.dense"), f"{block}.attention.output.LayerNorm")
-        x = norm(x + linear(gelu(linear(x, f"{block}.intermediate.dense")), f"{block}.output.dense"), f"{block}.output.LayerNorm")
+        x = norm(
+            x + linear(gelu(linear(x, f"{block}.intermediate.dense")), f"{block}.output.dense"),
+            f"{block}.output.LayerNorm",
+        )
     h = norm(gelu(linear(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
     mlm = h @ params["embeddings.word_embeddings.weight"].T + params["cls.predictions.decoder.bias"]
     nsp = linear(torch.tanh(linear(x[:, 0], "pooler.dense")), "cls.seq_relationship")
@@ -223,18 +237,34 @@ def test_no_decay() -> None:
 
 
 HF_BASE_UNCASED = {
-    "architectures": ["BertForMaskedLM"], "attention_probs_dropout_prob": 0.1, "gradient_checkpointing": False,
-    "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": 768, "initializer_range": 0.02,
-    "intermediate_size": 3072, "layer_norm_eps": 1e-12, "max_position_embeddings": 512, "model_type": "bert",
-    "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 0, "position_embedding_type": "absolute",
-    "transformers_version": "4.6.0.dev0", "type_vocab_size": 2, "use_cache": True, "vocab_size": 30522,
+    "architectures": ["BertForMaskedLM"],
+    "attention_probs_dropout_prob": 0.1,
+    "gradient_checkpointing": False,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1,
+    "hidden_size": 768,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "layer_norm_eps": 1e-12,
+    "max_position_embeddings": 512,
+    "model_type": "bert",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "pad_token_id": 0,
+    "position_embedding_type": "absolute",
+    "transformers_version": "4.6.0.dev0",
+    "type_vocab_size": 2,
+    "use_cache": True,
+    "vocab_size": 30522,
 }
 
 
 def test_from_dict_and_json(tmp_path) -> None:
     assert BertConfig.from_dict(HF_BASE_UNCASED) == BERT_PRESETS["bert-base"]
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**HF_BASE_UNCASED, "hidden_size": 256, "num_attention_heads": 4, "hidden_dropout_prob": 0}))
+    path.write_text(
+        json.dumps({**HF_BASE_UNCASED, "hidden_size": 256, "num_attention_heads": 4, "hidden_dropout_prob": 0})
+    )
     config = BertConfig.from_json(path)
     assert (config.hidden_size, config.num_attention_heads, config.hidden_dropout_prob) == (256, 4, 0.0)
     assert bert_preset("bert-mini", vocab_size=1000).vocab_size == 1000
@@ -254,9 +284,17 @@ def test_the_run_file_offers_exactly_the_presets_there_are():
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("hidden_size", "768"), ("num_hidden_layers", 0), ("vocab_size", True), ("num_attention_heads", 5),
-        ("hidden_act", "swishy"), ("hidden_act", 3), ("hidden_dropout_prob", 1.0), ("attention_probs_dropout_prob", -0.1),
-        ("initializer_range", 0.0), ("layer_norm_eps", "1e-12"), ("type_vocab_size", 2.0),
+        ("hidden_size", "768"),
+        ("num_hidden_layers", 0),
+        ("vocab_size", True),
+        ("num_attention_heads", 5),
+        ("hidden_act", "swishy"),
+        ("hidden_act", 3),
+        ("hidden_dropout_prob", 1.0),
+        ("attention_probs_dropout_prob", -0.1),
+        ("initializer_range", 0.0),
+        ("layer_norm_eps", "1e-12"),
+        ("type_vocab_size", 2.0),
         ("position_embedding_type", "relative_key"),
     ],
 )
@@ -270,8 +308,10 @@ def test_from_dict_rejects_bad_values(key: str, value: object) -> None:
 @pytest.mark.parametrize(
     "name, body, paper",
     [
-        ("bert-base", 109_482_240, 110e6), ("bert-large", 335_141_888, 340e6),
-        ("bert-mini", 11_170_560, 11.3e6), ("bert-tiny", 4_385_920, 4.4e6),
+        ("bert-base", 109_482_240, 110e6),
+        ("bert-large", 335_141_888, 340e6),
+        ("bert-mini", 11_170_560, 11.3e6),
+        ("bert-tiny", 4_385_920, 4.4e6),
     ],
 )
 def test_preset_parameter_counts(name: str, body: int, paper: float) -> None:

@@ -40,8 +40,13 @@ def batch_for(model: HfStagedModel, seed: int = 0) -> dict:
     attention_mask[0, 10:] = 0  # padding: the mask must reach every stage
     labels = torch.full_like(ids, -100)
     labels[:, 3] = ids[:, 3]
-    return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": attention_mask,
-            "mlm_labels": labels, "nsp_labels": torch.tensor([0, 1, 0])}
+    return {
+        "input_ids": ids,
+        "token_type_ids": torch.zeros_like(ids),
+        "attention_mask": attention_mask,
+        "mlm_labels": labels,
+        "nsp_labels": torch.tensor([0, 1, 0]),
+    }
 
 
 def chained(stages, model, batch):
@@ -116,7 +121,10 @@ def test_a_weight_tied_across_other_stages_than_first_and_last_is_refused():
     model.check_split(2)
     model.tied["transformer.h.3.mlp.c_fc.weight"] = "transformer.h.0.mlp.c_fc.weight"
     model.check_split(1)  # one stage holds both: one Parameter
-    with pytest.raises(ValueError, match="ties transformer.h.3.mlp.c_fc.weight to transformer.h.0.mlp.c_fc.weight, which 2 stages hold apart"):
+    with pytest.raises(
+        ValueError,
+        match="ties transformer.h.3.mlp.c_fc.weight to transformer.h.0.mlp.c_fc.weight, which 2 stages hold apart",
+    ):
         model.check_split(2)
 
 
@@ -128,14 +136,38 @@ def test_stage_ends_are_the_last_block_of_each_stage_but_the_last():
 @pytest.mark.parametrize(
     "class_name, config, message",
     [
-        ("GPT2Model", "gpt2-tiny", "GPT2Model has no block list pipefisher recognises (transformer.h, bert.encoder.layer, model.layers)"),
-        ("CohereForCausalLM", {"model_type": "cohere", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                               "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100},
-         "CohereForCausalLM (model_type cohere) has the block list model.layers, but its forward is not one pipefisher follows"),
+        (
+            "GPT2Model",
+            "gpt2-tiny",
+            "GPT2Model has no block list pipefisher recognises (transformer.h, bert.encoder.layer, model.layers)",
+        ),
+        (
+            "CohereForCausalLM",
+            {
+                "model_type": "cohere",
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 100,
+            },
+            "CohereForCausalLM (model_type cohere) has the block list model.layers, but its forward is not one pipefisher follows",
+        ),
         ("NoSuchModel", "gpt2-tiny", "hf_class: 'NoSuchModel' is not a model class of transformers"),
-        ("MistralForCausalLM", {"model_type": "mistral", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100},
-         "config field sliding_window = 4096 is not supported"),
+        (
+            "MistralForCausalLM",
+            {
+                "model_type": "mistral",
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 100,
+            },
+            "config field sliding_window = 4096 is not supported",
+        ),
     ],
 )
 def test_models_the_splitter_cannot_cut_are_refused_by_name(class_name, config, message, tmp_path):

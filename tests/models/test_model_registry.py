@@ -25,8 +25,11 @@ def _strings(node: ast.expr) -> set[str]:
 
 
 def _receiver(node: ast.expr) -> str:
-    return node.value.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) else (
-        node.value.id if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else "")
+    return (
+        node.value.attr
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+        else (node.value.id if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else "")
+    )
 
 
 def kind_comparisons() -> list[str]:
@@ -41,8 +44,11 @@ def kind_comparisons() -> list[str]:
             if not isinstance(node, ast.Compare):
                 continue
             sides = [node.left, *node.comparators]
-            kinds_compared = [side for side in sides if isinstance(side, ast.Attribute) and side.attr == "kind"
-                              and not _receiver(side).endswith(OTHER_KINDS)]
+            kinds_compared = [
+                side
+                for side in sides
+                if isinstance(side, ast.Attribute) and side.attr == "kind" and not _receiver(side).endswith(OTHER_KINDS)
+            ]
             if kinds_compared and names & set().union(*map(_strings, sides)):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     return found

@@ -103,7 +103,9 @@ def test_chained_split_forward_equals_unsplit(kind: str, num_stages: int) -> Non
     assert len(split) == len(unsplit) and all(torch.equal(s, u) for s, u in zip(split, unsplit))
 
 
-@pytest.mark.parametrize("module", [nn.Linear(7, 5), nn.Linear(300, 2), nn.LayerNorm(6)], ids=["linear", "wide", "norm"])
+@pytest.mark.parametrize(
+    "module", [nn.Linear(7, 5), nn.Linear(300, 2), nn.LayerNorm(6)], ids=["linear", "wide", "norm"]
+)
 def test_pytorch_default_init_draws_what_torch_draws(module: nn.Module) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(4)

@@ -25,7 +25,12 @@ def shard_state(module, plan, degree, index):
         if split is not None:
             for key in ("weight", "bias"):
                 state.pop(f"{name}.{key}", None)
-            state.update({f"{name}.{key}": value for key, value in shard_linear(child, split, degree, index).state_dict().items()})
+            state.update(
+                {
+                    f"{name}.{key}": value
+                    for key, value in shard_linear(child, split, degree, index).state_dict().items()
+                }
+            )
     return state
 
 
@@ -45,11 +50,21 @@ def test_shards_join_into_the_unsplit_state_dict(kind, degree):
 @pytest.mark.parametrize("kind", MODELS)
 def test_side_by_side_shards_compute_the_unsplit_model(kind):
     model = MODELS[kind]()
-    stage, emulated = model.build_stage(0, 1, seed=3), emulate_shards(model.build_stage(0, 1, seed=3), model.tensor_parallel_plan(2), 2)
+    stage, emulated = (
+        model.build_stage(0, 1, seed=3),
+        emulate_shards(model.build_stage(0, 1, seed=3), model.tensor_parallel_plan(2), 2),
+    )
     assert dict(unsharded_parameters(emulated)).keys() == dict(stage.named_parameters()).keys()
     assert all(torch.equal(tensor, stage.get_parameter(name)) for name, tensor in unsharded_parameters(emulated))
-    batch = ({"input_ids": torch.randint(0, 50, (2, 8)), "token_type_ids": torch.zeros(2, 8, dtype=torch.long),
-              "attention_mask": torch.ones(2, 8)} if kind == "bert" else {"inputs": torch.randn(2, 8, 16)})
+    batch = (
+        {
+            "input_ids": torch.randint(0, 50, (2, 8)),
+            "token_type_ids": torch.zeros(2, 8, dtype=torch.long),
+            "attention_mask": torch.ones(2, 8),
+        }
+        if kind == "bert"
+        else {"inputs": torch.randn(2, 8, 16)}
+    )
     stage.eval(), emulated.eval()
     for ours, theirs in zip(emulated(None, batch), stage(None, batch)):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -75,8 +90,15 @@ def test_a_block_sums_over_the_shards_twice_forward_and_twice_backward(kind):
     with world_of_one("gloo", torch.device("cpu")):
         stage = model.build_stage(0, 1, seed=3)
         parallelize(stage, model.tensor_parallel_plan(1), DeviceMesh("cpu", [0]), counting)
-        batch = ({"input_ids": torch.randint(0, 50, (2, 8)), "token_type_ids": torch.zeros(2, 8, dtype=torch.long),
-                  "attention_mask": torch.ones(2, 8)} if kind == "bert" else {"inputs": torch.randn(2, 8, 16)})
+        batch = (
+            {
+                "input_ids": torch.randint(0, 50, (2, 8)),
+                "token_type_ids": torch.zeros(2, 8, dtype=torch.long),
+                "attention_mask": torch.ones(2, 8),
+            }
+            if kind == "bert"
+            else {"inputs": torch.randn(2, 8, 16)}
+        )
         output = stage(None, batch)
         blocks = 4 if kind == "bert" else 2
         assert calls == {"forward": 2 * blocks, "backward": 0}

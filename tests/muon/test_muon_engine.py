@@ -65,8 +65,13 @@ def test_a_step_not_applied_leaves_the_momentum_and_the_checkpoint_round_trips()
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
     """Every rank holds each matrix's update; its momentum only where the rank orthogonalises it."""
-    config = config_from_dict({"model": tiny_model(), "pipeline": {"stages": 2, "micro_batches": 4, "data_parallel": data_parallel},
-                               "optimizer": {"name": "muon"}})
+    config = config_from_dict(
+        {
+            "model": tiny_model(),
+            "pipeline": {"stages": 2, "micro_batches": 4, "data_parallel": data_parallel},
+            "optimizer": {"name": "muon"},
+        }
+    )
     model = TinyRegression(config.model)
     topology = Topology(get_schedule("1f1b", 2, 4), data_parallel)
     skip = first_order_globs(model)
@@ -74,11 +79,15 @@ def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
     for stage in range(2):
         module = model.build_stage(stage, 2, seed=0)
         engine = MuonEngine(module, MuonConfig(), skip)
-        states.append(StageState(tuple(p.numel() for p in unique_parameters(module)),
-                                 tuple(MuonLayer(name, m.rows, m.cols) for name, m in engine.matrices.items())))
+        states.append(
+            StageState(
+                tuple(p.numel() for p in unique_parameters(module)),
+                tuple(MuonLayer(name, m.rows, m.cols) for name, m in engine.matrices.items()),
+            )
+        )
     modelled = rank_memory(topology, states, optimizer_state("muon"), workers_per_layer=config.workers_per_layer)
     for rank in range(topology.world_size):
-        (pipe, stage), = topology.stages_of(rank)
+        ((pipe, stage),) = topology.stages_of(rank)
         module = model.build_stage(stage, 2, seed=0)
         runtime = MuonRuntime(config, topology, rank, {(pipe, stage): module}, comm=None, plan=None, skip=skip)
         engine = runtime.engines[(pipe, stage)]
@@ -87,5 +96,10 @@ def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
         for name in engine.names():
             engine.update_buffer(name)
         engine.apply()
-        held = sum(t.numel() * t.element_size() for m in engine.matrices.values() for t in (m.buffer, m.update) if t is not None)
+        held = sum(
+            t.numel() * t.element_size()
+            for m in engine.matrices.values()
+            for t in (m.buffer, m.update)
+            if t is not None
+        )
         assert held == modelled[rank].curvature_bytes

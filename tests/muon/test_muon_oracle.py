@@ -84,7 +84,9 @@ def test_the_iteration_leaves_singular_values_near_one(shape):
     singular = torch.linalg.svdvals(result)
     assert singular.min() > 0.6 and singular.max() < 1.25, singular
     u, _, vh = torch.linalg.svd(update, full_matrices=False)
-    assert torch.nn.functional.cosine_similarity(result.flatten(), (u @ vh).flatten(), dim=0) > 0.98, "the polar factor's direction"
+    assert torch.nn.functional.cosine_similarity(result.flatten(), (u @ vh).flatten(), dim=0) > 0.98, (
+        "the polar factor's direction"
+    )
 
 
 def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_rest():
@@ -99,11 +101,15 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
     from pipefisher.optim.first_order import no_decay
     from pipefisher.runtime.training.assembly import data_source, staged_model
 
-    config = config_from_dict({
-        "model": tiny_model(), "data": {"micro_batch_size": 4}, "pipeline": {"stages": 1, "micro_batches": 1},
-        "optimizer": {"name": "muon", "lr": 3e-3, "weight_decay": 0.1, "eps": 1e-3},
-        "muon": {"lr": LR, "momentum": 0.9, "ns_dtype": "bfloat16"},
-    })
+    config = config_from_dict(
+        {
+            "model": tiny_model(),
+            "data": {"micro_batch_size": 4},
+            "pipeline": {"stages": 1, "micro_batches": 1},
+            "optimizer": {"name": "muon", "lr": 3e-3, "weight_decay": 0.1, "eps": 1e-3},
+            "muon": {"lr": LR, "momentum": 0.9, "ns_dtype": "bfloat16"},
+        }
+    )
     model, parts = staged_model(config), method_of(config).runtime_parts()
     net = model.build_stage(0, 1, seed=0)
     twin = model.build_stage(0, 1, seed=0)
@@ -112,10 +118,18 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
     owned = set(parts.preconditioned(config, twin, parts.skip(model)))
     named = dict(twin.named_parameters())
     rest = [name for name in named if name not in owned]
-    theirs = [torch.optim.Muon([named[name] for name in owned], lr=LR, weight_decay=0.1, momentum=0.9),
-              torch.optim.AdamW([{"params": [named[n] for n in rest if not no_decay(n)], "weight_decay": 0.1},
-                                 {"params": [named[n] for n in rest if no_decay(n)], "weight_decay": 0.0}],
-                                lr=3e-3, eps=1e-3, fused=True)]  # fused, as the run's AdamW
+    theirs = [
+        torch.optim.Muon([named[name] for name in owned], lr=LR, weight_decay=0.1, momentum=0.9),
+        torch.optim.AdamW(
+            [
+                {"params": [named[n] for n in rest if not no_decay(n)], "weight_decay": 0.1},
+                {"params": [named[n] for n in rest if no_decay(n)], "weight_decay": 0.0},
+            ],
+            lr=3e-3,
+            eps=1e-3,
+            fused=True,
+        ),
+    ]  # fused, as the run's AdamW
     assert owned and rest and all(named[name].dim() == 2 for name in owned)
     batch = data_source(config)
     for step in range(STEPS):
@@ -128,7 +142,9 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
             for optimizer in optimizers:
                 optimizer.step()
         for name, value in net.named_parameters():
-            torch.testing.assert_close(value, named[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(
+                value, named[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}, {name}: {m}"
+            )
         # the next step starts from the same weights: bfloat16 iterations (torch's) would turn the
         # last-bit differences of one step into visible ones in the next
         with torch.no_grad():

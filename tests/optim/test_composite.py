@@ -29,9 +29,13 @@ def _one_thread() -> None:
 def run(method: str, **section):
     """A two-stage tiny transformer under `method`: its lr 0.02 with momentum 0.9, optimizer.lr
     0.005 with weight decay 0.1 (AdamW's betas and eps from the optimizer section)."""
-    return config_from_dict({
-        "model": tiny_model(), "optimizer": {"name": method, "lr": 0.005, "weight_decay": 0.1, "betas": [0.8, 0.99], "eps": 1e-6},
-        method: {"lr": 0.02, "momentum": 0.9, **section}})
+    return config_from_dict(
+        {
+            "model": tiny_model(),
+            "optimizer": {"name": method, "lr": 0.005, "weight_decay": 0.1, "betas": [0.8, 0.99], "eps": 1e-6},
+            method: {"lr": 0.02, "momentum": 0.9, **section},
+        }
+    )
 
 
 def stages(config) -> tuple[list[nn.Module], TinyRegression]:
@@ -49,13 +53,17 @@ def backward(modules: list[nn.Module], model: TinyRegression, config, step: int)
 
 
 def decay_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    return [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
-            {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
+    ]
 
 
 #: what each method preconditions in the tiny transformer, stated independently of its code
-PRECONDITIONED = {"kfac": lambda module, name, p: isinstance(module.get_submodule(name.rsplit(".", 1)[0]), nn.Linear),
-                  "shampoo": lambda module, name, p: p.dim() >= 2}
+PRECONDITIONED = {
+    "kfac": lambda module, name, p: isinstance(module.get_submodule(name.rsplit(".", 1)[0]), nn.Linear),
+    "shampoo": lambda module, name, p: p.dim() >= 2,
+}
 
 
 @pytest.mark.parametrize("method", ["kfac", "shampoo"])
@@ -122,7 +130,9 @@ def test_the_schedule_scales_both_rules_from_their_own_rates_also_after_a_state_
     for _ in range(2):
         optimizer.step()
         scheduler.step()
-    assert rates() == {"method": pytest.approx([0.01, 0.01]), "rest": pytest.approx([0.0025, 0.0025])}, "half-way through warm-up"
+    assert rates() == {"method": pytest.approx([0.01, 0.01]), "rest": pytest.approx([0.0025, 0.0025])}, (
+        "half-way through warm-up"
+    )
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01), "the reported rate is the method's"
     optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     for _ in range(2):

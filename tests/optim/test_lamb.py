@@ -20,7 +20,9 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def hand_lamb(p: list[float], grads: list[list[float]], lr: float, b1: float, b2: float, eps: float, wd: float) -> list[float]:
+def hand_lamb(
+    p: list[float], grads: list[list[float]], lr: float, b1: float, b2: float, eps: float, wd: float
+) -> list[float]:
     """LAMB on one flat parameter, element by element in Python floats (double precision)."""
     p, m, v = list(p), [0.0] * len(p), [0.0] * len(p)
     for t, g in enumerate(grads, start=1):
@@ -106,13 +108,18 @@ def test_state_dict_round_trip_and_groups() -> None:
     assert not torch.equal(second[0], torch.ones(4))
 
 
-
 def test_a_parameters_update_is_the_same_whatever_steps_beside_it() -> None:
     """One group stepped together, one tensor at a time, or split over two optimizers (as ZeRO-1
     splits over ranks): the same parameters bit for bit, float32 and float64 and a transposed
     (not contiguous) one in one group; a parameter without a gradient keeps its value and gets no state."""
     g = torch.Generator().manual_seed(0)
-    shapes = [((5, 3), torch.float32), ((7,), torch.float64), ((4, 4), torch.float32), ((2,), torch.float32), ((3,), torch.float64)]
+    shapes = [
+        ((5, 3), torch.float32),
+        ((7,), torch.float64),
+        ((4, 4), torch.float32),
+        ((2,), torch.float32),
+        ((3,), torch.float64),
+    ]
     initial = [torch.randn(shape, generator=g, dtype=dtype) for shape, dtype in shapes]
     initial[2] = initial[2].t()
     grads = [[torch.randn(p.shape, generator=g, dtype=p.dtype) for p in initial[:-1]] for _ in range(4)]
@@ -145,10 +152,16 @@ def test_a_step_reads_no_tensor_into_python() -> None:
             optimizer.step()
         assert not reads, dict(reads)
 
+
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -0.1}, "weight_decay"),
-     ({"batch_elements": 0}, "batch_elements")],
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"eps": -1e-8}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"batch_elements": 0}, "batch_elements"),
+    ],
 )
 def test_rejects_bad_arguments(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -158,8 +171,14 @@ def test_rejects_bad_arguments(kwargs: dict, name: str) -> None:
 def test_lamb_with_schedule_fits_a_small_bert_batch() -> None:
     """Lamb + warm-up/decay on decay/no-decay groups memorises one batch: loss under 30 % of its start in 40 steps."""
     config = BertConfig(
-        vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=30,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=8,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     model = BertStagedModel(config, seq_len=8)
     stage = model.build_stage(0, 1, seed=0)
@@ -173,8 +192,11 @@ def test_lamb_with_schedule_fits_a_small_bert_batch() -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 30, (4, 8), generator=g)
     batch = {
-        "input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
-        "mlm_labels": ids, "nsp_labels": torch.tensor([0, 1, 0, 1]),
+        "input_ids": ids,
+        "token_type_ids": torch.zeros_like(ids),
+        "attention_mask": torch.ones_like(ids),
+        "mlm_labels": ids,
+        "nsp_labels": torch.tensor([0, 1, 0, 1]),
     }
     losses = []
     for _ in range(40):

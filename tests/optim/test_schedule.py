@@ -51,10 +51,15 @@ def test_lambda_lr_follows_schedule_and_round_trips() -> None:
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        ({"warmup_steps": -1}, "warmup_steps"), ({"warmup_steps": 2.5}, "warmup_steps"),
-        ({"total_steps": 0, "warmup_steps": 0}, "total_steps"), ({"total_steps": 5, "warmup_steps": 10}, "total_steps"),
-        ({"total_steps": True}, "total_steps"), ({"power": -1.0}, "power"), ({"power": "1"}, "power"),
-        ({"final_fraction": 1.5}, "final_fraction"), ({"final_fraction": -0.1}, "final_fraction"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"total_steps": 0, "warmup_steps": 0}, "total_steps"),
+        ({"total_steps": 5, "warmup_steps": 10}, "total_steps"),
+        ({"total_steps": True}, "total_steps"),
+        ({"power": -1.0}, "power"),
+        ({"power": "1"}, "power"),
+        ({"final_fraction": 1.5}, "final_fraction"),
+        ({"final_fraction": -0.1}, "final_fraction"),
     ],
 )
 def test_rejects_bad_arguments(kwargs: dict, name: str) -> None:

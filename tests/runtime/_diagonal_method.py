@@ -26,7 +26,14 @@ from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.settings import setting
-from pipefisher.methods.interface import CurvatureRuntime, MethodParts, ReferenceCurvature, TaskTimer, broadcast_from_owner, tied_copies
+from pipefisher.methods.interface import (
+    CurvatureRuntime,
+    MethodParts,
+    ReferenceCurvature,
+    TaskTimer,
+    broadcast_from_owner,
+    tied_copies,
+)
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.registry import register, unregister
 from pipefisher.methods.settings import RefreshConfig
@@ -44,10 +51,12 @@ class DiagonalConfig(RefreshConfig):
     epsilon: float = setting(0.1, "added to the square root of the second moment", low=0, low_open=True)
 
 
-
-
 def parameter_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
-    return [name for name, p in module.named_parameters() if p.requires_grad and not any(fnmatch(name, glob) for glob in skip)]
+    return [
+        name
+        for name, p in module.named_parameters()
+        if p.requires_grad and not any(fnmatch(name, glob) for glob in skip)
+    ]
 
 
 class DiagonalState:
@@ -87,7 +96,12 @@ class DiagonalState:
                 p.grad.mul_(scale)
 
     def state_dict(self) -> dict:
-        return {"second_moment": self.second_moment, "scale": self.scale, "pending": self.pending, "captured": self.captured}
+        return {
+            "second_moment": self.second_moment,
+            "scale": self.scale,
+            "pending": self.pending,
+            "captured": self.captured,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("second_moment", "scale", "pending", "captured"):
@@ -115,9 +129,11 @@ class DiagonalRuntime(CurvatureRuntime):
         self.owners = inverse_owners(plan)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        return {OpKind.SYNC_A: lambda op: None,
-                OpKind.INV_A: lambda op: self.engines[(op.pipe, op.stage)].refresh(op.layer),
-                OpKind.EXCHANGE: self._fold_shared}
+        return {
+            OpKind.SYNC_A: lambda op: None,
+            OpKind.INV_A: lambda op: self.engines[(op.pipe, op.stage)].refresh(op.layer),
+            OpKind.EXCHANGE: self._fold_shared,
+        }
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Any]]:
         return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange}
@@ -153,9 +169,16 @@ class DiagonalRuntime(CurvatureRuntime):
         stage, name, _ = collective.key
         state = self._state_of_stage[stage]
         parameter = state.parameters[name]
-        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, name, "A")], collective,
-                                    shared=lambda: state.pending[name], buffer=lambda: torch.empty_like(parameter),
-                                    receive=lambda tensor: state.pending.__setitem__(name, tensor))
+        return broadcast_from_owner(
+            self.comm,
+            self.topology,
+            self.rank,
+            self.owners[(stage, name, "A")],
+            collective,
+            shared=lambda: state.pending[name],
+            buffer=lambda: torch.empty_like(parameter),
+            receive=lambda tensor: state.pending.__setitem__(name, tensor),
+        )
 
 
 class DiagonalTimer(TaskTimer):
@@ -178,9 +201,11 @@ class DiagonalTimer(TaskTimer):
         for (pipe, stage), state in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
             group = executor.comm.groups.get(("curv", stage))
             for name, parameter in state.parameters.items():
+
                 def refresh(name: str = name, parameter: nn.Parameter = parameter) -> None:
                     state.captured[name] = torch.randn_like(parameter)
                     state.refresh(name)
+
                 samples = {"inverse_a": timed_ms(refresh, executor.device)}
                 if group is not None:
                     gradient = torch.randn_like(parameter)
@@ -216,12 +241,21 @@ class ReferenceDiagonal(ReferenceCurvature):
             self.state.commit()
 
 
-PARTS = MethodParts(runtime=DiagonalRuntime, timer=DiagonalTimer, layer_names=parameter_names, skip=tied_copies,
-                    reference=ReferenceDiagonal, preconditioned=lambda config, module, skip: parameter_names(module, skip))
+PARTS = MethodParts(
+    runtime=DiagonalRuntime,
+    timer=DiagonalTimer,
+    layer_names=parameter_names,
+    skip=tied_copies,
+    reference=ReferenceDiagonal,
+    preconditioned=lambda config, module, skip: parameter_names(module, skip),
+)
 DIAGONAL = CurvatureMethod(
-    name="diagonal", label="Diagonal",
+    name="diagonal",
+    label="Diagonal",
     rules=TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"),), precondition=False, factors=("A",)),
-    settings=DiagonalConfig, parts=f"{__name__}:PARTS", flags=("beta2",),
+    settings=DiagonalConfig,
+    parts=f"{__name__}:PARTS",
+    flags=("beta2",),
 )
 register(DIAGONAL)
 

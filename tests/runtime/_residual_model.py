@@ -61,8 +61,9 @@ class ResidualRegression:
     def build_stage(self, index: int, num_stages: int, seed: int) -> nn.Module:
         per_stage = self.model.layers // num_stages
         blocks = range(index * per_stage, (index + 1) * per_stage)
-        return build_initialised(lambda: ResidualStage(self.model, blocks, index == 0, index == num_stages - 1),
-                                 seed, pytorch_default_init)
+        return build_initialised(
+            lambda: ResidualStage(self.model, blocks, index == 0, index == num_stages - 1), seed, pytorch_default_init
+        )
 
     def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
         width = self.model.output_dim if stage == num_stages - 1 else self.model.hidden
@@ -82,7 +83,9 @@ class ResidualRegression:
 
     def recompute_plan(self, mode: str) -> tuple[str, ...]:
         if mode == "selective":
-            raise ValueError("recompute: model.kind residual has no attention to recompute selectively; use blocks or none")
+            raise ValueError(
+                "recompute: model.kind residual has no attention to recompute selectively; use blocks or none"
+            )
         return {"none": (), "blocks": ("blocks.*",)}[mode]
 
 
@@ -92,9 +95,14 @@ def build(config: RunConfig, on_data: Callable[[], None] | None = None) -> Resid
 
 
 RESIDUAL = ModelKind(
-    "residual", ("synthetic",), ("layers", "hidden", "input_dim", "output_dim"),
-    lambda model: f"residual layers {model.layers} hidden {model.hidden}", f"{__name__}:build",
-    blocks_key="layers", tensor_parallel=False)
+    "residual",
+    ("synthetic",),
+    ("layers", "hidden", "input_dim", "output_dim"),
+    lambda model: f"residual layers {model.layers} hidden {model.hidden}",
+    f"{__name__}:build",
+    blocks_key="layers",
+    tensor_parallel=False,
+)
 register(RESIDUAL)
 
 

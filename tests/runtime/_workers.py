@@ -144,8 +144,11 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
         timer = parts.timer(config, modules, parts.skip(staged_model(config)))
         measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, repeats=2)
     losses += [runner.run_step(step).loss for step in range(2, 4)]
-    state = {f"{key}.{name}": value.detach().clone() for key, stage in executor.stages.items()
-             for name, value in stage.module.state_dict().items()}
+    state = {
+        f"{key}.{name}": value.detach().clone()
+        for key, stage in executor.stages.items()
+        for name, value in stage.module.state_dict().items()
+    }
     state["lr"] = executor.optimizer.param_groups[0]["lr"]
     return losses, state
 
@@ -208,8 +211,16 @@ def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync:
     from pipefisher.runtime.training.pipefisher_run import stage_layer_names
 
     names = [stage_layer_names(config, stage, num_stages) for stage in range(num_stages)]
-    return layered_profile(num_stages, names=names, spread=False, curvature=0.01, inverse=inverse, precondition=0.01, sync=sync,
-                           method=method_of(config).name)
+    return layered_profile(
+        num_stages,
+        names=names,
+        spread=False,
+        curvature=0.01,
+        inverse=inverse,
+        precondition=0.01,
+        sync=sync,
+        method=method_of(config).name,
+    )
 
 
 def profiled_by_the_cli(run_file, folder, optimizer: str):
@@ -221,8 +232,24 @@ def profiled_by_the_cli(run_file, folder, optimizer: str):
     from pipefisher.core.profile import load_profile
 
     path = Path(folder) / f"{optimizer}.yaml"
-    result = subprocess.run(["pipefisher", "profile", str(run_file), "-o", str(path), "--master-port", "0", "--repeats", "2",
-                             "--optimizer", optimizer], capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            "pipefisher",
+            "profile",
+            str(run_file),
+            "-o",
+            str(path),
+            "--master-port",
+            "0",
+            "--repeats",
+            "2",
+            "--optimizer",
+            optimizer,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     return load_profile(path), path
 
@@ -243,10 +270,18 @@ def powersgd_against_torch(rank: int, world: int, rank_r: int, steps: int) -> li
     buffer = GradientBuffer(module, bucket_bytes=1 << 30)
     ours = PowerSGD(buffer, rank_r, seed=7)
     theirs_flat = torch.zeros_like(buffer.flat)
-    theirs = [theirs_flat[offset - g.numel(): offset].view_as(g)
-              for g, offset in zip(buffer.gradients, torch.tensor([g.numel() for g in buffer.gradients]).cumsum(0).tolist())]
-    state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank_r, start_powerSGD_iter=2,
-                                         min_compression_rate=1, use_error_feedback=True, warm_start=True)
+    theirs = [
+        theirs_flat[offset - g.numel() : offset].view_as(g)
+        for g, offset in zip(buffer.gradients, torch.tensor([g.numel() for g in buffer.gradients]).cumsum(0).tolist())
+    ]
+    state = torch_powersgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank_r,
+        start_powerSGD_iter=2,
+        min_compression_rate=1,
+        use_error_feedback=True,
+        warm_start=True,
+    )
     # the same first Q (shapes differ, so torch's by-shape order is the parameters' order)
     state.p_memory_dict[0] = torch.empty(sum(p.numel() for p in ours.p))
     state.q_memory_dict[0] = ours.q_flat.clone()

@@ -87,13 +87,26 @@ def test_a_run_with_dropout_repeats_exactly(cache):
 @pytest.mark.parametrize("optimizer", ["lamb", "kfac"])
 def test_resume_continues_bit_for_bit(optimizer, cache, tmp_path):
     sections = {
-        "optimizer": {"name": optimizer, "lr": 0.01, "momentum": 0.9 if optimizer == "kfac" else 0.0, "warmup_steps": 2,
-                      "decay": "linear", "decay_steps": 6, "clip_norm": 1.0},
+        "optimizer": {
+            "name": optimizer,
+            "lr": 0.01,
+            "momentum": 0.9 if optimizer == "kfac" else 0.0,
+            "warmup_steps": 2,
+            "decay": "linear",
+            "decay_steps": 6,
+            "clip_norm": 1.0,
+        },
         "kfac": {"refresh_steps": 2, "damping": 0.03},
         "checkpoint": {"dir": str(tmp_path / "ck"), "every": 3},
         "run": {"steps": 6},
     }
-    straight = run_group(checkpointing, 2, args=(bert_config(cache, "1f1b", **{**sections, "checkpoint": {"dir": str(tmp_path / "straight")}}), False), timeout=60, deadline=240)
+    straight = run_group(
+        checkpointing,
+        2,
+        args=(bert_config(cache, "1f1b", **{**sections, "checkpoint": {"dir": str(tmp_path / "straight")}}), False),
+        timeout=60,
+        deadline=240,
+    )
     config = bert_config(cache, "1f1b", **sections)
     first = run_group(checkpointing, 2, args=(config.with_overrides(run={"steps": 3}), False), timeout=60, deadline=240)
     second = run_group(checkpointing, 2, args=(config, True), timeout=60, deadline=240)
@@ -105,18 +118,34 @@ def test_resume_continues_bit_for_bit(optimizer, cache, tmp_path):
 
 def test_a_run_killed_while_writing_a_checkpoint_leaves_the_previous_one_usable(cache, tmp_path):
     folder = tmp_path / "ck"
-    config = bert_config(cache, "gpipe", optimizer={"name": "lamb", "lr": 0.01}, checkpoint={"dir": str(folder), "every": 3}, run={"steps": 6})
+    config = bert_config(
+        cache,
+        "gpipe",
+        optimizer={"name": "lamb", "lr": 0.01},
+        checkpoint={"dir": str(folder), "every": 3},
+        run={"steps": 6},
+    )
     with pytest.raises(GroupFailure):
         run_group(dies_while_saving, 2, args=(config, 6), timeout=10, deadline=120)
     assert json.loads((folder / "latest").read_text())["step"] == 3
     resumed = run_group(checkpointing, 2, args=(config, True), timeout=60, deadline=240)
-    straight = run_group(checkpointing, 2, args=(config.with_overrides(checkpoint={"dir": str(tmp_path / "other")}), False), timeout=60, deadline=240)
+    straight = run_group(
+        checkpointing,
+        2,
+        args=(config.with_overrides(checkpoint={"dir": str(tmp_path / "other")}), False),
+        timeout=60,
+        deadline=240,
+    )
     assert resumed[0].losses == straight[0].losses[3:]
 
 
 def run_tiny(*args, timeout=600):
-    return subprocess.run(["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--master-port", "0", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--master-port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_demo_learns_on_the_embedded_corpus():
@@ -143,8 +172,12 @@ def test_resume_from_another_configuration_is_refused(cache, tmp_path):
     run_group(checkpointing, 2, args=(config, False), timeout=60, deadline=240)
     other = tmp_path / "other.yaml"
     other.write_text((ROOT / "schedules" / "tiny-cpu.yaml").read_text())
-    result = subprocess.run(["pipefisher", "run", str(other), "--checkpoint-dir", str(folder), "--resume", "--steps", "3"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["pipefisher", "run", str(other), "--checkpoint-dir", str(folder), "--resume", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "is from another configuration" in result.stderr and result.stderr.count("\n") <= 2
 
@@ -152,7 +185,10 @@ def test_resume_from_another_configuration_is_refused(cache, tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("model:\n  kind: bert\n  preset: bert-tiny\ndata:\n  kind: bert\npipeline:\n  stages: 4\n  micro_batches: 4\n", "2 BERT layers cannot be split into 4 equal stages"),
+        (
+            "model:\n  kind: bert\n  preset: bert-tiny\ndata:\n  kind: bert\npipeline:\n  stages: 4\n  micro_batches: 4\n",
+            "2 BERT layers cannot be split into 4 equal stages",
+        ),
         ("model:\n  kind: bert\n  preset: bert-huge\ndata:\n  kind: bert\n", "preset: 'bert-huge' is not one of"),
         ("model:\n  kind: bert\ndata:\n  kind: synthetic\n", "data.kind: 'synthetic' does not fit model.kind 'bert'"),
         ("model:\n  kind: bert\ndata:\n  kind: bert\n  mask_prob: 2\n", "data.mask_prob: 2"),

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from pipefisher.config import config_from_dict
-from pipefisher.runtime.training.checkpoint import MANIFEST, CheckpointError, StateReader, commit, save_rank, step_folder
+from pipefisher.runtime.training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    StateReader,
+    commit,
+    save_rank,
+    step_folder,
+)
 from pipefisher.runtime.training.resumption import manifest_fields, resumable_step
 
 CONFIG = config_from_dict({"pipeline": {"stages": 2}})
@@ -12,8 +19,15 @@ CONFIG = config_from_dict({"pipeline": {"stages": 2}})
 
 def save(directory, step, keep=2, ranks=2, config=CONFIG):
     """Save `step` as `ranks` processes of `config` would; the lines the commit says."""
-    records = [save_rank(directory, step, rank, {f"local/{rank}/rng/host": torch.arange(100.0) + rank, f"model/w{rank}": torch.ones(3)})
-               for rank in range(ranks)]
+    records = [
+        save_rank(
+            directory,
+            step,
+            rank,
+            {f"local/{rank}/rng/host": torch.arange(100.0) + rank, f"model/w{rank}": torch.ones(3)},
+        )
+        for rank in range(ranks)
+    ]
     return commit(directory, step, manifest_fields(config, None), records, keep)
 
 
@@ -76,7 +90,9 @@ def test_retention_never_counts_a_step_that_no_longer_verifies(tmp_path):
     rank_file = step_folder(tmp_path, 2) / "rank-1.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:-1] + b"x")
     moved = tmp_path / "corrupt-step-000002"
-    assert save(tmp_path, 3) == [f"step 2 does not verify ({rank_file}: its SHA-256 differs from the manifest's (corrupt)): moved to {moved}"]
+    assert save(tmp_path, 3) == [
+        f"step 2 does not verify ({rank_file}: its SHA-256 differs from the manifest's (corrupt)): moved to {moved}"
+    ]
     assert steps(tmp_path) == [1, 3] and (moved / "rank-1.pt").exists()
     save(tmp_path, 4)
     assert steps(tmp_path) == [3, 4]
@@ -90,8 +106,10 @@ def test_a_writer_sets_aside_the_steps_a_resume_skips_past_and_a_reader_does_not
     step, skipped = resumable_step(tmp_path, CONFIG, writer=True)
     size = (tmp_path / "corrupt-step-000002" / "rank-1.pt").stat().st_size  # rank 0's was written alike
     assert step == 1 and steps(tmp_path) == [1]
-    assert skipped == [f"step 2 does not verify ({step_folder(tmp_path, 2) / 'rank-0.pt'}: 0 bytes, the manifest says {size} "
-                       f"(truncated or overwritten)): moved to {tmp_path / 'corrupt-step-000002'}"]
+    assert skipped == [
+        f"step 2 does not verify ({step_folder(tmp_path, 2) / 'rank-0.pt'}: 0 bytes, the manifest says {size} "
+        f"(truncated or overwritten)): moved to {tmp_path / 'corrupt-step-000002'}"
+    ]
     (step_folder(tmp_path, 1) / "rank-1.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no checkpoint in .* to resume from"):
         resumable_step(tmp_path, CONFIG, writer=True)
@@ -100,9 +118,15 @@ def test_a_writer_sets_aside_the_steps_a_resume_skips_past_and_a_reader_does_not
 
 def test_a_checkpoint_of_another_model_is_said_as_a_whole(tmp_path):
     """A GPT-2 checkpoint resumed with a BERT run file: not a key to set, another model."""
-    save(tmp_path, 2, config=config_from_dict({"model": {"kind": "hf", "hf_config": "gpt2-tiny"}, "data": {"kind": "causal"}}))
+    save(
+        tmp_path,
+        2,
+        config=config_from_dict({"model": {"kind": "hf", "hf_config": "gpt2-tiny"}, "data": {"kind": "causal"}}),
+    )
     bert = config_from_dict({"model": {"kind": "bert", "preset": "bert-tiny"}, "data": {"kind": "bert"}})
     with pytest.raises(CheckpointError) as refused:
         resumable_step(tmp_path, bert)
-    assert str(refused.value) == (f"the checkpoint in {tmp_path} is of another model (hf gpt2-tiny, causal data there; bert bert-tiny, "
-                                  "bert data here); resume it with its own run file or give another --checkpoint-dir")
+    assert str(refused.value) == (
+        f"the checkpoint in {tmp_path} is of another model (hf gpt2-tiny, causal data there; bert bert-tiny, "
+        "bert data here); resume it with its own run file or give another --checkpoint-dir"
+    )

@@ -29,20 +29,28 @@ def run(directory: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def steps(directory: Path) -> list[int]:
-    return sorted(int(path.name[len("step-"):]) for path in directory.glob("step-*"))
+    return sorted(int(path.name[len("step-") :]) for path in directory.glob("step-*"))
 
 
 def test_a_second_run_on_a_folder_in_use_stops_in_one_line_and_a_dead_holder_blocks_nothing(tmp_path):
     directory = tmp_path / "checkpoints"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom pipefisher.runtime.training.checkpoint_lock import hold_checkpoint_folder\n"
-                               f"with hold_checkpoint_folder({str(directory)!r}):\n    print('held', flush=True)\n    time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom pipefisher.runtime.training.checkpoint_lock import hold_checkpoint_folder\n"
+            f"with hold_checkpoint_folder({str(directory)!r}):\n    print('held', flush=True)\n    time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         refused = run(directory, "--steps", "1", "--optimizer.lr", "0.01")
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-        assert refused.stderr.startswith(f"pipefisher: error: checkpoint.dir {directory} is in use by another run (pid {holder.pid} on ")
+        assert refused.stderr.startswith(
+            f"pipefisher: error: checkpoint.dir {directory} is in use by another run (pid {holder.pid} on "
+        )
         assert refused.stderr.rstrip().endswith("); wait for it to end or give another --checkpoint-dir")
         assert steps(directory) == []
     finally:
@@ -94,15 +102,27 @@ def advice(message: str) -> dict[str, dict[str, object]]:
     return sections
 
 
-@pytest.mark.parametrize("change, said", [
-    ({"pipeline": {"data_parallel": 2}}, "the checkpoint's step takes 4 micro-batches (pipeline.micro_batches 4 × pipeline.data_parallel 1); "
-                                         "here 8 (pipeline.micro_batches 4 × pipeline.data_parallel 2); set pipeline.micro_batches: 2 to resume it"),
-    ({"pipeline": {"data_parallel": 3}}, "set pipeline.micro_batches: 4, pipeline.data_parallel: 1 to resume it"),
-    ({"pipeline": {"schedule": "chimera", "data_parallel": 4}}, "set pipeline.micro_batches: 4, pipeline.data_parallel: 1 to resume it"),
-    ({"optimizer": {"lr": 0.01}}, "optimizer.lr is 0.05 there and 0.01 here; set optimizer.lr: 0.05 to resume it"),
-    ({"optimizer": {"name": "kfac"}}, "optimizer.name is sgd there and kfac here; set optimizer.name: sgd to resume it"),
-    ({"model": {"hidden": 16, "ffn": 32}}, "set model.ffn: 64, model.hidden: 32 to resume it"),
-])
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (
+            {"pipeline": {"data_parallel": 2}},
+            "the checkpoint's step takes 4 micro-batches (pipeline.micro_batches 4 × pipeline.data_parallel 1); "
+            "here 8 (pipeline.micro_batches 4 × pipeline.data_parallel 2); set pipeline.micro_batches: 2 to resume it",
+        ),
+        ({"pipeline": {"data_parallel": 3}}, "set pipeline.micro_batches: 4, pipeline.data_parallel: 1 to resume it"),
+        (
+            {"pipeline": {"schedule": "chimera", "data_parallel": 4}},
+            "set pipeline.micro_batches: 4, pipeline.data_parallel: 1 to resume it",
+        ),
+        ({"optimizer": {"lr": 0.01}}, "optimizer.lr is 0.05 there and 0.01 here; set optimizer.lr: 0.05 to resume it"),
+        (
+            {"optimizer": {"name": "kfac"}},
+            "optimizer.name is sgd there and kfac here; set optimizer.name: sgd to resume it",
+        ),
+        ({"model": {"hidden": 16, "ffn": 32}}, "set model.ffn: 64, model.hidden: 32 to resume it"),
+    ],
+)
 def test_every_advice_to_resume_names_keys_that_resume(checkpoint, change, said):
     """The refusal names keys that exist, with values that make `resumable_step` take the step."""
     config = load_config(RUN_FILE).with_overrides(checkpoint={"dir": str(checkpoint)}, **change)
@@ -118,17 +138,28 @@ def test_the_cli_follows_its_own_advice_and_resumes(checkpoint):
     given that key on the command line resumes."""
     refused = run(checkpoint, "--steps", "3", "--resume", "--data-parallel", "2")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    flags = [part for section, values in advice(refused.stderr.strip()).items()
-             for name, value in values.items() for part in (f"--{section}.{name}", str(value))]
+    flags = [
+        part
+        for section, values in advice(refused.stderr.strip()).items()
+        for name, value in values.items()
+        for part in (f"--{section}.{name}", str(value))
+    ]
     assert flags == ["--pipeline.micro_batches", "2"]
     resumed = run(checkpoint, "--steps", "3", "--resume", "--data-parallel", "2", *flags)
     assert resumed.returncode == 0, resumed.stderr
-    assert "pipefisher: resuming from step 2, written on 1f1b, 2 stages × 1 replica × 4 micro-batches, on another layout" in resumed.stderr
+    assert (
+        "pipefisher: resuming from step 2, written on 1f1b, 2 stages × 1 replica × 4 micro-batches, on another layout"
+        in resumed.stderr
+    )
 
 
 def test_a_checkpoint_of_another_model_is_said_as_a_whole(checkpoint):
     config = load_config(RUN_FILE).with_overrides(model={"kind": "mlp"})
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
             f"the checkpoint in {checkpoint} is of another model (transformer: 4 blocks of width 32, synthetic data there; "
-            "mlp: 4 blocks of width 32, synthetic data here); resume it with its own run file or give another --checkpoint-dir")):
+            "mlp: 4 blocks of width 32, synthetic data here); resume it with its own run file or give another --checkpoint-dir"
+        ),
+    ):
         resumable_step(checkpoint, config)

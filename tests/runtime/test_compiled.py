@@ -31,16 +31,21 @@ def test_compile_blocks_compiles_each_block_in_place_and_keeps_every_name():
     for stage, blocks in _stages():
         names, keys = [name for name, _ in stage.named_parameters()], list(stage.state_dict())
         assert compile_blocks(stage) == len(blocks)
-        compiled = [name for name, module in stage.named_modules() if getattr(module, "_compiled_call_impl", None) is not None]
+        compiled = [
+            name for name, module in stage.named_modules() if getattr(module, "_compiled_call_impl", None) is not None
+        ]
         assert compiled == blocks
         assert [name for name, _ in stage.named_parameters()] == names and list(stage.state_dict()) == keys
         assert compile_blocks(stage) == 0, "a compiled block is not compiled again"
 
 
-@pytest.mark.parametrize("sections, message", [
-    ({"pipeline": {"schedule": "zb-h1"}}, "run.compile: zb-h1 splits each block's backward"),
-    ({"optimizer": {"name": "kfac"}}, "run.compile: kfac captures each layer's inputs"),
-])
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        ({"pipeline": {"schedule": "zb-h1"}}, "run.compile: zb-h1 splits each block's backward"),
+        ({"optimizer": {"name": "kfac"}}, "run.compile: kfac captures each layer's inputs"),
+    ],
+)
 def test_compile_refuses_what_it_cannot_serve_in_one_line(sections, message):
     data = {"model": tiny_model(), "run": {"compile": True}, **sections}
     with pytest.raises(ConfigError, match=message) as raised:
@@ -61,7 +66,9 @@ def test_the_cli_refuses_compile_with_a_zero_bubble_schedule_with_exit_2(tmp_pat
 def test_the_reference_says_it_stays_eager(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  steps: 1\n  compile: true\n")
-    result = subprocess.run(["pipefisher", "run", str(path), "--reference"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["pipefisher", "run", str(path), "--reference"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "warning: run.compile has no effect with --reference" in result.stderr, result.stderr
 
@@ -77,13 +84,15 @@ def test_compiled_pipelined_bert_equals_the_eager_reference(tmp_path):
     compiled kernels sum in another order; AdamW's division by the root of the second moment turns
     that rounding of a small or cancelling gradient into up to ~2 % of one step (lr) in a rare
     element (seen: 2.3e-5 at lr 1e-3), hence parameters' atol of 5 % of lr."""
-    config = config_from_dict({
-        "model": {"kind": "bert", "preset": "bert-tiny", "seq_len": 16, "dropout": 0.0},
-        "data": {"kind": "bert", "vocab_size": 300, "micro_batch_size": 2, "cache_dir": str(tmp_path)},
-        "pipeline": {"schedule": "1f1b", "stages": 2, "micro_batches": 4},
-        "optimizer": {"name": "adamw", "lr": LR},
-        "run": {"steps": 2, "timeout": 300, "master_port": 0, "in_order": True, "compile": True},
-    })
+    config = config_from_dict(
+        {
+            "model": {"kind": "bert", "preset": "bert-tiny", "seq_len": 16, "dropout": 0.0},
+            "data": {"kind": "bert", "vocab_size": 300, "micro_batch_size": 2, "cache_dir": str(tmp_path)},
+            "pipeline": {"schedule": "1f1b", "stages": 2, "micro_batches": 4},
+            "optimizer": {"name": "adamw", "lr": LR},
+            "run": {"steps": 2, "timeout": 300, "master_port": 0, "in_order": True, "compile": True},
+        }
+    )
     runs = run_group(compiled_pipelined, 2, args=(config,), timeout=300, deadline=600)
     reference = train_reference(config)
     seen = set()
@@ -91,6 +100,8 @@ def test_compiled_pipelined_bert_equals_the_eager_reference(tmp_path):
         assert compiled["graphs"] >= 1 and compiled["breaks"] == 0, compiled
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-4, atol=1e-5)
         for name, value in result.parameters.items():
-            torch.testing.assert_close(value, reference.parameters[name], rtol=1e-4, atol=0.05 * LR, msg=lambda text: f"{name}: {text}")
+            torch.testing.assert_close(
+                value, reference.parameters[name], rtol=1e-4, atol=0.05 * LR, msg=lambda text: f"{name}: {text}"
+            )
             seen.add(name)
     assert seen == set(reference.parameters)

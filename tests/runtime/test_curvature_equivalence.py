@@ -24,8 +24,12 @@ pytestmark = pytest.mark.dist
 #: exact arithmetic (the attention's key biases) into a full-size step. SOAP is Adam in an
 #: eigenbasis: its ε of 1e-3 keeps the eigen-directions in which the gradient is (nearly) zero
 #: (a weight after a LayerNorm) from amplifying rounding (2e-5 apart on Chimera at the default 1e-8).
-SGD_BASE = {"kfac": {"refresh_steps": 2}, "shampoo": {"refresh_steps": 2, "grafting": "sgd"}, "muon": {},
-            "soap": {"refresh_steps": 2, "epsilon": 1e-3}}
+SGD_BASE = {
+    "kfac": {"refresh_steps": 2},
+    "shampoo": {"refresh_steps": 2, "grafting": "sgd"},
+    "muon": {},
+    "soap": {"refresh_steps": 2, "epsilon": 1e-3},
+}
 #: losses of the first steps that equal plain SGD's where the rule by the method's refresh work
 #: does not say (3 with refresh work, 1 without): SOAP's first step takes the eigenbases instead
 #: of a step of its matrices
@@ -43,7 +47,9 @@ def shipped_defaults(method: str, schedule: str, data_parallel: int = 1, optimiz
     exact arithmetic, take no full-size step) for what it does not precondition (or plain
     `optimizer`), the method's defaults but for `SGD_BASE` and `section` (`pipefisher.testing.method_run`)."""
     assert method in SGD_BASE, f"curvature method {method!r} has no entry in SGD_BASE: add its shipped defaults there"
-    return method_run(method, schedule, data_parallel, optimizer=optimizer, steps=STEPS, **{**SGD_BASE[method], **section})
+    return method_run(
+        method, schedule, data_parallel, optimizer=optimizer, steps=STEPS, **{**SGD_BASE[method], **section}
+    )
 
 
 @pytest.mark.parametrize("method", methods())

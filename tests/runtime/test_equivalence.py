@@ -56,7 +56,9 @@ def test_every_split_trains_the_same_model_from_one_seed(tiny_config):
         "gpipe, 4 stages": tiny_config(schedule="gpipe", stages=4),
     }
     runs = {name: train_reference(config) for name, config in splits.items()}
-    by_name = {name: {key.split(".", 1)[1]: value for key, value in run.parameters.items()} for name, run in runs.items()}
+    by_name = {
+        name: {key.split(".", 1)[1]: value for key, value in run.parameters.items()} for name, run in runs.items()
+    }
     first = next(iter(runs))
     for name, run in runs.items():
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(runs[first].losses), rtol=1e-6, atol=0)

@@ -42,10 +42,17 @@ class Launched:
     """`pipefisher run ... --json` in its own session; step lines collected as they come."""
 
     def __init__(self, *args):
-        self.proc = subprocess.Popen(["pipefisher", "run", *map(str, args), "--json", "--master-port", "0"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            ["pipefisher", "run", *map(str, args), "--json", "--master-port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.steps: list[dict] = []
-        self.reader = threading.Thread(target=lambda: self.steps.extend(json.loads(line) for line in self.proc.stdout), daemon=True)
+        self.reader = threading.Thread(
+            target=lambda: self.steps.extend(json.loads(line) for line in self.proc.stdout), daemon=True
+        )
         self.reader.start()
 
     def wait_for_step(self, step: int, limit: float = 120) -> None:
@@ -67,7 +74,9 @@ class Launched:
                     continue
                 parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
                 processes[int(entry.name)] = (parent, cmdline)
-        servers = {pid for pid, (parent, cmdline) in processes.items() if parent == self.proc.pid and b"forkserver" in cmdline}
+        servers = {
+            pid for pid, (parent, cmdline) in processes.items() if parent == self.proc.pid and b"forkserver" in cmdline
+        }
         return [pid for pid, (parent, _) in processes.items() if parent in servers]
 
     def finish(self, limit: float) -> tuple[int, str]:
@@ -99,7 +108,9 @@ def test_sigterm_stops_every_rank_after_one_step_with_a_checkpoint_and_resume_co
     assert all(gone(pid) for pid in ranks), "no rank outlives the launcher"
     stopped = [line for line in stderr.splitlines() if "stopped at step" in line]
     step = len(run.steps)
-    assert stopped == [f"pipefisher: stopped at step {step} by SIGTERM; checkpoint step {step} in {tmp_path / 'ck'}"], stderr
+    assert stopped == [f"pipefisher: stopped at step {step} by SIGTERM; checkpoint step {step} in {tmp_path / 'ck'}"], (
+        stderr
+    )
     assert "Traceback" not in stderr and "final loss" not in stderr
     resumed = pipefisher("run", config, "--resume", "--steps", step + 3, "--json", "--master-port", 0)
     assert resumed.returncode == 0, resumed.stderr
@@ -184,7 +195,9 @@ def test_resume_without_any_good_checkpoint_is_refused_with_the_reason(tmp_path)
     corrupt(bad, "truncated")
     result = pipefisher("run", config, "--resume", "--steps", 4, "--master-port", 0)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"pipefisher: error: no checkpoint in {tmp_path / 'ck'} to resume from (step 2: {bad}: ")
+    assert result.stderr.startswith(
+        f"pipefisher: error: no checkpoint in {tmp_path / 'ck'} to resume from (step 2: {bad}: "
+    )
     assert result.stderr.count("\n") == 1
 
 
@@ -209,12 +222,33 @@ def fault_script(tmp_path) -> Path:
 @pytest.mark.slow
 def test_torchrun_restarts_after_a_dead_rank_and_continues_from_the_checkpoint(tmp_path):
     config = run_file(tmp_path, every=1, resume="auto")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHELASTIC", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("TORCHELASTIC", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+    }
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         str(fault_script(tmp_path)), "run", str(config), "--steps", "6", "--json"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            str(fault_script(tmp_path)),
+            "run",
+            str(config),
+            "--steps",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

@@ -21,8 +21,13 @@ pytestmark = pytest.mark.dist
 
 def test_an_exported_checkpoint_loads_into_from_pretrained_with_the_same_loss(tmp_path, capsys):
     folder = tmp_path / "checkpoints"
-    config = hf_run(str(tmp_path / "cache"), "gpt2-tiny", "chimera", checkpoint={"dir": str(folder), "every": 2},
-                    run={"steps": 3, "in_order": False})
+    config = hf_run(
+        str(tmp_path / "cache"),
+        "gpt2-tiny",
+        "chimera",
+        checkpoint={"dir": str(folder), "every": 2},
+        run={"steps": 3, "in_order": False},
+    )
     # the run file the user would export from: this configuration as YAML
     run_file = tmp_path / "run.yaml"
     run_file.write_text(resolved_yaml(config))

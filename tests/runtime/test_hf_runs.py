@@ -70,9 +70,19 @@ def test_kfac_on_gpt2_equals_kfac_on_the_unsplit_model(placement, cache):
     """K-FAC preconditions GPT-2's Conv1D maps (weights stored transposed) on the pipeline as on
     the unsplit model; the tied vocabulary head, the embeddings and LayerNorm step with AdamW (at
     optimizer.lr: 0.05 would make the loss rise)."""
-    config = hf_run(cache, optimizer={"name": "kfac", "lr": 0.003},
-                    kfac={"lr": 0.05, "momentum": 0.9, "refresh_steps": 2, "placement": placement, "factor_decay": 0.5, "damping": 0.01},
-                    run={"steps": 4})
+    config = hf_run(
+        cache,
+        optimizer={"name": "kfac", "lr": 0.003},
+        kfac={
+            "lr": 0.05,
+            "momentum": 0.9,
+            "refresh_steps": 2,
+            "placement": placement,
+            "factor_decay": 0.5,
+            "damping": 0.01,
+        },
+        run={"steps": 4},
+    )
     reference = assert_equals_the_unsplit_model(config, parameter_atol=2e-4)
     first_order = train_reference(config.with_overrides(optimizer={"name": "sgd"}))
     assert reference.losses[2:] != pytest.approx(first_order.losses[2:]), "K-FAC changed the updates"

@@ -21,8 +21,12 @@ def test_host_reads_per_step_do_not_grow_with_the_layers(optimizer, tiny_config)
     totals = {}
     for layers in (2, 8):
         config = tiny_config(schedule="1f1b").with_overrides(
-            model={"layers": layers}, optimizer={"name": optimizer, "clip_norm": 1.0},
-            kfac={"refresh_steps": 2}, shampoo={"refresh_steps": 2}, muon={"refresh_steps": 2}, soap={"refresh_steps": 2},
+            model={"layers": layers},
+            optimizer={"name": optimizer, "clip_norm": 1.0},
+            kfac={"refresh_steps": 2},
+            shampoo={"refresh_steps": 2},
+            muon={"refresh_steps": 2},
+            soap={"refresh_steps": 2},
             run={"steps": 4, "precision": "fp16"},
         )
         totals[layers], counts = reads(config)

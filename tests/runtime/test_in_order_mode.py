@@ -16,4 +16,7 @@ def test_plain_gloo_lets_the_old_issue_order_through():
 def test_the_in_order_mode_hangs_on_it_like_nccl():
     with pytest.raises(GroupFailure) as info:
         run_group(shared_channel_1f1b, 2, args=(True,), timeout=10, grace=10, deadline=60)
-    assert any("nothing completed on group ('p2p',) within 5 s (in-order mode)" in message for message in info.value.failures.values())
+    assert any(
+        "nothing completed on group ('p2p',) within 5 s (in-order mode)" in message
+        for message in info.value.failures.values()
+    )

@@ -15,7 +15,8 @@ from pipefisher.runtime.training.reference import train_reference
 
 def run(schedule, fraction, **overrides):
     config = kfac_config(schedule, "packed", data_parallel=2).with_overrides(
-        kfac={"grad_worker_fraction": fraction}, run={"steps": 4}, **overrides)
+        kfac={"grad_worker_fraction": fraction}, run={"steps": 4}, **overrides
+    )
     return config, run_group(pipelined_with_records, config.world_size, args=(config,), timeout=30, deadline=240)
 
 
@@ -68,4 +69,6 @@ def test_gradient_workers_resume_mid_cycle_bit_for_bit(tmp_path):
     """Chimera with one worker per layer: the exchange's source forgets an inverse once sent, and
     a checkpoint between steps keeps what is still in flight."""
     sections = {"kfac": {"refresh_steps": 3, "grad_worker_fraction": 0.25}, "run": {"steps": 6}}
-    assert_resumes_bit_for_bit(kfac_config("chimera", "packed", data_parallel=2).with_overrides(**sections), 4, tmp_path)
+    assert_resumes_bit_for_bit(
+        kfac_config("chimera", "packed", data_parallel=2).with_overrides(**sections), 4, tmp_path
+    )

@@ -37,19 +37,24 @@ def diagonal():
 def diagonal_run(schedule: str, data_parallel: int = 1, **section):
     """Two ranks of a 4-block transformer, 4 micro-batches of 2, in-order mode, SGD at lr 0.01
     after the diagonal preconditioning, refreshed every 2 steps, 6 steps."""
-    return config_from_dict({
-        "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
-        "data": {"micro_batch_size": 2},
-        "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": data_parallel},
-        "optimizer": {"name": "diagonal", "lr": 0.01},
-        "diagonal": {"refresh_steps": 2, **section},
-        "run": {"steps": 6, "timeout": 30, "master_port": 0, "in_order": True},
-    })
+    return config_from_dict(
+        {
+            "model": {"layers": 4, "hidden": 16, "heads": 2, "ffn": 32, "seq_len": 4, "input_dim": 8, "output_dim": 3},
+            "data": {"micro_batch_size": 2},
+            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": data_parallel},
+            "optimizer": {"name": "diagonal", "lr": 0.01},
+            "diagonal": {"refresh_steps": 2, **section},
+            "run": {"steps": 6, "timeout": 30, "master_port": 0, "in_order": True},
+        }
+    )
 
 
 def test_the_package_never_names_the_method():
-    found = subprocess.run(["grep", "-rli", "diagonal second-moment\\|_diagonal_method\\|DiagonalConfig", str(PACKAGE)],
-                           capture_output=True, text=True)
+    found = subprocess.run(
+        ["grep", "-rli", "diagonal second-moment\\|_diagonal_method\\|DiagonalConfig", str(PACKAGE)],
+        capture_output=True,
+        text=True,
+    )
     assert found.stdout == ""
 
 
@@ -74,7 +79,9 @@ def test_its_plans_replay_under_the_nccl_rule(diagonal, schedule):
     comm = replay(plan_actions(Topology(pipeline, 2), plan, tied=False))
     launched = [a.target for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH]
     synced = {c.key for c in launched if c.kind == "sync"}
-    assert synced == {(stage, layer.name, "A") for stage in range(pipeline.num_stages) for layer in layers}, "one sync per layer"
+    assert synced == {(stage, layer.name, "A") for stage in range(pipeline.num_stages) for layer in layers}, (
+        "one sync per layer"
+    )
 
 
 @pytest.mark.dist

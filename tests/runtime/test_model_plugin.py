@@ -26,17 +26,29 @@ def residual():
 
 def residual_run(model=None, **pipeline):
     """Two stages of a 4-block residual MLP, 4 micro-batches of 2, in-order mode, SGD, 3 steps."""
-    return config_from_dict({
-        "model": {"kind": "residual", "layers": 4, "hidden": 16, "seq_len": 4, "input_dim": 8, "output_dim": 3, **(model or {})},
-        "data": {"micro_batch_size": 2},
-        "pipeline": {"stages": 2, "micro_batches": 4, **pipeline},
-        "optimizer": {"name": "sgd", "lr": 0.1},
-        "run": {"steps": 3, "timeout": 30, "master_port": 0, "in_order": True},
-    })
+    return config_from_dict(
+        {
+            "model": {
+                "kind": "residual",
+                "layers": 4,
+                "hidden": 16,
+                "seq_len": 4,
+                "input_dim": 8,
+                "output_dim": 3,
+                **(model or {}),
+            },
+            "data": {"micro_batch_size": 2},
+            "pipeline": {"stages": 2, "micro_batches": 4, **pipeline},
+            "optimizer": {"name": "sgd", "lr": 0.1},
+            "run": {"steps": 3, "timeout": 30, "master_port": 0, "in_order": True},
+        }
+    )
 
 
 def test_the_package_never_names_the_kind():
-    found = subprocess.run(["grep", "-rli", "_residual_model\\|ResidualRegression", str(PACKAGE)], capture_output=True, text=True)
+    found = subprocess.run(
+        ["grep", "-rli", "_residual_model\\|ResidualRegression", str(PACKAGE)], capture_output=True, text=True
+    )
     assert found.stdout == ""
 
 
@@ -47,13 +59,19 @@ def test_an_unregistered_kind_is_refused_naming_the_known_ones():
 
 def test_its_declaration_drives_the_run_file_checks(residual):
     assert residual_run().model.identity == "residual layers 4 hidden 16"
-    with pytest.raises(ConfigError, match=r"^model.heads: read by model.kind transformer; this run's model.kind is residual"):
+    with pytest.raises(
+        ConfigError, match=r"^model.heads: read by model.kind transformer; this run's model.kind is residual"
+    ):
         residual_run({"heads": 4})
     with pytest.raises(ConfigError, match=r"^model.layers: 3 blocks cannot be split into 2 equal stages"):
         residual_run({"layers": 3})
-    with pytest.raises(ConfigError, match=r"^data.kind: 'bert' does not fit model.kind 'residual'; it needs data.kind synthetic"):
+    with pytest.raises(
+        ConfigError, match=r"^data.kind: 'bert' does not fit model.kind 'residual'; it needs data.kind synthetic"
+    ):
         config_from_dict({"model": {"kind": "residual"}, "data": {"kind": "bert"}})
-    with pytest.raises(ConfigError, match=r"^pipeline.tensor_parallel: model.kind residual has no tensor-parallel split"):
+    with pytest.raises(
+        ConfigError, match=r"^pipeline.tensor_parallel: model.kind residual has no tensor-parallel split"
+    ):
         residual_run(tensor_parallel=2)
 
 

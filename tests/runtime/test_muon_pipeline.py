@@ -25,14 +25,16 @@ TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml
 def muon_config(schedule="1f1b", data_parallel=1, run=None, **muon):
     """Two ranks (four with two copies) of the 4-block transformer, in-order mode, Muon at lr 0.02
     with weight decay and clipping, 5 steps."""
-    return config_from_dict({
-        "model": tiny_model(),
-        "data": {"micro_batch_size": 2},
-        "pipeline": pipeline(schedule, data_parallel=data_parallel),
-        "optimizer": {"name": "muon", "lr": 0.02, "weight_decay": 0.1, "clip_norm": 0.5},
-        "muon": muon,
-        "run": {"steps": 5, "timeout": 30, "master_port": 0, "in_order": True, **(run or {})},
-    })
+    return config_from_dict(
+        {
+            "model": tiny_model(),
+            "data": {"micro_batch_size": 2},
+            "pipeline": pipeline(schedule, data_parallel=data_parallel),
+            "optimizer": {"name": "muon", "lr": 0.02, "weight_decay": 0.1, "clip_norm": 0.5},
+            "muon": muon,
+            "run": {"steps": 5, "timeout": 30, "master_port": 0, "in_order": True, **(run or {})},
+        }
+    )
 
 
 @pytest.mark.parametrize("data_parallel, placement", [(1, "after-step"), (2, "packed")])
@@ -41,7 +43,9 @@ def test_fp16_overflows_leave_muon_as_it_was_and_the_run_equals_the_reference(da
     keeps no trace of their infinite gradients (else every later update would be NaN), and the
     run equals its reference; one copy orthogonalises in the P op (here at the end of the step's
     work; the sweeps run it packed), two share the matrices."""
-    config = muon_config(data_parallel=data_parallel, run={"precision": "fp16", "loss_scale": 2.0**20}, placement=placement)
+    config = muon_config(
+        data_parallel=data_parallel, run={"precision": "fp16", "loss_scale": 2.0**20}, placement=placement
+    )
     runs = run_group(pipelined_with_records, config.world_size, args=(config,), timeout=30, deadline=180)
     overflows = [[record["overflow"] for record in records] for _, records in runs]
     assert all(flags == overflows[0] for flags in overflows) and overflows[0][0] and not overflows[0][-1], overflows
@@ -76,7 +80,9 @@ def test_bad_muon_settings_are_one_line_errors():
         muon_config(split=False)
     with pytest.raises(ConfigError, match=r"^muon.momentum: 1 must be in \[0, 1\)"):
         muon_config(momentum=1.0)
-    assert not config_from_dict({"optimizer": {"name": "sgd"}, "muon": {"split": False}}).muon.split, "another optimizer's run: not checked"
+    assert not config_from_dict({"optimizer": {"name": "sgd"}, "muon": {"split": False}}).muon.split, (
+        "another optimizer's run: not checked"
+    )
 
 
 def test_profile_of_a_muon_run_times_its_matrices_and_packs_them_into_the_drain(tmp_path):
@@ -86,7 +92,11 @@ def test_profile_of_a_muon_run_times_its_matrices_and_packs_them_into_the_drain(
     assert profile.method == "muon"
     names = [layer.name for layer in profile.stages[0].layers]
     assert "embed.weight" in names and not any(name.endswith("bias") or "norm" in name for name in names)
-    assert all(layer.precondition > 0 and layer.inverse_a == layer.curvature_a == 0 for stage in profile.stages for layer in stage.layers)
+    assert all(
+        layer.precondition > 0 and layer.inverse_a == layer.curvature_a == 0
+        for stage in profile.stages
+        for layer in stage.layers
+    )
     packing = pack(get_schedule("1f1b", 2, 4), profile, PackOptions(percentile=None))
     first, last = (sum(layer.precondition for layer in stage.layers) for stage in profile.stages)
     step = packing.first_order.step_time

@@ -14,8 +14,19 @@ from pipefisher.planning.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 WRITTEN = ROOT / "tests" / "fixtures" / "written_at_5fbc261"
-RUN = [str(ROOT / "schedules" / "tiny-regression.yaml"), "--model.hidden", "8", "--model.ffn", "16", "--model.input_dim", "4",
-       "--optimizer", "kfac", "--master-port", "0"]
+RUN = [
+    str(ROOT / "schedules" / "tiny-regression.yaml"),
+    "--model.hidden",
+    "8",
+    "--model.ffn",
+    "16",
+    "--model.input_dim",
+    "4",
+    "--optimizer",
+    "kfac",
+    "--master-port",
+    "0",
+]
 
 
 def run(*args: str) -> list[dict]:

@@ -33,8 +33,15 @@ def kfac_config(schedule, placement, data_parallel=1, **kfac):
             "data": {"micro_batch_size": 2},
             "pipeline": pipeline(schedule, data_parallel=data_parallel),
             "optimizer": {"name": "kfac", "lr": 0.01},
-            "kfac": {"lr": 0.1, "momentum": 0.9, "refresh_steps": 2, "placement": placement, "factor_decay": 0.5, "damping": 0.01,
-                     **kfac},
+            "kfac": {
+                "lr": 0.1,
+                "momentum": 0.9,
+                "refresh_steps": 2,
+                "placement": placement,
+                "factor_decay": 0.5,
+                "damping": 0.01,
+                **kfac,
+            },
             "run": {"steps": 5, "timeout": 30, "master_port": 0, "in_order": True},
         }
     )
@@ -50,7 +57,9 @@ PARAMETER_ATOL = 2e-4
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_kfac_on_the_pipeline_equals_the_reference(schedule, placement):
     reference = assert_equal_to_reference(kfac_config(schedule, placement), PARAMETER_ATOL)
-    first_order = train_reference(kfac_config(schedule, placement).with_overrides(optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9}))
+    first_order = train_reference(
+        kfac_config(schedule, placement).with_overrides(optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9})
+    )
     assert reference.losses[2:] != pytest.approx(first_order.losses[2:]), "K-FAC changed the updates from the 2nd cycle"
 
 
@@ -90,8 +99,22 @@ def measured(tmp_path_factory):
     folder = tmp_path_factory.mktemp("profile")
     profile, timeline = folder / "tiny.yaml", folder / "tiny-timeline.json"
     result = subprocess.run(
-        ["pipefisher", "profile", str(TINY), "-o", str(profile), "--timeline", str(timeline), "--master-port", "0", "--repeats", "2"],
-        capture_output=True, text=True, timeout=180,
+        [
+            "pipefisher",
+            "profile",
+            str(TINY),
+            "-o",
+            str(profile),
+            "--timeline",
+            str(timeline),
+            "--master-port",
+            "0",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr
     return profile, timeline
@@ -103,13 +126,26 @@ def test_measured_profile_loads_in_pack_and_viz(measured, tmp_path):
     assert profile.num_stages == 2 and all(stage.forward > 0 and stage.backward > 0 for stage in profile.stages)
     assert all(stage.step_end > 0 for stage in profile.stages), "the optimizer step takes time"
     assert [layer.name for layer in profile.stages[0].layers][:2] == ["embed", "blocks.0.attention.query"]
-    assert all(layer.curvature_a > 0 and layer.curvature_b > 0 and layer.inverse_a > 0 for s in profile.stages for layer in s.layers)
-    packed = subprocess.run(["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
-                            capture_output=True, text=True, timeout=60)
+    assert all(
+        layer.curvature_a > 0 and layer.curvature_b > 0 and layer.inverse_a > 0
+        for s in profile.stages
+        for layer in s.layers
+    )
+    packed = subprocess.run(
+        ["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert packed.returncode == 0, packed.stderr
     assert json.loads(packed.stdout)["refresh_steps"] >= 1
     picture = tmp_path / "measured.txt"
-    drawn = subprocess.run(["pipefisher", "viz", "--timeline", str(timeline_path), "-o", str(picture)], capture_output=True, text=True, timeout=60)
+    drawn = subprocess.run(
+        ["pipefisher", "viz", "--timeline", str(timeline_path), "-o", str(picture)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert drawn.returncode == 0, drawn.stderr
     assert picture.read_text().count("rank") >= 2
 
@@ -123,13 +159,24 @@ def test_measured_profile_keeps_its_samples_and_the_capture_sizes(measured):
     rows = config.data.micro_batch_size * config.model.seq_len
     model = staged_model(config)
     stages = [model.build_stage(index, profile.num_stages, seed=0) for index in range(profile.num_stages)]
-    linears = {name: module for stage in stages for name, module in stage.named_modules() if isinstance(module, torch.nn.Linear)}
+    linears = {
+        name: module
+        for stage in stages
+        for name, module in stage.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
     for stage in profile.stages:
         assert len(stage.samples["forward"]) == len(stage.samples["backward"]) == 2 * micro_batches
         assert set(stage.samples) >= {"forward", "backward", "step_end"}
         for layer in stage.layers:
             assert len(layer.samples["curvature_a"]) == len(layer.samples["curvature_b"]) == micro_batches
-            assert set(layer.samples) == {"curvature_a", "curvature_b", "inverse_a", "inverse_b", "precondition"}  # no replicas: no sync
+            assert set(layer.samples) == {
+                "curvature_a",
+                "curvature_b",
+                "inverse_a",
+                "inverse_b",
+                "precondition",
+            }  # no replicas: no sync
             assert layer.capture_a_bytes == rows * linears[layer.name].in_features * 4
             assert layer.capture_b_bytes == rows * linears[layer.name].out_features * 4
         for item in (stage, *stage.layers):
@@ -139,8 +186,23 @@ def test_measured_profile_keeps_its_samples_and_the_capture_sizes(measured):
 
 def test_run_with_the_measured_profile(measured):
     result = subprocess.run(
-        ["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(measured[0]), "--steps", "4", "--json", "--master-port", "0"],
-        capture_output=True, text=True, timeout=180,
+        [
+            "pipefisher",
+            "run",
+            str(TINY),
+            "--optimizer",
+            "kfac",
+            "--profile",
+            str(measured[0]),
+            "--steps",
+            "4",
+            "--json",
+            "--master-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
@@ -152,14 +214,22 @@ def test_run_with_the_measured_profile(measured):
 def test_a_profile_of_another_run_is_refused(tmp_path, measured):
     other = tmp_path / "other.yaml"
     other.write_text(TINY.read_text().replace("layers: 4", "layers: 2"))
-    result = subprocess.run(["pipefisher", "run", str(other), "--optimizer", "kfac", "--profile", str(measured[0])],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "run", str(other), "--optimizer", "kfac", "--profile", str(measured[0])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "stages[0].layers do not match the model" in result.stderr and result.stderr.count("\n") == 1
     three = tmp_path / "three.yaml"
     three.write_text(TINY.read_text().replace("stages: 2", "stages: 4").replace("micro_batches: 4", "micro_batches: 8"))
-    result = subprocess.run(["pipefisher", "run", str(three), "--optimizer", "kfac", "--profile", str(measured[0])],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "run", str(three), "--optimizer", "kfac", "--profile", str(measured[0])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "profile has 2 stages but the schedule needs 4" in result.stderr
 
 
@@ -173,12 +243,21 @@ def test_measuring_a_profile_mid_run_leaves_no_trace(optimizer):
             "model": tiny_model(),
             "data": {"micro_batch_size": 2},
             "pipeline": {"stages": 2, "micro_batches": 4, "schedule": "1f1b"},
-            "optimizer": {"name": optimizer, "lr": 0.01, "weight_decay": 0.01, "clip_norm": 0.5, "warmup_steps": 2,
-                          "decay": "linear", "decay_steps": 6},
+            "optimizer": {
+                "name": optimizer,
+                "lr": 0.01,
+                "weight_decay": 0.01,
+                "clip_norm": 0.5,
+                "warmup_steps": 2,
+                "decay": "linear",
+                "decay_steps": 6,
+            },
             "run": {"steps": 4, "timeout": 30, "master_port": 0},
         }
     )
-    plain, profiled = (run_group(profiled_midway, 2, args=(config, flag), timeout=30, deadline=120) for flag in (False, True))
+    plain, profiled = (
+        run_group(profiled_midway, 2, args=(config, flag), timeout=30, deadline=120) for flag in (False, True)
+    )
     for (losses, state), (losses_profiled, state_profiled) in zip(plain, profiled):
         assert losses == losses_profiled
         assert state.keys() == state_profiled.keys()
@@ -193,7 +272,10 @@ def test_kfac_resumes_mid_cycle_bit_for_bit_with_collectives_in_flight(placement
     run resumed mid-cycle counts those as done and launches its part of the rest again."""
     from _workers import assert_resumes_bit_for_bit
 
-    sections = {"kfac": {"refresh_steps": 3, "placement": placement, "factor_decay": 0.5, "damping": 0.01}, "run": {"steps": 6}}
+    sections = {
+        "kfac": {"refresh_steps": 3, "placement": placement, "factor_decay": 0.5, "damping": 0.01},
+        "run": {"steps": 6},
+    }
     assert_resumes_bit_for_bit(kfac_config("chimera", placement).with_overrides(**sections), 4, tmp_path)
 
 
@@ -210,8 +292,10 @@ def test_a_resumed_rank_launches_again_its_part_of_collectives_its_peers_launch_
     from pipefisher.core.topology import Topology
 
     config = kfac_config("chimera", "packed").with_overrides(
-        model={"layers": 4}, pipeline={"stages": 4, "micro_batches": 8},
-        kfac={"refresh_steps": 3, "profile": str(tmp_path / "profile.yaml")}, run={"steps": 5},
+        model={"layers": 4},
+        pipeline={"stages": 4, "micro_batches": 8},
+        kfac={"refresh_steps": 3, "profile": str(tmp_path / "profile.yaml")},
+        run={"steps": 5},
     )
     schedule = build_schedule(config)
     profile = unit_profile(config, schedule.num_stages, inverse=0.3, sync=0.5)

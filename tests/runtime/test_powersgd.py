@@ -38,7 +38,11 @@ def train(config):
 def expected_bytes(parameters: dict, replicas: int, rank: int, stages: set[int]) -> int:
     """Ring all-reduce bytes per step of the stages a rank holds: P and Q factors of the matrices
     PowerSGD compresses, everything else whole (fp32)."""
-    elements = sum(powersgd_elements(tuple(value.shape), rank) for key, value in parameters.items() if int(key.split(".")[0]) in stages)
+    elements = sum(
+        powersgd_elements(tuple(value.shape), rank)
+        for key, value in parameters.items()
+        if int(key.split(".")[0]) in stages
+    )
     return 2 * (replicas - 1) * 4 * elements // replicas
 
 
@@ -52,15 +56,20 @@ def test_the_compression_matches_torchs_powersgd_hook(rank):
 
 @pytest.mark.parametrize("schedule", ["chimera"])
 def test_rank_at_the_gradients_rank_equals_uncompressed_training_and_sends_less(schedule):
-    uncompressed, exact, lossy = train(powersgd_config(schedule, 0)), train(powersgd_config(schedule, 8)), train(
-        powersgd_config(schedule, 2, comm={"powersgd_start_step": 1}))
+    uncompressed, exact, lossy = (
+        train(powersgd_config(schedule, 0)),
+        train(powersgd_config(schedule, 8)),
+        train(powersgd_config(schedule, 2, comm={"powersgd_start_step": 1})),
+    )
     for (plain, plain_records), (compressed, records) in zip(uncompressed, exact):
         torch.testing.assert_close(torch.tensor(compressed.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)
         for key, value in compressed.parameters.items():
             torch.testing.assert_close(value, plain.parameters[key], rtol=1e-5, atol=1e-6)
     (plain, plain_records), (compressed, records), (low, low_records) = uncompressed[0], exact[0], lossy[0]
     assert low.losses[:2] == plain.losses[:2], "before its start step PowerSGD does not compress"
-    assert max(abs(a - b) for a, b in zip(low.losses[2:], plain.losses[2:])) > 1e-4, "rank 2 is below the gradients' rank"
+    assert max(abs(a - b) for a, b in zip(low.losses[2:], plain.losses[2:])) > 1e-4, (
+        "rank 2 is below the gradients' rank"
+    )
     assert low_records[0]["grad_comm_bytes"] == plain_records[0]["grad_comm_bytes"] > low_records[1]["grad_comm_bytes"]
     if schedule == "1f1b":  # rank 0 holds stage 0 of 2 replicas
         assert plain_records[0]["grad_comm_bytes"] == expected_bytes(plain.parameters, 2, 0, {0})
@@ -73,7 +82,9 @@ def test_powersgd_at_the_gradients_rank_under_kfac_equals_uncompressed():
     """K-FAC preconditions before the reduction; the profile measured before training times
     PowerSGD's reduction and leaves its state as it was."""
     sections = {"optimizer": {"name": "kfac"}, "kfac": {"refresh_steps": 2, "factor_decay": 0.5, "damping": 0.01}}
-    for (plain, _), (compressed, _) in zip(train(powersgd_config("chimera", 0, **sections)), train(powersgd_config("chimera", 8, **sections))):
+    for (plain, _), (compressed, _) in zip(
+        train(powersgd_config("chimera", 0, **sections)), train(powersgd_config("chimera", 8, **sections))
+    ):
         torch.testing.assert_close(torch.tensor(compressed.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)
         for key, value in compressed.parameters.items():
             torch.testing.assert_close(value, plain.parameters[key], rtol=1e-5, atol=1e-5)
@@ -125,8 +136,10 @@ def test_bad_powersgd_settings_are_one_line_errors():
     with pytest.raises(ConfigError, match="use one of them"):
         powersgd_config("1f1b", 2, optimizer={"zero": 1})
     demo = str(ROOT / "schedules" / "tiny-cpu.yaml")
-    for args, needle in ((["--powersgd-rank", "2", "--reference"], "--reference trains in one process"),
-                         (["--powersgd-rank", "x"], "--powersgd-rank")):
+    for args, needle in (
+        (["--powersgd-rank", "2", "--reference"], "--reference trains in one process"),
+        (["--powersgd-rank", "x"], "--powersgd-rank"),
+    ):
         result = subprocess.run(["pipefisher", "run", demo, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr
 
@@ -136,7 +149,9 @@ def test_orthonormalise_spans_what_qr_spans_and_keeps_zero_columns_zero():
 
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(64, 4, generator=generator, dtype=torch.float64)
-    nearly_dependent = torch.cat([base, base[:, :2] + 1e-6 * torch.randn(64, 2, generator=generator, dtype=torch.float64)], dim=1)
+    nearly_dependent = torch.cat(
+        [base, base[:, :2] + 1e-6 * torch.randn(64, 2, generator=generator, dtype=torch.float64)], dim=1
+    )
     for matrix in (base.float(), nearly_dependent.float()):
         ours = matrix.clone()
         orthonormalise_(ours)

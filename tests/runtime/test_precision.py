@@ -38,8 +38,9 @@ def test_bf16_pipeline_equals_the_bf16_reference(schedule, tiny_config):
 def test_fp16_overflow_skips_the_step_on_every_rank_alike(tiny_config):
     """A loss scale of 2^20 overflows fp16 gradients: the first steps are skipped on every rank
     (the scale halves each time) until the scale fits; training then equals the reference."""
-    config = tiny_config(schedule="1f1b").with_overrides(run={"precision": "fp16", "loss_scale": 2.0**20, "steps": 5},
-                                                         optimizer={"clip_norm": 1.0})
+    config = tiny_config(schedule="1f1b").with_overrides(
+        run={"precision": "fp16", "loss_scale": 2.0**20, "steps": 5}, optimizer={"clip_norm": 1.0}
+    )
     runs = run_group(pipelined_with_records, 2, args=(config,), timeout=30, deadline=120)
     overflows = [[record["overflow"] for record in records] for _, records in runs]
     assert overflows[0] == overflows[1], "every rank decides the same"
@@ -48,7 +49,11 @@ def test_fp16_overflow_skips_the_step_on_every_rank_alike(tiny_config):
     assert_close_training([result for result, _ in runs], reference, rtol=1e-4)
     from pipefisher.runtime.training.assembly import staged_model
 
-    initial = {f"{index}.{name}": p for index in range(2) for name, p in staged_model(config).build_stage(index, 2, 0).named_parameters()}
+    initial = {
+        f"{index}.{name}": p
+        for index in range(2)
+        for name, p in staged_model(config).build_stage(index, 2, 0).named_parameters()
+    }
     first_kept = overflows[0].index(False)
     assert first_kept >= 1
     single_step = train_reference(config.with_overrides(run={"steps": first_kept}))
@@ -61,9 +66,22 @@ def test_bf16_tracks_fp32_on_the_bert_demo(tmp_path):
     losses = {}
     for precision in ("fp32", "bf16"):
         result = subprocess.run(
-            ["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--steps", "12", "--precision", precision,
-             "--json", "--master-port", "0"],
-            capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "PIPEFISHER_CACHE": str(tmp_path)},
+            [
+                "pipefisher",
+                "run",
+                str(ROOT / "schedules" / "tiny-cpu.yaml"),
+                "--steps",
+                "12",
+                "--precision",
+                precision,
+                "--json",
+                "--master-port",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**__import__("os").environ, "PIPEFISHER_CACHE": str(tmp_path)},
         )
         assert result.returncode == 0, result.stderr
         losses[precision] = [json.loads(line)["loss"] for line in result.stdout.splitlines()]

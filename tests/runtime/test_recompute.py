@@ -45,8 +45,14 @@ def _gpt2():
 
 
 MODELS = {"transformer": _tiny, "mlp": lambda: _tiny("mlp"), "bert": _bert, "gpt2": _gpt2}
-CASES = [("transformer", "blocks", 2), ("transformer", "selective", 2), ("mlp", "blocks", 2), ("bert", "blocks", 2),
-         ("bert", "selective", 2), ("gpt2", "blocks", 2)]
+CASES = [
+    ("transformer", "blocks", 2),
+    ("transformer", "selective", 2),
+    ("mlp", "blocks", 2),
+    ("bert", "blocks", 2),
+    ("bert", "selective", 2),
+    ("gpt2", "blocks", 2),
+]
 
 
 def _gradients(stage, width: int, split: bool) -> dict[str, torch.Tensor]:
@@ -99,31 +105,42 @@ def test_kfac_captures_each_layer_once_per_micro_batch_under_recomputation(mode)
 
 
 def _kfac_config(schedule: str, mode: str):
-    return config_from_dict({
-        "model": tiny_model(recompute=mode),
-        "data": {"micro_batch_size": 2},
-        "pipeline": pipeline(schedule),
-        "optimizer": {"name": "kfac", "lr": 0.01, "eps": 1e-3},
-        "kfac": {"refresh_steps": 2},
-        "run": {"steps": 2, "timeout": 30, "master_port": 0, "in_order": True},
-    })
+    return config_from_dict(
+        {
+            "model": tiny_model(recompute=mode),
+            "data": {"micro_batch_size": 2},
+            "pipeline": pipeline(schedule),
+            "optimizer": {"name": "kfac", "lr": 0.01, "eps": 1e-3},
+            "kfac": {"refresh_steps": 2},
+            "run": {"steps": 2, "timeout": 30, "master_port": 0, "in_order": True},
+        }
+    )
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("schedule, mode", [("1f1b", "blocks"), pytest.param("zb-h1", "selective", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule, mode", [("1f1b", "blocks"), pytest.param("zb-h1", "selective", marks=pytest.mark.slow)]
+)
 def test_a_pipelined_kfac_run_with_recomputation_equals_the_reference(schedule, mode):
     """2 gloo ranks recomputing against the single-process reference (which does not): K-FAC's factors
     would differ with a layer captured twice, and its SGD steps what it does not precondition."""
     assert_equal_to_reference(_kfac_config(schedule, mode), parameter_atol=1e-7)
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"model": tiny_model(recompute="blocks"), "pipeline": {"schedule": "zbv"}},
-     "model.recompute: blocks under zbv, whose split backward recomputes each block again"),
-    ({"model": tiny_model(heads=2, recompute="blocks"), "pipeline": {"tensor_parallel": 2}},
-     "model.recompute: blocks would run each recomputed block's tensor-parallel all-reduces again"),
-    ({"model": _mlp_model(recompute="selective")}, "model.recompute: model.kind mlp has no attention"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            {"model": tiny_model(recompute="blocks"), "pipeline": {"schedule": "zbv"}},
+            "model.recompute: blocks under zbv, whose split backward recomputes each block again",
+        ),
+        (
+            {"model": tiny_model(heads=2, recompute="blocks"), "pipeline": {"tensor_parallel": 2}},
+            "model.recompute: blocks would run each recomputed block's tensor-parallel all-reduces again",
+        ),
+        ({"model": _mlp_model(recompute="selective")}, "model.recompute: model.kind mlp has no attention"),
+    ],
+)
 def test_recompute_refuses_what_it_cannot_serve_in_one_line(data, message):
     with pytest.raises(ConfigError, match=message) as raised:
         staged_model(config_from_dict(data))
@@ -131,7 +148,9 @@ def test_recompute_refuses_what_it_cannot_serve_in_one_line(data, message):
 
 
 def test_hugging_face_selective_is_refused_naming_the_model_and_blocks():
-    with pytest.raises(ValueError, match="GPT2LMHeadModel computes inside its attention module; use model.recompute blocks"):
+    with pytest.raises(
+        ValueError, match="GPT2LMHeadModel computes inside its attention module; use model.recompute blocks"
+    ):
         _gpt2().recompute_plan("selective")
 
 

@@ -50,8 +50,11 @@ def test_text_output_names_units(reference_losses):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("pipeline:\n  stages: 3\n", "model.layers: 4 blocks cannot be split into 3 equal stages (pipeline.stages 3); "
-                                     "make pipeline.stages a divisor of 4: 1, 2 or 4"),
+        (
+            "pipeline:\n  stages: 3\n",
+            "model.layers: 4 blocks cannot be split into 3 equal stages (pipeline.stages 3); "
+            "make pipeline.stages a divisor of 4: 1, 2 or 4",
+        ),
         ("checkpoint:\n  resume: auto\n", "checkpoint.resume: 'auto' needs checkpoint.dir (or --checkpoint-dir)"),
         ("pipeline:\n  schedule: chimera\n  micro_batches: 3\n", "micro-batches N=3 must be a multiple of stages D=2"),
         ("pipeline:\n  stagez: 2\n", "pipeline.stagez: unknown key; did you mean stages?"),
@@ -74,11 +77,14 @@ def test_more_nccl_ranks_than_gpus_exits_2_before_starting_processes(tmp_path):
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has a GPU for each of the run's 2 ranks")
     for command in (["run"], ["profile", "-o", str(tmp_path / "profile.yaml")]):
-        result = subprocess.run(["pipefisher", *command, str(TINY), "--backend", "nccl"], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["pipefisher", *command, str(TINY), "--backend", "nccl"], capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [
             f"pipefisher: error: run.backend nccl: 2 processes on this machine need 2 GPUs, it has {torch.cuda.device_count()} "
-            "(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer processes (pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)"]
+            "(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer processes (pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)"
+        ]
 
 
 def test_port_in_use_exits_2_before_starting_processes():
@@ -88,8 +94,10 @@ def test_port_in_use_exits_2_before_starting_processes():
         port = sock.getsockname()[1]
         result = run_cli("--master-port", str(port), timeout=30)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"pipefisher: error: run.master_port: port {port} on 127.0.0.1 is in use; pass --master-port "
-                                          "with a free port, or 0 (the default) to let the launcher take one"]
+    assert result.stderr.splitlines() == [
+        f"pipefisher: error: run.master_port: port {port} on 127.0.0.1 is in use; pass --master-port "
+        "with a free port, or 0 (the default) to let the launcher take one"
+    ]
 
 
 def test_a_taken_port_met_at_the_bind_is_the_same_usage_error():
@@ -104,8 +112,12 @@ def test_a_taken_port_met_at_the_bind_is_the_same_usage_error():
 @pytest.mark.dist
 def test_two_runs_at_once_on_one_host_both_succeed():
     """The run file names no port: each launcher serves its store on a port the OS gives it."""
-    started = [subprocess.Popen(["pipefisher", "run", str(TINY), "--steps", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for _ in range(2)]
+    started = [
+        subprocess.Popen(
+            ["pipefisher", "run", str(TINY), "--steps", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outcomes = [proc.communicate(timeout=120) for proc in started]
     assert [proc.returncode for proc in started] == [0, 0], [err for _, err in outcomes]
     ports = {err.splitlines()[0].rpartition("port ")[2] for _, err in outcomes}
@@ -115,8 +127,22 @@ def test_two_runs_at_once_on_one_host_both_succeed():
 @pytest.mark.dist
 def test_run_under_torchrun_uses_its_ranks(reference_losses):
     result = subprocess.run(
-        ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "pipefisher", "run", str(TINY), "--steps", "2", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "pipefisher",
+            "run",
+            str(TINY),
+            "--steps",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert losses(result) == pytest.approx(reference_losses, rel=1e-5)
@@ -125,7 +151,9 @@ def test_run_under_torchrun_uses_its_ranks(reference_losses):
 def test_torchrun_with_the_wrong_world_size_exits_2():
     result = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "pipefisher", "run", str(TINY), "--steps", "1"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "torchrun started 1 processes; the run needs 2" in result.stderr
@@ -133,18 +161,28 @@ def test_torchrun_with_the_wrong_world_size_exits_2():
 
 def test_usage_messages_name_things_once(tmp_path):
     """No doubled `pipefisher: error: pipefisher ...` prefix, no path said twice."""
-    result = subprocess.run(["pipefisher", "run", str(TINY), "--steps", "x"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "run", str(TINY), "--steps", "x"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert result.stderr == "pipefisher: error: argument --steps: 'x' is not an integer (see pipefisher run --help)\n"
     missing = tmp_path / "missing.yaml"
-    result = subprocess.run(["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(missing)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stderr.count(str(missing)) == 1, result.stderr
 
 
 def test_the_profilers_header_says_what_it_measures(tmp_path):
-    result = subprocess.run(["pipefisher", "profile", str(TINY), "-o", str(tmp_path / "p.yaml"), "--repeats", "2", "--master-port", "0"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["pipefisher", "profile", str(TINY), "-o", str(tmp_path / "p.yaml"), "--repeats", "2", "--master-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     header = result.stderr.splitlines()[0]
     assert "1 warm-up and 2 measured steps (gradients dropped)" in header and "20 steps" not in header, header
@@ -157,17 +195,29 @@ def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cos
     base = load_config(TINY).with_overrides(pipeline={"data_parallel": 2})
     assert describe(base) == "1f1b: 2 stages x 2 replica(s), 4 micro-batches of 4, fp32, 20 steps, sgd lr 0.05"
     kfac = describe(base.with_overrides(optimizer={"name": "kfac"}, kfac={"grad_worker_fraction": 0.5}))
-    assert kfac.endswith("kfac lr 0.05, adamw lr 0.05 for the rest, K-FAC refresh interval chosen by the packer, packed, "
-                         "gradient workers 1 per layer")
+    assert kfac.endswith(
+        "kfac lr 0.05, adamw lr 0.05 for the rest, K-FAC refresh interval chosen by the packer, packed, "
+        "gradient workers 1 per layer"
+    )
     assert describe(base.with_overrides(optimizer={"name": "adamw", "zero": 1})).endswith("adamw lr 0.05, ZeRO-1")
-    shampoo = describe(base.with_overrides(optimizer={"name": "shampoo"}, shampoo={"refresh_steps": 3, "placement": "after-step"},
-                                           comm={"powersgd_rank": 2, "powersgd_start_step": 5}, run={"precision": "bf16"}))
-    assert ", bf16, " in shampoo and shampoo.endswith("Shampoo refresh every 3 steps, after-step, PowerSGD rank 2 from step 5")
+    shampoo = describe(
+        base.with_overrides(
+            optimizer={"name": "shampoo"},
+            shampoo={"refresh_steps": 3, "placement": "after-step"},
+            comm={"powersgd_rank": 2, "powersgd_start_step": 5},
+            run={"precision": "bf16"},
+        )
+    )
+    assert ", bf16, " in shampoo and shampoo.endswith(
+        "Shampoo refresh every 3 steps, after-step, PowerSGD rank 2 from step 5"
+    )
 
 
 def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
     profile = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml"
-    result = run_cli("--steps", "1", "--reference", "--precision", "fp16", "--profile", str(profile), "--shampoo-refresh-steps", "2")
+    result = run_cli(
+        "--steps", "1", "--reference", "--precision", "fp16", "--profile", str(profile), "--shampoo-refresh-steps", "2"
+    )
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
     assert warnings == [
@@ -183,8 +233,14 @@ def test_settings_without_effect_and_emulated_fp16_are_one_line_warnings():
         (["run", "{empty}"], "{empty}: the run file is empty"),
         (["run", "{binary}"], "{binary}: not a text file; a run file is YAML or JSON text"),
         (["run", "{profile}"], "{profile} is a pipefisher profile file (pipefisher.profile/v1), not a run file"),
-        (["run", "{tiny}", "--metrics", "{missing}/m.jsonl"], "run.metrics (--metrics) {missing}/m.jsonl: folder '{missing}' does not exist"),
-        (["run", "{tiny}", "--checkpoint-dir", "{profile}"], "checkpoint.dir (--checkpoint-dir) {profile}: is a file; give a folder"),
+        (
+            ["run", "{tiny}", "--metrics", "{missing}/m.jsonl"],
+            "run.metrics (--metrics) {missing}/m.jsonl: folder '{missing}' does not exist",
+        ),
+        (
+            ["run", "{tiny}", "--checkpoint-dir", "{profile}"],
+            "checkpoint.dir (--checkpoint-dir) {profile}: is a file; give a folder",
+        ),
         (["profile", "{tiny}", "-o", "{missing}/p.yaml"], "-o {missing}/p.yaml: folder '{missing}' does not exist"),
         (["profile", "{tiny}", "-o", "{folder}"], "-o {folder}: is a folder; give a file name inside it"),
         (["run", "{corpus_missing}"], "data.corpus: {missing}/corpus.txt does not exist"),
@@ -202,10 +258,16 @@ def test_run_inputs_and_outputs_are_checked_before_any_process_starts(tmp_path, 
     (tmp_path / "corpus_missing.yaml").write_text(bert(corpus=str(tmp_path / "missing" / "corpus.txt")))
     (tmp_path / "corpus_binary.yaml").write_text(bert(corpus=str(tmp_path / "binary.yaml")))
     (tmp_path / "vocab_folder.yaml").write_text(bert(vocab=str(tmp_path / "folder")))
-    names = {"empty": tmp_path / "empty.yaml", "binary": tmp_path / "binary.yaml", "folder": tmp_path / "folder",
-             "profile": Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml", "tiny": TINY,
-             "missing": tmp_path / "missing", "missing_ok": tmp_path / "p.yaml",
-             **{name: tmp_path / f"{name}.yaml" for name in ("corpus_missing", "corpus_binary", "vocab_folder")}}
+    names = {
+        "empty": tmp_path / "empty.yaml",
+        "binary": tmp_path / "binary.yaml",
+        "folder": tmp_path / "folder",
+        "profile": Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu-1f1b.yaml",
+        "tiny": TINY,
+        "missing": tmp_path / "missing",
+        "missing_ok": tmp_path / "p.yaml",
+        **{name: tmp_path / f"{name}.yaml" for name in ("corpus_missing", "corpus_binary", "vocab_folder")},
+    }
     fill = lambda text: text.format(**{key: str(value) for key, value in names.items()})
     assert main([fill(a) for a in args]) == 2
     err = capsys.readouterr().err

@@ -50,7 +50,9 @@ def shampoo_config(schedule, placement, data_parallel=1, **shampoo):
 def test_shampoo_on_the_pipeline_equals_the_reference(schedule, placement):
     reference = assert_equal_to_reference(shampoo_config(schedule, placement), PARAMETER_ATOL)
     grafted_only = train_reference(shampoo_config(schedule, placement, start_step=100))
-    assert reference.losses[3:] != pytest.approx(grafted_only.losses[3:], rel=1e-4), "Shampoo's roots changed the updates"
+    assert reference.losses[3:] != pytest.approx(grafted_only.losses[3:], rel=1e-4), (
+        "Shampoo's roots changed the updates"
+    )
 
 
 @pytest.mark.slow
@@ -96,19 +98,44 @@ def test_profile_of_a_shampoo_run_times_its_tasks_and_packs(tmp_path):
     layers = [layer for stage in profile.stages for layer in stage.layers]
     assert "embed.weight" in [layer.name for layer in profile.stages[0].layers]
     assert all(layer.inverse_a > 0 and layer.inverse_b > 0 and layer.curvature_a == 0 for layer in layers)
-    packed = subprocess.run(["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
-                            capture_output=True, text=True, timeout=60)
+    packed = subprocess.run(
+        ["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert packed.returncode == 0, packed.stderr
     report = json.loads(packed.stdout)
     assert report["refresh_steps"] >= 1 and report["method"] == "shampoo"
-    run = subprocess.run(["pipefisher", "run", str(TINY), "--optimizer", "shampoo", "--profile", str(profile_path), "--steps", "3",
-                          "--json", "--master-port", "0"], capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [
+            "pipefisher",
+            "run",
+            str(TINY),
+            "--optimizer",
+            "shampoo",
+            "--profile",
+            str(profile_path),
+            "--steps",
+            "3",
+            "--json",
+            "--master-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr
     assert "Shampoo packed: refresh every" in run.stderr
     steps = [json.loads(line) for line in run.stdout.splitlines()]
     assert len(steps) == 3 and all(step["loss"] > 0 for step in steps)
-    kfac = subprocess.run(["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(profile_path)],
-                          capture_output=True, text=True, timeout=60)
+    kfac = subprocess.run(
+        ["pipefisher", "run", str(TINY), "--optimizer", "kfac", "--profile", str(profile_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert kfac.returncode == 2 and "times shampoo tasks but this run uses kfac" in kfac.stderr
     assert "Traceback" not in kfac.stderr
 

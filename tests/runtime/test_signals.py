@@ -21,8 +21,13 @@ class Command:
     """`pipefisher ARGS` in its own session (its own process group), stderr collected as it comes."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipefisher", *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipefisher", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self.reader.start()
@@ -49,7 +54,9 @@ class Command:
 
 def running_in_session(session: int) -> list[str]:
     """Processes of `session` that still run (exited ones waiting to be reaped do not count)."""
-    listing = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(session)], capture_output=True, text=True).stdout
+    listing = subprocess.run(
+        ["ps", "-o", "pid=,stat=,args=", "-s", str(session)], capture_output=True, text=True
+    ).stdout
     return [line for line in listing.splitlines() if line.split()[1][0] != "Z"]
 
 
@@ -61,8 +68,15 @@ def assert_one_line(lines: list[str], signum: int, header: str, said: str) -> No
     assert len(rest) == 1 and said in rest[0] and name in rest[0], text
 
 
-@pytest.mark.parametrize("moment, signum", [("starting", signal.SIGTERM), ("ranks starting", signal.SIGINT),
-                                             ("first step", signal.SIGTERM), ("starting", signal.SIGINT)])
+@pytest.mark.parametrize(
+    "moment, signum",
+    [
+        ("starting", signal.SIGTERM),
+        ("ranks starting", signal.SIGINT),
+        ("first step", signal.SIGTERM),
+        ("starting", signal.SIGINT),
+    ],
+)
 def test_a_run_stopped_at_any_moment_says_one_line(moment, signum):
     """'starting': the interpreter is importing; 'ranks starting': the header is out and the rank
     processes start (their own start-up, rendezvous); 'first step': the ranks train."""
@@ -105,8 +119,14 @@ class Script(Command):
 
     def __init__(self, name: str, *args: str):
         root = Path(__file__).resolve().parents[2]
-        self.proc = subprocess.Popen([sys.executable, str(root / "experiments" / f"{name}.py"), *args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=root)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(root / "experiments" / f"{name}.py"), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=root,
+        )
         self.lines = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self.reader.start()
@@ -125,8 +145,21 @@ def test_an_experiment_stopped_says_one_line(signum):
 def test_an_experiment_stopped_while_its_pipefisher_child_runs_leaves_no_traceback(tmp_path):
     """convergence.py times AdamW with a `pipefisher run` child after its grid: both say one line."""
     out = tmp_path / "out"
-    run = Script("convergence", "--workloads", "bert", "--methods", "adamw", "--steps", "3", "--seeds", "1",
-                 "--cache", str(tmp_path / "cache"), "--out", str(out / "c"))
+    run = Script(
+        "convergence",
+        "--workloads",
+        "bert",
+        "--methods",
+        "adamw",
+        "--steps",
+        "3",
+        "--seeds",
+        "1",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--out",
+        str(out / "c"),
+    )
     run.wait_for("`pipefisher run` now", limit=180)
     time.sleep(3)
     code, lines = run.interrupt(signal.SIGINT)

@@ -34,14 +34,16 @@ def soap_config(schedule, placement="packed", steps=6, **soap):
     """Two ranks of a 4-block transformer, in-order mode, clipping, refresh every 2 steps (the
     bases of cycle 1 in use from step 4), the published lr; SOAP's ε and the rest's AdamW ε 1e-3
     as in the equivalence sweep (gradients that are zero in exact arithmetic)."""
-    return config_from_dict({
-        "model": tiny_model(),
-        "data": {"micro_batch_size": 2},
-        "pipeline": pipeline(schedule),
-        "optimizer": {"name": "soap", "clip_norm": 1.0, "eps": 1e-3},
-        "soap": {"refresh_steps": 2, "placement": placement, "epsilon": 1e-3, **soap},
-        "run": {"steps": steps, "timeout": 30, "master_port": 0, "in_order": True},
-    })
+    return config_from_dict(
+        {
+            "model": tiny_model(),
+            "data": {"micro_batch_size": 2},
+            "pipeline": pipeline(schedule),
+            "optimizer": {"name": "soap", "clip_norm": 1.0, "eps": 1e-3},
+            "soap": {"refresh_steps": 2, "placement": placement, "epsilon": 1e-3, **soap},
+            "run": {"steps": steps, "timeout": 30, "master_port": 0, "in_order": True},
+        }
+    )
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -102,23 +104,65 @@ def test_soap_resumes_mid_cycle_bit_for_bit_with_exchanges_in_flight(tmp_path):
 @pytest.mark.dist
 def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_path):
     profile_path = tmp_path / "soap.yaml"
-    measured = subprocess.run(["pipefisher", "profile", str(TINY), "-o", str(profile_path), "--master-port", "0", "--repeats", "2",
-                               "--optimizer", "soap"], capture_output=True, text=True, timeout=180)
+    measured = subprocess.run(
+        [
+            "pipefisher",
+            "profile",
+            str(TINY),
+            "-o",
+            str(profile_path),
+            "--master-port",
+            "0",
+            "--repeats",
+            "2",
+            "--optimizer",
+            "soap",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert measured.returncode == 0, measured.stderr
     from pipefisher.core.profile import load_profile
 
     profile = load_profile(profile_path)
     layers = [layer for stage in profile.stages for layer in stage.layers]
     assert profile.method == "soap" and "embed.weight" in [layer.name for layer in profile.stages[0].layers]
-    assert all(layer.inverse_a > 0 and layer.inverse_b > 0 and layer.curvature_a == layer.sync_a == 0 for layer in layers)
+    assert all(
+        layer.inverse_a > 0 and layer.inverse_b > 0 and layer.curvature_a == layer.sync_a == 0 for layer in layers
+    )
     assert all(stage.step_end > 0 for stage in profile.stages)
-    packed = subprocess.run(["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
-                            capture_output=True, text=True, timeout=60)
+    packed = subprocess.run(
+        ["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert packed.returncode == 0, packed.stderr
     report = json.loads(packed.stdout)
     assert report["method"] == "soap" and report["refresh_steps"] >= 1
     picture = tmp_path / "soap.txt"
-    drawn = subprocess.run(["pipefisher", "viz", "--schedule", "1f1b", "-D", "2", "-N", "4", "--profile", str(profile_path), "--curvature",
-                            "-o", str(picture), "--width", "200"], capture_output=True, text=True, timeout=60)
+    drawn = subprocess.run(
+        [
+            "pipefisher",
+            "viz",
+            "--schedule",
+            "1f1b",
+            "-D",
+            "2",
+            "-N",
+            "4",
+            "--profile",
+            str(profile_path),
+            "--curvature",
+            "-o",
+            str(picture),
+            "--width",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert drawn.returncode == 0, drawn.stderr
     assert "refresh" in picture.read_text().lower()

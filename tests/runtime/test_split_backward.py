@@ -54,7 +54,9 @@ def test_input_then_weight_gradients_equal_the_whole_backward_in_float64():
     outputs = [stage(x) for x in leaves]
     CountingIdentity.calls = 0
     for mb in range(3):
-        torch.testing.assert_close(split.input_gradient(mb, outputs[mb], grads[mb], leaves[mb]), expected_inputs[mb], rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            split.input_gradient(mb, outputs[mb], grads[mb], leaves[mb]), expected_inputs[mb], rtol=0, atol=1e-12
+        )
     assert CountingIdentity.calls == 3 and split.pending == 3
     assert all(p.grad.abs().sum() == 0 for p in stage.parameters()), "B leaves the weight gradients to W"
     for mb in (2, 0, 1):  # W in any order
@@ -79,8 +81,10 @@ def test_a_stage_without_a_differentiable_input_runs_its_whole_backward_at_b():
 def test_kfac_records_each_output_gradient_once_when_the_backward_is_split():
     torch.manual_seed(2)
     stage = Stage()
-    layers = {name: SimpleNamespace(module=module, captures={"A": {}, "B": {}}, loss_scales={})
-              for name, module in (("fc1", stage.fc1), ("fc2", stage.fc2))}
+    layers = {
+        name: SimpleNamespace(module=module, captures={"A": {}, "B": {}}, loss_scales={})
+        for name, module in (("fc1", stage.fc1), ("fc2", stage.fc2))
+    }
     split = SplitBackward(stage)
     x = torch.randn(5, 4, requires_grad=True)
     with capture(layers, micro_batch=0):

@@ -34,9 +34,16 @@ def tensor_parallel(method: str, schedule: str, optimizer: str | None = None, da
 #: first order on every schedule; K-FAC and Shampoo on 1F1B and Chimera, both placements; every
 #: other method on 1F1B
 FULL_SWEEP = ("kfac", "shampoo")
-CASES = ([("adamw", schedule, None) for schedule in SCHEDULES]
-         + [(method, schedule, placement) for method in FULL_SWEEP for schedule in ("1f1b", "chimera") for placement in ("packed", "after-step")]
-         + [(method, "1f1b", "packed") for method in methods() if method not in FULL_SWEEP])
+CASES = (
+    [("adamw", schedule, None) for schedule in SCHEDULES]
+    + [
+        (method, schedule, placement)
+        for method in FULL_SWEEP
+        for schedule in ("1f1b", "chimera")
+        for placement in ("packed", "after-step")
+    ]
+    + [(method, "1f1b", "packed") for method in methods() if method not in FULL_SWEEP]
+)
 
 
 @pytest.mark.parametrize("optimizer, schedule, placement", CASES)
@@ -52,8 +59,11 @@ def test_tensor_parallel_equals_the_reference(optimizer, schedule, placement):
 def test_each_shard_is_its_own_block(method):
     """Not vacuous: splitting changes nothing for a first-order optimizer, but a curvature method
     preconditions each shard's block, not the whole layer's."""
+
     def losses(degree: int, optimizer: str | None = None) -> list[float]:
-        config = shipped_defaults(method, "1f1b", optimizer=optimizer).with_overrides(pipeline={"tensor_parallel": degree})
+        config = shipped_defaults(method, "1f1b", optimizer=optimizer).with_overrides(
+            pipeline={"tensor_parallel": degree}
+        )
         return train_reference(config).losses
 
     assert losses(2, "adamw") == pytest.approx(losses(1, "adamw"), rel=1e-6)
@@ -61,10 +71,13 @@ def test_each_shard_is_its_own_block(method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer, gradient_path", [
-    ("kfac", {"optimizer": {"zero": 1}}),
-    ("adamw", {"comm": {"powersgd_rank": 32}}),  # at the gradients' full rank: exact
-])
+@pytest.mark.parametrize(
+    "optimizer, gradient_path",
+    [
+        ("kfac", {"optimizer": {"zero": 1}}),
+        ("adamw", {"comm": {"powersgd_rank": 32}}),  # at the gradients' full rank: exact
+    ],
+)
 def test_tensor_and_data_parallel_equal_the_reference(optimizer, gradient_path):
     """Tensor x pipeline x data parallelism: 2 x 2 x 2 = 8 processes; K-FAC packed with ZeRO-1,
     and PowerSGD compressing each shard's gradient."""
@@ -77,7 +90,9 @@ def test_bf16_tensor_parallel_equals_the_bf16_reference(tiny_config):
     bf16's resolution: the input gradient of query, key and value is summed over their shards in
     another order than the reference's autograd sums it (fp32), and a last-bit difference flips
     the rounding of what is next cast to bf16 (one bf16 step is 0.4 %)."""
-    config = tiny_config(schedule="1f1b", tensor_parallel=2).with_overrides(run={"precision": "bf16"}, optimizer={"clip_norm": 0.5})
+    config = tiny_config(schedule="1f1b", tensor_parallel=2).with_overrides(
+        run={"precision": "bf16"}, optimizer={"clip_norm": 0.5}
+    )
     reference = train_reference(config)
     for result in run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=120):
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=4e-3, atol=0)
@@ -108,8 +123,14 @@ def test_a_hugging_face_llama_splits_over_two_processes(tmp_path):
     from pipefisher.runtime.training.export import merged_state_dict
     from test_hf_runs import assert_equals_the_unsplit_model, hf_run
 
-    config = hf_run(str(tmp_path), "llama-tiny", pipeline={"tensor_parallel": 2}, optimizer={"name": "kfac"}, kfac={"refresh_steps": 2},
-                    checkpoint={"dir": str(tmp_path / "checkpoints")})
+    config = hf_run(
+        str(tmp_path),
+        "llama-tiny",
+        pipeline={"tensor_parallel": 2},
+        optimizer={"name": "kfac"},
+        kfac={"refresh_steps": 2},
+        checkpoint={"dir": str(tmp_path / "checkpoints")},
+    )
     # lr 0.1 with momentum 0.9 and damped inverses amplify the rounding of the statistics' sums
     # (row shares summed over the shards, in another order than the reference's): up to 1.3e-5
     reference = assert_equals_the_unsplit_model(config, parameter_atol=5e-5)
@@ -124,7 +145,9 @@ def test_gpt2_is_refused_with_the_reason(tmp_path):
     from pipefisher.runtime.training.assembly import staged_model
     from test_hf_runs import hf_run
 
-    with pytest.raises(ConfigError, match=r"^model.hf_class: GPT-2 projects query, key and value with one fused Conv1D"):
+    with pytest.raises(
+        ConfigError, match=r"^model.hf_class: GPT-2 projects query, key and value with one fused Conv1D"
+    ):
         staged_model(hf_run(str(tmp_path), "gpt2-tiny", pipeline={"tensor_parallel": 2}))
 
 
@@ -132,15 +155,21 @@ def test_a_ranks_processes_must_share_a_node():
     assert tensor_parallel_placement(2, 8) is None and tensor_parallel_placement(4, 4) is None
     assert tensor_parallel_placement(2, 3) == (
         "pipeline.tensor_parallel: the 2 processes of a rank all-reduce inside every forward and backward and must share a node; "
-        "torchrun starts 3 per node: make --nproc-per-node a multiple of 2")
+        "torchrun starts 3 per node: make --nproc-per-node a multiple of 2"
+    )
 
 
 @pytest.mark.slow
 def test_torchrun_runs_the_tensor_parallel_flag_like_the_reference():
     """`--tensor-parallel 2` under torchrun (4 processes: 2 stages x 2 shards) and in one process."""
+
     def losses(*launcher: str, extra: tuple[str, ...] = ()) -> list[float]:
-        result = subprocess.run([*launcher, "run", str(TINY), "--tensor-parallel", "2", "--steps", "2", "--json", *extra],
-                                capture_output=True, text=True, timeout=180)
+        result = subprocess.run(
+            [*launcher, "run", str(TINY), "--tensor-parallel", "2", "--steps", "2", "--json", *extra],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         return [json.loads(line)["loss"] for line in result.stdout.splitlines()]
 

@@ -21,8 +21,12 @@ def test_a_run_in_a_terminal_draws_its_bar_and_ends_without_third_party_warnings
     never frees: the resource tracker then warned of a leaked semaphore after every run."""
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal of 100 columns
-    proc = subprocess.Popen([sys.executable, "-m", "pipefisher", "run", str(TINY), "--steps", "3", "--master-port", "0"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=terminal)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipefisher", "run", str(TINY), "--steps", "3", "--master-port", "0"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=terminal,
+    )
     os.close(terminal)
     output = b""
     end = time.monotonic() + 120

@@ -21,9 +21,13 @@ TIMEOUT = 120  # seconds for every process a test starts; then the whole process
 
 def child_env() -> dict[str, str]:
     """This environment without any torchrun variables: one thread per process, CPU only, gloo on loopback."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-           and not key.startswith("TORCHELASTIC_")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+        and not key.startswith("TORCHELASTIC_")
+    }
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU: on a GPU machine two "nodes" would share cuda:0 under NCCL
     if "lo" in {name for _, name in socket.if_nameindex()}:
@@ -76,15 +80,31 @@ def test_two_torchrun_nodes_train_like_the_local_launcher(tmp_path):
     run = ["-m", "pipefisher", "run", str(TINY), "--steps", "3", "--json"]
     # Static rendezvous (node ranks given): with c10d's dynamic one, an agent whose peer hosted the
     # store and left first can fail polling it after training ended (a torchrun race, not ours).
-    agent = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "--max-restarts", "0"]
+    agent = [
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--max-restarts",
+        "0",
+    ]
     procs = [start(agent + ["--node-rank", str(node)] + run, tmp_path / f"node{node}") for node in range(2)]
-    procs.append(start(["pipefisher", "run", str(TINY), "--steps", "3", "--json", "--master-port", "0"], tmp_path / "local"))
+    procs.append(
+        start(["pipefisher", "run", str(TINY), "--steps", "3", "--json", "--master-port", "0"], tmp_path / "local")
+    )
     codes = finish(procs)
-    logs = {name: ((tmp_path / name).with_suffix(".out").read_text(), (tmp_path / name).with_suffix(".err").read_text())
-            for name in ("node0", "node1", "local")}
-    assert codes == [0, 0, 0], "\n".join(f"--- {name} (exit {code}) ---\n{out}\n{err[-3000:]}"
-                                         for (name, (out, err)), code in zip(logs.items(), codes))
+    logs = {
+        name: ((tmp_path / name).with_suffix(".out").read_text(), (tmp_path / name).with_suffix(".err").read_text())
+        for name in ("node0", "node1", "local")
+    }
+    assert codes == [0, 0, 0], "\n".join(
+        f"--- {name} (exit {code}) ---\n{out}\n{err[-3000:]}" for (name, (out, err)), code in zip(logs.items(), codes)
+    )
     nodes = step_lines(logs["node0"][0]) + step_lines(logs["node1"][0])  # only rank 0's process prints them
     local = step_lines(logs["local"][0])
     assert [line["step"] for line in nodes] == [1, 2, 3]
@@ -94,8 +114,23 @@ def test_two_torchrun_nodes_train_like_the_local_launcher(tmp_path):
 
 def test_profile_under_torchrun_writes_a_profile(tmp_path):
     output = tmp_path / "profile.yaml"
-    proc = start(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "pipefisher", "profile", str(TINY),
-                  "-o", str(output), "--repeats", "1"], tmp_path / "profile")
+    proc = start(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "pipefisher",
+            "profile",
+            str(TINY),
+            "-o",
+            str(output),
+            "--repeats",
+            "1",
+        ],
+        tmp_path / "profile",
+    )
     [code] = finish([proc])
     out, err = (tmp_path / "profile.out").read_text(), (tmp_path / "profile.err").read_text()
     assert code == 0, f"{out}\n{err[-3000:]}"

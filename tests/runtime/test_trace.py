@@ -41,10 +41,17 @@ def traced(traced_run) -> Path:
 def labels_of_step(path: Path, step: int) -> Counter:
     """The labelled regions inside a rank's region `step N` (1-based), the step's own region and
     torch's (`gloo:send`, `Optimizer.step#SGD.step`) excluded."""
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    events = [
+        e
+        for e in json.loads(path.read_text())["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+    ]
     (region,) = [e for e in events if e["name"] == f"step {step}"]
-    inside = [e["name"] for e in events if region["ts"] < e["ts"] <= region["ts"] + region["dur"]
-              and not e["name"].startswith(("gloo:", "Optimizer."))]
+    inside = [
+        e["name"]
+        for e in events
+        if region["ts"] < e["ts"] <= region["ts"] + region["dur"] and not e["name"].startswith(("gloo:", "Optimizer."))
+    ]
     return Counter(inside)
 
 
@@ -81,7 +88,10 @@ def test_viz_gives_the_step_times_the_run_printed(traced_run, tmp_path):
     printed = {int(m[1]): float(m[2]) for m in re.finditer(r"^step (\d+)/4 .*step time (\d+\.\d) ms", stdout, re.M)}
     measured = load_trace(folder).measured
     assert measured.step_ids == (3, 4) and measured.basis == "", measured
-    assert [measured.number(t) for t in measured.times] == [f"{printed[3]:.1f}", f"{printed[4]:.1f}"], (measured, stdout)
+    assert [measured.number(t) for t in measured.times] == [f"{printed[3]:.1f}", f"{printed[4]:.1f}"], (
+        measured,
+        stdout,
+    )
     assert float(measured.number(measured.mean)) == pytest.approx((printed[3] + printed[4]) / 2, abs=0.1 + 1e-9)
     listed = f"steps 3, 4: {measured.number(measured.times[0])}, {measured.number(measured.times[1])} ms; mean {measured.number(measured.mean)} ms"
     assert str(measured) == listed
@@ -94,10 +104,16 @@ def test_viz_gives_the_step_times_the_run_printed(traced_run, tmp_path):
     assert rank0 == {3: measured.number(measured.times[0]), 4: measured.number(measured.times[1])}
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--steps", "3"), "run.trace_from 3 + run.trace_steps 2: the trace would end at step 4, after the run's last step 3"),
-    (("--steps", "4", "--reference"), "--reference trains in one process without the executor"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ("--steps", "3"),
+            "run.trace_from 3 + run.trace_steps 2: the trace would end at step 4, after the run's last step 3",
+        ),
+        (("--steps", "4", "--reference"), "--reference trains in one process without the executor"),
+    ],
+)
 def test_a_trace_the_run_cannot_write_is_one_line(tmp_path, args, message):
     done = pipefisher("run", str(TINY), "--trace", str(tmp_path / "t"), *args)
     assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -143,9 +159,14 @@ def test_the_summary_counts_overlapping_device_work_once(tmp_path):
     def event(name, cat, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
-    events = [event("step 3", "user_annotation", 0, 10_000), event("0F0", "user_annotation", 100, 4_000),
-              event("gemm", "kernel", 1_000, 2_000), event("add", "kernel", 2_000, 2_000), event("copy", "gpu_memcpy", 6_000, 500),
-              event("late", "kernel", 20_000, 1_000)]
+    events = [
+        event("step 3", "user_annotation", 0, 10_000),
+        event("0F0", "user_annotation", 100, 4_000),
+        event("gemm", "kernel", 1_000, 2_000),
+        event("add", "kernel", 2_000, 2_000),
+        event("copy", "gpu_memcpy", 6_000, 500),
+        event("late", "kernel", 20_000, 1_000),
+    ]
     (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": events}))
     (summary,) = summarise(trace_files(tmp_path))
     assert (summary.step, summary.wall, summary.kernels) == (3, 10.0, 2)

@@ -25,4 +25,6 @@ def test_the_group_holds_this_process_alone_and_the_torchrun_variables_are_resto
         assert total.tolist() == [1.0, 1.0, 1.0]
     assert not dist.is_initialized()
     assert os.environ["MASTER_ADDR"] == "10.0.0.7"
-    assert not any(name in os.environ for name in TORCHRUN[1:]), "a pipefisher run started next would take itself for a rank"
+    assert not any(name in os.environ for name in TORCHRUN[1:]), (
+        "a pipefisher run started next would take itself for a rank"
+    )

@@ -31,7 +31,14 @@ def zero_config(schedule, zero, optimizer="adamw", **overrides):
             "model": tiny_model(),
             "data": {"micro_batch_size": 2},
             "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": 2},
-            "optimizer": {"name": optimizer, "lr": 0.01, "eps": 1e-3, "clip_norm": 0.5, "weight_decay": 0.01, "zero": zero},
+            "optimizer": {
+                "name": optimizer,
+                "lr": 0.01,
+                "eps": 1e-3,
+                "clip_norm": 0.5,
+                "weight_decay": 0.01,
+                "zero": zero,
+            },
             "run": {"steps": 3, "timeout": 30, "master_port": 0, "in_order": True},
         }
     ).with_overrides(**overrides)
@@ -50,8 +57,12 @@ def test_zero1_equals_the_unsharded_run_and_the_reference_with_a_fraction_of_the
         torch.testing.assert_close(torch.tensor(zero.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
         for key, value in zero.parameters.items():
             torch.testing.assert_close(value, plain.parameters[key], rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(value, reference.parameters[key.split(".", 1)[1] if key.startswith("p1.") else key],
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                value,
+                reference.parameters[key.split(".", 1)[1] if key.startswith("p1.") else key],
+                rtol=1e-5,
+                atol=1e-6,
+            )
         # same ring volume: reduces to owners + broadcasts from them = one all-reduce
         assert [r["grad_comm_bytes"] for r in zero_records] == [r["grad_comm_bytes"] for r in plain_records]
     replicas = 2 if schedule == "1f1b" else 4  # Chimera's two pipes hold every stage twice per pipeline
@@ -89,14 +100,19 @@ def test_zero1_under_a_curvature_method_equals_the_reference(method):
     only the parameters a rank owns, after it; Muon shares a replicated stage's work among its
     replicas itself and SOAP folds the reduced gradient on every replica: both refuse ZeRO-1 in
     one line (None)."""
-    sections = {"kfac": {"refresh_steps": 2, "factor_decay": 0.5, "damping": 0.01},
-                "shampoo": {"refresh_steps": 2, "block_size": 12, "epsilon": 1e-4}, "muon": None, "soap": None}
+    sections = {
+        "kfac": {"refresh_steps": 2, "factor_decay": 0.5, "damping": 0.01},
+        "shampoo": {"refresh_steps": 2, "block_size": 12, "epsilon": 1e-4},
+        "muon": None,
+        "soap": None,
+    }
     if sections[method] is None:
         with pytest.raises(ConfigError, match=rf"^optimizer.zero: {method} "):
             zero_config("chimera", 1, method)
         return
-    config = zero_config("chimera", 1, method).with_overrides(optimizer={"lr": 0.05 if method == "kfac" else 0.01},
-                                                              run={"steps": 4}, **{method: sections[method]})
+    config = zero_config("chimera", 1, method).with_overrides(
+        optimizer={"lr": 0.05 if method == "kfac" else 0.01}, run={"steps": 4}, **{method: sections[method]}
+    )
     assert_equal_to_reference(config, 2e-4)
 
 
@@ -123,7 +139,9 @@ def test_a_sharded_buffer_cuts_buckets_at_owners_and_holds_the_parameters():
     assert buffer.bucket_owners == [0, 2], "one bucket per owner when buckets are large"
     assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
     buffer.parameter_flat.add_(1.0)
-    assert all(torch.equal(p, b + 1) for p, b in zip(module.parameters(), before)), "parameters are views of the flat buffer"
+    assert all(torch.equal(p, b + 1) for p, b in zip(module.parameters(), before)), (
+        "parameters are views of the flat buffer"
+    )
     small = GradientBuffer(TinyRegression(config.model).build_stage(0, 2, seed=0), bucket_bytes=1024, owners=owners)
     assert len(small.buckets) > 2 and sorted(set(small.bucket_owners)) == [0, 2]
     assert ownership.counts(next(module.parameters())) and ownership.updates(next(module.parameters()))
@@ -131,8 +149,14 @@ def test_a_sharded_buffer_cuts_buckets_at_owners_and_holds_the_parameters():
 
 
 def test_bad_zero_settings_are_one_line_errors():
-    with pytest.raises(ConfigError, match=r"optimizer.zero: 2 must be in \[0, 1\] \(0 = off, 1 = the optimizer state sharded"):
+    with pytest.raises(
+        ConfigError, match=r"optimizer.zero: 2 must be in \[0, 1\] \(0 = off, 1 = the optimizer state sharded"
+    ):
         zero_config("1f1b", 2)
-    result = subprocess.run(["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--zero", "3"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--zero", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "--zero" in result.stderr

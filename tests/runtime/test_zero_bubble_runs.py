@@ -25,16 +25,27 @@ def zb_config(schedule, ranks, optimizer="sgd", layers=4, data_parallel=1, **sec
     """`ranks` pipeline ranks (V-shaped schedules cut the model into 2 × ranks stages), 4
     micro-batches of 2 per rank, in-order mode."""
     settings = {"refresh_steps": 2, "placement": "packed"}
-    method = {optimizer: {**settings, **({"factor_decay": 0.5, "damping": 0.01} if optimizer == "kfac" else {})}} if optimizer in ("kfac", "shampoo") else {}
-    return config_from_dict({
-        "model": tiny_model(layers=layers),
-        "data": {"micro_batch_size": 2},
-        "pipeline": {"stages": ranks, "micro_batches": 4 * ranks, "schedule": schedule, "data_parallel": data_parallel},
-        "optimizer": {"name": optimizer, "lr": 0.05, **({"momentum": 0.9} if optimizer != "sgd" else {})},
-        **method,
-        "run": {"steps": 4, "timeout": 30, "master_port": 0, "in_order": True},
-        **sections,
-    })
+    method = (
+        {optimizer: {**settings, **({"factor_decay": 0.5, "damping": 0.01} if optimizer == "kfac" else {})}}
+        if optimizer in ("kfac", "shampoo")
+        else {}
+    )
+    return config_from_dict(
+        {
+            "model": tiny_model(layers=layers),
+            "data": {"micro_batch_size": 2},
+            "pipeline": {
+                "stages": ranks,
+                "micro_batches": 4 * ranks,
+                "schedule": schedule,
+                "data_parallel": data_parallel,
+            },
+            "optimizer": {"name": optimizer, "lr": 0.05, **({"momentum": 0.9} if optimizer != "sgd" else {})},
+            **method,
+            "run": {"steps": 4, "timeout": 30, "master_port": 0, "in_order": True},
+            **sections,
+        }
+    )
 
 
 def stages_of(schedule, ranks):
@@ -43,7 +54,9 @@ def stages_of(schedule, ranks):
 
 #: every registered schedule that splits the backward, on 1 and 2 ranks where that cuts the
 #: 4-block model into 2 or 4 stages (ZB-H1 on 2 ranks; ZB-V and DualPipeV on 1 and 2)
-ZERO_BUBBLE_RUNS = [(name, ranks) for name in SCHEDULES if splits_backward(name) for ranks in (1, 2) if stages_of(name, ranks) in (2, 4)]
+ZERO_BUBBLE_RUNS = [
+    (name, ranks) for name in SCHEDULES if splits_backward(name) for ranks in (1, 2) if stages_of(name, ranks) in (2, 4)
+]
 
 
 @pytest.mark.parametrize("schedule,ranks", ZERO_BUBBLE_RUNS)
@@ -76,15 +89,23 @@ def test_the_profiler_measures_the_weight_gradient_apart(tmp_path):
     whole backward at B."""
     run_file, profile_path = tmp_path / "zb.yaml", tmp_path / "zb-profile.yaml"
     config = zb_config("zb-h1", 2)
-    run_file.write_text(yaml.safe_dump({
-        "model": tiny_model(),
-        "data": {"micro_batch_size": 2},
-        "pipeline": {"stages": 2, "micro_batches": config.pipeline.micro_batches, "schedule": "zb-h1"},
-        "optimizer": {"name": "sgd", "lr": 0.05},
-        "run": {"steps": 1, "timeout": 30, "master_port": 0},
-    }))
-    result = subprocess.run(["pipefisher", "profile", str(run_file), "-o", str(profile_path), "--master-port", "0", "--repeats", "2"],
-                            capture_output=True, text=True, timeout=180)
+    run_file.write_text(
+        yaml.safe_dump(
+            {
+                "model": tiny_model(),
+                "data": {"micro_batch_size": 2},
+                "pipeline": {"stages": 2, "micro_batches": config.pipeline.micro_batches, "schedule": "zb-h1"},
+                "optimizer": {"name": "sgd", "lr": 0.05},
+                "run": {"steps": 1, "timeout": 30, "master_port": 0},
+            }
+        )
+    )
+    result = subprocess.run(
+        ["pipefisher", "profile", str(run_file), "-o", str(profile_path), "--master-port", "0", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     first, last = load_profile(profile_path).stages
     assert 0 < last.weight < last.backward, "the last stage's W is part of its backward"

@@ -50,7 +50,7 @@ def blocks(m: np.ndarray, rows: tuple[int, ...], cols: tuple[int, ...]) -> list[
     for r in rows:
         c0 = 0
         for c in cols:
-            out.append(m[r0:r0 + r, c0:c0 + c])
+            out.append(m[r0 : r0 + r, c0 : c0 + c])
             c0 += c
         r0 += r
     return out

@@ -93,6 +93,7 @@ def test_state_dict_round_trip_mid_refresh_resumes_bit_identically():
     assert all(torch.equal(a, b) for a, b in zip(outputs[0], resumed))
     assert not any(torch.allclose(a, b) for a, b in zip(outputs[0], blank_out))
 
+
 def test_load_state_dict_refuses_other_matrices():
     state = ShampooEngine(tiny_model(), SETTINGS, **GRAFT).state_dict()
     other = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4))
@@ -145,8 +146,11 @@ def test_failed_root_keeps_the_previous_one_and_without_one_the_block_takes_the_
     engine = ShampooEngine(model, settings)
     set_gradients(model, 0)
     model[2].weight.grad.mul_(1e30)
-    with pytest.warns(ShampooNumericsWarning, match=r"'2\.weight', factor [AB]: 0 statistics update\(s\) skipped for a "
-                                                    r"non-finite gradient, 2 block root\(s\) failed"):
+    with pytest.warns(
+        ShampooNumericsWarning,
+        match=r"'2\.weight', factor [AB]: 0 statistics update\(s\) skipped for a "
+        r"non-finite gradient, 2 block root\(s\) failed",
+    ):
         refresh(engine)
     assert engine.health()["2.weight"].skipped_roots == 4
     assert all(r.isnan().all() for r in engine.roots("2.weight", "A"))
@@ -247,11 +251,24 @@ def test_tasks_read_nothing_on_the_host_and_the_health_check_reads_once():
     assert sum(reads.values()) == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("beta2", 0.0), ("beta2", 1.5), ("epsilon", 0.0), ("epsilon", float("inf")), ("block_size", 0),
-    ("block_size", 2.5), ("root", "cholesky"), ("grafting", "adagrad"), ("graft_beta2", 1.0),
-    ("graft_epsilon", -1.0), ("start_step", -1), ("dtype", torch.bfloat16), ("statistics_dtype", "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("beta2", 0.0),
+        ("beta2", 1.5),
+        ("epsilon", 0.0),
+        ("epsilon", float("inf")),
+        ("block_size", 0),
+        ("block_size", 2.5),
+        ("root", "cholesky"),
+        ("grafting", "adagrad"),
+        ("graft_beta2", 1.0),
+        ("graft_epsilon", -1.0),
+        ("start_step", -1),
+        ("dtype", torch.bfloat16),
+        ("statistics_dtype", "bfloat16"),
+    ],
+)
 def test_settings_validation_names_the_field(field, value):
     """A run-file key is named as the run file names it (shampoo.key), the engine's own values by their name."""
     own = field in ("graft_beta2", "graft_epsilon", "dtype")

@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 from rounding import sums_in_two_orders
-from _shampoo_dense import adam_direction, as_numpy, blocks, gram_inverse_root, inverse_root, one_step_direction, shampoo_direction
+from _shampoo_dense import (
+    adam_direction,
+    as_numpy,
+    blocks,
+    gram_inverse_root,
+    inverse_root,
+    one_step_direction,
+    shampoo_direction,
+)
 from pipefisher.methods.shampoo import Shampoo
 
 # Per dtype: epsilon and the tolerance of the comparison. In float32 the statistics carry rounding
@@ -110,8 +118,9 @@ def test_every_block_matches_its_own_dense_computation():
         out = as_numpy(model.get_parameter(name).grad).reshape(shape)
         for got, gb in zip(blocks(out, rows, cols), blocks(g, rows, cols)):
             np.testing.assert_allclose(got, one_step_direction(gb, epsilon), rtol=1e-8, atol=1e-10)
-    assert not np.allclose(as_numpy(model[0].weight.grad), one_step_direction(as_numpy(grads["0.weight"]), epsilon)), \
+    assert not np.allclose(as_numpy(model[0].weight.grad), one_step_direction(as_numpy(grads["0.weight"]), epsilon)), (
         "blocked and unblocked Shampoo differ"
+    )
 
 
 @pytest.mark.parametrize("beta2", [0.9, 1.0])
@@ -137,8 +146,16 @@ def grafted_run(grafting: str, steps: int, start_step: int = 0):
     """``steps`` refresh-and-precondition steps of a blocked two-layer model with graft_beta2 0.9;
     the gradients of each step and the final preconditioned gradients."""
     model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 3)).double()
-    shampoo = Shampoo(model, epsilon=1e-8, block_size=4, grafting=grafting, graft_beta2=0.9, graft_epsilon=1e-6,
-                      start_step=start_step, dtype=torch.float64)
+    shampoo = Shampoo(
+        model,
+        epsilon=1e-8,
+        block_size=4,
+        grafting=grafting,
+        graft_beta2=0.9,
+        graft_epsilon=1e-6,
+        start_step=start_step,
+        dtype=torch.float64,
+    )
     history = []
     for step in range(steps):
         history.append({k: as_numpy(g) for k, g in set_gradients(model, seed=20 + step).items()})
@@ -169,8 +186,9 @@ def test_grafting_gives_each_block_the_graft_norm_along_the_shampoo_direction(gr
         else:
             graft = history[-1][name]
         rows, cols = info.row_blocks, info.col_blocks
-        for got, g_block, s_block in zip(blocks(out[name], rows, cols), blocks(graft, rows, cols),
-                                         shampoo_reference(history, name, rows, cols)):
+        for got, g_block, s_block in zip(
+            blocks(out[name], rows, cols), blocks(graft, rows, cols), shampoo_reference(history, name, rows, cols)
+        ):
             assert np.linalg.norm(got) == pytest.approx(np.linalg.norm(g_block), rel=1e-10)
             np.testing.assert_allclose(got / np.linalg.norm(got), s_block / np.linalg.norm(s_block), atol=1e-10)
             checked += 1

@@ -41,7 +41,9 @@ def test_shampoo_matches_pytorch_optimizer_over_several_steps():
     weights = [p for p in reference.parameters() if p.dim() == 2]
     biases = [p for p in reference.parameters() if p.dim() == 1]
     reference_optimizers = [
-        ReferenceShampoo(weights, lr=LR, momentum=0.0, weight_decay=0.0, preconditioning_compute_steps=1, matrix_eps=EPS),
+        ReferenceShampoo(
+            weights, lr=LR, momentum=0.0, weight_decay=0.0, preconditioning_compute_steps=1, matrix_eps=EPS
+        ),
         torch.optim.SGD(biases, lr=LR),
     ]
 

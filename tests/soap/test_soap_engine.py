@@ -51,7 +51,9 @@ def run(engine: SoapEngine, model: nn.Module, seeds: range) -> None:
 
 def test_matrices_are_the_2d_weights_but_embedding_tables_and_skipped_names():
     engine = SoapEngine(tiny_model(), SETTINGS, skip=("2.*",))
-    assert [(info.name, info.row_blocks, info.col_blocks) for info in engine.matrices()] == [("0.weight", (4, 3), (4, 1))]
+    assert [(info.name, info.row_blocks, info.col_blocks) for info in engine.matrices()] == [
+        ("0.weight", (4, 3), (4, 1))
+    ]
 
 
 @pytest.mark.parametrize("tie_break, same", [(soap_basis.TIE_BREAK, True), (0.0, False)])
@@ -89,7 +91,12 @@ def test_received_bases_step_exactly_like_the_computed_ones_and_the_first_cycle_
                 receiving.receive_basis(info.name, factor, computing.shared_basis(info.name, factor).clone())
         if seed == 0:
             assert computing.basis("0.weight", "A") is not None and computing.statistics("0.weight", "A")
-            assert all(fs.pending is None for e in (computing, receiving) for st in e._matrices.values() for fs in st.factors.values())
+            assert all(
+                fs.pending is None
+                for e in (computing, receiving)
+                for st in e._matrices.values()
+                for fs in st.factors.values()
+            )
         for engine in (computing, receiving):
             engine.commit()
             engine.snapshot()
@@ -165,13 +172,27 @@ def test_the_memory_model_counts_what_the_engine_holds_after_a_commit():
     assert tensor_bytes(engine.state_dict()) == sum(layer.state_bytes() for layer in layers)
 
 
-@pytest.mark.parametrize("field, value", [("beta1", 1.0), ("beta2", -0.1), ("statistics_beta", 1.0), ("epsilon", 0.0),
-                                          ("block_size", 0), ("dtype", torch.float16), ("statistics_dtype", "float16")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("beta1", 1.0),
+        ("beta2", -0.1),
+        ("statistics_beta", 1.0),
+        ("epsilon", 0.0),
+        ("block_size", 0),
+        ("dtype", torch.float16),
+        ("statistics_dtype", "float16"),
+    ],
+)
 def test_settings_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        SoapEngine(tiny_model(), **({"dtype": value} if field == "dtype" else {"settings": SoapConfig(**{field: value})}))
+        SoapEngine(
+            tiny_model(), **({"dtype": value} if field == "dtype" else {"settings": SoapConfig(**{field: value})})
+        )
 
 
 def test_zero1_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="^optimizer.zero: soap keeps every replica's statistics .* use optimizer.zero 0$"):
+    with pytest.raises(
+        ConfigError, match="^optimizer.zero: soap keeps every replica's statistics .* use optimizer.zero 0$"
+    ):
         config_from_dict({"optimizer": {"name": "soap", "zero": 1}, "pipeline": {"data_parallel": 2}})

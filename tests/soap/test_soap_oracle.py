@@ -25,7 +25,10 @@ STEPS, FREQUENCY, LR, WEIGHT_DECAY = 25, 5, 1e-2, 0.01
 
 def batches(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(64, 8, generator=gen, dtype=dtype), torch.randn(64, 16, generator=gen, dtype=dtype)) for _ in range(STEPS)]
+    return [
+        (torch.randn(64, 8, generator=gen, dtype=dtype), torch.randn(64, 16, generator=gen, dtype=dtype))
+        for _ in range(STEPS)
+    ]
 
 
 def loss(w1: torch.Tensor, w2: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -40,7 +43,9 @@ def train(dtype: torch.dtype, **changes) -> tuple[list[torch.Tensor], list[torch
     w1, w2 = (torch.randn(shape, generator=gen, dtype=dtype) / 3 for shape in ((8, 8), (16, 8)))
     ours = nn.ParameterDict({"w1": nn.Parameter(w1.clone()), "w2": nn.Parameter(w2.clone())})
     theirs = [nn.Parameter(w1.clone()), nn.Parameter(w2[:8].clone()), nn.Parameter(w2[8:].clone())]
-    soap = SOAP(ours, lr=LR, weight_decay=WEIGHT_DECAY, precondition_frequency=FREQUENCY, block_size=8, dtype=dtype, **changes)
+    soap = SOAP(
+        ours, lr=LR, weight_decay=WEIGHT_DECAY, precondition_frequency=FREQUENCY, block_size=8, dtype=dtype, **changes
+    )
     oracle = OracleSOAP(theirs, lr=LR, weight_decay=WEIGHT_DECAY, precondition_frequency=FREQUENCY)
     history: tuple[list, list] = ([], [])
     for batch in batches(dtype):

@@ -85,7 +85,9 @@ def test_interleaved_and_v_shape_entries_use_one_d_stage_profile(bert_profile):
     rows = compare([Entry(name) for name in schedules], 4, 8, bert_profile)
     for name, row in zip(schedules, rows):
         schedule = get_schedule(name, 4, 8)
-        assert row.step_time == pytest.approx(simulate(schedule, fit_stages(bert_profile, schedule.num_stages)).step_time)
+        assert row.step_time == pytest.approx(
+            simulate(schedule, fit_stages(bert_profile, schedule.num_stages)).step_time
+        )
 
 
 def test_weight_gradients_are_drawn_in_the_figure_text_and_trace(tmp_path, bert_profile):
@@ -122,16 +124,32 @@ def test_v_shape_draws_both_chunks_on_their_ranks(bert_profile):
     assert {b.category for b in panel.boxes if b.variant == 1} == {"forward", "backward", "weight"}
 
 
-def test_max_steps_draws_the_first_steps_of_a_cycle_and_keeps_its_numbers(tmp_path, capsys, bert_profile, bert_profile_path):
-    row, = compare([Entry("1f1b", "kfac")], 4, 8, bert_profile)
+def test_max_steps_draws_the_first_steps_of_a_cycle_and_keeps_its_numbers(
+    tmp_path, capsys, bert_profile, bert_profile_path
+):
+    (row,) = compare([Entry("1f1b", "kfac")], 4, 8, bert_profile)
     assert len(row.panel.step_ids) == row.refresh_steps > 2
     cut = first_steps(row.panel, 2)
     assert cut.step_ids == (0, 1) and {b.step for b in cut.boxes} == {0, 1} and cut.end == row.panel.step_starts[2]
     assert cut.title == row.panel.title + "; first 2 steps drawn" and first_steps(cut, 2) is cut
-    args = ["viz", "--compare", "1f1b+kfac", "-D", "4", "-N", "8", "--profile", str(bert_profile_path), "--width", "100"]
+    args = [
+        "viz",
+        "--compare",
+        "1f1b+kfac",
+        "-D",
+        "4",
+        "-N",
+        "8",
+        "--profile",
+        str(bert_profile_path),
+        "--width",
+        "100",
+    ]
     assert main([*args, "--max-steps", "2", "-o", "-"]) == 0
     out = capsys.readouterr().out
-    assert "first 2 steps drawn" in out and "|2" not in next(line for line in out.splitlines() if line.startswith("step "))
+    assert "first 2 steps drawn" in out and "|2" not in next(
+        line for line in out.splitlines() if line.startswith("step ")
+    )
     assert out.splitlines()[-1].split()[:3] == ["1f1b+kfac", f"{100 * row.bubble_fraction:.1f}", str(row.refresh_steps)]
 
 
@@ -149,8 +167,13 @@ def test_without_a_profile_first_order_entries_run_on_simulates_unit_times(tmp_p
 
 
 def test_without_a_profile_compare_runs_in_a_fresh_process_anywhere(tmp_path):
-    result = subprocess.run(["pipefisher", "viz", "--compare", "1f1b,zb-h1", "-D", "4", "-N", "8", "-o", "c.txt"],
-                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    result = subprocess.run(
+        ["pipefisher", "viz", "--compare", "1f1b,zb-h1", "-D", "4", "-N", "8", "-o", "c.txt"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1] == "profile unit times (forward 1, backward 2 per stage); D=4, N=8"
@@ -158,8 +181,12 @@ def test_without_a_profile_compare_runs_in_a_fresh_process_anywhere(tmp_path):
 
 
 def test_kfac_entry_without_a_profile_exits_2_with_one_line(tmp_path):
-    result = subprocess.run(["pipefisher", "viz", "--compare", "1f1b,zb-h1+kfac", "-o", str(tmp_path / "x.svg")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "viz", "--compare", "1f1b,zb-h1+kfac", "-o", str(tmp_path / "x.svg")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
     assert result.stderr.startswith("pipefisher: error: zb-h1+kfac: needs --profile FILE")
     assert "python -m pipefisher.viz.bert_profile " in result.stderr and not (tmp_path / "x.svg").exists()
@@ -167,7 +194,9 @@ def test_kfac_entry_without_a_profile_exits_2_with_one_line(tmp_path):
 
 def test_parse_entries_takes_every_registered_schedule():
     names = sorted(SCHEDULES)
-    assert parse_entries(",".join(f"{n},{n}+kfac" for n in names)) == [Entry(n, m) for n in names for m in (None, "kfac")]
+    assert parse_entries(",".join(f"{n},{n}+kfac" for n in names)) == [
+        Entry(n, m) for n in names for m in (None, "kfac")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -176,8 +205,14 @@ def test_parse_entries_takes_every_registered_schedule():
         (["--compare", "1f1b,zigzag"], "--compare: 'zigzag' is not a schedule S or S+M; schedules: 1f1b, "),
         (["--compare", "1f1b+foo"], "--compare: '1f1b+foo' is not a schedule S or S+M; schedules: 1f1b, "),
         (["--compare", "1f1b,,gpipe"], "--compare: '' is not a schedule"),
-        (["--compare", "1f1b", "-D", "8", "--profile", "PROFILE"], "1f1b: the profile has 4 stages; it needs 8 (one per rank)\n"),
-        (["--compare", "zbv", "-D", "3", "--profile", "PROFILE"], "zbv: the profile has 4 stages; it needs 3 (one per rank) or 6 (one per model chunk)"),
+        (
+            ["--compare", "1f1b", "-D", "8", "--profile", "PROFILE"],
+            "1f1b: the profile has 4 stages; it needs 8 (one per rank)\n",
+        ),
+        (
+            ["--compare", "zbv", "-D", "3", "--profile", "PROFILE"],
+            "zbv: the profile has 4 stages; it needs 3 (one per rank) or 6 (one per model chunk)",
+        ),
         (["--schedule", "1f1b", "-D", "4", "-N", "4", "--json"], "--json applies to --compare"),
     ],
 )
@@ -196,7 +231,11 @@ def test_json_needs_a_file_for_the_chart(capsys):
 
 
 def test_bad_entry_from_a_real_process_has_no_traceback(tmp_path):
-    result = subprocess.run(["pipefisher", "viz", "--compare", "1f1b,zb-h1+foo", "-o", str(tmp_path / "x.png")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["pipefisher", "viz", "--compare", "1f1b,zb-h1+foo", "-o", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "'zb-h1+foo'" in result.stderr and "1f1b" in result.stderr

@@ -48,7 +48,9 @@ def test_kfac_cycle_and_compare_give_one_process_per_schedule(tmp_path, bert_pro
 
 def test_step_ends_are_complete_events(tmp_path):
     profile = tmp_path / "p.yaml"
-    profile.write_text("stages: [{forward: 1, backward: 2, step_end: 0.5}, {forward: 1, backward: 2, step_end: 0.25}]\n")
+    profile.write_text(
+        "stages: [{forward: 1, backward: 2, step_end: 0.5}, {forward: 1, backward: 2, step_end: 0.25}]\n"
+    )
     trace = _trace(tmp_path, "--schedule", "1f1b", "-D", "2", "-N", "4", "--profile", str(profile))
     ends = sorted((e["tid"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e.get("cat") == "step_end")
     assert ends == [(0, 15000.0, 500.0), (1, 13000.0, 250.0)]

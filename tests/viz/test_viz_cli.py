@@ -19,7 +19,9 @@ def test_entry_point_writes_every_output_type(tmp_path):
         out = tmp_path / f"g{suffix}"
         result = subprocess.run(
             ["pipefisher", "viz", "--schedule", "gpipe", "-D", "2", "-N", "2", "-o", str(out), "--width", "40"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stderr
         assert out.stat().st_size > 0 and "gpipe (8 ops)" in result.stdout
@@ -27,7 +29,9 @@ def test_entry_point_writes_every_output_type(tmp_path):
 
 def test_run_file_gives_the_pipeline_and_flags_override_it(tmp_path, capsys):
     config = str(tmp_path / "run.yaml")
-    Path(config).write_text(yaml.safe_dump({"pipeline": {"schedule": "1f1b", "stages": 2, "micro_batches": 4, "chunks": 2}}))
+    Path(config).write_text(
+        yaml.safe_dump({"pipeline": {"schedule": "1f1b", "stages": 2, "micro_batches": 4, "chunks": 2}})
+    )
     assert main(["viz", config, "-o", "-", "--width", "60"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("1f1b: D=2, N=4;") and len(_rows(out)) == 2
@@ -47,7 +51,27 @@ def test_compare_stacks_schedules(capsys):
 
 
 def test_kfac_draws_the_refresh_cycle(bert_profile_path, capsys):
-    assert main(["viz", "--schedule", "1f1b", "-D", "4", "-N", "4", "--profile", str(bert_profile_path), "--curvature", "-o", "-", "--width", "100"]) == 0
+    assert (
+        main(
+            [
+                "viz",
+                "--schedule",
+                "1f1b",
+                "-D",
+                "4",
+                "-N",
+                "4",
+                "--profile",
+                str(bert_profile_path),
+                "--curvature",
+                "-o",
+                "-",
+                "--width",
+                "100",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("1f1b + PipeFisher: D=4, N=4;") and "K-FAC refresh every" in out
     assert len(_rows(out)) == 4 and any(line.startswith("step ") and "|2" in line for line in out.splitlines())
@@ -63,12 +87,24 @@ def unit_profile_path(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--curvature"], "needs --profile FILE with a curvature method's layers"),
+        (
+            ["--schedule", "1f1b", "-D", "4", "-N", "4", "--curvature"],
+            "needs --profile FILE with a curvature method's layers",
+        ),
         (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4"], "gpipe+kfac: needs --profile FILE"),
-        (["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4", "--profile", "UNIT"], "gpipe+kfac: packing needs a profile whose stages list"),
-        (["--schedule", "1f1b", "-D", "4", "-N", "4", "--curvature", "--profile", "UNIT"], "profile whose stages list `layers`"),
+        (
+            ["--compare", "gpipe,gpipe+kfac", "-D", "4", "-N", "4", "--profile", "UNIT"],
+            "gpipe+kfac: packing needs a profile whose stages list",
+        ),
+        (
+            ["--schedule", "1f1b", "-D", "4", "-N", "4", "--curvature", "--profile", "UNIT"],
+            "profile whose stages list `layers`",
+        ),
         (["--compare", "gpipe,zigzag", "-D", "4", "-N", "4"], "'zigzag' is not a schedule"),
-        (["--compare", "gpipe+shampoo", "-D", "4", "-N", "4", "--profile", "BERT"], "gpipe+shampoo: the profile times kfac tasks; write gpipe+kfac"),
+        (
+            ["--compare", "gpipe+shampoo", "-D", "4", "-N", "4", "--profile", "BERT"],
+            "gpipe+shampoo: the profile times kfac tasks; write gpipe+kfac",
+        ),
         (["--compare", "gpipe", "--schedule", "1f1b", "-D", "4", "-N", "4"], "not both"),
         (["--compare", "gpipe,1f1b", "--curvature", "-D", "4", "-N", "4"], "write S+M for each schedule S"),
         (["--schedule", "gpipe", "-D", "4", "-N", "4", "--chunks", "2"], "--chunks applies to the interleaved"),
@@ -90,8 +126,11 @@ def test_invalid_arguments_exit_2_with_one_line(args, message, unit_profile_path
 
 @pytest.mark.parametrize(
     "output, message",
-    [("out.pdf", "unknown output type"), ("/nonexistent/dir/out.svg", "folder '/nonexistent/dir' does not exist; create it first"),
-     ("/nonexistent/dir/out.txt", "folder '/nonexistent/dir' does not exist")],
+    [
+        ("out.pdf", "unknown output type"),
+        ("/nonexistent/dir/out.svg", "folder '/nonexistent/dir' does not exist; create it first"),
+        ("/nonexistent/dir/out.txt", "folder '/nonexistent/dir' does not exist"),
+    ],
 )
 def test_bad_outputs_exit_2(output, message, capsys):
     assert main(["viz", "--schedule", "gpipe", "-D", "2", "-N", "2", "-o", output]) == 2

@@ -29,7 +29,12 @@ def _texts(path):
 def _labels(path, panel):
     """Texts of the box labels of `panel`."""
     root = ET.parse(path).getroot()
-    return [t.text for g in root.iter(f"{SVG}g") if (g.get("id") or "").startswith(f"label{panel}-") for t in g.iter(f"{SVG}text")]
+    return [
+        t.text
+        for g in root.iter(f"{SVG}g")
+        if (g.get("id") or "").startswith(f"label{panel}-")
+        for t in g.iter(f"{SVG}text")
+    ]
 
 
 def test_svg_has_one_shape_per_op_and_per_bubble(tmp_path):
@@ -84,9 +89,16 @@ def test_step_ends_are_drawn_after_each_ranks_last_op(tmp_path):
     base = uniform_profile(4)
     profile = replace(base, stages=tuple(replace(s, step_end=1.5) for s in base.stages))
     panel = schedule_panel(get_schedule("gpipe", 4, 4), profile)
-    assert [(e.rank, e.start, e.end) for e in panel.step_ends] == [(0, 21.0, 22.5), (1, 19.0, 20.5), (2, 17.0, 18.5), (3, 15.0, 16.5)]
+    assert [(e.rank, e.start, e.end) for e in panel.step_ends] == [
+        (0, 21.0, 22.5),
+        (1, 19.0, 20.5),
+        (2, 17.0, 18.5),
+        (3, 15.0, 16.5),
+    ]
     for rank in range(4):  # boxes, bubbles and step ends tile the rank's row without overlap
-        pieces = sorted((s.start, s.end) for kind in (panel.boxes, panel.bubbles, panel.step_ends) for s in kind if s.rank == rank)
+        pieces = sorted(
+            (s.start, s.end) for kind in (panel.boxes, panel.bubbles, panel.step_ends) for s in kind if s.rank == rank
+        )
         assert pieces[0][0] == 0 and pieces[-1][1] == panel.end == 22.5
         assert all(a[1] == pytest.approx(b[0]) for a, b in zip(pieces, pieces[1:]))
     path = tmp_path / "f.svg"

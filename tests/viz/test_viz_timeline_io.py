@@ -8,7 +8,15 @@ from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import recorded_panel
-from pipefisher.viz.timeline_io import MAX_LISTED, OP_SPAN, SCHEMA, StepTimes, TimelineError, load_timeline, save_timeline
+from pipefisher.viz.timeline_io import (
+    MAX_LISTED,
+    OP_SPAN,
+    SCHEMA,
+    StepTimes,
+    TimelineError,
+    load_timeline,
+    save_timeline,
+)
 
 
 def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
@@ -29,7 +37,10 @@ def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
 
 def test_without_steps_and_starts_a_recording_is_one_step_from_its_first_op(tmp_path):
     path = tmp_path / "t.json"
-    ranks = [[{"op": "0F0", "start": 100.0, "end": 101.0}, {"op": "0B0", "start": 102.5, "end": 104.0}], [{"op": "1F0", "start": 101.0, "end": 102.0}, {"op": "1B0", "start": 102.0, "end": 102.5}]]
+    ranks = [
+        [{"op": "0F0", "start": 100.0, "end": 101.0}, {"op": "0B0", "start": 102.5, "end": 104.0}],
+        [{"op": "1F0", "start": 101.0, "end": 102.0}, {"op": "1B0", "start": 102.0, "end": 102.5}],
+    ]
     path.write_text(json.dumps({"schema": SCHEMA, "time_unit": "us", "ranks": ranks}))
     record = load_timeline(path)
     assert record.starts == (100.0,) and record.step_ids == (0,)
@@ -82,7 +93,11 @@ def test_a_recording_with_step_times_is_titled_with_them(tmp_path):
     """`step_times` (the run's own step times) replace the ops' span, which leaves out the end of step."""
     path = tmp_path / "t.json"
     ranks = [[{"op": "0F0", "start": 0.0, "end": 1.0, "step": 3}, {"op": "0F0", "start": 10.0, "end": 11.0, "step": 4}]]
-    path.write_text(json.dumps({"schema": SCHEMA, "time_unit": "ms", "step_starts": [0.0, 10.0], "step_times": [9.96, 8.0], "ranks": ranks}))
+    path.write_text(
+        json.dumps(
+            {"schema": SCHEMA, "time_unit": "ms", "step_starts": [0.0, 10.0], "step_times": [9.96, 8.0], "ranks": ranks}
+        )
+    )
     record = load_timeline(path)
     assert record.measured == StepTimes((3, 4), (9.96, 8.0), "ms")
     panel = recorded_panel(record, "r")

@@ -8,8 +8,16 @@ operations one call at a time for the pipeline executor. The method's declaratio
 from importlib import import_module
 
 _EXPORTS = {
-    "KfacConfig": "method", "KFACEngine": "engine", "KFACNumericsWarning": "settings", "PreconditionReport": "settings",
-    "InverseMethod": "method", "KFAC": "front", "FACTORS": "layer", "Factor": "layer", "Health": "layer", "LayerInfo": "layer",
+    "KfacConfig": "method",
+    "KFACEngine": "engine",
+    "KFACNumericsWarning": "settings",
+    "PreconditionReport": "settings",
+    "InverseMethod": "method",
+    "KFAC": "front",
+    "FACTORS": "layer",
+    "Factor": "layer",
+    "Health": "layer",
+    "LayerInfo": "layer",
 }
 __all__ = sorted(_EXPORTS)
 

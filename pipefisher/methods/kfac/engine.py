@@ -42,7 +42,13 @@ from pipefisher.methods.counters import read_counters
 from pipefisher.methods import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
-from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, damping_too_small, fold_ema, kl_clip_scale
+from pipefisher.methods.kfac.factors import (
+    accumulate_covariance,
+    damped_inverse,
+    damping_too_small,
+    fold_ema,
+    kl_clip_scale,
+)
 from pipefisher.methods.kfac.method import KfacConfig
 from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionReport, check_engine_settings
 from pipefisher.methods.kfac.layer import (
@@ -66,8 +72,16 @@ class KFACEngine:
     the run-file section ``config`` with ``grad_scale``, ``kl_clip`` (`check_engine_settings`) and
     ``max_factor_dim`` (larger layers stay first-order)."""
 
-    def __init__(self, model: nn.Module, config: KfacConfig | None = None, skip: Iterable[str] = (), *,
-                 grad_scale: float | None = None, kl_clip: float | None = None, max_factor_dim: int = 8192) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: KfacConfig | None = None,
+        skip: Iterable[str] = (),
+        *,
+        grad_scale: float | None = None,
+        kl_clip: float | None = None,
+        max_factor_dim: int = 8192,
+    ) -> None:
         self.config = check_engine_settings(config or KfacConfig(), grad_scale, kl_clip)
         self.grad_scale, self.kl_clip = grad_scale, kl_clip
         self._layers = select_layers(model, skip, max_factor_dim)
@@ -82,10 +96,7 @@ class KFACEngine:
     def health(self) -> dict[str, Health]:
         """Per-layer numerics counters as host values (one host read for all layers)."""
         values = self._read_counters()
-        return {
-            name: _health.total(values[name, f] for f in FACTORS if (name, f) in values)
-            for name in self._layers
-        }
+        return {name: _health.total(values[name, f] for f in FACTORS if (name, f) in values) for name in self._layers}
 
     def check_health(self) -> None:
         """Warn once per layer, factor and counter that rose since the previous check (one host
@@ -129,9 +140,7 @@ class KFACEngine:
 
     # ----------------------------------------------------------------- operations (no host reads)
     @contextmanager
-    def capture(
-        self, micro_batch: Hashable = 0, loss_scale: Tensor | float | None = None
-    ) -> Iterator[None]:
+    def capture(self, micro_batch: Hashable = 0, loss_scale: Tensor | float | None = None) -> Iterator[None]:
         """Record ``a`` and ``e`` of every K-FAC layer for forwards run inside the block.
 
         ``loss_scale``: the backward is of the loss times it (fp16 loss scaling); a number or a
@@ -226,8 +235,9 @@ class KFACEngine:
         cfg = self.config
         inverse, ok = damped_inverse(ema, cfg.damping, cfg.inverse)
         too_small = damping_too_small(ema, cfg.damping)
-        _health.count(counters, nonfinite_factor=~finite, failed_inverse=finite & ~ok,
-                      damping_too_small=finite & too_small)
+        _health.count(
+            counters, nonfinite_factor=~finite, failed_inverse=finite & ~ok, damping_too_small=finite & too_small
+        )
         st.pending[factor] = prefer_ok(Flagged(inverse, finite & ok), st.pending.get(factor))
 
     def shared_inverse(self, layer: str, factor: Factor) -> Tensor:
@@ -341,9 +351,7 @@ class KFACEngine:
         """Restore :meth:`state_dict` output; layer names and factor sizes must match. Counts
         restored are not warned about again by :meth:`check_health`."""
         if set(state) != set(self._layers):
-            raise ValueError(
-                f"K-FAC layers differ: checkpoint {sorted(state)} vs model {sorted(self._layers)}"
-            )
+            raise ValueError(f"K-FAC layers differ: checkpoint {sorted(state)} vs model {sorted(self._layers)}")
         for name, entry in state.items():
             _checkpoint.load_layer_state(self._state(name), entry)
         self._reported = self._read_counters()

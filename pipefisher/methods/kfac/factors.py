@@ -63,9 +63,7 @@ def damping_too_small(factor: Tensor, damping: float) -> Tensor:
     return torch.finfo(factor.dtype).eps * scale > factor_damping(damping)
 
 
-def damped_inverse(
-    factor: Tensor, damping: float, method: InverseMethod = "eigen"
-) -> tuple[Tensor, Tensor]:
+def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "eigen") -> tuple[Tensor, Tensor]:
     """``(F + sqrt(damping) I)⁻¹`` of a symmetric (n, n) factor, in ``factor.dtype``, and ``ok``.
 
     ``ok`` (0-dim device bool) is False when the decomposition failed or the result is not

@@ -46,7 +46,9 @@ class KFAC:
         process_group: Any = None,
     ) -> None:
         config = KfacConfig(damping=damping, factor_decay=factor_decay, inverse=inverse)
-        self.engine = KFACEngine(model, config, skip, grad_scale=grad_scale, kl_clip=kl_clip, max_factor_dim=max_factor_dim)
+        self.engine = KFACEngine(
+            model, config, skip, grad_scale=grad_scale, kl_clip=kl_clip, max_factor_dim=max_factor_dim
+        )
         self.process_group = process_group
         self._next_micro_batch = 0
 

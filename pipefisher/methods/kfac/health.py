@@ -40,6 +40,8 @@ def message(counter: str, factor: Factor, method: str, damping: float, dtype: to
     if counter == "nonfinite_factor":
         return f"non-finite {factor} factor; keeping the previous inverse"
     if counter == "failed_inverse":
-        return (f"{method} inverse of {factor} failed (decomposition failed or non-finite result); "
-                "keeping the previous inverse")
+        return (
+            f"{method} inverse of {factor} failed (decomposition failed or non-finite result); "
+            "keeping the previous inverse"
+        )
     return f"damping {damping:g} is below {dtype} resolution for factor {factor}"

@@ -13,8 +13,22 @@ from torch import Tensor, nn
 from pipefisher.methods.kfac.factors import factor_dtype, precondition_matrix
 from pipefisher.methods.layers import LayerInfo, linear_info, linear_parameters, select_linears
 
-__all__ = ["FACTORS", "BuiltFactor", "Factor", "Flagged", "Health", "LayerInfo", "LayerState", "apply_inverses", "known_factor",
-           "linear_info", "preconditioned_parameters", "prefer_ok", "select_layers", "valid"]
+__all__ = [
+    "FACTORS",
+    "BuiltFactor",
+    "Factor",
+    "Flagged",
+    "Health",
+    "LayerInfo",
+    "LayerState",
+    "apply_inverses",
+    "known_factor",
+    "linear_info",
+    "preconditioned_parameters",
+    "prefer_ok",
+    "select_layers",
+    "valid",
+]
 
 Factor = Literal["A", "B"]
 FACTORS: tuple[Factor, Factor] = ("A", "B")
@@ -93,9 +107,7 @@ class LayerState:
     info: LayerInfo
     module: nn.Module
     dtype: torch.dtype
-    captures: dict[Factor, dict[Hashable, list[Tensor]]] = field(
-        default_factory=lambda: {"A": {}, "B": {}}
-    )
+    captures: dict[Factor, dict[Hashable, list[Tensor]]] = field(default_factory=lambda: {"A": {}, "B": {}})
     loss_scales: dict[Hashable, Tensor | float] = field(default_factory=dict)
     built: dict[Factor, BuiltFactor] = field(default_factory=dict)
     ema: dict[Factor, Flagged] = field(default_factory=dict)
@@ -107,15 +119,15 @@ class LayerState:
     row_shares: dict[Factor, tuple[int, int]] = field(default_factory=dict)
 
 
-def select_layers(
-    model: nn.Module, skip: Iterable[str] = (), max_factor_dim: int = 8192
-) -> dict[str, LayerState]:
+def select_layers(model: nn.Module, skip: Iterable[str] = (), max_factor_dim: int = 8192) -> dict[str, LayerState]:
     """K-FAC state for every linear layer of ``model`` (`pipefisher.methods.layers.select_linears`)
     in module order, except those whose name matches a glob in ``skip`` and those with a factor
     larger than ``max_factor_dim`` (e.g. a vocabulary projection). Other modules (embeddings,
     LayerNorm, ...) are left first-order."""
-    return {name: LayerState(layer.info, layer.module, factor_dtype(layer.module.weight.dtype))
-            for name, layer in select_linears(model, skip, max_factor_dim).items()}
+    return {
+        name: LayerState(layer.info, layer.module, factor_dtype(layer.module.weight.dtype))
+        for name, layer in select_linears(model, skip, max_factor_dim).items()
+    }
 
 
 def preconditioned_parameters(model: nn.Module, skip: Iterable[str] = ()) -> list[str]:

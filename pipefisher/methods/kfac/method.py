@@ -25,17 +25,24 @@ class KfacConfig(RefreshConfig):
 
     damping: float = setting(1e-3, "added to each factor before its inverse", low=0, low_open=True)
     factor_decay: float = setting(0.95, "EMA decay of the factors", low=0, high=1, high_open=True)
-    inverse: InverseMethod = setting("cholesky", "how a damped factor is inverted: cholesky (no host sync; on rounding-indefinite factors it fails and the layer keeps its previous inverse) or eigen (clamps negative eigenvalues; syncs with the host on CUDA)")
+    inverse: InverseMethod = setting(
+        "cholesky",
+        "how a damped factor is inverted: cholesky (no host sync; on rounding-indefinite factors it fails and the layer keeps its previous inverse) or eigen (clamps negative eigenvalues; syncs with the host on CUDA)",
+    )
     grad_worker_fraction: float = setting(
-        1.0, "share of a stage's R replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
-             "(KAISA; a multiple of 1/R that divides R; 1 = every replica preconditions before the reduction)")
+        1.0,
+        "share of a stage's R replicas that keep each layer's inverses, precondition its reduced gradient and broadcast it "
+        "(KAISA; a multiple of 1/R that divides R; 1 = every replica preconditions before the reduction)",
+    )
 
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:
             return
         if config.run.compile:
-            raise ConfigError(f"run.compile: {name} captures each layer's inputs and output gradients with hooks registered per "
-                              "micro-batch, which split every compiled block and recompile it each micro-batch; set run.compile false")
+            raise ConfigError(
+                f"run.compile: {name} captures each layer's inputs and output gradients with hooks registered per "
+                "micro-batch, which split every compiled block and recompile it each micro-batch; set run.compile false"
+            )
         try:
             worker_count(config.stage_replicas, self.grad_worker_fraction)
         except ValueError as exc:
@@ -46,9 +53,17 @@ class KfacConfig(RefreshConfig):
 
 
 KFAC = CurvatureMethod(
-    name="kfac", label="K-FAC",
-    rules=TaskRules(curvature=True, syncs=("A", "B"), sync_of=(("A", "A"), ("B", "B")), precondition=True,
-                    shared_when_split=(("column", "A"), ("row", "B"))),
-    settings=KfacConfig, parts="pipefisher.methods.kfac.parts:PARTS", flags=("grad_worker_fraction",),
+    name="kfac",
+    label="K-FAC",
+    rules=TaskRules(
+        curvature=True,
+        syncs=("A", "B"),
+        sync_of=(("A", "A"), ("B", "B")),
+        precondition=True,
+        shared_when_split=(("column", "A"), ("row", "B")),
+    ),
+    settings=KfacConfig,
+    parts="pipefisher.methods.kfac.parts:PARTS",
+    flags=("grad_worker_fraction",),
     memory="pipefisher.methods.kfac.memory:KfacLayer",
 )

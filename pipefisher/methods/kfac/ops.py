@@ -52,7 +52,12 @@ def kfac_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> KF
 
 
 def rows_per_step(config: RunConfig) -> int:
-    return config.pipeline.micro_batches * config.pipeline.data_parallel * config.data.micro_batch_size * config.model.seq_len
+    return (
+        config.pipeline.micro_batches
+        * config.pipeline.data_parallel
+        * config.data.micro_batch_size
+        * config.model.seq_len
+    )
 
 
 class KfacRuntime(CurvatureRuntime):
@@ -63,8 +68,17 @@ class KfacRuntime(CurvatureRuntime):
     cycle_slots = ("built", "captures", "loss_scales", "pending")
     result_slots = ("active",)
 
-    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
-                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+    def __init__(
+        self,
+        config: RunConfig,
+        topology: Topology,
+        rank: int,
+        modules: dict[tuple[int, int], nn.Module],
+        comm: Comm,
+        plan: Plan,
+        skip: tuple[str, ...] = (),
+        loss_scale: Callable[[], Tensor | None] = lambda: None,
+    ):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
         self.engines = {key: kfac_engine(config, module, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
@@ -73,11 +87,16 @@ class KfacRuntime(CurvatureRuntime):
         self.lr = config.optimizer_settings.lr
         workers = config.workers_per_layer
         #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
-        self.grids = {stage: GradWorkers(topology.replica_ranks(stage), workers) for stage in self._engine_of_stage
-                      if workers is not None}
+        self.grids = {
+            stage: GradWorkers(topology.replica_ranks(stage), workers)
+            for stage in self._engine_of_stage
+            if workers is not None
+        }
         #: stage -> layer name -> its number in the stage's layer order (the grid's layer numbers)
-        self._numbers = {stage: {info.name: number for number, info in enumerate(engine.layers())}
-                         for stage, engine in self._engine_of_stage.items()}
+        self._numbers = {
+            stage: {info.name: number for number, info in enumerate(engine.layers())}
+            for stage, engine in self._engine_of_stage.items()
+        }
         self.set_plan(plan)
 
     def set_plan(self, plan: Plan) -> None:
@@ -95,7 +114,9 @@ class KfacRuntime(CurvatureRuntime):
         return name not in self._numbers[stage] or self.works_for(stage, name)
 
     def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
-        return (stage, layer) in self.exchanged and self.rank == self.topology.rank(0, self.owners[(stage, layer, factor)], stage)
+        return (stage, layer) in self.exchanged and self.rank == self.topology.rank(
+            0, self.owners[(stage, layer, factor)], stage
+        )
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         table: dict[OpKind, Callable[[Op], None]] = {kind: self._curvature for kind in (OpKind.CURV_A, OpKind.CURV_B)}
@@ -106,14 +127,20 @@ class KfacRuntime(CurvatureRuntime):
         return table
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
-        return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange, CollectiveKind.PGRAD: self._launch_pgrad}
+        return {
+            CollectiveKind.SYNC: self._launch_sync,
+            CollectiveKind.EXCHANGE: self._launch_exchange,
+            CollectiveKind.PGRAD: self._launch_pgrad,
+        }
 
     def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
         """Context for the forward of `op`: records a and e in the cycle's first step."""
         if cycle_step != 0:
             return nullcontext()
         scale = self.loss_scale()
-        return self.engines[(op.pipe, op.stage)].capture(op.micro_batch, loss_scale=None if scale is None else scale.clone())
+        return self.engines[(op.pipe, op.stage)].capture(
+            op.micro_batch, loss_scale=None if scale is None else scale.clone()
+        )
 
     def end_of_cycle(self) -> None:
         """Make the cycle's inverses the ones in use; report numerical trouble."""
@@ -166,11 +193,17 @@ class KfacRuntime(CurvatureRuntime):
         # With gradient workers the source may hold no inverse in use to fall back on: it sends
         # NaN for a failed inversion and the workers keep theirs
         workers = stage in self.grids
-        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
-                                    shared=lambda: (engine.fresh_inverse if workers else engine.shared_inverse)(layer, factor),
-                                    buffer=lambda: engine.inverse_buffer(layer, factor),
-                                    receive=lambda tensor: engine.receive_inverse(layer, factor, tensor, checked=workers) if keeps else None,
-                                    sent=None if keeps else lambda: engine.discard_inverse(layer, factor))
+        return broadcast_from_owner(
+            self.comm,
+            self.topology,
+            self.rank,
+            self.owners[(stage, layer, factor)],
+            collective,
+            shared=lambda: (engine.fresh_inverse if workers else engine.shared_inverse)(layer, factor),
+            buffer=lambda: engine.inverse_buffer(layer, factor),
+            receive=lambda tensor: engine.receive_inverse(layer, factor, tensor, checked=workers) if keeps else None,
+            sent=None if keeps else lambda: engine.discard_inverse(layer, factor),
+        )
 
     def _launch_pgrad(self, collective: Collective) -> Handle:
         """Gradient workers: precondition this rank's layers of the stage (reduced gradients),
@@ -180,15 +213,24 @@ class KfacRuntime(CurvatureRuntime):
         names = [info.name for info in engine.layers()]
         engine.precondition_all(self.lr, layers=[names[number] for number in grid.layers_of(self.rank, len(names))])
         block = grid.block(self.rank)
-        pairs = [(gradient, grid.worker(number, block)) for number, name in enumerate(names) for gradient in engine.gradients(name)]
+        pairs = [
+            (gradient, grid.worker(number, block))
+            for number, name in enumerate(names)
+            for gradient in engine.gradients(name)
+        ]
         return self.comm.broadcast(pairs, collective.group)
 
-def share_rows(engines: dict[int, KFACEngine], modules: dict[tuple[int, int], nn.Module], shard: int, degree: int) -> frozenset:
+
+def share_rows(
+    engines: dict[int, KFACEngine], modules: dict[tuple[int, int], nn.Module], shard: int, degree: int
+) -> frozenset:
     """Have each stage's engine build the factors its tensor-parallel shards share
     (`TaskRules.shared_statistics` of the split `parallelize` applied) from share `shard` of
     `degree` of the rows; returns them as (stage, layer, factor)."""
     applied = {name: split for (_, stage), module in modules.items() for name, split in applied_plan(module).items()}
-    shared = KFAC.rules.shared_statistics(((stage, info.name) for stage, engine in engines.items() for info in engine.layers()), applied)
+    shared = KFAC.rules.shared_statistics(
+        ((stage, info.name) for stage, engine in engines.items() for info in engine.layers()), applied
+    )
     for stage, layer, factor in shared:
         engines[stage].share_rows(layer, factor, shard, degree)
     return shared
@@ -201,7 +243,9 @@ class KfacTimer(TaskTimer):
 
     method = "kfac"
 
-    def __init__(self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), settings: KfacConfig = KfacConfig()):
+    def __init__(
+        self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), settings: KfacConfig = KfacConfig()
+    ):
         # throwaway: timing only (B's scale does not change the time)
         self.engines = {key: KFACEngine(module, settings, skip=skip, grad_scale=1.0) for key, module in modules.items()}
         self.modules, self.settings = modules, settings
@@ -212,8 +256,12 @@ class KfacTimer(TaskTimer):
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         """Times as the run's engines work: a shared factor from this shard's share of the rows."""
         device = executor.device
-        share_rows({stage: engine for (_, stage), engine in self.engines.items()}, self.modules, executor.comm.shard,
-                   executor.topology.tensor_parallel)
+        share_rows(
+            {stage: engine for (_, stage), engine in self.engines.items()},
+            self.modules,
+            executor.comm.shard,
+            executor.topology.tensor_parallel,
+        )
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
         for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
             group = executor.comm.groups.get(("curv", stage))
@@ -224,7 +272,8 @@ class KfacTimer(TaskTimer):
                     suffix = factor.lower()
                     micro_batches = engine.captured(info.name, factor)
                     sizes[f"capture_{suffix}_bytes"] = max(
-                        (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches), default=0
+                        (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches),
+                        default=0,
                     )
                     samples[f"curvature_{suffix}"] = [
                         timed_ms(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
@@ -233,7 +282,9 @@ class KfacTimer(TaskTimer):
                     n = info.size(factor)
                     matrix = torch.randn(n, n, device=device)
                     matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
-                    samples[f"inverse_{suffix}"] = timed_ms(lambda: damped_inverse(matrix, self.settings.damping, self.settings.inverse), device)
+                    samples[f"inverse_{suffix}"] = timed_ms(
+                        lambda: damped_inverse(matrix, self.settings.damping, self.settings.inverse), device
+                    )
                     if group is not None:
                         buffer = torch.zeros(n, n, device=device)
                         samples[f"sync_{suffix}"] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)

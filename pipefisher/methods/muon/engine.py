@@ -45,10 +45,18 @@ def linear_weights(module: nn.Module, skip: Iterable[str] = ()) -> dict[str, tup
     for module_name, layer in module.named_modules():
         weight = getattr(layer, "weight", None)
         transposed = type(layer).__name__ == "Conv1D"
-        if not (isinstance(layer, nn.Linear) or transposed) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+        if (
+            not (isinstance(layer, nn.Linear) or transposed)
+            or not isinstance(weight, nn.Parameter)
+            or weight.dim() != 2
+        ):
             continue
         name = f"{module_name}.weight" if module_name else "weight"
-        if not weight.requires_grad or any(fnmatch.fnmatchcase(name, p) for p in patterns) or any(weight is w for w, _, _ in found.values()):
+        if (
+            not weight.requires_grad
+            or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            or any(weight is w for w, _, _ in found.values())
+        ):
             continue
         rows, cols = weight.shape[::-1] if transposed else weight.shape
         found[name] = (weight, rows, cols)
@@ -62,7 +70,10 @@ class MuonEngine:
     def __init__(self, module: nn.Module, settings: MuonConfig, skip: Iterable[str] = ()):
         check_section(settings, MUON.name)
         self.settings = settings
-        self.matrices = {name: MuonMatrix(name, weight, rows, cols) for name, (weight, rows, cols) in linear_weights(module, skip).items()}
+        self.matrices = {
+            name: MuonMatrix(name, weight, rows, cols)
+            for name, (weight, rows, cols) in linear_weights(module, skip).items()
+        }
 
     def names(self) -> list[str]:
         return list(self.matrices)
@@ -112,5 +123,11 @@ class MuonEngine:
             matrix.pending = None
             buffer = state.get(name)
             if buffer is not None and buffer.shape != matrix.parameter.shape:
-                raise ValueError(f"Muon matrix {name!r}: momentum of shape {tuple(buffer.shape)}, want {tuple(matrix.parameter.shape)}")
-            matrix.buffer = None if buffer is None else buffer.to(device=matrix.parameter.device, dtype=matrix.parameter.dtype, copy=True)
+                raise ValueError(
+                    f"Muon matrix {name!r}: momentum of shape {tuple(buffer.shape)}, want {tuple(matrix.parameter.shape)}"
+                )
+            matrix.buffer = (
+                None
+                if buffer is None
+                else buffer.to(device=matrix.parameter.device, dtype=matrix.parameter.dtype, copy=True)
+            )

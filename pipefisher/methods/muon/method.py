@@ -37,30 +37,43 @@ class MuonConfig(RefreshConfig):
     # the one settings class of Muon: the run file's section, and what `MuonEngine` and the maths
     # of `newton_schulz` take as it is
 
-    refresh_steps: int = setting(10, "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
-                                     "compares measured and predicted time (re-profiling)", low=0, note="0 lets the packer choose: 1",
-                                 ceiling=STEP_CEILING)
+    refresh_steps: int = setting(
+        10,
+        "steps per plan cycle: Muon's work is the same every step, so this is only how often the run "
+        "compares measured and predicted time (re-profiling)",
+        low=0,
+        note="0 lets the packer choose: 1",
+        ceiling=STEP_CEILING,
+    )
     momentum: float = setting(0.95, "Muon's momentum μ: B ← μB + (1 − μ)g", low=0, high=1, high_open=True)
     nesterov: bool = setting(True, "orthogonalise g + μ(B − g) (Nesterov) instead of B")
     ns_steps: int = setting(5, "Newton–Schulz iterations", low=1, high=99)
     ns_coefficients: tuple[float, float, float] = setting(NS_COEFFICIENTS, "quintic Newton–Schulz coefficients a, b, c")
     eps: float = setting(1e-7, "floor of the Frobenius norm the momentum is divided by first", low=0, low_open=True)
     adjust_lr: AdjustLr = setting(
-        "original", "shape scale of the step of a (rows, cols) matrix: original √max(1, rows/cols); "
-                    "match_rms_adamw 0.2·√max(rows, cols)")
+        "original",
+        "shape scale of the step of a (rows, cols) matrix: original √max(1, rows/cols); "
+        "match_rms_adamw 0.2·√max(rows, cols)",
+    )
     ns_dtype: NsDtype = setting(
-        "float32", "dtype of the Newton–Schulz iteration (bfloat16 as torch.optim.Muon, fast on GPUs, but its rounding "
-        "can turn a gradient summed in another order, over replicas, into an update 2 % apart)")
+        "float32",
+        "dtype of the Newton–Schulz iteration (bfloat16 as torch.optim.Muon, fast on GPUs, but its rounding "
+        "can turn a gradient summed in another order, over replicas, into an update 2 % apart)",
+    )
 
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:
             return
         if not self.split:
-            raise ConfigError(f"{name}.split: false is not possible: a replicated stage always orthogonalises a share "
-                              "per replica after the gradient reduction; remove the key")
+            raise ConfigError(
+                f"{name}.split: false is not possible: a replicated stage always orthogonalises a share "
+                "per replica after the gradient reduction; remove the key"
+            )
         if config.optimizer.zero and config.stage_replicas > 1:
-            raise ConfigError(f"optimizer.zero: {name} shares each replicated stage's orthogonalisation among its replicas "
-                              "itself, which needs every replica's reduced gradient; use optimizer.zero 0")
+            raise ConfigError(
+                f"optimizer.zero: {name} shares each replicated stage's orthogonalisation among its replicas "
+                "itself, which needs every replica's reduced gradient; use optimizer.zero 0"
+            )
 
     def gradient_workers(self, replicas: int) -> int:
         """One replica orthogonalises each matrix (after the reduction) and broadcasts it."""
@@ -68,8 +81,11 @@ class MuonConfig(RefreshConfig):
 
 
 MUON = CurvatureMethod(
-    name="muon", label="Muon",
+    name="muon",
+    label="Muon",
     rules=TaskRules(curvature=False, syncs=(), sync_of=(), precondition=True, factors=()),
-    settings=MuonConfig, parts="pipefisher.methods.muon.parts:PARTS", flags=("momentum", "adjust_lr"),
+    settings=MuonConfig,
+    parts="pipefisher.methods.muon.parts:PARTS",
+    flags=("momentum", "adjust_lr"),
     memory="pipefisher.methods.muon.memory:MuonLayer",
 )

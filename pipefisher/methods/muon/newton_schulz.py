@@ -59,4 +59,3 @@ def shape_scale(rows: int, cols: int, rule: AdjustLr) -> float:
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"adjust_lr: {rule!r} is not one of {', '.join(ADJUST_LR)}")
-

@@ -52,13 +52,24 @@ class MuonRuntime(CurvatureRuntime):
     """Muon's state of one rank's stages (see the module docstring). `loss_scale()`: fp16's current
     loss scale (None otherwise)."""
 
-    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
-                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+    def __init__(
+        self,
+        config: RunConfig,
+        topology: Topology,
+        rank: int,
+        modules: dict[tuple[int, int], nn.Module],
+        comm: Comm,
+        plan: Plan,
+        skip: tuple[str, ...] = (),
+        loss_scale: Callable[[], Tensor | None] = lambda: None,
+    ):
         self.rank, self.comm, self.loss_scale = rank, comm, loss_scale
         self.engines = {key: MuonEngine(module, config.muon, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
         self._engine_of_stage = {stage: engine for (_, stage), engine in self.engines.items()}
-        self.grids = {stage: grid for stage in self._engine_of_stage if (grid := share_grid(topology, stage)) is not None}
+        self.grids = {
+            stage: grid for stage in self._engine_of_stage if (grid := share_grid(topology, stage)) is not None
+        }
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {OpKind.PRECONDITION: self._orthogonalise_stage}

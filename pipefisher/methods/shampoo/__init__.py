@@ -9,8 +9,15 @@ from importlib import import_module
 
 _BLOCKS = "pipefisher.methods.blocks"
 _EXPORTS = {
-    "FACTORS": _BLOCKS, "Factor": _BLOCKS, "MatrixInfo": _BLOCKS, "ShampooEngine": "engine", "Shampoo": "front",
-    "ShampooHealth": "health", "ShampooNumericsWarning": "health", "Grafting": "method", "RootMethod": "method",
+    "FACTORS": _BLOCKS,
+    "Factor": _BLOCKS,
+    "MatrixInfo": _BLOCKS,
+    "ShampooEngine": "engine",
+    "Shampoo": "front",
+    "ShampooHealth": "health",
+    "ShampooNumericsWarning": "health",
+    "Grafting": "method",
+    "RootMethod": "method",
     "ShampooConfig": "method",
 }
 __all__ = sorted(_EXPORTS)

@@ -28,7 +28,9 @@ def matrix_state(st: MatrixState) -> dict[str, Any]:
     return entry
 
 
-def load_matrix_state(st: MatrixState, entry: dict[str, Any], dtype: torch.dtype, statistics_dtype: torch.dtype) -> None:
+def load_matrix_state(
+    st: MatrixState, entry: dict[str, Any], dtype: torch.dtype, statistics_dtype: torch.dtype
+) -> None:
     """Restore :func:`matrix_state` output into ``st`` as copies on its parameter's device,
     statistics in ``statistics_dtype``, other floats in ``dtype``; sizes must
     match ``st.info`` (ValueError naming the matrix otherwise)."""
@@ -42,14 +44,19 @@ def load_matrix_state(st: MatrixState, entry: dict[str, Any], dtype: torch.dtype
     for factor in st.factors:
         slot = entry[factor]
         numel = info.statistic_numel(factor)
-        fs = FactorState(tensor(slot["statistic"], numel, f"{factor} statistic", statistics_dtype),
-                         tensor(slot["counters"], len(st.factors[factor].counters), "counters", None))
+        fs = FactorState(
+            tensor(slot["statistic"], numel, f"{factor} statistic", statistics_dtype),
+            tensor(slot["counters"], len(st.factors[factor].counters), "counters", None),
+        )
         for name in ROOT_SLOTS:
             if name in slot:
-                roots = Roots(tensor(slot[name]["value"], numel, f"{factor} {name} roots"),
-                              tensor(slot[name]["ok"], info.num_blocks, f"{factor} {name} flags", None))
+                roots = Roots(
+                    tensor(slot[name]["value"], numel, f"{factor} {name} roots"),
+                    tensor(slot[name]["ok"], info.num_blocks, f"{factor} {name} flags", None),
+                )
                 setattr(fs, name, roots)
         st.factors[factor] = fs
     captured = entry.get("captured")
-    st.captured = None if captured is None else tensor(captured, info.gradient_numel, "captured gradient").view(info.shape)
-
+    st.captured = (
+        None if captured is None else tensor(captured, info.gradient_numel, "captured gradient").view(info.shape)
+    )

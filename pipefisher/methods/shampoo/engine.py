@@ -54,9 +54,17 @@ class ShampooEngine:
     ``matrices_only`` (a run's `ShampooConfig.matrices_only`).
     """
 
-    def __init__(self, module: nn.Module, settings: ShampooConfig | None = None, skip: Iterable[str] = (), *,
-                 graft_beta2: float = 0.999, graft_epsilon: float = 1e-8, dtype: torch.dtype = torch.float32,
-                 matrices_only: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        settings: ShampooConfig | None = None,
+        skip: Iterable[str] = (),
+        *,
+        graft_beta2: float = 0.999,
+        graft_epsilon: float = 1e-8,
+        dtype: torch.dtype = torch.float32,
+        matrices_only: bool = False,
+    ) -> None:
         self.settings = settings or ShampooConfig()
         check_section(self.settings, SHAMPOO.name)
         if not 0.0 <= graft_beta2 < 1.0:
@@ -69,11 +77,13 @@ class ShampooEngine:
         self._parameters = owned_parameters(module, patterns, matrices_only)
         self._matrices = {
             name: new_matrix(name, p, self.settings.block_size, self.statistics_dtype)
-            for name, p in self._parameters.items() if is_matrix(name, p, patterns)
+            for name, p in self._parameters.items()
+            if is_matrix(name, p, patterns)
         }
         self._exp_avg_sq = (
             {name: torch.zeros(p.shape, dtype=self.dtype, device=p.device) for name, p in self._parameters.items()}
-            if self.settings.grafting == "adam" else {}
+            if self.settings.grafting == "adam"
+            else {}
         )
         self._step = 0
         #: counter totals per (matrix, factor) already accounted for; present once warned
@@ -169,7 +179,9 @@ class ShampooEngine:
         fresh_ok: list[Tensor | None] = [None] * len(sizes)
         for n in sorted(set(sizes)):
             indices = [k for k, size in enumerate(sizes) if size == n]
-            batch, ok = inverse_root(torch.stack([stats[k] for k in indices]), self.settings.epsilon, self.settings.root)
+            batch, ok = inverse_root(
+                torch.stack([stats[k] for k in indices]), self.settings.epsilon, self.settings.root
+            )
             for i, k in enumerate(indices):
                 fresh[k], fresh_ok[k] = batch[i], ok[i]
         ok = torch.stack(fresh_ok)
@@ -201,8 +213,10 @@ class ShampooEngine:
         st = self._matrix(name)
         fs = st.factors[_checked(factor)]
         if tensor.shape != fs.statistic.shape:
-            raise ValueError(f"Shampoo matrix {name!r}: {factor} roots of shape {tuple(tensor.shape)}, "
-                             f"want {tuple(fs.statistic.shape)}")
+            raise ValueError(
+                f"Shampoo matrix {name!r}: {factor} roots of shape {tuple(tensor.shape)}, "
+                f"want {tuple(fs.statistic.shape)}"
+            )
         value = tensor.to(device=fs.statistic.device, dtype=self.dtype)
         views = block_views(value, st.info.block_sizes(factor))
         fs.pending = Roots(value, torch.stack([torch.isfinite(v).all() for v in views]))
@@ -262,7 +276,9 @@ class ShampooEngine:
         with the same matrices and block size. Trouble counted before is not warned about again."""
         matrices = state["matrices"]
         if set(matrices) != set(self._matrices):
-            raise ValueError(f"Shampoo matrices differ: checkpoint {sorted(matrices)} vs model {sorted(self._matrices)}")
+            raise ValueError(
+                f"Shampoo matrices differ: checkpoint {sorted(matrices)} vs model {sorted(self._matrices)}"
+            )
         if set(state["exp_avg_sq"]) != set(self._exp_avg_sq):
             raise ValueError("Shampoo grafting state differs from this engine's (other grafting or parameters)")
         for name, entry in matrices.items():
@@ -270,7 +286,9 @@ class ShampooEngine:
         for name, saved in state["exp_avg_sq"].items():
             target = self._exp_avg_sq[name]
             if saved.shape != target.shape:
-                raise ValueError(f"Shampoo grafting state of {name!r} has shape {tuple(saved.shape)}, want {tuple(target.shape)}")
+                raise ValueError(
+                    f"Shampoo grafting state of {name!r} has shape {tuple(saved.shape)}, want {tuple(target.shape)}"
+                )
             target.copy_(saved)
         self._step = int(state["step"])
         self._baseline = {key: sum(v) for key, v in self._read_counters().items()}
@@ -305,9 +323,10 @@ class ShampooEngine:
             out[rows, cols] = torch.where(ok[k], d, d_graft[rows, cols])
         return out.view(grad.shape)
 
-
     def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
-        return read_counters({(name, f): fs.counters for name, st in self._matrices.items() for f, fs in st.factors.items()})
+        return read_counters(
+            {(name, f): fs.counters for name, st in self._matrices.items() for f, fs in st.factors.items()}
+        )
 
 
 def _checked(factor: Factor) -> Factor:

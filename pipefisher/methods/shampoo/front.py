@@ -56,9 +56,18 @@ class Shampoo:
         skip: Iterable[str] = (),
         process_group: Any = None,
     ) -> None:
-        settings = ShampooConfig(beta2=beta2, epsilon=epsilon, block_size=block_size, root=root, grafting=grafting,
-                                 start_step=start_step, statistics_dtype=dtype_name(statistics_dtype))
-        self.engine = ShampooEngine(model, settings, skip, graft_beta2=graft_beta2, graft_epsilon=graft_epsilon, dtype=dtype)
+        settings = ShampooConfig(
+            beta2=beta2,
+            epsilon=epsilon,
+            block_size=block_size,
+            root=root,
+            grafting=grafting,
+            start_step=start_step,
+            statistics_dtype=dtype_name(statistics_dtype),
+        )
+        self.engine = ShampooEngine(
+            model, settings, skip, graft_beta2=graft_beta2, graft_epsilon=graft_epsilon, dtype=dtype
+        )
         self.process_group = process_group
 
     def matrices(self) -> list[MatrixInfo]:
@@ -74,7 +83,9 @@ class Shampoo:
         for info in self.engine.matrices():
             self.engine.capture(info.name)
             if self.process_group is not None:
-                dist.all_reduce(self.engine.captured_gradient(info.name), op=dist.ReduceOp.SUM, group=self.process_group)
+                dist.all_reduce(
+                    self.engine.captured_gradient(info.name), op=dist.ReduceOp.SUM, group=self.process_group
+                )
             for factor in FACTORS:
                 self.engine.update_statistics(info.name, factor)
             self.engine.release(info.name)

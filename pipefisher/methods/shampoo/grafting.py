@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 
-
 def graft_direction(grad: Tensor, exp_avg_sq: Tensor | None, step: int, beta2: float, epsilon: float) -> Tensor:
     """The grafting direction of ``grad`` at precondition call ``step`` (1-based), a new tensor.
 

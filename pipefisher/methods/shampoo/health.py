@@ -46,6 +46,8 @@ def total(values: Iterable[tuple[int, ...]]) -> ShampooHealth:
 def message(name: str, factor: str, values: tuple[int, ...]) -> str:
     """The warning for a (matrix, factor) whose counters first rose to ``values``."""
     nonfinite, skipped = values
-    return (f"Shampoo matrix {name!r}, factor {factor}: {nonfinite} statistics update(s) skipped for a non-finite "
-            f"gradient, {skipped} block root(s) failed and kept the previous root; "
-            "further trouble is only counted (see health())")
+    return (
+        f"Shampoo matrix {name!r}, factor {factor}: {nonfinite} statistics update(s) skipped for a non-finite "
+        f"gradient, {skipped} block root(s) failed and kept the previous root; "
+        "further trouble is only counted (see health())"
+    )

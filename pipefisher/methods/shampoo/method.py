@@ -31,10 +31,14 @@ class ShampooConfig(RefreshConfig):
     epsilon: float = setting(1e-12, "added before the inverse 4th root", low=0, low_open=True)
     block_size: int = setting(1024, "longer dimensions are cut into blocks of this size", low=0, low_open=True)
     root: RootMethod = setting("eigen", "how the inverse 4th root is computed")
-    grafting: Grafting = setting("adam", "the step size comes from this optimizer's (adam: optimizer.betas[1], optimizer.eps)")
+    grafting: Grafting = setting(
+        "adam", "the step size comes from this optimizer's (adam: optimizer.betas[1], optimizer.eps)"
+    )
     start_step: int = setting(0, "steps before it use the grafting direction alone", low=0, ceiling=STEP_CEILING)
     statistics_dtype: StatisticsDtype = setting(
-        "float64", "dtype of the statistics (GGᵀ squares the gradient's condition number; float32 resolves ~1e-7 of its largest eigenvalue)")
+        "float64",
+        "dtype of the statistics (GGᵀ squares the gradient's condition number; float32 resolves ~1e-7 of its largest eigenvalue)",
+    )
 
     @property
     def matrices_only(self) -> bool:
@@ -46,7 +50,9 @@ class ShampooConfig(RefreshConfig):
 
 #: Shampoo's statistics need the stage's whole gradient: one sync (named A) carries it to both factors
 SHAMPOO = CurvatureMethod(
-    name="shampoo", label="Shampoo",
+    name="shampoo",
+    label="Shampoo",
     rules=TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"), ("B", "A")), precondition=False),
-    settings=ShampooConfig, parts="pipefisher.methods.shampoo.parts:PARTS",
+    settings=ShampooConfig,
+    parts="pipefisher.methods.shampoo.parts:PARTS",
 )

@@ -39,8 +39,14 @@ def shampoo_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) ->
     """The engine of the run's shampoo section for `module`: Adam grafting takes optimizer.betas[1]
     and optimizer.eps; it holds only the matrices unless the rest steps with Shampoo's SGD
     (`ShampooConfig.matrices_only`)."""
-    return ShampooEngine(module, config.shampoo, skip, graft_beta2=config.optimizer.betas[1], graft_epsilon=config.optimizer.eps,
-                         matrices_only=config.shampoo.matrices_only)
+    return ShampooEngine(
+        module,
+        config.shampoo,
+        skip,
+        graft_beta2=config.optimizer.betas[1],
+        graft_epsilon=config.optimizer.eps,
+        matrices_only=config.shampoo.matrices_only,
+    )
 
 
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -57,8 +63,17 @@ class ShampooRuntime(CurvatureRuntime):
     named_sections = ("exp_avg_sq", "matrices")
     cycle_slots = ("captured", "*/pending")
 
-    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
-                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+    def __init__(
+        self,
+        config: RunConfig,
+        topology: Topology,
+        rank: int,
+        modules: dict[tuple[int, int], nn.Module],
+        comm: Comm,
+        plan: Plan,
+        skip: tuple[str, ...] = (),
+        loss_scale: Callable[[], Tensor | None] = lambda: None,
+    ):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
         self.engines = {key: shampoo_engine(config, module, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
@@ -77,8 +92,12 @@ class ShampooRuntime(CurvatureRuntime):
         self.owners = inverse_owners(plan)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        return {OpKind.SYNC_A: lambda op: None,  # the launch is the whole op
-                OpKind.INV_A: self._refresh, OpKind.INV_B: self._refresh, OpKind.EXCHANGE: self._fold_shared}
+        return {
+            OpKind.SYNC_A: lambda op: None,  # the launch is the whole op
+            OpKind.INV_A: self._refresh,
+            OpKind.INV_B: self._refresh,
+            OpKind.EXCHANGE: self._fold_shared,
+        }
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
         return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange}
@@ -150,10 +169,17 @@ class ShampooRuntime(CurvatureRuntime):
     def _launch_exchange(self, collective: Collective) -> Handle:
         stage, layer, factor = collective.key
         engine = self._engine_of_stage[stage]
-        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
-                                    shared=lambda: engine.shared_root(layer, factor),
-                                    buffer=lambda: engine.root_buffer(layer, factor),
-                                    receive=lambda tensor: engine.receive_root(layer, factor, tensor))
+        return broadcast_from_owner(
+            self.comm,
+            self.topology,
+            self.rank,
+            self.owners[(stage, layer, factor)],
+            collective,
+            shared=lambda: engine.shared_root(layer, factor),
+            buffer=lambda: engine.root_buffer(layer, factor),
+            receive=lambda tensor: engine.receive_root(layer, factor, tensor),
+        )
+
 
 class ShampooTimer(TaskTimer):
     """Shampoo's task times per matrix: statistics and roots of each factor (from a random
@@ -185,9 +211,11 @@ class ShampooTimer(TaskTimer):
                 parameter.grad = saved
                 samples: dict[str, list[float]] = {}
                 for factor in "AB":
+
                     def refresh(factor: str = factor) -> None:
                         engine.update_statistics(info.name, factor)
                         engine.compute_root(info.name, factor)
+
                     samples[f"inverse_{factor.lower()}"] = timed_ms(refresh, device)
                 if group is not None:
                     gradient = engine.captured_gradient(info.name)

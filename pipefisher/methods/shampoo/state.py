@@ -55,7 +55,9 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 def owned_parameters(module: nn.Module, skip: Iterable[str], matrices_only: bool) -> dict[str, nn.Parameter]:
     """The parameters whose gradient Shampoo rewrites: every trainable one, or only its matrices."""
     patterns = tuple(skip)
-    return {name: p for name, p in trainable_parameters(module).items() if not matrices_only or is_matrix(name, p, patterns)}
+    return {
+        name: p for name, p in trainable_parameters(module).items() if not matrices_only or is_matrix(name, p, patterns)
+    }
 
 
 def is_matrix(name: str, parameter: Tensor, skip: Iterable[str]) -> bool:
@@ -68,7 +70,9 @@ def new_matrix(name: str, parameter: nn.Parameter, block_size: int, statistics_d
     info = MatrixInfo.of(name, tuple(parameter.shape), block_size)
     device = parameter.device
     factors = {
-        f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device), _health.zero_counters(device))
+        f: FactorState(
+            torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device), _health.zero_counters(device)
+        )
         for f in FACTORS
     }
     return MatrixState(info, parameter, factors)

@@ -8,7 +8,11 @@ operations one call at a time for the pipeline executor. The method's declaratio
 from importlib import import_module
 
 _EXPORTS = {
-    "SOAP": "front", "SoapStep": "front", "SoapEngine": "engine", "SoapHealth": "health", "SoapNumericsWarning": "health",
+    "SOAP": "front",
+    "SoapStep": "front",
+    "SoapEngine": "engine",
+    "SoapHealth": "health",
+    "SoapNumericsWarning": "health",
     "SoapConfig": "method",
 }
 __all__ = sorted(_EXPORTS)

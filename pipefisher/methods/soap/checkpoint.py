@@ -15,13 +15,23 @@ SLOTS: tuple[str, ...] = ("snapshot", "basis", "pending")
 
 def matrix_state(st: MatrixState) -> dict[str, Any]:
     """Moments, direction count, counters and per factor its statistic and the slots it holds."""
-    entry: dict[str, Any] = {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, "updates": st.updates, "counters": st.counters}
+    entry: dict[str, Any] = {
+        "exp_avg": st.exp_avg,
+        "exp_avg_sq": st.exp_avg_sq,
+        "updates": st.updates,
+        "counters": st.counters,
+    }
     for factor, fs in st.factors.items():
-        entry[factor] = {"statistic": fs.statistic, **{slot: getattr(fs, slot) for slot in SLOTS if getattr(fs, slot) is not None}}
+        entry[factor] = {
+            "statistic": fs.statistic,
+            **{slot: getattr(fs, slot) for slot in SLOTS if getattr(fs, slot) is not None},
+        }
     return entry
 
 
-def load_matrix_state(st: MatrixState, entry: dict[str, Any], float_dtype: torch.dtype, statistics_dtype: torch.dtype) -> None:
+def load_matrix_state(
+    st: MatrixState, entry: dict[str, Any], float_dtype: torch.dtype, statistics_dtype: torch.dtype
+) -> None:
     """Restore :func:`matrix_state` output into ``st`` as copies on its parameter's device, the
     statistic and snapshot in ``statistics_dtype``, other floats in ``float_dtype``;
     sizes must match ``st.info`` (ValueError naming the matrix otherwise)."""
@@ -44,4 +54,6 @@ def load_matrix_state(st: MatrixState, entry: dict[str, Any], float_dtype: torch
         dtypes = {"snapshot": statistics_dtype, "basis": float_dtype, "pending": float_dtype}
         fs.statistic = tensor(slot["statistic"], numel, f"{factor} statistic", statistics_dtype)
         for name in SLOTS:
-            setattr(fs, name, tensor(slot[name], sizes[name], f"{factor} {name}", dtypes[name]) if name in slot else None)
+            setattr(
+                fs, name, tensor(slot[name], sizes[name], f"{factor} {name}", dtypes[name]) if name in slot else None
+            )

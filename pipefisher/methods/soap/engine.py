@@ -51,13 +51,21 @@ class SoapEngine:
     eigenbasis there, `pipefisher.methods.soap.basis`), the eigenbases and moments in ``dtype``
     (float32 or float64). ``settings``: the run-file section (checked, `check_section`)."""
 
-    def __init__(self, module: nn.Module, settings: SoapConfig | None = None, skip: Iterable[str] = (), *,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        settings: SoapConfig | None = None,
+        skip: Iterable[str] = (),
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.settings = settings or SoapConfig()
         check_section(self.settings, SOAP.name)
         self.dtype, self.statistics_dtype = working_dtype(dtype), torch_dtype(self.settings.statistics_dtype)
-        self._matrices = {name: new_matrix(name, p, self.settings.block_size, self.dtype, self.statistics_dtype)
-                          for name, p in matrix_parameters(module, skip).items()}
+        self._matrices = {
+            name: new_matrix(name, p, self.settings.block_size, self.dtype, self.statistics_dtype)
+            for name, p in matrix_parameters(module, skip).items()
+        }
         #: counter totals per matrix already accounted for; present once warned
         self._baseline: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -157,7 +165,9 @@ class SoapEngine:
         st = self._matrix(name)
         fs = st.factors[factor]
         if tensor.numel() != pending_numel(st.info, factor):
-            raise ValueError(f"SOAP matrix {name!r}: {factor} basis of {tensor.numel()} elements, want {pending_numel(st.info, factor)}")
+            raise ValueError(
+                f"SOAP matrix {name!r}: {factor} basis of {tensor.numel()} elements, want {pending_numel(st.info, factor)}"
+            )
         if fs.snapshot is not None:
             fs.pending = tensor.to(device=st.parameter.device, dtype=self.dtype)
 
@@ -264,6 +274,6 @@ def _order_views(pending: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
     """The column-order part of a pending result: one 1-D view of n numbers per block."""
     views, start = [], sum(n * n for n in sizes)
     for n in sizes:
-        views.append(pending[start:start + n])
+        views.append(pending[start : start + n])
         start += n
     return views

@@ -42,14 +42,30 @@ class SOAP:
     first step takes the first eigenbases and no step, then after every ``precondition_frequency``
     -th step one power-iteration step from the statistics of that step."""
 
-    def __init__(self, model: nn.Module, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
-                 statistics_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
-                 precondition_frequency: int = 10, block_size: int = 1024, skip: Iterable[str] = (),
-                 dtype: torch.dtype = torch.float32, statistics_dtype: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.95, 0.95),
+        statistics_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        block_size: int = 1024,
+        skip: Iterable[str] = (),
+        dtype: torch.dtype = torch.float32,
+        statistics_dtype: torch.dtype = torch.float64,
+    ) -> None:
         if precondition_frequency < 1:
             raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-        settings = SoapConfig(beta1=betas[0], beta2=betas[1], statistics_beta=statistics_beta or 0.0, epsilon=eps,
-                              block_size=block_size, statistics_dtype=dtype_name(statistics_dtype))
+        settings = SoapConfig(
+            beta1=betas[0],
+            beta2=betas[1],
+            statistics_beta=statistics_beta or 0.0,
+            epsilon=eps,
+            block_size=block_size,
+            statistics_dtype=dtype_name(statistics_dtype),
+        )
         self.engine = SoapEngine(model, settings, skip, dtype=dtype)
         self.optimizer = SoapStep(self.engine.parameters(), lr, weight_decay)
         self.frequency = precondition_frequency

@@ -30,5 +30,7 @@ SKIPPED_STATISTICS, KEPT_BASES = range(len(fields(SoapHealth)))
 def message(name: str, values: tuple[int, ...]) -> str:
     """The warning for a matrix whose counters first rose to ``values``."""
     skipped, kept = values
-    return (f"SOAP matrix {name!r}: {skipped} statistics update(s) skipped for a non-finite gradient, {kept} block "
-            "eigenbasis(es) failed and kept the previous one; further trouble is only counted (see health())")
+    return (
+        f"SOAP matrix {name!r}: {skipped} statistics update(s) skipped for a non-finite gradient, {kept} block "
+        "eigenbasis(es) failed and kept the previous one; further trouble is only counted (see health())"
+    )

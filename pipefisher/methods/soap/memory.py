@@ -31,7 +31,10 @@ class SoapLayer:
         (``rows x cols`` each) and the counters. Every replica keeps all of it (`keeps_results`
         makes no difference: the step end needs the bases)."""
         row_blocks, col_blocks = split_sizes(self.rows, self.block_size), split_sizes(self.cols, self.block_size)
-        squares = {"A": sum(r * r for r in row_blocks) * len(col_blocks), "B": sum(c * c for c in col_blocks) * len(row_blocks)}
+        squares = {
+            "A": sum(r * r for r in row_blocks) * len(col_blocks),
+            "B": sum(c * c for c in col_blocks) * len(row_blocks),
+        }
         per_factor = sum(2 * self.statistics_bytes * squares[f] + element_bytes * squares[f] for f in FACTORS)
         return per_factor + 2 * element_bytes * self.gradient_elements + COUNTER_BYTES
 

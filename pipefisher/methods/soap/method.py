@@ -25,11 +25,14 @@ class SoapConfig(RefreshConfig):
     lr: float = setting(3e-3, "learning rate of SOAP's step (0 = optimizer.lr)", low=0)
     beta1: float = setting(0.95, "decay of Adam's first moment", low=0, high=1, high_open=True)
     beta2: float = setting(0.95, "decay of Adam's second moment (in the eigenbasis)", low=0, high=1, high_open=True)
-    statistics_beta: float = setting(0.0, "decay of the statistics L, R", low=0, high=1, high_open=True, note="0 = beta2")
+    statistics_beta: float = setting(
+        0.0, "decay of the statistics L, R", low=0, high=1, high_open=True, note="0 = beta2"
+    )
     epsilon: float = setting(1e-8, "added to the square root of the second moment", low=0, low_open=True)
     block_size: int = setting(1024, "longer dimensions are cut into blocks of this size", low=0, low_open=True)
     statistics_dtype: StatisticsDtype = setting(
-        "float64", "dtype of the statistics (float64 resolves their null space, which decides the eigenbasis there)")
+        "float64", "dtype of the statistics (float64 resolves their null space, which decides the eigenbasis there)"
+    )
 
     @property
     def statistics_decay(self) -> float:
@@ -40,15 +43,19 @@ class SoapConfig(RefreshConfig):
         if config.optimizer.name != name:
             return
         if config.optimizer.zero:
-            raise ConfigError(f"optimizer.zero: {name} keeps every replica's statistics from the reduced gradient, "
-                              "which ZeRO-1 gives the owner only; use optimizer.zero 0")
+            raise ConfigError(
+                f"optimizer.zero: {name} keeps every replica's statistics from the reduced gradient, "
+                "which ZeRO-1 gives the owner only; use optimizer.zero 0"
+            )
 
 
 #: SOAP's statistics come from the reduced gradient at each step's end, alike on every replica: no
 #: syncs; its refresh work per layer is the new left (A) and right (B) eigenbasis
 SOAP = CurvatureMethod(
-    name="soap", label="SOAP",
+    name="soap",
+    label="SOAP",
     rules=TaskRules(curvature=False, syncs=(), sync_of=(), precondition=False),
-    settings=SoapConfig, parts="pipefisher.methods.soap.parts:PARTS",
+    settings=SoapConfig,
+    parts="pipefisher.methods.soap.parts:PARTS",
     memory="pipefisher.methods.soap.memory:SoapLayer",
 )

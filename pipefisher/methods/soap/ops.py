@@ -52,8 +52,17 @@ class SoapRuntime(CurvatureRuntime):
     named_sections = ("matrices",)
     cycle_slots = ("*/pending",)
 
-    def __init__(self, config: RunConfig, topology: Topology, rank: int, modules: dict[tuple[int, int], nn.Module], comm: Comm,
-                 plan: Plan, skip: tuple[str, ...] = (), loss_scale: Callable[[], Tensor | None] = lambda: None):
+    def __init__(
+        self,
+        config: RunConfig,
+        topology: Topology,
+        rank: int,
+        modules: dict[tuple[int, int], nn.Module],
+        comm: Comm,
+        plan: Plan,
+        skip: tuple[str, ...] = (),
+        loss_scale: Callable[[], Tensor | None] = lambda: None,
+    ):
         self.topology, self.rank, self.comm = topology, rank, comm
         self.engines = {key: SoapEngine(module, config.soap, skip) for key, module in modules.items()}
         #: a rank holds at most one copy of a stage
@@ -64,8 +73,11 @@ class SoapRuntime(CurvatureRuntime):
         self.owners = inverse_owners(plan)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        return {OpKind.INV_A: self._refresh, OpKind.INV_B: self._refresh,
-                OpKind.EXCHANGE: lambda op: None}  # its launches are the whole op
+        return {
+            OpKind.INV_A: self._refresh,
+            OpKind.INV_B: self._refresh,
+            OpKind.EXCHANGE: lambda op: None,
+        }  # its launches are the whole op
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
         return {CollectiveKind.EXCHANGE: self._launch_exchange}
@@ -88,10 +100,16 @@ class SoapRuntime(CurvatureRuntime):
     def _launch_exchange(self, collective: Collective) -> Handle:
         stage, layer, factor = collective.key
         engine = self._engine_of_stage[stage]
-        return broadcast_from_owner(self.comm, self.topology, self.rank, self.owners[(stage, layer, factor)], collective,
-                                    shared=lambda: engine.shared_basis(layer, factor),
-                                    buffer=lambda: engine.basis_buffer(layer, factor),
-                                    receive=lambda tensor: engine.receive_basis(layer, factor, tensor))
+        return broadcast_from_owner(
+            self.comm,
+            self.topology,
+            self.rank,
+            self.owners[(stage, layer, factor)],
+            collective,
+            shared=lambda: engine.shared_basis(layer, factor),
+            buffer=lambda: engine.basis_buffer(layer, factor),
+            receive=lambda tensor: engine.receive_basis(layer, factor, tensor),
+        )
 
 
 class SoapTimer(TaskTimer):
@@ -121,8 +139,12 @@ class SoapTimer(TaskTimer):
                 p.grad = grad
             engine.snapshot()
             for info in engine.matrices():
-                samples = {f"inverse_{factor.lower()}": timed_ms(lambda factor=factor: engine.refresh(info.name, factor), executor.device)
-                           for factor in "AB"}
+                samples = {
+                    f"inverse_{factor.lower()}": timed_ms(
+                        lambda factor=factor: engine.refresh(info.name, factor), executor.device
+                    )
+                    for factor in "AB"
+                }
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()
         return measurements

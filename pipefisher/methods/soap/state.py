@@ -56,17 +56,27 @@ def matrix_parameters(module: nn.Module, skip: Iterable[str]) -> dict[str, nn.Pa
     names matching a ``skip`` glob (fnmatch, case-sensitive)."""
     patterns = tuple(skip)
     tables = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    return {name: p for name, p in module.named_parameters()
-            if p.requires_grad and p.dim() >= 2 and id(p) not in tables and not any(fnmatch.fnmatchcase(name, g) for g in patterns)}
+    return {
+        name: p
+        for name, p in module.named_parameters()
+        if p.requires_grad
+        and p.dim() >= 2
+        and id(p) not in tables
+        and not any(fnmatch.fnmatchcase(name, g) for g in patterns)
+    }
 
 
-def new_matrix(name: str, parameter: nn.Parameter, block_size: int, dtype: torch.dtype, statistics_dtype: torch.dtype) -> MatrixState:
+def new_matrix(
+    name: str, parameter: nn.Parameter, block_size: int, dtype: torch.dtype, statistics_dtype: torch.dtype
+) -> MatrixState:
     """Zero statistics (in ``statistics_dtype``) and moments (in ``dtype``), no eigenbases, for
     ``parameter`` cut into blocks of ``block_size``, on its device."""
     info = MatrixInfo.of(name, tuple(parameter.shape), block_size)
     device = parameter.device
     moments = [torch.zeros(info.shape, dtype=dtype, device=device) for _ in range(2)]
-    factors = {f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device)) for f in FACTORS}
+    factors = {
+        f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device)) for f in FACTORS
+    }
     return MatrixState(info, parameter, *moments, zero_counters(SoapHealth, device), factors)
 
 

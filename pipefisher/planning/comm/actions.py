@@ -151,7 +151,9 @@ class Action:
             return str(self.target)
         if isinstance(self.target, tuple):
             return f"wsend:{self.target[1]}"
-        prefix = {ActionKind.POST: "recv:", ActionKind.SEND: "send:", ActionKind.LAUNCH: "+", ActionKind.WAIT: "w:"}[self.kind]
+        prefix = {ActionKind.POST: "recv:", ActionKind.SEND: "send:", ActionKind.LAUNCH: "+", ActionKind.WAIT: "w:"}[
+            self.kind
+        ]
         return prefix + str(self.target)
 
 

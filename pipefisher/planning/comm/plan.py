@@ -36,12 +36,39 @@ from pipefisher.core.topology import Topology
 from pipefisher.methods.method import TaskRules
 from pipefisher.methods.registry import task_rules
 from pipefisher.planning.layouts.kaisa import GradWorkers
-from pipefisher.planning.comm.actions import (Action, ActionKind, Collective, CollectiveKind, CommPlan, GradientPath, GroupKey, Message, STEP, SendDone, TIED, exchange_collective, gather_collective, grad_collective, grad_q_collective, input_message, output_message, pgrad_collective, run, sync_collective)
+from pipefisher.planning.comm.actions import (
+    Action,
+    ActionKind,
+    Collective,
+    CollectiveKind,
+    CommPlan,
+    GradientPath,
+    GroupKey,
+    Message,
+    STEP,
+    SendDone,
+    TIED,
+    exchange_collective,
+    gather_collective,
+    grad_collective,
+    grad_q_collective,
+    input_message,
+    output_message,
+    pgrad_collective,
+    run,
+    sync_collective,
+)
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 
-def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: GradientPath = GradientPath(),
-                 shared: frozenset[tuple[int, str, str]] = frozenset()) -> CommPlan:
+
+def plan_actions(
+    topology: Topology,
+    plan: Plan,
+    tied: bool = False,
+    path: GradientPath = GradientPath(),
+    shared: frozenset[tuple[int, str, str]] = frozenset(),
+) -> CommPlan:
     """The actions of every global rank for every step of `plan`'s cycle (see the module docstring).
 
     `shared`: the (stage, layer, factor) statistics a rank's tensor-parallel processes build in
@@ -58,7 +85,11 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
     num_stages = schedule.num_stages
     owners = inverse_owners(plan)
     rules = task_rules(plan.method)
-    synced = {(op.stage, op.layer, FACTOR_OF[op.kind]) for op in plan.curvature_ops() if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)}
+    synced = {
+        (op.stage, op.layer, FACTOR_OF[op.kind])
+        for op in plan.curvature_ops()
+        if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)
+    }
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
     steps: list[tuple[tuple[Action, ...], ...]] = []
@@ -73,15 +104,28 @@ def plan_actions(topology: Topology, plan: Plan, tied: bool = False, path: Gradi
             actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
             actions += _end_of_step(topology, rank, actions, tied_ranks, path)
             if last_step:
-                exchanges = [a.collective for s in steps for a in s[rank] if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.EXCHANGE]
-                exchanges += [a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.EXCHANGE]
+                exchanges = [
+                    a.collective
+                    for s in steps
+                    for a in s[rank]
+                    if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.EXCHANGE
+                ]
+                exchanges += [
+                    a.collective
+                    for a in actions
+                    if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.EXCHANGE
+                ]
                 actions += [Action(ActionKind.WAIT, c) for c in exchanges]
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
-    return CommPlan(topology, tuple(steps), group_members(topology, tied, path), tensor_reading_ops(plan, shared, owners))
+    return CommPlan(
+        topology, tuple(steps), group_members(topology, tied, path), tensor_reading_ops(plan, shared, owners)
+    )
 
 
-def tensor_reading_ops(plan: Plan, shared: frozenset[tuple[int, str, str]], owners: dict[tuple[int, str, str], int]) -> frozenset[Op]:
+def tensor_reading_ops(
+    plan: Plan, shared: frozenset[tuple[int, str, str]], owners: dict[tuple[int, str, str], int]
+) -> frozenset[Op]:
     """The ops of `plan` that sum a `shared` statistic over the rank's tensor-parallel processes:
     its inversion, or the exchange of a replica that does not invert it (it folds the statistic)."""
     if not shared:
@@ -90,8 +134,11 @@ def tensor_reading_ops(plan: Plan, shared: frozenset[tuple[int, str, str]], owne
     for op in plan.curvature_ops():
         if op.kind in (OpKind.INV_A, OpKind.INV_B) and (op.stage, op.layer, FACTOR_OF[op.kind]) in shared:
             found.add(op)
-        elif op.kind is OpKind.EXCHANGE and any((op.stage, op.layer, factor) in shared and owner != op.pipe
-                                                for (stage, layer, factor), owner in owners.items() if (stage, layer) == (op.stage, op.layer)):
+        elif op.kind is OpKind.EXCHANGE and any(
+            (op.stage, op.layer, factor) in shared and owner != op.pipe
+            for (stage, layer, factor), owner in owners.items()
+            if (stage, layer) == (op.stage, op.layer)
+        ):
             found.add(op)
     return frozenset(found)
 
@@ -113,8 +160,17 @@ def tied_ranks_of(topology: Topology) -> tuple[int, ...]:
     return tuple(sorted(set(topology.replica_ranks(0)) | set(topology.replica_ranks(last))))
 
 
-def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, owners: dict, synced: set, replicated: set[int],
-                rules: TaskRules, waited: set[Collective]) -> Iterator[Action]:
+def _op_actions(
+    topology: Topology,
+    ops: Sequence[Op],
+    replica: int,
+    rank: int,
+    owners: dict,
+    synced: set,
+    replicated: set[int],
+    rules: TaskRules,
+    waited: set[Collective],
+) -> Iterator[Action]:
     num_stages = topology.schedule.num_stages
 
     def rank_of(op: Op) -> int:
@@ -124,7 +180,9 @@ def _op_actions(topology: Topology, ops: Sequence[Op], replica: int, rank: int, 
         return Action(ActionKind.POST, message, message.channel(replica), rank_of(message.producer))
 
     inputs = [input_message(op, num_stages) for op in ops]
-    received = {i: message for i, message in enumerate(inputs) if message is not None and rank_of(message.producer) != rank}
+    received = {
+        i: message for i, message in enumerate(inputs) if message is not None and rank_of(message.producer) != rank
+    }
     receiving = list(received)
     next_receive = dict(zip(receiving, receiving[1:]))
     receives_here = set(receiving)
@@ -173,7 +231,9 @@ def _curvature_waits(op: Op, owners: dict, synced: set, rules: TaskRules) -> Ite
         if source is not None and (op.stage, layer, source) in synced:
             yield Action(ActionKind.WAIT, sync_collective(op.stage, layer, source))
     elif op.kind is OpKind.EXCHANGE:
-        inputs = dict.fromkeys(rules.sync_for(factor) for factor in rules.factors if owners.get((op.stage, layer, factor)) != op.pipe)
+        inputs = dict.fromkeys(
+            rules.sync_for(factor) for factor in rules.factors if owners.get((op.stage, layer, factor)) != op.pipe
+        )
         for source in inputs:
             if source is not None and (op.stage, layer, source) in synced:
                 yield Action(ActionKind.WAIT, sync_collective(op.stage, layer, source))
@@ -190,15 +250,22 @@ def _curvature_launches(op: Op, rules: TaskRules) -> Iterator[Action]:
             yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, layer, factor))
 
 
-def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], path: GradientPath) -> list[Action]:
+def _end_of_step(
+    topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], path: GradientPath
+) -> list[Action]:
     """Sends drained, gradient reductions done (PowerSGD: each followed by its Q all-reduce), tied
     weights summed, then the world reduction (the optimizer step runs when it completes); with
     ZeRO-1 the owners' parameter broadcasts last."""
     tail = [Action(ActionKind.WAIT, SendDone(a.message)) for a in actions if a.kind is ActionKind.SEND]
-    reduced = [a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD]
+    reduced = [
+        a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD
+    ]
     if path.compressed:
         for collective in reduced:
-            tail += [Action(ActionKind.WAIT, collective), Action(ActionKind.LAUNCH, grad_q_collective(collective.key[0]))]
+            tail += [
+                Action(ActionKind.WAIT, collective),
+                Action(ActionKind.LAUNCH, grad_q_collective(collective.key[0])),
+            ]
         tail += [Action(ActionKind.WAIT, grad_q_collective(collective.key[0])) for collective in reduced]
     else:
         tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
@@ -215,7 +282,9 @@ def _end_of_step(topology: Topology, rank: int, actions: list[Action], tied_rank
     return tail
 
 
-def group_members(topology: Topology, tied: bool, path: GradientPath = GradientPath()) -> dict[GroupKey, tuple[int, ...]]:
+def group_members(
+    topology: Topology, tied: bool, path: GradientPath = GradientPath()
+) -> dict[GroupKey, tuple[int, ...]]:
     """Every communicator of a run and its global ranks (see the module docstring)."""
     tied_ranks = tied_ranks_of(topology) if tied else ()
     schedule = topology.schedule

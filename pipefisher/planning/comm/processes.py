@@ -84,8 +84,11 @@ def process_programs(plan: CommPlan) -> tuple[list[tuple[Action, ...]], dict[Gro
         for step in plan.steps:
             for action in step[rank]:
                 program.append(_process_action(action, shard, topology))
-                if topology.tensor_parallel > 1 and action.kind is ActionKind.RUN and (
-                        action.op.kind in TENSOR_KINDS or action.op in plan.tensor_ops):
+                if (
+                    topology.tensor_parallel > 1
+                    and action.kind is ActionKind.RUN
+                    and (action.op.kind in TENSOR_KINDS or action.op in plan.tensor_ops)
+                ):
                     collective = tensor_collective(rank, action.op)
                     program += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
         programs.append(tuple(program))

@@ -54,7 +54,9 @@ class _Replay:
         if action.kind is ActionKind.LAUNCH:
             group = action.collective.group
             if rank not in self.members.get(group, ()):
-                raise self._error(f"rank {rank} launches {action.target} on {group}, a group it is not in", [(rank, position)])
+                raise self._error(
+                    f"rank {rank} launches {action.target} on {group}, a group it is not in", [(rank, position)]
+                )
             key = ("coll", group, rank)
             joint: Joint = ("coll", group, self.counts[key])
         else:
@@ -107,7 +109,9 @@ class _Replay:
             if action.kind is ActionKind.WAIT:
                 joint = self.joint_of.get((rank, action.target))
                 if joint is None:
-                    raise self._error(f"rank {rank} waits for {action.target}, which it never issued", [(rank, self.pc[rank])])
+                    raise self._error(
+                        f"rank {rank} waits for {action.target}, which it never issued", [(rank, self.pc[rank])]
+                    )
                 if joint not in self.done:
                     self.waiting[joint].append(rank)
                     return
@@ -126,7 +130,9 @@ class _Replay:
         if leftover:
             group, rank, joint = min(leftover, key=str)
             position, target = self.issued[joint][rank]
-            raise self._error(f"rank {rank} issues {target} on {_group_name(group)}, which never completes", [(rank, position)])
+            raise self._error(
+                f"rank {rank} issues {target} on {_group_name(group)}, which never completes", [(rank, position)]
+            )
 
     def _why(self, rank: int, pc: int) -> str:
         action = self.programs[rank][pc]
@@ -158,7 +164,9 @@ def replay(plan: CommPlan, name: str = "plan") -> CommPlan:
     return plan
 
 
-def replay_programs(programs: Sequence[Sequence[Action]], members: dict[GroupKey, tuple[int, ...]], name: str = "plan") -> None:
+def replay_programs(
+    programs: Sequence[Sequence[Action]], members: dict[GroupKey, tuple[int, ...]], name: str = "plan"
+) -> None:
     """Check that the actions of every process (`programs[p]`, on communicators of the processes
     `members` names) complete under NCCL's rules, or raise CommOrderError."""
     _Replay(programs, members, name).run()

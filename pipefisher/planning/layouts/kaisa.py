@@ -23,7 +23,9 @@ def worker_count(replicas: int, fraction: float) -> int:
     workers = round(fraction * replicas)
     if workers < 1 or abs(workers - fraction * replicas) > 1e-9 or replicas % workers:
         usable = ", ".join(f"{d / replicas:g}" for d in range(1, replicas + 1) if replicas % d == 0)
-        raise ValueError(f"{fraction:g} x {replicas} replicas of each stage is not a whole divisor of {replicas}; use {usable}")
+        raise ValueError(
+            f"{fraction:g} x {replicas} replicas of each stage is not a whole divisor of {replicas}; use {usable}"
+        )
     return workers
 
 
@@ -44,7 +46,7 @@ class GradWorkers:
 
     def block_ranks(self, block: int) -> tuple[int, ...]:
         size = self.block_size
-        return self.ranks[block * size: (block + 1) * size]
+        return self.ranks[block * size : (block + 1) * size]
 
     def worker(self, layer: int, block: int) -> int:
         """The rank of block `block` that preconditions and broadcasts layer number `layer`."""

@@ -100,7 +100,11 @@ def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) ->
     what a step ending later with its preconditioning leaves free on other ranks), less `margin`
     of each."""
     end_of = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
-    final = {op: max((end_of[dep] for dep in tasks.graph.gradient_ops(op)), default=0.0) for ops in tasks.per_step for op in ops}
+    final = {
+        op: max((end_of[dep] for dep in tasks.graph.gradient_ops(op)), default=0.0)
+        for ops in tasks.per_step
+        for op in ops
+    }
     reserved: dict[Op, float | None] = {}
     ranks = []
     for rank, preconditions in enumerate(tasks.per_step):
@@ -116,9 +120,15 @@ def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) ->
         items = [((iv.start, 0), iv.op) for iv in first_order.ranks[rank]]
         items += [((math.inf if (at := reserved[op]) is None else at, 1), op) for op in preconditions]
         ranks.append([op for _, op in sorted(items, key=lambda item: item[0])])
-    preconditioned = simulate_ops(ranks, tasks.graph.dependencies, tasks.durations, f"{tasks.schedule.name} with preconditioning")
+    preconditioned = simulate_ops(
+        ranks, tasks.graph.dependencies, tasks.durations, f"{tasks.schedule.name} with preconditioning"
+    )
     free = tuple(
-        tuple((b.start, b.end - margin * b.duration) for b in preconditioned.bubbles(rank) if b.duration * (1 - margin) > TOLERANCE)
+        tuple(
+            (b.start, b.end - margin * b.duration)
+            for b in preconditioned.bubbles(rank)
+            if b.duration * (1 - margin) > TOLERANCE
+        )
         for rank in range(len(ranks))
     )
     moving = tasks.schedule.splits_backward
@@ -150,7 +160,9 @@ class _Greedy:
     choice is the same as choosing task by task, at a fraction of the cost. Units are numbered in
     `tasks.cycle` order of their first task (a topological order)."""
 
-    def __init__(self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy):
+    def __init__(
+        self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy
+    ):
         self.published = strategy == "published"
         self.windows = windows
         #: the W ops' bounds when they move (None: fixed), and whether they go first
@@ -182,8 +194,10 @@ class _Greedy:
         self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
         #: per unit, per task: when its first-step input is ready
         fo_end = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
-        self.op_release = [[max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
-                           for ops in self.ops]
+        self.op_release = [
+            [max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
+            for ops in self.ops
+        ]
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
         self.release = [0.0] * len(self.ops)
@@ -213,7 +227,9 @@ class _Greedy:
         for ops in tasks.cycle:
             curvature = [op for op in ops if op.kind in CURVATURE_KINDS]
             earlier = {dep for op in curvature for dep in tasks.graph.dependencies(op) if dep.kind is op.kind}
-            last = {kind: tuple(op for op in curvature if op.kind is kind and op not in earlier) for kind in CURVATURE_KINDS}
+            last = {
+                kind: tuple(op for op in curvature if op.kind is kind and op not in earlier) for kind in CURVATURE_KINDS
+            }
             extra.update({op: last[_CURVATURE_OF[op.kind]] for op in ops if op.kind in _CURVATURE_OF})
         return extra
 
@@ -229,7 +245,9 @@ class _Greedy:
         self.done = 0
         self.step = 0
         self.curvature_until = math.inf if curvature_until is None else curvature_until
-        for unit in [unit for unit in range(len(self.ops)) if self.missing[unit] == 0]:  # (launching one readies others)
+        for unit in [
+            unit for unit in range(len(self.ops)) if self.missing[unit] == 0
+        ]:  # (launching one readies others)
             self._make_ready(unit)
         free = self.windows.free if self.movable is None else self.movable.free
         order = sorted((start, rank, end) for rank, windows in enumerate(free) for start, end in windows)
@@ -249,7 +267,11 @@ class _Greedy:
             if self.done == len(self.ops):
                 break
             step_end = (step + 1) * self.period
-            if len(self.placed) == done_before and not any(q and q[0][0] >= step_end for q in self.pending) and not self._anything_fits():
+            if (
+                len(self.placed) == done_before
+                and not any(q and q[0][0] >= step_end for q in self.pending)
+                and not self._anything_fits()
+            ):
                 break  # what is left fits no window
         return Placed(self.placed, tuple(self.weights_placed))
 
@@ -286,13 +308,19 @@ class _Greedy:
             weight = self._next_weight(rank, offset)
             limit = end if weight is None else min(end, weight[1])
             chosen = self._best(ready, limit - cursor)
-            if (weight is not None and weight[0] <= cursor + TOLERANCE and cursor + weight[2] <= end + TOLERANCE
-                    and (chosen is None or self.weights_first)):
+            if (
+                weight is not None
+                and weight[0] <= cursor + TOLERANCE
+                and cursor + weight[2] <= end + TOLERANCE
+                and (chosen is None or self.weights_first)
+            ):
                 cursor = self._place_weight(rank, step, local_start, cursor)
                 continue
             if chosen is None:
                 waiting = weight is not None and weight[0] > cursor + TOLERANCE  # (else it fits a later window)
-                upcoming = min(pending[0][0] if pending else math.inf, weight[0] if weight is not None and waiting else math.inf)
+                upcoming = min(
+                    pending[0][0] if pending else math.inf, weight[0] if weight is not None and waiting else math.inf
+                )
                 if upcoming < end:
                     cursor = upcoming
                     continue

@@ -52,11 +52,26 @@ class PackOptions:
             raise ValueError(f"data_parallel: {self.data_parallel} must be at least 1")
 
     @classmethod
-    def from_section(cls, section: RefreshConfig, *, data_parallel: int = 1, precondition: bool = True,
-                     refresh_steps: int | None = None, strategy: Strategy = "fill") -> PackOptions:
+    def from_section(
+        cls,
+        section: RefreshConfig,
+        *,
+        data_parallel: int = 1,
+        precondition: bool = True,
+        refresh_steps: int | None = None,
+        strategy: Strategy = "fill",
+    ) -> PackOptions:
         """The options a curvature method's run-file section asks for (its 0s meaning "none" as None);
         `refresh_steps` replaces the section's."""
-        return cls(margin=section.margin, percentile=section.percentile, max_overhead=section.max_overhead, split=section.split,
-                   strategy=strategy, refresh_steps=refresh_steps or section.refresh_steps or None,
-                   max_refresh_steps=section.max_refresh_steps or None, max_capture_mb=section.max_capture_mb or None,
-                   data_parallel=data_parallel, precondition=precondition)
+        return cls(
+            margin=section.margin,
+            percentile=section.percentile,
+            max_overhead=section.max_overhead,
+            split=section.split,
+            strategy=strategy,
+            refresh_steps=refresh_steps or section.refresh_steps or None,
+            max_refresh_steps=section.max_refresh_steps or None,
+            max_capture_mb=section.max_capture_mb or None,
+            data_parallel=data_parallel,
+            precondition=precondition,
+        )

@@ -50,8 +50,6 @@ _HORIZON = 512
 _EXACT = 1e-9
 
 
-
-
 @dataclass(frozen=True)
 class _Candidate:
     """A plan at one k: its predicted cycle time, the tasks it runs outside windows, and which
@@ -104,7 +102,9 @@ class _Packing:
         """The candidate of `built`: only its irregular steps are simulated."""
         plan = built.plan
         total = sum(
-            simulate_plan_step(plan, j, self.tasks.durations, self.cache, self.tasks.graph).step_time if j in built.irregular else self.precondition_time
+            simulate_plan_step(plan, j, self.tasks.durations, self.cache, self.tasks.graph).step_time
+            if j in built.irregular
+            else self.precondition_time
             for j in range(plan.refresh_steps)
         )
         return _Candidate(plan, total, tuple(built.leftovers), source)
@@ -189,9 +189,11 @@ def choose(packing: _Packing, lower_bound: int) -> tuple[_Candidate, list[Fronti
                 break
             k += 1
         if k > fit:
-            reason = (f"k = {k}: {len(packing.unplaceable)} tasks fit no bubble; k grew from {fit} to amortise them "
-                      f"while one more step saved at least {100 * budget:g} % of the step time"
-                      + (" (up to max_refresh_steps)" if k == cap else ""))
+            reason = (
+                f"k = {k}: {len(packing.unplaceable)} tasks fit no bubble; k grew from {fit} to amortise them "
+                f"while one more step saved at least {100 * budget:g} % of the step time"
+                + (" (up to max_refresh_steps)" if k == cap else "")
+            )
     listed = []
     for candidate in ks:  # up to the first k without overhead
         listed.append(candidate)
@@ -202,13 +204,17 @@ def choose(packing: _Packing, lower_bound: int) -> tuple[_Candidate, list[Fronti
 
 
 def _frontier(packing: _Packing, ks: list[int]) -> list[FrontierPoint]:
-    return [FrontierPoint(k, packing.overhead(packing.best(k)), packing.best(k).cycle_time / k, packing.best(k).source) for k in ks]
+    return [
+        FrontierPoint(k, packing.overhead(packing.best(k)), packing.best(k).cycle_time / k, packing.best(k).source)
+        for k in ks
+    ]
 
 
 def _fit_capture(packing: _Packing, chosen: _Candidate, cap_bytes: int) -> tuple[_Candidate, str]:
     """The chosen plan, or one whose curvature runs earlier so that every device holds at most
     `cap_bytes` of captures (confined to steps <= until, for until = k - 2 down to -1: none in
     bubbles); and what was done."""
+
     def peak(candidate: _Candidate) -> int:
         return max(p.bytes for p in capture_peaks(candidate.plan, packing.tasks.profile))
 
@@ -219,13 +225,21 @@ def _fit_capture(packing: _Packing, chosen: _Candidate, cap_bytes: int) -> tuple
     for until in range(chosen.refresh_steps - 1, -2, -1):
         where = f"in steps <= {until}" if until >= 0 else "right after its forward/backward"
         placed = place(packing.tasks, packing.first_order, packing.windows, strategy, _HORIZON, curvature_until=until)
-        candidates = [packing.evaluate(packing.builder.plan(placed, chosen.refresh_steps, policy, eager_curvature=True),
-                                       f"{strategy}, curvature {where}") for policy in ("tail", "spread")]
+        candidates = [
+            packing.evaluate(
+                packing.builder.plan(placed, chosen.refresh_steps, policy, eager_curvature=True),
+                f"{strategy}, curvature {where}",
+            )
+            for policy in ("tail", "spread")
+        ]
         best = min(candidates, key=lambda c: c.cycle_time)
         if peak(best) <= cap_bytes:
             how = "what misses the bubbles right after its latest dependency" if until >= 0 else "none in the bubbles"
             return best, f"curvature {where} ({how}) to hold at most {cap} of captures"
-    return best, f"captures cannot fit {cap}: even with all curvature right after its forward/backward they peak at {peak(best) / 2**20:.1f} MiB"
+    return (
+        best,
+        f"captures cannot fit {cap}: even with all curvature right after its forward/backward they peak at {peak(best) / 2**20:.1f} MiB",
+    )
 
 
 @contextmanager
@@ -250,7 +264,9 @@ def pack(schedule: Schedule, profile: Profile, options: PackOptions | None = Non
 def _pack(schedule: Schedule, profile: Profile, options: PackOptions) -> PackResult:
     if options.percentile is not None:
         profile = _tasks_at_percentile(profile, options.percentile)
-    tasks = build_tasks(schedule, profile, split=options.split, data_parallel=options.data_parallel, precondition=options.precondition)
+    tasks = build_tasks(
+        schedule, profile, split=options.split, data_parallel=options.data_parallel, precondition=options.precondition
+    )
     first_order = simulate(schedule, profile)
     packing = _Packing(tasks, first_order, options)
     lower_bound = max(packing.bounds)
@@ -259,8 +275,10 @@ def _pack(schedule: Schedule, profile: Profile, options: PackOptions) -> PackRes
     if options.max_capture_mb is not None:
         capped, memory = _fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
         if capped is not chosen:  # the frontier and the reason are of the plans before the cap
-            reason += (f"; then the {options.max_capture_mb:g} MiB capture cap moved curvature earlier, at "
-                       f"{100 * packing.overhead(capped):.2f} % overhead")
+            reason += (
+                f"; then the {options.max_capture_mb:g} MiB capture cap moved curvature earlier, at "
+                f"{100 * packing.overhead(capped):.2f} % overhead"
+            )
             chosen = capped
     in_bubbles: Callable[[int], float] = lambda rank: precondition_in_bubbles(tasks, packing.windows, rank)
     return PackResult(
@@ -286,31 +304,50 @@ def _tasks_at_percentile(profile: Profile, q: float) -> Profile:
     is sized to hold most of the time. Forward/backward times stay nominal: a higher percentile
     there would widen the bubbles, the opposite of a safety margin."""
     high = profile.at_percentile(q)
-    return replace(profile, stages=tuple(replace(stage, layers=tail.layers) for stage, tail in zip(profile.stages, high.stages)))
+    return replace(
+        profile, stages=tuple(replace(stage, layers=tail.layers) for stage, tail in zip(profile.stages, high.stages))
+    )
 
 
-def after_step_plan(schedule: Schedule, profile: Profile, refresh_steps: int, split: bool = True, data_parallel: int = 1,
-                    precondition: bool = True) -> Plan:
+def after_step_plan(
+    schedule: Schedule,
+    profile: Profile,
+    refresh_steps: int,
+    split: bool = True,
+    data_parallel: int = 1,
+    precondition: bool = True,
+) -> Plan:
     """The naive placement, for comparison: all of a cycle's curvature work in one block after the
     flush of its first step (curvature, syncs, inverses, exchanges), preconditioning at the end of
     every step (unless `precondition` is False, as `PackOptions`). Collectives go in one order on
     every rank (by stage, layer, kind)."""
-    return _after_step(build_tasks(schedule, profile, split=split, data_parallel=data_parallel, precondition=precondition),
-                       refresh_steps)
+    return _after_step(
+        build_tasks(schedule, profile, split=split, data_parallel=data_parallel, precondition=precondition),
+        refresh_steps,
+    )
 
 
 def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
     schedule, profile = tasks.schedule, tasks.profile
-    layer_index: dict[tuple[int, str | None], int] = {(stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)}
+    layer_index: dict[tuple[int, str | None], int] = {
+        (stage, layer.name): i for stage, sp in enumerate(profile.stages) for i, layer in enumerate(sp.layers)
+    }
 
     def collectives(ops: tuple[Op, ...], kinds: set[OpKind]) -> list[Op]:
-        return sorted((op for op in ops if op.kind in kinds), key=lambda op: (op.stage, layer_index[(op.stage, op.layer)], op.kind.value))
+        return sorted(
+            (op for op in ops if op.kind in kinds),
+            key=lambda op: (op.stage, layer_index[(op.stage, op.layer)], op.kind.value),
+        )
 
     def block(ops: tuple[Op, ...]) -> list[Op]:
         inverses = {OpKind.INV_A, OpKind.INV_B}
         curvature = [op for op in ops if op.kind not in COLLECTIVES and op.kind not in inverses]
-        return (curvature + collectives(ops, {OpKind.SYNC_A, OpKind.SYNC_B}) + [op for op in ops if op.kind in inverses]
-                + collectives(ops, {OpKind.EXCHANGE}))
+        return (
+            curvature
+            + collectives(ops, {OpKind.SYNC_A, OpKind.SYNC_B})
+            + [op for op in ops if op.kind in inverses]
+            + collectives(ops, {OpKind.EXCHANGE})
+        )
 
     steps = []
     for step in range(refresh_steps):

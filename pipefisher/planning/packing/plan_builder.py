@@ -36,6 +36,8 @@ class Built(NamedTuple):
     plan: Plan
     leftovers: list[Op]
     irregular: frozenset[int]
+
+
 _first, _second = itemgetter(0), itemgetter(1)
 _PHASE = {OpKind.CURV_A: 0, OpKind.CURV_B: 0, OpKind.INV_A: 1, OpKind.INV_B: 1}
 
@@ -59,7 +61,9 @@ class PlanBuilder:
         kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}  # (collectives: step -1)
         in_windows = {p.slot.step for p in kept.values() if p.slot.phase == 1}
         weights = {step: moved for step, moved in enumerate(placed.weights[:refresh_steps]) if step in in_windows}
-        left = sorted((op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key)
+        left = sorted(
+            (op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key
+        )
         if eager_curvature:
             self._place_eagerly(kept, [op for op in left if op.kind in CURVATURE_KINDS])
         rest = [op for op in left if op not in kept]
@@ -71,7 +75,9 @@ class PlanBuilder:
         irregular = frozenset(kept[op].slot.step for op in left + collectives) | frozenset(weights)
         return Built(self.assemble(kept, refresh_steps, weights), left, irregular)
 
-    def assemble(self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None) -> Plan:
+    def assemble(
+        self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None
+    ) -> Plan:
         """The plan of the schedule's ops, the preconditions in their windows and `kept`; in the
         steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
         weights = weights or {}
@@ -125,8 +131,13 @@ class PlanBuilder:
             kept[op] = Placement(Slot(last, math.inf, 2, sequence), start, start + self.tasks.durations(op))
             end_of[op] = kept[op].end
 
-    def _spread(self, kept: dict[Op, Placement], leftovers: list[Op], refresh_steps: int,
-                weights: dict[int, dict[Op, Placement]]) -> None:
+    def _spread(
+        self,
+        kept: dict[Op, Placement],
+        leftovers: list[Op],
+        refresh_steps: int,
+        weights: dict[int, dict[Op, Placement]],
+    ) -> None:
         """Each leftover where it raises its step's largest per-rank extension least; an extension
         is the part of a task its window's free time lacks (W ops that moved in a step use their
         windows there, `weights`)."""
@@ -137,7 +148,9 @@ class PlanBuilder:
             for step in range(refresh_steps):
                 for start, _ in self._free(rank, step, weights):
                     cursor[(rank, step, start)] = step * self.period + start
-        for op, p in [item for placements in [kept, *weights.values()] for item in placements.items()]:  # consume what the greedy used
+        for op, p in [
+            item for placements in [kept, *weights.values()] for item in placements.items()
+        ]:  # consume what the greedy used
             if p.slot.phase == 1:
                 key = (self.schedule.rank_of(op), p.slot.step, p.slot.window)
                 cursor[key] = max(cursor[key], p.end)
@@ -152,7 +165,9 @@ class PlanBuilder:
                 for start, end in self._free(rank, step, weights)
                 if step * self.period + start + TOLERANCE >= ready
             ]
-            candidates += [(work, step, None) for step in range(refresh_steps) if (step + 1) * self.period >= ready or step == last]
+            candidates += [
+                (work, step, None) for step in range(refresh_steps) if (step + 1) * self.period >= ready or step == last
+            ]
             added, step, window = min(
                 candidates, key=lambda c: (max(0.0, extension[(rank, c[1])] + c[0] - step_max[c[1]]), c[0], c[1])
             )
@@ -175,7 +190,10 @@ class PlanBuilder:
         previous micro-batch's curvature of the factor), extending that step: after the
         forward/backward itself, or at the end of the window its predecessor ran in."""
         for sequence, op in enumerate(curvature, start=1):
-            slots = [kept[dep] if dep in kept else self._first_order_placement(dep) for dep in self.tasks.graph.dependencies(op)]
+            slots = [
+                kept[dep] if dep in kept else self._first_order_placement(dep)
+                for dep in self.tasks.graph.dependencies(op)
+            ]
             latest = max(slots, key=lambda p: p.slot)
             start = max(p.end for p in slots)
             slot = latest.slot._replace(sequence=sequence if latest.slot.phase == 0 else 10**9 + sequence)
@@ -213,14 +231,22 @@ class PlanBuilder:
             self._place_collectives_of([op for op in self.collectives if op.kind in kinds], kept, first_weights, last)
         return self.collectives
 
-    def _place_collectives_of(self, collectives: list[Op], kept: dict[Op, Placement], first_weights: dict[Op, Placement],
-                              last: dict[frozenset[int], dict[int, Slot]]) -> None:
+    def _place_collectives_of(
+        self,
+        collectives: list[Op],
+        kept: dict[Op, Placement],
+        first_weights: dict[Op, Placement],
+        last: dict[frozenset[int], dict[int, Slot]],
+    ) -> None:
         """Place `collectives` after their dependencies' final places; `last[group][rank]`: the slot
         of the group's last collective on that rank so far (updated)."""
         own: dict[Op, tuple[float, Slot]] = {}
         for op in collectives:
-            deps = [kept[d] if d in kept else first_weights[d] if d in first_weights else self._first_order_placement(d)
-                    for d in self.tasks.graph.dependencies(op) if d in kept or d.kind.is_compute]
+            deps = [
+                kept[d] if d in kept else first_weights[d] if d in first_weights else self._first_order_placement(d)
+                for d in self.tasks.graph.dependencies(op)
+                if d in kept or d.kind.is_compute
+            ]
             own[op] = (max(p.end for p in deps), max(p.slot for p in deps)) if deps else (0.0, Slot(0, -math.inf, 0, 0))
         members: dict[tuple, list[Op]] = defaultdict(list)
         for op in collectives:

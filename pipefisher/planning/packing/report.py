@@ -137,7 +137,12 @@ class PackResult:
             "reason": self.reason,
             "placement": self.placement,
             "frontier": [
-                {"refresh_steps": p.refresh_steps, "overhead": p.overhead, "step_time": p.step_time, "placement": p.placement}
+                {
+                    "refresh_steps": p.refresh_steps,
+                    "overhead": p.overhead,
+                    "step_time": p.step_time,
+                    "placement": p.placement,
+                }
                 for p in self.frontier
             ],
             "capture_peak_mib": self.capture_peak_bytes / 2**20,
@@ -178,7 +183,11 @@ def device_reports(
     moved = moved_weights(plan)
     reports = []
     for rank in range(tasks.schedule.num_ranks):
-        steps_used = [j for j, step in enumerate(plan.steps) if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])]
+        steps_used = [
+            j
+            for j, step in enumerate(plan.steps)
+            if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])
+        ]
         work = sum(tasks.cycle_work[rank])
         precondition = sum(durations(op) for op in tasks.per_step[rank])
         bubble = first_order.bubble_time(rank)

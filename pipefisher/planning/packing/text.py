@@ -20,19 +20,26 @@ def format_pack_report(result: PackResult) -> str:
         f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
         f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
         f"why: {data['reason']} (plan: {data['placement']})",
-        f"frontier{' before the capture cap' if data['memory'] else ''} (k: overhead): " + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
+        f"frontier{' before the capture cap' if data['memory'] else ''} (k: overhead): "
+        + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
         f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
         f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
     ]
     if data.get("moved_weights"):
-        lines.append(f"weight gradients (W) moved from where the schedule put them: {data['moved_weights']} over the cycle")
+        lines.append(
+            f"weight gradients (W) moved from where the schedule put them: {data['moved_weights']} over the cycle"
+        )
     if result.capture_peak_bytes:
         peak = max(result.capture_peaks, key=lambda p: p.bytes)
-        lines.append(f"captured activations/gradients held: peak {data['capture_peak_mib']:.1f} MiB (rank {peak.rank}, "
-                     f"step {peak.step} of the cycle)" + (f"; {data['memory']}" if data["memory"] else ""))
+        lines.append(
+            f"captured activations/gradients held: peak {data['capture_peak_mib']:.1f} MiB (rank {peak.rank}, "
+            f"step {peak.step} of the cycle)" + (f"; {data['memory']}" if data["memory"] else "")
+        )
     if data["unplaceable"]:
-        lines.append(f"{len(data['unplaceable'])} tasks fit no bubble and extend steps: {', '.join(data['unplaceable'][:4])}"
-                     + (" ..." if len(data["unplaceable"]) > 4 else ""))
+        lines.append(
+            f"{len(data['unplaceable'])} tasks fit no bubble and extend steps: {', '.join(data['unplaceable'][:4])}"
+            + (" ..." if len(data["unplaceable"]) > 4 else "")
+        )
     rows = [
         (
             d["rank"],
@@ -47,6 +54,16 @@ def format_pack_report(result: PackResult) -> str:
         )
         for d in data["devices"]
     ]
-    headers = ["rank", "steps used", "bound", f"{label}/cycle [{unit}]", f"precond/step [{unit}]", f"bubble/step [{unit}]", "work/bubble", "util [%]", "captures [MiB]"]
+    headers = [
+        "rank",
+        "steps used",
+        "bound",
+        f"{label}/cycle [{unit}]",
+        f"precond/step [{unit}]",
+        f"bubble/step [{unit}]",
+        "work/bubble",
+        "util [%]",
+        "captures [MiB]",
+    ]
     lines.append(format_table(headers, rows))
     return "\n".join(lines)

@@ -55,8 +55,12 @@ class WeightWindows:
     latest: tuple[tuple[float, ...], ...]
 
 
-def weight_windows(tasks: CurvatureTasks, free: tuple[tuple[tuple[float, float], ...], ...], preconditioned_ranks: tuple[tuple[Interval, ...], ...],
-                   precondition_window: dict[Op, float | None]) -> WeightWindows:
+def weight_windows(
+    tasks: CurvatureTasks,
+    free: tuple[tuple[tuple[float, float], ...], ...],
+    preconditioned_ranks: tuple[tuple[Interval, ...], ...],
+    precondition_window: dict[Op, float | None],
+) -> WeightWindows:
     """The bounds of the module docstring for every rank: `free` are the windows of a step with
     its preconditioning (`preconditioned_ranks` its intervals), `precondition_window` where each
     precondition starts (None: after the step's work)."""
@@ -69,7 +73,9 @@ def weight_windows(tasks: CurvatureTasks, free: tuple[tuple[tuple[float, float],
         merged.append(windows)
         ops.append(tuple(iv.op for iv in weights))
         works.append(tuple(iv.duration for iv in weights))
-        releases.append(tuple(end_of[Op(OpKind.BACKWARD, iv.op.stage, iv.op.micro_batch, iv.op.pipe)] for iv in weights))
+        releases.append(
+            tuple(end_of[Op(OpKind.BACKWARD, iv.op.stage, iv.op.micro_batch, iv.op.pipe)] for iv in weights)
+        )
         latests.append(_latest_starts(windows, works[-1], deadlines, weights))
     return WeightWindows(tuple(merged), tuple(ops), tuple(works), tuple(releases), tuple(latests))
 
@@ -85,8 +91,13 @@ def _merge(intervals: list[tuple[float, float]]) -> tuple[tuple[float, float], .
     return tuple(merged)
 
 
-def _deadlines(tasks: CurvatureTasks, rank: int, intervals: tuple[Interval, ...], weights: list[Interval],
-               precondition_window: dict[Op, float | None]) -> list[float]:
+def _deadlines(
+    tasks: CurvatureTasks,
+    rank: int,
+    intervals: tuple[Interval, ...],
+    weights: list[Interval],
+    precondition_window: dict[Op, float | None],
+) -> list[float]:
     """Per W of the rank (schedule order): when it must have ended (gradient consumers, memory)."""
     stage_deadline: dict[tuple[int, int], float] = {}
     preconditions = {(op.pipe, op.stage): op for op in tasks.per_step[rank]}
@@ -101,7 +112,10 @@ def _deadlines(tasks: CurvatureTasks, rank: int, intervals: tuple[Interval, ...]
         else:
             stage_deadline[key] = math.inf
     starts = {kind: [iv.start for iv in intervals if iv.op.kind is kind] for kind in (OpKind.FORWARD, OpKind.BACKWARD)}
-    bounds = ((OpKind.BACKWARD, peak_pending_weights(tasks.schedule.ranks[rank])), (OpKind.FORWARD, peak_activations(tasks.schedule.ranks[rank])))
+    bounds = (
+        (OpKind.BACKWARD, peak_pending_weights(tasks.schedule.ranks[rank])),
+        (OpKind.FORWARD, peak_activations(tasks.schedule.ranks[rank])),
+    )
     deadlines = []
     for m, iv in enumerate(weights):
         deadline = stage_deadline[(iv.op.pipe, iv.op.stage)]
@@ -113,8 +127,9 @@ def _deadlines(tasks: CurvatureTasks, rank: int, intervals: tuple[Interval, ...]
     return deadlines
 
 
-def _latest_starts(windows: tuple[tuple[float, float], ...], works: tuple[float, ...], deadlines: list[float],
-                   weights: list[Interval]) -> tuple[float, ...]:
+def _latest_starts(
+    windows: tuple[tuple[float, float], ...], works: tuple[float, ...], deadlines: list[float], weights: list[Interval]
+) -> tuple[float, ...]:
     """Latest start of each W (in order) such that it and all later ones fit `windows` in order and
     by their deadlines; never before the schedule's own start of it."""
     latest = [0.0] * len(works)

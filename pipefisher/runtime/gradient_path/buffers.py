@@ -45,7 +45,9 @@ class GradientBuffer:
         parameters = unique_parameters(module)
         dtypes = {p.dtype for p in parameters}
         if len(dtypes) > 1:
-            raise ValueError(f"a stage's parameters must share one dtype for its gradient buffer, got {sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"a stage's parameters must share one dtype for its gradient buffer, got {sorted(map(str, dtypes))}"
+            )
         device = parameters[0].device if parameters else torch.device("cpu")
         dtype = next(iter(dtypes), torch.float32)
         self.flat = torch.zeros(sum(p.numel() for p in parameters), dtype=dtype, device=device)
@@ -57,7 +59,7 @@ class GradientBuffer:
         bounds: list[tuple[int, int]] = []
         offset, start, first = 0, 0, 0
         for index, parameter in enumerate(parameters):
-            view = self.flat[offset: offset + parameter.numel()].view_as(parameter)
+            view = self.flat[offset : offset + parameter.numel()].view_as(parameter)
             parameter.grad = view
             self.gradients.append(view)
             new_owner = owners is not None and index > first and owners[index] != owners[first]
@@ -76,7 +78,7 @@ class GradientBuffer:
             self.parameter_flat = torch.empty_like(self.flat)
             offset = 0
             for parameter in parameters:
-                view = self.parameter_flat[offset: offset + parameter.numel()].view_as(parameter)
+                view = self.parameter_flat[offset : offset + parameter.numel()].view_as(parameter)
                 view.copy_(parameter.detach())
                 parameter.data = view
                 offset += parameter.numel()
@@ -118,8 +120,14 @@ class TiedGradients:
     and MLM decoder) and gives every copy the sum, as if the weight were one Parameter. Runs after
     each stage's gradients are reduced over its replicas."""
 
-    def __init__(self, topology: Topology, ownership: Ownership, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]],
-                 ranks: tuple[int, ...]):
+    def __init__(
+        self,
+        topology: Topology,
+        ownership: Ownership,
+        stages: dict[tuple[int, int], nn.Module],
+        tied: list[tuple[str, str]],
+        ranks: tuple[int, ...],
+    ):
         self.ownership = ownership
         where = {"first": 0, "last": topology.schedule.num_stages - 1}
         self.copies: list[tuple[int, nn.Parameter]] = []
@@ -156,8 +164,14 @@ class GlobalNorm:
     tensor-parallel processes of a rank hold whole, shard 0 counts it), summed over all processes
     by the caller."""
 
-    def __init__(self, topology: Topology, ownership: Ownership, stages: dict[tuple[int, int], nn.Module], tied: list[tuple[str, str]],
-                 shard: int = 0):
+    def __init__(
+        self,
+        topology: Topology,
+        ownership: Ownership,
+        stages: dict[tuple[int, int], nn.Module],
+        tied: list[tuple[str, str]],
+        shard: int = 0,
+    ):
         last = topology.schedule.num_stages - 1
         # the last stage's tied copy duplicates the first stage's: count it once
         skip = {(last, name) for selector, name in tied if selector == "last"} if last > 0 else set()
@@ -165,7 +179,12 @@ class GlobalNorm:
         for (pipe, stage), module in sorted(stages.items()):
             split = split_parameters(module)
             for name, parameter in module.named_parameters():
-                if (stage, name) not in skip and parameter.requires_grad and ownership.counts(parameter) and (shard == 0 or parameter in split):
+                if (
+                    (stage, name) not in skip
+                    and parameter.requires_grad
+                    and ownership.counts(parameter)
+                    and (shard == 0 or parameter in split)
+                ):
                     self.counted.append(parameter)
 
     def local_square(self, device: torch.device) -> Tensor:

@@ -39,7 +39,7 @@ def _carve(flat: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
     views, offset = [], 0
     for shape in shapes:
         size = int(torch.Size(shape).numel())
-        views.append(flat[offset: offset + size].view(shape))
+        views.append(flat[offset : offset + size].view(shape))
         offset += size
     return views
 
@@ -52,9 +52,9 @@ def orthonormalise_(matrix: Tensor) -> None:
     smallest = torch.finfo(matrix.dtype).tiny
     for _ in range(2):
         for i in range(matrix.shape[1]):
-            column = matrix[:, i:i + 1]
+            column = matrix[:, i : i + 1]
             column.div_(torch.linalg.vector_norm(column).clamp_min(smallest))
-            rest = matrix[:, i + 1:]
+            rest = matrix[:, i + 1 :]
             rest.sub_(column @ (column.T @ rest))
 
 
@@ -63,7 +63,9 @@ class PowerSGD:
     each, in one flat tensor that is all-reduced), the P factors and the uncompressed tensors (one
     flat tensor), and the error of every compressed matrix (n x m, like the gradient)."""
 
-    def __init__(self, buffer: GradientBuffer, rank: int, seed: int, loss_scale: Callable[[], Tensor | None] = lambda: None):
+    def __init__(
+        self, buffer: GradientBuffer, rank: int, seed: int, loss_scale: Callable[[], Tensor | None] = lambda: None
+    ):
         if rank < 1:
             raise ValueError(f"rank: expected >= 1, got {rank}")
         self.rank, self.loss_scale = rank, loss_scale
@@ -77,12 +79,16 @@ class PowerSGD:
         device, dtype = buffer.flat.device, buffer.flat.dtype
         p_shapes = [(m.shape[0], rank) for m in self.matrices]
         whole_shapes = [(w.numel(),) for w in self.whole]
-        self.p_flat = torch.zeros(sum(n * rank for n, _ in p_shapes) + sum(s[0] for s in whole_shapes), dtype=dtype, device=device)
+        self.p_flat = torch.zeros(
+            sum(n * rank for n, _ in p_shapes) + sum(s[0] for s in whole_shapes), dtype=dtype, device=device
+        )
         views = _carve(self.p_flat, p_shapes + whole_shapes)
-        self.p, self.whole_slots = views[: len(p_shapes)], views[len(p_shapes):]
+        self.p, self.whole_slots = views[: len(p_shapes)], views[len(p_shapes) :]
         q_shapes = [(m.shape[1], rank) for m in self.matrices]
         generator = torch.Generator().manual_seed(seed)
-        self.q_flat = torch.randn(sum(m * rank for m, _ in q_shapes), generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+        self.q_flat = torch.randn(sum(m * rank for m, _ in q_shapes), generator=generator, dtype=torch.float32).to(
+            device=device, dtype=dtype
+        )
         self.q = _carve(self.q_flat, q_shapes)
         #: fp16: the Q that started the step, kept while a step may overflow
         self._q_start = torch.empty_like(self.q_flat) if loss_scale() is not None else None

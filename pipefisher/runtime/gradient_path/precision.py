@@ -56,8 +56,14 @@ class LossScaler:
 
     def update(self, overflow: Tensor) -> None:
         """Next step's scale from the flag all ranks agreed on (> 0: some rank overflowed)."""
-        torch._amp_update_scale_(self.scale, self.growth_tracker, (overflow > 0).float().reshape(1),
-                                 GROWTH_FACTOR, BACKOFF_FACTOR, GROWTH_INTERVAL)
+        torch._amp_update_scale_(
+            self.scale,
+            self.growth_tracker,
+            (overflow > 0).float().reshape(1),
+            GROWTH_FACTOR,
+            BACKOFF_FACTOR,
+            GROWTH_INTERVAL,
+        )
 
     def state_dict(self) -> dict:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}

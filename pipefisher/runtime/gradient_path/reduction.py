@@ -28,7 +28,14 @@ from collections.abc import Callable
 from torch import Tensor
 
 from pipefisher.core.topology import Topology
-from pipefisher.planning.comm.actions import Collective, GradientPath, Reduction, gather_collective, grad_collective, grad_q_collective
+from pipefisher.planning.comm.actions import (
+    Collective,
+    GradientPath,
+    Reduction,
+    gather_collective,
+    grad_collective,
+    grad_q_collective,
+)
 from pipefisher.runtime.gradient_path.buffers import GradientBuffer
 from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 from pipefisher.runtime.pipeline.comm import Comm, Handle, done
@@ -84,7 +91,9 @@ class AllReduce(GradientReduction):
     """Every replica gets the whole sum: one all-reduce of the stage's buckets."""
 
     def launch_grad(self, comm: Comm, collective: Collective, step: int) -> Handle:
-        return comm.all_reduce([bucket for buffer in self.stage_buffers(collective.key[0]) for bucket in buffer.buckets], collective.group)
+        return comm.all_reduce(
+            [bucket for buffer in self.stage_buffers(collective.key[0]) for bucket in buffer.buckets], collective.group
+        )
 
 
 class ShardedReduction(AllReduce):
@@ -95,12 +104,17 @@ class ShardedReduction(AllReduce):
         buffers = self.stage_buffers(collective.key[0])
         if not (buffers and buffers[0].owners is not None):
             return super().launch_grad(comm, collective, step)
-        return comm.reduce([(b, owner) for buffer in buffers for b, owner in zip(buffer.buckets, buffer.bucket_owners)], collective.group)
+        return comm.reduce(
+            [(b, owner) for buffer in buffers for b, owner in zip(buffer.buckets, buffer.bucket_owners)],
+            collective.group,
+        )
 
     def launch_gather(self, comm: Comm, collective: Collective) -> Handle:
         buffers = self.stage_buffers(collective.key[0])
-        return comm.broadcast([(b, owner) for buffer in buffers for b, owner in zip(buffer.parameter_buckets, buffer.bucket_owners)],
-                              collective.group)
+        return comm.broadcast(
+            [(b, owner) for buffer in buffers for b, owner in zip(buffer.parameter_buckets, buffer.bucket_owners)],
+            collective.group,
+        )
 
 
 class CompressedReduction(AllReduce):
@@ -123,7 +137,9 @@ class CompressedReduction(AllReduce):
         compressors = self._compressors(collective.key[0], step)
         if not compressors:
             return super().launch_grad(comm, collective, step)
-        return comm.all_reduce([tensor for compressor in compressors for tensor in compressor.p_factors()], collective.group)
+        return comm.all_reduce(
+            [tensor for compressor in compressors for tensor in compressor.p_factors()], collective.group
+        )
 
     def launch_grad_q(self, comm: Comm, collective: Collective, step: int) -> Handle:
         compressors = self._compressors(collective.key[0], step)
@@ -147,14 +163,24 @@ class CompressedReduction(AllReduce):
         return [tensor for compressor in self.compressors.values() for tensor in compressor.tensors()]
 
 
-def gradient_reduction(path: GradientPath, topology: Topology, buffers: Buffers, powersgd_rank: int = 0, powersgd_start: int = 0,
-                       seed: int = 0, loss_scale: Callable[[], Tensor | None] = lambda: None) -> GradientReduction:
+def gradient_reduction(
+    path: GradientPath,
+    topology: Topology,
+    buffers: Buffers,
+    powersgd_rank: int = 0,
+    powersgd_start: int = 0,
+    seed: int = 0,
+    loss_scale: Callable[[], Tensor | None] = lambda: None,
+) -> GradientReduction:
     """The strategy of `path.reduction` for this rank's `buffers` (ZeRO-1's buffers are built with
     owners). PowerSGD: rank `powersgd_rank` from step `powersgd_start`, its Q drawn from `seed`."""
     if path.reduction is Reduction.SHARDED:
         return ShardedReduction(buffers)
     if path.reduction is Reduction.COMPRESSED:
-        compressors = {key: PowerSGD(buffer, powersgd_rank, seed=seed * 1009 + key[1], loss_scale=loss_scale)
-                       for key, buffer in buffers.items() if powersgd_rank and len(topology.replica_ranks(key[1])) > 1}
+        compressors = {
+            key: PowerSGD(buffer, powersgd_rank, seed=seed * 1009 + key[1], loss_scale=loss_scale)
+            for key, buffer in buffers.items()
+            if powersgd_rank and len(topology.replica_ranks(key[1])) > 1
+        }
         return CompressedReduction(buffers, compressors, powersgd_start)
     return AllReduce(buffers)

@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from pipefisher.planning.comm.actions import STEP, TIED, Collective
-from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients, clip_coefficient
+from pipefisher.runtime.gradient_path.buffers import (
+    GlobalNorm,
+    GradientBuffer,
+    Ownership,
+    TiedGradients,
+    clip_coefficient,
+)
 from pipefisher.runtime.gradient_path.precision import LossScaler
 from pipefisher.runtime.gradient_path.reduction import AllReduce, GradientReduction
 from pipefisher.runtime.pipeline.comm import Comm, Handle, done
@@ -76,13 +82,28 @@ class StepEnd:
     of applying them: no reduction, no optimizer step; the loss is still summed.
     """
 
-    def __init__(self, comm: Comm, device: torch.device, gradients: Gradients, optimizer_step: OptimizerStep,
-                 loss: LossReport = LossReport()):
+    def __init__(
+        self,
+        comm: Comm,
+        device: torch.device,
+        gradients: Gradients,
+        optimizer_step: OptimizerStep,
+        loss: LossReport = LossReport(),
+    ):
         self.comm, self.device = comm, device
-        self.stages, self.buffers, self.ownership, self.tied = gradients.stages, gradients.buffers, gradients.ownership, gradients.tied
+        self.stages, self.buffers, self.ownership, self.tied = (
+            gradients.stages,
+            gradients.buffers,
+            gradients.ownership,
+            gradients.tied,
+        )
         #: the gradient path's strategy
         self.reduction = gradients.reduction if gradients.reduction is not None else AllReduce(gradients.buffers)
-        self.optimizer, self.scheduler, self.scaler = optimizer_step.optimizer, optimizer_step.scheduler, optimizer_step.scaler
+        self.optimizer, self.scheduler, self.scaler = (
+            optimizer_step.optimizer,
+            optimizer_step.scheduler,
+            optimizer_step.scaler,
+        )
         self.clip_norm, self.norm = optimizer_step.clip_norm, optimizer_step.norm
         self.before_optimizer_step = optimizer_step.before_optimizer_step
         self.loss_parts = loss.parts
@@ -105,8 +126,12 @@ class StepEnd:
 
     def gradients(self) -> list[Tensor]:
         """The gradients this rank applies."""
-        return [gradient for buffer in self.buffers.values() for parameter, gradient in zip(buffer.parameters, buffer.gradients)
-                if self.applies_to(parameter)]
+        return [
+            gradient
+            for buffer in self.buffers.values()
+            for parameter, gradient in zip(buffer.parameters, buffer.gradients)
+            if self.applies_to(parameter)
+        ]
 
     # -- collectives ------------------------------------------------------------------------
     def launch_grad(self, collective: Collective) -> Handle:
@@ -159,8 +184,10 @@ class StepEnd:
             if overflow is not None:
                 values.append(overflow.double().reshape(()))
         signum = stop_request.signum  # a host value: the sum tells every rank that one was signalled
-        values += [torch.full((), float(signum), dtype=torch.float64, device=self.device),
-                   torch.full((), float(signum > 0), dtype=torch.float64, device=self.device)]
+        values += [
+            torch.full((), float(signum), dtype=torch.float64, device=self.device),
+            torch.full((), float(signum > 0), dtype=torch.float64, device=self.device),
+        ]
         self._reduced = torch.stack(values)
         return self.comm.all_reduce([self._reduced], collective.group, on_done=self._apply)
 

@@ -84,8 +84,16 @@ class Comm:
     rank's tensor-parallel processes share `tensor_group` (``TENSOR``).
     """
 
-    def __init__(self, members: dict[GroupKey, tuple[int, ...]], rank: int, in_order: bool = False, timeout: float = 60.0,
-                 topology: Topology | None = None, shard: int = 0, tensor_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        members: dict[GroupKey, tuple[int, ...]],
+        rank: int,
+        in_order: bool = False,
+        timeout: float = 60.0,
+        topology: Topology | None = None,
+        shard: int = 0,
+        tensor_group: dist.ProcessGroup | None = None,
+    ):
         self.rank, self.in_order, self.timeout = rank, in_order, timeout
         self.members = members
         self.shard = shard
@@ -120,7 +128,9 @@ class Comm:
                 try:
                     future.result(timeout=self.timeout)
                 except TimeoutError:
-                    raise TimeoutError(f"nothing completed on group {key} within {self.timeout:g} s (in-order mode)") from None
+                    raise TimeoutError(
+                        f"nothing completed on group {key} within {self.timeout:g} s (in-order mode)"
+                    ) from None
 
             return Handle(wait, on_done)
         works = start(group)
@@ -146,12 +156,20 @@ class Comm:
         """Sum each tensor over the group into the copy of its global rank; the other members'
         copies are left undefined."""
         self._count("reduce", [t for t, _ in pairs], key)
-        return self.call(key, lambda group: [dist.reduce(t, self._process(root), group=group, async_op=True) for t, root in pairs])
+        return self.call(
+            key, lambda group: [dist.reduce(t, self._process(root), group=group, async_op=True) for t, root in pairs]
+        )
 
-    def broadcast(self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None) -> Handle:
+    def broadcast(
+        self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None
+    ) -> Handle:
         """Each tensor of the pair's global rank into that tensor of every member, in place."""
         self._count("broadcast", [t for t, _ in pairs], key)
-        return self.call(key, lambda group: [dist.broadcast(t, self._process(root), group=group, async_op=True) for t, root in pairs], on_done)
+        return self.call(
+            key,
+            lambda group: [dist.broadcast(t, self._process(root), group=group, async_op=True) for t, root in pairs],
+            on_done,
+        )
 
     def tensor_all_reduce(self, tensor: Tensor) -> Tensor:
         """Sum `tensor` over this rank's tensor-parallel processes, in place, and wait: the

@@ -21,7 +21,17 @@ from torch.profiler import record_function
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
 from pipefisher.core.trace_labels import step_label, step_time_label
-from pipefisher.planning.comm.actions import Action, ActionKind, Collective, CollectiveKind, GradientPath, Message, SendDone, input_message, output_message
+from pipefisher.planning.comm.actions import (
+    Action,
+    ActionKind,
+    Collective,
+    CollectiveKind,
+    GradientPath,
+    Message,
+    SendDone,
+    input_message,
+    output_message,
+)
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.pipeline.clock import Clock
@@ -88,8 +98,11 @@ def describe(action: Action) -> str:
     if isinstance(target, SendDone):
         return f"op {target.message.producer} (waiting for the send of its output)"
     if isinstance(target, Message):
-        what = {ActionKind.POST: "posting the receive of its input", ActionKind.SEND: "sending its output",
-                ActionKind.WAIT: "waiting for its input"}[kind]
+        what = {
+            ActionKind.POST: "posting the receive of its input",
+            ActionKind.SEND: "sending its output",
+            ActionKind.WAIT: "waiting for its input",
+        }[kind]
         return f"op {target.producer if kind is ActionKind.SEND else target.consumer} ({what})"
     return f"collective {target}" + (" (waiting)" if kind is ActionKind.WAIT else "")
 
@@ -120,14 +133,20 @@ class Executor:
         self.replica = topology.replica_of(rank)
         #: op kind -> its handler: the executor's own, then its extensions'
         self.handlers: dict[OpKind, Callable[[Op], None]] = {
-            OpKind.FORWARD: self._forward, OpKind.BACKWARD: self._backward, OpKind.WEIGHT: self._weight}
+            OpKind.FORWARD: self._forward,
+            OpKind.BACKWARD: self._backward,
+            OpKind.WEIGHT: self._weight,
+        }
         if splits_backward(topology.schedule.ranks[topology.pipeline_rank(rank)]):
             for stage in stages.values():
                 stage.split_backward()
         #: collective kind -> what launches one: the step end's, then the extensions'
         self.collectives: dict[CollectiveKind, Callable[[Collective], Handle]] = {
-            CollectiveKind.GRAD: step_end.launch_grad, CollectiveKind.TIED: step_end.launch_tied, CollectiveKind.STEP: step_end.launch_step,
-            CollectiveKind.GATHER: step_end.launch_gather, CollectiveKind.GRAD_Q: step_end.launch_grad_q,
+            CollectiveKind.GRAD: step_end.launch_grad,
+            CollectiveKind.TIED: step_end.launch_tied,
+            CollectiveKind.STEP: step_end.launch_step,
+            CollectiveKind.GATHER: step_end.launch_gather,
+            CollectiveKind.GRAD_Q: step_end.launch_grad_q,
         }
         #: the extensions whose hooks run (forward context, after backward, before the optimizer step, record)
         self._extensions = extensions if extensions is not None else Extensions()
@@ -201,15 +220,21 @@ class Executor:
                     with record_function(str(action)) if labelled else UNLABELLED:
                         self._perform(action)
                 except Exception as exc:
-                    raise StepFailure(f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}") from exc
+                    raise StepFailure(
+                        f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}"
+                    ) from exc
             pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
             if pending:  # a plan runs every W of a step within it; the gradients would be incomplete
-                raise StepFailure(f"rank {self.rank} failed at step {step + 1}: weight gradients of stage(s) {', '.join(pending)} still pending at its end")
+                raise StepFailure(
+                    f"rank {self.rank} failed at step {step + 1}: weight gradients of stage(s) {', '.join(pending)} still pending at its end"
+                )
             try:
                 with record_function("step end") if labelled else UNLABELLED:
                     record = self.step_end.finish()
             except Exception as exc:
-                raise StepFailure(f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}") from exc
+                raise StepFailure(
+                    f"rank {self.rank} failed at step {step + 1}, end of step: {first_line(exc)}"
+                ) from exc
         seconds = time.perf_counter() - start
         if labelled:
             with record_function(step_time_label(step + 1, 1000 * seconds)):

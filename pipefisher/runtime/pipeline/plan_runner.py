@@ -25,8 +25,14 @@ class PlanRunner:
     `shared_statistics`: the curvature statistics the rank's tensor-parallel processes build in
     shares (`pipefisher.planning.comm.plan.plan_actions`); none for a first-order run."""
 
-    def __init__(self, executor: Executor, rank: int, plan: Plan, tied: bool,
-                 shared_statistics: frozenset[tuple[int, str, str]] = frozenset()):
+    def __init__(
+        self,
+        executor: Executor,
+        rank: int,
+        plan: Plan,
+        tied: bool,
+        shared_statistics: frozenset[tuple[int, str, str]] = frozenset(),
+    ):
         self.executor, self.rank, self.tied = executor, rank, tied
         self.shared_statistics = shared_statistics
         self.cycle_step = 0
@@ -35,8 +41,10 @@ class PlanRunner:
     def set_plan(self, plan: Plan) -> None:
         """Use `plan` from the next cycle on (call at a cycle boundary)."""
         self.plan = plan
-        self.comm: CommPlan = replay(plan_actions(self.executor.topology, plan, self.tied, self.executor.gradient_path, self.shared_statistics),
-                                     name=plan.schedule.name)
+        self.comm: CommPlan = replay(
+            plan_actions(self.executor.topology, plan, self.tied, self.executor.gradient_path, self.shared_statistics),
+            name=plan.schedule.name,
+        )
 
     def run_step(self, step: int) -> StepResult:
         actions = self.comm.steps[self.cycle_step][self.rank]

@@ -46,8 +46,9 @@ def _announce() -> tuple[Any, Any]:
 
 def _checkpointed(forward: Callable[..., Any], announce: bool) -> Callable[..., Any]:
     if announce:
-        return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True,
-                                                  context_fn=_announce, **kwargs)
+        return lambda *args, **kwargs: checkpoint(
+            forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_announce, **kwargs
+        )
     return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
@@ -55,7 +56,11 @@ def recompute_modules(module: nn.Module, plan: Sequence[str], announce: bool = T
     """Checkpoint, in place, every module under `module` whose name matches a glob of `plan`
     (dot-part by dot-part); names and parameters stay as they were. Returns the names wrapped,
     in module order. `announce`: set `recomputing()` during recomputation (see the module docstring)."""
-    wrapped = [(name, child) for name, child in module.named_modules() if name and any(module_matches(name, glob) for glob in plan)]
+    wrapped = [
+        (name, child)
+        for name, child in module.named_modules()
+        if name and any(module_matches(name, glob) for glob in plan)
+    ]
     for _, child in wrapped:
         child.forward = _checkpointed(child.forward, announce)
     return [name for name, _ in wrapped]

@@ -62,7 +62,9 @@ class SplitBackward:
         node = None if inputs is None else _node_of(inputs)
         return root is not None and node is not None and node in _reachable(root)
 
-    def input_gradient(self, micro_batch: int, output: Tensor, grad_output: Tensor | None, inputs: Tensor | None) -> Tensor | None:
+    def input_gradient(
+        self, micro_batch: int, output: Tensor, grad_output: Tensor | None, inputs: Tensor | None
+    ) -> Tensor | None:
         """Backward of `output` (the loss where `grad_output` is None) into `inputs`."""
         if self.splits is None:
             self.splits = self._reaches_input(output, inputs)
@@ -72,7 +74,9 @@ class SplitBackward:
             return None if inputs is None else inputs.grad
         if output._base is not None:  # PyTorch's split detaches the output in place, which a view refuses
             output = output.clone()
-        grads, groups = stage_backward_input([output], None if grad_output is None else [grad_output], [inputs], iter(self.parameters))
+        grads, groups = stage_backward_input(
+            [output], None if grad_output is None else [grad_output], [inputs], iter(self.parameters)
+        )
         self._pending[micro_batch] = groups
         return grads[0]
 
@@ -86,4 +90,3 @@ class SplitBackward:
     def pending(self) -> int:
         """Micro-batches whose weight gradient has not run yet."""
         return len(self._pending)
-

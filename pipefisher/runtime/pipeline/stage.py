@@ -26,8 +26,18 @@ class StageRuntime:
     `weight` the micro-batch's weight gradient (`pipefisher.runtime.pipeline.split_backward`).
     """
 
-    def __init__(self, pipe: int, stage: int, module: nn.Module, first: bool, last: bool, loss_fn: LossFn, loss_scale: float,
-                 precision: Precision, grad_scale: Callable[[], Tensor | None] = lambda: None):
+    def __init__(
+        self,
+        pipe: int,
+        stage: int,
+        module: nn.Module,
+        first: bool,
+        last: bool,
+        loss_fn: LossFn,
+        loss_scale: float,
+        precision: Precision,
+        grad_scale: Callable[[], Tensor | None] = lambda: None,
+    ):
         self.pipe, self.stage, self.module = pipe, stage, module
         self.first, self.last = first, last
         self.loss_fn, self.loss_scale = loss_fn, loss_scale

@@ -72,19 +72,25 @@ def bert_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> 
     if bert.num_hidden_layers % config.model_chunks:
         raise _unsplittable(config, f"{bert.num_hidden_layers} BERT layers", bert.num_hidden_layers)
     if settings.seq_len > bert.max_position_embeddings:
-        raise ConfigError(f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions")
+        raise ConfigError(
+            f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions"
+        )
     if on_data is not None:
         on_data()
     bert = dataclasses.replace(bert, vocab_size=pretraining_data(config).vocab_size)
     if settings.dropout >= 0:
-        bert = dataclasses.replace(bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout)
+        bert = dataclasses.replace(
+            bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout
+        )
     return BertStagedModel(bert, settings.seq_len)
 
 
 def _unsplittable(config: RunConfig, what: str, count: int) -> ConfigError:
     """The error for a model of `count` layers/blocks (`what`) the run's stages do not divide."""
     _, product = stage_count_terms(config.pipeline)
-    return ConfigError(f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}")
+    return ConfigError(
+        f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}"
+    )
 
 
 def hf_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> StagedModel:
@@ -100,21 +106,30 @@ def hf_model(config: RunConfig, on_data: Callable[[], None] | None = None) -> St
         raise ConfigError(f"model.{exc}") from None
     recompute_plan(model, settings.recompute)  # refused before the data is built
     if model.layout.data != config.data.kind:
-        raise ConfigError(f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}")
+        raise ConfigError(
+            f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}"
+        )
     if on_data is not None:
         on_data()
     try:
         data = text_data(config)
     except (ValueError, OSError) as exc:
         message = str(exc).splitlines()[0]
-        raise ConfigError(f"data.{message}" if message.startswith(("tokenizer:", "holdout:")) else f"data: {message}") from None
+        raise ConfigError(
+            f"data.{message}" if message.startswith(("tokenizer:", "holdout:")) else f"data: {message}"
+        ) from None
     if settings.hf_weights:
         if data.vocab_size > model.config.vocab_size:
-            raise ConfigError(f"data: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
-                              "model.hf_weights; give data.tokenizer the checkpoint's tokenizer.json")
+            raise ConfigError(
+                f"data: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
+                "model.hf_weights; give data.tokenizer the checkpoint's tokenizer.json"
+            )
         return model
-    special = {"pad_token_id": data.special.pad} if config.data.kind == "bert" else {
-        "bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
+    special = (
+        {"pad_token_id": data.special.pad}
+        if config.data.kind == "bert"
+        else {"bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
+    )
     return _hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()))
 
 
@@ -165,7 +180,9 @@ def _causal_data(data: DataConfig, seq_len: int, held_out: bool = False):
         try:
             tokenizer = Tokenizer.from_file(data.tokenizer)
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-            raise ValueError(f"tokenizer: {data.tokenizer} is not a tokenizer.json ({str(exc).splitlines()[0]})") from None
+            raise ValueError(
+                f"tokenizer: {data.tokenizer} is not a tokenizer.json ({str(exc).splitlines()[0]})"
+            ) from None
     else:
         tokenizer = train_byte_level_bpe(_documents(data, False), data.vocab_size, cache)
     return CausalLMData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, cache)
@@ -183,7 +200,9 @@ def _pretraining_data(data: DataConfig, seq_len: int, held_out: bool = False):
 
     cache = data.cache_dir or str(default_cache_dir())
     documents = _documents(data, held_out)
-    tokenizer = load_vocab(data.vocab) if data.vocab else train_wordpiece(_documents(data, False), data.vocab_size, cache)
+    tokenizer = (
+        load_vocab(data.vocab) if data.vocab else train_wordpiece(_documents(data, False), data.vocab_size, cache)
+    )
     return PretrainingData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, data.mask_prob, cache)
 
 
@@ -205,7 +224,9 @@ def held_out_batches(config: RunConfig, count: int) -> list[dict]:
     from pipefisher.data.holdout import evaluation_batches
 
     if config.data.kind not in ("bert", "causal") or not config.data.holdout:
-        raise ConfigError("data.holdout: held-out evaluation needs text data (data.kind bert or causal) and data.holdout > 0")
+        raise ConfigError(
+            "data.holdout: held-out evaluation needs text data (data.kind bert or causal) and data.holdout > 0"
+        )
     data = dataclasses.replace(config.data, seed=0)
     build = _pretraining_data if config.data.kind == "bert" else _causal_data
     return evaluation_batches(build(data, config.model.seq_len, True), count)

@@ -66,7 +66,7 @@ def steps(directory: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every step folder, newest first (complete or not)."""
     found = []
     for folder in directory.glob("step-*"):
-        suffix = folder.name[len("step-"):]
+        suffix = folder.name[len("step-") :]
         if folder.is_dir() and suffix.isdigit():
             found.append((int(suffix), folder))
     return sorted(found, reverse=True)
@@ -127,7 +127,9 @@ def save_rank(directory: str | Path, step: int, process: int, entries: dict[str,
     return FileRecord(path.name, path.stat().st_size, _sha256(path), tuple(entries), tuple(sorted(kinds.items())))
 
 
-def commit(directory: str | Path, step: int, run: dict[str, Any], records: list[FileRecord], keep: int = 2) -> list[str]:
+def commit(
+    directory: str | Path, step: int, run: dict[str, Any], records: list[FileRecord], keep: int = 2
+) -> list[str]:
     """Process 0, once every process saved `step`: write its manifest (`run`: what it says of the
     run, `pipefisher.runtime.training.resumption.manifest_fields`), point `latest` at it, and
     `prune`; the lines to say (a step set aside)."""
@@ -136,10 +138,17 @@ def commit(directory: str | Path, step: int, run: dict[str, Any], records: list[
     for record in records:
         size = (folder / record.name).stat().st_size
         if size != record.size:
-            raise CheckpointError(f"{folder / record.name}: {size} bytes on disk, {record.size} written; checkpoint not committed")
+            raise CheckpointError(
+                f"{folder / record.name}: {size} bytes on disk, {record.size} written; checkpoint not committed"
+            )
     manifest = {
-        "format": FORMAT, "step": step, **run,
-        "files": {r.name: {"size": r.size, "sha256": r.sha256, "bytes": dict(r.kind_bytes), "keys": list(r.keys)} for r in records},
+        "format": FORMAT,
+        "step": step,
+        **run,
+        "files": {
+            r.name: {"size": r.size, "sha256": r.sha256, "bytes": dict(r.kind_bytes), "keys": list(r.keys)}
+            for r in records
+        },
     }
     _atomic_write(folder / MANIFEST, lambda path: path.write_text(json.dumps(manifest, indent=1) + "\n"))
     _atomic_write(directory / "latest", lambda path: path.write_text(json.dumps({"step": step}) + "\n"))
@@ -188,6 +197,7 @@ _known_good: dict[Path, tuple] = {}
 
 def _signature(folder: Path, manifest: dict) -> tuple:
     """The manifest's files as (name, size, modification time) on disk now (None: missing)."""
+
     def stat(name: str) -> tuple[int, int] | None:
         try:
             found = (folder / name).stat()

@@ -51,10 +51,17 @@ def hold_checkpoint_folder(directory: str | Path) -> Iterator[None]:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(os.pread(descriptor, 4096, 0).decode("utf-8", "replace"))
-            raise FolderInUse(f"checkpoint.dir {directory} is in use by another run ({holder}); "
-                              "wait for it to end or give another --checkpoint-dir") from None
+            raise FolderInUse(
+                f"checkpoint.dir {directory} is in use by another run ({holder}); "
+                "wait for it to end or give another --checkpoint-dir"
+            ) from None
         started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": started,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        }
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, (json.dumps(record) + "\n").encode(), 0)
         yield

@@ -156,8 +156,12 @@ def _curvature_entries(runtime: CurvatureRuntime, local: str, suffix: str, mid_c
                 entries[f"curvature/{prefix}{name}{suffix}"] = _split_slots(entry, runtime.cycle_slots)[0]
                 if mid_cycle:
                     entries[f"{local}/{_stage_key(pipe, stage)}/{prefix}{name}"] = entry
-        entries.setdefault(REST, {key: value for key, value in state.items() if key not in runtime.named_sections}
-                           if "" not in runtime.named_sections else {})
+        entries.setdefault(
+            REST,
+            {key: value for key, value in state.items() if key not in runtime.named_sections}
+            if "" not in runtime.named_sections
+            else {},
+        )
     return entries
 
 
@@ -180,7 +184,12 @@ def _write_priority(executor: Executor, runner: PlanRunner, keys: Iterable[str])
     for key in keys:
         name = key.rpartition("/")[2].partition("@")[0]
         parameter = first.get(name)
-        kept = curvature is None or not key.startswith("curvature/") or name not in stage_of or curvature.keeps(stage_of[name], name)
+        kept = (
+            curvature is None
+            or not key.startswith("curvature/")
+            or name not in stage_of
+            or curvature.keeps(stage_of[name], name)
+        )
         priority[key] = 0 if kept and (parameter is None or updates(parameter)) else 1
     return priority
 
@@ -200,7 +209,9 @@ def entries_to_write(executor: Executor, runner: PlanRunner, entries: dict[str, 
     return {key: value for key, value in entries.items() if key.startswith("local/") or writer[key][1] == process}
 
 
-def restore_executor(executor: Executor, reader: StateReader, config: RunConfig, process: int, same_processes: bool) -> None:
+def restore_executor(
+    executor: Executor, reader: StateReader, config: RunConfig, process: int, same_processes: bool
+) -> None:
     """Load this process's parameters, optimizer state, loss scaler and schedule position from
     `reader`; with the same processes also its random streams and PowerSGD state, else streams
     re-seeded from (seed, rank, step). KeyError naming an entry the checkpoint lacks."""
@@ -232,8 +243,12 @@ def restore_executor(executor: Executor, reader: StateReader, config: RunConfig,
     if device_state is not None and executor.device.type == "cuda":
         torch.cuda.set_rng_state(device_state, executor.device)
     reduction = executor.step_end.reduction
-    reduction.load_state_dict({(pipe, stage): reader.required(f"{local}/{reduction.section}/{_stage_key(pipe, stage)}")
-                               for pipe, stage in reduction.state_dict()})
+    reduction.load_state_dict(
+        {
+            (pipe, stage): reader.required(f"{local}/{reduction.section}/{_stage_key(pipe, stage)}")
+            for pipe, stage in reduction.state_dict()
+        }
+    )
 
 
 def restore_curvature(runner: PipeFisherTrainer, reader: StateReader, process: int, same_layout: bool) -> None:
@@ -247,19 +262,29 @@ def restore_curvature(runner: PipeFisherTrainer, reader: StateReader, process: i
     for (pipe, stage), engine in runtime.engines.items():
         fresh = engine.state_dict()
         module = runner.modules[(pipe, stage)]
-        owned = {name for name, _ in module.named_modules()} | {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        owned = {name for name, _ in module.named_modules()} | {
+            name for name, _ in module.named_parameters(remove_duplicate=False)
+        }
         state = {**fresh, **rest}
         for section in runtime.named_sections:
             prefix = f"curvature/{section}/" if section else "curvature/"
             template = fresh[section] if section else fresh
-            saved = {key[len(prefix):len(key) - len(suffix)] for key in reader.keys(prefix) if key.endswith(suffix)} & owned
+            saved = {
+                key[len(prefix) : len(key) - len(suffix)] for key in reader.keys(prefix) if key.endswith(suffix)
+            } & owned
             entries = {}
             for name in sorted(saved | set(template)):
-                own = reader.get(f"{local}/{_stage_key(pipe, stage)}/{section + '/' if section else ''}{name}") if same_layout else None
+                own = (
+                    reader.get(f"{local}/{_stage_key(pipe, stage)}/{section + '/' if section else ''}{name}")
+                    if same_layout
+                    else None
+                )
                 if own is not None:
                     entries[name] = own
                     continue
-                entry = _with_slots_of(reader.get(f"{prefix}{name}{suffix}", template.get(name)), template.get(name), runtime.cycle_slots)
+                entry = _with_slots_of(
+                    reader.get(f"{prefix}{name}{suffix}", template.get(name)), template.get(name), runtime.cycle_slots
+                )
                 if not runtime.keeps(stage, name):
                     if not isinstance(entry, dict):
                         continue  # its whole state is a refresh result it does not keep

@@ -42,11 +42,14 @@ def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
     joined from its tensor-parallel shards (`join_shard_states`)."""
     degree = config.pipeline.tensor_parallel
     reader = StateReader(config.checkpoint.dir, step)
-    entries = {key[len("model/"):]: reader.get(key) for key in reader.keys("model/")}
+    entries = {key[len("model/") :]: reader.get(key) for key in reader.keys("model/")}
     if degree == 1:
         return entries
     plan = staged_model(config).tensor_parallel_plan(degree)
-    shards = [{key.rpartition("@")[0]: value for key, value in entries.items() if key.endswith(f"@{shard}")} for shard in range(degree)]
+    shards = [
+        {key.rpartition("@")[0]: value for key, value in entries.items() if key.endswith(f"@{shard}")}
+        for shard in range(degree)
+    ]
     return join_shard_states(shards, plan)
 
 
@@ -82,5 +85,10 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
 
     write_folder_atomically(folder, write)
     parameters = list(unsplit.parameters())
-    return Exported(folder, step, type(unsplit).__name__, sum(p.numel() for p in parameters),
-                    sum(p.numel() * p.element_size() for p in parameters))
+    return Exported(
+        folder,
+        step,
+        type(unsplit).__name__,
+        sum(p.numel() for p in parameters),
+        sum(p.numel() * p.element_size() for p in parameters),
+    )

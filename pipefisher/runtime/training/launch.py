@@ -62,8 +62,10 @@ class PortInUse(ConfigError):
     """The port asked for the launcher's rendezvous store is taken (one line, a usage error)."""
 
     def __init__(self, port: int, host: str):
-        super().__init__(f"run.master_port: port {port} on {host} is in use; pass --master-port with a free port, "
-                         "or 0 (the default) to let the launcher take one")
+        super().__init__(
+            f"run.master_port: port {port} on {host} is in use; pass --master-port with a free port, "
+            "or 0 (the default) to let the launcher take one"
+        )
 
 
 def hosted_store(host: str, port: int, timeout: float) -> dist.TCPStore:
@@ -109,8 +111,10 @@ def gpu_shortfall(backend: str, local_processes: int) -> str | None:
     available = torch.cuda.device_count()
     if resolve_backend(backend) != "nccl" or local_processes <= available:
         return None
-    return (f"run.backend nccl: {local_processes} processes on this machine need {local_processes} GPUs, it has {available} "
-            f"(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer processes (pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)")
+    return (
+        f"run.backend nccl: {local_processes} processes on this machine need {local_processes} GPUs, it has {available} "
+        f"(one GPU cannot host two NCCL ranks); use --backend gloo, or fewer processes (pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)"
+    )
 
 
 def current_device(backend: str) -> torch.device:
@@ -162,7 +166,13 @@ def world_of_one(backend: str, device: torch.device, port: int | None = None, ti
     take itself for a rank of this group)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    group = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port or free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
     saved = {name: os.environ.get(name) for name in group}
     os.environ.update(group)
     try:
@@ -205,7 +215,9 @@ def _leave_the_forkserver() -> None:
         server._forkserver_alive_fd = None
 
 
-def _child(call: bytes, rank: int, world: int, place: _Place, backend: str, timeout: float, results, on_signal: str) -> None:
+def _child(
+    call: bytes, rank: int, world: int, place: _Place, backend: str, timeout: float, results, on_signal: str
+) -> None:
     """A rank's process, forked by the forkserver (`_context`). It starts with the stop signals
     blocked (see `run_group`) and lets them in once their handling is set and the process group is
     joined (a signal inside the store's connect makes it log a C++ stack): one that came meanwhile
@@ -322,8 +334,10 @@ def run_group(
     store = store if store is not None else hosted_store(host, port or 0, timeout)
     env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": str(store.port), "OMP_NUM_THREADS": "1"}
     place, call = _Place(env, os.getcwd(), list(sys.path)), pickle.dumps((fn, args))
-    procs = [ctx.Process(target=_child, args=(call, rank, world, place, backend, timeout, results, on_signal), daemon=True)
-             for rank in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(call, rank, world, place, backend, timeout, results, on_signal), daemon=True)
+        for rank in range(world)
+    ]
     received: list[int] = []
 
     def forward(signum: int) -> None:
@@ -338,8 +352,11 @@ def run_group(
         received.append(signum)
         forward(signum)
 
-    previous = {signum: signal.signal(signum, on_stop_signal) for signum in STOP_SIGNALS} \
-        if threading.current_thread() is threading.main_thread() else {}
+    previous = (
+        {signum: signal.signal(signum, on_stop_signal) for signum in STOP_SIGNALS}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     end = time.monotonic() + deadline if deadline is not None else None
     grace = timeout if grace is None else grace
     outcome: dict[int, tuple[bool, Any]] = {}
@@ -391,4 +408,3 @@ def run_group(
         details = "\n".join(f"--- rank {rank} ---\n{message}" for rank, message in sorted(failures.items()))
         raise GroupFailure("\n".join(["run failed", *lines, details]), failures)
     return [pickle.loads(outcome[rank][1]) for rank in range(world)]
-

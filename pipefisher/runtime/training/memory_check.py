@@ -43,15 +43,32 @@ def model_shape(config: RunConfig, model) -> ModelShape:
 def bert_shape(config: RunConfig, model) -> ModelShape:
     """The activation shape of model.kind bert: its BERT config's sizes."""
     bert = model.config
-    return ModelShape("bert", bert.num_hidden_layers, bert.hidden_size, bert.num_attention_heads, bert.intermediate_size,
-                      bert.vocab_size, config.model.seq_len, dropout=bert.hidden_dropout_prob)
+    return ModelShape(
+        "bert",
+        bert.num_hidden_layers,
+        bert.hidden_size,
+        bert.num_attention_heads,
+        bert.intermediate_size,
+        bert.vocab_size,
+        config.model.seq_len,
+        dropout=bert.hidden_dropout_prob,
+    )
 
 
 def transformer_shape(config: RunConfig, model) -> ModelShape:
     """The activation shape of model.kind transformer: its run-file keys."""
     settings = config.model
-    return ModelShape("tiny", settings.layers, settings.hidden, settings.heads, settings.ffn, 0, settings.seq_len,
-                      inputs=settings.input_dim, outputs=settings.output_dim)
+    return ModelShape(
+        "tiny",
+        settings.layers,
+        settings.hidden,
+        settings.heads,
+        settings.ffn,
+        0,
+        settings.seq_len,
+        inputs=settings.input_dim,
+        outputs=settings.output_dim,
+    )
 
 
 def hf_shape(config: RunConfig, model) -> ModelShape:
@@ -61,8 +78,16 @@ def hf_shape(config: RunConfig, model) -> ModelShape:
         return ModelShape("gpt2", hf.n_layer, hf.n_embd, hf.n_head, hf.n_inner or 4 * hf.n_embd, hf.vocab_size, seq_len)
     if hf.model_type != "llama":
         raise ValueError(f"model.kind: the activation model covers hf gpt2 and llama models, not {hf.model_type}")
-    return ModelShape("llama", hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.intermediate_size,
-                      hf.vocab_size, seq_len, kv_heads=hf.num_key_value_heads)
+    return ModelShape(
+        "llama",
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.num_attention_heads,
+        hf.intermediate_size,
+        hf.vocab_size,
+        seq_len,
+        kv_heads=hf.num_key_value_heads,
+    )
 
 
 def _curvature_layers(config: RunConfig, model, module) -> tuple[tuple[CurvatureLayer, ...], set[int]]:
@@ -76,7 +101,9 @@ def _curvature_layers(config: RunConfig, model, module) -> tuple[tuple[Curvature
     layers = []
     for name in parts.layer_names(module, skip):
         layer = module.get_submodule(name)
-        inputs, outputs = (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else tuple(layer.weight.shape)
+        inputs, outputs = (
+            (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else tuple(layer.weight.shape)
+        )
         layers.append(layer_model.from_linear(name, inputs, outputs, getattr(layer, "bias", None) is not None))
     named = dict(module.named_parameters())
     return tuple(layers), {id(named[name]) for name in parts.preconditioned(config, module, skip)}
@@ -93,8 +120,14 @@ def stage_states(config: RunConfig, model) -> list[StageState]:
         module = model.build_stage(index, num_stages, config.run.seed)
         parameters = unique_parameters(module)
         layers, preconditioned = _curvature_layers(config, model, module)
-        states.append(StageState(tuple(p.numel() for p in parameters), layers, tuple(tuple(p.shape) for p in parameters),
-                                 tuple(id(p) in preconditioned for p in parameters) if layers else ()))
+        states.append(
+            StageState(
+                tuple(p.numel() for p in parameters),
+                layers,
+                tuple(tuple(p.shape) for p in parameters),
+                tuple(id(p) in preconditioned for p in parameters) if layers else (),
+            )
+        )
     return states
 
 
@@ -105,8 +138,10 @@ def _curvature_run(config: RunConfig) -> tuple[Profile, Plan]:
     schedule = build_schedule(config)
     section = config.curvature
     if not section.profile:
-        raise ValueError(f"{method_of(config).name}.profile: the check packs the run's plan from a profile file; "
-                         "measure one with `pipefisher profile RUN.yaml -o FILE` and name it there")
+        raise ValueError(
+            f"{method_of(config).name}.profile: the check packs the run's plan from a profile file; "
+            "measure one with `pipefisher profile RUN.yaml -o FILE` and name it there"
+        )
     profile = load_profile(section.profile)
     check_profile_matches(profile, config, schedule.num_stages)
     return profile, make_plan(config, schedule, profile).plan
@@ -129,11 +164,24 @@ def predict(config: RunConfig) -> list[RankPeak]:
     if section is None:
         optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
     else:
-        optimizer = optimizer_state(config.optimizer.name, config.optimizer_settings.momentum, first_order=section.first_order)
+        optimizer = optimizer_state(
+            config.optimizer.name, config.optimizer_settings.momentum, first_order=section.first_order
+        )
         profile, plan = _curvature_run(config)
-    return peak_memory(topology, stage_states(config, model), optimizer, model_shape(config, model), config.data.micro_batch_size,
-                       config.run.precision, getattr(config.model, "recompute", "none"), config.optimizer.zero,
-                       workers_per_layer=config.workers_per_layer, powersgd_rank=config.comm.powersgd_rank, plan=plan, profile=profile)
+    return peak_memory(
+        topology,
+        stage_states(config, model),
+        optimizer,
+        model_shape(config, model),
+        config.data.micro_batch_size,
+        config.run.precision,
+        getattr(config.model, "recompute", "none"),
+        config.optimizer.zero,
+        workers_per_layer=config.workers_per_layer,
+        powersgd_rank=config.comm.powersgd_rank,
+        plan=plan,
+        profile=profile,
+    )
 
 
 def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (1, 2)) -> int:
@@ -153,5 +201,7 @@ def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (
         elif result.step == last:
             probe.__exit__(None, None, None)
 
-    train_pipelined(dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)), rank, device, on_step, executor)
+    train_pipelined(
+        dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)), rank, device, on_step, executor
+    )
     return probe.peak

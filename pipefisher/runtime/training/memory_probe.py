@@ -20,8 +20,12 @@ def _storage_key(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def saved_bytes(module: nn.Module, forward: Callable[[], object], precision: str = "fp32",
-                held: Callable[[object], Iterable[Tensor]] = lambda out: ()) -> int:
+def saved_bytes(
+    module: nn.Module,
+    forward: Callable[[], object],
+    precision: str = "fp32",
+    held: Callable[[object], Iterable[Tensor]] = lambda out: (),
+) -> int:
     """Bytes of the storages autograd saves while `forward()` runs (under bf16/fp16 autocast
     when `precision` says so), each storage once, `module`'s parameters excluded; plus the
     storages of the tensors `held(output)` names (what the stage runtime keeps beside them)."""

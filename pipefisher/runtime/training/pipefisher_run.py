@@ -70,8 +70,13 @@ def shared_statistics(config: RunConfig, num_stages: int) -> frozenset[tuple[int
 
 
 #: what a profile records of the run it measured, with the run's key of each
-_MEASURED_AT = (("micro_batch_size", "data.micro_batch_size"), ("seq_len", "model.seq_len"), ("precision", "run.precision"),
-                ("model", "model"), ("recompute", "model.recompute"))
+_MEASURED_AT = (
+    ("micro_batch_size", "data.micro_batch_size"),
+    ("seq_len", "model.seq_len"),
+    ("precision", "run.precision"),
+    ("model", "model"),
+    ("recompute", "model.recompute"),
+)
 
 
 def _run_value(config: RunConfig, key: str) -> Any:
@@ -89,13 +94,17 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
     leaves out is unknown and not checked)."""
     method = method_of(config).name
     if profile.method != method:
-        raise ProfileError(f"method: the profile times {profile.method} tasks but this run uses {method}; "
-                           "measure a profile of this run with `pipefisher profile`")
+        raise ProfileError(
+            f"method: the profile times {profile.method} tasks but this run uses {method}; "
+            "measure a profile of this run with `pipefisher profile`"
+        )
     profile.require_stages(num_stages, hint="one entry per model chunk of this run")
     degree = config.pipeline.tensor_parallel
     if profile.tensor_parallel != degree:
-        raise ProfileError(f"tensor_parallel: the profile times the shards of {profile.tensor_parallel} tensor-parallel processes, "
-                           f"this run has pipeline.tensor_parallel {degree}; measure a profile of this run with `pipefisher profile`")
+        raise ProfileError(
+            f"tensor_parallel: the profile times the shards of {profile.tensor_parallel} tensor-parallel processes, "
+            f"this run has pipeline.tensor_parallel {degree}; measure a profile of this run with `pipefisher profile`"
+        )
     for stage, entry in enumerate(profile.stages):
         expected = stage_layer_names(config, stage, num_stages)
         found = [layer.name for layer in entry.layers]
@@ -109,8 +118,10 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
     for field, key in _MEASURED_AT:
         measured, here = getattr(profile, field), _run_value(config, key)
         if measured not in (None, "") and measured != here:
-            raise ProfileError(f"{field}: the profile was measured at {key} {measured}, this run has {here}; "
-                               "its times do not hold here: measure a profile of this run with `pipefisher profile`")
+            raise ProfileError(
+                f"{field}: the profile was measured at {key} {measured}, this run has {here}; "
+                "its times do not hold here: measure a profile of this run with `pipefisher profile`"
+            )
 
 
 def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> None:
@@ -120,9 +131,12 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> Non
     method = method_of(config).name
     if plan.method != method:
         raise ScheduleError(f"method: the plan runs {plan.method} tasks but this run uses {method}")
-    fields = (("schedule", plan.schedule.name, schedule.name), ("stages", plan.schedule.num_ranks, schedule.num_ranks),
-              ("micro_batches", plan.schedule.num_micro_batches, schedule.num_micro_batches),
-              ("chunks", plan.schedule.num_stages // plan.schedule.num_ranks, schedule.num_stages // schedule.num_ranks))
+    fields = (
+        ("schedule", plan.schedule.name, schedule.name),
+        ("stages", plan.schedule.num_ranks, schedule.num_ranks),
+        ("micro_batches", plan.schedule.num_micro_batches, schedule.num_micro_batches),
+        ("chunks", plan.schedule.num_stages // plan.schedule.num_ranks, schedule.num_stages // schedule.num_ranks),
+    )
     for name, planned, here in fields:
         if planned != here:
             raise ScheduleError(f"{name}: the plan is for {planned}, this run has {here} (pipeline.{name})")
@@ -131,19 +145,34 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> Non
     for stage, expected in names.items():
         planned = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
         if planned != sorted(expected):
-            raise ScheduleError(f"layers: the plan's stage {stage} works on {planned[:3]}..., the model's on {sorted(expected)[:3]}...")
+            raise ScheduleError(
+                f"layers: the plan's stage {stage} works on {planned[:3]}..., the model's on {sorted(expected)[:3]}..."
+            )
     section = config.curvature
-    stand_in = Profile(stages=tuple(StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in names[stage]))
-                                    for stage in range(schedule.num_stages)), method=method)
-    expected = after_step_plan(schedule, stand_in, plan.refresh_steps, split=section.split, data_parallel=config.pipeline.data_parallel,
-                               precondition=config.workers_per_layer is None)
+    stand_in = Profile(
+        stages=tuple(
+            StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in names[stage]))
+            for stage in range(schedule.num_stages)
+        ),
+        method=method,
+    )
+    expected = after_step_plan(
+        schedule,
+        stand_in,
+        plan.refresh_steps,
+        split=section.split,
+        data_parallel=config.pipeline.data_parallel,
+        precondition=config.workers_per_layer is None,
+    )
     planned, wanted = _task_counts(plan), _task_counts(expected)
     if planned != wanted:
         extra = sorted(" ".join(map(str, key)) for key in (planned - wanted).elements())
         missing = sorted(" ".join(map(str, key)) for key in (wanted - planned).elements())
-        raise ScheduleError(f"tasks: the plan's curvature tasks are not this layout's (data_parallel "
-                            f"{config.pipeline.data_parallel}, {method}.split {str(section.split).lower()}): "
-                            f"missing {missing[:3]}, not expected {extra[:3]}; pack with this run's --data-parallel")
+        raise ScheduleError(
+            f"tasks: the plan's curvature tasks are not this layout's (data_parallel "
+            f"{config.pipeline.data_parallel}, {method}.split {str(section.split).lower()}): "
+            f"missing {missing[:3]}, not expected {extra[:3]}; pack with this run's --data-parallel"
+        )
 
 
 #: ops whose replica the packer picks by their times (split refresh work): compared without it
@@ -153,15 +182,21 @@ _OWNER_CHOSEN = (OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE)
 def _task_counts(plan: Plan) -> Counter:
     """The plan's curvature ops as (kind, stage, layer, micro-batch, pipe) counts, the pipe left out
     where the packer chose it."""
-    return Counter((op.kind.value, op.stage, op.layer, op.micro_batch, None if op.kind in _OWNER_CHOSEN else op.pipe)
-                   for op in plan.curvature_ops())
+    return Counter(
+        (op.kind.value, op.stage, op.layer, op.micro_batch, None if op.kind in _OWNER_CHOSEN else op.pipe)
+        for op in plan.curvature_ops()
+    )
 
 
 def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOptions:
     """The packer's options of a run: its method's section (`method_of`), its data-parallel copies
     and gradient workers; `refresh_steps` overrides the section's refresh_steps."""
-    return PackOptions.from_section(config.section(method_of(config).name), data_parallel=config.pipeline.data_parallel,
-                                    precondition=config.workers_per_layer is None, refresh_steps=refresh_steps)
+    return PackOptions.from_section(
+        config.section(method_of(config).name),
+        data_parallel=config.pipeline.data_parallel,
+        precondition=config.workers_per_layer is None,
+        refresh_steps=refresh_steps,
+    )
 
 
 def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
@@ -180,8 +215,14 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
         if section.placement == "packed":
             plan = result.plan
         else:
-            plan = after_step_plan(schedule, profile, result.refresh_steps, split=section.split, data_parallel=data_parallel,
-                                   precondition=config.workers_per_layer is None)
+            plan = after_step_plan(
+                schedule,
+                profile,
+                result.refresh_steps,
+                split=section.split,
+                data_parallel=data_parallel,
+                precondition=config.workers_per_layer is None,
+            )
         how = f"{section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound})"
     validate_plan(plan)
     predicted = cycle_time(simulate_plan(plan, profile))  # nominal times (the packer's are a percentile)
@@ -196,7 +237,11 @@ def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
         + (f"; {result.reason}" if packed and not pinned else "")
         + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
         + (f"; {result.memory}" if packed and result.memory else "")
-        + (f"; {method.name}.max_capture_mb applies to packed plans only" if section.max_capture_mb and not packed else "")
+        + (
+            f"; {method.name}.max_capture_mb applies to packed plans only"
+            if section.max_capture_mb and not packed
+            else ""
+        )
     )
     return CurvaturePlan(plan, predicted, summary)
 
@@ -206,7 +251,9 @@ class _MethodExtension(ExecutorExtension):
     collectives, its hooks told the position in the refresh cycle (`cycle_step()`); before the
     optimizer step it preconditions the parameters this rank `updates`."""
 
-    def __init__(self, runtime: CurvatureRuntime, cycle_step: Callable[[], int], updates: Callable[[torch.nn.Parameter], bool]):
+    def __init__(
+        self, runtime: CurvatureRuntime, cycle_step: Callable[[], int], updates: Callable[[torch.nn.Parameter], bool]
+    ):
         self.runtime, self.cycle_step, self.updates = runtime, cycle_step, updates
 
     def handlers(self) -> dict:
@@ -242,9 +289,19 @@ class PipeFisherTrainer(PlanRunner):
         self.drift = DriftMonitor(self.section.reprofile_threshold, self.section.reprofile_patience)
         self.drift.new_plan(fresh_profile=fresh)
         scaler = executor.step_end.scaler
-        self.runtime = self.parts.runtime(config, executor.topology, rank, self.modules, executor.comm, self.curvature_plan.plan, self.skip,
-                                           (lambda: scaler.scale) if scaler is not None else (lambda: None))
-        super().__init__(executor, rank, self.curvature_plan.plan, tied, shared_statistics(config, self.schedule.num_stages))
+        self.runtime = self.parts.runtime(
+            config,
+            executor.topology,
+            rank,
+            self.modules,
+            executor.comm,
+            self.curvature_plan.plan,
+            self.skip,
+            (lambda: scaler.scale) if scaler is not None else (lambda: None),
+        )
+        super().__init__(
+            executor, rank, self.curvature_plan.plan, tied, shared_statistics(config, self.schedule.num_stages)
+        )
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
@@ -255,8 +312,9 @@ class PipeFisherTrainer(PlanRunner):
 
     def _measure(self) -> Profile:
         timer = self.parts.timer(self.config, self.modules, self.skip)
-        profile, _ = measure_profile(self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer,
-                                     **measured_at(self.config))
+        profile, _ = measure_profile(
+            self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer, **measured_at(self.config)
+        )
         return profile
 
     def _initial_profile(self) -> tuple[Profile, bool]:
@@ -279,7 +337,14 @@ class PipeFisherTrainer(PlanRunner):
     def run_step(self, step: int) -> StepResult:
         result = super().run_step(step)
         self._cycle_ms += 1000 * result.seconds
-        return replace(result, extra={**result.extra, "refresh_steps": self.plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms})
+        return replace(
+            result,
+            extra={
+                **result.extra,
+                "refresh_steps": self.plan.refresh_steps,
+                "predicted_step_time_ms": self.predicted_step_ms,
+            },
+        )
 
     def end_of_cycle(self) -> None:
         self.runtime.end_of_cycle()
@@ -288,13 +353,17 @@ class PipeFisherTrainer(PlanRunner):
         expected = self.drift.expected
         decision = torch.full((1,), float(self.drift.observe(measured, predicted)), device=self.executor.device)
         if self.drift.expected != expected and abs(self.drift.expected - 1) > self.drift.threshold:
-            self.log(f"measured cycle {measured:.1f} ms is {self.drift.expected:.2f}x the predicted {predicted:.1f} ms "
-                     "with a fresh profile (costs the simulator does not see); re-profiling watches for changes from this ratio")
+            self.log(
+                f"measured cycle {measured:.1f} ms is {self.drift.expected:.2f}x the predicted {predicted:.1f} ms "
+                "with a fresh profile (costs the simulator does not see); re-profiling watches for changes from this ratio"
+            )
         dist.broadcast(decision, src=0)  # rank 0's clock decides for everyone
         if not decision.item():
             return
-        self.log(f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms "
-                 f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing")
+        self.log(
+            f"measured cycle {measured:.1f} ms vs predicted {predicted:.1f} ms "
+            f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing"
+        )
         self.profile = self._measure()
         self.curvature_plan = make_plan(self.config, self.schedule, self.profile)
         self.drift.new_plan(fresh_profile=True)

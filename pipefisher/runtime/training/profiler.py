@@ -98,7 +98,12 @@ def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -
         recording = _Recording(timer if step == steps - 1 else None)
         with executor.hooks_of(recording):
             executor.run_step(0, actions, update=False)
-        records.append([(rank, str(op), clock.elapsed_ms(zero, start), clock.elapsed_ms(zero, end)) for op, start, end in recording.marks])
+        records.append(
+            [
+                (rank, str(op), clock.elapsed_ms(zero, start), clock.elapsed_ms(zero, end))
+                for op, start, end in recording.marks
+            ]
+        )
     return records
 
 
@@ -190,8 +195,12 @@ def device_name(device: torch.device) -> str:
 def measured_at(config: RunConfig) -> dict[str, Any]:
     """`measure_profile`'s keywords that record what `config`'s profile is measured at, besides
     its micro-batch size and tensor-parallel degree (`check_profile_matches` compares them)."""
-    return {"recompute": config.model.recompute, "seq_len": config.model.seq_len, "precision": config.run.precision,
-            "model": config.model.identity}
+    return {
+        "recompute": config.model.recompute,
+        "seq_len": config.model.seq_len,
+        "precision": config.run.precision,
+        "model": config.model.identity,
+    }
 
 
 def measure_profile(
@@ -218,7 +227,9 @@ def measure_profile(
     step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (executor.comm.shard, records[warmup:], transfers, reduces, tasks, (held_stages, step_end)))
+    dist.all_gather_object(
+        gathered, (executor.comm.shard, records[warmup:], transfers, reduces, tasks, (held_stages, step_end))
+    )
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
     layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
     capture_bytes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -245,13 +256,26 @@ def measure_profile(
     stages = []
     for stage in range(executor.topology.schedule.num_stages):
         layers = tuple(
-            LayerProfile(name=layer, **_summary(layer_samples[(stage, layer)], LayerProfile.TIME_FIELDS), **capture_bytes[(stage, layer)])
+            LayerProfile(
+                name=layer,
+                **_summary(layer_samples[(stage, layer)], LayerProfile.TIME_FIELDS),
+                **capture_bytes[(stage, layer)],
+            )
             for layer in layer_order[stage]
         )
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
-    profile = Profile(stages=tuple(stages), time_unit="ms", device=device_name(executor.device), micro_batch_size=micro_batch_size,
-                      tensor_parallel=executor.topology.tensor_parallel,
-                      method=timer.method, recompute=recompute, seq_len=seq_len, precision=precision, model=model)
+    profile = Profile(
+        stages=tuple(stages),
+        time_unit="ms",
+        device=device_name(executor.device),
+        micro_batch_size=micro_batch_size,
+        tensor_parallel=executor.topology.tensor_parallel,
+        method=timer.method,
+        recompute=recompute,
+        seq_len=seq_len,
+        precision=precision,
+        model=model,
+    )
     return profile, sorted(last_step)
 
 

@@ -50,7 +50,9 @@ class Evaluation:
         return done % self.every == 0 or done == steps
 
 
-def train_reference(config: RunConfig, on_step: StepCallback | None = None, evaluation: Evaluation | None = None) -> TrainResult:
+def train_reference(
+    config: RunConfig, on_step: StepCallback | None = None, evaluation: Evaluation | None = None
+) -> TrainResult:
     """The same training in one process: the unsplit model where the model offers it, else all
     stages in sequence with tied copies' gradients summed; micro-batches in id order, the same
     precision, clipping, schedule and curvature method's cycle. Parameters are named as the model names them
@@ -67,7 +69,9 @@ def train_reference(config: RunConfig, on_step: StepCallback | None = None, eval
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
     tied = net.tied
-    curvature = method_of(config).runtime_parts().reference(config, model, nn.ModuleList(stages)) if config.curvature else None
+    curvature = (
+        method_of(config).runtime_parts().reference(config, model, nn.ModuleList(stages)) if config.curvature else None
+    )
     losses = []
     if evaluation is not None:
         evaluation.report(0, _evaluate(net, evaluation.batches))
@@ -160,7 +164,10 @@ def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
     """The stages in sequence under the run's autocast, each stage's output rounded to the
     compute dtype as the pipeline sends it; then the loss and its parts. Parameters are named
     "<stage>.<name>" as the pipelined run names them."""
-    stages = [_with_shards(model.build_stage(index, config.model_chunks, config.run.seed), model, config) for index in range(config.model_chunks)]
+    stages = [
+        _with_shards(model.build_stage(index, config.model_chunks, config.run.seed), model, config)
+        for index in range(config.model_chunks)
+    ]
 
     def loss(batch: dict) -> tuple:
         x = None
@@ -172,8 +179,12 @@ def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:
         with precision.autocast():
             return model.loss(x, batch)
 
-    return _Net(stages, loss, _local_tied_copies(stages, model.tied_parameters()),
-                lambda: [(f"{i}.{name}", p) for i, stage in enumerate(stages) for name, p in unsharded_parameters(stage)])
+    return _Net(
+        stages,
+        loss,
+        _local_tied_copies(stages, model.tied_parameters()),
+        lambda: [(f"{i}.{name}", p) for i, stage in enumerate(stages) for name, p in unsharded_parameters(stage)],
+    )
 
 
 def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:
@@ -182,7 +193,9 @@ def _unsplit(model, config: RunConfig, precision: Precision) -> _Net:
     Parameters keep the model's own names."""
     unsplit = _with_shards(model.unsplit(config.run.seed), model, config)
     for name in model.stage_ends(config.model_chunks):
-        unsplit.get_submodule(name).register_forward_hook(lambda module, inputs, output: output.to(precision.compute_dtype))
+        unsplit.get_submodule(name).register_forward_hook(
+            lambda module, inputs, output: output.to(precision.compute_dtype)
+        )
 
     def loss(batch: dict) -> tuple:
         with precision.autocast():

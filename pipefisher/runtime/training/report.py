@@ -94,10 +94,17 @@ class StepReporter:
         print(summary, file=sys.stderr, flush=True)
         if state_bytes:
             each = "process" if self.config.pipeline.tensor_parallel > 1 else "rank"
-            print(f"pipefisher: state per {each}, MiB: optimizer {_mib(state_bytes, 'optimizer')}" + (
-                f"; {method(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}" if self.config.curvature else "") + (
-                f"; PowerSGD {_mib(state_bytes, 'compression')}" if self.config.comm.powersgd_rank else ""),
-                file=sys.stderr, flush=True)
+            print(
+                f"pipefisher: state per {each}, MiB: optimizer {_mib(state_bytes, 'optimizer')}"
+                + (
+                    f"; {method(self.config.optimizer.name).label} {_mib(state_bytes, 'curvature')}"
+                    if self.config.curvature
+                    else ""
+                )
+                + (f"; PowerSGD {_mib(state_bytes, 'compression')}" if self.config.comm.powersgd_rank else ""),
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _mib(state_bytes: tuple[dict[str, int], ...], part: str) -> str:

@@ -27,27 +27,58 @@ from pipefisher.config import ConfigError, RunConfig, config_to_dict
 from pipefisher.core.ir import ScheduleError
 from pipefisher.methods.registry import methods
 from pipefisher.models.registry import kinds
-from pipefisher.runtime.training.checkpoint import (FORMAT, MANIFEST, CheckpointError, read_manifest, set_aside, step_folder, step_problem,
-                                                    steps)
+from pipefisher.runtime.training.checkpoint import (
+    FORMAT,
+    MANIFEST,
+    CheckpointError,
+    read_manifest,
+    set_aside,
+    step_folder,
+    step_problem,
+    steps,
+)
 from pipefisher.schedules import chunks_per_rank, get_schedule
 from pipefisher.schedules.validate import validate
 
 _FREE = {
-    ("run", "steps"), ("run", "master_port"), ("run", "master_addr"), ("run", "backend"), ("run", "timeout"), ("run", "metrics"),
-    ("run", "bucket_mb"), ("run", "in_order"), ("checkpoint", "dir"), ("checkpoint", "every"), ("checkpoint", "keep"),
+    ("run", "steps"),
+    ("run", "master_port"),
+    ("run", "master_addr"),
+    ("run", "backend"),
+    ("run", "timeout"),
+    ("run", "metrics"),
+    ("run", "bucket_mb"),
+    ("run", "in_order"),
+    ("checkpoint", "dir"),
+    ("checkpoint", "every"),
+    ("checkpoint", "keep"),
     ("checkpoint", "resume"),
 }
 _PROCESSES = {
-    ("pipeline", "schedule"), ("pipeline", "stages"), ("pipeline", "micro_batches"), ("pipeline", "chunks"),
-    ("pipeline", "data_parallel"), ("optimizer", "zero"),
+    ("pipeline", "schedule"),
+    ("pipeline", "stages"),
+    ("pipeline", "micro_batches"),
+    ("pipeline", "chunks"),
+    ("pipeline", "data_parallel"),
+    ("optimizer", "zero"),
 }
 #: the identity's count of a step's micro-batches (over all replicas): not a key, the advice sets keys
 STEP_MICRO_BATCHES = "pipeline.step_micro_batches"
 _PLAN = {("model", "recompute"), ("run", "compile")}
 #: keys of the curvature method's section that say where its work runs, not what it computes
 _PLACEMENT = {
-    "placement", "margin", "percentile", "max_overhead", "max_refresh_steps", "max_capture_mb", "split", "profile", "plan",
-    "reprofile_threshold", "reprofile_patience", "grad_worker_fraction",
+    "placement",
+    "margin",
+    "percentile",
+    "max_overhead",
+    "max_refresh_steps",
+    "max_capture_mb",
+    "split",
+    "profile",
+    "plan",
+    "reprofile_threshold",
+    "reprofile_patience",
+    "grad_worker_fraction",
 }
 
 
@@ -62,8 +93,13 @@ def _tiers(config: RunConfig) -> dict[str, dict[str, Any]]:
         for key, value in values.items():
             if (section, key) in _FREE:
                 continue
-            tier = ("processes" if (section, key) in _PROCESSES else
-                    "plan" if (section, key) in _PLAN or (section == method and key in _PLACEMENT) else "identity")
+            tier = (
+                "processes"
+                if (section, key) in _PROCESSES
+                else "plan"
+                if (section, key) in _PLAN or (section == method and key in _PLACEMENT)
+                else "identity"
+            )
             tiers[tier][f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
     tiers["identity"][STEP_MICRO_BATCHES] = config.pipeline.micro_batches * config.pipeline.data_parallel
     return tiers
@@ -82,18 +118,25 @@ def manifest_fields(config: RunConfig, cycle: tuple[int, int] | None) -> dict[st
     """What a step's manifest says of the run: its identity, processes and plan, and `cycle`, the
     refresh cycle's (position, length) of a curvature run."""
     tiers = _tiers(config)
-    return {"config": tiers["identity"], "layout": tiers["processes"], "plan": tiers["plan"],
-            "cycle": None if cycle is None else {"position": cycle[0], "refresh_steps": cycle[1]}}
+    return {
+        "config": tiers["identity"],
+        "layout": tiers["processes"],
+        "plan": tiers["plan"],
+        "cycle": None if cycle is None else {"position": cycle[0], "refresh_steps": cycle[1]},
+    }
 
 
 def describe_layout(values: dict[str, Any]) -> str:
     """A layout (a manifest's "layout" and "plan") in a few words, e.g. "chimera, 4 stages × 2
     replicas × 8 micro-batches, ZeRO-1, kfac packed"."""
+
     def count(key: str, noun: str, nouns: str) -> str:
         return f"{values[key]} {noun if values[key] == 1 else nouns}"
 
-    words = [f"{values['pipeline.schedule']}, {count('pipeline.stages', 'stage', 'stages')} × "
-             f"{count('pipeline.data_parallel', 'replica', 'replicas')} × {count('pipeline.micro_batches', 'micro-batch', 'micro-batches')}"]
+    words = [
+        f"{values['pipeline.schedule']}, {count('pipeline.stages', 'stage', 'stages')} × "
+        f"{count('pipeline.data_parallel', 'replica', 'replicas')} × {count('pipeline.micro_batches', 'micro-batch', 'micro-batches')}"
+    ]
     if values.get("optimizer.zero"):
         words.append("ZeRO-1")
     words += [f"{key.split('.')[0]} {value}" for key, value in values.items() if key.endswith(".placement")]
@@ -137,7 +180,8 @@ def _check_identity(directory: Path, folder: Path, manifest: dict, config: RunCo
         raise CheckpointError(
             f"{folder} is a checkpoint of format {manifest.get('format', 1)}, written before layout-free checkpoints "
             f"(format {FORMAT}); this pipefisher cannot read it: resume it with the version that wrote it, or start afresh "
-            "with checkpoint.resume: never and another checkpoint.dir")
+            "with checkpoint.resume: never and another checkpoint.dir"
+        )
     ours = _tiers(config)["identity"]
     written = manifest.get("config", {})
     theirs = {**_defaults(written.get("optimizer.name", config.optimizer.name))["identity"], **written}
@@ -146,13 +190,17 @@ def _check_identity(directory: Path, folder: Path, manifest: dict, config: RunCo
     if any(theirs.get(key) != ours.get(key) for key in _model_keys(ours)):
         raise CheckpointError(
             f"the checkpoint in {directory} is of another model ({describe_model(theirs)}, {theirs.get('data.kind')} data there; "
-            f"{describe_model(ours)}, {ours.get('data.kind')} data here); resume it with its own run file or give another --checkpoint-dir")
+            f"{describe_model(ours)}, {ours.get('data.kind')} data here); resume it with its own run file or give another --checkpoint-dir"
+        )
     advice = _advice(config, theirs, manifest["layout"])
     differing = [key for key in sorted(set(ours) | set(theirs)) if theirs.get(key) != ours.get(key)]
     named = [key for key in differing if advice is None or key in advice or key == STEP_MICRO_BATCHES]  # the causes
     differences = "; ".join(_difference(key, theirs, ours, manifest["layout"], config) for key in named)
-    fix = ("set " + ", ".join(f"{key}: {_yaml(value)}" for key, value in advice.items()) + " to resume it" if advice is not None
-           else "no setting of this run file makes it resume: resume it with its own run file or give another --checkpoint-dir")
+    fix = (
+        "set " + ", ".join(f"{key}: {_yaml(value)}" for key, value in advice.items()) + " to resume it"
+        if advice is not None
+        else "no setting of this run file makes it resume: resume it with its own run file or give another --checkpoint-dir"
+    )
     raise CheckpointError(f"the checkpoint in {directory} is from another configuration: {differences}; {fix}")
 
 
@@ -178,13 +226,17 @@ def describe_model(values: dict[str, Any]) -> str:
     return f"{kind}: {values.get('model.layers')} blocks of width {values.get('model.hidden')}"
 
 
-def _difference(key: str, theirs: dict[str, Any], ours: dict[str, Any], layout: dict[str, Any], config: RunConfig) -> str:
+def _difference(
+    key: str, theirs: dict[str, Any], ours: dict[str, Any], layout: dict[str, Any], config: RunConfig
+) -> str:
     """One identity key that differs, in words."""
     if key != STEP_MICRO_BATCHES:
         return f"{key} is {_yaml(theirs.get(key))} there and {_yaml(ours.get(key))} here"
-    return (f"the checkpoint's step takes {theirs.get(key)} micro-batches (pipeline.micro_batches {layout['pipeline.micro_batches']} × "
-            f"pipeline.data_parallel {layout['pipeline.data_parallel']}); here {ours.get(key)} (pipeline.micro_batches "
-            f"{config.pipeline.micro_batches} × pipeline.data_parallel {config.pipeline.data_parallel})")
+    return (
+        f"the checkpoint's step takes {theirs.get(key)} micro-batches (pipeline.micro_batches {layout['pipeline.micro_batches']} × "
+        f"pipeline.data_parallel {layout['pipeline.data_parallel']}); here {ours.get(key)} (pipeline.micro_batches "
+        f"{config.pipeline.micro_batches} × pipeline.data_parallel {config.pipeline.data_parallel})"
+    )
 
 
 def _yaml(value: Any) -> str:
@@ -199,7 +251,9 @@ def _advice(config: RunConfig, theirs: dict[str, Any], layout: dict[str, Any]) -
     schedule valid, as few as found; None if none is found. The step's micro-batches are matched
     by this run's micro-batches, else the checkpoint's micro-batches and replicas, else its layout."""
     ours = _tiers(config)["identity"]
-    keys = [key for key in sorted(set(ours) | set(theirs)) if key != STEP_MICRO_BATCHES and theirs.get(key) != ours.get(key)]
+    keys = [
+        key for key in sorted(set(ours) | set(theirs)) if key != STEP_MICRO_BATCHES and theirs.get(key) != ours.get(key)
+    ]
     for pipeline in _layouts(config, theirs[STEP_MICRO_BATCHES], layout):
         advice = {key: theirs.get(key) for key in keys} | pipeline
         if not _resumes(config, advice, theirs):
@@ -233,7 +287,14 @@ def _resumes(config: RunConfig, advice: dict[str, Any], theirs: dict[str, Any]) 
     try:
         advised = config.with_overrides(**sections)
         pipeline = advised.pipeline
-        validate(get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks_per_rank(pipeline.schedule, pipeline.chunks)))
+        validate(
+            get_schedule(
+                pipeline.schedule,
+                pipeline.stages,
+                pipeline.micro_batches,
+                chunks_per_rank(pipeline.schedule, pipeline.chunks),
+            )
+        )
     except (ConfigError, ScheduleError, KeyError):
         return False
     return _tiers(advised)["identity"] == theirs
@@ -277,13 +338,16 @@ def resumption(directory: str | Path, step: int, config: RunConfig) -> Resumptio
         dropped.append("the random streams (dropout masks are drawn from streams re-seeded by rank and step)")
         kinds = {kind for entry in manifest["files"].values() for kind in entry["bytes"]}
         if "powersgd" in kinds:
-            dropped.append("PowerSGD's error feedback and warm start (compression restarts from zero error and a fresh Q)")
+            dropped.append(
+                "PowerSGD's error feedback and warm start (compression restarts from zero error and a fresh Q)"
+            )
     cycle = manifest.get("cycle")
     if cycle is not None and not (same_processes and same_plan):
         if cycle["position"] != 0:
             dropped.append(
                 f"the refresh cycle stopped after step {cycle['position']} of {cycle['refresh_steps']}: its captures and "
-                "unfinished refresh results (a new cycle starts; the statistics folded in and the results in use are kept)")
+                "unfinished refresh results (a new cycle starts; the statistics folded in and the results in use are kept)"
+            )
         if not config.section(config.optimizer.name).profile:
             dropped.append("the profile (this run measures its own and packs its own plan)")
     return Resumption(step, same_processes, same_plan, before, tuple(dropped))

@@ -16,7 +16,15 @@ from pipefisher.optim import rest_settings
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (
-    GroupFailure, Interrupted, PortInUse, current_device, gpu_shortfall, hosted_store, init_distributed, port_in_use, resolve_backend,
+    GroupFailure,
+    Interrupted,
+    PortInUse,
+    current_device,
+    gpu_shortfall,
+    hosted_store,
+    init_distributed,
+    port_in_use,
+    resolve_backend,
     run_group,
 )
 from pipefisher.runtime.training.reference import train_reference
@@ -41,7 +49,11 @@ def describe(config: RunConfig) -> str:
     """The run in one line: pipeline, precision, steps, optimizer (and a curvature run's rule for
     the rest), and every setting that changes the training or its cost (curvature refresh and
     placement, ZeRO, PowerSGD, gradient workers)."""
-    parts = [describe_pipeline(config), f"{config.run.steps} steps", f"{config.optimizer.name} lr {config.optimizer_settings.lr:g}"]
+    parts = [
+        describe_pipeline(config),
+        f"{config.run.steps} steps",
+        f"{config.optimizer.name} lr {config.optimizer_settings.lr:g}",
+    ]
     section = config.curvature
     if section is not None:
         rest = rest_settings(config)
@@ -58,7 +70,9 @@ def describe(config: RunConfig) -> str:
     return ", ".join(parts)
 
 
-def _train_and_report(config: RunConfig, rank: int, device: torch.device, as_json: bool, resume_from: int | None) -> int:
+def _train_and_report(
+    config: RunConfig, rank: int, device: torch.device, as_json: bool, resume_from: int | None
+) -> int:
     """Train on this rank (rank 0 reports); the exit code (see `_reported`)."""
     reporter = StepReporter(config, as_json, resume_from or 0) if rank == 0 else None
     return _reported(lambda: train_pipelined(config, rank, device, on_step=reporter, resume_from=resume_from), reporter)
@@ -97,17 +111,28 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank = int(os.environ["RANK"])
         if rank == 0:
-            print(f"pipefisher run (torchrun): {describe(config)}; {os.environ['WORLD_SIZE']} processes", file=sys.stderr)
+            print(
+                f"pipefisher run (torchrun): {describe(config)}; {os.environ['WORLD_SIZE']} processes", file=sys.stderr
+            )
         _under_torchrun(config, lambda device: _train_and_report(config, rank, device, as_json, resume_from))
     if _refuse_missing_gpus(config):
         return 2
     store = _store(config)
     backend = resolve_backend(config.run.backend)
-    print(f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {store.port})", file=sys.stderr)
+    print(
+        f"pipefisher run: {describe(config)}; {config.world_size} processes ({backend}, port {store.port})",
+        file=sys.stderr,
+    )
     try:
         codes = run_group(
-            _local_worker, config.world_size, args=(config, as_json, resume_from), backend=backend,
-            timeout=config.run.timeout, host=config.run.master_addr, on_signal="forward", store=store,
+            _local_worker,
+            config.world_size,
+            args=(config, as_json, resume_from),
+            backend=backend,
+            timeout=config.run.timeout,
+            host=config.run.master_addr,
+            on_signal="forward",
+            store=store,
         )
     except GroupFailure as failure:
         _print_failure(failure)
@@ -155,14 +180,26 @@ def _profile_worker(process: int, world: int, config: RunConfig, output: str, ti
     modules = {key: stage.module for key, stage in executor.stages.items()}
     parts = method_of(config).runtime_parts()
     timer = parts.timer(config, modules, parts.skip(staged_model(config)))
-    profile, records = measure_profile(executor, executor.rank, modules, config.data.micro_batch_size, timer, warmup=PROFILE_WARMUP,
-                                       repeats=repeats, **measured_at(config))
+    profile, records = measure_profile(
+        executor,
+        executor.rank,
+        modules,
+        config.data.micro_batch_size,
+        timer,
+        warmup=PROFILE_WARMUP,
+        repeats=repeats,
+        **measured_at(config),
+    )
     if process == 0:
         profile.save(output)
         if timeline:
             from pipefisher.viz.timeline_io import save_timeline
 
-            save_timeline([records_to_timeline(records, schedule.num_ranks)], timeline, name=f"{config.pipeline.schedule} measured")
+            save_timeline(
+                [records_to_timeline(records, schedule.num_ranks)],
+                timeline,
+                name=f"{config.pipeline.schedule} measured",
+            )
     return profile
 
 
@@ -171,8 +208,11 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
     started), write the profile (and timeline) from rank 0."""
     if "RANK" not in os.environ and _refuse_missing_gpus(config):
         return 2
-    print(f"pipefisher profile: {describe_pipeline(config)}; {config.world_size} processes; {PROFILE_WARMUP} warm-up and "
-          f"{repeats} measured steps (gradients dropped), then the end of step and every {method_of(config).label} task timed alone", file=sys.stderr)
+    print(
+        f"pipefisher profile: {describe_pipeline(config)}; {config.world_size} processes; {PROFILE_WARMUP} warm-up and "
+        f"{repeats} measured steps (gradients dropped), then the end of step and every {method_of(config).label} task timed alone",
+        file=sys.stderr,
+    )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank = int(os.environ["RANK"])
 
@@ -185,9 +225,14 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
     store = _store(config)
     try:
         profiles = run_group(
-            _profile_worker, config.world_size, args=(config, output, timeline, repeats),
-            backend=resolve_backend(config.run.backend), timeout=config.run.timeout, host=config.run.master_addr,
-            on_signal="kill", store=store,
+            _profile_worker,
+            config.world_size,
+            args=(config, output, timeline, repeats),
+            backend=resolve_backend(config.run.backend),
+            timeout=config.run.timeout,
+            host=config.run.master_addr,
+            on_signal="kill",
+            store=store,
         )
     except GroupFailure as failure:
         _print_failure(failure)
@@ -201,10 +246,12 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
 def _report_profile(profile, output: str, timeline: str | None) -> int:
     for index, stage in enumerate(profile.stages):
         weight = f" (weight gradient {stage.weight:.3f} ms)" if stage.weight else ""
-        print(f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms{weight}, p2p {stage.p2p:.3f} ms, "
-              f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms, "
-              f"{len(stage.layers)} {method(profile.method).label} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
-              f"inverses (roots) {stage.inverse_time:.3f} ms")
+        print(
+            f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms{weight}, p2p {stage.p2p:.3f} ms, "
+            f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms, "
+            f"{len(stage.layers)} {method(profile.method).label} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
+            f"inverses (roots) {stage.inverse_time:.3f} ms"
+        )
     print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))
     return 0
 
@@ -214,8 +261,11 @@ def _under_torchrun(config: RunConfig, work: Callable[[torch.device], int]) -> N
     code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
-        print(f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
-              f"(pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)", file=sys.stderr)
+        print(
+            f"pipefisher: error: torchrun started {world} processes; the run needs {config.world_size} "
+            f"(pipeline.stages x pipeline.data_parallel x pipeline.tensor_parallel)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     problem = tensor_parallel_placement(config.pipeline.tensor_parallel, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if problem is not None:
@@ -239,8 +289,10 @@ def tensor_parallel_placement(degree: int, per_node: int) -> str | None:
     torchrun keeps them on one node exactly when its processes per node are a multiple of `degree`."""
     if per_node % degree == 0:
         return None
-    return (f"pipeline.tensor_parallel: the {degree} processes of a rank all-reduce inside every forward and backward and must "
-            f"share a node; torchrun starts {per_node} per node: make --nproc-per-node a multiple of {degree}")
+    return (
+        f"pipeline.tensor_parallel: the {degree} processes of a rank all-reduce inside every forward and backward and must "
+        f"share a node; torchrun starts {per_node} per node: make --nproc-per-node a multiple of {degree}"
+    )
 
 
 def check_port(config: RunConfig) -> str | None:

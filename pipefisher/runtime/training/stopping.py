@@ -94,6 +94,9 @@ class Stopped(Exception):
         return 128 + self.signum
 
     def __str__(self) -> str:
-        saved = f"checkpoint step {self.step} in {self.checkpoint_dir}" if self.checkpoint_dir else \
-            "no checkpoint (set --checkpoint-dir to keep the progress)"
+        saved = (
+            f"checkpoint step {self.step} in {self.checkpoint_dir}"
+            if self.checkpoint_dir
+            else "no checkpoint (set --checkpoint-dir to keep the progress)"
+        )
         return f"stopped at step {self.step} by {signal_name(self.signum)}; {saved}"

@@ -43,9 +43,11 @@ class StepTracer:
         if self.path is None or step != self.start:
             return
         os.environ.setdefault("KINETO_LOG_LEVEL", QUIET_KINETO)  # read as the profiler first starts
-        self.profiler = profile(activities=self.activities,
-                                schedule=schedule(wait=0, warmup=self.warmup, active=self.end - self.start - self.warmup, repeat=1),
-                                on_trace_ready=self._write)
+        self.profiler = profile(
+            activities=self.activities,
+            schedule=schedule(wait=0, warmup=self.warmup, active=self.end - self.start - self.warmup, repeat=1),
+            on_trace_ready=self._write,
+        )
         self.profiler.start()
 
     def after(self, step: int) -> None:

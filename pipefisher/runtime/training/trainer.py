@@ -35,8 +35,13 @@ from pipefisher.runtime.pipeline.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import build_schedule, data_source, recompute_plan, staged_model
 from pipefisher.runtime.training.checkpoint import StateReader, commit, save_rank, tensor_bytes
-from pipefisher.runtime.training.checkpoint_state import (entries_to_write, process_state, restore_curvature, restore_executor,
-                                                           tied_aliases)
+from pipefisher.runtime.training.checkpoint_state import (
+    entries_to_write,
+    process_state,
+    restore_curvature,
+    restore_executor,
+    tied_aliases,
+)
 from pipefisher.runtime.training.resumption import manifest_fields, resumption
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
@@ -80,14 +85,23 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
     path = config.gradient_path
     members = group_members(topology, tied, path)
     mesh = device_mesh(topology, device) if topology.tensor_parallel > 1 else None
-    comm = Comm(members, rank, in_order=config.run.in_order, timeout=config.run.timeout, topology=topology, shard=shard,
-                tensor_group=mesh.get_group("tensor") if mesh is not None else None)
+    comm = Comm(
+        members,
+        rank,
+        in_order=config.run.in_order,
+        timeout=config.run.timeout,
+        topology=topology,
+        shard=shard,
+        tensor_group=mesh.get_group("tensor") if mesh is not None else None,
+    )
     num_stages = schedule.num_stages
     modules = {}
     for pipe, stage in topology.stages_of(rank):
         module = model.build_stage(stage, num_stages, config.run.seed)
         if mesh is not None:
-            parallelize(module, model.tensor_parallel_plan(topology.tensor_parallel), mesh["tensor"], comm.tensor_all_reduce)
+            parallelize(
+                module, model.tensor_parallel_plan(topology.tensor_parallel), mesh["tensor"], comm.tensor_all_reduce
+            )
         recompute_modules(module, recompute_plan(model, config.model.recompute), announce=not config.run.compile)
         modules[(pipe, stage)] = module.to(device)
     if config.run.compile:
@@ -99,8 +113,17 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
     stages = {
-        key: StageRuntime(key[0], key[1], module, key[1] == 0, key[1] == num_stages - 1, model.loss,
-                          1.0 / topology.total_micro_batches, precision, grad_scale)
+        key: StageRuntime(
+            key[0],
+            key[1],
+            module,
+            key[1] == 0,
+            key[1] == num_stages - 1,
+            model.loss,
+            1.0 / topology.total_micro_batches,
+            precision,
+            grad_scale,
+        )
         for key, module in modules.items()
     }
     extensions = Extensions()
@@ -110,14 +133,34 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
     def message_spec(message):
         return model.activation_shape(message.lower_stage, num_stages, micro_batch_size), precision.compute_dtype
 
-    executor = Executor(topology, rank, stages, comm, data_source(config), message_spec, step_end, device, tied=tied, gradient_path=path,
-                        extensions=extensions)
+    executor = Executor(
+        topology,
+        rank,
+        stages,
+        comm,
+        data_source(config),
+        message_spec,
+        step_end,
+        device,
+        tied=tied,
+        gradient_path=path,
+        extensions=extensions,
+    )
     return executor, schedule
 
 
-def build_step_end(config: RunConfig, topology: Topology, process: tuple[int, int], comm: Comm, device: torch.device,
-                   stages: dict[tuple[int, int], StageRuntime], model, members: dict, scaler: LossScaler | None,
-                   extensions: Extensions) -> StepEnd:
+def build_step_end(
+    config: RunConfig,
+    topology: Topology,
+    process: tuple[int, int],
+    comm: Comm,
+    device: torch.device,
+    stages: dict[tuple[int, int], StageRuntime],
+    model,
+    members: dict,
+    scaler: LossScaler | None,
+    extensions: Extensions,
+) -> StepEnd:
     """The end of step of rank `process[0]` (tensor-parallel shard `process[1]`): its gradient buffers
     and the run's gradient path (`gradient_reduction`), the optimizer and what applies it, the loss
     report; the optimizer step runs `extensions`' hooks."""
@@ -126,24 +169,45 @@ def build_step_end(config: RunConfig, topology: Topology, process: tuple[int, in
     modules = {key: stage.module for key, stage in stages.items()}
     bucket_bytes = int(config.run.bucket_mb * 2**20)
     ownership = Ownership(topology, rank, modules, path.sharded)
-    buffers = {key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if path.sharded else None) for key, module in modules.items()}
+    buffers = {
+        key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if path.sharded else None)
+        for key, module in modules.items()
+    }
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
-    reduction = gradient_reduction(path, topology, buffers, config.comm.powersgd_rank, config.comm.powersgd_start_step, config.run.seed, grad_scale)
-    tied = TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ())) \
-        if has_tied_weights(model, topology.schedule) else None
+    reduction = gradient_reduction(
+        path, topology, buffers, config.comm.powersgd_rank, config.comm.powersgd_start_step, config.run.seed, grad_scale
+    )
+    tied = (
+        TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ()))
+        if has_tied_weights(model, topology.schedule)
+        else None
+    )
     optimizer = build_optimizer(config, modules.values(), ownership.updates, method_skip(config, model))
     clip = config.optimizer.clip_norm
-    applies = OptimizerStep(optimizer, build_scheduler(config, optimizer), scaler, clip,
-                            GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard) if clip > 0 else None,
-                            extensions.before_optimizer_step)
-    return StepEnd(comm, device, Gradients(stages, buffers, ownership, reduction, tied), applies, LossReport(model.loss_parts, shard == 0))
+    applies = OptimizerStep(
+        optimizer,
+        build_scheduler(config, optimizer),
+        scaler,
+        clip,
+        GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard) if clip > 0 else None,
+        extensions.before_optimizer_step,
+    )
+    return StepEnd(
+        comm,
+        device,
+        Gradients(stages, buffers, ownership, reduction, tied),
+        applies,
+        LossReport(model.loss_parts, shard == 0),
+    )
 
 
 def device_mesh(topology: Topology, device: torch.device) -> DeviceMesh:
     """The device mesh (data, pipeline, tensor) of the run's processes (`Topology`'s layout).
     Collective: every process creates it."""
     shape = (topology.data_parallel, topology.pipeline_ranks, topology.tensor_parallel)
-    return DeviceMesh(device.type, torch.arange(topology.processes).reshape(shape), mesh_dim_names=("data", "pipeline", "tensor"))
+    return DeviceMesh(
+        device.type, torch.arange(topology.processes).reshape(shape), mesh_dim_names=("data", "pipeline", "tensor")
+    )
 
 
 def method_skip(config: RunConfig, model) -> tuple[str, ...] | None:
@@ -156,8 +220,14 @@ def has_tied_weights(model, schedule: Schedule) -> bool:
     return bool(model.tied_parameters()) and schedule.num_stages > 1
 
 
-def train_pipelined(config: RunConfig, process: int, device: torch.device, on_step: StepCallback | None = None,
-                    executor: Executor | None = None, resume_from: int | None = None) -> TrainResult:
+def train_pipelined(
+    config: RunConfig,
+    process: int,
+    device: torch.device,
+    on_step: StepCallback | None = None,
+    executor: Executor | None = None,
+    resume_from: int | None = None,
+) -> TrainResult:
     """Train on this process (with `executor` if given, else a fresh one from `build_executor`) up
     to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
     Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
@@ -204,7 +274,11 @@ def train_pipelined(config: RunConfig, process: int, device: torch.device, on_st
     tensor_group = executor.comm.groups.get(TENSOR)
     for (pipe, stage), runtime in executor.stages.items():
         prefix = f"p{pipe}.{stage}" if pipe else f"{stage}"
-        named = runtime.module.named_parameters() if tensor_group is None else gather_parameters(runtime.module, tensor_group)
+        named = (
+            runtime.module.named_parameters()
+            if tensor_group is None
+            else gather_parameters(runtime.module, tensor_group)
+        )
         for name, parameter in named:
             parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
     return TrainResult(losses, parameters, gather_state_bytes(executor, runner))
@@ -214,8 +288,11 @@ def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str
     """Every rank's optimizer-state and curvature-state bytes, on every rank. Collective."""
     runner.quiesce()
     compression = executor.step_end.reduction.tensors()
-    mine = {"optimizer": tensor_bytes(list(executor.optimizer.state.values())), "curvature": tensor_bytes(runner.state_dict()),
-            "compression": tensor_bytes(compression)}
+    mine = {
+        "optimizer": tensor_bytes(list(executor.optimizer.state.values())),
+        "curvature": tensor_bytes(runner.state_dict()),
+        "compression": tensor_bytes(compression),
+    }
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return tuple(everyone)
@@ -231,6 +308,8 @@ def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner:
     dist.all_gather_object(records, record)
     if process == 0:
         cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
-        for line in commit(config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep):
+        for line in commit(
+            config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep
+        ):
             logger.info("checkpoint %s", line)
     dist.barrier()
