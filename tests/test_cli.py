@@ -1,3 +1,4 @@
+import ast
 import json
 import subprocess
 import sys
@@ -382,10 +383,14 @@ def test_an_abbreviated_or_mistyped_option_is_refused_with_the_one_it_meant(args
 
 def test_no_parser_of_the_package_or_experiments_takes_abbreviations():
     root = Path(__file__).resolve().parents[1]
+    calls = 0
     for path in [*root.glob("pipefisher/**/*.py"), *root.glob("experiments/*.py")]:
-        for line in path.read_text().splitlines():
-            if "argparse.ArgumentParser(" in line and "class " not in line:
-                assert "allow_abbrev=False" in line, f"{path.relative_to(root)}: {line.strip()}"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "argparse.ArgumentParser":
+                calls += 1
+                keywords = {keyword.arg: ast.unparse(keyword.value) for keyword in node.keywords}
+                assert keywords.get("allow_abbrev") == "False", f"{path.relative_to(root)}:{node.lineno}"
+    assert calls > 1
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 
-from pipefisher.core.names import BACKENDS, PRECISIONS
 from pipefisher.core.table import format_table
 from pipefisher.cli.args import (
     MAX_PACKED_SLOTS,
@@ -28,32 +26,19 @@ from pipefisher.cli.args import (
 from pipefisher.cli.checkpoint_command import add_checkpoint_parser
 from pipefisher.cli.config_command import add_config_parser
 from pipefisher.cli.plan_command import add_plan_parser
-from pipefisher.cli.run_checks import (
-    check_input_files,
-    check_plan,
-    check_run_outputs,
-    warn_if_emulated,
-    warn_without_effect,
-)
+from pipefisher.cli.run_command import add_profile_parser, add_run_parser
 from pipefisher.cli.run_file_args import (
-    add_key_arguments,
-    add_method_arguments,
     add_placement_arguments,
-    load_run,
-    method_overrides,
-    optimizer_names,
     placement_section,
 )
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
-from pipefisher.core.profile import ProfileError, load_profile
-from pipefisher.methods.registry import DEFAULT_METHOD, method_of, methods
+from pipefisher.core.profile import ProfileError
 from pipefisher.planning.layout_model import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
-from pipefisher.runtime.training.checkpoint_lock import FolderInUse, hold_checkpoint_folder
-from pipefisher.schedules import SCHEDULES
+from pipefisher.runtime.training.checkpoint_lock import FolderInUse
 
 
 def _simulate_summary(schedule, timeline: Timeline) -> dict:
@@ -175,151 +160,6 @@ def _add_pack(subparsers) -> None:
     parser.set_defaults(handler=_cmd_pack)
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    config = load_run(args).with_overrides(
-        pipeline={
-            "schedule": args.schedule,
-            "data_parallel": args.data_parallel,
-            "tensor_parallel": args.tensor_parallel,
-        },
-        optimizer={"name": args.optimizer, "zero": args.zero},
-        **method_overrides(args),
-        checkpoint={"dir": args.checkpoint_dir, "resume": "always" if args.resume else None},
-        comm={"powersgd_rank": args.powersgd_rank},
-        run={
-            "steps": args.steps,
-            "backend": args.backend,
-            "master_port": args.master_port,
-            "timeout": args.timeout,
-            "metrics": args.metrics,
-            "precision": args.precision,
-            "in_order": args.in_order or None,
-            "trace": args.trace,
-        },
-    )
-    check_run_outputs(config)
-    method = method_of(config).name
-    warn_without_effect(args, config)
-    config = config.with_overrides(**{method: {"profile": args.profile, "plan": args.plan}})
-    warn_if_emulated(config)
-    if args.reference and config.run.trace:
-        raise UsageError(
-            "--reference trains in one process without the executor whose actions a trace labels; "
-            "drop --trace (run.trace) or --reference"
-        )
-    if args.reference and config.comm.powersgd_rank:
-        raise UsageError(
-            "--reference trains in one process, without a gradient reduction to compress; "
-            "drop --powersgd-rank (comm.powersgd_rank) or --reference"
-        )
-    from pipefisher.runtime.training.assembly import build_schedule
-
-    schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
-    _prepare_model(config)
-    section = config.curvature
-    if section is not None and section.profile:
-        from pipefisher.runtime.training.pipefisher_run import check_profile_matches
-
-        profile = load_profile(section.profile)  # names the file in its own errors
-        try:
-            check_profile_matches(profile, config, schedule.num_stages)
-        except ProfileError as exc:
-            raise UsageError(f"{section.profile}: {exc}") from None
-    if section is not None and section.plan:
-        check_plan(config, schedule, args.reference)
-    elif args.plan:
-        raise UsageError(
-            f"--plan {args.plan}: a plan places a curvature method's work; this run's optimizer is "
-            f"{config.optimizer.name} (use --optimizer {' or '.join(methods())})"
-        )
-    if args.reference and section is not None and section.refresh_steps < 1:
-        raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
-    from pipefisher.runtime.training.run import check_port, run
-
-    problem = None if args.reference else check_port(config)
-    if problem:
-        raise UsageError(problem)
-    with _checkpoint_writer(config, args.reference):
-        resume_from = None if args.reference else _resume_step(config)
-        if resume_from is not None and resume_from >= config.run.steps:
-            say(f"the checkpoint is at step {resume_from}; nothing to do for --steps {config.run.steps}")
-            return 0
-        return run(config, reference=args.reference, as_json=args.json, resume_from=resume_from)
-
-
-def _checkpoint_writer(config, reference: bool) -> AbstractContextManager:
-    """The lock that makes this run checkpoint.dir's one writer, for the run's life
-    (`pipefisher.runtime.training.checkpoint_lock`; FolderInUse when another run holds it). None
-    is taken without a folder, for --reference (it writes no checkpoints), and under torchrun on
-    every process but 0 (process 0 holds it for the group)."""
-    if not config.checkpoint.dir or reference or os.environ.get("RANK", "0") != "0":
-        return nullcontext()
-    return hold_checkpoint_folder(config.checkpoint.dir)
-
-
-def _resume_step(config) -> int | None:
-    """The verified checkpoint step to continue from (checkpoint.resume), or None to start at 0;
-    says which newer checkpoints were skipped and why."""
-    if config.checkpoint.resume == "never":
-        return None
-    from pipefisher.runtime.training.checkpoint import CheckpointError, has_checkpoints
-    from pipefisher.runtime.training.resumption import resumable_step, resumption
-
-    if config.checkpoint.resume == "auto" and not has_checkpoints(config.checkpoint.dir):
-        return None  # nothing saved yet: a first start
-    try:
-        step, skipped = resumable_step(config.checkpoint.dir, config, writer=True)  # this run holds the folder
-        how = resumption(config.checkpoint.dir, step, config)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
-    for line in skipped:
-        say(f"checkpoint {line}")
-    say(how.summary(fell_back=bool(skipped)))
-    return step
-
-
-def _cmd_profile(args: argparse.Namespace) -> int:
-    config = load_run(args).with_overrides(
-        pipeline={
-            "schedule": args.schedule,
-            "data_parallel": args.data_parallel,
-            "tensor_parallel": args.tensor_parallel,
-        },
-        optimizer={"name": args.optimizer, "zero": args.zero},
-        comm={"powersgd_rank": args.powersgd_rank},
-        run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
-    )
-    from pipefisher.runtime.training.run import check_port, profile_run
-    from pipefisher.runtime.training.assembly import build_schedule
-
-    check_output(args.output, "-o")
-    if args.timeline:
-        check_output(args.timeline, "--timeline")
-    build_schedule(config)
-    _prepare_model(config)
-    problem = check_port(config)
-    if problem:
-        raise UsageError(problem)
-    return profile_run(config, args.output, args.timeline, args.repeats)
-
-
-def _prepare_model(config) -> None:
-    """Check that the model splits into the run's stages; for text data this also builds (and
-    caches) the tokenizer and tokens once, before the ranks start and read the cache."""
-    from pipefisher.runtime.training.assembly import staged_model
-
-    check_input_files(config)
-
-    def announce() -> None:
-        print(
-            f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    staged_model(config, on_data=announce)
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
     from pipefisher.config import load_config
 
@@ -355,99 +195,6 @@ def _add_export(subparsers) -> None:
     parser.set_defaults(handler=_cmd_export)
 
 
-def _add_profile(subparsers) -> None:
-    parser = subparsers.add_parser("profile", help="measure a profile of a run on this machine")
-    parser.add_argument("config", help="YAML run file")
-    parser.add_argument("-o", "--output", required=True, help="profile to write (YAML, or JSON by suffix)")
-    parser.add_argument("--timeline", help="also write the measured per-rank timeline (pipefisher.timeline/v1 JSON)")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="measured steps (default 5, medians)")
-    parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument(
-        "--tensor-parallel",
-        type=positive_int,
-        metavar="T",
-        help="processes each block is split over (pipeline.tensor_parallel)",
-    )
-    _add_gradient_path_arguments(parser)
-    parser.add_argument("--precision", choices=PRECISIONS, help="override run.precision")
-    parser.add_argument("--backend", choices=BACKENDS, help="override run.backend")
-    parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
-    parser.add_argument(
-        "--optimizer",
-        choices=optimizer_names(),
-        help=f"override optimizer.name: the tasks of its curvature method are timed (of {DEFAULT_METHOD} for a first-order optimizer)",
-    )
-    add_key_arguments(parser)
-    parser.set_defaults(handler=_cmd_profile)
-
-
-def _add_gradient_path_arguments(parser) -> None:
-    """--zero and --powersgd-rank: how the data-parallel gradient travels (run and profile)."""
-    parser.add_argument(
-        "--zero",
-        type=int,
-        choices=[0, 1],
-        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)",
-    )
-    parser.add_argument(
-        "--powersgd-rank",
-        type=int,
-        metavar="R",
-        help="compress each stage's gradient reduction with rank-R PowerSGD; 0 = off (comm.powersgd_rank)",
-    )
-
-
-def _add_run(subparsers) -> None:
-    parser = subparsers.add_parser("run", help="train from a run file (local processes, torchrun, or --reference)")
-    parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
-    parser.add_argument("--steps", type=positive_int, help="total steps of the run (run.steps)")
-    parser.add_argument("--optimizer", choices=optimizer_names(), help="override optimizer.name")
-    add_method_arguments(parser)
-    parser.add_argument("--profile", help="profile of this run for the packer (<method>.profile); default: measure one")
-    parser.add_argument(
-        "--plan",
-        help="run this plan of `pipefisher pack -o` instead of packing (<method>.plan); checked against the run first",
-    )
-    parser.add_argument("--data-parallel", type=positive_int, help="replicas of the pipeline (pipeline.data_parallel)")
-    parser.add_argument(
-        "--tensor-parallel",
-        type=positive_int,
-        metavar="T",
-        help="processes each block is split over (pipeline.tensor_parallel)",
-    )
-    _add_gradient_path_arguments(parser)
-    parser.add_argument(
-        "--precision", choices=PRECISIONS, help="fp32, or bf16/fp16 autocast with fp32 master weights (run.precision)"
-    )
-    parser.add_argument(
-        "--in-order",
-        action="store_true",
-        help="hold every process group to NCCL's in-order rule (run.in_order; a test mode for gloo)",
-    )
-    parser.add_argument("--backend", choices=BACKENDS, help="override run.backend")
-    parser.add_argument("--master-port", type=int, help="override run.master_port (0 picks a free port)")
-    parser.add_argument("--timeout", type=float, help="seconds a rank may wait for another (run.timeout)")
-    parser.add_argument("--checkpoint-dir", help="write checkpoints here (checkpoint.dir)")
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint that verifies, up to --steps (checkpoint.resume always)",
-    )
-    parser.add_argument("--metrics", help="append one JSON line per step to this file (run.metrics)")
-    parser.add_argument(
-        "--trace",
-        metavar="DIR",
-        help="write a PyTorch profiler trace per rank of steps run.trace_from.. "
-        "(default 3 and 4), every action labelled (run.trace)",
-    )
-    parser.add_argument("--reference", action="store_true", help="the same training in one process, without pipelining")
-    parser.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
-    add_key_arguments(parser)
-    parser.set_defaults(handler=_cmd_run)
-
-
 def _version() -> str:
     """The installed distribution's version ("unknown" when run from a checkout never installed)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -467,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     _add_simulate(subparsers)
     _add_pack(subparsers)
-    _add_run(subparsers)
-    _add_profile(subparsers)
+    add_run_parser(subparsers)
+    add_profile_parser(subparsers)
     _add_export(subparsers)
     add_config_parser(subparsers)
     add_plan_parser(subparsers)

@@ -5,30 +5,15 @@ are per micro-batch; inverse and sync times per refresh; precondition, gradient 
 step end per step.
 Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
 
-Optional additions (files without them are written and read exactly as before):
-
-- ``samples`` of a stage or layer: time field -> the values of its measured repeats, in the
-  profile's time unit (the field itself is their median when the profiler wrote it).
-  ``Profile.at_percentile(q)`` gives the profile whose sampled fields are the q-th percentile of
-  their samples (linear interpolation between order statistics, numpy's default; q = 50 is the
-  median), e.g. to pack with durations that hold most of the time.
-- ``capture_a_bytes`` / ``capture_b_bytes`` of a layer: device bytes that K-FAC's capture of ONE
-  micro-batch holds for the layer (A: its input, B: its output gradient, in the dtype the run
-  captures them in) until that micro-batch's curvature runs; 0 = unknown.
-- ``weight`` of a stage: the part of its `backward` that is the weight gradient of one
-  micro-batch, which zero-bubble schedules run as a separate op (W) after the input gradient (B);
-  0 = unknown: half of `backward` (input and weight gradients cost alike, as Qi et al. assume).
-- ``tensor_parallel`` of the profile: the tensor-parallel degree T it was measured or modelled at
-  (written only when > 1; 1 when left out). Its times and capture sizes are those of ONE
-  tensor-parallel rank: the forward/backward of its shard of each stage (with the stage's
-  tensor-parallel all-reduces) and the curvature tasks of its layers' shards
-  (`pipefisher.core.tensor_parallel`).
-- ``recompute`` of the profile: the `model.recompute` mode of the measured run (`RECOMPUTE_MODES`;
-  written only when not "none"): its backward times include recomputing that part of the forward.
-- ``seq_len``, ``precision`` and ``model`` of the profile: the run's `model.seq_len`,
-  `run.precision` (`PRECISIONS`) and model (`pipefisher.config.model_identity`, e.g. "bert
-  bert-base") it was measured at, like `micro_batch_size`; absent = unknown (files written before
-  them, profiles modelled from reference tables), and a run checks only what a profile records.
+Optional additions, each absent from files written before it (read as before; docs/profile-format.md
+has every field): ``samples`` of a stage or layer (the measured repeats of each time field, whose
+median the field is; ``Profile.at_percentile(q)`` takes their q-th percentile instead);
+``capture_a_bytes`` / ``capture_b_bytes`` of a layer (bytes one micro-batch's capture holds; 0 =
+unknown); ``weight`` of a stage (the weight-gradient part of `backward`, the W op of zero-bubble
+schedules; 0 = half of it); and of the profile: ``tensor_parallel`` (times and sizes are ONE
+tensor-parallel rank's; 1 when left out), ``recompute`` (`RECOMPUTE_MODES`: the backward includes
+recomputing that part of the forward) and ``seq_len``, ``precision``, ``model`` (what it was
+measured at, like `micro_batch_size`; absent = unknown, and a run checks only what it records).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def test_port_in_use_exits_2_before_starting_processes():
 
 def test_a_taken_port_met_at_the_bind_is_the_same_usage_error():
     """Taken between the check and the bind: the launcher's own store refuses it as one line."""
-    from pipefisher.runtime.training.launch import PortInUse, hosted_store
+    from pipefisher.runtime.training.rendezvous import PortInUse, hosted_store
 
     first = hosted_store("127.0.0.1", 0, timeout=5)
     with pytest.raises(PortInUse, match=f"port {first.port} on 127.0.0.1 is in use"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipefisher.core.profile import load_profile
-from pipefisher.runtime.training.launch import free_port
+from pipefisher.runtime.training.rendezvous import free_port
 
 pytestmark = pytest.mark.dist
 

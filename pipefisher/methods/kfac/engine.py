@@ -15,16 +15,15 @@ the device. Only inspection reads: ``check_health`` (one read for the whole engi
 ``torch.linalg.eigh`` on CUDA (see :func:`damped_inverse`).
 
 Scaling (why B does not depend on micro-batch count or size):
-- ``A = (1/R) Σ_r a_r a_rᵀ`` over the R rows (tokens) of the step, with a trailing 1 in ``a_r``
-  when the layer has a bias.
-- The captured ``e_r`` is the gradient of the step loss w.r.t. the layer output row r. If the step
-  loss is the mean of per-row losses over all R rows (each of M micro-batch losses is its mean
-  scaled by ``R_m / R``, i.e. ``1/M`` for equal micro-batches), the per-row loss gradient is
-  ``λ e_r`` with ``λ = R``. Then ``B = (1/R) Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of
-  per-example gradient outer products. ``λ`` defaults to this replica's row count of the
-  factor (taken before the replica sum; ``share_rows`` needs it set); set the engine's ``grad_scale`` for other loss scalings
-  (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass the scale to ``capture``: the
-  ``e`` rows are divided by it before their outer products.
+- ``A = (1/R) Σ_r a_r a_rᵀ`` over the R rows (tokens) of the step, with a trailing 1 in ``a_r`` when the layer
+  has a bias.
+- The captured ``e_r`` is the gradient of the step loss w.r.t. the layer output row r. If the step loss is the
+  mean of per-row losses over all R rows (each of M micro-batch losses is its mean scaled by ``R_m / R``, i.e.
+  ``1/M`` for equal micro-batches), the per-row loss gradient is ``λ e_r`` with ``λ = R``. Then ``B = (1/R)
+  Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of per-example gradient outer products. ``λ`` defaults to this
+  replica's row count of the factor (taken before the replica sum; ``share_rows`` needs it set); set the
+  engine's ``grad_scale`` for other loss scalings (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass
+  the scale to ``capture``: the ``e`` rows are divided by it before their outer products.
 """
 
 from __future__ import annotations
@@ -42,29 +41,12 @@ from pipefisher.methods.counters import read_counters
 from pipefisher.methods import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
-from pipefisher.methods.kfac.factors import (
-    accumulate_covariance,
-    damped_inverse,
-    damping_too_small,
-    fold_ema,
-    kl_clip_scale,
-)
+from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, damping_too_small
+from pipefisher.methods.kfac.factors import fold_ema, kl_clip_scale
 from pipefisher.methods.kfac.method import KfacConfig
 from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionReport, check_engine_settings
-from pipefisher.methods.kfac.layer import (
-    FACTORS,
-    BuiltFactor,
-    Factor,
-    Flagged,
-    Health,
-    LayerInfo,
-    LayerState,
-    apply_inverses,
-    known_factor,
-    prefer_ok,
-    select_layers,
-    valid,
-)
+from pipefisher.methods.kfac.layer import FACTORS, BuiltFactor, Factor, Flagged, Health, LayerInfo, LayerState
+from pipefisher.methods.kfac.layer import apply_inverses, known_factor, prefer_ok, select_layers, valid
 
 
 class KFACEngine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from pipefisher.core.ir import OpKind
-from pipefisher.planning.packing.greedy import TOLERANCE, Windows
+from pipefisher.planning.packing.windows import TOLERANCE, Windows
 from pipefisher.planning.simulate import Timeline
 from pipefisher.planning.tasks import CurvatureTasks
 

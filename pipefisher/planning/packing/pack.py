@@ -33,7 +33,8 @@ from functools import cached_property
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.capture_memory import capture_peaks
-from pipefisher.planning.packing.greedy import STRATEGIES, Placed, Strategy, Windows, place, step_windows
+from pipefisher.planning.packing.greedy import STRATEGIES, Strategy, place
+from pipefisher.planning.packing.windows import Placed, Windows, step_windows
 from pipefisher.planning.packing.bounds import lower_bounds, precondition_in_bubbles
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.plan_builder import Built, PlanBuilder

@@ -20,7 +20,8 @@ from collections import defaultdict
 from typing import Literal, NamedTuple
 
 from pipefisher.core.ir import Op, OpKind
-from pipefisher.planning.packing.greedy import CURVATURE_KINDS, TOLERANCE, Placed, Placement, Slot, Windows
+from pipefisher.planning.packing.greedy import CURVATURE_KINDS
+from pipefisher.planning.packing.windows import TOLERANCE, Placed, Placement, Slot, Windows
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.simulate import COLLECTIVES, Timeline
 from pipefisher.planning.tasks import CurvatureTasks, collective_groups

@@ -18,15 +18,13 @@ from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (
     GroupFailure,
     Interrupted,
-    PortInUse,
     current_device,
     gpu_shortfall,
-    hosted_store,
     init_distributed,
-    port_in_use,
     resolve_backend,
     run_group,
 )
+from pipefisher.runtime.training.rendezvous import PortInUse, hosted_store, port_in_use
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
