@@ -169,7 +169,7 @@ class Timers:
 def install_profiling(timers: Timers) -> None:
     from torch.distributed.pipelining import stage as torch_stage
 
-    from pipefisher.runtime.pipeline import comm as pf_comm
+    from pipefisher.runtime.primitives import comm as pf_comm
     from pipefisher.runtime.pipeline import stage as pf_stage
     from pipefisher.runtime.gradient_path import step_end as pf_step_end
 

@@ -1,4 +1,4 @@
-"""The per-rank memory model (`pipefisher.planning.peak_memory`) against the bytes of live tensors
+"""The per-rank memory model (`pipefisher.planning.memory.peak`) against the bytes of live tensors
 at the peak of real runs on this CPU (gloo, one process per rank): several schedules, models,
 optimizer layouts, activation recomputation and K-FAC (packed, from a profile measured first).
 Prints a Markdown table (predicted MiB per rank by kind, measured MiB, error) and writes it into

@@ -3,7 +3,7 @@
 For each shipped CPU model (schedules/tiny-cpu.yaml: BERT 4 x 128 with LAMB; schedules/gpt2-tiny-cpu.yaml:
 GPT-2 4 x 128 with AdamW) it measures ONE profile with `pipefisher profile` at the run file's own split
 (2 stages, 1F1B, 4 micro-batches, the run file's optimizer; K-FAC's tasks are timed too) and predicts
-every layout from it with the planner's `predict` (`pipefisher.planning.layout_predict`, what
+every layout from it with the planner's `predict` (`pipefisher.planning.planner.predict`, what
 `pipefisher plan` ranks by): other schedules and micro-batch counts reuse the stages' times,
 interleaved's and a 1-stage pipeline's pieces are the profile re-split by blocks
 (`layout_sources.resplit`), K-FAC is packed, and replicated stages (Chimera's pipes, data-parallel
@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 from pipefisher.config import RunConfig, config_from_dict  # noqa: E402
 from pipefisher.core.profile import Profile, load_profile  # noqa: E402
-from pipefisher.planning.layout_candidates import layout_of_run  # noqa: E402
-from pipefisher.planning.layout_model import model_sizes  # noqa: E402
-from pipefisher.planning.layout_predict import PlanContext, predict, source_bandwidth_gbps  # noqa: E402
-from pipefisher.planning.layout_sources import MeasuredTimes  # noqa: E402
+from pipefisher.planning.planner.candidates import layout_of_run  # noqa: E402
+from pipefisher.planning.planner.model_sizes import model_sizes  # noqa: E402
+from pipefisher.planning.planner.predict import PlanContext, predict, source_bandwidth_gbps  # noqa: E402
+from pipefisher.planning.planner.sources import MeasuredTimes  # noqa: E402
 from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
 
 MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
@@ -276,7 +276,7 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
 
 #: what the page says below every table: what the numbers are and what the prediction leaves out
 NOTES = [
-    "Predicted: `pipefisher.planning.layout_predict.predict` (what `pipefisher plan` ranks by) on the one profile "
+    "Predicted: `pipefisher.planning.planner.predict.predict` (what `pipefisher plan` ranks by) on the one profile "
     "of the model; error = predicted / measured − 1. Every layout runs 2 single-threaded processes on the 2 cores: "
     "with 4 processes two ranks share each core and the operating system's time slicing, not the schedule, decides "
     "when an op runs, which no per-device model describes (a 4-process layout here measures the scheduler, so none "

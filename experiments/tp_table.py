@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.kfac.memory import KfacLayer
 from pipefisher.core.topology import Topology
-from pipefisher.planning.memory import optimizer_state, rank_memory
+from pipefisher.planning.memory.state import optimizer_state, rank_memory
 from pipefisher.planning.transformer_profile import (
     BERT_SIZES,
     block_layer_shapes,
     read_block_times,
     transformer_profile,
 )
-from pipefisher.planning.transformer_state import TransformerSizes, transformer_stage_states
+from pipefisher.planning.memory.transformer_state import TransformerSizes, transformer_stage_states
 from pipefisher.schedules import get_schedule
 
 from pathlib import Path

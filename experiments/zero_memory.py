@@ -2,7 +2,7 @@
 stages, 1F1B: schedules/bert-base-1f1b-4x4.yaml) with 1, 2 and 4 data-parallel copies, for the
 LAMB baseline and for K-FAC (SGD with momentum after preconditioning, the run file's
 kfac.first_order rule for what K-FAC leaves, plus K-FAC's factors and inverses): plain data parallelism, ZeRO stage 1, rank-4 PowerSGD, and (K-FAC) one gradient worker
-per layer (kfac.grad_worker_fraction 1/R), from `pipefisher.planning.memory`.
+per layer (kfac.grad_worker_fraction 1/R), from `pipefisher.planning.memory.state`.
 
 The stages are the real ones (pipefisher's BERT code, seed 0, on the CPU): parameter sizes and
 K-FAC layers are read off them. Then ZeRO's own published example as a sanity check of the same
@@ -31,12 +31,12 @@ REST = {
 
 HEADER = """\
 Training-state memory per rank of the PipeFisher paper run ({run}: BERT-Base, {stages} stages, {schedule}, \
-micro-batches of {micro_batch} x {seq_len} tokens), from `pipefisher.planning.memory` over the real stages built \
+micro-batches of {micro_batch} x {seq_len} tokens), from `pipefisher.planning.memory.state` over the real stages built \
 by pipefisher's BERT code (seed 0). Counted: fp32 parameters and fp32 gradients (whole on every rank, \
 with or without ZeRO-1, as the runtime keeps them), the optimizer's state (LAMB: two fp32 moments; \
 K-FAC: SGD's fp32 momentum buffer, momentum {momentum}, for the layers it preconditions, \
 {rest} for the parameters it leaves) over the parameters a rank updates (ZeRO-1: \
-the ones it owns, `pipefisher.planning.layouts.zero.shard_owners`), and K-FAC's state once a refresh is committed \
+the ones it owns, `pipefisher.planning.replicas.zero.shard_owners`), and K-FAC's state once a refresh is committed \
 (running factors A and B and their committed inverses, fp32, with flags and counters; A includes the \
 bias column; every replica keeps every inverse, except with gradient workers: then only the layer's \
 workers; the tied MLM decoder stays first-order), and PowerSGD's state (the error of every matrix it \
@@ -53,10 +53,10 @@ all-reduces and inverse broadcasts are extra and not in it. MiB = 2^20 bytes.
 
 
 def stage_states(config) -> list:
-    """The run's stages as `pipefisher.planning.memory.StageState`s: built for real, then measured."""
+    """The run's stages as `pipefisher.planning.memory.state.StageState`s: built for real, then measured."""
     from pipefisher.methods.kfac.layer import preconditioned_parameters, select_layers
     from pipefisher.methods.kfac.memory import KfacLayer
-    from pipefisher.planning.memory import StageState
+    from pipefisher.planning.memory.state import StageState
     from pipefisher.models.bert import BertStagedModel, bert_preset
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
 
@@ -82,7 +82,7 @@ def stage_states(config) -> list:
 
 
 def pipefisher_table(config, stages, data_parallels: list[int], momentum: float) -> list[str]:
-    from pipefisher.planning.memory import largest, optimizer_state, rank_memory
+    from pipefisher.planning.memory.state import largest, optimizer_state, rank_memory
     from pipefisher.schedules import get_schedule
     from pipefisher.core.topology import Topology
 
@@ -130,7 +130,7 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
 
 
 def deepspeed_table() -> list[str]:
-    from pipefisher.planning.memory import zero_paper_example
+    from pipefisher.planning.memory.state import zero_paper_example
 
     lines = [
         "| case | parameters, fp16 (GB) | gradients, fp16 (GB) | optimizer state, K = 12 (GB) | total (GB) | paper (GB) |",

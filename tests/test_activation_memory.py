@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipefisher.planning.activation_memory import ModelShape, activation_peaks, micro_batch_bytes
+from pipefisher.planning.memory.activations import ModelShape, activation_peaks, micro_batch_bytes
 from pipefisher.runtime.training.memory_probe import saved_bytes
 from pipefisher.schedules import get_schedule
 

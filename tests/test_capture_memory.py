@@ -6,7 +6,7 @@ import pytest
 
 from pipefisher.core.ir import OpKind
 from pipefisher.core.profile import Profile
-from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import validate_plan
 from pipefisher.schedules import get_schedule
@@ -99,7 +99,7 @@ def test_unknown_capture_sizes_report_zero():
 
 
 def test_activations_and_captures_are_summed_op_by_op_not_at_their_own_peaks():
-    from pipefisher.planning.cycle_memory import cycle_peaks
+    from pipefisher.planning.memory.cycle import cycle_peaks
 
     schedule = get_schedule("gpipe", 2, 4)
     profile = profile_with_captures(2)
@@ -113,7 +113,7 @@ def test_activations_and_captures_are_summed_op_by_op_not_at_their_own_peaks():
 
 
 def test_a_refresh_copy_is_held_from_the_layers_first_curvature_task_to_the_cycle_end():
-    from pipefisher.planning.cycle_memory import cycle_peaks
+    from pipefisher.planning.memory.cycle import cycle_peaks
 
     schedule = get_schedule("1f1b", 2, 4)
     profile = layered_profile(2, 2, spread=False)  # no capture sizes

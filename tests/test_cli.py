@@ -213,7 +213,7 @@ def test_a_capture_cap_that_changes_the_plan_is_reported_without_contradiction(t
         [
             sys.executable,
             "-m",
-            "pipefisher.viz.bert_profile",
+            "pipefisher.cli.bert_profile",
             str(times),
             "-D",
             "8",

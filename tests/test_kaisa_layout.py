@@ -9,7 +9,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import ActionKind, GradientPath, Reduction
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
-from pipefisher.planning.layouts.kaisa import grad_workers, worker_count
+from pipefisher.planning.replicas.kaisa import grad_workers, worker_count
 from pipefisher.planning.packing.pack import PackOptions, pack
 from pipefisher.schedules import get_schedule
 

@@ -10,13 +10,13 @@ import yaml
 from pipefisher.cli.main import main
 from pipefisher.config import config_from_dict, load_config
 from pipefisher.core.profile import load_profile
-from pipefisher.planning.layout_candidates import Layout, SearchSpace, enumerate_layouts
-from pipefisher.planning.layout_model import PlanError, model_sizes
-from pipefisher.planning.layout_memory import layout_memory
-from pipefisher.planning.layout_predict import PlanContext, layout_profile, pack_options, predict
-from pipefisher.planning.layout_search import GiB, search
-from pipefisher.planning.layout_sources import ReferenceTimes, block_of, resplit
-from pipefisher.planning.layout_table import run_file_of
+from pipefisher.planning.planner.candidates import Layout, SearchSpace, enumerate_layouts
+from pipefisher.planning.planner.model_sizes import PlanError, model_sizes
+from pipefisher.planning.planner.layout_memory import layout_memory
+from pipefisher.planning.planner.predict import PlanContext, layout_profile, pack_options, predict
+from pipefisher.planning.planner.search import GiB, search
+from pipefisher.planning.planner.sources import ReferenceTimes, block_of, resplit
+from pipefisher.planning.planner.table import run_file_of
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate

@@ -1,4 +1,4 @@
-"""The per-rank memory and traffic model (`pipefisher.planning.memory`) against what real torch optimizers
+"""The per-rank memory and traffic model (`pipefisher.planning.memory.state`) against what real torch optimizers
 and K-FAC engines hold for the tiny transformer, and against ZeRO's published example."""
 
 import subprocess
@@ -13,7 +13,7 @@ from pipefisher.config import config_from_dict
 from pipefisher.methods.kfac import KfacConfig, KFACEngine
 from pipefisher.methods.kfac.layer import preconditioned_parameters, select_layers
 from pipefisher.methods.kfac.memory import KfacLayer
-from pipefisher.planning.memory import (
+from pipefisher.planning.memory.state import (
     StageState,
     optimizer_state,
     rank_memory,
@@ -89,7 +89,7 @@ def modelled(config, model, topology):
 
 
 def test_the_model_imports_no_torch():
-    code = "import sys, pipefisher.planning.memory\nprint('torch' in sys.modules)"
+    code = "import sys, pipefisher.planning.memory.state\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -276,7 +276,7 @@ def test_powersgd_traffic_is_an_all_reduce_of_its_factors_and_of_what_it_leaves_
 
 
 def test_powersgd_state_is_what_the_runtime_keeps():
-    from pipefisher.planning.memory import powersgd_state_bytes
+    from pipefisher.planning.memory.state import powersgd_state_bytes
     from pipefisher.runtime.gradient_path.buffers import GradientBuffer
     from pipefisher.runtime.gradient_path.powersgd import PowerSGD
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.core.ir import (

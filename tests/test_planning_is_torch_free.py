@@ -12,12 +12,10 @@ TORCH_FREE_MODULES = (
     "methods/method",
     "methods/settings",
     "methods/registry",
-    "viz/cli",
     "viz/layout",
     "viz/text",
     "viz/chrome",
     "viz/figure",
-    "viz/timeline_io",
 )
 
 

@@ -12,9 +12,9 @@ from pipefisher.cli.main import main
 from pipefisher.core.profile import ProfileError, load_profile, profile_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.kfac.memory import COUNTER_BYTES, FLAG_BYTES, KfacLayer
-from pipefisher.planning.memory import optimizer_state, rank_memory
+from pipefisher.planning.memory.state import optimizer_state, rank_memory
 from pipefisher.planning.transformer_profile import BlockTimes, tensor_parallel_allreduce_ms, transformer_profile
-from pipefisher.planning.transformer_state import TransformerSizes, transformer_stage_states
+from pipefisher.planning.memory.transformer_state import TransformerSizes, transformer_stage_states
 from pipefisher.schedules import get_schedule
 
 TIMES = BlockTimes(time_f=29.2, time_b=49.4, time_kron=7.3, time_inv=16.9, time_prec=1.2)

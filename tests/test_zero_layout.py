@@ -9,7 +9,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import ActionKind, GradientPath, Reduction, gather_collective
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
-from pipefisher.planning.layouts.zero import contiguous_shards, shard_owners
+from pipefisher.planning.replicas.zero import contiguous_shards, shard_owners
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan
 from pipefisher.schedules import get_schedule
 

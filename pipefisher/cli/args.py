@@ -15,19 +15,15 @@ from typing import Any
 
 from pipefisher.core.profile import load_profile, uniform_profile
 from pipefisher.core.settings import closest
+from pipefisher.core.usage import UsageError
 from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
 from pipefisher.schedules.validate import validate
 
-USAGE_ERROR = 2
 #: the most (rank, model chunk, micro-batch) triples per step a planning command takes: about 5 s
 #: and 300 MB to simulate on 2 cores; packing holds every op of a whole refresh cycle, so it
 #: takes 8x fewer (D = 24, N = 1536 packs in 7 s and 600 MB)
 MAX_SIMULATED_SLOTS = 1 << 18
 MAX_PACKED_SLOTS = 1 << 15
-
-
-class UsageError(Exception):
-    """Bad command-line input; printed as one line, exit code 2."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -135,7 +131,7 @@ def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="T",
         help="tensor-parallel degree T: the --profile must describe one of T ranks (its tensor_parallel; "
-        "python -m pipefisher.viz.bert_profile --tensor-parallel T makes one); default 1",
+        "python -m pipefisher.cli.bert_profile --tensor-parallel T makes one); default 1",
     )
 
 
@@ -174,7 +170,7 @@ def build_pipeline(
     elif degree not in (None, 1):
         raise UsageError(
             f"--tensor-parallel {degree}: unit times have no tensor-parallel model; give a --profile made at degree {degree} "
-            f"(python -m pipefisher.viz.bert_profile CSV --tensor-parallel {degree})"
+            f"(python -m pipefisher.cli.bert_profile CSV --tensor-parallel {degree})"
         )
     else:
         # Each rank's share of the model costs forward 1, backward 2, whatever the chunking.

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 from pipefisher.core.table import format_table
+from pipefisher.core.usage import USAGE_ERROR
 from pipefisher.cli.args import (
     MAX_PACKED_SLOTS,
-    USAGE_ERROR,
     ArgumentParser,
     UsageError,
     add_pipeline_arguments,
@@ -34,7 +34,7 @@ from pipefisher.cli.run_file_args import (
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError
-from pipefisher.planning.layout_model import PlanError
+from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parser(subparsers)
     add_plan_parser(subparsers)
     add_checkpoint_parser(subparsers)
-    from pipefisher.viz.cli import add_viz_parser
+    from pipefisher.cli.viz_command import add_viz_parser
 
     add_viz_parser(subparsers)
     return parser

@@ -1,6 +1,6 @@
 """`pipefisher plan RUN.yaml --gpus N --memory-gb M`: the fastest layout of the run's model on N
 GPUs of M GiB each, with its curvature method's refresh interval, predicted
-(`pipefisher.planning.layout_search`); the ranked table, where the run file's own layout ranks,
+(`pipefisher.planning.planner.search`); the ranked table, where the run file's own layout ranks,
 and the best written as a run file. Pure Python: no torch."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pipefisher.config import FIRST_ORDER, RunConfig, load_config
 from pipefisher.core.files import parse_yaml
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
-from pipefisher.planning.layout_candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
-from pipefisher.planning.layout_model import ModelSizes, PlanError, model_sizes
-from pipefisher.planning.layout_predict import (
+from pipefisher.planning.planner.candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
+from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError, model_sizes
+from pipefisher.planning.planner.predict import (
     DEFAULT_DP_BANDWIDTH_GBPS,
     PlanContext,
     Prediction,
@@ -24,9 +24,9 @@ from pipefisher.planning.layout_predict import (
     predict,
     source_bandwidth_gbps,
 )
-from pipefisher.planning.layout_search import DEFAULT_PACKED, GiB, SearchResult, search
-from pipefisher.planning.layout_sources import MeasuredTimes, ReferenceTimes
-from pipefisher.planning.layout_table import prediction_dict, ranked_table, run_file_of
+from pipefisher.planning.planner.search import DEFAULT_PACKED, GiB, SearchResult, search
+from pipefisher.planning.planner.sources import MeasuredTimes, ReferenceTimes
+from pipefisher.planning.planner.table import prediction_dict, ranked_table, run_file_of
 
 REFERENCE_FOLDER = Path(__file__).resolve().parents[2] / "profiles" / "reference"
 #: the sequence length the reference CSVs were measured at

@@ -86,7 +86,7 @@ class RunConfig:
 
     @property
     def workers_per_layer(self) -> int | None:
-        """Gradient workers per layer (`pipefisher.planning.layouts.kaisa`) when the run's curvature
+        """Gradient workers per layer (`pipefisher.planning.replicas.kaisa`) when the run's curvature
         method keeps each layer's refresh results on fewer than a stage's replicas; None: every replica."""
         replicas = stage_replica_count(self)
         workers = self.curvature.gradient_workers(replicas) if self.curvature is not None else replicas

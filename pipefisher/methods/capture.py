@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from pipefisher.methods.blocks import Factor
-from pipefisher.runtime.pipeline.recompute import recomputing
+from pipefisher.runtime.primitives.recompute import recomputing
 
 #: the part of a layer's input records
 INPUTS: Factor = "A"

@@ -22,7 +22,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
-from pipefisher.runtime.pipeline.comm import Comm, Handle
+from pipefisher.runtime.primitives.comm import Comm, Handle
 
 #: (time field -> samples in ms, capture_a_bytes/capture_b_bytes -> bytes) of one layer
 LayerMeasurement = tuple[dict[str, list[float]], dict[str, int]]

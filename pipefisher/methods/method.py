@@ -105,7 +105,7 @@ class CurvatureMethod:
     layers, reference twin) and `flags`: keys of its section that get a short command-line flag
     `--<name>-<key>` beside the ones every method has (placement, refresh steps); `memory`:
     "module:attribute" of its torch-free memory model of a layer
-    (`pipefisher.planning.memory.CurvatureLayer`; "" = not modelled)."""
+    (`pipefisher.planning.memory.state.CurvatureLayer`; "" = not modelled)."""
 
     name: str
     label: str

@@ -48,5 +48,5 @@ class StagedModel(Protocol):
 
     def recompute_plan(self, mode: str) -> tuple[str, ...]:
         """Globs of the modules `model.recompute` `mode` (none, selective, blocks) checkpoints
-        (`pipefisher.runtime.pipeline.recompute`); ValueError naming the key when the model has
+        (`pipefisher.runtime.primitives.recompute`); ValueError naming the key when the model has
         nothing that mode could recompute."""

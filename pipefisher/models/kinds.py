@@ -10,7 +10,7 @@ from typing import Any
 from pipefisher.models.kind import ModelKind
 
 _ASSEMBLY = "pipefisher.runtime.training.assembly"
-_SIZES = "pipefisher.planning.layout_model"
+_SIZES = "pipefisher.planning.planner.model_sizes"
 _SHAPES = "pipefisher.runtime.training.memory_check"
 _REGRESSION_KEYS = ("layers", "hidden", "input_dim", "output_dim")
 

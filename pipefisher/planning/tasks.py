@@ -241,7 +241,7 @@ def build_tasks(
     A stage's replicas are its pipes times the `data_parallel` copies of the pipeline: inputs are
     synced over all of them; refresh work is split among the pipes only (every data-parallel copy
     of the pipeline computes the same) and exchanged among them. `precondition` False drops the
-    method's per-step precondition ops (K-FAC with gradient workers, `pipefisher.planning.layouts.kaisa`: they
+    method's per-step precondition ops (K-FAC with gradient workers, `pipefisher.planning.replicas.kaisa`: they
     precondition the reduced gradient at the end of the step instead).
     """
     check_profile(schedule, profile)

@@ -16,9 +16,9 @@ from pathlib import Path
 from pipefisher.core.files import write_atomically
 from pipefisher.core.ir import Op, ScheduleError
 from pipefisher.viz.figure import COLOURS
-from pipefisher.viz.timeline_io import StepTimes
+from pipefisher.planning.timeline_file import StepTimes
 from pipefisher.viz.trace_io import labelled_events, step_durations, step_spans
-from pipefisher.viz.timeline_io import TimelineError
+from pipefisher.planning.timeline_file import TimelineError
 
 #: label prefix -> (category, colour) of a communication action or the end of step
 #: (the wait on the step's world reduction applies the optimizer: it is the end of step's)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pipefisher.cli.args import UsageError
+from pipefisher.core.usage import UsageError
 from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.core.table import format_table
 from pipefisher.methods.registry import methods

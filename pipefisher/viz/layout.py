@@ -14,7 +14,7 @@ from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.simulate import Bubble, Timeline, simulate
-from pipefisher.viz.timeline_io import RecordedTimeline, StepTimes
+from pipefisher.planning.timeline_file import RecordedTimeline, StepTimes
 from pipefisher.methods.registry import method
 
 #: Colour class of every op kind; the renderers key their colours and characters on it.

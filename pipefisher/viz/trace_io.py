@@ -28,7 +28,7 @@ from typing import Any
 from pipefisher.core.ir import Op, OpKind, ScheduleError
 from pipefisher.core.profile import Profile, StageProfile
 from pipefisher.core.trace_labels import STEP, STEP_TIME
-from pipefisher.viz.timeline_io import SCHEMA, RecordedTimeline, TimelineError, timeline_from_dict
+from pipefisher.planning.timeline_file import SCHEMA, RecordedTimeline, TimelineError, timeline_from_dict
 
 RANK_FILE = re.compile(r"rank(\d+)\.json(\.gz)?$")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipefisher.viz.action_figure import category
-from pipefisher.viz.timeline_io import StepTimes
+from pipefisher.planning.timeline_file import StepTimes
 from pipefisher.viz.trace_io import load_events, step_durations, step_spans
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -14,7 +14,7 @@ from pipefisher.methods.muon.memory import MuonLayer
 from pipefisher.methods.muon.method import MuonConfig
 from pipefisher.methods.muon.ops import MuonRuntime, first_order_globs
 from pipefisher.models.tiny import TinyRegression
-from pipefisher.planning.memory import StageState, optimizer_state, rank_memory
+from pipefisher.planning.memory.state import StageState, optimizer_state, rank_memory
 from pipefisher.runtime.gradient_path.buffers import unique_parameters
 from pipefisher.schedules import get_schedule
 

@@ -195,7 +195,7 @@ class DiagonalTimer(TaskTimer):
             state.precondition()
 
     def measure(self, executor) -> dict:
-        from pipefisher.runtime.pipeline.clock import timed_ms
+        from pipefisher.runtime.primitives.clock import timed_ms
 
         measurements = {}
         for (pipe, stage), state in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):

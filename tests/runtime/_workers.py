@@ -156,7 +156,7 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
 def shared_channel_1f1b(rank: int, world: int, in_order: bool) -> str:
     """The issue order of the executor before the NCCL rework, for 1F1B on 2 stages, on one
     two-rank group: rank 0 `send a0 | recv g0 | send a1`, rank 1 `recv a0 | recv a1 | send g0`."""
-    from pipefisher.runtime.pipeline.comm import Comm
+    from pipefisher.runtime.primitives.comm import Comm
 
     comm = Comm({("p2p",): (0, 1)}, rank, in_order=in_order, timeout=5)
     a0, a1, g0 = torch.ones(4), torch.full((4,), 2.0), torch.full((4,), 3.0)

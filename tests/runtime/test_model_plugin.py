@@ -76,7 +76,7 @@ def test_its_declaration_drives_the_run_file_checks(residual):
 
 
 def test_the_planner_says_it_has_no_sizes(residual):
-    from pipefisher.planning.layout_model import PlanError, model_sizes
+    from pipefisher.planning.planner.model_sizes import PlanError, model_sizes
 
     with pytest.raises(PlanError, match=r"^model.kind: residual has no attention blocks"):
         model_sizes(residual_run())

@@ -13,7 +13,7 @@ from pipefisher.config import ConfigError, ModelConfig, config_from_dict
 from pipefisher.methods.kfac.capture import capture
 from pipefisher.methods.kfac.layer import select_layers
 from pipefisher.models.bert import BertStagedModel, bert_preset
-from pipefisher.runtime.pipeline.recompute import recompute_modules
+from pipefisher.runtime.primitives.recompute import recompute_modules
 from pipefisher.runtime.pipeline.split_backward import SplitBackward
 from pipefisher.runtime.training.assembly import staged_model
 from sweeps import pipeline

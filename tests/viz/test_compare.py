@@ -189,7 +189,7 @@ def test_kfac_entry_without_a_profile_exits_2_with_one_line(tmp_path):
     )
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1
     assert result.stderr.startswith("pipefisher: error: zb-h1+kfac: needs --profile FILE")
-    assert "python -m pipefisher.viz.bert_profile " in result.stderr and not (tmp_path / "x.svg").exists()
+    assert "python -m pipefisher.cli.bert_profile " in result.stderr and not (tmp_path / "x.svg").exists()
 
 
 def test_parse_entries_takes_every_registered_schedule():

@@ -7,7 +7,7 @@ import yaml
 
 from pipefisher.cli.main import main
 from pipefisher.core.profile import uniform_profile
-from pipefisher.viz.cli import parse_compare
+from pipefisher.cli.viz_command import parse_compare
 
 
 def _rows(text):
@@ -145,8 +145,8 @@ def test_missing_output_exits_2(capsys):
 
 def test_viz_imports_neither_torch_nor_matplotlib_until_it_draws():
     code = (
-        "import sys\nimport pipefisher.cli.main, pipefisher.viz.cli, pipefisher.viz.layout, pipefisher.viz.text, "
-        "pipefisher.viz.chrome, pipefisher.viz.timeline_io, pipefisher.viz.figure, pipefisher.viz.bert_profile\n"
+        "import sys\nimport pipefisher.cli.main, pipefisher.cli.viz_command, pipefisher.viz.layout, pipefisher.viz.text, "
+        "pipefisher.viz.chrome, pipefisher.planning.timeline_file, pipefisher.viz.figure, pipefisher.cli.bert_profile\n"
         "pipefisher.cli.main.build_parser()\n"
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     )
@@ -157,7 +157,7 @@ def test_viz_imports_neither_torch_nor_matplotlib_until_it_draws():
 
 def test_bert_profile_script_builds_a_kfac_profile(tmp_path, capsys):
     from pipefisher.core.profile import load_profile
-    from pipefisher.viz.bert_profile import main as bert_main
+    from pipefisher.cli.bert_profile import main as bert_main
 
     csv = tmp_path / "bert-base_times.csv"  # made-up numbers in the reference CSV's columns
     csv.write_text("bs,time_f,time_b,time_kron,time_inv,time_prec\n8,2.7,4.6,6.8,71.6,6.9\n32,9.7,16.5,25.5,71.7,6.8\n")

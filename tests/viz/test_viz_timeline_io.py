@@ -8,7 +8,7 @@ from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import recorded_panel
-from pipefisher.viz.timeline_io import (
+from pipefisher.planning.timeline_file import (
     MAX_LISTED,
     OP_SPAN,
     SCHEMA,

@@ -18,8 +18,8 @@ from pipefisher.methods.capture import CapturedLayer, capture, rows_per_step
 from pipefisher.methods.interface import LayerMeasurement, MethodParts, ReferenceCurvature, StageRuntime, TaskTimer
 from pipefisher.methods.layers import first_order_linears, linear_parameters, select_linears, whole_model_globs
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.runtime.pipeline.clock import timed_ms
-from pipefisher.runtime.pipeline.comm import Handle
+from pipefisher.runtime.primitives.clock import timed_ms
+from pipefisher.runtime.primitives.comm import Handle
 
 PARTS_OF = {OpKind.CURV_A: "A", OpKind.CURV_B: "B", OpKind.INV_A: "A", OpKind.INV_B: "B"}
 

@@ -1,4 +1,4 @@
-"""K-FAC's memory model of one layer (`pipefisher.planning.memory.CurvatureLayer`). Pure Python."""
+"""K-FAC's memory model of one layer (`pipefisher.planning.memory.state.CurvatureLayer`). Pure Python."""
 
 from __future__ import annotations
 

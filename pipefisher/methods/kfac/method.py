@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pipefisher.core.settings import ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
-from pipefisher.planning.layouts.kaisa import worker_count
+from pipefisher.planning.replicas.kaisa import worker_count
 
 #: how a damped factor is inverted
 InverseMethod = Literal["eigen", "cholesky"]

@@ -12,7 +12,7 @@ the gradient, so the result is the same). Nothing here reads a tensor on the hos
 check at the end of a cycle (one read per stage).
 
 With fewer gradient workers per layer than a stage has replicas (`kfac.grad_worker_fraction`,
-`pipefisher.planning.layouts.kaisa`), only a layer's workers keep its inverses: an owner replica that is not a
+`pipefisher.planning.replicas.kaisa`), only a layer's workers keep its inverses: an owner replica that is not a
 worker inverts only when it is the exchange's source and forgets the result once sent; a
 receiver that is not a worker drops what it received. There is no P op then: after the gradient
 reduction each worker preconditions its layers and broadcasts them within its block (``pgrad``).
@@ -37,11 +37,11 @@ from pipefisher.methods.kfac.method import KFAC, KfacConfig
 from pipefisher.models.tensor_parallel import applied_plan
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
-from pipefisher.planning.layouts.kaisa import GradWorkers
+from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
-from pipefisher.runtime.pipeline.clock import timed_ms
-from pipefisher.runtime.pipeline.comm import Comm, Handle
+from pipefisher.runtime.primitives.clock import timed_ms
+from pipefisher.runtime.primitives.comm import Comm, Handle
 
 
 def kfac_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> KFACEngine:

@@ -1,4 +1,4 @@
-"""Muon's memory model of one matrix (`pipefisher.planning.memory.CurvatureLayer`). Pure Python."""
+"""Muon's memory model of one matrix (`pipefisher.planning.memory.state.CurvatureLayer`). Pure Python."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ from pipefisher.core.topology import Topology
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, tied_copies
 from pipefisher.methods.muon.engine import MuonEngine, linear_weights
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.planning.layouts.kaisa import GradWorkers
+from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
-from pipefisher.runtime.pipeline.clock import timed_ms
-from pipefisher.runtime.pipeline.comm import Comm, Handle
+from pipefisher.runtime.primitives.clock import timed_ms
+from pipefisher.runtime.primitives.comm import Comm, Handle
 
 
 def first_order_globs(model) -> tuple[str, ...]:

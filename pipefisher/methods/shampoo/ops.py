@@ -31,8 +31,8 @@ from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
-from pipefisher.runtime.pipeline.clock import timed_ms
-from pipefisher.runtime.pipeline.comm import Comm, Handle
+from pipefisher.runtime.primitives.clock import timed_ms
+from pipefisher.runtime.primitives.comm import Comm, Handle
 
 
 def shampoo_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> ShampooEngine:

@@ -1,4 +1,4 @@
-"""SOAP's memory model of one matrix (`pipefisher.planning.memory.CurvatureLayer`). Pure Python."""
+"""SOAP's memory model of one matrix (`pipefisher.planning.memory.state.CurvatureLayer`). Pure Python."""
 
 from __future__ import annotations
 

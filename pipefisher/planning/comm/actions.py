@@ -10,7 +10,7 @@ from enum import Enum
 
 from pipefisher.core.ir import Op, OpKind, ScheduleError
 from pipefisher.core.topology import Topology
-from pipefisher.planning.layouts.kaisa import GradWorkers
+from pipefisher.planning.replicas.kaisa import GradWorkers
 
 #: a communicator by purpose, e.g. ("grad", stage); see `pipefisher.planning.comm.plan`
 GroupKey = tuple

@@ -14,7 +14,7 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
   optimizer step, the owners broadcast the updated parameters on the same communicator
   (``gather``); with PowerSGD (`GradientPath.compressed`) the reduction is two all-reduces, of the
   P factors (with the uncompressed tensors) and, once those are in, of the Q factors (``grad_q``).
-- ``("pgrad", s, b)``: K-FAC's gradient workers (`pipefisher.planning.layouts.kaisa`): block b of stage s's
+- ``("pgrad", s, b)``: K-FAC's gradient workers (`pipefisher.planning.replicas.kaisa`): block b of stage s's
   replicas, to which its workers broadcast the preconditioned gradients (``pgrad``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
   of inverses or roots over the same replicas.
@@ -35,7 +35,7 @@ from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.method import TaskRules
 from pipefisher.methods.registry import task_rules
-from pipefisher.planning.layouts.kaisa import GradWorkers
+from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.comm.actions import (
     Action,
     ActionKind,

@@ -32,7 +32,7 @@ from functools import cached_property
 
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
-from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.greedy import STRATEGIES, Strategy, place
 from pipefisher.planning.packing.windows import Placed, Windows, step_windows
 from pipefisher.planning.packing.bounds import lower_bounds, precondition_in_bubbles

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from pipefisher.core.ir import Op
-from pipefisher.planning.capture_memory import CapturePeak
+from pipefisher.planning.memory.captures import CapturePeak
 from pipefisher.planning.plan import Plan, moved_weights
 from pipefisher.planning.simulate import Timeline
 from pipefisher.planning.tasks import CYCLE_KINDS, CurvatureTasks

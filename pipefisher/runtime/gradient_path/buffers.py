@@ -4,7 +4,7 @@ weights, and the global norm for clipping, all on the device.
 Every parameter has one *owner* among the ranks holding its stage (`Ownership`): only the owner's
 copy contributes to sums over the model (each logical parameter counted once). Without ZeRO the
 owner is the stage's lowest rank and every holder has the reduced gradient; with ZeRO-1 owners
-are spread over the holders (`pipefisher.planning.layouts.zero`) and only the owner receives the reduced gradient.
+are spread over the holders (`pipefisher.planning.replicas.zero`) and only the owner receives the reduced gradient.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from pipefisher.core.topology import Topology
 from pipefisher.models.tensor_parallel import split_parameters
-from pipefisher.planning.layouts.zero import shard_owners
-from pipefisher.runtime.pipeline.comm import Comm, Handle, done
+from pipefisher.planning.replicas.zero import shard_owners
+from pipefisher.runtime.primitives.comm import Comm, Handle, done
 
 
 def unique_parameters(module: nn.Module) -> list[nn.Parameter]:

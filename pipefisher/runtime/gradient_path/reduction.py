@@ -38,7 +38,7 @@ from pipefisher.planning.comm.actions import (
 )
 from pipefisher.runtime.gradient_path.buffers import GradientBuffer
 from pipefisher.runtime.gradient_path.powersgd import PowerSGD
-from pipefisher.runtime.pipeline.comm import Comm, Handle, done
+from pipefisher.runtime.primitives.comm import Comm, Handle, done
 
 #: (pipe, stage) -> a stage's gradient buffer on this rank
 Buffers = dict[tuple[int, int], GradientBuffer]

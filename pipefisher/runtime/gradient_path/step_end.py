@@ -31,7 +31,7 @@ from pipefisher.runtime.gradient_path.buffers import (
 )
 from pipefisher.runtime.gradient_path.precision import LossScaler
 from pipefisher.runtime.gradient_path.reduction import AllReduce, GradientReduction
-from pipefisher.runtime.pipeline.comm import Comm, Handle, done
+from pipefisher.runtime.primitives.comm import Comm, Handle, done
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.signals import stop_request
 

@@ -34,8 +34,8 @@ from pipefisher.planning.comm.actions import (
 )
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
-from pipefisher.runtime.pipeline.clock import Clock
-from pipefisher.runtime.pipeline.comm import Comm, Handle, done
+from pipefisher.runtime.primitives.clock import Clock
+from pipefisher.runtime.primitives.comm import Comm, Handle, done
 from pipefisher.runtime.pipeline.extension import ExecutorExtension, Extensions
 from pipefisher.runtime.pipeline.stage import StageRuntime
 

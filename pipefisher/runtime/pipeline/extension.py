@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.runtime.pipeline.comm import Handle
+from pipefisher.runtime.primitives.comm import Handle
 
 
 class ExecutorExtension:

@@ -1,4 +1,4 @@
-"""The per-rank memory model (`pipefisher.planning.peak_memory`) against the bytes of live tensors
+"""The per-rank memory model (`pipefisher.planning.memory.peak`) against the bytes of live tensors
 at the peak of a real run: the bridge from a run file to the model's inputs (`model_shape`,
 `stage_states`, `predict`) and the measuring worker (`measure`), one process per rank.
 
@@ -16,14 +16,14 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.topology import Topology
-from pipefisher.planning.activation_memory import ModelShape
+from pipefisher.planning.memory.activations import ModelShape
 from pipefisher.core.profile import Profile, load_profile
 from pipefisher.methods.registry import method_of
 from pipefisher.models.kind import load
 from pipefisher.models.registry import kinds, model_kind
-from pipefisher.planning.layout_memory import layer_memory_model
-from pipefisher.planning.memory import CurvatureLayer, StageState, optimizer_state
-from pipefisher.planning.peak_memory import RankPeak, peak_memory
+from pipefisher.planning.planner.layout_memory import layer_memory_model
+from pipefisher.planning.memory.state import CurvatureLayer, StageState, optimizer_state
+from pipefisher.planning.memory.peak import RankPeak, peak_memory
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.training.assembly import build_schedule, staged_model
 from pipefisher.runtime.training.memory_probe import LiveTensorBytes

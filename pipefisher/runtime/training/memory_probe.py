@@ -1,7 +1,7 @@
 """Bytes of live tensors in a real run: what autograd saves for one stage's forward
 (`saved_bytes`), and the peak of every live tensor's bytes over a stretch of a run
-(`LiveTensorBytes`). The check of `pipefisher.planning.activation_memory` and
-`pipefisher.planning.peak_memory` against the runtime."""
+(`LiveTensorBytes`). The check of `pipefisher.planning.memory.activations` and
+`pipefisher.planning.memory.peak` against the runtime."""
 
 from __future__ import annotations
 

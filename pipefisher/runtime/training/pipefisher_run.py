@@ -24,7 +24,7 @@ from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
 from pipefisher.methods.interface import CurvatureRuntime
 from pipefisher.methods.registry import method_of
-from pipefisher.planning.capture_memory import capture_peaks
+from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import simulate

@@ -34,7 +34,7 @@ from pipefisher.planning.comm.actions import Message
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.simulate import Interval, Timeline
-from pipefisher.runtime.pipeline.clock import timed_ms
+from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.pipeline.executor import Executor
 from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan

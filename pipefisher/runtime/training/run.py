@@ -191,7 +191,7 @@ def _profile_worker(process: int, world: int, config: RunConfig, output: str, ti
     if process == 0:
         profile.save(output)
         if timeline:
-            from pipefisher.viz.timeline_io import save_timeline
+            from pipefisher.planning.timeline_file import save_timeline
 
             save_timeline(
                 [records_to_timeline(records, schedule.num_ranks)],

@@ -26,12 +26,12 @@ from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer,
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.gradient_path.reduction import gradient_reduction
 from pipefisher.runtime.gradient_path.step_end import Gradients, LossReport, OptimizerStep, StepEnd
-from pipefisher.runtime.pipeline.comm import TENSOR, Comm
+from pipefisher.runtime.primitives.comm import TENSOR, Comm
 from pipefisher.runtime.pipeline.compiled import compile_blocks
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
 from pipefisher.runtime.pipeline.extension import Extensions
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
-from pipefisher.runtime.pipeline.recompute import recompute_modules
+from pipefisher.runtime.primitives.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import build_schedule, data_source, recompute_plan, staged_model
 from pipefisher.runtime.training.checkpoint import StateReader, commit, save_rank, tensor_bytes

@@ -1,12 +1,12 @@
-"""A rank's peak bytes in a pipelined run: its training state (`pipefisher.planning.memory`), the
-most activations it holds at once over its op order (`pipefisher.planning.activation_memory`),
-the curvature captures it holds beyond those (`pipefisher.planning.capture_memory`), and its
+"""A rank's peak bytes in a pipelined run: its training state (`pipefisher.planning.memory.state`), the
+most activations it holds at once over its op order (`pipefisher.planning.memory.activations`),
+the curvature captures it holds beyond those (`pipefisher.planning.memory.captures`), and its
 point-to-point receive and send buffers. Pure Python: no torch.
 
 The training state is resident all step; the activations peak once per step; given per rank,
 captures are added at their own peak, an upper bound; given the curvature plan and its profile,
 activations, captures and the refresh's statistics copies are taken at the op of the cycle where
-their sum peaks (`pipefisher.planning.cycle_memory`). Buffers are added at their peak. Gradients live in one flat buffer per
+their sum peaks (`pipefisher.planning.memory.cycle`). Buffers are added at their peak. Gradients live in one flat buffer per
 stage whose buckets are views (`pipefisher.runtime.gradient_path.buffers`), so the reduction
 allocates nothing beside them; ZeRO-1's parameter buffer replaces the parameters' own storage.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefisher.core.topology import Topology
-from pipefisher.planning.activation_memory import (
+from pipefisher.planning.memory.activations import (
     PRECISIONS,
     ModelShape,
     activation_peaks,
@@ -26,8 +26,8 @@ from pipefisher.planning.activation_memory import (
     weight_pending_bytes,
 )
 from pipefisher.core.profile import Profile
-from pipefisher.planning.cycle_memory import CyclePeak, cycle_peaks
-from pipefisher.planning.memory import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
+from pipefisher.planning.memory.cycle import CyclePeak, cycle_peaks
+from pipefisher.planning.memory.state import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
 from pipefisher.planning.plan import Plan
 
 
@@ -134,7 +134,7 @@ def peak_memory(
 ) -> list[RankPeak]:
     """Every global rank's peak bytes (index = rank) for `stage_states` (one per stage index)
     placed by `topology`; `capture_bytes_per_rank`: per pipeline rank, the captures it holds at
-    its peak (`pipefisher.planning.capture_memory.capture_peaks`; None: no curvature captures);
+    its peak (`pipefisher.planning.memory.captures.capture_peaks`; None: no curvature captures);
     `plan` and `profile` (both or neither): the curvature plan the run executes and the profile
     of its capture sizes, whose cycle gives activations, captures and refresh copies at their
     joint peak instead (`capture_bytes_per_rank` is then ignored)."""

@@ -1,6 +1,6 @@
 """Write a BERT-like profile from a per-block reference CSV (e.g. the PipeFisher P100 measurements).
 
-Usage: python -m pipefisher.viz.bert_profile CSV --stages D --micro-batch-size B -o PROFILE.yaml
+Usage: python -m pipefisher.cli.bert_profile CSV --stages D --micro-batch-size B -o PROFILE.yaml
 [--model bert-base|bert-large] (default: the model the CSV's file name starts with) [--seq-len 128]
 [--dtype fp32|bf16] [--tensor-parallel T [--tp-bandwidth GBPS]]. The model's blocks are cut into D stages of equal compute (see
 `pipefisher.planning.transformer_profile`); times in ms; capture sizes for the sequence length and dtype;
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from pipefisher.cli.args import USAGE_ERROR, UsageError
+from pipefisher.core.usage import USAGE_ERROR, UsageError
 from pipefisher.core.profile import ProfileError
 from pipefisher.planning.transformer_profile import (
     BERT_SIZES,
@@ -43,7 +43,7 @@ def _model(csv: Path, given: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit code 0, or 2 with one line on stderr for bad input."""
     parser = argparse.ArgumentParser(
-        prog="python -m pipefisher.viz.bert_profile", description=__doc__.splitlines()[0], allow_abbrev=False
+        prog="python -m pipefisher.cli.bert_profile", description=__doc__.splitlines()[0], allow_abbrev=False
     )
     parser.add_argument(
         "csv", type=Path, help="per-block CSV with columns bs, time_f, time_b, time_kron, time_inv, time_prec"

@@ -41,7 +41,7 @@ from pipefisher.viz.text import MIN_WIDTH
 DEFAULT_COMPARE_STAGES = 4
 #: how to make a profile with curvature layers (the GPipe example of docs/cli.md), for the S+M error
 PROFILE_EXAMPLE = (
-    "python -m pipefisher.viz.bert_profile profiles/reference/bert-base_time_memory_p100.csv "
+    "python -m pipefisher.cli.bert_profile profiles/reference/bert-base_time_memory_p100.csv "
     "-D 4 --micro-batch-size 32 -o /tmp/bert-base-4.yaml"
 )
 OUTPUTS = (".svg", ".png", ".json", ".txt", "-")
@@ -291,7 +291,7 @@ def _timeline_panel(args: argparse.Namespace) -> Panel:
     clash = next((flag for flag, value in given.items() if value is not None), None)
     if clash is not None:
         raise UsageError(f"--timeline draws a recorded timeline as it is; drop {clash}")
-    from pipefisher.viz.timeline_io import load_timeline
+    from pipefisher.planning.timeline_file import load_timeline
 
     record = load_timeline(args.timeline)
     return recorded_panel(record, record.name or Path(args.timeline).name)

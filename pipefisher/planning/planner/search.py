@@ -21,10 +21,10 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from pipefisher.planning.layout_candidates import Layout, SearchSpace, check_sources_cover, enumerate_layouts
-from pipefisher.planning.layout_memory import MemoryUse, layout_memory
-from pipefisher.planning.layout_model import PlanError
-from pipefisher.planning.layout_predict import PlanContext, Prediction, first_order_time, is_curvature, predict
+from pipefisher.planning.planner.candidates import Layout, SearchSpace, check_sources_cover, enumerate_layouts
+from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory
+from pipefisher.planning.planner.model_sizes import PlanError
+from pipefisher.planning.planner.predict import PlanContext, Prediction, first_order_time, is_curvature, predict
 
 #: layouts packed per search (the fastest by first-order time that fit)
 DEFAULT_PACKED = 12

@@ -1,14 +1,14 @@
 """Bytes per rank of a layout: training state (parameters, gradients, optimizer and curvature
-state, PowerSGD's; `pipefisher.planning.memory.rank_memory` over the model's
+state, PowerSGD's; `pipefisher.planning.memory.state.rank_memory` over the model's
 `transformer_stage_states`) plus activations held at the schedule's peak (`layout_memory`); for a
 packed curvature plan, the joint peak over its refresh cycle of activations, captures and the
-refresh's copies of the statistics (`packed_memory`, `pipefisher.planning.cycle_memory`, which
+refresh's copies of the statistics (`packed_memory`, `pipefisher.planning.memory.cycle`, which
 counts a captured input once: as an activation until its backward, as a capture after).
 Pure Python: no torch.
 
-Activations: `pipefisher.planning.activation_memory` (what autograd saves per micro-batch, held
+Activations: `pipefisher.planning.memory.activations` (what autograd saves per micro-batch, held
 from each forward to its backward, or its weight gradient under a split backward, at the
-schedule's peak) and the point-to-point buffers (`pipefisher.planning.peak_memory`).
+schedule's peak) and the point-to-point buffers (`pipefisher.planning.memory.peak`).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from functools import lru_cache
 from pipefisher.core.profile import Profile
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
-from pipefisher.planning.layout_candidates import Layout
-from pipefisher.planning.activation_memory import activation_peaks
-from pipefisher.planning.layout_model import ModelSizes
-from pipefisher.planning.memory import OptimizerState, RankMemory, optimizer_state, rank_memory
-from pipefisher.planning.cycle_memory import cycle_peaks
-from pipefisher.planning.peak_memory import comm_buffer_bytes, stage_activation_bytes
+from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.memory.activations import activation_peaks
+from pipefisher.planning.planner.model_sizes import ModelSizes
+from pipefisher.planning.memory.state import OptimizerState, RankMemory, optimizer_state, rank_memory
+from pipefisher.planning.memory.cycle import cycle_peaks
+from pipefisher.planning.memory.peak import comm_buffer_bytes, stage_activation_bytes
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
-from pipefisher.planning.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
+from pipefisher.planning.memory.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
 @lru_cache(maxsize=4096)
 def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp32") -> tuple[int, ...]:
     """Per rank of one pipeline, activation bytes at the schedule's peak
-    (`pipefisher.planning.activation_memory.activation_peaks`, with each backward's transient
+    (`pipefisher.planning.memory.activations.activation_peaks`, with each backward's transient
     bytes) plus its point-to-point buffers (`comm_buffer_bytes`)."""
     schedule = layout.build_schedule()
     shape = sizes.shape

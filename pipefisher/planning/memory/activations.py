@@ -69,7 +69,7 @@ class ModelShape:
 
     @classmethod
     def from_sizes(cls, sizes, heads: int, seq_len: int, dropout: float = 0.0) -> ModelShape:
-        """BERT's shape from `pipefisher.planning.transformer_state.TransformerSizes`."""
+        """BERT's shape from `pipefisher.planning.memory.transformer_state.TransformerSizes`."""
         return cls("bert", sizes.blocks, sizes.hidden, heads, sizes.ffn, sizes.vocab, seq_len, dropout=dropout)
 
 

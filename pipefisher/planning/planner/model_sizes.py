@@ -19,7 +19,7 @@ from typing import Any
 from pipefisher.config import RunConfig
 from pipefisher.models.kind import load
 from pipefisher.models.registry import kinds, model_kind
-from pipefisher.planning.activation_memory import ModelShape
+from pipefisher.planning.memory.activations import ModelShape
 
 
 class PlanError(ValueError):

@@ -21,18 +21,18 @@ from pipefisher.config import FIRST_ORDER
 from pipefisher.core.ir import ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile
 from pipefisher.methods.settings import RefreshConfig
-from pipefisher.planning.activation_memory import PRECISIONS
+from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
-from pipefisher.planning.layout_candidates import Layout
-from pipefisher.planning.layout_memory import (
+from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.planner.layout_memory import (
     MemoryUse,
     block_linear_shapes,
     layout_memory,
     packed_memory,
     state_per_rank,
 )
-from pipefisher.planning.layout_model import ModelSizes
-from pipefisher.planning.layout_sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
+from pipefisher.planning.planner.model_sizes import ModelSizes
+from pipefisher.planning.planner.sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
 from pipefisher.planning.recompute import recompute_forward_share, with_recompute
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.plan import cycle_time, simulate_plan

@@ -1,5 +1,5 @@
 """The trainable state of pipefisher's BERT (`pipefisher.models.bert`) per pipeline stage, as the
-memory model takes it (`pipefisher.planning.memory.StageState`), at a tensor-parallel degree T.
+memory model takes it (`pipefisher.planning.memory.state.StageState`), at a tensor-parallel degree T.
 Pure Python: no torch.
 
 At T > 1 the stage is the one tensor-parallel rank `index` holds: the six Linear layers of each
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS, Split, holds_bias, shard_features
-from pipefisher.planning.memory import CurvatureLayer, StageState
+from pipefisher.planning.memory.state import CurvatureLayer, StageState
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS
 
 #: a curvature method's memory model of one Linear layer: (module name, inputs, outputs, whether

@@ -1,6 +1,6 @@
 """The bytes a rank holds beside its training state op by op over one refresh cycle of a curvature
-method's plan: activations (`pipefisher.planning.activation_memory.activation_held`), captures
-held past their release (`pipefisher.planning.capture_memory.capture_held`) and the refresh's
+method's plan: activations (`pipefisher.planning.memory.activations.activation_held`), captures
+held past their release (`pipefisher.planning.memory.captures.capture_held`) and the refresh's
 copy of each layer's statistics, and their largest sum. Pure Python: no torch.
 
 Activations and captures peak at different ops: a capture step's last backward holds one
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from pipefisher.core.ir import OpKind
 from pipefisher.core.profile import Profile
-from pipefisher.planning.activation_memory import activation_held, weighted_micro_batches
-from pipefisher.planning.capture_memory import capture_held
+from pipefisher.planning.memory.activations import activation_held, weighted_micro_batches
+from pipefisher.planning.memory.captures import capture_held
 from pipefisher.planning.plan import Plan
 
 _CURVATURE = (OpKind.CURV_A, OpKind.CURV_B)

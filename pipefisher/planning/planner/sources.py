@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
 from pipefisher.methods.registry import DEFAULT_METHOD
-from pipefisher.planning.layout_model import ModelSizes, PlanError
+from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError
 from pipefisher.planning.recompute import block_flops
 from pipefisher.planning.transformer_profile import read_block_times, transformer_profile
 

@@ -10,8 +10,8 @@ import yaml
 
 from pipefisher.config import config_from_dict
 from pipefisher.core.table import format_table
-from pipefisher.planning.layout_candidates import Layout
-from pipefisher.planning.layout_predict import Prediction, is_curvature
+from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.planner.predict import Prediction, is_curvature
 
 GiB = 2**30
 

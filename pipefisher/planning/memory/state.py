@@ -7,12 +7,12 @@ interleaved ranks hold several):
 - parameters and gradients: whole on every rank (pipefisher keeps fp32 master weights and fp32
   gradients whatever the precision; ZeRO-1 cuts neither);
 - optimizer state: per parameter tensor the runtime's optimizer updates, i.e. every parameter of
-  the rank's stages without ZeRO, the rank's own (`pipefisher.planning.layouts.zero.shard_owners`) with ZeRO-1;
+  the rank's stages without ZeRO, the rank's own (`pipefisher.planning.replicas.zero.shard_owners`) with ZeRO-1;
   under a curvature method, the parameters it does not precondition (`StageState.preconditioned`)
   hold the state of its section's `first_order` rule (`OptimizerState.rest`);
 - curvature state: what the curvature method holds per layer once a refresh is committed (its
   memory model, `CurvatureLayer`; K-FAC's is `pipefisher.methods.kfac.memory`), for every layer of
-  every held stage; with G gradient workers per layer (`pipefisher.planning.layouts.kaisa`) a rank
+  every held stage; with G gradient workers per layer (`pipefisher.planning.replicas.kaisa`) a rank
   keeps the refresh results only of the layers it works for;
 - grad_comm_bytes: bytes the rank sends per step for its stages' gradient reduction over their
   replicas (ring model, `pipefisher.planning.comm.volume.ring_bytes`): an all-reduce without ZeRO; with
@@ -22,7 +22,7 @@ interleaved ranks hold several):
   preconditioned gradient within a block of R/G replicas.
 
 Tensor parallelism: give the `StageState`s of one tensor-parallel rank (its shards of the split
-Linears, the replicated parameters whole; `pipefisher.planning.transformer_state` builds them for
+Linears, the replicated parameters whole; `pipefisher.planning.memory.transformer_state` builds them for
 pipefisher's BERT); every figure is then that rank's.
 
 Not counted: activations, captured inputs/output-gradients, built (unsynced) statistics,
@@ -39,8 +39,8 @@ from typing import Protocol
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
-from pipefisher.planning.layouts.kaisa import GradWorkers
-from pipefisher.planning.layouts.zero import shard_owners
+from pipefisher.planning.replicas.kaisa import GradWorkers
+from pipefisher.planning.replicas.zero import shard_owners
 from pipefisher.schedules import get_schedule
 
 

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pipefisher.config.run import recompute_problem
 from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.core.names import RECOMPUTE_MODES
-from pipefisher.planning.layout_model import ModelSizes
+from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 
 #: the largest tensor-parallel degree enumerated (one node's GPUs)
