@@ -65,7 +65,7 @@ from torch.nn import functional as F
 from pipefisher.config import config_from_dict
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.models.tiny import TinyRegression
-from pipefisher.optim import build_optimizer
+from pipefisher.runtime.training.optimizer import build_optimizer
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.stopping import entry_point

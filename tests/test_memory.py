@@ -21,7 +21,7 @@ from pipefisher.planning.memory.state import (
 )
 from pipefisher.core.topology import Topology
 from pipefisher.models.tiny import TinyRegression
-from pipefisher.optim import build_optimizer
+from pipefisher.runtime.training.optimizer import build_optimizer
 from pipefisher.runtime.gradient_path.buffers import Ownership, unique_parameters
 from pipefisher.runtime.training.checkpoint import tensor_bytes
 from pipefisher.schedules import get_schedule

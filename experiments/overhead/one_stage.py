@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from pipefisher.config import RunConfig
-from pipefisher.optim import build_optimizer, build_scheduler
+from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.training.assembly import data_source, staged_model
 from pipefisher.runtime.training.trainer import build_executor

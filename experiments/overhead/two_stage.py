@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.config import RunConfig
-from pipefisher.optim import build_optimizer, build_scheduler
+from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.runtime.training.assembly import data_source, staged_model
 from pipefisher.runtime.training.launch import run_group
 

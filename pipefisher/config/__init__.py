@@ -1,4 +1,5 @@
-"""The run configuration: its sections (`sections`), the run (`run`: loading, checks) and the
+"""The run configuration: its sections (`sections`; the model, data and optimizer sections live with
+their packages, the methods' with their methods), the run (`run`: loading, checks) and the
 run-file key reference generated from the declarations (`reference`)."""
 
 from pipefisher.config.run import (
@@ -14,14 +15,14 @@ from pipefisher.config.run import (
 from pipefisher.config.sections import (
     CheckpointConfig,
     CommConfig,
-    DataConfig,
-    ModelConfig,
-    OptimizerConfig,
     PipelineConfig,
     RunSettings,
 )
 from pipefisher.core.settings import ConfigError
+from pipefisher.data.settings import DataConfig
 from pipefisher.methods.settings import RefreshConfig
+from pipefisher.models.settings import ModelConfig
+from pipefisher.optim.settings import OptimizerConfig
 
 __all__ = [
     "FIRST_ORDER",

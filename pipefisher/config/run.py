@@ -21,16 +21,16 @@ from pipefisher.core.names import FIRST_ORDER
 from pipefisher.config.sections import (
     CheckpointConfig,
     CommConfig,
-    DataConfig,
-    ModelConfig,
-    OptimizerConfig,
     PipelineConfig,
     RunSettings,
 )
 from pipefisher.core.settings import ConfigError, check_ranges, closest
+from pipefisher.data.settings import DataConfig
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.models.registry import kinds, model_kind
+from pipefisher.models.settings import ModelConfig
+from pipefisher.optim.settings import OptimizerConfig
 from pipefisher.planning.comm.actions import GradientPath, Reduction
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.config import DataConfig, ModelConfig
+from pipefisher.data.settings import DataConfig
+from pipefisher.models.settings import ModelConfig
 
 
 class SyntheticRegression:

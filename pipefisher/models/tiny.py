@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from pipefisher.config import ModelConfig
+from pipefisher.models.settings import ModelConfig
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised

@@ -13,7 +13,7 @@ from torch import nn
 
 from pipefisher.methods.kfac.layer import select_layers
 from pipefisher.models.bert import BERT_PRESETS, BertConfig, BertStagedModel, bert_preset
-from pipefisher.optim import no_decay
+from pipefisher.optim.first_order import no_decay
 
 SMALL = BertConfig(
     vocab_size=40,
@@ -276,7 +276,7 @@ def test_from_dict_and_json(tmp_path) -> None:
 def test_the_run_file_offers_exactly_the_presets_there_are():
     import typing
 
-    from pipefisher.config.sections import BertPreset
+    from pipefisher.models.settings import BertPreset
 
     assert set(typing.get_args(BertPreset)) == set(BERT_PRESETS)
 

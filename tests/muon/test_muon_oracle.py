@@ -97,7 +97,7 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
     from builders import tiny_model
     from pipefisher.config import config_from_dict
     from pipefisher.methods.registry import method_of
-    from pipefisher.optim import build_optimizer
+    from pipefisher.runtime.training.optimizer import build_optimizer
     from pipefisher.optim.first_order import no_decay
     from pipefisher.runtime.training.assembly import data_source, staged_model
 

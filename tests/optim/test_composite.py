@@ -14,7 +14,8 @@ from torch import nn
 from builders import tiny_model
 from pipefisher.config import config_from_dict
 from pipefisher.models.tiny import TinyRegression
-from pipefisher.optim import build_optimizer, build_scheduler, no_decay, parameter_groups
+from pipefisher.optim.first_order import no_decay, parameter_groups
+from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.runtime.training.assembly import data_source
 from pipefisher.runtime.training.trainer import method_skip
 

@@ -10,7 +10,7 @@ import torch
 from host_reads import count_host_reads
 
 from pipefisher.models.bert import BertConfig, BertStagedModel
-from pipefisher.optim import no_decay
+from pipefisher.optim.first_order import no_decay
 from pipefisher.optim.lamb import Lamb
 from pipefisher.optim.schedule import warmup_decay
 

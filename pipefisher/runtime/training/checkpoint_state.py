@@ -29,7 +29,7 @@ from torch import nn
 
 from pipefisher.config import RunConfig
 from pipefisher.models.init import derive_seed
-from pipefisher.optim import build_scheduler
+from pipefisher.runtime.training.optimizer import build_scheduler
 from pipefisher.optim.composite import Composite
 from pipefisher.runtime.pipeline.executor import Executor
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from pipefisher.config import RunConfig
 from pipefisher.methods.registry import method_of
 from pipefisher.models.tensor_parallel import emulate_shards, unsharded_parameters
-from pipefisher.optim import build_optimizer, build_scheduler
+from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import data_source, staged_model

@@ -12,7 +12,7 @@ import torch
 from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import method, method_of
-from pipefisher.optim import rest_settings
+from pipefisher.runtime.training.optimizer import rest_settings
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.report import StepReporter
 from pipefisher.runtime.training.launch import (

@@ -20,7 +20,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import method_of
 from pipefisher.models.init import derive_seed
 from pipefisher.models.tensor_parallel import gather_parameters, parallelize
-from pipefisher.optim import build_optimizer, build_scheduler
+from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision

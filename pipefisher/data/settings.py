@@ -1,0 +1,36 @@
+"""The run file's `data` section: where micro-batches come from, each key declared once. Pure Python:
+no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipefisher.core.settings import setting
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Micro-batches, a pure function of (seed, step, micro-batch id)."""
+
+    kind: Literal["synthetic", "bert", "causal"] = setting(
+        "synthetic", "synthetic: regression data; bert: sentence pairs with masking; causal: next-token prediction"
+    )
+    seed: int = setting(0, "seed of the data")
+    micro_batch_size: int = setting(4, "sequences per micro-batch", low=0, low_open=True)
+    corpus: str = setting(
+        "embedded",
+        'text: "embedded" (English text shipped with Python) or a file (one sentence per line, blank line between documents)',
+    )
+    vocab: str = setting("", 'bert: a WordPiece vocab.txt ("" = train one of vocab_size on the corpus)')
+    tokenizer: str = setting("", 'causal: a byte-level BPE tokenizer.json ("" = train one of vocab_size on the corpus)')
+    vocab_size: int = setting(4000, "size of a tokenizer trained on the corpus", low=0, low_open=True)
+    mask_prob: float = setting(0.15, "bert: share of tokens masked", low=0, high=1, low_open=True, high_open=True)
+    cache_dir: str = setting("", 'where tokenizers and tokens are cached ("" = the default cache folder)')
+    holdout: float = setting(
+        0.0,
+        "text: share of the corpus's documents never trained on, for held-out evaluation (0 = none)",
+        low=0,
+        high=1,
+        high_open=True,
+    )

@@ -1,0 +1,72 @@
+"""The run's optimizer and learning-rate schedule from its configuration: a first-order run's rule, or
+a curvature run's `Composite` of its method's rule and a first-order rule for the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from pipefisher.config import OptimizerConfig, RunConfig
+from pipefisher.methods.registry import methods
+from pipefisher.optim.composite import Composite
+from pipefisher.optim.first_order import first_order, named, parameter_groups
+
+
+def build_optimizer(
+    config: RunConfig,
+    modules: Iterable[nn.Module],
+    keep: Callable[[nn.Parameter], bool] = lambda parameter: True,
+    skip: tuple[str, ...] | None = None,
+) -> torch.optim.Optimizer:
+    """The run's optimizer over the parameters of `modules` that `keep` accepts (ZeRO-1: the
+    rank's own). A first-order run: its `optimizer.name` rule. A curvature run: a `Composite` of
+    the method's rule over the parameters it preconditions (`MethodParts.preconditioned`, with its
+    `skip` globs, `MethodParts.skip` of the model: required) and the section's `first_order` rule
+    over the rest (`rest_settings`)."""
+    modules = list(modules)
+    settings = config.optimizer
+    if config.curvature is None:
+        return first_order(settings, parameter_groups(modules, settings.weight_decay, keep))
+    if skip is None:
+        raise ValueError(f"build_optimizer: a {settings.name} run needs its skip globs (MethodParts.skip of the model)")
+    parts = methods()[settings.name].runtime_parts()
+    owned = {
+        id(parameter) for module in modules for parameter in named(module, parts.preconditioned(config, module, skip))
+    }
+    method_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) in owned)
+    rest_groups = parameter_groups(modules, settings.weight_decay, lambda p: keep(p) and id(p) not in owned)
+    method_rule = parts.optimizer or (
+        lambda run, groups: first_order(replace(run.optimizer_settings, name="sgd"), groups)
+    )
+    return Composite(
+        {"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)}
+    )
+
+
+def rest_settings(config: RunConfig) -> OptimizerConfig:
+    """The settings of a curvature run's parameters that its method does not precondition: its
+    section's `first_order` rule, with the section's lr and momentum for sgd (the method's own
+    SGD step), else with optimizer.lr, betas, eps and weight_decay."""
+    rule = config.curvature.first_order
+    return replace(config.optimizer_settings if rule == "sgd" else config.optimizer, name=rule)
+
+
+def build_scheduler(
+    config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """Warm-up then constant or linear decay over the run's steps (run.steps, so a resumed run
+    must keep its step count), starting after `position` optimizer steps (a resumed run, whose
+    optimizer state is loaded); None when the rate is constant."""
+    settings = config.optimizer
+    if settings.warmup_steps == 0 and settings.decay == "constant":
+        return None
+    from pipefisher.optim.schedule import warmup_decay
+
+    total = settings.decay_steps or config.run.steps
+    warmup = min(settings.warmup_steps, total)  # a short run (e.g. a smoke test) stays in warm-up
+    if settings.decay == "constant":
+        return warmup_decay(optimizer, warmup, total, power=0.0, final_fraction=1.0, position=position)
+    return warmup_decay(optimizer, warmup, total, power=1.0, final_fraction=0.0, position=position)
