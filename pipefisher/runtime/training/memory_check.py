@@ -25,7 +25,7 @@ from pipefisher.planning.planner.layout_memory import layer_memory_model
 from pipefisher.planning.memory.state import CurvatureLayer, StageState, optimizer_state
 from pipefisher.planning.memory.peak import RankPeak, peak_memory
 from pipefisher.planning.plan import Plan
-from pipefisher.runtime.training.assembly import build_schedule, staged_model
+from pipefisher.runtime.training.assembly import build_run, build_schedule
 from pipefisher.runtime.training.memory_probe import LiveTensorBytes
 
 
@@ -158,8 +158,9 @@ def measured_steps(config: RunConfig) -> tuple[int, int]:
 
 def predict(config: RunConfig) -> list[RankPeak]:
     """The memory model's peak per rank for a run file (a curvature run's section names its profile)."""
-    model = staged_model(config)
-    topology = Topology(build_schedule(config), config.pipeline.data_parallel, config.pipeline.tensor_parallel)
+    run = build_run(config)
+    model = run.model
+    topology = Topology(run.schedule, config.pipeline.data_parallel, config.pipeline.tensor_parallel)
     section, profile, plan = config.curvature, None, None
     if section is None:
         optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
@@ -190,7 +191,8 @@ def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (
     from pipefisher.runtime.training.trainer import build_executor, train_pipelined
 
     device = torch.device("cpu")
-    executor, _ = build_executor(config, rank, device)
+    run = build_run(config)
+    executor, _ = build_executor(config, rank, device, run)
     probe = LiveTensorBytes()
     first, last = steps
 
@@ -202,6 +204,11 @@ def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (
             probe.__exit__(None, None, None)
 
     train_pipelined(
-        dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)), rank, device, on_step, executor
+        dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)),
+        rank,
+        device,
+        on_step,
+        executor,
+        run=run,
     )
     return probe.peak
