@@ -90,7 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     if args.reference and section is not None and section.refresh_steps < 1:
         raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
-    from pipefisher.runtime.training.run import check_port, run
+    from pipefisher.cli.training import check_port, run
 
     problem = None if args.reference else check_port(config)
     if problem:
@@ -145,7 +145,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         comm={"powersgd_rank": args.powersgd_rank},
         run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
     )
-    from pipefisher.runtime.training.run import check_port, profile_run
+    from pipefisher.cli.training import check_port, profile_run
     from pipefisher.runtime.training.assembly import build_schedule
 
     check_output(args.output, "-o")

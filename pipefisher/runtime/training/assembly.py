@@ -85,6 +85,12 @@ def build_run(config: RunConfig, on_data: Callable[[], None] | None = None) -> R
     return RunParts(config, on_data)
 
 
+def tokens_per_step(config: RunConfig) -> int:
+    """The tokens (sequence positions) one training step of the run reads, over all replicas."""
+    p = config.pipeline
+    return p.micro_batches * p.data_parallel * config.data.micro_batch_size * config.model.seq_len
+
+
 def build_schedule(config: RunConfig) -> Schedule:
     pipeline = config.pipeline
     chunks = chunks_per_rank(pipeline.schedule, pipeline.chunks)

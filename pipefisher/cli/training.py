@@ -1,4 +1,5 @@
-"""`pipefisher run`: train from a run file, on local processes, under torchrun, or in one process."""
+"""`pipefisher run` and `pipefisher profile`: train or measure from a run file, on local processes,
+under torchrun, or in one process; what they print (the runtime they drive logs, it does not print)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import method, method_of
 from pipefisher.optim import rest_settings
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.training.report import StepReporter
+from pipefisher.cli.step_report import StepReporter
 from pipefisher.runtime.training.launch import (
     GroupFailure,
     Interrupted,
