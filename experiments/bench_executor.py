@@ -65,11 +65,8 @@ from torch.nn import functional as F
 from pipefisher.config import config_from_dict
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.models.tiny import TinyRegression
-from pipefisher.runtime.training.optimizer import build_optimizer
-from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
-from pipefisher.runtime.training.launch import run_group
-from pipefisher.runtime.training.stopping import entry_point
-from pipefisher.runtime.training.trainer import build_executor
+from pipefisher.runtime.training import PlanRunner, build_executor, build_optimizer, run_group, schedule_plan
+from pipefisher.cli.scripts import entry_point
 
 
 @dataclass(frozen=True)

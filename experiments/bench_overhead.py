@@ -9,7 +9,7 @@ Arms (`--arms`):
              `torch.distributed.pipelining` (PipelineStage + Schedule1F1B, 2 processes) on the
              same two stage modules (`overhead.two_stage`); both run 1F1B with M micro-batches.
 Both sides build the model with pipefisher's staged model (`build_stage`), train on
-`data_source(config)`'s micro-batches with the optimizer and learning-rate schedule pipefisher
+`build_run(config).data_source`'s micro-batches with the optimizer and learning-rate schedule pipefisher
 builds for the run (AdamW fused, or pipefisher's LAMB), clip as the run file says and read each
 step's loss; their first-step losses are compared as a check that they train the same thing.
 
@@ -42,18 +42,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
-from overhead.flops import peak_bf16, step_flops  # noqa: E402
-from overhead.one_stage import PipefisherOneStage, PlainLoop, alternating_steps, timed_steps  # noqa: E402
-from overhead.report import Comparison, table  # noqa: E402
-from overhead.two_stage import RunFailed, pipefisher_run, pipelining_run  # noqa: E402
-from overhead.workloads import CPU_MODELS, GPU_MODELS, WORKLOADS, BenchSettings, Workload  # noqa: E402
-from pipefisher.runtime.training.assembly import staged_model  # noqa: E402
-from pipefisher.runtime.training.launch import GroupFailure, Interrupted, world_of_one  # noqa: E402
-from pipefisher.runtime.training.report import tokens_per_step  # noqa: E402
-from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
+from experiments.overhead.flops import peak_bf16, step_flops  # noqa: E402
+from experiments.overhead.one_stage import PipefisherOneStage, PlainLoop, alternating_steps, timed_steps  # noqa: E402
+from experiments.overhead.report import Comparison, table  # noqa: E402
+from experiments.overhead.two_stage import RunFailed, pipefisher_run, pipelining_run  # noqa: E402
+from experiments.overhead.workloads import CPU_MODELS, GPU_MODELS, WORKLOADS, BenchSettings, Workload  # noqa: E402
+from pipefisher.runtime.training import GroupFailure, Interrupted, build_run, tokens_per_step, world_of_one  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 OPTIMIZERS = ("adamw", "lamb")
 ARMS = ("one-stage", "two-stage")
@@ -83,7 +80,7 @@ def flops_and_peak(config, device: torch.device, devices: int) -> tuple[float | 
     """Model FLOPs per step and the summed peak of `devices` GPUs (None, None off CUDA)."""
     if device.type != "cuda":
         return None, None
-    model = staged_model(config)
+    model = build_run(config).model
     peak = peak_bf16(torch.cuda.get_device_name(device))
     return step_flops(config, model, model.build_stage(0, 1, config.run.seed)), peak * devices if peak else None
 
@@ -197,7 +194,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.compile:
         try:
-            from pipefisher.runtime.pipeline.compiled import compile_blocks  # noqa: F401
+            from pipefisher.runtime.training import compile_blocks  # noqa: F401
         except ImportError:
             raise UsageError(
                 "--compile needs run.compile (pipefisher.runtime.pipeline.compiled.compile_blocks), "
@@ -252,7 +249,8 @@ def compare(args: argparse.Namespace, device: torch.device) -> list[Comparison]:
     for name in args.models:
         workload = WORKLOADS[name]
         # the tokenizer and tokens, built once and cached on disk before any arm starts
-        staged_model(BenchSettings(args.optimizers[0], args.precision, 1, 1, quick=args.quick).config(workload, "gloo"))
+        settings = BenchSettings(args.optimizers[0], args.precision, 1, 1, quick=args.quick)
+        build_run(settings.config(workload, "gloo")).data_source  # noqa: B018 (built now: cached on disk)
         for optimizer in args.optimizers:
             if "one-stage" in args.arms:
                 comparisons.append(compare_one_stage(workload, optimizer, args, device))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.cli.scripts import entry_point
 from pipefisher.schedules import get_schedule
 
 #: the PipeFisher authors' P100 block times shipped with the project

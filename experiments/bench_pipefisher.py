@@ -62,14 +62,18 @@ from pipefisher.methods.registry import method_of, methods
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, simulate
-from pipefisher.runtime.pipeline.extension import ExecutorExtension
-from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
-from pipefisher.runtime.training.assembly import staged_model
-from pipefisher.runtime.training.launch import run_group
-from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer, pack_options
-from pipefisher.runtime.training.profiler import measure_profile
-from pipefisher.runtime.training.stopping import entry_point
-from pipefisher.runtime.training.trainer import build_executor
+from pipefisher.runtime.training import (
+    ExecutorExtension,
+    PipeFisherTrainer,
+    PlanRunner,
+    build_executor,
+    build_run,
+    measure_profile,
+    pack_options,
+    run_group,
+    schedule_plan,
+)
+from pipefisher.cli.scripts import entry_point
 
 STAGES = 2
 VARIANTS = ("first-order", "after-step", "packed")
@@ -343,7 +347,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
     sched, cfg = first.schedule, variants["packed"].config
     modules = {key: s.module for key, s in first.executor.stages.items()}
     method = method_of(cfg).runtime_parts()
-    skip = method.skip(staged_model(cfg))
+    skip = method.skip(build_run(cfg).model)
 
     def profile_now(warmup: int, repeats: int) -> tuple[Profile, float, float]:
         """A profile on the first-order executor (gradients dropped: no variant changes), the

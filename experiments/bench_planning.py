@@ -20,7 +20,7 @@ from pipefisher.core.profile import uniform_profile
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.cli.scripts import entry_point
 from pipefisher.schedules import get_schedule
 from pipefisher.schedules.validate import validate
 

@@ -37,9 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
-from convergence_study.report import (
+from experiments.convergence_study.report import (
     MethodResult,
     final,
     goal_lines,
@@ -49,10 +49,10 @@ from convergence_study.report import (
     steps_to,
     write_csv,
 )  # noqa: E402
-from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, RunResult, Setting, Sizing, cached, run  # noqa: E402
-from convergence_study.timing import StepTime, paper_scale, step_time  # noqa: E402
-from pipefisher.core.files import experiment_output  # noqa: E402
-from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
+from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, RunResult, Setting, Sizing, cached, run  # noqa: E402
+from experiments.convergence_study.timing import StepTime, paper_scale, step_time  # noqa: E402
+from experiments.common import experiment_output  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 #: lr grids: AdamW/LAMB's optimizer.lr, a curvature method's section lr (K-FAC and Shampoo: SGD
 #: with momentum 0.9 after preconditioning, so about a tenth of an Adam-like lr for Shampoo).

@@ -34,10 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipefisher.config import load_config  # noqa: E402
 from pipefisher.methods.registry import methods  # noqa: E402
-from pipefisher.runtime.training.assembly import staged_model  # noqa: E402
-from pipefisher.runtime.training.launch import world_of_one  # noqa: E402
-from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
-from pipefisher.runtime.training.trainer import train_pipelined  # noqa: E402
+from pipefisher.runtime.training import build_run, train_pipelined, world_of_one  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 
 class SyncLog:
@@ -79,7 +77,8 @@ def train(args) -> dict:
         **{name: {"refresh_steps": args.refresh_steps} for name in methods()},
         run={"steps": args.steps, "precision": args.precision, "backend": "nccl" if args.device == "cuda" else "gloo"},
     )
-    staged_model(config)  # builds and caches the tokenizer and tokens before the process group starts
+    run = build_run(config)
+    run.model  # noqa: B018 (built now: the tokenizer and tokens before the process group starts)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     syncs = SyncLog()
     steps: list[dict] = []
@@ -108,7 +107,7 @@ def train(args) -> dict:
 
     with world_of_one(config.run.backend, device, args.port):
         with syncs:
-            result = train_pipelined(config, 0, device, on_step=on_step)
+            result = train_pipelined(config, 0, device, on_step=on_step, run=run)
         if device.type == "cuda":
             torch.cuda.synchronize()
     out = {

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, precondition_matrix
-from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.cli.scripts import entry_point
 
 DAMPING = 1e-3
 

@@ -19,7 +19,7 @@ import torch
 from torch.nn.functional import mse_loss
 
 from pipefisher.methods.kfac import KFAC, KFACNumericsWarning
-from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.cli.scripts import entry_point
 
 LR_GRIDS: dict[str, tuple[float, ...]] = {
     "sgd": tuple(10.0 ** (e / 4) for e in range(-12, 1)),  # 1e-3 .. 1

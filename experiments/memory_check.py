@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.cli.scripts import entry_point
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -74,7 +74,7 @@ def layout_config(layout: Layout, profile_dir: Path):
     sequences of 64 tokens; a curvature method packs from a profile of this run measured into
     `profile_dir` first."""
     from pipefisher.config import load_config
-    from pipefisher.runtime.training.run import profile_run
+    from pipefisher.cli.training import profile_run
 
     config = load_config(ROOT / "schedules" / layout.run_file)
     change = lambda section, **values: dataclasses.replace(getattr(config, section), **values)
@@ -96,8 +96,8 @@ def layout_config(layout: Layout, profile_dir: Path):
 
 def check(config) -> list[tuple]:
     """(predicted `RankPeak`, measured bytes) per rank of a run."""
-    from pipefisher.runtime.training.launch import run_group
-    from pipefisher.runtime.training.memory_check import measure, measured_steps, predict
+    from pipefisher.runtime.training import run_group
+    from pipefisher.runtime.training import measure_memory as measure, measured_steps, predict_memory as predict
 
     steps = measured_steps(config)
     return list(zip(predict(config), run_group(measure, config.world_size, (config, steps), timeout=300)))

@@ -18,11 +18,13 @@ import csv
 import sys
 from pathlib import Path
 
-from pipefisher.core.files import experiment_output
-from pipefisher.planning.packing.pack import pack
-from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-from pipefisher.runtime.training.stopping import entry_point
-from pipefisher.schedules import get_schedule
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
+
+from experiments.common import experiment_output  # noqa: E402
+from pipefisher.planning.packing.pack import pack  # noqa: E402
+from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
+from pipefisher.schedules import get_schedule  # noqa: E402
 
 DEPTHS = (2, 4, 8, 16)
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -43,7 +43,7 @@ from pipefisher.planning.planner.candidates import layout_of_run  # noqa: E402
 from pipefisher.planning.planner.model_sizes import model_sizes  # noqa: E402
 from pipefisher.planning.planner.predict import PlanContext, predict, source_bandwidth_gbps  # noqa: E402
 from pipefisher.planning.planner.sources import MeasuredTimes  # noqa: E402
-from pipefisher.runtime.training.stopping import entry_point  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
 FIRST_ORDER = ("sgd", "adamw", "lamb")

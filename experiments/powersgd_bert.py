@@ -26,8 +26,10 @@ from pathlib import Path
 
 import yaml
 
-from pipefisher.core.files import experiment_output
-from pipefisher.runtime.training.stopping import entry_point
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
+
+from experiments.common import experiment_output  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "schedules" / "tiny-cpu.yaml"
@@ -71,11 +73,11 @@ def expected_factor(rank: int) -> float:
     matrix PowerSGD compresses, the rest whole."""
     from pipefisher.planning.comm.volume import powersgd_elements
     from pipefisher.config import load_config
-    from pipefisher.runtime.training.assembly import staged_model
-    from pipefisher.runtime.gradient_path.buffers import unique_parameters
+    from pipefisher.runtime.training import build_run
+    from pipefisher.runtime.training import unique_parameters
 
     config = load_config(BASE)
-    stage = staged_model(config).build_stage(0, config.pipeline.stages, seed=0)
+    stage = build_run(config).model.build_stage(0, config.pipeline.stages, seed=0)
     parameters = unique_parameters(stage)
     return sum(powersgd_elements(tuple(p.shape), rank) for p in parameters) / sum(p.numel() for p in parameters)
 

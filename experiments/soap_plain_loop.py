@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipefisher.config import load_config  # noqa: E402
-from pipefisher.runtime.training.assembly import data_source, staged_model  # noqa: E402
+from pipefisher.runtime.training import build_run  # noqa: E402
 
 
 def optimizer_for(name: str, parameters: list[torch.nn.Parameter], config, refresh_steps: int) -> torch.optim.Optimizer:
@@ -47,10 +47,11 @@ def optimizer_for(name: str, parameters: list[torch.nn.Parameter], config, refre
 
 def step_times(config, name: str, steps: int, skip: int, refresh_steps: int) -> list[float]:
     """Step times (ms) of one plain training run with optimizer `name`, its first `skip` left out."""
-    model = staged_model(config)
+    run = build_run(config)
+    model = run.model
     net = model.unsplit(config.run.seed)
     optimizer = optimizer_for(name, [p for p in net.parameters() if p.requires_grad], config, refresh_steps)
-    batch = data_source(config)
+    batch = run.data_source
     micro_batches = config.pipeline.micro_batches
     times = []
     for step in range(steps):

@@ -92,11 +92,11 @@ def step_end(args: argparse.Namespace) -> None:
 
     from pipefisher.config import load_config
     from pipefisher.methods.soap.engine import SoapEngine
-    from pipefisher.runtime.training.assembly import staged_model
+    from pipefisher.runtime.training import build_run
 
     torch.set_num_threads(1)
     config = load_config(args.config)
-    model = staged_model(config)
+    model = build_run(config).model
     skip = tuple(sorted({f"*{name}" for _, name in model.tied_parameters()}))
     print(f"\nSOAP's work per stage, ms (median of {args.repeats}, one thread):\n")
     print(

@@ -17,8 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipefisher.core.files import experiment_output
-from pipefisher.runtime.training.stopping import entry_point
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
+
+from experiments.common import experiment_output  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GB = 2**20, 10**9
@@ -58,7 +60,7 @@ def stage_states(config) -> list:
     from pipefisher.methods.kfac.memory import KfacLayer
     from pipefisher.planning.memory.state import StageState
     from pipefisher.models.bert import BertStagedModel, bert_preset
-    from pipefisher.runtime.gradient_path.buffers import unique_parameters
+    from pipefisher.runtime.training import unique_parameters
 
     model = BertStagedModel(bert_preset(config.model.preset, vocab_size=config.data.vocab_size), config.model.seq_len)
     stages = []

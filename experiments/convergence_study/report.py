@@ -9,8 +9,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from convergence_study.runs import FIRST_ORDER, WORKLOADS, RunResult, Setting
-from convergence_study.timing import StepTime
+from experiments.convergence_study.runs import FIRST_ORDER, WORKLOADS, RunResult, Setting
+from experiments.convergence_study.timing import StepTime
 
 
 def final(result: RunResult) -> float:

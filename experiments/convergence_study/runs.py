@@ -142,8 +142,8 @@ def run(setting: Setting, sizing: Sizing, cache: Path) -> RunResult:
 
     import torch
 
-    from pipefisher.runtime.training.assembly import held_out_batches
-    from pipefisher.runtime.training.reference import Evaluation, train_reference
+    from pipefisher.runtime.training import held_out_batches
+    from pipefisher.runtime.training import Evaluation, train_reference
 
     torch.set_num_threads(1)
     config = make_config(setting, sizing)

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, overrides, rest_rule
+from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, overrides, rest_rule
 
 TIMED_STEPS = 14
 WARMUP = 4
@@ -85,8 +85,8 @@ def paper_scale(method: str) -> tuple[float, int]:
     from pipefisher.planning.packing.pack import pack
     from pipefisher.planning.simulate import simulate
     from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-    from pipefisher.runtime.training.assembly import build_schedule
-    from pipefisher.runtime.training.pipefisher_run import pack_options
+    from pipefisher.runtime.training import build_run
+    from pipefisher.runtime.training import pack_options
 
     config = load_config(PAPER_RUN).with_overrides(optimizer={"name": method})
     blocks, hidden, ffn = BERT_SIZES["bert-large"]
@@ -100,7 +100,7 @@ def paper_scale(method: str) -> tuple[float, int]:
         size,
         seq_len=config.model.seq_len,
     )
-    schedule = build_schedule(config)
+    schedule = build_run(config).schedule
     if method in FIRST_ORDER:
         return simulate(schedule, profile).step_time, 0
     profile = dataclasses.replace(profile, method=method)

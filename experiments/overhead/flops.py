@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from pipefisher.config import RunConfig
-from pipefisher.runtime.training.report import tokens_per_step
+from pipefisher.runtime.training import tokens_per_step
 
 #: peak dense bf16 FLOP/s by a piece of the device name, first match wins (None: known, no entry)
 PEAK_BF16: tuple[tuple[str, float | None], ...] = (

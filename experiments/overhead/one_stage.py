@@ -21,10 +21,14 @@ from typing import Protocol
 import torch
 
 from pipefisher.config import RunConfig
-from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
-from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
-from pipefisher.runtime.training.assembly import data_source, staged_model
-from pipefisher.runtime.training.trainer import build_executor
+from pipefisher.runtime.training import (
+    PlanRunner,
+    build_executor,
+    build_optimizer,
+    build_run,
+    build_scheduler,
+    schedule_plan,
+)
 
 
 class Arm(Protocol):
@@ -34,20 +38,21 @@ class Arm(Protocol):
 
 def compiled(module: torch.nn.Module) -> int:
     """Compile `module`'s blocks in place with pipefisher's `compile_blocks`; how many it compiled."""
-    from pipefisher.runtime.pipeline.compiled import compile_blocks
+    from pipefisher.runtime.training import compile_blocks
 
     return compile_blocks(module)
 
 
 class PlainLoop:
     def __init__(self, config: RunConfig, device: torch.device, compile_blocks: bool = False):
-        self.model = staged_model(config)
+        run = build_run(config)
+        self.model = run.model
         self.module = self.model.build_stage(0, 1, config.run.seed).to(device)
         if compile_blocks:
             compiled(self.module)
         self.optimizer = build_optimizer(config, [self.module])
         self.scheduler = build_scheduler(config, self.optimizer)
-        self.batch = data_source(config)
+        self.batch = run.data_source
         self.device, self.micro_batches, self.clip = device, config.pipeline.micro_batches, config.optimizer.clip_norm
         bf16 = config.run.precision == "bf16"
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext

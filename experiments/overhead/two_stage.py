@@ -33,12 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.config import RunConfig
-from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
-from pipefisher.runtime.training.assembly import data_source, staged_model
-from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training import build_optimizer, build_run, build_scheduler, run_group
 
-from overhead.one_stage import compiled
-from overhead.workloads import ROOT, BenchSettings, Workload
+from experiments.overhead.one_stage import compiled
+from experiments.overhead.workloads import ROOT, BenchSettings, Workload
 
 
 class RunFailed(RuntimeError):
@@ -90,7 +88,8 @@ def pipelining_worker(rank: int, world: int, config: RunConfig, warmup: int, com
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     device = torch.device("cuda", rank) if config.run.backend == "nccl" else torch.device("cpu")
-    model = staged_model(config)
+    run = build_run(config)
+    model = run.model
     module = model.build_stage(rank, world, config.run.seed).to(device)
     if compile_blocks:
         compiled(module)
@@ -110,7 +109,7 @@ def pipelining_worker(rank: int, world: int, config: RunConfig, warmup: int, com
         parameters[name] for where, name in model.tied_parameters() if name in parameters and (where == "last") == last
     ]
     counted = [p for p in module.parameters() if not (last and any(p is t for t in tied))]
-    batch = data_source(config)
+    batch = run.data_source
     clip = config.optimizer.clip_norm
 
     def step(index: int) -> float:

@@ -1,10 +1,10 @@
 """The `pipefisher` console script and `python -m pipefisher`: the CLI run under
-`stopping.entry_point` before any of its imports, so that SIGINT or SIGTERM from the first
-instant (while the CLI's modules load) ends it with one line and 128 + signal, no traceback."""
+`pipefisher.cli.scripts.entry_point` before any of its imports, so that SIGINT or SIGTERM from the
+first instant (while the CLI's modules load) ends it with one line and 128 + signal, no traceback."""
 
 from __future__ import annotations
 
-from pipefisher.runtime.training.stopping import entry_point
+from pipefisher.cli.scripts import entry_point
 
 
 def main() -> int:

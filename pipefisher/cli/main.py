@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The exit code: 0, 1 for a failed run, 2 for bad input, 128 + the signal that stopped it."""
     from pipefisher.runtime.console import show_runtime_messages
-    from pipefisher.runtime.training.stopping import Terminated, interruption_exit, raise_on_sigterm
+    from pipefisher.cli.scripts import interruption_exit
+    from pipefisher.runtime.training.stopping import Terminated, raise_on_sigterm
 
     if threading.current_thread() is threading.main_thread():
         raise_on_sigterm()

@@ -71,14 +71,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pipefisher.runtime.training.assembly import build_schedule
 
     schedule = build_schedule(config)  # an impossible schedule is a usage error, before any process starts
-    _prepare_model(config)
+    model = _prepare_model(config)
     section = config.curvature
     if section is not None and section.profile:
         from pipefisher.runtime.training.pipefisher_run import check_profile_matches
 
         profile = load_profile(section.profile)  # names the file in its own errors
         try:
-            check_profile_matches(profile, config, schedule.num_stages)
+            check_profile_matches(profile, config, schedule.num_stages, model)
         except ProfileError as exc:
             raise UsageError(f"{section.profile}: {exc}") from None
     if section is not None and section.plan:
@@ -90,7 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     if args.reference and section is not None and section.refresh_steps < 1:
         raise UsageError(f"--reference with {method} needs --{method}-refresh-steps K (the reference has no packer)")
-    from pipefisher.runtime.training.run import check_port, run
+    from pipefisher.cli.training import check_port, run
 
     problem = None if args.reference else check_port(config)
     if problem:
@@ -145,7 +145,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         comm={"powersgd_rank": args.powersgd_rank},
         run={"master_port": args.master_port, "backend": args.backend, "precision": args.precision},
     )
-    from pipefisher.runtime.training.run import check_port, profile_run
+    from pipefisher.cli.training import check_port, profile_run
     from pipefisher.runtime.training.assembly import build_schedule
 
     check_output(args.output, "-o")
@@ -159,9 +159,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return profile_run(config, args.output, args.timeline, args.repeats)
 
 
-def _prepare_model(config) -> None:
+def _prepare_model(config):
     """Check that the model splits into the run's stages; for text data this also builds (and
-    caches) the tokenizer and tokens once, before the ranks start and read the cache."""
+    caches on disk) the tokenizer and tokens once, before the ranks start and read the cache. The model."""
     from pipefisher.runtime.training.assembly import staged_model
 
     check_input_files(config)
@@ -173,7 +173,7 @@ def _prepare_model(config) -> None:
             flush=True,
         )
 
-    staged_model(config, on_data=announce)
+    return staged_model(config, on_data=announce)
 
 
 def add_profile_parser(subparsers) -> None:

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -166,10 +165,3 @@ def write_text_atomically(path: str | Path, text: str) -> None:
         temporary.write_text(text)
 
     write_atomically(path, write)
-
-
-def experiment_output(name: str) -> Path:
-    """Where an experiment writes unless told otherwise (its --out): a folder of the temporary
-    directory, never a tracked file of the checkout (the README's figures are rewritten only by
-    naming them)."""
-    return Path(tempfile.gettempdir()) / "pipefisher-experiments" / name

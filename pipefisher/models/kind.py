@@ -30,9 +30,11 @@ class ModelKind:
     refused (`pipefisher.config.applies`).
     `identity(model)`: the model in one line from its `ModelConfig` `model`, as a profile records
     what it measured ("transformer layers 4 hidden 32 ...", "hf gpt2-tiny").
-    `builder`: "module:function" of `(config: RunConfig, on_data: Callable[[], None] | None) ->
-    StagedModel` (ConfigError naming the key for what the run file cannot be built as; a model that
-    reads text data calls `on_data()` once its split is valid, before the data is built). Imports torch.
+    `builder`: "module:function" of `(run: RunParts) -> StagedModel`, `run` the run's parts
+    (`pipefisher.runtime.training.assembly.RunParts`: its `config`, and its `text_data`, shared with
+    the run's data source); ConfigError naming the key for what the run file cannot be built as; a
+    model that reads text data calls `run.data_ready()` once its split is valid, before it reads
+    `run.text_data`. Imports torch.
     `sizes`: "module:function" of `(config: RunConfig) -> ModelSizes`, the model as the layout
     planner takes it, read without building it, torch-free (PlanError naming the key); "" = the
     planner has nothing to plan (no attention blocks).
@@ -76,9 +78,9 @@ class ModelKind:
         if ":" not in self.builder:
             raise ValueError(f"model kind {self.name!r}: builder {self.builder!r} must be 'module:function'")
 
-    def build(self, config: Any, on_data: Callable[[], None] | None = None) -> Any:
-        """The run's `StagedModel` (imports the builder's module: torch)."""
-        return load(self.builder)(config, on_data)
+    def build(self, run: Any) -> Any:
+        """The `StagedModel` of the run whose `RunParts` is `run` (imports the builder's module: torch)."""
+        return load(self.builder)(run)
 
     def reads(self, key: str) -> bool:
         """Whether the kind reads `model` key `key` (a name without the section)."""

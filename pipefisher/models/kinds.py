@@ -9,7 +9,7 @@ from typing import Any
 
 from pipefisher.models.kind import ModelKind
 
-_ASSEMBLY = "pipefisher.runtime.training.assembly"
+_BUILDERS = "pipefisher.runtime.training.model_builders"
 _SIZES = "pipefisher.planning.planner.model_sizes"
 _SHAPES = "pipefisher.runtime.training.memory_check"
 _REGRESSION_KEYS = ("layers", "hidden", "input_dim", "output_dim")
@@ -30,7 +30,7 @@ TRANSFORMER = ModelKind(
     ("synthetic",),
     (*_REGRESSION_KEYS, "heads", "ffn"),
     lambda model: f"transformer {_regression_shape(model)} heads {model.heads} ffn {model.ffn}",
-    f"{_ASSEMBLY}:regression_model",
+    f"{_BUILDERS}:regression_model",
     sizes=f"{_SIZES}:transformer_sizes",
     activation_shape=f"{_SHAPES}:transformer_shape",
     blocks_key="layers",
@@ -43,7 +43,7 @@ MLP = ModelKind(
     ("synthetic",),
     _REGRESSION_KEYS,
     lambda model: f"mlp {_regression_shape(model)}",
-    f"{_ASSEMBLY}:regression_model",
+    f"{_BUILDERS}:regression_model",
     blocks_key="layers",
     tensor_parallel=False,
 )
@@ -53,7 +53,7 @@ BERT = ModelKind(
     ("bert",),
     ("preset", "config_json", "dropout"),
     lambda model: f"bert {Path(model.config_json).name if model.config_json else model.preset}",
-    f"{_ASSEMBLY}:bert_model",
+    f"{_BUILDERS}:bert_model",
     sizes=f"{_SIZES}:bert_sizes",
     activation_shape=f"{_SHAPES}:bert_shape",
     naming_keys=("preset", "config_json"),
@@ -65,7 +65,7 @@ HF = ModelKind(
     ("causal", "bert"),
     ("hf_config", "hf_class", "hf_weights", "dropout"),
     lambda model: " ".join(part for part in ("hf", Path(model.hf_config).name, model.hf_class) if part),
-    f"{_ASSEMBLY}:hf_model",
+    f"{_BUILDERS}:hf_model",
     sizes=f"{_SIZES}:hf_sizes",
     activation_shape=f"{_SHAPES}:hf_shape",
     naming_keys=("hf_config", "hf_class"),

@@ -8,7 +8,7 @@ import pytest
 
 from pipefisher.config import ConfigError, load_config
 from pipefisher.data.holdout import held_out_indices, split_documents
-from pipefisher.runtime.training.assembly import causal_data, data_source, held_out_batches
+from pipefisher.runtime.training.assembly import data_source, held_out_batches, text_data
 from pipefisher.runtime.training.reference import Evaluation, train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,14 +43,14 @@ def _gpt2(tmp_path, **data):
 
 def test_training_never_sees_a_held_out_sequence_and_evaluation_batches_ignore_the_seed(tmp_path):
     config = _gpt2(tmp_path, holdout=0.1)
-    trained = {tuple(row) for row in causal_data(config).sequences.tolist()}
+    trained = {tuple(row) for row in text_data(config).sequences.tolist()}
     batches = held_out_batches(config, 3)
     held = [tuple(row) for batch in batches for row in batch["input_ids"].tolist()]
     assert len(held) == 6 and not trained & set(held)
     other_seed = held_out_batches(config.with_overrides(data={"seed": 5}), 3)
     for a, b in zip(batches, other_seed):
         np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
-    assert len(causal_data(_gpt2(tmp_path)).sequences) > len(causal_data(config).sequences), (
+    assert len(text_data(_gpt2(tmp_path)).sequences) > len(text_data(config).sequences), (
         "holdout 0 trains on the whole corpus"
     )
     with pytest.raises(ConfigError, match="data.holdout"):

@@ -52,8 +52,7 @@ def test_a_bad_flag_is_one_line_and_exit_2():
 def test_model_flops_count_every_matmul_weight_once_and_the_attention_term():
     """6 x matmul weights x tokens + 12 x layers x hidden x seq_len x tokens, the tied decoder
     counted once; the peak table matches device names as torch reports them."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from overhead.flops import peak_bf16, step_flops
+    from experiments.overhead.flops import peak_bf16, step_flops
 
     from pipefisher.config import load_config
     from pipefisher.models.bert import BertStagedModel, bert_preset

@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from experiments.plan_check import Case, planner_context, predict_case
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.planning.simulate import simulate
+from pipefisher.schedules import get_schedule
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments"))
-
-from plan_check import Case, planner_context, predict_case  # noqa: E402
-
-from pipefisher.core.profile import LayerProfile, Profile, StageProfile  # noqa: E402
-from pipefisher.planning.simulate import simulate  # noqa: E402
-from pipefisher.schedules import get_schedule  # noqa: E402
 
 
 def layer(block: int) -> LayerProfile:

@@ -9,7 +9,7 @@ the worker function below); tests that only want it for a while use `registered(
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -89,9 +89,9 @@ class ResidualRegression:
         return {"none": (), "blocks": ("blocks.*",)}[mode]
 
 
-def build(config: RunConfig, on_data: Callable[[], None] | None = None) -> ResidualRegression:
-    """The kind's builder: its data is the synthetic regression data (`on_data` is not called)."""
-    return ResidualRegression(config.model)
+def build(run: Any) -> ResidualRegression:
+    """The kind's builder, given the run's parts (`RunParts`): its data is the synthetic regression data."""
+    return ResidualRegression(run.config.model)
 
 
 RESIDUAL = ModelKind(

@@ -132,7 +132,7 @@ def test_ctrl_c_says_one_line_and_no_traceback(mode, tmp_path):
 
 
 def test_ranks_of_a_launcher_killed_outright_stop_with_a_checkpoint(tmp_path):
-    """SIGKILL cannot be forwarded: the kernel sends the orphaned ranks SIGTERM (PDEATHSIG)."""
+    """SIGKILL cannot be forwarded: each orphaned rank sees its launcher gone and sends itself SIGTERM."""
     run = Launched(run_file(tmp_path), "--steps", "2000")
     run.wait_for_step(3)
     ranks = run.ranks()

@@ -39,9 +39,9 @@ def _bert():
 
 def _gpt2():
     pytest.importorskip("transformers")
-    from pipefisher.runtime.training.assembly import _hf_staged
+    from pipefisher.runtime.training.model_builders import hf_staged
 
-    return _hf_staged(ModelConfig(kind="hf", hf_config="gpt2-tiny", seq_len=SEQ))  # dropout 0.1
+    return hf_staged(ModelConfig(kind="hf", hf_config="gpt2-tiny", seq_len=SEQ))  # dropout 0.1
 
 
 MODELS = {"transformer": _tiny, "mlp": lambda: _tiny("mlp"), "bert": _bert, "gpt2": _gpt2}

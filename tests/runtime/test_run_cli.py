@@ -190,7 +190,7 @@ def test_the_profilers_header_says_what_it_measures(tmp_path):
 
 def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cost():
     from pipefisher.config import load_config
-    from pipefisher.runtime.training.run import describe
+    from pipefisher.cli.training import describe
 
     base = load_config(TINY).with_overrides(pipeline={"data_parallel": 2})
     assert describe(base) == "1f1b: 2 stages x 2 replica(s), 4 micro-batches of 4, fp32, 20 steps, sgd lr 0.05"

@@ -17,7 +17,7 @@ from pipefisher.methods.registry import methods
 from pipefisher.schedules import SCHEDULES
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
-from pipefisher.runtime.training.run import tensor_parallel_placement
+from pipefisher.cli.training import tensor_parallel_placement
 from test_curvature_equivalence import PARAMETER_ATOL, shipped_defaults
 from test_run_cli import TINY
 

@@ -9,6 +9,7 @@ so `AutoModel*.from_pretrained(folder)` and `tokenizers.Tokenizer.from_file` rea
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from pipefisher.core.terminal import progress_bars
 from pipefisher.core.files import write_folder_atomically
 from pipefisher.models.registry import model_kind
 from pipefisher.models.tensor_parallel import join_shard_states
-from pipefisher.runtime.training.assembly import staged_model, text_data
+from pipefisher.runtime.training.assembly import build_run
 from pipefisher.runtime.training.checkpoint import StateReader
 from pipefisher.runtime.training.resumption import resumable_step
 
@@ -37,15 +38,15 @@ class Exported:
     weights_bytes: int
 
 
-def merged_state_dict(config: RunConfig, step: int) -> dict[str, torch.Tensor]:
+def merged_state_dict(config: RunConfig, step: int, model: Any = None) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict from the checkpoint of `step`: its ``model/`` entries, each
-    joined from its tensor-parallel shards (`join_shard_states`)."""
+    joined from its tensor-parallel shards (`join_shard_states`; `model`: the run's staged model, if built)."""
     degree = config.pipeline.tensor_parallel
     reader = StateReader(config.checkpoint.dir, step)
     entries = {key[len("model/") :]: reader.get(key) for key in reader.keys("model/")}
     if degree == 1:
         return entries
-    plan = staged_model(config).tensor_parallel_plan(degree)
+    plan = (model if model is not None else build_run(config).model).tensor_parallel_plan(degree)
     shards = [
         {key.rpartition("@")[0]: value for key, value in entries.items() if key.endswith(f"@{shard}")}
         for shard in range(degree)
@@ -73,15 +74,15 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
     if not model_kind(config.model.kind).exports:
         raise ConfigError(f"model.kind: export writes Hugging Face models; this run's model is {config.model.kind!r}")
     step, _ = resumable_step(config.checkpoint.dir, config)
-    model = staged_model(config)
-    unsplit = model.unsplit(config.run.seed)
-    unsplit.load_state_dict(merged_state_dict(config, step))
+    run = build_run(config)
+    unsplit = run.model.unsplit(config.run.seed)
+    unsplit.load_state_dict(merged_state_dict(config, step, run.model))
     folder = Path(folder)
 
     def write(temporary: Path) -> None:
         with _transformers_progress_bars(progress_bars()):
             unsplit.save_pretrained(temporary)
-        text_data(config).tokenizer.save(str(temporary / "tokenizer.json"))
+        run.text_data.tokenizer.save(str(temporary / "tokenizer.json"))
 
     write_folder_atomically(folder, write)
     parameters = list(unsplit.parameters())

@@ -12,11 +12,10 @@ a `deadline`, the whole group is killed when it passes. Child tracebacks come ba
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import multiprocessing.reduction as reduction
+from multiprocessing.connection import wait
 import os
 import pickle
 import queue
@@ -148,30 +147,22 @@ def world_of_one(backend: str, device: torch.device, port: int | None = None, ti
                 os.environ[name] = value
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to send this process SIGTERM when its parent dies (the launcher killed outright),
-    so that it stops like on any SIGTERM instead of training on as an orphan."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own handlers still forward signals
+def _stop_with_the_launcher(on_signal: str) -> None:
+    """Stop this rank when the launcher that started it is gone (killed outright: SIGKILL cannot
+    be forwarded), through public APIs only: a thread waits on the launcher's sentinel
+    (`multiprocessing.parent_process()`, readable once the launcher has died) and then sends this
+    process SIGTERM, which stops the run after its step as any SIGTERM does (with a checkpoint);
+    where the launcher ends the group itself (`on_signal="kill"`: the rank ignores SIGTERM), SIGKILL."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    signum = signal.SIGKILL if on_signal == "kill" else signal.SIGTERM
 
+    def watch() -> None:
+        wait([parent.sentinel])
+        os.kill(os.getpid(), signum)
 
-def _leave_the_forkserver() -> None:
-    """Close this process's copy of the forkserver's keep-alive pipe (CPython hands one to every
-    process it forks, and lives while any is open): the server then ends with the launcher, and
-    this process, its child, gets `_die_with_parent`'s SIGTERM as a spawned rank would.
-
-    Private attributes, read on purpose: CPython has no public API for the keep-alive pipe (nor
-    for the server object), and without closing it the forkserver, and so each rank, would
-    outlive a launcher killed outright. Read defensively: where a CPython lacks them, nothing is
-    closed and only that protection is lost."""
-    server = getattr(forkserver, "_forkserver", None)
-    alive = getattr(server, "_forkserver_alive_fd", None)
-    if alive is not None:
-        os.close(alive)
-        server._forkserver_alive_fd = None
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def _child(
@@ -191,8 +182,7 @@ def _child(
         stop_request.install()
     torch.set_num_threads(1)
     show_runtime_messages()
-    _leave_the_forkserver()
-    _die_with_parent()
+    _stop_with_the_launcher(on_signal)
     code = 0
     try:
         fn, args = pickle.loads(call)

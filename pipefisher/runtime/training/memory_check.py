@@ -25,7 +25,7 @@ from pipefisher.planning.planner.layout_memory import layer_memory_model
 from pipefisher.planning.memory.state import CurvatureLayer, StageState, optimizer_state
 from pipefisher.planning.memory.peak import RankPeak, peak_memory
 from pipefisher.planning.plan import Plan
-from pipefisher.runtime.training.assembly import build_schedule, staged_model
+from pipefisher.runtime.training.assembly import RunParts, build_run, build_schedule
 from pipefisher.runtime.training.memory_probe import LiveTensorBytes
 
 
@@ -131,11 +131,13 @@ def stage_states(config: RunConfig, model) -> list[StageState]:
     return states
 
 
-def _curvature_run(config: RunConfig) -> tuple[Profile, Plan]:
-    """The profile a curvature run packs from (its section's file) and the plan it executes."""
+def _curvature_run(config: RunConfig, run: RunParts | None = None) -> tuple[Profile, Plan]:
+    """The profile a curvature run packs from (its section's file) and the plan it executes
+    (`run`: the run's parts, if built)."""
     from pipefisher.runtime.training.pipefisher_run import check_profile_matches, make_plan
 
-    schedule = build_schedule(config)
+    run = run if run is not None else build_run(config)
+    schedule = run.schedule
     section = config.curvature
     if not section.profile:
         raise ValueError(
@@ -143,8 +145,8 @@ def _curvature_run(config: RunConfig) -> tuple[Profile, Plan]:
             "measure one with `pipefisher profile RUN.yaml -o FILE` and name it there"
         )
     profile = load_profile(section.profile)
-    check_profile_matches(profile, config, schedule.num_stages)
-    return profile, make_plan(config, schedule, profile).plan
+    check_profile_matches(profile, config, schedule.num_stages, run.model)
+    return profile, make_plan(config, schedule, profile, run.model).plan
 
 
 def measured_steps(config: RunConfig) -> tuple[int, int]:
@@ -158,8 +160,9 @@ def measured_steps(config: RunConfig) -> tuple[int, int]:
 
 def predict(config: RunConfig) -> list[RankPeak]:
     """The memory model's peak per rank for a run file (a curvature run's section names its profile)."""
-    model = staged_model(config)
-    topology = Topology(build_schedule(config), config.pipeline.data_parallel, config.pipeline.tensor_parallel)
+    run = build_run(config)
+    model = run.model
+    topology = Topology(run.schedule, config.pipeline.data_parallel, config.pipeline.tensor_parallel)
     section, profile, plan = config.curvature, None, None
     if section is None:
         optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
@@ -167,7 +170,7 @@ def predict(config: RunConfig) -> list[RankPeak]:
         optimizer = optimizer_state(
             config.optimizer.name, config.optimizer_settings.momentum, first_order=section.first_order
         )
-        profile, plan = _curvature_run(config)
+        profile, plan = _curvature_run(config, run)
     return peak_memory(
         topology,
         stage_states(config, model),
@@ -190,7 +193,8 @@ def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (
     from pipefisher.runtime.training.trainer import build_executor, train_pipelined
 
     device = torch.device("cpu")
-    executor, _ = build_executor(config, rank, device)
+    run = build_run(config)
+    executor, _ = build_executor(config, rank, device, run)
     probe = LiveTensorBytes()
     first, last = steps
 
@@ -202,6 +206,11 @@ def measure(rank: int, world: int, config: RunConfig, steps: tuple[int, int] = (
             probe.__exit__(None, None, None)
 
     train_pipelined(
-        dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)), rank, device, on_step, executor
+        dataclasses.replace(config, run=dataclasses.replace(config.run, steps=last)),
+        rank,
+        device,
+        on_step,
+        executor,
+        run=run,
     )
     return probe.peak

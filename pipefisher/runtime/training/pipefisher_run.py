@@ -24,6 +24,7 @@ from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
 from pipefisher.methods.interface import CurvatureRuntime
 from pipefisher.methods.registry import method_of
+from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
@@ -49,24 +50,28 @@ class CurvaturePlan:
         return self.plan.refresh_steps
 
 
-def stage_layer_names(config: RunConfig, stage: int, num_stages: int) -> list[str]:
+def stage_layer_names(config: RunConfig, stage: int, num_stages: int, model: StagedModel | None = None) -> list[str]:
     """Names of the layers of a stage that the run's curvature method (`method_of`) works on,
-    without allocating it."""
-    model = staged_model(config)
+    without allocating it (`model`: the run's, if built)."""
+    model = model if model is not None else staged_model(config)
     parts = method_of(config).runtime_parts()
     with torch.device("meta"):
         module = model.build_stage(stage, num_stages, config.run.seed)
     return parts.layer_names(module, parts.skip(model))
 
 
-def shared_statistics(config: RunConfig, num_stages: int) -> frozenset[tuple[int, str, str]]:
+def shared_statistics(
+    config: RunConfig, num_stages: int, model: StagedModel | None = None
+) -> frozenset[tuple[int, str, str]]:
     """(stage, layer, part) of every stage's statistics that a rank's tensor-parallel processes
     build in shares (`TaskRules.shared_statistics`); none without tensor parallelism."""
     degree = config.pipeline.tensor_parallel
     if degree == 1:
         return frozenset()
-    layers = ((stage, name) for stage in range(num_stages) for name in stage_layer_names(config, stage, num_stages))
-    return method_of(config).rules.shared_statistics(layers, staged_model(config).tensor_parallel_plan(degree))
+    model = model if model is not None else staged_model(config)
+    names = (stage_layer_names(config, stage, num_stages, model) for stage in range(num_stages))
+    layers = ((stage, name) for stage, stage_names in enumerate(names) for name in stage_names)
+    return method_of(config).rules.shared_statistics(layers, model.tensor_parallel_plan(degree))
 
 
 #: what a profile records of the run it measured, with the run's key of each
@@ -87,7 +92,9 @@ def _run_value(config: RunConfig, key: str) -> Any:
     return getattr(getattr(config, section), name)
 
 
-def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) -> None:
+def check_profile_matches(
+    profile: Profile, config: RunConfig, num_stages: int, model: StagedModel | None = None
+) -> None:
     """Refuse a profile of another run, naming the first field that differs: the curvature
     method, stage count, tensor-parallel degree, layer names, or what it was measured at
     (micro-batch size, sequence length, precision, model, recomputation; a field the profile
@@ -105,8 +112,9 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
             f"tensor_parallel: the profile times the shards of {profile.tensor_parallel} tensor-parallel processes, "
             f"this run has pipeline.tensor_parallel {degree}; measure a profile of this run with `pipefisher profile`"
         )
+    model = model if model is not None else staged_model(config)
     for stage, entry in enumerate(profile.stages):
-        expected = stage_layer_names(config, stage, num_stages)
+        expected = stage_layer_names(config, stage, num_stages, model)
         found = [layer.name for layer in entry.layers]
         if found != expected:
             missing = sorted(set(expected) - set(found))
@@ -124,7 +132,7 @@ def check_profile_matches(profile: Profile, config: RunConfig, num_stages: int) 
             )
 
 
-def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> None:
+def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model: StagedModel | None = None) -> None:
     """Refuse a plan (`pipefisher pack -o`) of another run, naming the field that differs: the
     curvature method, the schedule and its shape, the layers, or the tasks of this layout (a plan
     packed for other replicas syncs other factors; `--data-parallel` of `pack` must match)."""
@@ -141,7 +149,10 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule) -> Non
         if planned != here:
             raise ScheduleError(f"{name}: the plan is for {planned}, this run has {here} (pipeline.{name})")
     validate_plan(plan)
-    names = {stage: stage_layer_names(config, stage, schedule.num_stages) for stage in range(schedule.num_stages)}
+    model = model if model is not None else staged_model(config)
+    names = {
+        stage: stage_layer_names(config, stage, schedule.num_stages, model) for stage in range(schedule.num_stages)
+    }
     for stage, expected in names.items():
         planned = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
         if planned != sorted(expected):
@@ -199,16 +210,17 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
     )
 
 
-def make_plan(config: RunConfig, schedule, profile: Profile) -> CurvaturePlan:
-    """The run's curvature plan: the section's `plan` file as it is, else packed from `profile`
-    (placement and refresh interval from its section); its times are predicted from `profile`."""
+def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel | None = None) -> CurvaturePlan:
+    """The run's curvature plan: the section's `plan` file as it is (checked against `model`, the
+    run's, if built), else packed from `profile` (placement and refresh interval from its
+    section); its times are predicted from `profile`."""
     method = method_of(config)
     section = config.section(method.name)
     pinned = section.refresh_steps or None
     data_parallel = config.pipeline.data_parallel
     if section.plan:
         plan = Plan.load(section.plan)
-        check_plan_matches(plan, config, schedule)
+        check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
     else:
         result = pack(schedule, profile, pack_options(config))
@@ -275,17 +287,27 @@ class _MethodExtension(ExecutorExtension):
 class PipeFisherTrainer(PlanRunner):
     """Drives one rank's executor through the refresh cycles of the run's curvature method."""
 
-    def __init__(self, config: RunConfig, executor: Executor, rank: int, tied: bool, profile: Profile | None = None):
-        """`profile`: the one to pack from (e.g. a checkpoint's); default: the run's file, or measured."""
+    def __init__(
+        self,
+        config: RunConfig,
+        executor: Executor,
+        rank: int,
+        tied: bool,
+        profile: Profile | None = None,
+        model: StagedModel | None = None,
+    ):
+        """`profile`: the one to pack from (e.g. a checkpoint's); default: the run's file, or measured.
+        `model`: the run's staged model (`RunParts.model`; default: built here)."""
         self.config, self.executor, self.rank = config, executor, rank
         self.schedule = executor.topology.schedule
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
         self.method = method_of(config)
         self.parts = self.method.runtime_parts()
         self.section = config.curvature
-        self.skip = self.parts.skip(staged_model(config))
+        self.model = model if model is not None else staged_model(config)
+        self.skip = self.parts.skip(self.model)
         self.profile, fresh = (profile, False) if profile is not None else self._initial_profile()
-        self.curvature_plan = make_plan(config, self.schedule, self.profile)
+        self.curvature_plan = make_plan(config, self.schedule, self.profile, self.model)
         self.drift = DriftMonitor(self.section.reprofile_threshold, self.section.reprofile_patience)
         self.drift.new_plan(fresh_profile=fresh)
         scaler = executor.step_end.scaler
@@ -299,9 +321,8 @@ class PipeFisherTrainer(PlanRunner):
             self.skip,
             (lambda: scaler.scale) if scaler is not None else (lambda: None),
         )
-        super().__init__(
-            executor, rank, self.curvature_plan.plan, tied, shared_statistics(config, self.schedule.num_stages)
-        )
+        shared = shared_statistics(config, self.schedule.num_stages, self.model)
+        super().__init__(executor, rank, self.curvature_plan.plan, tied, shared)
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
@@ -321,7 +342,7 @@ class PipeFisherTrainer(PlanRunner):
         """The run's profile file, or one measured now; and whether it was measured now."""
         if self.section.profile:
             profile = load_profile(self.section.profile)
-            check_profile_matches(profile, self.config, self.schedule.num_stages)
+            check_profile_matches(profile, self.config, self.schedule.num_stages, self.model)
             return profile, False
         self.log("measuring a profile (gradients dropped; the model does not change)")
         return self._measure(), True
@@ -365,7 +386,7 @@ class PipeFisherTrainer(PlanRunner):
             f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing"
         )
         self.profile = self._measure()
-        self.curvature_plan = make_plan(self.config, self.schedule, self.profile)
+        self.curvature_plan = make_plan(self.config, self.schedule, self.profile, self.model)
         self.drift.new_plan(fresh_profile=True)
         self.runtime.set_plan(self.curvature_plan.plan)
         self.set_plan(self.curvature_plan.plan)

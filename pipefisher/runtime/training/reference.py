@@ -30,7 +30,7 @@ from pipefisher.models.tensor_parallel import emulate_shards, unsharded_paramete
 from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
-from pipefisher.runtime.training.assembly import data_source, staged_model
+from pipefisher.runtime.training.assembly import build_run
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
@@ -58,14 +58,15 @@ def train_reference(
     precision, clipping, schedule and curvature method's cycle. Parameters are named as the model names them
     unsplit, or "<stage>.<name>" for stages in sequence. Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
     entry point installed `stop_request`)."""
-    model = staged_model(config)
+    run = build_run(config)
+    model = run.model
     device = torch.device("cpu")
     precision = Precision(config.run.precision, device)
     net = (_unsplit if hasattr(model, "unsplit") else _stages_in_sequence)(model, config, precision)
     stages = net.modules
     optimizer = build_optimizer(config, stages, skip=method_skip(config, model))
     scheduler = build_scheduler(config, optimizer)
-    micro_batch = data_source(config)
+    micro_batch = run.data_source
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
     tied = net.tied

@@ -3,15 +3,14 @@
 SIGTERM (preemption, time limits) or SIGINT (Ctrl-C) to a rank only sets a flag; the flag goes
 into the end-of-step reduction over all ranks (`StepEnd`), so every rank learns in the same step
 that one of them was signalled (`pipefisher.runtime.signals`). They all finish that step, write a
-checkpoint when a checkpoint directory is set, and exit with 128 + the signal's number.
+checkpoint when a checkpoint directory is set, and exit with 128 + the signal's number. A
+program's entry point (`pipefisher.cli.scripts.entry_point`) says in one line what stopped it.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -20,39 +19,12 @@ from pipefisher.runtime.signals import STOP_SIGNALS
 
 class Terminated(BaseException):
     """SIGTERM in a process with no step to finish (planning, preparing data, starting): raised
-    like KeyboardInterrupt is for SIGINT, so the entry point says one line and exits 143."""
+    like KeyboardInterrupt is for SIGINT, so the entry point (`pipefisher.cli.scripts`) says one line
+    and exits 143."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal_name(signum))
         self.signum = signum
-
-
-def interruption_exit(exc: BaseException, program: str) -> int:
-    """Say in one line that `exc` (KeyboardInterrupt or Terminated) stopped `program`; its exit code."""
-    signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
-    print(f"{program}: interrupted by {signal_name(signum)}", file=sys.stderr, flush=True)
-    return 128 + signum
-
-
-def entry_point(main: Callable[[], int | None], program: str) -> int:
-    """Run a script's `main` so that SIGINT or SIGTERM at any moment ends it with one line and
-    128 + signal, no traceback; `main`'s own code (None: 0) otherwise.
-
-    An interrupted program leaves through `os._exit` (its streams flushed, its children already
-    ended by the launcher): CPython kills itself with SIGINT at exit, whatever the program did,
-    once a KeyboardInterrupt has passed through one of its C-level runs of Python code (seen
-    here in about one start in four when the signal came in the first 0.2 s), which turned a
-    caught Ctrl-C into death by signal instead of 130."""
-    raise_on_sigterm()
-    try:
-        code = main() or 0
-    except (KeyboardInterrupt, Terminated) as exc:
-        code = interruption_exit(exc, program)
-    if code in {128 + signum for signum in STOP_SIGNALS}:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 @contextmanager

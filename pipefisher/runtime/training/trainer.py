@@ -33,7 +33,7 @@ from pipefisher.runtime.pipeline.extension import Extensions
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.primitives.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
-from pipefisher.runtime.training.assembly import build_schedule, data_source, recompute_plan, staged_model
+from pipefisher.runtime.training.assembly import RunParts, build_run
 from pipefisher.runtime.training.checkpoint import StateReader, commit, save_rank, tensor_bytes
 from pipefisher.runtime.training.checkpoint_state import (
     entries_to_write,
@@ -64,15 +64,19 @@ class TrainResult:
     state_bytes: tuple[dict[str, int], ...] = ()
 
 
-def build_executor(config: RunConfig, process: int, device: torch.device) -> tuple[Executor, Schedule]:
+def build_executor(
+    config: RunConfig, process: int, device: torch.device, run: RunParts | None = None
+) -> tuple[Executor, Schedule]:
     """The executor of global process `process` in an initialised process group of
     `config.world_size` processes (the rank and tensor-parallel shard it is:
     `pipefisher.core.topology`), its stages' repeated blocks compiled under `run.compile`
-    (`pipefisher.runtime.pipeline.compiled`).
+    (`pipefisher.runtime.pipeline.compiled`); its model, schedule and data from `run`, the run's
+    parts (default: `build_run(config)`).
 
     Collective: every process must call it (it creates the process groups).
     """
-    schedule = build_schedule(config)
+    run = run if run is not None else build_run(config)
+    schedule = run.schedule
     topology = Topology(schedule, config.pipeline.data_parallel, config.pipeline.tensor_parallel)
     if dist.get_world_size() != topology.processes:
         raise RuntimeError(
@@ -80,7 +84,7 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
             f"pipeline.data_parallel {config.pipeline.data_parallel} x pipeline.tensor_parallel {topology.tensor_parallel}"
         )
     rank, shard = topology.rank_of_process(process)
-    model = staged_model(config)
+    model = run.model
     tied = has_tied_weights(model, schedule)
     path = config.gradient_path
     members = group_members(topology, tied, path)
@@ -102,7 +106,7 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
             parallelize(
                 module, model.tensor_parallel_plan(topology.tensor_parallel), mesh["tensor"], comm.tensor_all_reduce
             )
-        recompute_modules(module, recompute_plan(model, config.model.recompute), announce=not config.run.compile)
+        recompute_modules(module, run.recompute, announce=not config.run.compile)
         modules[(pipe, stage)] = module.to(device)
     if config.run.compile:
         for module in modules.values():
@@ -138,7 +142,7 @@ def build_executor(config: RunConfig, process: int, device: torch.device) -> tup
         rank,
         stages,
         comm,
-        data_source(config),
+        run.data_source,
         message_spec,
         step_end,
         device,
@@ -227,19 +231,22 @@ def train_pipelined(
     on_step: StepCallback | None = None,
     executor: Executor | None = None,
     resume_from: int | None = None,
+    run: RunParts | None = None,
 ) -> TrainResult:
     """Train on this process (with `executor` if given, else a fresh one from `build_executor`) up
     to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
     Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
     a signal stops the run: then every rank raises `Stopped` after the same step. `run.trace`:
-    a profiler trace of the steps it names (`pipefisher.runtime.training.tracing`)."""
+    a profiler trace of the steps it names (`pipefisher.runtime.training.tracing`). `run`: the
+    run's parts, if the caller built them (`build_run`) for `executor`."""
+    run = run if run is not None else build_run(config)
     if executor is None:
-        executor, _ = build_executor(config, process, device)
+        executor, _ = build_executor(config, process, device, run)
     rank = executor.rank
     start, reader, how = 0, None, None
     if resume_from is not None:
         start = resume_from
-        reader = StateReader(config.checkpoint.dir, start, tied_aliases(staged_model(config)))
+        reader = StateReader(config.checkpoint.dir, start, tied_aliases(run.model))
         how = resumption(config.checkpoint.dir, start, config)
         restore_executor(executor, reader, config, process, how.same_processes)
     if config.curvature is not None:
@@ -247,7 +254,7 @@ def train_pipelined(
 
         # another layout's profile times other stages: this run measures (or reads) its own
         profile = profile_from_dict(reader.required("run/profile")) if how is not None and how.same_layout else None
-        runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile)
+        runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile, model=run.model)
         if reader is not None:
             restore_curvature(runner, reader, process, how.same_layout)
     else:

@@ -1,4 +1,5 @@
-"""`pipefisher run`: train from a run file, on local processes, under torchrun, or in one process."""
+"""`pipefisher run` and `pipefisher profile`: train or measure from a run file, on local processes,
+under torchrun, or in one process; what they print (the runtime they drive logs, it does not print)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import method, method_of
 from pipefisher.runtime.training.optimizer import rest_settings
 from pipefisher.runtime.errors import first_line
-from pipefisher.runtime.training.report import StepReporter
+from pipefisher.cli.step_report import StepReporter
 from pipefisher.runtime.training.launch import (
     GroupFailure,
     Interrupted,
@@ -169,15 +170,16 @@ PROFILE_WARMUP = 1
 
 
 def _profile_worker(process: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
-    from pipefisher.runtime.training.assembly import staged_model
+    from pipefisher.runtime.training.assembly import build_run
     from pipefisher.runtime.training.profiler import measure_profile, measured_at, records_to_timeline
     from pipefisher.runtime.training.trainer import build_executor
 
     device = current_device(config.run.backend)
-    executor, schedule = build_executor(config, process, device)
+    run = build_run(config)
+    executor, schedule = build_executor(config, process, device, run)
     modules = {key: stage.module for key, stage in executor.stages.items()}
     parts = method_of(config).runtime_parts()
-    timer = parts.timer(config, modules, parts.skip(staged_model(config)))
+    timer = parts.timer(config, modules, parts.skip(run.model))
     profile, records = measure_profile(
         executor,
         executor.rank,

@@ -1,4 +1,4 @@
-"""What a run shows while it trains: a progress bar or one line per step, a metrics file, and a
+"""What `pipefisher run` shows while it trains: a progress bar or one line per step, a metrics file, and a
 summary when the run completed (a failed or stopped run has none).
 
 Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
@@ -19,11 +19,7 @@ from pipefisher.config import RunConfig
 from pipefisher.core.terminal import progress_bars
 from pipefisher.methods.registry import method
 from pipefisher.runtime.pipeline.executor import StepResult
-
-
-def tokens_per_step(config: RunConfig) -> int:
-    p = config.pipeline
-    return p.micro_batches * p.data_parallel * config.data.micro_batch_size * config.model.seq_len
+from pipefisher.runtime.training.assembly import tokens_per_step
 
 
 class StepReporter:

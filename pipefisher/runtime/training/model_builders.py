@@ -1,0 +1,120 @@
+"""The built-in model kinds' builders (`pipefisher.models.kinds` names them): each takes the run's
+`RunParts` (`pipefisher.runtime.training.assembly`) and returns its `StagedModel`, ConfigError
+naming the key for what the run file cannot be built as. A model that reads text data calls
+`run.data_ready()` once its split is valid, then takes `run.text_data`, which the run's data
+source shares."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from pipefisher.config import ConfigError, ModelConfig, RunConfig, split_hint, stage_count_terms
+from pipefisher.models import StagedModel
+from pipefisher.models.tiny import TinyRegression
+from pipefisher.runtime.errors import first_line
+
+if TYPE_CHECKING:
+    from pipefisher.runtime.training.assembly import RunParts
+
+
+def regression_model(run: RunParts) -> StagedModel:
+    """The builder of model.kind transformer and mlp: the regression model (its data is synthetic)."""
+    return TinyRegression(run.config.model)
+
+
+def bert_model(run: RunParts) -> StagedModel:
+    """The builder of model.kind bert: a preset or `model.config_json`, split-checked, with the
+    vocabulary of the run's pretraining data."""
+    from pipefisher.models.bert import BertConfig, BertStagedModel, bert_preset
+
+    config = run.config
+    settings = config.model
+    try:
+        bert = BertConfig.from_json(settings.config_json) if settings.config_json else bert_preset(settings.preset)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"model: {first_line(exc)}") from None
+    if bert.num_hidden_layers % config.model_chunks:
+        raise _unsplittable(config, f"{bert.num_hidden_layers} BERT layers", bert.num_hidden_layers)
+    if settings.seq_len > bert.max_position_embeddings:
+        raise ConfigError(
+            f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions"
+        )
+    run.data_ready()
+    bert = dataclasses.replace(bert, vocab_size=run.text_data.vocab_size)
+    if settings.dropout >= 0:
+        bert = dataclasses.replace(
+            bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout
+        )
+    return BertStagedModel(bert, settings.seq_len)
+
+
+def _unsplittable(config: RunConfig, what: str, count: int) -> ConfigError:
+    """The error for a model of `count` layers/blocks (`what`) the run's stages do not divide."""
+    _, product = stage_count_terms(config.pipeline)
+    return ConfigError(
+        f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}"
+    )
+
+
+def hf_model(run: RunParts) -> StagedModel:
+    """The builder of model.kind hf, the run's Hugging Face model: its config with the run's dropout,
+    vocabulary and special ids, checked against the run's stages and data before the data is built."""
+    config = run.config
+    settings = config.model
+    model = hf_staged(settings)
+    if model.num_blocks % config.model_chunks:
+        raise _unsplittable(config, f"{model.num_blocks} blocks of {model.layout.blocks}", model.num_blocks)
+    try:
+        model.check_split(config.model_chunks)
+        model.recompute_plan(settings.recompute)  # refused before the data is built
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from None
+    if model.layout.data != config.data.kind:
+        raise ConfigError(
+            f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}"
+        )
+    run.data_ready()
+    try:
+        data = run.text_data
+    except (ValueError, OSError) as exc:
+        message = str(exc).splitlines()[0]
+        raise ConfigError(
+            f"data.{message}" if message.startswith(("tokenizer:", "holdout:")) else f"data: {message}"
+        ) from None
+    if settings.hf_weights:
+        if data.vocab_size > model.config.vocab_size:
+            raise ConfigError(
+                f"data: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
+                "model.hf_weights; give data.tokenizer the checkpoint's tokenizer.json"
+            )
+        return model
+    special = (
+        {"pad_token_id": data.special.pad}
+        if config.data.kind == "bert"
+        else {"bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
+    )
+    return hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()))
+
+
+def hf_staged(settings: ModelConfig, overrides: tuple[tuple[str, object], ...] = ()):
+    """The Hugging Face staged model of `settings` with `overrides` of its config (building the
+    skeleton of a large model takes seconds: a run builds it through its `RunParts`, once);
+    ConfigError naming the key."""
+    try:
+        from pipefisher.models.hf import DROPOUT_FIELDS, HfStagedModel, load_hf_config
+    except ImportError:
+        raise ConfigError('model.kind hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
+    try:
+        hf_config = load_hf_config(settings.hf_config, **dict(overrides))
+        if settings.dropout >= 0:
+            for name in DROPOUT_FIELDS:
+                if hasattr(hf_config, name):
+                    setattr(hf_config, name, settings.dropout)
+        class_name = settings.hf_class or (getattr(hf_config, "architectures", None) or [""])[0]
+        if not class_name:
+            raise ValueError("hf_class: the config names no architectures; set model.hf_class (e.g. GPT2LMHeadModel)")
+        return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights)
+    except ValueError as exc:
+        # every message names its field (hf_config, hf_class, hf_weights, seq_len)
+        raise ConfigError(f"model.{exc}") from None
