@@ -66,6 +66,7 @@ from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.method_inputs import method_inputs
 from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer, pack_options
 from pipefisher.runtime.training.profiler import measure_profile
 from pipefisher.runtime.training.stopping import entry_point
@@ -354,7 +355,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
                 rank,
                 modules,
                 cfg.data.micro_batch_size,
-                method.timer(cfg, modules, skip),
+                method.timer(method_inputs(cfg), modules, skip),
                 warmup=warmup,
                 repeats=repeats,
             )
