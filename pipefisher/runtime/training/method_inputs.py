@@ -7,17 +7,18 @@ from typing import Any
 
 from pipefisher.config import RunConfig
 from pipefisher.methods.inputs import MethodInputs
+from pipefisher.methods.registry import method_of
 
 
 def method_inputs(config: RunConfig) -> MethodInputs[Any]:
-    """The inputs of `config`'s curvature method (ValueError when it has none)."""
-    if config.curvature is None:
-        raise ValueError(f"optimizer.name {config.optimizer.name} is not a curvature method")
+    """The inputs of `config`'s curvature method (`method_of`: on a first-order run, the method
+    whose tasks its profile times, with that method's section)."""
+    name = method_of(config).name
     optimizer = config.optimizer_settings
     beta1, beta2 = config.optimizer.betas
     return MethodInputs(
-        name=config.optimizer.name,
-        settings=config.curvature,
+        name=name,
+        settings=config.section(name),
         lr=optimizer.lr,
         betas=(beta1, beta2),
         eps=config.optimizer.eps,
