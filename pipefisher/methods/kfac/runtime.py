@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from pipefisher.core.ir import Op, OpKind
-from pipefisher.core.topology import Topology
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
@@ -41,7 +40,7 @@ from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Comm, Handle
+from pipefisher.runtime.primitives.comm import Handle
 
 
 def kfac_engine(config: MethodInputs[KfacConfig], module: nn.Module, skip: tuple[str, ...]) -> KFACEngine:
@@ -60,20 +59,13 @@ class KfacRuntime(StageRuntime[KFACEngine]):
     result_slots = ("active",)
     build_engine = staticmethod(kfac_engine)
 
-    def __init__(
-        self,
-        config: MethodInputs[KfacConfig],
-        topology: Topology,
-        rank: int,
-        modules: dict[tuple[int, int], nn.Module],
-        comm: Comm,
-        plan: Plan,
-        skip: tuple[str, ...] = (),
-        loss_scale: Callable[[], Tensor | None] = lambda: None,
-    ):
-        super().__init__(config, topology, rank, modules, comm, plan, skip, loss_scale)
-        self.shared_statistics = share_rows(self.engine_of_stage, modules, comm.shard, topology.tensor_parallel)
-        workers = config.workers_per_layer
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        topology = self.topology
+        self.shared_statistics = share_rows(
+            self.engine_of_stage, self.modules, self.comm.shard, topology.tensor_parallel
+        )
+        workers = self.config.workers_per_layer
         #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
         self.grids = {
             stage: GradWorkers(topology.replica_ranks(stage), workers)
