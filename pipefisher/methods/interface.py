@@ -221,16 +221,28 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
         """An exchange of `collective.key` = (stage, layer, part) from its owner
         (`broadcast_from_owner`)."""
         stage, layer, part = collective.key
+        owner = self.owner(stage, layer, part)
         return broadcast_from_owner(
-            self.comm,
-            self.topology,
-            self.rank,
-            self.owner(stage, layer, part),
+            self.comm, self.topology, self.rank, owner, collective, shared, buffer, receive, sent
+        )
+
+    def exchange(
+        self,
+        collective: Collective,
+        shared: Callable[[E, str, str], Tensor],
+        buffer: Callable[[E, str, str], Tensor],
+        receive: Callable[[E, str, str, Tensor], None],
+    ) -> Handle:
+        """`broadcast` of a result the stage's engine holds: `shared(engine, layer, part)` on the
+        owner, `buffer(engine, layer, part)` elsewhere, then `receive(engine, layer, part, tensor)`
+        (the engine class's methods fit: `ShampooEngine.shared_root`)."""
+        stage, layer, part = collective.key
+        engine = self.engine_of_stage[stage]
+        return self.broadcast(
             collective,
-            shared,
-            buffer,
-            receive,
-            sent,
+            shared=lambda: shared(engine, layer, part),
+            buffer=lambda: buffer(engine, layer, part),
+            receive=lambda tensor: receive(engine, layer, part, tensor),
         )
 
 

@@ -135,13 +135,8 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
         return self.all_reduce(collective, [self.engine_of_stage[stage].captured_gradient(layer)])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
-        engine = self.engine_of_stage[stage]
-        return self.broadcast(
-            collective,
-            shared=lambda: engine.shared_root(layer, factor),
-            buffer=lambda: engine.root_buffer(layer, factor),
-            receive=lambda tensor: engine.receive_root(layer, factor, tensor),
+        return self.exchange(
+            collective, ShampooEngine.shared_root, ShampooEngine.root_buffer, ShampooEngine.receive_root
         )
 
 

@@ -82,14 +82,7 @@ class SoapRuntime(StageRuntime[SoapEngine]):
         self.engine(op).refresh(op.layer, FACTOR_OF[op.kind])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
-        engine = self.engine_of_stage[stage]
-        return self.broadcast(
-            collective,
-            shared=lambda: engine.shared_basis(layer, factor),
-            buffer=lambda: engine.basis_buffer(layer, factor),
-            receive=lambda tensor: engine.receive_basis(layer, factor, tensor),
-        )
+        return self.exchange(collective, SoapEngine.shared_basis, SoapEngine.basis_buffer, SoapEngine.receive_basis)
 
 
 class SoapTimer(StageTimer[SoapEngine]):
