@@ -69,6 +69,7 @@ from pipefisher.runtime.training import (
     build_executor,
     build_run,
     measure_profile,
+    method_inputs,
     pack_options,
     run_group,
     schedule_plan,
@@ -358,7 +359,7 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
                 rank,
                 modules,
                 cfg.data.micro_batch_size,
-                method.timer(cfg, modules, skip),
+                method.timer(method_inputs(cfg), modules, skip),
                 warmup=warmup,
                 repeats=repeats,
             )

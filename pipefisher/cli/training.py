@@ -171,6 +171,7 @@ PROFILE_WARMUP = 1
 
 def _profile_worker(process: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
     from pipefisher.runtime.training.assembly import build_run
+    from pipefisher.runtime.training.method_inputs import method_inputs
     from pipefisher.runtime.training.profiler import measure_profile, measured_at, records_to_timeline
     from pipefisher.runtime.training.trainer import build_executor
 
@@ -179,7 +180,7 @@ def _profile_worker(process: int, world: int, config: RunConfig, output: str, ti
     executor, schedule = build_executor(config, process, device, run)
     modules = {key: stage.module for key, stage in executor.stages.items()}
     parts = method_of(config).runtime_parts()
-    timer = parts.timer(config, modules, parts.skip(run.model))
+    timer = parts.timer(method_inputs(config), modules, parts.skip(run.model))
     profile, records = measure_profile(
         executor,
         executor.rank,

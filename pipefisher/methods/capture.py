@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from pipefisher.methods.blocks import Factor
+from pipefisher.methods.inputs import MethodInputs
 from pipefisher.runtime.primitives.recompute import recomputing
 
 #: the part of a layer's input records
@@ -64,15 +65,10 @@ class CapturedLayer:
         return list(self.captures[part])
 
 
-def rows_per_step(config: Any) -> int:
+def rows_per_step(config: MethodInputs[Any]) -> int:
     """Rows (tokens) a step's gradient sums over, every micro-batch and replica: the factor that
-    turns a "B" record into the per-row gradient of the step's mean loss (`RunConfig`)."""
-    return (
-        config.pipeline.micro_batches
-        * config.pipeline.data_parallel
-        * config.data.micro_batch_size
-        * config.model.seq_len
-    )
+    turns a "B" record into the per-row gradient of the step's mean loss (`MethodInputs.rows_per_step`)."""
+    return config.rows_per_step
 
 
 def _record(state: Capturing, micro_batch: Hashable, key: Factor, tensor: Tensor) -> None:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
+from pipefisher.methods.inputs import MethodInputs
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
@@ -142,23 +143,24 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
     once a stage's gradient of the step is whole; use `owner`/`owns` (who computes a part's refresh
     work, from the plan) and `broadcast`/`all_reduce` (an exchange, a sync) in the handlers.
 
-    Its constructor is `MethodParts.runtime`'s signature: `config` (the `RunConfig`; its
-    `curvature` is the method's section), `topology`, `rank`, `modules` ((pipe, stage) -> the
-    stage's module), `comm`, the first `plan`, `skip` (`MethodParts.skip` globs) and `loss_scale()`
-    (fp16's current loss scale, None otherwise)."""
+    Its constructor is `MethodParts.runtime`'s signature: `config` (`MethodInputs`: the method's
+    section and the run's facts), `topology`, `rank`, `modules` ((pipe, stage) -> the stage's
+    module), `comm`, the first `plan` (None: no owners), `skip` (`MethodParts.skip` globs) and
+    `loss_scale()` (fp16's current loss scale, None otherwise)."""
 
     def __init__(
         self,
-        config: Any,
+        config: MethodInputs[Any],
         topology: Topology,
         rank: int,
         modules: dict[tuple[int, int], nn.Module],
         comm: Comm,
-        plan: Plan,
+        plan: Plan | None,
         skip: tuple[str, ...] = (),
         loss_scale: Callable[[], Tensor | None] = lambda: None,
     ) -> None:
         self.config, self.topology, self.rank, self.comm, self.loss_scale = config, topology, rank, comm, loss_scale
+        self.modules = modules
         self.engines: dict[tuple[int, int], E] = {
             key: self.build_engine(config, module, skip) for key, module in modules.items()
         }
@@ -171,7 +173,7 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
         self.owners: dict[tuple[int, str, str], int] = {}
         self.set_plan(plan)
 
-    def build_engine(self, config: Any, module: nn.Module, skip: tuple[str, ...]) -> E:
+    def build_engine(self, config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> E:
         """The method's engine of one stage's `module` (its layers not matching `skip`)."""
         raise NotImplementedError
 
@@ -179,8 +181,8 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
         """The engine of `op`'s (pipe, stage)."""
         return self.engines[(op.pipe, op.stage)]
 
-    def set_plan(self, plan: Plan) -> None:
-        self.owners = inverse_owners(plan)
+    def set_plan(self, plan: Plan | None) -> None:
+        self.owners = inverse_owners(plan) if plan is not None else {}
 
     def owner(self, stage: int, layer: str, part: str) -> int:
         """The pipe whose replica 0 computes the refresh work of (`stage`, `layer`, `part`)."""
@@ -219,16 +221,28 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
         """An exchange of `collective.key` = (stage, layer, part) from its owner
         (`broadcast_from_owner`)."""
         stage, layer, part = collective.key
+        owner = self.owner(stage, layer, part)
         return broadcast_from_owner(
-            self.comm,
-            self.topology,
-            self.rank,
-            self.owner(stage, layer, part),
+            self.comm, self.topology, self.rank, owner, collective, shared, buffer, receive, sent
+        )
+
+    def exchange(
+        self,
+        collective: Collective,
+        shared: Callable[[E, str, str], Tensor],
+        buffer: Callable[[E, str, str], Tensor],
+        receive: Callable[[E, str, str, Tensor], None],
+    ) -> Handle:
+        """`broadcast` of a result the stage's engine holds: `shared(engine, layer, part)` on the
+        owner, `buffer(engine, layer, part)` elsewhere, then `receive(engine, layer, part, tensor)`
+        (the engine class's methods fit: `ShampooEngine.shared_root`)."""
+        stage, layer, part = collective.key
+        engine = self.engine_of_stage[stage]
+        return self.broadcast(
             collective,
-            shared,
-            buffer,
-            receive,
-            sent,
+            shared=lambda: shared(engine, layer, part),
+            buffer=lambda: buffer(engine, layer, part),
+            receive=lambda tensor: receive(engine, layer, part, tensor),
         )
 
 
@@ -250,10 +264,41 @@ class TaskTimer:
         raise NotImplementedError
 
 
+class StageTimer(TaskTimer, Generic[E]):
+    """A `TaskTimer` over throwaway engines, one per (pipe, stage) of `modules`, built as the
+    runtime builds them (`build_engine`); its constructor is `MethodParts.timer`'s signature."""
+
+    def __init__(
+        self, config: MethodInputs[Any], modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()
+    ):
+        self.config, self.modules = config, modules
+        self.engines: dict[tuple[int, int], E] = {
+            key: self.build_engine(config, module, skip) for key, module in modules.items()
+        }
+
+    def build_engine(self, config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> E:
+        """The engine of one stage's `module`, as the runtime's."""
+        raise NotImplementedError
+
+    def by_stage(self) -> list[tuple[int, int, E]]:
+        """(pipe, stage, engine) of every engine, by stage, then pipe (the order `measure` times them)."""
+        return [(pipe, stage, engine) for (pipe, stage), engine in sorted(self.engines.items(), key=_stage_first)]
+
+    @staticmethod
+    def sync_group(executor: Any, stage: int) -> Any:
+        """The process group of `stage`'s syncs (None: the stage has no other replica)."""
+        return executor.comm.groups.get(("curv", stage))
+
+
+def _stage_first(item: tuple[tuple[int, int], Any]) -> tuple[int, int]:
+    (pipe, stage), _ = item
+    return stage, pipe
+
+
 class ReferenceCurvature:
     """A curvature method of the whole model in one process (the reference twin of its runtime),
     with the pipeline's cycle semantics: refresh cycles of `refresh_steps` (`self.k`), new refresh
-    results committed after a cycle's last step. `config`: the run (`RunConfig`); `model`: its
+    results committed after a cycle's last step. `config`: `MethodInputs`; `model`: the run's
     `StagedModel`; `modules`: what the reference trains (an ``nn.ModuleList`` of the stages, so a
     parameter's name is its stage's prefixed by "<stage>.": globs of `MethodParts.skip` match it
     with a leading "*." (`pipefisher.methods.layers.whole_model_globs`)).
@@ -276,15 +321,25 @@ class ReferenceCurvature:
                 "`after_step_backwards(step)` (renamed in method API v1; `before_optimizer_step` is the runtime's)"
             )
 
-    def __init__(self, config: Any, model: Any, modules: nn.Module) -> None:
-        name = config.optimizer.name
-        section = config.curvature
-        if section.refresh_steps < 1:
+    #: whether it has refresh cycles (False: every step alike, `refresh_steps` not needed)
+    refreshes: bool = True
+
+    def __init__(self, config: MethodInputs[Any], model: Any, modules: nn.Module) -> None:
+        name, steps = config.name, config.settings.refresh_steps
+        if self.refreshes and steps < 1:
             raise ValueError(
                 f"the reference {name} needs {name}.refresh_steps (--{name}-refresh-steps): it has no packer"
             )
         #: the refresh interval: step s is the first of its cycle when s % k == 0, the last when s % k == k - 1
-        self.k: int = section.refresh_steps
+        self.k: int = max(steps, 1)
+
+    def first_of_cycle(self, step: int) -> bool:
+        """Whether `step` is the first of its refresh cycle."""
+        return step % self.k == 0
+
+    def last_of_cycle(self, step: int) -> bool:
+        """Whether `step` is the last of its refresh cycle (its results are committed after it)."""
+        return step % self.k == self.k - 1
 
     def capture(self, step: int, micro_batch: int, loss_scale: Tensor | None = None) -> AbstractContextManager:
         """Context around micro-batch `micro_batch`'s forward and backward of `step`."""
@@ -304,13 +359,14 @@ class ReferenceCurvature:
 class MethodParts:
     """The torch side of a curvature method (`CurvatureMethod.parts` names it).
 
-    `runtime(config, topology, rank, modules, comm, plan, skip, loss_scale)`: one rank's
-    `CurvatureRuntime` over its stages' `modules` ((pipe, stage) -> module); `timer(config,
+    `runtime(inputs, topology, rank, modules, comm, plan, skip, loss_scale)`: one rank's
+    `CurvatureRuntime` over its stages' `modules` ((pipe, stage) -> module); `timer(inputs,
     modules, skip)`: its `TaskTimer`; `layer_names(stage module, skip)`: the layers its tasks
-    name, in order; `skip(staged model)`: globs of what stays first-order; `reference(config,
-    model, modules)`: its `ReferenceCurvature`.
+    name, in order; `skip(staged model)`: globs of what stays first-order; `reference(inputs,
+    model, modules)`: its `ReferenceCurvature`. `inputs`: the run as the method sees it
+    (`MethodInputs`: its section and the run's facts; the method imports no `pipefisher.config`).
 
-    `preconditioned(config, module, skip)`: names (as `module.named_parameters()` gives them) of
+    `preconditioned(config, module, skip)` (`config`: the run file, read as its sections): names (as `module.named_parameters()` gives them) of
     the parameters of `module` (a stage, or the reference's whole model) whose update the method
     owns in the run `config`: the ones whose ``.grad`` it rewrites, stepped by its `optimizer`; every
     other parameter is stepped by the section's `first_order` rule (`pipefisher.optim.build_optimizer`).
@@ -320,9 +376,9 @@ class MethodParts:
     (`RunConfig.optimizer_settings`), stepping the gradient the method wrote."""
 
     runtime: Callable[..., CurvatureRuntime]
-    timer: Callable[[Any, dict, tuple[str, ...]], TaskTimer]
+    timer: Callable[[MethodInputs[Any], dict, tuple[str, ...]], TaskTimer]
     layer_names: Callable[[nn.Module, tuple[str, ...]], list[str]]
     skip: Callable[[Any], tuple[str, ...]]
-    reference: Callable[[Any, Any, nn.Module], ReferenceCurvature]
+    reference: Callable[[MethodInputs[Any], Any, nn.Module], ReferenceCurvature]
     preconditioned: Callable[[Any, nn.Module, tuple[str, ...]], list[str]]
     optimizer: Callable[[Any, list[dict]], Optimizer] | None = None

@@ -31,6 +31,7 @@ from pipefisher.schedules import SCHEDULES, get_schedule
 
 if TYPE_CHECKING:
     from pipefisher.config import RunConfig
+    from pipefisher.methods.inputs import MethodInputs
     from pipefisher.runtime.training.trainer import TrainResult
 
 #: the tiny Transformer of the distributed tests (schedules/tiny-regression.yaml's model): 4
@@ -120,6 +121,14 @@ def method_run(
             "run": {"steps": steps, "timeout": 30, "master_port": 0, "in_order": True},
         }
     )
+
+
+def method_inputs(config: RunConfig) -> MethodInputs[Any]:
+    """What `config`'s method's runtime, timer and reference are given (`MethodInputs`), as the
+    run builds it: for a test that builds one of them itself."""
+    from pipefisher.runtime.training.method_inputs import method_inputs as build
+
+    return build(config)
 
 
 def pipelined(rank: int, world: int, config: RunConfig) -> TrainResult:

@@ -7,12 +7,13 @@ import torch
 from torch import nn
 
 from builders import tiny_model
+from pipefisher import testing
 from pipefisher.config import config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.muon.engine import MuonEngine
 from pipefisher.methods.muon.memory import MuonLayer
 from pipefisher.methods.muon.method import MuonConfig
-from pipefisher.methods.muon.ops import MuonRuntime, first_order_globs
+from pipefisher.methods.muon.runtime import MuonRuntime, first_order_globs
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.planning.memory.state import StageState, optimizer_state, rank_memory
 from pipefisher.runtime.gradient_path.buffers import unique_parameters
@@ -89,7 +90,9 @@ def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
     for rank in range(topology.world_size):
         ((pipe, stage),) = topology.stages_of(rank)
         module = model.build_stage(stage, 2, seed=0)
-        runtime = MuonRuntime(config, topology, rank, {(pipe, stage): module}, comm=None, plan=None, skip=skip)
+        runtime = MuonRuntime(
+            testing.method_inputs(config), topology, rank, {(pipe, stage): module}, comm=None, plan=None, skip=skip
+        )
         engine = runtime.engines[(pipe, stage)]
         for name in runtime.own_share(stage):
             engine.orthogonalise(name, gradient=torch.randn_like(engine.matrices[name].parameter))

@@ -95,6 +95,7 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
     hooks, against `torch.optim.Muon` and `torch.optim.AdamW` on a copy of the tiny transformer,
     step by step."""
     from builders import tiny_model
+    from pipefisher import testing
     from pipefisher.config import config_from_dict
     from pipefisher.methods.registry import method_of
     from pipefisher.runtime.training.optimizer import build_optimizer
@@ -114,7 +115,7 @@ def test_a_muon_runs_optimizer_is_torch_muon_for_the_matrices_and_adamw_for_the_
     net = model.build_stage(0, 1, seed=0)
     twin = model.build_stage(0, 1, seed=0)
     ours = build_optimizer(config, [net], skip=parts.skip(model))
-    hooks = parts.reference(config, model, net)
+    hooks = parts.reference(testing.method_inputs(config), model, net)
     owned = set(parts.preconditioned(config, twin, parts.skip(model)))
     named = dict(twin.named_parameters())
     rest = [name for name in named if name not in owned]

@@ -117,7 +117,7 @@ class DiagonalRuntime(CurvatureRuntime):
 
     def __init__(self, config, topology, rank, modules, comm, plan, skip=(), loss_scale=lambda: None):
         self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
-        self.engines = {key: DiagonalState(module, config.diagonal, skip) for key, module in modules.items()}
+        self.engines = {key: DiagonalState(module, config.settings, skip) for key, module in modules.items()}
         self._state_of_stage = {stage: state for (_, stage), state in self.engines.items()}
         ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
         self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
@@ -188,7 +188,7 @@ class DiagonalTimer(TaskTimer):
     method = "diagonal"
 
     def __init__(self, config, modules, skip=()):
-        self.engines = {key: DiagonalState(module, config.diagonal, skip) for key, module in modules.items()}
+        self.engines = {key: DiagonalState(module, config.settings, skip) for key, module in modules.items()}
 
     def before_optimizer_step(self) -> None:
         for state in self.engines.values():
@@ -220,7 +220,7 @@ class ReferenceDiagonal(ReferenceCurvature):
 
     def __init__(self, config, model, modules: nn.Module):
         super().__init__(config, model, modules)
-        self.state = DiagonalState(modules, config.diagonal, tied_copies(model))
+        self.state = DiagonalState(modules, config.settings, tied_copies(model))
         self._loss_scale = None
 
     def capture(self, step: int, micro_batch: int, loss_scale=None):

@@ -133,6 +133,7 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
     the losses and this rank's final parameters and optimizer state."""
     from pipefisher.runtime.training.assembly import staged_model
     from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
+    from pipefisher.runtime.training.method_inputs import method_inputs
     from pipefisher.runtime.training.profiler import measure_profile
 
     executor, schedule = build_executor(config, rank, CPU)
@@ -141,7 +142,7 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
     if profile:
         modules = {key: stage.module for key, stage in executor.stages.items()}
         parts = method_of(config).runtime_parts()
-        timer = parts.timer(config, modules, parts.skip(staged_model(config)))
+        timer = parts.timer(method_inputs(config), modules, parts.skip(staged_model(config)))
         measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, repeats=2)
     losses += [runner.run_step(step).loss for step in range(2, 4)]
     state = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipefisher.core.settings import setting
+from pipefisher.methods.memory import MatrixLayer
 from pipefisher.methods.method import CurvatureMethod, TaskRules
 from pipefisher.methods.settings import RefreshConfig
 
@@ -18,6 +19,15 @@ class DiagGgnConfig(RefreshConfig):
     damping: float = setting(0.1, "added to each running mean before its inverse square root", low=0, low_open=True)
 
 
+@dataclass(frozen=True)
+class DiagGgnLayer(MatrixLayer):
+    """Its memory model of a Linear layer's weight (`rows` outputs x `cols` inputs)."""
+
+    def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
+        """Sums, running means and scales in use of a² and e², float64, on every replica."""
+        return 3 * 8 * (self.rows + self.cols)
+
+
 DIAG_GGN = CurvatureMethod(
     name="diag_ggn",
     label="Diagonal GGN",
@@ -27,4 +37,5 @@ DIAG_GGN = CurvatureMethod(
     settings=DiagGgnConfig,
     parts="pipefisher_diagonal_ggn.runtime:PARTS",
     flags=("damping",),
+    memory="pipefisher_diagonal_ggn.method:DiagGgnLayer",
 )

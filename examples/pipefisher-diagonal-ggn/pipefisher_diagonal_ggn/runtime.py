@@ -15,8 +15,9 @@ from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.methods.capture import CapturedLayer, capture, rows_per_step
-from pipefisher.methods.interface import LayerMeasurement, MethodParts, ReferenceCurvature, StageRuntime, TaskTimer
-from pipefisher.methods.layers import first_order_linears, linear_parameters, select_linears, whole_model_globs
+from pipefisher.methods.interface import LayerMeasurement, MethodParts, StageRuntime, StageTimer
+from pipefisher.methods.layers import first_order_linears, linear_parameters, select_linears
+from pipefisher.methods.reference import StageReference
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
@@ -65,7 +66,7 @@ class Engine:
     """The method's state of one stage (or of the reference's whole model)."""
 
     def __init__(self, config, module: nn.Module, skip: tuple[str, ...]):
-        self.settings = config.curvature
+        self.settings = config.settings
         rows = rows_per_step(config)
         self.layers = {name: Layer(sel.module, rows) for name, sel in select_linears(module, skip).items()}
 
@@ -92,8 +93,7 @@ class Runtime(StageRuntime[Engine]):
     """CA/CB sum a micro-batch's squares, SA/SB all-reduce them, IA/IB refresh on the owner, X folds
     elsewhere and receives the owner's scales, P preconditions the stage."""
 
-    def build_engine(self, config, module: nn.Module, skip: tuple[str, ...]) -> Engine:
-        return Engine(config, module, skip)
+    build_engine = staticmethod(Engine)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         curvature = lambda op: self.engine(op).layers[op.layer].curvature(PARTS_OF[op.kind], op.micro_batch)
@@ -123,7 +123,7 @@ class Runtime(StageRuntime[Engine]):
     def _fold(self, op: Op) -> None:
         for part in "AB":
             if not self.owns(op, part):
-                self.engine(op).layers[op.layer].fold(part, self.config.curvature.decay)
+                self.engine(op).layers[op.layer].fold(part, self.config.settings.decay)
 
     def _sync(self, collective: Collective) -> Handle:
         stage, name, part = collective.key
@@ -140,21 +140,20 @@ class Runtime(StageRuntime[Engine]):
         )
 
 
-class Timer(TaskTimer):
+class Timer(StageTimer[Engine]):
     """Curvature per captured micro-batch of the profiler's last step, sync, refresh, precondition."""
 
     method = "diag_ggn"
 
-    def __init__(self, config, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...]):
-        self.engines = {key: Engine(config, module, skip) for key, module in modules.items()}
+    build_engine = staticmethod(Engine)
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         found: dict[tuple[int, str], LayerMeasurement] = {}
-        for (_, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
-            group = executor.comm.groups.get(("curv", stage))
+        for _, stage, engine in self.by_stage():
+            group = self.sync_group(executor, stage)
             for name, layer in engine.layers.items():
                 samples: dict[str, list[float]] = {}
                 for part in "AB":
@@ -176,20 +175,18 @@ class Timer(TaskTimer):
         return found
 
 
-class Reference(ReferenceCurvature):
+class Reference(StageReference[Engine]):
     """The same on the whole model in one process: capture in a cycle's first step, refresh after
     its backwards, precondition every step (before the tied sum, as the P ops), commit at its end."""
 
-    def __init__(self, config, model, modules: nn.Module):
-        super().__init__(config, model, modules)
-        self.engine = Engine(config, modules, whole_model_globs(first_order_linears(model)))
+    build_engine = staticmethod(Engine)
 
-    def capture(self, step: int, micro_batch: int, loss_scale=None) -> AbstractContextManager:
-        return self.engine.capture(micro_batch, loss_scale) if step % self.k == 0 else nullcontext()
+    def capture_context(self, micro_batch: int, loss_scale=None) -> AbstractContextManager:
+        return self.engine.capture(micro_batch, loss_scale)
 
     def after_step_backwards(self, step: int) -> None:
         for name, layer in self.engine.layers.items():
-            if step % self.k == 0:
+            if self.first_of_cycle(step):
                 for part in "AB":
                     for micro_batch in layer.micro_batches(part):  # type: ignore[arg-type]
                         layer.curvature(part, micro_batch)
@@ -197,7 +194,7 @@ class Reference(ReferenceCurvature):
             layer.precondition()
 
     def after_optimizer_step(self, step: int) -> None:
-        if step % self.k == self.k - 1:
+        if self.last_of_cycle(step):
             self.engine.commit()
 
 

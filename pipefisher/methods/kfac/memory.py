@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from pipefisher.methods.memory import copies, counter_bytes
+
 #: bytes of a K-FAC validity flag (a 0-dim bool tensor); one per running factor, one per inverse
 FLAG_BYTES = 1
-#: bytes of one factor's health counters (int64 vector, one per `pipefisher.methods.kfac.layer.Health` field)
-COUNTER_BYTES = 3 * 8
+#: bytes of one factor's health counters (one per `pipefisher.methods.kfac.layer.Health` field)
+COUNTER_BYTES = counter_bytes(3)
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,10 @@ class KfacLayer:
     def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
         """Per factor of size n: the running factor (n² elements and a flag), the health counters
         and, when the rank keeps the layer's inverses, the committed inverse (n² elements and a flag)."""
-        copies = 2 if keeps_results else 1
-        return sum(copies * (n * n * element_bytes + FLAG_BYTES) + COUNTER_BYTES for n in (self.a_size, self.b_size))
+        return sum(
+            copies(keeps_results) * (n * n * element_bytes + FLAG_BYTES) + COUNTER_BYTES
+            for n in (self.a_size, self.b_size)
+        )
 
     @classmethod
     def from_linear(cls, name: str, inputs: int, outputs: int, bias: bool) -> KfacLayer:

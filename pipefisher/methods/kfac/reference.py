@@ -2,38 +2,34 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager
 
-from torch import nn
+from torch import Tensor
 
-from pipefisher.config import RunConfig
-from pipefisher.methods.interface import ReferenceCurvature
-from pipefisher.methods.kfac.ops import kfac_engine
+from pipefisher.methods.kfac.engine import KFACEngine
+from pipefisher.methods.kfac.runtime import kfac_engine
+from pipefisher.methods.reference import StageReference
 
 
-class ReferenceKfac(ReferenceCurvature):
+class ReferenceKfac(StageReference[KFACEngine]):
     """K-FAC: capture in the cycle's first step, preconditioning every step (before the tied sum
     and clipping, as the pipeline's precondition ops)."""
 
-    def __init__(self, config: RunConfig, model, modules: nn.Module):
-        super().__init__(config, model, modules)
-        self.lr = config.optimizer_settings.lr
-        skip = model.first_order_linears()
-        self.engine = kfac_engine(config, modules, [f"*.{p}" for p in skip])
+    build_engine = staticmethod(kfac_engine)
 
-    def capture(self, step: int, micro_batch: int, loss_scale=None):
-        return self.engine.capture(micro_batch, loss_scale=loss_scale) if step % self.k == 0 else nullcontext()
+    def capture_context(self, micro_batch: int, loss_scale: Tensor | None) -> AbstractContextManager:
+        return self.engine.capture(micro_batch, loss_scale=loss_scale)
 
     def after_step_backwards(self, step: int) -> None:
-        if step % self.k == 0:
+        if self.first_of_cycle(step):
             for info in self.engine.layers():
                 for factor in ("A", "B"):
                     for micro_batch in self.engine.captured(info.name, factor):
                         self.engine.curvature(info.name, factor, micro_batch)
                     self.engine.invert(info.name, factor)
-        self.engine.precondition_all(self.lr)
+        self.engine.precondition_all(self.config.lr)
 
     def after_optimizer_step(self, step: int) -> None:
-        if step % self.k == self.k - 1:
+        if self.last_of_cycle(step):
             for info in self.engine.layers():
                 self.engine.commit(info.name)

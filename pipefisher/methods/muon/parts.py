@@ -1,7 +1,7 @@
 """Muon's torch side as the runtime, profiler and reference read it (`MethodParts`)."""
 
 from pipefisher.methods.interface import MethodParts
-from pipefisher.methods.muon.ops import MuonRuntime, MuonTimer, first_order_globs, matrix_names
+from pipefisher.methods.muon.runtime import MuonRuntime, MuonTimer, first_order_globs, matrix_names
 from pipefisher.methods.muon.optimizer import MuonStep
 from pipefisher.methods.muon.reference import ReferenceMuon
 

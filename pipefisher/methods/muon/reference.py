@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-from torch import Tensor, nn
-
-from pipefisher.config import RunConfig
-from pipefisher.methods.interface import ReferenceCurvature
 from pipefisher.methods.muon.engine import MuonEngine
-from pipefisher.methods.muon.ops import first_order_globs
+from pipefisher.methods.muon.runtime import first_order_globs, muon_engine
+from pipefisher.methods.reference import StageReference
 
 
-class ReferenceMuon(ReferenceCurvature):
+class ReferenceMuon(StageReference[MuonEngine]):
     """Muon: each step's momentum and orthogonalisation from the raw gradient after the backwards
     (divided by fp16's loss scale; before clipping, which the matrices still count in), committed
     and put into `.grad` right before the optimizer step, which an fp16 overflow skips (the
     momentum then stays as it was). No refresh cycle: refresh_steps is not needed."""
 
-    def __init__(self, config: RunConfig, model, modules: nn.Module):
-        self.engine = MuonEngine(modules, config.muon, skip=first_order_globs(model))
-        self._loss_scale: Tensor | None = None
-
-    def capture(self, step: int, micro_batch: int, loss_scale: Tensor | None = None):
-        self._loss_scale = loss_scale
-        return super().capture(step, micro_batch, loss_scale)
+    refreshes = False
+    build_engine = staticmethod(muon_engine)
+    stage_skip = staticmethod(first_order_globs)
 
     def after_step_backwards(self, step: int) -> None:
         for name in self.engine.names():
-            self.engine.orthogonalise(name, self._loss_scale)
+            self.engine.orthogonalise(name, self.loss_scale)
 
     def before_optimizer_update(self, step: int) -> None:
         self.engine.apply()

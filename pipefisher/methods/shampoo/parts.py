@@ -1,7 +1,7 @@
 """Shampoo's torch side as the runtime, profiler and reference read it (`MethodParts`)."""
 
 from pipefisher.methods.interface import MethodParts, tied_copies
-from pipefisher.methods.shampoo.ops import ShampooRuntime, ShampooTimer, matrix_names
+from pipefisher.methods.shampoo.runtime import ShampooRuntime, ShampooTimer, matrix_names
 from pipefisher.methods.shampoo.reference import ReferenceShampoo
 from pipefisher.methods.shampoo.state import owned_parameters
 

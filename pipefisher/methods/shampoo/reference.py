@@ -2,36 +2,26 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
-from torch import nn
-
-from pipefisher.config import RunConfig
-from pipefisher.methods.interface import ReferenceCurvature
 from pipefisher.methods.interface import tied_copies
-from pipefisher.methods.shampoo.ops import shampoo_engine
+from pipefisher.methods.reference import StageReference
+from pipefisher.methods.shampoo.engine import ShampooEngine
+from pipefisher.methods.shampoo.runtime import shampoo_engine
 
 
-class ReferenceShampoo(ReferenceCurvature):
+class ReferenceShampoo(StageReference[ShampooEngine]):
     """Shampoo: statistics and roots from the raw gradient of the cycle's first step (unscaled by
     fp16's loss scale), preconditioning with grafting on the clipped gradient before every SGD step."""
 
-    def __init__(self, config: RunConfig, model, modules: nn.Module):
-        super().__init__(config, model, modules)
-        self.engine = shampoo_engine(config, modules, tied_copies(model))
-        self._loss_scale = None
-
-    def capture(self, step: int, micro_batch: int, loss_scale=None):
-        self._loss_scale = loss_scale
-        return nullcontext()
+    build_engine = staticmethod(shampoo_engine)
+    stage_skip = staticmethod(tied_copies)
 
     def after_step_backwards(self, step: int) -> None:
-        if step % self.k:
+        if not self.first_of_cycle(step):
             return
         for info in self.engine.matrices():
             self.engine.capture(info.name)
-            if self._loss_scale is not None:
-                self.engine.captured_gradient(info.name).div_(self._loss_scale)
+            if self.loss_scale is not None:
+                self.engine.captured_gradient(info.name).div_(self.loss_scale)
             for factor in ("A", "B"):
                 self.engine.update_statistics(info.name, factor)
                 self.engine.compute_root(info.name, factor)
@@ -41,6 +31,6 @@ class ReferenceShampoo(ReferenceCurvature):
         self.engine.precondition_all()
 
     def after_optimizer_step(self, step: int) -> None:
-        if step % self.k == self.k - 1:
+        if self.last_of_cycle(step):
             self.engine.commit()
             self.engine.check_health()

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from pipefisher.methods.blocks import FACTORS, split_sizes
+from pipefisher.methods.memory import MatrixLayer, counter_bytes
 
-#: bytes of one matrix's health counters (int64 vector, one per `pipefisher.methods.soap.health.SoapHealth` field)
-COUNTER_BYTES = 2 * 8
+#: bytes of one matrix's health counters (one per `pipefisher.methods.soap.health.SoapHealth` field)
+COUNTER_BYTES = counter_bytes(2)
 
 
 @dataclass(frozen=True)
-class SoapLayer:
+class SoapLayer(MatrixLayer):
     """A SOAP matrix ``(rows, cols)`` cut into blocks of ``block_size``; ``statistics_bytes`` per
     element of its statistics and their snapshot (float64 by default)."""
 
-    #: whether the method preconditions a Linear layer's bias with its weight
-    PRECONDITIONS_BIAS: ClassVar[bool] = False
-
-    name: str
-    rows: int
-    cols: int
     block_size: int = 1024
     statistics_bytes: int = 8
 
@@ -37,12 +31,3 @@ class SoapLayer:
         }
         per_factor = sum(2 * self.statistics_bytes * squares[f] + element_bytes * squares[f] for f in FACTORS)
         return per_factor + 2 * element_bytes * self.gradient_elements + COUNTER_BYTES
-
-    @classmethod
-    def from_linear(cls, name: str, inputs: int, outputs: int, bias: bool) -> SoapLayer:
-        """The model of a Linear layer's weight (outputs x inputs) at the default block size and statistics dtype."""
-        return cls(name, outputs, inputs)
-
-    @property
-    def gradient_elements(self) -> int:
-        return self.rows * self.cols

@@ -2,7 +2,7 @@
 
 from pipefisher.methods.interface import MethodParts, tied_copies
 from pipefisher.methods.soap.front import SoapStep
-from pipefisher.methods.soap.ops import SoapRuntime, SoapTimer, matrix_names
+from pipefisher.methods.soap.runtime import SoapRuntime, SoapTimer, matrix_names
 from pipefisher.methods.soap.reference import ReferenceSoap
 
 PARTS = MethodParts(

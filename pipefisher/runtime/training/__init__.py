@@ -17,7 +17,8 @@ Training
     first-order, `PipeFisherTrainer` with the run's curvature method; `ExecutorExtension` hooks
     into its steps); `train_reference(config, on_step, evaluation=Evaluation(...))` in one
     process; `TrainResult`; `Stopped` when a signal stopped a run; `build_optimizer(config,
-    modules, ...)` and `build_scheduler(config, optimizer)`: the run's optimizer and schedule.
+    modules, ...)` and `build_scheduler(config, optimizer)`: the run's optimizer and schedule;
+    `method_inputs(config)`: what the run's method's runtime, timer and reference are built from.
 Processes
     `run_group(fn, world, args)` runs `fn(rank, world, *args)` on local processes (`GroupFailure`,
     `Interrupted`); `world_of_one()` makes this process a group of one.
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from pipefisher.runtime.training.memory_check import measure as measure_memory
     from pipefisher.runtime.training.memory_check import measured_steps
     from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
+    from pipefisher.runtime.training.method_inputs import method_inputs
     from pipefisher.runtime.training.memory_check import predict as predict_memory
     from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer, pack_options
     from pipefisher.runtime.training.profiler import measure_profile
@@ -62,6 +64,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "train_pipelined": ("pipefisher.runtime.training.trainer", "train_pipelined"),
     "build_optimizer": ("pipefisher.runtime.training.optimizer", "build_optimizer"),
     "build_scheduler": ("pipefisher.runtime.training.optimizer", "build_scheduler"),
+    "method_inputs": ("pipefisher.runtime.training.method_inputs", "method_inputs"),
     "build_executor": ("pipefisher.runtime.training.trainer", "build_executor"),
     "TrainResult": ("pipefisher.runtime.training.trainer", "TrainResult"),
     "PlanRunner": ("pipefisher.runtime.pipeline.plan_runner", "PlanRunner"),
@@ -103,6 +106,7 @@ __all__ = [
     "measure_memory",
     "measure_profile",
     "measured_steps",
+    "method_inputs",
     "pack_options",
     "predict_memory",
     "run_group",

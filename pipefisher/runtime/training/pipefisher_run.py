@@ -34,6 +34,7 @@ from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
+from pipefisher.runtime.training.method_inputs import method_inputs
 from pipefisher.runtime.training.profiler import measure_profile, measured_at
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ class PipeFisherTrainer(PlanRunner):
         self.drift.new_plan(fresh_profile=fresh)
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(
-            config,
+            method_inputs(config),
             executor.topology,
             rank,
             self.modules,
@@ -332,7 +333,7 @@ class PipeFisherTrainer(PlanRunner):
             logger.info("%s", message)
 
     def _measure(self) -> Profile:
-        timer = self.parts.timer(self.config, self.modules, self.skip)
+        timer = self.parts.timer(method_inputs(self.config), self.modules, self.skip)
         profile, _ = measure_profile(
             self.executor, self.rank, self.modules, self.config.data.micro_batch_size, timer, **measured_at(self.config)
         )

@@ -31,6 +31,7 @@ from pipefisher.runtime.training.optimizer import build_optimizer, build_schedul
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import build_run
+from pipefisher.runtime.training.method_inputs import method_inputs
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
@@ -71,7 +72,9 @@ def train_reference(
     total = config.pipeline.micro_batches * config.pipeline.data_parallel
     tied = net.tied
     curvature = (
-        method_of(config).runtime_parts().reference(config, model, nn.ModuleList(stages)) if config.curvature else None
+        method_of(config).runtime_parts().reference(method_inputs(config), model, nn.ModuleList(stages))
+        if config.curvature
+        else None
     )
     losses = []
     if evaluation is not None:

@@ -20,89 +20,69 @@ reduction each worker preconditions its layers and broadcasts them within its bl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
-from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.methods.inputs import MethodInputs
+from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
 from pipefisher.methods.kfac.method import KFAC, KfacConfig
 from pipefisher.models.tensor_parallel import applied_plan
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Comm, Handle
+from pipefisher.runtime.primitives.comm import Handle
 
 
-def kfac_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> KFACEngine:
+def kfac_engine(config: MethodInputs[KfacConfig], module: nn.Module, skip: tuple[str, ...]) -> KFACEngine:
     """The engine of the run's kfac section for `module`; B is scaled by the rows of the whole step
     (all micro-batches, all replicas), so every replica builds the same factor as the
     single-process reference."""
-    return KFACEngine(module, config.kfac, skip, grad_scale=float(rows_per_step(config)))
+    return KFACEngine(module, config.settings, skip, grad_scale=float(config.rows_per_step))
 
 
-def rows_per_step(config: RunConfig) -> int:
-    return (
-        config.pipeline.micro_batches
-        * config.pipeline.data_parallel
-        * config.data.micro_batch_size
-        * config.model.seq_len
-    )
-
-
-class KfacRuntime(CurvatureRuntime):
+class KfacRuntime(StageRuntime[KFACEngine]):
     """The K-FAC state of one rank's stages, the handlers of the K-FAC op kinds and the providers
     of its collectives. `loss_scale()`: fp16's current loss scale (None otherwise), recorded with
     every capture so that B is the factor of the unscaled loss."""
 
     cycle_slots = ("built", "captures", "loss_scales", "pending")
     result_slots = ("active",)
+    build_engine = staticmethod(kfac_engine)
 
-    def __init__(
-        self,
-        config: RunConfig,
-        topology: Topology,
-        rank: int,
-        modules: dict[tuple[int, int], nn.Module],
-        comm: Comm,
-        plan: Plan,
-        skip: tuple[str, ...] = (),
-        loss_scale: Callable[[], Tensor | None] = lambda: None,
-    ):
-        self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
-        self.engines = {key: kfac_engine(config, module, skip) for key, module in modules.items()}
-        #: a rank holds at most one copy of a stage
-        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
-        self.shared_statistics = share_rows(self._engine_of_stage, modules, comm.shard, topology.tensor_parallel)
-        self.lr = config.optimizer_settings.lr
-        workers = config.workers_per_layer
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        topology = self.topology
+        self.shared_statistics = share_rows(
+            self.engine_of_stage, self.modules, self.comm.shard, topology.tensor_parallel
+        )
+        workers = self.config.workers_per_layer
         #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
         self.grids = {
             stage: GradWorkers(topology.replica_ranks(stage), workers)
-            for stage in self._engine_of_stage
+            for stage in self.engine_of_stage
             if workers is not None
         }
         #: stage -> layer name -> its number in the stage's layer order (the grid's layer numbers)
         self._numbers = {
             stage: {info.name: number for number, info in enumerate(engine.layers())}
-            for stage, engine in self._engine_of_stage.items()
+            for stage, engine in self.engine_of_stage.items()
         }
-        self.set_plan(plan)
 
-    def set_plan(self, plan: Plan) -> None:
+    def set_plan(self, plan: Plan | None) -> None:
         """Use `plan` from the next cycle on (its inverse owners decide who computes what)."""
-        self.owners = inverse_owners(plan)
-        self.exchanged = {(op.stage, op.layer) for op in plan.curvature_ops() if op.kind is OpKind.EXCHANGE}
+        super().set_plan(plan)
+        ops = plan.curvature_ops() if plan is not None else ()
+        self.exchanged = {(op.stage, op.layer) for op in ops if op.kind is OpKind.EXCHANGE}
 
     def works_for(self, stage: int, layer: str) -> bool:
         """Whether this rank keeps `layer`'s inverses and preconditions it (every replica does
@@ -115,7 +95,7 @@ class KfacRuntime(CurvatureRuntime):
 
     def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
         return (stage, layer) in self.exchanged and self.rank == self.topology.rank(
-            0, self.owners[(stage, layer, factor)], stage
+            0, self.owner(stage, layer, factor), stage
         )
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
@@ -138,9 +118,7 @@ class KfacRuntime(CurvatureRuntime):
         if cycle_step != 0:
             return nullcontext()
         scale = self.loss_scale()
-        return self.engines[(op.pipe, op.stage)].capture(
-            op.micro_batch, loss_scale=None if scale is None else scale.clone()
-        )
+        return self.engine(op).capture(op.micro_batch, loss_scale=None if scale is None else scale.clone())
 
     def end_of_cycle(self) -> None:
         """Make the cycle's inverses the ones in use; report numerical trouble."""
@@ -150,54 +128,46 @@ class KfacRuntime(CurvatureRuntime):
             engine.check_health()
 
     # -- handlers ----------------------------------------------------------------------------
-    def _engine(self, op: Op) -> KFACEngine:
-        return self.engines[(op.pipe, op.stage)]
-
     def _curvature(self, op: Op) -> None:
-        self._engine(op).curvature(op.layer, FACTOR_OF[op.kind], op.micro_batch)
+        self.engine(op).curvature(op.layer, FACTOR_OF[op.kind], op.micro_batch)
 
     def _invert(self, op: Op) -> None:
         factor = FACTOR_OF[op.kind]
         decompose = self.works_for(op.stage, op.layer) or self._exchange_source(op.stage, op.layer, factor)
         self._sum_over_shards(op, factor)
-        self._engine(op).invert(op.layer, factor, decompose=decompose)
+        self.engine(op).invert(op.layer, factor, decompose=decompose)
 
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not invert a factor still folds the synced factor into its running
         average, so every replica keeps the same state; the inverse itself comes by broadcast."""
         for factor in "AB":
-            if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+            if not self.owns(op, factor):
                 self._sum_over_shards(op, factor)
-                self._engine(op).invert(op.layer, factor, decompose=False)
+                self.engine(op).invert(op.layer, factor, decompose=False)
 
     def _sum_over_shards(self, op: Op, factor: str) -> None:
         """A statistic the rank's tensor-parallel processes built in shares: summed over them
         (blocking, inside the op that first reads it; `pipefisher.planning.comm.processes`)."""
         if (op.stage, op.layer, factor) in self.shared_statistics:
-            for tensor in self._engine(op).sync_tensors(op.layer, factor):
+            for tensor in self.engine(op).sync_tensors(op.layer, factor):
                 self.comm.tensor_all_reduce(tensor)
 
     def _precondition(self, op: Op) -> None:
-        self._engine(op).precondition_all(self.lr)
+        self.engine(op).precondition_all(self.config.lr)
 
     # -- collectives -------------------------------------------------------------------------
     def _launch_sync(self, collective: Collective) -> Handle:
         stage, layer, factor = collective.key
-        tensors = self._engine_of_stage[stage].sync_tensors(layer, factor)
-        return self.comm.all_reduce(list(tensors), collective.group)
+        return self.all_reduce(collective, list(self.engine_of_stage[stage].sync_tensors(layer, factor)))
 
     def _launch_exchange(self, collective: Collective) -> Handle:
         stage, layer, factor = collective.key
-        engine = self._engine_of_stage[stage]
+        engine = self.engine_of_stage[stage]
         keeps = self.works_for(stage, layer)
         # With gradient workers the source may hold no inverse in use to fall back on: it sends
         # NaN for a failed inversion and the workers keep theirs
         workers = stage in self.grids
-        return broadcast_from_owner(
-            self.comm,
-            self.topology,
-            self.rank,
-            self.owners[(stage, layer, factor)],
+        return self.broadcast(
             collective,
             shared=lambda: (engine.fresh_inverse if workers else engine.shared_inverse)(layer, factor),
             buffer=lambda: engine.inverse_buffer(layer, factor),
@@ -209,9 +179,11 @@ class KfacRuntime(CurvatureRuntime):
         """Gradient workers: precondition this rank's layers of the stage (reduced gradients),
         then every layer's worker in the block broadcasts its preconditioned gradients."""
         stage = collective.key[0]
-        engine, grid = self._engine_of_stage[stage], self.grids[stage]
+        engine, grid = self.engine_of_stage[stage], self.grids[stage]
         names = [info.name for info in engine.layers()]
-        engine.precondition_all(self.lr, layers=[names[number] for number in grid.layers_of(self.rank, len(names))])
+        engine.precondition_all(
+            self.config.lr, layers=[names[number] for number in grid.layers_of(self.rank, len(names))]
+        )
         block = grid.block(self.rank)
         pairs = [
             (gradient, grid.worker(number, block))
@@ -236,19 +208,15 @@ def share_rows(
     return shared
 
 
-class KfacTimer(TaskTimer):
+class KfacTimer(StageTimer[KFACEngine]):
     """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor
     sync over the stage's replicas, eigen/Cholesky inverse of a factor's size, preconditioning;
     and the bytes of the largest micro-batch's captures of each layer."""
 
     method = "kfac"
 
-    def __init__(
-        self, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = (), settings: KfacConfig = KfacConfig()
-    ):
-        # throwaway: timing only (B's scale does not change the time)
-        self.engines = {key: KFACEngine(module, settings, skip=skip, grad_scale=1.0) for key, module in modules.items()}
-        self.modules, self.settings = modules, settings
+    def build_engine(self, config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> KFACEngine:
+        return KFACEngine(module, config.settings, skip=skip, grad_scale=1.0)  # B's scale does not change the time
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         return self.engines[(op.pipe, op.stage)].capture(op.micro_batch)
@@ -263,8 +231,9 @@ class KfacTimer(TaskTimer):
             executor.topology.tensor_parallel,
         )
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
-        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
-            group = executor.comm.groups.get(("curv", stage))
+        settings = self.config.settings
+        for _, stage, engine in self.by_stage():
+            group = self.sync_group(executor, stage)
             for info in engine.layers():
                 samples: dict[str, list[float]] = {}
                 sizes: dict[str, int] = {}
@@ -283,7 +252,7 @@ class KfacTimer(TaskTimer):
                     matrix = torch.randn(n, n, device=device)
                     matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
                     samples[f"inverse_{suffix}"] = timed_ms(
-                        lambda: damped_inverse(matrix, self.settings.damping, self.settings.inverse), device
+                        lambda: damped_inverse(matrix, settings.damping, settings.inverse), device
                     )
                     if group is not None:
                         buffer = torch.zeros(n, n, device=device)

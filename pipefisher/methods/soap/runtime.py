@@ -21,22 +21,25 @@ nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
-from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.methods.inputs import MethodInputs
+from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.state import matrix_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.planning.comm.plan import inverse_owners
-from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Comm, Handle
+from pipefisher.runtime.primitives.comm import Handle
+
+
+def soap_engine(config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> SoapEngine:
+    """The engine of the run's soap section for `module`."""
+    return SoapEngine(module, config.settings, skip)
 
 
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -45,32 +48,13 @@ def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
     return list(matrix_parameters(module, skip))
 
 
-class SoapRuntime(CurvatureRuntime):
+class SoapRuntime(StageRuntime[SoapEngine]):
     """The SOAP state of one rank's stages, the handlers of its op kinds and the provider of its
     exchange. The loss scale is not needed: the step end sees unscaled gradients."""
 
     named_sections = ("matrices",)
     cycle_slots = ("*/pending",)
-
-    def __init__(
-        self,
-        config: RunConfig,
-        topology: Topology,
-        rank: int,
-        modules: dict[tuple[int, int], nn.Module],
-        comm: Comm,
-        plan: Plan,
-        skip: tuple[str, ...] = (),
-        loss_scale: Callable[[], Tensor | None] = lambda: None,
-    ):
-        self.topology, self.rank, self.comm = topology, rank, comm
-        self.engines = {key: SoapEngine(module, config.soap, skip) for key, module in modules.items()}
-        #: a rank holds at most one copy of a stage
-        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
-        self.set_plan(plan)
-
-    def set_plan(self, plan: Plan) -> None:
-        self.owners = inverse_owners(plan)
+    build_engine = staticmethod(soap_engine)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
@@ -95,33 +79,19 @@ class SoapRuntime(CurvatureRuntime):
             engine.check_health()
 
     def _refresh(self, op: Op) -> None:
-        self.engines[(op.pipe, op.stage)].refresh(op.layer, FACTOR_OF[op.kind])
+        self.engine(op).refresh(op.layer, FACTOR_OF[op.kind])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
-        engine = self._engine_of_stage[stage]
-        return broadcast_from_owner(
-            self.comm,
-            self.topology,
-            self.rank,
-            self.owners[(stage, layer, factor)],
-            collective,
-            shared=lambda: engine.shared_basis(layer, factor),
-            buffer=lambda: engine.basis_buffer(layer, factor),
-            receive=lambda tensor: engine.receive_basis(layer, factor, tensor),
-        )
+        return self.exchange(collective, SoapEngine.shared_basis, SoapEngine.basis_buffer, SoapEngine.receive_basis)
 
 
-class SoapTimer(TaskTimer):
+class SoapTimer(StageTimer[SoapEngine]):
     """SOAP's task times per matrix: the refresh of each factor (from statistics and first bases
     of a random gradient); and, in the step end, the direction and the statistics update with
     bases in place."""
 
     method = "soap"
-
-    def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
-        self.modules = modules
-        self.engines = {key: SoapEngine(module, config.soap, skip) for key, module in modules.items()}  # throwaway
+    build_engine = staticmethod(soap_engine)
 
     def before_optimizer_step(self) -> None:
         for engine in self.engines.values():
@@ -129,7 +99,7 @@ class SoapTimer(TaskTimer):
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
-        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
+        for _, stage, engine in self.by_stage():
             parameters = engine.parameters()
             saved = [p.grad for p in parameters]
             for p in parameters:

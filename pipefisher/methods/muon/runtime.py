@@ -15,20 +15,25 @@ is committed, and each update put in its parameter's ``.grad``, only when the st
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, tied_copies
+from pipefisher.methods.inputs import MethodInputs
+from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer, tied_copies
 from pipefisher.methods.muon.engine import MuonEngine, linear_weights
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.replicas.kaisa import GradWorkers
-from pipefisher.planning.plan import Plan
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Comm, Handle
+from pipefisher.runtime.primitives.comm import Handle
+
+
+def muon_engine(config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> MuonEngine:
+    """The engine of the run's muon section for `module`."""
+    return MuonEngine(module, config.settings, skip)
 
 
 def first_order_globs(model) -> tuple[str, ...]:
@@ -48,27 +53,16 @@ def share_grid(topology: Topology, stage: int) -> GradWorkers | None:
     return GradWorkers(tuple(sorted(ranks)), 1) if len(ranks) > 1 else None
 
 
-class MuonRuntime(CurvatureRuntime):
+class MuonRuntime(StageRuntime[MuonEngine]):
     """Muon's state of one rank's stages (see the module docstring). `loss_scale()`: fp16's current
-    loss scale (None otherwise)."""
+    loss scale (None otherwise). It has no refresh work: the plan's owners are not read."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        topology: Topology,
-        rank: int,
-        modules: dict[tuple[int, int], nn.Module],
-        comm: Comm,
-        plan: Plan,
-        skip: tuple[str, ...] = (),
-        loss_scale: Callable[[], Tensor | None] = lambda: None,
-    ):
-        self.rank, self.comm, self.loss_scale = rank, comm, loss_scale
-        self.engines = {key: MuonEngine(module, config.muon, skip) for key, module in modules.items()}
-        #: a rank holds at most one copy of a stage
-        self._engine_of_stage = {stage: engine for (_, stage), engine in self.engines.items()}
+    build_engine = staticmethod(muon_engine)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.grids = {
-            stage: grid for stage in self._engine_of_stage if (grid := share_grid(topology, stage)) is not None
+            stage: grid for stage in self.engine_of_stage if (grid := share_grid(self.topology, stage)) is not None
         }
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
@@ -85,16 +79,16 @@ class MuonRuntime(CurvatureRuntime):
         """Nothing to commit: Muon has no refresh results."""
 
     def keeps(self, stage: int, name: str) -> bool:
-        return name in self.own_share(stage) or name not in self._engine_of_stage[stage].names()
+        return name in self.own_share(stage) or name not in self.engine_of_stage[stage].names()
 
     def own_share(self, stage: int) -> list[str]:
         """The matrices of `stage` this rank orthogonalises (all of them on an unreplicated stage)."""
-        names = self._engine_of_stage[stage].names()
+        names = self.engine_of_stage[stage].names()
         grid = self.grids.get(stage)
         return names if grid is None else [names[number] for number in grid.layers_of(self.rank, len(names))]
 
     def _orthogonalise_stage(self, op: Op) -> None:
-        engine = self.engines[(op.pipe, op.stage)]
+        engine = self.engine(op)
         for name in engine.names():
             engine.orthogonalise(name, self.loss_scale())
 
@@ -102,23 +96,23 @@ class MuonRuntime(CurvatureRuntime):
         """Orthogonalise this rank's share of the stage's matrices from the reduced gradient, then
         every matrix's worker broadcasts its update to the stage's replicas."""
         stage = collective.key[0]
-        engine, grid = self._engine_of_stage[stage], self.grids[stage]
+        engine, grid = self.engine_of_stage[stage], self.grids[stage]
         for name in self.own_share(stage):
             engine.orthogonalise(name, self.loss_scale())
         pairs = [(engine.update_buffer(name), grid.worker(number, 0)) for number, name in enumerate(engine.names())]
         return self.comm.broadcast(pairs, collective.group)
 
 
-class MuonTimer(TaskTimer):
+class MuonTimer(StageTimer[MuonEngine]):
     """Muon's task time per matrix (`precondition`: its momentum step and orthogonalisation, from a
     random gradient, after one untimed call that allocates its buffers) and, in the step end, the commit; on a replicated stage the step end also
     orthogonalises this rank's share, where the run does it (the broadcast is not timed)."""
 
     method = "muon"
+    build_engine = staticmethod(muon_engine)
 
-    def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
-        self.config, self.modules = config, modules
-        self.engines = {key: MuonEngine(module, config.muon, skip) for key, module in modules.items()}  # throwaway
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self._shares: dict[tuple[int, int], list[str]] = {}
 
     def before_optimizer_step(self) -> None:
@@ -130,7 +124,7 @@ class MuonTimer(TaskTimer):
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         topology, rank = executor.topology, executor.rank
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
-        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
+        for pipe, stage, engine in self.by_stage():
             for name, matrix in engine.matrices.items():
                 gradient = torch.randn_like(matrix.parameter)
                 engine.orthogonalise(name, gradient=gradient)  # allocates the matrix's buffers: not timed

@@ -14,38 +14,35 @@ gradient (grafting is not linear), so it runs in the step end, right before the 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
-from pipefisher.config import RunConfig
-from pipefisher.core.ir import Op, OpKind, splits_backward
-from pipefisher.core.topology import Topology
-from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.methods.inputs import MethodInputs
+from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.planning.comm.plan import inverse_owners
-from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Comm, Handle
+from pipefisher.runtime.primitives.comm import Handle
 
 
-def shampoo_engine(config: RunConfig, module: nn.Module, skip: Iterable[str]) -> ShampooEngine:
+def shampoo_engine(config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> ShampooEngine:
     """The engine of the run's shampoo section for `module`: Adam grafting takes optimizer.betas[1]
     and optimizer.eps; it holds only the matrices unless the rest steps with Shampoo's SGD
     (`ShampooConfig.matrices_only`)."""
     return ShampooEngine(
         module,
-        config.shampoo,
+        config.settings,
         skip,
-        graft_beta2=config.optimizer.betas[1],
-        graft_epsilon=config.optimizer.eps,
-        matrices_only=config.shampoo.matrices_only,
+        graft_beta2=config.betas[1],
+        graft_epsilon=config.eps,
+        matrices_only=config.settings.matrices_only,
     )
 
 
@@ -55,41 +52,19 @@ def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
     return [name for name, parameter in trainable_parameters(module).items() if is_matrix(name, parameter, skip)]
 
 
-class ShampooRuntime(CurvatureRuntime):
+class ShampooRuntime(StageRuntime[ShampooEngine]):
     """The Shampoo state of one rank's stages, the handlers of its op kinds and the providers of
     its collectives. `loss_scale()`: fp16's current loss scale (None otherwise); the captured
     gradient is divided by it."""
 
     named_sections = ("exp_avg_sq", "matrices")
     cycle_slots = ("captured", "*/pending")
+    build_engine = staticmethod(shampoo_engine)
 
-    def __init__(
-        self,
-        config: RunConfig,
-        topology: Topology,
-        rank: int,
-        modules: dict[tuple[int, int], nn.Module],
-        comm: Comm,
-        plan: Plan,
-        skip: tuple[str, ...] = (),
-        loss_scale: Callable[[], Tensor | None] = lambda: None,
-    ):
-        self.topology, self.rank, self.comm, self.loss_scale = topology, rank, comm, loss_scale
-        self.engines = {key: shampoo_engine(config, module, skip) for key, module in modules.items()}
-        #: a rank holds at most one copy of a stage
-        self._engine_of_stage = {stage: engine for (pipe, stage), engine in self.engines.items()}
-        ops = topology.schedule.ranks[topology.pipeline_rank(rank)]
-        #: the op kind after whose every micro-batch a stage's gradient of the step is complete
-        self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
-        #: (pipe, stage) -> how many ops of that kind it runs in a step, and how many have run
-        self._gradient_ops = Counter((op.pipe, op.stage) for op in ops if op.kind is self._final_kind)
-        self._gradient_ops_run: Counter[tuple[int, int]] = Counter()
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         #: (pipe, stage, matrix) -> statistics this rank still folds from the captured gradient
         self._unfolded: dict[tuple[int, int, str], int] = {}
-        self.set_plan(plan)
-
-    def set_plan(self, plan: Plan) -> None:
-        self.owners = inverse_owners(plan)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
@@ -105,16 +80,9 @@ class ShampooRuntime(CurvatureRuntime):
     def after_backward(self, op: Op, cycle_step: int) -> None:
         """After the op that completes the stage's gradient in the cycle's first step (its last
         backward, or weight gradient, in whatever order the plan runs them): keep the gradient."""
-        key = (op.pipe, op.stage)
-        if op.kind is not self._final_kind:
+        if not self.stage_gradient_final(op) or cycle_step != 0:
             return
-        self._gradient_ops_run[key] += 1
-        if self._gradient_ops_run[key] < self._gradient_ops[key]:
-            return
-        self._gradient_ops_run[key] = 0
-        if cycle_step != 0:
-            return
-        engine = self.engines[(op.pipe, op.stage)]
+        engine = self.engine(op)
         scale = self.loss_scale()
         for info in engine.matrices():
             engine.capture(info.name)
@@ -141,7 +109,7 @@ class ShampooRuntime(CurvatureRuntime):
 
     # -- handlers ----------------------------------------------------------------------------
     def _fold(self, op: Op, factor: str) -> ShampooEngine:
-        engine = self.engines[(op.pipe, op.stage)]
+        engine = self.engine(op)
         engine.update_statistics(op.layer, factor)
         key = (op.pipe, op.stage, op.layer)
         self._unfolded[key] -= 1
@@ -158,40 +126,27 @@ class ShampooRuntime(CurvatureRuntime):
         """A replica that did not compute a factor's roots still folds its statistics, so every
         replica keeps the same state; the roots themselves come by broadcast."""
         for factor in "AB":
-            if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+            if not self.owns(op, factor):
                 self._fold(op, factor)
 
     # -- collectives -------------------------------------------------------------------------
     def _launch_sync(self, collective: Collective) -> Handle:
         stage, layer, _ = collective.key
-        return self.comm.all_reduce([self._engine_of_stage[stage].captured_gradient(layer)], collective.group)
+        return self.all_reduce(collective, [self.engine_of_stage[stage].captured_gradient(layer)])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
-        engine = self._engine_of_stage[stage]
-        return broadcast_from_owner(
-            self.comm,
-            self.topology,
-            self.rank,
-            self.owners[(stage, layer, factor)],
-            collective,
-            shared=lambda: engine.shared_root(layer, factor),
-            buffer=lambda: engine.root_buffer(layer, factor),
-            receive=lambda tensor: engine.receive_root(layer, factor, tensor),
+        return self.exchange(
+            collective, ShampooEngine.shared_root, ShampooEngine.root_buffer, ShampooEngine.receive_root
         )
 
 
-class ShampooTimer(TaskTimer):
+class ShampooTimer(StageTimer[ShampooEngine]):
     """Shampoo's task times per matrix: statistics and roots of each factor (from a random
     gradient), the gradient's all-reduce over a replicated stage's group; and, in the step end,
     the preconditioning with grafting (with roots in place)."""
 
     method = "shampoo"
-
-    def __init__(self, config: RunConfig, modules: dict[tuple[int, int], nn.Module], skip: tuple[str, ...] = ()):
-        self.modules = modules
-        self.engines = {key: shampoo_engine(config, module, skip) for key, module in modules.items()}  # throwaway
-        self._measured: dict[tuple[int, str], LayerMeasurement] | None = None
+    build_engine = staticmethod(shampoo_engine)
 
     def before_optimizer_step(self) -> None:
         for engine in self.engines.values():
@@ -200,8 +155,8 @@ class ShampooTimer(TaskTimer):
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         device = executor.device
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
-        for (pipe, stage), engine in sorted(self.engines.items(), key=lambda item: (item[0][1], item[0][0])):
-            group = executor.comm.groups.get(("curv", stage))
+        for pipe, stage, engine in self.by_stage():
+            group = self.sync_group(executor, stage)
             parameters = dict(self.modules[(pipe, stage)].named_parameters())
             for info in engine.matrices():
                 parameter = parameters[info.name]
