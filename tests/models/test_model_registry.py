@@ -11,7 +11,7 @@ from pipefisher.models.registry import kinds
 PACKAGE = Path(__file__).resolve().parents[2] / "pipefisher"
 #: the transformer and mlp kinds' own model (one class builds both, by its `config.kind`), and the
 #: activation model, whose `ModelShape.kind` names architectures (tiny, gpt2, bert, llama)
-KIND_MODULES = ("models/tiny.py", "planning/activation_memory.py")
+KIND_MODULES = ("models/tiny.py", "planning/memory/activations.py")
 #: receivers of `.kind` that name other vocabularies: data kinds, the activation model's architectures
 OTHER_KINDS = ("data", "shape")
 
