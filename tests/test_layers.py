@@ -42,9 +42,7 @@ def test_every_module_has_a_layer():
 def test_imports_go_down_the_layers():
     rank = {name: position for position, name in enumerate(LAYERS)}
     upward = sorted(
-        f"{a} -> {b}"
-        for a, b in import_graph().edges()
-        if unit(a) and unit(b) and rank[unit(b)] > rank[unit(a)]
+        f"{a} -> {b}" for a, b in import_graph().edges() if unit(a) and unit(b) and rank[unit(b)] > rank[unit(a)]
     )
     assert not upward, f"{len(upward)} imports go up the layers: " + "; ".join(upward)
 

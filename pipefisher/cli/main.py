@@ -34,6 +34,7 @@ from pipefisher.cli.run_file_args import (
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
@@ -124,7 +125,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     options = PackOptions.from_section(
         placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy
     )
-    result = pack(schedule, profile, options)
+    result = pack(schedule, profile, method_of_profile(profile).rules, options)
     if args.output:
         result.plan.save(args.output)
     if args.json:

@@ -32,6 +32,7 @@ from pipefisher.cli.args import (
     check_planning_size,
     positive_int,
 )
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.viz.compare import Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
 from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
@@ -220,7 +221,11 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
         limit=MAX_PACKED_SLOTS if args.curvature else MAX_SIMULATED_SLOTS,
         what="packing" if args.curvature else "simulating",
     )
-    return [curvature_panel(schedule, profile) if args.curvature else schedule_panel(schedule, profile)]
+    return [
+        curvature_panel(schedule, profile, method_of_profile(profile).rules)
+        if args.curvature
+        else schedule_panel(schedule, profile)
+    ]
 
 
 def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:

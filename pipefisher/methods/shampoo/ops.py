@@ -23,14 +23,15 @@ from torch import Tensor, nn
 
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind, splits_backward
+from pipefisher.core.profile import time_key
 from pipefisher.core.topology import Topology
+from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
-from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Comm, Handle
 
@@ -93,9 +94,8 @@ class ShampooRuntime(CurvatureRuntime):
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
-            OpKind.SYNC_A: lambda op: None,  # the launch is the whole op
-            OpKind.INV_A: self._refresh,
-            OpKind.INV_B: self._refresh,
+            OpKind.SYNC: lambda op: None,  # the launch is the whole op
+            OpKind.REFRESH: self._refresh,
             OpKind.EXCHANGE: self._fold_shared,
         }
 
@@ -151,14 +151,14 @@ class ShampooRuntime(CurvatureRuntime):
         return engine
 
     def _refresh(self, op: Op) -> None:
-        factor = FACTOR_OF[op.kind]
+        factor = FACTORS[op.part]
         self._fold(op, factor).compute_root(op.layer, factor)
 
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not compute a factor's roots still folds its statistics, so every
         replica keeps the same state; the roots themselves come by broadcast."""
-        for factor in "AB":
-            if self.owners[(op.stage, op.layer, factor)] != op.pipe:
+        for part, factor in enumerate(FACTORS):
+            if self.owners[(op.stage, op.layer, part)] != op.pipe:
                 self._fold(op, factor)
 
     # -- collectives -------------------------------------------------------------------------
@@ -167,13 +167,14 @@ class ShampooRuntime(CurvatureRuntime):
         return self.comm.all_reduce([self._engine_of_stage[stage].captured_gradient(layer)], collective.group)
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
+        stage, layer, part = collective.key
+        factor = FACTORS[part]
         engine = self._engine_of_stage[stage]
         return broadcast_from_owner(
             self.comm,
             self.topology,
             self.rank,
-            self.owners[(stage, layer, factor)],
+            self.owners[(stage, layer, part)],
             collective,
             shared=lambda: engine.shared_root(layer, factor),
             buffer=lambda: engine.root_buffer(layer, factor),
@@ -210,16 +211,16 @@ class ShampooTimer(TaskTimer):
                 engine.capture(info.name)
                 parameter.grad = saved
                 samples: dict[str, list[float]] = {}
-                for factor in "AB":
+                for part, factor in enumerate(FACTORS):
 
                     def refresh(factor: str = factor) -> None:
                         engine.update_statistics(info.name, factor)
                         engine.compute_root(info.name, factor)
 
-                    samples[f"inverse_{factor.lower()}"] = timed_ms(refresh, device)
+                    samples[time_key("refresh", part)] = timed_ms(refresh, device)
                 if group is not None:
                     gradient = engine.captured_gradient(info.name)
-                    samples["sync_a"] = timed_ms(lambda: dist.all_reduce(gradient, group=group), device)
+                    samples[time_key("sync", 0)] = timed_ms(lambda: dist.all_reduce(gradient, group=group), device)
                 engine.release(info.name)
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()

@@ -27,14 +27,15 @@ from torch import Tensor, nn
 
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import time_key
 from pipefisher.core.topology import Topology
+from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.interface import CurvatureRuntime, LayerMeasurement, TaskTimer, broadcast_from_owner
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.state import matrix_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
-from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Comm, Handle
 
@@ -74,8 +75,7 @@ class SoapRuntime(CurvatureRuntime):
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
-            OpKind.INV_A: self._refresh,
-            OpKind.INV_B: self._refresh,
+            OpKind.REFRESH: self._refresh,
             OpKind.EXCHANGE: lambda op: None,
         }  # its launches are the whole op
 
@@ -95,7 +95,7 @@ class SoapRuntime(CurvatureRuntime):
             engine.check_health()
 
     def _refresh(self, op: Op) -> None:
-        self.engines[(op.pipe, op.stage)].refresh(op.layer, FACTOR_OF[op.kind])
+        self.engines[(op.pipe, op.stage)].refresh(op.layer, FACTORS[op.part])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
         stage, layer, factor = collective.key
@@ -140,10 +140,10 @@ class SoapTimer(TaskTimer):
             engine.snapshot()
             for info in engine.matrices():
                 samples = {
-                    f"inverse_{factor.lower()}": timed_ms(
+                    time_key("refresh", part): timed_ms(
                         lambda factor=factor: engine.refresh(info.name, factor), executor.device
                     )
-                    for factor in "AB"
+                    for part, factor in enumerate(FACTORS)
                 }
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()
