@@ -18,6 +18,7 @@ import csv
 import sys
 from pathlib import Path
 
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.core.files import experiment_output
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
@@ -53,7 +54,7 @@ def model_rows(reference: Path, schedule_name: str) -> list[dict]:
             for depth in DEPTHS:
                 profile = transformer_profile(times, blocks, depth, hidden, ffn, micro_batch_size)
                 schedule = get_schedule(schedule_name, depth, depth)
-                result = pack(schedule, profile)
+                result = pack(schedule, profile, method_of_profile(profile).rules)
                 per_stage = profile.stages[0]
                 rows.append(
                     {
@@ -64,7 +65,7 @@ def model_rows(reference: Path, schedule_name: str) -> list[dict]:
                         "step_time_ms": round(result.first_order_step_time, 3),
                         "bubble_ms_per_device": round(result.first_order.bubble_time(0), 3),
                         "curvature_ms_per_device": round(per_stage.curvature_time * depth, 3),
-                        "inversion_ms_per_device": round(per_stage.inverse_time, 3),
+                        "inversion_ms_per_device": round(per_stage.refresh_time, 3),
                         "lower_bound": result.lower_bound,
                         "refresh_steps": result.refresh_steps,
                         "overhead": round(result.overhead, 4),

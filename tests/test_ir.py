@@ -48,7 +48,22 @@ def test_the_version_1_string_form_is_read(text, op):
 
 @pytest.mark.parametrize(
     "text",
-    ["", "F3", "1Q3", "1F", "1IA3:fc", "1CA3", "p.1F3", "-1F3", "1P2", "1R:fc", "1C0:fc", "1R0.3:fc", "1F0.3", "1CA0.3:fc"],
+    [
+        "",
+        "F3",
+        "1Q3",
+        "1F",
+        "1IA3:fc",
+        "1CA3",
+        "p.1F3",
+        "-1F3",
+        "1P2",
+        "1R:fc",
+        "1C0:fc",
+        "1R0.3:fc",
+        "1F0.3",
+        "1CA0.3:fc",
+    ],
 )
 def test_parse_rejects_malformed_ops(text):
     with pytest.raises(ScheduleError):

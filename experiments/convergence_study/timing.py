@@ -86,6 +86,7 @@ def paper_scale(method: str) -> tuple[float, int]:
     from pipefisher.planning.simulate import simulate
     from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
     from pipefisher.runtime.training.assembly import build_schedule
+    from pipefisher.methods.registry import method_of_profile
     from pipefisher.runtime.training.pipefisher_run import pack_options
 
     config = load_config(PAPER_RUN).with_overrides(optimizer={"name": method})
@@ -112,7 +113,7 @@ def paper_scale(method: str) -> tuple[float, int]:
                 for stage in profile.stages
             ),
         )
-    packed = pack(schedule, profile, pack_options(config))
+    packed = pack(schedule, profile, method_of_profile(profile).rules, pack_options(config))
     return packed.step_time, packed.refresh_steps
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -81,6 +81,7 @@ class LayerProfile:
     given as `samples` is checked and stored as `Samples`."""
 
     name: str
+    _: KW_ONLY
     curvature: tuple[float, ...] = ()
     sync: tuple[float, ...] = ()
     refresh: tuple[float, ...] = ()

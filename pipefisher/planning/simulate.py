@@ -144,7 +144,7 @@ class Timeline:
 
 COLLECTIVES = frozenset({OpKind.SYNC, OpKind.EXCHANGE})
 #: what an op's times depend on (see OpDurations)
-_TIMING_FIELDS = attrgetter("kind", "stage", "layer")
+_TIMING_FIELDS = attrgetter("kind", "stage", "layer", "part")
 
 
 class OpDurations:
@@ -152,7 +152,7 @@ class OpDurations:
 
     Collectives (factor syncs, inverse exchanges) are launched asynchronously: they take no time
     on their rank, and whoever depends on one waits for its duration after the launch.
-    Every time depends on the ops' kind, stage and layer only (and `delay` on whether they
+    Every time depends on the ops' kind, stage, layer and part only (and `delay` on whether they
     cross ranks); the simulator relies on this to ask once per distinct case.
     """
 
@@ -278,7 +278,7 @@ class _Memo(dict[_DelayKey, float]):
 
 class _Costs:
     """The times of numbered ops, asked of `durations` once per cost class: ops with the same
-    kind, stage and layer (see OpDurations).
+    kind, stage, layer and part (see OpDurations).
 
     `busy[i]`: how long op i keeps its rank busy; `cost_class[i]`: its class;
     `delay[(producer class, consumer class, cross-rank)]`: as `OpDurations.delay`.

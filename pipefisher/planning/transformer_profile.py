@@ -147,6 +147,8 @@ def transformer_profile(
         raise ProfileError("num_blocks and num_stages must be at least 1")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ProfileError(f"tensor_parallel: {tensor_parallel!r} must be a positive integer")
+    if tensor_parallel > 1 and rules is None:
+        raise ProfileError("rules: the times' method's task rules are needed at tensor_parallel > 1 (shared factors)")
     rows = (micro_batch_size or 0) * seq_len
     try:
         per_block = block_layers(times, hidden, ffn, rows, capture_dtype_bytes, tensor_parallel, rules)

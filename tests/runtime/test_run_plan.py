@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from _workers import unit_profile
+from pipefisher.methods.registry import task_rules
 from pipefisher.cli.main import main
 from pipefisher.config import load_config
 
@@ -135,4 +136,4 @@ def test_a_plan_packed_for_the_runs_own_layout_fits_it(tmp_path, schedule, data_
         )
         == 0
     )
-    check_plan_matches(Plan.load(tmp_path / "plan.json"), config, built)
+    check_plan_matches(Plan.load(tmp_path / "plan.json", task_rules), config, built)

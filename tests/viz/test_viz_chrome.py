@@ -41,7 +41,7 @@ def test_kfac_cycle_and_compare_give_one_process_per_schedule(tmp_path, bert_pro
     inverses = [e for e in events if e["ph"] == "X" and e["pid"] == 1 and e["args"]["kind"] == "INV_A"]
     assert len(inverses) == len(layers)  # every layer's A is inverted once per cycle, on its own rank
     for event in inverses:
-        assert event["dur"] == pytest.approx(layers[event["args"]["layer"]].inverse_a * 1000.0)
+        assert event["dur"] == pytest.approx(layers[event["args"]["layer"]].time("refresh", 0) * 1000.0)
     first = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
     assert len(first) == 4 * 8 and all(e["args"]["step"] == 0 for e in first)
 

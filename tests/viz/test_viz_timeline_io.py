@@ -8,6 +8,7 @@ from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import recorded_panel
+from builders import rules_of
 from pipefisher.planning.timeline_file import (
     MAX_LISTED,
     OP_SPAN,
@@ -20,7 +21,7 @@ from pipefisher.planning.timeline_file import (
 
 
 def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
-    timelines = pack(get_schedule("1f1b", 4, 4), bert_profile).timelines
+    timelines = pack(get_schedule("1f1b", 4, 4), bert_profile, rules_of(bert_profile)).timelines
     path = tmp_path / "t.json"
     save_timeline(timelines, path, starts=[10.0 * j + 5 for j in range(len(timelines))], name="measured")
     data = json.loads(path.read_text())

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import time_key
 from pipefisher.methods.capture import CapturedLayer, capture, rows_per_step
 from pipefisher.methods.interface import LayerMeasurement, MethodParts, ReferenceCurvature, StageRuntime, TaskTimer
 from pipefisher.methods.layers import first_order_linears, linear_parameters, select_linears, whole_model_globs
@@ -21,7 +22,8 @@ from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
 
-PARTS_OF = {OpKind.CURV_A: "A", OpKind.CURV_B: "B", OpKind.INV_A: "A", OpKind.INV_B: "B"}
+#: the capture side of each part index: part 0 the inputs a ("A"), part 1 the output gradients e ("B")
+LETTERS = ("A", "B")
 
 
 class Layer(CapturedLayer):
@@ -89,22 +91,20 @@ class Engine:
 
 
 class Runtime(StageRuntime[Engine]):
-    """CA/CB sum a micro-batch's squares, SA/SB all-reduce them, IA/IB refresh on the owner, X folds
-    elsewhere and receives the owner's scales, P preconditions the stage."""
+    """Curvature ops (C, by part) sum a micro-batch's squares, syncs (S) all-reduce them, refresh
+    ops (R) refresh on the owner, X folds elsewhere and receives the owner's scales, P
+    preconditions the stage."""
 
     def build_engine(self, config, module: nn.Module, skip: tuple[str, ...]) -> Engine:
         return Engine(config, module, skip)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        curvature = lambda op: self.engine(op).layers[op.layer].curvature(PARTS_OF[op.kind], op.micro_batch)
-        refresh = lambda op: self.engine(op).refresh(op.layer, PARTS_OF[op.kind])
+        curvature = lambda op: self.engine(op).layers[op.layer].curvature(LETTERS[op.part], op.micro_batch)
+        refresh = lambda op: self.engine(op).refresh(op.layer, LETTERS[op.part])
         return {
-            OpKind.CURV_A: curvature,
-            OpKind.CURV_B: curvature,
-            OpKind.SYNC_A: lambda op: None,
-            OpKind.SYNC_B: lambda op: None,
-            OpKind.INV_A: refresh,
-            OpKind.INV_B: refresh,
+            OpKind.CURVATURE: curvature,
+            OpKind.SYNC: lambda op: None,
+            OpKind.REFRESH: refresh,
             OpKind.EXCHANGE: self._fold,
             OpKind.PRECONDITION: lambda op: [layer.precondition() for layer in self.engine(op).layers.values()],
         }
@@ -121,17 +121,17 @@ class Runtime(StageRuntime[Engine]):
             engine.commit()
 
     def _fold(self, op: Op) -> None:
-        for part in "AB":
+        for part, letter in enumerate(LETTERS):
             if not self.owns(op, part):
-                self.engine(op).layers[op.layer].fold(part, self.config.curvature.decay)
+                self.engine(op).layers[op.layer].fold(letter, self.config.curvature.decay)
 
     def _sync(self, collective: Collective) -> Handle:
         stage, name, part = collective.key
-        return self.all_reduce(collective, [self.engine_of_stage[stage].layers[name].sums[part]])
+        return self.all_reduce(collective, [self.engine_of_stage[stage].layers[name].sums[LETTERS[part]]])
 
     def _exchange(self, collective: Collective) -> Handle:
-        stage, name, part = collective.key
-        layer = self.engine_of_stage[stage].layers[name]
+        stage, name, index = collective.key
+        part, layer = LETTERS[index], self.engine_of_stage[stage].layers[name]
         return self.broadcast(
             collective,
             shared=lambda: layer.pending[part],
@@ -157,18 +157,18 @@ class Timer(TaskTimer):
             group = executor.comm.groups.get(("curv", stage))
             for name, layer in engine.layers.items():
                 samples: dict[str, list[float]] = {}
-                for part in "AB":
+                for index, part in enumerate(LETTERS):
                     batches = layer.micro_batches(part)  # type: ignore[arg-type]
-                    samples[f"curvature_{part.lower()}"] = [
+                    samples[time_key("curvature", index)] = [
                         timed_ms(lambda m=mb, p=part: layer.curvature(p, m), executor.device, repeats=1)[0]
                         for mb in batches
                     ]
-                    samples[f"inverse_{part.lower()}"] = timed_ms(
+                    samples[time_key("refresh", index)] = timed_ms(
                         lambda p=part: engine.refresh(name, p), executor.device
                     )
                     if group is not None:
                         sums = layer.sums[part]
-                        samples[f"sync_{part.lower()}"] = timed_ms(
+                        samples[time_key("sync", index)] = timed_ms(
                             lambda s=sums: dist.all_reduce(s, group=group), executor.device
                         )
                 samples["precondition"] = timed_ms(layer.precondition, executor.device)
