@@ -297,7 +297,7 @@ def files(tmp_path, bert_like_profile):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["pack", "--profile", "{plan}"], "{plan} is a pipefisher plan file (pipefisher.plan/v1), not a profile"),
+        (["pack", "--profile", "{plan}"], "{plan} is a pipefisher plan file (pipefisher.plan/v2), not a profile"),
         (["pack", "--profile", "{binary}"], "{binary}: not a text file; a profile is YAML or JSON text"),
         (["pack", "--profile", "{empty}"], "{empty}: the profile is empty"),
         (["pack", "--profile", "{folder}"], "is a folder; give the profile's file"),
@@ -308,7 +308,7 @@ def files(tmp_path, bert_like_profile):
         ),
         (
             ["viz", "--timeline", "{profile}", "-o", "-"],
-            "is a pipefisher profile file (pipefisher.profile/v1), not a timeline",
+            "is a pipefisher profile file (pipefisher.profile/v2), not a timeline",
         ),
         (
             ["viz", "--schedule", "1f1b", "-D", "2", "-N", "4", "-o", "{missing}/a.png"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -125,7 +126,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     options = PackOptions.from_section(
         placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy
     )
-    result = pack(schedule, profile, method_of_profile(profile).rules, options)
+    timed = method_of_profile(profile)  # the plan names it, also where the profile does not
+    result = pack(schedule, dataclasses.replace(profile, method=timed.name), timed.rules, options)
     if args.output:
         result.plan.save(args.output)
     if args.json:

@@ -358,7 +358,7 @@ def profile_from_dict(data: Any) -> Profile:
         )
     method = data.get("method", "")
     if not isinstance(method, str) or not (method == "" or method.isidentifier()):
-        raise ProfileError(f"method: {method!r} must be the name of a curvature method, e.g. kfac")
+        raise ProfileError(f"method: {method!r} must be the name of a curvature method (an identifier)")
     recompute = data.get("recompute", "none")
     if recompute not in RECOMPUTE_MODES:
         raise ProfileError(

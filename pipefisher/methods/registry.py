@@ -27,6 +27,9 @@ ENTRY_POINT_GROUP = "pipefisher.methods"
 #: profile that names none (one built in memory, e.g. from the PipeFisher CSVs; files of format v1
 #: that name none are K-FAC's by their own rule, `pipefisher.core.profile_v1.V1_METHOD`)
 DEFAULT_METHOD = KFAC.name
+#: the method whose task times the PipeFisher reference CSVs hold (`pipefisher bert-profile`, the
+#: layout planner's modelled profiles)
+REFERENCE_METHOD = KFAC.name
 
 _BUILT_IN: tuple[CurvatureMethod, ...] = (KFAC, SHAMPOO, MUON, SOAP)
 _METHODS: dict[str, CurvatureMethod] = {method.name: method for method in _BUILT_IN}

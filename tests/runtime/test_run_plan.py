@@ -89,7 +89,7 @@ def test_a_packed_plan_runs_as_it_is_and_trains_like_the_reference(packed):
         ("1f1b", ["--data-parallel", "2"], "tasks: the plan's curvature tasks are not this layout's (data_parallel 2"),
         ("dp2", [], "tasks: the plan's curvature tasks are not this layout's (data_parallel 1"),
         ("1f1b", ["--optimizer", "sgd"], "a plan places a curvature method's work; this run's optimizer is sgd"),
-        ("profile", [], "is a pipefisher profile file (pipefisher.profile/v1), not a plan"),
+        ("profile", [], "is a pipefisher profile file (pipefisher.profile/v2), not a plan"),
     ],
 )
 def test_a_plan_of_another_run_is_refused_naming_the_field(packed, capsys, plan, args, message):

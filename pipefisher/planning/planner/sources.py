@@ -36,7 +36,7 @@ from pipefisher.methods.registry import DEFAULT_METHOD
 from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError
 from pipefisher.planning.recompute import block_flops
 from pipefisher.planning.transformer_profile import read_block_times, transformer_profile
-from pipefisher.methods.kfac.method import KFAC
+from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 #: ms per profile time unit
@@ -92,8 +92,8 @@ def _reference_profile(
         device=f"{path.name} (modelled)",
         seq_len=sizes.seq_len,
         tensor_parallel=tensor_parallel,
-        method=KFAC.name,  # the PipeFisher CSVs time K-FAC's tasks
-        rules=KFAC.rules,
+        method=REFERENCE_METHOD,
+        rules=task_rules(REFERENCE_METHOD),
     )
 
 
