@@ -111,7 +111,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _add_simulate(subparsers) -> None:
     parser = subparsers.add_parser("simulate", help="timeline of one step: step time, busy and bubble time per device")
     add_pipeline_arguments(parser)
-    parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v1); default: unit times")
+    parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v2); default: unit times")
     add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(handler=_cmd_simulate)
@@ -145,11 +145,11 @@ def _add_pack(subparsers) -> None:
     )
     add_pipeline_arguments(parser)
     parser.add_argument(
-        "--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)"
+        "--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v2)"
     )
     add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
+    parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v2 JSON) here")
     add_placement_arguments(parser)
     parser.add_argument(
         "--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)"

@@ -3,7 +3,7 @@
 - `ReferenceTimes`: a per-block CSV (the paper's P100 block times, `profiles/reference/`) gives a
   profile at any split, micro-batch size (its `bs` rows) and tensor-parallel degree
   (`transformer_profile`). It times K-FAC's tasks only (`DEFAULT_METHOD`).
-- `MeasuredTimes`: profiles of `pipefisher profile` (pipefisher.profile/v1). A profile of the
+- `MeasuredTimes`: profiles of `pipefisher profile` (pipefisher.profile/v2). A profile of the
   layout's split, micro-batch size and degree is taken as it is. Another split is made from a
   profile of the same micro-batch size and degree: every layer is given to the new stage that
   holds its block (layers are named by global module names; the block is the first number in the

@@ -1,4 +1,4 @@
-"""Measure a profile (pipefisher.profile/v1) of a run on the real executor.
+"""Measure a profile (pipefisher.profile/v2) of a run on the real executor.
 
 Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
 steps that leave the model unchanged (gradients dropped) and times every op on every rank from a
