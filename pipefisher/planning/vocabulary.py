@@ -39,7 +39,7 @@ class WorkLabels:
 
     parts: tuple[str, ...]
     refresh: str = "refresh"
-    precondition: str = "precondition"
+    precondition: str = "preconditioning"
     method: str = ""
 
     @property
