@@ -37,8 +37,8 @@ _CURVATURE = {
 
 def box_char(box: Box) -> str:
     """Forward: digit of the micro-batch (mod 10); backward: its letter (a = 0); weight gradient:
-    ``w``; pipe 1 or odd chunks: the shifted digit / capital letter / ``W``; K-FAC ops: one
-    symbol per kind."""
+    ``w``; pipe 1 or odd chunks: the shifted digit / capital letter / ``W``; a curvature method's ops: one
+    symbol per kind and part."""
     if box.category == "forward":
         return _FORWARD[box.variant % 2][box.op.micro_batch % 10]
     if box.category == "backward":

@@ -8,8 +8,8 @@ steps; in each, ready tasks are placed one after another:
 - ``fill``: the largest ready task that fits, so that big inverses take the big windows and small
   curvature tasks fill the rest;
 - ``published``: the PipeFisher reference's rule: the first task that fits in priority order
-  (curvature A, curvature B, inverse A, inverse B); an inverse waits for all curvature of its kind
-  on its rank.
+  (curvature of part 0, of part 1, refresh work of part 0, of part 1: K-FAC's curvature A, B,
+  inverse A, B); a part's refresh work waits for all curvature of its part on its rank.
 
 Where the schedule splits the backward, weight gradients (W ops) stay where it put them
 (policy ``fixed``), or move within their step as `pipefisher.planning.packing.weights` bounds them: the
