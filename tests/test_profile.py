@@ -5,6 +5,7 @@ import statistics
 import numpy as np
 import pytest
 import yaml
+from pathlib import Path
 
 from pipefisher.core.percentile import percentile
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, profile_from_dict
@@ -315,3 +316,12 @@ def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
             str(error.value)
             == line + "its times do not hold here: measure a profile of this run with `pipefisher profile`"
         )
+
+
+def test_the_shipped_version_1_profile_loads_and_saves_as_v2(tmp_path):
+    shipped = Path(__file__).resolve().parents[1] / "profiles" / "tiny-cpu-1f1b.yaml"
+    assert yaml.safe_load(shipped.read_text())["schema"] == "pipefisher.profile/v1"
+    profile = load_profile(shipped)
+    assert profile.method == "kfac" and all(len(layer.refresh) == 2 for s in profile.stages for layer in s.layers)
+    profile.save(tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml") == profile
