@@ -98,13 +98,14 @@ class SoapRuntime(CurvatureRuntime):
         self.engines[(op.pipe, op.stage)].refresh(op.layer, FACTORS[op.part])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
+        stage, layer, part = collective.key
+        factor = FACTORS[part]
         engine = self._engine_of_stage[stage]
         return broadcast_from_owner(
             self.comm,
             self.topology,
             self.rank,
-            self.owners[(stage, layer, factor)],
+            self.owners[(stage, layer, part)],
             collective,
             shared=lambda: engine.shared_basis(layer, factor),
             buffer=lambda: engine.basis_buffer(layer, factor),
