@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
 from pipefisher.cli.scripts import entry_point
@@ -49,8 +50,10 @@ def matched(schedule, profile, options: PackOptions, top: int) -> tuple[int, int
     """(k values where ours is not slower than the published rule's plan, k values compared)."""
     wins = 0
     for k in range(1, top + 1):
-        ours = pack(schedule, profile, replace(options, refresh_steps=k))
-        published = pack(schedule, profile, replace(options, refresh_steps=k, strategy="published"))
+        ours = pack(schedule, profile, method_of_profile(profile).rules, replace(options, refresh_steps=k))
+        published = pack(
+            schedule, profile, method_of_profile(profile).rules, replace(options, refresh_steps=k, strategy="published")
+        )
         wins += ours.step_time <= published.step_time * (1 + EXACT)
     return wins, top
 
@@ -95,8 +98,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for (model, bs, name, depth), schedule, profile in configurations(args.reference):
-        ours = pack(schedule, profile, options)
-        published = pack(schedule, profile, replace(options, strategy="published"))
+        ours = pack(schedule, profile, method_of_profile(profile).rules, options)
+        published = pack(schedule, profile, method_of_profile(profile).rules, replace(options, strategy="published"))
         wins, compared = matched(schedule, profile, options, max(ours.refresh_steps, published.refresh_steps))
         rows.append((ours, published, wins == compared, dominated(ours, published)))
         print(
@@ -129,7 +132,7 @@ def main() -> None:
     durations = []
     for _ in range(5):
         start = time.perf_counter()
-        result = pack(schedule, profile, options)
+        result = pack(schedule, profile, method_of_profile(profile).rules, options)
         durations.append(time.perf_counter() - start)
     print(
         f"packing D=8, N=128, 24 layers per stage (1F1B): {statistics.median(durations):.2f} s "

@@ -55,9 +55,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.config import RunConfig, config_from_dict
 from pipefisher.core.ir import OpKind
-from pipefisher.core.profile import Profile
+from pipefisher.core.profile import Profile, time_key
 from pipefisher.methods.registry import method_of, methods
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
@@ -83,13 +84,10 @@ KFAC_VARIANTS = ("after-step", "packed")
 GROUPS = {
     OpKind.FORWARD: "F",
     OpKind.BACKWARD: "B",
-    OpKind.CURV_A: "curv",
-    OpKind.CURV_B: "curv",
-    OpKind.INV_A: "inv",
-    OpKind.INV_B: "inv",
+    OpKind.CURVATURE: "curv",
+    OpKind.REFRESH: "inv",
     OpKind.PRECONDITION: "precond",
-    OpKind.SYNC_A: "comm",
-    OpKind.SYNC_B: "comm",
+    OpKind.SYNC: "comm",
     OpKind.EXCHANGE: "comm",
 }
 GROUP_ORDER = ("F", "B", "curv", "inv", "precond", "comm")
@@ -295,12 +293,14 @@ class Variant:
 def median_profile(profiles: list[Profile]) -> Profile:
     """Field-by-field median of profiles of the same run."""
     med = statistics.median
-    layer_fields = ("curvature_a", "curvature_b", "inverse_a", "inverse_b", "precondition", "sync_a", "sync_b")
+    layer_fields = [(work, part) for work in ("curvature", "refresh", "sync") for part in (0, 1)] + [
+        ("precondition", None)
+    ]
     stages = []
     for index, stage in enumerate(profiles[0].stages):
         group = [p.stages[index] for p in profiles]
         layers = tuple(
-            replace(layer, **{f: med([getattr(g.layers[i], f) for g in group]) for f in layer_fields})
+            layer.with_times({time_key(w, p): med([g.layers[i].time(w, p) for g in group]) for w, p in layer_fields})
             for i, layer in enumerate(stage.layers)
         )
         stages.append(
@@ -321,8 +321,8 @@ def curvature_orders(plan) -> dict[tuple, list]:
     for step in plan.steps:
         for ops in step:
             for op in ops:
-                if op.kind in (OpKind.CURV_A, OpKind.CURV_B):
-                    orders[(op.pipe, op.stage, op.layer, op.kind.value)].append(op.micro_batch)
+                if op.kind is OpKind.CURVATURE:
+                    orders[(op.pipe, op.stage, op.layer, op.token)].append(op.micro_batch)
     return orders
 
 
@@ -371,10 +371,12 @@ def bench_schedule(rank: int, world: int, args: dict, schedule: str, profile_pat
         profile.save(profile_path)
     dist.barrier()
     options = pack_options(cfg)
-    packed_result = pack(sched, profile, options)
+    packed_result = pack(sched, profile, method_of_profile(profile).rules, options)
     chosen_k = packed_result.refresh_steps
     if args["refresh_steps"]:  # pin another k for both K-FAC variants (the packer's choice is still reported)
-        packed_result = pack(sched, profile, replace(options, refresh_steps=args["refresh_steps"]))
+        packed_result = pack(
+            sched, profile, method_of_profile(profile).rules, replace(options, refresh_steps=args["refresh_steps"])
+        )
     k = packed_result.refresh_steps
     for name in KFAC_VARIANTS:
         variant = variants[name]
@@ -482,11 +484,11 @@ def profile_lines(data: dict) -> list[str]:
     lines = []
     for index, stage in enumerate(data["stages"]):
         layers = stage["layers"]
-        total = lambda *keys: sum(layer[key] for layer in layers for key in keys)
+        total = lambda key: sum(sum(layer.get(key, [])) if key != "precondition" else layer[key] for layer in layers)
         lines.append(
             f"  stage {index}: forward {stage['forward']:.1f}, backward {stage['backward']:.1f}, p2p {stage['p2p']:.2f}, step end {stage.get('step_end', 0.0):.1f}, "
-            f"curvature {total('curvature_a', 'curvature_b'):.1f} per micro-batch, inverses {total('inverse_a', 'inverse_b'):.1f}, "
-            f"precondition {total('precondition'):.1f}, syncs {total('sync_a', 'sync_b'):.1f} (ms, {len(layers)} {data.get('method', 'kfac')} layers)"
+            f"curvature {total('curvature'):.1f} per micro-batch, refresh {total('refresh'):.1f}, "
+            f"precondition {total('precondition'):.1f}, syncs {total('sync'):.1f} (ms, {len(layers)} {data.get('method', 'kfac')} layers)"
         )
     return lines
 

@@ -16,6 +16,7 @@ import time
 
 from pathlib import Path
 
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.core.profile import uniform_profile
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
@@ -66,7 +67,7 @@ def main() -> None:
     durations = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        result = pack(schedule, profile)
+        result = pack(schedule, profile, method_of_profile(profile).rules)
         durations.append(time.perf_counter() - start)
     print(
         f"packing BERT-Large 1F1B D=8 N=128 (24 layers per stage): {statistics.median(durations):.3f} s "

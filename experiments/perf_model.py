@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
 from experiments.common import experiment_output  # noqa: E402
+from pipefisher.methods.registry import method_of_profile  # noqa: E402
 from pipefisher.planning.packing.pack import pack  # noqa: E402
 from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
@@ -55,7 +56,7 @@ def model_rows(reference: Path, schedule_name: str) -> list[dict]:
             for depth in DEPTHS:
                 profile = transformer_profile(times, blocks, depth, hidden, ffn, micro_batch_size)
                 schedule = get_schedule(schedule_name, depth, depth)
-                result = pack(schedule, profile)
+                result = pack(schedule, profile, method_of_profile(profile).rules)
                 per_stage = profile.stages[0]
                 rows.append(
                     {
@@ -66,7 +67,7 @@ def model_rows(reference: Path, schedule_name: str) -> list[dict]:
                         "step_time_ms": round(result.first_order_step_time, 3),
                         "bubble_ms_per_device": round(result.first_order.bubble_time(0), 3),
                         "curvature_ms_per_device": round(per_stage.curvature_time * depth, 3),
-                        "inversion_ms_per_device": round(per_stage.inverse_time, 3),
+                        "inversion_ms_per_device": round(per_stage.refresh_time, 3),
                         "lower_bound": result.lower_bound,
                         "refresh_steps": result.refresh_steps,
                         "overhead": round(result.overhead, 4),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.core.ir import OpKind
 from pipefisher.core.profile import load_profile
 from pipefisher.planning.packing.pack import PackOptions, pack
@@ -29,7 +30,9 @@ def main() -> None:
     profile = load_profile(args.profile)
     schedule = get_schedule(args.schedule, len(profile.stages), args.micro_batches)
     first = simulate(schedule, profile)
-    timeline = simulate_plan(pack(schedule, profile, PackOptions(percentile=None)).plan, profile)[0]
+    timeline = simulate_plan(
+        pack(schedule, profile, method_of_profile(profile).rules, PackOptions(percentile=None)).plan, profile
+    )[0]
     total = hidden = 0.0
     for rank, intervals in enumerate(timeline.ranks):
         idle = [(bubble.start, bubble.end) for bubble in first.bubbles(rank)]

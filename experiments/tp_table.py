@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.kfac.memory import KfacLayer
+from pipefisher.methods.kfac.method import KFAC
 from pipefisher.core.topology import Topology
 from pipefisher.planning.memory.state import optimizer_state, rank_memory
 from pipefisher.planning.transformer_profile import (
@@ -78,11 +79,20 @@ def kfac_row(degree: int) -> KfacRow:
     layers = stage.curvature_layers
     inverse = sum(EIGEN_FLOPS_PER_CUBE * (layer.a_size**3 + layer.b_size**3) for layer in layers)
     precondition = sum(2 * layer.a_size * layer.b_size * (layer.a_size + layer.b_size) for layer in layers)
-    (rank,) = rank_memory(Topology(get_schedule("1f1b", 1, 1), 1), [stage], optimizer_state("kfac", 0.9))
-    profile = transformer_profile(
-        read_block_times(REFERENCE, MICRO_BATCH), blocks, 1, hidden, ffn, MICRO_BATCH, tensor_parallel=degree
+    (rank,) = rank_memory(
+        Topology(get_schedule("1f1b", 1, 1), 1), [stage], optimizer_state("kfac", 0.9, memory=KFAC.memory)
     )
-    modelled = sum(layer.inverse_a + layer.inverse_b + layer.precondition for layer in profile.stages[0].layers)
+    profile = transformer_profile(
+        read_block_times(REFERENCE, MICRO_BATCH),
+        blocks,
+        1,
+        hidden,
+        ffn,
+        MICRO_BATCH,
+        tensor_parallel=degree,
+        rules=KFAC.rules,
+    )
+    modelled = sum(sum(layer.refresh) + layer.precondition for layer in profile.stages[0].layers)
     return KfacRow(degree, inverse, precondition, modelled, rank.curvature_bytes)
 
 

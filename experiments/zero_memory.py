@@ -84,12 +84,16 @@ def stage_states(config) -> list:
 
 
 def pipefisher_table(config, stages, data_parallels: list[int], momentum: float) -> list[str]:
+    from pipefisher.methods.kfac.method import KFAC
     from pipefisher.planning.memory.state import largest, optimizer_state, rank_memory
     from pipefisher.schedules import get_schedule
     from pipefisher.core.topology import Topology
 
     schedule = get_schedule(config.pipeline.schedule, config.pipeline.stages, config.pipeline.micro_batches)
-    lamb, kfac = optimizer_state("lamb"), optimizer_state("kfac", momentum, first_order=config.kfac.first_order)
+    lamb, kfac = (
+        optimizer_state("lamb"),
+        optimizer_state("kfac", momentum, first_order=config.kfac.first_order, memory=KFAC.memory),
+    )
     kfac_label = f"K-FAC + SGD (momentum {momentum:g}), {REST[config.kfac.first_order][0]} for the rest"
     lines = [
         (

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
+from pipefisher.methods.registry import method_of_profile
+from pipefisher.planning.vocabulary import TaskRules
 from pipefisher.testing.harness import TINY_MODEL, tiny_model  # noqa: F401  (the public harness's tiny model)
+
+
+def rules_of(profile: Profile) -> TaskRules:
+    """The task rules of the method whose times `profile` holds (K-FAC's where it names none)."""
+    return method_of_profile(profile).rules
 
 
 def layered_profile(
@@ -42,7 +49,7 @@ def layered_profile(
     c = `curvature`, v = `inverse`, g = 1 + `stage_growth` s. spread=False: every layer alike,
     curvature c for both factors, inverses v (A) and `inverse_b` (B, default v). Every layer
     takes `precondition`, syncs `sync` (A) and `sync_b` (B, default `sync`) and captures the
-    bytes given per micro-batch."""
+    bytes given per micro-batch. A and B are parts 0 and 1."""
     assert inverse_b is None or not spread, "inverse_b is for spread=False (spread sets B's inverse from A's)"
     sync_b = sync if sync_b is None else sync_b
     stages = []
@@ -67,15 +74,11 @@ def layered_profile(
         stage_layers = tuple(
             LayerProfile(
                 name,
-                curvature_a,
-                curvature_b,
-                inverse_a,
-                inverse_b_,
-                precondition,
-                sync,
-                sync_b,
-                capture_a_bytes=capture_a_bytes,
-                capture_b_bytes=capture_b_bytes,
+                curvature=(curvature_a, curvature_b),
+                sync=(sync, sync_b),
+                refresh=(inverse_a, inverse_b_),
+                precondition=precondition,
+                capture_bytes=(capture_a_bytes, capture_b_bytes),
             )
             for name, (curvature_a, curvature_b, inverse_a, inverse_b_) in zip(stage_names, times)
         )

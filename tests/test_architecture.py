@@ -35,13 +35,19 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
+#: the declared compatibility rule of the version-1 file formats, which names the one method the
+#: versions that wrote them knew (a v1 profile without `method` is its)
+COMPATIBILITY_RULES = ("core/profile_v1.py",)
+
+
 def code_mentions(name: str, spellings: tuple[str, ...]) -> list[str]:
     """`file:line` of every identifier, attribute or string (docstrings left out) that holds one
-    of `spellings` (lower case), outside the folder of method `name` and the registry."""
+    of `spellings` (lower case), outside the folder of method `name`, the registry and the v1
+    formats' compatibility rule."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative.startswith(f"methods/{name}/") or relative == "methods/registry.py":
+        if relative.startswith(f"methods/{name}/") or relative in ("methods/registry.py", *COMPATIBILITY_RULES):
             continue
         tree = ast.parse(path.read_text())
         docs = _docstrings(tree)

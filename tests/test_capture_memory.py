@@ -11,7 +11,7 @@ from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import validate_plan
 from pipefisher.schedules import get_schedule
 
-from builders import layered_profile
+from builders import layered_profile, rules_of
 from sweeps import cases
 
 A, B = 3_000_000, 5_000_000  # bytes per micro-batch of one layer's input / output gradient
@@ -36,11 +36,11 @@ def replayed_peak(plan, rank: int, profile: Profile) -> int:
             mb_key = (op.pipe, op.stage, op.micro_batch)
             if op.kind is release and index == 0:
                 for layer in profile.stages[op.stage].layers:
-                    for factor, size in (("A", layer.capture_a_bytes), ("B", layer.capture_b_bytes)):
+                    for factor, size in (("A", layer.captured(0)), ("B", layer.captured(1))):
                         if (mb_key, layer.name, factor) not in curvature_seen:
                             held[(mb_key, layer.name, factor)] = size
-            elif op.kind in (OpKind.CURV_A, OpKind.CURV_B):
-                factor = "A" if op.kind is OpKind.CURV_A else "B"
+            elif op.kind is OpKind.CURVATURE:
+                factor = "A" if (op.kind, op.part) == (OpKind.CURVATURE, 0) else "B"
                 curvature_seen.add((mb_key, op.layer, factor))
                 held.pop((mb_key, op.layer, factor), None)
             peak = max(peak, sum(held.values()))
@@ -51,7 +51,10 @@ def replayed_peak(plan, rank: int, profile: Profile) -> int:
 def test_peaks_match_an_independent_count(name, d, n):
     schedule = get_schedule(name, d, n)
     profile = profile_with_captures(schedule.num_stages)
-    for plan in (pack(schedule, profile).plan, after_step_plan(schedule, profile, 2)):
+    for plan in (
+        pack(schedule, profile, rules_of(profile)).plan,
+        after_step_plan(schedule, profile, rules_of(profile), 2),
+    ):
         peaks = capture_peaks(plan, profile)
         assert [p.bytes for p in peaks] == [replayed_peak(plan, rank, profile) for rank in range(schedule.num_ranks)]
 
@@ -59,17 +62,17 @@ def test_peaks_match_an_independent_count(name, d, n):
 def test_after_step_holds_every_capture_of_the_step():
     schedule = get_schedule("gpipe", 2, 4)
     profile = profile_with_captures(2)
-    peaks = capture_peaks(after_step_plan(schedule, profile, 1), profile)
+    peaks = capture_peaks(after_step_plan(schedule, profile, rules_of(profile), 1), profile)
     assert [p.bytes for p in peaks] == [4 * 2 * (A + B)] * 2  # 4 micro-batches x 2 layers, all held after the flush
 
 
 def test_a_capture_cap_moves_curvature_earlier_and_is_met():
     schedule = get_schedule("1f1b", 4, 8)
     profile = profile_with_captures(4, inverse=1.5)
-    free = pack(schedule, profile)
+    free = pack(schedule, profile, rules_of(profile))
     assert free.capture_peak_bytes > 0 and free.refresh_steps > 1
     cap_mb = 0.7 * free.capture_peak_bytes / 2**20
-    capped = pack(schedule, profile, PackOptions(max_capture_mb=cap_mb))
+    capped = pack(schedule, profile, rules_of(profile), PackOptions(max_capture_mb=cap_mb))
     validate_plan(capped.plan)
     assert capped.capture_peak_bytes <= cap_mb * 2**20
     assert capped.memory.startswith("curvature ") and "right after its forward/backward" in capped.memory
@@ -80,7 +83,7 @@ def test_a_capture_cap_moves_curvature_earlier_and_is_met():
 def test_a_cap_that_cannot_be_met_says_so():
     schedule = get_schedule("1f1b", 4, 8)
     profile = profile_with_captures(4, inverse=1.5)
-    result = pack(schedule, profile, PackOptions(max_capture_mb=0.001))
+    result = pack(schedule, profile, rules_of(profile), PackOptions(max_capture_mb=0.001))
     validate_plan(result.plan)
     assert "cannot fit" in result.memory and "MiB" in result.memory
 
@@ -91,11 +94,10 @@ def test_unknown_capture_sizes_report_zero():
     unknown = replace(
         profile,
         stages=tuple(
-            replace(s, layers=tuple(replace(layer, capture_a_bytes=0, capture_b_bytes=0) for layer in s.layers))
-            for s in profile.stages
+            replace(s, layers=tuple(replace(layer, capture_bytes=()) for layer in s.layers)) for s in profile.stages
         ),
     )
-    assert pack(schedule, unknown).capture_peak_bytes == 0
+    assert pack(schedule, unknown, rules_of(unknown)).capture_peak_bytes == 0
 
 
 def test_activations_and_captures_are_summed_op_by_op_not_at_their_own_peaks():
@@ -103,7 +105,7 @@ def test_activations_and_captures_are_summed_op_by_op_not_at_their_own_peaks():
 
     schedule = get_schedule("gpipe", 2, 4)
     profile = profile_with_captures(2)
-    plan = after_step_plan(schedule, profile, 1)
+    plan = after_step_plan(schedule, profile, rules_of(profile), 1)
     captured = 4 * 2 * (A + B)  # after the flush, before any curvature task
     # GPipe holds its 4 micro-batches' activations before the first backward, its captures after the last
     joint = cycle_peaks(plan, profile, [10, 100], [0, 0], [0, 0], {})
@@ -119,7 +121,9 @@ def test_a_refresh_copy_is_held_from_the_layers_first_curvature_task_to_the_cycl
     profile = layered_profile(2, 2, spread=False)  # no capture sizes
     copy = 7_000_000
     refresh = {(stage, layer.name): copy for stage, entry in enumerate(profile.stages) for layer in entry.layers}
-    joint = cycle_peaks(after_step_plan(schedule, profile, 2), profile, [0, 0], [0, 0], [0, 0], refresh)
+    joint = cycle_peaks(
+        after_step_plan(schedule, profile, rules_of(profile), 2), profile, [0, 0], [0, 0], [0, 0], refresh
+    )
     assert [(p.refresh_bytes, p.total_bytes) for p in joint] == [
         (2 * copy, 2 * copy)
     ] * 2  # both layers of the rank's stage

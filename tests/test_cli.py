@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipefisher.methods.registry import task_rules
 from pipefisher.cli.main import main
 from pipefisher.core.profile import uniform_profile
 
@@ -150,7 +151,7 @@ def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys
     assert max(d["capture_peak_mib"] for d in data["devices"]) == pytest.approx(data["capture_peak_mib"])
     from pipefisher.planning.plan import Plan, validate_plan
 
-    assert validate_plan(Plan.load(plan_path)).refresh_steps == data["refresh_steps"]
+    assert validate_plan(Plan.load(plan_path, task_rules)).refresh_steps == data["refresh_steps"]
 
 
 def test_pack_table_from_the_entry_point(bert_like_profile):
@@ -296,7 +297,7 @@ def files(tmp_path, bert_like_profile):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["pack", "--profile", "{plan}"], "{plan} is a pipefisher plan file (pipefisher.plan/v1), not a profile"),
+        (["pack", "--profile", "{plan}"], "{plan} is a pipefisher plan file (pipefisher.plan/v2), not a profile"),
         (["pack", "--profile", "{binary}"], "{binary}: not a text file; a profile is YAML or JSON text"),
         (["pack", "--profile", "{empty}"], "{empty}: the profile is empty"),
         (["pack", "--profile", "{folder}"], "is a folder; give the profile's file"),
@@ -307,7 +308,7 @@ def files(tmp_path, bert_like_profile):
         ),
         (
             ["viz", "--timeline", "{profile}", "-o", "-"],
-            "is a pipefisher profile file (pipefisher.profile/v1), not a timeline",
+            "is a pipefisher profile file (pipefisher.profile/v2), not a timeline",
         ),
         (
             ["viz", "--schedule", "1f1b", "-D", "2", "-N", "4", "-o", "{missing}/a.png"],

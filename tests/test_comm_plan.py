@@ -22,7 +22,7 @@ from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import Plan
 from pipefisher.schedules import SCHEDULES, get_schedule
 
-from builders import layered_profile
+from builders import layered_profile, rules_of
 from sweeps import cases, micro_batches_for
 
 
@@ -49,8 +49,12 @@ def test_every_first_order_schedule_replays(name, stages, micro_batches):
 def test_kfac_plans_replay(name, placement, data_parallel):
     schedule = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
     profile = kfac_profile(schedule.num_stages)
-    result = pack(schedule, profile, PackOptions(refresh_steps=3, data_parallel=data_parallel))
-    plan = result.plan if placement == "packed" else after_step_plan(schedule, profile, 3, data_parallel=data_parallel)
+    result = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=3, data_parallel=data_parallel))
+    plan = (
+        result.plan
+        if placement == "packed"
+        else after_step_plan(schedule, profile, rules_of(profile), 3, data_parallel=data_parallel)
+    )
     comm = replay(plan_actions(Topology(schedule, data_parallel), plan, tied=True))
     launched = {a.target for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH}
     kinds = {collective.kind for collective in launched}
@@ -144,7 +148,7 @@ def test_collectives_launched_in_different_orders_deadlock():
     schedule = get_schedule("1f1b", 2, 2)
     topology = Topology(schedule, data_parallel=2)
     comm = plan_actions(topology, first_order(schedule))
-    a, b = sync_collective(0, "x", "A"), sync_collective(0, "x", "B")
+    a, b = sync_collective(0, "x", 0), sync_collective(0, "x", 1)
 
     def with_syncs(actions, first, second):
         launches = [Action(ActionKind.LAUNCH, first), Action(ActionKind.LAUNCH, second)]
@@ -189,7 +193,7 @@ def test_outstanding_collectives_at_a_step_boundary():
     one rank's launch is incomplete; once both launched, it is complete."""
     schedule = get_schedule("1f1b", 2, 2)
     topology = Topology(schedule, data_parallel=2)
-    sync = sync_collective(0, "x", "A")
+    sync = sync_collective(0, "x", 0)
     early = (Action(ActionKind.LAUNCH, sync),)
     late_wait = (Action(ActionKind.WAIT, sync),)
     steps = []
@@ -225,18 +229,15 @@ def test_packed_chimera_plans_replay_over_a_sweep_of_task_times(stages, micro_ba
                 layers = tuple(
                     replace(
                         layer,
-                        curvature_a=curvature,
-                        curvature_b=curvature,
-                        inverse_a=inverse,
-                        inverse_b=inverse,
-                        sync_a=sync,
-                        sync_b=sync,
+                        curvature=(curvature, curvature),
+                        refresh=(inverse, inverse),
+                        sync=(sync, sync),
                     )
                     for layer in base.stages[0].layers
                 )
                 profile = replace(base, stages=tuple(replace(stage, layers=layers) for stage in base.stages))
                 for k in (None, 2, 3):
-                    plan = pack(schedule, profile, PackOptions(refresh_steps=k)).plan
+                    plan = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=k)).plan
                     replay(
                         plan_actions(Topology(schedule), plan, tied=True), name=f"c{curvature} i{inverse} s{sync} k{k}"
                     )
@@ -251,13 +252,12 @@ def test_tensor_parallel_plans_replay_with_their_all_reduces(name):
     processes; the step's world reduction spans all."""
     schedule = get_schedule(name, 2, micro_batches_for(name, 2, at_least=4))
     profile = kfac_profile(schedule.num_stages)
-    plan = pack(schedule, profile, PackOptions(refresh_steps=2, data_parallel=2)).plan
+    plan = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=2, data_parallel=2)).plan
     topology = Topology(schedule, data_parallel=2, tensor_parallel=2)
-    shared = frozenset((op.stage, op.layer, "A") for op in plan.curvature_ops() if op.layer)
+    shared = frozenset((op.stage, op.layer, 0) for op in plan.curvature_ops() if op.layer)
     comm = replay(plan_actions(topology, plan, tied=True, shared=shared))
-    inversions = (OpKind.INV_A, OpKind.INV_B)
-    assert {op for op in comm.tensor_ops if op.kind in inversions} == {
-        op for op in plan.curvature_ops() if op.kind is OpKind.INV_A
+    assert {op for op in comm.tensor_ops if op.kind is OpKind.REFRESH} == {
+        op for op in plan.curvature_ops() if (op.kind, op.part) == (OpKind.REFRESH, 0)
     }
     programs, members = process_programs(comm)
     assert len(programs) == topology.processes == 2 * topology.world_size

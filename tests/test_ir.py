@@ -15,10 +15,11 @@ from pipefisher.schedules import SCHEDULES, get_schedule
         ("1F3", forward(1, 3)),
         ("0B0", backward(0, 0)),
         ("p1.2F5", forward(2, 5, pipe=1)),
-        ("2CA5:block0.fc1", Op(OpKind.CURV_A, 2, 5, layer="block0.fc1")),
-        ("p1.3CB0:block1.attention.query", Op(OpKind.CURV_B, 3, 0, pipe=1, layer="block1.attention.query")),
-        ("0IA:fc", Op(OpKind.INV_A, 0, layer="fc")),
-        ("4SB:fc", Op(OpKind.SYNC_B, 4, layer="fc")),
+        ("2C0.5:block0.fc1", Op(OpKind.CURVATURE, 2, 5, layer="block0.fc1", part=0)),
+        ("p1.3C1.0:block1.attention.query", Op(OpKind.CURVATURE, 3, 0, pipe=1, layer="block1.attention.query", part=1)),
+        ("0R0:fc", Op(OpKind.REFRESH, 0, layer="fc", part=0)),
+        ("4S1:fc", Op(OpKind.SYNC, 4, layer="fc", part=1)),
+        ("2C12.34:fc", Op(OpKind.CURVATURE, 2, 34, layer="fc", part=12)),
         ("1X:fc", Op(OpKind.EXCHANGE, 1, layer="fc")),
         ("3P", Op(OpKind.PRECONDITION, 3)),
         ("12F34", forward(12, 34)),
@@ -29,7 +30,41 @@ def test_string_form_round_trips(text, op):
     assert Op.parse(text) == op
 
 
-@pytest.mark.parametrize("text", ["", "F3", "1Q3", "1F", "1IA3:fc", "1CA3", "p.1F3", "-1F3", "1P2"])
+@pytest.mark.parametrize(
+    "text, op",
+    [
+        ("2CA5:block0.fc1", Op(OpKind.CURVATURE, 2, 5, layer="block0.fc1", part=0)),
+        ("p1.3CB0:block1.attention.query", Op(OpKind.CURVATURE, 3, 0, pipe=1, layer="block1.attention.query", part=1)),
+        ("0IA:fc", Op(OpKind.REFRESH, 0, layer="fc", part=0)),
+        ("0IB:fc", Op(OpKind.REFRESH, 0, layer="fc", part=1)),
+        ("4SA:fc", Op(OpKind.SYNC, 4, layer="fc", part=0)),
+        ("4SB:fc", Op(OpKind.SYNC, 4, layer="fc", part=1)),
+    ],
+)
+def test_the_version_1_string_form_is_read(text, op):
+    """Plans written before parts had indices: A is part 0, B part 1; IA/IB are refresh work."""
+    assert Op.parse(text) == op
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "F3",
+        "1Q3",
+        "1F",
+        "1IA3:fc",
+        "1CA3",
+        "p.1F3",
+        "-1F3",
+        "1P2",
+        "1R:fc",
+        "1C0:fc",
+        "1R0.3:fc",
+        "1F0.3",
+        "1CA0.3:fc",
+    ],
+)
 def test_parse_rejects_malformed_ops(text):
     with pytest.raises(ScheduleError):
         Op.parse(text)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from builders import layered_profile
+from builders import layered_profile, rules_of
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.core.ir import OpKind
 from pipefisher.core.topology import Topology
@@ -68,7 +68,9 @@ def test_plans_with_gradient_workers_drop_the_precondition_op_and_broadcast_in_b
     sched = get_schedule(schedule, 2, 4)
     topology = Topology(sched, data_parallel=2)
     profile = layered_profile(2, 3, spread=False, inverse=0.6, sync=0.1, names="layer{i}")
-    plan = pack(sched, profile, PackOptions(data_parallel=2, precondition=False, refresh_steps=2)).plan
+    plan = pack(
+        sched, profile, rules_of(profile), PackOptions(data_parallel=2, precondition=False, refresh_steps=2)
+    ).plan
     assert not any(op.kind is OpKind.PRECONDITION for step in plan.steps for ops in step for op in ops)
     replicas = len(topology.replica_ranks(0))
     for workers in (d for d in range(1, replicas) if replicas % d == 0):

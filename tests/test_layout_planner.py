@@ -20,6 +20,7 @@ from pipefisher.planning.planner.table import run_file_of
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
+from builders import rules_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_RUN = ROOT / "schedules" / "bert-base-1f1b-4x4.yaml"
@@ -65,7 +66,7 @@ def test_a_prediction_is_the_simulation_and_the_packing_of_its_layout():
     prediction = predict(layout, context)
     profile = layout_profile(layout, context)
     assert prediction.first_order_ms == pytest.approx(simulate(layout.build_schedule(), profile).step_time)
-    packed = pack(layout.build_schedule(), profile, pack_options(layout, context))
+    packed = pack(layout.build_schedule(), profile, rules_of(profile), pack_options(layout, context))
     assert prediction.layout.refresh_steps == packed.refresh_steps
     assert prediction.step_ms == pytest.approx(cycle_time(simulate_plan(packed.plan, profile)) / packed.refresh_steps)
     assert prediction.reduce_ms > 0  # two data-parallel copies reduce their gradients

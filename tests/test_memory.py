@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from builders import tiny_model
+from pipefisher.methods.registry import methods
 from pipefisher.config import config_from_dict
 from pipefisher.methods.kfac import KfacConfig, KFACEngine
 from pipefisher.methods.kfac.layer import preconditioned_parameters, select_layers
@@ -83,7 +84,7 @@ def modelled(config, model, topology):
     return rank_memory(
         topology,
         stage_states(model, topology.schedule.num_stages),
-        optimizer_state(settings.name, settings.momentum, first_order=rule),
+        optimizer_state(settings.name, settings.momentum, first_order=rule, memory=_memory_of(settings.name)),
         config.optimizer.zero,
     )
 
@@ -232,7 +233,7 @@ def test_gradient_workers_keep_the_inverses_on_g_replicas_and_broadcast_within_b
     once more, to a block of 4 / G."""
     config, model, topology = setup("chimera-dp2", OPTIMIZERS["kfac-momentum"])
     states = stage_states(model, 2)
-    optimizer = optimizer_state("kfac", 0.9)
+    optimizer = optimizer_state("kfac", 0.9, memory=_memory_of("kfac"))
     every, kept = (
         rank_memory(topology, states, optimizer),
         rank_memory(topology, states, optimizer, workers_per_layer=workers),
@@ -291,5 +292,11 @@ def test_powersgd_state_is_what_the_runtime_keeps():
 
 def test_a_curvature_method_without_a_memory_model_is_refused():
     with pytest.raises(ValueError, match="'shampoo': the method declares no memory model"):
-        optimizer_state("shampoo")
-    assert optimizer_state("kfac", 0.9).curvature and not optimizer_state("sgd").curvature
+        optimizer_state("shampoo", memory=_memory_of("shampoo"))
+    assert optimizer_state("kfac", 0.9, memory=_memory_of("kfac")).curvature and not optimizer_state("sgd").curvature
+
+
+def _memory_of(name: str) -> str | None:
+    """The memory model the method `name` declares ("" for none); None for a first-order optimizer."""
+    known = methods().get(name)
+    return None if known is None else known.memory

@@ -16,7 +16,7 @@ from pipefisher.planning.simulate import simulate
 from pipefisher.planning.tasks import build_tasks
 from pipefisher.schedules import SCHEDULES, get_schedule
 
-from builders import layered_profile
+from builders import layered_profile, rules_of
 from sweeps import micro_batches_for
 
 
@@ -42,7 +42,9 @@ def schedule_of(name: str, stages: int = 4):
 
 def test_muon_has_no_cycle_work_and_a_p_op_after_each_stage_copys_gradient():
     schedule = schedule_of("1f1b")
-    tasks = build_tasks(schedule, muon_profile(schedule.num_stages), data_parallel=1)
+    tasks = build_tasks(
+        schedule, muon_profile(schedule.num_stages), rules_of(muon_profile(schedule.num_stages)), data_parallel=1
+    )
     assert not any(tasks.cycle)
     assert [list(ops) for ops in tasks.per_step] == [[Op(OpKind.PRECONDITION, stage, None, 0)] for stage in range(4)]
     precondition = tasks.per_step[2][0]
@@ -53,7 +55,10 @@ def test_muon_has_no_cycle_work_and_a_p_op_after_each_stage_copys_gradient():
 def test_unreplicated_plans_validate_simulate_and_replay_and_run_every_p_op_once_a_step(name):
     schedule = schedule_of(name)
     profile = muon_profile(schedule.num_stages)
-    for plan in (pack(schedule, profile, PackOptions()).plan, after_step_plan(schedule, profile, 2)):
+    for plan in (
+        pack(schedule, profile, rules_of(profile), PackOptions()).plan,
+        after_step_plan(schedule, profile, rules_of(profile), 2),
+    ):
         assert plan.method == "muon"
         validate_plan(plan)
         simulate_plan(plan, profile)
@@ -80,7 +85,7 @@ def test_on_1f1b_the_p_ops_of_the_later_stages_hide_in_the_drain_bubble():
     schedule = schedule_of("1f1b")
     profile = muon_profile(schedule.num_stages, orthogonalise=0.5)
     first_order = simulate(schedule, profile).step_time
-    result = pack(schedule, profile, PackOptions())
+    result = pack(schedule, profile, rules_of(profile), PackOptions())
     timeline = simulate_plan(result.plan, profile)[0]
     assert timeline.step_time == pytest.approx(first_order + 2 * 0.5), "only stage 0's two matrices lengthen the step"
     assert [device.precondition_time for device in result.devices] == [1.0] * 4
@@ -94,7 +99,7 @@ def test_replicated_stages_share_their_matrices_after_the_reduction(name):
     schedule = schedule_of(name)
     data_parallel = 2 if name == "1f1b" else 1
     profile = muon_profile(schedule.num_stages)
-    plan = pack(schedule, profile, PackOptions(data_parallel=data_parallel, precondition=False)).plan
+    plan = pack(schedule, profile, rules_of(profile), PackOptions(data_parallel=data_parallel, precondition=False)).plan
     assert not any(op.kind is OpKind.PRECONDITION for step in plan.steps for ops in step for op in ops)
     topology = Topology(schedule, data_parallel)
     comm = replay(plan_actions(topology, plan, tied=True, path=GradientPath(workers_per_layer=1)))

@@ -28,7 +28,7 @@ from pipefisher.planning.simulate import COLLECTIVES
 from pipefisher.planning.tasks import CYCLE_KINDS, TaskGraph, build_tasks
 from pipefisher.schedules import get_schedule
 
-from builders import layered_profile
+from builders import layered_profile, rules_of
 
 
 def weights_after_backwards(schedule: Schedule) -> Schedule:
@@ -123,9 +123,9 @@ def check_timelines(plan: Plan, timelines, tasks) -> None:
 def test_plans_of_weight_schedules_are_valid_and_complete(name, options, refresh_steps):
     schedule = SCHEDULES[name]()
     profile = profile_for(schedule.num_stages)
-    result = pack(schedule, profile, PackOptions(refresh_steps=refresh_steps, **options))
+    result = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=refresh_steps, **options))
     plan = validate_plan(result.plan)
-    tasks = build_tasks(schedule, profile, split=options.get("split", True))
+    tasks = build_tasks(schedule, profile, rules_of(profile), split=options.get("split", True))
     assert Counter(op for op in plan.curvature_ops() if op.kind in CYCLE_KINDS) == Counter(
         op for ops in tasks.cycle for op in ops
     )
@@ -147,7 +147,9 @@ def test_plans_of_weight_schedules_are_valid_and_complete(name, options, refresh
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_after_step_plans_of_weight_schedules_are_valid(name):
     schedule = SCHEDULES[name]()
-    plan = validate_plan(after_step_plan(schedule, profile_for(schedule.num_stages), 2))
+    plan = validate_plan(
+        after_step_plan(schedule, profile_for(schedule.num_stages), rules_of(profile_for(schedule.num_stages)), 2)
+    )
     check_weights(plan)
     assert moved_weights(plan) == [0] * schedule.num_ranks
 
@@ -158,10 +160,10 @@ def test_shampoo_plans_of_weight_schedules_are_valid(name, grad_reduce):
     schedule = SCHEDULES[name]()
     profile = profile_for(schedule.num_stages, method="shampoo", grad_reduce=grad_reduce)
     for options in (PackOptions(move_weights=False), PackOptions(), PackOptions(refresh_steps=1)):
-        result = pack(schedule, profile, options)
+        result = pack(schedule, profile, rules_of(profile), options)
         plan = validate_plan(result.plan)
         check_weights(plan)
-        check_timelines(plan, result.timelines, build_tasks(schedule, profile))
+        check_timelines(plan, result.timelines, build_tasks(schedule, profile, rules_of(profile)))
         replay(plan_actions(Topology(schedule), plan, tied=True))
 
 
@@ -170,14 +172,14 @@ def test_shampoo_plans_of_weight_schedules_are_valid(name, grad_reduce):
 def test_moving_weights_is_never_predicted_slower(name, inverse, weight_time):
     schedule = SCHEDULES[name]()
     profile = profile_for(schedule.num_stages, inverse=inverse, weight_time=weight_time)
-    fixed = pack(schedule, profile, PackOptions(move_weights=False))
+    fixed = pack(schedule, profile, rules_of(profile), PackOptions(move_weights=False))
     for point in fixed.frontier:
         k = point.refresh_steps
-        moved = pack(schedule, profile, PackOptions(refresh_steps=k))
-        pinned = pack(schedule, profile, PackOptions(refresh_steps=k, move_weights=False))
+        moved = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=k))
+        pinned = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=k, move_weights=False))
         assert moved.step_time <= pinned.step_time + 1e-9
         validate_plan(moved.plan)
-    default = pack(schedule, profile)
+    default = pack(schedule, profile, rules_of(profile))
     assert default.overhead <= max(fixed.overhead, default.options.max_overhead) + 1e-9
 
 
@@ -189,15 +191,17 @@ def two_stage_case() -> tuple[Schedule, Profile]:
 
     Pulling W0 into the bubble after B0 frees a unit after W1 for them."""
     schedule = weights_at_the_end(get_schedule("1f1b", 2, 2))
-    layer = LayerProfile("l0", curvature_a=0.05, curvature_b=0.05, inverse_a=0.3, inverse_b=0.5, precondition=0.01)
+    layer = LayerProfile("l0", curvature=(0.05, 0.05), refresh=(0.3, 0.5), precondition=0.01)
     stages = (StageProfile(1.0, 2.0, layers=(layer,), weight=1.0), StageProfile(1.0, 2.0, weight=1.0))
     return schedule, Profile(stages=stages, time_unit="ms")
 
 
 def test_moving_a_weight_gradient_strictly_helps():
     schedule, profile = two_stage_case()
-    fixed = pack(schedule, profile, PackOptions(refresh_steps=1, move_weights=False, percentile=None))
-    moved = pack(schedule, profile, PackOptions(refresh_steps=1, percentile=None))
+    fixed = pack(
+        schedule, profile, rules_of(profile), PackOptions(refresh_steps=1, move_weights=False, percentile=None)
+    )
+    moved = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=1, percentile=None))
     assert fixed.step_time == pytest.approx(8.56)  # curvature B and inverse B after the step's work
     assert moved.step_time == pytest.approx(7.61)  # W0 after B0, the rest fits before the step's end
     assert moved.step_time < fixed.step_time - 0.5
@@ -219,19 +223,19 @@ def test_a_registered_schedule_moves_weights_into_the_bubbles_of_a_slow_stage():
         profile, stages=(replace(profile.stages[0], forward=2.0, backward=4.0, weight=2.0),) + profile.stages[1:]
     )
     for k in (1, 3):
-        moved = pack(schedule, profile, PackOptions(refresh_steps=k))
-        fixed = pack(schedule, profile, PackOptions(refresh_steps=k, move_weights=False))
+        moved = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=k))
+        fixed = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=k, move_weights=False))
         assert moved.moved_weights > 0 and fixed.moved_weights == 0
         assert moved.step_time < fixed.step_time
         plan = validate_plan(moved.plan)
         check_weights(plan)
-        check_timelines(plan, moved.timelines, build_tasks(schedule, profile))
+        check_timelines(plan, moved.timelines, build_tasks(schedule, profile, rules_of(profile)))
         replay(plan_actions(Topology(schedule), plan, tied=True))
 
 
 def test_weight_schedules_move_no_weights_when_asked_not_to():
     schedule, profile = two_stage_case()
-    result = pack(schedule, profile, PackOptions(refresh_steps=1, move_weights=False))
+    result = pack(schedule, profile, rules_of(profile), PackOptions(refresh_steps=1, move_weights=False))
     assert result.moved_weights == 0 and result.to_dict()["move_weights"] is False
 
 
@@ -240,12 +244,12 @@ def test_precondition_and_gradient_methods_wait_for_the_weight_gradients():
     graph = TaskGraph(schedule, (), task_rules("kfac"))
     precondition = Op(OpKind.PRECONDITION, 2, None)
     assert set(graph.dependencies(precondition)) == {weight(2, mb) for mb in range(8)}
-    curvature_b = Op(OpKind.CURV_B, 2, 3, 0, "l2.0")
+    curvature_b = Op(OpKind.CURVATURE, 2, 3, 0, "l2.0", part=1)
     assert Op(OpKind.BACKWARD, 2, 3) in TaskGraph(schedule, [curvature_b], task_rules("kfac")).dependencies(
         curvature_b
     ), "output gradients are captured at B"
-    tasks = build_tasks(schedule, profile_for(4, method="shampoo"))
-    inverse = next(op for op in tasks.cycle[1] if op.kind is OpKind.INV_A)
+    tasks = build_tasks(schedule, profile_for(4, method="shampoo"), rules_of(profile_for(4, method="shampoo")))
+    inverse = next(op for op in tasks.cycle[1] if (op.kind, op.part) == (OpKind.REFRESH, 0))
     assert set(tasks.graph.dependencies(inverse)) == {weight(1, mb) for mb in range(8)}
 
 
@@ -268,14 +272,18 @@ def test_validate_plan_rejects_weights_out_of_place():
 def test_captures_cost_extra_only_from_the_weight_gradient_on():
     A, B = 3_000_000, 5_000_000
     schedule = weights_at_the_end(get_schedule("gpipe", 1, 2))
-    layer = LayerProfile("l0", 0.05, 0.05, 0.1, 0.1, 0.01, capture_a_bytes=A, capture_b_bytes=B)
+    layer = LayerProfile("l0", curvature=(0.05, 0.05), refresh=(0.1, 0.1), precondition=0.01, capture_bytes=(A, B))
     profile = Profile(stages=(StageProfile(1.0, 2.0, layers=(layer,)),), time_unit="ms")
     f0, f1, b0, b1, w0, w1 = schedule.ranks[0]
-    ca = [Op(OpKind.CURV_A, 0, mb, 0, "l0") for mb in range(2)]
-    cb = [Op(OpKind.CURV_B, 0, mb, 0, "l0") for mb in range(2)]
-    rest = (Op(OpKind.INV_A, 0, None, 0, "l0"), Op(OpKind.INV_B, 0, None, 0, "l0"), Op(OpKind.PRECONDITION, 0, None))
-    before = Plan(schedule, (((f0, f1, b0, b1, *ca, *cb, w0, w1) + rest,),))
-    after = Plan(schedule, (((f0, f1, b0, b1, w0, w1, *ca, *cb) + rest,),))
+    ca = [Op(OpKind.CURVATURE, 0, mb, 0, "l0", part=0) for mb in range(2)]
+    cb = [Op(OpKind.CURVATURE, 0, mb, 0, "l0", part=1) for mb in range(2)]
+    rest = (
+        Op(OpKind.REFRESH, 0, None, 0, "l0", part=0),
+        Op(OpKind.REFRESH, 0, None, 0, "l0", part=1),
+        Op(OpKind.PRECONDITION, 0, None),
+    )
+    before = Plan(schedule, (((f0, f1, b0, b1, *ca, *cb, w0, w1) + rest,),), "kfac", task_rules("kfac"))
+    after = Plan(schedule, (((f0, f1, b0, b1, w0, w1, *ca, *cb) + rest,),), "kfac", task_rules("kfac"))
     validate_plan(before), validate_plan(after)
     assert capture_peaks(before, profile)[0].bytes == 0, "curvature before W reads what W holds anyway"
     assert capture_peaks(after, profile)[0].bytes == 2 * (A + B)

@@ -5,15 +5,17 @@ import statistics
 import numpy as np
 import pytest
 import yaml
+from pathlib import Path
 
 from pipefisher.core.percentile import percentile
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile, profile_from_dict
 
 GOOD = {
-    "schema": "pipefisher.profile/v1",
+    "schema": "pipefisher.profile/v2",
     "device": "P100",
     "time_unit": "ms",
     "micro_batch_size": 32,
+    "method": "kfac",
     "stages": [
         {
             "forward": 29.2,
@@ -21,6 +23,27 @@ GOOD = {
             "p2p": 0.5,
             "step_end": 3.5,
             "grad_reduce": 1.25,
+            "layers": [
+                {
+                    "name": "block0.attention.query",
+                    "curvature": [0.61, 0.61],
+                    "refresh": [1.4, 1.4],
+                    "precondition": 0.1,
+                },
+            ],
+        },
+        {"forward": 29.2, "backward": 49.4},
+    ],
+}
+#: the same profile as written by format v1 (no method: K-FAC's by v1's rule)
+GOOD_V1 = {
+    "schema": "pipefisher.profile/v1",
+    "device": "P100",
+    "time_unit": "ms",
+    "micro_batch_size": 32,
+    "stages": [
+        {
+            **GOOD["stages"][0],
             "layers": [
                 {
                     "name": "block0.attention.query",
@@ -32,20 +55,44 @@ GOOD = {
                 },
             ],
         },
-        {"forward": 29.2, "backward": 49.4},
+        GOOD["stages"][1],
     ],
 }
 
 
 def test_yaml_and_json_round_trip(tmp_path):
     profile = profile_from_dict(GOOD)
-    assert profile.stages[0].layers[0] == LayerProfile("block0.attention.query", 0.61, 0.61, 1.4, 1.4, 0.1, 0.0, 0.0)
+    assert profile.stages[0].layers[0] == LayerProfile(
+        "block0.attention.query", curvature=(0.61, 0.61), refresh=(1.4, 1.4), precondition=0.1
+    )
     for name in ("p.yaml", "p.json"):
         path = tmp_path / name
         profile.save(path)
         assert load_profile(path) == profile
         assert path.read_text().count("step_end") == 1  # written only where non-zero: older readers load the rest
         assert path.read_text().count("grad_reduce") == 1
+
+
+def test_a_version_1_profile_reads_as_the_same_profile(tmp_path):
+    """v1 names its two parts by letter (A = part 0, B = part 1; inverse_x is the refresh work),
+    and a v1 file without `method` holds K-FAC's times; saving writes v2."""
+    assert profile_from_dict(GOOD_V1) == profile_from_dict(GOOD)
+    sampled = json.loads(json.dumps(GOOD_V1))
+    sampled["stages"][0]["layers"][0].update(
+        sync_b=0.25, capture_a_bytes=1024, capture_b_bytes=2048, samples={"inverse_b": [1.4], "curvature_a": [0.61]}
+    )
+    layer = profile_from_dict(sampled).stages[0].layers[0]
+    assert (layer.sync, layer.capture_bytes) == ((0.0, 0.25), (1024, 2048))
+    assert layer.samples == {"refresh.1": (1.4,), "curvature.0": (0.61,)}
+    assert profile_from_dict({**GOOD_V1, "method": "shampoo"}).method == "shampoo"
+    with pytest.raises(ProfileError, match=r"stages\[0\]\.layers\[0\]\.inverse_a: missing"):
+        bad = json.loads(json.dumps(GOOD_V1))
+        del bad["stages"][0]["layers"][0]["inverse_a"]
+        profile_from_dict(bad)
+    path = tmp_path / "p.yaml"
+    profile_from_dict(sampled).save(path)
+    assert yaml.safe_load(path.read_text())["schema"] == "pipefisher.profile/v2"
+    assert load_profile(path) == profile_from_dict(sampled)
 
 
 def test_example_from_the_design_document_loads(tmp_path):
@@ -56,7 +103,7 @@ def test_example_from_the_design_document_loads(tmp_path):
     assert profile.stages[0].step_end == 3.5 and profile.stages[1].step_end == 0.0  # optional field
     assert profile.stages[0].grad_reduce == 1.25 and profile.stages[1].grad_reduce == 0.0  # optional field
     assert profile.stages[0].curvature_time == pytest.approx(1.22)
-    assert profile.stages[0].inverse_time == pytest.approx(2.8)
+    assert profile.stages[0].refresh_time == pytest.approx(2.8)
 
 
 def mutate(path_keys, value):
@@ -76,19 +123,21 @@ def mutate(path_keys, value):
     [
         (["stages", 1, "forward"], KeyError, r"stages\[1\]\.forward: missing"),
         (["stages", 0, "backward"], -1.0, r"stages\[0\]\.backward: -1.0 is negative"),
-        (["stages", 0, "layers", 0, "inverse_a"], KeyError, r"stages\[0\]\.layers\[0\]\.inverse_a: missing"),
-        (["stages", 0, "layers", 0, "sync_b"], -2, r"stages\[0\]\.layers\[0\]\.sync_b: -2 is negative"),
+        (["stages", 0, "layers", 0, "refresh"], 1.4, r"stages\[0\]\.layers\[0\]\.refresh: expected a list by part"),
+        (["stages", 0, "layers", 0, "sync"], [0.5, -2], r"stages\[0\]\.layers\[0\]\.sync\[1\]: -2 is negative"),
+        (["stages", 0, "layers", 0, "inverse_a"], 1.4, r"stages\[0\]\.layers\[0\]: unknown field 'inverse_a'"),
         (["stages", 0, "step_end"], -0.5, r"stages\[0\]\.step_end: -0.5 is negative"),
         (["stages", 0, "forward"], "fast", r"stages\[0\]\.forward: 'fast' is not a finite number"),
         (["stages", 0, "forwad"], 1.0, r"stages\[0\]: unknown field 'forwad'"),
         (["time_unit"], "minutes", "time_unit: 'minutes' is not one of"),
         (["schema"], "other/v9", "schema: 'other/v9' is not supported"),
+        (["method"], "no such", "method: 'no such' must be the name of a curvature method"),
         (["stages"], [], "stages: missing"),
         (["micro_batch_size"], 0, "micro_batch_size: 0 must be a positive integer"),
         (
             ["stages", 0, "samples"],
             {"fwd": [1.0]},
-            r"stages\[0\]\.samples\.fwd: unknown time field; known: forward, backward, p2p",
+            r"stages\[0\]\.samples\.fwd: unknown time field",
         ),
         (
             ["stages", 0, "samples"],
@@ -98,8 +147,8 @@ def mutate(path_keys, value):
         (["stages", 0, "samples"], {"p2p": [0.5, -1.0]}, r"stages\[0\]\.samples\.p2p\[1\]: -1.0 is negative"),
         (
             ["stages", 0, "layers", 0, "samples"],
-            {"inverse_a": [1.0, float("inf")]},
-            r"stages\[0\]\.layers\[0\]\.samples\.inverse_a\[1\]: inf is not a finite number",
+            {"refresh.0": [1.0, float("inf")]},
+            r"stages\[0\]\.layers\[0\]\.samples\.refresh\.0\[1\]: inf is not a finite number",
         ),
         (
             ["stages", 0, "layers", 0, "samples"],
@@ -107,14 +156,19 @@ def mutate(path_keys, value):
             r"stages\[0\]\.layers\[0\]\.samples\.forward: unknown time field",
         ),
         (
-            ["stages", 0, "layers", 0, "capture_a_bytes"],
-            -1,
-            r"stages\[0\]\.layers\[0\]\.capture_a_bytes: -1 is not a non-negative integer",
+            ["stages", 0, "layers", 0, "samples"],
+            {"refresh.a": [1.0]},
+            r"stages\[0\]\.layers\[0\]\.samples\.refresh\.a: unknown time field",
         ),
         (
-            ["stages", 0, "layers", 0, "capture_b_bytes"],
-            1.5,
-            r"stages\[0\]\.layers\[0\]\.capture_b_bytes: 1.5 is not a non-negative integer",
+            ["stages", 0, "layers", 0, "capture_bytes"],
+            [-1],
+            r"stages\[0\]\.layers\[0\]\.capture_bytes\[0\]: -1 is not a non-negative integer",
+        ),
+        (
+            ["stages", 0, "layers", 0, "capture_bytes"],
+            [0, 1.5],
+            r"stages\[0\]\.layers\[0\]\.capture_bytes\[1\]: 1.5 is not a non-negative integer",
         ),
     ],
 )
@@ -145,47 +199,56 @@ def test_unreadable_and_malformed_files_are_profile_errors(tmp_path):
 
 
 SAMPLED = mutate(["stages", 0, "samples"], {"forward": [29.0, 29.2, 31.5], "step_end": [3.5, 4.0]})
-SAMPLED["stages"][0]["layers"][0].update(
-    capture_a_bytes=1024, capture_b_bytes=2048, samples={"inverse_b": [1.4, 1.1, 2.0, 1.3]}
-)
+SAMPLED["stages"][0]["layers"][0].update(capture_bytes=[1024, 2048], samples={"refresh.1": [1.4, 1.1, 2.0, 1.3]})
 
 
-def test_files_without_the_additions_are_written_exactly_as_before():
+def test_files_without_the_additions_are_written_with_the_given_fields_only():
     profile = profile_from_dict(GOOD)
     layer = profile.stages[0].layers[0]
-    assert (layer.capture_a_bytes, layer.capture_b_bytes, layer.samples, profile.stages[0].samples) == (0, 0, {}, {})
+    assert (layer.capture_bytes, layer.sync, layer.samples, profile.stages[0].samples) == ((), (), {}, {})
     expected = json.loads(json.dumps(GOOD))
-    expected["stages"][0]["layers"][0].update(sync_a=0.0, sync_b=0.0)
     expected["stages"][1] = {"forward": 29.2, "backward": 49.4, "p2p": 0.0, "layers": []}
     assert json.dumps(profile.to_dict()) == json.dumps(expected)  # same keys in the same order
+
+
+def test_a_part_past_a_lists_end_takes_zero():
+    layer = LayerProfile("fc", curvature=(0.5, 0.0), refresh=(0.0, 2.0), sync=(0.0, 0.0))
+    assert (layer.curvature, layer.refresh, layer.sync) == ((0.5,), (0.0, 2.0), ())
+    assert (layer.time("curvature", 1), layer.time("refresh", 1), layer.captured(3)) == (0.0, 2.0, 0)
 
 
 def test_samples_and_capture_sizes_round_trip(tmp_path):
     profile = profile_from_dict(SAMPLED)
     layer = profile.stages[0].layers[0]
-    assert (layer.capture_a_bytes, layer.capture_b_bytes) == (1024, 2048)
-    assert layer.samples == {"inverse_b": (1.4, 1.1, 2.0, 1.3)} and profile.stages[1].samples == {}
+    assert layer.capture_bytes == (1024, 2048)
+    assert layer.samples == {"refresh.1": (1.4, 1.1, 2.0, 1.3)} and profile.stages[1].samples == {}
     assert {profile: "hashable"}[profile_from_dict(SAMPLED)] == "hashable"
     for name in ("p.yaml", "p.json"):
         path = tmp_path / name
         profile.save(path)
         assert load_profile(path) == profile
-        assert path.read_text().count("samples") == 2 and path.read_text().count("capture_") == 2
+        assert path.read_text().count("samples") == 2 and path.read_text().count("capture_bytes") == 1
 
 
 def test_at_percentile_matches_numpy():
     rng = random.Random(0)
     draws = {n: [rng.uniform(0.5, 3.0) for _ in range(n)] for n in (1, 2, 5, 8)}
-    layer = LayerProfile("fc", 1.0, 1.0, 9.0, 9.0, 0.1, samples={"curvature_a": draws[8], "inverse_a": draws[1]})
+    layer = LayerProfile(
+        "fc",
+        curvature=(1.0, 1.0),
+        refresh=(9.0, 9.0),
+        precondition=0.1,
+        samples={"curvature.0": draws[8], "refresh.0": draws[1]},
+    )
     stage = StageProfile(7.0, 8.0, p2p=0.25, layers=(layer,), samples={"forward": draws[2], "backward": draws[5]})
     profile = Profile(stages=(stage,))
     for q in (0, 12.5, 50, 90, 99, 100):
         at = profile.at_percentile(q)
         assert at.stages[0].forward == pytest.approx(np.percentile(draws[2], q), rel=1e-12)
         assert at.stages[0].backward == pytest.approx(np.percentile(draws[5], q), rel=1e-12)
-        assert at.stages[0].layers[0].curvature_a == pytest.approx(np.percentile(draws[8], q), rel=1e-12)
-        assert at.stages[0].layers[0].inverse_a == draws[1][0]
-        assert (at.stages[0].p2p, at.stages[0].layers[0].inverse_b) == (0.25, 9.0)  # no samples: kept
+        assert at.stages[0].layers[0].curvature[0] == pytest.approx(np.percentile(draws[8], q), rel=1e-12)
+        assert at.stages[0].layers[0].refresh[0] == draws[1][0]
+        assert (at.stages[0].p2p, at.stages[0].layers[0].refresh[1]) == (0.25, 9.0)  # no samples: kept
         assert at.stages[0].samples == stage.samples and at.stages[0].layers[0].samples == layer.samples
     assert profile.at_percentile(50).stages[0].backward == pytest.approx(statistics.median(draws[5]), rel=1e-12)
     for q in (-1, 100.5, float("nan")):
@@ -226,9 +289,7 @@ def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
         optimizer={"name": "kfac"}
     )
     stages = tuple(
-        StageProfile(
-            1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in stage_layer_names(config, stage, 2))
-        )
+        StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name) for name in stage_layer_names(config, stage, 2)))
         for stage in range(2)
     )
     profile = Profile(stages, micro_batch_size=8, seq_len=64, precision="fp32", model="bert bert-4x128")
@@ -255,3 +316,12 @@ def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
             str(error.value)
             == line + "its times do not hold here: measure a profile of this run with `pipefisher profile`"
         )
+
+
+def test_the_shipped_version_1_profile_loads_and_saves_as_v2(tmp_path):
+    shipped = Path(__file__).resolve().parents[1] / "profiles" / "tiny-cpu-1f1b.yaml"
+    assert yaml.safe_load(shipped.read_text())["schema"] == "pipefisher.profile/v1"
+    profile = load_profile(shipped)
+    assert profile.method == "kfac" and all(len(layer.refresh) == 2 for s in profile.stages for layer in s.layers)
+    profile.save(tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml") == profile

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pipefisher.methods.kfac.method import KFAC
+from pipefisher.methods.registry import methods
 from pipefisher.cli.main import main
 from pipefisher.core.profile import ProfileError, load_profile, profile_from_dict
 from pipefisher.core.topology import Topology
@@ -26,7 +28,7 @@ def kfac(name, inputs, outputs, bias):
 
 
 def test_a_profile_keeps_its_degree_and_writes_it_only_above_one(tmp_path):
-    profile = transformer_profile(TIMES, 2, 2, 8, 16, 4, tensor_parallel=2)
+    profile = transformer_profile(TIMES, 2, 2, 8, 16, 4, tensor_parallel=2, rules=KFAC.rules)
     path = tmp_path / "tp.yaml"
     profile.save(path)
     assert "tensor_parallel: 2" in path.read_text() and load_profile(path) == profile
@@ -56,46 +58,56 @@ def test_layers_are_shards_whose_times_scale_by_their_sizes():
     }
     two = {
         layer.name: layer
-        for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32, tensor_parallel=2).stages
+        for stage in transformer_profile(TIMES, 2, 1, hidden, ffn, 32, tensor_parallel=2, rules=KFAC.rules).stages
         for layer in stage.layers
     }
     query, query2 = one["block0.attention.query"], two["block0.attention.query"]  # column: 1024 -> 512 outputs
     # every shard sees the whole input: its A factor is built from half the rows, then summed
-    assert query2.curvature_a == pytest.approx(query.curvature_a / 2) and query2.inverse_a == query.inverse_a
-    assert query2.curvature_b == pytest.approx(query.curvature_b / 4) and query2.inverse_b == pytest.approx(
-        query.inverse_b / 8
-    )
+    assert query2.time("curvature", 0) == pytest.approx(query.time("curvature", 0) / 2) and query2.time(
+        "refresh", 0
+    ) == query.time("refresh", 0)
+    assert query2.time("curvature", 1) == pytest.approx(query.time("curvature", 1) / 4) and query2.time(
+        "refresh", 1
+    ) == pytest.approx(query.time("refresh", 1) / 8)
     assert query2.precondition == pytest.approx(query.precondition * 1024 * 512 * 1536 / (1024 * 1024 * 2048))
-    assert (query2.capture_a_bytes, query2.capture_b_bytes) == (rows * 4 * 1024, rows * 4 * 512)
+    assert (query2.captured(0), query2.captured(1)) == (rows * 4 * 1024, rows * 4 * 512)
     out, out2 = one["block1.output"], two["block1.output"]  # row: 4096 -> 2048 inputs, the bias on shard 0
-    assert (
-        out2.inverse_a == pytest.approx(out.inverse_a * (2048 + 1) ** 3 / (4096 + 1) ** 3)
-        and out2.inverse_b == out.inverse_b
-    )
-    assert out2.curvature_b == pytest.approx(out.curvature_b / 2), (
+    assert out2.time("refresh", 0) == pytest.approx(
+        out.time("refresh", 0) * (2048 + 1) ** 3 / (4096 + 1) ** 3
+    ) and out2.time("refresh", 1) == out.time("refresh", 1)
+    assert out2.time("curvature", 1) == pytest.approx(out.time("curvature", 1) / 2), (
         "the output gradient is whole on every shard: half the rows each"
     )
-    assert (out2.capture_a_bytes, out2.capture_b_bytes) == (rows * 4 * 2048, rows * 4 * 1024)
+    assert (out2.captured(0), out2.captured(1)) == (rows * 4 * 2048, rows * 4 * 1024)
 
 
 def test_forward_and_backward_are_a_share_plus_the_modelled_allreduces():
     profile = transformer_profile(
-        TIMES, 4, 2, 8, 16, micro_batch_size=4, seq_len=2, tensor_parallel=2, tp_bandwidth_gbps=1e-6
+        TIMES,
+        4,
+        2,
+        8,
+        16,
+        micro_batch_size=4,
+        seq_len=2,
+        tensor_parallel=2,
+        tp_bandwidth_gbps=1e-6,
+        rules=KFAC.rules,
     )
     # 4 x 2 tokens x 8 wide x 4 bytes = 256 bytes; a ring all-reduce over 2 sends 256 of them; 1e3 bytes/s: 256 ms
     assert tensor_parallel_allreduce_ms(256, 2, 1e-6) == pytest.approx(256.0)
     stage = profile.stages[0]  # 2 blocks
     assert stage.forward == pytest.approx(2 * (29.2 / 2 + 2 * 256.0))
     assert stage.backward == pytest.approx(2 * (49.4 / 2 + 2 * 256.0)) and stage.weight == pytest.approx(49.4 / 2)
-    quiet = transformer_profile(TIMES, 4, 2, 8, 16, tensor_parallel=2, tp_bandwidth_gbps=None)
+    quiet = transformer_profile(TIMES, 4, 2, 8, 16, tensor_parallel=2, tp_bandwidth_gbps=None, rules=KFAC.rules)
     assert quiet.stages[0].forward == pytest.approx(29.2) and quiet.stages[0].weight == 0
 
 
 def test_an_impossible_split_names_the_degree():
     with pytest.raises(ProfileError, match="^tensor_parallel: 8 features cannot be split into 3"):
-        transformer_profile(TIMES, 2, 1, 8, 16, 4, tensor_parallel=3)
+        transformer_profile(TIMES, 2, 1, 8, 16, 4, tensor_parallel=3, rules=KFAC.rules)
     with pytest.raises(ProfileError, match="^micro_batch_size: needed"):
-        transformer_profile(TIMES, 2, 1, 8, 16, tensor_parallel=2)
+        transformer_profile(TIMES, 2, 1, 8, 16, tensor_parallel=2, rules=KFAC.rules)
 
 
 @pytest.fixture
@@ -103,7 +115,9 @@ def profiles(tmp_path):
     paths = {}
     for degree in (1, 2):
         paths[degree] = tmp_path / f"tp{degree}.yaml"
-        transformer_profile(TIMES, 4, 2, 64, 256, 8, tensor_parallel=degree).save(paths[degree])
+        transformer_profile(TIMES, 4, 2, 64, 256, 8, tensor_parallel=degree, method="kfac", rules=KFAC.rules).save(
+            paths[degree]
+        )
     return paths
 
 
@@ -145,7 +159,9 @@ def test_memory_counts_a_shard_of_each_split_linear_and_replicated_parts_whole()
     assert [(layer.a_size, layer.b_size) for layer in shard0.curvature_layers] == a_b * 2 + a_b_heads
     factors = sum(2 * (n * n * 4 + FLAG_BYTES) + COUNTER_BYTES for pair in a_b * 2 + a_b_heads for n in pair)
     topology = Topology(get_schedule("1f1b", 1, 1), 1)
-    (rank,) = rank_memory(topology, [shard0], optimizer_state("kfac", 0.9, first_order="adamw"))
+    (rank,) = rank_memory(
+        topology, [shard0], optimizer_state("kfac", 0.9, first_order="adamw", memory=methods()["kfac"].memory)
+    )
     first_order = embeddings + 4 * h * 2 + 2 * h + v  # LayerNorms of the blocks and the transform, decoder bias
     preconditioned = shard0.numel - first_order
     assert (rank.parameter_bytes, rank.gradient_bytes) == (4 * shard0.numel, 4 * shard0.numel)

@@ -85,8 +85,8 @@ def paper_scale(method: str) -> tuple[float, int]:
     from pipefisher.planning.packing.pack import pack
     from pipefisher.planning.simulate import simulate
     from pipefisher.planning.transformer_profile import BERT_SIZES, read_block_times, transformer_profile
-    from pipefisher.runtime.training import build_run
-    from pipefisher.runtime.training import pack_options
+    from pipefisher.methods.registry import method_of_profile
+    from pipefisher.runtime.training import build_run, pack_options
 
     config = load_config(PAPER_RUN).with_overrides(optimizer={"name": method})
     blocks, hidden, ffn = BERT_SIZES["bert-large"]
@@ -112,7 +112,7 @@ def paper_scale(method: str) -> tuple[float, int]:
                 for stage in profile.stages
             ),
         )
-    packed = pack(schedule, profile, pack_options(config))
+    packed = pack(schedule, profile, method_of_profile(profile).rules, pack_options(config))
     return packed.step_time, packed.refresh_steps
 
 

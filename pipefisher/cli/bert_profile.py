@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipefisher.core.usage import USAGE_ERROR, UsageError
 from pipefisher.core.profile import ProfileError
+from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
 from pipefisher.planning.transformer_profile import (
     BERT_SIZES,
     DEFAULT_TP_BANDWIDTH_GBPS,
@@ -95,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             capture_dtype_bytes=_DTYPE_BYTES[args.dtype],
             tensor_parallel=args.tensor_parallel,
             tp_bandwidth_gbps=args.tp_bandwidth,
+            method=REFERENCE_METHOD,
+            rules=task_rules(REFERENCE_METHOD),
         )
         # the table's sequence length and precision are its own, unknown here: only the model is recorded
         replace(profile, model=f"bert {model}").save(args.output)

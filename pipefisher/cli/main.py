@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from pipefisher.cli.run_file_args import (
 from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
 from pipefisher.planning.packing.text import format_pack_report
@@ -109,7 +111,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _add_simulate(subparsers) -> None:
     parser = subparsers.add_parser("simulate", help="timeline of one step: step time, busy and bubble time per device")
     add_pipeline_arguments(parser)
-    parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v1); default: unit times")
+    parser.add_argument("--profile", help="profile file (YAML or JSON, pipefisher.profile/v2); default: unit times")
     add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(handler=_cmd_simulate)
@@ -124,7 +126,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     options = PackOptions.from_section(
         placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy
     )
-    result = pack(schedule, profile, options)
+    timed = method_of_profile(profile)  # the plan names it, also where the profile does not
+    result = pack(schedule, dataclasses.replace(profile, method=timed.name), timed.rules, options)
     if args.output:
         result.plan.save(args.output)
     if args.json:
@@ -142,11 +145,11 @@ def _add_pack(subparsers) -> None:
     )
     add_pipeline_arguments(parser)
     parser.add_argument(
-        "--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v1)"
+        "--profile", required=True, help="profile file with the layers of a curvature method (pipefisher.profile/v2)"
     )
     add_tensor_parallel_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v1 JSON) here")
+    parser.add_argument("-o", "--output", help="write the plan (pipefisher.plan/v2 JSON) here")
     add_placement_arguments(parser)
     parser.add_argument(
         "--strategy", choices=STRATEGIES, default="fill", help="placement rule (published = PipeFisher's)"

@@ -53,7 +53,7 @@ def add_plan_parser(subparsers) -> None:
         action="append",
         default=[],
         metavar="FILE",
-        help="a measured profile of this run's model (pipefisher.profile/v1; repeat for other splits, "
+        help="a measured profile of this run's model (pipefisher.profile/v2; repeat for other splits, "
         "micro-batch sizes or degrees)",
     )
     parser.add_argument(

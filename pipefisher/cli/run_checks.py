@@ -9,7 +9,7 @@ import argparse
 from pipefisher.cli.args import UsageError, check_input, check_output, say
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule, ScheduleError
-from pipefisher.methods.registry import methods
+from pipefisher.methods.registry import methods, task_rules
 
 
 def check_run_outputs(config: RunConfig) -> None:
@@ -89,7 +89,7 @@ def check_plan(config: RunConfig, schedule: Schedule, reference: bool) -> None:
             f"(and pin --{config.optimizer.name}-refresh-steps K)"
         )
     try:
-        check_plan_matches(Plan.load(path), config, schedule)
+        check_plan_matches(Plan.load(path, task_rules), config, schedule)
     except ScheduleError as exc:
         message = str(exc)
         raise UsageError(message if message.startswith(path) else f"{path}: {message}") from None

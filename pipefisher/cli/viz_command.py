@@ -2,7 +2,7 @@
 
 Input: a run file (its pipeline section), or --schedule/--stages/--micro-batches (flags override
 the run file), or --compare S1,S2,... (each S a schedule name, ``S+M`` for S with PipeFisher's
-curvature packing; see `pipefisher.viz.compare`), or --timeline FILE (`pipefisher.timeline/v1`).
+curvature packing; see `pipefisher.viz.compare`), or --timeline FILE (`pipefisher.timeline/v2`).
 Output by the suffix of -o: .svg/.png (figure), .json (Chrome / Perfetto trace), .txt or - (text
 chart); --max-steps K draws only the first K steps of multi-step panels. --compare also prints a
 table per entry (bubble, k, step time, overhead), or with --json one JSON object. Without
@@ -32,6 +32,7 @@ from pipefisher.cli.args import (
     check_planning_size,
     positive_int,
 )
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.viz.compare import Compared, Setup, compare, compare_to_dict, format_compare_table
 from pipefisher.viz.compare import parse_entries as parse_compare
 from pipefisher.viz.layout import Panel, curvature_panel, first_steps, recorded_panel, schedule_panel
@@ -73,7 +74,7 @@ def add_viz_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--profile",
-        help="profile file (pipefisher.profile/v1); default: unit times (forward 1, backward 2 per stage), no curvature layers",
+        help="profile file (pipefisher.profile/v2); default: unit times (forward 1, backward 2 per stage), no curvature layers",
     )
     parser.add_argument("--json", action="store_true", help="--compare: print the table as one JSON object")
     parser.add_argument(
@@ -81,7 +82,7 @@ def add_viz_parser(subparsers: Any) -> None:
         action="store_true",
         help="pack the profile's curvature tasks into the bubbles and draw the whole refresh cycle (needs --profile with layers)",
     )
-    parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v1 JSON)")
+    parser.add_argument("--timeline", metavar="FILE", help="draw a recorded timeline (pipefisher.timeline/v2 JSON)")
     parser.add_argument(
         "--trace",
         metavar="DIR",
@@ -220,7 +221,11 @@ def build_panels(args: argparse.Namespace) -> list[Panel]:
         limit=MAX_PACKED_SLOTS if args.curvature else MAX_SIMULATED_SLOTS,
         what="packing" if args.curvature else "simulating",
     )
-    return [curvature_panel(schedule, profile) if args.curvature else schedule_panel(schedule, profile)]
+    return [
+        curvature_panel(schedule, profile, method_of_profile(profile).rules)
+        if args.curvature
+        else schedule_panel(schedule, profile)
+    ]
 
 
 def compare_entries(args: argparse.Namespace) -> tuple[list[Compared], Setup]:

@@ -1,8 +1,22 @@
 """Schedule IR: ops, per-rank op lists, their dependencies, JSON round trip and a grid printer.
 
 An `Op` names one unit of work of one pipeline step: the forward or backward of a micro-batch on a
-stage, or a K-FAC task of one layer. A `Schedule` gives every rank (device) its ordered op list;
-cross-rank order follows from the dependencies in `dependencies()`. Pure Python: no torch here.
+stage, or a task of a curvature method on one layer. A `Schedule` gives every rank (device) its
+ordered op list; cross-rank order follows from the dependencies in `dependencies()`. Pure Python:
+no torch here.
+
+A method's refresh work of a layer has parts 0..n-1 (K-FAC's A and B factors, Shampoo's left and
+right roots; the method's declaration names them), and curvature, sync and refresh ops carry the
+index of their part (`Op.part`). String form, version 2 (what `str(op)` writes):
+``[p<pipe>.]<stage><KIND>[<part>][.<micro-batch>|<micro-batch>][:<layer>]``: a kind that has parts
+(``C`` curvature, ``S`` sync, ``R`` refresh) is followed by the part's index, and then by ``.``
+and the micro-batch where it has one: ``2C0.5:block0.fc1`` (curvature of part 0 of micro-batch
+5), ``2S1:block0.fc1`` (sync of part 1), ``2R1:block0.fc1`` (refresh of part 1). The other kinds
+are written as before: ``1F3``, ``p1.0B2``, ``0W1``, ``3X:block0.fc1``, ``2P``.
+
+Version 1 (plans written before parts had indices) is read as well: ``2CA5:block0.fc1`` is
+curvature of part 0, ``CB`` of part 1; ``SA``/``SB`` syncs and ``IA``/``IB`` refresh work of parts
+0 and 1.
 """
 
 from __future__ import annotations
@@ -26,12 +40,12 @@ class OpKind(str, Enum):
     BACKWARD = "B"
     #: the weight gradient of a micro-batch, split from its backward (zero-bubble schedules)
     WEIGHT = "W"
-    CURV_A = "CA"
-    CURV_B = "CB"
-    SYNC_A = "SA"
-    SYNC_B = "SB"
-    INV_A = "IA"
-    INV_B = "IB"
+    #: a part's curvature of one micro-batch
+    CURVATURE = "C"
+    #: an all-reduce of a part's input over the stage's replicas
+    SYNC = "S"
+    #: a part's refresh work (K-FAC: an inverse; Shampoo: a root; SOAP: an eigenbasis)
+    REFRESH = "R"
     EXCHANGE = "X"
     PRECONDITION = "P"
 
@@ -48,9 +62,15 @@ class OpKind(str, Enum):
     def has_layer(self) -> bool:
         return self not in _WITHOUT_LAYER
 
+    @property
+    def has_part(self) -> bool:
+        return self in PART_KINDS
+
 
 _COMPUTE = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT})
-_WITH_MICRO_BATCH = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.CURV_A, OpKind.CURV_B})
+_WITH_MICRO_BATCH = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.CURVATURE})
+#: the kinds whose ops do the work of one part of a layer (`Op.part`)
+PART_KINDS = frozenset({OpKind.CURVATURE, OpKind.SYNC, OpKind.REFRESH})
 _WITHOUT_LAYER = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
 #: ops that change a stage's gradient of the step: it is final after the last of them on a rank
 GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
@@ -60,20 +80,32 @@ class ScheduleError(ValueError):
     """A schedule or its parameters are inconsistent; the message says what and where."""
 
 
-# Longest tokens first so that "CB" is not read as "C" + "B".
-_KIND_TOKENS = "|".join(sorted((k.value for k in OpKind), key=len, reverse=True))
+#: the version-1 tokens of the kinds with parts: (kind, part)
+_V1_TOKENS = {
+    "CA": (OpKind.CURVATURE, 0),
+    "CB": (OpKind.CURVATURE, 1),
+    "SA": (OpKind.SYNC, 0),
+    "SB": (OpKind.SYNC, 1),
+    "IA": (OpKind.REFRESH, 0),
+    "IB": (OpKind.REFRESH, 1),
+}
+_PART_TOKENS = "".join(kind.value for kind in sorted(PART_KINDS))
+_OTHER_TOKENS = "".join(kind.value for kind in OpKind if kind not in PART_KINDS)
 _OP_PATTERN = re.compile(
-    rf"^(?:p(?P<pipe>\d+)\.)?(?P<stage>\d+)(?P<kind>{_KIND_TOKENS})(?P<mb>\d+)?(?::(?P<layer>.+))?$"
+    r"^(?:p(?P<pipe>\d+)\.)?(?P<stage>\d+)(?:"
+    rf"(?P<v1>{'|'.join(_V1_TOKENS)})(?P<v1_mb>\d+)?"
+    rf"|(?P<part_kind>[{_PART_TOKENS}])(?P<part>\d+)(?:\.(?P<part_mb>\d+))?"
+    rf"|(?P<kind>[{_OTHER_TOKENS}])(?P<mb>\d+)?"
+    r")(?::(?P<layer>.+))?$"
 )
 
 
 @dataclass(frozen=True, slots=True, order=True, init=False)
 class Op:
-    """One op of a pipeline step.
-
-    String form: ``[p<pipe>.]<stage><KIND>[<micro-batch>][:<layer>]``, e.g. ``1F3`` (stage 1
-    forward of micro-batch 3), ``p1.0B2`` (pipe 1), ``2CA5:block0.fc1`` (curvature A of a layer),
-    ``2IB:block0.fc1`` (inverse B). Pipe 0 is left out. Micro-batch ids are global in a step.
+    """One op of a pipeline step; `part`: the part of a layer's work (curvature, sync, refresh
+    ops; None for the other kinds). String form as the module docstring says: ``1F3`` (stage 1
+    forward of micro-batch 3), ``p1.0B2`` (pipe 1), ``2C0.5:block0.fc1`` (curvature of part 0),
+    ``2R1:block0.fc1`` (refresh of part 1). Pipe 0 is left out. Micro-batch ids are global in a step.
     """
 
     kind: OpKind
@@ -81,10 +113,17 @@ class Op:
     micro_batch: int | None = None
     pipe: int = 0
     layer: str | None = None
+    part: int | None = None
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __init__(
-        self, kind: OpKind, stage: int, micro_batch: int | None = None, pipe: int = 0, layer: str | None = None
+        self,
+        kind: OpKind,
+        stage: int,
+        micro_batch: int | None = None,
+        pipe: int = 0,
+        layer: str | None = None,
+        part: int | None = None,
     ) -> None:
         """Set the fields once (ops are immutable; schedules build tens of thousands of them, so
         this is written out rather than generated) and check them; ScheduleError if they do not
@@ -95,46 +134,65 @@ class Op:
         set_field(self, "micro_batch", micro_batch)
         set_field(self, "pipe", pipe)
         set_field(self, "layer", layer)
-        set_field(self, "_hash", hash((kind, stage, micro_batch, pipe, layer)))
+        set_field(self, "part", part)
+        set_field(self, "_hash", hash((kind, stage, micro_batch, pipe, layer, part)))
         if (kind in _WITH_MICRO_BATCH) != (micro_batch is not None):
             need = "needs" if kind.has_micro_batch else "takes no"
             raise ScheduleError(f"op kind {kind.name} {need} a micro-batch")
         if (kind not in _WITHOUT_LAYER) != (layer is not None):
             need = "needs" if kind.has_layer else "takes no"
             raise ScheduleError(f"op kind {kind.name} {need} a layer name")
-        if stage < 0 or pipe < 0 or (micro_batch is not None and micro_batch < 0):
+        if (kind in PART_KINDS) != (part is not None):
+            need = "needs" if kind.has_part else "takes no"
+            raise ScheduleError(f"op kind {kind.name} {need} a part index")
+        if stage < 0 or pipe < 0 or (micro_batch is not None and micro_batch < 0) or (part is not None and part < 0):
             raise ScheduleError(f"op fields must be non-negative: {self!r}")
 
     def __hash__(self) -> int:
         return self._hash
 
-    def __reduce__(self) -> tuple[type[Op], tuple[OpKind, int, int | None, int, str | None]]:
+    def __reduce__(self) -> tuple[type[Op], tuple[OpKind, int, int | None, int, str | None, int | None]]:
         """Unpickle through the constructor: the cached hash depends on the process (its string
         hash seed), so another process must compute its own."""
-        return Op, (self.kind, self.stage, self.micro_batch, self.pipe, self.layer)
+        return Op, (self.kind, self.stage, self.micro_batch, self.pipe, self.layer, self.part)
+
+    @property
+    def token(self) -> str:
+        """The kind's token with the part's index (``C0``, ``R1``; ``F`` for a kind without parts)."""
+        return self.kind.value if self.part is None else f"{self.kind.value}{self.part}"
 
     def __str__(self) -> str:
         text = f"p{self.pipe}." if self.pipe else ""
-        text += f"{self.stage}{self.kind.value}"
+        text += f"{self.stage}{self.token}"
         if self.micro_batch is not None:
-            text += str(self.micro_batch)
+            text += f".{self.micro_batch}" if self.part is not None else str(self.micro_batch)
         if self.layer is not None:
             text += f":{self.layer}"
         return text
 
     @classmethod
     def parse(cls, text: str) -> Op:
-        """Inverse of `str(op)`."""
+        """Inverse of `str(op)`; reads the version-1 form as well (module docstring)."""
         match = _OP_PATTERN.match(text.strip())
         if match is None:
-            raise ScheduleError(f"cannot parse op {text!r}: expected [p<pipe>.]<stage><KIND>[<micro-batch>][:<layer>]")
-        mb = match["mb"]
+            raise ScheduleError(
+                f"cannot parse op {text!r}: expected [p<pipe>.]<stage><KIND>[<part>][.<micro-batch>][:<layer>]"
+            )
+        part: int | None = None
+        if match["v1"] is not None:
+            kind, part = _V1_TOKENS[match["v1"]]
+            mb = match["v1_mb"]
+        elif match["part_kind"] is not None:
+            kind, part, mb = OpKind(match["part_kind"]), int(match["part"]), match["part_mb"]
+        else:
+            kind, mb = OpKind(match["kind"]), match["mb"]
         return cls(
-            kind=OpKind(match["kind"]),
+            kind=kind,
             stage=int(match["stage"]),
             micro_batch=int(mb) if mb is not None else None,
             pipe=int(match["pipe"] or 0),
             layer=match["layer"],
+            part=part,
         )
 
     @property
@@ -247,18 +305,15 @@ class Schedule:
 
 
 def stage_dependencies(kind: OpKind, stage: int, num_stages: int) -> tuple[tuple[OpKind, int], ...]:
-    """(kind, stage) of each op that an op of `kind` on `stage` waits for; all of them share its
-    pipe and micro-batch and take no layer. The rule behind `dependencies`, on op fields alone."""
+    """(kind, stage) of each compute op that a compute op of `kind` on `stage` waits for; all of
+    them share its pipe and micro-batch. The rule behind `dependencies`, on op fields alone
+    (what a curvature op reads depends on its method: `pipefisher.planning.tasks`)."""
     if kind is OpKind.FORWARD:
         return ((OpKind.FORWARD, stage - 1),) if stage > 0 else ()
     if kind is OpKind.BACKWARD:
         own = (OpKind.FORWARD, stage)
         return (own, (OpKind.BACKWARD, stage + 1)) if stage < num_stages - 1 else (own,)
     if kind is OpKind.WEIGHT:
-        return ((OpKind.BACKWARD, stage),)
-    if kind is OpKind.CURV_A:
-        return ((OpKind.FORWARD, stage),)
-    if kind is OpKind.CURV_B:
         return ((OpKind.BACKWARD, stage),)
     return ()
 
@@ -267,9 +322,10 @@ def dependencies(op: Op, num_stages: int) -> tuple[Op, ...]:
     """Ops (of the same step) that must finish before `op` may start, across ranks.
 
     Forward of stage s needs stage s-1's forward; backward needs its own forward and stage s+1's
-    backward; a weight gradient needs its backward (input gradient); curvature A/B needs the forward/backward of its micro-batch. Dependencies among
-    K-FAC ops of one layer (sync after all curvature, inverse after sync) are the packer's
-    business, since they span steps of a refresh cycle.
+    backward; a weight gradient needs its backward (input gradient). Dependencies of a method's
+    ops (curvature after the forward or backward it reads, sync after all curvature, refresh after
+    sync) are the task graph's business (`pipefisher.planning.tasks`), since they follow the
+    method's rules and span steps of a refresh cycle.
     """
     rule = stage_dependencies(op.kind, op.stage, num_stages)
     return tuple([Op(kind, stage, op.micro_batch, op.pipe) for kind, stage in rule])

@@ -1,27 +1,37 @@
-"""The stable profile format `pipefisher.profile/v1`: per-stage and per-layer op times.
+"""The stable profile format `pipefisher.profile/v2`: per-stage and per-layer op times.
 
 All times are in the profile's `time_unit` (ms by default). Forward, backward and curvature times
-are per micro-batch; inverse and sync times per refresh; precondition, gradient reduction and
+are per micro-batch; sync and refresh times per refresh; precondition, gradient reduction and
 step end per step.
-Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].inverse_a``).
+Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].refresh``).
+
+A layer's times are those of its `method`'s tasks, whose work has parts 0..n-1 (the method's
+declaration names them: K-FAC's A and B factors, Shampoo's left and right roots): ``curvature``,
+``sync`` and ``refresh`` are lists by part index (a part past a list's end takes 0), and
+``precondition`` one time. ``capture_bytes`` (a list by part: the bytes one micro-batch's capture
+holds; 0 or absent = unknown). The key of one part's time is ``<work>.<part>`` (`time_key`:
+``refresh.1``), which is how ``samples`` (the measured repeats of each time field, whose median
+the field is; ``Profile.at_percentile(q)`` takes their q-th percentile instead) and the methods'
+timers name it.
 
 Optional additions, each absent from files written before it (read as before; docs/profile-format.md
-has every field): ``samples`` of a stage or layer (the measured repeats of each time field, whose
-median the field is; ``Profile.at_percentile(q)`` takes their q-th percentile instead);
-``capture_a_bytes`` / ``capture_b_bytes`` of a layer (bytes one micro-batch's capture holds; 0 =
-unknown); ``weight`` of a stage (the weight-gradient part of `backward`, the W op of zero-bubble
-schedules; 0 = half of it); and of the profile: ``tensor_parallel`` (times and sizes are ONE
-tensor-parallel rank's; 1 when left out), ``recompute`` (`RECOMPUTE_MODES`: the backward includes
-recomputing that part of the forward) and ``seq_len``, ``precision``, ``model`` (what it was
-measured at, like `micro_batch_size`; absent = unknown, and a run checks only what it records).
+has every field): ``samples`` of a stage or layer; ``weight`` of a stage (the weight-gradient part
+of `backward`, the W op of zero-bubble schedules; 0 = half of it); and of the profile:
+``tensor_parallel`` (times and sizes are ONE tensor-parallel rank's; 1 when left out),
+``recompute`` (`RECOMPUTE_MODES`: the backward includes recomputing that part of the forward) and
+``seq_len``, ``precision``, ``model`` (what it was measured at, like `micro_batch_size`; absent =
+unknown, and a run checks only what it records).
+
+Version 1 files (`pipefisher.profile/v1`, layer times by letter: ``curvature_a``, ``inverse_b``)
+are read unchanged through `pipefisher.core.profile_v1`; files are written as v2.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -30,81 +40,101 @@ import yaml
 from pipefisher.core.files import load_structured, write_text_atomically
 from pipefisher.core.names import PRECISIONS, RECOMPUTE_MODES
 from pipefisher.core.percentile import check_percentile, percentile
-from pipefisher.methods.registry import DEFAULT_METHOD, methods
+from pipefisher.core.profile_checks import (
+    ProfileError,
+    Samples,
+    byte_count,
+    check_samples,
+    check_time,
+    mapping,
+    time_field,
+)
+from pipefisher.core.profile_v1 import SCHEMA_V1, upgrade_v1
 
-
-SCHEMA = "pipefisher.profile/v1"
+SCHEMA = "pipefisher.profile/v2"
 #: stage times written only where non-zero (0 when a file leaves them out)
 _OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce", "weight")
-#: layer times a file may leave out (0)
-_OPTIONAL_LAYER_TIMES = ("sync_a", "sync_b")
+#: the work of a layer that has a time per part, in file order
+PART_WORK = ("curvature", "sync", "refresh")
 TIME_UNITS = ("s", "ms", "us", "units")
+_PART_KEY = re.compile(rf"^({'|'.join(PART_WORK)})\.(0|[1-9][0-9]*)$")
 
 
-class ProfileError(ValueError):
-    """A profile is malformed; the message names the field and how to fix it."""
+def time_key(work: str, part: int | None = None) -> str:
+    """The key of a layer's time of `work` (one of `PART_WORK`, with its `part`; or "precondition")."""
+    return work if part is None else f"{work}.{part}"
 
 
-class Samples(Mapping[str, tuple[float, ...]]):
-    """Immutable, hashable mapping: time field -> its measured values (the field's unit)."""
-
-    def __init__(self, values: Mapping[str, Iterable[float]] | None = None) -> None:
-        self._values = {name: tuple(float(v) for v in vs) for name, vs in (values or {}).items()}
-
-    def __getitem__(self, name: str) -> tuple[float, ...]:
-        return self._values[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._values.items())))
-
-    def __repr__(self) -> str:
-        return f"Samples({self._values!r})"
+def _trimmed(values: Iterable[float]) -> tuple[float, ...]:
+    """`values` without trailing zeros: a part past the end takes 0, so both mean the same."""
+    found = [float(v) for v in values]
+    while found and not found[-1]:
+        found.pop()
+    return tuple(found)
 
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """K-FAC costs of one Linear layer of a stage; `samples` and capture sizes as the module
-    docstring says. A plain mapping given as `samples` is checked and stored as `Samples`."""
-
-    TIME_FIELDS: ClassVar[tuple[str, ...]] = (
-        "curvature_a",
-        "curvature_b",
-        "inverse_a",
-        "inverse_b",
-        "precondition",
-        "sync_a",
-        "sync_b",
-    )
-    BYTE_FIELDS: ClassVar[tuple[str, ...]] = ("capture_a_bytes", "capture_b_bytes")
+    """The costs of its method's tasks on one layer of a stage: per part (index) `curvature`,
+    `sync` and `refresh` times and `capture_bytes`, and the `precondition` time; `samples` keyed
+    by `time_key`. Lists are kept without trailing zeros (a missing part takes 0). A plain mapping
+    given as `samples` is checked and stored as `Samples`."""
 
     name: str
-    curvature_a: float
-    curvature_b: float
-    inverse_a: float
-    inverse_b: float
-    precondition: float
-    sync_a: float = 0.0
-    sync_b: float = 0.0
-    capture_a_bytes: int = 0
-    capture_b_bytes: int = 0
+    _: KW_ONLY
+    curvature: tuple[float, ...] = ()
+    sync: tuple[float, ...] = ()
+    refresh: tuple[float, ...] = ()
+    precondition: float = 0.0
+    capture_bytes: tuple[int, ...] = ()
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", _samples(self.samples, self.TIME_FIELDS, "samples"))
+        for work in PART_WORK:
+            object.__setattr__(self, work, _trimmed(getattr(self, work)))
+        object.__setattr__(self, "capture_bytes", tuple(int(b) for b in _trimmed(self.capture_bytes)))
+        object.__setattr__(self, "samples", check_samples(self.samples, _layer_key, "samples"))
+
+    def time(self, work: str, part: int | None = None) -> float:
+        """The time of `work` ("precondition", or one of `PART_WORK` with its part)."""
+        if part is None:
+            return float(getattr(self, work))
+        values = getattr(self, work)
+        return values[part] if part < len(values) else 0.0
+
+    def captured(self, part: int) -> int:
+        """Bytes one micro-batch's capture of `part` holds (0 = unknown)."""
+        return self.capture_bytes[part] if part < len(self.capture_bytes) else 0
+
+    def with_times(self, times: Mapping[str, float]) -> LayerProfile:
+        """This layer with the times of `times` (keyed by `time_key`) replaced."""
+        changes: dict[str, Any] = {}
+        for key, value in times.items():
+            match = _PART_KEY.match(key)
+            if match is None:
+                changes[key] = value
+                continue
+            work, part = match[1], int(match[2])
+            values = list(changes.get(work, getattr(self, work)))
+            values += [0.0] * (part + 1 - len(values))
+            values[part] = value
+            changes[work] = tuple(values)
+        return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The file's fields; capture sizes and samples only where given."""
-        data: dict[str, Any] = {"name": self.name, **{key: getattr(self, key) for key in self.TIME_FIELDS}}
-        data.update({key: getattr(self, key) for key in self.BYTE_FIELDS if getattr(self, key)})
+        """The file's fields; part lists, capture sizes and samples only where given."""
+        data: dict[str, Any] = {"name": self.name}
+        data.update({work: list(getattr(self, work)) for work in PART_WORK if getattr(self, work)})
+        data["precondition"] = self.precondition
+        if self.capture_bytes:
+            data["capture_bytes"] = list(self.capture_bytes)
         if self.samples:
             data["samples"] = {key: list(values) for key, values in self.samples.items()}
         return data
+
+
+def _layer_key(key: str) -> bool:
+    return key == "precondition" or _PART_KEY.match(key) is not None
 
 
 @dataclass(frozen=True)
@@ -129,7 +159,12 @@ class StageProfile:
     weight: float = 0.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "samples", _samples(self.samples, self.TIME_FIELDS, "samples"))
+        object.__setattr__(self, "samples", check_samples(self.samples, self.TIME_FIELDS.__contains__, "samples"))
+
+    def with_times(self, times: Mapping[str, float]) -> StageProfile:
+        """This stage with the times of `times` (keyed by field) replaced."""
+        changes: dict[str, Any] = dict(times)
+        return replace(self, **changes)
 
     @property
     def weight_gradient(self) -> float:
@@ -155,19 +190,19 @@ class StageProfile:
 
     @property
     def curvature_time(self) -> float:
-        """Curvature A and B of all layers for one micro-batch."""
-        return sum(layer.curvature_a + layer.curvature_b for layer in self.layers)
+        """The curvature of every part of all layers for one micro-batch."""
+        return sum(sum(layer.curvature) for layer in self.layers)
 
     @property
-    def inverse_time(self) -> float:
-        """Inverting all factors once."""
-        return sum(layer.inverse_a + layer.inverse_b for layer in self.layers)
+    def refresh_time(self) -> float:
+        """The refresh work of every part of all layers, once."""
+        return sum(sum(layer.refresh) for layer in self.layers)
 
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-stage costs; `method`: the curvature method whose tasks the layers' times are
-    (a name in `pipefisher.methods.registry`; written only when not `DEFAULT_METHOD`);
+    """Per-stage costs; `method`: the name of the curvature method whose tasks the layers' times
+    are ("" = none said; a v1 file without one reads as `V1_METHOD`'s);
     `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are; `recompute`: the
     activation recomputation the backward times include; `micro_batch_size`, `seq_len`,
     `precision`, `model`: what the times were measured at (None or "": unknown; module docstring)."""
@@ -176,7 +211,7 @@ class Profile:
     time_unit: str = "ms"
     device: str = ""
     micro_batch_size: int | None = None
-    method: str = DEFAULT_METHOD
+    method: str = ""
     tensor_parallel: int = 1
     recompute: str = "none"
     seq_len: int | None = None
@@ -212,7 +247,7 @@ class Profile:
         data: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "time_unit": self.time_unit}
         if self.micro_batch_size is not None:
             data["micro_batch_size"] = self.micro_batch_size
-        if self.method != DEFAULT_METHOD:
+        if self.method:
             data["method"] = self.method
         if self.tensor_parallel > 1:
             data["tensor_parallel"] = self.tensor_parallel
@@ -231,7 +266,7 @@ class Profile:
 
 
 def uniform_profile(num_stages: int, forward: float = 1.0, backward: float = 2.0, p2p: float = 0.0) -> Profile:
-    """Identical stages without K-FAC layers, in abstract time units."""
+    """Identical stages without curvature layers, in abstract time units."""
     stage = StageProfile(forward=forward, backward=backward, p2p=p2p)
     return Profile(stages=(stage,) * num_stages, time_unit="units", device="uniform")
 
@@ -241,74 +276,41 @@ Timed = TypeVar("Timed", LayerProfile, StageProfile)
 
 def _at_percentile(item: Timed, q: float) -> Timed:
     times: dict[str, Any] = {key: percentile(values, q) for key, values in item.samples.items()}
-    return replace(item, **times)
+    return item.with_times(times)
 
 
-def _check_time(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProfileError(f"{where}: {value!r} is not a finite number")
-    if value < 0:
-        raise ProfileError(f"{where}: {value} is negative; times must be >= 0")
-    return float(value)
-
-
-def _time(data: dict, key: str, where: str, required: bool = True) -> float:
-    if key not in data:
-        if required:
-            raise ProfileError(f"{where}.{key}: missing; give a time in the profile's time_unit")
-        return 0.0
-    return _check_time(data[key], f"{where}.{key}")
-
-
-def _bytes(data: dict, key: str, where: str) -> int:
-    value = data.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ProfileError(f"{where}.{key}: {value!r} is not a non-negative integer (bytes)")
-    return value
-
-
-def _samples(data: Any, known: tuple[str, ...], where: str) -> Samples:
-    """Checked samples: known time fields, each a non-empty list of finite times >= 0."""
-    data = _mapping(data, where)
-    for key, values in data.items():
-        if key not in known:
-            raise ProfileError(f"{where}.{key}: unknown time field; known: {', '.join(known)}")
-        if not isinstance(values, (list, tuple)) or not values:
-            raise ProfileError(f"{where}.{key}: expected a non-empty list of times")
-        for i, value in enumerate(values):
-            _check_time(value, f"{where}.{key}[{i}]")
-    return data if isinstance(data, Samples) else Samples(data)
-
-
-def _reject_unknown(data: dict, cls: type, where: str, extra: tuple[str, ...] = ()) -> None:
+def _reject_unknown(data: Mapping, cls: type, where: str, extra: tuple[str, ...] = ()) -> None:
     known = {f.name for f in fields(cls)} | set(extra)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ProfileError(f"{where}: unknown field {unknown[0]!r}; known fields are {', '.join(sorted(known))}")
 
 
-def _mapping(value: Any, where: str) -> Mapping:
-    if not isinstance(value, Mapping):
-        raise ProfileError(f"{where}: expected a mapping, got {type(value).__name__}")
-    return value
+def _part_list(data: Mapping, key: str, where: str, check: Any) -> tuple:
+    values = data.get(key, [])
+    if not isinstance(values, list):
+        raise ProfileError(f"{where}.{key}: expected a list by part index, e.g. [{key} of part 0, of part 1]")
+    return tuple(check(value, f"{where}.{key}[{i}]") for i, value in enumerate(values))
 
 
 def _layer(data: Any, where: str) -> LayerProfile:
-    data = _mapping(data, where)
+    data = mapping(data, where)
     _reject_unknown(data, LayerProfile, where)
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{where}.name: missing; give the layer's module name")
-    times: dict[str, Any] = {
-        key: _time(data, key, where, required=key not in _OPTIONAL_LAYER_TIMES) for key in LayerProfile.TIME_FIELDS
-    }
-    sizes: dict[str, Any] = {key: _bytes(data, key, where) for key in LayerProfile.BYTE_FIELDS}
-    samples = _samples(data.get("samples", {}), LayerProfile.TIME_FIELDS, f"{where}.samples")
-    return LayerProfile(name=name, **times, **sizes, samples=samples)
+    parts: dict[str, Any] = {work: _part_list(data, work, where, check_time) for work in PART_WORK}
+    return LayerProfile(
+        name=name,
+        **parts,
+        precondition=time_field(data, "precondition", where, required=False),
+        capture_bytes=_part_list(data, "capture_bytes", where, byte_count),
+        samples=check_samples(data.get("samples", {}), _layer_key, f"{where}.samples"),
+    )
 
 
 def _stage(data: Any, where: str) -> StageProfile:
-    data = _mapping(data, where)
+    data = mapping(data, where)
     _reject_unknown(data, StageProfile, where)
     layers = data.get("layers") or []
     if not isinstance(layers, list):
@@ -318,28 +320,31 @@ def _stage(data: Any, where: str) -> StageProfile:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
         raise ProfileError(f"{where}.layers: layer name {duplicate!r} appears twice")
-    if _time(data, "weight", where, required=False) > _time(data, "backward", where):
+    if time_field(data, "weight", where, required=False) > time_field(data, "backward", where):
         raise ProfileError(
             f"{where}.weight: {data['weight']} exceeds backward {data['backward']}; it is the weight-gradient part of the backward"
         )
     return StageProfile(
-        forward=_time(data, "forward", where),
-        backward=_time(data, "backward", where),
-        p2p=_time(data, "p2p", where, required=False),
-        step_end=_time(data, "step_end", where, required=False),
-        grad_reduce=_time(data, "grad_reduce", where, required=False),
-        weight=_time(data, "weight", where, required=False),
+        forward=time_field(data, "forward", where),
+        backward=time_field(data, "backward", where),
+        p2p=time_field(data, "p2p", where, required=False),
+        step_end=time_field(data, "step_end", where, required=False),
+        grad_reduce=time_field(data, "grad_reduce", where, required=False),
+        weight=time_field(data, "weight", where, required=False),
         layers=parsed,
-        samples=_samples(data.get("samples", {}), StageProfile.TIME_FIELDS, f"{where}.samples"),
+        samples=check_samples(data.get("samples", {}), StageProfile.TIME_FIELDS.__contains__, f"{where}.samples"),
     )
 
 
 def profile_from_dict(data: Any) -> Profile:
-    data = _mapping(data, "profile")
+    """The profile of a file's content, v2 or v1 (a file without `schema` is v1's)."""
+    data = mapping(data, "profile")
     _reject_unknown(data, Profile, "profile", extra=("schema",))
-    schema = data.get("schema", SCHEMA)
-    if schema != SCHEMA:
-        raise ProfileError(f"schema: {schema!r} is not supported; expected {SCHEMA!r}")
+    schema = data.get("schema", SCHEMA_V1)
+    if schema not in (SCHEMA, SCHEMA_V1):
+        raise ProfileError(f"schema: {schema!r} is not supported; expected {SCHEMA!r} or {SCHEMA_V1!r}")
+    if schema == SCHEMA_V1:
+        data = upgrade_v1(dict(data))
     unit = data.get("time_unit", "ms")
     if unit not in TIME_UNITS:
         raise ProfileError(f"time_unit: {unit!r} is not one of {', '.join(TIME_UNITS)}")
@@ -351,9 +356,9 @@ def profile_from_dict(data: Any) -> Profile:
         raise ProfileError(
             f"tensor_parallel: {degree!r} must be a positive integer (the tensor-parallel degree; 1 = none)"
         )
-    method = data.get("method", DEFAULT_METHOD)
-    if method not in methods():
-        raise ProfileError(f"method: {method!r} is not one of {', '.join(methods())}")
+    method = data.get("method", "")
+    if not isinstance(method, str) or not (method == "" or method.isidentifier()):
+        raise ProfileError(f"method: {method!r} must be the name of a curvature method (an identifier)")
     recompute = data.get("recompute", "none")
     if recompute not in RECOMPUTE_MODES:
         raise ProfileError(

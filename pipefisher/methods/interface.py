@@ -25,8 +25,10 @@ from pipefisher.planning.comm.plan import inverse_owners
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.primitives.comm import Comm, Handle
 
-#: (time field -> samples in ms, capture_a_bytes/capture_b_bytes -> bytes) of one layer
-LayerMeasurement = tuple[dict[str, list[float]], dict[str, int]]
+#: (time key -> samples in ms, part -> bytes of one micro-batch's capture) of one layer; the time
+#: keys are `pipefisher.core.profile.time_key`s (``refresh.1``), those of the method's
+#: `TaskRules.timed_fields`
+LayerMeasurement = tuple[dict[str, list[float]], dict[int, int]]
 
 
 def tied_copies(model) -> tuple[str, ...]:
@@ -47,7 +49,7 @@ def broadcast_from_owner(
     receive: Callable[[Tensor], None],
     sent: Callable[[], None] | None = None,
 ) -> Handle:
-    """An exchange: the refresh result of `collective.key` = (stage, layer, factor) (an inverse, a
+    """An exchange: the refresh result of `collective.key` = (stage, layer, part) (an inverse, a
     root) goes from the owner pipe's rank of data-parallel replica 0 (`shared()`; `sent()` runs
     there once it is out) to the stage's other replicas, which receive into `buffer()` and hand it
     to `receive` once it arrived."""
@@ -72,7 +74,7 @@ class CurvatureRuntime:
     `shared_statistics`: the (stage, layer, part) statistics its tensor-parallel processes build
     in shares (`TaskRules.shared_statistics`)."""
 
-    shared_statistics: frozenset[tuple[int, str, str]] = frozenset()
+    shared_statistics: frozenset[tuple[int, str, int]] = frozenset()
     #: its engines by (pipe, stage)
     engines: Mapping[tuple[int, int], CurvatureEngine]
     #: keys of an engine's state dict ("" = the state dict itself) whose values are dicts keyed by
@@ -170,8 +172,11 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
         self._final_kind = OpKind.WEIGHT if splits_backward(ops) else OpKind.BACKWARD
         self._gradient_ops = Counter((op.pipe, op.stage) for op in ops if op.kind is self._final_kind)
         self._gradient_ops_run: Counter[tuple[int, int]] = Counter()
-        self.owners: dict[tuple[int, str, str], int] = {}
+        self.owners: dict[tuple[int, str, int], int] = {}
         self.set_plan(plan)
+
+    #: what the engine calls part i in its methods (the built-ins: "A", "B"); () = the index itself
+    engine_parts: tuple[str, ...] = ()
 
     def build_engine(self, config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> E:
         """The method's engine of one stage's `module` (its layers not matching `skip`)."""
@@ -184,12 +189,12 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
     def set_plan(self, plan: Plan | None) -> None:
         self.owners = inverse_owners(plan) if plan is not None else {}
 
-    def owner(self, stage: int, layer: str, part: str) -> int:
+    def owner(self, stage: int, layer: str, part: int) -> int:
         """The pipe whose replica 0 computes the refresh work of (`stage`, `layer`, `part`)."""
         return self.owners[(stage, layer, part)]
 
-    def owns(self, op: Op, part: str) -> bool:
-        """Whether `op` (an IA/IB, an X) runs on the pipe that computes `part` of its layer; an X
+    def owns(self, op: Op, part: int) -> bool:
+        """Whether `op` (a refresh op, an X) runs on the pipe that computes `part` of its layer; an X
         on another pipe folds the synced statistic and receives the result by `broadcast`."""
         return op.layer is not None and self.owner(op.stage, op.layer, part) == op.pipe
 
@@ -229,14 +234,16 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
     def exchange(
         self,
         collective: Collective,
-        shared: Callable[[E, str, str], Tensor],
-        buffer: Callable[[E, str, str], Tensor],
-        receive: Callable[[E, str, str, Tensor], None],
+        shared: Callable[[E, str, Any], Tensor],
+        buffer: Callable[[E, str, Any], Tensor],
+        receive: Callable[[E, str, Any, Tensor], None],
     ) -> Handle:
         """`broadcast` of a result the stage's engine holds: `shared(engine, layer, part)` on the
         owner, `buffer(engine, layer, part)` elsewhere, then `receive(engine, layer, part, tensor)`
-        (the engine class's methods fit: `ShampooEngine.shared_root`)."""
-        stage, layer, part = collective.key
+        (the engine class's methods fit: `ShampooEngine.shared_root`); `part` as the engine names
+        it (`engine_parts`)."""
+        stage, layer, index = collective.key
+        part = self.engine_parts[index] if self.engine_parts else index
         engine = self.engine_of_stage[stage]
         return self.broadcast(
             collective,

@@ -23,9 +23,13 @@ from pipefisher.methods.shampoo.method import SHAMPOO
 from pipefisher.methods.soap.method import SOAP
 
 ENTRY_POINT_GROUP = "pipefisher.methods"
-#: the method of profile and plan files written before they named one, and the method whose
-#: tasks `pipefisher profile` times for a first-order run
+#: the method whose tasks `pipefisher profile` times for a first-order run, and the method of a
+#: profile that names none (one built in memory, e.g. from the PipeFisher CSVs; files of format v1
+#: that name none are K-FAC's by their own rule, `pipefisher.core.profile_v1.V1_METHOD`)
 DEFAULT_METHOD = KFAC.name
+#: the method whose task times the PipeFisher reference CSVs hold (`pipefisher bert-profile`, the
+#: layout planner's modelled profiles)
+REFERENCE_METHOD = KFAC.name
 
 _BUILT_IN: tuple[CurvatureMethod, ...] = (KFAC, SHAMPOO, MUON, SOAP)
 _METHODS: dict[str, CurvatureMethod] = {method.name: method for method in _BUILT_IN}
@@ -98,6 +102,12 @@ def method(name: str) -> CurvatureMethod:
     if name not in known:
         raise ScheduleError(f"method: {name!r} is not a curvature method; use one of {', '.join(known)}")
     return known[name]
+
+
+def method_of_profile(profile) -> CurvatureMethod:
+    """The method whose tasks the layer times of `profile` (a `Profile`) are: the one it names,
+    `DEFAULT_METHOD` where it names none (ScheduleError as `method`)."""
+    return method(profile.method or DEFAULT_METHOD)
 
 
 def task_rules(name: str) -> TaskRules:

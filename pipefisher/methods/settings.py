@@ -59,9 +59,9 @@ class RefreshConfig:
         0.0, "cap on captures held per device, MiB (packed plans)", low=0, note="0 = no cap"
     )
     split: bool = setting(True, "spread a stage's refresh work over its pipes' replicas and exchange the results")
-    profile: str = setting("", 'a pipefisher.profile/v1 file of this run ("" = measure one before training)')
+    profile: str = setting("", 'a pipefisher.profile/v2 file of this run ("" = measure one before training)')
     plan: str = setting(
-        "", 'a pipefisher.plan/v1 file (`pipefisher pack -o`) to run as it is instead of packing ("" = pack)'
+        "", 'a pipefisher.plan/v2 file (`pipefisher pack -o`) to run as it is instead of packing ("" = pack)'
     )
     reprofile_threshold: float = setting(
         0.25, "re-profile when the cycle time drifts from the prediction by this share", low=0, low_open=True

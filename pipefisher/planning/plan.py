@@ -1,7 +1,15 @@
-"""A Plan: per-rank op lists for every step of a refresh cycle, K-FAC ops in execution order.
+"""A Plan: per-rank op lists for every step of a refresh cycle, a curvature method's ops in
+execution order.
 
 The executor runs exactly these lists, step after step, cycle after cycle. `validate_plan`
 checks a plan without its profile; `simulate_plan` predicts its timeline with one.
+
+The plan file, `pipefisher.plan/v2`: ``{"schema", "method", "schedule", "steps"}``, `steps` a list
+(steps of the cycle) of lists (ranks) of ops in the string form of `pipefisher.core.ir` version 2
+(``2C0.5:block0.fc1``, ``2R1:block0.fc1``). Version 1 files (`pipefisher.plan/v1`, whose ops are
+written ``2CA5:block0.fc1``, ``2IB:block0.fc1``) are read as well; a v1 file without `method`
+is K-FAC's (`V1_METHOD`). The file names its method; the method's `TaskRules` come from whoever
+loads it (`Plan.load(path, rules_of)`), since planning knows no method by name.
 """
 
 from __future__ import annotations
@@ -9,18 +17,23 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipefisher.core.files import load_structured, write_text_atomically
 from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
 from pipefisher.core.profile import Profile
-from pipefisher.methods.registry import DEFAULT_METHOD, task_rules
+from pipefisher.core.profile_v1 import V1_METHOD
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
-from pipefisher.planning.tasks import CYCLE_KINDS, SYNC, TaskGraph, collective_groups
+from pipefisher.planning.tasks import CYCLE_KINDS, TaskGraph, collective_groups
+from pipefisher.planning.vocabulary import TaskRules
 from pipefisher.schedules.validate import execution_order, validate
 
-PLAN_SCHEMA = "pipefisher.plan/v1"
+PLAN_SCHEMA = "pipefisher.plan/v2"
+PLAN_SCHEMA_V1 = "pipefisher.plan/v1"
+#: the task rules of a method, by its name (the caller's lookup: the method registry)
+RulesOf = Callable[[str], TaskRules]
 
 
 @dataclass(frozen=True)
@@ -28,18 +41,20 @@ class Plan:
     """`steps[j][rank]`: the ops `rank` runs in step j of the cycle (0-based; len = refresh interval).
 
     Every step holds the schedule's forward/backward ops in the schedule's order; the ops of
-    curvature method `method` (`pipefisher.methods.registry`) are inserted among them. Where the schedule
+    curvature method `method` (its name; `rules` its task rules, None for a plan of forward and
+    backward ops alone) are inserted among them. Where the schedule
     splits the backward, every step holds each of its weight gradients (W) once, on the same rank,
     but the packer may move them within the step (after their backward, before their stage's
     precondition), holding no more pending weight gradients or activations on a rank than the
     schedule does (`weight_memory_problem`). Curvature in step 0
-    reads that step's activations (or gradient); later steps reuse them; new inverses (roots) take
-    effect at the first step of the next cycle.
+    reads that step's activations (or gradient); later steps reuse them; the results of the
+    refresh work take effect at the first step of the next cycle.
     """
 
     schedule: Schedule
     steps: tuple[tuple[tuple[Op, ...], ...], ...]
-    method: str = DEFAULT_METHOD
+    method: str = ""
+    rules: TaskRules | None = None
 
     @property
     def refresh_steps(self) -> int:
@@ -51,7 +66,16 @@ class Plan:
 
     @property
     def graph(self) -> TaskGraph:
-        return TaskGraph(self.schedule, self.curvature_ops(), task_rules(self.method))
+        ops = self.curvature_ops()
+        return TaskGraph(self.schedule, ops, self.task_rules() if ops else None)
+
+    def task_rules(self) -> TaskRules:
+        """Its method's rules; ScheduleError when it was made without them."""
+        if self.rules is None:
+            raise ScheduleError(
+                f"plan of method {self.method or 'none'}: its task rules are needed; load it with the method's rules"
+            )
+        return self.rules
 
     def to_dict(self) -> dict:
         return {
@@ -62,26 +86,30 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> Plan:
-        if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
-            raise ScheduleError(
-                f"schema: {data.get('schema') if isinstance(data, dict) else None!r} is not {PLAN_SCHEMA!r}"
-            )
+    def from_dict(cls, data: dict, rules_of: RulesOf | None = None) -> Plan:
+        """The plan of a file's content (v2 or v1); `rules_of` gives its method's rules (None:
+        a plan without them, whose method's ops can be read but not checked or simulated)."""
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if schema not in (PLAN_SCHEMA, PLAN_SCHEMA_V1):
+            raise ScheduleError(f"schema: {schema!r} is not {PLAN_SCHEMA!r} or {PLAN_SCHEMA_V1!r}")
         try:
             steps = tuple(tuple(tuple(Op.parse(text) for text in ops) for ops in step) for step in data["steps"])
         except (KeyError, TypeError) as exc:
             raise ScheduleError(f"malformed plan JSON: {exc!r}") from None
-        method = str(data.get("method", DEFAULT_METHOD))
-        task_rules(method)
-        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method)
+        method = str(data.get("method", V1_METHOD if schema == PLAN_SCHEMA_V1 else ""))
+        rules = rules_of(method) if rules_of is not None and method else None
+        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method, rules=rules)
 
     def save(self, path: str | Path) -> None:
         write_text_atomically(path, json.dumps(self.to_dict()) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        """The plan in file `path`; ScheduleError naming the file for anything that is not one."""
-        return load_structured(path, "plan", cls.from_dict, ScheduleError, schema=PLAN_SCHEMA)
+    def load(cls, path: str | Path, rules_of: RulesOf | None = None) -> Plan:
+        """The plan in file `path` (`from_dict`); ScheduleError naming the file for anything that
+        is not one."""
+        return load_structured(
+            path, "plan", lambda data: cls.from_dict(data, rules_of), ScheduleError, schema=PLAN_SCHEMA
+        )
 
 
 def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):
@@ -138,7 +166,7 @@ def _check_collective_order(plan: Plan) -> None:
         for rank, ops in enumerate(step):
             for op in ops:
                 if op.kind in COLLECTIVES:
-                    sequences[groups[op.stage]][rank].append((op.kind.value, op.stage, op.layer))
+                    sequences[groups[op.stage]][rank].append((op.token, op.stage, op.layer))
     for group, per_rank in sequences.items():
         orders = {rank: per_rank.get(rank, []) for rank in sorted(group)}
         first_rank, first = next(iter(orders.items()))
@@ -155,16 +183,23 @@ def _check_collective_order(plan: Plan) -> None:
 
 
 def _check_method_kinds(plan: Plan) -> None:
-    """Every op is of a kind the plan's method has (`TaskRules`)."""
-    rules = task_rules(plan.method)
-    allowed = {OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE} | {SYNC[factor] for factor in rules.syncs}
+    """Every op is of a kind (and part) the plan's method has (`TaskRules`)."""
+    ops = plan.curvature_ops()
+    if not ops:
+        return
+    rules = plan.task_rules()
+    allowed: set[tuple[OpKind, int | None]] = {(OpKind.REFRESH, part) for part in rules.parts}
+    allowed |= {(OpKind.SYNC, part) for part in rules.syncs}
+    if rules.parts:
+        allowed.add((OpKind.EXCHANGE, None))
     if rules.curvature:
-        allowed |= {OpKind.CURV_A, OpKind.CURV_B}
+        allowed |= {(OpKind.CURVATURE, part) for part in rules.parts}
     if rules.precondition:
-        allowed.add(OpKind.PRECONDITION)
-    for op in plan.curvature_ops():
-        if op.kind not in allowed:
-            raise ScheduleError(f"{op}: method {plan.method} has no {op.kind.name} ops")
+        allowed.add((OpKind.PRECONDITION, None))
+    for op in ops:
+        if (op.kind, op.part) not in allowed:
+            what = op.kind.name if op.part is None else f"{op.kind.name} of part {op.part}"
+            raise ScheduleError(f"{op}: method {plan.method} has no {what} ops")
 
 
 def validate_plan(plan: Plan) -> Plan:

@@ -23,6 +23,10 @@ from pipefisher.core.profile import LayerProfile, Profile, ProfileError
 from pipefisher.schedules.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
 
 
+#: the profile's time of a part's op of each kind (`pipefisher.core.profile.PART_WORK`)
+_WORK = {OpKind.CURVATURE: "curvature", OpKind.SYNC: "sync", OpKind.REFRESH: "refresh"}
+
+
 @dataclass(frozen=True, slots=True)
 class Interval:
     """`op` runs on its rank from `start` to `end` (profile time unit)."""
@@ -138,9 +142,9 @@ class Timeline:
         return sum(self.bubble_time(r) for r in range(self.num_ranks)) / total if total else 0.0
 
 
-COLLECTIVES = frozenset({OpKind.SYNC_A, OpKind.SYNC_B, OpKind.EXCHANGE})
+COLLECTIVES = frozenset({OpKind.SYNC, OpKind.EXCHANGE})
 #: what an op's times depend on (see OpDurations)
-_TIMING_FIELDS = attrgetter("kind", "stage", "layer")
+_TIMING_FIELDS = attrgetter("kind", "stage", "layer", "part")
 
 
 class OpDurations:
@@ -148,7 +152,7 @@ class OpDurations:
 
     Collectives (factor syncs, inverse exchanges) are launched asynchronously: they take no time
     on their rank, and whoever depends on one waits for its duration after the launch.
-    Every time depends on the ops' kind, stage and layer only (and `delay` on whether they
+    Every time depends on the ops' kind, stage, layer and part only (and `delay` on whether they
     cross ranks); the simulator relies on this to ask once per distinct case.
     """
 
@@ -185,15 +189,9 @@ class OpDurations:
         if kind is OpKind.PRECONDITION:
             return sum(layer.precondition for layer in stage.layers)
         layer = self.layer(op)
-        return {
-            OpKind.CURV_A: layer.curvature_a,
-            OpKind.CURV_B: layer.curvature_b,
-            OpKind.SYNC_A: layer.sync_a,
-            OpKind.SYNC_B: layer.sync_b,
-            OpKind.INV_A: layer.inverse_a,
-            OpKind.INV_B: layer.inverse_b,
-            OpKind.EXCHANGE: max(layer.sync_a, layer.sync_b),
-        }[kind]
+        if kind is OpKind.EXCHANGE:
+            return max(layer.sync, default=0.0)
+        return layer.time(_WORK[kind], op.part)
 
     def __call__(self, op: Op) -> float:
         """Time `op` occupies its rank."""
@@ -280,7 +278,7 @@ class _Memo(dict[_DelayKey, float]):
 
 class _Costs:
     """The times of numbered ops, asked of `durations` once per cost class: ops with the same
-    kind, stage and layer (see OpDurations).
+    kind, stage, layer and part (see OpDurations).
 
     `busy[i]`: how long op i keeps its rank busy; `cost_class[i]`: its class;
     `delay[(producer class, consumer class, cross-rank)]`: as `OpDurations.delay`.

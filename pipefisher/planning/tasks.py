@@ -1,11 +1,11 @@
 """The task graph of a curvature method's refresh cycle: which ops exist, on which rank, and what
-each waits for (the method's `TaskRules`, `pipefisher.methods.method`).
+each waits for (the method's `TaskRules`, `pipefisher.planning.vocabulary`, which the caller gives).
 
-Per layer of every (pipe, stage): K-FAC's curvature A/B per micro-batch of that pipe (after the
-micro-batch's forward/backward and the factor's curvature of the previous micro-batch); a sync
-per synced input and replica when the stage has replicas (other pipes, data-parallel copies)
-(after that replica's curvature of the factor, or, for gradient-based methods such as Shampoo,
-after its backwards of the cycle's first step); refresh work (inverse, root) per factor (after
+Per layer of every (pipe, stage): curvature of each part per micro-batch of that pipe (part 0
+after the micro-batch's forward, part 1 after its backward, and both after the part's curvature of
+the previous micro-batch); a sync per synced part and replica when the stage has replicas (other
+pipes, data-parallel copies) (after that replica's curvature of the part, or, for gradient-based
+methods such as Shampoo, after its backwards of the cycle's first step); refresh work per part (after
 all replicas' syncs of its input, or after its curvature or backwards when unreplicated); an
 exchange per replica when the refresh work is split between replicas (after its replica's refresh
 work and every replica's syncs of the layer); and, for methods that precondition before the
@@ -13,7 +13,7 @@ gradient reduction, a precondition per (pipe, stage) in every step (after its ba
 
 Where the schedule splits the backward (W ops), the stage's gradient is whole only after its
 weight gradients: preconditions, and a gradient-based method's inputs, wait for the W ops then;
-K-FAC's curvature B still waits for the B op (the input gradient), where the output gradients
+curvature of part 1 still waits for the B op (the input gradient), where the output gradients
 it reads are captured.
 Pure Python: no torch.
 """
@@ -27,30 +27,25 @@ from functools import cached_property
 
 from pipefisher.core.ir import Op, OpKind, Schedule, backward, dependencies, weight
 from pipefisher.core.profile import Profile
-from pipefisher.methods.method import TaskRules
-from pipefisher.methods.registry import task_rules
 from pipefisher.planning.simulate import OpDurations, check_profile
+from pipefisher.planning.vocabulary import TaskRules
 
-CURVATURE = {"A": OpKind.CURV_A, "B": OpKind.CURV_B}
-SYNC = {"A": OpKind.SYNC_A, "B": OpKind.SYNC_B}
-INVERSE = {"A": OpKind.INV_A, "B": OpKind.INV_B}
-_PRODUCER = {OpKind.CURV_A: OpKind.FORWARD, OpKind.CURV_B: OpKind.BACKWARD}
-FACTOR_OF = {kind: factor for table in (CURVATURE, SYNC, INVERSE) for factor, kind in table.items()}
+#: the compute op whose data the curvature of each part reads: inputs, output gradients
+_PRODUCER = (OpKind.FORWARD, OpKind.BACKWARD)
 
 #: Kinds that make up a refresh cycle's work (precondition recurs every step instead).
-CYCLE_KINDS = frozenset(
-    {OpKind.CURV_A, OpKind.CURV_B, OpKind.SYNC_A, OpKind.SYNC_B, OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE}
-)
+CYCLE_KINDS = frozenset({OpKind.CURVATURE, OpKind.SYNC, OpKind.REFRESH, OpKind.EXCHANGE})
 
 
 class TaskGraph:
     """Dependencies among the curvature ops of one cycle, derived from the ops and `rules`.
 
-    `ops` are the cycle's ops (curvature, sync, inverse, exchange); precondition ops may be
-    included or not. Which micro-batches a pipe processes comes from `schedule`.
+    `ops` are the cycle's ops (curvature, sync, refresh, exchange); precondition ops may be
+    included or not. Which micro-batches a pipe processes comes from `schedule`. `rules` None:
+    the graph of forward and backward ops alone (a plan without a method's ops).
     """
 
-    def __init__(self, schedule: Schedule, ops: Iterable[Op], rules: TaskRules):
+    def __init__(self, schedule: Schedule, ops: Iterable[Op], rules: TaskRules | None):
         self.schedule, self.rules = schedule, rules
         self.micro_batches: dict[int, list[int]] = defaultdict(list)
         #: the ops that complete a micro-batch's share of the stage's gradient
@@ -63,14 +58,14 @@ class TaskGraph:
                 self.micro_batches[op.pipe].append(op.micro_batch)
         self._curvature: dict[tuple, list[Op]] = defaultdict(list)
         self._syncs: dict[tuple, list[Op]] = defaultdict(list)
-        self._inverses: dict[tuple, list[Op]] = defaultdict(list)
+        self._refreshes: dict[tuple, list[Op]] = defaultdict(list)
         for op in ops:
-            if op.kind in (OpKind.CURV_A, OpKind.CURV_B):
-                self._curvature[(op.kind, op.pipe, op.stage, op.layer)].append(op)
-            elif op.kind in (OpKind.SYNC_A, OpKind.SYNC_B):
-                self._syncs[(op.kind, op.stage, op.layer)].append(op)
-            elif op.kind in (OpKind.INV_A, OpKind.INV_B):
-                self._inverses[(op.pipe, op.stage, op.layer)].append(op)
+            if op.kind is OpKind.CURVATURE:
+                self._curvature[(op.part, op.pipe, op.stage, op.layer)].append(op)
+            elif op.kind is OpKind.SYNC:
+                self._syncs[(op.part, op.stage, op.layer)].append(op)
+            elif op.kind is OpKind.REFRESH:
+                self._refreshes[(op.pipe, op.stage, op.layer)].append(op)
         position: dict[int, dict[int | None, int]] = {
             pipe: {mb: i for i, mb in enumerate(order)} for pipe, order in self.micro_batches.items()
         }
@@ -89,10 +84,11 @@ class TaskGraph:
         return found
 
     def first_step_input(self, op: Op) -> Op | None:
-        """The forward (curvature A) or backward (curvature B) whose data a curvature op reads;
+        """The forward (curvature of part 0) or backward (part 1) whose data a curvature op reads;
         None for other ops."""
-        producer = _PRODUCER.get(op.kind)
-        return None if producer is None else self._compute[(producer, op.stage, op.micro_batch, op.pipe)]
+        if op.kind is not OpKind.CURVATURE or op.part is None:
+            return None
+        return self._compute[(_PRODUCER[op.part], op.stage, op.micro_batch, op.pipe)]
 
     def first_step_inputs(self, op: Op) -> tuple[Op, ...]:
         """The forwards/backwards of the cycle's first step whose data `op` reads (its
@@ -113,37 +109,36 @@ class TaskGraph:
         kind = op.kind
         if kind.is_compute:
             return dependencies(op, self.schedule.num_stages)
-        if kind in (OpKind.CURV_A, OpKind.CURV_B):
-            first = self.first_step_input(op) if first_step else None
-            return ((first,) if first is not None else ()) + self._previous_curvature(op)
-        if kind in (OpKind.SYNC_A, OpKind.SYNC_B):
-            return self._input(op, FACTOR_OF[kind], first_step)
-        if kind in (OpKind.INV_A, OpKind.INV_B):
-            source = self.rules.sync_for(FACTOR_OF[kind])
-            syncs = self._syncs.get((SYNC[source], op.stage, op.layer)) if source is not None else None
-            if syncs:
-                return tuple(syncs)
-            return self._input(op, FACTOR_OF[kind], first_step)
-        if kind is OpKind.EXCHANGE:
-            # its replica folds the synced factors it did not invert into its running average
-            folded = (
-                sync
-                for factor in self.rules.factors
-                for sync in self._syncs.get((SYNC[factor], op.stage, op.layer), ())
-            )
-            return tuple(self._inverses[(op.pipe, op.stage, op.layer)]) + tuple(folded)
         if kind is OpKind.PRECONDITION:
             return self.gradient_ops(op)
+        if self.rules is None:
+            raise ValueError(f"{op}: a task graph without a method's rules has no rule for it")
+        if kind is OpKind.CURVATURE:
+            first = self.first_step_input(op) if first_step else None
+            return ((first,) if first is not None else ()) + self._previous_curvature(op)
+        part = op.part if op.part is not None else 0
+        if kind is OpKind.SYNC:
+            return self._input(op, part, first_step)
+        if kind is OpKind.REFRESH:
+            source = self.rules.sync_for(part)
+            syncs = self._syncs.get((source, op.stage, op.layer)) if source is not None else None
+            if syncs:
+                return tuple(syncs)
+            return self._input(op, part, first_step)
+        if kind is OpKind.EXCHANGE:
+            # its replica folds the synced parts it did not refresh into its running average
+            folded = (sync for part in self.rules.parts for sync in self._syncs.get((part, op.stage, op.layer), ()))
+            return tuple(self._refreshes[(op.pipe, op.stage, op.layer)]) + tuple(folded)
         raise ValueError(f"no dependency rule for {op}")
 
-    def _input(self, op: Op, factor: str, first_step: bool) -> tuple[Op, ...]:
-        """What the factor's input waits for on `op`'s pipe: its curvature, or the gradient."""
-        if self.rules.curvature:
-            return tuple(self._curvature[(CURVATURE[factor], op.pipe, op.stage, op.layer)])
+    def _input(self, op: Op, part: int, first_step: bool) -> tuple[Op, ...]:
+        """What the part's input waits for on `op`'s pipe: its curvature, or the gradient."""
+        if self.rules is not None and self.rules.curvature:
+            return tuple(self._curvature[(part, op.pipe, op.stage, op.layer)])
         return self._gradient(op, first_step)
 
     def _previous_curvature(self, op: Op) -> tuple[Op, ...]:
-        """The same factor's curvature of the pipe's previous micro-batch: a factor sums its
+        """The same part's curvature of the pipe's previous micro-batch: a part sums its
         micro-batches in order whatever the plan, so every plan computes bit-identical factors."""
         previous = self._previous.get(op)
         return (previous,) if previous is not None else ()
@@ -154,7 +149,7 @@ class CurvatureTasks:
     """The work of curvature method `rules` for `schedule` with the layers and times of `profile`.
 
     `cycle[rank]`: ops run once per refresh cycle, in a topological order (curvature, syncs,
-    inverses, exchanges). `per_step[rank]`: precondition ops run in every step (none for methods
+    refresh work, exchanges). `per_step[rank]`: precondition ops run in every step (none for methods
     that precondition in the optimizer step).
     """
 
@@ -178,7 +173,8 @@ class CurvatureTasks:
         """`cycle_work[rank][i]`: how long `cycle[rank][i]` keeps its rank busy (0 for collectives)."""
         same: dict[tuple | Op, float] = {}  # curvature of one layer takes as long for every micro-batch
         keys = [
-            [(op.kind, op.stage, op.layer) if op.micro_batch is not None else op for op in ops] for ops in self.cycle
+            [(op.kind, op.part, op.stage, op.layer) if op.micro_batch is not None else op for op in ops]
+            for ops in self.cycle
         ]
         for ops, rank_keys in zip(self.cycle, keys):
             for op, key in zip(ops, rank_keys):
@@ -203,40 +199,45 @@ def collective_groups(schedule: Schedule) -> dict[int, frozenset[int]]:
     }
 
 
-def _inverse_owners(
-    schedule: Schedule, profile: Profile, split: bool, factors: tuple[str, ...]
-) -> dict[tuple[OpKind, int, str], list[int]]:
-    """(inverse kind, stage, layer) -> pipes whose rank computes it, for the method's `factors`.
+def _refresh_owners(
+    schedule: Schedule, profile: Profile, split: bool, parts: range
+) -> dict[tuple[int, int, str], list[int]]:
+    """(part, stage, layer) -> pipes whose rank does the part's refresh work, for the method's `parts`.
 
-    Unsplit, every replica inverts its own copy. Split, each inverse goes to one replica: longest
-    first to the least-loaded rank among those holding the stage (ties to the lower rank).
+    Unsplit, every replica refreshes its own copy. Split, each part's refresh work goes to one
+    replica: longest first to the least-loaded rank among those holding the stage (ties to the
+    lower rank).
     """
     replicas = stage_replicas(schedule)
-    owners: dict[tuple[OpKind, int, str], list[int]] = {}
+    owners: dict[tuple[int, int, str], list[int]] = {}
     jobs = [
-        (cost, kind, stage, layer.name)
+        (layer.time("refresh", part), part, stage, layer.name)
         for stage, stage_profile in enumerate(profile.stages)
         for layer in stage_profile.layers
-        for kind, cost in ((OpKind.INV_A, layer.inverse_a), (OpKind.INV_B, layer.inverse_b))
-        if FACTOR_OF[kind] in factors
+        for part in parts
     ]
     if not split:
-        return {(kind, stage, name): list(replicas[stage]) for _, kind, stage, name in jobs}
+        return {(part, stage, name): list(replicas[stage]) for _, part, stage, name in jobs}
     load = [0.0] * schedule.num_ranks
-    for cost, kind, stage, name in sorted(jobs, key=lambda job: (-job[0], job[2], job[3], job[1].value)):
+    for cost, part, stage, name in sorted(jobs, key=lambda job: (-job[0], job[2], job[3], job[1])):
         pipe = min(
             replicas[stage], key=lambda p: (load[schedule.placement[(p, stage)]], schedule.placement[(p, stage)])
         )
         load[schedule.placement[(pipe, stage)]] += cost
-        owners[(kind, stage, name)] = [pipe]
+        owners[(part, stage, name)] = [pipe]
     return owners
 
 
 def build_tasks(
-    schedule: Schedule, profile: Profile, split: bool = True, data_parallel: int = 1, precondition: bool = True
+    schedule: Schedule,
+    profile: Profile,
+    rules: TaskRules,
+    split: bool = True,
+    data_parallel: int = 1,
+    precondition: bool = True,
 ) -> CurvatureTasks:
-    """Enumerate the ops of one refresh cycle of the profile's curvature method for `schedule`
-    (see the module docstring).
+    """Enumerate the ops of one refresh cycle of the curvature method of `rules` (the method the
+    profile's layer times are of) for `schedule` (see the module docstring).
 
     A stage's replicas are its pipes times the `data_parallel` copies of the pipeline: inputs are
     synced over all of them; refresh work is split among the pipes only (every data-parallel copy
@@ -245,11 +246,10 @@ def build_tasks(
     precondition the reduced gradient at the end of the step instead).
     """
     check_profile(schedule, profile)
-    rules = task_rules(profile.method)
     if not precondition:
         rules = replace(rules, precondition=False)
     replicas = stage_replicas(schedule)
-    owners = _inverse_owners(schedule, profile, split, rules.factors)
+    owners = _refresh_owners(schedule, profile, split, rules.parts)
     graph_mbs = TaskGraph(schedule, (), rules).micro_batches
     cycle: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
     per_step: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
@@ -259,16 +259,16 @@ def build_tasks(
         if not layers:
             continue
         synced = len(replicas[stage]) * data_parallel > 1
-        exchanged = len(replicas[stage]) > 1 and split and bool(rules.factors)
+        exchanged = len(replicas[stage]) > 1 and split and bool(rules.parts)
         for layer in layers:
             name = layer.name
-            for factor in rules.factors:
+            for part in rules.parts:
                 if rules.curvature:
-                    phases[0] += [(rank, Op(CURVATURE[factor], stage, mb, pipe, name)) for mb in graph_mbs[pipe]]
-                if synced and factor in rules.syncs:
-                    phases[1].append((rank, Op(SYNC[factor], stage, None, pipe, name)))
-                if pipe in owners[(INVERSE[factor], stage, name)]:
-                    phases[2].append((rank, Op(INVERSE[factor], stage, None, pipe, name)))
+                    phases[0] += [(rank, Op(OpKind.CURVATURE, stage, mb, pipe, name, part)) for mb in graph_mbs[pipe]]
+                if synced and part in rules.syncs:
+                    phases[1].append((rank, Op(OpKind.SYNC, stage, None, pipe, name, part)))
+                if pipe in owners[(part, stage, name)]:
+                    phases[2].append((rank, Op(OpKind.REFRESH, stage, None, pipe, name, part)))
             if exchanged:
                 phases[3].append((rank, Op(OpKind.EXCHANGE, stage, None, pipe, name)))
         if rules.precondition:

@@ -1,12 +1,13 @@
-"""The recorded-timeline format `pipefisher.timeline/v1`: what ran on every rank, and when.
+"""The recorded-timeline format `pipefisher.timeline/v2`: what ran on every rank, and when.
 
 A file holds one JSON object::
 
-    {"schema": "pipefisher.timeline/v1", "name": "tiny-cpu 1f1b", "time_unit": "ms",
+    {"schema": "pipefisher.timeline/v2", "name": "tiny-cpu 1f1b", "time_unit": "ms",
      "step_starts": [0.0, 11.3],
      "ranks": [[{"op": "0F0", "start": 0.0, "end": 1.2, "step": 0}, ...], ...]}
 
-`ranks[r]` lists rank r's ops (string form of `pipefisher.core.ir.Op`) with start/end on one clock
+`ranks[r]` lists rank r's ops (string form of `pipefisher.core.ir.Op`, version 2: a method's ops
+carry their part, ``2R1:block0.fc1``) with start/end on one clock
 shared by all ranks (any origin, in `time_unit`: s, ms, us or units). `step` (optional, default
 0) is the training step an op belongs to; `step_starts` (optional) gives each step's start, in
 the order of the sorted step indices, and defaults to the earliest start among the step's ops.
@@ -15,7 +16,8 @@ timed it (`pipefisher viz --trace` writes rank 0's `step N` region, the interval
 prints as the step time); without it a step's time is the span from its start to its last op's
 end, which leaves out the end of step (gradient all-reduce, optimizer step), and says so
 (`StepTimes.basis`). `name` is optional. The profiler writes this format; `pipefisher viz
---timeline` draws it.
+--timeline` draws it. Version 1 files (`pipefisher.timeline/v1`, the same fields with ops in the
+v1 string form, ``2IB:block0.fc1``) are read as well.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from pipefisher.core.ir import Op, ScheduleError
 from pipefisher.core.profile import TIME_UNITS, ProfileError
 from pipefisher.planning.simulate import Interval, Timeline
 
-SCHEMA = "pipefisher.timeline/v1"
+SCHEMA = "pipefisher.timeline/v2"
+SCHEMA_V1 = "pipefisher.timeline/v1"
 #: `StepTimes.basis` of a recording without `step_times`
 OP_SPAN = "step start to last op"
 #: `StepTimes` lists each step's time up to this many steps, and their mean, min and max beyond
@@ -125,7 +128,7 @@ class RecordedTimeline:
 def timeline_to_dict(
     timelines: Sequence[Timeline], starts: Sequence[float] | None = None, name: str = ""
 ) -> dict[str, Any]:
-    """The v1 object for steps `timelines` (each with times from its own start); `starts[j]` is
+    """The v2 object for steps `timelines` (each with times from its own start); `starts[j]` is
     step j's start on the common clock (default: the steps laid end to end from 0)."""
     if not timelines:
         raise TimelineError("nothing to save: no steps")
@@ -185,7 +188,7 @@ def _entry(data: Any, where: str) -> tuple[int, Op, float, float]:
 
 
 def timeline_from_dict(data: Any) -> RecordedTimeline:
-    """Parse and check a v1 object; every error names the field (e.g. ``ranks[1][4].end``)."""
+    """Parse and check a v2 (or v1) object; every error names the field (e.g. ``ranks[1][4].end``)."""
     if not isinstance(data, dict):
         raise TimelineError("expected a JSON object with schema, time_unit, ranks")
     unknown = sorted(set(data) - {"schema", "name", "time_unit", "step_starts", "step_times", "ranks"})
@@ -193,8 +196,8 @@ def timeline_from_dict(data: Any) -> RecordedTimeline:
         raise TimelineError(
             f"unknown field {unknown[0]!r}; known fields are name, ranks, schema, step_starts, step_times, time_unit"
         )
-    if data.get("schema") != SCHEMA:
-        raise TimelineError(f"schema: {data.get('schema')!r} is not {SCHEMA!r}")
+    if data.get("schema") not in (SCHEMA, SCHEMA_V1):
+        raise TimelineError(f"schema: {data.get('schema')!r} is not {SCHEMA!r} or {SCHEMA_V1!r}")
     unit = data.get("time_unit")
     if unit not in TIME_UNITS:
         raise TimelineError(f"time_unit: {unit!r} is not one of {', '.join(TIME_UNITS)}")
@@ -259,5 +262,5 @@ def _step_starts(given: Any, entries: list[list[tuple[int, Op, float, float]]], 
 
 
 def load_timeline(path: str | Path) -> RecordedTimeline:
-    """Read a `pipefisher.timeline/v1` file (JSON; YAML unless the suffix is .json)."""
+    """Read a `pipefisher.timeline/v2` (or v1) file (JSON; YAML unless the suffix is .json)."""
     return load_structured(path, "timeline", timeline_from_dict, TimelineError, schema=SCHEMA)

@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
-from pipefisher.methods.registry import DEFAULT_METHOD, task_rules
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS, shard_features
 from pipefisher.planning.comm.volume import ring_bytes
+from pipefisher.planning.vocabulary import TaskRules
 
 BLOCK_LAYERS = ("attention.query", "attention.key", "attention.value", "attention.output", "intermediate", "output")
 #: the tensor-parallel all-reduces of one block per micro-batch: after the attention's and the
@@ -78,12 +78,14 @@ def block_layers(
     capture_rows: int = 0,
     capture_dtype_bytes: int = 4,
     tensor_parallel: int = 1,
+    rules: TaskRules | None = None,
 ) -> list[LayerProfile]:
     """The block's K-FAC layers with the block totals split as the module docstring says;
     capture sizes in bytes for `capture_rows` token rows per micro-batch (0: unknown); at
     `tensor_parallel` T one rank's shards, each task the share of the block total its shard's
-    sizes give against the whole block's; a factor the rank's shards share (the times' method's
-    `TaskRules.shared_when_split`) is built by each from 1/T of the rows."""
+    sizes give against the whole block's; a factor the rank's shards share (`rules`, those of the
+    times' method: `TaskRules.shared_when_split`; None: none shared) is built by each from 1/T of
+    the rows."""
     whole = block_layer_shapes(hidden, ffn)
     shapes = block_layer_shapes(hidden, ffn, tensor_parallel)
     row_bytes = capture_rows * capture_dtype_bytes
@@ -91,21 +93,21 @@ def block_layers(
     cube = sum((din + 1) ** 3 + dout**3 for _, din, dout in whole)
     product = sum(din * dout * (din + dout) for _, din, dout in whole)
 
-    def rows(name: str, factor: str) -> float:
-        """The share of the rows this rank's shard builds `factor` of layer `name` from."""
-        shared = tensor_parallel > 1 and task_rules(DEFAULT_METHOD).shared_factor(BLOCK_SPLITS[name].value) == factor
+    def rows(name: str, part: int) -> float:
+        """The share of the rows this rank's shard builds part `part` of layer `name` from."""
+        shared = tensor_parallel > 1 and rules is not None and rules.shared_part(BLOCK_SPLITS[name].value) == part
         return 1 / tensor_parallel if shared else 1.0
 
     return [
         LayerProfile(
             name=name,
-            curvature_a=times.time_kron * (din + 1) ** 2 / square * rows(name, "A"),
-            curvature_b=times.time_kron * dout**2 / square * rows(name, "B"),
-            inverse_a=times.time_inv * (din + 1) ** 3 / cube,
-            inverse_b=times.time_inv * dout**3 / cube,
+            curvature=(
+                times.time_kron * (din + 1) ** 2 / square * rows(name, 0),
+                times.time_kron * dout**2 / square * rows(name, 1),
+            ),
+            refresh=(times.time_inv * (din + 1) ** 3 / cube, times.time_inv * dout**3 / cube),
             precondition=times.time_prec * din * dout * (din + dout) / product,
-            capture_a_bytes=row_bytes * din,
-            capture_b_bytes=row_bytes * dout,
+            capture_bytes=(row_bytes * din, row_bytes * dout),
         )
         for name, din, dout in shapes
     ]
@@ -125,6 +127,8 @@ def transformer_profile(
     capture_dtype_bytes: int = 4,
     tensor_parallel: int = 1,
     tp_bandwidth_gbps: float | None = DEFAULT_TP_BANDWIDTH_GBPS,
+    method: str = "",
+    rules: TaskRules | None = None,
 ) -> Profile:
     """`num_blocks` blocks cut into `num_stages` stages of equal compute.
 
@@ -136,14 +140,18 @@ def transformer_profile(
     forward and backward the block's divided by T plus `tensor_parallel_allreduce_ms` at
     `tp_bandwidth_gbps` (None: communication not counted); the weight-gradient part of the
     backward is then half its computation (the all-reduces belong to the input gradient).
+    `method`: the name of the method whose task times `times` are (K-FAC's for the PipeFisher
+    CSVs), `rules` its task rules (which factors tensor-parallel shards share).
     """
     if num_blocks < 1 or num_stages < 1:
         raise ProfileError("num_blocks and num_stages must be at least 1")
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ProfileError(f"tensor_parallel: {tensor_parallel!r} must be a positive integer")
+    if tensor_parallel > 1 and rules is None:
+        raise ProfileError("rules: the times' method's task rules are needed at tensor_parallel > 1 (shared factors)")
     rows = (micro_batch_size or 0) * seq_len
     try:
-        per_block = block_layers(times, hidden, ffn, rows, capture_dtype_bytes, tensor_parallel)
+        per_block = block_layers(times, hidden, ffn, rows, capture_dtype_bytes, tensor_parallel, rules)
     except ValueError as exc:
         raise ProfileError(f"tensor_parallel: {exc}; use a degree that divides hidden {hidden} and ffn {ffn}") from None
     layers = [replace(layer, name=f"block{block}.{layer.name}") for block in range(num_blocks) for layer in per_block]
@@ -175,6 +183,7 @@ def transformer_profile(
         time_unit=time_unit,
         device=device,
         micro_batch_size=micro_batch_size,
+        method=method,
         tensor_parallel=tensor_parallel,
     )
 

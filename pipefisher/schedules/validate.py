@@ -20,7 +20,7 @@ from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, dependencies
 DependencyFn = Callable[[Op], tuple[Op, ...]]
 
 #: An op's fields; two ops are equal exactly when these are.
-_FIELDS = attrgetter("kind", "stage", "micro_batch", "pipe", "layer")
+_FIELDS = attrgetter("kind", "stage", "micro_batch", "pipe", "layer", "part")
 
 
 def _fail(name: str, ranks: Sequence[Sequence[Op]], message: str, marks: list[tuple[int, int]]) -> ScheduleError:
@@ -125,13 +125,13 @@ def _stage_graph(ranks: Sequence[Sequence[Op]], num_stages: int) -> OpGraph:
     numbers, numbered = _number(fields)
     rules: dict[tuple[OpKind, int], tuple[tuple[OpKind, int], ...]] = {}
     dep_numbers = []
-    for kind, stage, micro_batch, pipe, _ in chain.from_iterable(fields):
+    for kind, stage, micro_batch, pipe, _, _ in chain.from_iterable(fields):
         rule = rules.get((kind, stage))
         if rule is None:
             rule = rules[(kind, stage)] = stage_dependencies(kind, stage, num_stages)
         row = []
         for dep_kind, dep_stage in rule:
-            row.append(numbers[(dep_kind, dep_stage, micro_batch, pipe, None)])
+            row.append(numbers[(dep_kind, dep_stage, micro_batch, pipe, None, None)])
         dep_numbers.append(tuple(row))
     ops = list(chain.from_iterable(ranks)) + [Op(*key) for key in numbers.added]
     return OpGraph(ops=ops, ranks=numbered, deps=dep_numbers)

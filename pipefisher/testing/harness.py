@@ -191,7 +191,7 @@ def assert_not_vacuous(
     from pipefisher.runtime.training.reference import train_reference
 
     if unchanged is None:
-        unchanged = 3 if method_of(config).rules.factors else 1
+        unchanged = 3 if method_of(config).rules.parts else 1
     curvature = train_reference(config).losses
     first_order = train_reference(config.with_overrides(optimizer={"name": "sgd"})).losses
     assert curvature[:unchanged] == pytest.approx(first_order[:unchanged], rel=1e-6), (

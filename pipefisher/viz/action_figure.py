@@ -35,12 +35,12 @@ OP_CATEGORY = {
     "F": "forward",
     "B": "backward",
     "W": "weight",
-    "CA": "curvature-a",
-    "CB": "curvature-b",
-    "SA": "sync",
-    "SB": "sync",
-    "IA": "inverse-a",
-    "IB": "inverse-b",
+    "C0": "curvature-0",
+    "C1": "curvature-1",
+    "S0": "sync",
+    "S1": "sync",
+    "R0": "refresh-0",
+    "R1": "refresh-1",
     "X": "sync",
     "P": "precondition",
 }
@@ -87,7 +87,7 @@ def category(label: str) -> tuple[str, str] | None:
         op = Op.parse(label)
     except (ScheduleError, ValueError):
         return None
-    name = OP_CATEGORY.get(op.kind.value, "forward")
+    name = OP_CATEGORY.get(op.token, "forward")
     return name, COLOURS[name]
 
 

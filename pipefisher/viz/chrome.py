@@ -44,6 +44,8 @@ def chrome_trace(panels: Sequence[Panel]) -> dict[str, Any]:
                 args["micro_batch"] = op.micro_batch
             if op.layer is not None:
                 args["layer"] = op.layer
+            if op.part is not None:
+                args["part"] = op.part
             events.append(
                 {
                     "name": str(op),

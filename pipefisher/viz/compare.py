@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from pipefisher.core.usage import UsageError
 from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.core.table import format_table
-from pipefisher.methods.registry import methods
+from pipefisher.methods.registry import method_of_profile, methods
 from pipefisher.planning.packing.pack import PackResult, pack
 from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.schedules import SCHEDULES, get_schedule
@@ -134,11 +134,10 @@ def compare(
             raise ProfileError(
                 f"{entry}: packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none"
             )
-        if entry.method != profile.method:
-            raise ProfileError(
-                f"{entry}: the profile times {profile.method} tasks; write {entry.schedule}+{profile.method}"
-            )
-        result = pack(schedule, fitted)
+        timed = method_of_profile(profile)
+        if entry.method != timed.name:
+            raise ProfileError(f"{entry}: the profile times {timed.name} tasks; write {entry.schedule}+{timed.name}")
+        result = pack(schedule, fitted, timed.rules)
         rows.append(_packed(entry, packed_panel(schedule, result), result))
     return rows
 

@@ -22,11 +22,11 @@ COLOURS = {
     "forward": "#4a7bc4",
     "backward": "#3a9a5c",
     "weight": "#17a2b8",
-    "curvature-a": "#f2a33a",
-    "curvature-b": "#e0603a",
+    "curvature-0": "#f2a33a",
+    "curvature-1": "#e0603a",
     "sync": "#222222",
-    "inverse-a": "#8a66c2",
-    "inverse-b": "#c4559c",
+    "refresh-0": "#8a66c2",
+    "refresh-1": "#c4559c",
     "precondition": "#9a7a50",
 }
 BUBBLE_COLOUR = "#e6e6e6"
@@ -175,8 +175,9 @@ def _draw_panel(ax, panel: Panel, index: int, span: float, axes_points: float, r
 def _legend_entries(panels: Sequence[Panel]) -> list[tuple[str | tuple[float, float, float], str]]:
     """(colour, text) of the legend: categories present, the lighter shade if used, bubbles."""
     present = {c for p in panels for c in p.categories}
+    names = {c: name for p in reversed(panels) for c, name in p.category_names.items()}
     entries: list[tuple[str | tuple[float, float, float], str]] = [
-        (COLOURS[c], name) for c, name in CATEGORY_NAMES.items() if c in present
+        (COLOURS[c], names.get(c, name)) for c, name in CATEGORY_NAMES.items() if c in present
     ]
     if _has_variants(panels):
         entries.append((_shade(COLOURS["forward"], 1), "lighter: pipe 1 / later chunk"))

@@ -1,4 +1,5 @@
-"""Turn a schedule, a K-FAC packing or a recorded timeline into a `Panel`: rows of boxes per rank.
+"""Turn a schedule, a curvature method's packing or a recorded timeline into a `Panel`: rows of
+boxes per rank. A packing's method names its own work in the legends (`WorkLabels`).
 
 The renderers (text, Chrome trace, figure) draw panels and know nothing of simulation or
 packing. Times stay in the profile's (or recording's) time unit.
@@ -15,35 +16,50 @@ from pipefisher.core.profile import Profile, ProfileError
 from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.simulate import Bubble, Timeline, simulate
 from pipefisher.planning.timeline_file import RecordedTimeline, StepTimes
-from pipefisher.methods.registry import method
+from pipefisher.planning.vocabulary import TaskRules, WorkLabels
 
-#: Colour class of every op kind; the renderers key their colours and characters on it.
+#: Colour class of every op kind; a curvature or refresh op's is its kind's with its part
+#: (`category`); the renderers key their colours and characters on it.
 CATEGORY: dict[OpKind, str] = {
     OpKind.FORWARD: "forward",
     OpKind.BACKWARD: "backward",
     OpKind.WEIGHT: "weight",
-    OpKind.CURV_A: "curvature-a",
-    OpKind.CURV_B: "curvature-b",
-    OpKind.SYNC_A: "sync",
-    OpKind.SYNC_B: "sync",
+    OpKind.CURVATURE: "curvature",
+    OpKind.SYNC: "sync",
     OpKind.EXCHANGE: "sync",
-    OpKind.INV_A: "inverse-a",
-    OpKind.INV_B: "inverse-b",
+    OpKind.REFRESH: "refresh",
     OpKind.PRECONDITION: "precondition",
 }
 
-#: Categories in legend order, with their legend text.
+#: Categories in legend order, with their legend text where no method names its work.
 CATEGORY_NAMES: dict[str, str] = {
     "forward": "forward",
     "backward": "backward",
     "weight": "weight gradient W (split from the backward)",
-    "curvature-a": "curvature A",
-    "curvature-b": "curvature B",
+    "curvature-0": "curvature of part 0",
+    "curvature-1": "curvature of part 1",
     "sync": "sync / exchange",
-    "inverse-a": "inverse / root A",
-    "inverse-b": "inverse / root B",
+    "refresh-0": "refresh of part 0",
+    "refresh-1": "refresh of part 1",
     "precondition": "precondition",
 }
+
+
+def category(op: Op) -> str:
+    """The colour class of `op`: ``curvature-1`` for curvature of part 1, ``refresh-0``, ``sync``..."""
+    name = CATEGORY[op.kind]
+    return name if op.part is None or op.kind is OpKind.SYNC else f"{name}-{op.part}"
+
+
+def category_names(labels: WorkLabels | None) -> dict[str, str]:
+    """`CATEGORY_NAMES` in the words of the method `labels` are of (None: the generic ones)."""
+    if labels is None:
+        return dict(CATEGORY_NAMES)
+    names = dict(CATEGORY_NAMES, precondition=labels.precondition)
+    for part, label in enumerate(labels.parts):
+        names[f"curvature-{part}"] = f"curvature ({label})"
+        names[f"refresh-{part}"] = labels.part_work(part)
+    return names
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +90,8 @@ class Panel:
     recording, of its `step_times`: each step's time as the run measured it, or its stated
     stand-in; the title lists them); `bubble_fraction` is the first-order
     schedule's idle share (0..1) for planned panels, the recorded idle share otherwise.
-    `method` (the curvature method's label), `refresh_steps` and `utilization` (0..1) are set
-    for packings; `drawn_steps`, when set,
+    `method` (the curvature method's label), `labels` (its names of its work), `refresh_steps`
+    and `utilization` (0..1) are set for packings; `drawn_steps`, when set,
     says the panel holds only its first that many steps (see `first_steps`).
     """
 
@@ -96,6 +112,7 @@ class Panel:
     utilization: float | None = None
     step_ends: tuple[Bubble, ...] = ()
     method: str = ""
+    labels: WorkLabels | None = None
     drawn_steps: int | None = None
     step_times: StepTimes | None = None
 
@@ -134,6 +151,11 @@ class Panel:
         present = {box.category for box in self.boxes}
         return [c for c in CATEGORY_NAMES if c in present]
 
+    @property
+    def category_names(self) -> dict[str, str]:
+        """Legend text of its categories, in its method's words (`category_names`)."""
+        return category_names(self.labels)
+
 
 def schedule_panel(schedule: Schedule, profile: Profile, timeline: Timeline | None = None) -> Panel:
     """One step of `schedule` as simulated with `profile` (`timeline`: that simulation, if done already)."""
@@ -153,9 +175,11 @@ def schedule_panel(schedule: Schedule, profile: Profile, timeline: Timeline | No
     )
 
 
-def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> Panel:
-    """A whole refresh cycle of `schedule` with the profile's curvature method (K-FAC, Shampoo)
-    packed into its bubbles, steps end to end.
+def curvature_panel(
+    schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions | None = None
+) -> Panel:
+    """A whole refresh cycle of `schedule` with the curvature method of `rules` (K-FAC, Shampoo;
+    the method whose times `profile` holds) packed into its bubbles, steps end to end.
 
     Raises ProfileError when `profile` lists no layers.
     """
@@ -163,12 +187,13 @@ def curvature_panel(schedule: Schedule, profile: Profile, options: PackOptions |
         raise ProfileError(
             "packing needs a profile whose stages list `layers` (a curvature method's task costs); this one has none"
         )
-    return packed_panel(schedule, pack(schedule, profile, options))
+    return packed_panel(schedule, pack(schedule, profile, rules, options))
 
 
 def packed_panel(schedule: Schedule, result: PackResult) -> Panel:
     """The refresh cycle of `result`, a packing of `schedule`, steps end to end."""
     starts = [sum(t.step_time for t in result.timelines[:j]) for j in range(len(result.timelines))]
+    labels = result.plan.task_rules().labels
     return _panel(
         f"{schedule.name} + PipeFisher",
         result.timelines,
@@ -183,7 +208,8 @@ def packed_panel(schedule: Schedule, result: PackResult) -> Panel:
         first_order_step_time=result.first_order_step_time,
         refresh_steps=result.refresh_steps,
         utilization=result.bubble_utilization,
-        method=method(result.plan.method).label,
+        method=labels.method or result.plan.method,
+        labels=labels,
     )
 
 
@@ -239,10 +265,10 @@ def is_chunked(schedule: Schedule) -> bool:
 def op_label(op: Op, num_ranks: int, num_pipes: int, chunked: bool) -> tuple[int, str]:
     """(variant, label) of `op`: forward, backward and weight gradient show the micro-batch,
     prefixed with the pipe (``p1:3``) or the chunk (``c1:3``; chunk = stage // ranks, also for
-    V-shape placements); K-FAC ops show their kind (``IA``)."""
+    V-shape placements); a method's ops show their kind and part (``R0``)."""
     variant = op.pipe if num_pipes > 1 else (op.stage // num_ranks if chunked else 0)
     if not op.kind.is_compute:
-        return variant, op.kind.value
+        return variant, op.token
     prefix = f"p{op.pipe}:" if num_pipes > 1 else (f"c{variant}:" if chunked else "")
     return variant, f"{prefix}{op.micro_batch}"
 
@@ -270,7 +296,7 @@ def _panel(
                     labels[iv.op] = op_label(iv.op, num_ranks, num_pipes, chunked)
                 variant, label = labels[iv.op]
                 boxes.append(
-                    Box(rank, offset + iv.start, offset + iv.end, iv.op, step, CATEGORY[iv.op.kind], variant, label)
+                    Box(rank, offset + iv.start, offset + iv.end, iv.op, step, category(iv.op), variant, label)
                 )
             bubbles.extend(Bubble(rank, offset + b.start, offset + b.end) for b in timeline.idle_gaps(rank))
             if timeline.tail(rank) > 0:

@@ -14,7 +14,7 @@ import math
 import textwrap
 from collections.abc import Sequence
 
-from pipefisher.viz.layout import Box, Panel
+from pipefisher.viz.layout import CATEGORY_NAMES, Box, Panel
 
 #: Narrowest width the chart can be drawn in (rank label plus a few slices).
 MIN_WIDTH = 24
@@ -26,27 +26,19 @@ _BACKWARD = ("abcdefghij", "ABCDEFGHIJ")
 #: weight gradient of any micro-batch (pipe 0 / even chunks, pipe 1 / odd chunks)
 WEIGHT = ("w", "W")
 _CURVATURE = {
-    "curvature-a": "+",
-    "curvature-b": "*",
-    "inverse-a": "<",
-    "inverse-b": ">",
+    "curvature-0": "+",
+    "curvature-1": "*",
+    "refresh-0": "<",
+    "refresh-1": ">",
     "precondition": "=",
     "sync": "|",
-}
-_CURVATURE_NAMES = {
-    "curvature-a": "curvature A",
-    "curvature-b": "curvature B",
-    "sync": "sync / exchange (zero-length launches are not drawn)",
-    "inverse-a": "inverse A",
-    "inverse-b": "inverse B",
-    "precondition": "precondition",
 }
 
 
 def box_char(box: Box) -> str:
     """Forward: digit of the micro-batch (mod 10); backward: its letter (a = 0); weight gradient:
-    ``w``; pipe 1 or odd chunks: the shifted digit / capital letter / ``W``; K-FAC ops: one
-    symbol per kind."""
+    ``w``; pipe 1 or odd chunks: the shifted digit / capital letter / ``W``; a curvature method's ops: one
+    symbol per kind and part."""
     if box.category == "forward":
         return _FORWARD[box.variant % 2][box.op.micro_batch % 10]
     if box.category == "backward":
@@ -167,7 +159,9 @@ def _legend(panels: Sequence[Panel]) -> list[str]:
             f" and {WEIGHT[1]}" if "weight" in categories else ""
         )
         parts.append(f"{odd} the same for pipe 1 (Chimera) or odd chunks (interleaved, V-shape)")
-    parts += [f"{_CURVATURE[c]} {name}" for c, name in _CURVATURE_NAMES.items() if c in categories]
+    names = {c: name for p in reversed(panels) for c, name in p.category_names.items()}
+    names["sync"] += " (zero-length launches are not drawn)"
+    parts += [f"{_CURVATURE[c]} {names[c]}" for c in CATEGORY_NAMES if c in _CURVATURE and c in categories]
     if any(p.step_ends for p in panels):
         parts.append(f"{STEP_END} end of step (all-reduce, optimizer)")
     parts.append(f"{IDLE} bubble")

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def layer(block: int) -> LayerProfile:
-    return LayerProfile(f"encoder.layer.{block}.attention.self.query", 0.1, 0.1, 0.5, 0.5, 0.05)
+    return LayerProfile(
+        f"encoder.layer.{block}.attention.self.query", curvature=(0.1, 0.1), refresh=(0.5, 0.5), precondition=0.05
+    )
 
 
 #: tiny-cpu's split: blocks 0-1 and 2-3; a 262,144-byte boundary message (8 x 64 x 128 fp32) in 2 ms

@@ -8,6 +8,7 @@ from torch import nn
 
 from builders import tiny_model
 from pipefisher import testing
+from pipefisher.methods.registry import methods
 from pipefisher.config import config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.methods.muon.engine import MuonEngine
@@ -86,7 +87,12 @@ def test_the_memory_model_counts_what_each_rank_holds(data_parallel):
                 tuple(MuonLayer(name, m.rows, m.cols) for name, m in engine.matrices.items()),
             )
         )
-    modelled = rank_memory(topology, states, optimizer_state("muon"), workers_per_layer=config.workers_per_layer)
+    modelled = rank_memory(
+        topology,
+        states,
+        optimizer_state("muon", memory=methods()["muon"].memory),
+        workers_per_layer=config.workers_per_layer,
+    )
     for rank in range(topology.world_size):
         ((pipe, stage),) = topology.stages_of(rank)
         module = model.build_stage(stage, 2, seed=0)

@@ -34,7 +34,7 @@ from pipefisher.methods.interface import (
     broadcast_from_owner,
     tied_copies,
 )
-from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.registry import register, unregister
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
@@ -130,8 +130,8 @@ class DiagonalRuntime(CurvatureRuntime):
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
-            OpKind.SYNC_A: lambda op: None,
-            OpKind.INV_A: lambda op: self.engines[(op.pipe, op.stage)].refresh(op.layer),
+            OpKind.SYNC: lambda op: None,
+            OpKind.REFRESH: lambda op: self.engines[(op.pipe, op.stage)].refresh(op.layer),
             OpKind.EXCHANGE: self._fold_shared,
         }
 
@@ -158,7 +158,7 @@ class DiagonalRuntime(CurvatureRuntime):
             state.commit()
 
     def _fold_shared(self, op: Op) -> None:
-        if self.owners[(op.stage, op.layer, "A")] != op.pipe:
+        if self.owners[(op.stage, op.layer, 0)] != op.pipe:
             self.engines[(op.pipe, op.stage)].fold(op.layer)
 
     def _launch_sync(self, collective: Collective):
@@ -173,7 +173,7 @@ class DiagonalRuntime(CurvatureRuntime):
             self.comm,
             self.topology,
             self.rank,
-            self.owners[(stage, name, "A")],
+            self.owners[(stage, name, 0)],
             collective,
             shared=lambda: state.pending[name],
             buffer=lambda: torch.empty_like(parameter),
@@ -206,10 +206,10 @@ class DiagonalTimer(TaskTimer):
                     state.captured[name] = torch.randn_like(parameter)
                     state.refresh(name)
 
-                samples = {"inverse_a": timed_ms(refresh, executor.device)}
+                samples = {"refresh.0": timed_ms(refresh, executor.device)}
                 if group is not None:
                     gradient = torch.randn_like(parameter)
-                    samples["sync_a"] = timed_ms(lambda: dist.all_reduce(gradient, group=group), executor.device)
+                    samples["sync.0"] = timed_ms(lambda: dist.all_reduce(gradient, group=group), executor.device)
                 measurements[(stage, name)] = (samples, {})
             state.commit()
         return measurements
@@ -252,7 +252,13 @@ PARTS = MethodParts(
 DIAGONAL = CurvatureMethod(
     name="diagonal",
     label="Diagonal",
-    rules=TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"),), precondition=False, factors=("A",)),
+    rules=TaskRules(
+        curvature=False,
+        syncs=(0,),
+        sync_of=((0, 0),),
+        precondition=False,
+        labels=WorkLabels(parts=("squared gradients",), refresh="second moment"),
+    ),
     settings=DiagonalConfig,
     parts=f"{__name__}:PARTS",
     flags=("beta2",),

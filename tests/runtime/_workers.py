@@ -207,7 +207,7 @@ def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
 def unit_profile(config: RunConfig, num_stages: int, inverse: float = 0.1, sync: float = 0.01):
     """A profile of the run's stages and the layers of its curvature method (K-FAC for first-order
     runs) with made-up times in ms (no measuring): forward 1, backward 2, curvature 0.01 per
-    factor, inverses (roots) and syncs as given."""
+    part, refresh work (inverses, roots) and syncs as given."""
     from builders import layered_profile
     from pipefisher.runtime.training.pipefisher_run import stage_layer_names
 

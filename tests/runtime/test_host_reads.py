@@ -37,5 +37,5 @@ def test_host_reads_per_step_do_not_grow_with_the_layers(optimizer, tiny_config)
         if optimizer == "sgd":
             expected = [1, 1, 1, 1]
         else:
-            expected = [1, 3, 1, 3] if methods()[optimizer].rules.factors else [1, 2, 1, 2]
+            expected = [1, 3, 1, 3] if methods()[optimizer].rules.parts else [1, 2, 1, 2]
         assert rank == expected, counts

@@ -19,6 +19,7 @@ from pipefisher.planning.packing.pack import PackOptions, pack
 from pipefisher.planning.plan import validate_plan
 from pipefisher.schedules import SCHEDULES, get_schedule
 from pipefisher.testing import assert_equal_to_reference, assert_not_vacuous
+from builders import rules_of
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipefisher"
 PARAMETER_ATOL = 1e-5
@@ -70,16 +71,16 @@ def test_its_section_is_read_and_checked_like_a_built_in_one(diagonal):
 def test_its_plans_replay_under_the_nccl_rule(diagonal, schedule):
     """One part per layer: one sync, one refresh and, between Chimera's pipes, one exchange."""
     pipeline = get_schedule(schedule, 4, 8)
-    layers = tuple(LayerProfile(f"w{i}", 0, 0, 0.5, 0, 0, 0.1) for i in range(3))
+    layers = tuple(LayerProfile(f"w{i}", refresh=(0.5,), sync=(0.1,)) for i in range(3))
     profile = Profile(stages=(StageProfile(1.0, 2.0, 0.05, layers=layers),) * pipeline.num_stages, method="diagonal")
-    plan = pack(pipeline, profile, PackOptions(refresh_steps=2, data_parallel=2)).plan
+    plan = pack(pipeline, profile, rules_of(profile), PackOptions(refresh_steps=2, data_parallel=2)).plan
     validate_plan(plan)
     assert plan.method == "diagonal"
-    assert {op.kind.value for op in plan.curvature_ops()} <= {"SA", "IA", "X"}
+    assert {op.token for op in plan.curvature_ops()} <= {"S0", "R0", "X"}
     comm = replay(plan_actions(Topology(pipeline, 2), plan, tied=False))
     launched = [a.target for step in comm.steps for actions in step for a in actions if a.kind is ActionKind.LAUNCH]
     synced = {c.key for c in launched if c.kind == "sync"}
-    assert synced == {(stage, layer.name, "A") for stage in range(pipeline.num_stages) for layer in layers}, (
+    assert synced == {(stage, layer.name, 0) for stage in range(pipeline.num_stages) for layer in layers}, (
         "one sync per layer"
     )
 

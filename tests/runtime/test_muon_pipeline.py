@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _workers import assert_resumes_bit_for_bit, pipelined_with_records, profiled_by_the_cli
-from builders import tiny_model
+from builders import tiny_model, rules_of
 from pipefisher.config import ConfigError, config_from_dict
 from pipefisher.planning.packing.pack import PackOptions, pack
 from pipefisher.runtime.training.launch import run_group
@@ -93,11 +93,11 @@ def test_profile_of_a_muon_run_times_its_matrices_and_packs_them_into_the_drain(
     names = [layer.name for layer in profile.stages[0].layers]
     assert "embed.weight" in names and not any(name.endswith("bias") or "norm" in name for name in names)
     assert all(
-        layer.precondition > 0 and layer.inverse_a == layer.curvature_a == 0
+        layer.precondition > 0 and layer.time("refresh", 0) == layer.time("curvature", 0) == 0
         for stage in profile.stages
         for layer in stage.layers
     )
-    packing = pack(get_schedule("1f1b", 2, 4), profile, PackOptions(percentile=None))
+    packing = pack(get_schedule("1f1b", 2, 4), profile, rules_of(profile), PackOptions(percentile=None))
     first, last = (sum(layer.precondition for layer in stage.layers) for stage in profile.stages)
     step = packing.first_order.step_time
     assert packing.refresh_steps == 1 and step + first - 1e-9 <= packing.cycle_time < step + first + 0.5 * last

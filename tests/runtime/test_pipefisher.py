@@ -127,7 +127,7 @@ def test_measured_profile_loads_in_pack_and_viz(measured, tmp_path):
     assert all(stage.step_end > 0 for stage in profile.stages), "the optimizer step takes time"
     assert [layer.name for layer in profile.stages[0].layers][:2] == ["embed", "blocks.0.attention.query"]
     assert all(
-        layer.curvature_a > 0 and layer.curvature_b > 0 and layer.inverse_a > 0
+        layer.time("curvature", 0) > 0 and layer.time("curvature", 1) > 0 and layer.time("refresh", 0) > 0
         for s in profile.stages
         for layer in s.layers
     )
@@ -169,18 +169,18 @@ def test_measured_profile_keeps_its_samples_and_the_capture_sizes(measured):
         assert len(stage.samples["forward"]) == len(stage.samples["backward"]) == 2 * micro_batches
         assert set(stage.samples) >= {"forward", "backward", "step_end"}
         for layer in stage.layers:
-            assert len(layer.samples["curvature_a"]) == len(layer.samples["curvature_b"]) == micro_batches
+            assert len(layer.samples["curvature.0"]) == len(layer.samples["curvature.1"]) == micro_batches
             assert set(layer.samples) == {
-                "curvature_a",
-                "curvature_b",
-                "inverse_a",
-                "inverse_b",
+                "curvature.0",
+                "curvature.1",
+                "refresh.0",
+                "refresh.1",
                 "precondition",
             }  # no replicas: no sync
-            assert layer.capture_a_bytes == rows * linears[layer.name].in_features * 4
-            assert layer.capture_b_bytes == rows * linears[layer.name].out_features * 4
+            assert layer.captured(0) == rows * linears[layer.name].in_features * 4
+            assert layer.captured(1) == rows * linears[layer.name].out_features * 4
         for item in (stage, *stage.layers):
-            assert all(getattr(item, key) == statistics.median(values) for key, values in item.samples.items())
+            assert all(_time(item, key) == statistics.median(values) for key, values in item.samples.items())
     assert len(profile.stages[0].samples["p2p"]) >= 2
 
 
@@ -303,3 +303,9 @@ def test_a_resumed_rank_launches_again_its_part_of_collectives_its_peers_launch_
     comm = replay(plan_actions(Topology(schedule), make_plan(config, schedule, profile).plan))
     assert any(comm.outstanding(1, rank)[1] for rank in range(4)), "the case this test is about"
     assert_resumes_bit_for_bit(config, 4, tmp_path)
+
+
+def _time(item, key: str) -> float:
+    """The time of field `key` of a stage or a layer (``refresh.1``: a layer's part 1 refresh)."""
+    work, _, part = key.partition(".")
+    return item.time(work, int(part)) if part else getattr(item, key)

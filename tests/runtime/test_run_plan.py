@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from _workers import unit_profile
+from pipefisher.methods.registry import task_rules
 from pipefisher.cli.main import main
 from pipefisher.config import load_config
 
@@ -88,7 +89,7 @@ def test_a_packed_plan_runs_as_it_is_and_trains_like_the_reference(packed):
         ("1f1b", ["--data-parallel", "2"], "tasks: the plan's curvature tasks are not this layout's (data_parallel 2"),
         ("dp2", [], "tasks: the plan's curvature tasks are not this layout's (data_parallel 1"),
         ("1f1b", ["--optimizer", "sgd"], "a plan places a curvature method's work; this run's optimizer is sgd"),
-        ("profile", [], "is a pipefisher profile file (pipefisher.profile/v1), not a plan"),
+        ("profile", [], "is a pipefisher profile file (pipefisher.profile/v2), not a plan"),
     ],
 )
 def test_a_plan_of_another_run_is_refused_naming_the_field(packed, capsys, plan, args, message):
@@ -135,4 +136,4 @@ def test_a_plan_packed_for_the_runs_own_layout_fits_it(tmp_path, schedule, data_
         )
         == 0
     )
-    check_plan_matches(Plan.load(tmp_path / "plan.json"), config, built)
+    check_plan_matches(Plan.load(tmp_path / "plan.json", task_rules), config, built)

@@ -97,7 +97,10 @@ def test_profile_of_a_shampoo_run_times_its_tasks_and_packs(tmp_path):
     assert profile.method == "shampoo"
     layers = [layer for stage in profile.stages for layer in stage.layers]
     assert "embed.weight" in [layer.name for layer in profile.stages[0].layers]
-    assert all(layer.inverse_a > 0 and layer.inverse_b > 0 and layer.curvature_a == 0 for layer in layers)
+    assert all(
+        layer.time("refresh", 0) > 0 and layer.time("refresh", 1) > 0 and layer.time("curvature", 0) == 0
+        for layer in layers
+    )
     packed = subprocess.run(
         ["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
         capture_output=True,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined
-from builders import layered_profile, tiny_model
+from builders import layered_profile, tiny_model, rules_of
 from pipefisher.config import config_from_dict
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import ActionKind
@@ -52,24 +52,25 @@ def test_its_plans_have_no_syncs_and_replay_under_the_nccl_rule(schedule):
     synced, also with data-parallel copies (the statistics come from the reduced gradient)."""
     pipe = get_schedule(schedule, 4, 8)
     profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0)
-    plan = pack(pipe, profile, PackOptions(refresh_steps=2, data_parallel=2)).plan
+    plan = pack(pipe, profile, rules_of(profile), PackOptions(refresh_steps=2, data_parallel=2)).plan
     validate_plan(plan)
-    kinds = {op.kind.value for op in plan.curvature_ops()}
-    assert {"IA", "IB"} <= kinds <= {"IA", "IB", "X"}
+    kinds = {op.token for op in plan.curvature_ops()}
+    assert {"R0", "R1"} <= kinds <= {"R0", "R1", "X"}
     actions = replay(plan_actions(Topology(pipe, 2), plan, tied=False))
     launched = {a.target.kind for step in actions.steps for rank in step for a in rank if a.kind is ActionKind.LAUNCH}
     assert "sync" not in launched and ("exchange" in launched) == (pipe.num_pipes > 1)
 
 
 def test_task_rules_take_a_method_without_syncs_and_refuse_syncs_it_does_not_have():
-    from pipefisher.methods.method import TaskRules
+    from pipefisher.methods.method import TaskRules, WorkLabels
     from pipefisher.methods.registry import task_rules
 
-    assert task_rules("soap").sync_for("A") is None and task_rules("soap").syncs == ()
+    two = WorkLabels(parts=("left", "right"))
+    assert task_rules("soap").sync_for(0) is None and task_rules("soap").syncs == ()
     with pytest.raises(ValueError, match="names syncs of a method without any"):
-        TaskRules(curvature=False, syncs=(), sync_of=(("A", "A"), ("B", "A")), precondition=False)
+        TaskRules(curvature=False, syncs=(), sync_of=((0, 0), (1, 0)), precondition=False, labels=two)
     with pytest.raises(ValueError, match="must name one sync of `syncs`"):
-        TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"), ("B", "B")), precondition=False)
+        TaskRules(curvature=False, syncs=(0,), sync_of=((0, 0), (1, 1)), precondition=False, labels=two)
 
 
 @pytest.mark.dist
@@ -129,7 +130,10 @@ def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_p
     layers = [layer for stage in profile.stages for layer in stage.layers]
     assert profile.method == "soap" and "embed.weight" in [layer.name for layer in profile.stages[0].layers]
     assert all(
-        layer.inverse_a > 0 and layer.inverse_b > 0 and layer.curvature_a == layer.sync_a == 0 for layer in layers
+        layer.time("refresh", 0) > 0
+        and layer.time("refresh", 1) > 0
+        and layer.time("curvature", 0) == layer.time("sync", 0) == 0
+        for layer in layers
     )
     assert all(stage.step_end > 0 for stage in profile.stages)
     packed = subprocess.run(

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from _workers import assert_equal_to_reference
-from builders import tiny_model
+from builders import tiny_model, rules_of
 from pipefisher.config import config_from_dict
 from pipefisher.core.profile import load_profile
 from pipefisher.schedules import SCHEDULES, chunks_per_rank
@@ -130,6 +130,8 @@ def test_kfac_with_weight_gradients_moved_by_the_packer_equals_the_reference(tmp
     profile = unit_profile(config, schedule.num_stages, inverse=1.0)
     profile = replace(profile, stages=(replace(profile.stages[0], forward=2.0, backward=4.0),) + profile.stages[1:])
     profile.save(tmp_path / "profile.yaml")
-    assert pack(schedule, profile, pack_options(config)).moved_weights > 0, "the case this test is about"
+    assert pack(schedule, profile, rules_of(profile), pack_options(config)).moved_weights > 0, (
+        "the case this test is about"
+    )
     assert sum(moved_weights(make_plan(config, schedule, profile).plan)) > 0, "the plan the run uses moves W ops"
     assert_equal_to_reference(config, KFAC_ATOL)

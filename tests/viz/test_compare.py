@@ -21,6 +21,7 @@ from pipefisher.viz.compare import Entry, compare, cycle_bubble_fraction, parse_
 from pipefisher.viz.layout import first_steps, schedule_panel
 from pipefisher.viz.stage_split import fit_stages
 from pipefisher.viz.text import render_text
+from builders import rules_of
 
 SVG = "{http://www.w3.org/2000/svg}"
 ENTRIES = "1f1b,zb-h1,zbv,1f1b+kfac,zb-h1+kfac"
@@ -46,7 +47,7 @@ def test_table_equals_simulate_and_pack(tmp_path, capsys, bert_profile_path):
             assert row["bubble_fraction"] == pytest.approx(first_order.bubble_fraction, rel=1e-12)
             assert row["refresh_steps"] is None and row["overhead"] == 0
             continue
-        result = pack(schedule, fitted)
+        result = pack(schedule, fitted, rules_of(fitted))
         assert result.first_order_step_time == pytest.approx(first_order.step_time, rel=1e-12)
         assert row["refresh_steps"] == result.refresh_steps
         assert row["step_time"] == pytest.approx(result.step_time, rel=1e-12)

@@ -38,10 +38,14 @@ def test_kfac_cycle_and_compare_give_one_process_per_schedule(tmp_path, bert_pro
     assert len(steps) >= 2 and steps[0]["ts"] == 0
     profile = load_profile(bert_profile_path)
     layers = {layer.name: layer for stage in profile.stages for layer in stage.layers}
-    inverses = [e for e in events if e["ph"] == "X" and e["pid"] == 1 and e["args"]["kind"] == "INV_A"]
+    inverses = [
+        e
+        for e in events
+        if e["ph"] == "X" and e["pid"] == 1 and e["args"]["kind"] == "REFRESH" and e["args"]["part"] == 0
+    ]
     assert len(inverses) == len(layers)  # every layer's A is inverted once per cycle, on its own rank
     for event in inverses:
-        assert event["dur"] == pytest.approx(layers[event["args"]["layer"]].inverse_a * 1000.0)
+        assert event["dur"] == pytest.approx(layers[event["args"]["layer"]].time("refresh", 0) * 1000.0)
     first = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
     assert len(first) == 4 * 8 and all(e["args"]["step"] == 0 for e in first)
 

@@ -8,6 +8,7 @@ from pipefisher.core.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.figure import render_figure
 from pipefisher.viz.layout import curvature_panel, schedule_panel
+from builders import rules_of
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -52,14 +53,14 @@ def test_svg_has_one_shape_per_op_and_per_bubble(tmp_path):
 
 def test_kfac_and_compare_panels_each_get_their_ops_and_step_marks(tmp_path, bert_profile):
     schedule = get_schedule("chimera", 4, 4)
-    panels = [schedule_panel(schedule, bert_profile), curvature_panel(schedule, bert_profile)]
+    panels = [schedule_panel(schedule, bert_profile), curvature_panel(schedule, bert_profile, rules_of(bert_profile))]
     path = tmp_path / "c.svg"
     render_figure(panels, path)
     groups = _groups(path)
     assert _ops_drawn(groups, 0) == len(panels[0].boxes)
     assert _ops_drawn(groups, 1) == len(panels[1].boxes)
     assert groups["ops1-sync-launch"] == sum(b.category == "sync" for b in panels[1].boxes) > 0
-    for category in ("curvature-a", "curvature-b", "inverse-a", "inverse-b", "precondition"):
+    for category in ("curvature-0", "curvature-1", "refresh-0", "refresh-1", "precondition"):
         assert groups[f"ops1-{category}"] > 0
     texts = _texts(path)
     assert [t for t in texts if t.startswith(" step ")] == [f" step {j}" for j in panels[1].step_ids]

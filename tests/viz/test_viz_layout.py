@@ -6,6 +6,7 @@ from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import curvature_panel, schedule_panel
+from builders import rules_of
 
 
 def _overlaps(boxes):
@@ -46,14 +47,14 @@ def test_labels_name_pipe_for_chimera_and_chunk_for_interleaved():
 
 def test_kfac_panel_lays_the_cycle_end_to_end_with_kfac_in_the_bubbles(bert_profile):
     schedule = get_schedule("gpipe", 4, 4)
-    panel = curvature_panel(schedule, bert_profile)
-    result = pack(schedule, bert_profile)
+    panel = curvature_panel(schedule, bert_profile, rules_of(bert_profile))
+    result = pack(schedule, bert_profile, rules_of(bert_profile))
     k = result.refresh_steps
     assert panel.step_ids == tuple(range(k)) and panel.refresh_steps == k > 1
     assert panel.step_starts[1] == pytest.approx(result.timelines[0].step_time)
     assert panel.end == pytest.approx(sum(t.step_time for t in result.timelines))
     assert len(panel.boxes) == sum(len(ivs) for t in result.timelines for ivs in t.ranks)
-    assert {b.category for b in panel.boxes} >= {"curvature-a", "curvature-b", "inverse-a", "inverse-b", "precondition"}
+    assert {b.category for b in panel.boxes} >= {"curvature-0", "curvature-1", "refresh-0", "refresh-1", "precondition"}
     assert not _overlaps(panel.boxes)
     for step, start in zip(panel.step_ids, panel.step_starts):  # every step's boxes lie inside it
         boxes = [b for b in panel.boxes if b.step == step]
@@ -63,4 +64,4 @@ def test_kfac_panel_lays_the_cycle_end_to_end_with_kfac_in_the_bubbles(bert_prof
 
 def test_kfac_panel_needs_kfac_layers():
     with pytest.raises(ProfileError, match="layers"):
-        curvature_panel(get_schedule("gpipe", 2, 2), uniform_profile(2))
+        curvature_panel(get_schedule("gpipe", 2, 2), uniform_profile(2), rules_of(uniform_profile(2)))

@@ -7,6 +7,7 @@ from pipefisher.core.profile import uniform_profile
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import curvature_panel, schedule_panel
 from pipefisher.viz.text import MIN_WIDTH, render_text
+from builders import rules_of
 
 
 def _rank_rows(text):
@@ -42,7 +43,7 @@ def test_axis_names_the_unit_and_ticks_in_time():
 
 def test_compare_shares_one_time_scale(bert_profile):
     gpipe = schedule_panel(get_schedule("gpipe", 4, 4), bert_profile)
-    packed = curvature_panel(get_schedule("gpipe", 4, 4), bert_profile)
+    packed = curvature_panel(get_schedule("gpipe", 4, 4), bert_profile, rules_of(bert_profile))
     text = render_text([gpipe, packed], 120)
     rows = _rank_rows(text)
     assert len(rows) == 8

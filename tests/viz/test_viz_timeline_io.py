@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +9,7 @@ from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import get_schedule
 from pipefisher.viz.layout import recorded_panel
+from builders import rules_of
 from pipefisher.planning.timeline_file import (
     MAX_LISTED,
     OP_SPAN,
@@ -18,9 +20,11 @@ from pipefisher.planning.timeline_file import (
     save_timeline,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
-    timelines = pack(get_schedule("1f1b", 4, 4), bert_profile).timelines
+    timelines = pack(get_schedule("1f1b", 4, 4), bert_profile, rules_of(bert_profile)).timelines
     path = tmp_path / "t.json"
     save_timeline(timelines, path, starts=[10.0 * j + 5 for j in range(len(timelines))], name="measured")
     data = json.loads(path.read_text())
@@ -33,6 +37,33 @@ def test_round_trip_keeps_steps_ops_and_times(tmp_path, bert_profile):
             assert sorted((str(iv.op), round(iv.start, 9), round(iv.end, 9)) for iv in before) == sorted(
                 (str(iv.op), round(iv.start, 9), round(iv.end, 9)) for iv in after
             )
+
+
+def test_a_version_1_recording_reads_its_ops_by_part(tmp_path):
+    """v1 wrote a method's ops by letter (``0CA0:fc``, ``0IB:fc``): parts 0 and 1; v2 is written."""
+    path = tmp_path / "t.json"
+    ops = ["0F0", "0CA0:fc", "0B0", "0CB0:fc", "0SA:fc", "0IB:fc", "0P"]
+    data = {
+        "schema": "pipefisher.timeline/v1",
+        "time_unit": "ms",
+        "ranks": [[{"op": op, "start": float(i), "end": i + 1.0} for i, op in enumerate(ops)]],
+    }
+    path.write_text(json.dumps(data))
+    (step,) = load_timeline(path).steps
+    assert [iv.op.token for iv in step.ranks[0]] == ["F", "C0", "B", "C1", "S0", "R1", "P"]
+    save_timeline([step], tmp_path / "v2.json")
+    written = json.loads((tmp_path / "v2.json").read_text())
+    assert written["schema"] == SCHEMA == "pipefisher.timeline/v2"
+    assert [entry["op"] for entry in written["ranks"][0]] == [
+        "0F0",
+        "0C0.0:fc",
+        "0B0",
+        "0C1.0:fc",
+        "0S0:fc",
+        "0R1:fc",
+        "0P",
+    ]
+    assert load_timeline(ROOT / "profiles" / "tiny-cpu-1f1b-timeline.json").steps, "the shipped v1 recording"
 
 
 def test_without_steps_and_starts_a_recording_is_one_step_from_its_first_op(tmp_path):

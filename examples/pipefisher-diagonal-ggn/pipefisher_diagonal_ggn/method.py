@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pipefisher.core.settings import setting
 from pipefisher.methods.memory import MatrixLayer
-from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig
 
 
@@ -31,9 +31,15 @@ class DiagGgnLayer(MatrixLayer):
 DIAG_GGN = CurvatureMethod(
     name="diag_ggn",
     label="Diagonal GGN",
-    # per layer two parts, each built per micro-batch (CA/CB), summed over replicas (SA/SB),
-    # refreshed (IA/IB), and a P op per stage and step before the gradient reduction
-    rules=TaskRules(curvature=True, syncs=("A", "B"), sync_of=(("A", "A"), ("B", "B")), precondition=True),
+    # per layer two parts (0: inputs, 1: output gradients), each built per micro-batch (C), summed
+    # over replicas (S), refreshed (R), and a P op per stage and step before the gradient reduction
+    rules=TaskRules(
+        curvature=True,
+        syncs=(0, 1),
+        sync_of=((0, 0), (1, 1)),
+        precondition=True,
+        labels=WorkLabels(parts=("input", "output-gradient"), refresh="scale"),
+    ),
     settings=DiagGgnConfig,
     parts="pipefisher_diagonal_ggn.runtime:PARTS",
     flags=("damping",),

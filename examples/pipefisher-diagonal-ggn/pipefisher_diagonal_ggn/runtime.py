@@ -1,8 +1,7 @@
-"""The method's torch side, on pipefisher's public blocks: per Linear layer (weights only; tied
-copies, biases and the rest first-order) the running means of a² per input feature (part A) and
-of e² per output feature (part B), from every micro-batch of a cycle's first step; the weight's
-gradient G becomes G ⊙ (rb raᵀ), i.e. G[i, j]·rb[i]·ra[j] with r = (mean + damping)^-1/2, the
-refresh results of a cycle in use from the next one on."""
+"""The method's torch side on pipefisher's public blocks: per Linear weight (tied copies, biases and
+the rest first-order) running means of a² per input (part 0) and e² per output feature (part 1)
+from a cycle's first step; G becomes G[i, j]·rb[i]·ra[j], r = (mean + damping)^-1/2, from the next
+cycle on."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import time_key
 from pipefisher.methods.capture import CapturedLayer, capture, rows_per_step
 from pipefisher.methods.interface import LayerMeasurement, MethodParts, StageRuntime, StageTimer
 from pipefisher.methods.layers import first_order_linears, linear_parameters, select_linears
@@ -22,7 +22,7 @@ from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
 
-PARTS_OF = {OpKind.CURV_A: "A", OpKind.CURV_B: "B", OpKind.INV_A: "A", OpKind.INV_B: "B"}
+LETTERS = ("A", "B")  #: the capture side of part 0 (the inputs a) and of part 1 (the output gradients e)
 
 
 class Layer(CapturedLayer):
@@ -54,9 +54,9 @@ class Layer(CapturedLayer):
         self.pending[part] = (self.mean[part] + damping).rsqrt()
 
     def precondition(self) -> None:
-        if len(self.active) == 2 and self.module.weight.grad is not None:
-            scale = torch.outer(self.active["B"], self.active["A"]).to(self.module.weight.grad.dtype)
-            self.module.weight.grad.mul_(scale)
+        grad = self.module.weight.grad
+        if len(self.active) == 2 and grad is not None:
+            grad.mul_(torch.outer(self.active["B"], self.active["A"]).to(grad.dtype))
 
     def state_dict(self) -> dict:
         return {"mean": self.mean, "active": self.active}
@@ -90,21 +90,19 @@ class Engine:
 
 
 class Runtime(StageRuntime[Engine]):
-    """CA/CB sum a micro-batch's squares, SA/SB all-reduce them, IA/IB refresh on the owner, X folds
-    elsewhere and receives the owner's scales, P preconditions the stage."""
+    """Curvature ops (C, by part) sum a micro-batch's squares, syncs (S) all-reduce them, refresh
+    ops (R) refresh on the owner, X folds elsewhere and receives the owner's scales, P
+    preconditions the stage."""
 
     build_engine = staticmethod(Engine)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        curvature = lambda op: self.engine(op).layers[op.layer].curvature(PARTS_OF[op.kind], op.micro_batch)
-        refresh = lambda op: self.engine(op).refresh(op.layer, PARTS_OF[op.kind])
+        curvature = lambda op: self.engine(op).layers[op.layer].curvature(LETTERS[op.part], op.micro_batch)
+        refresh = lambda op: self.engine(op).refresh(op.layer, LETTERS[op.part])
         return {
-            OpKind.CURV_A: curvature,
-            OpKind.CURV_B: curvature,
-            OpKind.SYNC_A: lambda op: None,
-            OpKind.SYNC_B: lambda op: None,
-            OpKind.INV_A: refresh,
-            OpKind.INV_B: refresh,
+            OpKind.CURVATURE: curvature,
+            OpKind.SYNC: lambda op: None,
+            OpKind.REFRESH: refresh,
             OpKind.EXCHANGE: self._fold,
             OpKind.PRECONDITION: lambda op: [layer.precondition() for layer in self.engine(op).layers.values()],
         }
@@ -113,25 +111,24 @@ class Runtime(StageRuntime[Engine]):
         return {CollectiveKind.SYNC: self._sync, CollectiveKind.EXCHANGE: self._exchange}
 
     def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
-        scale = self.loss_scale()
-        return self.engine(op).capture(op.micro_batch, scale) if cycle_step == 0 else nullcontext()
+        return self.engine(op).capture(op.micro_batch, self.loss_scale()) if cycle_step == 0 else nullcontext()
 
     def end_of_cycle(self) -> None:
         for engine in self.engines.values():
             engine.commit()
 
     def _fold(self, op: Op) -> None:
-        for part in "AB":
+        for part, letter in enumerate(LETTERS):
             if not self.owns(op, part):
-                self.engine(op).layers[op.layer].fold(part, self.config.settings.decay)
+                self.engine(op).layers[op.layer].fold(letter, self.config.settings.decay)
 
     def _sync(self, collective: Collective) -> Handle:
         stage, name, part = collective.key
-        return self.all_reduce(collective, [self.engine_of_stage[stage].layers[name].sums[part]])
+        return self.all_reduce(collective, [self.engine_of_stage[stage].layers[name].sums[LETTERS[part]]])
 
     def _exchange(self, collective: Collective) -> Handle:
-        stage, name, part = collective.key
-        layer = self.engine_of_stage[stage].layers[name]
+        stage, name, index = collective.key
+        part, layer = LETTERS[index], self.engine_of_stage[stage].layers[name]
         return self.broadcast(
             collective,
             shared=lambda: layer.pending[part],
@@ -156,20 +153,17 @@ class Timer(StageTimer[Engine]):
             group = self.sync_group(executor, stage)
             for name, layer in engine.layers.items():
                 samples: dict[str, list[float]] = {}
-                for part in "AB":
+                for index, part in enumerate(LETTERS):
                     batches = layer.micro_batches(part)  # type: ignore[arg-type]
-                    samples[f"curvature_{part.lower()}"] = [
+                    samples[time_key("curvature", index)] = [
                         timed_ms(lambda m=mb, p=part: layer.curvature(p, m), executor.device, repeats=1)[0]
                         for mb in batches
                     ]
-                    samples[f"inverse_{part.lower()}"] = timed_ms(
-                        lambda p=part: engine.refresh(name, p), executor.device
-                    )
+                    refresh = lambda p=part: engine.refresh(name, p)
+                    samples[time_key("refresh", index)] = timed_ms(refresh, executor.device)
                     if group is not None:
-                        sums = layer.sums[part]
-                        samples[f"sync_{part.lower()}"] = timed_ms(
-                            lambda s=sums: dist.all_reduce(s, group=group), executor.device
-                        )
+                        all_reduce = lambda s=layer.sums[part]: dist.all_reduce(s, group=group)
+                        samples[time_key("sync", index)] = timed_ms(all_reduce, executor.device)
                 samples["precondition"] = timed_ms(layer.precondition, executor.device)
                 found[(stage, name)] = (samples, {})
         return found

@@ -7,7 +7,7 @@ import typing
 from typing import Any, Literal
 
 from pipefisher.core.settings import ConfigError, setting
-from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.replicas.kaisa import worker_count
 
@@ -57,10 +57,11 @@ KFAC = CurvatureMethod(
     label="K-FAC",
     rules=TaskRules(
         curvature=True,
-        syncs=("A", "B"),
-        sync_of=(("A", "A"), ("B", "B")),
+        syncs=(0, 1),
+        sync_of=((0, 0), (1, 1)),
         precondition=True,
-        shared_when_split=(("column", "A"), ("row", "B")),
+        labels=WorkLabels(parts=("A factor", "B factor"), refresh="inverse"),
+        shared_when_split=(("column", 0), ("row", 1)),
     ),
     settings=KfacConfig,
     parts="pipefisher.methods.kfac.parts:PARTS",

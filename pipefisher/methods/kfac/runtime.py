@@ -29,16 +29,17 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import time_key
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
+from pipefisher.methods.kfac.layer import FACTORS
 from pipefisher.methods.kfac.method import KFAC, KfacConfig
 from pipefisher.models.tensor_parallel import applied_plan
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.plan import Plan
-from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
 
@@ -95,13 +96,13 @@ class KfacRuntime(StageRuntime[KFACEngine]):
 
     def _exchange_source(self, stage: int, layer: str, factor: str) -> bool:
         return (stage, layer) in self.exchanged and self.rank == self.topology.rank(
-            0, self.owner(stage, layer, factor), stage
+            0, self.owner(stage, layer, FACTORS.index(factor)), stage
         )
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        table: dict[OpKind, Callable[[Op], None]] = {kind: self._curvature for kind in (OpKind.CURV_A, OpKind.CURV_B)}
-        table.update({kind: lambda op: None for kind in (OpKind.SYNC_A, OpKind.SYNC_B)})  # the launch is the whole op
-        table.update({kind: self._invert for kind in (OpKind.INV_A, OpKind.INV_B)})
+        table: dict[OpKind, Callable[[Op], None]] = {OpKind.CURVATURE: self._curvature}
+        table[OpKind.SYNC] = lambda op: None  # the launch is the whole op
+        table[OpKind.REFRESH] = self._invert
         table[OpKind.EXCHANGE] = self._fold_shared
         table[OpKind.PRECONDITION] = self._precondition
         return table
@@ -129,10 +130,10 @@ class KfacRuntime(StageRuntime[KFACEngine]):
 
     # -- handlers ----------------------------------------------------------------------------
     def _curvature(self, op: Op) -> None:
-        self.engine(op).curvature(op.layer, FACTOR_OF[op.kind], op.micro_batch)
+        self.engine(op).curvature(op.layer, FACTORS[op.part], op.micro_batch)
 
     def _invert(self, op: Op) -> None:
-        factor = FACTOR_OF[op.kind]
+        factor = FACTORS[op.part]
         decompose = self.works_for(op.stage, op.layer) or self._exchange_source(op.stage, op.layer, factor)
         self._sum_over_shards(op, factor)
         self.engine(op).invert(op.layer, factor, decompose=decompose)
@@ -140,8 +141,8 @@ class KfacRuntime(StageRuntime[KFACEngine]):
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not invert a factor still folds the synced factor into its running
         average, so every replica keeps the same state; the inverse itself comes by broadcast."""
-        for factor in "AB":
-            if not self.owns(op, factor):
+        for part, factor in enumerate(FACTORS):
+            if not self.owns(op, part):
                 self._sum_over_shards(op, factor)
                 self.engine(op).invert(op.layer, factor, decompose=False)
 
@@ -157,11 +158,12 @@ class KfacRuntime(StageRuntime[KFACEngine]):
 
     # -- collectives -------------------------------------------------------------------------
     def _launch_sync(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
-        return self.all_reduce(collective, list(self.engine_of_stage[stage].sync_tensors(layer, factor)))
+        stage, layer, part = collective.key
+        return self.all_reduce(collective, list(self.engine_of_stage[stage].sync_tensors(layer, FACTORS[part])))
 
     def _launch_exchange(self, collective: Collective) -> Handle:
-        stage, layer, factor = collective.key
+        stage, layer, part = collective.key
+        factor = FACTORS[part]
         engine = self.engine_of_stage[stage]
         keeps = self.works_for(stage, layer)
         # With gradient workers the source may hold no inverse in use to fall back on: it sends
@@ -203,9 +205,10 @@ def share_rows(
     shared = KFAC.rules.shared_statistics(
         ((stage, info.name) for stage, engine in engines.items() for info in engine.layers()), applied
     )
-    for stage, layer, factor in shared:
+    found = frozenset((stage, layer, FACTORS[part]) for stage, layer, part in shared)
+    for stage, layer, factor in found:
         engines[stage].share_rows(layer, factor, shard, degree)
-    return shared
+    return found
 
 
 class KfacTimer(StageTimer[KFACEngine]):
@@ -236,27 +239,26 @@ class KfacTimer(StageTimer[KFACEngine]):
             group = self.sync_group(executor, stage)
             for info in engine.layers():
                 samples: dict[str, list[float]] = {}
-                sizes: dict[str, int] = {}
-                for factor in ("A", "B"):
-                    suffix = factor.lower()
+                sizes: dict[int, int] = {}
+                for part, factor in enumerate(FACTORS):
                     micro_batches = engine.captured(info.name, factor)
-                    sizes[f"capture_{suffix}_bytes"] = max(
+                    sizes[part] = max(
                         (engine.captured_bytes(info.name, factor, micro_batch) for micro_batch in micro_batches),
                         default=0,
                     )
-                    samples[f"curvature_{suffix}"] = [
+                    samples[time_key("curvature", part)] = [
                         timed_ms(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
                         for micro_batch in micro_batches
                     ]
                     n = info.size(factor)
                     matrix = torch.randn(n, n, device=device)
                     matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
-                    samples[f"inverse_{suffix}"] = timed_ms(
+                    samples[time_key("refresh", part)] = timed_ms(
                         lambda: damped_inverse(matrix, settings.damping, settings.inverse), device
                     )
                     if group is not None:
                         buffer = torch.zeros(n, n, device=device)
-                        samples[f"sync_{suffix}"] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)
+                        samples[time_key("sync", part)] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)
                 engine.release(info.name)
                 grad = torch.randn(info.out_features, info.a_size, device=device)
                 a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)

@@ -14,7 +14,7 @@ import typing
 from typing import Any, Literal
 
 from pipefisher.core.settings import STEP_CEILING, ConfigError, setting
-from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig
 
 #: the quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon
@@ -83,7 +83,13 @@ class MuonConfig(RefreshConfig):
 MUON = CurvatureMethod(
     name="muon",
     label="Muon",
-    rules=TaskRules(curvature=False, syncs=(), sync_of=(), precondition=True, factors=()),
+    rules=TaskRules(
+        curvature=False,
+        syncs=(),
+        sync_of=(),
+        precondition=True,
+        labels=WorkLabels(parts=(), precondition="orthogonalisation"),
+    ),
     settings=MuonConfig,
     parts="pipefisher.methods.muon.parts:PARTS",
     flags=("momentum", "adjust_lr"),

@@ -7,7 +7,7 @@ import typing
 from typing import Literal
 
 from pipefisher.core.settings import STEP_CEILING, setting
-from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
 
 #: how the inverse 4th root is computed: float64 eigendecomposition or the coupled Newton iteration
@@ -48,11 +48,18 @@ class ShampooConfig(RefreshConfig):
         return self.first_order != "sgd"
 
 
-#: Shampoo's statistics need the stage's whole gradient: one sync (named A) carries it to both factors
+#: Shampoo's statistics need the stage's whole gradient: one sync (part 0's) carries it to both
+#: parts, the left (L) and right (R) statistics whose inverse 4th roots are its refresh work
 SHAMPOO = CurvatureMethod(
     name="shampoo",
     label="Shampoo",
-    rules=TaskRules(curvature=False, syncs=("A",), sync_of=(("A", "A"), ("B", "A")), precondition=False),
+    rules=TaskRules(
+        curvature=False,
+        syncs=(0,),
+        sync_of=((0, 0), (1, 0)),
+        precondition=False,
+        labels=WorkLabels(parts=("left", "right"), refresh="root"),
+    ),
     settings=ShampooConfig,
     parts="pipefisher.methods.shampoo.parts:PARTS",
 )

@@ -22,12 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import time_key
+from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
 
@@ -57,6 +58,8 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
     its collectives. `loss_scale()`: fp16's current loss scale (None otherwise); the captured
     gradient is divided by it."""
 
+    engine_parts = FACTORS
+
     named_sections = ("exp_avg_sq", "matrices")
     cycle_slots = ("captured", "*/pending")
     build_engine = staticmethod(shampoo_engine)
@@ -68,9 +71,8 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
-            OpKind.SYNC_A: lambda op: None,  # the launch is the whole op
-            OpKind.INV_A: self._refresh,
-            OpKind.INV_B: self._refresh,
+            OpKind.SYNC: lambda op: None,  # the launch is the whole op
+            OpKind.REFRESH: self._refresh,
             OpKind.EXCHANGE: self._fold_shared,
         }
 
@@ -119,14 +121,14 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
         return engine
 
     def _refresh(self, op: Op) -> None:
-        factor = FACTOR_OF[op.kind]
+        factor = FACTORS[op.part]
         self._fold(op, factor).compute_root(op.layer, factor)
 
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not compute a factor's roots still folds its statistics, so every
         replica keeps the same state; the roots themselves come by broadcast."""
-        for factor in "AB":
-            if not self.owns(op, factor):
+        for part, factor in enumerate(FACTORS):
+            if not self.owns(op, part):
                 self._fold(op, factor)
 
     # -- collectives -------------------------------------------------------------------------
@@ -165,16 +167,16 @@ class ShampooTimer(StageTimer[ShampooEngine]):
                 engine.capture(info.name)
                 parameter.grad = saved
                 samples: dict[str, list[float]] = {}
-                for factor in "AB":
+                for part, factor in enumerate(FACTORS):
 
                     def refresh(factor: str = factor) -> None:
                         engine.update_statistics(info.name, factor)
                         engine.compute_root(info.name, factor)
 
-                    samples[f"inverse_{factor.lower()}"] = timed_ms(refresh, device)
+                    samples[time_key("refresh", part)] = timed_ms(refresh, device)
                 if group is not None:
                     gradient = engine.captured_gradient(info.name)
-                    samples["sync_a"] = timed_ms(lambda: dist.all_reduce(gradient, group=group), device)
+                    samples[time_key("sync", 0)] = timed_ms(lambda: dist.all_reduce(gradient, group=group), device)
                 engine.release(info.name)
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()

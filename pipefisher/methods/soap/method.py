@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipefisher.core.settings import ConfigError, setting
-from pipefisher.methods.method import CurvatureMethod, TaskRules
+from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
 
 
@@ -50,11 +50,17 @@ class SoapConfig(RefreshConfig):
 
 
 #: SOAP's statistics come from the reduced gradient at each step's end, alike on every replica: no
-#: syncs; its refresh work per layer is the new left (A) and right (B) eigenbasis
+#: syncs; its refresh work per layer is the new left (part 0) and right (part 1) eigenbasis
 SOAP = CurvatureMethod(
     name="soap",
     label="SOAP",
-    rules=TaskRules(curvature=False, syncs=(), sync_of=(), precondition=False),
+    rules=TaskRules(
+        curvature=False,
+        syncs=(),
+        sync_of=(),
+        precondition=False,
+        labels=WorkLabels(parts=("left", "right"), refresh="basis"),
+    ),
     settings=SoapConfig,
     parts="pipefisher.methods.soap.parts:PARTS",
     memory="pipefisher.methods.soap.memory:SoapLayer",

@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import time_key
+from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.state import matrix_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
-from pipefisher.planning.tasks import FACTOR_OF
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
 
@@ -52,14 +53,15 @@ class SoapRuntime(StageRuntime[SoapEngine]):
     """The SOAP state of one rank's stages, the handlers of its op kinds and the provider of its
     exchange. The loss scale is not needed: the step end sees unscaled gradients."""
 
+    engine_parts = FACTORS
+
     named_sections = ("matrices",)
     cycle_slots = ("*/pending",)
     build_engine = staticmethod(soap_engine)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
-            OpKind.INV_A: self._refresh,
-            OpKind.INV_B: self._refresh,
+            OpKind.REFRESH: self._refresh,
             OpKind.EXCHANGE: lambda op: None,
         }  # its launches are the whole op
 
@@ -79,7 +81,7 @@ class SoapRuntime(StageRuntime[SoapEngine]):
             engine.check_health()
 
     def _refresh(self, op: Op) -> None:
-        self.engine(op).refresh(op.layer, FACTOR_OF[op.kind])
+        self.engine(op).refresh(op.layer, FACTORS[op.part])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
         return self.exchange(collective, SoapEngine.shared_basis, SoapEngine.basis_buffer, SoapEngine.receive_basis)
@@ -110,10 +112,10 @@ class SoapTimer(StageTimer[SoapEngine]):
             engine.snapshot()
             for info in engine.matrices():
                 samples = {
-                    f"inverse_{factor.lower()}": timed_ms(
+                    time_key("refresh", part): timed_ms(
                         lambda factor=factor: engine.refresh(info.name, factor), executor.device
                     )
-                    for factor in "AB"
+                    for part, factor in enumerate(FACTORS)
                 }
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()

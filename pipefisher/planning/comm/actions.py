@@ -88,7 +88,7 @@ class CollectiveKind(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class Collective:
-    """One collective call on `group`: its kind and what it is of (e.g. (stage, layer, factor)
+    """One collective call on `group`: its kind and what it is of (e.g. (stage, layer, part)
     for a sync)."""
 
     kind: CollectiveKind
@@ -238,12 +238,12 @@ class CommPlan:
         return complete, incomplete
 
 
-def sync_collective(stage: int, layer: str, factor: str) -> Collective:
-    return Collective(CollectiveKind.SYNC, ("curv", stage), (stage, layer, factor))
+def sync_collective(stage: int, layer: str, part: int) -> Collective:
+    return Collective(CollectiveKind.SYNC, ("curv", stage), (stage, layer, part))
 
 
-def exchange_collective(stage: int, layer: str, factor: str) -> Collective:
-    return Collective(CollectiveKind.EXCHANGE, ("curv", stage), (stage, layer, factor))
+def exchange_collective(stage: int, layer: str, part: int) -> Collective:
+    return Collective(CollectiveKind.EXCHANGE, ("curv", stage), (stage, layer, part))
 
 
 def grad_collective(stage: int) -> Collective:

@@ -17,7 +17,7 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
 - ``("pgrad", s, b)``: K-FAC's gradient workers (`pipefisher.planning.replicas.kaisa`): block b of stage s's
   replicas, to which its workers broadcast the preconditioned gradients (``pgrad``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
-  of inverses or roots over the same replicas.
+  of refresh results (inverses, roots, bases) over the same replicas, keyed (stage, layer, part).
 - ``("tied",)``: tied weights (first and last stage); ``("world",)``: the end-of-step reduction
   (loss, gradient norm, overflow flag) over all ranks.
 
@@ -33,8 +33,6 @@ from collections.abc import Iterator, Sequence
 
 from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.methods.method import TaskRules
-from pipefisher.methods.registry import task_rules
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.comm.actions import (
     Action,
@@ -59,7 +57,7 @@ from pipefisher.planning.comm.actions import (
     sync_collective,
 )
 from pipefisher.planning.plan import Plan
-from pipefisher.planning.tasks import FACTOR_OF
+from pipefisher.planning.vocabulary import TaskRules
 
 
 def plan_actions(
@@ -67,13 +65,13 @@ def plan_actions(
     plan: Plan,
     tied: bool = False,
     path: GradientPath = GradientPath(),
-    shared: frozenset[tuple[int, str, str]] = frozenset(),
+    shared: frozenset[tuple[int, str, int]] = frozenset(),
 ) -> CommPlan:
     """The actions of every global rank for every step of `plan`'s cycle (see the module docstring).
 
-    `shared`: the (stage, layer, factor) statistics a rank's tensor-parallel processes build in
-    shares (`TaskRules.shared_when_split`); the refresh work that first reads one (its inversion,
-    or the exchange where another replica inverts it) sums it over the processes.
+    `shared`: the (stage, layer, part) statistics a rank's tensor-parallel processes build in
+    shares (`TaskRules.shared_when_split`); the refresh work that first reads one (its own, or
+    the exchange where another replica does it) sums it over the processes.
 
     `tied`: the model has weights shared by the first and last stage (their gradients are summed
     over the ``("tied",)`` group at the end of every step). `path.sharded`: the owners of a
@@ -84,12 +82,8 @@ def plan_actions(
     schedule = plan.schedule
     num_stages = schedule.num_stages
     owners = inverse_owners(plan)
-    rules = task_rules(plan.method)
-    synced = {
-        (op.stage, op.layer, FACTOR_OF[op.kind])
-        for op in plan.curvature_ops()
-        if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B)
-    }
+    rules = plan.task_rules() if plan.curvature_ops() else None
+    synced = {(op.stage, op.layer, op.part) for op in plan.curvature_ops() if op.kind is OpKind.SYNC}
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
     steps: list[tuple[tuple[Action, ...], ...]] = []
@@ -124,31 +118,31 @@ def plan_actions(
 
 
 def tensor_reading_ops(
-    plan: Plan, shared: frozenset[tuple[int, str, str]], owners: dict[tuple[int, str, str], int]
+    plan: Plan, shared: frozenset[tuple[int, str, int]], owners: dict[tuple[int, str, int], int]
 ) -> frozenset[Op]:
     """The ops of `plan` that sum a `shared` statistic over the rank's tensor-parallel processes:
-    its inversion, or the exchange of a replica that does not invert it (it folds the statistic)."""
+    its refresh work, or the exchange of a replica that does not do it (it folds the statistic)."""
     if not shared:
         return frozenset()
     found = set()
     for op in plan.curvature_ops():
-        if op.kind in (OpKind.INV_A, OpKind.INV_B) and (op.stage, op.layer, FACTOR_OF[op.kind]) in shared:
+        if op.kind is OpKind.REFRESH and (op.stage, op.layer, op.part) in shared:
             found.add(op)
         elif op.kind is OpKind.EXCHANGE and any(
-            (op.stage, op.layer, factor) in shared and owner != op.pipe
-            for (stage, layer, factor), owner in owners.items()
+            (op.stage, op.layer, part) in shared and owner != op.pipe
+            for (stage, layer, part), owner in owners.items()
             if (stage, layer) == (op.stage, op.layer)
         ):
             found.add(op)
     return frozenset(found)
 
 
-def inverse_owners(plan: Plan) -> dict[tuple[int, str, str], int]:
-    """(stage, layer, factor) -> the pipe whose rank computes that inverse."""
-    owners: dict[tuple[int, str, str], int] = {}
+def inverse_owners(plan: Plan) -> dict[tuple[int, str, int], int]:
+    """(stage, layer, part) -> the pipe whose rank does that part's refresh work."""
+    owners: dict[tuple[int, str, int], int] = {}
     for op in plan.curvature_ops():
-        if op.kind in (OpKind.INV_A, OpKind.INV_B) and op.layer is not None:  # (an inversion names its layer)
-            owners.setdefault((op.stage, op.layer, FACTOR_OF[op.kind]), op.pipe)
+        if op.kind is OpKind.REFRESH and op.layer is not None and op.part is not None:
+            owners.setdefault((op.stage, op.layer, op.part), op.pipe)
     return owners
 
 
@@ -168,7 +162,7 @@ def _op_actions(
     owners: dict,
     synced: set,
     replicated: set[int],
-    rules: TaskRules,
+    rules: TaskRules | None,
     waited: set[Collective],
 ) -> Iterator[Action]:
     num_stages = topology.schedule.num_stages
@@ -218,36 +212,36 @@ def _gradient_final_positions(ops: Sequence[Op]) -> dict[int, int]:
     return {position: stage for stage, position in last.items()}
 
 
-def _curvature_waits(op: Op, owners: dict, synced: set, rules: TaskRules) -> Iterator[Action]:
+def _curvature_waits(op: Op, owners: dict, synced: set, rules: TaskRules | None) -> Iterator[Action]:
     """Refresh work waits for the sync of its input; an exchange first waits for the syncs of the
-    inputs of the factors its replica did not compute (it folds them into its running state).
+    inputs of the parts its replica did not refresh (it folds them into its running state).
     The caller drops waits for a sync the rank already waited for (Shampoo's one gradient sync
-    feeds both factors)."""
+    feeds both parts)."""
     layer = op.layer
-    if layer is None:  # not curvature work
+    if layer is None or rules is None:  # not curvature work
         return
-    if op.kind in (OpKind.INV_A, OpKind.INV_B):
-        source = rules.sync_for(FACTOR_OF[op.kind])
+    if op.kind is OpKind.REFRESH and op.part is not None:
+        source = rules.sync_for(op.part)
         if source is not None and (op.stage, layer, source) in synced:
             yield Action(ActionKind.WAIT, sync_collective(op.stage, layer, source))
     elif op.kind is OpKind.EXCHANGE:
         inputs = dict.fromkeys(
-            rules.sync_for(factor) for factor in rules.factors if owners.get((op.stage, layer, factor)) != op.pipe
+            rules.sync_for(part) for part in rules.parts if owners.get((op.stage, layer, part)) != op.pipe
         )
         for source in inputs:
             if source is not None and (op.stage, layer, source) in synced:
                 yield Action(ActionKind.WAIT, sync_collective(op.stage, layer, source))
 
 
-def _curvature_launches(op: Op, rules: TaskRules) -> Iterator[Action]:
+def _curvature_launches(op: Op, rules: TaskRules | None) -> Iterator[Action]:
     layer = op.layer
-    if layer is None:  # not curvature work
+    if layer is None or rules is None:  # not curvature work
         return
-    if op.kind in (OpKind.SYNC_A, OpKind.SYNC_B):
-        yield Action(ActionKind.LAUNCH, sync_collective(op.stage, layer, FACTOR_OF[op.kind]))
+    if op.kind is OpKind.SYNC and op.part is not None:
+        yield Action(ActionKind.LAUNCH, sync_collective(op.stage, layer, op.part))
     elif op.kind is OpKind.EXCHANGE:
-        for factor in rules.factors:
-            yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, layer, factor))
+        for part in rules.parts:
+            yield Action(ActionKind.LAUNCH, exchange_collective(op.stage, layer, part))
 
 
 def _end_of_step(

@@ -22,8 +22,6 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import Profile
 from pipefisher.planning.plan import Plan
 
-_CURVATURE_FACTOR = {OpKind.CURV_A: "A", OpKind.CURV_B: "B"}
-
 
 @dataclass(frozen=True)
 class CapturePeak:
@@ -41,13 +39,12 @@ def capture_held(plan: Plan, profile: Profile, rank: int) -> list[list[int]]:
     by_name = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
     release = OpKind.WEIGHT if plan.schedule.splits_backward else OpKind.BACKWARD
 
-    def size(stage: int, layer: str, factor: str) -> int:
-        found = by_name[stage][layer]
-        return found.capture_a_bytes if factor == "A" else found.capture_b_bytes
+    def size(stage: int, layer: str, part: int) -> int:
+        return by_name[stage][layer].captured(part)
 
     held, result = 0, []
     released: set[tuple] = set()
-    curvature_done: set[tuple] = set()  # (micro-batch key, layer, factor)
+    curvature_done: set[tuple] = set()  # (micro-batch key, layer, part)
     for index, step in enumerate(plan.steps):
         after = []
         for op in step[rank]:
@@ -55,16 +52,15 @@ def capture_held(plan: Plan, profile: Profile, rank: int) -> list[list[int]]:
             if op.kind is release and index == 0:
                 released.add(key)
                 held += sum(
-                    size(op.stage, name, factor)
-                    for name in by_name[op.stage]
-                    for factor in "AB"
-                    if (key, name, factor) not in curvature_done
+                    size(op.stage, name, part)
+                    for name, layer in by_name[op.stage].items()
+                    for part in range(len(layer.capture_bytes))
+                    if (key, name, part) not in curvature_done
                 )
-            elif op.kind in _CURVATURE_FACTOR and op.layer is not None:  # (a curvature op names its layer)
-                factor = _CURVATURE_FACTOR[op.kind]
-                curvature_done.add((key, op.layer, factor))
+            elif op.kind is OpKind.CURVATURE and op.layer is not None and op.part is not None:
+                curvature_done.add((key, op.layer, op.part))
                 if key in released:
-                    held -= size(op.stage, op.layer, factor)
+                    held -= size(op.stage, op.layer, op.part)
             after.append(held)
         result.append(after)
     return result

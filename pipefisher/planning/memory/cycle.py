@@ -23,8 +23,6 @@ from pipefisher.planning.memory.activations import activation_held, weighted_mic
 from pipefisher.planning.memory.captures import capture_held
 from pipefisher.planning.plan import Plan
 
-_CURVATURE = (OpKind.CURV_A, OpKind.CURV_B)
-
 
 @dataclass(frozen=True)
 class CyclePeak:
@@ -60,7 +58,7 @@ def cycle_peaks(
         for step, captured in zip(plan.steps, capture_held(plan, profile, rank)):
             activations = activation_held(step[rank], stage_bytes, pending_bytes, transient_bytes, weighted)
             for op, (during, after), captured_after in zip(step[rank], activations, captured):
-                if op.kind in _CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
+                if op.kind is OpKind.CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
                     started.add((op.stage, op.layer))
                     refresh += refresh_bytes.get((op.stage, op.layer), 0)
                 for candidate in (

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipefisher.core.topology import Topology
-from pipefisher.methods.registry import methods
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.replicas.zero import shard_owners
@@ -100,19 +99,18 @@ class OptimizerState:
 
 
 def optimizer_state(
-    name: str, momentum: float = 0.0, element_bytes: int = 4, first_order: str = "adamw"
+    name: str, momentum: float = 0.0, element_bytes: int = 4, first_order: str = "adamw", memory: str | None = None
 ) -> OptimizerState:
     """The state of pipefisher's optimizer `name` (`optimizer.name`) over parameters of
     `element_bytes` each: SGD a momentum buffer when momentum > 0 (also after a curvature
-    method, whose memory model `CurvatureMethod.memory` must exist: ValueError otherwise; the
-    parameters it does not precondition keep the state of its `first_order` rule, that SGD's for
-    sgd); torch AdamW two moments and a 0-dim fp32 step tensor; pipefisher's LAMB two moments (its
-    step is a Python int)."""
+    method; `memory`: when `name` is one, its memory model, `CurvatureMethod.memory`, which must
+    be declared: ValueError when it is ""; the parameters it does not precondition keep the state
+    of its `first_order` rule, that SGD's for sgd); torch AdamW two moments and a 0-dim fp32 step
+    tensor; pipefisher's LAMB two moments (its step is a Python int)."""
     if name == "sgd":
         return OptimizerState(name, element_bytes if momentum > 0 else 0)
-    known = methods()
-    if name in known:
-        if not known[name].memory:
+    if memory is not None:
+        if not memory:
             raise ValueError(f"optimizer {name!r}: the method declares no memory model (CurvatureMethod.memory)")
         rest = None if first_order == "sgd" else optimizer_state(first_order, element_bytes=element_bytes)
         return OptimizerState(name, element_bytes if momentum > 0 else 0, curvature=True, rest=rest)

@@ -8,8 +8,8 @@ steps; in each, ready tasks are placed one after another:
 - ``fill``: the largest ready task that fits, so that big inverses take the big windows and small
   curvature tasks fill the rest;
 - ``published``: the PipeFisher reference's rule: the first task that fits in priority order
-  (curvature A, curvature B, inverse A, inverse B); an inverse waits for all curvature of its kind
-  on its rank.
+  (curvature of part 0, of part 1, refresh work of part 0, of part 1: K-FAC's curvature A, B,
+  inverse A, B); a part's refresh work waits for all curvature of its part on its rank.
 
 Where the schedule splits the backward, weight gradients (W ops) stay where it put them
 (policy ``fixed``), or move within their step as `pipefisher.planning.packing.weights` bounds them: the
@@ -38,11 +38,11 @@ from pipefisher.planning.tasks import CurvatureTasks
 
 Strategy = Literal["fill", "published"]
 STRATEGIES = ("fill", "published")
-CURVATURE_KINDS = frozenset({OpKind.CURV_A, OpKind.CURV_B})
+CURVATURE_KINDS = frozenset({OpKind.CURVATURE})
 #: builds a named tuple from a tuple without its Python-level constructor (the greedy's hot path)
 _new = tuple.__new__
-_CURVATURE_OF = {OpKind.INV_A: OpKind.CURV_A, OpKind.INV_B: OpKind.CURV_B}
-_PUBLISHED_PRIORITY = {OpKind.CURV_A: 0, OpKind.CURV_B: 1, OpKind.INV_A: 2, OpKind.INV_B: 3}
+#: the published rule's order: curvature of each part, then refresh work of each part
+_PUBLISHED_PHASE = {OpKind.CURVATURE: 0, OpKind.REFRESH: 1}
 
 
 def place(
@@ -86,7 +86,7 @@ class _Greedy:
         self.index: list[list[int]] = []
         all_ops = (op for ops in tasks.cycle for op in ops)
         for index, (op, work) in enumerate(zip(all_ops, (w for works in tasks.cycle_work for w in works))):
-            key = (op.kind, op.pipe, op.stage, op.layer) if op.kind in CURVATURE_KINDS else op
+            key = (op.kind, op.part, op.pipe, op.stage, op.layer) if op.kind in CURVATURE_KINDS else op
             unit = chains.setdefault(key, len(self.ops))
             if unit == len(self.ops):
                 self.ops.append([])
@@ -130,16 +130,19 @@ class _Greedy:
 
     @staticmethod
     def _published_dependencies(tasks: CurvatureTasks) -> dict[Op, tuple[Op, ...]]:
-        """The published rule: an inverse waits for all curvature of its kind on its rank, i.e.
-        for the last task of each of its rank's curvature chains of that kind."""
+        """The published rule: a part's refresh work waits for all curvature of its part on its
+        rank, i.e. for the last task of each of its rank's curvature chains of that part."""
         extra: dict[Op, tuple[Op, ...]] = {}
         for ops in tasks.cycle:
             curvature = [op for op in ops if op.kind in CURVATURE_KINDS]
             earlier = {dep for op in curvature for dep in tasks.graph.dependencies(op) if dep.kind is op.kind}
-            last = {
-                kind: tuple(op for op in curvature if op.kind is kind and op not in earlier) for kind in CURVATURE_KINDS
-            }
-            extra.update({op: last[_CURVATURE_OF[op.kind]] for op in ops if op.kind in _CURVATURE_OF})
+            last: dict[int | None, tuple[Op, ...]] = {}
+            for op in curvature:
+                if op not in earlier:
+                    last[op.part] = last.get(op.part, ()) + (op,)
+            extra.update(
+                {op: last.get(op.part, ()) for op in ops if op.kind is OpKind.REFRESH and tasks.rules.curvature}
+            )
         return extra
 
     def run(self, max_steps: int, curvature_until: int | None) -> Placed:
@@ -298,10 +301,11 @@ class _Greedy:
     def _key(self, unit: int, head: int) -> tuple:
         """How good a choice the unit's task `head` is (larger: better): ``published``: its
         priority (kind order, then cycle order), reversed; ``fill``: its size, then cycle order."""
-        kind = self.ops[unit][head].kind
+        op = self.ops[unit][head]
         index = self.index[unit][head]
         if self.published:
-            return (-_PUBLISHED_PRIORITY.get(kind, 9), -index)
+            phase = _PUBLISHED_PHASE.get(op.kind)
+            return (-(9 if phase is None else 2 * phase + (op.part or 0)), -index)
         return (self.work[unit][head], -index)
 
     def _ready_key(self, unit: int) -> tuple:

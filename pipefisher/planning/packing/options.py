@@ -3,9 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.packing.greedy import STRATEGIES, Strategy
+
+
+class RefreshSection(Protocol):
+    """The placement keys of a curvature method's run-file section (`pipefisher.methods.settings.RefreshConfig`)."""
+
+    @property
+    def margin(self) -> float: ...
+    @property
+    def percentile(self) -> float: ...
+    @property
+    def max_overhead(self) -> float: ...
+    @property
+    def split(self) -> bool: ...
+    @property
+    def refresh_steps(self) -> int: ...
+    @property
+    def max_refresh_steps(self) -> int: ...
+    @property
+    def max_capture_mb(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -18,8 +37,8 @@ class PackOptions:
     False: no per-step precondition ops (K-FAC's gradient workers precondition in the step end); `strategy`
     ``published`` packs with the published rule alone, for comparison; `move_weights`: where the
     schedule splits the backward, let the fill strategy move weight gradients within their step
-    (False: they stay where the schedule put them). The tasks packed are those of the profile's
-    curvature method (`Profile.method`)."""
+    (False: they stay where the schedule put them). The tasks packed are those of the task rules
+    `pack` is given."""
 
     margin: float = 0.0
     percentile: float | None = 90.0
@@ -54,7 +73,7 @@ class PackOptions:
     @classmethod
     def from_section(
         cls,
-        section: RefreshConfig,
+        section: RefreshSection,
         *,
         data_parallel: int = 1,
         precondition: bool = True,

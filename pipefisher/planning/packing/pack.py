@@ -43,6 +43,7 @@ from pipefisher.planning.packing.weights import WeightPolicy
 from pipefisher.planning.plan import Plan, simulate_plan, simulate_plan_step
 from pipefisher.planning.simulate import COLLECTIVES, Timeline, simulate
 from pipefisher.planning.tasks import CurvatureTasks, build_tasks
+from pipefisher.planning.vocabulary import TaskRules
 
 __all__ = ["PackOptions", "PackResult", "DeviceReport", "FrontierPoint", "pack", "after_step_plan", "STRATEGIES"]
 
@@ -256,17 +257,23 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def pack(schedule: Schedule, profile: Profile, options: PackOptions | None = None) -> PackResult:
-    """Pack the curvature work of `schedule` (with `profile`'s method, layers and times) into its bubbles."""
+def pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions | None = None) -> PackResult:
+    """Pack the curvature work of `schedule` (the tasks of the method of `rules`, with `profile`'s
+    layers and times of that method) into its bubbles."""
     with _no_cyclic_gc():
-        return _pack(schedule, profile, options or PackOptions())
+        return _pack(schedule, profile, rules, options or PackOptions())
 
 
-def _pack(schedule: Schedule, profile: Profile, options: PackOptions) -> PackResult:
+def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions) -> PackResult:
     if options.percentile is not None:
         profile = _tasks_at_percentile(profile, options.percentile)
     tasks = build_tasks(
-        schedule, profile, split=options.split, data_parallel=options.data_parallel, precondition=options.precondition
+        schedule,
+        profile,
+        rules,
+        split=options.split,
+        data_parallel=options.data_parallel,
+        precondition=options.precondition,
     )
     first_order = simulate(schedule, profile)
     packing = _Packing(tasks, first_order, options)
@@ -301,7 +308,7 @@ def _pack(schedule: Schedule, profile: Profile, options: PackOptions) -> PackRes
 
 
 def _tasks_at_percentile(profile: Profile, q: float) -> Profile:
-    """`profile` with the K-FAC tasks' times at their q-th percentile: what goes into the bubbles
+    """`profile` with the method's tasks' times at their q-th percentile: what goes into the bubbles
     is sized to hold most of the time. Forward/backward times stay nominal: a higher percentile
     there would widen the bubbles, the opposite of a safety margin."""
     high = profile.at_percentile(q)
@@ -313,17 +320,18 @@ def _tasks_at_percentile(profile: Profile, q: float) -> Profile:
 def after_step_plan(
     schedule: Schedule,
     profile: Profile,
+    rules: TaskRules,
     refresh_steps: int,
     split: bool = True,
     data_parallel: int = 1,
     precondition: bool = True,
 ) -> Plan:
     """The naive placement, for comparison: all of a cycle's curvature work in one block after the
-    flush of its first step (curvature, syncs, inverses, exchanges), preconditioning at the end of
-    every step (unless `precondition` is False, as `PackOptions`). Collectives go in one order on
-    every rank (by stage, layer, kind)."""
+    flush of its first step (curvature, syncs, refresh work, exchanges), preconditioning at the end
+    of every step (unless `precondition` is False, as `PackOptions`). Collectives go in one order on
+    every rank (by stage, layer, kind and part)."""
     return _after_step(
-        build_tasks(schedule, profile, split=split, data_parallel=data_parallel, precondition=precondition),
+        build_tasks(schedule, profile, rules, split=split, data_parallel=data_parallel, precondition=precondition),
         refresh_steps,
     )
 
@@ -337,16 +345,15 @@ def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
     def collectives(ops: tuple[Op, ...], kinds: set[OpKind]) -> list[Op]:
         return sorted(
             (op for op in ops if op.kind in kinds),
-            key=lambda op: (op.stage, layer_index[(op.stage, op.layer)], op.kind.value),
+            key=lambda op: (op.stage, layer_index[(op.stage, op.layer)], op.token),
         )
 
     def block(ops: tuple[Op, ...]) -> list[Op]:
-        inverses = {OpKind.INV_A, OpKind.INV_B}
-        curvature = [op for op in ops if op.kind not in COLLECTIVES and op.kind not in inverses]
+        curvature = [op for op in ops if op.kind not in COLLECTIVES and op.kind is not OpKind.REFRESH]
         return (
             curvature
-            + collectives(ops, {OpKind.SYNC_A, OpKind.SYNC_B})
-            + [op for op in ops if op.kind in inverses]
+            + collectives(ops, {OpKind.SYNC})
+            + [op for op in ops if op.kind is OpKind.REFRESH]
             + collectives(ops, {OpKind.EXCHANGE})
         )
 
@@ -357,4 +364,4 @@ def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
             work = block(tasks.cycle[rank]) if step == 0 else []
             ranks.append(tuple(compute) + tuple(work) + tasks.per_step[rank])
         steps.append(tuple(ranks))
-    return Plan(schedule=schedule, steps=tuple(steps), method=tasks.profile.method)
+    return Plan(schedule=schedule, steps=tuple(steps), method=tasks.profile.method, rules=tasks.rules)

@@ -40,7 +40,7 @@ class Built(NamedTuple):
 
 
 _first, _second = itemgetter(0), itemgetter(1)
-_PHASE = {OpKind.CURV_A: 0, OpKind.CURV_B: 0, OpKind.INV_A: 1, OpKind.INV_B: 1}
+_PHASE = {OpKind.CURVATURE: 0, OpKind.REFRESH: 1}
 
 
 class PlanBuilder:
@@ -95,7 +95,9 @@ class PlanBuilder:
                 items.sort(key=_first)  # sorted runs when kept is in window order: a merge
                 ranks.append(tuple(map(_second, items)))
             steps.append(tuple(ranks))
-        return Plan(schedule=self.schedule, steps=tuple(steps), method=self.tasks.profile.method)
+        return Plan(
+            schedule=self.schedule, steps=tuple(steps), method=self.tasks.profile.method, rules=self.tasks.rules
+        )
 
     @cached_property
     def base(self) -> list[list[tuple[tuple, Op]]]:
@@ -228,7 +230,7 @@ class PlanBuilder:
         `first_weights`: the W ops the greedy moved in the first step, which a gradient-based
         method's syncs wait for. Returns the collectives."""
         last: dict[frozenset[int], dict[int, Slot]] = defaultdict(dict)
-        for kinds in ({OpKind.SYNC_A, OpKind.SYNC_B}, {OpKind.EXCHANGE}):
+        for kinds in ({OpKind.SYNC}, {OpKind.EXCHANGE}):
             self._place_collectives_of([op for op in self.collectives if op.kind in kinds], kept, first_weights, last)
         return self.collectives
 
@@ -251,11 +253,11 @@ class PlanBuilder:
             own[op] = (max(p.end for p in deps), max(p.slot for p in deps)) if deps else (0.0, Slot(0, -math.inf, 0, 0))
         members: dict[tuple, list[Op]] = defaultdict(list)
         for op in collectives:
-            members[(op.kind, op.stage, op.layer)].append(op)
+            members[(op.token, op.stage, op.layer)].append(op)
         per_group: dict[frozenset[int], list[tuple]] = defaultdict(list)
-        for (kind, stage, layer), ops in members.items():
+        for (token, stage, layer), ops in members.items():
             ready = max(own[op][0] for op in ops)
-            per_group[self.groups[stage]].append((ready, kind is OpKind.EXCHANGE, stage, layer, kind.value, ops))
+            per_group[self.groups[stage]].append((ready, token == OpKind.EXCHANGE.value, stage, layer, token, ops))
         for group, entries in per_group.items():
             group_last = last[group]
             for *_, ops in sorted(entries, key=lambda entry: entry[:5]):

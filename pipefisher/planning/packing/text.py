@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 from pipefisher.core.table import format_table
-from pipefisher.methods.registry import method
 from pipefisher.planning.packing.report import PackResult
 
 
 def format_pack_report(result: PackResult) -> str:
-    """Readable summary of a packing: the cycle, then one row per device."""
+    """Readable summary of a packing: the cycle, then one row per device; the method's work named
+    by its own labels (`WorkLabels`)."""
     data = result.to_dict()
     unit = data["time_unit"]
     first_order = data["first_order_step_time"]
-    label = method(result.plan.method).label
+    labels = result.plan.task_rules().labels
+    label = labels.method or result.plan.method
+    unsplit = "" if data["split"] else f", no {labels.refresh} splitting"
     lines = [
         f"{data['schedule']}: D={data['stages']}, N={data['micro_batches']}, strategy {data['strategy']}"
-        f"{'' if data['split'] else ', no inverse splitting'}, {label} task times at percentile {data['percentile']:g}, "
+        f"{unsplit}, {label} task times at percentile {data['percentile']:g}, "
         f"margin {100 * data['margin']:g} %",
         f"refresh interval {data['refresh_steps']} steps (lower bound {data['lower_bound']}); "
         f"bubble utilisation {100 * data['bubble_utilization']:.1f} %",
         f"why: {data['reason']} (plan: {data['placement']})",
         f"frontier{' before the capture cap' if data['memory'] else ''} (k: overhead): "
         + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
-        f"step time: first-order {first_order:.4g} {unit}, with preconditioning {data['precondition_step_time']:.4g} {unit}, "
+        f"step time: first-order {first_order:.4g} {unit}, with {labels.precondition} {data['precondition_step_time']:.4g} {unit}, "
         f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
     ]
     if data.get("moved_weights"):
@@ -59,7 +61,7 @@ def format_pack_report(result: PackResult) -> str:
         "steps used",
         "bound",
         f"{label}/cycle [{unit}]",
-        f"precond/step [{unit}]",
+        f"{labels.precondition}/step [{unit}]",
         f"bubble/step [{unit}]",
         "work/bubble",
         "util [%]",

@@ -61,7 +61,8 @@ def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState
     first-order rule's state (its own state is not counted)."""
     if method in methods() and layer_memory_model(method) is None:
         return optimizer_state(first_order)
-    return optimizer_state(method, momentum, first_order=first_order)
+    known = methods().get(method)
+    return optimizer_state(method, momentum, first_order=first_order, memory=known.memory if known else None)
 
 
 @lru_cache(maxsize=256)

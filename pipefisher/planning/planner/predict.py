@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pipefisher.config import FIRST_ORDER
 from pipefisher.core.ir import ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile
+from pipefisher.methods.registry import method_of_profile
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
@@ -152,10 +153,11 @@ def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profi
 
     def sync(layer: LayerProfile) -> LayerProfile:
         found = next((shape for suffix, shape in factors.items() if layer.name.endswith(suffix)), None)
-        if found is None or layer.sync_a or layer.sync_b:
+        if found is None or layer.sync:
             return layer
-        a, b = (ring_bytes("all_reduce", n * n * FACTOR_BYTES, replicas) * scale for n in found)
-        return replace(layer, sync_a=a, sync_b=b)
+        return replace(
+            layer, sync=tuple(ring_bytes("all_reduce", n * n * FACTOR_BYTES, replicas) * scale for n in found)
+        )
 
     return replace(
         profile, stages=tuple(replace(stage, layers=tuple(map(sync, stage.layers))) for stage in profile.stages)
@@ -216,10 +218,11 @@ def pack_options(layout: Layout, context: PlanContext, capture_budget: int | Non
 def _packed(layout: Layout, context: PlanContext, capture_budget: int | None) -> tuple[PackResult, Profile]:
     profile = layout_profile(layout, context)
     schedule, options = layout.build_schedule(), pack_options(layout, context, capture_budget)
+    rules = method_of_profile(profile).rules
     try:
-        return pack(schedule, profile, options), profile
+        return pack(schedule, profile, rules, options), profile
     except ScheduleError:  # the capture cap's eager placement can deadlock (a packer limitation): no cap then
-        return pack(schedule, profile, replace(options, max_capture_mb=None)), profile
+        return pack(schedule, profile, rules, replace(options, max_capture_mb=None)), profile
 
 
 def predict(layout: Layout, context: PlanContext, memory_budget: int | None = None) -> Prediction:

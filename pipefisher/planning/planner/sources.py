@@ -3,7 +3,7 @@
 - `ReferenceTimes`: a per-block CSV (the paper's P100 block times, `profiles/reference/`) gives a
   profile at any split, micro-batch size (its `bs` rows) and tensor-parallel degree
   (`transformer_profile`). It times K-FAC's tasks only (`DEFAULT_METHOD`).
-- `MeasuredTimes`: profiles of `pipefisher profile` (pipefisher.profile/v1). A profile of the
+- `MeasuredTimes`: profiles of `pipefisher profile` (pipefisher.profile/v2). A profile of the
   layout's split, micro-batch size and degree is taken as it is. Another split is made from a
   profile of the same micro-batch size and degree: every layer is given to the new stage that
   holds its block (layers are named by global module names; the block is the first number in the
@@ -36,6 +36,7 @@ from pipefisher.methods.registry import DEFAULT_METHOD
 from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError
 from pipefisher.planning.recompute import block_flops
 from pipefisher.planning.transformer_profile import read_block_times, transformer_profile
+from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 #: ms per profile time unit
@@ -91,6 +92,8 @@ def _reference_profile(
         device=f"{path.name} (modelled)",
         seq_len=sizes.seq_len,
         tensor_parallel=tensor_parallel,
+        method=REFERENCE_METHOD,
+        rules=task_rules(REFERENCE_METHOD),
     )
 
 

@@ -31,7 +31,7 @@ class PlanRunner:
         rank: int,
         plan: Plan,
         tied: bool,
-        shared_statistics: frozenset[tuple[int, str, str]] = frozenset(),
+        shared_statistics: frozenset[tuple[int, str, int]] = frozenset(),
     ):
         self.executor, self.rank, self.tied = executor, rank, tied
         self.shared_statistics = shared_statistics

@@ -168,7 +168,10 @@ def predict(config: RunConfig) -> list[RankPeak]:
         optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
     else:
         optimizer = optimizer_state(
-            config.optimizer.name, config.optimizer_settings.momentum, first_order=section.first_order
+            config.optimizer.name,
+            config.optimizer_settings.momentum,
+            first_order=section.first_order,
+            memory=method_of(config).memory,
         )
         profile, plan = _curvature_run(config, run)
     return peak_memory(

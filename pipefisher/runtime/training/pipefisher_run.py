@@ -23,7 +23,7 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
 from pipefisher.methods.interface import CurvatureRuntime
-from pipefisher.methods.registry import method_of
+from pipefisher.methods.registry import method_of, method_of_profile, task_rules
 from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
@@ -63,7 +63,7 @@ def stage_layer_names(config: RunConfig, stage: int, num_stages: int, model: Sta
 
 def shared_statistics(
     config: RunConfig, num_stages: int, model: StagedModel | None = None
-) -> frozenset[tuple[int, str, str]]:
+) -> frozenset[tuple[int, str, int]]:
     """(stage, layer, part) of every stage's statistics that a rank's tensor-parallel processes
     build in shares (`TaskRules.shared_statistics`); none without tensor parallelism."""
     degree = config.pipeline.tensor_parallel
@@ -100,10 +100,10 @@ def check_profile_matches(
     method, stage count, tensor-parallel degree, layer names, or what it was measured at
     (micro-batch size, sequence length, precision, model, recomputation; a field the profile
     leaves out is unknown and not checked)."""
-    method = method_of(config).name
-    if profile.method != method:
+    method, timed = method_of(config).name, method_of_profile(profile).name
+    if timed != method:
         raise ProfileError(
-            f"method: the profile times {profile.method} tasks but this run uses {method}; "
+            f"method: the profile times {timed} tasks but this run uses {method}; "
             "measure a profile of this run with `pipefisher profile`"
         )
     profile.require_stages(num_stages, hint="one entry per model chunk of this run")
@@ -163,7 +163,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
     section = config.curvature
     stand_in = Profile(
         stages=tuple(
-            StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name, 0, 0, 0, 0, 0) for name in names[stage]))
+            StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name) for name in names[stage]))
             for stage in range(schedule.num_stages)
         ),
         method=method,
@@ -171,6 +171,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
     expected = after_step_plan(
         schedule,
         stand_in,
+        method_of(config).rules,
         plan.refresh_steps,
         split=section.split,
         data_parallel=config.pipeline.data_parallel,
@@ -188,14 +189,14 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
 
 
 #: ops whose replica the packer picks by their times (split refresh work): compared without it
-_OWNER_CHOSEN = (OpKind.INV_A, OpKind.INV_B, OpKind.EXCHANGE)
+_OWNER_CHOSEN = (OpKind.REFRESH, OpKind.EXCHANGE)
 
 
 def _task_counts(plan: Plan) -> Counter:
     """The plan's curvature ops as (kind, stage, layer, micro-batch, pipe) counts, the pipe left out
     where the packer chose it."""
     return Counter(
-        (op.kind.value, op.stage, op.layer, op.micro_batch, None if op.kind in _OWNER_CHOSEN else op.pipe)
+        (op.token, op.stage, op.layer, op.micro_batch, None if op.kind in _OWNER_CHOSEN else op.pipe)
         for op in plan.curvature_ops()
     )
 
@@ -220,17 +221,18 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
     pinned = section.refresh_steps or None
     data_parallel = config.pipeline.data_parallel
     if section.plan:
-        plan = Plan.load(section.plan)
+        plan = Plan.load(section.plan, task_rules)
         check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
     else:
-        result = pack(schedule, profile, pack_options(config))
+        result = pack(schedule, profile, method.rules, pack_options(config))
         if section.placement == "packed":
             plan = result.plan
         else:
             plan = after_step_plan(
                 schedule,
                 profile,
+                method.rules,
                 result.refresh_steps,
                 split=section.split,
                 data_parallel=data_parallel,

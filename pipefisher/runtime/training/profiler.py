@@ -1,4 +1,4 @@
-"""Measure a profile (pipefisher.profile/v1) of a run on the real executor.
+"""Measure a profile (pipefisher.profile/v2) of a run on the real executor.
 
 Collective: every rank calls `measure_profile` with its executor. It runs warm-up and measured
 steps that leave the model unchanged (gradients dropped) and times every op on every rank from a
@@ -232,7 +232,7 @@ def measure_profile(
     )
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
     layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
-    capture_bytes: dict[tuple[int, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    capture_bytes: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
     layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
     for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end) in gathered:
@@ -251,17 +251,12 @@ def measure_profile(
                 layer_order[stage].append(layer)
             for key, values in samples.items():
                 layer_samples[(stage, layer)][key].extend(values)
-            for key, size in sizes.items():
-                capture_bytes[(stage, layer)][key] = max(capture_bytes[(stage, layer)][key], size)
+            for part, size in sizes.items():
+                capture_bytes[(stage, layer)][part] = max(capture_bytes[(stage, layer)][part], size)
     stages = []
     for stage in range(executor.topology.schedule.num_stages):
         layers = tuple(
-            LayerProfile(
-                name=layer,
-                **_summary(layer_samples[(stage, layer)], LayerProfile.TIME_FIELDS),
-                **capture_bytes[(stage, layer)],
-            )
-            for layer in layer_order[stage]
+            _layer(layer, layer_samples[(stage, layer)], capture_bytes[(stage, layer)]) for layer in layer_order[stage]
         )
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
     profile = Profile(
@@ -277,6 +272,14 @@ def measure_profile(
         model=model,
     )
     return profile, sorted(last_step)
+
+
+def _layer(name: str, samples: Mapping[str, list[float]], sizes: Mapping[int, int]) -> LayerProfile:
+    """A layer's profile: each time key the timer measured as the median of its samples."""
+    summary = _summary(samples, tuple(sorted(samples)))
+    captured = tuple(sizes.get(part, 0) for part in range(max(sizes, default=-1) + 1))
+    times = {key: summary[key] for key in samples}
+    return LayerProfile(name=name, capture_bytes=captured, samples=summary["samples"]).with_times(times)
 
 
 def _add_compute_samples(step_records: list[Record], stage_samples: dict[int, TimeSamples]) -> None:
