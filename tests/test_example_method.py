@@ -25,14 +25,12 @@ def installed(tmp_path_factory):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pipefisher-diagonal-ggn\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text("[pipefisher.methods]\ndiag_ggn = pipefisher_diagonal_ggn.method:DIAG_GGN\n")
     sys.path[:0] = [str(EXAMPLE), str(folder)]
-    scanned = registry._entry_points_loaded
-    registry._entry_points_loaded = False  # scan again, now that the entry point is on the path
+    registry.read_entry_points_again()  # now that the entry point is on the path
     try:
         assert "diag_ggn" in registry.methods(), "the example's entry point did not register"
         yield registry.method("diag_ggn")
     finally:
         registry.unregister("diag_ggn")
-        registry._entry_points_loaded = scanned
         for path in (str(EXAMPLE), str(folder)):
             sys.path.remove(path)
 

@@ -60,7 +60,7 @@ def test_broken_and_clashing_plugins_are_one_warning_each(plugins):
     warnings = [line for line in result.stderr.splitlines() if "warning" in line]
     assert warnings == [
         "pipefisher: warning: method plugin 'broken' (entry point mypkg.mod:MISSING) did not load: AttributeError: "
-        "module 'mypkg.mod' has no attribute 'MISSING'; commands that do not use it work",
+        "module 'mypkg.mod' has no attribute 'MISSING'; runs and commands that do not use it work",
         "pipefisher: warning: method plugin 'kfac' (entry point mypkg.mod:FAKE): method name 'kfac' is taken by the built-in "
         "K-FAC; choose another name; skipped",
     ]

@@ -3,18 +3,13 @@ registers (`register`) and those installed packages declare under the entry-poin
 ``pipefisher.methods`` (each entry a `CurvatureMethod`). Everything outside a method's folder
 finds a method here, by name. Pure Python: no torch.
 
-A name is taken once: `register` refuses a second, different method of a taken name, and an
-installed plugin that does not load or whose name is taken is skipped with one warning line on
-stderr (by the launching process, not again by each rank it starts): a broken or clashing plugin
-never breaks the commands that do not use it, nor replaces a built-in method."""
+A name is taken once, and a broken or clashing plugin is skipped with one warning line
+(`pipefisher.core.plugins.PluginRegistry`)."""
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
-from importlib.metadata import EntryPoint, entry_points
-
 from pipefisher.core.ir import ScheduleError
+from pipefisher.core.plugins import PluginRegistry
 from pipefisher.core.names import FIRST_ORDER
 from pipefisher.methods.kfac.method import KFAC
 from pipefisher.methods.method import CurvatureMethod, TaskRules
@@ -31,69 +26,31 @@ DEFAULT_METHOD = KFAC.name
 #: layout planner's modelled profiles)
 REFERENCE_METHOD = KFAC.name
 
-_BUILT_IN: tuple[CurvatureMethod, ...] = (KFAC, SHAMPOO, MUON, SOAP)
-_METHODS: dict[str, CurvatureMethod] = {method.name: method for method in _BUILT_IN}
-_entry_points_loaded = False
 
-
-def register(method: CurvatureMethod) -> CurvatureMethod:
-    """Make `method` known by its name; returns it. Registering the same object again is a no-op;
-    ValueError if the name is not an identifier, is a first-order optimizer's, or is taken by
-    another method (`unregister` it first)."""
+def _check_name(method: CurvatureMethod) -> None:
     if not method.name.isidentifier() or method.name in FIRST_ORDER:
         raise ValueError(f"method name {method.name!r}: must be an identifier that is not a first-order optimizer")
-    taken = _METHODS.get(method.name)
-    if taken is not None and taken is not method:
-        raise ValueError(f"method name {method.name!r} is taken by {_origin(taken)}; choose another name")
-    _METHODS[method.name] = method
-    return method
 
 
-def _origin(method: CurvatureMethod) -> str:
-    return f"the built-in {method.label}" if _built_in(method) else f"another method ({method.label})"
-
-
-def _built_in(method: CurvatureMethod | None) -> bool:
-    return any(method is built_in for built_in in _BUILT_IN)
-
-
-def unregister(name: str) -> None:
-    """Forget method `name` (tests that register one of their own); built-in methods stay."""
-    if not _built_in(_METHODS.get(name)):
-        _METHODS.pop(name, None)
+_REGISTRY = PluginRegistry(
+    "method",
+    CurvatureMethod,
+    ENTRY_POINT_GROUP,
+    (KFAC, SHAMPOO, MUON, SOAP),
+    name_of=lambda method: method.name,
+    label_of=lambda method: method.label,
+    check=_check_name,
+)
+#: make a method known by its name (returns it; ValueError if the name is not an identifier, is a
+#: first-order optimizer's, or is taken by another method); forget one (built-in ones stay)
+register, unregister = _REGISTRY.register, _REGISTRY.unregister
+#: read the installed plugins again on next use (a package installed since)
+read_entry_points_again = _REGISTRY.read_entry_points_again
 
 
 def methods() -> dict[str, CurvatureMethod]:
     """Every known method by name, built-in ones first, then the installed plugins that load."""
-    global _entry_points_loaded
-    if not _entry_points_loaded:
-        _entry_points_loaded = True
-        for entry in entry_points(group=ENTRY_POINT_GROUP):
-            _register_plugin(entry)
-    return dict(_METHODS)
-
-
-def _register_plugin(entry: EntryPoint) -> None:
-    """Register the method entry point `entry` names, or warn in one line why it is skipped."""
-    plugin = f"method plugin {entry.name!r} (entry point {entry.value})"
-    try:
-        loaded = entry.load()
-    except Exception as exc:  # anything its import raises: the host goes on without it
-        detail = str(exc).splitlines()[0] if str(exc) else ""
-        return _warn(f"{plugin} did not load: {type(exc).__name__}: {detail}; commands that do not use it work")
-    if not isinstance(loaded, CurvatureMethod):
-        return _warn(f"{plugin} is a {type(loaded).__name__}, not a CurvatureMethod; skipped")
-    try:
-        register(loaded)
-    except ValueError as exc:
-        _warn(f"{plugin}: {exc}; skipped")
-
-
-def _warn(message: str) -> None:
-    """One warning line on stderr, from the process a user started (a rank the local launcher
-    forked has a parent process and stays quiet: its launcher said it)."""
-    if multiprocessing.parent_process() is None:
-        print(f"pipefisher: warning: {message}", file=sys.stderr, flush=True)
+    return _REGISTRY.known()
 
 
 def method(name: str) -> CurvatureMethod:
@@ -118,4 +75,5 @@ def task_rules(name: str) -> TaskRules:
 def method_of(config) -> CurvatureMethod:
     """The run's curvature method (`optimizer.name`); `DEFAULT_METHOD` for a first-order run
     (whose profile times that method's tasks)."""
-    return methods().get(config.optimizer.name) or _METHODS[DEFAULT_METHOD]
+    known = methods()
+    return known.get(config.optimizer.name) or known[DEFAULT_METHOD]

@@ -76,10 +76,10 @@ def test_an_installed_model_kind_trains_and_bad_entries_are_one_warning_each(plu
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line]
     assert warnings == [
-        "pipefisher: warning: model plugin 'broken' (entry point mymodels.kinds:MISSING) did not load: "
-        "AttributeError: module 'mymodels.kinds' has no attribute 'MISSING'; runs that do not use it work",
-        "pipefisher: warning: model plugin 'mlp' (entry point mymodels.kinds:CLASH): model kind 'mlp' is taken by "
-        "a built-in kind; choose another name; skipped",
+        "pipefisher: warning: model kind plugin 'broken' (entry point mymodels.kinds:MISSING) did not load: "
+        "AttributeError: module 'mymodels.kinds' has no attribute 'MISSING'; runs and commands that do not use it work",
+        "pipefisher: warning: model kind plugin 'mlp' (entry point mymodels.kinds:CLASH): model kind name 'mlp' is taken by "
+        "a built-in model kind; choose another name; skipped",
     ]
     assert "Traceback" not in result.stderr
     assert len([line for line in result.stdout.splitlines() if '"loss"' in line]) == 2, result.stdout
