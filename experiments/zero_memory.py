@@ -21,6 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pi
 
 from experiments.common import experiment_output  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
+from pipefisher.core.topology import Topology  # noqa: E402
+from pipefisher.planning.memory.state import (  # noqa: E402
+    ElementBytes,
+    OptimizerState,
+    RankMemory,
+    StageState,
+    rank_memory,
+)
+from pipefisher.schedules import get_schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB, GB = 2**20, 10**9
@@ -135,9 +144,31 @@ def pipefisher_table(config, stages, data_parallels: list[int], momentum: float)
     return lines
 
 
-def deepspeed_table() -> list[str]:
-    from pipefisher.planning.memory.state import zero_paper_example
+#: ZeRO's "mixed-precision Adam" (Rajbhandari et al., SC'20, sec. 3.1): fp32 master parameters,
+#: momentum and variance, K = 12 bytes per parameter; fp16 parameters and gradients beside them
+MIXED_PRECISION_ADAM = OptimizerState("mixed-precision adam", 12)
 
+
+def zero_paper_example(
+    psi: int = 7_500_000_000, data_parallel: int = 64, zero: int = 0, chunks_per_rank: int = 4
+) -> RankMemory:
+    """Sanity check of this model's per-rank path against ZeRO's own accounting (paper, Figure 1:
+    Ψ = 7.5B, Nd = 64 gives 120 GB per device without ZeRO, 31.4 GB with P_os): a one-stage
+    model of `psi` parameters, cut into ``chunks_per_rank × data_parallel`` nearly equal tensors,
+    fp16 parameters and gradients (2 bytes each) and K = 12 bytes of optimizer state, over
+    `data_parallel` replicas. Returns the rank with the most bytes. Not pipefisher's runtime
+    accounting (which keeps fp32 parameters and gradients)."""
+    chunks = chunks_per_rank * data_parallel
+    base, extra = divmod(psi, chunks)
+    sizes = tuple(base + (index < extra) for index in range(chunks))
+    topology = Topology(get_schedule("1f1b", 1, 1), data_parallel)
+    ranks = rank_memory(
+        topology, [StageState(sizes)], MIXED_PRECISION_ADAM, zero, ElementBytes(parameter=2, gradient=2)
+    )
+    return max(ranks, key=lambda rank: rank.total_bytes)
+
+
+def deepspeed_table() -> list[str]:
     lines = [
         "| case | parameters, fp16 (GB) | gradients, fp16 (GB) | optimizer state, K = 12 (GB) | total (GB) | paper (GB) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from builders import tiny_model
+from experiments.zero_memory import zero_paper_example
 from pipefisher.methods.registry import methods
 from pipefisher.config import config_from_dict
 from pipefisher.methods.kfac import KfacConfig, KFACEngine
@@ -18,7 +19,6 @@ from pipefisher.planning.memory.state import (
     StageState,
     optimizer_state,
     rank_memory,
-    zero_paper_example,
 )
 from pipefisher.core.topology import Topology
 from pipefisher.models.tiny import TinyRegression

@@ -40,7 +40,6 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.replicas.zero import shard_owners
-from pipefisher.schedules import get_schedule
 
 
 class CurvatureLayer(Protocol):
@@ -293,27 +292,3 @@ def powersgd_state_bytes(shapes: Sequence[tuple[int, ...]], rank: int, element_b
 def largest(ranks: Sequence[RankMemory], field: str) -> int:
     """The largest value of `field` (a RankMemory property, e.g. ``total_bytes``) over `ranks`."""
     return max(getattr(rank, field) for rank in ranks)
-
-
-#: ZeRO's "mixed-precision Adam" (Rajbhandari et al., SC'20, sec. 3.1): fp32 master parameters,
-#: momentum and variance, K = 12 bytes per parameter; fp16 parameters and gradients beside them
-MIXED_PRECISION_ADAM = OptimizerState("mixed-precision adam", 12)
-
-
-def zero_paper_example(
-    psi: int = 7_500_000_000, data_parallel: int = 64, zero: int = 0, chunks_per_rank: int = 4
-) -> RankMemory:
-    """Sanity check of this model's per-rank path against ZeRO's own accounting (paper, Figure 1:
-    Ψ = 7.5B, Nd = 64 gives 120 GB per device without ZeRO, 31.4 GB with P_os): a one-stage
-    model of `psi` parameters, cut into ``chunks_per_rank × data_parallel`` nearly equal tensors,
-    fp16 parameters and gradients (2 bytes each) and K = 12 bytes of optimizer state, over
-    `data_parallel` replicas. Returns the rank with the most bytes. Not pipefisher's runtime
-    accounting (which keeps fp32 parameters and gradients)."""
-    chunks = chunks_per_rank * data_parallel
-    base, extra = divmod(psi, chunks)
-    sizes = tuple(base + (index < extra) for index in range(chunks))
-    topology = Topology(get_schedule("1f1b", 1, 1), data_parallel)
-    ranks = rank_memory(
-        topology, [StageState(sizes)], MIXED_PRECISION_ADAM, zero, ElementBytes(parameter=2, gradient=2)
-    )
-    return max(ranks, key=lambda rank: rank.total_bytes)
