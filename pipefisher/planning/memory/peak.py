@@ -107,7 +107,7 @@ def comm_buffer_bytes(
 
 
 def refresh_copy_bytes(stage_states: Sequence[StageState], element_bytes: int = 4) -> dict[tuple[int, str], int]:
-    """Per (stage, layer name), the refresh's copy of the layer's statistics (`cycle_memory`)."""
+    """Per (stage, layer name), the refresh's copy of the layer's statistics (`pipefisher.planning.memory.cycle`)."""
     return {
         (index, layer.name): layer.state_bytes(element_bytes, False)
         for index, stage in enumerate(stage_states)
