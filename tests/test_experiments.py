@@ -190,6 +190,7 @@ def test_experiments_use_the_runtime_through_its_public_api():
     script's entry point from `pipefisher.cli.scripts`, and nothing private of the package; tests
     import experiments as the `experiments` package, not through sys.path."""
     import ast
+    import pkgutil
 
     import pipefisher.runtime.training as public
 
@@ -217,6 +218,9 @@ def test_experiments_use_the_runtime_through_its_public_api():
                     found.append(f"{where} {node.module}")
             found += [f"{where} {node.module}.{name} (private)" for name in names if name.startswith("_")]
     assert found == []
+    # importing a submodule binds its name on the package, over an export of the same name
+    submodules = {module.name for module in pkgutil.iter_modules(public.__path__)}
+    assert not submodules & set(public.__all__)
     through_the_path = [
         path.name
         for path in (ROOT / "tests").rglob("*.py")

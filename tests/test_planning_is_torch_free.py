@@ -16,7 +16,15 @@ TORCH_FREE_MODULES = (
     "viz/text",
     "viz/chrome",
     "viz/figure",
+    "models/settings",
+    "data/settings",
+    "optim/settings",
+    "methods/inputs",
+    "core/plugins",
 )
+#: the modules of those folders that run training: the `run` and `profile` commands import them
+#: only once a run starts (`cli.main`, in the list, holds the other commands to no torch)
+TRAINING_DRIVERS = ("cli/training", "cli/step_report")
 
 
 def module_name(path: Path) -> str:
@@ -25,7 +33,12 @@ def module_name(path: Path) -> str:
 
 
 def torch_free_modules() -> list[str]:
-    paths = [path for folder in TORCH_FREE_FOLDERS for path in (PACKAGE / folder).rglob("*.py")]
+    paths = [
+        path
+        for folder in TORCH_FREE_FOLDERS
+        for path in (PACKAGE / folder).rglob("*.py")
+        if path.relative_to(PACKAGE).with_suffix("").as_posix() not in TRAINING_DRIVERS
+    ]
     paths += [PACKAGE / f"{name}.py" for name in TORCH_FREE_MODULES]
     # every method's declaration (its section, task rules, where its torch parts live) and package
     paths += [path for path in (PACKAGE / "methods").glob("*/*.py") if path.name in ("__init__.py", "method.py")]

@@ -171,7 +171,7 @@ PROFILE_WARMUP = 1
 
 def _profile_worker(process: int, world: int, config: RunConfig, output: str, timeline: str | None, repeats: int):
     from pipefisher.runtime.training.assembly import build_run
-    from pipefisher.runtime.training.method_inputs import method_inputs
+    from pipefisher.runtime.training.method_context import method_inputs
     from pipefisher.runtime.training.profiler import measure_profile, measured_at, records_to_timeline
     from pipefisher.runtime.training.trainer import build_executor
 

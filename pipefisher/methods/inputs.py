@@ -1,6 +1,6 @@
 """What a method's torch side is told about the run: `MethodInputs`, its own run-file section and
 the few facts of the run it reads. The caller builds it from the run file
-(`pipefisher.runtime.training.method_inputs`, `pipefisher.testing.method_inputs`), so no method
+(`pipefisher.runtime.training.method_context`, `pipefisher.testing.method_inputs`), so no method
 imports `pipefisher.config`. Pure Python."""
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def method_run(
 def method_inputs(config: RunConfig) -> MethodInputs[Any]:
     """What `config`'s method's runtime, timer and reference are given (`MethodInputs`), as the
     run builds it: for a test that builds one of them itself."""
-    from pipefisher.runtime.training.method_inputs import method_inputs as build
+    from pipefisher.runtime.training.method_context import method_inputs as build
 
     return build(config)
 

@@ -133,7 +133,7 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
     the losses and this rank's final parameters and optimizer state."""
     from pipefisher.runtime.training.assembly import staged_model
     from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
-    from pipefisher.runtime.training.method_inputs import method_inputs
+    from pipefisher.runtime.training.method_context import method_inputs
     from pipefisher.runtime.training.profiler import measure_profile
 
     executor, schedule = build_executor(config, rank, CPU)

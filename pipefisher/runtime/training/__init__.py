@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from pipefisher.runtime.training.memory_check import measure as measure_memory
     from pipefisher.runtime.training.memory_check import measured_steps
     from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
-    from pipefisher.runtime.training.method_inputs import method_inputs
+    from pipefisher.runtime.training.method_context import method_inputs
     from pipefisher.runtime.training.memory_check import predict as predict_memory
     from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer, pack_options
     from pipefisher.runtime.training.profiler import measure_profile
@@ -64,7 +64,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "train_pipelined": ("pipefisher.runtime.training.trainer", "train_pipelined"),
     "build_optimizer": ("pipefisher.runtime.training.optimizer", "build_optimizer"),
     "build_scheduler": ("pipefisher.runtime.training.optimizer", "build_scheduler"),
-    "method_inputs": ("pipefisher.runtime.training.method_inputs", "method_inputs"),
+    "method_inputs": ("pipefisher.runtime.training.method_context", "method_inputs"),
     "build_executor": ("pipefisher.runtime.training.trainer", "build_executor"),
     "TrainResult": ("pipefisher.runtime.training.trainer", "TrainResult"),
     "PlanRunner": ("pipefisher.runtime.pipeline.plan_runner", "PlanRunner"),

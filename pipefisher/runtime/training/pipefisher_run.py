@@ -34,7 +34,7 @@ from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
-from pipefisher.runtime.training.method_inputs import method_inputs
+from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.training.profiler import measure_profile, measured_at
 
 logger = logging.getLogger(__name__)

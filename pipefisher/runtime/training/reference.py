@@ -31,7 +31,7 @@ from pipefisher.runtime.training.optimizer import build_optimizer, build_schedul
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import build_run
-from pipefisher.runtime.training.method_inputs import method_inputs
+from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
