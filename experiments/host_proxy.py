@@ -21,8 +21,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,12 +86,10 @@ def autocast(precision: str) -> AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
 
-@contextmanager
-def one_stage(config: RunConfig) -> Iterator[tuple[nn.Module, object, dict]]:
+def one_stage(config: RunConfig) -> tuple[nn.Module, object, dict]:
     """(the whole model as one stage, its `StagedModel`, micro-batch 0 of step 0) of `config`."""
     run = build_run(config)
-    module = run.model.build_stage(0, 1, config.run.seed)
-    yield module, run.model, run.data_source(0, 0)
+    return run.model.build_stage(0, 1, config.run.seed), run.model, run.data_source(0, 0)
 
 
 def one_stage_config(path: str) -> RunConfig:
@@ -102,14 +99,14 @@ def one_stage_config(path: str) -> RunConfig:
 
 def stage_ops(config: RunConfig, label: str, precision: str) -> StageOps:
     """The ATen ops of one micro-batch of the one-stage run `config` (named `label`) under `precision`."""
-    with one_stage(config) as (module, model, batch):
-        micro_batch(module, model, batch, precision)  # lazy initialisation out of the count
-        forward, backward = OpCounter(), OpCounter()
-        with forward, autocast(precision):
-            loss = model.loss(module(None, batch), batch)[0]
-        with backward:
-            loss.backward()
-        return StageOps(label, precision, blocks_of(module), forward.ops, backward.ops)
+    module, model, batch = one_stage(config)
+    micro_batch(module, model, batch, precision)  # lazy initialisation out of the count
+    forward, backward = OpCounter(), OpCounter()
+    with forward, autocast(precision):
+        loss = model.loss(module(None, batch), batch)[0]
+    with backward:
+        loss.backward()
+    return StageOps(label, precision, blocks_of(module), forward.ops, backward.ops)
 
 
 def micro_batch(module: nn.Module, model, batch: dict, precision: str) -> None:
@@ -124,18 +121,18 @@ def outside_aten_share(config: RunConfig, precision: str, repeats: int = 5) -> t
     from torch.profiler import ProfilerActivity, profile
 
     times, shares = [], []
-    with one_stage(config) as (module, model, batch):
+    module, model, batch = one_stage(config)
+    micro_batch(module, model, batch, precision)
+    for _ in range(repeats):
+        start = time.perf_counter()
         micro_batch(module, model, batch, precision)
-        for _ in range(repeats):
+        times.append((time.perf_counter() - start) * 1e3)
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
             start = time.perf_counter()
             micro_batch(module, model, batch, precision)
-            times.append((time.perf_counter() - start) * 1e3)
-            with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                start = time.perf_counter()
-                micro_batch(module, model, batch, precision)
-                wall_us = (time.perf_counter() - start) * 1e6
-            inside_us = sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key.startswith("aten::"))
-            shares.append(max(0.0, 1 - inside_us / wall_us))
+            wall_us = (time.perf_counter() - start) * 1e6
+        inside_us = sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key.startswith("aten::"))
+        shares.append(max(0.0, 1 - inside_us / wall_us))
     return statistics.median(times), statistics.median(shares)
 
 
