@@ -138,6 +138,7 @@ def test_pack_json_has_the_documented_fields(bert_like_profile, tmp_path, capsys
     data = json.loads(capsys.readouterr().out)
     assert isinstance(data["refresh_steps"], int) and data["refresh_steps"] >= data["lower_bound"] >= 1
     assert data["step_time"] >= data["first_order_step_time"] > 0
+    assert data["exposed_share"] == pytest.approx(data["step_time"] / data["first_order_step_time"] - 1)
     assert 0 <= data["bubble_utilization"] <= 1
     assert len(data["devices"]) == 4 and data["time_unit"] == "ms"
     frontier = data["frontier"]
@@ -158,6 +159,7 @@ def test_pack_table_from_the_entry_point(bert_like_profile):
     result = run_cli("pack", "--profile", str(bert_like_profile), "--schedule", "gpipe", "-D", "4", "-N", "4")
     assert result.returncode == 0, result.stderr
     assert "refresh interval" in result.stdout and "[ms]" in result.stdout
+    assert "exposed optimizer time: " in result.stdout and " % of the first-order step" in result.stdout
 
 
 @pytest.mark.parametrize(

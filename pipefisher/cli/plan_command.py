@@ -149,7 +149,8 @@ def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, 
     )
     return (
         f"the run file's layout {own.describe()} with {own.method} (k={prediction.layout.refresh_steps}): "
-        f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, bubble "
+        f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, exposed "
+        f"{100 * prediction.overhead_share:.2f} %, bubble "
         f"{100 * prediction.bubble_share:.0f} %), {prediction.memory.total / GiB:.2f} GiB; {where}; the best ({best.layout.describe()}) "
         f"{best.step_ms:.1f} ms, {100 * (prediction.step_ms / best.step_ms - 1):+.1f} % for the run file's"
     )

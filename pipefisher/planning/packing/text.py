@@ -26,6 +26,8 @@ def format_pack_report(result: PackResult) -> str:
         + ", ".join(f"{p['refresh_steps']}: {100 * p['overhead']:.2f} %" for p in data["frontier"]),
         f"step time: first-order {first_order:.4g} {unit}, with {labels.precondition} {data['precondition_step_time']:.4g} {unit}, "
         f"with {label} {data['step_time']:.4g} {unit} (packing overhead {100 * data['overhead']:.2f} %)",
+        f"exposed optimizer time: {100 * data['exposed_share']:.2f} % of the first-order step "
+        f"(mean step over the cycle, all {label} work included, / first-order step - 1)",
     ]
     if data.get("moved_weights"):
         lines.append(

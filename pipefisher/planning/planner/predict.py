@@ -66,8 +66,8 @@ class PlanContext:
 class Prediction:
     """A layout (its `refresh_steps` the packer's k) and what it is predicted to do: `step_ms`
     per optimizer step (ms), `first_order_ms` the same pipeline's first-order step, `bubble_share`
-    idle share of device time in the first-order step (0..1), `overhead_share` the refresh work's
-    added time over the first-order step (0..1+), `reduce_ms` the slowest stage's data-parallel
+    idle share of device time in the first-order step (0..1), `overhead_share` the method's
+    added time over the first-order step (0..1+: its exposed share, `step_ms / first_order_ms - 1`), `reduce_ms` the slowest stage's data-parallel
     reduction (ms), `memory` its rank with the most bytes; `reason` the packer's choice of k."""
 
     layout: Layout

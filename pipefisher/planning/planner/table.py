@@ -63,6 +63,7 @@ def ranked_table(predictions: Sequence[Prediction], budget: int, top: int = 10) 
         "method (k)",
         "step [ms]",
         "first-order [ms]",
+        "exposed [%]",
         "tokens/s",
         "bubble [%]",
         "reduce [ms]",
@@ -83,6 +84,7 @@ def ranked_table(predictions: Sequence[Prediction], budget: int, top: int = 10) 
                 method,
                 f"{p.step_ms:.1f}",
                 f"{p.first_order_ms:.1f}",
+                f"{100 * p.overhead_share:.2f}" if is_curvature(p.layout.method) else "-",
                 f"{p.tokens_per_s:,.0f}",
                 f"{100 * p.bubble_share:.1f}",
                 f"{p.reduce_ms:.1f}",
@@ -105,6 +107,7 @@ def prediction_dict(prediction: Prediction) -> dict[str, Any]:
         "tokens_per_s": prediction.tokens_per_s,
         "bubble_share": prediction.bubble_share,
         "overhead_share": prediction.overhead_share,
+        "exposed_share": prediction.overhead_share,
         "reduce_ms": prediction.reduce_ms,
         "memory_bytes": {
             "total": prediction.memory.total,
