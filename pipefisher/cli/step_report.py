@@ -3,8 +3,13 @@ summary when the run completed (a failed or stopped run has none).
 
 Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
 and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
-parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with K-FAC or Shampoo, the refresh interval and the
-predicted step time.
+parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with a curvature method, the refresh interval,
+the predicted step time and, from the end of the refresh cycle it was measured on, the exposed
+optimizer time: `exposed_share` (the simulated mean step with the method's work over the
+first-order step of the same layout, both on the op times the run measured on its own steps,
+minus 1), `exposed_first_order_step_time_ms`, `exposed_step_time_ms`,
+`exposed_measured_step_time_ms` (the mean wall time of those steps) and `exposed_steps` (first,
+last; `pipefisher.runtime.training.exposed_meter`).
 """
 
 from __future__ import annotations
@@ -87,6 +92,13 @@ class StepReporter:
         if "refresh_steps" in self.last:
             label = method(self.config.optimizer.name).label
             summary += f", {label} every {self.last['refresh_steps']} steps (predicted {self.last['predicted_step_time_ms']:.1f} ms/step)"
+        if "exposed_share" in self.last:
+            first, last = self.last["exposed_steps"]
+            summary += (
+                f"; exposed optimizer time {100 * self.last['exposed_share']:+.1f} % over first-order "
+                f"({self.last['exposed_first_order_step_time_ms']:.1f} ms simulated on the op times of steps {first}-{last}, "
+                f"which took {self.last['exposed_measured_step_time_ms']:.1f} ms each)"
+            )
         print(summary, file=sys.stderr, flush=True)
         if state_bytes:
             each = "process" if self.config.pipeline.tensor_parallel > 1 else "rank"

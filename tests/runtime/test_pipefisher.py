@@ -194,6 +194,8 @@ def test_run_with_the_measured_profile(measured):
             "kfac",
             "--profile",
             str(measured[0]),
+            "--kfac-refresh-steps",
+            "1",
             "--steps",
             "4",
             "--json",
@@ -207,8 +209,16 @@ def test_run_with_the_measured_profile(measured):
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
-    assert all(line["refresh_steps"] >= 1 and line["predicted_step_time_ms"] > 0 for line in lines)
+    assert all(line["refresh_steps"] == 1 and line["predicted_step_time_ms"] > 0 for line in lines)
     assert "K-FAC packed: refresh every" in result.stderr
+    # the exposed optimizer time, measured on step 2 (the first cycle after the warm-up step 1)
+    assert "exposed_share" not in lines[0]
+    for line in lines[1:]:
+        assert line["exposed_steps"] == [2, 2] and line["exposed_measured_step_time_ms"] == lines[1]["step_time_ms"]
+        first_order, share = line["exposed_first_order_step_time_ms"], line["exposed_share"]
+        assert first_order > 0 and share >= 0
+        assert line["exposed_step_time_ms"] == pytest.approx(first_order * (1 + share))
+    assert "exposed optimizer time +" in result.stderr
 
 
 def test_a_profile_of_another_run_is_refused(tmp_path, measured):

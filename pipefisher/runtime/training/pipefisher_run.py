@@ -34,6 +34,7 @@ from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.runtime.training.drift import DriftMonitor
+from pipefisher.runtime.training.exposed_meter import ExposedMeter
 from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.training.profiler import measure_profile, measured_at
 
@@ -327,6 +328,7 @@ class PipeFisherTrainer(PlanRunner):
         shared = shared_statistics(config, self.schedule.num_stages, self.model)
         super().__init__(executor, rank, self.curvature_plan.plan, tied, shared)
         executor.extend(_MethodExtension(self.runtime, lambda: self.cycle_step, executor.step_end.applies_to))
+        self.exposed = ExposedMeter(executor)
         self._cycle_ms = 0.0
         self.log(self.curvature_plan.summary)
 
@@ -359,16 +361,16 @@ class PipeFisherTrainer(PlanRunner):
         return self.curvature_plan.predicted_cycle_ms / self.curvature_plan.refresh_steps
 
     def run_step(self, step: int) -> StepResult:
+        """A step; its record carries the refresh interval, the predicted step time and, once
+        measured, the exposed optimizer time (`exposed_meter`)."""
+        plan, profile = self.plan, self.profile  # what this step runs (a re-plan at its end replaces them)
+        self.exposed.before_step(step, self.cycle_step)
         result = super().run_step(step)
+        self.exposed.after_step(result.seconds, plan, profile, cycle_end=self.cycle_step == 0)
         self._cycle_ms += 1000 * result.seconds
-        return replace(
-            result,
-            extra={
-                **result.extra,
-                "refresh_steps": self.plan.refresh_steps,
-                "predicted_step_time_ms": self.predicted_step_ms,
-            },
-        )
+        measured = self.exposed.result.extra() if self.exposed.result is not None else {}
+        extra = {"refresh_steps": self.plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms, **measured}
+        return replace(result, extra={**result.extra, **extra})
 
     def end_of_cycle(self) -> None:
         self.runtime.end_of_cycle()
@@ -393,4 +395,5 @@ class PipeFisherTrainer(PlanRunner):
         self.drift.new_plan(fresh_profile=True)
         self.runtime.set_plan(self.curvature_plan.plan)
         self.set_plan(self.curvature_plan.plan)
+        self.exposed.reset()
         self.log(self.curvature_plan.summary)
