@@ -153,12 +153,13 @@ def run_viz(args: argparse.Namespace) -> int:
             print(("\n" if kind == "-" else "") + str(setup))
             print(format_compare_table(compared))
     if args.trace is not None:
-        from pipefisher.viz.trace_io import trace_files
-        from pipefisher.viz.trace_summary import format_summary, summarise
+        from pipefisher.viz.trace_io import load_trace, trace_files
+        from pipefisher.viz.trace_summary import format_summary, method_attribution, summarise
 
         measured = panels[-1].step_times  # `_trace_panels` puts the recording last
         assert measured is not None
-        print(("\n" if kind == "-" else "") + format_summary(summarise(trace_files(args.trace)), measured))
+        shares = method_attribution(load_trace(args.trace))
+        print(("\n" if kind == "-" else "") + format_summary(summarise(trace_files(args.trace)), measured, shares))
     return 0
 
 

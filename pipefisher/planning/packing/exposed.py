@@ -96,13 +96,15 @@ class MethodShare:
 
 
 def method_shares(step: Timeline, first_order: Timeline) -> list[MethodShare]:
-    """Every rank's `MethodShare` of `step` (times from the step's start) against `first_order`
-    (the same ranks' forward, backward and weight-gradient ops alone, simulated): the
-    first-order step ends when its last op does."""
+    """Every rank's `MethodShare` of `step` against `first_order` (the same ranks' forward,
+    backward and weight-gradient ops alone, simulated), both timed from their first op's start:
+    the first-order step ends when its last op does."""
+    origin = min((iv.start for intervals in step.ranks for iv in intervals), default=0.0)
     first_order_end = max((iv.end for intervals in first_order.ranks for iv in intervals), default=0.0)
+    first_order_end -= min((iv.start for intervals in first_order.ranks for iv in intervals), default=0.0)
     shares = []
     for rank, intervals in enumerate(step.ranks):
         method = sum(iv.duration for iv in intervals if not iv.op.kind.is_compute)
-        late = max((iv.end for iv in intervals), default=0.0) - first_order_end
+        late = max((iv.end for iv in intervals), default=origin) - origin - first_order_end
         shares.append(MethodShare(rank, method, min(method, max(late, 0.0))))
     return shares
