@@ -30,6 +30,8 @@ def test_exposed_share_of_1f1b_is_stage_0s_work_after_its_last_backward():
     assert result.first_order_step_time == 15.0
     assert result.exposed_share == pytest.approx((15 + 0.003 + 0.03 + 0.06) / 15 - 1)
     assert result.to_dict()["exposed_share"] == result.exposed_share
+    # stage 0's preconditioning has no bubble after its gradient is final; stage 1's has
+    assert [d.precondition_outside for d in result.devices] == pytest.approx([0.06, 0.0])
     assert "exposed optimizer time: 0.62 % of the first-order step" in format_pack_report(result)
 
 

@@ -30,6 +30,9 @@ class DeviceReport:
     #: weight gradients (over the cycle's steps) the plan runs elsewhere among the forward/backward
     #: ops than the schedule (`plan.moved_weights`)
     moved_weights: int = 0
+    #: per-step precondition time that fits no bubble of the rank and runs after its step's work
+    #: (1F1B's stage 0: its gradient is final at the step's last backward)
+    precondition_outside: float = 0.0
 
     @property
     def work_ratio(self) -> float:
@@ -165,6 +168,7 @@ class PackResult:
                     "lower_bound": d.lower_bound,
                     "curvature_work": d.curvature_work,
                     "precondition_time": d.precondition_time,
+                    "precondition_outside": d.precondition_outside,
                     "bubble_time": d.bubble_time,
                     "work_ratio": d.work_ratio if math.isfinite(d.work_ratio) else None,
                     "bubble_utilization": d.bubble_utilization,
@@ -200,7 +204,8 @@ def device_reports(
         precondition = sum(durations(op) for op in tasks.per_step[rank])
         bubble = first_order.bubble_time(rank)
         outside_work = sum(w for op, w in zip(tasks.cycle[rank], tasks.cycle_work[rank]) if op in outside)
-        in_bubbles = work - outside_work + precondition_in_bubbles(rank) * k
+        precondition_inside = precondition_in_bubbles(rank)
+        in_bubbles = work - outside_work + precondition_inside * k
         reports.append(
             DeviceReport(
                 rank=rank,
@@ -211,6 +216,7 @@ def device_reports(
                 bubble_time=bubble,
                 bubble_utilization=min(1.0, in_bubbles / (bubble * k)) if bubble > 0 else 0.0,
                 moved_weights=moved[rank],
+                precondition_outside=precondition - precondition_inside,
             )
         )
     return reports
