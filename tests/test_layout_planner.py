@@ -165,7 +165,7 @@ def test_the_cli_ranks_the_layouts_and_writes_the_best(tmp_path, capsys, monkeyp
     )
     text = capsys.readouterr().out
     assert "step [ms]" in text and "memory [GiB]" in text and "the run file's layout 1f1b D4 x DP1 x TP1" in text
-    assert "exposed [%]" in text and "ms per step (first-order " in text and " ms, exposed " in text
+    assert "\nexposed optimizer time [%] (step over the same layout's first-order step, - 1): #1 " in text
     assert (
         load_config(out).pipeline.stages
         * load_config(out).pipeline.data_parallel

@@ -149,11 +149,18 @@ def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, 
     )
     return (
         f"the run file's layout {own.describe()} with {own.method} (k={prediction.layout.refresh_steps}): "
-        f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, exposed "
-        f"{100 * prediction.overhead_share:.2f} %, bubble "
+        f"{prediction.step_ms:.1f} ms per step (first-order {prediction.first_order_ms:.1f} ms, bubble "
         f"{100 * prediction.bubble_share:.0f} %), {prediction.memory.total / GiB:.2f} GiB; {where}; the best ({best.layout.describe()}) "
         f"{best.step_ms:.1f} ms, {100 * (prediction.step_ms / best.step_ms - 1):+.1f} % for the run file's"
     )
+
+
+def _exposed_line(ranked: list[Prediction]) -> str:
+    """Each row's predicted exposed optimizer time: the mean step over its refresh cycle with all
+    of the method's work over the first-order step of the same layout, minus 1 (JSON
+    `exposed_share`)."""
+    shares = ", ".join(f"#{place} {100 * p.overhead_share:.2f}" for place, p in enumerate(ranked, 1))
+    return f"exposed optimizer time [%] (step over the same layout's first-order step, - 1): {shares}"
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -225,10 +232,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         f"captures); {result.seconds:.1f} s"
     )
     print(ranked_table(result.ranked, budget, args.top))
+    if is_curvature(method):
+        print(_exposed_line(result.ranked[: args.top]))
     if is_curvature(method) and result.first_order:
         fastest = result.first_order[0]
         print(f"first-order ({first_order}) fastest: {fastest.layout.describe()}, {fastest.step_ms:.1f} ms per step")
     print(_own_line(own, result, own_prediction, budget))
+    if own_prediction is not None and is_curvature(method):
+        print(f"the run file's layout: exposed optimizer time {100 * own_prediction.overhead_share:.2f} %")
     if args.output:
         print(f"best layout written to {args.output}")
     return 0
