@@ -5,9 +5,8 @@ schedule alone (the first-order step of the same layout) are simulated on the op
 measured: each forward, backward, weight gradient, curvature, refresh and preconditioning op
 takes the time of its kind, stage, layer and part over one recorded refresh cycle (each
 process's median, averaged over the processes that ran it: replicas, tensor-parallel shards; in
-the profile's time unit);
-collectives' transfers, stage-boundary transfers, gradient reductions and the end of step take
-the run's profile's times. ``exposed_share = step_with / step_first_order - 1``, where step_with
+the profile's time unit); collectives' transfers, stage-boundary transfers, gradient reductions
+and the end of step take the run's profile's times. ``exposed_share = step_with / step_first_order - 1``, where step_with
 is the simulated mean step over the cycle. The end of step is the profile's in both (as the
 packer's figure): method work done inside it (Shampoo's and SOAP's preconditioning) is not in
 the share.
