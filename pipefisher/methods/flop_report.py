@@ -21,7 +21,7 @@ def task_label(labels: WorkLabels, rate: TaskRate) -> tuple[str, str]:
     """(what the task kind is called, what one execution is) in the method's words."""
     part = labels.parts[rate.part] if rate.part is not None and rate.part < len(labels.parts) else ""
     if rate.work == "refresh":
-        return labels.part_work(rate.part) if part else labels.refresh, labels.refresh
+        return f"{part} {labels.refresh}".strip(), labels.refresh
     if rate.work == "precondition":
         return labels.precondition, "step"
     return f"{part} {rate.work}".strip(), "micro-batch" if rate.work == "curvature" else rate.work
