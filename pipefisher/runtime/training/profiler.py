@@ -231,6 +231,7 @@ def measure_profile(
     held_stages = sorted({stage for _, stage in executor.stages})
     flops = layer_flops(timer, modules, tasks)
     dtypes = work_dtypes(flops.values(), executor.device)
+    dist.barrier()  # the other ranks wait while rank 0 may time a matrix product alone
     rates = flop_rates(executor.device, device_name(executor.device), dtypes) if rank == 0 and dtypes else None
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(
