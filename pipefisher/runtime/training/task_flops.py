@@ -10,6 +10,7 @@ a large matrix product timed on it (median of a few), marked `FlopRates.measured
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Iterable, Mapping
@@ -27,7 +28,7 @@ from pipefisher.methods.registry import methods
 from pipefisher.runtime.primitives.clock import timed_ms
 
 #: side of the square product that measures a device's rate, by device type (others: the CPU's)
-MATMUL_SIDE = {"cuda": 4096, "cpu": 1024}
+MATMUL_SIDE = {"cuda": 4096, "cpu": 512}
 
 
 def matrix_shape(module: nn.Module, name: str) -> MatrixShape | None:
@@ -73,9 +74,11 @@ def math_dtype(dtype: str, device: torch.device) -> str:
     return dtype
 
 
+@functools.cache
 def matmul_rate(dtype: str, device: torch.device, repeats: int = 3) -> float:
     """FLOP/s of a square product of `MATMUL_SIDE` on `device` in `dtype` (a math dtype: "tf32"
-    times float32 as the device runs it), the median of `repeats` after one warm-up."""
+    times float32 as the device runs it), the median of `repeats` after one warm-up; measured
+    once per process (a re-profiling run reuses it)."""
     n = MATMUL_SIDE.get(device.type, MATMUL_SIDE["cpu"])
     left = torch.randn(n, n, device=device, dtype=torch_dtype("float32" if dtype == "tf32" else dtype))
     right = torch.randn_like(left)
