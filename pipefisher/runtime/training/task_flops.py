@@ -90,9 +90,9 @@ def flop_rates(device: torch.device, name: str, dtypes: Mapping[str, str]) -> Fl
     """The rates the tasks' work (work -> math dtype) compare with on `device` called `name`:
     the published peaks where the table has each dtype, else each measured (`matmul_rate`)."""
     wanted = sorted(set(dtypes.values()))
-    peaks = {dtype: peak_flops(name, dtype) for dtype in wanted}
-    if all(peak is not None for peak in peaks.values()):
-        return FlopRates(dtypes, {dtype: float(peak or 0.0) for dtype, peak in peaks.items()})
+    peaks = {dtype: peak for dtype in wanted if (peak := peak_flops(name, dtype)) is not None}
+    if len(peaks) == len(wanted):
+        return FlopRates(dtypes, peaks)
     return FlopRates(dtypes, {dtype: matmul_rate(dtype, device) for dtype in wanted}, measured=True)
 
 
