@@ -378,3 +378,12 @@ def test_the_flop_report_names_each_task_kind_its_rate_and_share_of_the_peak():
     measured["stages"] = COUNTED["stages"]
     assert "50.0 % of the measured float64 matmul (4 TFLOP/s)" in flop_report(profile_from_dict(measured))[2]
     assert flop_report(profile_from_dict(GOOD)) == []
+    shampoo = mutate(["method"], "shampoo")
+    shampoo["stages"] = COUNTED["stages"]
+    assert [line.split(":")[0] for line in flop_report(profile_from_dict(shampoo))[2:]] == [
+        "  left root",
+        "  right root",
+    ]
+    muon = mutate(["method"], "muon")
+    muon["stages"][0]["layers"][0]["flops"] = {"precondition": 5e8}
+    assert flop_report(profile_from_dict(muon))[1].startswith("  orthogonalisation: 500 MFLOP per step in 0.100 ms")
