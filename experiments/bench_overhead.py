@@ -234,7 +234,7 @@ def header(args: argparse.Namespace, device: torch.device, comparisons: list[Com
         "ratio: median over repeats of pipefisher's tokens/s / the baseline's (paired, 1.000 = as fast).",
     ]
     if device.type == "cuda" and any(c.peak is None for c in comparisons):
-        lines.append(f"MFU omitted: no peak dense bf16 rate known for {name} (overhead/flops.py PEAK_BF16).")
+        lines.append(f"MFU omitted: no peak dense bf16 rate known for {name} (pipefisher/core/peaks.py PEAKS).")
     elif device.type == "cuda":
         lines.append(
             "MFU: model FLOPs (6 x matmul weights x tokens + 12 x layers x hidden x seq_len^2 per sequence) / time / "

@@ -20,6 +20,8 @@ TORCH_FREE_MODULES = (
     "data/settings",
     "optim/settings",
     "methods/inputs",
+    "methods/flops",
+    "methods/flop_report",
     "core/plugins",
 )
 #: the modules of those folders that run training: the `run` and `profile` commands import them
@@ -40,8 +42,10 @@ def torch_free_modules() -> list[str]:
         if path.relative_to(PACKAGE).with_suffix("").as_posix() not in TRAINING_DRIVERS
     ]
     paths += [PACKAGE / f"{name}.py" for name in TORCH_FREE_MODULES]
-    # every method's declaration (its section, task rules, where its torch parts live) and package
-    paths += [path for path in (PACKAGE / "methods").glob("*/*.py") if path.name in ("__init__.py", "method.py")]
+    # every method's declaration (its section, task rules, where its torch parts live), flop counts and package
+    paths += [
+        path for path in (PACKAGE / "methods").glob("*/*.py") if path.name in ("__init__.py", "method.py", "flops.py")
+    ]
     return sorted(module_name(path) for path in paths)
 
 

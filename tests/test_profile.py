@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 import random
 import statistics
 
@@ -170,6 +171,20 @@ def mutate(path_keys, value):
             [0, 1.5],
             r"stages\[0\]\.layers\[0\]\.capture_bytes\[1\]: 1.5 is not a non-negative integer",
         ),
+        (
+            ["stages", 0, "layers", 0, "flops"],
+            {"inverse.0": 1.0},
+            r"stages\[0\]\.layers\[0\]\.flops\.inverse\.0: unknown time field",
+        ),
+        (
+            ["stages", 0, "layers", 0, "flops"],
+            {"refresh.0": -2.0},
+            r"stages\[0\]\.layers\[0\]\.flops\.refresh\.0: -2.0 is not a finite number >= 0",
+        ),
+        (["flop_rates"], {"peaks": {"float32": "fast"}}, r"flop_rates\.peaks\.float32: 'fast' is not a finite"),
+        (["flop_rates"], {"measured": "yes"}, r"flop_rates\.measured: 'yes' must be true or false"),
+        (["flop_rates"], {"dtypes": {"refresh": 64}}, r"flop_rates\.dtypes\.refresh: 64 must name a dtype"),
+        (["flop_rates"], {"peak": {}}, r"flop_rates: unknown field 'peak'"),
     ],
 )
 def test_bad_fields_are_named(keys, value, message):
@@ -325,3 +340,50 @@ def test_the_shipped_version_1_profile_loads_and_saves_as_v2(tmp_path):
     assert profile.method == "kfac" and all(len(layer.refresh) == 2 for s in profile.stages for layer in s.layers)
     profile.save(tmp_path / "p.yaml")
     assert load_profile(tmp_path / "p.yaml") == profile
+
+
+#: GOOD with its tasks' flops and the device's rates: 1.4 ms refreshes of 2.8 GFLOP (2 TFLOP/s)
+COUNTED = mutate(["flop_rates"], {"dtypes": {"refresh": "float64", "curvature": "float32"}, "peaks": {"float64": 4e12}})
+COUNTED["stages"][0]["layers"][0]["flops"] = {"refresh.0": 2.8e9, "refresh.1": 1.4e9, "curvature.0": 6.1e8}
+
+
+def test_flops_and_flop_rates_round_trip_and_give_each_task_kinds_rate(tmp_path):
+    from pipefisher.core.profile_flops import task_rates
+
+    profile = profile_from_dict(COUNTED)
+    for name in ("p.yaml", "p.json"):
+        profile.save(tmp_path / name)
+        assert load_profile(tmp_path / name) == profile
+    assert {profile: "hashable"}[profile_from_dict(COUNTED)] == "hashable"
+    rates = {(rate.work, rate.part): rate for rate in task_rates(profile)}
+    assert list(rates) == [("curvature", 0), ("refresh", 0), ("refresh", 1)]
+    assert rates[("refresh", 0)].rate == pytest.approx(2e12) and rates[("refresh", 0)].share == pytest.approx(0.5)
+    assert rates[("refresh", 1)].rate == pytest.approx(1e12) and rates[("refresh", 1)].dtype == "float64"
+    assert rates[("curvature", 0)].rate == pytest.approx(1e12) and rates[("curvature", 0)].share is None
+    assert task_rates(profile_from_dict(GOOD)) == [], "no counts: no rates"
+    assert task_rates(replace(profile, time_unit="units")) == [], "abstract units: no rate"
+
+
+def test_the_flop_report_names_each_task_kind_its_rate_and_share_of_the_peak():
+    from pipefisher.methods.flop_report import flop_report
+
+    lines = flop_report(profile_from_dict(COUNTED))
+    assert lines[0].startswith("K-FAC task FLOP/s") and "the device's dense peak" in lines[0]
+    assert lines[1:] == [
+        "  A factor curvature: 610 MFLOP per micro-batch in 0.610 ms, 1 TFLOP/s, no peak known for float32",
+        "  A factor inverse: 2.8 GFLOP per inverse in 1.400 ms, 2 TFLOP/s, 50.0 % of the float64 peak (4 TFLOP/s)",
+        "  B factor inverse: 1.4 GFLOP per inverse in 1.400 ms, 1 TFLOP/s, 25.0 % of the float64 peak (4 TFLOP/s)",
+    ]
+    measured = mutate(["flop_rates"], {**COUNTED["flop_rates"], "measured": True})
+    measured["stages"] = COUNTED["stages"]
+    assert "50.0 % of the measured float64 matmul (4 TFLOP/s)" in flop_report(profile_from_dict(measured))[2]
+    assert flop_report(profile_from_dict(GOOD)) == []
+    shampoo = mutate(["method"], "shampoo")
+    shampoo["stages"] = COUNTED["stages"]
+    assert [line.split(":")[0] for line in flop_report(profile_from_dict(shampoo))[2:]] == [
+        "  left root",
+        "  right root",
+    ]
+    muon = mutate(["method"], "muon")
+    muon["stages"][0]["layers"][0]["flops"] = {"precondition": 5e8}
+    assert flop_report(profile_from_dict(muon))[1].startswith("  orthogonalisation: 500 MFLOP per step in 0.100 ms")

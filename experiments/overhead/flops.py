@@ -1,4 +1,4 @@
-"""Model FLOPs of a training step and the peak dense bf16 rates of known accelerators, for MFU.
+"""Model FLOPs of a training step and the peak dense bf16 rate of the device (`pipefisher.core.peaks`), for MFU.
 
 FLOPs per step = 6 * P * tokens + 12 * L * d * T^2 * sequences, where P counts the weights of the
 model's matrix multiplications (every `nn.Linear` and Hugging Face `Conv1D`, the tied MLM/LM
@@ -13,16 +13,8 @@ from __future__ import annotations
 from torch import nn
 
 from pipefisher.config import RunConfig
+from pipefisher.core.peaks import peak_flops
 from pipefisher.runtime.training import tokens_per_step
-
-#: peak dense bf16 FLOP/s by a piece of the device name, first match wins (None: known, no entry)
-PEAK_BF16: tuple[tuple[str, float | None], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", None),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("A100", 312e12),
-)
 
 
 def matmul_parameters(module: nn.Module) -> int:
@@ -46,4 +38,4 @@ def step_flops(config: RunConfig, model, whole: nn.Module) -> float:
 
 def peak_bf16(device_name: str) -> float | None:
     """Peak dense bf16 FLOP/s of the device called `device_name`; None when the table has none."""
-    return next((peak for piece, peak in PEAK_BF16 if piece in device_name), None)
+    return peak_flops(device_name, "bfloat16")

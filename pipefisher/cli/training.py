@@ -12,6 +12,7 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
+from pipefisher.methods.flop_report import flop_report
 from pipefisher.methods.registry import method, method_of
 from pipefisher.runtime.training.optimizer import rest_settings
 from pipefisher.runtime.errors import first_line
@@ -255,6 +256,8 @@ def _report_profile(profile, output: str, timeline: str | None) -> int:
             f"{labels.refreshes} {stage.refresh_time:.3f} ms, {labels.precondition} "
             f"{sum(layer.precondition for layer in stage.layers):.3f} ms"
         )
+    for line in flop_report(profile):
+        print(line)
     print(f"wrote {output}" + (f" and {timeline}" if timeline else ""))
     return 0
 

@@ -20,7 +20,8 @@ of `backward`, the W op of zero-bubble schedules; 0 = half of it); and of the pr
 ``tensor_parallel`` (times and sizes are ONE tensor-parallel rank's; 1 when left out),
 ``recompute`` (`RECOMPUTE_MODES`: the backward includes recomputing that part of the forward) and
 ``seq_len``, ``precision``, ``model`` (what it was measured at, like `micro_batch_size`; absent =
-unknown, and a run checks only what it records).
+unknown, and a run checks only what it records); ``flops`` of a layer and ``flop_rates``
+(`pipefisher.core.profile_flops`: the flops of its tasks, the device's FLOP/s they compare with).
 
 Version 1 files (`pipefisher.profile/v1`, layer times by letter: ``curvature_a``, ``inverse_b``)
 are read unchanged through `pipefisher.core.profile_v1`; files are written as v2.
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import KW_ONLY, dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -40,13 +41,17 @@ import yaml
 from pipefisher.core.files import load_structured, write_text_atomically
 from pipefisher.core.names import PRECISIONS, RECOMPUTE_MODES
 from pipefisher.core.percentile import check_percentile, percentile
+from pipefisher.core.profile_flops import FlopRates, check_flops
 from pipefisher.core.profile_checks import (
+    Frozen,
     ProfileError,
     Samples,
     byte_count,
     check_samples,
     check_time,
     mapping,
+    part_list,
+    reject_unknown,
     time_field,
 )
 from pipefisher.core.profile_v1 import SCHEMA_V1, upgrade_v1
@@ -77,8 +82,9 @@ def _trimmed(values: Iterable[float]) -> tuple[float, ...]:
 class LayerProfile:
     """The costs of its method's tasks on one layer of a stage: per part (index) `curvature`,
     `sync` and `refresh` times and `capture_bytes`, and the `precondition` time; `samples` keyed
-    by `time_key`. Lists are kept without trailing zeros (a missing part takes 0). A plain mapping
-    given as `samples` is checked and stored as `Samples`."""
+    by `time_key`; `flops` (by `time_key`: of one execution; absent = unknown). Lists are kept
+    without trailing zeros (a missing part takes 0). A plain mapping given as `samples` is checked
+    and stored as `Samples`."""
 
     name: str
     _: KW_ONLY
@@ -88,8 +94,10 @@ class LayerProfile:
     precondition: float = 0.0
     capture_bytes: tuple[int, ...] = ()
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
+    flops: Mapping[str, float] = field(default_factory=Frozen)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "flops", check_flops(self.flops, _layer_key, "flops"))
         for work in PART_WORK:
             object.__setattr__(self, work, _trimmed(getattr(self, work)))
         object.__setattr__(self, "capture_bytes", tuple(int(b) for b in _trimmed(self.capture_bytes)))
@@ -130,6 +138,8 @@ class LayerProfile:
             data["capture_bytes"] = list(self.capture_bytes)
         if self.samples:
             data["samples"] = {key: list(values) for key, values in self.samples.items()}
+        if self.flops:
+            data["flops"] = dict(self.flops)
         return data
 
 
@@ -205,7 +215,8 @@ class Profile:
     are ("" = none said; a v1 file without one reads as `V1_METHOD`'s);
     `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are; `recompute`: the
     activation recomputation the backward times include; `micro_batch_size`, `seq_len`,
-    `precision`, `model`: what the times were measured at (None or "": unknown; module docstring)."""
+    `precision`, `model`: what the times were measured at (None or "": unknown; module docstring);
+    `flop_rates`: what the layers' `flops` per time are compared with (None: nothing)."""
 
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
@@ -217,6 +228,7 @@ class Profile:
     seq_len: int | None = None
     precision: str | None = None
     model: str = ""
+    flop_rates: FlopRates | None = None
 
     @property
     def num_stages(self) -> int:
@@ -254,6 +266,8 @@ class Profile:
         if self.recompute != "none":
             data["recompute"] = self.recompute
         data.update({key: getattr(self, key) for key in ("seq_len", "precision", "model") if getattr(self, key)})
+        if self.flop_rates is not None:
+            data["flop_rates"] = self.flop_rates.to_dict()
         data["stages"] = [stage.to_dict() for stage in self.stages]
         return data
 
@@ -279,39 +293,26 @@ def _at_percentile(item: Timed, q: float) -> Timed:
     return item.with_times(times)
 
 
-def _reject_unknown(data: Mapping, cls: type, where: str, extra: tuple[str, ...] = ()) -> None:
-    known = {f.name for f in fields(cls)} | set(extra)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ProfileError(f"{where}: unknown field {unknown[0]!r}; known fields are {', '.join(sorted(known))}")
-
-
-def _part_list(data: Mapping, key: str, where: str, check: Any) -> tuple:
-    values = data.get(key, [])
-    if not isinstance(values, list):
-        raise ProfileError(f"{where}.{key}: expected a list by part index, e.g. [{key} of part 0, of part 1]")
-    return tuple(check(value, f"{where}.{key}[{i}]") for i, value in enumerate(values))
-
-
 def _layer(data: Any, where: str) -> LayerProfile:
     data = mapping(data, where)
-    _reject_unknown(data, LayerProfile, where)
+    reject_unknown(data, LayerProfile, where)
     name = data.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{where}.name: missing; give the layer's module name")
-    parts: dict[str, Any] = {work: _part_list(data, work, where, check_time) for work in PART_WORK}
+    parts: dict[str, Any] = {work: part_list(data, work, where, check_time) for work in PART_WORK}
     return LayerProfile(
         name=name,
         **parts,
         precondition=time_field(data, "precondition", where, required=False),
-        capture_bytes=_part_list(data, "capture_bytes", where, byte_count),
+        capture_bytes=part_list(data, "capture_bytes", where, byte_count),
         samples=check_samples(data.get("samples", {}), _layer_key, f"{where}.samples"),
+        flops=check_flops(data.get("flops", {}), _layer_key, f"{where}.flops"),
     )
 
 
 def _stage(data: Any, where: str) -> StageProfile:
     data = mapping(data, where)
-    _reject_unknown(data, StageProfile, where)
+    reject_unknown(data, StageProfile, where)
     layers = data.get("layers") or []
     if not isinstance(layers, list):
         raise ProfileError(f"{where}.layers: expected a list of layers")
@@ -339,7 +340,7 @@ def _stage(data: Any, where: str) -> StageProfile:
 def profile_from_dict(data: Any) -> Profile:
     """The profile of a file's content, v2 or v1 (a file without `schema` is v1's)."""
     data = mapping(data, "profile")
-    _reject_unknown(data, Profile, "profile", extra=("schema",))
+    reject_unknown(data, Profile, "profile", extra=("schema",))
     schema = data.get("schema", SCHEMA_V1)
     if schema not in (SCHEMA, SCHEMA_V1):
         raise ProfileError(f"schema: {schema!r} is not supported; expected {SCHEMA!r} or {SCHEMA_V1!r}")
@@ -387,6 +388,7 @@ def profile_from_dict(data: Any) -> Profile:
         seq_len=seq_len,
         precision=precision,
         model=model,
+        flop_rates=FlopRates.from_dict(data["flop_rates"]) if "flop_rates" in data else None,
     )
 
 

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from dataclasses import fields
+from typing import Any, Generic, TypeVar
 
 
 class ProfileError(ValueError):
     """A profile is malformed; the message names the field and how to fix it."""
 
 
-class Samples(Mapping[str, tuple[float, ...]]):
-    """Immutable, hashable mapping: time field -> its measured values (the field's unit)."""
+V = TypeVar("V")
 
-    def __init__(self, values: Mapping[str, Iterable[float]] | None = None) -> None:
-        self._values = {name: tuple(float(v) for v in vs) for name, vs in (values or {}).items()}
 
-    def __getitem__(self, name: str) -> tuple[float, ...]:
-        return self._values[name]
+class Frozen(Mapping[str, V], Generic[V]):
+    """An immutable, hashable mapping (a field of a frozen profile)."""
+
+    def __init__(self, values: Mapping[str, V] | None = None) -> None:
+        self._values = dict(values or {})
+
+    def __getitem__(self, key: str) -> V:
+        return self._values[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
@@ -30,7 +34,14 @@ class Samples(Mapping[str, tuple[float, ...]]):
         return hash(tuple(sorted(self._values.items())))
 
     def __repr__(self) -> str:
-        return f"Samples({self._values!r})"
+        return f"{type(self).__name__}({self._values!r})"
+
+
+class Samples(Frozen[tuple[float, ...]]):
+    """Immutable, hashable mapping: time field -> its measured values (the field's unit)."""
+
+    def __init__(self, values: Mapping[str, Iterable[float]] | None = None) -> None:
+        super().__init__({name: tuple(float(v) for v in vs) for name, vs in (values or {}).items()})
 
 
 def check_time(value: Any, where: str) -> float:
@@ -75,3 +86,19 @@ def check_samples(data: Any, known: Callable[[str], bool], where: str) -> Sample
         for i, value in enumerate(values):
             check_time(value, f"{where}.{key}[{i}]")
     return data if isinstance(data, Samples) else Samples(data)
+
+
+def reject_unknown(data: Mapping, cls: type, where: str, extra: tuple[str, ...] = ()) -> None:
+    """ProfileError naming the first key of `data` that is no field of `cls` (nor in `extra`)."""
+    known = {f.name for f in fields(cls)} | set(extra)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ProfileError(f"{where}: unknown field {unknown[0]!r}; known fields are {', '.join(sorted(known))}")
+
+
+def part_list(data: Mapping, key: str, where: str, check: Any) -> tuple:
+    """`data[key]`, a list by part index (empty when missing), each entry passed through `check`."""
+    values = data.get(key, [])
+    if not isinstance(values, list):
+        raise ProfileError(f"{where}.{key}: expected a list by part index, e.g. [{key} of part 0, of part 1]")
+    return tuple(check(value, f"{where}.{key}[{i}]") for i, value in enumerate(values))

@@ -254,9 +254,12 @@ class StageRuntime(CurvatureRuntime, Generic[E]):
 
 
 class TaskTimer:
-    """Measures a method's tasks for the profiler on one rank; `method` names it (`Profile.method`)."""
+    """Measures a method's tasks for the profiler on one rank; `method` names it (`Profile.method`);
+    `config`: the run as the method sees it, whose section and micro-batch tokens the method's
+    flop counts read (None: no counts)."""
 
     method: str = ""  # its `CurvatureMethod.name`
+    config: MethodInputs[Any] | None = None
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         """Context of the forwards of the profiler's last measured step (K-FAC captures there)."""

@@ -15,6 +15,7 @@ import importlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pipefisher.methods.flops import MatrixShape, TaskFlops
 from pipefisher.planning.vocabulary import TaskRules, WorkLabels
 
 __all__ = ["CurvatureMethod", "TaskRules", "WorkLabels"]
@@ -29,7 +30,9 @@ class CurvatureMethod:
     layers, reference twin) and `flags`: keys of its section that get a short command-line flag
     `--<name>-<key>` beside the ones every method has (placement, refresh steps); `memory`:
     "module:attribute" of its torch-free memory model of a layer
-    (`pipefisher.planning.memory.state.CurvatureLayer`; "" = not modelled)."""
+    (`pipefisher.planning.memory.state.CurvatureLayer`; "" = not modelled); `flops`:
+    "module:attribute" of its torch-free `pipefisher.methods.flops.FlopHook`, the flops of its
+    tasks on one matrix ("" = unknown: `task_flops` gives none)."""
 
     name: str
     label: str
@@ -38,6 +41,7 @@ class CurvatureMethod:
     parts: str
     flags: tuple[str, ...] = ()
     memory: str = ""
+    flops: str = ""
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,7 +51,19 @@ class CurvatureMethod:
 
     def runtime_parts(self) -> Any:
         """Its `MethodParts`, imported on first use (this imports torch)."""
-        if "parts" not in self._loaded:
-            module, _, attribute = self.parts.partition(":")
-            self._loaded["parts"] = getattr(importlib.import_module(module), attribute)
-        return self._loaded["parts"]
+        return self._attribute("parts", self.parts)
+
+    def task_flops(self, settings: Any, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
+        """The flops of each of its timed tasks on the matrix `shape` (time key -> `TaskFlops`,
+        per execution as the profile times it) under its run-file section `settings`, with
+        `tokens` rows per micro-batch; {} when it declares none (`flops` is "")."""
+        if not self.flops:
+            return {}
+        return dict(self._attribute("flops", self.flops)(settings, shape, tokens))
+
+    def _attribute(self, key: str, spec: str) -> Any:
+        """The attribute "module:attribute" `spec` names, imported once (kept under `key`)."""
+        if key not in self._loaded:
+            module, _, attribute = spec.partition(":")
+            self._loaded[key] = getattr(importlib.import_module(module), attribute)
+        return self._loaded[key]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import methods
 
 TINY = Path(__file__).resolve().parents[2] / "schedules" / "tiny-regression.yaml"
@@ -186,6 +187,18 @@ def test_the_profilers_header_says_what_it_measures(tmp_path):
     assert result.returncode == 0, result.stderr
     header = result.stderr.splitlines()[0]
     assert "1 warm-up and 2 measured steps (gradients dropped)" in header and "20 steps" not in header, header
+    # each K-FAC task kind's achieved FLOP/s, against this CPU's measured matmul rate (no peak table entry)
+    rates = result.stdout.split("K-FAC task FLOP/s", 1)[1].splitlines()[1:6]
+    kinds = ["A factor curvature", "B factor curvature", "A factor inverse", "B factor inverse", "preconditioning"]
+    assert [line.split(":")[0].strip() for line in rates] == kinds, result.stdout
+    assert all("FLOP/s, " in line and "% of the measured float32 matmul (" in line for line in rates), rates
+    profile = load_profile(tmp_path / "p.yaml")
+    assert profile.flop_rates is not None and profile.flop_rates.measured
+    assert all(
+        set(layer.flops) == {"curvature.0", "curvature.1", "refresh.0", "refresh.1", "precondition"}
+        for stage in profile.stages
+        for layer in stage.layers
+    )
 
 
 def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cost():

@@ -65,6 +65,7 @@ KFAC = CurvatureMethod(
     ),
     settings=KfacConfig,
     parts="pipefisher.methods.kfac.parts:PARTS",
+    flops="pipefisher.methods.kfac.flops:task_flops",
     flags=("grad_worker_fraction",),
     memory="pipefisher.methods.kfac.memory:KfacLayer",
 )

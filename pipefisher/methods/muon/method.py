@@ -92,6 +92,7 @@ MUON = CurvatureMethod(
     ),
     settings=MuonConfig,
     parts="pipefisher.methods.muon.parts:PARTS",
+    flops="pipefisher.methods.muon.flops:task_flops",
     flags=("momentum", "adjust_lr"),
     memory="pipefisher.methods.muon.memory:MuonLayer",
 )

@@ -63,5 +63,6 @@ SOAP = CurvatureMethod(
     ),
     settings=SoapConfig,
     parts="pipefisher.methods.soap.parts:PARTS",
+    flops="pipefisher.methods.soap.flops:task_flops",
     memory="pipefisher.methods.soap.memory:SoapLayer",
 )

@@ -7,7 +7,9 @@ is the device's, without a host sync inside the step). It measures each stage bo
 with a ping-pong, each replicated stage's gradient reduction, the rest of the end of step (tied
 weights, clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss
 scale restored after), and every task of the curvature method on the rank that holds it (its
-`TaskTimer`; standalone regions are timed with the device synchronised before and after). Every rank gathers all
+`TaskTimer`; standalone regions are timed with the device synchronised before and after), with
+the flops of each task where the method counts them and the device's rates they compare with,
+from rank 0 (`task_flops`). Every rank gathers all
 measurements and builds the same Profile, so every rank packs the same plan: each time is the
 median of all ranks' samples of it, which the profile keeps (`samples`).
 """
@@ -38,6 +40,7 @@ from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.pipeline.executor import Executor
 from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan
+from pipefisher.runtime.training.task_flops import flop_rates, layer_flops, work_dtypes
 
 #: (rank, op string, start, end) in ms from the step's common zero
 Record = tuple[int, str, float, float]
@@ -226,16 +229,28 @@ def measure_profile(
     tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
     step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
+    flops = layer_flops(timer, modules, tasks)
+    dtypes = work_dtypes(flops.values(), executor.device)
+    dist.barrier()  # the other ranks wait while rank 0 may time a matrix product alone
+    rates = flop_rates(executor.device, device_name(executor.device), dtypes) if rank == 0 and dtypes else None
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(
-        gathered, (executor.comm.shard, records[warmup:], transfers, reduces, tasks, (held_stages, step_end))
+        gathered,
+        (executor.comm.shard, records[warmup:], transfers, reduces, tasks, (held_stages, step_end), (flops, rates)),
     )
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
     layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
     capture_bytes: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
     layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
-    for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end) in gathered:
+    counts: dict[tuple[int, str], dict[str, float]] = {}
+    for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end), (
+        rank_flops,
+        rank_rates,
+    ) in gathered:
+        for key, tasks_flops in rank_flops.items():
+            counts[key] = {time: task.total for time, task in tasks_flops.items()}
+        rates = rates or rank_rates
         for stage, values in rank_transfers.items():
             stage_samples[stage]["p2p"].extend(values)
         for stage, values in rank_reduces.items():
@@ -256,7 +271,8 @@ def measure_profile(
     stages = []
     for stage in range(executor.topology.schedule.num_stages):
         layers = tuple(
-            _layer(layer, layer_samples[(stage, layer)], capture_bytes[(stage, layer)]) for layer in layer_order[stage]
+            _layer(layer, layer_samples[(stage, layer)], capture_bytes[(stage, layer)], counts.get((stage, layer), {}))
+            for layer in layer_order[stage]
         )
         stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
     profile = Profile(
@@ -270,16 +286,20 @@ def measure_profile(
         seq_len=seq_len,
         precision=precision,
         model=model,
+        flop_rates=rates,
     )
     return profile, sorted(last_step)
 
 
-def _layer(name: str, samples: Mapping[str, list[float]], sizes: Mapping[int, int]) -> LayerProfile:
-    """A layer's profile: each time key the timer measured as the median of its samples."""
+def _layer(
+    name: str, samples: Mapping[str, list[float]], sizes: Mapping[int, int], flops: Mapping[str, float]
+) -> LayerProfile:
+    """A layer's profile: each time key the timer measured as the median of its samples, and the
+    `flops` of its tasks (by time key)."""
     summary = _summary(samples, tuple(sorted(samples)))
     captured = tuple(sizes.get(part, 0) for part in range(max(sizes, default=-1) + 1))
     times = {key: summary[key] for key in samples}
-    return LayerProfile(name=name, capture_bytes=captured, samples=summary["samples"]).with_times(times)
+    return LayerProfile(name=name, capture_bytes=captured, samples=summary["samples"], flops=flops).with_times(times)
 
 
 def _add_compute_samples(step_records: list[Record], stage_samples: dict[int, TimeSamples]) -> None:
