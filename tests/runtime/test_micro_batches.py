@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from _workers import counting_batches
-from pipefisher.runtime.pipeline.executor import DeviceBatch
+from pipefisher.runtime.pipeline.batches import DeviceBatch
 from pipefisher.runtime.training.launch import run_group
 
 

@@ -36,6 +36,15 @@ class Precision:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def step_casts(self) -> AbstractContextManager:
+        """Context for a step, around its forwards' `autocast()`: autocast stays off in it, but the
+        low-precision copies the forwards make of the weights are kept until it exits (autocast
+        drops its cast cache only when the outermost region exits), so each weight is cast once
+        per step on this thread, not once per micro-batch. Exit it before the weights change."""
+        if self.name == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=False)
+
 
 class LossScaler:
     """fp16's dynamic loss scale as a device tensor: the loss is multiplied by `scale` before its

@@ -3,14 +3,17 @@
 RUN dispatches an op to its handler (forward, backward, K-FAC ops); POST, SEND, LAUNCH and WAIT
 are the communication the plan derived and the replay checked, nothing more and in that order.
 A handler takes its op's input from what a WAIT received (or from the op that produced it on
-this rank) and leaves its output for the SEND that follows. After the actions, the step end
-(`StepEnd.finish`) applies the gradients and reads the step's numbers.
+this rank) and leaves its output for the SEND that follows. After the actions, the next step's
+micro-batches are built (`Executor.steps`) and the step end (`StepEnd.finish`) applies the
+gradients and reads the step's numbers. Under bf16/fp16 the low-precision copies of the weights
+live from a step's first forward to its optimizer step (`Precision.step_casts`): each weight is cast
+once per step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -36,11 +39,10 @@ from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.gradient_path.step_end import StepEnd
 from pipefisher.runtime.primitives.clock import Clock
 from pipefisher.runtime.primitives.comm import Comm, Handle, done
+from pipefisher.runtime.pipeline.batches import DeviceBatch, MicroBatchFn, prepare
 from pipefisher.runtime.pipeline.extension import ExecutorExtension, Extensions
 from pipefisher.runtime.pipeline.stage import StageRuntime
 
-#: (step, global micro-batch) -> the micro-batch's named tensors
-MicroBatchFn = Callable[[int, int], dict[str, Tensor]]
 #: message -> (shape, dtype) of the tensor it carries
 MessageSpec = Callable[[Message], tuple[tuple[int, ...], torch.dtype]]
 
@@ -61,33 +63,6 @@ class StepResult:
     loss: float
     seconds: float
     extra: dict = field(default_factory=dict)
-
-
-class DeviceBatch(Mapping[str, Tensor]):
-    """One micro-batch: its host tensors, each copied to `device` when first read (pinned and
-    non-blocking on CUDA) and kept. A stage moves only what it reads (a middle stage of BERT
-    its attention mask), and the stages a rank holds share one copy."""
-
-    def __init__(self, host: dict[str, Tensor], device: torch.device):
-        self.host, self.device = host, device
-        self.moved: dict[str, Tensor] = {}
-
-    def __getitem__(self, name: str) -> Tensor:
-        tensor = self.moved.get(name)
-        if tensor is None:
-            host = self.host[name]
-            if self.device.type == "cuda":
-                tensor = host.pin_memory().to(self.device, non_blocking=True)
-            else:
-                tensor = host.to(self.device)
-            self.moved[name] = tensor
-        return tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.host)
-
-    def __len__(self) -> int:
-        return len(self.host)
 
 
 def describe(action: Action) -> str:
@@ -154,6 +129,14 @@ class Executor:
         self.current_step = 0
         #: (step, global micro-batch) -> that micro-batch, built once per step on this rank
         self._batches: dict[tuple[int, int], DeviceBatch] = {}
+        #: the next step's micro-batches, prepared at the end of this one (`steps`)
+        self._ahead: dict[tuple[int, int], DeviceBatch] = {}
+        #: the run's steps: during step s < steps - 1, step s + 1's micro-batches are prepared
+        #: once this rank's ops of step s are issued; None: each is built at its first forward
+        self.steps: int | None = None
+        #: all stages of a rank compute in one precision; its weight casts live for a step
+        self.precision = next(iter(stages.values())).precision
+        self._casts = ExitStack()
         self._receives: dict[Message, tuple[Tensor, Handle]] = {}
         self._inputs: dict[Message, Tensor] = {}
         self._outputs: dict[Message, Tensor] = {}
@@ -210,19 +193,26 @@ class Executor:
         the region ``step N`` and a marker after it carries the result's `seconds`
         (`pipefisher.core.trace_labels`), so a trace gives the step time `pipefisher run` prints."""
         self.current_step = step
-        self._batches = {}
+        self._batches = {key: batch for key, batch in self._ahead.items() if key[0] == step}
+        self._ahead = {}
         self.step_end.begin(step, update)
         labelled = torch.autograd._profiler_enabled()  # torch.profiler, or NVTX ranges under emit_nvtx
         start = time.perf_counter()
         with record_function(step_label(step + 1)) if labelled else UNLABELLED:
-            for action in actions:
-                try:
-                    with record_function(str(action)) if labelled else UNLABELLED:
-                        self._perform(action)
-                except Exception as exc:
-                    raise StepFailure(
-                        f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}"
-                    ) from exc
+            # each weight cast once per step: until the optimizer step (`_perform`) or the actions' end
+            with self._casts:
+                self._casts.enter_context(self.precision.step_casts())
+                for action in actions:
+                    try:
+                        with record_function(str(action)) if labelled else UNLABELLED:
+                            self._perform(action)
+                    except Exception as exc:
+                        raise StepFailure(
+                            f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}"
+                        ) from exc
+            if self.steps is not None and step + 1 < self.steps:
+                with record_function("prepare micro-batches") if labelled else UNLABELLED:
+                    self._prepare(step + 1)
             pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
             if pending:  # a plan runs every W of a step within it; the gradients would be incomplete
                 raise StepFailure(
@@ -269,6 +259,8 @@ class Executor:
         elif isinstance(target, SendDone):
             self._sends.pop(target.message).wait()
         else:
+            if target.kind is CollectiveKind.STEP:  # its completion steps the optimizer: casts go stale
+                self._casts.close()
             self.in_flight.pop(target).wait()
 
     def settle(self, complete: Sequence[Collective], relaunch: Sequence[Collective]) -> None:
@@ -279,6 +271,14 @@ class Executor:
             self.in_flight.setdefault(collective, done()).wait()
         for collective in relaunch:
             self.in_flight[collective] = self.collectives[collective.kind](collective)
+
+    def _prepare(self, step: int) -> None:
+        """Build step `step`'s micro-batches now, those this step's forwards read, and start
+        moving the names they read to the device (the data source is pure: the same batches as
+        built at their first forward, so a resumed run sees the same)."""
+        names = {name for batch in self._batches.values() for name in batch.moved}
+        indices = sorted(index for _, index in self._batches)
+        self._ahead = prepare(self.micro_batch, step, indices, names, self.device)
 
     # -- handlers ----------------------------------------------------------------------------
     def _forward(self, op: Op) -> None:

@@ -16,7 +16,7 @@ from pipefisher.core.ir import Schedule
 from pipefisher.data.synthetic import SyntheticRegression
 from pipefisher.models import StagedModel
 from pipefisher.models.registry import model_kind
-from pipefisher.runtime.pipeline.executor import MicroBatchFn
+from pipefisher.runtime.pipeline.batches import MicroBatchFn
 from pipefisher.runtime.training import text_data as text
 from pipefisher.schedules import chunks_per_rank, get_schedule
 from pipefisher.schedules.validate import validate

@@ -243,6 +243,7 @@ def train_pipelined(
     if executor is None:
         executor, _ = build_executor(config, process, device, run)
     rank = executor.rank
+    executor.steps = config.run.steps  # each step prepares the next one's micro-batches
     start, reader, how = 0, None, None
     if resume_from is not None:
         start = resume_from
