@@ -40,10 +40,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
-from experiments.bench_overhead import UsageError, listed, progress  # noqa: E402
+from experiments.common import RunFailed, UsageError, listed, progress  # noqa: E402
 from experiments.exposed.arms import ArmRun, Layout, TraceSpan, cycle_window, mean_ms, run_arm, traced_ranks  # noqa: E402
 from experiments.exposed.stats import Pair, Traced, ratio_table, trace_table  # noqa: E402
-from experiments.overhead.two_stage import RunFailed  # noqa: E402
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 from pipefisher.methods.registry import methods  # noqa: E402
@@ -160,7 +159,7 @@ def measure(args: argparse.Namespace, schedule: str, log: list[dict]) -> tuple[l
 
 
 def report(args: argparse.Namespace, pairs: list[Pair], traced: list[Traced], log: list[dict], seconds: float) -> str:
-    tokens = layout_of(args, args.schedules[0]).tokens_per_step
+    tokens = ", ".join(f"{t:,}" for t in sorted({entry["tokens_per_step"] for entry in log}))
     others = [entry["other_cores"] for entry in log]
     lines = [
         "# Exposed optimizer time: curvature methods against the first-order step",
@@ -172,7 +171,7 @@ def report(args: argparse.Namespace, pairs: list[Pair], traced: list[Traced], lo
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the end; {seconds / 60:.0f} min in all.",
         "",
         f"Model {WORKLOADS[args.model].label or args.model}, 2 stages, {args.micro_batches} micro-batches of "
-        f"{args.micro_batch_size} = {tokens:,} tokens per step; baseline {args.first_order}; "
+        f"{args.micro_batch_size} = {tokens} tokens per step; baseline {args.first_order}; "
         f"methods packed, k {'chosen by the packer' if not args.refresh_steps else args.refresh_steps}, re-profiling off; "
         f"{args.repeats} paired repeats (arms in a seeded shuffled order per repeat), each run timed over "
         f"{args.cycles} whole refresh cycles after at least {args.warmup} warm-up steps.",

@@ -22,12 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.bench_pipefisher import machine_busy_seconds
+from experiments.common import RunFailed, machine_busy_seconds
 from experiments.exposed.stats import RankTime
-from experiments.overhead.two_stage import RunFailed
 from experiments.overhead.workloads import ROOT, Workload
-from pipefisher.config import load_config
-from pipefisher.runtime.training import tokens_per_step
 from pipefisher.viz.trace_io import trace_files
 from pipefisher.viz.trace_summary import summarise
 
@@ -70,17 +67,6 @@ class Layout:
             return -(-self.warmup // k) * k + self.cycles * k
         return self.warmup + (self.cycles + 1) * self.max_refresh_steps
 
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens (sequence positions) per step, as `pipefisher run` counts them."""
-        run_file = load_config(ROOT / self.workload.run_file)
-        config = run_file.with_overrides(
-            model=dict(self.workload.model),
-            pipeline={"micro_batches": self.micro_batches, "data_parallel": 1},
-            data={"micro_batch_size": self.micro_batch_size},
-        )
-        return tokens_per_step(config)
-
     def flags(self, method: str | None, steps: int, trace: TraceSpan | None) -> list[str]:
         """`pipefisher run`'s flags for the first-order arm (`method` None) or a method's arm."""
         sections: dict[str, dict[str, object]] = {
@@ -116,11 +102,13 @@ class Layout:
 @dataclass(frozen=True)
 class ArmRun:
     """One run: every step's time [ms] (rank 0's timer), its refresh interval k (None: first
-    order), its wall time [s] start-up included, and the cores other processes of the machine
-    used meanwhile (machine-wide busy time less this run's processes', / wall time)."""
+    order), the tokens per step it reported (as its tokens/s x step time), its wall time [s]
+    start-up included, and the cores other processes of the machine used meanwhile
+    (machine-wide busy time less this run's processes', / wall time)."""
 
     step_ms: tuple[float, ...]
     refresh_steps: int | None
+    tokens_per_step: int
     seconds: float
     other_cores: float
 
@@ -147,7 +135,8 @@ def run_arm(layout: Layout, method: str | None, steps: int, trace: TraceSpan | N
     if len(records) != steps:
         raise RunFailed(f"{layout.schedule} {arm}: pipefisher run reported {len(records)} steps, not {steps}")
     k = records[-1].get("refresh_steps") if method is not None else None
-    return ArmRun(tuple(r["step_time_ms"] for r in records), k, seconds, other)
+    tokens = round(records[0]["tokens_per_s"] * records[0]["step_time_ms"] / 1000)
+    return ArmRun(tuple(r["step_time_ms"] for r in records), k, tokens, seconds, other)
 
 
 def cycle_window(k: int, warmup: int, steps: int) -> range:

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.exposed.arms import Layout, cycle_window  # noqa: E402
 from experiments.exposed.stats import log_ratio_interval, t_975  # noqa: E402
-from experiments.overhead.two_stage import RunFailed  # noqa: E402
+from experiments.common import RunFailed  # noqa: E402
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
 
 
@@ -39,6 +39,7 @@ def test_the_quick_run_pairs_first_order_with_the_method_over_whole_cycles(tmp_p
     text = out.read_text()
     assert text == result.stdout
     assert "Command: `python experiments/bench_exposed.py --quick" in text
+    assert "4 micro-batches of 2 = 512 tokens per step" in text  # sequences of 64
     row = cells(text, "| 1f1b | K-FAC | 1 |")
     first_order, method = float(row[3]), float(row[4])
     ratio = float(row[5].split()[0])
@@ -49,6 +50,7 @@ def test_the_quick_run_pairs_first_order_with_the_method_over_whole_cycles(tmp_p
     (pair,) = data["pairs"]
     assert len(pair["ratios"]) == 2 and pair["refresh_steps"] == [1, 1]
     runs = {(run["repeat"], run["arm"]): run for run in data["runs"]}
+    assert {run["tokens_per_step"] for run in data["runs"]} == {512}
     assert sorted(runs) == [(0, "K-FAC"), (0, "adamw"), (1, "K-FAC"), (1, "adamw")]
     for repeat in range(2):
         # k = 1, 1 warm-up step, 2 cycles: steps 2 and 3 timed; the last repeat traces one more after a gap step
@@ -87,7 +89,6 @@ def test_the_timed_window_is_whole_cycles_after_the_warm_up():
 def test_a_run_has_room_for_the_warm_up_and_the_cycles_at_any_k_it_may_get():
     fixed = Layout(WORKLOADS["gpt2-tiny"], "zb-h1", 4, 32, "adamw", 5, 10, 2, 2)
     assert fixed.steps == 15 and cycle_window(5, 2, fixed.steps) == range(5, 15)
-    assert fixed.tokens_per_step == 4 * 32 * 64  # 64 tokens per unit of the width 128
     packer = Layout(WORKLOADS["gpt2-tiny"], "1f1b", 4, 32, "adamw", 0, 10, 2, 2)
     assert all(len(cycle_window(k, 2, packer.steps)) >= 2 * k for k in range(1, 11))
     flags = packer.flags("muon", packer.steps, None)
