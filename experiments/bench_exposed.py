@@ -41,12 +41,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
 from experiments.common import RunFailed, UsageError, listed, progress  # noqa: E402
-from experiments.exposed.arms import ArmRun, Layout, TraceSpan, cycle_window, mean_ms, run_arm, traced_ranks  # noqa: E402
+from experiments.exposed.arms import STAGES, ArmRun, Layout, TraceSpan, cycle_window, mean_ms, run_arm, traced_ranks  # noqa: E402
 from experiments.exposed.stats import Pair, Traced, ratio_table, trace_table  # noqa: E402
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 from pipefisher.methods.registry import methods  # noqa: E402
-from pipefisher.schedules import SCHEDULES  # noqa: E402
+from pipefisher.core.ir import ScheduleError  # noqa: E402
+from pipefisher.schedules import SCHEDULES, get_schedule  # noqa: E402
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "chimera")
 FIRST_ORDER = ("adamw", "lamb", "sgd")
@@ -97,6 +98,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.schedules = listed(
         args.schedules or ("1f1b" if args.quick else ",".join(DEFAULT_SCHEDULES)), SCHEDULES, "--schedules"
     )
+    for schedule in args.schedules:
+        try:
+            get_schedule(schedule, STAGES, args.micro_batches)
+        except ScheduleError as exc:
+            raise UsageError(f"--schedules {schedule} with --micro-batches {args.micro_batches}: {exc}") from None
     args.methods = listed(args.methods or (known[0] if args.quick else ",".join(known)), known, "--methods")
     args.model = listed(args.model or ("bert-tiny" if args.quick else "gpt2-tiny"), list(WORKLOADS), "--model")
     if len(args.model) != 1:
