@@ -179,8 +179,8 @@ def report(args: argparse.Namespace, pairs: list[Pair], traced: list[Traced], lo
         f"Model {WORKLOADS[args.model].label or args.model}, 2 stages, {args.micro_batches} micro-batches of "
         f"{args.micro_batch_size} = {tokens} tokens per step; baseline {args.first_order}; "
         f"methods packed, k {'chosen by the packer' if not args.refresh_steps else args.refresh_steps}, re-profiling off; "
-        f"{args.repeats} paired repeats (arms in a seeded shuffled order per repeat), each run timed over "
-        f"{args.cycles} whole refresh cycles after at least {args.warmup} warm-up steps.",
+        f"paired repeats: {args.repeats} (arms in a seeded shuffled order per repeat); timed per run: "
+        f"{args.cycles} whole refresh cycle(s) after at least {args.warmup} warm-up step(s).",
         "Ratio: method / first-order step time of the same repeat; CI: 95 % t-interval of the geometric mean "
         "(log ratios); exposed: ratio − 1.",
         "",
