@@ -44,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
+from experiments.common import UsageError, listed, progress  # noqa: E402
 from experiments.overhead.flops import peak_bf16, step_flops  # noqa: E402
 from experiments.overhead.one_stage import PipefisherOneStage, PlainLoop, alternating_steps, timed_steps  # noqa: E402
 from experiments.overhead.report import Comparison, table  # noqa: E402
@@ -55,25 +56,6 @@ from pipefisher.cli.scripts import entry_point  # noqa: E402
 OPTIMIZERS = ("adamw", "lamb")
 ARMS = ("one-stage", "two-stage")
 RUN_TIMEOUT_S = 1200.0  # one two-stage run, start-up included
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-class UsageError(Exception):
-    """A bad flag: one line, exit 2."""
-
-
-def listed(value: str, allowed, flag: str) -> list[str]:
-    """The comma-separated `value` of `flag`, each item one of `allowed`."""
-    items = [item.strip() for item in value.split(",") if item.strip()]
-    for item in items:
-        if item not in allowed:
-            raise UsageError(f"{flag}: {item!r} is not one of {', '.join(allowed)}")
-    if not items:
-        raise UsageError(f"{flag}: name at least one of {', '.join(allowed)}")
-    return items
 
 
 def flops_and_peak(config, device: torch.device, devices: int) -> tuple[float | None, float | None]:

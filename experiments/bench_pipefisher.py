@@ -50,6 +50,7 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,9 @@ from pipefisher.runtime.training import (
     schedule_plan,
 )
 from pipefisher.cli.scripts import entry_point
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: experiments
+from experiments.common import machine_busy_seconds  # noqa: E402
 
 STAGES = 2
 VARIANTS = ("first-order", "after-step", "packed")
@@ -136,16 +140,6 @@ def config_dict(args: dict, schedule: str, variant: str, k: int = 0, profile: st
 
 
 # -- measuring ---------------------------------------------------------------------------------
-def machine_busy_seconds() -> float:
-    """CPU seconds all processes of the machine have used (/proc/stat; 0 where unavailable)."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
-
-
 def load_average() -> str:
     try:
         with open("/proc/loadavg") as f:

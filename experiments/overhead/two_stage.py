@@ -35,12 +35,9 @@ from torch import nn
 from pipefisher.config import RunConfig
 from pipefisher.runtime.training import build_optimizer, build_run, build_scheduler, run_group
 
+from experiments.common import RunFailed
 from experiments.overhead.one_stage import compiled
 from experiments.overhead.workloads import ROOT, BenchSettings, Workload
-
-
-class RunFailed(RuntimeError):
-    """A `pipefisher run` of the benchmark failed; the message is one line."""
 
 
 def pipefisher_run(
