@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pipefisher.data.corpus import corpus_fingerprint, embedded_corpus, write_once
+from pipefisher.data.settings import max_predictions
 from pipefisher.data.tokenizer import SpecialIds, train_wordpiece
 from pipefisher.models.mlm import IGNORE_INDEX
 
@@ -159,8 +160,7 @@ class PretrainingData:
     def max_predictions(self) -> int:
         """P, the most labelled positions an example can have: the width of `mlm_positions`
         (NVIDIA's max_predictions_per_seq), a function of seq_len and mask_prob alone."""
-        candidates = self.seq_len - 3
-        return min(candidates, max(1, round(self.mask_prob * candidates)))
+        return max_predictions(self.seq_len, self.mask_prob)
 
     def micro_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
         """Global micro-batch `micro_batch` of `step` (both >= 0), CPU tensors, B =
