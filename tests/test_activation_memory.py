@@ -66,8 +66,9 @@ def _stages_saved(model, shape, batch, precision, num_stages=2):
     return results
 
 
+@pytest.mark.parametrize("predictions", [0, 5])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bert_stages_keep_what_autograd_saves(precision):
+def test_bert_stages_keep_what_autograd_saves(precision, predictions):
     from pipefisher.models.bert import BertConfig, BertStagedModel
 
     config = BertConfig(
@@ -87,7 +88,10 @@ def test_bert_stages_keep_what_autograd_saves(precision):
         "mlm_labels": ids.clone(),
         "nsp_labels": torch.zeros(B, dtype=torch.long),
     }
-    shape = ModelShape("bert", 2, 48, 3, 160, VOCAB, S)
+    if predictions:  # the MLM head on the first `predictions` positions, the only labelled ones
+        batch["mlm_labels"][:, predictions:] = -100
+        batch["mlm_positions"] = torch.arange(predictions).expand(B, predictions).clone()
+    shape = ModelShape("bert", 2, 48, 3, 160, VOCAB, S, predictions=predictions)
     for measured, predicted in _stages_saved(BertStagedModel(config, S), shape, batch, precision):
         assert predicted == pytest.approx(measured, rel=0.01)
 
@@ -132,7 +136,7 @@ def test_predicted_peak_per_rank_is_within_ten_percent_of_live_tensor_bytes(reco
         config,
         optimizer=change("optimizer", name="adamw"),
         model=change("model", seq_len=32, recompute=recompute),
-        data=change("data", micro_batch_size=8),
+        data=change("data", micro_batch_size=16),
         run=change("run", steps=2),
     )
     predicted = predict(config)

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from pipefisher.data.corpus import corpus_fingerprint, write_once
 from pipefisher.data.tokenizer import end_of_text_id
 
-BATCH_KEYS: tuple[str, ...] = ("input_ids", "attention_mask", "labels")
+BATCH_KEYS: tuple[str, ...] = ("input_ids", "labels")
 _TOKENS_RECIPE = "causal-documents-v1"  # part of the token cache key: change it when tokenization changes
 
 
@@ -83,12 +83,12 @@ class CausalLMData:
 
     def micro_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
         """Global micro-batch `micro_batch` of `step` (both >= 0): CPU int64 tensors (B, T) with B =
-        micro_batch_size, T = seq_len: input_ids, attention_mask (all ones: sequences are packed),
-        labels (= input_ids)."""
+        micro_batch_size, T = seq_len: input_ids and labels (= input_ids). No attention_mask:
+        sequences are packed, never padded, so a model attends causally without a mask."""
         if step < 0 or micro_batch < 0:
             raise ValueError(f"step and micro_batch must be >= 0, got {step} and {micro_batch}")
         rows = np.random.default_rng([self.seed, step, micro_batch]).integers(
             len(self.sequences), size=self.micro_batch_size
         )
         input_ids = torch.from_numpy(self.sequences[rows].astype(np.int64))
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+        return {"input_ids": input_ids, "labels": input_ids.clone()}

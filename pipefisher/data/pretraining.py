@@ -19,12 +19,19 @@ import torch
 from tokenizers import Tokenizer
 
 from pipefisher.data.corpus import corpus_fingerprint, embedded_corpus, write_once
+from pipefisher.data.settings import max_predictions
 from pipefisher.data.tokenizer import SpecialIds, train_wordpiece
+from pipefisher.models.mlm import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-"""`mlm_labels` value at positions that are not predicted (PyTorch's cross-entropy default)."""
 
-BATCH_KEYS: tuple[str, ...] = ("input_ids", "token_type_ids", "attention_mask", "mlm_labels", "nsp_labels")
+BATCH_KEYS: tuple[str, ...] = (
+    "input_ids",
+    "token_type_ids",
+    "attention_mask",
+    "mlm_labels",
+    "mlm_positions",
+    "nsp_labels",
+)
 
 _TOKENS_RECIPE = "sentences-v1"  # part of the token cache key: change it when tokenization changes
 
@@ -149,14 +156,25 @@ class PretrainingData:
     def special(self) -> SpecialIds:
         return self._special
 
+    @property
+    def max_predictions(self) -> int:
+        """P, the most labelled positions an example can have: the width of `mlm_positions`
+        (NVIDIA's max_predictions_per_seq), a function of seq_len and mask_prob alone."""
+        return max_predictions(self.seq_len, self.mask_prob)
+
     def micro_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
         """Global micro-batch `micro_batch` of `step` (both >= 0), CPU tensors, B =
-        micro_batch_size, T = seq_len: input_ids, token_type_ids, attention_mask, mlm_labels
-        (B, T) int64 and nsp_labels (B,) int64; layout in `example`."""
+        micro_batch_size, T = seq_len, P = max_predictions: input_ids, token_type_ids,
+        attention_mask, mlm_labels (B, T) int64, mlm_positions (B, P) int64 and nsp_labels (B,)
+        int64; layout in `example`. attention_mask is left out when no example is padded: the
+        model then attends without a mask (SDPA's fused kernels), decided here on the host."""
         if step < 0 or micro_batch < 0:
             raise ValueError(f"step and micro_batch must be >= 0, got {step} and {micro_batch}")
-        batch = [self.example(step, micro_batch, index) for index in range(self.micro_batch_size)]
-        return {key: torch.from_numpy(np.stack([example[key] for example in batch])) for key in BATCH_KEYS}
+        examples = [self.example(step, micro_batch, index) for index in range(self.micro_batch_size)]
+        stacked = {key: np.stack([example[key] for example in examples]) for key in BATCH_KEYS}
+        if stacked["attention_mask"].all():
+            del stacked["attention_mask"]
+        return {key: torch.from_numpy(value) for key, value in stacked.items()}
 
     def example(self, step: int, micro_batch: int, index: int) -> dict[str, np.ndarray]:
         """Example `index` of the micro-batch, from a generator seeded by (seed, step, micro_batch,
@@ -165,7 +183,9 @@ class PretrainingData:
         another document (1); trimmed to seq_len by BERT's rule (A loses tokens at its start,
         B at its end). token_type_ids: 0 up to the first [SEP], 1 on B and its [SEP], 0 on
         padding. Of the A and B positions, round(mask_prob·n) (at least 1) get mlm_labels =
-        original id, and of those 80 % become [MASK], 10 % a random non-special id, 10 % stay."""
+        original id, and of those 80 % become [MASK], 10 % a random non-special id, 10 % stay.
+        mlm_positions (max_predictions,): the labelled positions in increasing order, then 0
+        ([CLS], never labelled) up to the width."""
         rng = np.random.default_rng([self.seed, step, micro_batch, index])
         corpus, budget = self.corpus, self.seq_len - 3
         starts, tokens = corpus.sentence_starts, corpus.tokens
@@ -203,6 +223,8 @@ class PretrainingData:
         positions = rng.choice(candidates, size=num_masked, replace=False)
         mlm_labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         mlm_labels[positions] = input_ids[positions]
+        mlm_positions = np.zeros(self.max_predictions, dtype=np.int64)
+        mlm_positions[:num_masked] = np.sort(positions)
         action = rng.random(num_masked)
         random_ids = self._random_ids[rng.integers(len(self._random_ids), size=num_masked)]
         input_ids[positions] = np.where(
@@ -213,6 +235,7 @@ class PretrainingData:
             "token_type_ids": token_type_ids,
             "attention_mask": attention_mask,
             "mlm_labels": mlm_labels,
+            "mlm_positions": mlm_positions,
             "nsp_labels": np.array(is_random, dtype=np.int64),
         }
 

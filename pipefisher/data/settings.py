@@ -9,6 +9,13 @@ from typing import Literal
 from pipefisher.core.settings import setting
 
 
+def max_predictions(seq_len: int, mask_prob: float) -> int:
+    """Most positions a BERT pretraining example of `seq_len` labels at `mask_prob` (its
+    [CLS] and two [SEP] never): the width of `mlm_positions`, NVIDIA's max_predictions_per_seq."""
+    candidates = seq_len - 3
+    return min(candidates, max(1, round(mask_prob * candidates)))
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Micro-batches, a pure function of (seed, step, micro-batch id)."""

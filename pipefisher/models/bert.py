@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised
+from pipefisher.models.mlm import at_mlm_positions, mlm_loss
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -43,7 +44,6 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
 }
-IGNORE_INDEX = -100
 WORD_EMBEDDINGS = "embeddings.word_embeddings"
 DECODER = "cls.predictions.decoder"
 
@@ -159,9 +159,10 @@ class SelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.core = AttentionCore(config.attention_probs_dropout_prob)
 
-    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
-        """x: (B, T, hidden); keep: (B, 1, 1, T) bool, True = attend to that key. Returns (B, T, width
-        of the projections): hidden, or a tensor-parallel shard's heads only."""
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
+        """x: (B, T, hidden); keep: (B, 1, 1, T) bool, True = attend to that key, or None (attend to
+        every key: no mask, so SDPA may take its flash kernel). Returns (B, T, width of the
+        projections): hidden, or a tensor-parallel shard's heads only."""
         batch, seq, _ = x.shape
         split = lambda t: t.view(batch, seq, -1, self.head_size).transpose(1, 2)
         attended = self.core(split(self.query(x)), split(self.key(x)), split(self.value(x)), keep)
@@ -187,7 +188,7 @@ class Attention(nn.Module):
         self.self = SelfAttention(config)
         self.output = AddNorm(config, config.hidden_size)
 
-    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
         return self.output(self.self(x, keep), x)
 
 
@@ -212,7 +213,7 @@ class Layer(nn.Module):
         self.intermediate = DenseAct(config, config.intermediate_size)
         self.output = AddNorm(config, config.intermediate_size)
 
-    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
         x = self.attention(x, keep)
         return self.output(self.intermediate(x), x)
 
@@ -224,7 +225,7 @@ class Encoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleDict({str(i): Layer(config) for i in blocks})
 
-    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+    def forward(self, x: Tensor, keep: Tensor | None) -> Tensor:
         for block in self.layer.values():
             x = block(x, keep)
         return x
@@ -253,7 +254,7 @@ class Transform(nn.Module):
 
 
 class Predictions(nn.Module):
-    """MLM head: decoder(transform(x)), (B, T, hidden) -> (B, T, vocab); decoder.weight is tied."""
+    """MLM head: decoder(transform(x)), (B, P, hidden) -> (B, P, vocab); decoder.weight is tied."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -275,8 +276,11 @@ class BertStage(nn.Module):
     """Blocks `blocks` of BERT; stage 0 embeds, the last stage applies the pooler and both heads.
 
     forward(x, batch): x (B, T, hidden) from the previous stage (None on stage 0, which reads
-    batch["input_ids"], batch["token_type_ids"]); batch["attention_mask"] (B, T), 1 = token, 0 = pad.
-    Returns hidden states (B, T, hidden), or on the last stage (mlm_logits (B, T, vocab), nsp_logits (B, 2)).
+    batch["input_ids"], batch["token_type_ids"]); batch["attention_mask"] (B, T), 1 = token, 0 = pad,
+    absent when no sequence is padded (then attention takes no mask). Returns hidden states
+    (B, T, hidden), or on the last stage (mlm_logits (B, P, vocab), nsp_logits (B, 2)): the MLM head
+    runs on batch["mlm_positions"] (B, P) only, or on all P = T positions without it
+    (`pipefisher.models.mlm`).
     """
 
     def __init__(self, config: BertConfig, blocks: range, first: bool, last: bool):
@@ -291,10 +295,11 @@ class BertStage(nn.Module):
             x = self.embeddings(batch["input_ids"], batch["token_type_ids"])
         if x is None:
             raise ValueError("x: a stage without embeddings needs the previous stage's hidden states")
-        x = self.encoder(x, batch["attention_mask"][:, None, None, :].bool())
+        mask = batch.get("attention_mask")
+        x = self.encoder(x, None if mask is None else mask[:, None, None, :].bool())
         if self.cls is None:
             return x
-        return self.cls.predictions(x), self.cls.seq_relationship(self.pooler(x))
+        return self.cls.predictions(at_mlm_positions(x, batch)), self.cls.seq_relationship(self.pooler(x))
 
 
 def hf_init(module: nn.Module, generator: torch.Generator, std: float) -> None:
@@ -353,14 +358,10 @@ class BertStagedModel:
 
     def loss(self, output: tuple[Tensor, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """MLM cross-entropy, mean over positions with batch["mlm_labels"] != -100 (0 if there are
-        none), plus NSP cross-entropy, mean over the micro-batch (batch["nsp_labels"], (B,)).
-        Returns (total, {"mlm": detached, "nsp": detached})."""
+        none; `pipefisher.models.mlm.mlm_loss`), plus NSP cross-entropy, mean over the micro-batch
+        (batch["nsp_labels"], (B,)). Returns (total, {"mlm": detached, "nsp": detached})."""
         mlm_logits, nsp_logits = output
-        labels = batch["mlm_labels"].reshape(-1)
-        summed = F.cross_entropy(
-            mlm_logits.reshape(-1, mlm_logits.shape[-1]), labels, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        mlm = summed / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        mlm = mlm_loss(mlm_logits, batch)
         nsp = F.cross_entropy(nsp_logits, batch["nsp_labels"])
         return mlm + nsp, {"mlm": mlm.detach(), "nsp": nsp.detach()}
 

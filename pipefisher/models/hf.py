@@ -102,7 +102,7 @@ class HfStage(nn.Module):
         context = self.layout.context(self, stand_in, batch)
         for block in self.get_submodule(self.layout.blocks).values():
             x = block(x, **context)
-        return self.layout.head(self, x) if self.last else x
+        return self.layout.head(self, x, batch) if self.last else x
 
     def _master_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
@@ -210,7 +210,7 @@ class HfStagedModel:
     def unsplit_loss(self, model: nn.Module, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The unsplit model's own loss on `batch` (its forward with labels), and the named parts."""
         out = model(**self.layout.model_inputs(batch))
-        return out.loss, (self.loss(self.layout.outputs(out), batch)[1] if self.loss_parts else {})
+        return out.loss, (self.loss(self.layout.outputs(out, batch), batch)[1] if self.loss_parts else {})
 
     def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
         """(micro_batch_size, seq_len, hidden_size): what every stage but the last sends on."""

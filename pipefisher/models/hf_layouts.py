@@ -5,7 +5,10 @@ A `Layout` is recognised from the module tree of the model class (`find_layout`)
 (``transformer.h``), BERT for pre-training (``bert.encoder.layer``) and Llama-like decoders
 (``model.layers`` with ``model.embed_tokens``, ``model.norm``, ``model.rotary_emb``). Every stage
 rebuilds the attention mask (and rotary embeddings) from the micro-batch with the library's own
-functions, as the unsplit model does, so that nothing but hidden states crosses stages.
+functions, as the unsplit model does, so that nothing but hidden states crosses stages. A
+micro-batch without ``attention_mask`` has no padding: the mask functions then return None and
+SDPA runs with `is_causal` (or no mask), free to take its flash kernel, with no host sync. BERT's
+MLM head runs on ``mlm_positions`` only when the micro-batch has them (`pipefisher.models.mlm`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from torch.nn import functional as F
 
 from pipefisher.core.tensor_parallel import Split
 from pipefisher.models import Batch
+from pipefisher.models.mlm import at_mlm_positions, mlm_loss
 
-IGNORE_INDEX = -100
 #: block keyword arguments from (stage, stand-in (B, T, 1) in the dtype of the stage's parameters,
 #: which the unsplit model's embeddings have, micro-batch)
 BlockContext = Callable[[nn.Module, Tensor, Batch], dict[str, Any]]
@@ -34,9 +37,10 @@ class Layout:
     """One family's cut. Paths are dotted module names of the Hugging Face model.
 
     `first`/`last`: modules held by the first/last stage only; `every`: parameter-free modules
-    every stage holds. `embed(stage, batch)` -> hidden states (B, T, hidden); `head(stage, x)` ->
-    the last stage's output; `model_inputs(batch)`: keyword arguments of the unsplit model's
-    forward, labels included; `outputs(model_output)`: that forward's result as `head` returns it.
+    every stage holds. `embed(stage, batch)` -> hidden states (B, T, hidden); `head(stage, x,
+    batch)` -> the last stage's output; `model_inputs(batch)`: keyword arguments of the unsplit
+    model's forward, labels included; `outputs(model_output, batch)`: that forward's result as
+    `head` returns it.
     """
 
     blocks: str
@@ -48,9 +52,9 @@ class Layout:
     data: Literal["causal", "bert"]
     embed: Callable[[nn.Module, Batch], Tensor]
     context: BlockContext
-    head: Callable[[nn.Module, Tensor], Any]
+    head: Callable[[nn.Module, Tensor, Batch], Any]
     model_inputs: Callable[[Batch], dict[str, Tensor]]
-    outputs: Callable[[Any], Any]
+    outputs: Callable[[Any, Batch], Any]
     loss_parts: tuple[str, ...] = ()
     #: config fields that must be false/null: they change the forward in ways this layout does not follow
     unsupported: tuple[str, ...] = ()
@@ -68,18 +72,16 @@ def _positions(like: Tensor) -> Tensor:
 
 
 def _causal_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> dict[str, Any]:
+    """The blocks' causal mask (None without padding) and positions. `create_causal_mask` gets no
+    position ids: it would only read them (a host sync) to detect packed sequences restarting
+    their positions within a row, which pipefisher's positions (0 .. T - 1 per row) never do."""
     from transformers.masking_utils import create_causal_mask
 
-    positions = _positions(stand_in)
     no_cache = {_cache_keyword(create_causal_mask): None}
     mask = create_causal_mask(
-        config=stage.config,
-        inputs_embeds=stand_in,
-        attention_mask=batch.get("attention_mask"),
-        position_ids=positions,
-        **no_cache,
+        config=stage.config, inputs_embeds=stand_in, attention_mask=batch.get("attention_mask"), **no_cache
     )
-    return {"attention_mask": mask, "position_ids": positions, "use_cache": False}
+    return {"attention_mask": mask, "position_ids": _positions(stand_in), "use_cache": False}
 
 
 @functools.cache
@@ -102,7 +104,7 @@ def _bidirectional_context(stage: nn.Module, stand_in: Tensor, batch: Batch) -> 
 
     return {
         "attention_mask": create_bidirectional_mask(
-            config=stage.config, inputs_embeds=stand_in, attention_mask=batch["attention_mask"]
+            config=stage.config, inputs_embeds=stand_in, attention_mask=batch.get("attention_mask")
         )
     }
 
@@ -114,30 +116,30 @@ def _gpt2_embed(stage: nn.Module, batch: Batch) -> Tensor:
 
 
 def _causal_inputs(batch: Batch) -> dict[str, Tensor]:
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": batch["labels"]}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "labels": batch["labels"]}
 
 
 def _bert_inputs(batch: Batch) -> dict[str, Tensor]:
     return {
         "input_ids": batch["input_ids"],
         "token_type_ids": batch["token_type_ids"],
-        "attention_mask": batch["attention_mask"],
+        "attention_mask": batch.get("attention_mask"),
         "labels": batch["mlm_labels"],
         "next_sentence_label": batch["nsp_labels"],
     }
 
 
-def _bert_head(stage: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
-    return stage.get_submodule("cls")(x, stage.get_submodule("bert.pooler")(x))
+def _bert_head(stage: nn.Module, x: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+    """(MLM logits at the batch's MLM positions, NSP logits): the heads of BertForPreTraining."""
+    return stage.get_submodule("cls")(at_mlm_positions(x, batch), stage.get_submodule("bert.pooler")(x))
 
 
 def bert_pretraining_loss(output: tuple[Tensor, Tensor], batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
-    """BertForPreTraining's loss: masked-LM cross-entropy (mean over labelled positions) plus
-    next-sentence cross-entropy (mean over the micro-batch); parts detached."""
+    """BertForPreTraining's loss: masked-LM cross-entropy (mean over labelled positions,
+    `pipefisher.models.mlm.mlm_loss`) plus next-sentence cross-entropy (mean over the
+    micro-batch); parts detached."""
     mlm_logits, nsp_logits = output
-    mlm = F.cross_entropy(
-        mlm_logits.reshape(-1, mlm_logits.shape[-1]), batch["mlm_labels"].reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    mlm = mlm_loss(mlm_logits, batch)
     nsp = F.cross_entropy(nsp_logits.reshape(-1, 2), batch["nsp_labels"].reshape(-1))
     return mlm + nsp, {"mlm": mlm.detach(), "nsp": nsp.detach()}
 
@@ -152,9 +154,9 @@ LAYOUTS: dict[str, Layout] = {
         data="causal",
         embed=_gpt2_embed,
         context=_causal_context,
-        head=lambda stage, x: stage.get_submodule("lm_head")(stage.get_submodule("transformer.ln_f")(x)),
+        head=lambda stage, x, batch: stage.get_submodule("lm_head")(stage.get_submodule("transformer.ln_f")(x)),
         model_inputs=_causal_inputs,
-        outputs=lambda out: out.logits,
+        outputs=lambda out, batch: out.logits,
         unsupported=("add_cross_attention",),
         no_tensor_parallel="GPT-2 projects query, key and value with one fused Conv1D (c_attn), which pipefisher does not split; "
         "use a Llama-like model (e.g. hf_config llama-tiny)",
@@ -172,7 +174,7 @@ LAYOUTS: dict[str, Layout] = {
         context=_bidirectional_context,
         head=_bert_head,
         model_inputs=_bert_inputs,
-        outputs=lambda out: (out.prediction_logits, out.seq_relationship_logits),
+        outputs=lambda out, batch: (at_mlm_positions(out.prediction_logits, batch), out.seq_relationship_logits),
         loss_parts=("mlm", "nsp"),
         unsupported=("is_decoder", "add_cross_attention"),
         no_tensor_parallel="Hugging Face's BERT attention reshapes by its configured head count, which a shard does not have; "
@@ -187,9 +189,9 @@ LAYOUTS: dict[str, Layout] = {
         data="causal",
         embed=lambda stage, batch: stage.get_submodule("model.embed_tokens")(batch["input_ids"]),
         context=_rotary_context,
-        head=lambda stage, x: stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x)),
+        head=lambda stage, x, batch: stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x)),
         model_inputs=_causal_inputs,
-        outputs=lambda out: out.logits,
+        outputs=lambda out, batch: out.logits,
         unsupported=("sliding_window",),
         tensor_parallel={
             **{f"self_attn.{name}": Split.COLUMN for name in ("q_proj", "k_proj", "v_proj")},

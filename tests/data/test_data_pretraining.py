@@ -41,9 +41,14 @@ def data(documents, tokenizer, cache_dir):
 
 @pytest.fixture(scope="module")
 def many(data):
-    """200 micro-batches (1600 examples), concatenated per key."""
-    batches = [data.micro_batch(step, mb) for step in range(50) for mb in range(4)]
+    """200 micro-batches (1600 examples), concatenated per key (an attention mask left out: all ones)."""
+    batches = [with_mask(data.micro_batch(step, mb)) for step in range(50) for mb in range(4)]
     return {key: torch.cat([batch[key] for batch in batches]) for key in BATCH_KEYS}
+
+
+def with_mask(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` with its attention mask, all ones when the micro-batch left it out (no padding)."""
+    return {"attention_mask": torch.ones_like(batch["input_ids"])} | batch
 
 
 def assert_same(a, b):
@@ -52,9 +57,12 @@ def assert_same(a, b):
 
 def test_shapes_and_dtypes(data):
     batch = data.micro_batch(0, 0)
-    assert tuple(batch) == BATCH_KEYS == ("input_ids", "token_type_ids", "attention_mask", "mlm_labels", "nsp_labels")
-    for key in BATCH_KEYS[:-1]:
+    assert tuple(batch) == BATCH_KEYS
+    assert BATCH_KEYS == ("input_ids", "token_type_ids", "attention_mask", "mlm_labels", "mlm_positions", "nsp_labels")
+    for key in BATCH_KEYS[:4]:
         assert batch[key].shape == (BATCH, SEQ_LEN) and batch[key].dtype == torch.int64, key
+    assert data.max_predictions == round(0.15 * (SEQ_LEN - 3)) == 9
+    assert batch["mlm_positions"].shape == (BATCH, 9) and batch["mlm_positions"].dtype == torch.int64
     assert batch["nsp_labels"].shape == (BATCH,) and batch["nsp_labels"].dtype == torch.int64
     assert data.vocab_size == VOCAB_SIZE and data.special.pad == 0 and data.special.mask == 4
 
@@ -127,6 +135,27 @@ def test_masking_rates(data, many):
     assert (ids[labelled & (ids != special.mask) & (ids != labels)] >= 5).all()
 
 
+def test_mlm_positions_list_each_labelled_position_once(data, many):
+    labelled, positions = many["mlm_labels"] != IGNORE_INDEX, many["mlm_positions"]
+    counts = labelled.sum(dim=1)
+    assert counts.max() == data.max_predictions, "the width is reached, so it is no wider than needed"
+    slots = torch.arange(data.max_predictions).expand_as(positions)
+    used = slots < counts[:, None]
+    assert torch.equal(positions[~used], torch.zeros_like(positions[~used])), "the rest of a row points at [CLS]"
+    assert not labelled[:, 0].any()
+    found = torch.zeros_like(labelled).scatter(1, positions, used)
+    assert torch.equal(found, labelled) and (positions[:, 1:][used[:, 1:]] > positions[:, :-1][used[:, 1:]]).all()
+
+
+def test_attention_mask_is_left_out_exactly_when_nothing_is_padded(data):
+    batches = [data.micro_batch(0, mb) for mb in range(16)]
+    unpadded = [(batch["input_ids"] != data.special.pad).all().item() for batch in batches]
+    assert any(unpadded) and not all(unpadded), "both kinds occur at this length and micro-batch size"
+    for batch, full in zip(batches, unpadded):
+        assert ("attention_mask" not in batch) == full
+        assert tuple(key for key in BATCH_KEYS if key in batch) == tuple(batch)
+
+
 def test_nsp_labels_are_balanced(many):
     assert 0.45 < many["nsp_labels"].float().mean().item() < 0.55
 
@@ -140,7 +169,7 @@ def _occurs(tokens: np.ndarray, segment: np.ndarray, at: np.ndarray | None = Non
 def test_segments_come_from_the_corpus(data):
     corpus, special = data.corpus, data.special
     for step in range(6):
-        batch = data.micro_batch(step, 0)
+        batch = with_mask(data.micro_batch(step, 0))
         original = torch.where(batch["mlm_labels"] == IGNORE_INDEX, batch["input_ids"], batch["mlm_labels"]).numpy()
         for row, is_random in zip(original, batch["nsp_labels"].tolist()):
             first_sep, second_sep = np.flatnonzero(row == special.sep)

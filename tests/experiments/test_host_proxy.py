@@ -1,8 +1,12 @@
 """experiments/host_proxy.py: the ATen op counts CI keeps are exact (the same on every run, one
-block's worth more for each block added), and the table reports them per block."""
+block's worth more for each block added), and the table reports them per block; micro-batches as
+built before issue 43 (`--legacy`) are the ones built now less what issue 43 added."""
+
+import torch
 
 from experiments import host_proxy
 from pipefisher.config import config_from_dict
+from pipefisher.runtime.training import build_run
 
 
 def transformer(layers: int):
@@ -35,3 +39,29 @@ def test_autocast_recasts_and_the_table_shows_it():
     rows = host_proxy.table([(fp32, 1.0, 0.1), (bf16, 2.0, 0.05)])
     assert rows[2].startswith(f"| tiny | fp32 | 2 | {fp32.forward.total()} | {fp32.backward.total()} |")
     assert f"| {bf16.recasts} | 2.0 | 5% |" in rows[3]
+
+
+def bert(cache: str):
+    """The BERT demo's model (bert-4x128) at length 16 on its data, 2 stages."""
+    return config_from_dict(
+        {
+            "model": {"kind": "bert", "preset": "bert-4x128", "seq_len": 16, "dropout": 0.0},
+            "data": {"kind": "bert", "vocab_size": 300, "micro_batch_size": 2, "cache_dir": cache},
+            "pipeline": {"stages": 2, "micro_batches": 2},
+        }
+    )
+
+
+def test_legacy_micro_batches_and_the_last_stage_timed_on_both(tmp_path):
+    config = bert(str(tmp_path))
+    built = build_run(config).data_source(0, 0)
+    legacy = host_proxy.legacy_batch(built)
+    assert "mlm_positions" in built and "mlm_positions" not in legacy
+    assert torch.equal(legacy["attention_mask"], built.get("attention_mask", torch.ones_like(built["input_ids"])))
+    assert all(torch.equal(legacy[key], value) for key, value in built.items() if key != "mlm_positions")
+    one = config.with_overrides(pipeline={"stages": 1})
+    first, again = (host_proxy.stage_ops(one, "bert", "fp32", legacy=True) for _ in range(2))
+    assert (first.forward, first.backward) == (again.forward, again.backward)
+    assert first.blocks == 4 and first.forward["aten::addmm"] + first.forward["aten::mm"] > 0
+    times = host_proxy.last_stage_times(config, "fp32", repeats=3)
+    assert len(times.legacy) == len(times.built) == 3 and times.ratio > 0

@@ -47,7 +47,8 @@ ID_BYTES = 8
 class ModelShape:
     """A transformer's sizes as the activation model takes them. `kv_heads`: Llama's key/value
     heads (0 = `heads`); `inputs`/`outputs`: tiny's input features and regression targets per
-    token; `dropout`: the probability of BERT's dropout layers."""
+    token; `dropout`: the probability of BERT's dropout layers; `predictions`: positions per
+    sequence BERT's MLM head runs on (the data's `mlm_positions` width; 0 = all `seq_len`)."""
 
     kind: str
     blocks: int
@@ -60,6 +61,12 @@ class ModelShape:
     inputs: int = 0
     outputs: int = 0
     dropout: float = 0.0
+    predictions: int = 0
+
+    @property
+    def head_rows(self) -> int:
+        """Positions per sequence the vocabulary head and its loss run on."""
+        return self.predictions or self.seq_len
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -147,9 +154,13 @@ def _head_bytes(shape: ModelShape, b: int, c: int, r: int) -> int:
     s, h, v = shape.seq_len, shape.hidden, shape.vocab
     bs, bsh = b * s, b * s * h
     casts = 0
-    if shape.kind == "bert":  # transform (dense, gelu, LayerNorm), decoder, pooler, NSP head and both losses
-        held = bsh * (c + 2 * c + c) + 2 * bs * 4 + b * h * c + (b * h * c if c != r else 0)
-        loss = bs * v * 4 + bs * ID_BYTES + b * 2 * 4 + b * ID_BYTES + 16
+    if (
+        shape.kind == "bert"
+    ):  # on the head's rows: transform (dense, gelu, LayerNorm), decoder; pooler, NSP, both losses
+        bp = b * shape.head_rows
+        gathered = bsh * r + bp * ID_BYTES if shape.predictions else 0  # the gather keeps its input and positions
+        held = bp * h * (c + 2 * c + c) + 2 * bp * 4 + b * h * c + (b * h * c if c != r else 0) + gathered
+        loss = bp * v * 4 + bp * ID_BYTES + b * 2 * 4 + b * ID_BYTES + 16
         casts = h * h + v * h + h * h + 2 * h
     elif shape.kind == "gpt2":  # ln_f, lm_head, cross-entropy
         held = bsh * (r + c) + 2 * bs * 4
@@ -239,7 +250,7 @@ def backward_transient_bytes(
     under recompute "blocks" that block's activations, rebuilt (the head's gradients are freed
     by then, so the phases do not add up)."""
     b, c = micro_batch_size, PRECISIONS[precision]
-    head = 2 * b * shape.seq_len * shape.vocab * 4 if last and shape.vocab else 0
+    head = 2 * b * shape.head_rows * shape.vocab * 4 if last and shape.vocab else 0
     block = b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
     if recompute == "blocks":
         block += block_bytes(shape, b, c, _residual_bytes(shape, first, c), "none", tensor_parallel)

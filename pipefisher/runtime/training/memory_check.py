@@ -16,6 +16,7 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.topology import Topology
+from pipefisher.data.settings import max_predictions
 from pipefisher.planning.memory.activations import ModelShape
 from pipefisher.core.profile import Profile, load_profile
 from pipefisher.methods.registry import method_of
@@ -52,6 +53,7 @@ def bert_shape(config: RunConfig, model) -> ModelShape:
         bert.vocab_size,
         config.model.seq_len,
         dropout=bert.hidden_dropout_prob,
+        predictions=max_predictions(config.model.seq_len, config.data.mask_prob) if config.data.kind == "bert" else 0,
     )
 
 
