@@ -1,0 +1,88 @@
+"""SOAP's every-step maths (`pipefisher.methods.soap.engine` states it) over many matrices at once:
+their blocks of equal shape are stacked, so that each product is one batched kernel
+(`torch.bmm`) per group of blocks instead of one per block, and the per-matrix elementwise work is
+one foreach kernel over the matrices. The results are written back into each matrix's tensors.
+No host read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pipefisher.methods.blocks import Factor, block_views
+from pipefisher.methods.soap.health import SKIPPED_STATISTICS
+from pipefisher.methods.soap.method import SoapConfig
+from pipefisher.methods.soap.state import MatrixState
+
+
+@dataclass(frozen=True)
+class Block:
+    """Block `k` of matrix number `matrix` (of the call's list): its rows and columns."""
+
+    matrix: int
+    k: int
+    rows: slice
+    cols: slice
+
+
+def block_groups(states: list[MatrixState]) -> list[list[Block]]:
+    """The blocks of `states` grouped by their (rows, cols) size and device, in order of first
+    appearance (each group in matrix, then block order)."""
+    groups: dict[tuple[object, ...], list[Block]] = {}
+    for number, st in enumerate(states):
+        for k, rows, cols in st.info.grid():
+            key = (rows.stop - rows.start, cols.stop - cols.start, st.parameter.device)
+            groups.setdefault(key, []).append(Block(number, k, rows, cols))
+    return list(groups.values())
+
+
+def _factor_views(states: list[MatrixState], factor: Factor, attribute: str) -> list[list[Tensor]]:
+    """Per matrix, the block views of `factor`'s flat tensor `attribute` ("statistic" or "basis")."""
+    return [block_views(getattr(st.factors[factor], attribute), st.info.block_sizes(factor)) for st in states]
+
+
+def fold(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, statistics_dtype: torch.dtype) -> None:
+    """``S <- lerp(S, G Gᵀ or Gᵀ G, 1 - β_s)`` for every block and factor of `states` with their
+    `grads` (``(rows, cols)`` each); a matrix whose gradient is not finite keeps its statistics
+    and counts it (device-side)."""
+    converted = [g.to(statistics_dtype) for g in grads]
+    finite = [torch.isfinite(g).all() for g in converted]
+    zero = [torch.zeros((), dtype=statistics_dtype, device=g.device) for g in converted]
+    cleaned = [torch.where(ok, g, z) for ok, g, z in zip(finite, converted, zero)]
+    weights = [torch.where(ok, 1.0 - settings.statistics_decay, 0.0).to(statistics_dtype) for ok in finite]
+    views = {factor: _factor_views(states, factor, "statistic") for factor in ("A", "B")}
+    for group in block_groups(states):
+        g = torch.stack([cleaned[b.matrix][b.rows, b.cols] for b in group])
+        weight = torch.stack([weights[b.matrix] for b in group]).view(-1, 1, 1)
+        for factor, product in (("A", g @ g.mT), ("B", g.mT @ g)):
+            targets = [views[factor][b.matrix][b.k] for b in group]
+            torch._foreach_copy_(targets, list(torch.stack(targets).lerp_(product, weight).unbind(0)))
+    for st, ok in zip(states, finite):
+        st.counters[SKIPPED_STATISTICS].add_(~ok)
+
+
+def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig) -> list[Tensor]:
+    """SOAP's bias-corrected direction of each of `grads` (``(rows, cols)``, started matrices),
+    updating their moments and direction counts."""
+    for st in states:
+        st.updates += 1
+    torch._foreach_lerp_([st.exp_avg for st in states], grads, 1.0 - settings.beta1)
+    out = [torch.empty_like(g) for g in grads]
+    left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
+    for group in block_groups(states):
+        q_left = torch.stack([left[b.matrix][b.k] for b in group])
+        q_right = torch.stack([right[b.matrix][b.k] for b in group])
+        g = torch.stack([grads[b.matrix][b.rows, b.cols] for b in group])
+        second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
+        v = torch.stack(second).lerp_((q_left.mT @ g @ q_right).square(), 1.0 - settings.beta2)
+        rotated = q_left.mT @ torch.stack([states[b.matrix].exp_avg[b.rows, b.cols] for b in group]) @ q_right
+        direction = q_left @ (rotated / (v.sqrt() + settings.epsilon)) @ q_right.mT
+        torch._foreach_copy_(second, list(v.unbind(0)))
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], list(direction.unbind(0)))
+    corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
+    torch._foreach_mul_(out, corrections)
+    return out
