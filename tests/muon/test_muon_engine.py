@@ -76,6 +76,30 @@ def test_same_shape_matrices_are_orthogonalised_as_one_stack_and_equal_one_at_a_
             torch.testing.assert_close(stacked.state_dict()[name], alone.state_dict()[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_one_group_costs_the_same_products_whatever_its_size(pairs):
+    """The matrix products of a step (three per Newton–Schulz iteration) are one batched kernel
+    each for all same-shape matrices: as many for three wide/tall pairs as for one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.split(".")[0] in ("mm", "bmm", "addmm", "baddbmm")
+            return func(*args, **(kwargs or {}))
+
+    net = nn.Sequential(*[nn.Linear(8, 16) if i % 2 else nn.Linear(16, 8) for i in range(2 * pairs)])
+    for p in net.parameters():
+        p.grad = torch.randn_like(p)
+    engine = MuonEngine(net, MuonConfig(ns_steps=5))
+    with Products() as products:
+        engine.orthogonalise(engine.names())
+    assert products.count == 3 * 5
+
+
 def test_a_step_not_applied_leaves_the_momentum_and_the_checkpoint_round_trips():
     net = nn.Linear(5, 3)
     engine = MuonEngine(net, MuonConfig(momentum=0.5))
