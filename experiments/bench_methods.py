@@ -12,7 +12,8 @@ call must compute what the loop does).
 
 Batched where the runtime's op covers several matrices: Muon's orthogonalisation (the stage's P
 op or replicated share: one stacked Newton–Schulz per shape group), SOAP's and Shampoo's step end
-(stacked same-shape blocks). A refresh op covers one matrix's factor, so its batching is over that
+(stacked same-shape blocks; Shampoo with SGD grafting here, whose direction does not depend on
+the step count each looped call advances). A refresh op covers one matrix's factor, so its batching is over that
 factor's same-size blocks only: the refresh rows time the ops as the runtime calls them, one arm
 (looped = batched).
 
@@ -181,10 +182,9 @@ def cases(hidden: int, blocks: int, device: torch.device) -> list[Case]:
         )
     )
 
-    shampoos = (
-        Twin(nets[0], ShampooEngine(nets[0], ShampooConfig())),
-        Twin(nets[1], ShampooEngine(nets[1], ShampooConfig())),
-    )
+    # SGD grafting: the direction does not depend on the step count, which each looped call advances
+    shampoo = ShampooConfig(grafting="sgd")
+    shampoos = (Twin(nets[0], ShampooEngine(nets[0], shampoo)), Twin(nets[1], ShampooEngine(nets[1], shampoo)))
     for twin in shampoos:
         reset(twin)
         twin.engine.capture()
@@ -194,6 +194,17 @@ def cases(hidden: int, blocks: int, device: torch.device) -> list[Case]:
                 twin.engine.compute_root(info.name, factor)
             twin.engine.release(info.name)
         twin.engine.commit()
+    found.append(
+        Case(
+            "Shampoo",
+            "step",
+            shampoos,
+            lambda t: [t.engine.precondition_all(keep=lambda q, p=p: q is p) for p in t.net.parameters()],
+            lambda t: t.engine.precondition_all(),
+            lambda t: grad_stack(t.net),
+            reset,
+        )
+    )
     found.append(
         Case(
             "Shampoo",

@@ -27,6 +27,7 @@ def test_the_quick_run_tables_every_method_and_batched_equals_looped():
         ("Muon", "step"),
         ("SOAP", "step"),
         ("SOAP", "refresh"),
+        ("Shampoo", "step"),
         ("Shampoo", "refresh"),
     }
     for (method, work), cells in rows.items():

@@ -8,36 +8,18 @@ No host read.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pipefisher.methods.blocks import Factor, block_views
+from pipefisher.methods.blocks import Block, Factor, block_groups, block_views
 from pipefisher.methods.soap.health import SKIPPED_STATISTICS
 from pipefisher.methods.soap.method import SoapConfig
 from pipefisher.methods.soap.state import MatrixState
 
 
-@dataclass(frozen=True)
-class Block:
-    """Block `k` of matrix number `matrix` (of the call's list): its rows and columns."""
-
-    matrix: int
-    k: int
-    rows: slice
-    cols: slice
-
-
-def block_groups(states: list[MatrixState]) -> list[list[Block]]:
-    """The blocks of `states` grouped by their (rows, cols) size and device, in order of first
-    appearance (each group in matrix, then block order)."""
-    groups: dict[tuple[object, ...], list[Block]] = {}
-    for number, st in enumerate(states):
-        for k, rows, cols in st.info.grid():
-            key = (rows.stop - rows.start, cols.stop - cols.start, st.parameter.device)
-            groups.setdefault(key, []).append(Block(number, k, rows, cols))
-    return list(groups.values())
+def _groups(states: list[MatrixState]) -> list[list[Block]]:
+    return block_groups([(st.info, st.parameter.device) for st in states])
 
 
 def _factor_views(states: list[MatrixState], factor: Factor, attribute: str) -> list[list[Tensor]]:
@@ -55,7 +37,7 @@ def fold(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, s
     cleaned = [torch.where(ok, g, z) for ok, g, z in zip(finite, converted, zero)]
     weights = [torch.where(ok, 1.0 - settings.statistics_decay, 0.0).to(statistics_dtype) for ok in finite]
     views = {factor: _factor_views(states, factor, "statistic") for factor in ("A", "B")}
-    for group in block_groups(states):
+    for group in _groups(states):
         g = torch.stack([cleaned[b.matrix][b.rows, b.cols] for b in group])
         weight = torch.stack([weights[b.matrix] for b in group]).view(-1, 1, 1)
         for factor, product in (("A", g @ g.mT), ("B", g.mT @ g)):
@@ -73,7 +55,7 @@ def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapCon
     torch._foreach_lerp_([st.exp_avg for st in states], grads, 1.0 - settings.beta1)
     out = [torch.empty_like(g) for g in grads]
     left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
-    for group in block_groups(states):
+    for group in _groups(states):
         q_left = torch.stack([left[b.matrix][b.k] for b in group])
         q_right = torch.stack([right[b.matrix][b.k] for b in group])
         g = torch.stack([grads[b.matrix][b.rows, b.cols] for b in group])
