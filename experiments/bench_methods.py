@@ -45,6 +45,10 @@ from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.method import SoapConfig
 
 
+#: the methods benchmarked (--methods), by the first word of their row's name, lower case
+METHODS = ("adamw", "muon", "soap", "shampoo")
+
+
 @dataclass(frozen=True)
 class Row:
     """One line of the table: milliseconds (median), ATen ops per call, and the largest
@@ -282,7 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (or cuda:N)")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 3 repeats: seconds")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     args = parser.parse_args(argv)
+    chosen = args.methods.split(",")
+    unknown = [name for name in chosen if name not in METHODS]
+    if unknown:
+        parser.exit(2, f"bench_methods: --methods: {unknown[0]!r} is not one of {', '.join(METHODS)}\n")
     for name in ("hidden", "blocks", "repeats"):
         if getattr(args, name) < 1:
             parser.exit(2, f"bench_methods: --{name} must be at least 1, got {getattr(args, name)}\n")
@@ -296,7 +305,11 @@ def main(argv: list[str] | None = None) -> None:
         args.hidden, args.blocks, args.repeats, args.threads = 8, 2, 3, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [measure(case, args.repeats, device) for case in cases(args.hidden, args.blocks, device)]
+    rows = [
+        measure(case, args.repeats, device)
+        for case in cases(args.hidden, args.blocks, device)
+        if case.method.split()[0].lower() in chosen
+    ]
     command = " ".join(["python experiments/bench_methods.py", *(sys.argv[1:] if argv is None else argv)])
     print(
         f"{args.blocks} blocks of width {args.hidden} on {device} ({torch.get_num_threads()} threads), "

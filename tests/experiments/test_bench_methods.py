@@ -46,5 +46,9 @@ def test_bad_flags_are_one_line_and_exit_2():
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "bench_methods: --hidden must be at least 1, got 0"
     ]
+    result = bench("--methods", "adamw,soup")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "bench_methods: --methods: 'soup' is not one of adamw, muon, soap, shampoo"
+    ]
     result = bench("--device", "nonsense")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
