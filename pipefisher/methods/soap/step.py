@@ -39,10 +39,10 @@ def fold(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, s
     views = {factor: _factor_views(states, factor, "statistic") for factor in ("A", "B")}
     for group in _groups(states):
         g = torch.stack([cleaned[b.matrix][b.rows, b.cols] for b in group])
-        weight = torch.stack([weights[b.matrix] for b in group]).view(-1, 1, 1)
+        weight = [weights[b.matrix] for b in group]
         for factor, product in (("A", g @ g.mT), ("B", g.mT @ g)):
             targets = [views[factor][b.matrix][b.k] for b in group]
-            torch._foreach_copy_(targets, list(torch.stack(targets).lerp_(product, weight).unbind(0)))
+            torch._foreach_lerp_(targets, list(product.unbind(0)), weight)
     for st, ok in zip(states, finite):
         st.counters[SKIPPED_STATISTICS].add_(~ok)
 
@@ -60,10 +60,10 @@ def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapCon
         q_right = torch.stack([right[b.matrix][b.k] for b in group])
         g = torch.stack([grads[b.matrix][b.rows, b.cols] for b in group])
         second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
-        v = torch.stack(second).lerp_((q_left.mT @ g @ q_right).square(), 1.0 - settings.beta2)
+        torch._foreach_lerp_(second, list((q_left.mT @ g @ q_right).square().unbind(0)), 1.0 - settings.beta2)
+        v = torch.stack(second)
         rotated = q_left.mT @ torch.stack([states[b.matrix].exp_avg[b.rows, b.cols] for b in group]) @ q_right
         direction = q_left @ (rotated / (v.sqrt() + settings.epsilon)) @ q_right.mT
-        torch._foreach_copy_(second, list(v.unbind(0)))
         torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], list(direction.unbind(0)))
     corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
     torch._foreach_mul_(out, corrections)
