@@ -12,7 +12,8 @@ call must compute what the loop does).
 
 Batched where the runtime's op covers several matrices: Muon's orthogonalisation (the stage's P
 op or replicated share: one stacked Newton–Schulz per shape group), SOAP's and Shampoo's step end
-(stacked same-shape blocks; Shampoo with SGD grafting here, whose direction does not depend on
+(stacked same-shape blocks, as a GPU engine does; a CPU engine steps block by block, its batched
+products being the slower ones; Shampoo with SGD grafting here, whose direction does not depend on
 the step count each looped call advances). A refresh op covers one matrix's factor, so its batching is over that
 factor's same-size blocks only: the refresh rows time the ops as the runtime calls them, one arm
 (looped = batched).
@@ -160,6 +161,7 @@ def cases(hidden: int, blocks: int, device: torch.device) -> list[Case]:
 
     soaps = (Twin(nets[0], SoapEngine(nets[0], SoapConfig())), Twin(nets[1], SoapEngine(nets[1], SoapConfig())))
     for twin in soaps:
+        twin.engine.stack_blocks = True  # as on a GPU (a CPU engine steps block by block)
         reset(twin)
         twin.engine.precondition_all()  # the first bases
         twin.engine.snapshot()
@@ -190,6 +192,7 @@ def cases(hidden: int, blocks: int, device: torch.device) -> list[Case]:
     shampoo = ShampooConfig(grafting="sgd")
     shampoos = (Twin(nets[0], ShampooEngine(nets[0], shampoo)), Twin(nets[1], ShampooEngine(nets[1], shampoo)))
     for twin in shampoos:
+        twin.engine.stack_blocks = True  # as on a GPU (a CPU engine steps block by block)
         reset(twin)
         twin.engine.capture()
         for info in twin.engine.matrices():

@@ -99,14 +99,15 @@ class Block:
     cols: slice
 
 
-def block_groups(matrices: Sequence[tuple[MatrixInfo, Hashable]]) -> list[list[Block]]:
+def block_groups(matrices: Sequence[tuple[MatrixInfo, Hashable]], stacked: bool = True) -> list[list[Block]]:
     """The blocks of `matrices` (each with a key, e.g. its device) grouped by (rows, cols) size
     and key, in order of first appearance, each group in matrix then block order: the blocks
-    one batched product can take together."""
+    one batched product can take together. Not `stacked`: every block alone, in that order (a
+    CPU's batched products are slower than its one-matrix ones, and launches cost it little)."""
     groups: dict[tuple[int, int, Hashable], list[Block]] = {}
     for number, (info, key) in enumerate(matrices):
         for k, rows, cols in info.grid():
             groups.setdefault((rows.stop - rows.start, cols.stop - cols.start, key), []).append(
                 Block(number, k, rows, cols)
             )
-    return list(groups.values())
+    return list(groups.values()) if stacked else [[block] for group in groups.values() for block in group]

@@ -48,13 +48,16 @@ SETTINGS = ShampooConfig(beta2=0.95, epsilon=1e-6, block_size=4, grafting="adam"
 GRAFT = {"graft_beta2": 0.9}
 
 
-def test_the_stacked_step_gives_each_block_its_own_roots_direction():
+@pytest.mark.parametrize("stacked", [True, False])
+def test_the_stacked_step_gives_each_block_its_own_roots_direction(stacked):
     """Three (6, 10) weights and a (10, 6) one cut into blocks of 4: the step stacks their
     same-shape blocks, and every block's direction is still its own ``L⁻¹ᐟ⁴ G R⁻¹ᐟ⁴`` rescaled to
-    the norm of its SGD grafting block (its gradient), computed block by block here."""
+    the norm of its SGD grafting block (its gradient), computed block by block here; stacked as on
+    a GPU, or block by block as on a CPU."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 6), nn.Linear(6, 10), nn.Linear(10, 6), nn.Linear(10, 6))
     engine = ShampooEngine(model, ShampooConfig(epsilon=1e-6, block_size=4, grafting="sgd"))
+    engine.stack_blocks = stacked
     set_gradients(model, 0)
     refresh(engine)
     set_gradients(model, 1)

@@ -56,11 +56,13 @@ def test_matrices_are_the_2d_weights_but_embedding_tables_and_skipped_names():
     ]
 
 
-def test_same_shape_blocks_of_many_matrices_step_as_one_stack_and_equal_one_matrix_at_a_time():
+@pytest.mark.parametrize("stacked", [True, False])
+def test_same_shape_blocks_of_many_matrices_step_as_one_stack_and_equal_one_matrix_at_a_time(stacked):
     """Three (6, 10) weights and a (10, 6) one cut into blocks of 4 (shapes 4x4, 4x2, 2x4, 2x2
     shared across the matrices): the stacked step over all of them (a non-finite gradient of one
     matrix in the last step included, which leaves its statistics alone) gives the directions, statistics and moments
-    of stepping each matrix alone, over several steps and refreshes."""
+    of stepping each matrix alone, over several steps and refreshes; stacked as on a GPU, or block
+    by block as on a CPU."""
 
     def model() -> nn.Module:
         torch.manual_seed(0)
@@ -68,6 +70,8 @@ def test_same_shape_blocks_of_many_matrices_step_as_one_stack_and_equal_one_matr
 
     together, alone = model(), model()
     engines = SoapEngine(together, SETTINGS), SoapEngine(alone, SETTINGS)
+    assert not engines[0].stack_blocks, "a CPU steps block by block"
+    engines[0].stack_blocks = stacked
     for seed in range(4):
         for net, engine in zip((together, alone), engines):
             set_gradients(net, seed)

@@ -87,6 +87,9 @@ class ShampooEngine:
             else {}
         )
         self._step = 0
+        #: whether the step stacks same-shape blocks of all matrices into one batched product each
+        #: (on a GPU, where it saves kernel launches; a CPU's batched products are the slower ones)
+        self.stack_blocks = any(st.parameter.device.type != "cpu" for st in self._matrices.values())
         #: counter totals per (matrix, factor) already accounted for; present once warned
         self._baseline: dict[tuple[str, Factor], int] = {}
         self._warned: set[tuple[str, Factor]] = set()
@@ -267,7 +270,7 @@ class ShampooEngine:
                 grad.copy_(graft)
         if stacked:
             states, grads, gs, grafts = (list(column) for column in zip(*stacked))
-            found = directions(states, gs, grafts, self.settings.grafting != "none")
+            found = directions(states, gs, grafts, self.settings.grafting != "none", self.stack_blocks)
             torch._foreach_copy_(grads, [d.view_as(grad) for d, grad in zip(found, grads)])
 
     # ----------------------------------------------------------------- checkpoint
