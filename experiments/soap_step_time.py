@@ -92,6 +92,7 @@ def step_end(args: argparse.Namespace) -> None:
 
     from pipefisher.config import load_config
     from pipefisher.methods.soap.engine import SoapEngine
+    from pipefisher.methods.soap.step import fold
     from pipefisher.runtime.training import build_run
 
     torch.set_num_threads(1)
@@ -113,7 +114,9 @@ def step_end(args: argparse.Namespace) -> None:
         states = list(engine._matrices.values())  # the statistics update alone is no public operation
         gradients = [st.parameter.grad.detach().reshape(st.info.shape).clone() for st in states]
         whole = timed_ms(engine.precondition_all, args.repeats)
-        folding = timed_ms(lambda: [engine._fold(st, g) for st, g in zip(states, gradients)], args.repeats)
+        folding = timed_ms(
+            lambda: fold(states, gradients, engine.settings, engine.statistics_dtype, engine.stack_blocks), args.repeats
+        )
         refresh = timed_ms(
             lambda: [engine.refresh(info.name, f) for info in engine.matrices() for f in "AB"], args.repeats
         )

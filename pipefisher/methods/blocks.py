@@ -12,7 +12,7 @@ tensor of a factor concatenates its blocks' matrices (each row-major) in block o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -87,3 +87,27 @@ def block_views(flat: Tensor, sizes: tuple[int, ...]) -> list[Tensor]:
         views.append(flat[start : start + n * n].view(n, n))
         start += n * n
     return views
+
+
+@dataclass(frozen=True)
+class Block:
+    """Block `k` of the `matrix`-th matrix of a list: its row and column slices."""
+
+    matrix: int
+    k: int
+    rows: slice
+    cols: slice
+
+
+def block_groups(matrices: Sequence[tuple[MatrixInfo, Hashable]], stacked: bool = True) -> list[list[Block]]:
+    """The blocks of `matrices` (each with a key, e.g. its device) grouped by (rows, cols) size
+    and key, in order of first appearance, each group in matrix then block order: the blocks
+    one batched product can take together. Not `stacked`: every block alone, in that order (a
+    CPU's batched products are slower than its one-matrix ones, and launches cost it little)."""
+    groups: dict[tuple[int, int, Hashable], list[Block]] = {}
+    for number, (info, key) in enumerate(matrices):
+        for k, rows, cols in info.grid():
+            groups.setdefault((rows.stop - rows.start, cols.stop - cols.start, key), []).append(
+                Block(number, k, rows, cols)
+            )
+    return list(groups.values()) if stacked else [[block] for group in groups.values() for block in group]

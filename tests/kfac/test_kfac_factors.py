@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torch.nn.functional import mse_loss
 
 from _kfac_models import data, layer_grad, reference_factors, tiny_mlp, vec
@@ -22,6 +23,33 @@ def refreshed(model, x, y, **kwargs) -> KFAC:
     kfac.update_curvature()
     kfac.update_inverses()
     return kfac
+
+
+def test_same_shape_layers_are_preconditioned_as_one_stack_like_one_at_a_time():
+    """Three (6, 6) layers with biases, one without and a (3, 6) head: the stacked step (one
+    batched product per inverse for the biased (6, 6) layers) gives each layer's gradients and
+    ``⟨G̃, G⟩`` as preconditioning it alone does (KL clipping then scales them all alike)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 6, bias=False)
+    )
+    model = nn.Sequential(*model, nn.Linear(6, 3)).double()
+    generator = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(16, n, generator=generator, dtype=torch.float64) for n in (6, 3))
+    engine = refreshed(model, x, y, kl_clip=1e-3).engine
+    raw = [p.grad.clone() for p in model.parameters()]
+    names = [info.name for info in engine.layers()]
+    report = engine.precondition_all(lr=0.1)
+    together = {name: [g.clone() for g in engine.gradients(name)] for name in names}
+    for p, grad in zip(model.parameters(), raw):
+        p.grad.copy_(grad)
+    singles = [engine.precondition(name) for name in names]
+    assert len(names) == 5 and all(vg is not None for vg in singles)
+    assert report.vg_sum is not None and report.clip_scale is not None and report.clip_scale < 1
+    torch.testing.assert_close(report.vg_sum, torch.stack(singles).sum(), rtol=1e-12, atol=0)
+    for name in names:
+        for mine, theirs in zip(together[name], engine.gradients(name), strict=True):
+            torch.testing.assert_close(mine, theirs * report.clip_scale, rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("bias", [True, False])

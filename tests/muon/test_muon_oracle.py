@@ -1,5 +1,5 @@
 """`torch.optim.Muon` (torch 2.13) as the oracle of Muon's maths: several steps of a small model
-with non-square matrices (wide and tall), weight decay, Nesterov or not, both shape scales. With
+with non-square matrices (wide and tall, same-shape ones stacked), weight decay, Nesterov or not, both shape scales. With
 the bfloat16 iteration (torch's) our engine and step give torch's parameters (to the bit where
 the shape scale is 1); the float32 iteration (our default) is torch's up to bfloat16's rounding."""
 
@@ -21,7 +21,10 @@ LR, DECAY, STEPS = 0.02, 0.1, 5
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+    # two square matrices and a tall/wide pair: the engine orthogonalises each pair as one stack
+    return nn.Sequential(
+        nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 6), nn.Linear(6, 3)
+    )
 
 
 def train_ours(net: nn.Module, settings: MuonConfig, data) -> None:
@@ -30,8 +33,7 @@ def train_ours(net: nn.Module, settings: MuonConfig, data) -> None:
     for x, y in data:
         net.zero_grad()
         mse_loss(net(x), y).backward()
-        for name in engine.names():
-            engine.orthogonalise(name)
+        engine.orthogonalise(engine.names())
         engine.apply()
         step.step()
 

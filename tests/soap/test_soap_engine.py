@@ -1,4 +1,4 @@
-"""The engine's task API: the eigenbasis of a null space, shared bases, host reads, numerical
+"""The engine's task API: same-shape blocks stacked, the eigenbasis of a null space, shared bases, host reads, numerical
 trouble, checkpoints mid-cycle, the memory model and the settings."""
 
 from __future__ import annotations
@@ -54,6 +54,42 @@ def test_matrices_are_the_2d_weights_but_embedding_tables_and_skipped_names():
     assert [(info.name, info.row_blocks, info.col_blocks) for info in engine.matrices()] == [
         ("0.weight", (4, 3), (4, 1))
     ]
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_same_shape_blocks_of_many_matrices_step_as_one_stack_and_equal_one_matrix_at_a_time(stacked):
+    """Three (6, 10) weights and a (10, 6) one cut into blocks of 4 (shapes 4x4, 4x2, 2x4, 2x2
+    shared across the matrices): the stacked step over all of them (a non-finite gradient of one
+    matrix in the last step included, which leaves its statistics alone) gives the directions, statistics and moments
+    of stepping each matrix alone, over several steps and refreshes; stacked as on a GPU, or block
+    by block as on a CPU."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(10, 6), nn.Linear(6, 10), nn.Linear(10, 6), nn.Linear(10, 6))
+
+    together, alone = model(), model()
+    engines = SoapEngine(together, SETTINGS), SoapEngine(alone, SETTINGS)
+    assert not engines[0].stack_blocks, "a CPU steps block by block"
+    engines[0].stack_blocks = stacked
+    for seed in range(4):
+        for net, engine in zip((together, alone), engines):
+            set_gradients(net, seed)
+            if seed == 3:
+                net[1].weight.grad[0, 0] = float("nan")
+        engines[0].precondition_all()
+        for p in engines[1].parameters():
+            engines[1].precondition_all(keep=lambda q, p=p: q is p)
+        for engine in engines:
+            refresh(engine)
+        for (name, mine), theirs in zip(together.named_parameters(), alone.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+    for info in engines[0].matrices():
+        for factor in FACTORS:
+            for mine, theirs in zip(engines[0].statistics(info.name, factor), engines[1].statistics(info.name, factor)):
+                torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    assert engines[0].health()["1.weight"].skipped_statistics == 1
+    assert engines[0].health() == engines[1].health()
 
 
 @pytest.mark.parametrize("tie_break, same", [(soap_basis.TIE_BREAK, True), (0.0, False)])

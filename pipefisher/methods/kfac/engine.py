@@ -46,7 +46,8 @@ from pipefisher.methods.kfac.factors import fold_ema, kl_clip_scale
 from pipefisher.methods.kfac.method import KfacConfig
 from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionReport, check_engine_settings
 from pipefisher.methods.kfac.layer import FACTORS, BuiltFactor, Factor, Flagged, Health, LayerInfo, LayerState
-from pipefisher.methods.kfac.layer import apply_inverses, known_factor, prefer_ok, select_layers, valid
+from pipefisher.methods.kfac.layer import known_factor, prefer_ok, select_layers, valid
+from pipefisher.methods.kfac.step import precondition_layers
 
 
 class KFACEngine:
@@ -277,20 +278,7 @@ class KFACEngine:
         Returns ``⟨G̃, G⟩`` as a 0-dim device tensor in the factor dtype when ``kl_clip`` is
         configured; None otherwise or when the layer has no gradient.
         """
-        st = self._state(layer)
-        weight, bias = st.module.weight, st.module.bias
-        if weight.grad is None:
-            return None
-        grad = weight.grad.T if st.info.transposed else weight.grad  # (dout, din)
-        if bias is not None:  # a frozen bias contributes a zero column
-            column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
-            grad = torch.cat([grad, column[:, None]], 1)
-        new = apply_inverses(st, grad)
-        vg = (new * grad.to(new.dtype)).sum() if self.kl_clip is not None else None
-        din = st.info.in_features
-        weight.grad.copy_(new[:, :din].T if st.info.transposed else new[:, :din])
-        if bias is not None and bias.grad is not None:
-            bias.grad.copy_(new[:, din])
+        (vg,) = precondition_layers([self._state(layer)], self.kl_clip is not None)
         return vg
 
     def rescale(self, layer: str, scale: Tensor | float) -> None:
@@ -302,14 +290,16 @@ class KFACEngine:
     def precondition_all(
         self, lr: float = 1.0, layers: Iterable[str] | None = None, group: Any = None
     ) -> PreconditionReport:
-        """Precondition ``layers`` (default all), then KL-clip them together if configured.
+        """Precondition ``layers`` (default all; same-shape layers stacked, one batched product
+        each, `pipefisher.methods.kfac.step`), then KL-clip them together if configured.
 
         ``group`` (with ``kl_clip`` only): all-reduce ``Σ⟨G̃, G⟩`` over it first (e.g. over
         pipeline stages) so every rank clips by the same factor; the tensor lives on the
         parameters' device.
         """
         names = list(self._layers) if layers is None else list(layers)
-        vgs = [vg for vg in map(self.precondition, names) if vg is not None]
+        found = precondition_layers([self._state(name) for name in names], self.kl_clip is not None)
+        vgs = [vg for vg in found if vg is not None]
         if self.kl_clip is None:
             return PreconditionReport(None, None)
         device = self._anchor.device if self._anchor is not None else torch.device("cpu")

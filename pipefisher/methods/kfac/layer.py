@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from pipefisher.methods.kfac.factors import factor_dtype, precondition_matrix
+from pipefisher.methods.kfac.factors import factor_dtype
 from pipefisher.methods.layers import LayerInfo, linear_info, linear_parameters, select_linears
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "Health",
     "LayerInfo",
     "LayerState",
-    "apply_inverses",
     "known_factor",
     "linear_info",
     "preconditioned_parameters",
@@ -134,15 +133,3 @@ def preconditioned_parameters(model: nn.Module, skip: Iterable[str] = ()) -> lis
     """Names of the parameters K-FAC rewrites the gradients of: weight and bias of every layer
     `select_layers` picks."""
     return linear_parameters(model, skip, max_size=8192)
-
-
-def apply_inverses(st: LayerState, grad: Tensor) -> Tensor:
-    """``B⁻¹ G A⁻¹`` in the factor dtype; each inverse that is not ok is skipped on the device
-    (``torch.where``), so G passes through bit for bit."""
-    out = grad.to(st.dtype)
-    b_inv, a_inv = st.active.get("B"), st.active.get("A")
-    if b_inv is not None:
-        out = torch.where(b_inv.ok, precondition_matrix(out, None, b_inv.value), out)
-    if a_inv is not None:
-        out = torch.where(a_inv.ok, precondition_matrix(out, a_inv.value, None), out)
-    return out

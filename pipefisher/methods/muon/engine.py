@@ -8,12 +8,16 @@ and the skipped weights are left to the first-order rule.
 Per matrix: the momentum buffer (allocated at its first use: a replica keeps the buffers of the
 matrices it orthogonalises only), the new buffer of the step (`pending`, committed by `apply` so
 that a skipped step leaves the momentum as it was) and the step's orthogonalised update.
+
+The work is batched over the matrices of one call: the momentum steps and commits as foreach
+kernels, and one stacked Newton–Schulz per group of equal shape (a tall matrix as its transpose,
+so an MLP's (4h, h) and (h, 4h) weights share one), dtype and device (`shape_groups`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,19 +82,33 @@ class MuonEngine:
     def names(self) -> list[str]:
         return list(self.matrices)
 
-    def orthogonalise(self, name: str, loss_scale: Tensor | None = None, gradient: Tensor | None = None) -> None:
-        """The step of matrix `name` from `gradient` (default: its parameter's `.grad`, divided by
-        `loss_scale` when given): the new momentum (pending) and the orthogonalised update."""
-        matrix = self.matrices[name]
-        if gradient is None:
-            gradient = matrix.parameter.grad if loss_scale is None else matrix.parameter.grad / loss_scale
-        if matrix.buffer is None:
-            matrix.buffer = torch.zeros_like(gradient)
-        matrix.pending, direction = momentum_update(matrix.buffer, gradient, self.settings)
-        result = orthogonalise(direction, self.settings)
-        if matrix.update is None:
-            matrix.update = torch.empty_like(matrix.parameter)
-        matrix.update.copy_(result)
+    def orthogonalise(
+        self, names: Sequence[str], loss_scale: Tensor | None = None, gradients: Sequence[Tensor] | None = None
+    ) -> None:
+        """The step of the matrices `names` from `gradients` (default: their parameters' `.grad`,
+        divided by `loss_scale`, one element, when given): each one's new momentum (pending) and orthogonalised
+        update, one Newton–Schulz stack per `shape_groups` group. No host read."""
+        matrices = [self.matrices[name] for name in names]
+        if not matrices:
+            return
+        if gradients is None:
+            grads = [matrix.parameter.grad for matrix in matrices]
+            gradients = grads if loss_scale is None else torch._foreach_div(grads, loss_scale.reshape(()))
+        for matrix, gradient in zip(matrices, gradients, strict=True):
+            if matrix.buffer is None:
+                matrix.buffer = torch.zeros_like(gradient)
+            if matrix.update is None:
+                matrix.update = torch.empty_like(matrix.parameter)
+        pending, directions = momentum_update([m.buffer for m in matrices], list(gradients), self.settings)
+        for matrix, new in zip(matrices, pending):
+            matrix.pending = new
+        for group in shape_groups(directions):
+            if len(group) == 1:  # torch.optim.Muon's 2-D kernels, to the bit
+                matrices[group[0]].update.copy_(orthogonalise(directions[group[0]], self.settings))
+                continue
+            wide = [_wide(directions[i]) for i in group]
+            result = orthogonalise(torch.stack(wide), self.settings)
+            torch._foreach_copy_([_wide(matrices[i].update) for i in group], list(result.unbind(0)))
 
     def update_buffer(self, name: str) -> Tensor:
         """The tensor matrix `name`'s update is in (allocated on first use; a receiving replica's
@@ -102,15 +120,22 @@ class MuonEngine:
 
     def apply(self, updates: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
         """The step goes ahead: commit every new momentum, and put each update times its shape
-        scale into the `.grad` of its parameter (where `updates` accepts it), for `MuonStep`."""
+        scale into the `.grad` of its parameter (where `updates` accepts it), for `MuonStep`
+        (two foreach kernels for all of them)."""
+        grads, results, scales = [], [], []
         for matrix in self.matrices.values():
             if matrix.pending is not None:
                 matrix.buffer, matrix.pending = matrix.pending, None
-            if matrix.update is not None and matrix.parameter.grad is not None and updates(matrix.parameter):
-                scale = shape_scale(matrix.rows, matrix.cols, self.settings.adjust_lr)
-                matrix.parameter.grad.copy_(matrix.update)
-                if scale != 1.0:
-                    matrix.parameter.grad.mul_(scale)
+            grad = matrix.parameter.grad
+            if matrix.update is not None and grad is not None and updates(matrix.parameter):
+                grads.append(grad)
+                results.append(matrix.update)
+                scales.append(shape_scale(matrix.rows, matrix.cols, self.settings.adjust_lr))
+        if grads:
+            torch._foreach_copy_(grads, results)
+            scaled = [i for i, scale in enumerate(scales) if scale != 1.0]
+            if scaled:
+                torch._foreach_mul_([grads[i] for i in scaled], [scales[i] for i in scaled])
 
     def state_dict(self) -> dict[str, Tensor]:
         """The momentum buffers this engine holds, by matrix name."""
@@ -131,3 +156,17 @@ class MuonEngine:
                 if buffer is None
                 else buffer.to(device=matrix.parameter.device, dtype=matrix.parameter.dtype, copy=True)
             )
+
+
+def _wide(matrix: Tensor) -> Tensor:
+    """`matrix` (2-D) as a view with no more rows than columns (its transpose when tall)."""
+    return matrix.mT if matrix.size(0) > matrix.size(1) else matrix
+
+
+def shape_groups(matrices: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of `matrices` (2-D) grouped by their shape with no more rows than columns, dtype
+    and device, in order of first appearance (each group in list order)."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        groups.setdefault((tuple(_wide(matrix).shape), matrix.dtype, matrix.device), []).append(index)
+    return list(groups.values())

@@ -26,29 +26,35 @@ from pipefisher.methods.muon.method import ADJUST_LR, AdjustLr, MuonConfig
 
 
 def orthogonalise(update: Tensor, settings: MuonConfig) -> Tensor:
-    """The Newton–Schulz orthogonalisation of a 2-D `update`, in `settings.ns_dtype` (a new tensor,
-    same shape). Its singular values end near 1 (the quintic is tuned for speed, not convergence:
-    roughly within [0.7, 1.2]); a zero matrix stays zero."""
-    if update.dim() != 2:
-        raise ValueError(f"Muon orthogonalises matrices, got shape {tuple(update.shape)}")
+    """The Newton–Schulz orthogonalisation of a 2-D `update`, or of each matrix of a
+    ``(batch, rows, cols)`` stack alone, in `settings.ns_dtype` (a new tensor, same shape). Its
+    singular values end near 1 (the quintic is tuned for speed, not convergence: roughly within
+    [0.7, 1.2]); a zero matrix stays zero. A stack costs one kernel per product for all its
+    matrices (`torch.baddbmm`); a 2-D update takes `torch.addmm`, as `torch.optim.Muon`."""
+    if update.dim() not in (2, 3):
+        raise ValueError(f"Muon orthogonalises matrices or stacks of them, got shape {tuple(update.shape)}")
     a, b, c = settings.ns_coefficients
     x = update.to(torch_dtype(settings.ns_dtype))
-    tall = update.size(0) > update.size(1)
+    tall = update.size(-2) > update.size(-1)
     if tall:
-        x = x.T
-    x = x.div(x.norm().clamp(min=settings.eps))
+        x = x.mT
+    norm = x.norm() if x.dim() == 2 else torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    x = x.div(norm.clamp(min=settings.eps))
+    multiply_add = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(settings.ns_steps):
-        gram = x @ x.T
-        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, polynomial, x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        polynomial = multiply_add(gram, gram, gram, beta=b, alpha=c)
+        x = multiply_add(x, polynomial, x, beta=a)
+    return x.mT if tall else x
 
 
-def momentum_update(buffer: Tensor, gradient: Tensor, settings: MuonConfig) -> tuple[Tensor, Tensor]:
-    """(the new buffer, what is orthogonalised) from the old `buffer` and `gradient`; `buffer` is
-    left as it is (the step may still be skipped)."""
-    new = buffer.lerp(gradient, 1 - settings.momentum)
-    return new, gradient.lerp(new, settings.momentum) if settings.nesterov else new
+def momentum_update(
+    buffers: list[Tensor], gradients: list[Tensor], settings: MuonConfig
+) -> tuple[list[Tensor], list[Tensor]]:
+    """(the new buffers, what is orthogonalised) from the old `buffers` and `gradients` (equal
+    shapes pairwise; foreach kernels); `buffers` are left as they are (the step may be skipped)."""
+    new = torch._foreach_lerp(buffers, gradients, 1 - settings.momentum)
+    return new, torch._foreach_lerp(gradients, new, settings.momentum) if settings.nesterov else new
 
 
 def shape_scale(rows: int, cols: int, rule: AdjustLr) -> float:

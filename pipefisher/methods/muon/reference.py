@@ -18,8 +18,7 @@ class ReferenceMuon(StageReference[MuonEngine]):
     stage_skip = staticmethod(first_order_globs)
 
     def after_step_backwards(self, step: int) -> None:
-        for name in self.engine.names():
-            self.engine.orthogonalise(name, self.loss_scale)
+        self.engine.orthogonalise(self.engine.names(), self.loss_scale)
 
     def before_optimizer_update(self, step: int) -> None:
         self.engine.apply()

@@ -89,16 +89,14 @@ class MuonRuntime(StageRuntime[MuonEngine]):
 
     def _orthogonalise_stage(self, op: Op) -> None:
         engine = self.engine(op)
-        for name in engine.names():
-            engine.orthogonalise(name, self.loss_scale())
+        engine.orthogonalise(engine.names(), self.loss_scale())
 
     def _launch_share(self, collective: Collective) -> Handle:
         """Orthogonalise this rank's share of the stage's matrices from the reduced gradient, then
         every matrix's worker broadcasts its update to the stage's replicas."""
         stage = collective.key[0]
         engine, grid = self.engine_of_stage[stage], self.grids[stage]
-        for name in self.own_share(stage):
-            engine.orthogonalise(name, self.loss_scale())
+        engine.orthogonalise(self.own_share(stage), self.loss_scale())
         pairs = [(engine.update_buffer(name), grid.worker(number, 0)) for number, name in enumerate(engine.names())]
         return self.comm.broadcast(pairs, collective.group)
 
@@ -117,8 +115,7 @@ class MuonTimer(StageTimer[MuonEngine]):
 
     def before_optimizer_step(self) -> None:
         for key, engine in self.engines.items():
-            for name in self._shares.get(key, ()):
-                engine.orthogonalise(name)
+            engine.orthogonalise(self._shares.get(key, []))
             engine.apply()
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
@@ -127,8 +124,8 @@ class MuonTimer(StageTimer[MuonEngine]):
         for pipe, stage, engine in self.by_stage():
             for name, matrix in engine.matrices.items():
                 gradient = torch.randn_like(matrix.parameter)
-                engine.orthogonalise(name, gradient=gradient)  # allocates the matrix's buffers: not timed
-                samples = timed_ms(lambda: engine.orthogonalise(name, gradient=gradient), executor.device)
+                engine.orthogonalise([name], gradients=[gradient])  # allocates the matrix's buffers: not timed
+                samples = timed_ms(lambda: engine.orthogonalise([name], gradients=[gradient]), executor.device)
                 measurements[(stage, name)] = ({"precondition": samples}, {})
             grid = share_grid(topology, stage)
             if grid is not None:

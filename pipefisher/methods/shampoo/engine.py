@@ -33,11 +33,12 @@ from pipefisher.methods.dtypes import torch_dtype, working_dtype
 from pipefisher.methods.shampoo import checkpoint as _checkpoint
 from pipefisher.methods.shampoo import health as _health
 from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo, block_views
-from pipefisher.methods.shampoo.grafting import graft_direction, transfer_norm
+from pipefisher.methods.shampoo.grafting import graft_direction
 from pipefisher.methods.shampoo.health import ShampooHealth, ShampooNumericsWarning
 from pipefisher.methods.shampoo.roots import inverse_root
 from pipefisher.methods.shampoo.method import SHAMPOO, ShampooConfig
 from pipefisher.methods.shampoo.state import MatrixState, Roots, is_matrix, new_matrix, owned_parameters
+from pipefisher.methods.shampoo.step import directions
 
 
 class ShampooEngine:
@@ -86,6 +87,9 @@ class ShampooEngine:
             else {}
         )
         self._step = 0
+        #: whether the step stacks same-shape blocks of all matrices into one batched product each
+        #: (on a GPU, where it saves kernel launches; a CPU's batched products are the slower ones)
+        self.stack_blocks = any(st.parameter.device.type != "cpu" for st in self._matrices.values())
         #: counter totals per (matrix, factor) already accounted for; present once warned
         self._baseline: dict[tuple[str, Factor], int] = {}
         self._warned: set[tuple[str, Factor]] = set()
@@ -248,17 +252,26 @@ class ShampooEngine:
         Counts the call (``step`` t, from 1). The grafting direction (Adam state updated for every
         parameter with a gradient) is used alone for non-matrices, for matrices without committed
         roots of both factors, for blocks whose roots are not ok, and while ``t <= start_step``.
-        Parameters without ``.grad`` are left alone.
+        Parameters without ``.grad`` are left alone. The matrices' same-shape blocks are stacked
+        into one batched product each (`pipefisher.methods.shampoo.step`).
         """
         self._step += 1
+        stacked: list[tuple[MatrixState, Tensor, Tensor, Tensor]] = []
         for name, p in self._parameters.items():
-            if p.grad is None or (keep is not None and not keep(p)):
+            grad = p.grad
+            if grad is None or (keep is not None and not keep(p)):
                 continue
-            g = p.grad.detach().to(self.dtype)
+            g = grad.detach().to(self.dtype)
             graft = graft_direction(g, self._exp_avg_sq.get(name), self._step, self.graft_beta2, self.graft_epsilon)
             st = self._matrices.get(name)
-            direction = graft if st is None else self._shampoo_direction(st, g, graft)
-            p.grad.copy_(direction)
+            if st is not None and self._preconditions(st):
+                stacked.append((st, grad, g.reshape(st.info.shape), graft.reshape(st.info.shape)))
+            else:
+                grad.copy_(graft)
+        if stacked:
+            states, grads, gs, grafts = (list(column) for column in zip(*stacked))
+            found = directions(states, gs, grafts, self.settings.grafting != "none", self.stack_blocks)
+            torch._foreach_copy_(grads, [d.view_as(grad) for d, grad in zip(found, grads)])
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -304,24 +317,11 @@ class ShampooEngine:
     def _selected(self, name: str | None) -> list[MatrixState]:
         return list(self._matrices.values()) if name is None else [self._matrix(name)]
 
-    def _shampoo_direction(self, st: MatrixState, grad: Tensor, graft: Tensor) -> Tensor:
-        """The matrix's direction with its committed roots, per block, in ``grad``'s shape; the
-        grafting direction where Shampoo does not apply (see :meth:`precondition_all`)."""
-        left, right = (st.factors[f].committed for f in FACTORS)
-        if left is None or right is None or self._step <= self.settings.start_step:
-            return graft
-        info = st.info
-        g, d_graft = grad.reshape(info.shape), graft.reshape(info.shape)
-        out = torch.empty_like(d_graft)
-        ok = left.ok & right.ok
-        left_roots = block_views(left.value, info.block_sizes("A"))
-        right_roots = block_views(right.value, info.block_sizes("B"))
-        for k, rows, cols in info.grid():
-            d = left_roots[k] @ g[rows, cols] @ right_roots[k]
-            if self.settings.grafting != "none":
-                d = transfer_norm(d, d_graft[rows, cols])
-            out[rows, cols] = torch.where(ok[k], d, d_graft[rows, cols])
-        return out.view(grad.shape)
+    def _preconditions(self, st: MatrixState) -> bool:
+        """Whether the matrix takes Shampoo's direction this step (committed roots of both
+        factors, past start_step); else the grafting direction."""
+        committed = all(st.factors[f].committed is not None for f in FACTORS)
+        return committed and self._step > self.settings.start_step
 
     def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
         return read_counters(

@@ -26,8 +26,9 @@ def graft_direction(grad: Tensor, exp_avg_sq: Tensor | None, step: int, beta2: f
 
 def transfer_norm(shampoo: Tensor, graft: Tensor) -> Tensor:
     """``shampoo · ||graft||_F / ||shampoo||_F`` (zero where ``shampoo`` is zero): Shampoo's
-    direction with the grafting direction's step size, for one block."""
-    s_norm = torch.linalg.vector_norm(shampoo)
-    g_norm = torch.linalg.vector_norm(graft)
+    direction with the grafting direction's step size, for one block ``(r, c)`` or each of a
+    stack ``(b, r, c)`` of them."""
+    s_norm = torch.linalg.vector_norm(shampoo, dim=(-2, -1), keepdim=True)
+    g_norm = torch.linalg.vector_norm(graft, dim=(-2, -1), keepdim=True)
     safe = torch.where(s_norm > 0, s_norm, torch.ones_like(s_norm))
     return shampoo * (g_norm / safe)

@@ -24,7 +24,6 @@ Host reads: none, except one in ``check_health`` (once per refresh cycle), inspe
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,9 +37,10 @@ from pipefisher.methods.counters import read_counters
 from pipefisher.methods.dtypes import torch_dtype, working_dtype
 from pipefisher.methods.soap import checkpoint as _checkpoint
 from pipefisher.methods.soap.basis import eigenbasis, power_basis
-from pipefisher.methods.soap.health import KEPT_BASES, SKIPPED_STATISTICS, SoapHealth, SoapNumericsWarning, message
+from pipefisher.methods.soap.health import KEPT_BASES, SoapHealth, SoapNumericsWarning, message
 from pipefisher.methods.soap.method import SOAP, SoapConfig
 from pipefisher.methods.soap.state import MatrixState, matrix_parameters, new_matrix, pending_numel
+from pipefisher.methods.soap.step import directions, fold
 
 
 class SoapEngine:
@@ -66,6 +66,9 @@ class SoapEngine:
             name: new_matrix(name, p, self.settings.block_size, self.dtype, self.statistics_dtype)
             for name, p in matrix_parameters(module, skip).items()
         }
+        #: whether the step stacks same-shape blocks of all matrices into one batched product each
+        #: (on a GPU, where it saves kernel launches; a CPU's batched products are the slower ones)
+        self.stack_blocks = any(st.parameter.device.type != "cpu" for st in self._matrices.values())
         #: counter totals per matrix already accounted for; present once warned
         self._baseline: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -103,18 +106,27 @@ class SoapEngine:
         """SOAP's step-end work on every matrix with a ``.grad`` (with `keep`: those it accepts),
         see the module doc: ``.grad`` becomes the direction (in its own dtype; computed in
         ``dtype``), and the gradient is folded into the statistics; a matrix's first call
-        takes its first eigenbases instead of a direction and zeroes ``.grad``."""
+        takes its first eigenbases instead of a direction and zeroes ``.grad``. The matrices'
+        same-shape blocks are stacked into one batched product each (`pipefisher.methods.soap.step`)."""
+        chosen: list[MatrixState] = []
+        raw: list[Tensor] = []
         for st in self._matrices.values():
-            p = st.parameter
-            if p.grad is None or (keep is not None and not keep(p)):
-                continue
-            g = p.grad.detach().reshape(st.info.shape).to(self.dtype)
-            self._fold(st, g)
-            if st.started:
-                p.grad.copy_(self._direction(st, g).view_as(p.grad))
-            else:
+            grad = st.parameter.grad
+            if grad is not None and (keep is None or keep(st.parameter)):
+                chosen.append(st)
+                raw.append(grad.detach())
+        grads = [grad.reshape(st.info.shape).to(self.dtype) for st, grad in zip(chosen, raw)]
+        fold(chosen, grads, self.settings, self.statistics_dtype, self.stack_blocks)
+        started = [number for number, st in enumerate(chosen) if st.started]
+        if started:
+            found = directions(
+                [chosen[i] for i in started], [grads[i] for i in started], self.settings, self.stack_blocks
+            )
+            torch._foreach_copy_([raw[i] for i in started], [d.view_as(raw[i]) for d, i in zip(found, started)])
+        for st, grad in zip(chosen, raw):
+            if not st.started:
                 self._first_bases(st)
-                p.grad.zero_()
+                grad.zero_()
 
     # ----------------------------------------------------------------- refresh (no host reads)
     def snapshot(self) -> None:
@@ -218,38 +230,6 @@ class SoapEngine:
             return self._matrices[name]
         except KeyError:
             raise KeyError(f"{name!r} is not a SOAP matrix") from None
-
-    def _direction(self, st: MatrixState, g: Tensor) -> Tensor:
-        """SOAP's bias-corrected direction of ``g`` (``(rows, cols)``), updating the moments."""
-        s = self.settings
-        st.updates += 1
-        t = st.updates
-        info = st.info
-        left = block_views(st.factors["A"].basis, info.block_sizes("A"))
-        right = block_views(st.factors["B"].basis, info.block_sizes("B"))
-        st.exp_avg.lerp_(g, 1.0 - s.beta1)
-        out = torch.empty_like(g)
-        for k, rows, cols in info.grid():
-            q_left, q_right = left[k], right[k]
-            v = st.exp_avg_sq[rows, cols]
-            v.lerp_((q_left.T @ g[rows, cols] @ q_right).square(), 1.0 - s.beta2)
-            rotated = q_left.T @ st.exp_avg[rows, cols] @ q_right
-            out[rows, cols] = q_left @ (rotated / (v.sqrt() + s.epsilon)) @ q_right.T
-        return out.mul_(math.sqrt(1.0 - s.beta2**t) / (1.0 - s.beta1**t))
-
-    def _fold(self, st: MatrixState, g: Tensor) -> None:
-        """``S <- lerp(S, G Gᵀ or Gᵀ G, 1 - β_s)`` per block and factor; a non-finite gradient
-        leaves the statistics unchanged and is counted (device-side)."""
-        g = g.to(self.statistics_dtype)
-        finite = torch.isfinite(g).all()
-        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
-        weight = torch.where(finite, 1.0 - self.settings.statistics_decay, 0.0).to(g.dtype)
-        for factor, fs in st.factors.items():
-            stats = block_views(fs.statistic, st.info.block_sizes(factor))
-            for k, rows, cols in st.info.grid():
-                block = g[rows, cols]
-                stats[k].lerp_(block @ block.T if factor == "A" else block.T @ block, weight)
-        st.counters[SKIPPED_STATISTICS].add_(~finite)
 
     def _first_bases(self, st: MatrixState) -> None:
         """Each factor's first eigenbases from its statistics (the identity where that fails)."""

@@ -1,0 +1,67 @@
+"""K-FAC's every-step preconditioning ``B⁻¹ G A⁻¹`` (`pipefisher.methods.kfac.engine`) over many
+layers at once: layers whose gradient matrices have one shape, factor dtype and device, and the
+same committed factors, are stacked, so that each inverse product is one batched kernel per group
+instead of one per layer. An inverse that is not ok is skipped on the device (``torch.where``), so
+its layer's gradient passes through it bit for bit. No host read."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pipefisher.methods.kfac.layer import LayerState
+
+
+def gradient_matrix(st: LayerState) -> Tensor | None:
+    """The layer's gradient as ``(dout, din[+1])`` (a bias as the last column, zeros for a frozen
+    one), or None when its weight has no gradient."""
+    weight, bias = st.module.weight, st.module.bias
+    if weight.grad is None:
+        return None
+    grad = weight.grad.T if st.info.transposed else weight.grad
+    if bias is not None:
+        column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+        grad = torch.cat([grad, column[:, None]], 1)
+    return grad
+
+
+def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor | None]:
+    """Replace each layer's weight (and bias) gradient G by ``B⁻¹ G A⁻¹`` with its committed
+    inverses (one missing acts as the identity); per layer ``⟨G̃, G⟩`` as a 0-dim tensor in the
+    factor dtype when `with_vg` (None otherwise, or without a gradient)."""
+    grads: dict[int, Tensor] = {}
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for number, st in enumerate(states):
+        grad = gradient_matrix(st)
+        if grad is not None:
+            grads[number] = grad
+            key = (tuple(grad.shape), st.dtype, grad.device, "B" in st.active, "A" in st.active)
+            groups.setdefault(key, []).append(number)
+    vgs: list[Tensor | None] = [None] * len(states)
+    targets: list[Tensor] = []
+    results: list[Tensor] = []
+    for members in groups.values():
+        first = states[members[0]]
+        original = torch.stack([grads[i].to(first.dtype) for i in members])
+        out = original
+        for factor in ("B", "A"):
+            if factor not in first.active:
+                continue
+            inverse = torch.stack([states[i].active[factor].value for i in members])
+            ok = torch.stack([states[i].active[factor].ok for i in members]).view(-1, 1, 1)
+            out = torch.where(ok, inverse @ out if factor == "B" else out @ inverse, out)
+        vg = (out * original).sum(dim=(-2, -1)) if with_vg else None
+        for row, number in enumerate(members):
+            st, new = states[number], out[row]
+            weight, bias = st.module.weight, st.module.bias
+            din = st.info.in_features
+            targets.append(weight.grad)
+            results.append(new[:, :din].T if st.info.transposed else new[:, :din])
+            if bias is not None and bias.grad is not None:
+                targets.append(bias.grad)
+                results.append(new[:, din])
+            if vg is not None:
+                vgs[number] = vg[row]
+    if targets:
+        torch._foreach_copy_(targets, results)
+    return vgs

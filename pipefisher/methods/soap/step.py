@@ -1,0 +1,82 @@
+"""SOAP's every-step maths (`pipefisher.methods.soap.engine` states it) over many matrices at once:
+with `stacked` (the engine's choice on a GPU) their blocks of equal shape are stacked, so that
+each product is one batched kernel (`torch.bmm`) per group of blocks instead of one per block;
+the per-matrix elementwise work is one foreach kernel over the matrices. The results are written
+back into each matrix's tensors. No host read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from pipefisher.methods.blocks import Block, Factor, block_groups, block_views
+from pipefisher.methods.soap.health import SKIPPED_STATISTICS
+from pipefisher.methods.soap.method import SoapConfig
+from pipefisher.methods.soap.state import MatrixState
+
+
+def _groups(states: list[MatrixState], stacked: bool) -> list[list[Block]]:
+    return block_groups([(st.info, st.parameter.device) for st in states], stacked)
+
+
+def _factor_views(states: list[MatrixState], factor: Factor, attribute: str) -> list[list[Tensor]]:
+    """Per matrix, the block views of `factor`'s flat tensor `attribute` ("statistic" or "basis")."""
+    return [block_views(getattr(st.factors[factor], attribute), st.info.block_sizes(factor)) for st in states]
+
+
+def fold(
+    states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, statistics_dtype: torch.dtype, stacked: bool
+) -> None:
+    """``S <- lerp(S, G Gᵀ or Gᵀ G, 1 - β_s)`` for every block and factor of `states` with their
+    `grads` (``(rows, cols)`` each); a matrix whose gradient is not finite keeps its statistics
+    and counts it (device-side). `stacked`: same-shape blocks in one product (`block_groups`)."""
+    converted = [g.to(statistics_dtype) for g in grads]
+    finite = [torch.isfinite(g).all() for g in converted]
+    zero = [torch.zeros((), dtype=statistics_dtype, device=g.device) for g in converted]
+    cleaned = [torch.where(ok, g, z) for ok, g, z in zip(finite, converted, zero)]
+    weights = [torch.where(ok, 1.0 - settings.statistics_decay, 0.0).to(statistics_dtype) for ok in finite]
+    views = {factor: _factor_views(states, factor, "statistic") for factor in ("A", "B")}
+    for group in _groups(states, stacked):
+        g = _stack([cleaned[b.matrix][b.rows, b.cols] for b in group])
+        weight = [weights[b.matrix] for b in group]
+        for factor, product in (("A", g @ g.mT), ("B", g.mT @ g)):
+            targets = [views[factor][b.matrix][b.k] for b in group]
+            torch._foreach_lerp_(targets, _unstack(product, len(group)), weight)
+    for st, ok in zip(states, finite):
+        st.counters[SKIPPED_STATISTICS].add_(~ok)
+
+
+def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, stacked: bool) -> list[Tensor]:
+    """SOAP's bias-corrected direction of each of `grads` (``(rows, cols)``, started matrices),
+    updating their moments and direction counts."""
+    for st in states:
+        st.updates += 1
+    torch._foreach_lerp_([st.exp_avg for st in states], grads, 1.0 - settings.beta1)
+    out = [torch.empty_like(g) for g in grads]
+    left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
+    for group in _groups(states, stacked):
+        q_left = _stack([left[b.matrix][b.k] for b in group])
+        q_right = _stack([right[b.matrix][b.k] for b in group])
+        g = _stack([grads[b.matrix][b.rows, b.cols] for b in group])
+        second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
+        torch._foreach_lerp_(second, _unstack((q_left.mT @ g @ q_right).square(), len(group)), 1.0 - settings.beta2)
+        v = _stack(second)
+        rotated = q_left.mT @ _stack([states[b.matrix].exp_avg[b.rows, b.cols] for b in group]) @ q_right
+        direction = q_left @ (rotated / (v.sqrt() + settings.epsilon)) @ q_right.mT
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(direction, len(group)))
+    corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
+    torch._foreach_mul_(out, corrections)
+    return out
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    """`tensors` (equal shapes) as one ``(b, ...)`` stack, or a lone one as it is (2-D products)."""
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _unstack(stack: Tensor, count: int) -> list[Tensor]:
+    """The `count` tensors of a `_stack` result."""
+    return [stack] if count == 1 else list(stack.unbind(0))
