@@ -112,7 +112,7 @@ def test_muon_counts_every_newton_schulz_step(rows, cols):
     engine = MuonEngine(layer, settings)
     gradient = torch.randn(rows, cols)
     flops = method("muon").task_flops(settings, MatrixShape(rows, cols), tokens=5)
-    assert counted(lambda: engine.orthogonalise("weight", gradient=gradient)) == flops["precondition"].total
+    assert counted(lambda: engine.orthogonalise(["weight"], gradients=[gradient])) == flops["precondition"].total
     assert flops["precondition"].dtype == "float32" and set(flops) == {"precondition"}
 
 
