@@ -26,8 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from experiments.common import ROOT  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
@@ -37,21 +35,9 @@ from pipefisher.runtime.pipeline.executor import Executor  # noqa: E402
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan  # noqa: E402
 from pipefisher.runtime.training.launch import world_of_one  # noqa: E402
 from pipefisher.runtime.training.trainer import build_executor  # noqa: E402
+from pipefisher.testing.casts import WeightCasts  # noqa: E402
 
 RUNS = ("schedules/tiny-cpu.yaml", "schedules/gpt2-tiny-cpu.yaml")
-
-
-class WeightCasts(TorchDispatchMode):
-    """Counts the copies (`aten._to_copy`) made of parameters while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[int] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter):
-            self.counts[id(args[0])] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class BuildTimer:

@@ -31,7 +31,6 @@ RECORDS = {
     "bench_zero_bubble.md",
     "gpu_h100.md",
     "overhead.md",
-    "perf_bench_exposed.md",
     "powersgd_bert.md",
     "zero_memory.md",
 }

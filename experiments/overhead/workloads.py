@@ -27,9 +27,15 @@ WORKLOADS = {
     "bert-4x128": Workload("bert-4x128", "schedules/tiny-cpu.yaml", (), "BERT 4 x 128"),
     "bert-base": Workload("bert-base", "schedules/bert-base-1f1b-4x4.yaml", (), "BERT-Base (12 x 768)"),
     "gpt2-tiny": Workload("gpt2-tiny", "schedules/gpt2-tiny-cpu.yaml", (), "HF GPT-2 (4 x 128)"),
+    "gpt2-124m": Workload(
+        "gpt2-124m",
+        "schedules/gpt2-tiny-cpu.yaml",
+        (("hf_config", "gpt2"), ("seq_len", 1024)),
+        "HF GPT-2 124M (12 x 768)",
+    ),
 }
 CPU_MODELS = ("bert-tiny", "bert-4x128")
-GPU_MODELS = ("bert-tiny", "bert-4x128", "bert-base", "gpt2-tiny")
+GPU_MODELS = ("bert-tiny", "bert-4x128", "bert-base", "gpt2-tiny", "gpt2-124m")
 
 
 @dataclass(frozen=True)

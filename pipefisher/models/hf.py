@@ -30,7 +30,7 @@ from pipefisher.models.hf_layouts import Layout, bert_pretraining_loss, find_lay
 from pipefisher.models.init import derive_seed
 
 #: config names shipped with the package (`pipefisher/models/hf_configs/<name>.json`)
-SHIPPED_CONFIGS = ("gpt2-tiny", "bert-tiny", "llama-tiny", "gpt2-medium")
+SHIPPED_CONFIGS = ("gpt2-tiny", "bert-tiny", "llama-tiny", "gpt2-medium", "gpt2")
 #: config fields that hold dropout probabilities, by family
 DROPOUT_FIELDS = (
     "resid_pdrop",

@@ -27,7 +27,7 @@ class ModelConfig:
     config_json: str = setting("", 'a Hugging Face BERT config.json instead of the preset ("" = the preset)')
     hf_config: str = setting(
         "gpt2-tiny",
-        "hf: a config.json path, or a config shipped with pipefisher (gpt2-tiny, bert-tiny, llama-tiny, gpt2-medium)",
+        "hf: a config.json path, or a config shipped with pipefisher (gpt2-tiny, bert-tiny, llama-tiny, gpt2-medium, gpt2)",
     )
     hf_class: str = setting("", 'hf: the transformers class ("" = the config\'s first `architectures` entry)')
     hf_weights: str = setting("", 'hf: a safetensors file to load the weights from ("" = initialise)')

@@ -3,36 +3,21 @@ reference, one autocast region per stage and micro-batch, casts it once per micr
 activation recompute too, and the optimizer step ends the casts' life; bf16 runs with split
 backward and recompute still equal the reference."""
 
-from collections import Counter
-
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from _workers import pipelined_with_records
 from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.training.launch import run_group, world_of_one
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.runtime.training.trainer import build_executor
+from pipefisher.testing.casts import WeightCasts
 from test_precision import assert_close_training
 
 pytestmark = pytest.mark.dist
 CPU = torch.device("cpu")
 MICRO_BATCHES = 4
-
-
-class WeightCasts(TorchDispatchMode):
-    """Counts, per parameter (by id), the copies (`aten._to_copy`) made of it while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[int] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter):
-            self.counts[id(args[0])] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def bf16_config(tiny_config, recompute: str = "none", **overrides):
