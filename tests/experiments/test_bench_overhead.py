@@ -45,7 +45,7 @@ def test_a_bad_flag_is_one_line_and_exit_2():
     result = bench("--models", "bert-huge", "--arms", "one-stage")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "bench_overhead: error: --models: 'bert-huge' is not one of bert-tiny, bert-4x128, bert-base, gpt2-tiny"
+        "bench_overhead: error: --models: 'bert-huge' is not one of bert-tiny, bert-4x128, bert-base, gpt2-tiny, gpt2-124m"
     ]
 
 
