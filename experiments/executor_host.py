@@ -30,11 +30,14 @@ import torch  # noqa: E402
 from experiments.common import ROOT  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 from pipefisher.config import load_config  # noqa: E402
-from pipefisher.runtime.gradient_path.precision import Precision  # noqa: E402
-from pipefisher.runtime.pipeline.executor import Executor  # noqa: E402
-from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan  # noqa: E402
-from pipefisher.runtime.training.launch import world_of_one  # noqa: E402
-from pipefisher.runtime.training.trainer import build_executor  # noqa: E402
+from pipefisher.runtime.training import (  # noqa: E402
+    Executor,
+    PlanRunner,
+    Precision,
+    build_executor,
+    schedule_plan,
+    world_of_one,
+)
 from pipefisher.testing.casts import WeightCasts  # noqa: E402
 
 RUNS = ("schedules/tiny-cpu.yaml", "schedules/gpt2-tiny-cpu.yaml")

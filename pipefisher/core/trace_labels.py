@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import re
 
+#: the region in which the executor builds the next step's micro-batches (after a step's actions)
+PREPARE = "prepare micro-batches"
+
 STEP = re.compile(r"step (\d+)$")
 STEP_TIME = re.compile(r"step (\d+) time (\S+) ms$")
 

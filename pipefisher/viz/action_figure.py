@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipefisher.core.files import write_atomically
 from pipefisher.core.ir import Op, ScheduleError
+from pipefisher.core.trace_labels import PREPARE
 from pipefisher.viz.figure import COLOURS
 from pipefisher.planning.timeline_file import StepTimes
 from pipefisher.viz.trace_io import labelled_events, step_durations, step_spans
@@ -30,6 +31,7 @@ OTHER = {
     "+": ("collective launched", "#222222"),
     "wsend:": ("wait", "#d62728"),
     "step end": ("end of step", "#6a51a3"),
+    PREPARE: ("micro-batches built ahead", "#9ecae1"),
 }
 OP_CATEGORY = {
     "F": "forward",

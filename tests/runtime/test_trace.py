@@ -11,6 +11,7 @@ import pytest
 
 from pipefisher.config import load_config
 from pipefisher.core.topology import Topology
+from pipefisher.core.trace_labels import PREPARE
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan
 from pipefisher.runtime.training.assembly import build_schedule
@@ -58,15 +59,16 @@ def labels_of_step(path: Path, step: int) -> Counter:
 @pytest.mark.dist
 def test_every_action_of_a_traced_step_is_a_labelled_region(traced):
     """Steps 3 and 4 are traced (run.trace_from 3, trace_steps 2); each rank's regions in step 3
-    are exactly its actions of the plan, by their string form, plus the end of step."""
+    are exactly its actions of the plan, by their string form, plus the end of step, and in step 3
+    (not the run's last) the building of the next step's micro-batches."""
     config = load_config(TINY)
     schedule = build_schedule(config)
     plan = plan_actions(Topology(schedule, 1), schedule_plan(schedule))
     assert sorted(p.name for p in traced.iterdir()) == ["rank0.json", "rank1.json"]
     for rank in range(2):
-        expected = Counter(str(action) for action in plan.steps[0][rank]) + Counter(["step end"])
-        assert labels_of_step(traced / f"rank{rank}.json", 3) == expected
-        assert labels_of_step(traced / f"rank{rank}.json", 4) == expected
+        last = Counter(str(action) for action in plan.steps[0][rank]) + Counter(["step end"])
+        assert labels_of_step(traced / f"rank{rank}.json", 3) == last + Counter([PREPARE])
+        assert labels_of_step(traced / f"rank{rank}.json", 4) == last
 
 
 @pytest.mark.dist

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 
 from pipefisher.core.ir import Op, OpKind, splits_backward
 from pipefisher.core.topology import Topology
-from pipefisher.core.trace_labels import step_label, step_time_label
+from pipefisher.core.trace_labels import PREPARE, step_label, step_time_label
 from pipefisher.planning.comm.actions import (
     Action,
     ActionKind,
@@ -211,7 +211,7 @@ class Executor:
                             f"rank {self.rank} failed at step {step + 1}, {describe(action)}: {first_line(exc)}"
                         ) from exc
             if self.steps is not None and step + 1 < self.steps:
-                with record_function("prepare micro-batches") if labelled else UNLABELLED:
+                with record_function(PREPARE) if labelled else UNLABELLED:
                     self._prepare(step + 1)
             pending = [f"{pipe}.{stage}" for (pipe, stage), runtime in self.stages.items() if runtime.pending_weights]
             if pending:  # a plan runs every W of a step within it; the gradients would be incomplete

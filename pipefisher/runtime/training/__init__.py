@@ -18,7 +18,8 @@ Training
     into its steps); `train_reference(config, on_step, evaluation=Evaluation(...))` in one
     process; `TrainResult`; `Stopped` when a signal stopped a run; `build_optimizer(config,
     modules, ...)` and `build_scheduler(config, optimizer)`: the run's optimizer and schedule;
-    `method_inputs(config)`: what the run's method's runtime, timer and reference are built from.
+    `method_inputs(config)`: what the run's method's runtime, timer and reference are built from;
+    `Executor` (what `build_executor` returns) and `Precision` (a run's autocast and casts).
 Processes
     `run_group(fn, world, args)` runs `fn(rank, world, *args)` on local processes (`GroupFailure`,
     `Interrupted`); `world_of_one()` makes this process a group of one.
@@ -39,7 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
+    from pipefisher.runtime.gradient_path.precision import Precision
     from pipefisher.runtime.pipeline.compiled import compile_blocks
+    from pipefisher.runtime.pipeline.executor import Executor
     from pipefisher.runtime.pipeline.extension import ExecutorExtension
     from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
     from pipefisher.runtime.training.assembly import RunParts, build_run, held_out_batches, tokens_per_step
@@ -66,6 +69,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "build_scheduler": ("pipefisher.runtime.training.optimizer", "build_scheduler"),
     "method_inputs": ("pipefisher.runtime.training.method_context", "method_inputs"),
     "build_executor": ("pipefisher.runtime.training.trainer", "build_executor"),
+    "Executor": ("pipefisher.runtime.pipeline.executor", "Executor"),
+    "Precision": ("pipefisher.runtime.gradient_path.precision", "Precision"),
     "TrainResult": ("pipefisher.runtime.training.trainer", "TrainResult"),
     "PlanRunner": ("pipefisher.runtime.pipeline.plan_runner", "PlanRunner"),
     "schedule_plan": ("pipefisher.runtime.pipeline.plan_runner", "schedule_plan"),
@@ -89,11 +94,13 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "Evaluation",
+    "Executor",
     "ExecutorExtension",
     "GroupFailure",
     "Interrupted",
     "PipeFisherTrainer",
     "PlanRunner",
+    "Precision",
     "RunParts",
     "Stopped",
     "TrainResult",
