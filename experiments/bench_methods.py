@@ -176,17 +176,7 @@ def cases(hidden: int, blocks: int, device: torch.device) -> list[Case]:
             reset,
         )
     )
-    found.append(
-        Case(
-            "SOAP",
-            "refresh",
-            soaps,
-            lambda t: [t.engine.refresh(info.name, f) for info in t.engine.matrices() for f in FACTORS],
-            None,
-            lambda t: torch.cat([t.engine.shared_basis(info.name, f) for info in t.engine.matrices() for f in FACTORS]),
-            lambda t: None,
-        )
-    )
+    found.append(refresh_case("SOAP", soaps, "refresh", "shared_basis"))
 
     # SGD grafting: the direction does not depend on the step count, which each looped call advances
     shampoo = ShampooConfig(grafting="sgd")
@@ -212,18 +202,26 @@ def cases(hidden: int, blocks: int, device: torch.device) -> list[Case]:
             reset,
         )
     )
-    found.append(
-        Case(
-            "Shampoo",
-            "refresh",
-            shampoos,
-            lambda t: [t.engine.compute_root(info.name, f) for info in t.engine.matrices() for f in FACTORS],
-            None,
-            lambda t: torch.cat([t.engine.shared_root(info.name, f) for info in t.engine.matrices() for f in FACTORS]),
-            lambda t: None,
-        )
-    )
+    found.append(refresh_case("Shampoo", shampoos, "compute_root", "shared_root"))
     return found
+
+
+def refresh_case(label: str, twins: tuple[Twin, Twin], refresh: str, shared: str) -> Case:
+    """The refresh of every factor of every matrix (engine method `refresh`), looped only: a refresh op
+    already batches its factor's blocks; the result is every factor's `shared` tensor, concatenated."""
+
+    def factors(t: Twin) -> list[tuple[str, str]]:
+        return [(info.name, f) for info in t.engine.matrices() for f in FACTORS]
+
+    return Case(
+        label,
+        "refresh",
+        twins,
+        lambda t: [getattr(t.engine, refresh)(name, f) for name, f in factors(t)],
+        None,
+        lambda t: torch.cat([getattr(t.engine, shared)(name, f) for name, f in factors(t)]),
+        lambda t: None,
+    )
 
 
 def synchronise(device: torch.device) -> None:
