@@ -140,6 +140,7 @@ def layout_of(args: argparse.Namespace, schedule: str) -> Layout:
         args.first_order,
         args.refresh_steps,
         args.max_refresh_steps,
+        GROUP_TIMEOUT_S,
     )
 
 
