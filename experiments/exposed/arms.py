@@ -1,53 +1,46 @@
-"""The arms of experiments/bench_exposed.py: one `pipefisher run FILE --json` each (it launches
-its 2 ranks itself), first-order or one curvature method, on the layout every arm of a schedule
-shares (`Layout`); their per-step times (rank 0's step timer, `step_time_ms`) and the window of
-whole refresh cycles they are compared over (`cycle_window`).
+"""The arms of experiments/bench_exposed.py on one rank of its 2-process group: the run config
+of each (`Layout.config`: first-order, or one curvature method packed into the bubbles) and a
+trainer per arm (`Arm`), all alike but for the optimizer: same run file, seed and data.
 
-A method runs packed (`placement: packed`) with the profile `pipefisher run` measures before
-training, at refresh interval `Layout.refresh_steps` (0: the packer's choice, capped at
-`max_refresh_steps`); re-profiling is off (`reprofile_threshold` 1e9), since a re-profile would
-land inside a timed step. A traced run writes a PyTorch profiler trace of `TraceSpan` steps per
-rank; `traced_ranks` reads each rank's busy and waiting time from it.
+A method's arm is a `PipeFisherTrainer`: it measures its profile once, when built (gradients
+dropped: the model does not change), and packs from it at refresh interval
+`Layout.refresh_steps` (0: the packer's choice, capped at `max_refresh_steps`); re-profiling is
+off (`reprofile_threshold` 1e9), so its plan stays fixed. The first-order arm is a `PlanRunner`
+of the schedule's plan. `Arm.record_cycles` runs whole refresh cycles with the executor's clock
+marks around every op and splits each step into op time, end of step and waits (`RankTime`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import resource
-import subprocess
-import sys
-import time
-from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
-from experiments.common import RunFailed, machine_busy_seconds
+import torch
+
 from experiments.exposed.stats import RankTime
 from experiments.overhead.workloads import ROOT, Workload
-from pipefisher.viz.trace_io import trace_files
-from pipefisher.viz.trace_summary import summarise
+from pipefisher.config import RunConfig, load_config
+from pipefisher.runtime.training import (
+    ExecutorExtension,
+    PipeFisherTrainer,
+    PlanRunner,
+    build_executor,
+    build_run,
+    schedule_plan,
+)
 
 STAGES = 2
-#: re-profiling threshold of every method run: never (a re-profile would be timed as a step)
+#: re-profiling threshold of every method arm: never (a re-profile would be timed as a step)
 NO_REPROFILING = 1e9
-
-
-@dataclass(frozen=True)
-class TraceSpan:
-    """Trace `steps` steps from step `first` (1-based) into `folder`."""
-
-    folder: Path
-    first: int
-    steps: int
+#: run.steps of every arm: only the learning-rate schedule's length (the arms step on past it never)
+RUN_STEPS = 100_000
 
 
 @dataclass(frozen=True)
 class Layout:
     """What every arm of one schedule shares: the model (`workload`), `schedule` on 2 stages,
-    `micro_batches` of `micro_batch_size` sequences, the `first_order` optimizer, the refresh
-    interval (`refresh_steps`, 0 = the packer's choice up to `max_refresh_steps`), at least
-    `warmup` untimed steps and `cycles` timed refresh cycles per run."""
+    `micro_batches` of `micro_batch_size` sequences, the `first_order` optimizer, the methods'
+    refresh interval (`refresh_steps`, 0 = the packer's choice up to `max_refresh_steps`), and
+    `timeout` [s] for any wait inside the group."""
 
     workload: Workload
     schedule: str
@@ -56,19 +49,11 @@ class Layout:
     first_order: str
     refresh_steps: int
     max_refresh_steps: int
-    warmup: int
-    cycles: int
+    timeout: float = 120.0
 
-    @property
-    def steps(self) -> int:
-        """Steps of an untraced run: room for the warm-up and `cycles` whole cycles at any k the run may get."""
-        k = self.refresh_steps
-        if k:
-            return -(-self.warmup // k) * k + self.cycles * k
-        return self.warmup + (self.cycles + 1) * self.max_refresh_steps
-
-    def flags(self, method: str | None, steps: int, trace: TraceSpan | None) -> list[str]:
-        """`pipefisher run`'s flags for the first-order arm (`method` None) or a method's arm."""
+    def overrides(self, method: str | None) -> dict[str, dict[str, object]]:
+        """{section: {key: value}} on the workload's run file for the first-order arm (`method`
+        None) or a method's arm."""
         sections: dict[str, dict[str, object]] = {
             "model": dict(self.workload.model),
             "pipeline": {
@@ -79,90 +64,84 @@ class Layout:
             },
             "data": {"micro_batch_size": self.micro_batch_size},
             "optimizer": {"name": method or self.first_order},
-            "run": {"steps": steps, "backend": "gloo"},
+            "run": {"steps": RUN_STEPS, "backend": "gloo", "timeout": self.timeout},
         }
         if method is not None:
             sections[method] = {
                 "placement": "packed",
                 "refresh_steps": self.refresh_steps,
                 "reprofile_threshold": NO_REPROFILING,
+                "profile": "",
+                "plan": "",
             }
             if not self.refresh_steps:
                 sections[method]["max_refresh_steps"] = self.max_refresh_steps
-        if trace is not None:
-            sections["run"].update(trace=str(trace.folder), trace_from=trace.first, trace_steps=trace.steps)
-        return [
-            flag
-            for section, values in sections.items()
-            for key, value in values.items()
-            for flag in (f"--{section}.{key}", str(value))
-        ]
+        return sections
+
+    def config(self, method: str | None) -> RunConfig:
+        return load_config(ROOT / self.workload.run_file).with_overrides(**self.overrides(method))
 
 
-@dataclass(frozen=True)
-class ArmRun:
-    """One run: every step's time [ms] (rank 0's timer), its refresh interval k (None: first
-    order), the tokens per step it reported (as its tokens/s x step time), its wall time [s]
-    start-up included, and the cores other processes of the machine used meanwhile
-    (machine-wide busy time less this run's processes', / wall time)."""
+class _Marks(ExecutorExtension):
+    """The clock's marks around every op while `records` is on."""
 
-    step_ms: tuple[float, ...]
-    refresh_steps: int | None
-    tokens_per_step: int
-    seconds: float
-    other_cores: float
+    def __init__(self) -> None:
+        self.records = False
+        self.marks: list[tuple[object, object]] = []
+
+    def record(self, op: object, start: object, end: object) -> None:
+        self.marks.append((start, end))
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+class Arm:
+    """One arm's executor and trainer on this rank of the group (building it is collective: every
+    rank builds the arms in the same order). `method` None: the first-order arm."""
 
+    def __init__(self, layout: Layout, method: str | None, rank: int):
+        self.method = method
+        self.config = layout.config(method)
+        run = build_run(self.config)
+        self.executor, schedule = build_executor(self.config, rank, torch.device("cpu"), run)
+        self.executor.steps = RUN_STEPS  # each step prepares the next one's micro-batches, as in a run
+        self.runner: PlanRunner
+        if method is None:
+            self.runner = PlanRunner(self.executor, rank, schedule_plan(schedule), self.executor.tied)
+        else:
+            self.runner = PipeFisherTrainer(self.config, self.executor, rank, self.executor.tied, model=run.model)
+        self.marks = _Marks()
+        self.executor.extend(self.marks)
+        self.step = 0
+        #: the last step's record (refresh interval, the run's own exposed-time estimate)
+        self.extra: dict = {}
 
-def run_arm(layout: Layout, method: str | None, steps: int, trace: TraceSpan | None, timeout: float) -> ArmRun:
-    """Run one arm for `steps` steps (RunFailed, one line, if it fails or reports other steps)."""
-    command = [sys.executable, "-m", "pipefisher", "run", layout.workload.run_file, "--json", "--master-port", "0"]
-    command += layout.flags(method, steps, trace)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    machine, ours, start = machine_busy_seconds(), _children_cpu(), time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    seconds = time.perf_counter() - start
-    other = max(0.0, machine_busy_seconds() - machine - (_children_cpu() - ours)) / seconds
-    arm = method or layout.first_order
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RunFailed(f"{layout.schedule} {arm}: pipefisher run exited with {done.returncode}: {last}")
-    records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    if len(records) != steps:
-        raise RunFailed(f"{layout.schedule} {arm}: pipefisher run reported {len(records)} steps, not {steps}")
-    k = records[-1].get("refresh_steps") if method is not None else None
-    tokens = round(records[0]["tokens_per_s"] * records[0]["step_time_ms"] / 1000)
-    return ArmRun(tuple(r["step_time_ms"] for r in records), k, tokens, seconds, other)
+    @property
+    def k(self) -> int:
+        """The refresh interval (1 for the first-order arm)."""
+        return self.runner.plan.refresh_steps
 
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.extra = self.runner.run_step(self.step).extra
+            self.step += 1
 
-def cycle_window(k: int, warmup: int, steps: int) -> range:
-    """The 0-based steps of the whole refresh cycles of interval `k` (cycles start at step 0)
-    after at least `warmup` steps, up to `steps`; RunFailed when not one cycle fits."""
-    start = -(-warmup // k) * k
-    stop = start + (steps - start) // k * k
-    if stop <= start:
-        raise RunFailed(f"refresh interval k={k}: no whole cycle fits after {warmup} warm-up steps in {steps} steps")
-    return range(start, stop)
-
-
-def mean_ms(run: ArmRun, window: range) -> float:
-    """The run's mean step time [ms] over `window`."""
-    return sum(run.step_ms[i] for i in window) / len(window)
-
-
-def traced_ranks(folder: Path) -> tuple[RankTime, ...]:
-    """Per rank, its mean traced step [ms] and the part of it in the executor's waits
-    (`pipefisher.viz.trace_summary`: the actions labelled ``w:``/``wsend:``; the end of step's
-    wait on the world reduction counts as busy)."""
-    wall: dict[int, list[float]] = defaultdict(list)
-    idle: dict[int, list[float]] = defaultdict(list)
-    for summary in summarise(trace_files(folder)):
-        wall[summary.rank].append(summary.wall)
-        idle[summary.rank].append(summary.actions.get("wait", 0.0))
-    return tuple(
-        RankTime(rank, sum(wall[rank]) / len(wall[rank]), sum(idle[rank]) / len(idle[rank])) for rank in sorted(wall)
-    )
+    def record_cycles(self, rank: int, cycles: int) -> RankTime:
+        """Run `cycles` refresh cycles (from a cycle's first step) with every op's clock marks; their
+        mean step as the runner takes it (the step and the runner's own work after it: a cycle's end)."""
+        if self.runner.cycle_step != 0:
+            raise RuntimeError(f"arm {self.method}: recorded cycles must start at a cycle's first step")
+        clock = self.executor.clock
+        steps = cycles * self.k
+        wall = ops = end = 0.0
+        for _ in range(steps):
+            self.marks.records, self.marks.marks = True, []
+            before = clock.mark()
+            self.runner.run_step(self.step)
+            after = clock.mark()
+            self.marks.records = False
+            self.step += 1
+            wall += clock.elapsed_ms(before, after)
+            ops += sum(clock.elapsed_ms(a, b) for a, b in self.marks.marks)
+            if self.marks.marks:
+                end += clock.elapsed_ms(self.marks.marks[-1][1], after)
+        self.marks.marks = []
+        return RankTime(rank, wall / steps, ops / steps, end / steps)

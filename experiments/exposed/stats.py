@@ -1,10 +1,12 @@
 """The paired statistics and markdown tables of experiments/bench_exposed.py.
 
-A `Pair` holds, per repeat, the first-order run's and one method's run's mean step time [ms]
-over the same whole refresh cycles (the two ran in the same repeat). Its ratio per repeat is
-method / first-order; the table gives their median and a 95 % t-interval of their geometric mean
-(mean of the log ratios ± t(0.975, n − 1) × their standard error, exponentiated): the exposed
-share is ratio − 1.
+A `Pair` holds, per round, the first-order arm's and one method's arm's step time [ms] (each a
+timed block of whole refresh cycles in the same round of the same process group) and the cores
+other processes of the machine used during each block. Its ratio per round is method /
+first-order; the table gives their median and a 95 % t-interval of their geometric mean (mean of
+the log ratios ± t(0.975, n − 1) × their standard error, exponentiated): the exposed share is
+ratio − 1. The same over the quiet rounds only: those in which other processes used at most
+`Pair.quiet_load` cores during both blocks of the pair.
 """
 
 from __future__ import annotations
@@ -54,24 +56,36 @@ def log_ratio_interval(ratios: list[float]) -> Interval | None:
 
 @dataclass
 class Pair:
-    """One method against the first-order run of the same layout (`schedule`): per repeat, both
-    runs' mean step time [ms] over the method run's whole refresh cycles, and its interval k."""
+    """One method against the first-order arm of the same group (`schedule`): per round, both
+    arms' step time [ms] (block wall time of the slower rank / its steps) and the cores other
+    processes used during each block; the method's refresh interval `k`; the run's own estimate
+    of its exposed share (`pipefisher run`'s `exposed_share`, from its op times; None: none)."""
 
     schedule: str
     method: str
     label: str
+    k: int
+    quiet_load: float
     first_order_ms: list[float] = field(default_factory=list)
     method_ms: list[float] = field(default_factory=list)
-    refresh_steps: list[int] = field(default_factory=list)
+    first_order_load: list[float] = field(default_factory=list)
+    method_load: list[float] = field(default_factory=list)
+    own_estimate: float | None = None
 
     @property
     def ratios(self) -> list[float]:
-        """Per repeat: method step time / first-order step time."""
+        """Per round: method step time / first-order step time."""
         return [m / f for m, f in zip(self.method_ms, self.first_order_ms)]
 
     @property
+    def quiet_ratios(self) -> list[float]:
+        """The ratios of the rounds in which both blocks were quiet."""
+        loads = zip(self.ratios, self.first_order_load, self.method_load)
+        return [r for r, a, b in loads if max(a, b) <= self.quiet_load]
+
+    @property
     def ratio(self) -> float:
-        """Median over repeats of the paired ratios."""
+        """Median over rounds of the paired ratios."""
         return statistics.median(self.ratios)
 
     @property
@@ -79,72 +93,98 @@ class Pair:
         return log_ratio_interval(self.ratios)
 
     def as_dict(self) -> dict:
-        interval = self.interval
-        return {
-            **asdict(self),
-            "ratios": self.ratios,
-            "ratio_median": self.ratio,
-            "geometric_mean": interval.centre if interval else None,
-            "ci95": [interval.low, interval.high] if interval else None,
-        }
+        def summary(ratios: list[float]) -> dict:
+            interval = log_ratio_interval(ratios)
+            return {
+                "rounds": len(ratios),
+                "ratio_median": statistics.median(ratios) if ratios else None,
+                "geometric_mean": interval.centre if interval else None,
+                "ci95": [interval.low, interval.high] if interval else None,
+            }
+
+        return {**asdict(self), "ratios": self.ratios, "all": summary(self.ratios), "quiet": summary(self.quiet_ratios)}
 
 
 def _percent(ratio: float) -> str:
     return f"{100 * (ratio - 1):+.1f} %"
 
 
-def _ks(values: list[int]) -> str:
-    return ", ".join(str(k) for k in sorted(set(values)))
+def _summary(ratios: list[float]) -> str:
+    """'median (geometric mean [95 % CI])' of `ratios`, or a dash with none."""
+    if not ratios:
+        return "–"
+    interval = log_ratio_interval(ratios)
+    spread = f" ({interval.centre:.3f} [{interval.low:.3f}, {interval.high:.3f}])" if interval else " (one round)"
+    return f"{statistics.median(ratios):.3f}{spread}"
+
+
+def _exposed(ratios: list[float]) -> str:
+    """'median (95 % CI upper end)' of the exposed share ratio − 1."""
+    if not ratios:
+        return "–"
+    interval = log_ratio_interval(ratios)
+    return _percent(statistics.median(ratios)) + (f" ({_percent(interval.high)})" if interval else "")
 
 
 def ratio_table(pairs: list[Pair]) -> str:
-    """Schedule × method: both arms' median step times, the ratio and the exposed share."""
+    """Schedule × method: both arms' median step times, the ratio and the exposed share over all
+    rounds and over the quiet ones, and the run's own estimate."""
     lines = [
         "| schedule | method | k | first-order ms/step | method ms/step | ratio: median of paired "
-        "(geometric mean [95 % CI]) | exposed: median (95 % CI upper end) |",
-        "|---|---|---|---|---|---|---|",
+        "(geometric mean [95 % CI]) | exposed: median (95 % CI upper end) | quiet rounds | "
+        "quiet: ratio | quiet: exposed | the run's own estimate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in pairs:
-        interval = p.interval
-        spread = f" ({interval.centre:.3f} [{interval.low:.3f}, {interval.high:.3f}])" if interval else " (one repeat)"
-        upper = f" ({_percent(interval.high)})" if interval else ""
+        quiet = p.quiet_ratios
+        own = "–" if p.own_estimate is None else f"{100 * p.own_estimate:+.1f} %"
         lines.append(
-            f"| {p.schedule} | {p.label} | {_ks(p.refresh_steps)} | {statistics.median(p.first_order_ms):.1f} | "
-            f"{statistics.median(p.method_ms):.1f} | {p.ratio:.3f}{spread} | {_percent(p.ratio)}{upper} |"
+            f"| {p.schedule} | {p.label} | {p.k} | {statistics.median(p.first_order_ms):.1f} | "
+            f"{statistics.median(p.method_ms):.1f} | {_summary(p.ratios)} | {_exposed(p.ratios)} | "
+            f"{len(quiet)} of {len(p.ratios)} | {_summary(quiet)} | {_exposed(quiet)} | {own} |"
         )
     return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class RankTime:
-    """One rank's traced steps, per step [ms]: its step time, the time in the executor's waits
-    (`idle`: for a message, a collective or the step's world reduction) and the rest (`busy`)."""
+    """One rank's recorded block (whole refresh cycles), per step [ms]: its wall time (`step_ms`), the time in its
+    ops (`ops_ms`: forward, backward, the method's tasks), in the end of step (`end_ms`: after its
+    last op: the optimizer step, the gradient and loss reductions, the next step's batches, the
+    runner's end of a cycle) and
+    the rest (`wait_ms`): waits between ops, for the other stage's messages or a collective."""
 
     rank: int
     step_ms: float
-    idle_ms: float
+    ops_ms: float
+    end_ms: float
 
     @property
-    def busy_ms(self) -> float:
-        return self.step_ms - self.idle_ms
+    def wait_ms(self) -> float:
+        return max(0.0, self.step_ms - self.ops_ms - self.end_ms)
 
 
 @dataclass(frozen=True)
 class Traced:
-    """The traced steps of one arm (`label`) of a schedule: one `RankTime` per rank."""
+    """The recorded block of one arm (`label`) of a schedule: `steps` steps, one `RankTime` per rank."""
 
     schedule: str
     label: str
     steps: int
     ranks: tuple[RankTime, ...]
 
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ranks": [{**asdict(r), "wait_ms": r.wait_ms} for r in self.ranks]}
+
 
 def trace_table(traced: list[Traced]) -> str:
-    """Schedule × arm: per rank, busy and idle ms per traced step (and idle's share)."""
+    """Schedule × arm: per rank, ms per step in ops / end of step / waits (and the waits' share)."""
     ranks = max((len(t.ranks) for t in traced), default=0)
-    head = " | ".join(f"rank {r} busy / idle ms (idle %)" for r in range(ranks))
-    lines = [f"| schedule | arm | traced steps | {head} |", "|---|---|---|" + "---|" * ranks]
+    head = " | ".join(f"rank {r} ops / end of step / waits ms (waits %)" for r in range(ranks))
+    lines = [f"| schedule | arm | recorded steps | {head} |", "|---|---|---|" + "---|" * ranks]
     for t in traced:
-        cells = " | ".join(f"{r.busy_ms:.1f} / {r.idle_ms:.1f} ({100 * r.idle_ms / r.step_ms:.0f} %)" for r in t.ranks)
+        cells = " | ".join(
+            f"{r.ops_ms:.1f} / {r.end_ms:.1f} / {r.wait_ms:.1f} ({100 * r.wait_ms / r.step_ms:.0f} %)" for r in t.ranks
+        )
         lines.append(f"| {t.schedule} | {t.label} | {t.steps} | {cells} |")
     return "\n".join(lines)

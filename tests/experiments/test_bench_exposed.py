@@ -1,6 +1,7 @@
-"""experiments/bench_exposed.py: a quick paired run of first-order against one method reports its
-ratio over whole refresh cycles and each rank's busy and idle time; the windows, intervals and
-flags it relies on; bad flags are one line and exit 2."""
+"""experiments/bench_exposed.py: a quick run alternates first-order and one method inside one
+process group and reports their paired ratios and each rank's ops, end of step and waits; the
+run configs, blocks, quiet rounds, intervals and flags it relies on; bad flags are one line and
+exit 2."""
 
 import json
 import math
@@ -14,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "experiments" / "bench_exposed.py"
 sys.path.insert(0, str(ROOT))
 
-from experiments.exposed.arms import Layout, cycle_window  # noqa: E402
-from experiments.exposed.stats import log_ratio_interval, t_975  # noqa: E402
-from experiments.common import RunFailed  # noqa: E402
+from experiments.exposed.arms import Layout  # noqa: E402
+from experiments.exposed.group import cycles_of  # noqa: E402
+from experiments.exposed.stats import Pair, log_ratio_interval, t_975  # noqa: E402
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def cells(text: str, prefix: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_quick_run_pairs_first_order_with_the_method_over_whole_cycles(tmp_path):
+def test_the_quick_run_alternates_first_order_and_the_method_in_one_group(tmp_path):
     out = tmp_path / "exposed.md"
     result = bench("--quick", "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -44,25 +45,27 @@ def test_the_quick_run_pairs_first_order_with_the_method_over_whole_cycles(tmp_p
     first_order, method = float(row[3]), float(row[4])
     ratio = float(row[5].split()[0])
     assert first_order > 0 and method > 0 and math.isfinite(ratio) and ratio > 0
-    # one row per method and schedule: --quick is 1f1b and the registry's first method
-    assert sum(line.startswith("| 1f1b |") for line in text.splitlines()) == 1 + 2  # ratio row, 2 traced arms
+    assert row[7].endswith("of 2")  # quiet rounds
+    # one row per method and schedule (--quick: 1f1b and the registry's first method), one per recorded arm
+    assert sum(line.startswith("| 1f1b |") for line in text.splitlines()) == 1 + 2
     data = json.loads(out.with_suffix(".json").read_text())
     (pair,) = data["pairs"]
-    assert len(pair["ratios"]) == 2 and pair["refresh_steps"] == [1, 1]
-    runs = {(run["repeat"], run["arm"]): run for run in data["runs"]}
-    assert {run["tokens_per_step"] for run in data["runs"]} == {512}
-    assert sorted(runs) == [(0, "K-FAC"), (0, "adamw"), (1, "K-FAC"), (1, "adamw")]
-    for repeat in range(2):
-        # k = 1, 1 warm-up step, 2 cycles: steps 2 and 3 timed; the last repeat traces one more after a gap step
-        assert [len(runs[repeat, arm]["step_ms"]) for arm in ("adamw", "K-FAC")] == [3 + 2 * repeat] * 2
-        for arm, key in (("adamw", "first_order_ms"), ("K-FAC", "method_ms")):
-            assert pair[key][repeat] == pytest.approx(sum(runs[repeat, arm]["step_ms"][1:3]) / 2)
-        assert pair["ratios"][repeat] == pytest.approx(pair["method_ms"][repeat] / pair["first_order_ms"][repeat])
+    assert pair["k"] == 1 and len(pair["ratios"]) == 2 and pair["all"]["rounds"] == 2
+    (rank0, rank1) = data["groups"]["1f1b"]
+    assert rank0["tokens_per_step"] == 512 and rank0["k"] == {"adamw": 1, "kfac": 1}
+    # the slower rank's block times: the same figures on both ranks
+    assert rank0["step_ms"] == rank1["step_ms"] and rank0["other_cores"] == rank1["other_cores"]
+    assert pair["first_order_ms"] == rank0["step_ms"]["adamw"] and pair["method_ms"] == rank0["step_ms"]["kfac"]
+    for r, (m, f) in enumerate(zip(pair["method_ms"], pair["first_order_ms"])):
+        assert pair["ratios"][r] == pytest.approx(m / f)
+    assert all(sorted(order) == ["adamw", "kfac"] for order in rank0["orders"])
+    assert pair["own_estimate"] is not None and math.isfinite(pair["own_estimate"])
     assert [t["label"] for t in data["traced"]] == ["adamw", "K-FAC"]
     for traced in data["traced"]:
         assert [r["rank"] for r in traced["ranks"]] == [0, 1]
-        assert all(0 <= r["idle_ms"] < r["step_ms"] for r in traced["ranks"])
-    assert "1f1b repeat 2/2 K-FAC: ratio" in result.stderr
+        for r in traced["ranks"]:
+            assert r["ops_ms"] > 0 and r["end_ms"] >= 0 and 0 <= r["wait_ms"] < r["step_ms"]
+    assert "1f1b round 2/2: adamw" in result.stderr
 
 
 def test_a_bad_flag_is_one_line_and_exit_2():
@@ -71,34 +74,39 @@ def test_a_bad_flag_is_one_line_and_exit_2():
     assert result.stderr.strip().splitlines() == [
         "bench_exposed: error: --methods: 'adam' is not one of kfac, shampoo, muon, soap"
     ]
-    result = bench("--cycles", "0")
+    result = bench("--min-steps", "0")
     assert (result.returncode, result.stderr.strip()) == (
         2,
-        "bench_exposed: error: --cycles: 0 is not a positive count",
+        "bench_exposed: error: --min-steps: 0 is not a positive count",
     )
 
 
-def test_the_timed_window_is_whole_cycles_after_the_warm_up():
-    assert cycle_window(5, 2, 15) == range(5, 15)
-    assert cycle_window(4, 0, 10) == range(0, 8)
-    assert cycle_window(3, 3, 10) == range(3, 9)
-    with pytest.raises(RunFailed, match="k=6"):
-        cycle_window(6, 2, 11)
+def test_blocks_and_warm_ups_are_whole_cycles():
+    assert [cycles_of(5, 5), cycles_of(5, 6), cycles_of(4, 2), cycles_of(1, 3), cycles_of(3, 0)] == [1, 2, 1, 3, 1]
 
 
-def test_a_run_has_room_for_the_warm_up_and_the_cycles_at_any_k_it_may_get():
-    fixed = Layout(WORKLOADS["gpt2-tiny"], "zb-h1", 4, 32, "adamw", 5, 10, 2, 2)
-    assert fixed.steps == 15 and cycle_window(5, 2, fixed.steps) == range(5, 15)
-    packer = Layout(WORKLOADS["gpt2-tiny"], "1f1b", 4, 32, "adamw", 0, 10, 2, 2)
-    assert all(len(cycle_window(k, 2, packer.steps)) >= 2 * k for k in range(1, 11))
-    flags = packer.flags("muon", packer.steps, None)
-    pairs = dict(zip(flags[::2], flags[1::2]))
-    assert pairs["--optimizer.name"] == "muon" and pairs["--muon.placement"] == "packed"
-    assert pairs["--muon.refresh_steps"] == "0" and pairs["--muon.max_refresh_steps"] == "10"
-    assert pairs["--pipeline.schedule"] == "1f1b" and pairs["--run.steps"] == "32"
-    assert "--muon.reprofile_threshold" in pairs and "--run.trace" not in pairs
-    first_order = dict(zip(*[iter(fixed.flags(None, 15, None))] * 2))
-    assert first_order["--optimizer.name"] == "adamw" and not any(f.startswith("--kfac") for f in first_order)
+def test_an_arms_run_config_differs_from_the_first_orders_only_in_its_optimizer():
+    packer = Layout(WORKLOADS["gpt2-tiny"], "zb-h1", 4, 32, "adamw", 0, 10)
+    first, muon = packer.config(None), packer.config("muon")
+    assert first.optimizer.name == "adamw" and first.curvature is None
+    assert muon.optimizer.name == "muon" and muon.curvature.placement == "packed"
+    assert (muon.curvature.refresh_steps, muon.curvature.max_refresh_steps) == (0, 10)
+    assert muon.curvature.reprofile_threshold >= 1e9 and muon.curvature.profile == ""
+    for section in ("model", "data", "pipeline", "run"):
+        assert getattr(first, section) == getattr(muon, section), section
+    assert (first.pipeline.schedule, first.pipeline.stages, first.data.micro_batch_size) == ("zb-h1", 2, 32)
+    assert Layout(WORKLOADS["gpt2-tiny"], "1f1b", 4, 32, "adamw", 5, 10).config("kfac").curvature.refresh_steps == 5
+
+
+def test_a_round_is_quiet_for_a_pair_when_both_its_blocks_were():
+    pair = Pair(
+        "1f1b", "kfac", "K-FAC", 5, 0.15, [100.0, 100.0, 100.0], [101.0, 110.0, 102.0], [0.1, 0.1, 0.9], [0.0, 0.5, 0.1]
+    )
+    assert pair.ratios == pytest.approx([1.01, 1.10, 1.02])
+    assert pair.quiet_ratios == pytest.approx([1.01])
+    summary = pair.as_dict()
+    assert summary["quiet"]["rounds"] == 1 and summary["quiet"]["ci95"] is None
+    assert summary["all"]["ratio_median"] == pytest.approx(1.02)
 
 
 def test_the_interval_is_students_t_on_the_log_ratios():
