@@ -85,7 +85,7 @@ class WandB:
         import wandb
 
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
-        self.run = wandb.init(project=project, mode=mode, config=config, settings=settings)  # type: ignore[arg-type]
+        self.run = wandb.init(project=project, mode=mode, config=config, settings=settings)
         if mode != "disabled":
             folder = os.path.dirname(self.run.dir)  # run.dir is the run folder's files/
             upload = f"; `wandb sync {folder}` uploads it" if mode == "offline" else ""
