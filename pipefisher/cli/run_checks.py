@@ -7,15 +7,22 @@ from __future__ import annotations
 import argparse
 
 from pipefisher.cli.args import UsageError, check_input, check_output, say
+from pipefisher.cli.metric_sinks import missing_package
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.methods.registry import methods, task_rules
 
 
 def check_run_outputs(config: RunConfig) -> None:
-    """The metrics file and the checkpoint folder can be written."""
+    """The metrics file, the TensorBoard, checkpoint and trace folders can be written, and the
+    packages of the metric sinks asked for are installed."""
     if config.run.metrics:
         check_output(config.run.metrics, "run.metrics (--metrics)")
+    if config.run.tensorboard:
+        check_output(config.run.tensorboard, "run.tensorboard", folder=True)
+    problem = missing_package(config)
+    if problem:
+        raise UsageError(problem)
     if config.checkpoint.dir:
         check_output(config.checkpoint.dir, "checkpoint.dir (--checkpoint-dir)", folder=True)
     if config.run.trace:

@@ -2,8 +2,10 @@
 summary when the run completed (a failed or stopped run has none).
 
 Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
-and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
-parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with a curvature method, the refresh interval,
+and the summary go to stderr. The step record goes to stdout with --json and to every sink the run
+asks for (`pipefisher.cli.metric_sinks`: the metrics file, TensorBoard, W&B): step, loss, its
+parts (MLM/NSP), lr (with a curvature method: its rate; `lr_rest`: the rate of the parameters it
+does not precondition), step_time_ms, tokens_per_s and, with a curvature method, the refresh interval,
 the predicted step time and, from the end of the refresh cycle it was measured on, the exposed
 optimizer time: `exposed_share` (the simulated mean step with the method's work over the
 first-order step of the same layout, both on the op times the run measured on its own steps,
@@ -18,13 +20,14 @@ import json
 import statistics
 import sys
 import threading
-from typing import TextIO
 
+from pipefisher.cli.metric_sinks import open_sinks
 from pipefisher.config import RunConfig
 from pipefisher.core.terminal import progress_bars
 from pipefisher.methods.registry import method
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import tokens_per_step
+from pipefisher.runtime.training.optimizer import rest_settings
 
 
 class StepReporter:
@@ -35,7 +38,8 @@ class StepReporter:
         self.config, self.as_json = config, as_json
         self.total = config.run.steps
         self.tokens = tokens_per_step(config)
-        self.metrics: TextIO | None = open(config.run.metrics, "a") if config.run.metrics else None
+        self.sinks = open_sinks(config)
+        self.rest_rate = _rest_rate(config)
         self.times: list[float] = []
         self.last: dict = {}
         use_bar = progress_bars() and not as_json if progress is None else progress
@@ -57,11 +61,12 @@ class StepReporter:
             "step_time_ms": 1000 * result.seconds,
             "tokens_per_s": self.tokens / result.seconds if result.seconds > 0 else 0.0,
         }
+        if self.rest_rate is not None and "lr" in record:
+            record["lr_rest"] = record["lr"] * self.rest_rate
         self.times.append(result.seconds)
         self.last = record
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
+        for sink in self.sinks:
+            sink.write(record, result.step)
         if self.as_json:
             print(json.dumps(record), flush=True)
         elif self.bar is not None:
@@ -76,12 +81,12 @@ class StepReporter:
             print(line, flush=True)
 
     def close(self, completed: bool = True, state_bytes: tuple[dict[str, int], ...] = ()) -> None:
-        """Close the bar and the metrics file; the summary only for a run that `completed`, with
+        """Close the bar and the sinks; the summary only for a run that `completed`, with
         every rank's optimizer-state and curvature-state MiB when given (`TrainResult.state_bytes`)."""
         if self.bar is not None:
             self.bar.close()
-        if self.metrics is not None:
-            self.metrics.close()
+        for sink in self.sinks:
+            sink.close()
         if not self.times or not completed:
             return
         median = statistics.median(self.times)
@@ -113,6 +118,14 @@ class StepReporter:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _rest_rate(config: RunConfig) -> float | None:
+    """A curvature run's rate of the rest over its method's (the schedule scales both alike, so
+    lr_rest = lr x this); None for a first-order run, which has one rate."""
+    if config.curvature is None:
+        return None
+    return rest_settings(config).lr / config.optimizer_settings.lr
 
 
 def _mib(state_bytes: tuple[dict[str, int], ...], part: str) -> str:

@@ -75,6 +75,13 @@ class RunSettings:
     )
     timeout: float = setting(60.0, "seconds any rank may wait for another before the run aborts", low=0, low_open=True)
     metrics: str = setting("", 'file that gets one JSON line per step ("" = none)')
+    tensorboard: str = setting(
+        "", 'folder for TensorBoard event files of the step records ("" = none; needs pipefisher[log])'
+    )
+    wandb: str = setting("", 'Weights & Biases project that gets the step records ("" = none; needs pipefisher[log])')
+    wandb_mode: Literal["online", "offline", "disabled"] = setting(
+        "offline", "Weights & Biases: online (uploads), offline (a local run folder, `wandb sync` later) or disabled"
+    )
     precision: Precision = setting(
         "fp32", "fp32, or bf16/fp16 autocast with fp32 master weights, optimizer and curvature state"
     )

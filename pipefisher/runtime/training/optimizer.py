@@ -13,6 +13,7 @@ from pipefisher.config import OptimizerConfig, RunConfig
 from pipefisher.methods.registry import methods
 from pipefisher.optim.composite import Composite
 from pipefisher.optim.first_order import first_order, named, parameter_groups
+from pipefisher.optim.schedule import WarmupDecay, warmup_decay
 
 
 def build_optimizer(
@@ -57,16 +58,29 @@ def rest_settings(config: RunConfig) -> OptimizerConfig:
 def build_scheduler(
     config: RunConfig, optimizer: torch.optim.Optimizer, position: int = 0
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """Warm-up then constant or linear decay over the run's steps (run.steps, so a resumed run
-    must keep its step count), starting after `position` optimizer steps (a resumed run, whose
-    optimizer state is loaded); None when the rate is constant."""
+    """Warm-up then the `optimizer.decay` schedule (`schedule_of`) over every parameter group (a
+    curvature run's method rate and the rest's alike), starting after `position` optimizer steps (a
+    resumed run, whose optimizer state is loaded); None when the rate is constant."""
+    schedule = schedule_of(config)
+    if schedule is None:
+        return None
+    return warmup_decay(optimizer, **vars(schedule), position=position)
+
+
+def schedule_of(config: RunConfig) -> WarmupDecay | None:
+    """The run's `WarmupDecay` over decay_steps or else run.steps (so a resumed run must keep its
+    step count); None when the rate is constant."""
     settings = config.optimizer
     if settings.warmup_steps == 0 and settings.decay == "constant":
         return None
-    from pipefisher.optim.schedule import warmup_decay
-
     total = settings.decay_steps or config.run.steps
     warmup = min(settings.warmup_steps, total)  # a short run (e.g. a smoke test) stays in warm-up
-    if settings.decay == "constant":
-        return warmup_decay(optimizer, warmup, total, power=0.0, final_fraction=1.0, position=position)
-    return warmup_decay(optimizer, warmup, total, power=1.0, final_fraction=0.0, position=position)
+    shape = settings.wsd_shape if settings.decay == "wsd" else settings.decay
+    return WarmupDecay(
+        warmup,
+        total,
+        power=settings.decay_power,
+        final_fraction=settings.min_lr_fraction,
+        shape={"linear": "polynomial"}.get(shape, shape),
+        decay_fraction=settings.decay_fraction if settings.decay == "wsd" else 1.0,
+    )
