@@ -198,7 +198,7 @@ def test_a_yaml_mistake_is_one_line_with_its_place(tmp_path, text, line):
         ),
         (
             {"model": {"kind": "hf"}, "data": {"kind": "causal", "mask_prob": 0.2}},
-            "data.mask_prob: read by data.kind bert; this run's data.kind is causal",
+            "data.mask_prob: read by data.kind bert or shards; this run's data.kind is causal",
         ),
     ],
 )

@@ -25,10 +25,14 @@ DATA_APPLIES: dict[str, tuple[str, ...]] = {
     "data.vocab_size": _TEXT,
     "data.holdout": _TEXT,
     "data.vocab": ("bert",),
-    "data.mask_prob": ("bert",),
+    "data.mask_prob": ("bert", "shards"),
+    "data.shards": ("shards",),
 }
 #: what a data kind reads instead of the keys of others, for the refusal's last words
-_DATA_INSTEAD = {"synthetic": "it makes regression data from data.seed alone"}
+_DATA_INSTEAD = {
+    "synthetic": "it makes regression data from data.seed alone",
+    "shards": "its text, tokenizer and vocabulary are the prepared folder's",
+}
 
 
 def applies(config: Any) -> dict[str, tuple[str, tuple[str, ...]]]:

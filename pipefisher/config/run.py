@@ -267,7 +267,12 @@ def _check(config: RunConfig) -> None:
             f"model.{kind.blocks_key}: {blocks} blocks cannot be split into {config.model_chunks} equal stages "
             f"({factors}); {split_hint(blocks, product)}"
         )
-    if config.data.kind not in kind.data:
+    shards = config.data.kind == "shards"
+    if shards and not config.data.shards:
+        raise ConfigError(
+            "data.shards: data.kind shards reads a prepared folder; give it (`pipefisher data prepare` makes one)"
+        )
+    if config.data.kind not in kind.data and not (shards and {"bert", "causal"} & set(kind.data)):
         raise ConfigError(
             f"data.kind: {config.data.kind!r} does not fit model.kind {model.kind!r}; it needs data.kind "
             + " or ".join(kind.data)

@@ -13,6 +13,7 @@ import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -109,52 +110,41 @@ def _truncate_pair(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return cap_a, cap_b
 
 
-class PretrainingData:
-    """BERT pretraining micro-batches over `documents` tokenized by `tokenizer`.
+class Corpus(Protocol):
+    """Token ids laid out as `TokenizedCorpus` (or a memory-mapped `ShardSplit`) lays them out."""
 
-    `micro_batch(step, micro_batch)` is a pure function of (seed, step, micro_batch): the same
-    arguments give the same tensors in any process and in any call order. Data-parallel
-    sharding is the caller's: give every replica disjoint global micro-batch ids (e.g. replica
-    r of R uses ids r·M … r·M + M − 1 for its M micro-batches of a step).
+    tokens: np.ndarray
+    sentence_starts: np.ndarray
+    document_starts: np.ndarray
+
+
+class SentencePairs:
+    """BERT's example builder over a `corpus` (in memory or memory-mapped): sentence-pair examples
+    with masking, each a function of a generator and a candidate index alone.
+
+    Candidates are the sentences that have a successor in their document (so documents of one
+    sentence add none), numbered in corpus order; candidate c's sentence is found by a search
+    over the document starts, so no array proportional to the sentences is held.
     """
 
-    def __init__(
-        self,
-        documents: list[list[str]],
-        tokenizer: Tokenizer,
-        seq_len: int,
-        micro_batch_size: int,
-        seed: int,
-        mask_prob: float = 0.15,
-        cache_dir: str | Path | None = None,
-    ):
+    def __init__(self, corpus: Corpus, special: SpecialIds, vocab_size: int, seq_len: int, mask_prob: float):
         if seq_len < 5:
             raise ValueError(f"seq_len must be at least 5 ([CLS] a [SEP] b [SEP]), got {seq_len}")
-        if micro_batch_size < 1 or seed < 0:
-            raise ValueError(f"need micro_batch_size >= 1 and seed >= 0, got {micro_batch_size} and {seed}")
         if not 0.0 < mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob}")
-        self.tokenizer = tokenizer
-        self.seq_len, self.micro_batch_size, self.seed, self.mask_prob = seq_len, micro_batch_size, seed, mask_prob
-        self.corpus = tokenize_corpus(documents, tokenizer, cache_dir)
-        if self.corpus.num_documents < 2:
+        self.corpus, self.special, self.seq_len, self.mask_prob = corpus, special, seq_len, mask_prob
+        self.num_documents = len(corpus.document_starts) - 1
+        document_starts = np.asarray(corpus.document_starts, dtype=np.int64)
+        #: candidates before document d: each document's sentences but its last
+        self._candidate_starts = document_starts - np.arange(self.num_documents + 1)
+        self.num_candidates = int(self._candidate_starts[-1]) if self.num_documents else 0
+        if self.num_documents < 2 or self.num_candidates < 1:
             raise ValueError(
-                f"need at least 2 documents of 2+ sentences for next-sentence prediction, got {self.corpus.num_documents}"
+                f"need at least 2 documents, one of 2+ sentences, for next-sentence prediction; got {self.num_documents} "
+                f"documents with {self.num_candidates} sentence(s) that have a successor"
             )
-        self._special = SpecialIds.from_tokenizer(tokenizer)
-        self._random_ids = np.setdiff1d(np.arange(self.vocab_size), self._special.as_tuple())
-        self._sentence_document = np.repeat(np.arange(self.corpus.num_documents), np.diff(self.corpus.document_starts))
-        has_successor = np.ones(self.corpus.num_sentences, dtype=bool)
-        has_successor[self.corpus.document_starts[1:] - 1] = False
-        self._first_sentences = np.flatnonzero(has_successor)  # where segment A may start
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
-    @property
-    def special(self) -> SpecialIds:
-        return self._special
+        self._document_starts = document_starts
+        self._random_ids = np.setdiff1d(np.arange(vocab_size), special.as_tuple())
 
     @property
     def max_predictions(self) -> int:
@@ -162,37 +152,33 @@ class PretrainingData:
         (NVIDIA's max_predictions_per_seq), a function of seq_len and mask_prob alone."""
         return max_predictions(self.seq_len, self.mask_prob)
 
-    def micro_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
-        """Global micro-batch `micro_batch` of `step` (both >= 0), CPU tensors, B =
-        micro_batch_size, T = seq_len, P = max_predictions: input_ids, token_type_ids,
-        attention_mask, mlm_labels (B, T) int64, mlm_positions (B, P) int64 and nsp_labels (B,)
-        int64; layout in `example`. attention_mask is left out when no example is padded: the
-        model then attends without a mask (SDPA's fused kernels), decided here on the host."""
-        if step < 0 or micro_batch < 0:
-            raise ValueError(f"step and micro_batch must be >= 0, got {step} and {micro_batch}")
-        examples = [self.example(step, micro_batch, index) for index in range(self.micro_batch_size)]
+    def first_sentence(self, candidate: int) -> tuple[int, int]:
+        """(sentence, document) of candidate `candidate` (0 <= candidate < num_candidates)."""
+        document = int(np.searchsorted(self._candidate_starts, candidate, side="right")) - 1
+        return int(self._document_starts[document]) + candidate - int(self._candidate_starts[document]), document
+
+    def stack(self, examples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        """Examples as one micro-batch of CPU tensors; attention_mask left out when no example is padded."""
         stacked = {key: np.stack([example[key] for example in examples]) for key in BATCH_KEYS}
         if stacked["attention_mask"].all():
             del stacked["attention_mask"]
         return {key: torch.from_numpy(value) for key, value in stacked.items()}
 
-    def example(self, step: int, micro_batch: int, index: int) -> dict[str, np.ndarray]:
-        """Example `index` of the micro-batch, from a generator seeded by (seed, step, micro_batch,
-        index); arrays (seq_len,) int64, nsp_labels 0-d. `[CLS] A [SEP] B [SEP] [PAD]…`: A is one or more consecutive sentences of a
-        document; B the sentences that follow (nsp_labels 0) or, with probability 1/2, a run of
-        another document (1); trimmed to seq_len by BERT's rule (A loses tokens at its start,
-        B at its end). token_type_ids: 0 up to the first [SEP], 1 on B and its [SEP], 0 on
-        padding. Of the A and B positions, round(mask_prob·n) (at least 1) get mlm_labels =
-        original id, and of those 80 % become [MASK], 10 % a random non-special id, 10 % stay.
-        mlm_positions (max_predictions,): the labelled positions in increasing order, then 0
-        ([CLS], never labelled) up to the width."""
-        rng = np.random.default_rng([self.seed, step, micro_batch, index])
-        corpus, budget = self.corpus, self.seq_len - 3
+    def example(self, rng: np.random.Generator, candidate: int) -> dict[str, np.ndarray]:
+        """The example whose segment A starts at candidate `candidate`, its other choices drawn from
+        `rng`; arrays (seq_len,) int64, nsp_labels 0-d. `[CLS] A [SEP] B [SEP] [PAD]…`: A is one or
+        more consecutive sentences of a document; B the sentences that follow (nsp_labels 0) or,
+        with probability 1/2, a run of another document (1); trimmed to seq_len by BERT's rule (A
+        loses tokens at its start, B at its end). token_type_ids: 0 up to the first [SEP], 1 on B
+        and its [SEP], 0 on padding. Of the A and B positions, round(mask_prob·n) (at least 1) get
+        mlm_labels = original id, and of those 80 % become [MASK], 10 % a random non-special id,
+        10 % stay. mlm_positions (max_predictions,): the labelled positions in increasing order,
+        then 0 ([CLS], never labelled) up to the width."""
+        corpus, budget, document_starts = self.corpus, self.seq_len - 3, self._document_starts
         starts, tokens = corpus.sentence_starts, corpus.tokens
 
-        first = int(self._first_sentences[rng.integers(len(self._first_sentences))])
-        document = int(self._sentence_document[first])
-        document_end = int(corpus.document_starts[document + 1])
+        first, document = self.first_sentence(candidate)
+        document_end = int(document_starts[document + 1])
         end = first + 2
         while end < document_end and starts[end] - starts[first] < budget:
             end += 1
@@ -200,17 +186,17 @@ class PretrainingData:
         is_random = bool(rng.random() < 0.5)
         segment_a = tokens[starts[first] : starts[split]]
         if is_random:
-            other = int(rng.integers(corpus.num_documents - 1))
+            other = int(rng.integers(self.num_documents - 1))
             other += other >= document
-            other_first = int(rng.integers(corpus.document_starts[other], corpus.document_starts[other + 1]))
+            other_first = int(rng.integers(document_starts[other], document_starts[other + 1]))
             b_from = starts[other_first]
-            segment_b = tokens[b_from : min(starts[corpus.document_starts[other + 1]], b_from + budget)]
+            segment_b = tokens[b_from : min(starts[document_starts[other + 1]], b_from + budget)]
         else:
             segment_b = tokens[starts[split] : starts[end]]
         len_a, len_b = _truncate_pair(len(segment_a), len(segment_b), budget)
         segment_a, segment_b = segment_a[len(segment_a) - len_a :], segment_b[:len_b]
 
-        special, length = self._special, len_a + len_b + 3
+        special, length = self.special, len_a + len_b + 3
         input_ids = np.full(self.seq_len, special.pad, dtype=np.int64)
         input_ids[:length] = np.concatenate([[special.cls], segment_a, [special.sep], segment_b, [special.sep]])
         token_type_ids = np.zeros(self.seq_len, dtype=np.int64)
@@ -238,6 +224,64 @@ class PretrainingData:
             "mlm_positions": mlm_positions,
             "nsp_labels": np.array(is_random, dtype=np.int64),
         }
+
+
+class PretrainingData:
+    """BERT pretraining micro-batches over `documents` tokenized by `tokenizer`.
+
+    `micro_batch(step, micro_batch)` is a pure function of (seed, step, micro_batch): the same
+    arguments give the same tensors in any process and in any call order. Data-parallel
+    sharding is the caller's: give every replica disjoint global micro-batch ids (e.g. replica
+    r of R uses ids r·M … r·M + M − 1 for its M micro-batches of a step).
+    """
+
+    def __init__(
+        self,
+        documents: list[list[str]],
+        tokenizer: Tokenizer,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        mask_prob: float = 0.15,
+        cache_dir: str | Path | None = None,
+    ):
+        if micro_batch_size < 1 or seed < 0:
+            raise ValueError(f"need micro_batch_size >= 1 and seed >= 0, got {micro_batch_size} and {seed}")
+        self.tokenizer = tokenizer
+        self.seq_len, self.micro_batch_size, self.seed, self.mask_prob = seq_len, micro_batch_size, seed, mask_prob
+        self.corpus = tokenize_corpus(documents, tokenizer, cache_dir)
+        self._special = SpecialIds.from_tokenizer(tokenizer)
+        self.pairs = SentencePairs(self.corpus, self._special, self.vocab_size, seq_len, mask_prob)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def special(self) -> SpecialIds:
+        return self._special
+
+    @property
+    def max_predictions(self) -> int:
+        """P, the width of `mlm_positions` (`SentencePairs.max_predictions`)."""
+        return self.pairs.max_predictions
+
+    def micro_batch(self, step: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        """Global micro-batch `micro_batch` of `step` (both >= 0), CPU tensors, B =
+        micro_batch_size, T = seq_len, P = max_predictions: input_ids, token_type_ids,
+        attention_mask, mlm_labels (B, T) int64, mlm_positions (B, P) int64 and nsp_labels (B,)
+        int64; layout in `SentencePairs.example`. attention_mask is left out when no example is
+        padded: the model then attends without a mask (SDPA's fused kernels), decided here on the host."""
+        if step < 0 or micro_batch < 0:
+            raise ValueError(f"step and micro_batch must be >= 0, got {step} and {micro_batch}")
+        return self.pairs.stack([self.example(step, micro_batch, index) for index in range(self.micro_batch_size)])
+
+    def example(self, step: int, micro_batch: int, index: int) -> dict[str, np.ndarray]:
+        """Example `index` of the micro-batch, from a generator seeded by (seed, step, micro_batch,
+        index): its first draw picks the candidate sentence A starts at, the rest
+        `SentencePairs.example`'s choices."""
+        rng = np.random.default_rng([self.seed, step, micro_batch, index])
+        return self.pairs.example(rng, int(rng.integers(self.pairs.num_candidates)))
 
 
 def default_cache_dir() -> Path:

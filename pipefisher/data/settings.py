@@ -20,8 +20,13 @@ def max_predictions(seq_len: int, mask_prob: float) -> int:
 class DataConfig:
     """Micro-batches, a pure function of (seed, step, micro-batch id)."""
 
-    kind: Literal["synthetic", "bert", "causal"] = setting(
-        "synthetic", "synthetic: regression data; bert: sentence pairs with masking; causal: next-token prediction"
+    kind: Literal["synthetic", "bert", "causal", "shards"] = setting(
+        "synthetic",
+        "synthetic: regression data; bert: sentence pairs with masking; causal: next-token prediction; "
+        "shards: a prepared folder (data.shards), read for the model's objective (bert or causal)",
+    )
+    shards: str = setting(
+        "", "shards: the folder `pipefisher data prepare` wrote (manifest.json, tokenizer.json, train/, valid/)"
     )
     seed: int = setting(0, "seed of the data")
     micro_batch_size: int = setting(4, "sequences per micro-batch", low=0, low_open=True)

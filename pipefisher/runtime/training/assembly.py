@@ -32,10 +32,13 @@ class RunParts:
     def __init__(self, config: RunConfig, on_data: Callable[[], None] | None = None) -> None:
         self.config = config
         self._on_data = on_data
+        self._objective = ""
 
-    def data_ready(self) -> None:
+    def data_ready(self, objective: str = "") -> None:
         """Say (once) that the text data is about to be built; model builders call it when the
-        model's split is valid, before they read `text_data`."""
+        model's split is valid, before they read `text_data`, with the `objective` the model
+        trains ("bert" or "causal"), which `data.kind: shards` reads its folder for."""
+        self._objective = objective or self._objective
         on_data, self._on_data = self._on_data, None
         if on_data is not None:
             on_data()
@@ -63,14 +66,17 @@ class RunParts:
 
     @cached_property
     def text_data(self) -> Any:
-        """The run's text data (`data.kind` bert or causal: `pipefisher.runtime.training.text_data`)."""
+        """The run's text data (`data.kind` bert, causal or shards: `pipefisher.runtime.training.text_data`)."""
         self.data_ready()
-        return text.text_data(self.config.data, self.config.model.seq_len)
+        config = self.config
+        objective = self._objective or data_objective(config)
+        step_micro_batches = config.pipeline.micro_batches * config.pipeline.data_parallel
+        return text.text_data(config.data, config.model.seq_len, False, objective, step_micro_batches)
 
     @cached_property
     def data_source(self) -> MicroBatchFn:
         """(step, global micro-batch) -> batch, a pure function every rank can call."""
-        if self.config.data.kind in ("bert", "causal"):
+        if self.config.data.kind in ("bert", "causal", "shards"):
             return self.text_data.micro_batch
         return SyntheticRegression(self.config.data, self.config.model).micro_batch
 
@@ -89,6 +95,21 @@ def tokens_per_step(config: RunConfig) -> int:
     """The tokens (sequence positions) one training step of the run reads, over all replicas."""
     p = config.pipeline
     return p.micro_batches * p.data_parallel * config.data.micro_batch_size * config.model.seq_len
+
+
+def data_objective(config: RunConfig) -> str:
+    """What the run's model trains on its text: `data.kind` bert or causal, or for shards the
+    model's objective (its kind's one text data kind; a Hugging Face model's from its class,
+    read from a skeleton without weights). "" for synthetic data."""
+    kind = config.data.kind
+    if kind != "shards":
+        return kind if kind in ("bert", "causal") else ""
+    texts = [name for name in model_kind(config.model.kind).data if name in ("bert", "causal")]
+    if len(texts) == 1:
+        return texts[0]
+    from pipefisher.runtime.training.model_builders import hf_staged
+
+    return hf_staged(config.model).layout.data
 
 
 def build_schedule(config: RunConfig) -> Schedule:
@@ -123,6 +144,7 @@ def text_data(config: RunConfig) -> Any:
 
 
 def held_out_batches(config: RunConfig, count: int) -> list[dict]:
-    """`count` micro-batches of the text run's held-out documents (`data.holdout` > 0), the same
-    for every `data.seed`; ConfigError naming data.holdout otherwise (`text_data.held_out_batches`)."""
-    return text.held_out_batches(config.data, config.model.seq_len, count)
+    """`count` micro-batches of the text run's held-out documents (`data.holdout` > 0) or of its
+    shards' valid split (`data.kind` shards), the same for every `data.seed`; ConfigError naming
+    data.holdout otherwise (`text_data.held_out_batches`)."""
+    return text.held_out_batches(config.data, config.model.seq_len, count, data_objective(config))

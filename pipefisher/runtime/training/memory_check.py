@@ -53,7 +53,9 @@ def bert_shape(config: RunConfig, model) -> ModelShape:
         bert.vocab_size,
         config.model.seq_len,
         dropout=bert.hidden_dropout_prob,
-        predictions=max_predictions(config.model.seq_len, config.data.mask_prob) if config.data.kind == "bert" else 0,
+        predictions=max_predictions(config.model.seq_len, config.data.mask_prob)
+        if config.data.kind in ("bert", "shards")
+        else 0,
     )
 
 

@@ -40,7 +40,7 @@ def bert_model(run: RunParts) -> StagedModel:
         raise ConfigError(
             f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions"
         )
-    run.data_ready()
+    run.data_ready("bert")
     bert = dataclasses.replace(bert, vocab_size=run.text_data.vocab_size)
     if settings.dropout >= 0:
         bert = dataclasses.replace(
@@ -70,13 +70,15 @@ def hf_model(run: RunParts) -> StagedModel:
         model.recompute_plan(settings.recompute)  # refused before the data is built
     except ValueError as exc:
         raise ConfigError(f"model.{exc}") from None
-    if model.layout.data != config.data.kind:
+    if model.layout.data != config.data.kind and config.data.kind != "shards":
         raise ConfigError(
             f"data.kind: {config.data.kind!r} does not fit {model.cls.__name__}; it needs data.kind {model.layout.data}"
         )
-    run.data_ready()
+    run.data_ready(model.layout.data)
     try:
         data = run.text_data
+    except ConfigError:
+        raise
     except (ValueError, OSError) as exc:
         message = str(exc).splitlines()[0]
         raise ConfigError(
@@ -84,14 +86,20 @@ def hf_model(run: RunParts) -> StagedModel:
         ) from None
     if settings.hf_weights:
         if data.vocab_size > model.config.vocab_size:
+            fix = (
+                "data.shards: prepare the shards with the checkpoint's tokenizer"
+                if config.data.kind == "shards"
+                else "data: give data.tokenizer the checkpoint's tokenizer.json"
+            )
+            key, _, advice = fix.partition(": ")
             raise ConfigError(
-                f"data: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
-                "model.hf_weights; give data.tokenizer the checkpoint's tokenizer.json"
+                f"{key}: the tokenizer has {data.vocab_size} tokens, more than the {model.config.vocab_size} of "
+                f"model.hf_weights; {advice}"
             )
         return model
     special = (
         {"pad_token_id": data.special.pad}
-        if config.data.kind == "bert"
+        if model.layout.data == "bert"
         else {"bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
     )
     return hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()))

@@ -53,6 +53,7 @@ _FREE = {
     ("checkpoint", "every"),
     ("checkpoint", "keep"),
     ("checkpoint", "resume"),
+    ("data", "shards"),  # where the folder lies; what it holds is checked by its checksum (`data_problem`)
 }
 _PROCESSES = {
     ("pipeline", "schedule"),
@@ -114,16 +115,45 @@ def _defaults(optimizer: str) -> dict[str, dict[str, Any]]:
         return _tiers(RunConfig())
 
 
-def manifest_fields(config: RunConfig, cycle: tuple[int, int] | None) -> dict[str, Any]:
-    """What a step's manifest says of the run: its identity, processes and plan, and `cycle`, the
-    refresh cycle's (position, length) of a curvature run."""
+def manifest_fields(config: RunConfig, cycle: tuple[int, int] | None, step: int = 0) -> dict[str, Any]:
+    """What a step's manifest says of the run: its identity, processes and plan, `cycle`, the
+    refresh cycle's (position, length) of a curvature run, and after `step` steps of a run
+    reading shards its data position (`pipefisher.data.shards.position`)."""
     tiers = _tiers(config)
-    return {
+    fields = {
         "config": tiers["identity"],
         "layout": tiers["processes"],
         "plan": tiers["plan"],
         "cycle": None if cycle is None else {"position": cycle[0], "refresh_steps": cycle[1]},
     }
+    if config.data.kind == "shards":
+        fields["data"] = _data_position(config, step).to_dict()
+    return fields
+
+
+def _data_position(config: RunConfig, step: int):
+    """The shard position of `config`'s run after `step` steps."""
+    from pipefisher.data.shards.position import data_position
+
+    data, pipeline = config.data, config.pipeline
+    samples = step * pipeline.micro_batches * pipeline.data_parallel * data.micro_batch_size
+    return data_position(data.shards, data.seed, samples)
+
+
+def data_problem(manifest: dict[str, Any], config: RunConfig) -> str:
+    """Why `config`'s run cannot continue from the step of `manifest` with its shards (they changed,
+    or its position differs), in one line naming data.shards; "" when it can or reads no shards."""
+    if config.data.kind != "shards":
+        return ""
+    from pipefisher.data.shards.format import ShardError
+    from pipefisher.data.shards.position import position_problem
+
+    try:
+        current = _data_position(config, manifest["step"])
+    except ShardError as exc:
+        return f"data.shards: {exc}"
+    problem = position_problem(manifest.get("data"), current, config.data.shards)
+    return f"data.shards: {problem}" if problem else ""
 
 
 def describe_layout(values: dict[str, Any]) -> str:
@@ -328,6 +358,9 @@ class Resumption:
 def resumption(directory: str | Path, step: int, config: RunConfig) -> Resumption:
     """How `config` continues from the verified `step` in `directory`."""
     manifest = read_manifest(step_folder(directory, step))
+    problem = data_problem(manifest, config)
+    if problem:
+        raise CheckpointError(f"cannot resume from step {step} in {directory}: {problem}")
     defaults, ours = _defaults(config.optimizer.name), _tiers(config)
     processes = {**defaults["processes"], **manifest["layout"]}
     plan = {**defaults["plan"], **manifest.get("plan", {})}

@@ -1,6 +1,7 @@
-"""A run's text data from its `data` section: BERT pretraining (`data.kind: bert`) or causal LM
-(`causal`), each with `tokenizer`, `vocab_size` and `micro_batch`; built anew on each call (its
-tokenizer and tokens are cached on disk, in `data.cache_dir`). A run builds it once, through its
+"""A run's text data from its `data` section: BERT pretraining (`data.kind: bert`), causal LM
+(`causal`), or a prepared shard folder read for the model's objective (`shards`), each with
+`tokenizer`, `vocab_size` and `micro_batch`; built anew on each call (its tokenizer and tokens are
+cached on disk, in `data.cache_dir`; shards are memory-mapped). A run builds it once, through its
 `RunParts` (`pipefisher.runtime.training.assembly`)."""
 
 from __future__ import annotations
@@ -58,19 +59,43 @@ def pretraining_data(data: DataConfig, seq_len: int, held_out: bool = False):
     return PretrainingData(documents, tokenizer, seq_len, data.micro_batch_size, data.seed, data.mask_prob, cache)
 
 
-def text_data(data: DataConfig, seq_len: int, held_out: bool = False):
-    """The text data of `data.kind` bert or causal."""
+def shard_data(data: DataConfig, seq_len: int, objective: str, step_micro_batches: int, held_out: bool = False):
+    """The micro-batches of `objective` ("bert" or "causal") read from the prepared folder
+    `data.shards`, its train split (its valid split with `held_out`); a step reads
+    `step_micro_batches` micro-batches over all replicas. ConfigError naming data.shards for a
+    folder that is missing, not prepared, damaged or unfit for `objective`."""
+    from pipefisher.data.shards.format import ShardError
+    from pipefisher.data.shards.reader import open_shards
+
+    split = "valid" if held_out else "train"
+    try:
+        return open_shards(
+            data.shards, split, objective, seq_len, data.micro_batch_size, step_micro_batches, data.seed, data.mask_prob
+        )
+    except (ShardError, OSError) as exc:
+        raise ConfigError(f"data.shards: {str(exc).splitlines()[0]}") from None
+
+
+def text_data(data: DataConfig, seq_len: int, held_out: bool = False, objective: str = "", step_micro_batches: int = 1):
+    """The text data of `data.kind` bert, causal or shards (read for `objective`, with
+    `step_micro_batches` micro-batches a step: `shard_data`)."""
+    if data.kind == "shards":
+        return shard_data(data, seq_len, objective, step_micro_batches, held_out)
     return (pretraining_data if data.kind == "bert" else causal_data)(data, seq_len, held_out)
 
 
-def held_out_batches(data: DataConfig, seq_len: int, count: int) -> list[dict]:
+def held_out_batches(data: DataConfig, seq_len: int, count: int, objective: str = "") -> list[dict]:
     """`count` micro-batches of the text run's held-out documents (`data.holdout` > 0; the
-    tokenizer is the run's, trained without them), the same for every `data.seed`
+    tokenizer is the run's, trained without them), or of the valid split of its shards (`data.kind`
+    shards, read for `objective`), the same for every `data.seed`
     (`pipefisher.data.holdout.evaluation_batches`); ConfigError naming data.holdout otherwise."""
     from pipefisher.data.holdout import evaluation_batches
 
+    if data.kind == "shards":
+        return evaluation_batches(shard_data(dataclasses.replace(data, seed=0), seq_len, objective, 1, True), count)
     if data.kind not in ("bert", "causal") or not data.holdout:
         raise ConfigError(
-            "data.holdout: held-out evaluation needs text data (data.kind bert or causal) and data.holdout > 0"
+            "data.holdout: held-out evaluation needs text data (data.kind bert or causal) and data.holdout > 0, "
+            "or data.kind shards with a valid split"
         )
     return evaluation_batches(text_data(dataclasses.replace(data, seed=0), seq_len, True), count)

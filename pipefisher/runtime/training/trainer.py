@@ -317,7 +317,7 @@ def save_checkpoint(config: RunConfig, process: int, executor: Executor, runner:
     if process == 0:
         cycle = (runner.cycle_step, runner.plan.refresh_steps) if config.curvature is not None else None
         for line in commit(
-            config.checkpoint.dir, step, manifest_fields(config, cycle), records, config.checkpoint.keep
+            config.checkpoint.dir, step, manifest_fields(config, cycle, step), records, config.checkpoint.keep
         ):
             logger.info("checkpoint %s", line)
     dist.barrier()
