@@ -3,7 +3,8 @@ summary when the run completed (a failed or stopped run has none).
 
 Rank 0 reports. stdout carries only the step lines (JSON with --json); the progress bar, logs
 and the summary go to stderr. The metrics file gets one JSON object per step: step, loss, its
-parts (MLM/NSP), lr, step_time_ms, tokens_per_s and, with a curvature method, the refresh interval,
+parts (MLM/NSP), lr, step_time_ms, tokens_per_s, on evaluation steps (`run.eval_every`) the
+held-out `eval_loss`, and, with a curvature method, the refresh interval,
 the predicted step time and, from the end of the refresh cycle it was measured on, the exposed
 optimizer time: `exposed_share` (the simulated mean step with the method's work over the
 first-order step of the same layout, both on the op times the run measured on its own steps,
@@ -71,6 +72,8 @@ class StepReporter:
             line = f"step {result.step}/{self.total}  loss {result.loss:.6f}  step time {record['step_time_ms']:.1f} ms"
             if "mlm" in record:
                 line += f"  (mlm {record['mlm']:.4f}, nsp {record['nsp']:.4f})"
+            if "eval_loss" in record:
+                line += f"  eval loss {record['eval_loss']:.6f}"
             if "predicted_step_time_ms" in record:
                 line += f"  predicted {record['predicted_step_time_ms']:.1f} ms, k={record['refresh_steps']}"
             print(line, flush=True)
