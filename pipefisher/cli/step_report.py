@@ -5,7 +5,8 @@ Rank 0 reports. stdout carries only the step lines (JSON with --json); the progr
 and the summary go to stderr. The step record goes to stdout with --json and to every sink the run
 asks for (`pipefisher.cli.metric_sinks`: the metrics file, TensorBoard, W&B): step, loss, its
 parts (MLM/NSP), lr (with a curvature method: its rate; `lr_rest`: the rate of the parameters it
-does not precondition), step_time_ms, tokens_per_s and, with a curvature method, the refresh interval,
+does not precondition), step_time_ms, tokens_per_s, on evaluation steps (`run.eval_every`) the
+held-out `eval_loss`, and, with a curvature method, the refresh interval,
 the predicted step time and, from the end of the refresh cycle it was measured on, the exposed
 optimizer time: `exposed_share` (the simulated mean step with the method's work over the
 first-order step of the same layout, both on the op times the run measured on its own steps,
@@ -76,6 +77,8 @@ class StepReporter:
             line = f"step {result.step}/{self.total}  loss {result.loss:.6f}  step time {record['step_time_ms']:.1f} ms"
             if "mlm" in record:
                 line += f"  (mlm {record['mlm']:.4f}, nsp {record['nsp']:.4f})"
+            if "eval_loss" in record:
+                line += f"  eval loss {record['eval_loss']:.6f}"
             if "predicted_step_time_ms" in record:
                 line += f"  predicted {record['predicted_step_time_ms']:.1f} ms, k={record['refresh_steps']}"
             print(line, flush=True)

@@ -25,7 +25,7 @@ from pipefisher.config.sections import (
     RunSettings,
 )
 from pipefisher.core.settings import ConfigError, check_ranges, closest
-from pipefisher.data.settings import DataConfig
+from pipefisher.data.settings import DataConfig, has_held_out_split
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.models.registry import kinds, model_kind
@@ -290,6 +290,7 @@ def _check(config: RunConfig) -> None:
     for name, section in config.methods:
         section.check(name, config)
     _ = config.gradient_path  # raises ConfigError unless the reduction and gradient workers combine
+    _check_evaluation(config)
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if pipeline.tensor_parallel > 1:
@@ -305,6 +306,25 @@ def _check(config: RunConfig) -> None:
             "which a compiled block computes in one piece; set run.compile false or use pipeline.schedule 1f1b"
         )
     check_applies(config)  # last: what cannot run at all is said first, then what would be ignored
+
+
+def _check_evaluation(config: RunConfig) -> None:
+    """Held-out evaluation (`run.eval_every`) needs a held-out split, and its micro-batches split
+    evenly over the data-parallel replicas."""
+    run, replicas = config.run, config.pipeline.data_parallel
+    if not run.eval_every:
+        return
+    if not has_held_out_split(config.data):
+        raise ConfigError(
+            f"run.eval_every: {run.eval_every} evaluates on held-out data, which this run's data ({config.data.kind}) "
+            "does not have; set data.holdout > 0 with data.kind bert or causal, use data.kind shards (their valid split), "
+            "or set run.eval_every 0"
+        )
+    if run.eval_batches % replicas:
+        raise ConfigError(
+            f"run.eval_batches: {run.eval_batches} micro-batches do not split evenly over pipeline.data_parallel "
+            f"{replicas} replicas; use a multiple of {replicas}"
+        )
 
 
 def _check_tensor_parallel(config: RunConfig) -> None:

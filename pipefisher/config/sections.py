@@ -74,6 +74,19 @@ class RunSettings:
         high=65535,
     )
     timeout: float = setting(60.0, "seconds any rank may wait for another before the run aborts", low=0, low_open=True)
+    eval_every: int = setting(
+        0,
+        "steps between held-out evaluations, and one after the last step (0 = none); needs a held-out split (data.holdout > 0)",
+        low=0,
+        ceiling=STEP_CEILING,
+    )
+    eval_batches: int = setting(
+        8,
+        "held-out micro-batches per evaluation, over all data-parallel replicas (a multiple of pipeline.data_parallel)",
+        low=0,
+        low_open=True,
+        ceiling=COUNT_CEILING,
+    )
     metrics: str = setting("", 'file that gets one JSON line per step ("" = none)')
     tensorboard: str = setting(
         "", 'folder for TensorBoard event files of the step records ("" = none; needs pipefisher[log])'

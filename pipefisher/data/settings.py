@@ -46,3 +46,12 @@ class DataConfig:
         high=1,
         high_open=True,
     )
+
+
+def has_held_out_split(data: DataConfig) -> bool:
+    """Whether `data` has a split that training never sees, for held-out evaluation
+    (`run.eval_every`): text data (bert, causal) with `holdout` > 0, or shards (their `valid`
+    split, whose presence is checked when its micro-batches are read). A data kind with its own
+    split says so here, and serves its micro-batches through
+    `pipefisher.runtime.training.assembly.held_out_batches`."""
+    return (data.kind in ("bert", "causal") and data.holdout > 0) or data.kind == "shards"
