@@ -21,7 +21,7 @@ def _stages():
     yield staged_model(config_from_dict({"model": tiny_model()})).build_stage(1, 2, 0), ["blocks.2", "blocks.3"]
     yield BertStagedModel(bert_preset("bert-4x128"), 16).build_stage(0, 2, 0), ["encoder.layer.0", "encoder.layer.1"]
     pytest.importorskip("transformers")
-    from pipefisher.runtime.training.model_builders import hf_staged
+    from pipefisher.runtime.training.hf_skeleton import hf_staged
 
     hf = hf_staged(ModelConfig(kind="hf", hf_config="gpt2-tiny", seq_len=8))
     yield hf.build_stage(1, 2, 0), ["transformer.h.2", "transformer.h.3"]

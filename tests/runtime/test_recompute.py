@@ -39,7 +39,7 @@ def _bert():
 
 def _gpt2():
     pytest.importorskip("transformers")
-    from pipefisher.runtime.training.model_builders import hf_staged
+    from pipefisher.runtime.training.hf_skeleton import hf_staged
 
     return hf_staged(ModelConfig(kind="hf", hf_config="gpt2-tiny", seq_len=SEQ))  # dropout 0.1
 

@@ -107,7 +107,7 @@ def data_objective(config: RunConfig) -> str:
     texts = [name for name in model_kind(config.model.kind).data if name in ("bert", "causal")]
     if len(texts) == 1:
         return texts[0]
-    from pipefisher.runtime.training.model_builders import hf_staged
+    from pipefisher.runtime.training.hf_skeleton import hf_staged
 
     return hf_staged(config.model).layout.data
 

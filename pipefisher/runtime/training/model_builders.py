@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pipefisher.config import ConfigError, ModelConfig, RunConfig, split_hint, stage_count_terms
+from pipefisher.config import ConfigError, RunConfig, split_hint, stage_count_terms
 from pipefisher.models import StagedModel
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.runtime.errors import first_line
+from pipefisher.runtime.training.hf_skeleton import hf_staged
 
 if TYPE_CHECKING:
     from pipefisher.runtime.training.assembly import RunParts
@@ -103,26 +104,3 @@ def hf_model(run: RunParts) -> StagedModel:
         else {"bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
     )
     return hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()))
-
-
-def hf_staged(settings: ModelConfig, overrides: tuple[tuple[str, object], ...] = ()):
-    """The Hugging Face staged model of `settings` with `overrides` of its config (building the
-    skeleton of a large model takes seconds: a run builds it through its `RunParts`, once);
-    ConfigError naming the key."""
-    try:
-        from pipefisher.models.hf import DROPOUT_FIELDS, HfStagedModel, load_hf_config
-    except ImportError:
-        raise ConfigError('model.kind hf needs Hugging Face transformers: pip install -e ".[hf]"') from None
-    try:
-        hf_config = load_hf_config(settings.hf_config, **dict(overrides))
-        if settings.dropout >= 0:
-            for name in DROPOUT_FIELDS:
-                if hasattr(hf_config, name):
-                    setattr(hf_config, name, settings.dropout)
-        class_name = settings.hf_class or (getattr(hf_config, "architectures", None) or [""])[0]
-        if not class_name:
-            raise ValueError("hf_class: the config names no architectures; set model.hf_class (e.g. GPT2LMHeadModel)")
-        return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights)
-    except ValueError as exc:
-        # every message names its field (hf_config, hf_class, hf_weights, seq_len)
-        raise ConfigError(f"model.{exc}") from None
