@@ -33,7 +33,7 @@ def _fraction(text: str) -> float:
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from pipefisher.data.shards.prepare import check_out_folder, prepare
-    from pipefisher.data.shards.sources import EMBEDDED, all_documents, describe, open_input
+    from pipefisher.data.shards.sources import EMBEDDED, all_documents, describe, distinct_documents, open_input
     from pipefisher.data.shards.tokenizing import TRAINED, resolve
 
     out = Path(args.output)
@@ -43,7 +43,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     sources = [open_input(spec, args.field, args.split, args.repeat, args.shuffle_seed) for spec in args.inputs]
     if args.tokenizer in TRAINED:
         say(f"training a {args.tokenizer} tokenizer of {args.vocab_size} tokens on a sample of the inputs")
-    resolved = resolve(args.tokenizer, args.vocab_size, all_documents(sources))
+    resolved = resolve(args.tokenizer, args.vocab_size, distinct_documents(sources))
     if args.tokenizer in TRAINED:
         say(f"tokenizer {resolved.source}: {resolved.vocab_size} tokens")
     summary = prepare(

@@ -198,3 +198,10 @@ def all_documents(sources: list[Source]) -> Iterator[Document]:
     """The documents of every source, in order."""
     for source in sources:
         yield from source.documents()
+
+
+def distinct_documents(sources: list[Source]) -> Iterator[Document]:
+    """`all_documents` with one pass over `embedded` in corpus order: what a tokenizer trains on
+    (repeats teach it nothing)."""
+    for source in sources:
+        yield from (Embedded() if isinstance(source, Embedded) else source).documents()

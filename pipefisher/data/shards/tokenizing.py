@@ -19,7 +19,7 @@ from pipefisher.core.usage import UsageError
 from pipefisher.data.shards.format import TOKENIZER_FILE
 
 TRAINED = ("wordpiece", "bpe")
-SAMPLE_CHARS = 64 << 20  # characters of the inputs a tokenizer is trained on, at most
+SAMPLE_CHARS = 16 << 20  # characters of the inputs a tokenizer is trained on, at most
 _KEPT_SPECIAL = ("[UNK]", "<unk>")  # special tokens that stand for text: kept in the stored ids
 
 
