@@ -41,8 +41,6 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     if (args.repeat != 1 or args.shuffle_seed is not None) and args.inputs != [EMBEDDED]:
         raise UsageError("--repeat/--shuffle-seed: only with the single input 'embedded'")
     sources = [open_input(spec, args.field, args.split, args.repeat, args.shuffle_seed) for spec in args.inputs]
-    if args.tokenizer in TRAINED:
-        say(f"training a {args.tokenizer} tokenizer of {args.vocab_size} tokens on a sample of the inputs")
     resolved = resolve(args.tokenizer, args.vocab_size, distinct_documents(sources))
     if args.tokenizer in TRAINED:
         say(f"tokenizer {resolved.source}: {resolved.vocab_size} tokens")
@@ -59,11 +57,13 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**asdict(summary), "tokens": summary.tokens, "tokens_per_second": summary.tokens_per_second}))
         return 0
-    splits = ", ".join(f"{name} {info.documents:,} documents / {info.tokens:,} tokens" for name, info in summary.splits.items())
+    splits = ", ".join(
+        f"{name} {info.documents:,} documents / {info.tokens:,} tokens" for name, info in summary.splits.items()
+    )
     print(
         f"wrote {out}: {summary.documents:,} documents, {summary.tokens:,} tokens ({splits}), "
         f"{_bytes(summary.bytes_on_disk)} on disk; {summary.seconds:.1f} s, {summary.tokens_per_second:,.0f} tokens/s "
-        f"on {summary.workers} workers; peak RSS {summary.peak_rss_mib:.0f} MiB (largest worker "
+        f"on {summary.workers} workers ({summary.cpu_seconds:.1f} CPU s); peak RSS {summary.peak_rss_mib:.0f} MiB (largest worker "
         f"{summary.worker_peak_rss_mib:.0f} MiB)"
     )
     return 0
@@ -139,7 +139,9 @@ def add_data_parser(subparsers) -> None:
     prepare.add_argument("--holdout-seed", type=whole, default=0, help="seed of the held-out choice (default 0)")
     prepare.add_argument("--repeat", type=positive_int, default=1, help="passes over the 'embedded' corpus (default 1)")
     prepare.add_argument(
-        "--shuffle-seed", type=whole, help="each pass over 'embedded' in an order drawn from this seed (default: corpus order)"
+        "--shuffle-seed",
+        type=whole,
+        help="each pass over 'embedded' in an order drawn from this seed (default: corpus order)",
     )
     prepare.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty OUT that is not a prepared folder"

@@ -24,7 +24,10 @@ WORDS = "the a pipeline stage sends its activations to the next one while curvat
 def _documents(count: int, seed: int = 0) -> list[list[str]]:
     rng = np.random.default_rng(seed)
     return [
-        [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 9)))).capitalize() + "." for _ in range(rng.integers(2, 6))]
+        [
+            " ".join(rng.choice(WORDS, size=int(rng.integers(3, 9)))).capitalize() + "."
+            for _ in range(rng.integers(2, 6))
+        ]
         for _ in range(count)
     ]
 
@@ -75,7 +78,9 @@ def test_prepared_tokens_are_the_tokenizers_encoding(corpus, tmp_path, capsys):
         np.testing.assert_array_equal(split.document_tokens(index), tokens)
     manifest = Manifest.read(tmp_path / "out")
     assert manifest.tokenizer["kind"] == "file" and int(manifest.tokenizer["vocab_size"]) == manifest.vocab_size
-    assert (tmp_path / "out" / "tokenizer.json").read_text() == Tokenizer.from_file(str(corpus.parent / "bpe.json")).to_str()
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == Tokenizer.from_file(
+        str(corpus.parent / "bpe.json")
+    ).to_str()
 
 
 def test_wordpiece_shards_match_the_pretraining_tokenization(corpus, tmp_path):
@@ -98,7 +103,17 @@ def test_same_bytes_for_any_worker_count(corpus, tmp_path, monkeypatch):
 
 
 def test_holdout_sends_whole_documents_to_valid(corpus, tmp_path):
-    _prepare(corpus, tmp_path / "out", corpus.parent / "bpe.json", "--workers", "1", "--holdout", "0.3", "--holdout-seed", "7")
+    _prepare(
+        corpus,
+        tmp_path / "out",
+        corpus.parent / "bpe.json",
+        "--workers",
+        "1",
+        "--holdout",
+        "0.3",
+        "--holdout-seed",
+        "7",
+    )
     expected = _expected(corpus)
     chosen = [held_out(index, 0.3, 7) for index in range(len(expected))]
     assert 0 < sum(chosen) < len(expected)
@@ -143,7 +158,12 @@ def test_verify_and_info_through_the_cli(corpus, tmp_path, capsys):
 def test_a_failure_midway_leaves_no_manifest(tmp_path, corpus, capsys):
     lines = tmp_path / "docs.jsonl"
     lines.write_text(json.dumps({"text": "One sentence here. Another one there."}) + "\n{broken\n")
-    assert main(["data", "prepare", str(lines), "-o", str(tmp_path / "out"), "--tokenizer", str(corpus.parent / "bpe.json")]) == 2
+    assert (
+        main(
+            ["data", "prepare", str(lines), "-o", str(tmp_path / "out"), "--tokenizer", str(corpus.parent / "bpe.json")]
+        )
+        == 2
+    )
     assert "docs.jsonl:2" in capsys.readouterr().err
     assert not (tmp_path / "out" / MANIFEST).exists()
 
@@ -159,12 +179,15 @@ def test_a_failure_midway_leaves_no_manifest(tmp_path, corpus, capsys):
         (["{corpus}", "--field", "body", "-o", "{corpus_dir}"], "OUT"),
         (["{jsonl}", "--field", "body"], "--field"),
         (["{corpus}", "--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size"),
+        (["{binary}"], "is not UTF-8 text"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, corpus, tmp_path, capsys):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text(json.dumps({"text": "One sentence here. Another one there."}) + "\n")
-    names = {"corpus": corpus, "corpus_dir": corpus.parent, "jsonl": jsonl}
+    binary = tmp_path / "image.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    names = {"corpus": corpus, "corpus_dir": corpus.parent, "jsonl": jsonl, "binary": binary}
     filled = [arg.format(**names) for arg in args]
     if "-o" not in filled:
         filled += ["-o", str(tmp_path / "out")]

@@ -103,7 +103,11 @@ class ChunkEncoder:
         self.holdout, self.seed = holdout, holdout_seed
 
     def __call__(self, chunk: Chunk) -> EncodedChunk:
-        texts = [sentence if k == 0 else " " + sentence for document in chunk.documents for k, sentence in enumerate(document)]
+        texts = [
+            sentence if k == 0 else " " + sentence
+            for document in chunk.documents
+            for k, sentence in enumerate(document)
+        ]
         ids = self.encode(texts)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter((i for sentence in ids for i in sentence), dtype=np.int64, count=int(lengths.sum()))
@@ -161,8 +165,9 @@ def encoded_in_order(
 
 @dataclass(frozen=True)
 class Summary:
-    """One preparation: counts, bytes of the folder, wall time [s], throughput [tokens/s] and the
-    peak resident memory [MiB] of this process and of its largest worker."""
+    """One preparation: counts, bytes of the folder, wall time [s], CPU time of this process and
+    its workers [s], throughput [tokens/s] and the peak resident memory [MiB] of this process and
+    of its largest worker."""
 
     folder: str
     documents: int
@@ -170,6 +175,7 @@ class Summary:
     splits: dict[str, SplitInfo]
     bytes_on_disk: int
     seconds: float
+    cpu_seconds: float
     peak_rss_mib: float
     worker_peak_rss_mib: float
     workers: int
@@ -200,6 +206,13 @@ def _clear(out: Path) -> None:
         shutil.rmtree(out / split, ignore_errors=True)
 
 
+def _cpu_seconds() -> float:
+    return sum(
+        usage.ru_utime + usage.ru_stime
+        for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
 def _peak_rss_mib(who: int) -> float:
     return resource.getrusage(who).ru_maxrss / 1024  # KiB on Linux
 
@@ -218,7 +231,7 @@ def prepare(
     manifest is written last. `progress`: a tqdm bar of tokens on stderr."""
     from tqdm import tqdm
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     out.mkdir(parents=True, exist_ok=True)
     _clear(out)
     if resolved.json is not None:
@@ -248,6 +261,7 @@ def prepare(
         splits=splits,
         bytes_on_disk=sum(path.stat().st_size for path in out.rglob("*") if path.is_file()),
         seconds=time.perf_counter() - start,
+        cpu_seconds=_cpu_seconds() - cpu_start,
         peak_rss_mib=_peak_rss_mib(resource.RUSAGE_SELF),
         worker_peak_rss_mib=_peak_rss_mib(resource.RUSAGE_CHILDREN),
         workers=workers,

@@ -49,15 +49,18 @@ class TextFile:
         return "sentences" if self.per_line else "text"
 
     def documents(self) -> Iterator[Document]:
+        block: list[str] = []
         with open(self.path, encoding="utf-8") as file:
-            block: list[str] = []
-            for line in file:
-                if line.strip():
-                    block.append(line)
-                    continue
-                yield from self._document(block)
-                block = []
-            yield from self._document(block)
+            try:
+                for line in file:
+                    if line.strip():
+                        block.append(line)
+                        continue
+                    yield from self._document(block)
+                    block = []
+            except UnicodeDecodeError:
+                raise UsageError(f"INPUT: {self.path} is not UTF-8 text past its first MiB") from None
+        yield from self._document(block)
 
     def _document(self, block: list[str]) -> Iterator[Document]:
         if self.per_line:
@@ -171,16 +174,22 @@ def open_input(spec: str, field: str, split: str, repeat: int, shuffle_seed: int
     if path.is_dir():
         return HFDataset(path, field, split)
     if not path.is_file():
-        raise UsageError(f"INPUT: {spec} does not exist; give a text or JSON-lines file, a datasets folder or 'embedded'")
+        raise UsageError(
+            f"INPUT: {spec} does not exist; give a text or JSON-lines file, a datasets folder or 'embedded'"
+        )
     if path.suffix.lower() in JSON_SUFFIXES:
         return JsonLines(path, field)
     try:
         with open(path, "rb") as file:
-            head = file.read(_HEAD_BYTES).decode("utf-8", errors="strict" if path.stat().st_size <= _HEAD_BYTES else "ignore")
-    except UnicodeDecodeError:
-        raise UsageError(f"INPUT: {spec} is not UTF-8 text") from None
+            raw = file.read(_HEAD_BYTES)
     except OSError as exc:
         raise UsageError(f"INPUT: cannot read {spec}: {exc.strerror}") from None
+    try:
+        head = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(raw) - 4:  # not a character cut at the end of the head
+            raise UsageError(f"INPUT: {spec} is not UTF-8 text (byte {exc.start})") from None
+        head = raw[: exc.start].decode("utf-8")
     return TextFile(path, _is_sentence_per_line(head))
 
 
