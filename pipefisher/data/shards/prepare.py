@@ -99,6 +99,7 @@ class ChunkEncoder:
     def __init__(self, resolved: ResolvedTokenizer, holdout: float, holdout_seed: int):
         self.encode = Encoder(resolved)
         self.strip = np.array(resolved.strip_ids, dtype=np.int64)
+        self.vocab_size = resolved.vocab_size
         self.dtype = token_dtype(resolved.vocab_size)
         self.holdout, self.seed = holdout, holdout_seed
 
@@ -111,6 +112,8 @@ class ChunkEncoder:
         ids = self.encode(texts)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter((i for sentence in ids for i in sentence), dtype=np.int64, count=int(lengths.sum()))
+        if len(tokens) and int(tokens.max()) >= self.vocab_size:
+            raise ValueError(f"the tokenizer made id {int(tokens.max())}, outside its vocabulary of {self.vocab_size}")
         if len(self.strip):
             keep = ~np.isin(tokens, self.strip)
             sentence_of_token = np.repeat(np.arange(len(ids)), lengths)
