@@ -26,6 +26,7 @@ from pipefisher.cli.args import (
 )
 from pipefisher.cli.checkpoint_command import add_checkpoint_parser
 from pipefisher.cli.config_command import add_config_parser
+from pipefisher.cli.data_command import add_data_parser
 from pipefisher.cli.plan_command import add_plan_parser
 from pipefisher.cli.run_command import add_profile_parser, add_run_parser
 from pipefisher.cli.run_file_args import (
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parser(subparsers)
     add_plan_parser(subparsers)
     add_checkpoint_parser(subparsers)
+    add_data_parser(subparsers)
     from pipefisher.cli.viz_command import add_viz_parser
 
     add_viz_parser(subparsers)
