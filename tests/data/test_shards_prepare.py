@@ -115,7 +115,8 @@ def test_holdout_sends_whole_documents_to_valid(corpus, tmp_path):
         "7",
     )
     expected = _expected(corpus)
-    chosen = [held_out(index, 0.3, 7) for index in range(len(expected))]
+    documents = [block.split("\n") for block in corpus.read_text().strip().split("\n\n")]
+    chosen = [held_out(document, 0.3, 7) for document in documents]
     assert 0 < sum(chosen) < len(expected)
     for name, wanted in (("train", False), ("valid", True)):
         split = open_split(tmp_path / "out", name)
@@ -123,6 +124,22 @@ def test_holdout_sends_whole_documents_to_valid(corpus, tmp_path):
         assert split.num_documents == len(indices)
         for position, index in enumerate(indices):
             np.testing.assert_array_equal(split.document_tokens(position), expected[index])
+
+
+def test_every_copy_of_a_document_lands_in_one_split(tmp_path):
+    """Held out by content: a corpus passed over twice (as --repeat does) trains on no held-out text."""
+    documents = _documents(30, seed=3)
+    path = tmp_path / "twice.txt"
+    path.write_text("\n\n".join("\n".join(document) for document in documents + documents[::-1]) + "\n")
+    train_byte_level_bpe(documents, 300).save(str(tmp_path / "bpe.json"))
+    _prepare(path, tmp_path / "out", tmp_path / "bpe.json", "--workers", "1", "--holdout", "0.3")
+    train, valid = (open_split(tmp_path / "out", name) for name in ("train", "valid"))
+    seen = {
+        split: {split_.document_tokens(d).tobytes() for d in range(split_.num_documents)}
+        for split, split_ in (("train", train), ("valid", valid))
+    }
+    assert seen["valid"] and not seen["train"] & seen["valid"]
+    assert train.num_documents + valid.num_documents == 2 * len(documents)
 
 
 def test_json_lines_field_and_datasets_folder_agree(tmp_path, corpus):

@@ -46,13 +46,18 @@ CHUNK_DOCUMENTS = 256
 CHUNK_CHARS = 1 << 20
 
 
-def held_out(index: int, fraction: float, seed: int) -> bool:
-    """Whether document `index` goes to the held-out split: a hash of (seed, index) mapped to
-    [0, 1) falls below `fraction`. Deterministic, independent of anything else."""
+def held_out(document: list[str], fraction: float, seed: int) -> bool:
+    """Whether `document` goes to the held-out split: a hash of (seed, its sentences) mapped to
+    [0, 1) falls below `fraction`. Decided by content, so every copy of a document (a repeated
+    pass over a corpus, a duplicate in the inputs) lands in the same split: no held-out text is
+    ever trained on."""
     if fraction <= 0:
         return False
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8)
+    for sentence in document:
+        digest.update(sentence.encode("utf-8"))
+        digest.update(b"\x1f")
+    return int.from_bytes(digest.digest(), "little") / 2**64 < fraction
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,7 @@ class ChunkEncoder:
             tokens, lengths = tokens[keep], np.bincount(sentence_of_token[keep], minlength=len(ids))
         document_of_sentence = np.repeat(np.arange(len(chunk.documents)), [len(d) for d in chunk.documents])
         sizes = np.bincount(document_of_sentence[lengths > 0], minlength=len(chunk.documents))
-        valid = np.array([held_out(chunk.first + d, self.holdout, self.seed) for d in range(len(sizes))], dtype=bool)
+        valid = np.array([held_out(document, self.holdout, self.seed) for document in chunk.documents], dtype=bool)
         splits = {}
         for name, documents in (("train", ~valid & (sizes > 0)), ("valid", valid & (sizes > 0))):
             sentences = documents[document_of_sentence] & (lengths > 0)
