@@ -167,11 +167,12 @@ def _prepare_model(config):
     check_input_files(config)
 
     def announce() -> None:
-        print(
-            f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)",
-            file=sys.stderr,
-            flush=True,
+        message = (
+            f"pipefisher: reading the token shards of {config.data.shards} (memory-mapped)"
+            if config.data.kind == "shards"
+            else f"pipefisher: preparing the {config.data.kind} data (tokenizer and tokens are cached)"
         )
+        print(message, file=sys.stderr, flush=True)
 
     return staged_model(config, on_data=announce)
 

@@ -5,7 +5,7 @@ Rank 0 reports. stdout carries only the step lines (JSON with --json); the progr
 and the summary go to stderr. The step record goes to stdout with --json and to every sink the run
 asks for (`pipefisher.cli.metric_sinks`: the metrics file, TensorBoard, W&B): step, loss, its
 parts (MLM/NSP), lr (with a curvature method: its rate; `lr_rest`: the rate of the parameters it
-does not precondition), step_time_ms, tokens_per_s, on evaluation steps (`run.eval_every`) the
+does not precondition), step_time_ms, tokens_per_s, rank0_peak_memory_mib (`peak_memory_mib`), on evaluation steps (`run.eval_every`) the
 held-out `eval_loss`, and, with a curvature method, the refresh interval,
 the predicted step time and, from the end of the refresh cycle it was measured on, the exposed
 optimizer time: `exposed_share` (the simulated mean step with the method's work over the
@@ -18,9 +18,12 @@ last; `pipefisher.runtime.training.exposed_meter`).
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import sys
 import threading
+
+import torch
 
 from pipefisher.cli.metric_sinks import open_sinks
 from pipefisher.config import RunConfig
@@ -61,6 +64,7 @@ class StepReporter:
             **{k: v for k, v in result.extra.items()},
             "step_time_ms": 1000 * result.seconds,
             "tokens_per_s": self.tokens / result.seconds if result.seconds > 0 else 0.0,
+            "rank0_peak_memory_mib": peak_memory_mib(),
         }
         if self.rest_rate is not None and "lr" in record:
             record["lr_rest"] = record["lr"] * self.rest_rate
@@ -121,6 +125,15 @@ class StepReporter:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def peak_memory_mib() -> float:
+    """This process's peak memory so far, MiB: the CUDA allocator's peak allocated bytes on its
+    current device when the process uses CUDA, else its peak resident set size. Host counters:
+    reading them does not synchronise with the device."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _rest_rate(config: RunConfig) -> float | None:

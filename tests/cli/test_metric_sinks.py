@@ -148,7 +148,7 @@ def test_a_two_process_run_writes_one_event_file_and_one_wandb_run(
     assert event_file.name.startswith("events.out.tfevents.")
     events = _event_scalars(tmp_path / "tb")
     assert events["loss"] == [(line["step"], pytest.approx(line["loss"], rel=1e-6)) for line in lines]
-    assert {"lr", "step_time_ms", "tokens_per_s"} <= events.keys()
+    assert {"lr", "step_time_ms", "tokens_per_s", "rank0_peak_memory_mib"} <= events.keys()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     history = _wandb_history(run_file)
     assert [(row["_step"], row["loss"], row["tokens_per_s"]) for row in history] == [
@@ -195,3 +195,6 @@ def test_the_metrics_file_gets_the_record_with_both_rates_of_a_curvature_run(tmp
     record = json.loads(line)
     assert record["lr"] == 0.01 and record["lr_rest"] == pytest.approx(0.0025, rel=1e-15)
     assert record["step_time_ms"] == 250.0 and record["tokens_per_s"] == 4 * reporter.tokens
+    # this test process's peak resident memory (no CUDA here): at least what it holds now
+    current_mib = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    assert record["rank0_peak_memory_mib"] >= 0.9 * current_mib

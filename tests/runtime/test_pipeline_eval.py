@@ -119,8 +119,11 @@ def test_the_pipelined_eval_loss_equals_the_references(schedule, cache):
     (the last), each rank's eval_loss equals the reference's held-out loss at the same
     parameters, and training is the reference's (evaluation changes nothing)."""
     config = gpt2_run(cache, schedule, steps=3, eval_every=2, eval_batches=5)
-    reference = train_reference(config)
+    records = []
+    reference = train_reference(config, on_step=records.append)
     expected = reference_evaluations(config)
+    reported = {record.step: record.extra["eval_loss"] for record in records if "eval_loss" in record.extra}
+    assert reported == {2: expected[2], 3: expected[3]}, "the reference reports run.eval_every's evaluations"
     for losses, evaluated in pipelined_evaluations(config):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
         assert list(evaluated) == [2, 3]

@@ -30,7 +30,7 @@ from pipefisher.models.tensor_parallel import emulate_shards, unsharded_paramete
 from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
-from pipefisher.runtime.training.assembly import build_run
+from pipefisher.runtime.training.assembly import build_run, held_out_batches
 from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
@@ -79,6 +79,8 @@ def train_reference(
     losses = []
     if evaluation is not None:
         evaluation.report(0, _evaluate(net, evaluation.batches))
+    elif config.run.eval_every:  # the run file's evaluation: `eval_loss` in the step records only
+        evaluation = Evaluation(config.run.eval_every, held_out_batches(config, config.run.eval_batches), _ignore)
     for step in range(config.run.steps):
         start = time.perf_counter()
         step_loss = 0.0
@@ -124,13 +126,21 @@ def train_reference(
         if curvature:
             curvature.after_optimizer_step(step)
         losses.append(step_loss)
-        if on_step is not None:
-            on_step(StepResult(step + 1, step_loss, time.perf_counter() - start, extra))
+        seconds = time.perf_counter() - start
         if evaluation is not None and evaluation.due(step + 1, config.run.steps):
-            evaluation.report(step + 1, _evaluate(net, evaluation.batches))
+            evaluated = _evaluate(net, evaluation.batches)
+            evaluation.report(step + 1, evaluated)
+            if config.run.eval_every:  # as a pipelined run reports it
+                extra = {**extra, "eval_loss": evaluated["loss"]}
+        if on_step is not None:
+            on_step(StepResult(step + 1, step_loss, seconds, extra))
         if stop_request.signum:
             raise Stopped(step + 1, stop_request.signum)
     return TrainResult(losses, {name: parameter.detach().clone() for name, parameter in net.named_parameters()})
+
+
+def _ignore(done: int, metrics: dict[str, float]) -> None:
+    """An `Evaluation.report` for evaluations that only go into the step records."""
 
 
 def _evaluate(net: _Net, batches: list[dict]) -> dict[str, float]:
