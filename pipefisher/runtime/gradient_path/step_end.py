@@ -159,6 +159,11 @@ class StepEnd:
             return done()
         return self.reduction.launch_gather(self.comm, collective)
 
+    def launch_unshard(self, collective: Collective) -> Handle:
+        """ZeRO-2/3: FSDP2 issues the all-gathers of `collective` itself, inside the op that
+        follows; nothing to launch (the plan names them so that the replay checks their order)."""
+        return done()
+
     def launch_tied(self, collective: Collective) -> Handle:
         if not self.update or self.tied is None:
             return done()
@@ -211,6 +216,7 @@ class StepEnd:
             coefficient = clip_coefficient(reduced[count], self.clip_norm)
             for buffer in self.buffers.values():
                 buffer.flat.mul_(coefficient)
+            self.reduction.scale_(coefficient)
         if self.scaler is not None:
             self._values = reduced.tolist()
             if not self._values[-3] > 0:
@@ -243,6 +249,7 @@ class StepEnd:
         self.comm.sent_bytes.clear()
         for buffer in self.buffers.values():
             buffer.zero_()
+        self.reduction.zero_()
         record["loss"] = values[0]
         record.update(zip(self.loss_parts, values[1:count]))
         signals, signalled = values[-2:]
