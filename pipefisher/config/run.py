@@ -117,7 +117,7 @@ class RunConfig:
         ]
         if len(chosen) > 1:
             raise ConfigError(
-                "comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
+                "comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO reduces to owners or shards; "
                 "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)"
             )
         try:

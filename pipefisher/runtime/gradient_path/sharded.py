@@ -95,6 +95,15 @@ def like(value: object, template: object) -> object:
     return value
 
 
+def like_parameter(entry: dict, parameter: Tensor) -> dict:
+    """A parameter's optimizer state `entry` (whole tensors) with each tensor of the parameter's
+    shape laid out as `parameter` (a DTensor's shard); others (a step count) as they are."""
+    return {
+        key: like(value, parameter) if isinstance(value, Tensor) and value.shape == parameter.shape else value
+        for key, value in entry.items()
+    }
+
+
 def gathered(value: object) -> object:
     """Nested dicts, lists and tuples with every DTensor gathered whole (collective)."""
     return _each_tensor(value, full)
