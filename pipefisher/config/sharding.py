@@ -49,7 +49,9 @@ def fsdp_problem(config: RunConfig) -> str:
             "times, so FSDP2's per-op all-gathers over them cannot pair up; use pipeline.schedule 1f1b or optimizer.zero 1"
         )
     if config.run.precision != "fp32":
-        return f"{head} with run.precision {config.run.precision} comes later; use run.precision fp32 or optimizer.zero 1"
+        return (
+            f"{head} with run.precision {config.run.precision} comes later; use run.precision fp32 or optimizer.zero 1"
+        )
     if config.run.compile:
         return f"{head} with compiled blocks comes later; set run.compile false or optimizer.zero 1"
     return ""

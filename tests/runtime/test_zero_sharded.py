@@ -117,7 +117,9 @@ def test_every_schedule_of_the_registry_runs_or_is_refused_in_one_line():
         if name in RUNS:
             assert sharded_config(name, 3, pipeline=pipeline).gradient_path.reduction is Reduction.FSDP_PARAMETERS
             continue
-        with pytest.raises(ConfigError, match=rf"^optimizer.zero: 2 \(FSDP2\) under {name}: .*{REFUSED[name]}") as error:
+        with pytest.raises(
+            ConfigError, match=rf"^optimizer.zero: 2 \(FSDP2\) under {name}: .*{REFUSED[name]}"
+        ) as error:
             sharded_config(name, 2, pipeline=pipeline)
         assert "\n" not in str(error.value)
 
@@ -155,15 +157,25 @@ def test_fsdp_collectives_are_in_the_replayed_plan(name):
             gather = actions[i - 2] if actions[i - 1].kind is ActionKind.WAIT else actions[i - 3]
             assert gather.kind is ActionKind.LAUNCH and gather.collective.kind is CollectiveKind.UNSHARD, actions[i]
             assert gather.collective.key == (actions[i].op.stage, str(actions[i].op))
-        reductions = [i for i, a in enumerate(actions) if a.kind is not ActionKind.RUN and isinstance(a.target, type(gather.target)) and a.target.kind is CollectiveKind.GRAD]
+        reductions = [
+            i
+            for i, a in enumerate(actions)
+            if a.kind is not ActionKind.RUN
+            and isinstance(a.target, type(gather.target))
+            and a.target.kind is CollectiveKind.GRAD
+        ]
         stages = {actions[i].op.stage for i in runs}
         assert len(reductions) == 2 * len(stages), "one launch and one wait per stage"
         for launch in reductions[::2]:
             last = max(i for i in runs if actions[i].op.stage == actions[launch].collective.key[0])
-            assert launch == last - 1 and actions[last + 1] == actions[launch].__class__(ActionKind.WAIT, actions[launch].target)
+            assert launch == last - 1 and actions[last + 1] == actions[launch].__class__(
+                ActionKind.WAIT, actions[launch].target
+            )
     programs, members = process_programs(plan)
     other = list(programs[2])  # rank 2: stage 0's second replica
-    gathers = [i for i, a in enumerate(other) if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.UNSHARD]
+    gathers = [
+        i for i, a in enumerate(other) if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.UNSHARD
+    ]
     for first, second in ((gathers[0], gathers[1]), (gathers[0] + 1, gathers[1] + 1)):
         other[first], other[second] = other[second], other[first]
     programs[2] = tuple(other)

@@ -77,9 +77,11 @@ class GradientReduction(ABC):
 
     def scale_(self, coefficient: Tensor) -> None:
         """Multiply the gradients it holds outside `buffers` by `coefficient` (clipping)."""
+        return None
 
     def zero_(self) -> None:
         """Clear the gradients it holds outside `buffers` (the end of a step)."""
+        return None
 
     def state_dict(self) -> dict[tuple[int, int], dict]:
         """(pipe, stage) -> the state it keeps between steps (checkpoints)."""
