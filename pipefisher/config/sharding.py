@@ -4,27 +4,25 @@ reason and fix. Pure Python: no torch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from pipefisher.config.sections import PipelineConfig, RunSettings
 from pipefisher.core.ir import ScheduleError
+from pipefisher.optim.settings import OptimizerConfig
 from pipefisher.schedules import chunks_per_rank, get_schedule
-
-if TYPE_CHECKING:
-    from pipefisher.config.run import RunConfig
 
 #: the first-order rules that step FSDP2's sharded parameters as they would whole ones
 SHARDABLE_RULES = ("sgd", "adamw")
 
 
-def fsdp_problem(config: RunConfig) -> str:
-    """Why the run cannot shard parameters and gradients (optimizer.zero 2 or 3), with the fix;
-    "" when it can or does not ask to."""
-    zero = config.optimizer.zero
+def fsdp_problem(optimizer: OptimizerConfig, pipeline: PipelineConfig, run: RunSettings, curvature: bool) -> str:
+    """Why a run of these sections cannot shard parameters and gradients (optimizer.zero 2 or 3),
+    with the fix; "" when it can or does not ask to. `curvature`: optimizer.name is a curvature
+    method."""
+    zero = optimizer.zero
     if zero < 2:
         return ""
     head = f"optimizer.zero: {zero} (FSDP2)"
-    name, pipeline = config.optimizer.name, config.pipeline
-    if config.curvature is not None:
+    name = optimizer.name
+    if curvature:
         return f"{head} with {name} comes later (curvature methods on sharded parameters); use optimizer.zero 1 or 0"
     if name not in SHARDABLE_RULES:
         return (
@@ -48,10 +46,8 @@ def fsdp_problem(config: RunConfig) -> str:
             f"{head} under {pipeline.schedule}: a stage's copies in its two pipes run their forwards at different "
             "times, so FSDP2's per-op all-gathers over them cannot pair up; use pipeline.schedule 1f1b or optimizer.zero 1"
         )
-    if config.run.precision != "fp32":
-        return (
-            f"{head} with run.precision {config.run.precision} comes later; use run.precision fp32 or optimizer.zero 1"
-        )
-    if config.run.compile:
+    if run.precision != "fp32":
+        return f"{head} with run.precision {run.precision} comes later; use run.precision fp32 or optimizer.zero 1"
+    if run.compile:
         return f"{head} with compiled blocks comes later; set run.compile false or optimizer.zero 1"
     return ""
