@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from _workers import checkpointing, pipelined_with_records
+from _workers import checkpointing, fsdp_calls_per_step, pipelined_with_records
 from builders import tiny_model
 
 from pipefisher.config import ConfigError, config_from_dict
@@ -80,6 +80,17 @@ def assert_matches_reference(config):
 @pytest.mark.parametrize("zero", [2, 3])
 def test_sharded_adamw_equals_the_reference(schedule, zero):
     assert_matches_reference(sharded_config(schedule, zero))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gradients_are_reduce_scattered_once_per_step(zero):
+    """One reduce-scatter per FSDP unit (each block and the stage) per step, not per micro-batch;
+    ZeRO-2 gathers each unit once per step, ZeRO-3 in every forward and backward."""
+    config = sharded_config("1f1b", zero)
+    units, ops = tiny_model()["layers"] + 1, 2 * config.pipeline.micro_batches
+    gathers = units if zero == 2 else ops * units
+    for steps in run_group(fsdp_calls_per_step, 2, args=(config,), timeout=30, deadline=240):
+        assert steps == [{"all_gather": gathers, "reduce_scatter": units}] * config.run.steps
 
 
 @pytest.mark.slow

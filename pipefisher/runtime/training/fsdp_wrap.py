@@ -8,6 +8,8 @@ parameters after every forward; ZeRO-2 keeps them gathered through the step
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,6 +26,10 @@ def shard_stages(
     ``grad`` communicator (more than one replica) in place; returns stage -> its FSDP2 module.
     Collective over each stage's replicas (FSDP broadcasts nothing, but the mesh is built on
     every member)."""
+    # A stage's output is detached before it is sent and only read out of place by the loss, so
+    # FSDP's warning that an in-place op on a returned view would skip its pre-backward hook does
+    # not apply (the equivalence tests hold every gradient to the reference).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     sharded: dict[int, FSDPModule] = {}
     for (pipe, stage), module in sorted(modules.items()):
         group = comm.groups.get(("grad", stage))
