@@ -82,6 +82,17 @@ def test_sharded_adamw_equals_the_reference(schedule, zero):
     assert_matches_reference(sharded_config(schedule, zero))
 
 
+@pytest.mark.parametrize("stages", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_clipped_norm_sums_the_shards_over_replicas_and_stages(stages):
+    """The global gradient norm every rank logs is the unsharded run's, and clipping acts."""
+    config = sharded_config("1f1b", 3, stages=stages, optimizer={"clip_norm": 0.05})
+    plain = train(config.with_overrides(optimizer={"zero": 0}))
+    for (_, records), (_, plain_records) in zip(train(config), plain):
+        norms = [record["grad_norm"] for record in records]
+        torch.testing.assert_close(norms, [record["grad_norm"] for record in plain_records], rtol=1e-5, atol=0)
+        assert max(norms) > 0.05, "clipping acts in some step"
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_gradients_are_reduce_scattered_once_per_step(zero):
     """One reduce-scatter per FSDP unit (each block and the stage) per step, not per micro-batch;
