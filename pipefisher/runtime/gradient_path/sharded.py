@@ -9,7 +9,8 @@ rank holds its shard of every gradient (a DTensor's local part); the global norm
 of those shards, each element counted once over the world.
 
 The executor's gradient buffers (`pipefisher.runtime.gradient_path.buffers`) hold none of these
-parameters: a sharded stage has no buffer.
+parameters: a sharded stage has no buffer. Steps that drop their gradients (`StepEnd.begin` with
+`update` False: the profiler of curvature runs, which ZeRO-2/3 refuses) are not supported.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The collective end of a step, after a rank's last op: gradients reduced over each stage's
 replicas (launched as soon as the stage's gradient is final) by the run's gradient path
-(`pipefisher.runtime.gradient_path.reduction`: all-reduce, ZeRO-1 or PowerSGD), tied weights
+(`pipefisher.runtime.gradient_path.reduction`: all-reduce, ZeRO-1 or PowerSGD; ZeRO-2/3's FSDP2
+reduce-scatter inside the last backward, `pipefisher.runtime.gradient_path.sharded`), tied weights
 summed, then one all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16
 overflow flag, stop signal (`pipefisher.runtime.signals`)]; when it completes, clipping,
 `before_optimizer_step` (Shampoo's preconditioning) and the optimizer step (both skipped on every
