@@ -180,6 +180,10 @@ def deepspeed_table() -> list[str]:
     return lines
 
 
+#: where the hand-written sections of the output file begin (kept when it is written again)
+HAND_WRITTEN = "## ZeRO-2/3 with FSDP2"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         allow_abbrev=False, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -246,7 +250,8 @@ def main() -> None:
     )
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        kept = Path(args.out).read_text().partition(HAND_WRITTEN)[2] if Path(args.out).exists() else ""
+        Path(args.out).write_text(text + (f"\n{HAND_WRITTEN}{kept}" if kept else ""))
 
 
 if __name__ == "__main__":

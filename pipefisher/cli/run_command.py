@@ -210,8 +210,9 @@ def _add_gradient_path_arguments(parser) -> None:
     parser.add_argument(
         "--zero",
         type=int,
-        choices=[0, 1],
-        help="ZeRO stage: 1 shards the optimizer state over each stage's replicas (optimizer.zero)",
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage over each stage's replicas: 1 shards the optimizer state, 2 also the gradients, "
+        "3 also the parameters (FSDP2) (optimizer.zero)",
     )
     parser.add_argument(
         "--powersgd-rank",

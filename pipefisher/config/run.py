@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipefisher.config.applies import check_applies
+from pipefisher.config.sharding import fsdp_problem
 from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
 from pipefisher.core.names import FIRST_ORDER
@@ -33,6 +34,15 @@ from pipefisher.models.settings import ModelConfig
 from pipefisher.optim.settings import OptimizerConfig
 from pipefisher.planning.comm.actions import GradientPath, Reduction
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
+
+
+#: optimizer.zero -> its gradient path (0: none)
+ZERO_REDUCTIONS = {
+    0: Reduction.ALL_REDUCE,
+    1: Reduction.SHARDED,
+    2: Reduction.FSDP_GRADIENTS,
+    3: Reduction.FSDP_PARAMETERS,
+}
 
 
 @dataclass(frozen=True)
@@ -94,20 +104,20 @@ class RunConfig:
 
     @property
     def gradient_path(self) -> GradientPath:
-        """How a replicated stage's gradient travels: optimizer.zero 1 or comm.powersgd_rank picks
+        """How a replicated stage's gradient travels: optimizer.zero 1-3 or comm.powersgd_rank picks
         the reduction (not both), the method's gradient workers join it (ConfigError naming the keys
         for a combination that does not exist)."""
         chosen = [
             reduction
             for reduction, key in (
-                (Reduction.SHARDED, self.optimizer.zero),
+                (ZERO_REDUCTIONS[self.optimizer.zero], self.optimizer.zero),
                 (Reduction.COMPRESSED, self.comm.powersgd_rank),
             )
             if key
         ]
         if len(chosen) > 1:
             raise ConfigError(
-                "comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO-1 reduces to owners; "
+                "comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO reduces to owners or shards; "
                 "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)"
             )
         try:
@@ -285,6 +295,9 @@ def _check(config: RunConfig) -> None:
     if config.optimizer.name not in names:
         raise ConfigError(f"optimizer.name: {config.optimizer.name!r} is not one of {', '.join(names)}")
     problem = kind.check(model)
+    if problem:
+        raise ConfigError(problem)
+    problem = fsdp_problem(config.optimizer, pipeline, config.run, config.curvature is not None)
     if problem:
         raise ConfigError(problem)
     for name, section in config.methods:

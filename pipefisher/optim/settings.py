@@ -70,10 +70,11 @@ class OptimizerConfig:
     )
     zero: int = setting(
         0,
-        "ZeRO stage: 1 shards the optimizer state over each stage's replicas (its owner updates and broadcasts each parameter)",
+        "ZeRO stage over each stage's replicas: 1 shards the optimizer state (its owner updates and broadcasts each "
+        "parameter); 2 also the gradients, 3 also the parameters (PyTorch's FSDP2, first-order rules only)",
         low=0,
-        high=1,
-        note="0 = off, 1 = the optimizer state sharded over each stage's replicas",
+        high=3,
+        note="0 = off, 1 = the optimizer state sharded, 2 = + gradients (FSDP2), 3 = + parameters (FSDP2)",
     )
 
     def __post_init__(self) -> None:

@@ -334,3 +334,31 @@ def counting_batches(rank: int, world: int, config: RunConfig) -> tuple[dict, di
     executor.micro_batch = counted
     train_pipelined(config, rank, CPU, executor=executor)
     return dict(built), {key: sorted(batch.moved) for key, batch in executor._batches.items()}
+
+
+def fsdp_calls_per_step(rank: int, world: int, config: RunConfig) -> list[dict[str, int]]:
+    """Train; per step, how many all-gathers and reduce-scatters FSDP2 issued on this rank (a
+    counting wrapper around torch.distributed's calls, which still run)."""
+    import torch.distributed as dist
+
+    counts: dict[str, int] = {"all_gather": 0, "reduce_scatter": 0}
+    steps: list[dict[str, int]] = []
+
+    def counted(name: str, call):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    with (
+        patch.object(dist, "all_gather_single", counted("all_gather", dist.all_gather_single)),
+        patch.object(dist, "reduce_scatter_single", counted("reduce_scatter", dist.reduce_scatter_single)),
+    ):
+
+        def on_step(result) -> None:
+            steps.append(dict(counts))
+            counts.update(dict.fromkeys(counts, 0))
+
+        train_pipelined(config, rank, CPU, on_step=on_step)
+    return steps

@@ -150,11 +150,11 @@ def test_a_sharded_buffer_cuts_buckets_at_owners_and_holds_the_parameters():
 
 def test_bad_zero_settings_are_one_line_errors():
     with pytest.raises(
-        ConfigError, match=r"optimizer.zero: 2 must be in \[0, 1\] \(0 = off, 1 = the optimizer state sharded"
+        ConfigError, match=r"optimizer.zero: 4 must be in \[0, 3\] \(0 = off, 1 = the optimizer state sharded"
     ):
-        zero_config("1f1b", 2)
+        zero_config("1f1b", 4)
     result = subprocess.run(
-        ["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--zero", "3"],
+        ["pipefisher", "run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--zero", "4"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -78,6 +78,9 @@ class CollectiveKind(str, Enum):
     PGRAD = "pgrad"
     #: ZeRO-1's broadcast of the updated parameters from their owners
     GATHER = "gather"
+    #: ZeRO-2/3: FSDP2's parameter all-gathers inside one forward or backward (none where the
+    #: parameters are gathered already), on the stage's ``grad`` communicator
+    UNSHARD = "unshard"
     #: the sum of a tied weight's gradient over the stages that hold copies
     TIED = "tied"
     #: the world reduction of the step's loss, norm and flags (the optimizer step follows it)
@@ -171,6 +174,11 @@ class Reduction(str, Enum):
     SHARDED = "zero-1"
     #: PowerSGD: an all-reduce of the P factors, then, once it is in, one of the Q factors (``grad_q``)
     COMPRESSED = "powersgd"
+    #: ZeRO-2 (FSDP2, parameters kept gathered through the step): FSDP's all-gathers inside the
+    #: ops (``unshard``), its reduce-scatter inside the stage's last backward of the step (``grad``)
+    FSDP_GRADIENTS = "zero-2"
+    #: ZeRO-3 (FSDP2, parameters resharded after every forward and backward): as ZeRO-2
+    FSDP_PARAMETERS = "zero-3"
 
 
 @dataclass(frozen=True)
@@ -195,6 +203,11 @@ class GradientPath:
     @property
     def compressed(self) -> bool:
         return self.reduction is Reduction.COMPRESSED
+
+    @property
+    def fsdp(self) -> bool:
+        """ZeRO-2/3: FSDP2 issues the stage's collectives inside its forwards and backwards."""
+        return self.reduction in (Reduction.FSDP_GRADIENTS, Reduction.FSDP_PARAMETERS)
 
 
 @dataclass(frozen=True)
@@ -264,6 +277,11 @@ def pgrad_collective(topology: Topology, rank: int, stage: int, workers: int) ->
 def gather_collective(stage: int) -> Collective:
     """ZeRO-1's broadcast of stage `stage`'s updated parameters from their owners."""
     return Collective(CollectiveKind.GATHER, ("grad", stage), (stage,))
+
+
+def unshard_collective(stage: int, op: Op) -> Collective:
+    """ZeRO-2/3: FSDP2's all-gathers of stage `stage`'s parameters inside `op`."""
+    return Collective(CollectiveKind.UNSHARD, ("grad", stage), (stage, str(op)))
 
 
 TIED = Collective(CollectiveKind.TIED, ("tied",))

@@ -12,7 +12,9 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
 - ``("grad", s)``: stage s's gradient reduction over its replicas (pipes x data-parallel); with
   ZeRO-1 (`GradientPath.sharded`) the reduction goes to each parameter's owner and, after the
   optimizer step, the owners broadcast the updated parameters on the same communicator
-  (``gather``); with PowerSGD (`GradientPath.compressed`) the reduction is two all-reduces, of the
+  (``gather``); with ZeRO-2/3 (`GradientPath.fsdp`) FSDP2 issues its own all-gathers inside each
+  forward and backward (``unshard``) and its reduce-scatter inside the stage's last backward of
+  the step (``grad``), on the same communicator; with PowerSGD (`GradientPath.compressed`) the reduction is two all-reduces, of the
   P factors (with the uncompressed tensors) and, once those are in, of the Q factors (``grad_q``).
 - ``("pgrad", s, b)``: K-FAC's gradient workers (`pipefisher.planning.replicas.kaisa`): block b of stage s's
   replicas, to which its workers broadcast the preconditioned gradients (``pgrad``).
@@ -55,6 +57,7 @@ from pipefisher.planning.comm.actions import (
     pgrad_collective,
     run,
     sync_collective,
+    unshard_collective,
 )
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.vocabulary import TaskRules
@@ -95,7 +98,9 @@ def plan_actions(
         for rank in range(topology.world_size):
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
-            actions = list(_op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank]))
+            actions = list(
+                _op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank], path.fsdp)
+            )
             actions += _end_of_step(topology, rank, actions, tied_ranks, path)
             if last_step:
                 exchanges = [
@@ -164,7 +169,12 @@ def _op_actions(
     replicated: set[int],
     rules: TaskRules | None,
     waited: set[Collective],
+    fsdp: bool = False,
 ) -> Iterator[Action]:
+    """One rank's actions for its ops of a step. `fsdp` (ZeRO-2/3): every forward and backward of
+    a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
+    once: the op blocks on them), and the stage's last backward of the step carries its
+    reduce-scatter (``grad``, launched before the op, waited for right after it)."""
     num_stages = topology.schedule.num_stages
 
     def rank_of(op: Op) -> int:
@@ -192,13 +202,21 @@ def _op_actions(
             if action.collective not in waited:
                 waited.add(action.collective)
                 yield action
+        stage = gradient_final.get(position)
+        sharded = fsdp and op.stage in replicated and op.kind in (OpKind.FORWARD, OpKind.BACKWARD)
+        if sharded:
+            gathers = unshard_collective(op.stage, op)
+            yield from (Action(ActionKind.LAUNCH, gathers), Action(ActionKind.WAIT, gathers))
+            if stage is not None:
+                yield Action(ActionKind.LAUNCH, grad_collective(stage))
         yield run(op)
+        if sharded and stage is not None:
+            yield Action(ActionKind.WAIT, grad_collective(stage))
         yield from _curvature_launches(op, rules)
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
-        stage = gradient_final.get(position)
-        if stage is not None and stage in replicated:
+        if not fsdp and stage is not None and stage in replicated:
             yield Action(ActionKind.LAUNCH, grad_collective(stage))
 
 
@@ -252,7 +270,9 @@ def _end_of_step(
     ZeRO-1 the owners' parameter broadcasts last."""
     tail = [Action(ActionKind.WAIT, SendDone(a.message)) for a in actions if a.kind is ActionKind.SEND]
     reduced = [
-        a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD
+        a.collective
+        for a in actions
+        if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD and not path.fsdp
     ]
     if path.compressed:
         for collective in reduced:

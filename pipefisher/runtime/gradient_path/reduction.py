@@ -7,7 +7,7 @@ A strategy issues the collectives the communication plan names for the gradient 
 stage's gradient buffers, and nothing else: the order they are issued in is the plan's, checked
 by the replay against NCCL's in-order rule. `StepEnd` calls it only on steps that update.
 
-A new strategy (e.g. the sharded paths to come, ZeRO-2/3) implements `GradientReduction`:
+A new strategy (e.g. ZeRO-2/3's `pipefisher.runtime.gradient_path.sharded`) implements `GradientReduction`:
 
 - `launch_grad` (required): the stage's reduction, returning its handle;
 - `launch_grad_q` / `launch_gather`: the second reduction / the owners' parameter broadcast
@@ -15,6 +15,7 @@ A new strategy (e.g. the sharded paths to come, ZeRO-2/3) implements `GradientRe
 - `state_dict` / `load_state_dict` / `tensors`: state kept between steps, for checkpoints
   (entries ``local/<process>/<section>/<stage>``) and the state-bytes report (default: none);
 - `reduce_now`: the whole path at once for the profiler (default: the three launches in order);
+- `scale_` / `zero_`: clip / clear gradients it holds outside the buffers (default: none);
 
 then adds its `Reduction` to `pipefisher.planning.comm.actions`, its collectives to the plan,
 and a line to `gradient_reduction`.
@@ -73,6 +74,14 @@ class GradientReduction(ABC):
         self.launch_grad(comm, grad_collective(stage), step).wait()
         self.launch_grad_q(comm, grad_q_collective(stage), step).wait()
         self.launch_gather(comm, gather_collective(stage)).wait()
+
+    def scale_(self, coefficient: Tensor) -> None:
+        """Multiply the gradients it holds outside `buffers` by `coefficient` (clipping)."""
+        return None
+
+    def zero_(self) -> None:
+        """Clear the gradients it holds outside `buffers` (the end of a step)."""
+        return None
 
     def state_dict(self) -> dict[tuple[int, int], dict]:
         """(pipe, stage) -> the state it keeps between steps (checkpoints)."""

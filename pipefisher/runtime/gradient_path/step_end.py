@@ -1,6 +1,7 @@
 """The collective end of a step, after a rank's last op: gradients reduced over each stage's
 replicas (launched as soon as the stage's gradient is final) by the run's gradient path
-(`pipefisher.runtime.gradient_path.reduction`: all-reduce, ZeRO-1 or PowerSGD), tied weights
+(`pipefisher.runtime.gradient_path.reduction`: all-reduce, ZeRO-1 or PowerSGD; ZeRO-2/3's FSDP2
+reduce-scatter inside the last backward, `pipefisher.runtime.gradient_path.sharded`), tied weights
 summed, then one all-reduce over all ranks of [loss, loss parts, squared gradient norm, fp16
 overflow flag, stop signal (`pipefisher.runtime.signals`)]; when it completes, clipping,
 `before_optimizer_step` (Shampoo's preconditioning) and the optimizer step (both skipped on every
@@ -159,6 +160,11 @@ class StepEnd:
             return done()
         return self.reduction.launch_gather(self.comm, collective)
 
+    def launch_unshard(self, collective: Collective) -> Handle:
+        """ZeRO-2/3: FSDP2 issues the all-gathers of `collective` itself, inside the op that
+        follows; nothing to launch (the plan names them so that the replay checks their order)."""
+        return done()
+
     def launch_tied(self, collective: Collective) -> Handle:
         if not self.update or self.tied is None:
             return done()
@@ -211,6 +217,7 @@ class StepEnd:
             coefficient = clip_coefficient(reduced[count], self.clip_norm)
             for buffer in self.buffers.values():
                 buffer.flat.mul_(coefficient)
+            self.reduction.scale_(coefficient)
         if self.scaler is not None:
             self._values = reduced.tolist()
             if not self._values[-3] > 0:
@@ -243,6 +250,7 @@ class StepEnd:
         self.comm.sent_bytes.clear()
         for buffer in self.buffers.values():
             buffer.zero_()
+        self.reduction.zero_()
         record["loss"] = values[0]
         record.update(zip(self.loss_parts, values[1:count]))
         signals, signalled = values[-2:]

@@ -122,6 +122,7 @@ class Executor:
             CollectiveKind.STEP: step_end.launch_step,
             CollectiveKind.GATHER: step_end.launch_gather,
             CollectiveKind.GRAD_Q: step_end.launch_grad_q,
+            CollectiveKind.UNSHARD: step_end.launch_unshard,
         }
         #: the extensions whose hooks run (forward context, after backward, before the optimizer step, record)
         self._extensions = extensions if extensions is not None else Extensions()

@@ -14,6 +14,8 @@ Keys ("/"-separated; a stage's parameter names are the unsplit model's, `pipefis
   inside a refresh cycle the process's own whole curvature entries), used only by a resumption
   on the same layout.
 
+ZeRO-2/3's sharded parameters and their optimizer state are saved whole (gathered over the
+stage's replicas) and loaded as the run's shards: the keys do not change with the ZeRO degree.
 Under tensor parallelism a shard's keys end in ``@<shard>`` (the degree is part of the identity).
 Replicas hold equal values, so each key is written once (`entries_to_write` says by whom).
 """
@@ -29,6 +31,7 @@ from torch import nn
 
 from pipefisher.config import RunConfig
 from pipefisher.models.init import derive_seed
+from pipefisher.runtime.gradient_path.sharded import full, gathered, like, like_parameter
 from pipefisher.runtime.training.optimizer import build_scheduler
 from pipefisher.optim.composite import Composite
 from pipefisher.runtime.pipeline.executor import Executor
@@ -117,12 +120,12 @@ def process_state(executor: Executor, runner: PlanRunner, process: int) -> dict[
     suffix, entries = _suffix(executor), {}
     modules = [runtime.module for runtime in executor.stages.values()]
     for module in modules:
-        entries.update({f"model/{name}{suffix}": value for name, value in module.state_dict().items()})
+        entries.update({f"model/{name}{suffix}": full(value) for name, value in module.state_dict().items()})
     names = _parameter_names(modules)
     for part_name, part in _optimizer_parts(executor.optimizer).items():
         state = part.state_dict()["state"]
         for index, parameter in enumerate(_indexed(part)):
-            entries[f"optimizer/{part_name}/{names[id(parameter)]}{suffix}"] = state.get(index, {})
+            entries[f"optimizer/{part_name}/{names[id(parameter)]}{suffix}"] = gathered(state.get(index, {}))
     scheduler, scaler = executor.scheduler, executor.step_end.scaler
     entries["run/scheduler_step"] = scheduler.last_epoch if scheduler is not None else None
     entries["run/loss_scaler"] = scaler.state_dict() if scaler is not None else None
@@ -218,14 +221,16 @@ def restore_executor(
     suffix = _suffix(executor)
     modules = [runtime.module for runtime in executor.stages.values()]
     for module in modules:
-        module.load_state_dict({name: reader.required(f"model/{name}{suffix}") for name in module.state_dict()})
+        module.load_state_dict(
+            {name: like(reader.required(f"model/{name}{suffix}"), value) for name, value in module.state_dict().items()}
+        )
     names = _parameter_names(modules)
     for part_name, part in _optimizer_parts(executor.optimizer).items():
         state = part.state_dict()
         for index, parameter in enumerate(_indexed(part)):
             entry = reader.required(f"optimizer/{part_name}/{names[id(parameter)]}{suffix}")
             if entry:
-                state["state"][index] = entry
+                state["state"][index] = like_parameter(entry, parameter)
         part.load_state_dict(state)
     if executor.step_end.scaler is not None:
         executor.step_end.scaler.load_state_dict(reader.required("run/loss_scaler"))

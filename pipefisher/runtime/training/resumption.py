@@ -168,7 +168,7 @@ def describe_layout(values: dict[str, Any]) -> str:
         f"{count('pipeline.data_parallel', 'replica', 'replicas')} × {count('pipeline.micro_batches', 'micro-batch', 'micro-batches')}"
     ]
     if values.get("optimizer.zero"):
-        words.append("ZeRO-1")
+        words.append(f"ZeRO-{values['optimizer.zero']}")
     words += [f"{key.split('.')[0]} {value}" for key, value in values.items() if key.endswith(".placement")]
     return ", ".join(words)
 

@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import profile_from_dict
+from pipefisher.core.settings import ConfigError
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import method_of
 from pipefisher.models.init import derive_seed
@@ -25,6 +27,7 @@ from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.gradient_path.reduction import gradient_reduction
+from pipefisher.runtime.gradient_path.sharded import FsdpReduction, ShardedNorm, full, localized
 from pipefisher.runtime.gradient_path.step_end import Gradients, LossReport, OptimizerStep, StepEnd
 from pipefisher.runtime.primitives.comm import TENSOR, Comm
 from pipefisher.runtime.pipeline.compiled import compile_blocks
@@ -35,6 +38,7 @@ from pipefisher.runtime.primitives.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import RunParts, build_run
 from pipefisher.runtime.training.evaluation import pipeline_evaluation
+from pipefisher.runtime.training.fsdp_wrap import shard_stages
 from pipefisher.runtime.training.checkpoint import StateReader, commit, save_rank, tensor_bytes
 from pipefisher.runtime.training.checkpoint_state import (
     entries_to_write,
@@ -109,6 +113,8 @@ def build_executor(
             )
         recompute_modules(module, run.recompute, announce=not config.run.compile)
         modules[(pipe, stage)] = module.to(device)
+    if path.fsdp:
+        shard_stages(modules, comm, device, config.optimizer.zero)
     if config.run.compile:
         for module in modules.values():
             compile_blocks(module)
@@ -174,14 +180,31 @@ def build_step_end(
     modules = {key: stage.module for key, stage in stages.items()}
     bucket_bytes = int(config.run.bucket_mb * 2**20)
     ownership = Ownership(topology, rank, modules, path.sharded)
+    sharded = {key[1]: module for key, module in modules.items() if isinstance(module, FSDPModule)}
     buffers = {
         key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if path.sharded else None)
         for key, module in modules.items()
+        if key[1] not in sharded
     }
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
-    reduction = gradient_reduction(
-        path, topology, buffers, config.comm.powersgd_rank, config.comm.powersgd_start_step, config.run.seed, grad_scale
+    reduction = (
+        FsdpReduction(sharded, keep_gathered=config.optimizer.zero == 2)
+        if sharded
+        else gradient_reduction(
+            path,
+            topology,
+            buffers,
+            config.comm.powersgd_rank,
+            config.comm.powersgd_start_step,
+            config.run.seed,
+            grad_scale,
+        )
     )
+    if sharded and has_tied_weights(model, topology.schedule):
+        raise ConfigError(
+            f"optimizer.zero: {config.optimizer.zero} with weights tied across stages comes later; "
+            "use optimizer.zero 1 or pipeline.stages 1"
+        )
     tied = (
         TiedGradients(topology, ownership, modules, model.tied_parameters(), members.get(("tied",), ()))
         if has_tied_weights(model, topology.schedule)
@@ -194,7 +217,13 @@ def build_step_end(
         build_scheduler(config, optimizer),
         scaler,
         clip,
-        GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard) if clip > 0 else None,
+        (
+            ShardedNorm(reduction)
+            if isinstance(reduction, FsdpReduction)
+            else GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard)
+        )
+        if clip > 0
+        else None,
         extensions.before_optimizer_step,
     )
     return StepEnd(
@@ -292,7 +321,7 @@ def train_pipelined(
             else gather_parameters(runtime.module, tensor_group)
         )
         for name, parameter in named:
-            parameters[f"{prefix}.{name}"] = parameter.detach().cpu().clone()
+            parameters[f"{prefix}.{name}"] = full(parameter.detach()).cpu().clone()
     return TrainResult(losses, parameters, gather_state_bytes(executor, runner))
 
 
@@ -301,7 +330,7 @@ def gather_state_bytes(executor: Executor, runner: PlanRunner) -> tuple[dict[str
     runner.quiesce()
     compression = executor.step_end.reduction.tensors()
     mine = {
-        "optimizer": tensor_bytes(list(executor.optimizer.state.values())),
+        "optimizer": tensor_bytes(localized(list(executor.optimizer.state.values()))),
         "curvature": tensor_bytes(runner.state_dict()),
         "compression": tensor_bytes(compression),
     }

@@ -1,0 +1,53 @@
+"""The rules of `optimizer.zero` 2 and 3 (parameter and gradient sharding by PyTorch's FSDP2 over
+each stage's data-parallel replicas): what this release runs and, for the rest, the one-line
+reason and fix. Pure Python: no torch."""
+
+from __future__ import annotations
+
+from pipefisher.config.sections import PipelineConfig, RunSettings
+from pipefisher.core.ir import ScheduleError
+from pipefisher.optim.settings import OptimizerConfig
+from pipefisher.schedules import chunks_per_rank, get_schedule
+
+#: the first-order rules that step FSDP2's sharded parameters as they would whole ones
+SHARDABLE_RULES = ("sgd", "adamw")
+
+
+def fsdp_problem(optimizer: OptimizerConfig, pipeline: PipelineConfig, run: RunSettings, curvature: bool) -> str:
+    """Why a run of these sections cannot shard parameters and gradients (optimizer.zero 2 or 3),
+    with the fix; "" when it can or does not ask to. `curvature`: optimizer.name is a curvature
+    method."""
+    zero = optimizer.zero
+    if zero < 2:
+        return ""
+    head = f"optimizer.zero: {zero} (FSDP2)"
+    name = optimizer.name
+    if curvature:
+        return f"{head} with {name} comes later (curvature methods on sharded parameters); use optimizer.zero 1 or 0"
+    if name not in SHARDABLE_RULES:
+        return (
+            f"{head} with {name}: its trust ratio needs whole-parameter norms, which FSDP2's shards cut; "
+            "use optimizer.name adamw or optimizer.zero 1"
+        )
+    if pipeline.tensor_parallel > 1:
+        return f"{head} over a tensor-parallel mesh comes later; use pipeline.tensor_parallel 1 or optimizer.zero 1"
+    try:
+        chunks = chunks_per_rank(pipeline.schedule, pipeline.chunks)
+        schedule = get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks)
+    except ScheduleError:
+        return ""  # the schedule's own error comes where the run builds it
+    if schedule.splits_backward:
+        return (
+            f"{head} under {pipeline.schedule}: its weight gradients run outside the backward whose hooks make "
+            "FSDP2 reduce-scatter them; use pipeline.schedule 1f1b, gpipe or interleaved, or optimizer.zero 1"
+        )
+    if schedule.num_pipes > 1:
+        return (
+            f"{head} under {pipeline.schedule}: a stage's copies in its two pipes run their forwards at different "
+            "times, so FSDP2's per-op all-gathers over them cannot pair up; use pipeline.schedule 1f1b or optimizer.zero 1"
+        )
+    if run.precision != "fp32":
+        return f"{head} with run.precision {run.precision} comes later; use run.precision fp32 or optimizer.zero 1"
+    if run.compile:
+        return f"{head} with compiled blocks comes later; set run.compile false or optimizer.zero 1"
+    return ""

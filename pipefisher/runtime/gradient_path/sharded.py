@@ -1,0 +1,149 @@
+"""ZeRO-2/3's gradient path: the stages' parameters are PyTorch FSDP2 modules
+(`pipefisher.runtime.training.fsdp_wrap`), whose own hooks all-gather the parameters inside each
+forward and backward and reduce-scatter the gradients inside a backward. This strategy only says
+*which* backward reduces: FSDP's gradient sync is off except during the stage's last backward of
+the step, armed by the plan's ``grad`` collective (launched right before that op, waited for right
+after it), so the reduce-scatter runs once per step, summing over the replicas (divide factor 1:
+the loss is already scaled by 1 / the step's micro-batches over all replicas). Between steps each
+rank holds its shard of every gradient (a DTensor's local part); the global norm sums the squares
+of those shards, each element counted once over the world.
+
+The executor's gradient buffers (`pipefisher.runtime.gradient_path.buffers`) hold none of these
+parameters: a sharded stage has no buffer. Steps that drop their gradients (`StepEnd.begin` with
+`update` False: the profiler of curvature runs, which ZeRO-2/3 refuses) are not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pipefisher.planning.comm.actions import Collective
+from pipefisher.runtime.gradient_path.reduction import GradientReduction
+from pipefisher.runtime.primitives.comm import Comm, Handle
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """Every FSDP2 module in `module` (itself included), outermost first."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class FsdpReduction(GradientReduction):
+    """The reduce-scatter of each sharded stage (`stages`: stage -> its FSDP2 root module) once per
+    step; `keep_gathered` (ZeRO-2): the parameters also stay gathered until that backward."""
+
+    def __init__(self, stages: dict[int, FSDPModule], keep_gathered: bool):
+        super().__init__({})
+        self.stages, self.keep_gathered = stages, keep_gathered
+        for stage in stages:
+            self._arm(stage, False)
+
+    def _arm(self, stage: int, last: bool) -> None:
+        module = self.stages[stage]
+        module.set_requires_gradient_sync(last)
+        if self.keep_gathered:
+            module.set_reshard_after_backward(last)
+
+    def launch_grad(self, comm: Comm, collective: Collective, step: int) -> Handle:
+        """Arm the stage's reduce-scatter for the op that follows (its last backward of the step);
+        waiting disarms it (the op has run: its gradients are reduced and sharded)."""
+        stage = collective.key[0]
+        self._arm(stage, True)
+        return Handle(lambda: None, lambda: self._arm(stage, False))
+
+    def reduce_now(self, comm: Comm, stage: int, step: int) -> None:
+        raise NotImplementedError("optimizer.zero 2/3 reduces inside the last backward; there is no separate reduction")
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.stages.values() for p in module.parameters() if p.requires_grad]
+
+    def shards(self) -> list[Tensor]:
+        """This rank's shards of the reduced gradients (those a step produced)."""
+        return [local(p.grad) for p in self.parameters() if p.grad is not None]
+
+    def scale_(self, coefficient: Tensor) -> None:
+        shards = self.shards()
+        if shards:
+            torch._foreach_mul_(shards, coefficient)
+
+    def zero_(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+
+def local(tensor: Tensor) -> Tensor:
+    """A DTensor's local part; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full(tensor: Tensor) -> Tensor:
+    """A DTensor gathered whole (a collective over its mesh); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def like(value: object, template: object) -> object:
+    """`value` (whole, the same on every replica) laid out as `template`: a DTensor's shard of it
+    (no communication), nested dicts entry by entry; anything else as it is."""
+    if isinstance(template, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
+        whole = value.to(device=template.device, dtype=template.dtype)
+        return distribute_tensor(whole, template.device_mesh, template.placements, src_data_rank=None)
+    if isinstance(template, dict) and isinstance(value, dict):
+        return {key: like(item, template.get(key)) for key, item in value.items()}
+    return value
+
+
+def like_parameter(entry: dict, parameter: Tensor) -> dict:
+    """A parameter's optimizer state `entry` (whole tensors) with each tensor of the parameter's
+    shape laid out as `parameter` (a DTensor's shard); others (a step count) as they are."""
+    return {
+        key: like(value, parameter) if isinstance(value, Tensor) and value.shape == parameter.shape else value
+        for key, value in entry.items()
+    }
+
+
+def gathered(value: object) -> object:
+    """Nested dicts, lists and tuples with every DTensor gathered whole (collective)."""
+    return _each_tensor(value, full)
+
+
+def localized(value: object) -> object:
+    """Nested dicts, lists and tuples with every DTensor replaced by its local part."""
+    return _each_tensor(value, local)
+
+
+def _each_tensor(value: object, change: Callable[[Tensor], Tensor]) -> object:
+    if isinstance(value, Tensor):
+        return change(value)
+    if isinstance(value, dict):
+        return {key: _each_tensor(item, change) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_each_tensor(item, change) for item in value)
+    return value
+
+
+class ShardedNorm:
+    """The squared global gradient norm's share of this rank under ZeRO-2/3: Σ‖shard‖² over the
+    local shards of its sharded stages' gradients (replicas hold disjoint shards, so the sum over
+    all processes counts every element once). Same contract as `GlobalNorm.local_square`."""
+
+    def __init__(self, reduction: FsdpReduction):
+        self.reduction = reduction
+
+    def local_square(self, device: torch.device) -> Tensor:
+        shards = self.reduction.shards()
+        if not shards:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(torch._foreach_norm(shards)).double().square().sum()
+
+
+def local_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the local storage of `tensors` (a DTensor's shard), each storage once."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = local(tensor).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
