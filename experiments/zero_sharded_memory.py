@@ -19,10 +19,13 @@ import torch  # noqa: E402
 
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 from pipefisher.config import RunConfig, load_config  # noqa: E402
-from pipefisher.runtime.gradient_path.sharded import local_bytes  # noqa: E402
-from pipefisher.runtime.pipeline.extension import ExecutorExtension  # noqa: E402
-from pipefisher.runtime.training.launch import run_group  # noqa: E402
-from pipefisher.runtime.training.trainer import build_executor, train_pipelined  # noqa: E402
+from pipefisher.runtime.training import (  # noqa: E402
+    ExecutorExtension,
+    build_executor,
+    local_bytes,
+    run_group,
+    train_pipelined,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")

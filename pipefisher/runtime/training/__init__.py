@@ -25,7 +25,7 @@ Processes
     `Interrupted`); `world_of_one()` makes this process a group of one.
 Measuring
     `measure_profile` (a profile of the executor's ops and the method's tasks), `pack_options`
-    (the packer's options of a run), `compile_blocks` (`run.compile` on a stage), `unique_parameters`
+    (the packer's options of a run), `compile_blocks` (`run.compile` on a stage), `local_bytes` (a sharded tensor's local bytes), `unique_parameters`
     (a module's parameters, tied ones once), and the memory check: `predict_memory(config)`,
     `measure_memory(rank, world, config, steps)` (a `run_group` worker), `measured_steps(config)`.
 
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
+    from pipefisher.runtime.gradient_path.sharded import local_bytes
     from pipefisher.runtime.gradient_path.precision import Precision
     from pipefisher.runtime.pipeline.compiled import compile_blocks
     from pipefisher.runtime.pipeline.executor import Executor
@@ -87,6 +88,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "measure_profile": ("pipefisher.runtime.training.profiler", "measure_profile"),
     "compile_blocks": ("pipefisher.runtime.pipeline.compiled", "compile_blocks"),
     "unique_parameters": ("pipefisher.runtime.gradient_path.buffers", "unique_parameters"),
+    "local_bytes": ("pipefisher.runtime.gradient_path.sharded", "local_bytes"),
     "predict_memory": ("pipefisher.runtime.training.memory_check", "predict"),
     "measure_memory": ("pipefisher.runtime.training.memory_check", "measure"),
     "measured_steps": ("pipefisher.runtime.training.memory_check", "measured_steps"),
@@ -110,6 +112,7 @@ __all__ = [
     "build_scheduler",
     "compile_blocks",
     "held_out_batches",
+    "local_bytes",
     "measure_memory",
     "measure_profile",
     "measured_steps",
