@@ -102,7 +102,11 @@ def test_the_pages_show_commands_to_run():
     """Not vacuous: the two commands of a fresh machine and the planning examples are found, and
     every page the test reads is one the README links to."""
     commands = [example.command for example in EXAMPLES if example.page == "README.md"]
-    assert "pipefisher run schedules/tiny-cpu.yaml" in commands and "python -m pytest -q" in commands
+    assert "pipefisher run schedules/tiny-cpu.yaml" in commands
+    (test_command,) = [command for command in commands if command.startswith("python -m pytest -q -n")]
+    assert test_command.replace("python", "python3", 1) in (ROOT / ".ci" / "run").read_text(), (
+        "CI runs the README's tests"
+    )
     assert any(example.command.startswith("pipefisher pack") for example in EXAMPLES)
     assert sum(bool(example.shown) for example in EXAMPLES) >= 4
     readme = PAGES[0].read_text()
