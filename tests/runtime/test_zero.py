@@ -7,45 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit, pipelined_with_records
-from builders import tiny_model
+from _workers import assert_equal_to_reference, assert_resumes_bit_for_bit
+from _zero_runs import train, zero_config
 
-from pipefisher.config import ConfigError, config_from_dict
+from pipefisher.config import ConfigError
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
 from pipefisher.runtime.gradient_path.buffers import GradientBuffer, Ownership
 from pipefisher.runtime.training.resumption import resumable_step, resumption
-from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import train_reference
 from pipefisher.schedules import get_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def zero_config(schedule, zero, optimizer="adamw", **overrides):
-    """2 stages x 2 replicas, in-order mode. Adam's eps is 1e-3: the attention key biases have a
-    zero gradient in exact arithmetic, and a small eps would turn the rounding noise of any other
-    summation order into full-size steps."""
-    return config_from_dict(
-        {
-            "model": tiny_model(),
-            "data": {"micro_batch_size": 2},
-            "pipeline": {"stages": 2, "micro_batches": 4, "schedule": schedule, "data_parallel": 2},
-            "optimizer": {
-                "name": optimizer,
-                "lr": 0.01,
-                "eps": 1e-3,
-                "clip_norm": 0.5,
-                "weight_decay": 0.01,
-                "zero": zero,
-            },
-            "run": {"steps": 3, "timeout": 30, "master_port": 0, "in_order": True},
-        }
-    ).with_overrides(**overrides)
-
-
-def train(config):
-    return run_group(pipelined_with_records, config.world_size, args=(config,), timeout=30, deadline=240)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "chimera"])

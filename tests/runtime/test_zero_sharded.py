@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 import torch
-from _workers import checkpointing, fsdp_calls_per_step, pipelined_with_records
+from _workers import checkpointing, fsdp_calls_per_step
+from _zero_runs import train, zero_config
 from builders import tiny_model
 
-from pipefisher.config import ConfigError, config_from_dict
+from pipefisher.config import ConfigError
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import ActionKind, CollectiveKind, CommOrderError, GradientPath, Reduction
 from pipefisher.planning.comm.plan import plan_actions
@@ -36,28 +37,8 @@ REFUSED = {
 
 
 def sharded_config(schedule, zero, stages=1, rule="adamw", **overrides):
-    """`stages` stages x 2 replicas, in-order mode; Adam's eps 1e-3 as tests/runtime/test_zero.py
-    says why."""
-    return config_from_dict(
-        {
-            "model": tiny_model(),
-            "data": {"micro_batch_size": 2},
-            "pipeline": {"stages": stages, "micro_batches": 4, "schedule": schedule, "data_parallel": 2},
-            "optimizer": {
-                "name": rule,
-                "lr": 0.01,
-                "eps": 1e-3,
-                "clip_norm": 0.5,
-                "weight_decay": 0.01,
-                "zero": zero,
-            },
-            "run": {"steps": 3, "timeout": 30, "master_port": 0, "in_order": True},
-        }
-    ).with_overrides(**overrides)
-
-
-def train(config):
-    return run_group(pipelined_with_records, config.world_size, args=(config,), timeout=30, deadline=240)
+    """`stages` stages x 2 replicas (`_zero_runs.zero_config`)."""
+    return zero_config(schedule, zero, rule, stages, **overrides)
 
 
 def assert_matches_reference(config):
