@@ -51,7 +51,7 @@ def held_bytes(rank: int, world: int, config: RunConfig) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2, help="data-parallel replicas N_d (default 2)")
     args = parser.parse_args()
     base = load_config(ROOT / "schedules" / "gpt2-tiny-cpu.yaml").with_overrides(
