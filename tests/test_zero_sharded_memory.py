@@ -4,11 +4,14 @@ order against ZeRO-1, and the planner's memory of a ZeRO-3 run file. Pure Python
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
+from pipefisher.cli.main import main
 from pipefisher.config import load_config
 from pipefisher.core.topology import Topology
 from pipefisher.planning.memory.sharded import shard_elements, sharded_stage
@@ -135,3 +138,19 @@ def test_the_planner_counts_zero3_of_a_run_file():
         assert b.peak_gradient_bytes == a.gradient_bytes
     use = layout_memory(replace(layout, zero=3), sizes, "adamw", 0.0)
     assert use.state == three[use.rank].total_bytes  # the peak: gathered parameters, unreduced gradient
+
+
+def test_plan_reports_a_zero3_run_file_layout(tmp_path, capsys):
+    raw = yaml.safe_load(BERT_BASE.read_text())
+    found = {}
+    for zero in (1, 3):
+        raw["optimizer"] = {**raw["optimizer"], "name": "adamw", "zero": zero}
+        raw["pipeline"]["data_parallel"] = 2
+        path = tmp_path / f"zero{zero}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        assert (
+            main(["plan", str(path), "--gpus", "8", "--memory-gb", "16", "--packed", "1", "--top", "1", "--json"]) == 0
+        )
+        found[zero] = json.loads(capsys.readouterr().out)["run_file_layout"]
+    assert found[3]["layout"]["zero"] == 3 and found[1]["layout"]["zero"] == 1
+    assert found[3]["memory_bytes"]["state"] != found[1]["memory_bytes"]["state"]
