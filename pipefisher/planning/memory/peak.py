@@ -9,6 +9,8 @@ activations, captures and the refresh's statistics copies are taken at the op of
 their sum peaks (`pipefisher.planning.memory.cycle`). Buffers are added at their peak. Gradients live in one flat buffer per
 stage whose buckets are views (`pipefisher.runtime.gradient_path.buffers`), so the reduction
 allocates nothing beside them; ZeRO-1's parameter buffer replaces the parameters' own storage.
+ZeRO-2/3 stages have no such buffer: their parameters and gradients are counted at the step's peak
+(FSDP2's gathered parameters and unreduced gradient, `pipefisher.planning.memory.sharded`).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ class RankPeak:
 
     @property
     def parameter_bytes(self) -> int:
-        return self.training.parameter_bytes
+        """At the step's peak (ZeRO-2/3: shards plus gathered parameters)."""
+        return self.training.peak_parameter_bytes
 
     @property
     def gradient_bytes(self) -> int:
-        return self.training.gradient_bytes
+        """At the step's peak (ZeRO-2/3: the whole unreduced gradient)."""
+        return self.training.peak_gradient_bytes
 
     @property
     def optimizer_bytes(self) -> int:

@@ -5,9 +5,16 @@ What is counted per rank, summed over the stages it holds (`Topology.stages_of`;
 interleaved ranks hold several):
 
 - parameters and gradients: whole on every rank (pipefisher keeps fp32 master weights and fp32
-  gradients whatever the precision; ZeRO-1 cuts neither);
+  gradients whatever the precision; ZeRO-1 cuts neither). ZeRO-2/3 (FSDP2, on stages with more
+  than one replica): the rank's shards at rest and at the optimizer step, plus at the step's
+  peak the parameters FSDP2 holds gathered (ZeRO-2 the whole stage through the step, ZeRO-3 the
+  root unit and two blocks while an op runs) and the whole unreduced gradient accumulated until
+  the step's one reduce-scatter (`pipefisher.planning.memory.sharded`); `RankMemory.total_bytes`
+  counts the peak (`peak_parameter_bytes`, `peak_gradient_bytes`), equal to the resting bytes
+  for ZeRO 0 and 1;
 - optimizer state: per parameter tensor the runtime's optimizer updates, i.e. every parameter of
-  the rank's stages without ZeRO, the rank's own (`pipefisher.planning.replicas.zero.shard_owners`) with ZeRO-1;
+  the rank's stages without ZeRO, the rank's own (`pipefisher.planning.replicas.zero.shard_owners`) with ZeRO-1,
+  the rank's shard of every parameter with ZeRO-2/3;
   under a curvature method, the parameters it does not precondition (`StageState.preconditioned`)
   hold the state of its section's `first_order` rule (`OptimizerState.rest`);
 - curvature state: what the curvature method holds per layer once a refresh is committed (its
@@ -17,6 +24,8 @@ interleaved ranks hold several):
 - grad_comm_bytes: bytes the rank sends per step for its stages' gradient reduction over their
   replicas (ring model, `pipefisher.planning.comm.volume.ring_bytes`): an all-reduce without ZeRO; with
   ZeRO-1 a reduce to the owners plus the owners' parameter broadcast, the same volume; with
+  ZeRO-2/3 FSDP2's reduce-scatter and all-gathers (once a step, ZeRO-2; every forward and
+  backward, ZeRO-3); with
   PowerSGD an all-reduce of its P and Q factors and of the tensors it leaves whole
   (`powersgd_elements`); with gradient workers, plus the broadcasts of every layer's
   preconditioned gradient within a block of R/G replicas.
@@ -38,6 +47,7 @@ from typing import Protocol
 
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
+from pipefisher.planning.memory.sharded import sharded_stage
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.replicas.zero import shard_owners
 
@@ -61,12 +71,14 @@ class StageState:
     """One stage's trainable parameters as element counts, each tensor once, in
     ``module.parameters()`` order (the order ZeRO-1 shards them in), the curvature method's
     layers, the parameters' shapes in the same order (PowerSGD's traffic needs them) and whether
-    the curvature method preconditions each (empty: every one)."""
+    the curvature method preconditions each (empty: every one); `blocks`: element counts of the
+    stage's repeated blocks, FSDP2's units under ZeRO-3 (empty: the stage is one unit)."""
 
     parameters: tuple[int, ...]
     curvature_layers: tuple[CurvatureLayer, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     preconditioned: tuple[bool, ...] = ()
+    blocks: tuple[int, ...] = ()
 
     def preconditions(self, index: int) -> bool:
         """Whether the curvature method preconditions parameter `index`."""
@@ -132,7 +144,10 @@ class ElementBytes:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """One stage copy's share of a rank's bytes; `replicas`: ranks holding the stage (R)."""
+    """One stage copy's share of a rank's bytes; `replicas`: ranks holding the stage (R).
+    `parameter_bytes` and `gradient_bytes` are held at the optimizer step; ZeRO-2/3 also hold, in
+    the step, `gathered_bytes` of whole parameters beside their shards (`gathered_per_op`: only
+    while one of the stage's ops runs) and `unreduced_bytes` of whole gradient (0: none)."""
 
     pipe: int
     stage: int
@@ -143,6 +158,9 @@ class StageMemory:
     curvature_bytes: int
     grad_comm_bytes: int
     compression_bytes: int = 0
+    gathered_bytes: int = 0
+    gathered_per_op: bool = False
+    unreduced_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,11 +199,26 @@ class RankMemory:
         return self._sum("compression_bytes")
 
     @property
+    def peak_parameter_bytes(self) -> int:
+        """Parameter bytes at the step's peak: the resting ones, the gathered ones held through the
+        step (ZeRO-2) and the most any one op gathers (ZeRO-3)."""
+        held = sum(part.gathered_bytes for part in self.stages if not part.gathered_per_op)
+        per_op = max((part.gathered_bytes for part in self.stages if part.gathered_per_op), default=0)
+        return self.parameter_bytes + held + per_op
+
+    @property
+    def peak_gradient_bytes(self) -> int:
+        """Gradient bytes at the step's peak: per stage the whole unreduced gradient (ZeRO-2/3)
+        or the held one, whichever is more."""
+        return sum(max(part.gradient_bytes, part.unreduced_bytes) for part in self.stages)
+
+    @property
     def total_bytes(self) -> int:
-        """Parameters + gradients + optimizer state + curvature state + PowerSGD's state (traffic excluded)."""
+        """Parameters + gradients at their peak + optimizer state + curvature state + PowerSGD's
+        state (traffic excluded)."""
         return (
-            self.parameter_bytes
-            + self.gradient_bytes
+            self.peak_parameter_bytes
+            + self.peak_gradient_bytes
             + self.optimizer_bytes
             + self.curvature_bytes
             + self.compression_bytes
@@ -202,19 +235,20 @@ def rank_memory(
     powersgd_rank: int = 0,
 ) -> tuple[RankMemory, ...]:
     """Every global rank's bytes (index = rank) for `stages` (one per stage index of the schedule)
-    placed by `topology`; `zero` 0 (off) or 1 (optimizer state sharded by parameter over each
-    stage's replicas, `shard_owners`); `workers_per_layer`: K-FAC's G gradient workers per layer (None:
+    placed by `topology`; `zero` 0 (off), 1 (optimizer state sharded by parameter over each
+    stage's replicas, `shard_owners`), 2 or 3 (FSDP2, `pipefisher.planning.memory.sharded`);
+    `workers_per_layer`: K-FAC's G gradient workers per layer (None:
     every replica); `powersgd_rank`: PowerSGD's rank (0 = off; needs the stages' shapes)."""
     if len(stages) != topology.schedule.num_stages:
         raise ValueError(f"stages: {len(stages)} given, the schedule has {topology.schedule.num_stages}")
-    if zero not in (0, 1):
-        raise ValueError(f"zero: {zero} is not a ZeRO stage this model has; use 0 or 1")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero: {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
     if powersgd_rank and any(len(stage.shapes) != len(stage.parameters) for stage in stages):
         raise ValueError("powersgd_rank: the stages' parameter shapes are needed (StageState.shapes)")
     owners = {}
     for index, stage in enumerate(stages):
         ranks = topology.replica_ranks(index)
-        owners[index] = shard_owners(stage.parameters, ranks) if zero else None
+        owners[index] = shard_owners(stage.parameters, ranks) if zero == 1 else None
     result = []
     for rank in range(topology.world_size):
         parts = []
@@ -231,7 +265,7 @@ def rank_memory(
             mine = [number for number in range(len(stage.parameters)) if owner is None or owner[number] == rank]
             gradient_bytes = stage.numel * widths.gradient
             parameter_bytes = stage.numel * widths.parameter
-            if zero:  # reduce-scatter to the owners, then the owners' all-gather of parameters
+            if zero == 1:  # reduce-scatter to the owners, then the owners' all-gather of parameters
                 traffic = ring_bytes("reduce", gradient_bytes, replicas) + ring_bytes(
                     "broadcast", parameter_bytes, replicas
                 )
@@ -243,6 +277,31 @@ def rank_memory(
             compression = (
                 powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
             )
+            optimizer_bytes = sum(
+                optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine
+            )
+            gathered, per_op, unreduced = 0, False, 0
+            if zero > 1 and replicas > 1:  # FSDP2 wraps replicated stages only
+                sharded = sharded_stage(
+                    stage.parameters,
+                    stage.shapes,
+                    stage.blocks,
+                    replicas,
+                    zero,
+                    topology.schedule.num_micro_batches,
+                    widths.parameter,
+                    widths.gradient,
+                )
+                parameter_bytes, gradient_bytes, traffic = (
+                    sharded.parameter_bytes,
+                    sharded.gradient_bytes,
+                    sharded.traffic,
+                )
+                optimizer_bytes = sum(
+                    optimizer.tensor_bytes(shard, stage.preconditions(number))
+                    for number, shard in enumerate(sharded.shards)
+                )
+                gathered, per_op, unreduced = sharded.gathered_bytes, sharded.per_op, sharded.unreduced_bytes
             curvature = 0
             if optimizer.curvature:
                 curvature = sum(
@@ -261,12 +320,13 @@ def rank_memory(
                     replicas,
                     parameter_bytes,
                     gradient_bytes,
-                    sum(
-                        optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine
-                    ),
+                    optimizer_bytes,
                     curvature,
                     traffic,
                     compression,
+                    gathered,
+                    per_op,
+                    unreduced,
                 )
             )
         result.append(RankMemory(rank, tuple(parts)))

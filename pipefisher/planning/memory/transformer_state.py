@@ -126,7 +126,8 @@ def transformer_stage_states(
     """Each stage's `StageState` on tensor-parallel rank `index` of `tensor_parallel`: parameter
     sizes and shapes in the model's order; with `layer_model`, a curvature layer per Linear the
     method preconditions (all but the `first_order` globs) and the flags of the parameters it
-    preconditions (weights, and biases when `preconditions_bias`). ValueError unless the stages
+    preconditions (weights, and biases when `preconditions_bias`), and the element counts of
+    its blocks (FSDP2's units under ZeRO-3). ValueError unless the stages
     divide the blocks and T divides hidden and ffn."""
     if num_stages < 1 or sizes.blocks % num_stages:
         raise ValueError(f"num_stages: {num_stages} does not divide the model's {sizes.blocks} blocks")
@@ -149,8 +150,18 @@ def transformer_stage_states(
         )
         chosen = {id(t) for t in curvature if len(t.shape) == 2 or preconditions_bias}
         numels = tuple(_numel(t.shape) for t in tensors)
+        blocks = tuple(
+            sum(_numel(t.shape) for t in _block(sizes, block, tensor_parallel, index))
+            for block in range(stage * sizes.blocks // num_stages, (stage + 1) * sizes.blocks // num_stages)
+        )
         states.append(
-            StageState(numels, tuple(layers), tuple(t.shape for t in tensors), tuple(id(t) in chosen for t in tensors))
+            StageState(
+                numels,
+                tuple(layers),
+                tuple(t.shape for t in tensors),
+                tuple(id(t) in chosen for t in tensors),
+                blocks,
+            )
         )
     return states
 

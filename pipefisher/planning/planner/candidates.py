@@ -26,7 +26,7 @@ MAX_TENSOR_PARALLEL = 8
 class Layout:
     """One way to run the model: `stages` pipeline ranks (D) x `data_parallel` copies x
     `tensor_parallel` processes per rank = GPUs; the schedule with `chunks` model chunks per rank;
-    `micro_batches` of `micro_batch_size` samples per pipeline and step; ZeRO-1 (`zero`) and
+    `micro_batches` of `micro_batch_size` samples per pipeline and step; ZeRO (`zero`: 0 off, 1-3) and
     PowerSGD (`powersgd_rank`, 0 = off) on the gradient reduction; `method` the optimizer (a
     first-order name or a curvature method) with its refresh interval `refresh_steps` (0: not
     packed yet / first-order); `recompute` none, selective or blocks."""
@@ -38,7 +38,7 @@ class Layout:
     chunks: int
     micro_batches: int
     micro_batch_size: int
-    zero: bool = False
+    zero: int = 0
     powersgd_rank: int = 0
     method: str = "lamb"
     refresh_steps: int = 0
@@ -149,9 +149,9 @@ def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str) -> lis
 def _variants(base: Layout, space: SearchSpace, replicated: bool) -> Iterable[Layout]:
     """`base` with each recompute mode the run allows (`recompute_problem`) and gradient path: plain,
     ZeRO-1 and PowerSGD where there are data-parallel replicas (ZeRO-1 and PowerSGD exclude each other)."""
-    paths = [(False, 0)]
+    paths = [(0, 0)]
     if replicated:
-        paths += [(True, 0)] + [(False, rank) for rank in space.powersgd_ranks if rank]
+        paths += [(1, 0)] + [(0, rank) for rank in space.powersgd_ranks if rank]
     splits = base.build_schedule().splits_backward
     for recompute in space.recompute:
         if recompute_problem(recompute, base.schedule, base.tensor_parallel, splits):
@@ -172,7 +172,7 @@ def layout_of_run(
         chunks_per_rank(pipeline.schedule, pipeline.chunks),
         pipeline.micro_batches,
         micro_batch_size,
-        zero=bool(zero),
+        zero=int(zero),
         powersgd_rank=powersgd_rank,
         method=method,
         recompute=recompute,

@@ -71,7 +71,7 @@ def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse
 
 def _pipeline_key(layout: Layout) -> Layout:
     """The layout without its gradient path (what ZeRO-1 and PowerSGD variants share)."""
-    return replace(layout, zero=False, powersgd_rank=0)
+    return replace(layout, zero=0, powersgd_rank=0)
 
 
 def search(
@@ -114,7 +114,7 @@ def search(
         least = min(memory, key=lambda entry: entry[2].total)
         raise PlanError(
             f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
-            f"per device ({least[0].describe()}, recompute {least[0].recompute}{', ZeRO-1' if least[0].zero else ''})"
+            f"per device ({least[0].describe()}, recompute {least[0].recompute}{f', ZeRO-{least[0].zero}' if least[0].zero else ''})"
         )
     best_of_pipeline: dict[Layout, tuple[Prediction, MemoryUse]] = {}
     for prediction, own in fitting:

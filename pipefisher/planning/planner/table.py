@@ -49,7 +49,9 @@ def why(prediction: Prediction, best: Prediction, budget: int) -> str:
 
 
 def _gradient_path(layout: Layout) -> str:
-    return "ZeRO-1" if layout.zero else f"PowerSGD r{layout.powersgd_rank}" if layout.powersgd_rank else "-"
+    return (
+        f"ZeRO-{layout.zero}" if layout.zero else f"PowerSGD r{layout.powersgd_rank}" if layout.powersgd_rank else "-"
+    )
 
 
 def ranked_table(predictions: Sequence[Prediction], budget: int, top: int = 10) -> str:
