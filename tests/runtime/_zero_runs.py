@@ -8,8 +8,8 @@ from pipefisher.config import config_from_dict
 from pipefisher.runtime.training.launch import run_group
 
 
-def zero_config(schedule, zero, optimizer="adamw", stages=2, **overrides):
-    """Adam's eps is 1e-3: the attention key biases have a zero gradient in exact arithmetic, and a
+def zero_config(schedule, zero, rule="adamw", stages=2, **overrides):
+    """`rule`: the first-order optimizer; `overrides`: sections for `with_overrides`. Adam's eps is 1e-3: the attention key biases have a zero gradient in exact arithmetic, and a
     small eps would turn the rounding noise of any other summation order into full-size steps."""
     return config_from_dict(
         {
@@ -17,7 +17,7 @@ def zero_config(schedule, zero, optimizer="adamw", stages=2, **overrides):
             "data": {"micro_batch_size": 2},
             "pipeline": {"stages": stages, "micro_batches": 4, "schedule": schedule, "data_parallel": 2},
             "optimizer": {
-                "name": optimizer,
+                "name": rule,
                 "lr": 0.01,
                 "eps": 1e-3,
                 "clip_norm": 0.5,
