@@ -297,7 +297,7 @@ def _check(config: RunConfig) -> None:
     problem = kind.check(model)
     if problem:
         raise ConfigError(problem)
-    problem = fsdp_problem(config.optimizer, pipeline, config.run, config.curvature is not None)
+    problem = fsdp_problem(config.optimizer, pipeline, config.run, methods().get(config.optimizer.name))
     if problem:
         raise ConfigError(problem)
     for name, section in config.methods:

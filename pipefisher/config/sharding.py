@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pipefisher.config.sections import PipelineConfig, RunSettings
 from pipefisher.core.ir import ScheduleError
+from pipefisher.methods.method import CurvatureMethod
 from pipefisher.optim.settings import OptimizerConfig
 from pipefisher.schedules import chunks_per_rank, get_schedule
 
@@ -13,18 +14,20 @@ from pipefisher.schedules import chunks_per_rank, get_schedule
 SHARDABLE_RULES = ("sgd", "adamw")
 
 
-def fsdp_problem(optimizer: OptimizerConfig, pipeline: PipelineConfig, run: RunSettings, curvature: bool) -> str:
+def fsdp_problem(
+    optimizer: OptimizerConfig, pipeline: PipelineConfig, run: RunSettings, method: CurvatureMethod | None
+) -> str:
     """Why a run of these sections cannot shard parameters and gradients (optimizer.zero 2 or 3),
-    with the fix; "" when it can or does not ask to. `curvature`: optimizer.name is a curvature
-    method."""
+    with the fix; "" when it can or does not ask to. `method`: the curvature method optimizer.name
+    names (None: a first-order rule)."""
     zero = optimizer.zero
     if zero < 2:
         return ""
     head = f"optimizer.zero: {zero} (FSDP2)"
     name = optimizer.name
-    if curvature:
-        return f"{head} with {name} comes later (curvature methods on sharded parameters); use optimizer.zero 1 or 0"
-    if name not in SHARDABLE_RULES:
+    if method is not None and not method.shards:
+        return f"{head} with {name} comes later (its runtime reads whole gradients); use optimizer.zero 1 or 0"
+    if method is None and name not in SHARDABLE_RULES:
         return (
             f"{head} with {name}: its trust ratio needs whole-parameter norms, which FSDP2's shards cut; "
             "use optimizer.name adamw or optimizer.zero 1"

@@ -32,7 +32,9 @@ class CurvatureMethod:
     "module:attribute" of its torch-free memory model of a layer
     (`pipefisher.planning.memory.state.CurvatureLayer`; "" = not modelled); `flops`:
     "module:attribute" of its torch-free `pipefisher.methods.flops.FlopHook`, the flops of its
-    tasks on one matrix ("" = unknown: `task_flops` gives none)."""
+    tasks on one matrix ("" = unknown: `task_flops` gives none); `shards`: its runtime reads and
+    writes the gradients it preconditions through `pipefisher.runtime.primitives.sharding`, so it
+    runs on parameters sharded by optimizer.zero 2/3 (FSDP2)."""
 
     name: str
     label: str
@@ -42,6 +44,7 @@ class CurvatureMethod:
     flags: tuple[str, ...] = ()
     memory: str = ""
     flops: str = ""
+    shards: bool = False
     _loaded: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -20,11 +20,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from pipefisher.planning.comm.actions import Collective
 from pipefisher.runtime.gradient_path.reduction import GradientReduction
 from pipefisher.runtime.primitives.comm import Comm, Handle
+from pipefisher.runtime.primitives.sharding import full, local, shard_of
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
@@ -75,22 +76,11 @@ class FsdpReduction(GradientReduction):
             p.grad = None
 
 
-def local(tensor: Tensor) -> Tensor:
-    """A DTensor's local part; any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def full(tensor: Tensor) -> Tensor:
-    """A DTensor gathered whole (a collective over its mesh); any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def like(value: object, template: object) -> object:
     """`value` (whole, the same on every replica) laid out as `template`: a DTensor's shard of it
     (no communication), nested dicts entry by entry; anything else as it is."""
     if isinstance(template, DTensor) and isinstance(value, Tensor) and not isinstance(value, DTensor):
-        whole = value.to(device=template.device, dtype=template.dtype)
-        return distribute_tensor(whole, template.device_mesh, template.placements, src_data_rank=None)
+        return shard_of(value, template)
     if isinstance(template, dict) and isinstance(value, dict):
         return {key: like(item, template.get(key)) for key, item in value.items()}
     return value

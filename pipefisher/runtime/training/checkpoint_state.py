@@ -31,7 +31,8 @@ from torch import nn
 
 from pipefisher.config import RunConfig
 from pipefisher.models.init import derive_seed
-from pipefisher.runtime.gradient_path.sharded import full, gathered, like, like_parameter
+from pipefisher.runtime.gradient_path.sharded import gathered, like, like_parameter
+from pipefisher.runtime.primitives.sharding import full
 from pipefisher.runtime.training.optimizer import build_scheduler
 from pipefisher.optim.composite import Composite
 from pipefisher.runtime.pipeline.executor import Executor

@@ -27,7 +27,8 @@ from pipefisher.planning.comm.plan import group_members
 from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer, Ownership, TiedGradients
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.gradient_path.reduction import gradient_reduction
-from pipefisher.runtime.gradient_path.sharded import FsdpReduction, ShardedNorm, full, localized
+from pipefisher.runtime.gradient_path.sharded import FsdpReduction, ShardedNorm, localized
+from pipefisher.runtime.primitives.sharding import full
 from pipefisher.runtime.gradient_path.step_end import Gradients, LossReport, OptimizerStep, StepEnd
 from pipefisher.runtime.primitives.comm import TENSOR, Comm
 from pipefisher.runtime.pipeline.compiled import compile_blocks
