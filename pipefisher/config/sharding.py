@@ -44,10 +44,10 @@ def fsdp_problem(
             f"{head} under {pipeline.schedule}: its weight gradients run outside the backward whose hooks make "
             "FSDP2 reduce-scatter them; use pipeline.schedule 1f1b, gpipe or interleaved, or optimizer.zero 1"
         )
-    if schedule.num_pipes > 1:
+    if schedule.num_pipes > 1 and pipeline.data_parallel < 2:
         return (
-            f"{head} under {pipeline.schedule}: a stage's copies in its two pipes run their forwards at different "
-            "times, so FSDP2's per-op all-gathers over them cannot pair up; use pipeline.schedule 1f1b or optimizer.zero 1"
+            f"{head} under {pipeline.schedule} shards over a pipe's data-parallel replicas (its pipes' copies of a stage "
+            "run at different times); set pipeline.data_parallel 2 or more, or optimizer.zero 1"
         )
     if run.precision != "fp32":
         return f"{head} with run.precision {run.precision} comes later; use run.precision fp32 or optimizer.zero 1"

@@ -25,11 +25,11 @@ from pipefisher.runtime.training.resumption import resumable_step
 from pipefisher.schedules import SCHEDULES, get_schedule
 from pipefisher.testing.harness import micro_batches_for
 
-#: the schedules ZeRO-2/3 runs; the registry's others are refused in one line (`REFUSED`)
-RUNS = ("gpipe", "1f1b", "interleaved")
+#: the schedules ZeRO-2/3 runs (chimera with data_parallel >= 2); the registry's others are refused
+#: in one line (`REFUSED`)
+RUNS = ("gpipe", "1f1b", "interleaved", "chimera")
 #: schedule -> what its refusal says
 REFUSED = {
-    "chimera": "two pipes",
     "zb-h1": "weight gradients run outside the backward",
     "zbv": "weight gradients run outside the backward",
     "dualpipev": "weight gradients run outside the backward",
@@ -41,14 +41,19 @@ def sharded_config(schedule, zero, stages=1, rule="adamw", **overrides):
     return zero_config(schedule, zero, rule, stages, **overrides)
 
 
+def reference_name(key):
+    """A parameter's name in the reference (a second pipe's copy, ``p1.…``, as pipe 0's)."""
+    return key.split(".", 1)[1] if key.startswith("p1.") else key
+
+
 def assert_matches_reference(config):
     reference = train_reference(config.with_overrides(optimizer={"zero": 0}))
     results = train(config)
-    assert {key for result, _ in results for key in result.parameters} == set(reference.parameters)
+    assert {reference_name(key) for result, _ in results for key in result.parameters} == set(reference.parameters)
     for result, records in results:
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
         for key, value in result.parameters.items():
-            torch.testing.assert_close(value, reference.parameters[key], rtol=1e-5, atol=1e-6, msg=key)
+            torch.testing.assert_close(value, reference.parameters[reference_name(key)], rtol=1e-5, atol=1e-6, msg=key)
         assert all(record["grad_norm"] > 0 for record in records)
     if config.optimizer.name == "adamw":  # two fp32 moments, each rank of a stage holding half of them
         for rank, (result, _) in enumerate(results):
@@ -86,9 +91,17 @@ def test_gradients_are_reduce_scattered_once_per_step(zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "chimera"])
 def test_sharded_two_stages_equal_the_reference(schedule):
+    """Chimera: 2 pipes x 2 replicas; each pipe's replicas shard a stage, the shards are then
+    summed over the pipes (``grad_pipes``)."""
     assert_matches_reference(sharded_config(schedule, 3, stages=2))
+
+
+def test_chimera_without_data_parallel_replicas_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^optimizer.zero: 3 \(FSDP2\) under chimera shards over a pipe's") as error:
+        sharded_config("chimera", 3, stages=2, pipeline={"data_parallel": 1})
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.slow
@@ -150,7 +163,8 @@ def test_fsdp_collectives_are_in_the_replayed_plan(name):
     """Every forward and backward of a replicated stage waits for its all-gathers (``unshard``)
     before it runs; the stage's last backward of the step carries its one reduce-scatter
     (``grad``), launched right before it and waited for right after; the plan replays under
-    NCCL's rule, and a replica whose ops gather in another order is caught."""
+    NCCL's rule, and a replica whose ops gather in another order is caught. Chimera: on each
+    pipe's own communicator, the shards then summed over the pipes once (``grad_pipes``)."""
     schedule = get_schedule(name, 2, micro_batches_for(name), 2 if name == "interleaved" else 1)
     topology = Topology(schedule, data_parallel=2)
     plan = replay(plan_actions(topology, schedule_plan(schedule), path=GradientPath(Reduction.FSDP_PARAMETERS)))
@@ -174,13 +188,18 @@ def test_fsdp_collectives_are_in_the_replayed_plan(name):
             assert launch == last - 1 and actions[last + 1] == actions[launch].__class__(
                 ActionKind.WAIT, actions[launch].target
             )
+        pipe_sums = [
+            a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.target.kind is CollectiveKind.GRAD_PIPES
+        ]
+        assert len(pipe_sums) == (len(stages) if schedule.num_pipes > 1 else 0)
     programs, members = process_programs(plan)
-    other = list(programs[2])  # rank 2: stage 0's second replica
+    replica = topology.rank(1, 0, 0)  # stage 0's second replica (in pipe 0)
+    other = list(programs[replica])
     gathers = [
         i for i, a in enumerate(other) if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.UNSHARD
     ]
     for first, second in ((gathers[0], gathers[1]), (gathers[0] + 1, gathers[1] + 1)):
         other[first], other[second] = other[second], other[first]
-    programs[2] = tuple(other)
-    with pytest.raises(CommOrderError, match="mismatch on grad/0"):
+    programs[replica] = tuple(other)
+    with pytest.raises(CommOrderError, match=r"mismatch on (grad/0|shard/0/0)|deadlock under NCCL"):
         replay_programs(programs, members)

@@ -79,8 +79,11 @@ class CollectiveKind(str, Enum):
     #: ZeRO-1's broadcast of the updated parameters from their owners
     GATHER = "gather"
     #: ZeRO-2/3: FSDP2's parameter all-gathers inside one forward or backward (none where the
-    #: parameters are gathered already), on the stage's ``grad`` communicator
+    #: parameters are gathered already), on the stage's FSDP communicator (`fsdp_group`)
     UNSHARD = "unshard"
+    #: ZeRO-2/3 with several pipes (Chimera): each gradient shard summed over the stage's copies in
+    #: the other pipes, after FSDP2's reduce-scatter within the pipe
+    GRAD_PIPES = "grad_pipes"
     #: the sum of a tied weight's gradient over the stages that hold copies
     TIED = "tied"
     #: the world reduction of the step's loss, norm and flags (the optimizer step follows it)
@@ -279,9 +282,30 @@ def gather_collective(stage: int) -> Collective:
     return Collective(CollectiveKind.GATHER, ("grad", stage), (stage,))
 
 
-def unshard_collective(stage: int, op: Op) -> Collective:
-    """ZeRO-2/3: FSDP2's all-gathers of stage `stage`'s parameters inside `op`."""
-    return Collective(CollectiveKind.UNSHARD, ("grad", stage), (stage, str(op)))
+def fsdp_group(stage: int, pipe: int, pipes: int) -> GroupKey:
+    """ZeRO-2/3: the communicator FSDP2 shards stage `stage`'s copy in `pipe` over: its
+    data-parallel replicas in that pipe (``("shard", stage, pipe)``) when the schedule has `pipes`
+    > 1 (their copies run the same ops at the same times; the other pipes' do not), else all of
+    the stage's replicas (``("grad", stage)``)."""
+    return ("shard", stage, pipe) if pipes > 1 else ("grad", stage)
+
+
+def unshard_collective(stage: int, op: Op, group: GroupKey | None = None) -> Collective:
+    """ZeRO-2/3: FSDP2's all-gathers of stage `stage`'s parameters inside `op`, on `group` (default
+    the stage's ``grad`` communicator)."""
+    return Collective(CollectiveKind.UNSHARD, group or ("grad", stage), (stage, str(op)))
+
+
+def fsdp_grad_collective(stage: int, group: GroupKey) -> Collective:
+    """ZeRO-2/3: FSDP2's reduce-scatter of stage `stage`'s gradients on `group` (`fsdp_group`),
+    inside the op it is launched before."""
+    return Collective(CollectiveKind.GRAD, group, (stage,))
+
+
+def grad_pipes_collective(stage: int, replica: int) -> Collective:
+    """ZeRO-2/3 with several pipes: the all-reduce of data-parallel `replica`'s gradient shards of
+    stage `stage` over the stage's copies in every pipe."""
+    return Collective(CollectiveKind.GRAD_PIPES, ("pipes", stage, replica), (stage,))
 
 
 TIED = Collective(CollectiveKind.TIED, ("tied",))

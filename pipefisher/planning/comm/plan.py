@@ -16,6 +16,9 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
   forward and backward (``unshard``) and its reduce-scatter inside the stage's last backward of
   the step (``grad``), on the same communicator; with PowerSGD (`GradientPath.compressed`) the reduction is two all-reduces, of the
   P factors (with the uncompressed tensors) and, once those are in, of the Q factors (``grad_q``).
+- ``("shard", s, pipe)`` and ``("pipes", s, replica)``: ZeRO-2/3 with several pipes (Chimera):
+  FSDP2 shards over each pipe's data-parallel copies of stage s (the ``unshard`` and ``grad``
+  collectives are on that communicator), then each shard is summed over the pipes (``grad_pipes``).
 - ``("pgrad", s, b)``: K-FAC's gradient workers (`pipefisher.planning.replicas.kaisa`): block b of stage s's
   replicas, to which its workers broadcast the preconditioned gradients (``pgrad``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
@@ -49,8 +52,11 @@ from pipefisher.planning.comm.actions import (
     SendDone,
     TIED,
     exchange_collective,
+    fsdp_grad_collective,
+    fsdp_group,
     gather_collective,
     grad_collective,
+    grad_pipes_collective,
     grad_q_collective,
     input_message,
     output_message,
@@ -174,8 +180,10 @@ def _op_actions(
     """One rank's actions for its ops of a step. `fsdp` (ZeRO-2/3): every forward and backward of
     a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
     once: the op blocks on them), and the stage's last backward of the step carries its
-    reduce-scatter (``grad``, launched before the op, waited for right after it)."""
-    num_stages = topology.schedule.num_stages
+    reduce-scatter (``grad``, launched before the op, waited for right after it), both on the
+    stage's FSDP communicator (`fsdp_group`); with several pipes the shards are then summed over
+    the pipes (``grad_pipes``, launched once the gradient is final, waited for at the step's end)."""
+    num_stages, pipes = topology.schedule.num_stages, topology.schedule.num_pipes
 
     def rank_of(op: Op) -> int:
         return topology.rank(replica, op.pipe, op.stage)
@@ -204,20 +212,23 @@ def _op_actions(
                 yield action
         stage = gradient_final.get(position)
         sharded = fsdp and op.stage in replicated and op.kind in (OpKind.FORWARD, OpKind.BACKWARD)
+        group = fsdp_group(op.stage, op.pipe, pipes)
         if sharded:
-            gathers = unshard_collective(op.stage, op)
+            gathers = unshard_collective(op.stage, op, group)
             yield from (Action(ActionKind.LAUNCH, gathers), Action(ActionKind.WAIT, gathers))
             if stage is not None:
-                yield Action(ActionKind.LAUNCH, grad_collective(stage))
+                yield Action(ActionKind.LAUNCH, fsdp_grad_collective(stage, group))
         yield run(op)
         if sharded and stage is not None:
-            yield Action(ActionKind.WAIT, grad_collective(stage))
+            yield Action(ActionKind.WAIT, fsdp_grad_collective(stage, group))
         yield from _curvature_launches(op, rules)
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
-        if not fsdp and stage is not None and stage in replicated:
+        if stage is not None and stage in replicated and not fsdp:
             yield Action(ActionKind.LAUNCH, grad_collective(stage))
+        elif stage is not None and stage in replicated and pipes > 1:
+            yield Action(ActionKind.LAUNCH, grad_pipes_collective(stage, replica))
 
 
 def _gradient_final_positions(ops: Sequence[Op]) -> dict[int, int]:
@@ -283,6 +294,11 @@ def _end_of_step(
         tail += [Action(ActionKind.WAIT, grad_q_collective(collective.key[0])) for collective in reduced]
     else:
         tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
+    tail += [
+        Action(ActionKind.WAIT, a.collective)
+        for a in actions
+        if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD_PIPES
+    ]
     if path.workers_per_layer is not None:
         for stage in sorted(c.key[0] for c in reduced):
             collective = pgrad_collective(topology, rank, stage, path.workers_per_layer)
@@ -313,6 +329,8 @@ def group_members(
                 grid = GradWorkers(ranks, path.workers_per_layer)
                 for block in range(grid.workers):
                     members[("pgrad", stage, block)] = grid.block_ranks(block)
+    if path.fsdp and schedule.num_pipes > 1:
+        members.update(_fsdp_pipe_groups(topology))
     for replica in range(topology.data_parallel):
         for pipe in range(schedule.num_pipes):
             for stage in range(schedule.num_stages - 1):
@@ -321,3 +339,19 @@ def group_members(
                     members[("fwd", replica, pipe, stage)] = (low, high)
                     members[("bwd", replica, pipe, stage)] = (high, low)
     return members
+
+
+def _fsdp_pipe_groups(topology: Topology) -> dict[GroupKey, tuple[int, ...]]:
+    """ZeRO-2/3 with several pipes: per stage and pipe, the data-parallel copies FSDP2 shards over
+    (``("shard", stage, pipe)``); per stage and data-parallel replica, the copies in every pipe
+    whose shards are summed (``("pipes", stage, replica)``)."""
+    schedule, replicas = topology.schedule, range(topology.data_parallel)
+    groups: dict[GroupKey, tuple[int, ...]] = {}
+    for stage in range(schedule.num_stages):
+        for pipe in range(schedule.num_pipes):
+            groups[("shard", stage, pipe)] = tuple(topology.rank(replica, pipe, stage) for replica in replicas)
+        for replica in replicas:
+            groups[("pipes", stage, replica)] = tuple(
+                topology.rank(replica, pipe, stage) for pipe in range(schedule.num_pipes)
+            )
+    return groups

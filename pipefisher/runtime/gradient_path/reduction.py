@@ -69,6 +69,10 @@ class GradientReduction(ABC):
         """After the optimizer step: the updated parameters back to every replica (ZeRO-1)."""
         return done()
 
+    def launch_grad_pipes(self, comm: Comm, collective: Collective) -> Handle:
+        """ZeRO-2/3 with several pipes: the gradient shards summed over the stage's pipes."""
+        return done()
+
     def reduce_now(self, comm: Comm, stage: int, step: int) -> None:
         """Stage `stage`'s whole gradient path at once, outside a plan's actions (the profiler)."""
         self.launch_grad(comm, grad_collective(stage), step).wait()

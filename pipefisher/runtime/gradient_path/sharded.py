@@ -35,11 +35,13 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 
 class FsdpReduction(GradientReduction):
     """The reduce-scatter of each sharded stage (`stages`: stage -> its FSDP2 root module) once per
-    step; `keep_gathered` (ZeRO-2): the parameters also stay gathered until that backward."""
+    step; `keep_gathered` (ZeRO-2): the parameters also stay gathered until that backward. With
+    `pipes` > 1 (Chimera) FSDP2 shards over a pipe's replicas only, and each shard is then summed
+    over the stage's copies in every pipe (``grad_pipes``): every shard is held by `pipes` ranks."""
 
-    def __init__(self, stages: dict[int, FSDPModule], keep_gathered: bool):
+    def __init__(self, stages: dict[int, FSDPModule], keep_gathered: bool, pipes: int = 1):
         super().__init__({})
-        self.stages, self.keep_gathered = stages, keep_gathered
+        self.stages, self.keep_gathered, self.pipes = stages, keep_gathered, pipes
         for stage in stages:
             self._arm(stage, False)
 
@@ -55,6 +57,13 @@ class FsdpReduction(GradientReduction):
         stage = collective.key[0]
         self._arm(stage, True)
         return Handle(lambda: None, lambda: self._arm(stage, False))
+
+    def launch_grad_pipes(self, comm: Comm, collective: Collective) -> Handle:
+        """Sum this rank's gradient shards of stage `collective.key[0]` over its copies in every
+        pipe (an all-reduce on the collective's communicator)."""
+        module = self.stages[collective.key[0]]
+        shards = [local(p.grad) for p in module.parameters() if p.requires_grad and p.grad is not None]
+        return comm.all_reduce(shards, collective.group)
 
     def reduce_now(self, comm: Comm, stage: int, step: int) -> None:
         raise NotImplementedError("optimizer.zero 2/3 reduces inside the last backward; there is no separate reduction")
@@ -117,8 +126,9 @@ def _each_tensor(value: object, change: Callable[[Tensor], Tensor]) -> object:
 
 class ShardedNorm:
     """The squared global gradient norm's share of this rank under ZeRO-2/3: Σ‖shard‖² over the
-    local shards of its sharded stages' gradients (replicas hold disjoint shards, so the sum over
-    all processes counts every element once). Same contract as `GlobalNorm.local_square`."""
+    local shards of its sharded stages' gradients over the copies of each shard (a pipe's replicas
+    hold disjoint shards, each held once per pipe, so the sum over all processes counts every
+    element once). Same contract as `GlobalNorm.local_square`."""
 
     def __init__(self, reduction: FsdpReduction):
         self.reduction = reduction
@@ -127,7 +137,7 @@ class ShardedNorm:
         shards = self.reduction.shards()
         if not shards:
             return torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack(torch._foreach_norm(shards)).double().square().sum()
+        return torch.stack(torch._foreach_norm(shards)).double().square().sum() / self.reduction.pipes
 
 
 def local_bytes(tensors: Iterable[Tensor]) -> int:

@@ -165,6 +165,13 @@ class StepEnd:
         follows; nothing to launch (the plan names them so that the replay checks their order)."""
         return done()
 
+    def launch_grad_pipes(self, collective: Collective) -> Handle:
+        """ZeRO-2/3 with several pipes: stage `collective.key[0]`'s gradient shards summed over
+        its copies in every pipe."""
+        if not self.update:
+            return done()
+        return self.reduction.launch_grad_pipes(self.comm, collective)
+
     def launch_tied(self, collective: Collective) -> Handle:
         if not self.update or self.tied is None:
             return done()

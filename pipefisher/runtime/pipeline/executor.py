@@ -123,6 +123,7 @@ class Executor:
             CollectiveKind.GATHER: step_end.launch_gather,
             CollectiveKind.GRAD_Q: step_end.launch_grad_q,
             CollectiveKind.UNSHARD: step_end.launch_unshard,
+            CollectiveKind.GRAD_PIPES: step_end.launch_grad_pipes,
         }
         #: the extensions whose hooks run (forward context, after backward, before the optimizer step, record)
         self._extensions = extensions if extensions is not None else Extensions()

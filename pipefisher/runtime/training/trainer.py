@@ -115,7 +115,7 @@ def build_executor(
         recompute_modules(module, run.recompute, announce=not config.run.compile)
         modules[(pipe, stage)] = module.to(device)
     if path.fsdp:
-        shard_stages(modules, comm, device, config.optimizer.zero)
+        shard_stages(modules, comm, device, config.optimizer.zero, schedule.num_pipes)
     if config.run.compile:
         for module in modules.values():
             compile_blocks(module)
@@ -189,7 +189,7 @@ def build_step_end(
     }
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
     reduction = (
-        FsdpReduction(sharded, keep_gathered=config.optimizer.zero == 2)
+        FsdpReduction(sharded, keep_gathered=config.optimizer.zero == 2, pipes=topology.schedule.num_pipes)
         if sharded
         else gradient_reduction(
             path,
