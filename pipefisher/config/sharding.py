@@ -49,8 +49,8 @@ def fsdp_problem(
             f"{head} under {pipeline.schedule} shards over a pipe's data-parallel replicas (its pipes' copies of a stage "
             "run at different times); set pipeline.data_parallel 2 or more, or optimizer.zero 1"
         )
-    if run.precision != "fp32":
-        return f"{head} with run.precision {run.precision} comes later; use run.precision fp32 or optimizer.zero 1"
+    if run.precision == "fp16":
+        return f"{head} with run.precision fp16 comes later; use run.precision bf16 or fp32, or optimizer.zero 1"
     if run.compile:
         return f"{head} with compiled blocks comes later; set run.compile false or optimizer.zero 1"
     return ""

@@ -104,6 +104,18 @@ def test_chimera_without_data_parallel_replicas_is_refused_in_one_line():
     assert "\n" not in str(error.value)
 
 
+def test_sharded_bf16_equals_the_bf16_reference():
+    """bf16 autocast over FSDP2's gathered fp32 parameters, each forward casting them anew (a cast
+    kept for the whole step, as unsharded runs keep it, loses part of the gradient here: the
+    step's gradient norm comes out 13 % low on this run)."""
+    config = sharded_config("1f1b", 3, run={"precision": "bf16"})
+    reference = train_reference(config.with_overrides(optimizer={"zero": 0}))
+    for result, _ in train(config):
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-4, atol=0)
+        for key, value in result.parameters.items():
+            torch.testing.assert_close(value, reference.parameters[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
 @pytest.mark.slow
 def test_sharded_sgd_with_momentum_equals_the_reference():
     assert_matches_reference(sharded_config("1f1b", 2, rule="sgd", optimizer={"momentum": 0.9}))
@@ -147,7 +159,7 @@ def test_every_schedule_of_the_registry_runs_or_is_refused_in_one_line():
         ({"optimizer": {"name": "muon"}}, r"^optimizer.zero: 3 \(FSDP2\) with muon comes later"),
         ({"optimizer": {"name": "lamb"}}, r"^optimizer.zero: 3 \(FSDP2\) with lamb: its trust ratio"),
         ({"pipeline": {"tensor_parallel": 2}}, r"^optimizer.zero: 3 \(FSDP2\) over a tensor-parallel mesh"),
-        ({"run": {"precision": "bf16"}}, r"^optimizer.zero: 3 \(FSDP2\) with run.precision bf16"),
+        ({"run": {"precision": "fp16"}}, r"^optimizer.zero: 3 \(FSDP2\) with run.precision fp16"),
         ({"run": {"compile": True}}, r"^optimizer.zero: 3 \(FSDP2\) with compiled blocks"),
         ({"comm": {"powersgd_rank": 2}}, r"^comm.powersgd_rank: "),
     ],

@@ -21,10 +21,13 @@ GROWTH_INTERVAL, GROWTH_FACTOR, BACKOFF_FACTOR = 2000, 2.0, 0.5
 @dataclass(frozen=True)
 class Precision:
     """`name` fp32, bf16 or fp16 on `device`: `compute_dtype` is what autocast computes in and what
-    activations and their gradients are sent in."""
+    activations and their gradients are sent in. `step_cache` False: each forward casts the
+    weights anew (ZeRO-2/3, whose FSDP2 parameters are gathered per op: a cast kept across
+    micro-batches loses part of the gradient there, measured in tests/runtime/test_zero_sharded.py)."""
 
     name: str
     device: torch.device
+    step_cache: bool = True
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -40,8 +43,9 @@ class Precision:
         """Context for a step, around its forwards' `autocast()`: autocast stays off in it, but the
         low-precision copies the forwards make of the weights are kept until it exits (autocast
         drops its cast cache only when the outermost region exits), so each weight is cast once
-        per step on this thread, not once per micro-batch. Exit it before the weights change."""
-        if self.name == "fp32":
+        per step on this thread, not once per micro-batch. Exit it before the weights change.
+        Nothing without `step_cache`."""
+        if self.name == "fp32" or not self.step_cache:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=False)
 

@@ -121,7 +121,7 @@ def build_executor(
             compile_blocks(module)
     # this rank's dropout, on every device; a rank's tensor-parallel processes draw the same masks
     torch.manual_seed(derive_seed(config.run.seed, f"rank/{rank}"))
-    precision = Precision(config.run.precision, device)
+    precision = Precision(config.run.precision, device, step_cache=not path.fsdp)
     scaler = LossScaler(config.run.loss_scale, device) if precision.name == "fp16" else None
     grad_scale = (lambda: scaler.scale) if scaler is not None else (lambda: None)
     stages = {
