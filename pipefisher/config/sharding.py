@@ -32,8 +32,6 @@ def fsdp_problem(
             f"{head} with {name}: its trust ratio needs whole-parameter norms, which FSDP2's shards cut; "
             "use optimizer.name adamw or optimizer.zero 1"
         )
-    if pipeline.tensor_parallel > 1:
-        return f"{head} over a tensor-parallel mesh comes later; use pipeline.tensor_parallel 1 or optimizer.zero 1"
     try:
         chunks = chunks_per_rank(pipeline.schedule, pipeline.chunks)
         schedule = get_schedule(pipeline.schedule, pipeline.stages, pipeline.micro_batches, chunks)

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan, holds_bias, shard_range, split_dim, split_of
+from pipefisher.runtime.primitives.sharding import full
 
 #: sums a tensor over the rank's tensor-parallel processes, in place, and returns it
 Reduce = Callable[[Tensor], Tensor]
@@ -202,13 +203,15 @@ def split_parameters(module: nn.Module) -> set[nn.Parameter]:
 
 def gather_parameters(module: nn.Module, group: dist.ProcessGroup) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every parameter of a tensor-parallel process's `module`, split layers
-    gathered from the processes of `group` (collective: every process of the group calls it); a
-    row split's bias only where it lives, on shard 0."""
+    gathered from the processes of `group` (collective: every process of the group calls it, and
+    under ZeRO-2/3 its data-parallel replicas gather FSDP2's shards first); a row split's bias only
+    where it lives, on shard 0."""
     degree = dist.get_world_size(group)
     splits = applied_plan(module)
     for name, split in splits.items():
         for kind in ("weight", "bias"):
             local = getattr(module.get_submodule(name), kind)
+            local = local if local is None else full(local)  # ZeRO-2/3: this process's shard, whole
             if local is None:
                 continue
             if kind == "bias" and split is Split.ROW:  # whole, on shard 0

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from pipefisher.models.tensor_parallel import split_parameters
 from pipefisher.planning.comm.actions import Collective
 from pipefisher.runtime.gradient_path.reduction import GradientReduction
 from pipefisher.runtime.primitives.comm import Comm, Handle
@@ -128,13 +129,20 @@ class ShardedNorm:
     """The squared global gradient norm's share of this rank under ZeRO-2/3: Σ‖shard‖² over the
     local shards of its sharded stages' gradients over the copies of each shard (a pipe's replicas
     hold disjoint shards, each held once per pipe, so the sum over all processes counts every
-    element once). Same contract as `GlobalNorm.local_square`."""
+    element once); of what a rank's tensor-parallel processes hold whole, `shard` 0 counts it.
+    Same contract as `GlobalNorm.local_square`."""
 
-    def __init__(self, reduction: FsdpReduction):
+    def __init__(self, reduction: FsdpReduction, shard: int = 0):
         self.reduction = reduction
+        self.counted = [
+            parameter
+            for module in reduction.stages.values()
+            for parameter in module.parameters()
+            if parameter.requires_grad and (shard == 0 or parameter in split_parameters(module))
+        ]
 
     def local_square(self, device: torch.device) -> Tensor:
-        shards = self.reduction.shards()
+        shards = [local(p.grad) for p in self.counted if p.grad is not None]
         if not shards:
             return torch.zeros((), dtype=torch.float64, device=device)
         return torch.stack(torch._foreach_norm(shards)).double().square().sum() / self.reduction.pipes

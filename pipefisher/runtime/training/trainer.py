@@ -219,7 +219,7 @@ def build_step_end(
         scaler,
         clip,
         (
-            ShardedNorm(reduction)
+            ShardedNorm(reduction, shard)
             if isinstance(reduction, FsdpReduction)
             else GlobalNorm(topology, ownership, modules, model.tied_parameters(), shard)
         )
