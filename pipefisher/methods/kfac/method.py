@@ -68,4 +68,5 @@ KFAC = CurvatureMethod(
     flops="pipefisher.methods.kfac.flops:task_flops",
     flags=("grad_worker_fraction",),
     memory="pipefisher.methods.kfac.memory:KfacLayer",
+    shards=True,  # under ZeRO-2/3 P preconditions the reduced gradients whole (`pipefisher.methods.kfac.step`)
 )
