@@ -87,11 +87,17 @@ def test_the_reduce_scatter_rides_the_last_backward_and_preconditioning_gathers_
     assert checked == 4 * len(comm.steps), "every rank preconditions in every step"
 
 
-def test_gradient_workers_are_refused_in_one_line(tmp_path):
-    with pytest.raises(
-        ConfigError, match=r"^kfac.grad_worker_fraction: .*ZeRO-2/3.*kfac.grad_worker_fraction 1"
-    ) as error:
-        kfac_config("1f1b", 3, tmp_path, kfac={"grad_worker_fraction": 0.5})
+@pytest.mark.parametrize(
+    ("section", "says"),
+    [
+        ({"grad_worker_fraction": 0.5}, r"^kfac.grad_worker_fraction: .*ZeRO-2/3.*use kfac.grad_worker_fraction 1"),
+        ({"first_order": "lamb"}, r"^kfac.first_order: lamb's trust ratio .*use kfac.first_order adamw or sgd"),
+    ],
+)
+def test_what_sharded_kfac_does_not_run_is_refused_in_one_line(section, says, tmp_path):
+    """Gradient workers need every replica's whole reduced gradient; LAMB for the rest, whole norms."""
+    with pytest.raises(ConfigError, match=says) as error:
+        kfac_config("1f1b", 3, tmp_path, kfac=section)
     assert "\n" not in str(error.value)
 
 
