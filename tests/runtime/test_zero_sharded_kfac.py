@@ -15,7 +15,14 @@ from pipefisher.core.ir import OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.method import KfacConfig
-from pipefisher.planning.comm.actions import Action, ActionKind, CollectiveKind, grad_collective, unshard_collective
+from pipefisher.planning.comm.actions import (
+    Action,
+    ActionKind,
+    fsdp_grad_collective,
+    fsdp_group,
+    grad_pipes_collective,
+    unshard_collective,
+)
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.runtime.training.assembly import build_schedule
@@ -45,46 +52,58 @@ def kfac_config(schedule, zero, folder, **overrides):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "zero"), [("1f1b", 3), ("gpipe", 2)])
+@pytest.mark.parametrize(("schedule", "zero"), [("1f1b", 3), ("gpipe", 2), ("chimera", 3)])
 def test_sharded_kfac_equals_the_reference(schedule, zero, tmp_path):
     config = kfac_config(schedule, zero, tmp_path)
     reference = train_reference(config.with_overrides(optimizer={"zero": 0}))
     results = train(config)
-    assert {key for result, _ in results for key in result.parameters} == set(reference.parameters)
+    assert {as_pipe_0(key) for result, _ in results for key in result.parameters} == set(reference.parameters)
     for result, _ in results:
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=2e-4, atol=0)
         for key, value in result.parameters.items():
-            torch.testing.assert_close(value, reference.parameters[key], rtol=2e-4, atol=2e-4, msg=key)
+            torch.testing.assert_close(value, reference.parameters[as_pipe_0(key)], rtol=2e-4, atol=2e-4, msg=key)
 
 
-def test_the_reduce_scatter_rides_the_last_backward_and_preconditioning_gathers_after_it(tmp_path):
+def as_pipe_0(key: str) -> str:
+    """A parameter's name in pipe 0 (Chimera's pipe 1 prefixes its copies' names with ``p1.``)."""
+    return key.split(".", 1)[1] if key.startswith("p1.") else key
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_the_reduce_scatter_rides_the_last_backward_and_preconditioning_gathers_after_it(schedule, tmp_path):
     """In the replayed plan of a ZeRO-3 K-FAC run, each replicated stage's ``grad`` is launched
     right before its last backward of the step and waited for right after it, although the
-    preconditioning op (P) comes later; P is right after its own gathers (``unshard`` of P)."""
-    config = kfac_config("1f1b", 3, tmp_path)
+    preconditioning op (P) comes later; P is right after its own gathers (``unshard`` of P); with
+    two pipes (Chimera) the sum over the pipes (``grad_pipes``) is launched after P."""
+    config = kfac_config(schedule, 3, tmp_path)
     schedule = build_schedule(config)
     plan = make_plan(config, schedule, load_profile(config.section("kfac").profile)).plan
-    comm = replay(plan_actions(Topology(schedule, data_parallel=2), plan, path=config.gradient_path))
+    topology = Topology(schedule, data_parallel=2)
+    comm = replay(plan_actions(topology, plan, path=config.gradient_path))
     checked = 0
     for step in comm.steps:
-        for actions in step:
+        for rank, actions in enumerate(step):
             runs = [i for i, a in enumerate(actions) if a.kind is ActionKind.RUN]
-            (precondition,) = [i for i in runs if actions[i].op.kind is OpKind.PRECONDITION]
-            op = actions[precondition].op
-            last = max(i for i in runs if actions[i].op.kind is OpKind.BACKWARD)
-            assert precondition > last
-            grad = grad_collective(op.stage)
-            assert actions[last - 1] == Action(ActionKind.LAUNCH, grad), actions[last - 1]
-            assert actions[last + 1] == Action(ActionKind.WAIT, grad), actions[last + 1]
-            launches = [a for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD]
-            assert launches == [Action(ActionKind.LAUNCH, grad)], "one reduce-scatter per stage and step"
-            gathers = unshard_collective(op.stage, op)
-            assert actions[precondition - 2 : precondition] == (
-                Action(ActionKind.LAUNCH, gathers),
-                Action(ActionKind.WAIT, gathers),
-            )
-            checked += 1
-    assert checked == 4 * len(comm.steps), "every rank preconditions in every step"
+            for precondition in [i for i in runs if actions[i].op.kind is OpKind.PRECONDITION]:
+                op = actions[precondition].op
+                last = max(i for i in runs if actions[i].op.kind is OpKind.BACKWARD and actions[i].op.stage == op.stage)
+                assert precondition > last
+                group = fsdp_group(op.stage, op.pipe, schedule.num_pipes)
+                grad = fsdp_grad_collective(op.stage, group)
+                assert actions[last - 1] == Action(ActionKind.LAUNCH, grad), actions[last - 1]
+                assert actions[last + 1] == Action(ActionKind.WAIT, grad), actions[last + 1]
+                assert actions.count(Action(ActionKind.LAUNCH, grad)) == 1, "one reduce-scatter per stage and step"
+                gathers = unshard_collective(op.stage, op, group)
+                assert actions[precondition - 2 : precondition] == (
+                    Action(ActionKind.LAUNCH, gathers),
+                    Action(ActionKind.WAIT, gathers),
+                )
+                if schedule.num_pipes > 1:
+                    pipes = Action(ActionKind.LAUNCH, grad_pipes_collective(op.stage, topology.replica_of(rank)))
+                    assert actions.index(pipes) > precondition, "each pipe's part is preconditioned before the sum"
+                checked += 1
+    held = 2 if schedule.num_pipes > 1 else 1  # Chimera: a rank holds one stage of each pipe
+    assert checked == 4 * held * len(comm.steps), "every stage copy is preconditioned in every step"
 
 
 @pytest.mark.parametrize(

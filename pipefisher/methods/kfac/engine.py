@@ -294,9 +294,9 @@ class KFACEngine:
     ) -> PreconditionReport:
         """Precondition ``layers`` (default all; same-shape layers stacked, one batched product
         each, `pipefisher.methods.kfac.step`), then KL-clip them together if configured. Under
-        ZeRO-2/3 it reads each layer's reduced gradient whole (an all-gather over the stage's
-        replicas, every replica calling it on the same layers) and keeps this rank's shard of the
-        result; ``Σ⟨G̃, G⟩`` is then over whole gradients, the same on every replica.
+        ZeRO-2/3 it reads each layer's reduced gradient whole (an all-gather over the replicas it
+        is sharded over, every one calling it on the same layers) and keeps this rank's shard of
+        the result; ``Σ⟨G̃, G⟩`` is then over whole gradients, the same on every such replica.
 
         ``group`` (with ``kl_clip`` only): all-reduce ``Σ⟨G̃, G⟩`` over it first (e.g. over
         pipeline stages) so every rank clips by the same factor; the tensor lives on the

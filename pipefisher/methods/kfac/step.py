@@ -5,7 +5,7 @@ instead of one per layer. An inverse that is not ok is skipped on the device (``
 its layer's gradient passes through it bit for bit. No host read.
 
 Under ZeRO-2/3 (FSDP2) a gradient is this rank's shard of the reduced gradient: it is read whole
-(`whole_gradient`, an all-gather over the stage's replicas, layer by layer, weight before bias,
+(`whole_gradient`, an all-gather over the replicas it is sharded over, layer by layer, weight before bias,
 in the order of the states given: the same on every replica), preconditioned whole (every replica
 computes the same result from the same inverses) and written back as this rank's shard
 (`set_gradient`). Unsharded gradients are read and written in place, as they are."""
