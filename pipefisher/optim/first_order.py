@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pipefisher.optim.settings import OptimizerConfig
+from pipefisher.runtime.primitives.sharding import is_sharded
 
 
 def no_decay(name: str) -> bool:
@@ -40,14 +41,15 @@ def first_order(settings: OptimizerConfig, groups: list[dict]) -> torch.optim.Op
     """SGD (with optional momentum), AdamW or LAMB (`settings.name`) over `groups`. Each updates
     every parameter tensor on its own, so its update is identical however parameters are grouped
     across ranks, and none reads a tensor into Python: SGD without momentum fused (one kernel per
-    device and dtype); with momentum torch's choice, multi-tensor on CUDA and one tensor at a
+    device and dtype; torch's choice for ZeRO-2/3's DTensor shards, which its fused kernel does not
+    take); with momentum torch's choice, multi-tensor on CUDA and one tensor at a
     time on a CPU (the fused kernel starts all momentum buffers at once: a parameter whose first
     gradient comes in a later step than the others' fails); AdamW fused (its step counter on the
     parameter's device); LAMB `pipefisher.optim.lamb.Lamb`, multi-tensor."""
     if settings.name == "sgd":
-        return torch.optim.SGD(
-            groups, lr=settings.lr, momentum=settings.momentum, fused=True if settings.momentum == 0 else None
-        )
+        sharded = any(is_sharded(p) for group in groups for p in group["params"])
+        fused = True if settings.momentum == 0 and not sharded else None
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum, fused=fused)
     if settings.name == "adamw":
         return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=True)
     if settings.name == "lamb":

@@ -164,8 +164,6 @@ def test_every_schedule_of_the_registry_runs_or_is_refused_in_one_line():
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        ({"optimizer": {"name": "kfac"}}, r"^optimizer.zero: 3 \(FSDP2\) with kfac comes later"),
-        ({"optimizer": {"name": "muon"}}, r"^optimizer.zero: 3 \(FSDP2\) with muon comes later"),
         ({"optimizer": {"name": "lamb"}}, r"^optimizer.zero: 3 \(FSDP2\) with lamb: its trust ratio"),
         ({"run": {"precision": "fp16"}}, r"^optimizer.zero: 3 \(FSDP2\) with run.precision fp16"),
         ({"run": {"compile": True}}, r"^optimizer.zero: 3 \(FSDP2\) with compiled blocks"),

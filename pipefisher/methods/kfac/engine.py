@@ -48,6 +48,7 @@ from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionRe
 from pipefisher.methods.kfac.layer import FACTORS, BuiltFactor, Factor, Flagged, Health, LayerInfo, LayerState
 from pipefisher.methods.kfac.layer import known_factor, prefer_ok, select_layers, valid
 from pipefisher.methods.kfac.step import precondition_layers
+from pipefisher.runtime.primitives.sharding import local
 
 
 class KFACEngine:
@@ -282,16 +283,20 @@ class KFACEngine:
         return vg
 
     def rescale(self, layer: str, scale: Tensor | float) -> None:
-        """Multiply the layer's weight and bias gradients by ``scale`` (a number or 0-dim tensor)."""
+        """Multiply the layer's weight and bias gradients by ``scale`` (a number or 0-dim tensor,
+        the same on every replica): a sharded gradient's local shard (no communication)."""
         for p in self._state(layer).module.parameters(recurse=False):
             if p.grad is not None:
-                p.grad.mul_(scale)
+                local(p.grad).mul_(scale)
 
     def precondition_all(
         self, lr: float = 1.0, layers: Iterable[str] | None = None, group: Any = None
     ) -> PreconditionReport:
         """Precondition ``layers`` (default all; same-shape layers stacked, one batched product
-        each, `pipefisher.methods.kfac.step`), then KL-clip them together if configured.
+        each, `pipefisher.methods.kfac.step`), then KL-clip them together if configured. Under
+        ZeRO-2/3 it reads each layer's reduced gradient whole (an all-gather over the replicas it
+        is sharded over, every one calling it on the same layers) and keeps this rank's shard of
+        the result; ``Σ⟨G̃, G⟩`` is then over whole gradients, the same on every such replica.
 
         ``group`` (with ``kl_clip`` only): all-reduce ``Σ⟨G̃, G⟩`` over it first (e.g. over
         pipeline stages) so every rank clips by the same factor; the tensor lives on the

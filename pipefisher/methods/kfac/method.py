@@ -43,6 +43,12 @@ class KfacConfig(RefreshConfig):
                 f"run.compile: {name} captures each layer's inputs and output gradients with hooks registered per "
                 "micro-batch, which split every compiled block and recompile it each micro-batch; set run.compile false"
             )
+        zero = config.optimizer.zero
+        if zero >= 2 and self.first_order == "lamb":
+            raise ConfigError(
+                f"{name}.first_order: lamb's trust ratio needs whole-parameter norms, which optimizer.zero {zero}'s "
+                f"FSDP2 shards cut; use {name}.first_order adamw or sgd, or optimizer.zero 1"
+            )
         try:
             worker_count(config.stage_replicas, self.grad_worker_fraction)
         except ValueError as exc:
@@ -68,4 +74,5 @@ KFAC = CurvatureMethod(
     flops="pipefisher.methods.kfac.flops:task_flops",
     flags=("grad_worker_fraction",),
     memory="pipefisher.methods.kfac.memory:KfacLayer",
+    shards=True,  # under ZeRO-2/3 P preconditions the reduced gradients whole (`pipefisher.methods.kfac.step`)
 )

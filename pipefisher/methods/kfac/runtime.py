@@ -8,7 +8,9 @@ used from the next cycle on (the first cycle preconditions with the identity). A
 an all-reduce over all replicas of the stage (pipes x data-parallel copies) launched at its op
 and waited for by the inverse; an exchange (X) broadcasts each inverse from the replica that
 computed it. Preconditioning runs on each replica before the gradient all-reduce (it is linear in
-the gradient, so the result is the same). Nothing here reads a tensor on the host but the health
+the gradient, so the result is the same); under ZeRO-2/3 (FSDP2 reduce-scatters inside the stage's
+last backward) it runs after the reduction instead, on the reduced gradients gathered whole, and
+each replica keeps its shard of the result (`pipefisher.methods.kfac.step`). Nothing here reads a tensor on the host but the health
 check at the end of a cycle (one read per stage).
 
 With fewer gradient workers per layer than a stage has replicas (`kfac.grad_worker_fraction`,

@@ -2,7 +2,13 @@
 layers at once: layers whose gradient matrices have one shape, factor dtype and device, and the
 same committed factors, are stacked, so that each inverse product is one batched kernel per group
 instead of one per layer. An inverse that is not ok is skipped on the device (``torch.where``), so
-its layer's gradient passes through it bit for bit. No host read."""
+its layer's gradient passes through it bit for bit. No host read.
+
+Under ZeRO-2/3 (FSDP2) a gradient is this rank's shard of the reduced gradient: it is read whole
+(`whole_gradient`, an all-gather over the replicas it is sharded over, layer by layer, weight before bias,
+in the order of the states given: the same on every replica), preconditioned whole (every replica
+computes the same result from the same inverses) and written back as this rank's shard
+(`set_gradient`). Unsharded gradients are read and written in place, as they are."""
 
 from __future__ import annotations
 
@@ -10,19 +16,34 @@ import torch
 from torch import Tensor
 
 from pipefisher.methods.kfac.layer import LayerState
+from pipefisher.runtime.primitives.sharding import is_sharded, set_gradient, whole_gradient
 
 
 def gradient_matrix(st: LayerState) -> Tensor | None:
-    """The layer's gradient as ``(dout, din[+1])`` (a bias as the last column, zeros for a frozen
-    one), or None when its weight has no gradient."""
+    """The layer's whole gradient as ``(dout, din[+1])`` (a bias as the last column, zeros for a
+    frozen one), or None when its weight has no gradient. Collective when sharded (see above)."""
     weight, bias = st.module.weight, st.module.bias
-    if weight.grad is None:
+    whole = whole_gradient(weight)
+    if whole is None:
         return None
-    grad = weight.grad.T if st.info.transposed else weight.grad
+    grad = whole.T if st.info.transposed else whole
     if bias is not None:
-        column = bias.grad if bias.grad is not None else torch.zeros_like(bias)
+        column = whole_gradient(bias)
+        if column is None:
+            column = torch.zeros(bias.shape, dtype=bias.dtype, device=grad.device)
         grad = torch.cat([grad, column[:, None]], 1)
     return grad
+
+
+def write_gradients(parameters: list[Tensor], results: list[Tensor]) -> None:
+    """Make each parameter's gradient its whole result: in place, in one kernel, for unsharded
+    gradients; this rank's shard of it for sharded ones (no communication)."""
+    plain = [(p.grad, result) for p, result in zip(parameters, results) if not is_sharded(p.grad)]
+    if plain:
+        torch._foreach_copy_([grad for grad, _ in plain], [result for _, result in plain])
+    for parameter, result in zip(parameters, results):
+        if is_sharded(parameter.grad):
+            set_gradient(parameter, result)
 
 
 def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor | None]:
@@ -38,7 +59,7 @@ def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor 
             key = (tuple(grad.shape), st.dtype, grad.device, "B" in st.active, "A" in st.active)
             groups.setdefault(key, []).append(number)
     vgs: list[Tensor | None] = [None] * len(states)
-    targets: list[Tensor] = []
+    targets: list[Tensor] = []  # parameters whose gradients get `results`
     results: list[Tensor] = []
     for members in groups.values():
         first = states[members[0]]
@@ -55,13 +76,12 @@ def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor 
             st, new = states[number], out[row]
             weight, bias = st.module.weight, st.module.bias
             din = st.info.in_features
-            targets.append(weight.grad)
+            targets.append(weight)
             results.append(new[:, :din].T if st.info.transposed else new[:, :din])
             if bias is not None and bias.grad is not None:
-                targets.append(bias.grad)
+                targets.append(bias)
                 results.append(new[:, din])
             if vg is not None:
                 vgs[number] = vg[row]
-    if targets:
-        torch._foreach_copy_(targets, results)
+    write_gradients(targets, results)
     return vgs

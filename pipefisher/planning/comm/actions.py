@@ -78,8 +78,9 @@ class CollectiveKind(str, Enum):
     PGRAD = "pgrad"
     #: ZeRO-1's broadcast of the updated parameters from their owners
     GATHER = "gather"
-    #: ZeRO-2/3: FSDP2's parameter all-gathers inside one forward or backward (none where the
-    #: parameters are gathered already), on the stage's FSDP communicator (`fsdp_group`)
+    #: ZeRO-2/3: the all-gathers inside one op, on the stage's FSDP communicator (`fsdp_group`):
+    #: FSDP2's of the parameters inside a forward or backward (none where they are gathered
+    #: already), a method's of the reduced gradients it reads whole inside its preconditioning
     UNSHARD = "unshard"
     #: ZeRO-2/3 with several pipes (Chimera): each gradient shard summed over the stage's copies in
     #: the other pipes, after FSDP2's reduce-scatter within the pipe
@@ -189,15 +190,22 @@ class GradientPath:
     """How a replicated stage's gradient travels at the end of a step: its `reduction`, and
     `workers_per_layer` G (gradient workers, fewer than the stage's replicas: once reduced, they
     precondition their layers and broadcast them within their block, ``pgrad``; None: every
-    replica preconditions before the reduction). Workers need every replica's reduced gradient,
-    so they do not combine with ZeRO-1 (ValueError: the one place this rule lives)."""
+    replica preconditions before the reduction). Workers need every replica's whole reduced
+    gradient, so they do not combine with ZeRO-1 (reduced to owners) nor ZeRO-2/3 (each replica
+    keeps a shard) (ValueError: the one place this rule lives)."""
 
     reduction: Reduction = Reduction.ALL_REDUCE
     workers_per_layer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.reduction is Reduction.SHARDED and self.workers_per_layer is not None:
+        if self.workers_per_layer is None:
+            return
+        if self.reduction is Reduction.SHARDED:
             raise ValueError("gradient workers need every replica's reduced gradient, ZeRO-1 reduces to owners")
+        if self.fsdp:
+            raise ValueError(
+                "gradient workers need every replica's whole reduced gradient, ZeRO-2/3 leave each replica a shard"
+            )
 
     @property
     def sharded(self) -> bool:
@@ -291,8 +299,11 @@ def fsdp_group(stage: int, pipe: int, pipes: int) -> GroupKey:
 
 
 def unshard_collective(stage: int, op: Op, group: GroupKey | None = None) -> Collective:
-    """ZeRO-2/3: FSDP2's all-gathers of stage `stage`'s parameters inside `op`, on `group` (default
-    the stage's ``grad`` communicator)."""
+    """ZeRO-2/3: the all-gathers inside `op` on `group` (`fsdp_group`; default the stage's ``grad``
+    communicator): FSDP2's of stage `stage`'s parameters (a forward or backward), or the method's
+    of the reduced gradients it reads whole (`pipefisher.runtime.primitives.sharding.whole_gradient`;
+    a preconditioning op). The executor launches nothing for it: the op issues them; the plan
+    names them so that the replay checks their order."""
     return Collective(CollectiveKind.UNSHARD, group or ("grad", stage), (stage, str(op)))
 
 

@@ -180,9 +180,12 @@ def _op_actions(
     """One rank's actions for its ops of a step. `fsdp` (ZeRO-2/3): every forward and backward of
     a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
     once: the op blocks on them), and the stage's last backward of the step carries its
-    reduce-scatter (``grad``, launched before the op, waited for right after it), both on the
-    stage's FSDP communicator (`fsdp_group`); with several pipes the shards are then summed over
-    the pipes (``grad_pipes``, launched once the gradient is final, waited for at the step's end)."""
+    reduce-scatter (``grad``, launched before the op, waited for right after it), even when a
+    preconditioning op follows: that op reads the reduced gradients whole, so it is preceded by
+    its own all-gathers of them (``unshard`` of the op); both on the stage's FSDP communicator
+    (`fsdp_group`). With several pipes the shards are then summed over the pipes (``grad_pipes``,
+    launched once the gradient is final, after any preconditioning: it is linear in the
+    gradient, so each pipe preconditions its part; waited for at the step's end)."""
     num_stages, pipes = topology.schedule.num_stages, topology.schedule.num_pipes
 
     def rank_of(op: Op) -> int:
@@ -199,6 +202,8 @@ def _op_actions(
     next_receive = dict(zip(receiving, receiving[1:]))
     receives_here = set(receiving)
     gradient_final = _gradient_final_positions(ops)
+    #: ZeRO-2/3: where FSDP2 reduce-scatters each stage's gradient (its last backward)
+    scattered = _gradient_final_positions(ops, _FSDP_GRADIENT_KINDS) if fsdp else {}
     if receiving:
         yield post(received[receiving[0]])
     for position, op in enumerate(ops):
@@ -213,14 +218,15 @@ def _op_actions(
         stage = gradient_final.get(position)
         sharded = fsdp and op.stage in replicated and op.kind in (OpKind.FORWARD, OpKind.BACKWARD)
         group = fsdp_group(op.stage, op.pipe, pipes)
-        if sharded:
+        if fsdp and op.stage in replicated and (sharded or op.kind is OpKind.PRECONDITION):
             gathers = unshard_collective(op.stage, op, group)
             yield from (Action(ActionKind.LAUNCH, gathers), Action(ActionKind.WAIT, gathers))
-            if stage is not None:
-                yield Action(ActionKind.LAUNCH, fsdp_grad_collective(stage, group))
+        scatter = sharded and scattered.get(position) is not None
+        if scatter:
+            yield Action(ActionKind.LAUNCH, fsdp_grad_collective(op.stage, group))
         yield run(op)
-        if sharded and stage is not None:
-            yield Action(ActionKind.WAIT, fsdp_grad_collective(stage, group))
+        if scatter:
+            yield Action(ActionKind.WAIT, fsdp_grad_collective(op.stage, group))
         yield from _curvature_launches(op, rules)
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
@@ -231,12 +237,18 @@ def _op_actions(
             yield Action(ActionKind.LAUNCH, grad_pipes_collective(stage, replica))
 
 
-def _gradient_final_positions(ops: Sequence[Op]) -> dict[int, int]:
-    """position -> stage whose gradient of the step is final after the op there (its last
-    backward or weight gradient, or its preconditioning when that comes later)."""
+#: ZeRO-2/3: the ops after whose last one a stage's gradient is reduced (FSDP2 reduce-scatters
+#: inside the backward; a preconditioning op after it works on the reduced gradient)
+_FSDP_GRADIENT_KINDS = GRADIENT_KINDS - {OpKind.PRECONDITION}
+
+
+def _gradient_final_positions(ops: Sequence[Op], kinds: frozenset[OpKind] = GRADIENT_KINDS) -> dict[int, int]:
+    """position -> stage whose gradient of the step is final after the op there: its last op of
+    `kinds` (by default its last backward or weight gradient, or its preconditioning when that
+    comes later; before the reduction, which then follows it)."""
     last: dict[int, int] = {}
     for position, op in enumerate(ops):
-        if op.kind in GRADIENT_KINDS:
+        if op.kind in kinds:
             last[op.stage] = position
     return {position: stage for stage, position in last.items()}
 
