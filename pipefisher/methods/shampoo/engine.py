@@ -39,6 +39,7 @@ from pipefisher.methods.shampoo.roots import inverse_root
 from pipefisher.methods.shampoo.method import SHAMPOO, ShampooConfig
 from pipefisher.methods.shampoo.state import MatrixState, Roots, is_matrix, new_matrix, owned_parameters
 from pipefisher.methods.shampoo.step import directions
+from pipefisher.runtime.primitives.sharding import is_sharded, local, set_gradient, shard_rows, whole_gradient
 
 
 class ShampooEngine:
@@ -124,13 +125,18 @@ class ShampooEngine:
     # ----------------------------------------------------------------- refresh tasks (no host reads)
     def capture(self, name: str | None = None) -> None:
         """Copy the matrix's current ``.grad`` (any float dtype; None counts as zeros) into its
-        captured ``(rows, cols)`` gradient in ``dtype``; None: every matrix."""
+        captured ``(rows, cols)`` gradient in ``dtype``; None: every matrix. A sharded ``.grad``
+        (ZeRO-2/3: this rank's rows of the reduced gradient) fills its rows (`shard_rows`) and
+        leaves the others zero, so the replicas' sum of the captures is the whole gradient. No
+        communication."""
         for st in self._selected(name):
             rows, cols = st.info.shape
             p = st.parameter
             captured = torch.zeros(rows, cols, dtype=self.dtype, device=p.device)
-            if p.grad is not None:
-                captured.copy_(p.grad.detach().reshape(rows, cols))
+            grad = p.grad
+            if grad is not None:
+                held = captured[shard_rows(p)] if is_sharded(grad) else captured
+                held.copy_(local(grad.detach()).reshape(held.shape))
             st.captured = captured
 
     def captured_gradient(self, name: str) -> Tensor:
@@ -247,7 +253,10 @@ class ShampooEngine:
         """Replace every parameter's ``.grad`` by its Shampoo direction (see the module doc),
         computed in ``dtype`` and written back in ``.grad``'s dtype; with `keep`, only
         of the parameters it accepts (ZeRO-1: those this rank updates; the others' grafting state
-        stays untouched).
+        stays untouched). A sharded ``.grad`` (ZeRO-2/3) is gathered whole (`whole_gradient`, a
+        collective over the stage's replicas, one per parameter in parameter order: every replica
+        calls this at the same step end with the same parameters), preconditioned as a whole one,
+        and this rank keeps its rows (`set_gradient`); an unsharded one is rewritten in place.
 
         Counts the call (``step`` t, from 1). The grafting direction (Adam state updated for every
         parameter with a gradient) is used alone for non-matrices, for matrices without committed
@@ -257,10 +266,15 @@ class ShampooEngine:
         """
         self._step += 1
         stacked: list[tuple[MatrixState, Tensor, Tensor, Tensor]] = []
+        sharded: list[tuple[nn.Parameter, Tensor]] = []
         for name, p in self._parameters.items():
-            grad = p.grad
-            if grad is None or (keep is not None and not keep(p)):
+            if keep is not None and not keep(p):
                 continue
+            grad = whole_gradient(p)
+            if grad is None:
+                continue
+            if is_sharded(p.grad):
+                sharded.append((p, grad))
             g = grad.detach().to(self.dtype)
             graft = graft_direction(g, self._exp_avg_sq.get(name), self._step, self.graft_beta2, self.graft_epsilon)
             st = self._matrices.get(name)
@@ -272,6 +286,8 @@ class ShampooEngine:
             states, grads, gs, grafts = (list(column) for column in zip(*stacked))
             found = directions(states, gs, grafts, self.settings.grafting != "none", self.stack_blocks)
             torch._foreach_copy_(grads, [d.view_as(grad) for d, grad in zip(found, grads)])
+        for p, whole in sharded:
+            set_gradient(p, whole)
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

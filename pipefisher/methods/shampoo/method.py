@@ -63,4 +63,5 @@ SHAMPOO = CurvatureMethod(
     settings=ShampooConfig,
     parts="pipefisher.methods.shampoo.parts:PARTS",
     flops="pipefisher.methods.shampoo.flops:task_flops",
+    shards=True,
 )

@@ -41,6 +41,7 @@ from pipefisher.methods.soap.health import KEPT_BASES, SoapHealth, SoapNumericsW
 from pipefisher.methods.soap.method import SOAP, SoapConfig
 from pipefisher.methods.soap.state import MatrixState, matrix_parameters, new_matrix, pending_numel
 from pipefisher.methods.soap.step import directions, fold
+from pipefisher.runtime.primitives.sharding import is_sharded, set_gradient, whole_gradient
 
 
 class SoapEngine:
@@ -107,12 +108,19 @@ class SoapEngine:
         see the module doc: ``.grad`` becomes the direction (in its own dtype; computed in
         ``dtype``), and the gradient is folded into the statistics; a matrix's first call
         takes its first eigenbases instead of a direction and zeroes ``.grad``. The matrices'
-        same-shape blocks are stacked into one batched product each (`pipefisher.methods.soap.step`)."""
+        same-shape blocks are stacked into one batched product each (`pipefisher.methods.soap.step`).
+
+        A sharded ``.grad`` (ZeRO-2/3) is gathered whole (`whole_gradient`, a collective over the
+        stage's replicas, one per matrix in `matrices` order: every replica calls this at the same
+        step end with the same matrices), so every replica folds the same statistics; this rank
+        keeps its rows of the direction (`set_gradient`). An unsharded one is rewritten in place."""
         chosen: list[MatrixState] = []
         raw: list[Tensor] = []
         for st in self._matrices.values():
-            grad = st.parameter.grad
-            if grad is not None and (keep is None or keep(st.parameter)):
+            if keep is not None and not keep(st.parameter):
+                continue
+            grad = whole_gradient(st.parameter)
+            if grad is not None:
                 chosen.append(st)
                 raw.append(grad.detach())
         grads = [grad.reshape(st.info.shape).to(self.dtype) for st, grad in zip(chosen, raw)]
@@ -127,6 +135,8 @@ class SoapEngine:
             if not st.started:
                 self._first_bases(st)
                 grad.zero_()
+            if is_sharded(st.parameter.grad):
+                set_gradient(st.parameter, grad)
 
     # ----------------------------------------------------------------- refresh (no host reads)
     def snapshot(self) -> None:

@@ -42,10 +42,10 @@ class SoapConfig(RefreshConfig):
     def check(self, name: str, config: Any) -> None:
         if config.optimizer.name != name:
             return
-        if config.optimizer.zero:
+        if config.optimizer.zero == 1:
             raise ConfigError(
                 f"optimizer.zero: {name} keeps every replica's statistics from the reduced gradient, "
-                "which ZeRO-1 gives the owner only; use optimizer.zero 0"
+                "which ZeRO-1 gives the owner only; use optimizer.zero 0, 2 or 3"
             )
 
 
@@ -65,4 +65,5 @@ SOAP = CurvatureMethod(
     parts="pipefisher.methods.soap.parts:PARTS",
     flops="pipefisher.methods.soap.flops:task_flops",
     memory="pipefisher.methods.soap.memory:SoapLayer",
+    shards=True,
 )
