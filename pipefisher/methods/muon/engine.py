@@ -12,6 +12,12 @@ that a skipped step leaves the momentum as it was) and the step's orthogonalised
 The work is batched over the matrices of one call: the momentum steps and commits as foreach
 kernels, and one stacked Newton–Schulz per group of equal shape (a tall matrix as its transpose,
 so an MLP's (4h, h) and (h, 4h) weights share one), dtype and device (`shape_groups`).
+
+Under ZeRO-2/3 a parameter and its gradient are FSDP2 DTensors holding this rank's rows: the step
+reads each gradient whole (`whole_gradient`: an all-gather over the stage's replicas, in the
+order of `names`) and keeps the buffer, the pending buffer and the update whole (plain tensors of
+the parameter's shape); `apply` writes this rank's rows of each update into its gradient's shard.
+Unsharded, the gradient is read and written in place as before (bit for bit).
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from torch import Tensor, nn
 from pipefisher.core.settings import check_section
 from pipefisher.methods.muon.method import MUON, MuonConfig
 from pipefisher.methods.muon.newton_schulz import momentum_update, orthogonalise, shape_scale
+from pipefisher.runtime.primitives.sharding import is_sharded, local, shard_of, whole_gradient
 
 
 @dataclass
 class MuonMatrix:
-    """One matrix: its parameter, its (rows, cols) as the layer maps (out, in), and its tensors."""
+    """One matrix: its parameter, its (rows, cols) as the layer maps (out, in), and its tensors
+    (whole: the parameter's shape, also when the parameter is a shard)."""
 
     name: str
     parameter: nn.Parameter
@@ -85,20 +93,21 @@ class MuonEngine:
     def orthogonalise(
         self, names: Sequence[str], loss_scale: Tensor | None = None, gradients: Sequence[Tensor] | None = None
     ) -> None:
-        """The step of the matrices `names` from `gradients` (default: their parameters' `.grad`,
-        divided by `loss_scale`, one element, when given): each one's new momentum (pending) and orthogonalised
-        update, one Newton–Schulz stack per `shape_groups` group. No host read."""
+        """The step of the matrices `names` from `gradients` (default: their parameters' reduced
+        gradients whole, `whole_gradient`: a collective per sharded one, in `names` order; divided
+        by `loss_scale`, one element, when given): each one's new momentum (pending) and
+        orthogonalised update, one Newton–Schulz stack per `shape_groups` group. No host read."""
         matrices = [self.matrices[name] for name in names]
         if not matrices:
             return
         if gradients is None:
-            grads = [matrix.parameter.grad for matrix in matrices]
+            grads = [whole_gradient(matrix.parameter) for matrix in matrices]
             gradients = grads if loss_scale is None else torch._foreach_div(grads, loss_scale.reshape(()))
         for matrix, gradient in zip(matrices, gradients, strict=True):
             if matrix.buffer is None:
                 matrix.buffer = torch.zeros_like(gradient)
             if matrix.update is None:
-                matrix.update = torch.empty_like(matrix.parameter)
+                matrix.update = _whole_empty(matrix.parameter)
         pending, directions = momentum_update([m.buffer for m in matrices], list(gradients), self.settings)
         for matrix, new in zip(matrices, pending):
             matrix.pending = new
@@ -115,21 +124,22 @@ class MuonEngine:
         broadcast lands here)."""
         matrix = self.matrices[name]
         if matrix.update is None:
-            matrix.update = torch.empty_like(matrix.parameter)
+            matrix.update = _whole_empty(matrix.parameter)
         return matrix.update
 
     def apply(self, updates: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
         """The step goes ahead: commit every new momentum, and put each update times its shape
         scale into the `.grad` of its parameter (where `updates` accepts it), for `MuonStep`
-        (two foreach kernels for all of them)."""
+        (two foreach kernels for all of them); a sharded gradient takes its rows of the update
+        (`shard_of`: no communication)."""
         grads, results, scales = [], [], []
         for matrix in self.matrices.values():
             if matrix.pending is not None:
                 matrix.buffer, matrix.pending = matrix.pending, None
             grad = matrix.parameter.grad
             if matrix.update is not None and grad is not None and updates(matrix.parameter):
-                grads.append(grad)
-                results.append(matrix.update)
+                grads.append(local(grad))
+                results.append(local(shard_of(matrix.update, grad)) if is_sharded(grad) else matrix.update)
                 scales.append(shape_scale(matrix.rows, matrix.cols, self.settings.adjust_lr))
         if grads:
             torch._foreach_copy_(grads, results)
@@ -156,6 +166,12 @@ class MuonEngine:
                 if buffer is None
                 else buffer.to(device=matrix.parameter.device, dtype=matrix.parameter.dtype, copy=True)
             )
+
+
+def _whole_empty(parameter: Tensor) -> Tensor:
+    """An uninitialised plain tensor of `parameter`'s whole shape, dtype and device (a DTensor's
+    global shape on its local device)."""
+    return torch.empty(parameter.shape, dtype=parameter.dtype, device=local(parameter).device)
 
 
 def _wide(matrix: Tensor) -> Tensor:

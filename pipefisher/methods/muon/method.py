@@ -4,7 +4,9 @@ Muon has no refresh work: its work is the orthogonalisation of every step, the P
 On a stage with one replica the P op runs as soon as the stage's gradient is final (in the drain
 bubble on most stages); a replicated stage (Chimera's pipes, data-parallel copies) orthogonalises
 after its gradient reduction, each replica a share of the matrices (one gradient worker per
-matrix, `gradient_workers`), and broadcasts its share.
+matrix, `gradient_workers`), and broadcasts its share. Under optimizer.zero 2/3 (FSDP2) each
+replica gathers every reduced gradient whole after the stage's last backward and orthogonalises
+all of them (`pipefisher.methods.muon.runtime`); ZeRO-1 is refused.
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ class MuonConfig(RefreshConfig):
                 f"{name}.split: false is not possible: a replicated stage always orthogonalises a share "
                 "per replica after the gradient reduction; remove the key"
             )
-        if config.optimizer.zero and config.stage_replicas > 1:
+        if config.optimizer.zero == 1 and config.stage_replicas > 1:
             raise ConfigError(
                 f"optimizer.zero: {name} shares each replicated stage's orthogonalisation among its replicas "
-                "itself, which needs every replica's reduced gradient; use optimizer.zero 0"
+                "itself, which needs every replica's reduced gradient; use optimizer.zero 0, 2 or 3"
             )
 
     def gradient_workers(self, replicas: int) -> int:
@@ -95,4 +97,5 @@ MUON = CurvatureMethod(
     flops="pipefisher.methods.muon.flops:task_flops",
     flags=("momentum", "adjust_lr"),
     memory="pipefisher.methods.muon.memory:MuonLayer",
+    shards=True,
 )

@@ -10,6 +10,22 @@ reduction each replica orthogonalises its share of the matrices (one gradient wo
 round-robin, `GradWorkers`) and broadcasts the updates to the others. Either way the new momentum
 is committed, and each update put in its parameter's ``.grad``, only when the step goes ahead
 (`before_optimizer_step` is not called on an fp16 overflow).
+
+A sharded stage (ZeRO-2/3: its parameters and gradients FSDP2 DTensors, this rank's rows) is
+gathered, orthogonalised and scattered, each replica the whole of it: right after the stage's
+last backward of the step (`after_backward`), when FSDP2 has reduce-scattered the gradients and
+before clipping, every replica all-gathers each matrix's reduced gradient (`whole_gradient`, in
+the engine's matrix order), steps its whole momentum and orthogonalises every matrix; the commit
+then writes this rank's rows of each update into its gradient shard (`MuonEngine.apply`). The
+replicas compute the same updates from the same gathered gradients, so nothing is broadcast
+(the ``pgrad`` share, if a plan names one for such a stage, has nothing to do): the share of
+the matrices among replicas is traded for R x the Newton–Schulz work and no broadcast, and each
+replica holds every matrix's momentum and update whole (2 x the stage's matrices, fp32). The
+gathers run on the stage's ``grad`` communicator inside its last backward, between the plan's
+launch and wait of the stage's ``grad`` collective (FSDP2's reduce-scatter): every replica of a
+stage runs the same ops in the same order and gathers the same matrices in the same order there,
+so the order on that communicator is the same on every replica (NCCL's rule) without a plan entry
+of its own.
 """
 
 from __future__ import annotations
@@ -28,7 +44,8 @@ from pipefisher.methods.muon.engine import MuonEngine, linear_weights
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Handle
+from pipefisher.runtime.primitives.comm import Handle, done
+from pipefisher.runtime.primitives.sharding import is_sharded
 
 
 def muon_engine(config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> MuonEngine:
@@ -64,6 +81,12 @@ class MuonRuntime(StageRuntime[MuonEngine]):
         self.grids = {
             stage: grid for stage in self.engine_of_stage if (grid := share_grid(self.topology, stage)) is not None
         }
+        #: the stages whose matrices are FSDP2 shards: every replica orthogonalises all of them
+        self.sharded = {
+            stage
+            for stage, engine in self.engine_of_stage.items()
+            if any(is_sharded(matrix.parameter) for matrix in engine.matrices.values())
+        }
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {OpKind.PRECONDITION: self._orthogonalise_stage}
@@ -75,6 +98,13 @@ class MuonRuntime(StageRuntime[MuonEngine]):
         for engine in self.engines.values():
             engine.apply(updates)
 
+    def after_backward(self, op: Op, cycle_step: int) -> None:
+        """After a sharded stage's last backward of the step (its gradients reduced and sharded):
+        gather, step and orthogonalise every matrix (module docstring)."""
+        if op.stage in self.sharded and self.stage_gradient_final(op):
+            engine = self.engine(op)
+            engine.orthogonalise(engine.names(), self.loss_scale())
+
     def end_of_cycle(self) -> None:
         """Nothing to commit: Muon has no refresh results."""
 
@@ -82,10 +112,15 @@ class MuonRuntime(StageRuntime[MuonEngine]):
         return name in self.own_share(stage) or name not in self.engine_of_stage[stage].names()
 
     def own_share(self, stage: int) -> list[str]:
-        """The matrices of `stage` this rank orthogonalises (all of them on an unreplicated stage)."""
+        """The matrices of `stage` this rank orthogonalises (all of them on an unreplicated or a
+        sharded stage)."""
         names = self.engine_of_stage[stage].names()
         grid = self.grids.get(stage)
-        return names if grid is None else [names[number] for number in grid.layers_of(self.rank, len(names))]
+        return (
+            names
+            if grid is None or stage in self.sharded
+            else [names[number] for number in grid.layers_of(self.rank, len(names))]
+        )
 
     def _orthogonalise_stage(self, op: Op) -> None:
         engine = self.engine(op)
@@ -93,8 +128,11 @@ class MuonRuntime(StageRuntime[MuonEngine]):
 
     def _launch_share(self, collective: Collective) -> Handle:
         """Orthogonalise this rank's share of the stage's matrices from the reduced gradient, then
-        every matrix's worker broadcasts its update to the stage's replicas."""
+        every matrix's worker broadcasts its update to the stage's replicas; nothing on a sharded
+        stage (every replica orthogonalised every matrix after its last backward)."""
         stage = collective.key[0]
+        if stage in self.sharded:
+            return done()
         engine, grid = self.engine_of_stage[stage], self.grids[stage]
         engine.orthogonalise(self.own_share(stage), self.loss_scale())
         pairs = [(engine.update_buffer(name), grid.worker(number, 0)) for number, name in enumerate(engine.names())]
