@@ -60,11 +60,12 @@ def profiled_midway(rank: int, world: int, config, profile: bool):
 
 
 @pytest.mark.slow
-def test_profiling_under_zero3_leaves_training_unchanged():
-    """ZeRO-3, 1 stage x 2 replicas, AdamW with clipping: the profiler changes no parameter or
-    optimizer state, the steps after it are those of a run without it, bit for bit, and the
-    stage's gradient reduction has samples (its armed backward's excess over the others)."""
-    config = zero_config("1f1b", 3, "adamw", 1, run={"steps": 4})
+@pytest.mark.parametrize(("schedule", "zero"), [("1f1b", 3), ("gpipe", 2)])
+def test_profiling_under_zero_2_3_leaves_training_unchanged(schedule, zero):
+    """1 stage x 2 replicas, AdamW with clipping: the profiler changes no parameter or optimizer
+    state, the steps after it are those of a run without it, bit for bit, and the stage's
+    gradient reduction has samples (its armed backward's excess over the others)."""
+    config = zero_config(schedule, zero, "adamw", 1, run={"steps": 4})
     plain, profiled = (
         run_group(profiled_midway, 2, args=(config, flag), timeout=30, deadline=180) for flag in (False, True)
     )
@@ -116,4 +117,4 @@ def test_pipefisher_profile_measures_a_zero3_run_file(tmp_path):
     stage = load_profile(output).stages[0]
     assert stage.forward > 0 and stage.backward > 0 and stage.step_end > 0
     assert len(stage.samples["grad_reduce"]) == 2 * 2
-    assert "gradient reduction" in result.stdout
+    assert "gradient all-reduce" in result.stdout
