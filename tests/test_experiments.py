@@ -154,6 +154,17 @@ def test_the_executor_benchmark_compares_the_zero_bubble_schedules_with_torchs()
     assert "registers no schedule" not in result.stdout
 
 
+@pytest.mark.dist
+@pytest.mark.slow  # a profile, two plans and a 2-process group with two runs: 3.5 min at load 11 on 2 cores
+def test_the_zero_step_time_experiment_measures_and_predicts_the_ratio(tmp_path):
+    """One round of one step each: both runs are timed and both run files predicted."""
+    smoke = ["--rounds", "1", "--steps", "1", "--warmup", "1", "--micro-batch-size", "2", "--profile-repeats", "1"]
+    result = run("zero_step_time.py", *smoke, "--out", str(tmp_path), timeout=400)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("| 1 | ") == 1 and result.stdout.count("| 3 | ") == 1
+    assert "ZeRO-3 / ZeRO-1: measured " in result.stdout and "predicted by pipefisher plan " in result.stdout
+
+
 @pytest.mark.slow  # about 40 s here: 12 tiny reference runs with held-out evaluation
 def test_the_convergence_study_runs_end_to_end_on_held_out_text(tmp_path):
     """--quick: AdamW and the first registered curvature method on both workloads; the target is

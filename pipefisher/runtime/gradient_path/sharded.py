@@ -10,7 +10,11 @@ of those shards, each element counted once over the world.
 
 The executor's gradient buffers (`pipefisher.runtime.gradient_path.buffers`) hold none of these
 parameters: a sharded stage has no buffer. Steps that drop their gradients (`StepEnd.begin` with
-`update` False: the profiler of curvature runs, which ZeRO-2/3 refuses) are not supported.
+`update` False: the profiler's) still arm the last backward, so its reduce-scatter runs as in a
+real step and leaves no whole gradient accumulated in FSDP; the step's end drops the shards
+(`zero_`) without an optimizer step. There is no reduction outside a backward (`reduce_now`):
+the profiler takes a sharded stage's `grad_reduce` from its step records instead
+(`pipefisher.runtime.training.profiler`).
 """
 
 from __future__ import annotations
@@ -80,6 +84,12 @@ class FsdpReduction(GradientReduction):
         shards = self.shards()
         if shards:
             torch._foreach_mul_(shards, coefficient)
+
+    def fill_(self, value: float) -> None:
+        """Every sharded gradient set to `value` (this rank's shard of a tensor full of it: the
+        profiler's stand-in for a reduced gradient when it times the step's end)."""
+        for p in self.parameters():
+            p.grad = torch.full_like(p, value)
 
     def zero_(self) -> None:
         for p in self.parameters():

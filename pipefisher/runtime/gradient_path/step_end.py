@@ -32,6 +32,7 @@ from pipefisher.runtime.gradient_path.buffers import (
 )
 from pipefisher.runtime.gradient_path.precision import LossScaler
 from pipefisher.runtime.gradient_path.reduction import AllReduce, GradientReduction
+from pipefisher.runtime.gradient_path.sharded import FsdpReduction
 from pipefisher.runtime.primitives.comm import Comm, Handle, done
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.signals import stop_request
@@ -80,7 +81,8 @@ class StepEnd:
     PowerSGD's `grad_q`) and `finish()`.
 
     `begin(step, update)` before each step: `update` False (profiling) drops the gradients instead
-    of applying them: no reduction, no optimizer step; the loss is still summed.
+    of applying them: no reduction, no optimizer step; the loss is still summed. Under ZeRO-2/3
+    the stage's last backward still reduce-scatters (`launch_grad`) and `finish` drops the shards.
     """
 
     def __init__(
@@ -136,8 +138,12 @@ class StepEnd:
 
     # -- collectives ------------------------------------------------------------------------
     def launch_grad(self, collective: Collective) -> Handle:
-        """Reduce the gradient of stage `collective.key[0]` over its replicas (the gradient path)."""
-        if not self.update:
+        """Reduce the gradient of stage `collective.key[0]` over its replicas (the gradient path).
+        A step that drops its gradients reduces nothing, except under ZeRO-2/3: FSDP2 accumulates
+        a replica's gradient whole until an armed backward reduce-scatters it, so the stage's last
+        backward is armed as in an updating step (a profile's backward times include the
+        reduce-scatter, and nothing is left accumulated for the next step)."""
+        if not self.update and not isinstance(self.reduction, FsdpReduction):
             return done()
         return self.reduction.launch_grad(self.comm, collective, self.step)
 

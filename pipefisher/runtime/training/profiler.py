@@ -4,9 +4,11 @@ Collective: every rank calls `measure_profile` with its executor. It runs warm-u
 steps that leave the model unchanged (gradients dropped) and times every op on every rank from a
 common zero after a barrier (`Clock`: perf_counter on CPUs; CUDA events on GPUs, so an op's time
 is the device's, without a host sync inside the step). It measures each stage boundary's transfer
-with a ping-pong, each replicated stage's gradient reduction, the rest of the end of step (tied
-weights, clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss
-scale restored after), and every task of the curvature method on the rank that holds it (its
+with a ping-pong, each replicated stage's gradient reduction (under ZeRO-2/3, which
+reduce-scatters inside the stage's last backward of a step, what that backward takes over the
+stage's median backward: `_in_backward_reduce_times`), the rest of the end of step (tied weights,
+clipping, optimizer step; parameters, optimizer state, learning-rate schedule and loss scale
+restored after), and every task of the curvature method on the rank that holds it (its
 `TaskTimer`; standalone regions are timed with the device synchronised before and after), with
 the flops of each task where the method counts them and the device's rates they compare with,
 from rank 0 (`task_flops`). Every rank gathers all
@@ -36,6 +38,7 @@ from pipefisher.planning.comm.actions import Message
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.simulate import Interval, Timeline
+from pipefisher.runtime.gradient_path.sharded import FsdpReduction
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.pipeline.executor import Executor
 from pipefisher.runtime.pipeline.extension import ExecutorExtension
@@ -140,13 +143,15 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[f
     """stage -> samples of the ms of its gradient reduction over its replicas (the buckets'
     all-reduces; with ZeRO-1 the reduces to the owners and the owners' parameter broadcasts; with
     PowerSGD its two all-reduces and their maths, its state restored afterwards), for every
-    replicated stage this rank holds. Collective: stages in order on every rank."""
+    replicated stage this rank holds but those ZeRO-2/3 shards (`_sharded_stages`: no reduction
+    outside a backward). Collective: stages in order on every rank."""
     step_end = executor.step_end
     step_end.begin(step_end.step, update=True)
     compression = step_end.reduction.state_dict()
     times: dict[int, list[float]] = {}
+    sharded = _sharded_stages(executor)
     for stage in sorted({stage for _, stage in executor.stages}):
-        if len(executor.topology.replica_ranks(stage)) < 2:
+        if len(executor.topology.replica_ranks(stage)) < 2 or stage in sharded:
             continue
         step_end.reduce_now(stage)  # connects
         times[stage] = timed_ms(lambda stage=stage: step_end.reduce_now(stage), executor.device, repeats)
@@ -155,11 +160,37 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[f
     return times
 
 
+def _sharded_stages(executor: Executor) -> set[int]:
+    """The stages of this rank that ZeRO-2/3 shards (FSDP2 reduce-scatters in their last backward)."""
+    reduction = executor.step_end.reduction
+    return set(reduction.stages) if isinstance(reduction, FsdpReduction) else set()
+
+
+def _in_backward_reduce_times(steps: list[list[Record]], sharded: set[int]) -> dict[int, list[float]]:
+    """stage -> samples of the ms of the gradient reduction of each stage in `sharded` (ZeRO-2/3),
+    one per measured step of this rank (`steps`: its records): what the stage's last backward of
+    the step, which reduce-scatters, takes over the median of its other backwards (0 when less;
+    no sample with one micro-batch). The simulator adds it after that backward, where it runs;
+    the profile's `backward` stays the median, which the one armed backward hardly moves."""
+    times: dict[int, list[float]] = defaultdict(list)
+    for records in steps:
+        backwards: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for _, text, start, end in records:
+            op = Op.parse(text)
+            if op.kind is OpKind.BACKWARD and op.stage in sharded:
+                backwards[op.stage].append((start, end - start))
+        for stage, ops in backwards.items():
+            *others, (_, last) = sorted(ops)
+            if others:
+                times[stage].append(max(0.0, last - _median([duration for _, duration in others])))
+    return dict(times)
+
+
 def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> list[float]:
     """`repeats` samples of the ms of this rank's end of step after the gradient reduction (tied
     weights, the world reduction, clipping, the method's work before the optimizer step, optimizer
-    step) on gradients of ones; parameters, optimizer state, learning-rate schedule and loss scale
-    are restored afterwards. Collective."""
+    step) on gradients of ones (ZeRO-2/3: shards of ones); parameters, optimizer state,
+    learning-rate schedule and loss scale are restored afterwards. Collective."""
     step_end = executor.step_end
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
@@ -172,6 +203,8 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
         for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
             for buffer in step_end.buffers.values():
                 buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
+            if isinstance(step_end.reduction, FsdpReduction):
+                step_end.reduction.fill_(1.0)
             dist.barrier()
             with executor.hooks_of(_TimedStepEnd(timer)):
                 samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
@@ -186,6 +219,7 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
             step_end.scaler.load_state_dict(scaler_state)
         for buffer in step_end.buffers.values():
             buffer.zero_()
+        step_end.reduction.zero_()
     return samples[1:]
 
 
@@ -225,7 +259,9 @@ def measure_profile(
     `precision`, `model`: what else it is measured at, recorded in the profile (`measured_at`)."""
     records = _step_records(executor, rank, warmup + repeats, timer)
     transfers = _transfer_times(executor, rank)
-    reduces = _grad_reduce_times(executor, repeats)
+    reduces = _grad_reduce_times(executor, repeats) | _in_backward_reduce_times(
+        records[warmup:], _sharded_stages(executor)
+    )
     tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
     step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
