@@ -99,7 +99,8 @@ class RunConfig:
         """Gradient workers per layer (`pipefisher.planning.replicas.kaisa`) when the run's curvature
         method keeps each layer's refresh results on fewer than a stage's replicas; None: every replica."""
         replicas = stage_replica_count(self)
-        workers = self.curvature.gradient_workers(replicas) if self.curvature is not None else replicas
+        sharded = self.optimizer.zero >= 2
+        workers = self.curvature.gradient_workers(replicas, sharded) if self.curvature is not None else replicas
         return workers if workers < replicas else None
 
     @property

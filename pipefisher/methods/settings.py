@@ -74,7 +74,9 @@ class RefreshConfig:
         """Rules between this section's keys and the rest of the run (`config`, a `RunConfig`;
         each key's own range is declared at its field): ConfigError naming `name`.key."""
 
-    def gradient_workers(self, replicas: int) -> int:
+    def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
         """How many of a stage's `replicas` keep each layer's refresh results and precondition its
-        reduced gradient (KAISA's gradient workers); every replica unless the method says fewer."""
+        reduced gradient (KAISA's gradient workers); every replica unless the method says fewer.
+        `sharded`: the run shards parameters and gradients (optimizer.zero 2/3), where a method
+        that gathers whole gradients on every replica asks for all of them."""
         return replicas

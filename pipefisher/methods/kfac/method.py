@@ -54,7 +54,7 @@ class KfacConfig(RefreshConfig):
         except ValueError as exc:
             raise ConfigError(f"{name}.grad_worker_fraction: {exc}") from None
 
-    def gradient_workers(self, replicas: int) -> int:
+    def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
         return worker_count(replicas, self.grad_worker_fraction)
 
 

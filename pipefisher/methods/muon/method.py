@@ -77,9 +77,10 @@ class MuonConfig(RefreshConfig):
                 "itself, which needs every replica's reduced gradient; use optimizer.zero 0, 2 or 3"
             )
 
-    def gradient_workers(self, replicas: int) -> int:
-        """One replica orthogonalises each matrix (after the reduction) and broadcasts it."""
-        return 1
+    def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
+        """One replica orthogonalises each matrix (after the reduction) and broadcasts it; with
+        `sharded` gradients every replica gathers and orthogonalises every matrix."""
+        return replicas if sharded else 1
 
 
 MUON = CurvatureMethod(

@@ -184,8 +184,9 @@ def _op_actions(
     preconditioning op follows: that op reads the reduced gradients whole, so it is preceded by
     its own all-gathers of them (``unshard`` of the op); both on the stage's FSDP communicator
     (`fsdp_group`). With several pipes the shards are then summed over the pipes (``grad_pipes``,
-    launched once the gradient is final, after any preconditioning: it is linear in the
-    gradient, so each pipe preconditions its part; waited for at the step's end)."""
+    launched right after the reduce-scatter; a preconditioning op waits for it first, since a
+    method's op need not be linear in the gradient (Muon's is not); else waited for at the step's
+    end)."""
     num_stages, pipes = topology.schedule.num_stages, topology.schedule.num_pipes
 
     def rank_of(op: Op) -> int:
@@ -218,6 +219,8 @@ def _op_actions(
         stage = gradient_final.get(position)
         sharded = fsdp and op.stage in replicated and op.kind in (OpKind.FORWARD, OpKind.BACKWARD)
         group = fsdp_group(op.stage, op.pipe, pipes)
+        if fsdp and pipes > 1 and op.stage in replicated and op.kind is OpKind.PRECONDITION:
+            yield Action(ActionKind.WAIT, grad_pipes_collective(op.stage, replica))
         if fsdp and op.stage in replicated and (sharded or op.kind is OpKind.PRECONDITION):
             gathers = unshard_collective(op.stage, op, group)
             yield from (Action(ActionKind.LAUNCH, gathers), Action(ActionKind.WAIT, gathers))
@@ -227,14 +230,14 @@ def _op_actions(
         yield run(op)
         if scatter:
             yield Action(ActionKind.WAIT, fsdp_grad_collective(op.stage, group))
+            if pipes > 1:
+                yield Action(ActionKind.LAUNCH, grad_pipes_collective(op.stage, replica))
         yield from _curvature_launches(op, rules)
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
         if stage is not None and stage in replicated and not fsdp:
             yield Action(ActionKind.LAUNCH, grad_collective(stage))
-        elif stage is not None and stage in replicated and pipes > 1:
-            yield Action(ActionKind.LAUNCH, grad_pipes_collective(stage, replica))
 
 
 #: ZeRO-2/3: the ops after whose last one a stage's gradient is reduced (FSDP2 reduce-scatters
@@ -306,11 +309,11 @@ def _end_of_step(
         tail += [Action(ActionKind.WAIT, grad_q_collective(collective.key[0])) for collective in reduced]
     else:
         tail += [Action(ActionKind.WAIT, collective) for collective in reduced]
-    tail += [
-        Action(ActionKind.WAIT, a.collective)
-        for a in actions
-        if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD_PIPES
+    pipe_sums = [
+        a.collective for a in actions if a.kind is ActionKind.LAUNCH and a.collective.kind is CollectiveKind.GRAD_PIPES
     ]
+    waited = {a.collective for a in actions if a.kind is ActionKind.WAIT and isinstance(a.target, Collective)}
+    tail += [Action(ActionKind.WAIT, collective) for collective in pipe_sums if collective not in waited]
     if path.workers_per_layer is not None:
         for stage in sorted(c.key[0] for c in reduced):
             collective = pgrad_collective(topology, rank, stage, path.workers_per_layer)
