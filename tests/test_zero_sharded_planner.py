@@ -74,8 +74,25 @@ def test_fsdp_allowed_follows_the_run_file_rules():
     assert not fsdp_allowed(replace(_layout(0), tensor_parallel=2), "adamw", run)
     assert not fsdp_allowed(replace(_layout(0), stages=2, schedule="zb-h1", micro_batches=8), "adamw", run)
     assert not fsdp_allowed(replace(_layout(0), stages=2, schedule="chimera", micro_batches=8), "adamw", run)
-    assert fsdp_allowed(replace(_layout(0), stages=2, schedule="gpipe", micro_batches=8), "adamw", run)
+    two_stages = replace(_layout(0), stages=2, schedule="gpipe", micro_batches=8)
+    assert fsdp_allowed(two_stages, "adamw", run)
+    assert not fsdp_allowed(two_stages, "adamw", run, tied=True)  # a weight the first and last stage share
+    assert fsdp_allowed(_layout(0), "adamw", run, tied=True)  # on one stage the tie is within it
     assert not fsdp_allowed(_layout(0), "adamw", RunSettings(compile=True))
+
+
+def test_a_tied_model_gets_sharded_candidates_on_one_stage_only():
+    bert = _context().sizes
+    assert bert.tied  # pipefisher's BERT ties its decoder to the word embedding
+    space = replace(_space(), gpus=8)
+    even = replace(bert, shape=replace(bert.shape, blocks=12))  # 12 blocks: 1, 2 or 4 stages on 8 GPUs
+    layouts = enumerate_layouts(space, even, "adamw")
+    assert {layout.stages for layout in layouts} == {1, 2, 4}
+    assert {layout.stages for layout in layouts if layout.zero > 1} == {1}
+    untied = replace(even, tied=False)
+    assert {layout.stages for layout in enumerate_layouts(space, untied, "adamw") if layout.zero > 1} == {1, 2, 4}
+    tiny = model_sizes(load_config(ROOT / "schedules" / "tiny-regression.yaml"))
+    assert not tiny.tied
 
 
 def test_fsdp_collectives_cost_step_time_by_the_ring_model():

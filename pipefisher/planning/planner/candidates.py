@@ -129,12 +129,13 @@ def pipeline_shapes(space: SearchSpace, sizes: ModelSizes) -> Iterator[tuple[int
                 yield stages, space.gpus // (tensor_parallel * stages), tensor_parallel
 
 
-def fsdp_allowed(layout: Layout, method: str, run: RunSettings) -> bool:
+def fsdp_allowed(layout: Layout, method: str, run: RunSettings, tied: bool = False) -> bool:
     """Whether `optimizer.zero` 2 and 3 run `layout` with optimizer `method` (a first-order rule
     or a curvature method, whose declaration's `CurvatureMethod.shards` decides) and run section
-    `run`: replicated stages and no refusal of `fsdp_problem` (the rule, tensor parallelism, a
-    split backward or a second pipe, precision, compile)."""
-    if layout.data_parallel < 2:
+    `run`: replicated stages, no refusal of `fsdp_problem` (the rule, tensor parallelism, a split
+    backward or a second pipe, precision, compile), and one stage where the model is `tied`
+    (`ModelSizes.tied`: the runtime refuses a weight shared by two stages)."""
+    if layout.data_parallel < 2 or (tied and layout.pieces > 1):
         return False
     pipeline = PipelineConfig(
         schedule=layout.schedule,
@@ -169,7 +170,7 @@ def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str, planne
                 if rest or micro_batches < 1 or not buildable(name, stages, micro_batches, chunks):
                     continue
                 base = Layout(stages, data_parallel, tensor_parallel, name, chunks, micro_batches, size, method=method)
-                sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run)
+                sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
                 found += list(_variants(base, space, replicated=data_parallel > 1, sharded=sharded))
     return found
 
