@@ -11,9 +11,9 @@ no measured `grad_reduce`, each stage's reduction is the bytes a rank sends for 
 the step's one all-gather of its parameters, PowerSGD's factors) at `dp_bandwidth_gbps`; under
 ZeRO-3 the reduction is the reduce-scatter, and FSDP2's all-gather of the stage's parameters
 (ring model, same bandwidth) is added to every forward and backward of the stage (each op
-gathers every block it runs, blocking: no overlap with compute is assumed), and (stage replicas > 1) a curvature layer's factor syncs, where the layer is
-one of a Transformer block's Linears of known shape, are the all-reduce of its n x n factors
-at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += the recomputed share of the forward).
+gathers every block it runs, blocking: no overlap with compute is assumed). With stage replicas,
+a curvature layer's factor syncs, where the layer is one of a Transformer block's Linears of
+known shape, are the all-reduce of its n x n factors at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += the recomputed share of the forward).
 """
 
 from __future__ import annotations
