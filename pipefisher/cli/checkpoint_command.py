@@ -1,5 +1,6 @@
 """`pipefisher checkpoint inspect DIR`: what a checkpoint holds (step, model, method, layout, the
-refresh cycle's position, bytes per kind) and whether every file verifies against its manifest."""
+refresh cycle's position, bytes per kind, the ZeRO degree it was written with) and whether every
+file verifies against its manifest."""
 
 from __future__ import annotations
 
@@ -15,6 +16,32 @@ def _bytes(count: int) -> str:
         if count >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count} B"
+
+
+def zero_degree(manifest: dict) -> int | None:
+    """The `optimizer.zero` the step was written with (its manifest's layout), or None where the
+    manifest does not record it (written before it did, or before layout-free checkpoints)."""
+    value = manifest.get("layout", {}).get("optimizer.zero")
+    return None if value is None else int(value)
+
+
+def _zero_line(manifest: dict) -> str:
+    """The ZeRO degree the step was written with, and what that means for resuming it."""
+    zero = zero_degree(manifest)
+    if zero is None:
+        return "zero:     not recorded (written before checkpoints recorded optimizer.zero): as 0"
+    if zero == 0:
+        return "zero:     ZeRO-0 (optimizer.zero 0: nothing sharded)"
+    replicas = manifest["layout"].get("pipeline.data_parallel", 1)
+    sharded = {
+        1: "the optimizer state",
+        2: "gradients and optimizer state (FSDP2)",
+        3: "parameters, gradients and optimizer state (FSDP2)",
+    }
+    return (
+        f"zero:     ZeRO-{zero} (optimizer.zero {zero}: {sharded.get(zero, 'its state')} sharded over each stage's "
+        f"{replicas} replica{'' if replicas == 1 else 's'} while training); saved whole: any optimizer.zero resumes it"
+    )
 
 
 def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
@@ -53,6 +80,7 @@ def describe(folder: Path, manifest: dict) -> tuple[list[str], str | None]:
             + ", ".join(f"{kind} {_bytes(count)}" for kind, count in sorted(kinds.items()) if count)
             + f" (tensors); {_bytes(total)} on disk"
         )
+        lines.append(_zero_line(manifest))
     lines.append(f"verifies: {'yes: every file has its size and SHA-256' if problem is None else 'NO: ' + problem}")
     return lines, problem
 
@@ -83,6 +111,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 {
                     "folder": str(folder),
                     "manifest": {k: v for k, v in manifest.items() if k != "files"},
+                    "zero": zero_degree(manifest),
                     "files": {
                         name: {k: v for k, v in entry.items() if k != "keys"}
                         for name, entry in manifest["files"].items()

@@ -42,7 +42,7 @@ def add_plan_parser(subparsers) -> None:
         "plan",
         help="the fastest layout of a run's model on N GPUs within a memory budget, predicted",
         description="Enumerates stages x data-parallel x tensor-parallel layouts, schedules, micro-batch "
-        "sizes (the global batch fixed), ZeRO-1 and recomputation; simulates each, packs the "
+        "sizes (the global batch fixed), ZeRO-1, ZeRO-2/3 (where FSDP2 runs the layout) and recomputation; simulates each, packs the "
         "curvature method for the fastest that fit, and ranks them.",
     )
     parser.add_argument("config", help="YAML run file: model, global batch, optimizer and method settings")
@@ -183,6 +183,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         degrees,
         recompute=RECOMPUTE_MODES,
         powersgd_ranks=(config.comm.powersgd_rank,),
+        run=config.run,
     )
     context = PlanContext(
         sizes,

@@ -1,6 +1,7 @@
 """The layouts a GPU count allows: stages x data-parallel x tensor-parallel = GPUs, every schedule
 that can be built at that shape, micro-batch sizes a time source can give, the global batch held
-fixed, ZeRO-1 on or off where there are replicas, and the recompute modes. Pure Python: no torch.
+fixed, the gradient path where there are replicas (ZeRO-1; ZeRO-2 and 3 where FSDP2 runs the layout
+with the planned optimizer, `fsdp_allowed`; PowerSGD), and the recompute modes. Pure Python: no torch.
 
 A layout's global batch (samples per optimizer step) is micro_batch_size x micro_batches x
 data_parallel; every layout of one search has the run file's, so step times compare per sample.
@@ -12,9 +13,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from pipefisher.config import OptimizerConfig, PipelineConfig, RunSettings
 from pipefisher.config.run import recompute_problem
+from pipefisher.config.sharding import fsdp_problem
 from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.core.names import RECOMPUTE_MODES
+from pipefisher.methods.registry import methods
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 
@@ -95,7 +99,9 @@ def divisors(value: int) -> list[int]:
 class SearchSpace:
     """What a search may vary: the GPUs, the global batch, the micro-batch sizes and
     tensor-parallel degrees the time source can give (None: any the model allows), the
-    schedules, recompute modes and PowerSGD ranks to try."""
+    schedules, recompute modes and PowerSGD ranks to try; `run`: the run file's run section,
+    what FSDP2's rules read (precision, compile): ZeRO-2 and 3 are tried where `fsdp_allowed`
+    passes (None: not tried)."""
 
     gpus: int
     global_batch: int
@@ -104,6 +110,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     powersgd_ranks: tuple[int, ...] = (0,)
+    run: RunSettings | None = None
 
 
 def pipeline_shapes(space: SearchSpace, sizes: ModelSizes) -> Iterator[tuple[int, int, int]]:
@@ -122,11 +129,32 @@ def pipeline_shapes(space: SearchSpace, sizes: ModelSizes) -> Iterator[tuple[int
                 yield stages, space.gpus // (tensor_parallel * stages), tensor_parallel
 
 
-def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str) -> list[Layout]:
+def fsdp_allowed(layout: Layout, method: str, run: RunSettings, tied: bool = False) -> bool:
+    """Whether `optimizer.zero` 2 and 3 run `layout` with optimizer `method` (a first-order rule
+    or a curvature method, whose declaration's `CurvatureMethod.shards` decides) and run section
+    `run`: replicated stages, no refusal of `fsdp_problem` (the rule, tensor parallelism, a split
+    backward or a second pipe, precision, compile), and one stage where the model is `tied`
+    (`ModelSizes.tied`: the runtime refuses a weight shared by two stages)."""
+    if layout.data_parallel < 2 or (tied and layout.pieces > 1):
+        return False
+    pipeline = PipelineConfig(
+        schedule=layout.schedule,
+        stages=layout.stages,
+        micro_batches=layout.micro_batches,
+        chunks=layout.chunks,
+        data_parallel=layout.data_parallel,
+        tensor_parallel=layout.tensor_parallel,
+    )
+    return not fsdp_problem(OptimizerConfig(name=method, zero=3), pipeline, run, methods().get(method))
+
+
+def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str, planned: str | None = None) -> list[Layout]:
     """Every layout of `space` for `sizes` with optimizer `method` (see the module docstring):
     the model's blocks split evenly over stages x chunks, each schedule buildable at its shape,
     micro_batches = global batch / (micro_batch_size x data_parallel) a whole number. One stage
-    runs 1F1B only (the others degenerate to it, or to GPipe's larger activation peak)."""
+    runs 1F1B only (the others degenerate to it, or to GPipe's larger activation peak).
+    `planned`: the optimizer the search plans for (a curvature method whose first-order rule is
+    `method`; None: `method`), what decides whether ZeRO-2 and 3 are tried."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
         for name in (
@@ -142,16 +170,20 @@ def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str) -> lis
                 if rest or micro_batches < 1 or not buildable(name, stages, micro_batches, chunks):
                     continue
                 base = Layout(stages, data_parallel, tensor_parallel, name, chunks, micro_batches, size, method=method)
-                found += list(_variants(base, space, replicated=data_parallel > 1))
+                sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
+                found += list(_variants(base, space, replicated=data_parallel > 1, sharded=sharded))
     return found
 
 
-def _variants(base: Layout, space: SearchSpace, replicated: bool) -> Iterable[Layout]:
+def _variants(base: Layout, space: SearchSpace, replicated: bool, sharded: bool) -> Iterable[Layout]:
     """`base` with each recompute mode the run allows (`recompute_problem`) and gradient path: plain,
-    ZeRO-1 and PowerSGD where there are data-parallel replicas (ZeRO-1 and PowerSGD exclude each other)."""
+    ZeRO-1 and PowerSGD where there are data-parallel replicas (ZeRO and PowerSGD exclude each
+    other), ZeRO-2 and 3 where `sharded` (`fsdp_allowed`)."""
     paths = [(0, 0)]
     if replicated:
-        paths += [(1, 0)] + [(0, rank) for rank in space.powersgd_ranks if rank]
+        paths += (
+            [(1, 0)] + [(zero, 0) for zero in (2, 3) if sharded] + [(0, rank) for rank in space.powersgd_ranks if rank]
+        )
     splits = base.build_schedule().splits_backward
     for recompute in space.recompute:
         if recompute_problem(recompute, base.schedule, base.tensor_parallel, splits):

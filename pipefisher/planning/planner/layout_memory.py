@@ -80,11 +80,16 @@ def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: 
     )
 
 
+def stage_parameters(layout: Layout, sizes: ModelSizes) -> tuple[int, ...]:
+    """Parameter elements of each of the layout's pieces (stage index), on tensor-parallel rank 0."""
+    return tuple(state.numel for state in _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method))
+
+
 _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
 
 
 def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple[RankMemory, ...]:
-    """Every rank's training state under `layout` (its method, ZeRO-1, PowerSGD), shard 0 of
+    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD), shard 0 of
     tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
     key = (

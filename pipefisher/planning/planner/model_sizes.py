@@ -51,13 +51,16 @@ class ModelSizes:
     """A run's model as the planner takes it: its `kind` (run-file `model.kind`), `name` (the preset
     or config it came from, what the reference CSVs are named after), `shape` (blocks, hidden,
     heads, FFN width, vocabulary (0: none), sequence length and what the activation model needs
-    beside them) and `head_transform`; the sizes are read off the shape."""
+    beside them), `head_transform` and `tied`; the sizes are read off the shape."""
 
     kind: str
     name: str
     shape: ModelShape
     #: its heads transform the hidden state before the vocabulary projection (BERT's)
     head_transform: bool = False
+    #: its word embedding is tied to its output projection: on more than one stage, a weight the
+    #: first and the last stage share (which ZeRO-2/3 does not run yet)
+    tied: bool = False
 
     @property
     def blocks(self) -> int:
@@ -107,6 +110,7 @@ def _json_sizes(path: Path | Any, what: str) -> dict[str, Any]:
     sizes["architecture"] = model_type if model_type in ("gpt2", "bert") else "llama"
     sizes["kv_heads"] = data.get("num_key_value_heads") or 0
     sizes["dropout"] = data.get("hidden_dropout_prob", BERT_DROPOUT) if model_type == "bert" else 0.0
+    sizes["tied"] = bool(data.get("tie_word_embeddings", True))  # transformers' default
     return sizes
 
 
@@ -142,7 +146,7 @@ def transformer_sizes(config: RunConfig) -> ModelSizes:
 
 def bert_sizes(config: RunConfig) -> ModelSizes:
     """The sizes of model.kind bert: its preset's, or its `model.config_json`'s; its heads have
-    BERT's transform before the vocabulary projection."""
+    BERT's transform before the vocabulary projection, its decoder is the word embedding's copy."""
     model = config.model
     if model.config_json:
         return _config_json_sizes(
@@ -153,7 +157,7 @@ def bert_sizes(config: RunConfig) -> ModelSizes:
     blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
     dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
     shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
-    return ModelSizes("bert", model.preset, shape, head_transform=True)
+    return ModelSizes("bert", model.preset, shape, head_transform=True, tied=True)
 
 
 def hf_sizes(config: RunConfig) -> ModelSizes:
@@ -166,7 +170,8 @@ def hf_sizes(config: RunConfig) -> ModelSizes:
 
 
 def _config_json_sizes(config: RunConfig, where: Path | Any, name: str, key: str, head_transform: bool) -> ModelSizes:
-    """The sizes of the config.json at `where` (named `name`, read for run-file key `key`)."""
+    """The sizes of the config.json at `where` (named `name`, read for run-file key `key`);
+    `head_transform`: pipefisher's BERT, whose decoder is always tied to the word embedding."""
     model = config.model
     found = _json_sizes(where, key)
     dropout = found["dropout"] if model.dropout < 0 or found["architecture"] != "bert" else model.dropout
@@ -181,4 +186,4 @@ def _config_json_sizes(config: RunConfig, where: Path | Any, name: str, key: str
         kv_heads=found["kv_heads"],
         dropout=dropout,
     )
-    return ModelSizes(model.kind, name, shape, head_transform)
+    return ModelSizes(model.kind, name, shape, head_transform, head_transform or found["tied"])

@@ -7,10 +7,13 @@ section's options, which choose at a percentile of the profile's samples): the c
 cycle simulated at the profile's own (median) times over its refresh interval k, i.e. the mean
 step with the refresh work in the bubbles and what does not fit. Data-parallel traffic: where the profile has
 no measured `grad_reduce`, each stage's reduction is the bytes a rank sends for it
-(`rank_memory`'s ring model: all-reduce, ZeRO-1's reduce + broadcast or PowerSGD's factors) at
-`dp_bandwidth_gbps`, and (stage replicas > 1) a curvature layer's factor syncs, where the layer is
-one of a Transformer block's Linears of known shape, are the all-reduce of its n x n factors
-at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += the recomputed share of the forward).
+(`rank_memory`'s ring model: all-reduce, ZeRO-1's reduce + broadcast, ZeRO-2's reduce-scatter +
+the step's one all-gather of its parameters, PowerSGD's factors) at `dp_bandwidth_gbps`; under
+ZeRO-3 the reduction is the reduce-scatter, and FSDP2's all-gather of the stage's parameters
+(ring model, same bandwidth) is added to every forward and backward of the stage (each op
+gathers every block it runs, blocking: no overlap with compute is assumed). With stage replicas,
+a curvature layer's factor syncs, where the layer is one of a Transformer block's Linears of
+known shape, are the all-reduce of its n x n factors at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += the recomputed share of the forward).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from pipefisher.config import FIRST_ORDER
 from pipefisher.core.ir import ScheduleError
-from pipefisher.core.profile import LayerProfile, Profile
+from pipefisher.core.profile import LayerProfile, Profile, Samples, StageProfile
 from pipefisher.methods.registry import method_of_profile
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.memory.activations import PRECISIONS
@@ -30,6 +33,7 @@ from pipefisher.planning.planner.layout_memory import (
     block_linear_shapes,
     layout_memory,
     packed_memory,
+    stage_parameters,
     state_per_rank,
 )
 from pipefisher.planning.planner.model_sizes import ModelSizes
@@ -44,6 +48,8 @@ TimeSource = ReferenceTimes | MeasuredTimes
 #: 100 Gb/s InfiniBand between nodes; `--dp-bandwidth-gbps` sets it
 DEFAULT_DP_BANDWIDTH_GBPS = 10.0
 FACTOR_BYTES = 4
+#: bytes of an fp32 parameter element (what FSDP2 gathers)
+PARAMETER_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -129,17 +135,44 @@ def _factor_sizes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[in
 
 
 def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
-    """`profile` with each stage's modelled gradient reduction where it has no measured one."""
+    """`profile` with each stage's modelled gradient reduction where it has no measured one, and
+    under ZeRO-3 FSDP2's all-gathers in its forwards and backwards (`_gathering`)."""
     per_ms = MS_PER_UNIT[profile.time_unit]
     states = state_per_rank(layout, context.sizes, context.first_order, context.momentum)
     traffic = {part.stage: part.grad_comm_bytes for rank in states for part in rank.stages}
     scale = 1e3 / (context.dp_bandwidth_gbps * 1e9) / per_ms
+    gathers = [0.0] * profile.num_stages
+    if layout.zero == 3 and layout.data_parallel > 1:
+        parameters = stage_parameters(layout, context.sizes)
+        gathers = [ring_bytes("broadcast", numel * PARAMETER_BYTES, layout.data_parallel) for numel in parameters]
+        traffic = {
+            index: ring_bytes("reduce", numel * PARAMETER_BYTES, layout.data_parallel)
+            for index, numel in enumerate(parameters)
+        }
     return replace(
         profile,
         stages=tuple(
-            replace(stage, grad_reduce=stage.grad_reduce or traffic.get(index, 0) * scale)
-            for index, stage in enumerate(profile.stages)
+            _gathering(replace(stage, grad_reduce=stage.grad_reduce or traffic.get(index, 0) * scale), gather * scale)
+            for index, (stage, gather) in enumerate(zip(profile.stages, gathers))
         ),
+    )
+
+
+def _gathering(stage: StageProfile, gather: float) -> StageProfile:
+    """`stage` with `gather` (profile time units) added to its forward and backward and to each of
+    their samples."""
+    if not gather:
+        return stage
+    samples = dict(stage.samples)
+    for name in ("forward", "backward"):
+        if name in samples:
+            samples[name] = tuple(value + gather for value in samples[name])
+    return replace(
+        stage,
+        forward=stage.forward + gather,
+        backward=stage.backward + gather,
+        weight=stage.weight_gradient,
+        samples=Samples(samples),
     )
 
 
@@ -177,7 +210,7 @@ _FIRST_ORDER: dict[tuple, tuple[float, float, float]] = {}
 
 def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float, float]:
     """(step ms, bubble share, slowest reduction ms) of the layout's first-order step; cached on
-    the pipeline and its reductions (layouts that differ in method or ZeRO-1 alone share it)."""
+    the pipeline, its reductions and op times (layouts that differ in method or ZeRO-1 alone share it)."""
     profile = layout_profile(layout, context, syncs=False)
     key = (
         context,
@@ -188,7 +221,7 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
         layout.micro_batch_size,
         layout.tensor_parallel,
         layout.recompute,
-        tuple(stage.grad_reduce for stage in profile.stages),
+        tuple((stage.forward, stage.backward, stage.grad_reduce) for stage in profile.stages),
     )
     if key not in _FIRST_ORDER:
         timeline = simulate(layout.build_schedule(), profile)

@@ -87,7 +87,7 @@ def search(
     (module docstring); `shown`: the places that must be exact. PlanError where no layout exists or none fits (naming the least memory any needs)."""
     started = time.perf_counter()
     first_order = context.first_order if is_curvature(method) else method
-    layouts = enumerate_layouts(space, context.sizes, first_order)
+    layouts = enumerate_layouts(space, context.sizes, first_order, planned=method)
     problem = check_sources_cover(space, context.sizes, layouts)
     if problem:
         raise PlanError(problem)

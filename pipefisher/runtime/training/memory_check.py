@@ -115,8 +115,10 @@ def _curvature_layers(config: RunConfig, model, module) -> tuple[tuple[Curvature
 
 def stage_states(config: RunConfig, model) -> list[StageState]:
     """Every stage's parameters, read off the real stages, with the curvature method's layers and
-    the parameters it preconditions (curvature runs)."""
+    the parameters it preconditions (curvature runs), and the element counts of its repeated
+    blocks (`repeated_blocks`: FSDP2's units under ZeRO-3, `fsdp_wrap`)."""
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
+    from pipefisher.runtime.pipeline.compiled import repeated_blocks
 
     num_stages = build_schedule(config).num_stages
     states = []
@@ -130,6 +132,7 @@ def stage_states(config: RunConfig, model) -> list[StageState]:
                 layers,
                 tuple(tuple(p.shape) for p in parameters),
                 tuple(id(p) in preconditioned for p in parameters) if layers else (),
+                tuple(sum(p.numel() for p in unique_parameters(block)) for block in repeated_blocks(module)),
             )
         )
     return states

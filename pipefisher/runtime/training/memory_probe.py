@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, UntypedStorage, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -49,6 +50,20 @@ def saved_bytes(
     return sum(seen.values())
 
 
+def _plain(tensors: Iterable[object]) -> Iterator[Tensor]:
+    """The tensors among `tensors` that own memory: a wrapper subclass (a DTensor) stands for
+    its inner tensors (a DTensor's local shard), whose storages hold its data; the wrapper's own
+    storage is only its global size."""
+    for tensor in tensors:
+        if not isinstance(tensor, Tensor):
+            continue
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            yield from _plain(getattr(tensor, name) for name in names)
+        else:
+            yield tensor
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """The bytes of live tensors, each storage once, and their peak while the mode is on.
 
@@ -56,7 +71,9 @@ class LiveTensorBytes(TorchDispatchMode):
     and curvature state, buffers; integer tensors are left out: a text run's token tables are the
     data source's, not training's). Inside the mode every storage an op allocates is added (an
     output sharing an input's storage is a view, not an allocation) and dropped once freed;
-    `peak` is the largest sum seen after any op."""
+    after every op each known storage's size is read again (FSDP2 grows and frees its gathered
+    parameters by resizing their storages in place, outside the dispatcher); `peak` is the
+    largest sum seen after any op. A DTensor counts as its local shard (`_plain`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,23 +95,32 @@ class LiveTensorBytes(TorchDispatchMode):
         self.current += storage.nbytes()
 
     def _sweep(self) -> None:
-        for key in [key for key, (ref, _) in self._live.items() if ref.expired()]:
-            self.current -= self._live.pop(key)[1]
+        """Drop the freed storages and read the others' sizes again."""
+        for key, (ref, size) in list(self._live.items()):
+            storage = UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if storage is None:
+                self.current -= self._live.pop(key)[1]
+            elif storage.nbytes() != size:
+                self.current += storage.nbytes() - size
+                self._live[key] = (ref, storage.nbytes())
 
     def census(self) -> None:
         """Add the floating-point tensors alive now."""
         gc.collect()
-        for obj in gc.get_objects():
-            if isinstance(obj, Tensor) and obj.is_floating_point() and obj.device.type != "meta":
-                self._add(obj)
+        with warnings.catch_warnings():  # isinstance on torch's deprecated module aliases warns
+            warnings.simplefilter("ignore", FutureWarning)
+            found = [obj for obj in gc.get_objects() if isinstance(obj, Tensor)]
+        for tensor in _plain(found):
+            if tensor.is_floating_point() and tensor.device.type != "meta":
+                self._add(tensor)
         self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        inputs = {t.untyped_storage()._cdata for t in _plain(tree_leaves((args, kwargs)))}
         self._sweep()
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, Tensor) and tensor.untyped_storage()._cdata not in inputs:
+        for tensor in _plain(tree_leaves(output)):
+            if tensor.untyped_storage()._cdata not in inputs:
                 self._add(tensor)
         self.peak = max(self.peak, self.current)
         return output
