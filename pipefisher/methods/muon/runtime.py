@@ -12,20 +12,17 @@ is committed, and each update put in its parameter's ``.grad``, only when the st
 (`before_optimizer_step` is not called on an fp16 overflow).
 
 A sharded stage (ZeRO-2/3: its parameters and gradients FSDP2 DTensors, this rank's rows) is
-gathered, orthogonalised and scattered, each replica the whole of it: right after the stage's
-last backward of the step (`after_backward`), when FSDP2 has reduce-scattered the gradients and
-before clipping, every replica all-gathers each matrix's reduced gradient (`whole_gradient`, in
-the engine's matrix order), steps its whole momentum and orthogonalises every matrix; the commit
-then writes this rank's rows of each update into its gradient shard (`MuonEngine.apply`). The
-replicas compute the same updates from the same gathered gradients, so nothing is broadcast
-(the ``pgrad`` share, if a plan names one for such a stage, has nothing to do): the share of
-the matrices among replicas is traded for R x the Newton–Schulz work and no broadcast, and each
-replica holds every matrix's momentum and update whole (2 x the stage's matrices, fp32). The
-gathers run on the stage's ``grad`` communicator inside its last backward, between the plan's
-launch and wait of the stage's ``grad`` collective (FSDP2's reduce-scatter): every replica of a
-stage runs the same ops in the same order and gathers the same matrices in the same order there,
-so the order on that communicator is the same on every replica (NCCL's rule) without a plan entry
-of its own.
+gathered, orthogonalised and scattered, each replica the whole of it, in a P op as an unreplicated
+stage's (`MuonConfig.gradient_workers` asks for every replica when sharded, so the plan has P ops
+for the stage and packs them into bubbles): after the stage's last backward, FSDP2 has
+reduce-scattered the gradients (and, under Chimera, they are summed over the pipes before P), P
+all-gathers each matrix's reduced gradient (`whole_gradient`, in the engine's matrix order; the
+plan names these gathers, ``unshard`` of the P op, so the replay checks their order), steps the
+whole momentum and orthogonalises every matrix; the commit then writes this rank's rows of each
+update into its gradient shard (`MuonEngine.apply`). The replicas compute the same updates from
+the same gathered gradients, so nothing is broadcast: the share of the matrices among replicas is
+traded for R x the Newton–Schulz work, and each replica holds every matrix's momentum and update
+whole (2 x the stage's matrices, fp32).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ from pipefisher.methods.muon.engine import MuonEngine, linear_weights
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.runtime.primitives.clock import timed_ms
-from pipefisher.runtime.primitives.comm import Handle, done
+from pipefisher.runtime.primitives.comm import Handle
 from pipefisher.runtime.primitives.sharding import is_sharded
 
 
@@ -98,13 +95,6 @@ class MuonRuntime(StageRuntime[MuonEngine]):
         for engine in self.engines.values():
             engine.apply(updates)
 
-    def after_backward(self, op: Op, cycle_step: int) -> None:
-        """After a sharded stage's last backward of the step (its gradients reduced and sharded):
-        gather, step and orthogonalise every matrix (module docstring)."""
-        if op.stage in self.sharded and self.stage_gradient_final(op):
-            engine = self.engine(op)
-            engine.orthogonalise(engine.names(), self.loss_scale())
-
     def end_of_cycle(self) -> None:
         """Nothing to commit: Muon has no refresh results."""
 
@@ -128,11 +118,8 @@ class MuonRuntime(StageRuntime[MuonEngine]):
 
     def _launch_share(self, collective: Collective) -> Handle:
         """Orthogonalise this rank's share of the stage's matrices from the reduced gradient, then
-        every matrix's worker broadcasts its update to the stage's replicas; nothing on a sharded
-        stage (every replica orthogonalised every matrix after its last backward)."""
+        every matrix's worker broadcasts its update to the stage's replicas."""
         stage = collective.key[0]
-        if stage in self.sharded:
-            return done()
         engine, grid = self.engine_of_stage[stage], self.grids[stage]
         engine.orthogonalise(self.own_share(stage), self.loss_scale())
         pairs = [(engine.update_buffer(name), grid.worker(number, 0)) for number, name in enumerate(engine.names())]
