@@ -62,6 +62,17 @@ def test_small_stage_matches_a_hand_computation():
     assert sharded_stage(SMALL.parameters, SHAPES, SMALL.blocks, 2, 3, micro_batches=4).traffic == half + 8 * half
 
 
+def test_chimera_shards_over_a_pipes_replicas_and_sums_over_the_pipes():
+    """2 pipes x 2 replicas: a stage's 4 copies, FSDP2 over each pipe's 2, then the shards'
+    all-reduce over the 2 pipes in the traffic."""
+    topology = Topology(get_schedule("chimera", 2, 4), data_parallel=2)
+    two_copies = rank_memory(_one_stage(2), [SMALL], optimizer_state("sgd"), 3)[0].stages[0]
+    rank = rank_memory(topology, [SMALL, SMALL], optimizer_state("sgd"), 3)[0]
+    for stage in rank.stages:
+        assert stage.parameter_bytes == two_copies.parameter_bytes
+        assert stage.grad_comm_bytes == two_copies.grad_comm_bytes + stage.gradient_bytes  # ring all-reduce over 2
+
+
 def test_without_blocks_zero3_gathers_the_whole_stage():
     whole = replace(SMALL, blocks=())
     (rank,) = rank_memory(_one_stage(2), [whole], optimizer_state("sgd"), 3)[:1]

@@ -60,7 +60,9 @@ def test_sharded_candidates_only_where_fsdp2_runs_the_layout():
     assert {layout.zero for layout in enumerate_layouts(_space(run=None), context.sizes, "adamw")} == {0, 1}
     assert {layout.zero for layout in enumerate_layouts(_space(), context.sizes, "lamb")} == {0, 1}
     bf16 = _space(run=RunSettings(precision="bf16"))
-    assert {layout.zero for layout in enumerate_layouts(bf16, context.sizes, "adamw")} == {0, 1}
+    assert {layout.zero for layout in enumerate_layouts(bf16, context.sizes, "adamw")} == {0, 1, 2, 3}
+    fp16 = _space(run=RunSettings(precision="fp16"))
+    assert {layout.zero for layout in enumerate_layouts(fp16, context.sizes, "adamw")} == {0, 1}
     # a curvature method gets them exactly when its declaration says it shards
     for name, method in methods().items():
         zeros = {layout.zero for layout in enumerate_layouts(_space(), context.sizes, "adamw", planned=name)}
@@ -71,9 +73,11 @@ def test_fsdp_allowed_follows_the_run_file_rules():
     run = RunSettings()
     assert fsdp_allowed(_layout(0), "sgd", run)
     assert not fsdp_allowed(replace(_layout(0), data_parallel=1), "adamw", run)  # no replicas: nothing to shard
-    assert not fsdp_allowed(replace(_layout(0), tensor_parallel=2), "adamw", run)
+    assert fsdp_allowed(replace(_layout(0), tensor_parallel=2), "adamw", run)
     assert not fsdp_allowed(replace(_layout(0), stages=2, schedule="zb-h1", micro_batches=8), "adamw", run)
-    assert not fsdp_allowed(replace(_layout(0), stages=2, schedule="chimera", micro_batches=8), "adamw", run)
+    chimera = replace(_layout(0), stages=2, schedule="chimera", micro_batches=8)
+    assert fsdp_allowed(chimera, "adamw", run)  # sharded over each pipe's 4 replicas
+    assert not fsdp_allowed(replace(chimera, data_parallel=1), "adamw", run)
     two_stages = replace(_layout(0), stages=2, schedule="gpipe", micro_batches=8)
     assert fsdp_allowed(two_stages, "adamw", run)
     assert not fsdp_allowed(two_stages, "adamw", run, tied=True)  # a weight the first and last stage share

@@ -281,12 +281,13 @@ def rank_memory(
                 optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine
             )
             gathered, per_op, unreduced = 0, False, 0
-            if zero > 1 and replicas > 1:  # FSDP2 wraps replicated stages only
+            pipes = topology.schedule.num_pipes
+            if zero > 1 and replicas > 1:  # FSDP2 wraps replicated stages only, over a pipe's copies
                 sharded = sharded_stage(
                     stage.parameters,
                     stage.shapes,
                     stage.blocks,
-                    replicas,
+                    replicas // pipes,
                     zero,
                     topology.schedule.num_micro_batches,
                     widths.parameter,
@@ -295,7 +296,8 @@ def rank_memory(
                 parameter_bytes, gradient_bytes, traffic = (
                     sharded.parameter_bytes,
                     sharded.gradient_bytes,
-                    sharded.traffic,
+                    # Chimera: each shard then summed over the pipes (``grad_pipes``)
+                    sharded.traffic + ring_bytes("all_reduce", sharded.gradient_bytes, pipes),
                 )
                 optimizer_bytes = sum(
                     optimizer.tensor_bytes(shard, stage.preconditions(number))
