@@ -221,3 +221,24 @@ def test_fsdp_collectives_are_in_the_replayed_plan(name):
     programs[replica] = tuple(other)
     with pytest.raises(CommOrderError, match=r"mismatch on (grad/0|shard/0/0)|deadlock under NCCL"):
         replay_programs(programs, members)
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_resumes_on_another_replica_count(tmp_path):
+    """ZeRO-3 over 2 replicas of 1 stage, resumed as ZeRO-2 on 2 stages without replicas (8
+    micro-batches: the same global batch): steps 3-4 as the uninterrupted run took them."""
+    directory = tmp_path / "checkpoints"
+    straight_config = sharded_config("1f1b", 3, run={"steps": 4}, checkpoint={"dir": str(directory), "every": 2})
+    straight = run_group(checkpointing, 2, args=(straight_config, False), timeout=30, deadline=240)
+    shutil.rmtree(step_folder(str(directory), 4))
+    resumed_config = straight_config.with_overrides(
+        optimizer={"zero": 2}, pipeline={"stages": 2, "data_parallel": 1, "micro_batches": 8}
+    )
+    resumed = run_group(checkpointing, 2, args=(resumed_config, True), timeout=30, deadline=240)
+    # the parameters by the 2-stage layout's names: the straight run equals the reference
+    reference = train_reference(resumed_config.with_overrides(optimizer={"zero": 0}, checkpoint={"dir": ""}))
+    torch.testing.assert_close(torch.tensor(reference.losses), torch.tensor(straight[0].losses), rtol=1e-5, atol=0)
+    for result in resumed:
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(straight[0].losses[2:]), rtol=1e-5, atol=0)
+        for key, value in result.parameters.items():
+            torch.testing.assert_close(value, reference.parameters[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -41,7 +41,7 @@ def sharded_run(method, schedule, zero, folder):
     ("method", "schedule", "zero"),
     [
         pytest.param("shampoo", "1f1b", 3, marks=pytest.mark.slow),
-        ("soap", "gpipe", 2),
+        ("soap", "1f1b", 2),
         ("shampoo", "interleaved", 2),
         ("soap", "interleaved", 3),
     ],
