@@ -7,7 +7,7 @@ import pytest
 import torch
 from _workers import unit_profile
 from torch import nn
-from _zero_runs import train, zero_config
+from _zero_runs import assert_sharded_equals_reference, zero_config
 
 from pipefisher.config import ConfigError
 from pipefisher.core.profile import load_profile
@@ -28,7 +28,6 @@ from pipefisher.planning.comm.replay import replay
 from pipefisher.runtime.training.assembly import build_schedule
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.pipefisher_run import make_plan
-from pipefisher.runtime.training.reference import train_reference
 
 #: the kfac section of tests/runtime/test_zero.py's curvature case
 SECTION = {"refresh_steps": 2, "factor_decay": 0.5, "damping": 0.01}
@@ -54,19 +53,7 @@ def kfac_config(schedule, zero, folder, **overrides):
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "zero"), [("1f1b", 3), ("gpipe", 2)])
 def test_sharded_kfac_equals_the_reference(schedule, zero, tmp_path):
-    config = kfac_config(schedule, zero, tmp_path)
-    reference = train_reference(config.with_overrides(optimizer={"zero": 0}))
-    results = train(config)
-    assert {as_pipe_0(key) for result, _ in results for key in result.parameters} == set(reference.parameters)
-    for result, _ in results:
-        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=2e-4, atol=0)
-        for key, value in result.parameters.items():
-            torch.testing.assert_close(value, reference.parameters[as_pipe_0(key)], rtol=2e-4, atol=2e-4, msg=key)
-
-
-def as_pipe_0(key: str) -> str:
-    """A parameter's name in pipe 0 (Chimera's pipe 1 prefixes its copies' names with ``p1.``)."""
-    return key.split(".", 1)[1] if key.startswith("p1.") else key
+    assert_sharded_equals_reference(kfac_config(schedule, zero, tmp_path), rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "chimera"])

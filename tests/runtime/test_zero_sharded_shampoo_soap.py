@@ -4,12 +4,10 @@ replica (gather, precondition, keep this rank's rows); trained on 2 stages x 2 r
 in-order mode, they equal the single-process reference."""
 
 import pytest
-import torch
 from _workers import assert_resumes_bit_for_bit, unit_profile
-from _zero_runs import train, zero_config
+from _zero_runs import assert_sharded_equals_reference, zero_config
 
 from pipefisher.runtime.training.assembly import build_schedule
-from pipefisher.runtime.training.reference import train_reference
 
 pytestmark = pytest.mark.dist
 
@@ -49,14 +47,7 @@ def sharded_run(method, schedule, zero, folder):
 def test_sharded_shampoo_and_soap_equal_the_reference(method, schedule, zero, tmp_path):
     """Interleaved: each rank holds two stages, so two engines gather on two communicators."""
     _, atol = SECTIONS[method]
-    config = sharded_run(method, schedule, zero, tmp_path)
-    reference = train_reference(config.with_overrides(optimizer={"zero": 0}))
-    results = train(config)
-    assert {key for result, _ in results for key in result.parameters} == set(reference.parameters)
-    for result, _ in results:
-        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
-        for key, value in result.parameters.items():
-            torch.testing.assert_close(value, reference.parameters[key], rtol=1e-5, atol=atol, msg=key)
+    assert_sharded_equals_reference(sharded_run(method, schedule, zero, tmp_path), atol=atol)
 
 
 @pytest.mark.slow
