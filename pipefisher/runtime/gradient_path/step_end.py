@@ -248,7 +248,9 @@ class StepEnd:
         loss, its parts, (when updating) lr, grad_norm, fp16's overflow and grad_comm_bytes, and
         `stop_signal` when a rank was signalled, read from the device once. grad_comm_bytes: what
         this rank sent on the gradient communicators in the step (reductions, ZeRO-1's
-        broadcasts, PowerSGD's factors, K-FAC gradient workers' broadcasts)."""
+        broadcasts, PowerSGD's factors, K-FAC gradient workers' broadcasts, Chimera's sums of
+        ZeRO-2/3 shards over the pipes); FSDP2's own all-gathers and reduce-scatters do not go
+        through `Comm` and are not in it (their volume is the memory model's traffic)."""
         reduced, self._reduced = self._reduced, None
         values, self._values = self._values if self._values is not None else reduced.tolist(), None
         record: dict = {}
