@@ -160,20 +160,20 @@ def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> 
     traffic = {part.stage: part.grad_comm_bytes for rank in states for part in rank.stages}
     link = context.data_parallel_link(layout)
     scale = 1e3 / (link.bandwidth_gbps * 1e9) / per_ms
-    step = link.latency_us * 1e-3 / per_ms * (_replicas(layout) - 1)  # one pass round the ring
-    reduce_steps = 2  # an all-reduce (or reduce + broadcast) is two passes
+    ring_pass = link.latency_us * 1e-3 / per_ms * (_replicas(layout) - 1)  # latency of one pass round the ring
+    reduce_passes = 2  # an all-reduce (or reduce + broadcast) is two passes
     gathers = [0.0] * profile.num_stages
     if layout.zero == 3 and layout.data_parallel > 1:
         parameters = stage_parameters(layout, context.sizes)
         gathers = [
-            ring_bytes("broadcast", numel * PARAMETER_BYTES, layout.data_parallel) * scale + step
+            ring_bytes("broadcast", numel * PARAMETER_BYTES, layout.data_parallel) * scale + ring_pass
             for numel in parameters
         ]
         traffic = {
             index: ring_bytes("reduce", numel * PARAMETER_BYTES, layout.data_parallel)
             for index, numel in enumerate(parameters)
         }
-        reduce_steps = 1
+        reduce_passes = 1
     return replace(
         profile,
         stages=tuple(
@@ -181,7 +181,7 @@ def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> 
                 replace(
                     stage,
                     grad_reduce=stage.grad_reduce
-                    or traffic.get(index, 0) * scale + (reduce_steps * step if traffic.get(index) else 0.0),
+                    or traffic.get(index, 0) * scale + (reduce_passes * ring_pass if traffic.get(index) else 0.0),
                 ),
                 gather,
             )
