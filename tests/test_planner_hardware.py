@@ -77,11 +77,16 @@ def test_a_bad_field_is_one_line_naming_it_and_the_cli_exits_2(tmp_path, capsys,
     assert code == 2 and named in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_unknown_hardware_and_no_memory_are_usage_errors(capsys):
+def test_unknown_hardware_no_memory_and_a_reserve_that_leaves_none_are_refused(capsys):
     assert main(["plan", str(BASE_RUN), "--gpus", "4", "--hardware", "b200x8"]) == 2
     assert "neither a preset" in capsys.readouterr().err
     assert main(["plan", str(BASE_RUN), "--gpus", "4"]) == 2
     assert "--memory-gb" in capsys.readouterr().err
+    assert main(["plan", str(BASE_RUN), "--gpus", "4", "--memory-gb", "1.5", "--reserve-gb", "1.5"]) == 2
+    assert "--reserve-gb 1.5 leaves nothing of 1.5 GiB" in capsys.readouterr().err
+    assert main(["plan", str(BASE_RUN), "--gpus", "4", "--memory-gb", "1.5", "--packed", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no layout fits" in err and f"less the reserve of {default_reserve_gib(1.5):.2f} GiB" in err
 
 
 def _context(hardware: str | None) -> PlanContext:

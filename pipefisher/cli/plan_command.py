@@ -241,8 +241,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         result = search(space, context, method, budget, top=args.packed, shown=args.top, progress=not args.json)
     except PlanError as exc:
+        if not str(exc).startswith("--memory-gb"):  # search names the budget it was given: say what it is
+            raise
         raise PlanError(
-            f"{exc} (the memory per GPU less the reserve of {reserve_gib:g} GiB; --reserve-gb sets it)"
+            f"{exc}; {budget / GiB:.2f} GiB = {memory_gib:g} GiB per GPU less the reserve of {reserve_gib:.2f} GiB "
+            "(--reserve-gb sets it)"
         ) from None
     own = layout_of_run(
         pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank
