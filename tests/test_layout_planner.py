@@ -140,7 +140,7 @@ def test_a_measured_profile_resplits_by_blocks():
         (["schedules/tiny-regression.yaml", "--gpus", "2"], "no times to plan with"),
         ([str(BASE_RUN), "--gpus", "7"], "--gpus 7"),
         ([str(BASE_RUN), "--gpus", "4", "--profile", "profiles/tiny-cpu-1f1b.yaml"], "blocks"),
-        ([str(BASE_RUN), "--gpus", "4", "--memory-gb", "0.1"], "smallest needs"),
+        ([str(BASE_RUN), "--gpus", "4", "--memory-gb", "0.1", "--reserve-gb", "0"], "smallest needs"),
     ],
 )
 def test_what_cannot_be_planned_is_refused_in_one_line(argv, message, capsys, monkeypatch, tmp_path):

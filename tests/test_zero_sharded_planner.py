@@ -153,7 +153,8 @@ def test_the_plan_command_offers_zero3(tmp_path, capsys):
     smallest = [Layout(1, 4, 1, "1f1b", 1, GLOBAL_BATCH // 4, 1, zero=zero, method="adamw") for zero in (1, 3)]
     budget = sum(predict(layout, context).memory.total for layout in smallest) / 2  # micro-batches of 1
     out = tmp_path / "best.yaml"
-    argv = ["plan", str(run), "--gpus", "4", "--memory-gb", f"{budget / GiB:.4f}", "--max-tensor-parallel", "1"]
+    argv = ["plan", str(run), "--gpus", "4", "--memory-gb", f"{budget / GiB:.4f}", "--reserve-gb", "0"]
+    argv += ["--max-tensor-parallel", "1"]
     assert main([*argv, "--reference-csv", str(REFERENCE_CSV), "--json", "-o", str(out)]) == 0
     best = json.loads(capsys.readouterr().out)["ranked"][0]["layout"]
     assert (best["zero"], best["data_parallel"], best["stages"]) == (3, 4, 1)

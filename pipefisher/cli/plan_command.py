@@ -1,12 +1,13 @@
-"""`pipefisher plan RUN.yaml --gpus N --memory-gb M`: the fastest layout of the run's model on N
-GPUs of M GiB each, with its curvature method's refresh interval, predicted
-(`pipefisher.planning.planner.search`); the ranked table, where the run file's own layout ranks,
-and the best written as a run file. Pure Python: no torch."""
+"""`pipefisher plan RUN.yaml --gpus N --memory-gb M` (or `--hardware h100x8`): the fastest layout
+of the run's model on N GPUs of M GiB each, less a memory reserve, with its curvature method's
+refresh interval, predicted (`pipefisher.planning.planner.search`); the ranked table, where the
+run file's own layout ranks, and the best written as a run file. Pure Python: no torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from pipefisher.cli.args import UsageError, _checked, check_output, positive_int, say
@@ -15,6 +16,8 @@ from pipefisher.core.files import parse_yaml
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 from pipefisher.planning.planner.candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
+from pipefisher.planning.planner.hardware import Hardware, hardware_of
+from pipefisher.planning.planner.layout_memory import RESERVE_FIXED_GIB, RESERVE_SHARE, default_reserve_gib
 from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError, model_sizes
 from pipefisher.planning.planner.predict import (
     DEFAULT_DP_BANDWIDTH_GBPS,
@@ -37,6 +40,10 @@ def _positive_float(text: str) -> float:
     return _checked(text, float, "a number", lambda v: v > 0, "must be > 0")
 
 
+def _non_negative_float(text: str) -> float:
+    return _checked(text, float, "a number", lambda v: v >= 0, "must be >= 0")
+
+
 def add_plan_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
@@ -47,7 +54,25 @@ def add_plan_parser(subparsers) -> None:
     )
     parser.add_argument("config", help="YAML run file: model, global batch, optimizer and method settings")
     parser.add_argument("--gpus", type=positive_int, required=True, help="GPUs to lay the run out on")
-    parser.add_argument("--memory-gb", type=_positive_float, required=True, help="memory per GPU, GiB (2^30 bytes)")
+    parser.add_argument(
+        "--hardware",
+        metavar="NAME[xG]|FILE",
+        help="the GPUs and their links: a preset (a100-40gb, a100-80gb, h100, h200, p100, v100; xG: G GPUs per "
+        "node, e.g. h100x8) or a hardware YAML file; sets --memory-gb and costs each collective on the link it "
+        "crosses (docs/planner.md)",
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=_positive_float,
+        help="memory per GPU, GiB (2^30 bytes); required without --hardware, else the hardware's",
+    )
+    parser.add_argument(
+        "--reserve-gb",
+        type=_non_negative_float,
+        help="memory per GPU held back for the CUDA context, NCCL's buffers and allocator slack, GiB "
+        f"(default {RESERVE_FIXED_GIB:g} + {100 * RESERVE_SHARE:g} %% of --memory-gb); no layout needing more than "
+        "the rest is ranked",
+    )
     parser.add_argument(
         "--profile",
         action="append",
@@ -85,8 +110,8 @@ def add_plan_parser(subparsers) -> None:
         "--dp-bandwidth-gbps",
         type=_positive_float,
         default=None,
-        help="data-parallel all-reduce bandwidth, GB/s (default: what a --profile's p2p times show, "
-        f"else {DEFAULT_DP_BANDWIDTH_GBPS:g})",
+        help="data-parallel all-reduce bandwidth, GB/s (default: the links --hardware gives, else what a "
+        f"--profile's p2p times show, else {DEFAULT_DP_BANDWIDTH_GBPS:g})",
     )
     parser.add_argument("-o", "--output", help="write the best layout as a run file (YAML) here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -106,6 +131,18 @@ def planned_method(config: RunConfig, raw: dict, chosen: str | None) -> str:
     if is_curvature(config.optimizer.name):
         return config.optimizer.name
     return next((name for name in raw if name in methods()), config.optimizer.name)
+
+
+def memory_budget(args: argparse.Namespace, hardware: Hardware | None) -> tuple[float, float]:
+    """(memory per GPU, reserve) in GiB: --memory-gb or the hardware's, --reserve-gb or
+    `default_reserve_gib`; UsageError where neither memory is given or the reserve leaves none."""
+    memory = args.memory_gb or (hardware.memory_gib if hardware else None)
+    if memory is None:
+        raise UsageError("plan: give --memory-gb (GiB per GPU) or --hardware (e.g. h100x8)")
+    reserve = default_reserve_gib(memory) if args.reserve_gb is None else args.reserve_gb
+    if reserve >= memory:
+        raise UsageError(f"--reserve-gb {reserve:g} leaves nothing of {memory:g} GiB per GPU; give a smaller one")
+    return memory, reserve
 
 
 def time_source(args: argparse.Namespace, sizes: ModelSizes, method: str) -> ReferenceTimes | MeasuredTimes:
@@ -166,11 +203,15 @@ def _exposed_line(ranked: list[Prediction]) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         check_output(args.output, "-o")
+    hardware = hardware_of(args.hardware) if args.hardware else None
+    memory_gib, reserve_gib = memory_budget(args, hardware)
     config, raw = load_config(args.config), _raw_run_file(args.config)
     sizes = model_sizes(config)
     method = planned_method(config, raw, args.method)
     first_order = config.section(method).first_order if is_curvature(method) else method
     source = time_source(args, sizes, method)
+    if hardware is not None and isinstance(source, ReferenceTimes):
+        source = replace(source, hardware=hardware)
     pipeline = config.pipeline
     global_batch = config.data.micro_batch_size * pipeline.micro_batches * pipeline.data_parallel
     degrees = tuple(
@@ -193,9 +234,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         config.optimizer_settings.momentum,
         config.run.precision,
         args.dp_bandwidth_gbps or source_bandwidth_gbps(source, sizes, config.run.precision),
+        hardware=hardware,
+        dp_bandwidth_set=args.dp_bandwidth_gbps is not None,
     )
-    budget = int(args.memory_gb * GiB)
-    result = search(space, context, method, budget, top=args.packed, shown=args.top, progress=not args.json)
+    budget = int((memory_gib - reserve_gib) * GiB)
+    try:
+        result = search(space, context, method, budget, top=args.packed, shown=args.top, progress=not args.json)
+    except PlanError as exc:
+        if not str(exc).startswith("--memory-gb"):  # search names the budget it was given: say what it is
+            raise
+        raise PlanError(
+            f"{exc}; {budget / GiB:.2f} GiB = {memory_gib:g} GiB per GPU less the reserve of {reserve_gib:.2f} GiB "
+            "(--reserve-gb sets it)"
+        ) from None
     own = layout_of_run(
         pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank
     )
@@ -207,7 +258,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "gpus": args.gpus,
-                    "memory_bytes": budget,
+                    "memory_bytes": int(memory_gib * GiB),
+                    "reserve_bytes": int(reserve_gib * GiB),
+                    "budget_bytes": budget,
+                    "hardware": asdict(hardware) if hardware else None,
                     "global_batch": global_batch,
                     "method": method,
                     "enumerated": result.enumerated,
@@ -224,13 +278,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"{sizes.name} on {args.gpus} GPUs of {args.memory_gb:g} GiB, global batch {global_batch} x {sizes.seq_len} tokens, "
+        f"{sizes.name} on {args.gpus} GPUs of {memory_gib:g} GiB, global batch {global_batch} x {sizes.seq_len} tokens, "
         f"{method} (first-order: {first_order}); times from {_source_name(source)}"
     )
     print(
         f"{result.enumerated} layouts enumerated, {result.over_budget} over the memory budget, {result.dominated} dominated "
         f"(recompute or gradient-path variants), {result.packed} packed ({result.over_after_packing} over the budget with "
         f"captures); {result.seconds:.1f} s"
+    )
+    print(
+        f"memory per GPU: {memory_gib:g} GiB less a reserve of {reserve_gib:.2f} GiB (CUDA context, NCCL buffers, "
+        f"allocator slack; --reserve-gb) = {budget / GiB:.2f} GiB for the layout; 'free' below is what is left of that"
+    )
+    print(
+        f"hardware: {hardware.describe()}"
+        if hardware
+        else f"links: every data-parallel collective at {context.dp_bandwidth_gbps:g} GB/s, no latency (--hardware costs each on its link)"
     )
     print(ranked_table(result.ranked, budget, args.top))
     if is_curvature(method):

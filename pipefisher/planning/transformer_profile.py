@@ -127,6 +127,7 @@ def transformer_profile(
     capture_dtype_bytes: int = 4,
     tensor_parallel: int = 1,
     tp_bandwidth_gbps: float | None = DEFAULT_TP_BANDWIDTH_GBPS,
+    tp_latency_us: float = 0.0,
     method: str = "",
     rules: TaskRules | None = None,
 ) -> Profile:
@@ -138,7 +139,8 @@ def transformer_profile(
     runs) of `capture_dtype_bytes` (4: fp32) per value; unknown (0) without `micro_batch_size`.
     `tensor_parallel` T: the profile of one of T tensor-parallel ranks (module docstring), its
     forward and backward the block's divided by T plus `tensor_parallel_allreduce_ms` at
-    `tp_bandwidth_gbps` (None: communication not counted); the weight-gradient part of the
+    `tp_bandwidth_gbps` (None: communication not counted) with `tp_latency_us` per ring step;
+    the weight-gradient part of the
     backward is then half its computation (the all-reduces belong to the input gradient).
     `method`: the name of the method whose task times `times` are (K-FAC's for the PipeFisher
     CSVs), `rules` its task rules (which factors tensor-parallel shards share).
@@ -167,7 +169,7 @@ def transformer_profile(
                 "micro_batch_size: needed to cost the tensor-parallel all-reduces (or leave them out: tp_bandwidth_gbps None)"
             )
         ms = tensor_parallel_allreduce_ms(
-            micro_batch_size * seq_len * hidden * capture_dtype_bytes, tensor_parallel, tp_bandwidth_gbps
+            micro_batch_size * seq_len * hidden * capture_dtype_bytes, tensor_parallel, tp_bandwidth_gbps, tp_latency_us
         )
         allreduce = ms * _MS_PER_UNIT[time_unit]
     forward = share * (times.time_f / tensor_parallel + ALLREDUCES_FORWARD * allreduce)
@@ -188,14 +190,18 @@ def transformer_profile(
     )
 
 
-def tensor_parallel_allreduce_ms(activation_bytes: int, tensor_parallel: int, bandwidth_gbps: float) -> float:
+def tensor_parallel_allreduce_ms(
+    activation_bytes: int, tensor_parallel: int, bandwidth_gbps: float, latency_us: float = 0.0
+) -> float:
     """Modelled time (ms) of one ring all-reduce of `activation_bytes` (one micro-batch's
     micro_batch × seq_len × hidden activations) over `tensor_parallel` ranks: the bytes each rank
-    sends (2(T-1)/T of them, `ring_bytes`) at `bandwidth_gbps` (10^9 bytes/s). A model, not a
-    measurement: no latency term, no overlap with computation, every link at the same speed."""
+    sends (2(T-1)/T of them, `ring_bytes`) at `bandwidth_gbps` (10^9 bytes/s), plus `latency_us`
+    per ring step (2(T-1) steps). A model, not a measurement: no overlap with computation, every
+    link at the same speed."""
     if not bandwidth_gbps > 0:
         raise ProfileError(f"tp_bandwidth_gbps: {bandwidth_gbps!r} must be a positive number of GB/s")
-    return ring_bytes("all_reduce", activation_bytes, tensor_parallel) / (bandwidth_gbps * 1e9) * 1e3
+    latency_ms = 2 * (tensor_parallel - 1) * latency_us * 1e-3
+    return ring_bytes("all_reduce", activation_bytes, tensor_parallel) / (bandwidth_gbps * 1e9) * 1e3 + latency_ms
 
 
 #: (blocks, hidden, ffn) of the BERT sizes the reference CSVs describe.

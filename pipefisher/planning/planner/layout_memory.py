@@ -30,6 +30,21 @@ from pipefisher.planning.plan import Plan
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
 from pipefisher.planning.memory.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
 
+#: memory a GPU holds back outside the model, GiB (`default_reserve_gib`): the CUDA context with
+#: its kernels and cuBLAS/cuDNN workspaces (PyTorch's context alone shows ~0.8 GB in nvidia-smi,
+#: pytorch/pytorch#34323) and NCCL's buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer)
+RESERVE_FIXED_GIB = 1.0
+#: the caching allocator's slack (reserved beyond the live bytes: rounding, fragmentation) as a
+#: share of the GPU's memory; a rule of thumb, not a measurement of this project's runs
+RESERVE_SHARE = 0.05
+
+
+def default_reserve_gib(memory_gib: float) -> float:
+    """The memory reserve of a GPU of `memory_gib` GiB (GiB): `RESERVE_FIXED_GIB` plus
+    `RESERVE_SHARE` of the memory. The planner ranks no layout that needs more than the memory
+    less the reserve (`pipefisher plan --reserve-gb` sets it)."""
+    return RESERVE_FIXED_GIB + RESERVE_SHARE * memory_gib
+
 
 @dataclass(frozen=True)
 class MemoryUse:

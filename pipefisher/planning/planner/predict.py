@@ -14,6 +14,14 @@ ZeRO-3 the reduction is the reduce-scatter, and FSDP2's all-gather of the stage'
 gathers every block it runs, blocking: no overlap with compute is assumed). With stage replicas,
 a curvature layer's factor syncs, where the layer is one of a Transformer block's Linears of
 known shape, are the all-reduce of its n x n factors at that bandwidth. Recomputation: `pipefisher.planning.recompute` (backward += the recomputed share of the forward).
+
+With a `hardware` description (`pipefisher.planning.planner.hardware`) every collective is costed
+on the link it crosses (`pipefisher.planning.planner.links`, which also says how ranks are placed):
+the data-parallel traffic above on the slowest link a stage's replicas span (its bandwidth
+`dp_bandwidth_gbps` instead where `dp_bandwidth_set`), plus the link's latency per ring step
+(all-reduce 2(n-1), reduce-scatter and all-gather n-1, n the replicas); pipeline hops without a
+measured p2p time cost one micro-batch's activation (micro-batch x seq_len x hidden in the run's
+precision) on the link between the two stages, plus one latency. Without it nothing changes.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.planner.hardware import Hardware, Link
+from pipefisher.planning.planner.links import data_parallel_link, hop_links
 from pipefisher.planning.planner.layout_memory import (
     MemoryUse,
     block_linear_shapes,
@@ -57,7 +67,9 @@ class PlanContext:
     """What every prediction of one search shares: the model's sizes, the time source, the rule
     first-order parameters take (`first_order`), the curvature method's run-file section (None:
     first-order only), SGD momentum (optimizer state), precision (activations) and the
-    data-parallel bandwidth (GB/s)."""
+    data-parallel bandwidth (GB/s); `hardware`: where collectives are costed on the links they
+    cross (None: every one at `dp_bandwidth_gbps`, no latency), `dp_bandwidth_set`: the
+    data-parallel bandwidth was given and overrides the hardware's links for that traffic."""
 
     sizes: ModelSizes
     source: TimeSource
@@ -66,6 +78,12 @@ class PlanContext:
     momentum: float = 0.0
     precision: str = "fp32"
     dp_bandwidth_gbps: float = DEFAULT_DP_BANDWIDTH_GBPS
+    hardware: Hardware | None = None
+    dp_bandwidth_set: bool = False
+
+    def data_parallel_link(self, layout: Layout) -> Link:
+        """The link of `layout`'s data-parallel traffic (`links.data_parallel_link`)."""
+        return data_parallel_link(layout, self.hardware, self.dp_bandwidth_gbps, self.dp_bandwidth_set)
 
 
 @dataclass(frozen=True)
@@ -140,19 +158,33 @@ def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> 
     per_ms = MS_PER_UNIT[profile.time_unit]
     states = state_per_rank(layout, context.sizes, context.first_order, context.momentum)
     traffic = {part.stage: part.grad_comm_bytes for rank in states for part in rank.stages}
-    scale = 1e3 / (context.dp_bandwidth_gbps * 1e9) / per_ms
+    link = context.data_parallel_link(layout)
+    scale = 1e3 / (link.bandwidth_gbps * 1e9) / per_ms
+    ring_pass = link.latency_us * 1e-3 / per_ms * (_replicas(layout) - 1)  # latency of one pass round the ring
+    reduce_passes = 2  # an all-reduce (or reduce + broadcast) is two passes
     gathers = [0.0] * profile.num_stages
     if layout.zero == 3 and layout.data_parallel > 1:
         parameters = stage_parameters(layout, context.sizes)
-        gathers = [ring_bytes("broadcast", numel * PARAMETER_BYTES, layout.data_parallel) for numel in parameters]
+        gathers = [
+            ring_bytes("broadcast", numel * PARAMETER_BYTES, layout.data_parallel) * scale + ring_pass
+            for numel in parameters
+        ]
         traffic = {
             index: ring_bytes("reduce", numel * PARAMETER_BYTES, layout.data_parallel)
             for index, numel in enumerate(parameters)
         }
+        reduce_passes = 1
     return replace(
         profile,
         stages=tuple(
-            _gathering(replace(stage, grad_reduce=stage.grad_reduce or traffic.get(index, 0) * scale), gather * scale)
+            _gathering(
+                replace(
+                    stage,
+                    grad_reduce=stage.grad_reduce
+                    or traffic.get(index, 0) * scale + (reduce_passes * ring_pass if traffic.get(index) else 0.0),
+                ),
+                gather,
+            )
             for index, (stage, gather) in enumerate(zip(profile.stages, gathers))
         ),
     )
@@ -178,10 +210,12 @@ def _gathering(stage: StageProfile, gather: float) -> StageProfile:
 
 def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
     """`profile` with modelled factor syncs of the layers of known shape that have no measured ones."""
-    replicas = (2 if layout.schedule == "chimera" else 1) * layout.data_parallel
+    replicas = _replicas(layout)
     if replicas < 2:
         return profile
-    scale = 1e3 / (context.dp_bandwidth_gbps * 1e9) / MS_PER_UNIT[profile.time_unit]
+    link = context.data_parallel_link(layout)
+    scale = 1e3 / (link.bandwidth_gbps * 1e9) / MS_PER_UNIT[profile.time_unit]
+    latency = 2 * (replicas - 1) * link.latency_us * 1e-3 / MS_PER_UNIT[profile.time_unit]
     factors = _factor_sizes(context.sizes, layout.tensor_parallel)
 
     def sync(layer: LayerProfile) -> LayerProfile:
@@ -189,7 +223,8 @@ def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profi
         if found is None or layer.sync:
             return layer
         return replace(
-            layer, sync=tuple(ring_bytes("all_reduce", n * n * FACTOR_BYTES, replicas) * scale for n in found)
+            layer,
+            sync=tuple(ring_bytes("all_reduce", n * n * FACTOR_BYTES, replicas) * scale + latency for n in found),
         )
 
     return replace(
@@ -197,11 +232,36 @@ def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profi
     )
 
 
+def _replicas(layout: Layout) -> int:
+    """Copies of a stage: data-parallel replicas, twice over for Chimera's two pipes."""
+    return (2 if layout.schedule == "chimera" else 1) * layout.data_parallel
+
+
+def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
+    """`profile` with each stage's pipeline hop costed on its link (module docstring) where the
+    context has hardware and the stage has no measured p2p time."""
+    if context.hardware is None:
+        return profile
+    links = hop_links(layout, context.hardware)
+    sizes = context.sizes
+    activation = layout.micro_batch_size * sizes.seq_len * sizes.hidden * PRECISIONS[context.precision]
+    per_ms = MS_PER_UNIT[profile.time_unit]
+
+    def hop(index: int, stage: StageProfile) -> StageProfile:
+        link = links[index] if index < len(links) else None
+        if link is None or stage.p2p:
+            return stage
+        return replace(stage, p2p=link.ring_seconds(activation, 1) * 1e3 / per_ms)
+
+    return replace(profile, stages=tuple(hop(index, stage) for index, stage in enumerate(profile.stages)))
+
+
 def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
     """The profile a layout's prediction simulates: the source's at its split, micro-batch size
     and degree, with recomputation, gradient reductions and (`syncs`) factor syncs."""
     profile = context.source.profile(layout.pieces, layout.micro_batch_size, layout.tensor_parallel)
     profile = _with_reductions(_recomputed(profile, layout.recompute, context.sizes), layout, context)
+    profile = _with_hops(profile, layout, context)
     return _with_syncs(profile, layout, context) if syncs else profile
 
 
@@ -221,7 +281,7 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
         layout.micro_batch_size,
         layout.tensor_parallel,
         layout.recompute,
-        tuple((stage.forward, stage.backward, stage.grad_reduce) for stage in profile.stages),
+        tuple((stage.forward, stage.backward, stage.grad_reduce, stage.p2p) for stage in profile.stages),
     )
     if key not in _FIRST_ORDER:
         timeline = simulate(layout.build_schedule(), profile)

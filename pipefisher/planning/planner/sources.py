@@ -35,7 +35,8 @@ from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StagePr
 from pipefisher.methods.registry import DEFAULT_METHOD
 from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError
 from pipefisher.planning.recompute import block_flops
-from pipefisher.planning.transformer_profile import read_block_times, transformer_profile
+from pipefisher.planning.planner.hardware import Hardware
+from pipefisher.planning.transformer_profile import DEFAULT_TP_BANDWIDTH_GBPS, read_block_times, transformer_profile
 from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
 
 _BLOCK = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
@@ -58,6 +59,9 @@ class ReferenceTimes:
     micro_batch_sizes: tuple[int, ...] = ()
     method: str = DEFAULT_METHOD
     tensor_parallel: tuple[int, ...] | None = None  # any degree the model allows
+    #: where set, tensor-parallel all-reduces on its link (`Hardware.tensor_parallel_link`); None:
+    #: `transformer_profile`'s default bandwidth, no latency
+    hardware: Hardware | None = None
 
     @classmethod
     def open(cls, path: str | Path, sizes: ModelSizes) -> ReferenceTimes:
@@ -74,12 +78,23 @@ class ReferenceTimes:
 
     def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
         """The modelled profile of `pieces` stages (times in ms)."""
-        return _reference_profile(self.path, self.sizes, pieces, micro_batch_size, tensor_parallel)
+        if self.hardware is None:
+            return _reference_profile(self.path, self.sizes, pieces, micro_batch_size, tensor_parallel)
+        link = self.hardware.tensor_parallel_link(tensor_parallel)
+        return _reference_profile(
+            self.path, self.sizes, pieces, micro_batch_size, tensor_parallel, link.bandwidth_gbps, link.latency_us
+        )
 
 
 @lru_cache(maxsize=1024)
 def _reference_profile(
-    path: Path, sizes: ModelSizes, pieces: int, micro_batch_size: int, tensor_parallel: int
+    path: Path,
+    sizes: ModelSizes,
+    pieces: int,
+    micro_batch_size: int,
+    tensor_parallel: int,
+    tp_bandwidth_gbps: float = DEFAULT_TP_BANDWIDTH_GBPS,
+    tp_latency_us: float = 0.0,
 ) -> Profile:
     times = read_block_times(path, micro_batch_size)
     return transformer_profile(
@@ -92,6 +107,8 @@ def _reference_profile(
         device=f"{path.name} (modelled)",
         seq_len=sizes.seq_len,
         tensor_parallel=tensor_parallel,
+        tp_bandwidth_gbps=tp_bandwidth_gbps,
+        tp_latency_us=tp_latency_us,
         method=REFERENCE_METHOD,
         rules=task_rules(REFERENCE_METHOD),
     )
