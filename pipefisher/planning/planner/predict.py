@@ -267,11 +267,14 @@ class PackCache:
     misses: int = 0
     enabled: bool = True
 
-    def packed(self, schedule: Schedule, profile: Profile, options: PackOptions) -> PackResult:
-        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`; where the
-        capture cap's eager placement deadlocks (a packer limitation), packed without the cap."""
+    def packed(
+        self, schedule: Schedule, profile: Profile, options: PackOptions, retry_uncapped: bool = False
+    ) -> PackResult:
+        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`; with
+        `retry_uncapped`, where the capture cap's eager placement deadlocks (a packer limitation),
+        packed without the cap (else the ScheduleError is raised)."""
         shape = (schedule.name, schedule.num_ranks, schedule.num_micro_batches, schedule.num_stages, schedule.num_pipes)
-        key = (shape, profile, options)
+        key = (shape, profile, options, retry_uncapped)
         if self.enabled and key in self.results:
             self.hits += 1
             return self.results[key]
@@ -280,6 +283,8 @@ class PackCache:
         try:
             result = pack(schedule, profile, rules, options)
         except ScheduleError:
+            if not retry_uncapped or options.max_capture_mb is None:
+                raise
             result = pack(schedule, profile, rules, replace(options, max_capture_mb=None))
         if self.enabled:
             self.results[key] = result
@@ -301,16 +306,19 @@ def plan_layout(
     capture_budget: int | None = None,
     precondition: bool = True,
     schedule: Schedule | None = None,
+    retry_uncapped: bool = True,
 ) -> tuple[PackResult, Profile]:
     """The one packing of a layout that `plan`, `pack` and `run` share: the packer's result on the
     layout's profile (`layout_profile`: the source's times with recomputation, modelled gradient
     reductions and factor syncs where none are measured) with the section's options
     (`pack_options`), and that profile (for simulating the plan at nominal times). `schedule`:
-    the layout's, where the caller has built it (it must be `layout.build_schedule()`'s).
-    Cached in `PACKINGS`."""
+    the layout's, where the caller has built it (it must be `layout.build_schedule()`'s);
+    `retry_uncapped`: where the capture cap deadlocks the packer, pack without it (the planner,
+    which then drops a plan whose captures do not fit) rather than raise (a run). Cached in
+    `PACKINGS`."""
     profile = layout_profile(layout, context)
     options = pack_options(layout, context, capture_budget, precondition)
-    return PACKINGS.packed(schedule or layout.build_schedule(), profile, options), profile
+    return PACKINGS.packed(schedule or layout.build_schedule(), profile, options, retry_uncapped), profile
 
 
 def predict(layout: Layout, context: PlanContext, memory_budget: int | None = None) -> Prediction:

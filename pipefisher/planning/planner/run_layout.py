@@ -11,19 +11,22 @@ bandwidth the profile's p2p times show (`source_bandwidth_gbps`, the plan comman
 from __future__ import annotations
 
 from pipefisher.config import RunConfig
+from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import Profile
+from pipefisher.methods.registry import method_of
+from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
 from pipefisher.planning.planner.candidates import Layout, layout_of_run
 from pipefisher.planning.planner.model_sizes import PlanError, model_sizes
-from pipefisher.planning.planner.predict import PlanContext, source_bandwidth_gbps
+from pipefisher.planning.planner.predict import PlanContext, plan_layout, source_bandwidth_gbps
 from pipefisher.planning.planner.sources import MeasuredTimes
 
 
 def run_layout(config: RunConfig, profile: Profile, name: str = "the run's profile") -> tuple[Layout, PlanContext]:
-    """The run's layout (curvature method `profile.method`) and the planning context of `config`
+    """The run's layout (its curvature method, `method_of`) and the planning context of `config`
     with `profile` (`name`: where it came from); PlanError where the planner cannot describe the
-    run: a model kind without sizes, a profile without its micro-batch size or not covering the
-    model's blocks."""
-    method = profile.method
+    run: a model kind without sizes, a profile of another method, without its micro-batch size or
+    not covering the model's blocks."""
+    method = method_of(config).name
     section = config.section(method)
     sizes = model_sizes(config)
     source = MeasuredTimes.check([(name, profile)], sizes, method)
@@ -45,3 +48,17 @@ def run_layout(config: RunConfig, profile: Profile, name: str = "the run's profi
             f"{layout.micro_batch_size}"
         )
     return layout, context
+
+
+def run_packing(
+    config: RunConfig, schedule: Schedule, profile: Profile, options: PackOptions
+) -> tuple[PackResult, Profile]:
+    """The run's packing and the profile its times come from: `plan_layout` of the run's layout
+    (`run_layout`; K-FAC's gradient workers as `options.precondition` says; a capture cap that
+    deadlocks the packer raises); where the planner cannot describe the run (PlanError), `profile`
+    packed as it is with the run's `options` (`schedule`: the run's)."""
+    try:
+        layout, context = run_layout(config, profile)
+    except PlanError:
+        return pack(schedule, profile, method_of(config).rules, options), profile
+    return plan_layout(layout, context, precondition=options.precondition, schedule=schedule, retry_uncapped=False)

@@ -26,10 +26,8 @@ from pipefisher.methods.interface import CurvatureRuntime
 from pipefisher.methods.registry import method_of, method_of_profile, task_rules
 from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
-from pipefisher.planning.packing.pack import PackOptions, PackResult, after_step_plan, pack
-from pipefisher.planning.planner.model_sizes import PlanError
-from pipefisher.planning.planner.predict import plan_layout
-from pipefisher.planning.planner.run_layout import run_layout
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan
+from pipefisher.planning.planner.run_layout import run_packing
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import simulate
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
@@ -217,12 +215,8 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
 
 
 def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel | None = None) -> CurvaturePlan:
-    """The run's curvature plan: the section's `plan` file as it is (checked against `model`, the
-    run's, if built), else packed from `profile` (placement and refresh interval from its
-    section) by `plan_layout`, the packing `pipefisher plan RUN --profile P` predicts for this
-    run's layout (`run_layout`: the profile with modelled factor syncs and gradient reductions
-    where it measured none); where the planner cannot describe the run (a model kind without
-    sizes, `run_layout`), the profile is packed as it is. Its times are predicted from that profile."""
+    """The run's curvature plan: the section's `plan` file (checked against `model`, if built), else
+    packed as `pipefisher plan RUN --profile P` packs its layout (`run_packing`); times from that profile."""
     method = method_of(config)
     section = config.section(method.name)
     pinned = section.refresh_steps or None
@@ -232,7 +226,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
     else:
-        result, profile = _packed(config, schedule, profile)
+        result, profile = run_packing(config, schedule, profile, pack_options(config))
         if section.placement == "packed":
             plan = result.plan
         else:
@@ -266,16 +260,6 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         )
     )
     return CurvaturePlan(plan, predicted, summary)
-
-
-def _packed(config: RunConfig, schedule: Schedule, profile: Profile) -> tuple[PackResult, Profile]:
-    """The packing of the run (`make_plan`) and the profile its times come from."""
-    precondition = config.workers_per_layer is None
-    try:
-        layout, context = run_layout(config, profile)
-    except PlanError:
-        return pack(schedule, profile, method_of(config).rules, pack_options(config)), profile
-    return plan_layout(layout, context, precondition=precondition, schedule=schedule)
 
 
 class _MethodExtension(ExecutorExtension):
