@@ -38,7 +38,8 @@ from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_wei
 from pipefisher.core.profile import ProfileError
 from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.planner.model_sizes import PlanError
-from pipefisher.planning.packing.pack import STRATEGIES, PackOptions, pack
+from pipefisher.planning.packing.pack import STRATEGIES, PackOptions
+from pipefisher.planning.planner.predict import PACKINGS
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.runtime.training.checkpoint_lock import FolderInUse
@@ -128,7 +129,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy
     )
     timed = method_of_profile(profile)  # the plan names it, also where the profile does not
-    result = pack(schedule, dataclasses.replace(profile, method=timed.name), timed.rules, options)
+    # the packing `plan` and `run` share (`plan_layout`); without a run file the profile is packed as it is
+    result = PACKINGS.packed(schedule, dataclasses.replace(profile, method=timed.name), options)
     if args.output:
         result.plan.save(args.output)
     if args.json:

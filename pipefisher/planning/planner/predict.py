@@ -26,10 +26,10 @@ precision) on the link between the two stages, plus one latency. Without it noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pipefisher.config import FIRST_ORDER
-from pipefisher.core.ir import ScheduleError
+from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.core.profile import LayerProfile, Profile, Samples, StageProfile
 from pipefisher.methods.registry import method_of_profile
 from pipefisher.methods.settings import RefreshConfig
@@ -294,34 +294,98 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
     return _FIRST_ORDER[key]
 
 
-def pack_options(layout: Layout, context: PlanContext, capture_budget: int | None = None) -> PackOptions:
+def pack_options(
+    layout: Layout, context: PlanContext, capture_budget: int | None = None, precondition: bool = True
+) -> PackOptions:
     """The packer's options for the layout: its method section's, its data-parallel copies, its
     refresh interval when pinned (layout.refresh_steps > 0), captures capped at `capture_budget`
-    bytes per device (at least 1 MiB) where given and the section sets no cap."""
+    bytes per device (at least 1 MiB) where given and the section sets no cap; `precondition`
+    False: K-FAC's gradient workers precondition in the step end (the run's `workers_per_layer`)."""
     if context.section is None:
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
     options = PackOptions.from_section(
-        context.section, data_parallel=layout.data_parallel, refresh_steps=layout.refresh_steps or None
+        context.section,
+        data_parallel=layout.data_parallel,
+        refresh_steps=layout.refresh_steps or None,
+        precondition=precondition,
     )
     if capture_budget is None or options.max_capture_mb is not None:
         return options
     return replace(options, max_capture_mb=max(1.0, capture_budget / 2**20))
 
 
-def _packed(layout: Layout, context: PlanContext, capture_budget: int | None) -> tuple[PackResult, Profile]:
+@dataclass
+class PackCache:
+    """Pack results by what decides them: the schedule's shape (name, ranks, micro-batches,
+    stages, pipes), the layout's profile (every stage's op and task times, after reductions and syncs)
+    and the packer's options (method section, data-parallel copies, capture cap, pinned k). The
+    packer is deterministic, so layouts that agree on these get the same result; `misses` counts
+    the packings run, `hits` those answered from the cache; `enabled` False: every call packs."""
+
+    results: dict[tuple, PackResult] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    enabled: bool = True
+
+    def packed(
+        self, schedule: Schedule, profile: Profile, options: PackOptions, retry_uncapped: bool = False
+    ) -> PackResult:
+        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`; with
+        `retry_uncapped`, where the capture cap's eager placement deadlocks (a packer limitation),
+        packed without the cap (else the ScheduleError is raised)."""
+        shape = (schedule.name, schedule.num_ranks, schedule.num_micro_batches, schedule.num_stages, schedule.num_pipes)
+        key = (shape, profile, options, retry_uncapped)
+        if self.enabled and key in self.results:
+            self.hits += 1
+            return self.results[key]
+        self.misses += 1
+        rules = method_of_profile(profile).rules
+        try:
+            result = pack(schedule, profile, rules, options)
+        except ScheduleError:
+            if not retry_uncapped or options.max_capture_mb is None:
+                raise
+            result = pack(schedule, profile, rules, replace(options, max_capture_mb=None))
+        if self.enabled:
+            self.results[key] = result
+        return result
+
+    def clear(self) -> None:
+        """Forget every result and count."""
+        self.results.clear()
+        self.hits = self.misses = 0
+
+
+#: the packings of this process (`plan_layout`)
+PACKINGS = PackCache()
+
+
+def plan_layout(
+    layout: Layout,
+    context: PlanContext,
+    capture_budget: int | None = None,
+    precondition: bool = True,
+    schedule: Schedule | None = None,
+    retry_uncapped: bool = True,
+) -> tuple[PackResult, Profile]:
+    """The one packing of a layout that `plan`, `pack` and `run` share: the packer's result on the
+    layout's profile (`layout_profile`: the source's times with recomputation, modelled gradient
+    reductions and factor syncs where none are measured) with the section's options
+    (`pack_options`), and that profile (for simulating the plan at nominal times). `schedule`:
+    the layout's, where the caller has built it (it must be `layout.build_schedule()`'s);
+    `retry_uncapped`: where the capture cap deadlocks the packer, pack without it (the planner,
+    which then drops a plan whose captures do not fit) rather than raise (a run). Cached in
+    `PACKINGS`."""
     profile = layout_profile(layout, context)
-    schedule, options = layout.build_schedule(), pack_options(layout, context, capture_budget)
-    rules = method_of_profile(profile).rules
-    try:
-        return pack(schedule, profile, rules, options), profile
-    except ScheduleError:  # the capture cap's eager placement can deadlock (a packer limitation): no cap then
-        return pack(schedule, profile, rules, replace(options, max_capture_mb=None)), profile
+    options = pack_options(layout, context, capture_budget, precondition)
+    return PACKINGS.packed(schedule or layout.build_schedule(), profile, options, retry_uncapped), profile
 
 
 def predict(layout: Layout, context: PlanContext, memory_budget: int | None = None) -> Prediction:
-    """The prediction of `layout` (module docstring). A curvature method is packed; where its
-    captures then exceed `memory_budget` (bytes per device) it is packed again with the captures
-    capped at what the budget leaves beside state and activations. The prediction's layout holds
+    """The prediction of `layout` (module docstring). A curvature method is packed (`plan_layout`)
+    with its captures capped at what `memory_budget` (bytes per device) leaves beside state and
+    activations (the packer keeps its uncapped plan where that fits: one packing either way); no cap
+    where state and activations alone exceed the budget. The prediction's layout holds
     the chosen k (or the layout's pinned `refresh_steps`)."""
     first_ms, bubble, reduce_ms = first_order_time(layout, context)
     tokens = context.sizes.seq_len
@@ -330,12 +394,8 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
         return Prediction(layout, first_ms, first_ms, bubble, 0.0, reduce_ms, held, tokens)
     if context.section is None:
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
-    result, profile = _packed(layout, context, None)
-    if (
-        memory_budget is not None
-        and held.total + max(p.bytes for p in result.capture_peaks) > memory_budget >= held.total
-    ):
-        result, profile = _packed(layout, context, memory_budget - held.total)
+    headroom = memory_budget - held.total if memory_budget is not None and memory_budget >= held.total else None
+    result, profile = plan_layout(layout, context, headroom)
     step_ms = cycle_time(simulate_plan(result.plan, profile)) / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
     packed = replace(layout, refresh_steps=result.refresh_steps)
     memory = packed_memory(

@@ -69,6 +69,12 @@ def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse
     return layout_memory(layout, context.sizes, first_order, context.momentum, context.precision)
 
 
+def _own_memory(layout: Layout, plain: MemoryUse, method: str, first_order: str, context: PlanContext) -> MemoryUse:
+    """The layout's memory with `method`'s state: `plain` (its first-order memory) where the layout
+    runs that method already (a first-order search), else computed."""
+    return plain if layout.method == method else _memory(replace(layout, method=method), first_order, context)
+
+
 def _pipeline_key(layout: Layout) -> Layout:
     """The layout without its gradient path (what ZeRO-1 and PowerSGD variants share)."""
     return replace(layout, zero=0, powersgd_rank=0)
@@ -92,8 +98,8 @@ def search(
     if problem:
         raise PlanError(problem)
     memory = [
-        (layout, _memory(layout, first_order, context), _memory(replace(layout, method=method), first_order, context))
-        for layout in layouts
+        (layout, plain, _own_memory(layout, plain, method, first_order, context))
+        for layout, plain in ((layout, _memory(layout, first_order, context)) for layout in layouts)
     ]
     fits = {layout: (plain.total <= memory_budget, own.total <= memory_budget) for layout, plain, own in memory}
 

@@ -26,7 +26,8 @@ from pipefisher.methods.interface import CurvatureRuntime
 from pipefisher.methods.registry import method_of, method_of_profile, task_rules
 from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
-from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan
+from pipefisher.planning.planner.run_layout import run_packing
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import simulate
 from pipefisher.runtime.pipeline.executor import Executor, StepResult
@@ -214,9 +215,8 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
 
 
 def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel | None = None) -> CurvaturePlan:
-    """The run's curvature plan: the section's `plan` file as it is (checked against `model`, the
-    run's, if built), else packed from `profile` (placement and refresh interval from its
-    section); its times are predicted from `profile`."""
+    """The run's curvature plan: the section's `plan` file (checked against `model`, if built), else
+    packed as `pipefisher plan RUN --profile P` packs its layout (`run_packing`); times from that profile."""
     method = method_of(config)
     section = config.section(method.name)
     pinned = section.refresh_steps or None
@@ -226,7 +226,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
     else:
-        result = pack(schedule, profile, method.rules, pack_options(config))
+        result, profile = run_packing(config, schedule, profile, pack_options(config))
         if section.placement == "packed":
             plan = result.plan
         else:

@@ -1,0 +1,66 @@
+"""The planner's packing cache (`PackCache`, issue 46 item 5): the cached search ranks exactly as
+an uncached one, and a layout is packed once per distinct stage profile."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipefisher.config import load_config
+from pipefisher.core.profile import load_profile
+from pipefisher.planning.planner.candidates import SearchSpace
+from pipefisher.planning.planner.predict import PACKINGS, layout_profile, pack_options, predict
+from pipefisher.planning.planner.run_layout import run_layout
+from pipefisher.planning.planner.search import GiB, search
+from pipefisher.planning.planner.table import ranked_table
+
+PROFILE = "profiles/tiny-cpu-1f1b.yaml"
+
+
+def _context(schedule: str = "1f1b", data_parallel: int = 1):
+    config = load_config("schedules/tiny-cpu.yaml").with_overrides(
+        pipeline={"schedule": schedule, "data_parallel": data_parallel}, optimizer={"name": "kfac"}
+    )
+    return run_layout(config, load_profile(PROFILE), PROFILE)
+
+
+def _table(context, budget: int) -> str:
+    space = SearchSpace(4, 32, (8,), (1,), recompute=("none",))
+    result = search(space, context, "kfac", budget, top=6, shown=6)
+    return ranked_table(result.ranked, budget, 6)
+
+
+def test_the_cached_search_ranks_exactly_as_the_uncached_one() -> None:
+    _, context = _context()
+    budget = 2 * GiB
+    PACKINGS.clear()
+    PACKINGS.enabled = False
+    try:
+        uncached = _table(context, budget)
+        packings = PACKINGS.misses
+    finally:
+        PACKINGS.enabled = True
+    PACKINGS.clear()
+    assert _table(context, budget) == uncached
+    assert PACKINGS.misses == packings > 1
+    assert _table(context, budget) == uncached  # now every packing from the cache
+    assert (PACKINGS.hits, PACKINGS.misses) == (packings, packings)
+
+
+def test_packing_runs_once_per_distinct_stage_profile() -> None:
+    layout, context = _context("chimera")
+    layouts = [
+        layout,
+        layout,
+        replace(layout, zero=1),  # one pipe pair, no data-parallel copies: ZeRO-1 changes no stage time
+        replace(layout, data_parallel=2, micro_batches=2),
+        replace(layout, schedule="1f1b"),
+    ]
+    keys = {
+        (item.schedule, item.stages, item.micro_batches, layout_profile(item, context), pack_options(item, context))
+        for item in layouts
+    }
+    PACKINGS.clear()
+    for item in layouts:
+        predict(item, context)
+    assert PACKINGS.misses == len(keys) == 3
+    assert PACKINGS.hits == len(layouts) - len(keys)
