@@ -23,6 +23,7 @@ from typing import Any
 from pipefisher.core.ir import Op, Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.packing.bounds import lower_bounds
+from pipefisher.planning.packing.greedy import place
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.pack import tasks_at_percentile
 from pipefisher.planning.packing.windows import TOLERANCE, Windows, step_windows
@@ -133,7 +134,9 @@ def cycle_model(prepared: _Prepared, refresh_steps: int) -> CycleModel:
                 found.add(dep)
         return found
 
-    dependencies = tuple((i, index[dep]) for i, op in enumerate(ops) for dep in sorted(resolved(op), key=index.__getitem__))
+    dependencies = tuple(
+        (i, index[dep]) for i, op in enumerate(ops) for dep in sorted(resolved(op), key=index.__getitem__)
+    )
     slots = []
     for r, free in enumerate(windows.free):
         order = 0
@@ -157,8 +160,24 @@ def _highspy() -> Any:
     return highspy
 
 
-def least_added_time(model: CycleModel, time_limit: float) -> tuple[float, bool, int]:
-    """(least added time summed over the cycle's steps, proven optimal, binary variables)."""
+def greedy_start(prepared: _Prepared, model: CycleModel) -> list[int]:
+    """Per task, the slot the ``fill`` greedy (W ops where the schedule put them) puts it in:
+    its window, or, where it places the task in no step below k, the last step's tail. A
+    feasible point of the model: the solver starts from it, so it is never worse than that."""
+    placed = place(prepared.tasks, prepared.first_order, prepared.windows, "fill", model.refresh_steps).tasks
+    period = prepared.windows.preconditioned.step_time
+    window = {(slot.rank, slot.step, round(slot.start - slot.step * period, 6)): s for s, slot in enumerate(model.slots)}
+    tail = {slot.rank: s for s, slot in enumerate(model.slots) if slot.step == model.refresh_steps - 1}
+    found = []
+    for op, rank in zip(model.ops, model.rank):
+        p = placed.get(op)
+        found.append(tail[rank] if p is None else window[(rank, p.slot.step, round(p.slot.window, 6))])
+    return found
+
+
+def least_added_time(model: CycleModel, time_limit: float, start: list[int] | None = None) -> tuple[float, bool, int]:
+    """(least added time summed over the cycle's steps, proven optimal, binary variables);
+    `start`: a slot per task to start the search from (`greedy_start`)."""
     highspy = _highspy()
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -192,6 +211,8 @@ def least_added_time(model: CycleModel, time_limit: float) -> tuple[float, bool,
             )
 
         h.addConstr(position(t) - position(d) >= 0)
+    if start is not None:
+        h.setSolution(_start_solution(highspy, h, model, start, y, overflow, added))
     h.setMinimize()
     h.run()
     status = h.modelStatusToString(h.getModelStatus())
@@ -199,6 +220,28 @@ def least_added_time(model: CycleModel, time_limit: float) -> tuple[float, bool,
     if info.primal_solution_status != 2:  # no feasible point found within the time limit
         return math.inf, False, len(y)
     return info.objective_function_value, status == "Optimal", len(y)
+
+
+def _start_solution(
+    highspy: Any, h: Any, model: CycleModel, start: list[int], y: dict, overflow: dict, added: list
+) -> Any:
+    """The HiGHS solution of slots `start`: its binaries, overflows and steps' added times."""
+    values = [0.0] * h.getNumCol()
+    load: dict[int, float] = {}
+    for t, s in enumerate(start):
+        values[y[(t, s)].index] = 1.0
+        load[s] = load.get(s, 0.0) + model.work[t]
+    per_rank_step: dict[tuple[int, int], float] = {}
+    for s, variable in overflow.items():
+        values[variable.index] = over = max(0.0, load.get(s, 0.0) - model.slots[s].capacity)
+        key = (model.slots[s].rank, model.slots[s].step)
+        per_rank_step[key] = per_rank_step.get(key, 0.0) + over
+    for (_, step), total in per_rank_step.items():
+        values[added[step].index] = max(values[added[step].index], total)
+    solution = highspy.HighsSolution()
+    solution.col_value = values
+    solution.value_valid = True
+    return solution
 
 
 def solve_cycle(
@@ -226,7 +269,7 @@ def solve_cycle(
         binaries = sum(len(model.allowed(t)) for t in range(len(model.ops)))
         if binaries > max_binaries:
             raise ValueError(f"max_binaries: the model at k = {k} needs {binaries} binary variables (> {max_binaries})")
-        total, proven, _ = least_added_time(model, time_limit)
+        total, proven, _ = least_added_time(model, time_limit, greedy_start(prepared, model))
         largest, optimal = max(largest, binaries), optimal and proven
         tried.append((k, total / k))
         if total / k <= options.max_overhead * first_order + TOLERANCE:
