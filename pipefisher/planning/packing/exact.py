@@ -166,7 +166,9 @@ def greedy_start(prepared: _Prepared, model: CycleModel) -> list[int]:
     feasible point of the model: the solver starts from it, so it is never worse than that."""
     placed = place(prepared.tasks, prepared.first_order, prepared.windows, "fill", model.refresh_steps).tasks
     period = prepared.windows.preconditioned.step_time
-    window = {(slot.rank, slot.step, round(slot.start - slot.step * period, 6)): s for s, slot in enumerate(model.slots)}
+    window = {
+        (slot.rank, slot.step, round(slot.start - slot.step * period, 6)): s for s, slot in enumerate(model.slots)
+    }
     tail = {slot.rank: s for s, slot in enumerate(model.slots) if slot.step == model.refresh_steps - 1}
     found = []
     for op, rank in zip(model.ops, model.rank):
