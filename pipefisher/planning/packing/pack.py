@@ -18,7 +18,7 @@ more than `max_overhead`, k grows to amortise it while one more step saves at le
 of the step time. `max_refresh_steps` caps k. With `max_capture_mb`, curvature moves into earlier
 steps (and, past the bubbles, right after its forward/backward, at some overhead) until the
 captures held fit. K-FAC task times are the profile's `percentile` of its samples where it keeps
-them; forward/backward times stay nominal (see `_tasks_at_percentile`).
+them; forward/backward times stay nominal (see `tasks_at_percentile`).
 Pure Python: no torch.
 """
 
@@ -266,7 +266,7 @@ def pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOp
 
 def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions) -> PackResult:
     if options.percentile is not None:
-        profile = _tasks_at_percentile(profile, options.percentile)
+        profile = tasks_at_percentile(profile, options.percentile)
     tasks = build_tasks(
         schedule,
         profile,
@@ -307,7 +307,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
     )
 
 
-def _tasks_at_percentile(profile: Profile, q: float) -> Profile:
+def tasks_at_percentile(profile: Profile, q: float) -> Profile:
     """`profile` with the method's tasks' times at their q-th percentile: what goes into the bubbles
     is sized to hold most of the time. Forward/backward times stay nominal: a higher percentile
     there would widen the bubbles, the opposite of a safety margin."""
