@@ -25,10 +25,10 @@ from pipefisher.core.profile import Profile
 from pipefisher.planning.packing.bounds import lower_bounds
 from pipefisher.planning.packing.greedy import place
 from pipefisher.planning.packing.options import PackOptions
-from pipefisher.planning.packing.pack import tasks_at_percentile
+from pipefisher.planning.packing.pack import packing_problem
 from pipefisher.planning.packing.windows import TOLERANCE, Windows, step_windows
-from pipefisher.planning.simulate import COLLECTIVES, Timeline, simulate
-from pipefisher.planning.tasks import CurvatureTasks, build_tasks
+from pipefisher.planning.simulate import COLLECTIVES, Timeline
+from pipefisher.planning.tasks import CurvatureTasks
 from pipefisher.planning.vocabulary import TaskRules
 
 __all__ = ["ExactResult", "CycleModel", "cycle_model", "solve_cycle", "least_added_time"]
@@ -95,17 +95,9 @@ class _Prepared:
     """Tasks, first-order timeline and windows of one packing problem (as `pack` derives them)."""
 
     def __init__(self, schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions):
-        if options.percentile is not None:
-            profile = tasks_at_percentile(profile, options.percentile)
-        self.tasks: CurvatureTasks = build_tasks(
-            schedule,
-            profile,
-            rules,
-            split=options.split,
-            data_parallel=options.data_parallel,
-            precondition=options.precondition,
-        )
-        self.first_order: Timeline = simulate(schedule, profile)
+        self.tasks: CurvatureTasks
+        self.first_order: Timeline
+        self.tasks, self.first_order = packing_problem(schedule, profile, rules, options)
         self.windows: Windows = step_windows(self.tasks, self.first_order, options.margin)
         self.lower_bound = max(lower_bounds(self.tasks, self.first_order, self.windows))
 

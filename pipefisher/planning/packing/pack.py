@@ -264,7 +264,11 @@ def pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOp
         return _pack(schedule, profile, rules, options or PackOptions())
 
 
-def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions) -> PackResult:
+def packing_problem(
+    schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions
+) -> tuple[CurvatureTasks, Timeline]:
+    """The method's tasks (at `options.percentile` of their samples, split and replicated as the
+    options say) and the first-order timeline they are packed into."""
     if options.percentile is not None:
         profile = tasks_at_percentile(profile, options.percentile)
     tasks = build_tasks(
@@ -275,7 +279,11 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         data_parallel=options.data_parallel,
         precondition=options.precondition,
     )
-    first_order = simulate(schedule, profile)
+    return tasks, simulate(schedule, profile)
+
+
+def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackOptions) -> PackResult:
+    tasks, first_order = packing_problem(schedule, profile, rules, options)
     packing = _Packing(tasks, first_order, options)
     lower_bound = max(packing.bounds)
     chosen, frontier, reason = choose(packing, lower_bound)
