@@ -13,7 +13,8 @@ import pytest
 
 from pipefisher.config import load_config
 from pipefisher.core.profile import load_profile
-from pipefisher.planning.planner.predict import PACKINGS, plan_layout, predict
+from pipefisher.planning.planner.pack_cache import PACKINGS
+from pipefisher.planning.planner.predict import plan_layout, predict
 from pipefisher.planning.planner.run_layout import run_layout
 from pipefisher.runtime.training.pipefisher_run import make_plan
 

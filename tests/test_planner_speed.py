@@ -8,7 +8,8 @@ from dataclasses import replace
 from pipefisher.config import load_config
 from pipefisher.core.profile import load_profile
 from pipefisher.planning.planner.candidates import SearchSpace
-from pipefisher.planning.planner.predict import PACKINGS, layout_profile, pack_options, predict
+from pipefisher.planning.planner.pack_cache import PACKINGS
+from pipefisher.planning.planner.predict import layout_profile, pack_options, predict
 from pipefisher.planning.planner.run_layout import run_layout
 from pipefisher.planning.planner.search import GiB, search
 from pipefisher.planning.planner.table import ranked_table

@@ -39,7 +39,7 @@ from pipefisher.core.profile import ProfileError
 from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions
-from pipefisher.planning.planner.predict import PACKINGS
+from pipefisher.planning.planner.pack_cache import PACKINGS
 from pipefisher.planning.packing.text import format_pack_report
 from pipefisher.planning.simulate import Timeline, simulate
 from pipefisher.runtime.training.checkpoint_lock import FolderInUse

@@ -26,12 +26,11 @@ precision) on the link between the two stages, plus one latency. Without it noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pipefisher.config import FIRST_ORDER
-from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import LayerProfile, Profile, Samples, StageProfile
-from pipefisher.methods.registry import method_of_profile
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
@@ -49,7 +48,8 @@ from pipefisher.planning.planner.layout_memory import (
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.planner.sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
 from pipefisher.planning.recompute import recompute_forward_share, with_recompute
-from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
+from pipefisher.planning.packing.pack import PackOptions, PackResult
+from pipefisher.planning.planner.pack_cache import PACKINGS
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
 
@@ -312,52 +312,6 @@ def pack_options(
     if capture_budget is None or options.max_capture_mb is not None:
         return options
     return replace(options, max_capture_mb=max(1.0, capture_budget / 2**20))
-
-
-@dataclass
-class PackCache:
-    """Pack results by what decides them: the schedule's shape (name, ranks, micro-batches,
-    stages, pipes), the layout's profile (every stage's op and task times, after reductions and syncs)
-    and the packer's options (method section, data-parallel copies, capture cap, pinned k). The
-    packer is deterministic, so layouts that agree on these get the same result; `misses` counts
-    the packings run, `hits` those answered from the cache; `enabled` False: every call packs."""
-
-    results: dict[tuple, PackResult] = field(default_factory=dict)
-    hits: int = 0
-    misses: int = 0
-    enabled: bool = True
-
-    def packed(
-        self, schedule: Schedule, profile: Profile, options: PackOptions, retry_uncapped: bool = False
-    ) -> PackResult:
-        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`; with
-        `retry_uncapped`, where the capture cap's eager placement deadlocks (a packer limitation),
-        packed without the cap (else the ScheduleError is raised)."""
-        shape = (schedule.name, schedule.num_ranks, schedule.num_micro_batches, schedule.num_stages, schedule.num_pipes)
-        key = (shape, profile, options, retry_uncapped)
-        if self.enabled and key in self.results:
-            self.hits += 1
-            return self.results[key]
-        self.misses += 1
-        rules = method_of_profile(profile).rules
-        try:
-            result = pack(schedule, profile, rules, options)
-        except ScheduleError:
-            if not retry_uncapped or options.max_capture_mb is None:
-                raise
-            result = pack(schedule, profile, rules, replace(options, max_capture_mb=None))
-        if self.enabled:
-            self.results[key] = result
-        return result
-
-    def clear(self) -> None:
-        """Forget every result and count."""
-        self.results.clear()
-        self.hits = self.misses = 0
-
-
-#: the packings of this process (`plan_layout`)
-PACKINGS = PackCache()
 
 
 def plan_layout(
