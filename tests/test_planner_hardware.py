@@ -154,3 +154,24 @@ def test_plan_with_a_hardware_preset_end_to_end(capsys):
     assert planned["memory_bytes"] == 40 * GiB and planned["reserve_bytes"] == 2 * GiB
     assert planned["hardware"]["gpus_per_node"] == 8
     assert all(p["memory_bytes"]["total"] <= 38 * GiB for p in planned["ranked"])
+
+
+def test_times_come_from_flops_on_hardware_the_reference_csv_does_not_time(capsys):
+    """A measured profile wins; the P100 CSV for a model it times on the P100 or without hardware;
+    flops on any other hardware and with `--times flops` (tests/test_flop_times.py for the model)."""
+    argv = ["plan", str(BASE_RUN), "--gpus", "2", "--max-tensor-parallel", "1", "--packed", "1", "--top", "1"]
+    assert main([*argv, "--hardware", "a100-80gb"]) == 0
+    assert (
+        "times from flops at calibrated shares of the A100 SXM4 80GB's 19.5 TFLOP/s fp32 peak"
+        in capsys.readouterr().out
+    )
+    assert main([*argv, "--hardware", "p100", "--memory-gb", "40"]) == 0
+    assert "times from bert-base_time_memory_p100.csv" in capsys.readouterr().out
+    assert main([*argv, "--hardware", "h100", "--times", "flops", "--method", "shampoo"]) == 0
+    assert "shampoo (first-order" in capsys.readouterr().out
+    assert main([*argv, "--memory-gb", "16", "--times", "flops"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("--times flops: give --hardware (e.g. a100-80gb or h100x8): the flops need its peak")
+    )

@@ -16,13 +16,15 @@ from pipefisher.core.files import parse_yaml
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.registry import DEFAULT_METHOD, methods
 from pipefisher.planning.planner.candidates import RECOMPUTE_MODES, Layout, SearchSpace, layout_of_run
-from pipefisher.planning.planner.hardware import Hardware, hardware_of
+from pipefisher.planning.planner.flop_times import DEFAULT_MICRO_BATCH_SIZES, FlopTimes
+from pipefisher.planning.planner.hardware import PRESET_FOLDER, Hardware, hardware_of, load_hardware
 from pipefisher.planning.planner.layout_memory import RESERVE_FIXED_GIB, RESERVE_SHARE, default_reserve_gib
 from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError, model_sizes
 from pipefisher.planning.planner.predict import (
     DEFAULT_DP_BANDWIDTH_GBPS,
     PlanContext,
     Prediction,
+    TimeSource,
     is_curvature,
     predict,
     source_bandwidth_gbps,
@@ -87,6 +89,14 @@ def add_plan_parser(subparsers) -> None:
         help="per-block times (profiles/reference/*.csv); default for bert-base/bert-large: the paper's P100 times",
     )
     parser.add_argument(
+        "--times",
+        choices=("auto", "flops"),
+        default="auto",
+        help="where per-stage times come from: auto (default) = the --profile given, else the reference CSV of "
+        "a model it times (bert-base, bert-large) without --hardware or on p100, else flops on --hardware; "
+        "flops = model FLOPs at calibrated shares of the hardware's peak (needs --hardware; docs/planner.md)",
+    )
+    parser.add_argument(
         "--method",
         choices=[*FIRST_ORDER, *methods()],
         help="optimizer to plan for (default: optimizer.name if a curvature method, else the curvature "
@@ -145,17 +155,32 @@ def memory_budget(args: argparse.Namespace, hardware: Hardware | None) -> tuple[
     return memory, reserve
 
 
-def time_source(args: argparse.Namespace, sizes: ModelSizes, method: str) -> ReferenceTimes | MeasuredTimes:
-    """The measured profiles, the reference CSV given, or the model's reference CSV."""
+def time_source(
+    args: argparse.Namespace,
+    sizes: ModelSizes,
+    method: str,
+    hardware: Hardware | None = None,
+    config: RunConfig | None = None,
+) -> TimeSource:
+    """The measured profiles; or the reference CSV given, or the model's where there is one and the
+    hardware is none or the P100; or `FlopTimes` on the hardware (`--times flops` always)."""
     curvature = method if is_curvature(method) else None
+    if args.times == "flops":
+        if args.profile or args.reference_csv:
+            raise UsageError("--times flops: give it without --profile and --reference-csv (they give the times)")
+        return _flop_times(sizes, method, hardware, config)
     if args.profile:
         if args.reference_csv:
             raise UsageError("give --profile (measured) or --reference-csv (per-block times), not both")
         return MeasuredTimes.check([(path, load_profile(path)) for path in args.profile], sizes, curvature)
     path = Path(args.reference_csv) if args.reference_csv else REFERENCE_FOLDER / f"{sizes.name}_time_memory_p100.csv"
+    on_p100 = hardware is None or hardware.name == load_hardware(PRESET_FOLDER / "p100.yaml").name
+    if not args.reference_csv and hardware is not None and (not on_p100 or not path.is_file()):
+        return _flop_times(sizes, method, hardware, config)
     if not path.is_file():
         raise PlanError(
-            f"{sizes.name}: no times to plan with; give --profile FILE (`pipefisher profile`) or --reference-csv CSV"
+            f"{sizes.name}: no times to plan with; give --profile FILE (`pipefisher profile`), --reference-csv CSV "
+            "or --hardware (times from flops)"
         )
     if curvature and curvature != DEFAULT_METHOD:
         raise PlanError(
@@ -167,6 +192,15 @@ def time_source(args: argparse.Namespace, sizes: ModelSizes, method: str) -> Ref
             f"warning: {path.name} was measured at {REFERENCE_SEQ_LEN} tokens per sequence, the run has {sizes.seq_len}"
         )
     return ReferenceTimes.open(path, sizes)
+
+
+def _flop_times(sizes: ModelSizes, method: str, hardware: Hardware | None, config: RunConfig | None) -> FlopTimes:
+    """Times from flops on `hardware` for the run `config` (UsageError without hardware)."""
+    if hardware is None or config is None:
+        raise UsageError("--times flops: give --hardware (e.g. a100-80gb or h100x8): the flops need its peak")
+    section = config.section(method) if is_curvature(method) else None
+    sizes_tried = (*DEFAULT_MICRO_BATCH_SIZES, config.data.micro_batch_size)
+    return FlopTimes.check(sizes, hardware, config.run.precision, method, section, sizes_tried)
 
 
 def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, budget: int) -> str:
@@ -209,7 +243,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     sizes = model_sizes(config)
     method = planned_method(config, raw, args.method)
     first_order = config.section(method).first_order if is_curvature(method) else method
-    source = time_source(args, sizes, method)
+    source = time_source(args, sizes, method, hardware, config)
     if hardware is not None and isinstance(source, ReferenceTimes):
         source = replace(source, hardware=hardware)
     pipeline = config.pipeline
@@ -322,4 +356,6 @@ def _plannable(layout: Layout, sizes: ModelSizes, source) -> bool:
 def _source_name(source) -> str:
     if isinstance(source, ReferenceTimes):
         return f"{source.path.name} (per-block P100 times, modelled per stage)"
+    if isinstance(source, FlopTimes):
+        return source.describe()
     return ", ".join(path for path, _ in source.profiles)

@@ -45,6 +45,7 @@ from pipefisher.planning.planner.layout_memory import (
     stage_parameters,
     state_per_rank,
 )
+from pipefisher.planning.planner.flop_times import FlopTimes
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.planner.sources import MS_PER_UNIT, MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
 from pipefisher.planning.recompute import recompute_forward_share, with_recompute
@@ -53,7 +54,7 @@ from pipefisher.planning.planner.pack_cache import PACKINGS
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.simulate import simulate
 
-TimeSource = ReferenceTimes | MeasuredTimes
+TimeSource = ReferenceTimes | MeasuredTimes | FlopTimes
 #: data-parallel all-reduce bandwidth assumed (GB/s, nccl-tests' busbw), a round figure for
 #: 100 Gb/s InfiniBand between nodes; `--dp-bandwidth-gbps` sets it
 DEFAULT_DP_BANDWIDTH_GBPS = 10.0

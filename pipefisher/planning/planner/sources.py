@@ -195,7 +195,7 @@ def resplit(profile: Profile, pieces: int, sizes: ModelSizes) -> Profile:
     """`profile` cut into `pieces` stages of blocks/pieces blocks each (module docstring)."""
     per = sizes.blocks // pieces
     old = [_stage_blocks(stage) for stage in profile.stages]
-    block, head = _part_flops(sizes)
+    block, head = part_flops(sizes)
     scaled = ("forward", "backward", "weight", "grad_reduce")
     stages = []
     for new in range(pieces):
@@ -218,7 +218,7 @@ def resplit(profile: Profile, pieces: int, sizes: ModelSizes) -> Profile:
     return replace(profile, stages=tuple(stages))
 
 
-def _part_flops(sizes: ModelSizes) -> tuple[float, float]:
+def part_flops(sizes: ModelSizes) -> tuple[float, float]:
     """Forward flops per sequence of one block and of the heads (the vocabulary projection, BERT's
     transform before it); the embeddings' lookups count as none."""
     linear, core = block_flops(sizes.hidden, sizes.ffn, sizes.seq_len)
