@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -226,7 +227,7 @@ def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, 
     )
 
 
-def _exposed_line(ranked: list[Prediction]) -> str:
+def _exposed_line(ranked: Sequence[Prediction]) -> str:
     """Each row's predicted exposed optimizer time: the mean step over its refresh cycle with all
     of the method's work over the first-order step of the same layout, minus 1 (JSON
     `exposed_share`)."""
