@@ -11,10 +11,10 @@ A100's 312 TFLOP/s bf16 peak). The planner's `predict` gives the step; TFLOP/s p
 paper's own count (its eq. 3, recomputation included) over that step and the GPUs:
 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)). Nothing is calibrated on the paper's numbers: they are the
 held-out check. Optionally the planner's own search (method adamw; schedules 1F1B, interleaved and
-ZB-H1; recompute none or blocks; micro-batch sizes 1, 2, 4) gives its best layout, where it finishes
-in `--search-limit` seconds.
+ZB-H1; recompute none or blocks; micro-batch sizes 1, 2, 4) gives its best layout, for the rows of
+up to `--search-gpus` GPUs.
 
-    python experiments/paper_check.py --out docs/paper_check.md         # table to stdout and the file
+    python experiments/paper_check.py --search-gpus 3072 --out /tmp/paper_check.md   # every row (20 min)
     python experiments/paper_check.py --max-gpus 64 --search-gpus 64    # a smoke run
 """
 
