@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
-from experiments.common import experiment_output, listed  # noqa: E402
+from experiments.common import UsageError, experiment_output, listed  # noqa: E402
 from experiments.convergence import EXTEND, grid  # noqa: E402
 from experiments.convergence_study.runs import FIRST_ORDER, WORKLOADS, Sizing  # noqa: E402
 from experiments.time_to_target_study.report import (  # noqa: E402
@@ -85,6 +85,14 @@ QUICK = Sizing(
 QUICK_K = 4
 SCHEDULES = ("1f1b", "zb-h1")
 WIDTH = 128  # hidden width of both demo models
+
+
+def positive(text: str) -> int:
+    """argparse type: a positive integer."""
+    value = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def log(t0: float, message: str) -> None:
@@ -198,19 +206,36 @@ def study_workload(study: Study, methods: list[str]) -> tuple[list[Arm], float]:
     return arms, sorted(adamw)[len(adamw) // 2]
 
 
+def chosen(args: argparse.Namespace, everything: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(methods, AdamW first; schedules; workloads) of the command line; UsageError naming the flag."""
+    methods = listed(args.methods, everything, "--methods") if args.methods else everything
+    if args.quick and not args.methods:
+        methods = ["adamw", "kfac"]
+    methods = ["adamw", *(m for m in methods if m != "adamw")]
+    schedules = listed(args.schedules, SCHEDULES + ("gpipe", "interleaved", "chimera", "zbv"), "--schedules")
+    workloads = listed(args.workloads or ("gpt2" if args.quick else "bert,gpt2"), WORKLOADS, "--workloads")
+    return methods, schedules, workloads
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="", help="comma-separated, of: bert, gpt2 (default both; --quick gpt2)")
     parser.add_argument("--methods", default="", help="comma-separated (default: adamw and every registered method)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated; the first tunes")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds at the tuned settings (default 3; --quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default {SIZING.steps})")
-    parser.add_argument("--micro-batches", type=int, default=None, help=f"per step (default {SIZING.micro_batches})")
     parser.add_argument(
-        "--micro-batch-size", type=int, default=None, help=f"sequences (default {SIZING.micro_batch_size})"
+        "--seeds", type=positive, default=None, help="seeds at the tuned settings (default 3; --quick 1)"
     )
-    parser.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {SIZING.seq_len})")
-    parser.add_argument("--eval-every", type=int, default=None, help=f"steps (default {SIZING.eval_every})")
+    parser.add_argument("--steps", type=positive, default=None, help=f"steps per run (default {SIZING.steps})")
+    parser.add_argument(
+        "--micro-batches", type=positive, default=None, help=f"per step (default {SIZING.micro_batches})"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=positive, default=None, help=f"sequences (default {SIZING.micro_batch_size})"
+    )
+    parser.add_argument(
+        "--seq-len", type=positive, default=None, help=f"tokens per sequence (default {SIZING.seq_len})"
+    )
+    parser.add_argument("--eval-every", type=positive, default=None, help=f"steps (default {SIZING.eval_every})")
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -223,14 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pipefisher.methods.registry import methods as registered
 
-    everything = ["adamw", *registered()]
-    methods = listed(args.methods, everything, "--methods") if args.methods else everything
-    if args.quick and not args.methods:
-        methods = ["adamw", "kfac"]
-    if "adamw" not in methods:
-        methods = ["adamw", *methods]
-    schedules = listed(args.schedules, SCHEDULES + ("gpipe", "interleaved", "chimera", "zbv"), "--schedules")
-    workloads = listed(args.workloads or ("gpt2" if args.quick else "bert,gpt2"), WORKLOADS, "--workloads")
+    try:
+        methods, schedules, workloads = chosen(args, ["adamw", *registered()])
+    except UsageError as exc:
+        print(f"time_to_target: error: {exc}", file=sys.stderr)
+        return 2
     sizing = QUICK if args.quick else SIZING
     flags = {"steps": args.steps, "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size}
     flags |= {"seq_len": args.seq_len, "eval_every": args.eval_every}

@@ -120,9 +120,10 @@ def results_table(arms: list[Arm], target: float) -> list[str]:
         steps, seconds, step_ms = _median(arm.steps(target)), _median(arm.seconds(target)), arm.step_ms()
         off = disagreement(seconds, steps, step_ms)
         check = f"{'FLAG' if flagged(seconds, steps, step_ms) else 'ok'} ({_num(100 * off, '+.0f')} %)"
-        lr = f"{arm.tuned.lr:g}" + (
-            "" if arm.tuned.method in FIRST_ORDER else f", AdamW {arm.tuned.base_lr:g} for the rest"
-        )
+        lr = f"{arm.tuned.lr:g}"
+        if arm.tuned.method not in FIRST_ORDER:
+            ks = "/".join(str(k) for k in sorted({run.k for run in arm.runs}))
+            lr += f", k {ks}, AdamW {arm.tuned.base_lr:g} for the rest"
         rows.append(
             f"| {arm.tuned.method} | {arm.tuned.schedule} | {lr} | {arm.final():.3f} | "
             f"{_num(steps, '.0f')} ({', '.join(_num(s, '.0f') for s in arm.steps(target))}) | "
