@@ -4,14 +4,14 @@ ZB-H1, on the BERT MLM demo and the GPT-2 causal-LM demo (issue 47, item 1).
 
 Every run is a real `pipefisher run` (`time_to_target_study.runs`: 2 gloo processes of one
 thread) of `schedules/tiny-cpu.yaml` (BERT, bert-4x128) or `schedules/gpt2-tiny-cpu.yaml`
-(GPT-2 tiny, 4 blocks of width 128) reading token shards of the embedded corpus (WordPiece or
-byte-level BPE, prepared once under --cache), warm-up then linear decay, clipping 1.0, dropout 0,
+(GPT-2 tiny, 4 blocks of width 128) reading token shards of --corpus (WordPiece or byte-level
+BPE, 10 % of the documents held out, prepared once under --cache), warm-up then linear decay, clipping 1.0, dropout 0,
 evaluating the held-out loss in the pipeline every --eval-every steps (and after the last) on
---eval-batches held-out micro-batches (`run.eval_every`; BERT: its MLM + NSP loss, the only one
+8 held-out micro-batches (`run.eval_every`; BERT: its MLM + NSP loss, the only one
 the pipeline's record carries). Default size: 4 micro-batches of 32 sequences of 64 tokens =
 8,192 tokens per step, 64 tokens per unit of hidden width (the speed benchmark's
-configuration, `experiments/bench_exposed.py`), 600 steps, vocabulary 4000, 10 % of the
-documents held out, evaluation every 50 steps on 8 micro-batches.
+configuration, `experiments/bench_exposed.py`), 600 steps, vocabulary 4000, evaluation every 50
+steps.
 
 Measured time: the sum of the run's step times (`step_time_ms` of its metrics records) up to an
 evaluation; start-up, profiling, packing and the evaluations themselves are not in it.
@@ -32,9 +32,15 @@ share, and the check that seconds to target agree with steps to target x median 
 Writes OUT.md (tables), OUT.csv (every evaluation) and OUT.png (curves vs step and vs seconds).
 Runs are cached under --cache per setting: a killed study resumes.
 
-Cost of the full study (defaults, 2 workloads x 2 schedules x 5 methods x 3 seeds plus grids,
-about 90 runs of 600 steps at roughly 1-2 s a step on 2 busy processes): about 30-40 CPU-hours,
-15-20 hours on this 2-core machine when it is otherwise quiet.
+Corpus: --corpus (any `pipefisher data prepare` inputs); the default, the embedded corpus, holds
+about 0.3 M training tokens, so 600 steps of 8,192 tokens pass over it about 17 times: a larger
+text gives a study whose AdamW flattens without repeating its data.
+
+Cost of the full study (defaults): per workload about 15 tuning runs (5 methods x 3 lrs, more
+where a grid grows) and 25 seeded runs (5 methods x (2 more seeds on 1F1B + 3 on ZB-H1)), so
+about 80 runs of 600 steps. Measured here at the default size, load 4: 1.1-2.2 s per step
+(AdamW and K-FAC, 2 processes of one thread), 30-60 s of start-up per run: about 12-25 hours on
+this 2-core machine, 25-50 CPU-hours.
 
     nice -n 10 python experiments/time_to_target.py --out docs/time_to_target   # the full study
     python experiments/time_to_target.py --quick      # GPT-2, tiny, adamw + kfac, 1 seed: ~2 minutes here
@@ -65,7 +71,7 @@ from experiments.time_to_target_study.report import (  # noqa: E402
     steps_to,
     write_csv,
 )
-from experiments.time_to_target_study.runs import PipelinedRun, Setting, cached, run  # noqa: E402
+from experiments.time_to_target_study.runs import CORPUS, PipelinedRun, Setting, cached, run  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 SIZING = Sizing(
@@ -107,15 +113,16 @@ class Study:
         self.cache, self.quick, self.t0 = cache, quick, time.perf_counter()
         self.k = QUICK_K if quick else 0
         self.train_new = True
+        self.corpus = CORPUS
         self.grid: dict[Setting, PipelinedRun] = {}
         self.all: dict[Setting, PipelinedRun] = {}
         self.failed: dict[str, str] = {}
         self.trained = self.from_cache = 0
 
     def train(self, setting: Setting) -> PipelinedRun:
-        if not self.train_new and cached(setting, self.sizing, self.cache) is None:
+        if not self.train_new and cached(setting, self.sizing, self.cache, self.corpus) is None:
             raise RuntimeError(f"{setting.name} was not run (--cached-only)")
-        result = run(setting, self.sizing, self.cache)
+        result = run(setting, self.sizing, self.cache, self.corpus)
         self.all[setting] = result
         self.from_cache += result.cached
         self.trained += not result.cached
@@ -237,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--eval-every", type=positive, default=None, help=f"steps (default {SIZING.eval_every})")
     parser.add_argument(
+        "--corpus", default="embedded", help="comma-separated `pipefisher data prepare` inputs (default embedded)"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a smoke version: GPT-2, tiny sizes, adamw + kfac, 1 seed, each grid its middle point",
@@ -266,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         study = Study(workload, sizing, schedules, seeds, cache, args.quick)
         study.train_new = not args.cached_only
+        study.corpus = tuple(args.corpus.split(","))
         arms, target = study_workload(study, methods)
         per_workload[workload] = (arms, target)
         all_runs.update(study.all)
@@ -286,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command.strip()}`",
         "",
-        f"Sizes: {sizing}: {tokens} tokens per step, {tokens / WIDTH:g} per unit of width ({WIDTH}).",
+        f"Sizes: {sizing}: {tokens} tokens per step, {tokens / WIDTH:g} per unit of width ({WIDTH}); "
+        f"corpus {args.corpus}.",
         "",
         f"Runs: {trained} trained now, {from_cache} from the cache ({cache}); "
         f"{time.perf_counter() - t0:.0f} s, load (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",

@@ -27,6 +27,8 @@ from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Siz
 WARMUP = 4
 #: the tokenizer each workload's shards are written with
 TOKENIZERS = {"bert": "wordpiece", "gpt2": "bpe"}
+#: the default corpus: the English text shipped with Python
+CORPUS = ("embedded",)
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,13 @@ def parse_records(records: list[dict], wall_s: float) -> PipelinedRun:
     return PipelinedRun(evals, clock, step_ms, shares[-1] if shares else None, k, wall_s)
 
 
-def shards(workload: str, sizing: Sizing, cache: Path) -> Path:
-    """The workload's token shards (embedded corpus, its tokenizer of `sizing.vocab_size`,
-    `sizing.holdout` of the documents in `valid`), prepared once under `cache`."""
-    folder = cache / f"shards-{TOKENIZERS[workload]}-{sizing.vocab_size}-{sizing.holdout:g}"
+def shards(workload: str, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> Path:
+    """The workload's token shards (the `pipefisher data prepare` inputs `corpus`, its tokenizer of
+    `sizing.vocab_size`, `sizing.holdout` of the documents in `valid`), prepared once under `cache`."""
+    tag = "embedded" if corpus == CORPUS else hashlib.sha256(json.dumps(corpus).encode()).hexdigest()[:12]
+    folder = cache / f"shards-{tag}-{TOKENIZERS[workload]}-{sizing.vocab_size}-{sizing.holdout:g}"
     if not (folder / "manifest.json").is_file():
-        command = [sys.executable, "-m", "pipefisher", "data", "prepare", "embedded", "-o", str(folder)]
+        command = [sys.executable, "-m", "pipefisher", "data", "prepare", *corpus, "-o", str(folder)]
         command += ["--tokenizer", TOKENIZERS[workload], "--vocab-size", str(sizing.vocab_size)]
         command += ["--holdout", str(sizing.holdout), "--shuffle-seed", "0", "--overwrite"]
         _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False), command)
@@ -129,14 +132,14 @@ def command(setting: Setting, sizing: Sizing, data: Path, metrics: Path) -> list
     return head + ["--metrics", str(metrics)] + [item for k, v in keys.items() for item in (f"--{k}", str(v))]
 
 
-def cache_path(setting: Setting, sizing: Sizing, cache: Path) -> Path:
-    key = json.dumps([asdict(setting), asdict(sizing)], sort_keys=True)
+def cache_path(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> Path:
+    key = json.dumps([asdict(setting), asdict(sizing)] + ([list(corpus)] if corpus != CORPUS else []), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache / "runs" / f"{setting.workload}-{setting.schedule}-{setting.method}-{digest}.json"
 
 
-def cached(setting: Setting, sizing: Sizing, cache: Path) -> PipelinedRun | None:
-    path = cache_path(setting, sizing, cache)
+def cached(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun | None:
+    path = cache_path(setting, sizing, cache, corpus)
     if not path.is_file():
         return None
     data = json.loads(path.read_text())["result"]
@@ -145,12 +148,12 @@ def cached(setting: Setting, sizing: Sizing, cache: Path) -> PipelinedRun | None
     return PipelinedRun(**{**data, "cached": True})
 
 
-def run(setting: Setting, sizing: Sizing, cache: Path) -> PipelinedRun:
+def run(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun:
     """The run of `setting`, from the cache or launched now (one thread per process) and cached."""
-    found = cached(setting, sizing, cache)
+    found = cached(setting, sizing, cache, corpus)
     if found is not None:
         return found
-    data = shards(setting.workload, sizing, cache)
+    data = shards(setting.workload, sizing, cache, corpus)
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "metrics.jsonl"
         argv = command(setting, sizing, data, metrics)
@@ -159,7 +162,7 @@ def run(setting: Setting, sizing: Sizing, cache: Path) -> PipelinedRun:
         _check(subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False, env=env), argv)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         found = parse_records(records, time.perf_counter() - start)
-    path = cache_path(setting, sizing, cache)
+    path = cache_path(setting, sizing, cache, corpus)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     result = {k: v for k, v in asdict(found).items() if k != "cached"}
