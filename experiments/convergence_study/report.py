@@ -19,18 +19,23 @@ def final(result: RunResult) -> float:
     return value if math.isfinite(value) else math.inf
 
 
-def steps_to(result: RunResult, target: float) -> float:
-    """Steps at which the held-out loss first reaches `target`, linear between the evaluations
-    that bracket the crossing; inf when it never does."""
+def first_crossing(points: list[tuple[float, float]], target: float) -> float:
+    """x at which the curve [(x, loss)] first reaches `target`, linear between the points that
+    bracket the crossing; inf when it never does (x: steps, seconds, ...)."""
     previous = None
-    for step, loss in result.evals:
+    for x, loss in points:
         if math.isfinite(loss) and loss <= target:
             if previous is None:
-                return float(step)
-            (s0, _), share = previous, (previous[1] - target) / (previous[1] - loss)
-            return s0 + share * (step - s0)
-        previous = (step, loss)
+                return float(x)
+            (x0, _), share = previous, (previous[1] - target) / (previous[1] - loss)
+            return x0 + share * (x - x0)
+        previous = (x, loss)
     return math.inf
+
+
+def steps_to(result: RunResult, target: float) -> float:
+    """Steps at which the held-out loss first reaches `target` (`first_crossing` of its evaluations)."""
+    return first_crossing([(float(step), loss) for step, loss in result.evals], target)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,321 @@
+"""Time to target of real pipelined runs: held-out loss against steps and against measured
+seconds, AdamW and every registered curvature method packed into the bubbles, 2 stages, 1F1B and
+ZB-H1, on the BERT MLM demo and the GPT-2 causal-LM demo (issue 47, item 1).
+
+Every run is a real `pipefisher run` (`time_to_target_study.runs`: 2 gloo processes of one
+thread) of `schedules/tiny-cpu.yaml` (BERT, bert-4x128) or `schedules/gpt2-tiny-cpu.yaml`
+(GPT-2 tiny, 4 blocks of width 128) reading token shards of --corpus (WordPiece or byte-level
+BPE, 10 % of the documents held out, prepared once under --cache), warm-up then linear decay, clipping 1.0, dropout 0,
+evaluating the held-out loss in the pipeline every --eval-every steps (and after the last) on
+8 held-out micro-batches (`run.eval_every`; BERT: its MLM + NSP loss, the only one
+the pipeline's record carries). Default size: 4 micro-batches of 32 sequences of 64 tokens =
+8,192 tokens per step, 64 tokens per unit of hidden width (the speed benchmark's
+configuration, `experiments/bench_exposed.py`), 600 steps, vocabulary 4000, evaluation every 50
+steps.
+
+Measured time: the sum of the run's step times (`step_time_ms` of its metrics records) up to an
+evaluation; start-up, profiling, packing and the evaluations themselves are not in it.
+
+Protocol, per workload (seed 0 and the first schedule tune; `--seeds` S):
+1. AdamW on its lr grid, the lowest final held-out loss wins.
+2. Every other method on its grid (its section's lr; AdamW at the tuned AdamW lr for what it does
+   not precondition), the grids' points interleaved round-robin over the methods; the fewest
+   steps to AdamW's seed-0 final loss wins (then the lowest final loss). A best point at an edge
+   of a grid grows the grid past it (a factor of the grid's ratio), once, as
+   experiments/convergence.py does.
+3. Seeds 0..S-1 on every schedule at the tuned settings, round-robin over the methods for each
+   (seed, schedule), so that the machine's load drifts hit every method alike.
+Target: the median over AdamW's seeds (first schedule) of its final held-out loss. Per method and
+schedule: steps and measured seconds to target (first crossing, linear between evaluations;
+medians over seeds), median step time against AdamW's, the run's own exposed optimizer time
+share, and the check that seconds to target agree with steps to target x median step within 10 %.
+Writes OUT.md (tables), OUT.csv (every evaluation) and OUT.png (curves vs step and vs seconds).
+Runs are cached under --cache per setting: a killed study resumes.
+
+Corpus: --corpus (any `pipefisher data prepare` inputs); the default, the embedded corpus, holds
+about 0.3 M training tokens, so 600 steps of 8,192 tokens pass over it about 17 times: a larger
+text gives a study whose AdamW flattens without repeating its data.
+
+Cost of the full study (defaults): per workload about 15 tuning runs (5 methods x 3 lrs, more
+where a grid grows) and 25 seeded runs (5 methods x (2 more seeds on 1F1B + 3 on ZB-H1)), so
+about 80 runs of 600 steps. Measured here at the default size, load 4: 1.1-2.2 s per step
+(AdamW and K-FAC, 2 processes of one thread), 30-60 s of start-up per run: about 12-25 hours on
+this 2-core machine, 25-50 CPU-hours.
+
+    nice -n 10 python experiments/time_to_target.py --out docs/time_to_target   # the full study
+    python experiments/time_to_target.py --quick      # GPT-2, tiny, adamw + kfac, 1 seed: ~2 minutes here
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
+
+from experiments.common import UsageError, experiment_output, listed  # noqa: E402
+from experiments.convergence import EXTEND, grid  # noqa: E402
+from experiments.convergence_study.runs import FIRST_ORDER, WORKLOADS, Sizing  # noqa: E402
+from experiments.time_to_target_study.report import (  # noqa: E402
+    Arm,
+    final,
+    grid_table,
+    plot,
+    results_table,
+    steps_to,
+    write_csv,
+)
+from experiments.time_to_target_study.runs import CORPUS, PipelinedRun, Setting, cached, run  # noqa: E402
+from pipefisher.cli.scripts import entry_point  # noqa: E402
+
+SIZING = Sizing(
+    steps=600,
+    warmup=30,
+    micro_batches=4,
+    micro_batch_size=32,
+    seq_len=64,
+    vocab_size=4000,
+    eval_every=50,
+    eval_batches=8,
+)
+QUICK = Sizing(
+    steps=10, warmup=2, micro_batches=2, micro_batch_size=2, seq_len=16, vocab_size=600, eval_every=5, eval_batches=2
+)
+#: --quick pins the curvature methods' refresh interval (no profile-chosen k longer than the run)
+QUICK_K = 4
+SCHEDULES = ("1f1b", "zb-h1")
+WIDTH = 128  # hidden width of both demo models
+
+
+def positive(text: str) -> int:
+    """argparse type: a positive integer."""
+    value = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def log(t0: float, message: str) -> None:
+    print(f"[{time.perf_counter() - t0:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+class Study:
+    """The runs of one workload, in the protocol's order; counts runs trained now and read from the cache."""
+
+    def __init__(self, workload: str, sizing: Sizing, schedules: list[str], seeds: int, cache: Path, quick: bool):
+        self.workload, self.sizing, self.schedules, self.seeds = workload, sizing, schedules, seeds
+        self.cache, self.quick, self.t0 = cache, quick, time.perf_counter()
+        self.k = QUICK_K if quick else 0
+        self.train_new = True
+        self.corpus = CORPUS
+        self.grid: dict[Setting, PipelinedRun] = {}
+        self.all: dict[Setting, PipelinedRun] = {}
+        self.failed: dict[str, str] = {}
+        self.trained = self.from_cache = 0
+
+    def train(self, setting: Setting) -> PipelinedRun:
+        if not self.train_new and cached(setting, self.sizing, self.cache, self.corpus) is None:
+            raise RuntimeError(f"{setting.name} was not run (--cached-only)")
+        result = run(setting, self.sizing, self.cache, self.corpus)
+        self.all[setting] = result
+        self.from_cache += result.cached
+        self.trained += not result.cached
+        source = "cache" if result.cached else f"{result.wall_s:.0f} s wall"
+        log(
+            self.t0,
+            f"{setting.name}: held-out {final(result):.3f} after {result.clock[-1][0] if result.clock else 0:.1f} s "
+            f"of steps, {result.median_step_ms:.0f} ms/step ({source})",
+        )
+        return result
+
+    def attempt(self, setting: Setting) -> PipelinedRun | None:
+        """The run of `setting`; None when its method failed now or before (the failure is kept)."""
+        if setting.method in self.failed:
+            return None
+        try:
+            return self.train(setting)
+        except Exception as exc:  # a method that cannot run here is reported, the others go on
+            self.failed[setting.method] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1]}"
+            log(self.t0, f"{setting.name} failed: {self.failed[setting.method]}")
+            return None
+
+    def tune(
+        self, methods: list[str], base_lr: float | None, rank: Callable[[PipelinedRun], object]
+    ) -> dict[str, Setting]:
+        """Each method's best lr on seed 0 and the first schedule by `rank` (lower is better), the
+        grids' points run round-robin over the methods; a best at an edge extends that grid past
+        it by the grid's own ratio, up to `EXTEND` times."""
+        lrs = {m: list(grid(self.workload, m, False)) for m in methods}
+        if self.quick:  # the middle point only
+            lrs = {m: points[len(points) // 2 : len(points) // 2 + 1] for m, points in lrs.items()}
+        pending, best = list(methods), {}
+        for _ in range(EXTEND + 1):
+            for i in range(max((len(lrs[m]) for m in pending), default=0)):
+                for m in pending:
+                    setting = self.setting(m, lrs[m][i] if i < len(lrs[m]) else math.nan, 0, self.schedules[0], base_lr)
+                    if math.isfinite(setting.lr) and setting not in self.grid:
+                        found = self.attempt(setting)
+                        if found is not None:
+                            self.grid[setting] = found
+            for m in list(pending):
+                tried = [s for s in self.grid if s.method == m and s.lr in lrs[m]]
+                if m in self.failed or not tried:
+                    pending.remove(m)
+                    continue
+                best[m] = min(tried, key=lambda s: rank(self.grid[s]))  # type: ignore[arg-type, return-value]
+                edge = lrs[m].index(best[m].lr)
+                if self.quick or 0 < edge < len(lrs[m]) - 1:
+                    pending.remove(m)
+                else:
+                    lrs[m].insert(
+                        len(lrs[m]) if edge else 0, best[m].lr * (lrs[m][1] / lrs[m][0]) ** (1 if edge else -1)
+                    )
+        return best
+
+    def setting(self, method: str, lr: float, seed: int, schedule: str, base_lr: float | None) -> Setting:
+        curvature = method not in FIRST_ORDER
+        return Setting(self.workload, schedule, method, lr, seed, base_lr if curvature else None, self.k * curvature)
+
+    def seeded(self, tuned: dict[str, Setting]) -> list[Arm]:
+        """Seeds 0..S-1 on every schedule at the tuned settings, round-robin over the methods."""
+        runs: dict[tuple[str, str], list[PipelinedRun]] = {}
+        for seed in range(self.seeds):
+            for schedule in self.schedules:
+                for method, best in tuned.items():
+                    setting = dataclasses.replace(best, seed=seed, schedule=schedule)
+                    found = self.grid.get(setting) or self.attempt(setting)
+                    if found is not None:
+                        runs.setdefault((method, schedule), []).append(found)
+        return [
+            Arm(dataclasses.replace(tuned[m], schedule=schedule), runs[(m, schedule)])
+            for schedule in self.schedules
+            for m in tuned
+            if m not in self.failed and (m, schedule) in runs
+        ]
+
+
+def study_workload(study: Study, methods: list[str]) -> tuple[list[Arm], float]:
+    """(the tuned methods' arms, AdamW first on each schedule; the target)."""
+    tuned = study.tune(["adamw"], None, final)
+    if "adamw" not in tuned:
+        raise RuntimeError(f"{study.workload}: AdamW did not run: {study.failed.get('adamw')}")
+    provisional = final(study.grid[tuned["adamw"]])
+    others = [m for m in methods if m != "adamw"]
+    tuned |= study.tune(others, tuned["adamw"].lr, lambda r: (steps_to(r, provisional), final(r)))
+    arms = study.seeded(tuned)
+    adamw = [final(r) for arm in arms[:1] for r in arm.runs]
+    return arms, sorted(adamw)[len(adamw) // 2]
+
+
+def chosen(args: argparse.Namespace, everything: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(methods, AdamW first; schedules; workloads) of the command line; UsageError naming the flag."""
+    methods = listed(args.methods, everything, "--methods") if args.methods else everything
+    if args.quick and not args.methods:
+        methods = ["adamw", "kfac"]
+    methods = ["adamw", *(m for m in methods if m != "adamw")]
+    schedules = listed(args.schedules, SCHEDULES + ("gpipe", "interleaved", "chimera", "zbv"), "--schedules")
+    workloads = listed(args.workloads or ("gpt2" if args.quick else "bert,gpt2"), WORKLOADS, "--workloads")
+    return methods, schedules, workloads
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="", help="comma-separated, of: bert, gpt2 (default both; --quick gpt2)")
+    parser.add_argument("--methods", default="", help="comma-separated (default: adamw and every registered method)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated; the first tunes")
+    parser.add_argument(
+        "--seeds", type=positive, default=None, help="seeds at the tuned settings (default 3; --quick 1)"
+    )
+    parser.add_argument("--steps", type=positive, default=None, help=f"steps per run (default {SIZING.steps})")
+    parser.add_argument(
+        "--micro-batches", type=positive, default=None, help=f"per step (default {SIZING.micro_batches})"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=positive, default=None, help=f"sequences (default {SIZING.micro_batch_size})"
+    )
+    parser.add_argument(
+        "--seq-len", type=positive, default=None, help=f"tokens per sequence (default {SIZING.seq_len})"
+    )
+    parser.add_argument("--eval-every", type=positive, default=None, help=f"steps (default {SIZING.eval_every})")
+    parser.add_argument(
+        "--corpus", default="embedded", help="comma-separated `pipefisher data prepare` inputs (default embedded)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke version: GPT-2, tiny sizes, adamw + kfac, 1 seed, each grid its middle point",
+    )
+    parser.add_argument("--cached-only", action="store_true", help="train nothing; a missing run fails its method")
+    parser.add_argument("--cache", default="", help="run cache (default $PIPEFISHER_CACHE/time_to_target)")
+    default_out = experiment_output("time_to_target")
+    parser.add_argument("--out", default=str(default_out), help=f"OUT.md, OUT.csv, OUT.png (default {default_out})")
+    args = parser.parse_args(argv)
+    from pipefisher.methods.registry import methods as registered
+
+    try:
+        methods, schedules, workloads = chosen(args, ["adamw", *registered()])
+    except UsageError as exc:
+        print(f"time_to_target: error: {exc}", file=sys.stderr)
+        return 2
+    sizing = QUICK if args.quick else SIZING
+    flags = {"steps": args.steps, "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size}
+    flags |= {"seq_len": args.seq_len, "eval_every": args.eval_every}
+    sizing = dataclasses.replace(sizing, **{k: v for k, v in flags.items() if v})
+    seeds = args.seeds or (1 if args.quick else 3)
+    os.environ.setdefault("PIPEFISHER_CACHE", "/tmp/pfcache")
+    cache = Path(args.cache or Path(os.environ["PIPEFISHER_CACHE"]) / "time_to_target")
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+
+    per_workload, lines, all_runs, trained, from_cache = {}, [], {}, 0, 0
+    for workload in workloads:
+        study = Study(workload, sizing, schedules, seeds, cache, args.quick)
+        study.train_new = not args.cached_only
+        study.corpus = tuple(args.corpus.split(","))
+        arms, target = study_workload(study, methods)
+        per_workload[workload] = (arms, target)
+        all_runs.update(study.all)
+        trained, from_cache = trained + study.trained, from_cache + study.from_cache
+        lines += [f"## {WORKLOADS[workload].label}", "", f"Target: held-out loss {target:.3f}, the median over "]
+        lines[-1] += f"{seeds} seeds of AdamW's final on {schedules[0]}. Tuned methods, seeds 0..{seeds - 1}:"
+        lines += ["", *results_table(arms, target), "", "Grids (seed 0, " + schedules[0] + "):", ""]
+        lines += [*grid_table(study.grid, target), ""]
+        lines += [f"Not in the table: {m}: {why}" for m, why in study.failed.items()] + [""] * bool(study.failed)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(out.with_suffix(".csv"), all_runs)
+    plot(out.with_suffix(".png"), per_workload)
+    tokens = sizing.micro_batches * sizing.micro_batch_size * sizing.seq_len
+    command = "python experiments/time_to_target.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = [
+        f"# Time to target of pipelined runs ({sizing.steps} steps, {seeds} seeds, 2 stages)",
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        f"Sizes: {sizing}: {tokens} tokens per step, {tokens / WIDTH:g} per unit of width ({WIDTH}); "
+        f"corpus {args.corpus}.",
+        "",
+        f"Runs: {trained} trained now, {from_cache} from the cache ({cache}); "
+        f"{time.perf_counter() - t0:.0f} s, load (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
+        "",
+        "Seconds: the sum of the run's step times up to the evaluation (no start-up, profiling or evaluation). "
+        "Check: seconds to target against steps to target × median step, flagged beyond 10 %.",
+        "",
+    ]
+    text = (
+        "\n".join(header + lines)
+        + f"\nFigure: {out.with_suffix('.png')}; every evaluation: {out.with_suffix('.csv')}.\n"
+    )
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    log(t0, f"wrote {out.with_suffix('.md')}, .png and .csv")
+    return 0 if all(math.isfinite(target) for _, target in per_workload.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(entry_point(main, "time_to_target"))
