@@ -43,6 +43,18 @@ def test_records_give_the_clock_of_the_steps_before_each_evaluation():
     assert run.exposed_share == 0.25 and run.k == 7 and run.median_step_ms == 200.0
 
 
+def test_the_runs_own_training_clock_and_bert_mlm_loss_win_where_recorded():
+    """`train_s` includes host work between steps that `step_time_ms` misses; BERT's MLM part is its loss."""
+    run = parse_records(
+        [
+            {"step": 1, "step_time_ms": 100.0, "train_s": 0.15},
+            {"step": 2, "step_time_ms": 300.0, "train_s": 0.5, "eval_loss": 5.5, "eval_mlm": 5.0},
+        ],
+        wall_s=1.0,
+    )
+    assert run.clock == [(0.5, 5.0)] and run.evals == [(2, 5.0)]
+
+
 def test_steps_and_seconds_to_target_interpolate_between_evaluations():
     run = constructed([6.0, 5.0, 4.0, 3.0], step_ms=50.0)  # evaluations at steps 10..40, 0.5 s apart
     assert steps_to(run, 4.5) == pytest.approx(25.0)
@@ -66,9 +78,7 @@ def test_the_consistency_check_flags_seconds_that_the_step_time_does_not_explain
 def test_the_table_compares_each_method_with_adamw_on_its_schedule():
     adamw = Arm(Setting("gpt2", "1f1b", "adamw", 1e-3, 0), [constructed([6.0, 5.0, 4.0, 3.0], 100.0)])
     fast = Arm(Setting("gpt2", "1f1b", "kfac", 0.1, 0, 1e-3), [constructed([5.0, 4.0, 3.0, 2.0], 150.0)])
-    odd = Arm(
-        Setting("gpt2", "zb-h1", "adamw", 1e-3, 0), [constructed([6.0, 5.0, 4.0, 3.0], 100.0, start_ms=2100.0)]
-    )
+    odd = Arm(Setting("gpt2", "zb-h1", "adamw", 1e-3, 0), [constructed([6.0, 5.0, 4.0, 3.0], 100.0, start_ms=2100.0)])
     rows = results_table([adamw, fast, odd], target=3.0)
     assert rows[2].startswith("| adamw | 1f1b | 0.001 | 3.000 | 40 (40) | 1.00 | 4.0 (4.0) | 1.00 | 100.0 | 1.00 |")
     kfac = rows[3].split(" | ")

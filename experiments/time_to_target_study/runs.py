@@ -2,9 +2,12 @@
 thread each) per setting, reading token shards and evaluating held-out loss in the pipeline; each
 result cached as JSON so that a killed study resumes.
 
-A run's clock is the sum of its step records' `step_time_ms` (the executor's wall time of each
-step): start-up, profiling, packing and the held-out evaluations, which run between steps, are
-not in it. `clock[i]` pairs the seconds of training done before evaluation i with its loss.
+A run's clock is its step records' `train_s` (wall seconds since the first step began, less the
+held-out evaluations; host work between steps included); start-up, profiling and packing, before
+the first step, are not in it. Records without it (older runs) fall back to the sum of
+`step_time_ms`. `clock[i]` pairs the seconds of training done before evaluation i with its loss.
+BERT is judged on its held-out MLM loss (`eval_mlm`, as the convergence study judges it), any
+other model on `eval_loss`.
 """
 
 from __future__ import annotations
@@ -77,9 +80,9 @@ def parse_records(records: list[dict], wall_s: float) -> PipelinedRun:
     evals, clock, step_ms, seconds = [], [], [], 0.0
     for record in records:
         step_ms.append(float(record["step_time_ms"]))
-        seconds += step_ms[-1] / 1000
+        seconds = float(record["train_s"]) if "train_s" in record else seconds + step_ms[-1] / 1000
         if "eval_loss" in record:
-            loss = float(record["eval_loss"])
+            loss = float(record.get("eval_mlm", record["eval_loss"]))
             loss = loss if math.isfinite(loss) else math.inf
             evals.append((int(record["step"]), loss))
             clock.append((seconds, loss))

@@ -3,6 +3,8 @@ schedule derives from its own op lists completes under NCCL's in-order rule, and
 the single-process reference's held-out loss at the same parameters (real gloo ranks in
 in-order mode); the step record and line carry it."""
 
+import time
+
 import pytest
 import torch
 from _workers import pipelined_with_records
@@ -16,6 +18,7 @@ from pipefisher.planning.comm.actions import ActionKind
 from pipefisher.planning.comm.evaluation import evaluation_actions, forward_sweep
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import held_out_batches
+from pipefisher.runtime.training.evaluation import TrainingClock, eval_fields
 from pipefisher.runtime.training.launch import run_group
 from pipefisher.runtime.training.reference import Evaluation, train_reference
 from pipefisher.schedules import get_schedule
@@ -91,8 +94,10 @@ def reference_evaluations(config) -> dict[int, float]:
 
 
 def pipelined_evaluations(config) -> list[tuple[list[float], dict[int, float]]]:
-    """Each rank's step losses and eval losses by step."""
+    """Each rank's step losses and eval losses by step; every record's training clock moves on."""
     outcomes = run_group(pipelined_with_records, config.world_size, args=(config,), timeout=60, deadline=300)
+    for _, records in outcomes:
+        assert_clock_moves_on([record["train_s"] for record in records])
     return [
         (result.losses, {step: record["eval_loss"] for step, record in enumerate(records, 1) if "eval_loss" in record})
         for result, records in outcomes
@@ -123,6 +128,7 @@ def test_the_pipelined_eval_loss_equals_the_references(schedule, cache):
     reference = train_reference(config, on_step=records.append)
     expected = reference_evaluations(config)
     reported = {record.step: record.extra["eval_loss"] for record in records if "eval_loss" in record.extra}
+    assert_clock_moves_on([record.extra["train_s"] for record in records])
     assert reported == {2: expected[2], 3: expected[3]}, "the reference reports run.eval_every's evaluations"
     for losses, evaluated in pipelined_evaluations(config):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
@@ -185,3 +191,20 @@ def test_the_step_line_and_record_carry_the_eval_loss(tmp_path, capsys):
     assert "eval loss" not in lines[0] and "eval loss 2.375000" in lines[1]
     records = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert '"eval_loss"' not in records[0] and '"eval_loss": 2.375' in records[1]
+
+
+def assert_clock_moves_on(seconds: list[float]) -> None:
+    assert seconds[0] > 0 and all(later > earlier for earlier, later in zip(seconds, seconds[1:])), seconds
+
+
+def test_the_eval_fields_name_every_part_of_the_loss():
+    assert eval_fields({"loss": 2.5, "mlm": 2.0, "nsp": 0.5}) == {"eval_loss": 2.5, "eval_mlm": 2.0, "eval_nsp": 0.5}
+
+
+def test_the_training_clock_leaves_out_what_it_was_paused_for():
+    clock = TrainingClock()
+    with clock.paused():
+        time.sleep(0.3)
+    assert clock.seconds() < 0.2 and clock.paused_s >= 0.3
+    stamped = clock.stamped(StepResult(1, 1.0, 0.01, {"lr": 0.1}))
+    assert stamped.extra["lr"] == 0.1 and 0 < stamped.extra["train_s"] < 0.2

@@ -4,13 +4,21 @@ After every `run.eval_every` steps and after the last, every process runs the fo
 of `pipefisher.runtime.pipeline.eval_pass` over the run's first `run.eval_batches` held-out
 micro-batches (`pipefisher.runtime.training.assembly.held_out_batches`, the one place a data
 source serves them) and the step's result gets `eval_loss`: their mean loss, as
-`pipefisher.runtime.training.reference`'s evaluation computes it on the same parameters.
+`pipefisher.runtime.training.reference`'s evaluation computes it on the same parameters, and
+`eval_<part>` for each named part of the loss (BERT's `eval_mlm`, `eval_nsp`).
+
+`TrainingClock` gives every step record `train_s`: wall seconds since the first step began, less
+the time held-out evaluation took, on the reporting process's clock (no device synchronisation of
+its own: a step's end is where the step itself waits).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from pipefisher.config import RunConfig
 from pipefisher.runtime.pipeline.eval_pass import EvalPass
@@ -35,8 +43,37 @@ class PipelineEvaluation:
         Collective over every process: all call it after the same step."""
         if not self.due(result.step):
             return result
-        evaluated = self.pass_.run()
-        return dataclasses.replace(result, extra={**result.extra, "eval_loss": evaluated["loss"]})
+        return dataclasses.replace(result, extra={**result.extra, **eval_fields(self.pass_.run())})
+
+
+def eval_fields(evaluated: Mapping[str, float]) -> dict[str, float]:
+    """A step record's held-out fields: `eval_loss` (the mean loss) and `eval_<part>` per named part."""
+    return {("eval_loss" if name == "loss" else f"eval_{name}"): value for name, value in evaluated.items()}
+
+
+@dataclass
+class TrainingClock:
+    """Wall seconds of training: since the clock was made, less the spans spent in `paused()`."""
+
+    start: float = field(default_factory=time.perf_counter)
+    paused_s: float = 0.0
+
+    def seconds(self) -> float:
+        """Training seconds so far."""
+        return time.perf_counter() - self.start - self.paused_s
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """A span (held-out evaluation) that does not count as training."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - began
+
+    def stamped(self, result: StepResult) -> StepResult:
+        """`result` with `train_s` in its extra fields."""
+        return dataclasses.replace(result, extra={**result.extra, "train_s": self.seconds()})
 
 
 def pipeline_evaluation(config: RunConfig, executor: Executor) -> PipelineEvaluation | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,7 @@ from pipefisher.runtime.training.optimizer import build_optimizer, build_schedul
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import build_run, held_out_batches
+from pipefisher.runtime.training.evaluation import TrainingClock, eval_fields
 from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
@@ -81,6 +82,7 @@ def train_reference(
         evaluation.report(0, _evaluate(net, evaluation.batches))
     elif config.run.eval_every:  # the run file's evaluation: `eval_loss` in the step records only
         evaluation = Evaluation(config.run.eval_every, held_out_batches(config, config.run.eval_batches), _ignore)
+    clock = TrainingClock()
     for step in range(config.run.steps):
         start = time.perf_counter()
         step_loss = 0.0
@@ -127,13 +129,15 @@ def train_reference(
             curvature.after_optimizer_step(step)
         losses.append(step_loss)
         seconds = time.perf_counter() - start
+        result = clock.stamped(StepResult(step + 1, step_loss, seconds, extra))
         if evaluation is not None and evaluation.due(step + 1, config.run.steps):
-            evaluated = _evaluate(net, evaluation.batches)
-            evaluation.report(step + 1, evaluated)
+            with clock.paused():
+                evaluated = _evaluate(net, evaluation.batches)
+                evaluation.report(step + 1, evaluated)
             if config.run.eval_every:  # as a pipelined run reports it
-                extra = {**extra, "eval_loss": evaluated["loss"]}
+                result = replace(result, extra={**result.extra, **eval_fields(evaluated)})
         if on_step is not None:
-            on_step(StepResult(step + 1, step_loss, seconds, extra))
+            on_step(result)
         if stop_request.signum:
             raise Stopped(step + 1, stop_request.signum)
     return TrainResult(losses, {name: parameter.detach().clone() for name, parameter in net.named_parameters()})

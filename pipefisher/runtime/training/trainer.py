@@ -38,7 +38,7 @@ from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
 from pipefisher.runtime.primitives.recompute import recompute_modules
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.training.assembly import RunParts, build_run
-from pipefisher.runtime.training.evaluation import pipeline_evaluation
+from pipefisher.runtime.training.evaluation import TrainingClock, pipeline_evaluation
 from pipefisher.runtime.training.fsdp_wrap import shard_stages
 from pipefisher.runtime.training.checkpoint import StateReader, commit, save_rank, tensor_bytes
 from pipefisher.runtime.training.checkpoint_state import (
@@ -297,12 +297,15 @@ def train_pipelined(
     every = config.checkpoint.every
     tracer = StepTracer(config, process, device)
     evaluation = pipeline_evaluation(config, executor)
+    clock = TrainingClock()
     for step in range(start, config.run.steps):
         tracer.before(step)
         result = runner.run_step(step)
         tracer.after(step)
+        result = clock.stamped(result)
         if evaluation is not None:
-            result = evaluation.after_step(result)
+            with clock.paused():
+                result = evaluation.after_step(result)
         losses.append(result.loss)
         if on_step is not None:
             on_step(result)
