@@ -57,21 +57,23 @@ def place(
     """Place the cycle's tasks over up to `max_steps` steps; tasks left unplaced are absent.
     Curvature is placed only in steps <= `curvature_until` when given. `weights`: how W ops are
     placed (see the module docstring; ``fixed`` where the schedule has none)."""
-    if windows.weights is None:
-        weights = "fixed"
-    return _Greedy(tasks, first_order, windows, strategy, weights).run(max_steps, curvature_until)
+    return Greedy(tasks, first_order, windows, strategy, weights).run(max_steps, curvature_until)
 
 
-class _Greedy:
-    """One greedy pass over *units*: a unit is one task, or the curvature chain of one factor of
-    one layer (its micro-batches in order, each after the previous one). Only a chain's next task
-    is ready at a time, so placing a chain's tasks one after another while they stay the best
-    choice is the same as choosing task by task, at a fraction of the cost. Units are numbered in
-    `tasks.cycle` order of their first task (a topological order)."""
+class Greedy:
+    """The greedy over *units*: a unit is one task, or the curvature chain of one factor of one
+    layer (its micro-batches in order, each after the previous one). Only a chain's next task is
+    ready at a time, so placing a chain's tasks one after another while they stay the best choice
+    is the same as choosing task by task, at a fraction of the cost. Units are numbered in
+    `tasks.cycle` order of their first task (a topological order). Built once per task set,
+    strategy and weight policy; each `run` is one independent pass (it resets all it changes), so
+    runs with other horizons or curvature limits reuse the units and their dependencies."""
 
     def __init__(
         self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy
     ):
+        if windows.weights is None:
+            weights = "fixed"
         self.published = strategy == "published"
         self.windows = windows
         #: the W ops' bounds when they move (None: fixed), and whether they go first
@@ -98,7 +100,6 @@ class _Greedy:
             unit_of[op] = unit
         placement, durations = tasks.schedule.placement, tasks.durations
         self.rank = [placement[(ops[0].pipe, ops[0].stage)] for ops in self.ops]
-        self.head = [0] * len(self.ops)
         self.curvature = [ops[0].kind in CURVATURE_KINDS for ops in self.ops]
         self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
         #: per unit, per task: when its first-step input is ready
@@ -109,7 +110,6 @@ class _Greedy:
         ]
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
-        self.release = [0.0] * len(self.ops)
         for unit, ops in enumerate(self.ops):
             if self.curvature[unit]:
                 continue  # a chain waits for its first-step inputs (op_release) and itself only
@@ -123,10 +123,11 @@ class _Greedy:
                     delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
                     children[parent][unit] = max(children[parent].get(unit, 0.0), delay)
         self.children = [list(found.items()) for found in children]
-        self.missing = [0] * len(self.ops)
+        #: per unit, how many units it waits for (before a run places any)
+        self.parents = [0] * len(self.ops)
         for found in self.children:
             for child, _ in found:
-                self.missing[child] += 1
+                self.parents[child] += 1
 
     @staticmethod
     def _published_dependencies(tasks: CurvatureTasks) -> dict[Op, tuple[Op, ...]]:
@@ -145,8 +146,13 @@ class _Greedy:
             )
         return extra
 
-    def run(self, max_steps: int, curvature_until: int | None) -> Placed:
+    def run(self, max_steps: int, curvature_until: int | None = None) -> Placed:
+        """One pass over up to `max_steps` steps, curvature only in steps <= `curvature_until`
+        where given (see `place`)."""
         num_ranks = len(self.windows.free)
+        self.head = [0] * len(self.ops)
+        self.release = [0.0] * len(self.ops)
+        self.missing = list(self.parents)
         self.pending: list[list[tuple]] = [[] for _ in range(num_ranks)]  # (release, unit)
         self.ready: list[list[tuple]] = [[] for _ in range(num_ranks)]
         self.placed: dict[Op, Placement] = {}

@@ -101,13 +101,13 @@ def stage_parameters(layout: Layout, sizes: ModelSizes) -> tuple[int, ...]:
 
 
 _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
+_HEAVIEST: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
 
-def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple[RankMemory, ...]:
-    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD), shard 0 of
-    tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
+def _state_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
+    """What `state_per_rank` depends on (not the micro-batches)."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
-    key = (
+    return (
         layout.schedule,
         layout.stages,
         layout.chunks,
@@ -120,12 +120,40 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
         first_order,
         momentum,
     )
+
+
+def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple[RankMemory, ...]:
+    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD), shard 0 of
+    tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
+    key = _state_key(layout, sizes, first_order, momentum)
     if key not in _STATES:
+        powersgd = key[6]
         states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method)
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
         optimizer = _optimizer(layout.method, first_order, momentum)
         _STATES[key] = rank_memory(topology, states, optimizer, int(layout.zero), powersgd_rank=powersgd)
     return _STATES[key]
+
+
+def _heaviest_states(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float
+) -> tuple[tuple[int, int], ...]:
+    """Per pipeline position (ranks equal modulo the pipeline's), (the lowest rank of the most
+    state bytes there, those bytes), by rank: the ranks at a position share their activations,
+    so the rank with the most bytes overall is one of these (the lowest of ties, as a scan over
+    every rank finds). Cached with the states."""
+    key = _state_key(layout, sizes, first_order, momentum)
+    if key not in _HEAVIEST:
+        states = state_per_rank(layout, sizes, first_order, momentum)
+        pipeline = layout.build_schedule().num_ranks
+        best: dict[int, tuple[int, int]] = {}
+        for rank, state in enumerate(states):
+            total = state.total_bytes
+            held = best.get(rank % pipeline)
+            if held is None or total > held[1]:
+                best[rank % pipeline] = (rank, total)
+        _HEAVIEST[key] = tuple(sorted(best.values()))
+    return _HEAVIEST[key]
 
 
 @lru_cache(maxsize=4096)
@@ -149,12 +177,15 @@ def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp3
 def layout_memory(
     layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32"
 ) -> MemoryUse:
-    """The rank with the most bytes before any curvature plan: state + activations."""
-    states = state_per_rank(layout, sizes, first_order, momentum)
+    """The rank with the most bytes before any curvature plan: state + activations (the first of
+    ties, by rank; over `_heaviest_states`' ranks)."""
     activations = activation_per_rank(layout, sizes, precision)
     pipeline = len(activations)
     return max(
-        (MemoryUse(rank, states[rank].total_bytes, activations[rank % pipeline]) for rank in range(len(states))),
+        (
+            MemoryUse(rank, total, activations[rank % pipeline])
+            for rank, total in _heaviest_states(layout, sizes, first_order, momentum)
+        ),
         key=lambda found: found.total,
     )
 
