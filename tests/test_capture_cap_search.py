@@ -32,6 +32,8 @@ def test_captures_fall_with_until_and_the_bisection_picks_what_a_scan_picks(name
     for until in range(k - 1, -2, -1):
         tail, spread = capped_builds(packing, k, until, ("tail", "spread"))
         assert _peak(tail.plan, profile) == _peak(spread.plan, profile), "captures do not depend on the leftovers"
+        placed = packing.greedy("fill").run(k, curvature_until=until)
+        assert _peak(packing.builder.capture_order(placed, k), profile) == _peak(tail.plan, profile)
         peaks.append(_peak(tail.plan, profile))
     assert peaks == sorted(peaks, reverse=True), "captures held never rise as until falls"
     assert peaks[0] > peaks[-1], "the case moves curvature"

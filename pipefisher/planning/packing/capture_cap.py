@@ -35,7 +35,8 @@ def fit_capture(packing: Packing, chosen: Candidate, cap_bytes: int) -> tuple[Ca
     k = chosen.refresh_steps
 
     def fits(until: int) -> bool:
-        return peak(capped_builds(packing, k, until, ("tail",))[0].plan) <= cap_bytes
+        placed = packing.greedy(packing.options.strategy).run(k, curvature_until=until)
+        return peak(packing.builder.capture_order(placed, k)) <= cap_bytes
 
     low, high = -1, k - 1  # invariant once past the ends: fits(low), not fits(high)
     if fits(high):

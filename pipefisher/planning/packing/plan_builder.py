@@ -76,6 +76,15 @@ class PlanBuilder:
         irregular = frozenset(kept[op].slot.step for op in left + collectives) | frozenset(weights)
         return Built(self.assemble(kept, refresh_steps, weights), left, irregular)
 
+    def capture_order(self, placed: Placed, refresh_steps: int) -> Plan:
+        """`plan(placed, refresh_steps, leftovers, eager_curvature=True)` less the tasks that are
+        neither placed nor curvature and less the collectives: every other op in the same order
+        (what `pipefisher.planning.memory.captures` reads), for less work."""
+        kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}
+        curvature = [op for op in self.rank_of if op.kind in CURVATURE_KINDS and op not in kept]
+        self._place_eagerly(kept, sorted(curvature, key=self._topological_key))
+        return self.assemble(kept, refresh_steps)
+
     def assemble(
         self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None
     ) -> Plan:
@@ -203,8 +212,12 @@ class PlanBuilder:
             kept[op] = Placement(slot, start, start + self.tasks.durations(op))
 
     def _first_order_placement(self, op: Op) -> Placement:
-        iv = self.fo[op]
-        return Placement(Slot(0, iv.start, 0, 0), iv.start, iv.end)
+        return self._first_order_placements[op]
+
+    @cached_property
+    def _first_order_placements(self) -> dict[Op, Placement]:
+        """Each forward/backward's placement in step 0."""
+        return {op: Placement(Slot(0, iv.start, 0, 0), iv.start, iv.end) for op, iv in self.fo.items()}
 
     def _topological_key(self, op: Op) -> tuple[int, int]:
         """Curvature, then inverses, then the rest; within each, `tasks.cycle` order (a chain's

@@ -14,7 +14,7 @@ schedule's peak) and the point-to-point buffers (`pipefisher.planning.memory.pea
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipefisher.core.profile import Profile
@@ -156,11 +156,18 @@ def _heaviest_states(
     return _HEAVIEST[key]
 
 
-@lru_cache(maxsize=4096)
 def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp32") -> tuple[int, ...]:
     """Per rank of one pipeline, activation bytes at the schedule's peak
     (`pipefisher.planning.memory.activations.activation_peaks`, with each backward's transient
-    bytes) plus its point-to-point buffers (`comm_buffer_bytes`)."""
+    bytes) plus its point-to-point buffers (`comm_buffer_bytes`). Cached on the pipeline alone
+    (layouts that differ in data parallelism, gradient path or method share it)."""
+    pipeline = replace(layout, data_parallel=1, zero=0, powersgd_rank=0, method="", refresh_steps=0)
+    return _pipeline_activations(pipeline, sizes, precision)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline_activations(layout: Layout, sizes: ModelSizes, precision: str) -> tuple[int, ...]:
+    """`activation_per_rank` of a layout reduced to its pipeline."""
     schedule = layout.build_schedule()
     shape = sizes.shape
     kept, pending, transient = stage_activation_bytes(
