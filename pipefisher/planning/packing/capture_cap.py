@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.plan_builder import Built, Leftovers
+from pipefisher.planning.packing.windows import Placed
 from pipefisher.planning.plan import Plan
 
 if TYPE_CHECKING:  # (pack.py imports this module)
@@ -33,16 +34,17 @@ def fit_capture(packing: Packing, chosen: Candidate, cap_bytes: int) -> tuple[Ca
         return chosen, ""
     cap = f"{cap_bytes / 2**20:.1f} MiB"
     k = chosen.refresh_steps
+    placements: dict[int, Placed] = {}
 
     def fits(until: int) -> bool:
-        placed = packing.greedy(packing.options.strategy).run(k, curvature_until=until)
-        return peak(packing.builder.capture_order(placed, k)) <= cap_bytes
+        placements[until] = packing.greedy(packing.options.strategy).run(k, curvature_until=until)
+        return peak(packing.builder.capture_order(placements[until], k)) <= cap_bytes
 
     low, high = -1, k - 1  # invariant once past the ends: fits(low), not fits(high)
     if fits(high):
         low = high
     elif not fits(low):
-        best = capped_plan(packing, k, low)
+        best = capped_plan(packing, k, low, placements[low])
         return (
             best,
             f"captures cannot fit {cap}: even with all curvature right after its forward/backward they peak at {peak(best.plan) / 2**20:.1f} MiB",
@@ -52,23 +54,27 @@ def fit_capture(packing: Packing, chosen: Candidate, cap_bytes: int) -> tuple[Ca
         low, high = (middle, high) if fits(middle) else (low, middle)
     where = f"in steps <= {low}" if low >= 0 else "right after its forward/backward"
     how = "what misses the bubbles right after its latest dependency" if low >= 0 else "none in the bubbles"
-    return capped_plan(packing, k, low), f"curvature {where} ({how}) to hold at most {cap} of captures"
+    return capped_plan(packing, k, low, placements[low]), f"curvature {where} ({how}) to hold at most {cap} of captures"
 
 
-def capped_builds(packing: Packing, refresh_steps: int, until: int, policies: tuple[Leftovers, ...]) -> list[Built]:
+def capped_builds(
+    packing: Packing, refresh_steps: int, until: int, policies: tuple[Leftovers, ...], placed: Placed | None = None
+) -> list[Built]:
     """The plans with `refresh_steps` steps whose curvature the greedy places only in steps <=
     `until` (-1: none in bubbles), the rest right after its latest dependency; one per leftover
     policy. Their captures are the same: only the other tasks differ. (The greedy runs
-    `refresh_steps` steps: what it would place later is not kept.)"""
-    placed = packing.greedy(packing.options.strategy).run(refresh_steps, curvature_until=until)
+    `refresh_steps` steps: what it would place later is not kept; `placed`: that run, where done.)"""
+    if placed is None:
+        placed = packing.greedy(packing.options.strategy).run(refresh_steps, curvature_until=until)
     return [packing.builder.plan(placed, refresh_steps, policy, eager_curvature=True) for policy in policies]
 
 
-def capped_plan(packing: Packing, refresh_steps: int, until: int) -> Candidate:
+def capped_plan(packing: Packing, refresh_steps: int, until: int, placed: Placed | None = None) -> Candidate:
     """The faster of `capped_builds`' plans with leftovers at the end and spread."""
     where = f"in steps <= {until}" if until >= 0 else "right after its forward/backward"
     source = f"{packing.options.strategy}, curvature {where}"
     candidates = [
-        packing.evaluate(built, source) for built in capped_builds(packing, refresh_steps, until, ("tail", "spread"))
+        packing.evaluate(built, source)
+        for built in capped_builds(packing, refresh_steps, until, ("tail", "spread"), placed)
     ]
     return min(candidates, key=lambda c: c.cycle_time)

@@ -39,7 +39,7 @@ class Built(NamedTuple):
     irregular: frozenset[int]
 
 
-_first, _second = itemgetter(0), itemgetter(1)
+_first, _second, _end = itemgetter(0), itemgetter(1), itemgetter(2)
 _PHASE = {OpKind.CURVATURE: 0, OpKind.REFRESH: 1}
 
 
@@ -201,15 +201,23 @@ class PlanBuilder:
         """Curvature right after its latest dependency (its forward/backward of step 0, or the
         previous micro-batch's curvature of the factor), extending that step: after the
         forward/backward itself, or at the end of the window its predecessor ran in."""
+        first_order, dependencies, durations = (
+            self._first_order_placements,
+            self.tasks.graph.dependencies,
+            self.tasks.durations,
+        )
         for sequence, op in enumerate(curvature, start=1):
-            slots = [
-                kept[dep] if dep in kept else self._first_order_placement(dep)
-                for dep in self.tasks.graph.dependencies(op)
-            ]
-            latest = max(slots, key=lambda p: p.slot)
-            start = max(p.end for p in slots)
-            slot = latest.slot._replace(sequence=sequence if latest.slot.phase == 0 else 10**9 + sequence)
-            kept[op] = Placement(slot, start, start + self.tasks.durations(op))
+            slots = [kept.get(dep) or first_order[dep] for dep in dependencies(op)]
+            latest = max(slots, key=_first).slot
+            start = max(map(_end, slots))
+            slot = Slot(
+                latest.step,
+                latest.window,
+                latest.phase,
+                sequence if latest.phase == 0 else 10**9 + sequence,
+                latest.launch,
+            )
+            kept[op] = Placement(slot, start, start + durations(op))
 
     def _first_order_placement(self, op: Op) -> Placement:
         return self._first_order_placements[op]
