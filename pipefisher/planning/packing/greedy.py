@@ -69,9 +69,31 @@ class Greedy:
     strategy and weight policy; each `run` is one independent pass (it resets all it changes), so
     runs with other horizons or curvature limits reuse the units and their dependencies."""
 
+    #: per unit: its tasks, their work and cycle index (the tie-break), its rank, whether it is a
+    #: curvature chain or a collective, and per task when its first-step input is ready
+    ops: list[list[Op]]
+    work: list[list[float]]
+    index: list[list[int]]
+    unit_of: dict[Op, int]
+    rank: list[int]
+    curvature: list[bool]
+    collective: list[bool]
+    op_release: list[list[float]]
+    #: per unit: the units waiting for it, with their delay, and how many units it waits for
+    children: list[list[tuple[int, float]]]
+    parents: list[int]
+
     def __init__(
-        self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy
+        self,
+        tasks: CurvatureTasks,
+        first_order: Timeline,
+        windows: Windows,
+        strategy: Strategy,
+        weights: WeightPolicy,
+        like: Greedy | None = None,
     ):
+        """`like`: a greedy of the same tasks and first-order timeline (another strategy or weight
+        policy) whose units, and dependencies where its strategy is the same, are taken as they are."""
         if windows.weights is None:
             weights = "fixed"
         self.published = strategy == "published"
@@ -80,12 +102,21 @@ class Greedy:
         self.movable = windows.weights if weights != "fixed" else None
         self.weights_first = weights == "first"
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
-        self.ops: list[list[Op]] = []
-        unit_of: dict[Op, int] = {}
+        if like is None:
+            self._build_units(tasks, first_order)
+        else:
+            self.ops, self.work, self.index, self.unit_of = like.ops, like.work, like.index, like.unit_of
+            self.rank, self.curvature, self.collective = like.rank, like.curvature, like.collective
+            self.op_release = like.op_release
+        if like is not None and like.published == self.published:
+            self.children, self.parents = like.children, like.parents
+        else:
+            self._build_dependencies(tasks)
+
+    def _build_units(self, tasks: CurvatureTasks, first_order: Timeline) -> None:
+        """The units of `tasks.cycle` and their tasks' releases on the `first_order` timeline."""
+        self.ops, self.unit_of, self.work, self.index = [], {}, [], []
         chains: dict[tuple | Op, int] = {}
-        #: per unit, per task: its work and its cycle index (the tie-break)
-        self.work: list[list[float]] = []
-        self.index: list[list[int]] = []
         all_ops = (op for ops in tasks.cycle for op in ops)
         for index, (op, work) in enumerate(zip(all_ops, (w for works in tasks.cycle_work for w in works))):
             key = (op.kind, op.part, op.pipe, op.stage, op.layer) if op.kind in CURVATURE_KINDS else op
@@ -97,17 +128,21 @@ class Greedy:
             self.ops[unit].append(op)
             self.work[unit].append(work)
             self.index[unit].append(index)
-            unit_of[op] = unit
-        placement, durations = tasks.schedule.placement, tasks.durations
+            self.unit_of[op] = unit
+        placement = tasks.schedule.placement
         self.rank = [placement[(ops[0].pipe, ops[0].stage)] for ops in self.ops]
         self.curvature = [ops[0].kind in CURVATURE_KINDS for ops in self.ops]
         self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
-        #: per unit, per task: when its first-step input is ready
         fo_end = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
         self.op_release = [
             [max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
             for ops in self.ops
         ]
+
+    def _build_dependencies(self, tasks: CurvatureTasks) -> None:
+        """Per unit, the units waiting for it with their delay (`children`), and how many units
+        it waits for (`parents`, before a run places any)."""
+        unit_of, durations = self.unit_of, tasks.durations
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
         for unit, ops in enumerate(self.ops):
@@ -123,7 +158,6 @@ class Greedy:
                     delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
                     children[parent][unit] = max(children[parent].get(unit, 0.0), delay)
         self.children = [list(found.items()) for found in children]
-        #: per unit, how many units it waits for (before a run places any)
         self.parents = [0] * len(self.ops)
         for found in self.children:
             for child, _ in found:

@@ -94,7 +94,8 @@ class _Packing:
         """The greedy with `strategy` and W ops placed by `weights` (built once, run as needed)."""
         key = (strategy, weights)
         if key not in self._greedy:
-            self._greedy[key] = Greedy(self.tasks, self.first_order, self.windows, strategy, weights)
+            like = next(iter(self._greedy.values()), None)  # (its units are the same)
+            self._greedy[key] = Greedy(self.tasks, self.first_order, self.windows, strategy, weights, like)
         return self._greedy[key]
 
     def placed(self, strategy: Strategy, weights: WeightPolicy = "fixed") -> Placed:
