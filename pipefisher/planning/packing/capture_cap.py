@@ -40,18 +40,19 @@ def fit_capture(packing: Packing, chosen: Candidate, cap_bytes: int) -> tuple[Ca
         placements[until] = packing.greedy(packing.options.strategy).run(k, curvature_until=until)
         return peak(packing.builder.capture_order(placements[until], k)) <= cap_bytes
 
-    low, high = -1, k - 1  # invariant once past the ends: fits(low), not fits(high)
-    if fits(high):
+    low, high = -1, k - 1
+    if not fits(high):
+        while high - low > 1:  # high does not fit; low fits, or is -1 (asked last, if it is the answer)
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        if low == -1 and not fits(low):
+            best = capped_plan(packing, k, low, placements[low])
+            return (
+                best,
+                f"captures cannot fit {cap}: even with all curvature right after its forward/backward they peak at {peak(best.plan) / 2**20:.1f} MiB",
+            )
+    else:
         low = high
-    elif not fits(low):
-        best = capped_plan(packing, k, low, placements[low])
-        return (
-            best,
-            f"captures cannot fit {cap}: even with all curvature right after its forward/backward they peak at {peak(best.plan) / 2**20:.1f} MiB",
-        )
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
     where = f"in steps <= {low}" if low >= 0 else "right after its forward/backward"
     how = "what misses the bubbles right after its latest dependency" if low >= 0 else "none in the bubbles"
     return capped_plan(packing, k, low, placements[low]), f"curvature {where} ({how}) to hold at most {cap} of captures"
