@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from pipefisher.config import load_config
 from pipefisher.core.profile import load_profile
-from pipefisher.planning.planner.candidates import SearchSpace
+from pipefisher.planning.planner.candidates import Layout, SearchSpace
+from pipefisher.planning.planner.layout_memory import MemoryUse, activation_per_rank, layout_memory, state_per_rank
+from pipefisher.planning.planner.model_sizes import model_sizes
 from pipefisher.planning.planner.pack_cache import PACKINGS
 from pipefisher.planning.planner.predict import layout_profile, pack_options, predict
 from pipefisher.planning.planner.run_layout import run_layout
@@ -65,3 +69,28 @@ def test_packing_runs_once_per_distinct_stage_profile() -> None:
         predict(item, context)
     assert PACKINGS.misses == len(keys) == 3
     assert PACKINGS.hits == len(layouts) - len(keys)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(4, 2, 1, "1f1b", 1, 8, 8, zero=1, method="kfac"),
+        Layout(4, 2, 2, "chimera", 1, 8, 8, method="kfac"),
+        Layout(2, 4, 1, "gpipe", 1, 4, 8, zero=1, method="adamw"),
+        Layout(4, 2, 1, "chimera", 1, 8, 8, zero=3, method="adamw"),
+        Layout(2, 3, 1, "interleaved", 2, 4, 8, powersgd_rank=4, method="sgd"),
+    ],
+    ids=lambda layout: layout.describe(),
+)
+def test_layout_memory_is_the_rank_a_scan_over_every_rank_finds(layout: Layout) -> None:
+    """`layout_memory` looks at one rank per pipeline position (the heaviest state there): the
+    same rank and bytes as the maximum over every rank (first of ties)."""
+    sizes = model_sizes(load_config("schedules/bert-base-1f1b-4x4.yaml"))
+    states = state_per_rank(layout, sizes, "adamw", 0.9)
+    activations = activation_per_rank(layout, sizes)
+    scanned = max(
+        (MemoryUse(rank, state.total_bytes, activations[rank % len(activations)]) for rank, state in enumerate(states)),
+        key=lambda use: use.total,
+    )
+    assert len(states) == layout.stages * layout.data_parallel
+    assert layout_memory(layout, sizes, "adamw", 0.9) == scanned

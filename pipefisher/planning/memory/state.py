@@ -245,94 +245,122 @@ def rank_memory(
         raise ValueError(f"zero: {zero} is not a ZeRO stage; use 0, 1, 2 or 3")
     if powersgd_rank and any(len(stage.shapes) != len(stage.parameters) for stage in stages):
         raise ValueError("powersgd_rank: the stages' parameter shapes are needed (StageState.shapes)")
-    owners = {}
+    replica_ranks = [topology.replica_ranks(index) for index in range(len(stages))]
+    #: per stage, its optimizer bytes per owning rank (ZeRO-1), else None: every copy holds all
+    owned: list[dict[int, int] | None] = []
     for index, stage in enumerate(stages):
-        ranks = topology.replica_ranks(index)
-        owners[index] = shard_owners(stage.parameters, ranks) if zero == 1 else None
+        if zero != 1:
+            owned.append(None)
+            continue
+        found: dict[int, int] = dict.fromkeys(replica_ranks[index], 0)
+        for number, owner in enumerate(shard_owners(stage.parameters, replica_ranks[index])):
+            found[owner] += optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number))
+        owned.append(found)
+    copies: dict[tuple[int, int, int], StageMemory] = {}  # (pipe, stage, rank or -1: any) -> its bytes
     result = []
     for rank in range(topology.world_size):
         parts = []
         for pipe, index in topology.stages_of(rank):
-            stage = stages[index]
-            ranks = topology.replica_ranks(index)
-            replicas = len(ranks)
+            ranks = replica_ranks[index]
             grid = (
                 GradWorkers(ranks, workers_per_layer)
-                if workers_per_layer is not None and workers_per_layer < replicas
+                if workers_per_layer is not None and workers_per_layer < len(ranks)
                 else None
             )
-            owner = owners[index]
-            mine = [number for number in range(len(stage.parameters)) if owner is None or owner[number] == rank]
-            gradient_bytes = stage.numel * widths.gradient
-            parameter_bytes = stage.numel * widths.parameter
-            if zero == 1:  # reduce-scatter to the owners, then the owners' all-gather of parameters
-                traffic = ring_bytes("reduce", gradient_bytes, replicas) + ring_bytes(
-                    "broadcast", parameter_bytes, replicas
-                )
-            elif powersgd_rank:
-                elements = sum(powersgd_elements(shape, powersgd_rank) for shape in stage.shapes)
-                traffic = ring_bytes("all_reduce", elements * widths.gradient, replicas)
-            else:
-                traffic = ring_bytes("all_reduce", gradient_bytes, replicas)
-            compression = (
-                powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
-            )
-            optimizer_bytes = sum(
-                optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number)) for number in mine
-            )
-            gathered, per_op, unreduced = 0, False, 0
-            pipes = topology.schedule.num_pipes
-            if zero > 1 and replicas > 1:  # FSDP2 wraps replicated stages only, over a pipe's copies
-                sharded = sharded_stage(
-                    stage.parameters,
-                    stage.shapes,
-                    stage.blocks,
-                    replicas // pipes,
-                    zero,
-                    topology.schedule.num_micro_batches,
-                    widths.parameter,
-                    widths.gradient,
-                )
-                parameter_bytes, gradient_bytes, traffic = (
-                    sharded.parameter_bytes,
-                    sharded.gradient_bytes,
-                    # Chimera: each shard then summed over the pipes (``grad_pipes``)
-                    sharded.traffic + ring_bytes("all_reduce", sharded.gradient_bytes, pipes),
-                )
-                optimizer_bytes = sum(
-                    optimizer.tensor_bytes(shard, stage.preconditions(number))
-                    for number, shard in enumerate(sharded.shards)
-                )
-                gathered, per_op, unreduced = sharded.gathered_bytes, sharded.per_op, sharded.unreduced_bytes
-            curvature = 0
-            if optimizer.curvature:
-                curvature = sum(
-                    layer.state_bytes(widths.factor, grid is None or grid.works_for(rank, number))
-                    for number, layer in enumerate(stage.curvature_layers)
-                )
-                if grid is not None:  # each layer's preconditioned gradient
-                    traffic += sum(
-                        ring_bytes("broadcast", layer.gradient_elements * widths.gradient, grid.block_size)
-                        for layer in stage.curvature_layers
-                    )
-            parts.append(
-                StageMemory(
-                    pipe,
-                    index,
-                    replicas,
-                    parameter_bytes,
-                    gradient_bytes,
-                    optimizer_bytes,
-                    curvature,
-                    traffic,
-                    compression,
-                    gathered,
-                    per_op,
-                    unreduced,
-                )
-            )
+            key = (pipe, index, rank if grid is not None or owned[index] is not None else -1)
+            if key not in copies:
+                mine = owned[index]
+                copies[key] = _stage_copy(
+                    topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
+                    ranks, grid, None if mine is None else mine.get(rank, 0),
+                )  # fmt: skip
+            parts.append(copies[key])
         result.append(RankMemory(rank, tuple(parts)))
     return tuple(result)
+
+
+def _stage_copy(
+    topology: Topology,
+    stage: StageState,
+    optimizer: OptimizerState,
+    zero: int,
+    widths: ElementBytes,
+    powersgd_rank: int,
+    where: tuple[int, int, int],
+    ranks: tuple[int, ...],
+    grid: GradWorkers | None,
+    owned_bytes: int | None,
+) -> StageMemory:
+    """`rank_memory`'s bytes of one copy of `stage` at `where` (pipe, stage index, rank), held by
+    `ranks`; `owned_bytes`: the optimizer bytes of the parameters the rank owns (ZeRO-1), None:
+    it keeps all."""
+    pipe, index, rank = where
+    replicas = len(ranks)
+    gradient_bytes = stage.numel * widths.gradient
+    parameter_bytes = stage.numel * widths.parameter
+    if zero == 1:  # reduce-scatter to the owners, then the owners' all-gather of parameters
+        traffic = ring_bytes("reduce", gradient_bytes, replicas) + ring_bytes("broadcast", parameter_bytes, replicas)
+    elif powersgd_rank:
+        elements = sum(powersgd_elements(shape, powersgd_rank) for shape in stage.shapes)
+        traffic = ring_bytes("all_reduce", elements * widths.gradient, replicas)
+    else:
+        traffic = ring_bytes("all_reduce", gradient_bytes, replicas)
+    compression = (
+        powersgd_state_bytes(stage.shapes, powersgd_rank, widths.gradient) if powersgd_rank and not zero else 0
+    )
+    optimizer_bytes = (
+        sum(optimizer.tensor_bytes(numel, stage.preconditions(number)) for number, numel in enumerate(stage.parameters))
+        if owned_bytes is None
+        else owned_bytes
+    )
+    gathered, per_op, unreduced = 0, False, 0
+    pipes = topology.schedule.num_pipes
+    if zero > 1 and replicas > 1:  # FSDP2 wraps replicated stages only, over a pipe's copies
+        sharded = sharded_stage(
+            stage.parameters,
+            stage.shapes,
+            stage.blocks,
+            replicas // pipes,
+            zero,
+            topology.schedule.num_micro_batches,
+            widths.parameter,
+            widths.gradient,
+        )
+        parameter_bytes, gradient_bytes, traffic = (
+            sharded.parameter_bytes,
+            sharded.gradient_bytes,
+            # Chimera: each shard then summed over the pipes (``grad_pipes``)
+            sharded.traffic + ring_bytes("all_reduce", sharded.gradient_bytes, pipes),
+        )
+        optimizer_bytes = sum(
+            optimizer.tensor_bytes(shard, stage.preconditions(number)) for number, shard in enumerate(sharded.shards)
+        )
+        gathered, per_op, unreduced = sharded.gathered_bytes, sharded.per_op, sharded.unreduced_bytes
+    curvature = 0
+    if optimizer.curvature:
+        curvature = sum(
+            layer.state_bytes(widths.factor, grid is None or grid.works_for(rank, number))
+            for number, layer in enumerate(stage.curvature_layers)
+        )
+        if grid is not None:  # each layer's preconditioned gradient
+            traffic += sum(
+                ring_bytes("broadcast", layer.gradient_elements * widths.gradient, grid.block_size)
+                for layer in stage.curvature_layers
+            )
+    return StageMemory(
+        pipe,
+        index,
+        replicas,
+        parameter_bytes,
+        gradient_bytes,
+        optimizer_bytes,
+        curvature,
+        traffic,
+        compression,
+        gathered,
+        per_op,
+        unreduced,
+    )
 
 
 def powersgd_state_bytes(shapes: Sequence[tuple[int, ...]], rank: int, element_bytes: int = 4) -> int:

@@ -57,33 +57,66 @@ def place(
     """Place the cycle's tasks over up to `max_steps` steps; tasks left unplaced are absent.
     Curvature is placed only in steps <= `curvature_until` when given. `weights`: how W ops are
     placed (see the module docstring; ``fixed`` where the schedule has none)."""
-    if windows.weights is None:
-        weights = "fixed"
-    return _Greedy(tasks, first_order, windows, strategy, weights).run(max_steps, curvature_until)
+    return Greedy(tasks, first_order, windows, strategy, weights).run(max_steps, curvature_until)
 
 
-class _Greedy:
-    """One greedy pass over *units*: a unit is one task, or the curvature chain of one factor of
-    one layer (its micro-batches in order, each after the previous one). Only a chain's next task
-    is ready at a time, so placing a chain's tasks one after another while they stay the best
-    choice is the same as choosing task by task, at a fraction of the cost. Units are numbered in
-    `tasks.cycle` order of their first task (a topological order)."""
+class Greedy:
+    """The greedy over *units*: a unit is one task, or the curvature chain of one factor of one
+    layer (its micro-batches in order, each after the previous one). Only a chain's next task is
+    ready at a time, so placing a chain's tasks one after another while they stay the best choice
+    is the same as choosing task by task, at a fraction of the cost. Units are numbered in
+    `tasks.cycle` order of their first task (a topological order). Built once per task set,
+    strategy and weight policy; each `run` is one independent pass (it resets all it changes), so
+    runs with other horizons or curvature limits reuse the units and their dependencies."""
+
+    #: per unit: its tasks, their work and cycle index (the tie-break), its rank, whether it is a
+    #: curvature chain or a collective, and per task when its first-step input is ready
+    ops: list[list[Op]]
+    work: list[list[float]]
+    index: list[list[int]]
+    unit_of: dict[Op, int]
+    rank: list[int]
+    curvature: list[bool]
+    collective: list[bool]
+    op_release: list[list[float]]
+    #: per unit: the units waiting for it, with their delay, and how many units it waits for
+    children: list[list[tuple[int, float]]]
+    parents: list[int]
 
     def __init__(
-        self, tasks: CurvatureTasks, first_order: Timeline, windows: Windows, strategy: Strategy, weights: WeightPolicy
+        self,
+        tasks: CurvatureTasks,
+        first_order: Timeline,
+        windows: Windows,
+        strategy: Strategy,
+        weights: WeightPolicy,
+        like: Greedy | None = None,
     ):
+        """`like`: a greedy of the same tasks and first-order timeline (another strategy or weight
+        policy) whose units, and dependencies where its strategy is the same, are taken as they are."""
+        if windows.weights is None:
+            weights = "fixed"
         self.published = strategy == "published"
         self.windows = windows
         #: the W ops' bounds when they move (None: fixed), and whether they go first
         self.movable = windows.weights if weights != "fixed" else None
         self.weights_first = weights == "first"
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
-        self.ops: list[list[Op]] = []
-        unit_of: dict[Op, int] = {}
+        if like is None:
+            self._build_units(tasks, first_order)
+        else:
+            self.ops, self.work, self.index, self.unit_of = like.ops, like.work, like.index, like.unit_of
+            self.rank, self.curvature, self.collective = like.rank, like.curvature, like.collective
+            self.op_release = like.op_release
+        if like is not None and like.published == self.published:
+            self.children, self.parents = like.children, like.parents
+        else:
+            self._build_dependencies(tasks)
+
+    def _build_units(self, tasks: CurvatureTasks, first_order: Timeline) -> None:
+        """The units of `tasks.cycle` and their tasks' releases on the `first_order` timeline."""
+        self.ops, self.unit_of, self.work, self.index = [], {}, [], []
         chains: dict[tuple | Op, int] = {}
-        #: per unit, per task: its work and its cycle index (the tie-break)
-        self.work: list[list[float]] = []
-        self.index: list[list[int]] = []
         all_ops = (op for ops in tasks.cycle for op in ops)
         for index, (op, work) in enumerate(zip(all_ops, (w for works in tasks.cycle_work for w in works))):
             key = (op.kind, op.part, op.pipe, op.stage, op.layer) if op.kind in CURVATURE_KINDS else op
@@ -95,21 +128,23 @@ class _Greedy:
             self.ops[unit].append(op)
             self.work[unit].append(work)
             self.index[unit].append(index)
-            unit_of[op] = unit
-        placement, durations = tasks.schedule.placement, tasks.durations
+            self.unit_of[op] = unit
+        placement = tasks.schedule.placement
         self.rank = [placement[(ops[0].pipe, ops[0].stage)] for ops in self.ops]
-        self.head = [0] * len(self.ops)
         self.curvature = [ops[0].kind in CURVATURE_KINDS for ops in self.ops]
         self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
-        #: per unit, per task: when its first-step input is ready
         fo_end = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
         self.op_release = [
             [max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
             for ops in self.ops
         ]
+
+    def _build_dependencies(self, tasks: CurvatureTasks) -> None:
+        """Per unit, the units waiting for it with their delay (`children`), and how many units
+        it waits for (`parents`, before a run places any)."""
+        unit_of, durations = self.unit_of, tasks.durations
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
-        self.release = [0.0] * len(self.ops)
         for unit, ops in enumerate(self.ops):
             if self.curvature[unit]:
                 continue  # a chain waits for its first-step inputs (op_release) and itself only
@@ -123,10 +158,10 @@ class _Greedy:
                     delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
                     children[parent][unit] = max(children[parent].get(unit, 0.0), delay)
         self.children = [list(found.items()) for found in children]
-        self.missing = [0] * len(self.ops)
+        self.parents = [0] * len(self.ops)
         for found in self.children:
             for child, _ in found:
-                self.missing[child] += 1
+                self.parents[child] += 1
 
     @staticmethod
     def _published_dependencies(tasks: CurvatureTasks) -> dict[Op, tuple[Op, ...]]:
@@ -145,8 +180,13 @@ class _Greedy:
             )
         return extra
 
-    def run(self, max_steps: int, curvature_until: int | None) -> Placed:
+    def run(self, max_steps: int, curvature_until: int | None = None) -> Placed:
+        """One pass over up to `max_steps` steps, curvature only in steps <= `curvature_until`
+        where given (see `place`)."""
         num_ranks = len(self.windows.free)
+        self.head = [0] * len(self.ops)
+        self.release = [0.0] * len(self.ops)
+        self.missing = list(self.parents)
         self.pending: list[list[tuple]] = [[] for _ in range(num_ranks)]  # (release, unit)
         self.ready: list[list[tuple]] = [[] for _ in range(num_ranks)]
         self.placed: dict[Op, Placement] = {}

@@ -33,8 +33,9 @@ from functools import cached_property
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.memory.captures import capture_peaks
-from pipefisher.planning.packing.greedy import STRATEGIES, Strategy, place
+from pipefisher.planning.packing.greedy import STRATEGIES, Greedy, Strategy
 from pipefisher.planning.packing.windows import Placed, Windows, step_windows
+from pipefisher.planning.packing.capture_cap import fit_capture
 from pipefisher.planning.packing.bounds import lower_bounds, precondition_in_bubbles
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.plan_builder import Built, PlanBuilder
@@ -76,6 +77,7 @@ class _Packing:
         self.builder = PlanBuilder(tasks, first_order, self.windows)
         self.cache: dict = {}
         self._placed: dict[tuple[Strategy, WeightPolicy], Placed] = {}
+        self._greedy: dict[tuple[Strategy, WeightPolicy], Greedy] = {}
         #: how the fill greedy may place weight gradients besides where the schedule put them
         moving = options.move_weights and tasks.schedule.splits_backward
         self.weight_policies: tuple[WeightPolicy, ...] = ("first", "last") if moving else ()
@@ -88,11 +90,19 @@ class _Packing:
         """A step's time with preconditioning as its only K-FAC work."""
         return self.windows.preconditioned.step_time
 
+    def greedy(self, strategy: Strategy, weights: WeightPolicy = "fixed") -> Greedy:
+        """The greedy with `strategy` and W ops placed by `weights` (built once, run as needed)."""
+        key = (strategy, weights)
+        if key not in self._greedy:
+            like = next(iter(self._greedy.values()), None)  # (its units are the same)
+            self._greedy[key] = Greedy(self.tasks, self.first_order, self.windows, strategy, weights, like)
+        return self._greedy[key]
+
     def placed(self, strategy: Strategy, weights: WeightPolicy = "fixed") -> Placed:
         """The greedy's placement with `strategy` and W ops placed by `weights` (run once)."""
         key = (strategy, weights)
         if key not in self._placed:
-            self._placed[key] = place(self.tasks, self.first_order, self.windows, strategy, _HORIZON, weights=weights)
+            self._placed[key] = self.greedy(strategy, weights).run(_HORIZON)
         return self._placed[key]
 
     def natural(self, strategy: Strategy) -> int:
@@ -212,38 +222,6 @@ def _frontier(packing: _Packing, ks: list[int]) -> list[FrontierPoint]:
     ]
 
 
-def _fit_capture(packing: _Packing, chosen: _Candidate, cap_bytes: int) -> tuple[_Candidate, str]:
-    """The chosen plan, or one whose curvature runs earlier so that every device holds at most
-    `cap_bytes` of captures (confined to steps <= until, for until = k - 2 down to -1: none in
-    bubbles); and what was done."""
-
-    def peak(candidate: _Candidate) -> int:
-        return max(p.bytes for p in capture_peaks(candidate.plan, packing.tasks.profile))
-
-    if peak(chosen) <= cap_bytes:
-        return chosen, ""
-    cap = f"{cap_bytes / 2**20:.1f} MiB"
-    strategy = packing.options.strategy
-    for until in range(chosen.refresh_steps - 1, -2, -1):
-        where = f"in steps <= {until}" if until >= 0 else "right after its forward/backward"
-        placed = place(packing.tasks, packing.first_order, packing.windows, strategy, _HORIZON, curvature_until=until)
-        candidates = [
-            packing.evaluate(
-                packing.builder.plan(placed, chosen.refresh_steps, policy, eager_curvature=True),
-                f"{strategy}, curvature {where}",
-            )
-            for policy in ("tail", "spread")
-        ]
-        best = min(candidates, key=lambda c: c.cycle_time)
-        if peak(best) <= cap_bytes:
-            how = "what misses the bubbles right after its latest dependency" if until >= 0 else "none in the bubbles"
-            return best, f"curvature {where} ({how}) to hold at most {cap} of captures"
-    return (
-        best,
-        f"captures cannot fit {cap}: even with all curvature right after its forward/backward they peak at {peak(best) / 2**20:.1f} MiB",
-    )
-
-
 @contextmanager
 def _no_cyclic_gc() -> Iterator[None]:
     """Packing allocates ~10 objects per task and frees them by reference counting; the cyclic
@@ -289,7 +267,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
     chosen, frontier, reason = choose(packing, lower_bound)
     memory = ""
     if options.max_capture_mb is not None:
-        capped, memory = _fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
+        capped, memory = fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
         if capped is not chosen:  # the frontier and the reason are of the plans before the cap
             reason += (
                 f"; then the {options.max_capture_mb:g} MiB capture cap moved curvature earlier, at "

@@ -39,7 +39,7 @@ class Built(NamedTuple):
     irregular: frozenset[int]
 
 
-_first, _second = itemgetter(0), itemgetter(1)
+_first, _second, _end = itemgetter(0), itemgetter(1), itemgetter(2)
 _PHASE = {OpKind.CURVATURE: 0, OpKind.REFRESH: 1}
 
 
@@ -75,6 +75,15 @@ class PlanBuilder:
         collectives = self._place_collectives(kept, weights.get(0, {}))
         irregular = frozenset(kept[op].slot.step for op in left + collectives) | frozenset(weights)
         return Built(self.assemble(kept, refresh_steps, weights), left, irregular)
+
+    def capture_order(self, placed: Placed, refresh_steps: int) -> Plan:
+        """`plan(placed, refresh_steps, leftovers, eager_curvature=True)` less the tasks that are
+        neither placed nor curvature and less the collectives: every other op in the same order
+        (what `pipefisher.planning.memory.captures` reads), for less work."""
+        kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}
+        curvature = [op for op in self.rank_of if op.kind in CURVATURE_KINDS and op not in kept]
+        self._place_eagerly(kept, sorted(curvature, key=self._topological_key))
+        return self.assemble(kept, refresh_steps)
 
     def assemble(
         self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None
@@ -192,19 +201,31 @@ class PlanBuilder:
         """Curvature right after its latest dependency (its forward/backward of step 0, or the
         previous micro-batch's curvature of the factor), extending that step: after the
         forward/backward itself, or at the end of the window its predecessor ran in."""
+        first_order, dependencies, durations = (
+            self._first_order_placements,
+            self.tasks.graph.dependencies,
+            self.tasks.durations,
+        )
         for sequence, op in enumerate(curvature, start=1):
-            slots = [
-                kept[dep] if dep in kept else self._first_order_placement(dep)
-                for dep in self.tasks.graph.dependencies(op)
-            ]
-            latest = max(slots, key=lambda p: p.slot)
-            start = max(p.end for p in slots)
-            slot = latest.slot._replace(sequence=sequence if latest.slot.phase == 0 else 10**9 + sequence)
-            kept[op] = Placement(slot, start, start + self.tasks.durations(op))
+            slots = [kept.get(dep) or first_order[dep] for dep in dependencies(op)]
+            latest = max(slots, key=_first).slot
+            start = max(map(_end, slots))
+            slot = Slot(
+                latest.step,
+                latest.window,
+                latest.phase,
+                sequence if latest.phase == 0 else 10**9 + sequence,
+                latest.launch,
+            )
+            kept[op] = Placement(slot, start, start + durations(op))
 
     def _first_order_placement(self, op: Op) -> Placement:
-        iv = self.fo[op]
-        return Placement(Slot(0, iv.start, 0, 0), iv.start, iv.end)
+        return self._first_order_placements[op]
+
+    @cached_property
+    def _first_order_placements(self) -> dict[Op, Placement]:
+        """Each forward/backward's placement in step 0."""
+        return {op: Placement(Slot(0, iv.start, 0, 0), iv.start, iv.end) for op, iv in self.fo.items()}
 
     def _topological_key(self, op: Op) -> tuple[int, int]:
         """Curvature, then inverses, then the rest; within each, `tasks.cycle` order (a chain's

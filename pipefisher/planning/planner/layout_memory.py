@@ -14,7 +14,7 @@ schedule's peak) and the point-to-point buffers (`pipefisher.planning.memory.pea
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipefisher.core.profile import Profile
@@ -101,13 +101,13 @@ def stage_parameters(layout: Layout, sizes: ModelSizes) -> tuple[int, ...]:
 
 
 _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
+_HEAVIEST: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
 
-def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple[RankMemory, ...]:
-    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD), shard 0 of
-    tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
+def _state_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
+    """What `state_per_rank` depends on (not the micro-batches)."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
-    key = (
+    return (
         layout.schedule,
         layout.stages,
         layout.chunks,
@@ -120,7 +120,14 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
         first_order,
         momentum,
     )
+
+
+def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple[RankMemory, ...]:
+    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD), shard 0 of
+    tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
+    key = _state_key(layout, sizes, first_order, momentum)
     if key not in _STATES:
+        powersgd = key[6]
         states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method)
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
         optimizer = _optimizer(layout.method, first_order, momentum)
@@ -128,11 +135,39 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     return _STATES[key]
 
 
-@lru_cache(maxsize=4096)
+def _heaviest_states(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float
+) -> tuple[tuple[int, int], ...]:
+    """Per pipeline position (ranks equal modulo the pipeline's), (the lowest rank of the most
+    state bytes there, those bytes), by rank: the ranks at a position share their activations,
+    so the rank with the most bytes overall is one of these (the lowest of ties, as a scan over
+    every rank finds). Cached with the states."""
+    key = _state_key(layout, sizes, first_order, momentum)
+    if key not in _HEAVIEST:
+        states = state_per_rank(layout, sizes, first_order, momentum)
+        pipeline = layout.build_schedule().num_ranks
+        best: dict[int, tuple[int, int]] = {}
+        for rank, state in enumerate(states):
+            total = state.total_bytes
+            held = best.get(rank % pipeline)
+            if held is None or total > held[1]:
+                best[rank % pipeline] = (rank, total)
+        _HEAVIEST[key] = tuple(sorted(best.values()))
+    return _HEAVIEST[key]
+
+
 def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp32") -> tuple[int, ...]:
     """Per rank of one pipeline, activation bytes at the schedule's peak
     (`pipefisher.planning.memory.activations.activation_peaks`, with each backward's transient
-    bytes) plus its point-to-point buffers (`comm_buffer_bytes`)."""
+    bytes) plus its point-to-point buffers (`comm_buffer_bytes`). Cached on the pipeline alone
+    (layouts that differ in data parallelism, gradient path or method share it)."""
+    pipeline = replace(layout, data_parallel=1, zero=0, powersgd_rank=0, method="", refresh_steps=0)
+    return _pipeline_activations(pipeline, sizes, precision)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline_activations(layout: Layout, sizes: ModelSizes, precision: str) -> tuple[int, ...]:
+    """`activation_per_rank` of a layout reduced to its pipeline."""
     schedule = layout.build_schedule()
     shape = sizes.shape
     kept, pending, transient = stage_activation_bytes(
@@ -149,12 +184,15 @@ def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp3
 def layout_memory(
     layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32"
 ) -> MemoryUse:
-    """The rank with the most bytes before any curvature plan: state + activations."""
-    states = state_per_rank(layout, sizes, first_order, momentum)
+    """The rank with the most bytes before any curvature plan: state + activations (the first of
+    ties, by rank; over `_heaviest_states`' ranks)."""
     activations = activation_per_rank(layout, sizes, precision)
     pipeline = len(activations)
     return max(
-        (MemoryUse(rank, states[rank].total_bytes, activations[rank % pipeline]) for rank in range(len(states))),
+        (
+            MemoryUse(rank, total, activations[rank % pipeline])
+            for rank, total in _heaviest_states(layout, sizes, first_order, momentum)
+        ),
         key=lambda found: found.total,
     )
 
