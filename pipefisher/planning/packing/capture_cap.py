@@ -4,15 +4,11 @@ captures (`pipefisher.planning.memory.captures`). Pure Python: no torch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pipefisher.planning.memory.captures import capture_peaks
+from pipefisher.planning.packing.candidate import Candidate, Packing
 from pipefisher.planning.packing.plan_builder import Built, Leftovers
 from pipefisher.planning.packing.windows import Placed
 from pipefisher.planning.plan import Plan
-
-if TYPE_CHECKING:  # (pack.py imports this module)
-    from pipefisher.planning.packing.pack import _Candidate as Candidate, _Packing as Packing
 
 
 def fit_capture(packing: Packing, chosen: Candidate, cap_bytes: int) -> tuple[Candidate, str]:

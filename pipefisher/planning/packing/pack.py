@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cached_property
 
 from pipefisher.core.ir import Op, OpKind, Schedule
@@ -35,6 +35,7 @@ from pipefisher.core.profile import Profile
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.greedy import STRATEGIES, Greedy, Strategy
 from pipefisher.planning.packing.windows import Placed, Windows, step_windows
+from pipefisher.planning.packing.candidate import Candidate
 from pipefisher.planning.packing.capture_cap import fit_capture
 from pipefisher.planning.packing.bounds import lower_bounds, precondition_in_bubbles
 from pipefisher.planning.packing.options import PackOptions
@@ -53,21 +54,6 @@ _HORIZON = 512
 _EXACT = 1e-9
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    """A plan at one k: its predicted cycle time, the tasks it runs outside windows, and which
-    placement produced it."""
-
-    plan: Plan
-    cycle_time: float
-    leftovers: tuple[Op, ...]
-    source: str
-
-    @property
-    def refresh_steps(self) -> int:
-        return self.plan.refresh_steps
-
-
 class _Packing:
     """Candidate plans of one task set on one first-order timeline, cached per k."""
 
@@ -82,7 +68,7 @@ class _Packing:
         moving = options.move_weights and tasks.schedule.splits_backward
         self.weight_policies: tuple[WeightPolicy, ...] = ("first", "last") if moving else ()
         self.bounds = lower_bounds(tasks, first_order, self.windows)
-        self._best: dict[int, _Candidate] = {}
+        self._best: dict[int, Candidate] = {}
         self.all_cycle_work = [op for ops in tasks.cycle for op in ops if op.kind not in COLLECTIVES]
 
     @property
@@ -110,7 +96,7 @@ class _Packing:
         placed = self.placed(strategy).tasks
         return 1 + max((p.slot.step for p in placed.values()), default=0)
 
-    def evaluate(self, built: Built, source: str) -> _Candidate:
+    def evaluate(self, built: Built, source: str) -> Candidate:
         """The candidate of `built`: only its irregular steps are simulated."""
         plan = built.plan
         total = sum(
@@ -119,9 +105,9 @@ class _Packing:
             else self.precondition_time
             for j in range(plan.refresh_steps)
         )
-        return _Candidate(plan, total, tuple(built.leftovers), source)
+        return Candidate(plan, total, tuple(built.leftovers), source)
 
-    def candidates(self, k: int) -> list[_Candidate]:
+    def candidates(self, k: int) -> list[Candidate]:
         """The plans at k, fastest first (see the module docstring)."""
         if self.options.strategy == "published":
             return [self.evaluate(self.builder.plan(self.placed("published"), k, "tail"), "published rule")]
@@ -135,7 +121,7 @@ class _Packing:
             found.append(self.evaluate(Built(after, self.all_cycle_work, frozenset(range(k))), "after-step"))
         return [c for _, _, c in sorted((c.cycle_time, i, c) for i, c in enumerate(found))]
 
-    def _fill_candidates(self, placed: Placed, k: int, source: str) -> list[_Candidate]:
+    def _fill_candidates(self, placed: Placed, k: int, source: str) -> list[Candidate]:
         """The plans of one greedy placement at k: leftovers at the end, and, if they cost time,
         spread."""
         tail = self.builder.plan(placed, k, "tail")
@@ -148,12 +134,12 @@ class _Packing:
     def evaluated(self) -> list[int]:
         return list(self._best)
 
-    def best(self, k: int) -> _Candidate:
+    def best(self, k: int) -> Candidate:
         if k not in self._best:
             self._best[k] = self.candidates(k)[0]
         return self._best[k]
 
-    def overhead(self, candidate: _Candidate) -> float:
+    def overhead(self, candidate: Candidate) -> float:
         """Mean step time beyond first-order + preconditioning, as a share of first-order."""
         k = candidate.refresh_steps
         return (candidate.cycle_time / k - self.precondition_time) / self.first_order.step_time
@@ -170,7 +156,7 @@ class _Packing:
         return self.overhead(self.best(settled)) * settled / k
 
 
-def choose(packing: _Packing, lower_bound: int) -> tuple[_Candidate, list[FrontierPoint], str]:
+def choose(packing: _Packing, lower_bound: int) -> tuple[Candidate, list[FrontierPoint], str]:
     """The default plan, the frontier, and why (see the module docstring)."""
     options, budget = packing.options, packing.options.max_overhead
     cap = options.max_refresh_steps
