@@ -280,6 +280,40 @@ def test_tensor_parallel_plans_replay_with_their_all_reduces(name):
                 )
 
 
+@pytest.mark.parametrize("recompute", ["blocks", "selective"])
+def test_recomputed_blocks_all_reduce_again_inside_each_backward(recompute):
+    """`model.recompute blocks` with two tensor-parallel processes per rank: every backward
+    all-reduces its blocks' recomputed forwards before its own, on both shards, and the plan
+    replays; `selective` (attention cores, no split layer) all-reduces as without recomputation."""
+    schedule = get_schedule("1f1b", 2, 4)
+    topology = Topology(schedule, tensor_parallel=2)
+    comm = replay(plan_actions(topology, first_order(schedule), recompute=recompute))
+    programs, _ = process_programs(comm)
+    for program in programs:
+        ops = [a.target for a in program if a.kind is ActionKind.RUN]
+        reduces = [a.target.key for a in program if a.kind is ActionKind.LAUNCH and a.target.kind.value == "tensor"]
+        recomputed = [(str(op), "recomputed") for op in ops if op.kind is OpKind.BACKWARD]
+        assert len(reduces) == len(ops) + (len(recomputed) if recompute == "blocks" else 0)
+        assert (set(recomputed) <= set(reduces)) is (recompute == "blocks")
+        for op in ops:
+            if recompute == "blocks" and op.kind is OpKind.BACKWARD:
+                assert reduces.index((str(op), "recomputed")) + 1 == reduces.index((str(op),)), op
+
+
+def test_a_shard_that_does_not_recompute_is_caught():
+    """Process 1 (shard 1 of rank 0) runs without recomputation while the others recompute blocks:
+    its first backward's all-reduce meets shard 0's recomputed forward's."""
+    schedule = get_schedule("1f1b", 2, 4)
+    topology = Topology(schedule, tensor_parallel=2)
+    programs, members = process_programs(plan_actions(topology, first_order(schedule), recompute="blocks"))
+    plain, _ = process_programs(plan_actions(topology, first_order(schedule)))
+    programs[1] = plain[1]
+    with pytest.raises(
+        CommOrderError, match=r"mismatch on tensor/0: rank 0 has tensor:0B0:recomputed; rank 1 has tensor:0B0"
+    ):
+        replay_programs(programs, members)
+
+
 def test_tensor_parallel_processes_that_reduce_in_different_orders_are_caught():
     schedule = get_schedule("1f1b", 2, 4)
     topology = Topology(schedule, tensor_parallel=2)

@@ -309,9 +309,7 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"checkpoint.resume: {config.checkpoint.resume!r} needs checkpoint.dir (or --checkpoint-dir)")
     if pipeline.tensor_parallel > 1:
         _check_tensor_parallel(config)
-    problem = recompute_problem(
-        model.recompute, pipeline.schedule, pipeline.tensor_parallel, _splits_backward(pipeline)
-    )
+    problem = recompute_problem(model.recompute, pipeline.schedule, _splits_backward(pipeline))
     if problem:
         raise ConfigError(f"model.recompute: {problem}")
     if config.run.compile and _splits_backward(pipeline):
@@ -365,14 +363,11 @@ def _check_tensor_parallel(config: RunConfig) -> None:
         )
 
 
-def recompute_problem(recompute: str, schedule: str, tensor_parallel: int, splits_backward: bool) -> str:
-    """Why `model.recompute` cannot run under this schedule and tensor-parallel degree, with the
-    fix ("" when it can); `splits_backward`: the schedule splits backwards (zero-bubble ones)."""
-    if recompute != "none" and tensor_parallel > 1:
-        return (
-            f"{recompute} would run each recomputed block's tensor-parallel all-reduces again inside the backward, "
-            "outside the issue order the executor checks; set model.recompute none or pipeline.tensor_parallel 1"
-        )
+def recompute_problem(recompute: str, schedule: str, splits_backward: bool) -> str:
+    """Why `model.recompute` cannot run under this schedule, with the fix ("" when it can);
+    `splits_backward`: the schedule splits backwards (zero-bubble ones). Tensor parallelism
+    composes: a recomputed block's all-reduces run again inside its backward op, on every shard
+    in the same order (`pipefisher.planning.comm.processes`)."""
     if recompute == "blocks" and splits_backward:
         return (
             f"blocks under {schedule}, whose split backward recomputes each block again for every weight-gradient pass "

@@ -134,10 +134,6 @@ def test_a_pipelined_kfac_run_with_recomputation_equals_the_reference(schedule, 
             {"model": tiny_model(recompute="blocks"), "pipeline": {"schedule": "zbv"}},
             "model.recompute: blocks under zbv, whose split backward recomputes each block again",
         ),
-        (
-            {"model": tiny_model(heads=2, recompute="blocks"), "pipeline": {"tensor_parallel": 2}},
-            "model.recompute: blocks would run each recomputed block's tensor-parallel all-reduces again",
-        ),
         ({"model": _mlp_model(recompute="selective")}, "model.recompute: model.kind mlp has no attention"),
     ],
 )
@@ -145,6 +141,15 @@ def test_recompute_refuses_what_it_cannot_serve_in_one_line(data, message):
     with pytest.raises(ConfigError, match=message) as raised:
         staged_model(config_from_dict(data))
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("mode", ["blocks", "selective"])
+def test_recompute_composes_with_tensor_parallelism(mode):
+    """Accepted: a recomputed block all-reduces again inside its backward, in the issue order
+    the replay counts (`tests/test_comm_plan.py`); the run equals the reference
+    (`tests/runtime/test_tensor_parallel.py`)."""
+    config = config_from_dict({"model": tiny_model(heads=2, recompute=mode), "pipeline": {"tensor_parallel": 2}})
+    assert staged_model(config).recompute_plan(mode)
 
 
 def test_hugging_face_selective_is_refused_naming_the_model_and_blocks():

@@ -32,27 +32,30 @@ def tensor_parallel(method: str, schedule: str, optimizer: str | None = None, da
 
 
 #: first order on every schedule; K-FAC and Shampoo on 1F1B and Chimera, both placements; every
-#: other method on 1F1B
+#: other method on 1F1B; recomputation (`model.recompute`, whose recomputed blocks all-reduce
+#: again inside the backward): K-FAC packed (its capture skips the recomputed forward) recomputing
+#: blocks on 1F1B, first order recomputing the attention cores under ZB-H1's split backward
 FULL_SWEEP = ("kfac", "shampoo")
 CASES = (
-    [("adamw", schedule, None) for schedule in SCHEDULES]
+    [("adamw", schedule, None, "none") for schedule in SCHEDULES]
     + [
-        (method, schedule, placement)
+        (method, schedule, placement, "none")
         for method in FULL_SWEEP
         for schedule in ("1f1b", "chimera")
         for placement in ("packed", "after-step")
     ]
-    + [(method, "1f1b", "packed") for method in methods() if method not in FULL_SWEEP]
+    + [(method, "1f1b", "packed", "none") for method in methods() if method not in FULL_SWEEP]
+    + [("kfac", "1f1b", "packed", "blocks"), ("adamw", "zb-h1", None, "selective")]
 )
 
 
-@pytest.mark.parametrize("optimizer, schedule, placement", CASES)
-def test_tensor_parallel_equals_the_reference(optimizer, schedule, placement):
+@pytest.mark.parametrize("optimizer, schedule, placement, recompute", CASES)
+def test_tensor_parallel_equals_the_reference(optimizer, schedule, placement, recompute):
     if placement is None:  # first order: 3 steps show it
         config = tensor_parallel("kfac", schedule, optimizer=optimizer).with_overrides(run={"steps": 3})
     else:
         config = tensor_parallel(optimizer, schedule, placement=placement)
-    assert_equal_to_reference(config, PARAMETER_ATOL)
+    assert_equal_to_reference(config.with_overrides(model={"recompute": recompute}), PARAMETER_ATOL)
 
 
 @pytest.mark.parametrize("method", methods())

@@ -226,12 +226,14 @@ class CommPlan:
     """`steps[j][rank]`: the actions of global `rank` in step j of the cycle; `members[group]`:
     the global ranks of every communicator the actions use; `tensor_ops`: the curvature ops that,
     besides every forward and backward, sum a statistic over their rank's tensor-parallel
-    processes (`pipefisher.planning.comm.processes`)."""
+    processes; `recompute`: the run's `model.recompute`, whose recomputed forwards may all-reduce
+    again inside the backwards (`pipefisher.planning.comm.processes`)."""
 
     topology: Topology
     steps: tuple[tuple[tuple[Action, ...], ...], ...]
     members: dict[GroupKey, tuple[int, ...]]
     tensor_ops: frozenset[Op] = frozenset()
+    recompute: str = "none"
 
     @property
     def world_size(self) -> int:

@@ -75,6 +75,7 @@ def plan_actions(
     tied: bool = False,
     path: GradientPath = GradientPath(),
     shared: frozenset[tuple[int, str, int]] = frozenset(),
+    recompute: str = "none",
 ) -> CommPlan:
     """The actions of every global rank for every step of `plan`'s cycle (see the module docstring).
 
@@ -87,6 +88,8 @@ def plan_actions(
     replicated stage's parameters broadcast them after the world reduction (when the optimizer
     step has run), stage by stage in ascending order on every rank. `path.compressed`: each
     gradient reduction is followed, once waited for, by its ``grad_q`` all-reduce.
+    `recompute`: the run's `model.recompute` (what its backwards all-reduce over a rank's
+    tensor-parallel processes, `pipefisher.planning.comm.processes`).
     """
     schedule = plan.schedule
     num_stages = schedule.num_stages
@@ -124,7 +127,7 @@ def plan_actions(
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
     return CommPlan(
-        topology, tuple(steps), group_members(topology, tied, path), tensor_reading_ops(plan, shared, owners)
+        topology, tuple(steps), group_members(topology, tied, path), tensor_reading_ops(plan, shared, owners), recompute
     )
 
 

@@ -8,7 +8,12 @@ end-of-step reduction (``("world",)``) spans every process, so that all of them 
 step's loss, norm, overflow and stop signal; and each rank has a ``("tensor", rank)``
 communicator of its T processes, on which every forward and every backward of an input gradient
 sums its blocks' partial results (`TENSOR_KINDS`): blocking all-reduces, issued and completed
-inside the op. `process_programs` writes those into the programs the replay checks, so the
+inside the op. With recomputation (`model.recompute: blocks`) a backward first runs its blocks'
+forward again, row-split all-reduces included, block by block before each block's backward: more
+blocking all-reduces inside the same op, issued in the same order by every shard (they run the
+same ops on the same autograd graph), which the programs write as a collective of the recomputed
+forwards before the backward's (`tensor_collectives`); `selective` recomputes attention cores,
+which hold no split layer. `process_programs` writes those into the programs the replay checks, so the
 pipeline's point-to-point, the data-parallel and curvature collectives and the tensor-parallel
 all-reduces are checked together under NCCL's rule. So is the sum of a statistic the processes
 build in shares, inside the curvature op that first reads it (`CommPlan.tensor_ops`). Pure Python:
@@ -26,6 +31,10 @@ WORLD: GroupKey = ("world",)
 #: layers' outputs) and a backward (column-split layers' input gradients; a split backward's
 #: weight gradient needs none)
 TENSOR_KINDS = frozenset({OpKind.FORWARD, OpKind.BACKWARD})
+#: the `model.recompute` modes whose recomputed modules hold row-split layers, so that each
+#: backward all-reduces their forward's outputs again: blocks (a block's attention and MLP output
+#: projections); selective recomputes the attention core, which holds none
+REDUCING_RECOMPUTE = frozenset({"blocks"})
 
 
 def shard_key(key: GroupKey, shard: int, topology: Topology) -> GroupKey:
@@ -43,6 +52,17 @@ def tensor_key(rank: int) -> GroupKey:
 def tensor_collective(rank: int, op: Op) -> Collective:
     """The all-reduces inside `op` over `rank`'s tensor-parallel processes, as one collective."""
     return Collective(CollectiveKind.TENSOR, tensor_key(rank), (str(op),))
+
+
+def tensor_collectives(rank: int, op: Op, recompute: str = "none") -> tuple[Collective, ...]:
+    """The collectives the replay counts for the all-reduces inside `op` (a forward, a backward
+    or an op of `CommPlan.tensor_ops`) over `rank`'s tensor-parallel processes, in issue order:
+    under a `recompute` mode of `REDUCING_RECOMPUTE` a backward's recomputed forwards' (keyed
+    ``(op, "recomputed")``), then the op's own."""
+    own = tensor_collective(rank, op)
+    if op.kind is OpKind.BACKWARD and recompute in REDUCING_RECOMPUTE:
+        return (Collective(CollectiveKind.TENSOR, own.group, (*own.key, "recomputed")), own)
+    return (own,)
 
 
 def process_members(topology: Topology, members: dict[GroupKey, tuple[int, ...]]) -> dict[GroupKey, tuple[int, ...]]:
@@ -74,8 +94,8 @@ def _process_action(action: Action, shard: int, topology: Topology) -> Action:
 def process_programs(plan: CommPlan) -> tuple[list[tuple[Action, ...]], dict[GroupKey, tuple[int, ...]]]:
     """(every process's actions over the cycle, every communicator's processes): the ranks'
     actions on their shard's communicators, each forward and backward, and each op of
-    `plan.tensor_ops`, followed by its tensor-parallel all-reduce (launched and waited for at
-    once: the op blocks on it)."""
+    `plan.tensor_ops`, followed by its tensor-parallel all-reduces (`tensor_collectives`, each
+    launched and waited for at once: the op blocks on them)."""
     topology = plan.topology
     programs = []
     for process in range(topology.processes):
@@ -89,7 +109,7 @@ def process_programs(plan: CommPlan) -> tuple[list[tuple[Action, ...]], dict[Gro
                     and action.kind is ActionKind.RUN
                     and (action.op.kind in TENSOR_KINDS or action.op in plan.tensor_ops)
                 ):
-                    collective = tensor_collective(rank, action.op)
-                    program += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
+                    for collective in tensor_collectives(rank, action.op, plan.recompute):
+                        program += [Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective)]
         programs.append(tuple(program))
     return programs, process_members(topology, plan.members)

@@ -186,7 +186,7 @@ def _variants(base: Layout, space: SearchSpace, replicated: bool, sharded: bool)
         )
     splits = base.build_schedule().splits_backward
     for recompute in space.recompute:
-        if recompute_problem(recompute, base.schedule, base.tensor_parallel, splits):
+        if recompute_problem(recompute, base.schedule, splits):
             continue
         for zero, powersgd_rank in paths:
             yield replace(base, zero=zero, powersgd_rank=powersgd_rank, recompute=recompute)

@@ -96,13 +96,15 @@ class Executor:
         tied: bool = False,
         gradient_path: GradientPath = GradientPath(),
         extensions: Extensions | None = None,
+        recompute: str = "none",
     ):
         """`tied`: the model's tied weights live on several stages (the end of step sums them);
         `gradient_path`: ZeRO-1 or PowerSGD at the end of the step (`pipefisher.planning.comm.plan`);
         `extensions`: where the extensions `extend` adds go, the one `step_end` was built with
-        (its `before_optimizer_step` runs theirs)."""
+        (its `before_optimizer_step` runs theirs); `recompute`: the `model.recompute` its stages
+        were built with (what their backwards all-reduce, `pipefisher.planning.comm.processes`)."""
         self.topology, self.rank, self.stages, self.comm = topology, rank, stages, comm
-        self.tied, self.gradient_path = tied, gradient_path
+        self.tied, self.gradient_path, self.recompute = tied, gradient_path, recompute
         self.micro_batch, self.message_spec, self.step_end = micro_batch, message_spec, step_end
         self.device = device
         self.replica = topology.replica_of(rank)

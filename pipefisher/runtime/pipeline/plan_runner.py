@@ -42,7 +42,14 @@ class PlanRunner:
         """Use `plan` from the next cycle on (call at a cycle boundary)."""
         self.plan = plan
         self.comm: CommPlan = replay(
-            plan_actions(self.executor.topology, plan, self.tied, self.executor.gradient_path, self.shared_statistics),
+            plan_actions(
+                self.executor.topology,
+                plan,
+                self.tied,
+                self.executor.gradient_path,
+                self.shared_statistics,
+                self.executor.recompute,
+            ),
             name=plan.schedule.name,
         )
 

@@ -94,7 +94,8 @@ def _step_records(executor: Executor, rank: int, steps: int, timer: TaskTimer) -
     topology = executor.topology
     # profiling steps drop their gradients: nothing to precondition and broadcast (K-FAC's gradient workers)
     path = dataclasses.replace(executor.gradient_path, workers_per_layer=None)
-    actions = replay(plan_actions(topology, schedule_plan(topology.schedule), executor.tied, path)).steps[0][rank]
+    plan = plan_actions(topology, schedule_plan(topology.schedule), executor.tied, path, recompute=executor.recompute)
+    actions = replay(plan).steps[0][rank]
     clock = executor.clock
     records: list[list[Record]] = []
     for step in range(steps):

@@ -157,6 +157,7 @@ def build_executor(
         tied=tied,
         gradient_path=path,
         extensions=extensions,
+        recompute=config.model.recompute,
     )
     return executor, schedule
 
