@@ -13,9 +13,11 @@ from pipefisher.config import ConfigError, ModelConfig, config_from_dict
 from pipefisher.methods.kfac.capture import capture
 from pipefisher.methods.kfac.layer import select_layers
 from pipefisher.models.bert import BertStagedModel, bert_preset
+from pipefisher.models.tensor_parallel import parallelize
 from pipefisher.runtime.primitives.recompute import recompute_modules
 from pipefisher.runtime.pipeline.split_backward import SplitBackward
 from pipefisher.runtime.training.assembly import staged_model
+from pipefisher.runtime.training.launch import run_group
 from sweeps import pipeline
 
 BATCH, SEQ = 2, 8
@@ -102,6 +104,57 @@ def test_kfac_captures_each_layer_once_per_micro_batch_under_recomputation(mode)
             for factor in ("A", "B"):
                 counts = [len(state.captures[factor][micro_batch]) for micro_batch in range(2)]
                 assert counts == [1, 1], f"{name} {factor} (split backward: {split}): {counts}"
+
+
+def _shard_all_reduces(rank: int, world: int) -> dict[tuple[str, str], tuple[list, list]]:
+    """Shard `rank` of `world` of stage 1 of the regression transformer and of BERT (a row split's
+    bias on shard 0 only), under each recompute mode: the shapes of the all-reduces over the
+    shards (real ones) its forward and its backward issue, in order."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+    issued: list[tuple[int, ...]] = []
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        issued.append(tuple(tensor.shape))
+        dist.all_reduce(tensor, group=mesh.get_group())
+        return tensor
+
+    found = {}
+    for model in ("transformer", "bert"):
+        staged = MODELS[model]()
+        width = staged.config.hidden if model == "transformer" else staged.activation_shape(0, 2, 1)[-1]
+        for mode in ("none", "selective", "blocks"):
+            stage = staged.build_stage(1, 2, 0)
+            parallelize(stage, staged.tensor_parallel_plan(world), mesh, reduce)
+            recompute_modules(stage, staged.recompute_plan(mode))
+            issued.clear()
+            torch.manual_seed(2)
+            x = torch.randn(BATCH, SEQ, width, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            outputs = stage(x, {"attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)})
+            forward = list(issued)
+            sum(
+                (output.float() ** 2).mean() for output in (outputs if isinstance(outputs, tuple) else (outputs,))
+            ).backward()
+            found[(model, mode)] = (forward, issued[len(forward) :])
+    return found
+
+
+@pytest.mark.dist
+def test_a_recomputed_tensor_parallel_block_all_reduces_again_in_its_backward():
+    """Two real shards: each issues the same all-reduces in the same order (what NCCL's rule needs
+    of the recomputed forwards inside a backward); `blocks` adds the recomputed forwards' row-split
+    all-reduces to the backward (PyTorch's checkpoint stops recomputing after the last tensor the
+    backward needs, so not always all of them), `selective` none (the attention core holds no split layer)."""
+    shards = run_group(_shard_all_reduces, 2, timeout=30, deadline=120)
+    assert shards[0] == shards[1]
+    for model in ("transformer", "bert"):
+        forward, backward = shards[0][(model, "none")]
+        assert len(forward) == len(backward) == 4, model  # 2 blocks x (attention, MLP)
+        assert shards[0][(model, "selective")] == (forward, backward), model
+        recomputed_forward, recomputed_backward = shards[0][(model, "blocks")]
+        assert recomputed_forward == forward and len(recomputed_backward) > len(backward), model
 
 
 def _kfac_config(schedule: str, mode: str):

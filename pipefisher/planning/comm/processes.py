@@ -9,11 +9,12 @@ step's loss, norm, overflow and stop signal; and each rank has a ``("tensor", ra
 communicator of its T processes, on which every forward and every backward of an input gradient
 sums its blocks' partial results (`TENSOR_KINDS`): blocking all-reduces, issued and completed
 inside the op. With recomputation (`model.recompute: blocks`) a backward first runs its blocks'
-forward again, row-split all-reduces included, block by block before each block's backward: more
-blocking all-reduces inside the same op, issued in the same order by every shard (they run the
-same ops on the same autograd graph), which the programs write as a collective of the recomputed
-forwards before the backward's (`tensor_collectives`); `selective` recomputes attention cores,
-which hold no split layer. `process_programs` writes those into the programs the replay checks, so the
+forward again, row-split all-reduces included (up to the last tensor the backward needs), block
+by block before each block's backward: more blocking all-reduces inside the same op, issued in
+the same order by every shard (they run the same ops on the same autograd graph), which the
+programs write as a collective of the recomputed forwards before the backward's
+(`tensor_collectives`); `selective` recomputes attention cores, which hold no split layer.
+`process_programs` writes those into the programs the replay checks, so the
 pipeline's point-to-point, the data-parallel and curvature collectives and the tensor-parallel
 all-reduces are checked together under NCCL's rule. So is the sum of a statistic the processes
 build in shares, inside the curvature op that first reads it (`CommPlan.tensor_ops`). Pure Python:
