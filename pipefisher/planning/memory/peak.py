@@ -11,6 +11,9 @@ stage whose buckets are views (`pipefisher.runtime.gradient_path.buffers`), so t
 allocates nothing beside them; ZeRO-1's parameter buffer replaces the parameters' own storage.
 ZeRO-2/3 stages have no such buffer: their parameters and gradients are counted at the step's peak
 (FSDP2's gathered parameters and unreduced gradient, `pipefisher.planning.memory.sharded`).
+Under bf16/fp16 the low-precision copies of the weights count with the activations: without FSDP
+(ZeRO-0/1) one copy per stage the rank holds, kept all step by the runtime's step cache
+(`rank_cast_bytes`); under ZeRO-2/3 one per micro-batch in flight, saved by its graph.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pipefisher.planning.memory.activations import (
     activation_peaks,
     backward_transient_bytes,
     micro_batch_bytes,
+    step_cast_bytes,
     weight_pending_bytes,
 )
 from pipefisher.core.profile import Profile
@@ -35,7 +39,8 @@ from pipefisher.planning.plan import Plan
 
 @dataclass(frozen=True)
 class RankPeak:
-    """One rank's peak bytes by kind (`training`: its `RankMemory`)."""
+    """One rank's peak bytes by kind (`training`: its `RankMemory`; `activation_bytes` with the
+    step cache's low-precision weight copies)."""
 
     rank: int
     training: RankMemory
@@ -81,23 +86,55 @@ def stage_activation_bytes(
     precision: str = "fp32",
     recompute: str = "none",
     tensor_parallel: int = 1,
+    step_cache: bool = True,
 ) -> tuple[list[int], list[int], list[int]]:
     """Per stage index: bytes a micro-batch keeps from F to B, from B to W (split backward), and
-    its backward's transient bytes (with recompute "blocks", one block's rebuilt activations too)."""
-    if num_stages < 1 or shape.blocks % num_stages:
-        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks")
-    blocks = shape.blocks // num_stages
+    its backward's transient bytes (with recompute "blocks", one block's rebuilt activations too).
+    `step_cache` (the runtime's without FSDP, ZeRO-0/1): the low-precision weight copies are held
+    once per step (`rank_cast_bytes`), not per micro-batch; False (ZeRO-2/3): each micro-batch's
+    graph saves its own."""
+    blocks = _stage_blocks(shape, num_stages)
     ends = [(index == 0, index == num_stages - 1) for index in range(num_stages)]
+    casts = not step_cache
     kept = [
-        micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+        micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts)
         for first, last in ends
     ]
-    pending = [weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision) for first, last in ends]
+    pending = [
+        weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision, casts) for first, last in ends
+    ]
     transient = [
-        backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+        backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts)
         for first, last in ends
     ]
     return kept, pending, transient
+
+
+def _stage_blocks(shape: ModelShape, num_stages: int) -> int:
+    if num_stages < 1 or shape.blocks % num_stages:
+        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks")
+    return shape.blocks // num_stages
+
+
+def rank_cast_bytes(
+    topology: Topology,
+    rank: int,
+    shape: ModelShape,
+    precision: str = "fp32",
+    tensor_parallel: int = 1,
+    step_cache: bool = True,
+) -> int:
+    """The step cache's low-precision weight copies of every stage the rank holds (one copy per
+    stage and step, `step_cast_bytes`), held at its activation peak; 0 without the step cache
+    (ZeRO-2/3: counted per micro-batch by `stage_activation_bytes`) or under fp32."""
+    if not step_cache:
+        return 0
+    num_stages = topology.schedule.num_stages
+    blocks = _stage_blocks(shape, num_stages)
+    return sum(
+        step_cast_bytes(shape, blocks, stage == 0, stage == num_stages - 1, precision, tensor_parallel)
+        for _, stage in topology.stages_of(rank)
+    )
 
 
 def comm_buffer_bytes(
@@ -144,8 +181,9 @@ def peak_memory(
     joint peak instead (`capture_bytes_per_rank` is then ignored)."""
     schedule = topology.schedule
     training = rank_memory(topology, stage_states, optimizer, zero, widths, workers_per_layer, powersgd_rank)
+    step_cache = zero < 2  # the runtime's: ZeRO-2/3 (FSDP2) cast per forward
     kept, pending, transient = stage_activation_bytes(
-        shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel
+        shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel, step_cache
     )
     if plan is not None and profile is not None:
         joint = cycle_peaks(plan, profile, kept, pending, transient, refresh_copy_bytes(stage_states, widths.factor))
@@ -160,7 +198,7 @@ def peak_memory(
             RankPeak(
                 rank,
                 training[rank],
-                held.activation_bytes,
+                held.activation_bytes + rank_cast_bytes(topology, rank, shape, precision, tensor_parallel, step_cache),
                 held.capture_bytes,
                 comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision),
                 held.refresh_bytes,
