@@ -16,6 +16,7 @@ from pipefisher.planning.memory.activations import (
     micro_batch_bytes,
     step_cast_bytes,
 )
+from pipefisher.planning.memory.backward import backward_transient_bytes
 from pipefisher.planning.planner.candidates import Layout
 from pipefisher.planning.planner.layout_memory import activation_per_rank
 from pipefisher.planning.planner.model_sizes import model_sizes
@@ -171,6 +172,35 @@ def test_bf16_weight_copies_count_once_per_step_with_the_step_cache(kind, step_c
     model, batch, shape = _bert() if kind == "bert" else _tiny()
     for measured, predicted in _stages_in_flight(model, shape, batch, step_cache):
         assert predicted == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_backward_transients_count_the_weight_gradients_before_their_accumulation(precision):
+    # each stage's backward as the runtime runs it: the gradients land in the stage's buffer (one
+    # `.grad` view per parameter), the weights cast by the step cache; the peak of what the backward
+    # allocates against the model with nothing credited as released (blocks=0)
+    model, batch, shape = _bert()
+    shape = dataclasses.replace(shape, positions=model.config.max_position_embeddings)
+    precision_ = Precision(precision, torch.device("cpu"))
+    x = None
+    for index in range(2):
+        stage = model.build_stage(index, 2, 0).train()
+        for parameter in stage.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        last = index == 1
+        with precision_.step_casts():
+            inputs = None if x is None else x.to(precision_.compute_dtype).requires_grad_(True)
+            with precision_.autocast():
+                output = stage(inputs, batch)
+                target = model.loss(output, batch)[0] if last else output
+            received = None if last else torch.ones_like(target)  # the gradient from the next stage
+            with LiveTensorBytes() as probe:
+                torch.autograd.backward(target, received)
+        predicted = backward_transient_bytes(shape, index == 0, last, B, precision)
+        # the first stage's peak: the position table's dense gradient; the last's: the tied
+        # decoder's weight gradient beside the logits' (fp32), or the loss's two b·s·V gradients (bf16)
+        assert predicted == pytest.approx(probe.peak, rel=0.05)
+        x = None if last else output.detach().float()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

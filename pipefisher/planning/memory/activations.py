@@ -28,8 +28,8 @@ on the first stage (fp32 embeddings; tiny's embedding is a Linear, bf16) and bf1
 (they receive bf16). Dropout p > 0 (BERT, CPU): masks of c bytes per dropped element and the
 attention's math path (three a·s² tensors per block) instead of flash attention.
 Recompute "blocks" keeps a block's input only (bsh·r) and, during one block's backward, that
-block's full activations again (`backward_transient_bytes`); "selective" drops the attention
-core's own saved tensors (log-sum-exp, mask, the s² tensors), keeping its inputs q, k, v and its
+block's full activations again (`pipefisher.planning.memory.backward`); "selective" drops the
+attention core's own saved tensors (log-sum-exp, mask, the s² tensors), keeping its inputs q, k, v and its
 output (the next Linear saves it anyway).
 """
 
@@ -52,7 +52,9 @@ class ModelShape:
     """A transformer's sizes as the activation model takes them. `kv_heads`: Llama's key/value
     heads (0 = `heads`); `inputs`/`outputs`: tiny's input features and regression targets per
     token; `dropout`: the probability of BERT's dropout layers; `predictions`: positions per
-    sequence BERT's MLM head runs on (the data's `mlm_positions` width; 0 = all `seq_len`)."""
+    sequence BERT's MLM head runs on (the data's `mlm_positions` width; 0 = all `seq_len`);
+    `positions`: rows of BERT's or GPT-2's position-embedding table (0: not above `vocab`), whose
+    dense gradient the backward builds."""
 
     kind: str
     blocks: int
@@ -66,6 +68,7 @@ class ModelShape:
     outputs: int = 0
     dropout: float = 0.0
     predictions: int = 0
+    positions: int = 0
 
     @property
     def head_rows(self) -> int:
@@ -286,30 +289,6 @@ def weight_pending_bytes(
     grads = blocks * (bsh * 6 + bsf * 2) * c
     saved = blocks * block_bytes(shape, b, c, r, weight_casts=weight_casts)
     return saved + grads + (_head_bytes(shape, b, c, r, weight_casts) if last else 0)
-
-
-def backward_transient_bytes(
-    shape: ModelShape,
-    first: bool,
-    last: bool,
-    micro_batch_size: int,
-    precision: str = "fp32",
-    recompute: str = "none",
-    tensor_parallel: int = 1,
-    weight_casts: bool = True,
-) -> int:
-    """The most bytes a stage's backward allocates beyond what the forward kept, at once. Two
-    phases, one after the other: on the last stage the loss's, the gradients of the
-    log-probabilities and of the logits (2·bsV, fp32, while the log-softmax is still held); then
-    the blocks', one block at a time: its feed-forward gradient and two b·s·h gradients, and
-    under recompute "blocks" that block's activations, rebuilt (the head's gradients are freed
-    by then, so the phases do not add up). `weight_casts` as in `micro_batch_bytes`."""
-    b, c = micro_batch_size, PRECISIONS[precision]
-    head = 2 * b * shape.head_rows * shape.vocab * 4 if last and shape.vocab else 0
-    block = b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
-    if recompute == "blocks":
-        block += block_bytes(shape, b, c, _residual_bytes(shape, first, c), "none", tensor_parallel, weight_casts)
-    return max(head, block)
 
 
 def activation_held(

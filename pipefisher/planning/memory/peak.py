@@ -26,12 +26,12 @@ from pipefisher.planning.memory.activations import (
     PRECISIONS,
     ModelShape,
     activation_peaks,
-    backward_transient_bytes,
     micro_batch_bytes,
     step_cast_bytes,
     weight_pending_bytes,
 )
 from pipefisher.core.profile import Profile
+from pipefisher.planning.memory.backward import backward_transient_bytes
 from pipefisher.planning.memory.cycle import CyclePeak, cycle_peaks
 from pipefisher.planning.memory.state import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
 from pipefisher.planning.plan import Plan
@@ -89,7 +89,9 @@ def stage_activation_bytes(
     step_cache: bool = True,
 ) -> tuple[list[int], list[int], list[int]]:
     """Per stage index: bytes a micro-batch keeps from F to B, from B to W (split backward), and
-    its backward's transient bytes (with recompute "blocks", one block's rebuilt activations too).
+    its backward's transient bytes (`pipefisher.planning.memory.backward`: gradients in flight, the
+    weight gradients before their accumulation, one block's rebuilt activations under recompute
+    "blocks").
     `step_cache` (the runtime's without FSDP, ZeRO-0/1): the low-precision weight copies are held
     once per step (`rank_cast_bytes`), not per micro-batch; False (ZeRO-2/3): each micro-batch's
     graph saves its own."""
@@ -104,7 +106,9 @@ def stage_activation_bytes(
         weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision, casts) for first, last in ends
     ]
     transient = [
-        backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts)
+        backward_transient_bytes(
+            shape, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts, blocks
+        )
         for first, last in ends
     ]
     return kept, pending, transient
