@@ -297,23 +297,26 @@ def activation_held(
     pending_bytes: Sequence[int],
     transient_bytes: Sequence[int],
     weighted: set[tuple],
+    sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[tuple[int, int]]:
     """Per op of one rank's op list (ops without activations, e.g. curvature tasks, change
     nothing), the activation bytes held (during, after) it: a forward adds its stage's
     `stage_bytes`; a backward counts its stage's `transient_bytes` on top of what is held when it
     starts, then frees the stage bytes and, where `weighted` holds its (pipe, stage, micro-batch),
-    adds the stage's `pending_bytes` until the weight op frees them."""
+    adds the stage's `pending_bytes` until the weight op frees them. `sent_bytes` per stage:
+    (forward, backward) bytes its op's send leaves alive until the step's end, beyond the stage
+    bytes (`pipefisher.planning.memory.peak.stage_sent_bytes`; none when not given)."""
     held, result = 0, []
     for op in ops:
         during = held
+        sent = sent_bytes[op.stage] if sent_bytes is not None else (0, 0)
         if op.kind is OpKind.FORWARD:
-            held += stage_bytes[op.stage]
+            held += stage_bytes[op.stage] + sent[0]
             during = held
         elif op.kind is OpKind.BACKWARD:
             during = held + transient_bytes[op.stage]
-            held += (pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0) - stage_bytes[
-                op.stage
-            ]
+            weight = pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0
+            held += weight - stage_bytes[op.stage] + sent[1]
         elif op.kind is OpKind.WEIGHT:
             held -= pending_bytes[op.stage]
         result.append((max(during, held), held))
@@ -330,9 +333,11 @@ def activation_peaks(
     stage_bytes: Sequence[int],
     pending_bytes: Sequence[int],
     transient_bytes: Sequence[int] | None = None,
+    sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]:
     """Per rank, the most activation bytes held at once over its op order (`activation_held`;
-    `transient_bytes` per stage, `backward_transient_bytes`: none when not given)."""
+    `transient_bytes` per stage, `backward_transient_bytes`, and `sent_bytes`: none when not
+    given)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(
             f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
@@ -341,6 +346,9 @@ def activation_peaks(
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
     weighted = weighted_micro_batches(schedule)
     return [
-        max((during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted)), default=0)
+        max(
+            (during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted, sent_bytes)),
+            default=0,
+        )
         for ops in schedule.ranks
     ]

@@ -44,9 +44,12 @@ def backward_transient_bytes(
       (2·b·p·V, fp32, p the head's rows), then the decoder's backward: the logits' gradient in
       the compute dtype, the decoder's weight gradient (`_weight_gradient_bytes`, V·h; BERT's
       bias V too), its input's gradient and the transform's (2·b·p·h);
-    - the blocks', one at a time: the feed-forward gradient and two b·s·h gradients, the largest
-      Linear's weight gradient (h·f/T) and its bias's (f/T, fp32), and under recompute "blocks"
-      that block's activations, rebuilt;
+    - the blocks', one at a time, net of what the block's backward has released by then (the
+      stage's bytes count it all): the second feed-forward Linear's backward, its output's
+      gradient (b·s·h), its input's (b·s·f), its weight's (h·f/T) and bias's; under bf16/fp16
+      its weight gradient at the cast instead if larger, both forms, when its saved input (b·s·f)
+      is released; at least the attention's q, k, v and output gradients (4·b·s·h) with an h·h/T
+      weight gradient; under recompute "blocks" plus that block's activations, rebuilt;
     - the first stage's embeddings (BERT, GPT-2, Llama): the dense gradient of the largest table
       (vocab or `shape.positions` rows × h, fp32) and the b·s·h gradient reaching them, less what
       the stage's `blocks` saved for the micro-batch, released by then (0 blocks: nothing).
@@ -62,7 +65,10 @@ def backward_transient_bytes(
         decoder = rows * v * c + _weight_gradient_bytes(v * h, c) + 2 * rows * h * c + 4 * bias
         head = max(2 * rows * v * 4, decoder)
     r = _residual_bytes(shape, first, c)
-    block = b * s * (shape.ffn + 2 * h) * c + _weight_gradient_bytes(h * f, c) + 4 * f
+    bsf, bsh = b * s * shape.ffn, b * s * h
+    # the second feed-forward Linear's backward, its saved input released by its weight's cast
+    block = bsh * c + max(bsf * c + h * f * c, _weight_gradient_bytes(h * f, c) if c < 4 else 0) + h * c
+    block = max(block, 4 * bsh * c + _weight_gradient_bytes(h * h // tensor_parallel, c))  # the attention's
     if recompute == "blocks":
         block += block_bytes(shape, b, c, r, "none", tensor_parallel, weight_casts)
     embedding = 0

@@ -25,6 +25,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.memory.activations import (
     PRECISIONS,
     ModelShape,
+    _residual_bytes,
     activation_peaks,
     micro_batch_bytes,
     step_cast_bytes,
@@ -151,6 +152,27 @@ def comm_buffer_bytes(
     return sum(boundary * ((stage > 0) + (stage < last)) for _, stage in topology.stages_of(rank))
 
 
+def stage_sent_bytes(
+    shape: ModelShape, num_stages: int, micro_batch_size: int, precision: str = "fp32"
+) -> list[tuple[int, int]]:
+    """Per stage index, (forward, backward): the bytes of the boundary tensors its ops send that
+    stay alive until the step's end beyond what `stage_activation_bytes` counts. The runtime waits
+    for a step's sends only at its end (`pipefisher.planning.comm.plan`), and a send in flight
+    holds its tensor: a forward's output (b·s·h in the compute dtype; the stage's own output,
+    held anyway until its backward, unless the first stage's fp32 output under bf16/fp16 is sent
+    as a copy) and a backward's input gradient (b·s·h·c, every stage but the first)."""
+    c = PRECISIONS[precision]
+    boundary = micro_batch_size * shape.seq_len * shape.hidden
+    result = []
+    for index in range(num_stages):
+        first, last = index == 0, index == num_stages - 1
+        r = _residual_bytes(shape, first, c)
+        copied = not last and r != c  # the sent copy, alive from the forward; the output freed at the backward
+        kept = not last and r == c  # the output itself, alive past its backward
+        result.append((boundary * c if copied else 0, boundary * (r if kept else 0) + (0 if first else boundary * c)))
+    return result
+
+
 def refresh_copy_bytes(stage_states: Sequence[StageState], element_bytes: int = 4) -> dict[tuple[int, str], int]:
     """Per (stage, layer name), the refresh's copy of the layer's statistics (`pipefisher.planning.memory.cycle`)."""
     return {
@@ -189,10 +211,12 @@ def peak_memory(
     kept, pending, transient = stage_activation_bytes(
         shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel, step_cache
     )
+    sent = stage_sent_bytes(shape, schedule.num_stages, micro_batch_size, precision)
     if plan is not None and profile is not None:
-        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh_copy_bytes(stage_states, widths.factor))
+        refresh = refresh_copy_bytes(stage_states, widths.factor)
+        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh, sent)
     else:
-        peaks = activation_peaks(schedule, kept, pending, transient)
+        peaks = activation_peaks(schedule, kept, pending, transient, sent)
         captures = capture_bytes_per_rank if capture_bytes_per_rank is not None else [0] * schedule.num_ranks
         joint = [CyclePeak(rank, peaks[rank], captures[rank], 0) for rank in range(schedule.num_ranks)]
     result = []

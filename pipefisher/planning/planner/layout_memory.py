@@ -25,7 +25,12 @@ from pipefisher.planning.memory.activations import activation_peaks
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.memory.state import OptimizerState, RankMemory, optimizer_state, rank_memory
 from pipefisher.planning.memory.cycle import cycle_peaks
-from pipefisher.planning.memory.peak import comm_buffer_bytes, rank_cast_bytes, stage_activation_bytes
+from pipefisher.planning.memory.peak import (
+    comm_buffer_bytes,
+    rank_cast_bytes,
+    stage_activation_bytes,
+    stage_sent_bytes,
+)
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
 from pipefisher.planning.memory.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
@@ -140,7 +145,8 @@ def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp3
     kept, pending, transient = stage_activation_bytes(
         shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache
     )
-    peaks = activation_peaks(schedule, kept, pending, transient)
+    sent = stage_sent_bytes(shape, layout.pieces, layout.micro_batch_size, precision)
+    peaks = activation_peaks(schedule, kept, pending, transient, sent)
     topology = Topology(schedule)
     return tuple(
         peak
@@ -201,7 +207,8 @@ def packed_memory(
     kept, pending, transient = stage_activation_bytes(
         shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache
     )
-    joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile))
+    sent = stage_sent_bytes(shape, layout.pieces, layout.micro_batch_size, precision)
+    joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile), sent)
     topology = Topology(plan.schedule)
     pipeline = len(joint)
 
