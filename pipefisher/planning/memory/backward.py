@@ -43,7 +43,8 @@ def backward_transient_bytes(
     - the last stage's heads: the loss's gradients of the log-probabilities and of the logits
       (2·b·p·V, fp32, p the head's rows), then the decoder's backward: the logits' gradient in
       the compute dtype, the decoder's weight gradient (`_weight_gradient_bytes`, V·h; BERT's
-      bias V too), its input's gradient and the transform's (2·b·p·h);
+      bias V too), its input's gradient and the transform's (2·b·p·h), less the log-softmax's
+      saved output (b·p·V·4), released by then;
     - the blocks', one at a time, net of what the block's backward has released by then (the
       stage's bytes count it all): the second feed-forward Linear's backward, its output's
       gradient (b·s·h), its input's (b·s·f), its weight's (h·f/T) and bias's; under bf16/fp16
@@ -62,7 +63,8 @@ def backward_transient_bytes(
     if last and v:
         rows = b * shape.head_rows
         bias = v if shape.kind == "bert" else 0
-        decoder = rows * v * c + _weight_gradient_bytes(v * h, c) + 2 * rows * h * c + 4 * bias
+        # the log-softmax's saved output (rows·V·4, fp32) is released by the decoder's backward
+        decoder = rows * v * (c - 4) + _weight_gradient_bytes(v * h, c) + 2 * rows * h * c + 4 * bias
         head = max(2 * rows * v * 4, decoder)
     r = _residual_bytes(shape, first, c)
     bsf, bsh = b * s * shape.ffn, b * s * h
