@@ -16,7 +16,7 @@ the stage's blocks have released what they saved for this micro-batch.
 
 from __future__ import annotations
 
-from pipefisher.planning.memory.activations import PRECISIONS, ModelShape, _residual_bytes, block_bytes
+from pipefisher.planning.memory.activations import PRECISIONS, ModelShape, _head_bytes, _residual_bytes, block_bytes
 
 
 def _weight_gradient_bytes(elements: int, c: int) -> int:
@@ -50,7 +50,8 @@ def backward_transient_bytes(
       gradient (b·s·h), its input's (b·s·f), its weight's (h·f/T) and bias's; under bf16/fp16
       its weight gradient at the cast instead if larger, both forms, when its saved input (b·s·f)
       is released; at least the attention's q, k, v and output gradients (4·b·s·h) with an h·h/T
-      weight gradient; under recompute "blocks" plus that block's activations, rebuilt;
+      weight gradient; under recompute "blocks" plus that block's activations, rebuilt; on the
+      last stage less what the heads saved, released by then;
     - the first stage's embeddings (BERT, GPT-2, Llama): the dense gradient of the largest table
       (vocab or `shape.positions` rows × h, fp32) and the b·s·h gradient reaching them, less what
       the stage's `blocks` saved for the micro-batch, released by then (0 blocks: nothing).
@@ -73,6 +74,8 @@ def backward_transient_bytes(
     block = max(block, 4 * bsh * c + _weight_gradient_bytes(h * h // tensor_parallel, c))  # the attention's
     if recompute == "blocks":
         block += block_bytes(shape, b, c, r, "none", tensor_parallel, weight_casts)
+    if last:  # the heads' saved tensors (the log-softmax's b·p·V·4 among them) are released by then
+        block -= _head_bytes(shape, b, c, r, weight_casts)
     embedding = 0
     if first and shape.kind != "tiny":
         table = max(v, shape.positions if shape.kind in ("bert", "gpt2") else 0)
