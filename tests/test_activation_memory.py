@@ -1,16 +1,31 @@
-"""The activation model against what autograd saves on pipefisher's real stages, its per-rank peaks
-over hand-counted schedules, and the whole per-rank model against live tensor bytes of a run."""
+"""The activation model against what autograd saves on pipefisher's real stages, against the live
+bytes of several micro-batches in flight under bf16 (the step cache's weight copies), its per-rank
+peaks over hand-counted schedules, and the whole per-rank model against live tensor bytes of a run."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipefisher.planning.memory.activations import ModelShape, activation_peaks, micro_batch_bytes
-from pipefisher.runtime.training.memory_probe import saved_bytes
+from pipefisher.config import load_config
+from pipefisher.planning.memory.activations import (
+    ModelShape,
+    activation_peaks,
+    block_linear_elements,
+    micro_batch_bytes,
+    step_cast_bytes,
+)
+from pipefisher.planning.memory.backward import backward_transient_bytes
+from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.planner.layout_memory import activation_per_rank
+from pipefisher.planning.planner.model_sizes import model_sizes
+from pipefisher.runtime.gradient_path.precision import Precision
+from pipefisher.runtime.training.memory_probe import LiveTensorBytes, saved_bytes
 from pipefisher.schedules import get_schedule
 
 B, S, VOCAB = 3, 20, 300
+BERT_BASE = Path(__file__).resolve().parents[1] / "schedules" / "bert-base-1f1b-4x4.yaml"
 
 
 def test_one_f_one_b_holds_as_many_micro_batches_as_stages_ahead():
@@ -19,6 +34,9 @@ def test_one_f_one_b_holds_as_many_micro_batches_as_stages_ahead():
     assert activation_peaks(get_schedule("gpipe", 2, 4), [10, 100], [0, 0]) == [40, 400]
     # a backward's transient counts on top of what is held when it starts
     assert activation_peaks(schedule, [10, 100], [0, 0], [5, 7]) == [25, 107]
+    # sends stay alive to the step's end: rank 0 (F0 F1 B0 F2 B1 F3 B2 B3) keeps 1 per backward,
+    # rank 1 (F0 B0 F1 B1 ...) 2 per backward, 3 of them before its last forward
+    assert activation_peaks(schedule, [10, 100], [0, 0], None, [(0, 1), (0, 2)]) == [22, 106]
 
 
 def test_split_backward_holds_pending_bytes_until_the_weight_op():
@@ -66,9 +84,8 @@ def _stages_saved(model, shape, batch, precision, num_stages=2):
     return results
 
 
-@pytest.mark.parametrize("predictions", [0, 5])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_bert_stages_keep_what_autograd_saves(precision, predictions):
+def _bert(predictions: int = 0):
+    """A two-block BERT, a batch for it and its activation shape (`predictions`: MLM positions)."""
     from pipefisher.models.bert import BertConfig, BertStagedModel
 
     config = BertConfig(
@@ -91,13 +108,11 @@ def test_bert_stages_keep_what_autograd_saves(precision, predictions):
     if predictions:  # the MLM head on the first `predictions` positions, the only labelled ones
         batch["mlm_labels"][:, predictions:] = -100
         batch["mlm_positions"] = torch.arange(predictions).expand(B, predictions).clone()
-    shape = ModelShape("bert", 2, 48, 3, 160, VOCAB, S, predictions=predictions)
-    for measured, predicted in _stages_saved(BertStagedModel(config, S), shape, batch, precision):
-        assert predicted == pytest.approx(measured, rel=0.01)
+    return BertStagedModel(config, S), batch, ModelShape("bert", 2, 48, 3, 160, VOCAB, S, predictions=predictions)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_tiny_stages_keep_what_autograd_saves(precision):
+def _tiny():
+    """A two-block tiny regression transformer, a batch for it and its activation shape."""
     from pipefisher.config import ModelConfig
     from pipefisher.models.tiny import TinyRegression
 
@@ -105,9 +120,90 @@ def test_tiny_stages_keep_what_autograd_saves(precision):
         kind="transformer", layers=2, hidden=48, heads=3, ffn=160, seq_len=S, input_dim=16, output_dim=4
     )
     batch = {"inputs": torch.randn(B, S, 16), "targets": torch.randn(B, S, 4)}
-    shape = ModelShape("tiny", 2, 48, 3, 160, 0, S, inputs=16, outputs=4)
-    for measured, predicted in _stages_saved(TinyRegression(settings), shape, batch, precision):
+    return TinyRegression(settings), batch, ModelShape("tiny", 2, 48, 3, 160, 0, S, inputs=16, outputs=4)
+
+
+@pytest.mark.parametrize("predictions", [0, 5])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bert_stages_keep_what_autograd_saves(precision, predictions):
+    model, batch, shape = _bert(predictions)
+    for measured, predicted in _stages_saved(model, shape, batch, precision):
         assert predicted == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_tiny_stages_keep_what_autograd_saves(precision):
+    model, batch, shape = _tiny()
+    for measured, predicted in _stages_saved(model, shape, batch, precision):
+        assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def _stages_in_flight(model, shape, batch, step_cache: bool, micro_batches: int = 3, num_stages: int = 2):
+    """(measured, predicted) bytes per stage with `micro_batches` in flight under bf16: the live
+    bytes after their forwards (and losses) in one step as the executor runs them (the runtime's
+    `Precision` with or without its step cache), each one's input (received in bf16) and output
+    held; against that many micro-batches' bytes plus, with the step cache, its one weight copy."""
+    precision = Precision("bf16", torch.device("cpu"), step_cache=step_cache)
+    results, x = [], None
+    for index in range(num_stages):
+        stage = model.build_stage(index, num_stages, 0).train()
+        first, last = index == 0, index == num_stages - 1
+
+        def forward():
+            inputs = None if x is None else x.to(torch.bfloat16).requires_grad_(True)
+            with precision.autocast():
+                output = stage(inputs, batch)
+                return inputs, model.loss(output, batch)[0] if last else output
+
+        with LiveTensorBytes() as probe, precision.step_casts():
+            held = [forward() for _ in range(micro_batches)]
+            torch.empty(0)  # an op: the probe drops the storages freed since the last one
+            measured = probe.current
+        blocks = shape.blocks // num_stages
+        kept = micro_batch_bytes(shape, blocks, first, last, B, "bf16", weight_casts=not step_cache)
+        cached = step_cast_bytes(shape, blocks, first, last, "bf16") if step_cache else 0
+        results.append((measured, micro_batches * kept + cached))
+        if not last:
+            x = held[0][1].detach().float()
+    return results
+
+
+@pytest.mark.parametrize("step_cache", [True, False], ids=["step-cache", "cast-per-forward"])
+@pytest.mark.parametrize("kind", ["bert", "tiny"])
+def test_bf16_weight_copies_count_once_per_step_with_the_step_cache(kind, step_cache):
+    # ZeRO-0/1 keep one copy of the cast weights for the step, ZeRO-2/3 one per micro-batch in flight
+    model, batch, shape = _bert() if kind == "bert" else _tiny()
+    for measured, predicted in _stages_in_flight(model, shape, batch, step_cache):
+        assert predicted == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_backward_transients_count_the_weight_gradients_before_their_accumulation(precision):
+    # each stage's backward as the runtime runs it: the gradients land in the stage's buffer (one
+    # `.grad` view per parameter), the weights cast once by the step cache; the live bytes' peak in
+    # the backward beyond those held when it starts (the forward's, a backward frees them as it goes)
+    model, batch, shape = _bert()
+    shape = dataclasses.replace(shape, positions=model.config.max_position_embeddings)
+    precision_ = Precision(precision, torch.device("cpu"))
+    x = None
+    for index in range(2):
+        stage = model.build_stage(index, 2, 0).train()
+        for parameter in stage.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        last = index == 1
+        with precision_.step_casts(), LiveTensorBytes() as probe:
+            inputs = None if x is None else x.to(precision_.compute_dtype).requires_grad_(True)
+            with precision_.autocast():
+                output = stage(inputs, batch)
+                target = model.loss(output, batch)[0] if last else output
+            received = None if last else torch.ones_like(target)  # the gradient from the next stage
+            held = probe.current
+            probe.peak = held
+            torch.autograd.backward(target, received)
+        predicted = backward_transient_bytes(shape, index == 0, last, B, precision, weight_casts=False, blocks=1)
+        # the first stage's peak: a block's weight gradient; the last's: the loss's two b·s·V gradients
+        assert probe.peak - held <= predicted <= 1.2 * (probe.peak - held)
+        x = None if last else output.detach().float()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -121,6 +217,19 @@ def test_gpt2_stages_keep_what_autograd_saves(precision):
     shape = ModelShape("gpt2", 2, config.n_embd, config.n_head, config.n_inner, VOCAB, S)
     for measured, predicted in _stages_saved(HfStagedModel("GPT2LMHeadModel", config, S), shape, batch, precision):
         assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def test_the_planner_counts_one_weight_copy_per_step_unless_zero_shards_the_parameters():
+    sizes = model_sizes(load_config(BERT_BASE))
+    layout = Layout(4, 2, 1, "1f1b", 1, 8, 8, zero=1, method="adamw")
+    cached = activation_per_rank(layout, sizes, "bf16")
+    per_forward = activation_per_rank(dataclasses.replace(layout, zero=2), sizes, "bf16")
+    blocks = sizes.shape.blocks // 4
+    copy = 2 * blocks * block_linear_elements(sizes.shape)[0]  # the weights a micro-batch's graph saves
+    step = step_cast_bytes(sizes.shape, blocks, False, False, "bf16")  # the step cache: weights and biases
+    for rank in (1, 2):  # middle stages of 1F1B: 4 - rank micro-batches in flight at the peak
+        assert per_forward[rank] - cached[rank] == (4 - rank) * copy - step
+    assert activation_per_rank(layout, sizes) == activation_per_rank(dataclasses.replace(layout, zero=2), sizes)
 
 
 @pytest.mark.slow

@@ -19,13 +19,17 @@ at fp32 (c = r = 4) BERT's block is sbh·(32 + 8f/h) bytes, sbh·64 at f = 4h, a
 et al.'s sbh·(34 + 5as/h) for 2-byte activations with 1-byte dropout masks and the s² scores: at
 dropout 0 pipefisher keeps no masks and flash attention keeps no scores. Under bf16 autocast (as on the CPU: LayerNorm keeps its input dtype,
 cross-entropy and the log-sum-exp run in fp32) a Linear whose input needs a gradient keeps a
-bf16 copy of its weight per micro-batch (2 bytes × weight elements); the residual stream is fp32
+bf16 copy of its weight per micro-batch (2 bytes × weight elements) where each forward casts anew
+(the runtime under ZeRO-2/3); without FSDP the runtime's step cache holds one copy of every
+Linear's weight and bias per stage for the whole step instead (`step_cast_bytes`,
+`weight_casts=False` here; `pipefisher.runtime.gradient_path.precision.Precision.step_casts`),
+whatever the micro-batches in flight. The residual stream is fp32
 on the first stage (fp32 embeddings; tiny's embedding is a Linear, bf16) and bf16 on the others
 (they receive bf16). Dropout p > 0 (BERT, CPU): masks of c bytes per dropped element and the
 attention's math path (three a·s² tensors per block) instead of flash attention.
 Recompute "blocks" keeps a block's input only (bsh·r) and, during one block's backward, that
-block's full activations again (`backward_transient_bytes`); "selective" drops the attention
-core's own saved tensors (log-sum-exp, mask, the s² tensors), keeping its inputs q, k, v and its
+block's full activations again (`pipefisher.planning.memory.backward`); "selective" drops the
+attention core's own saved tensors (log-sum-exp, mask, the s² tensors), keeping its inputs q, k, v and its
 output (the next Linear saves it anyway).
 """
 
@@ -48,7 +52,9 @@ class ModelShape:
     """A transformer's sizes as the activation model takes them. `kv_heads`: Llama's key/value
     heads (0 = `heads`); `inputs`/`outputs`: tiny's input features and regression targets per
     token; `dropout`: the probability of BERT's dropout layers; `predictions`: positions per
-    sequence BERT's MLM head runs on (the data's `mlm_positions` width; 0 = all `seq_len`)."""
+    sequence BERT's MLM head runs on (the data's `mlm_positions` width; 0 = all `seq_len`);
+    `positions`: rows of BERT's or GPT-2's position-embedding table (0: not above `vocab`), whose
+    dense gradient the backward builds."""
 
     kind: str
     blocks: int
@@ -62,6 +68,7 @@ class ModelShape:
     outputs: int = 0
     dropout: float = 0.0
     predictions: int = 0
+    positions: int = 0
 
     @property
     def head_rows(self) -> int:
@@ -97,11 +104,30 @@ def _residual_bytes(shape: ModelShape, first: bool, c: int) -> int:
     return c if not first or shape.kind == "tiny" else 4
 
 
-def block_bytes(shape: ModelShape, b: int, c: int, r: int, recompute: str = "none", tensor_parallel: int = 1) -> int:
+def block_linear_elements(shape: ModelShape, tensor_parallel: int = 1) -> tuple[int, int]:
+    """(weight, bias) elements of one block's Linears on one tensor-parallel rank: what autocast
+    casts to the compute dtype (Llama's Linears have no biases)."""
+    h, t, f = shape.hidden, tensor_parallel, shape.ffn // tensor_parallel
+    if shape.kind == "llama":
+        kv = (shape.kv_heads or shape.heads) // t
+        return 2 * h * h // t + 2 * h * kv * (h // shape.heads) + 3 * h * f, 0
+    return 4 * h * h // t + 2 * h * f, 3 * h // t + f + 2 * h
+
+
+def block_bytes(
+    shape: ModelShape,
+    b: int,
+    c: int,
+    r: int,
+    recompute: str = "none",
+    tensor_parallel: int = 1,
+    weight_casts: bool = True,
+) -> int:
     """Bytes one block keeps for a micro-batch of `b` sequences (module docstring), its input
     included; `c`, `r`: bytes of the compute dtype and of the residual stream. Under tensor
     parallelism the attention and feed-forward interiors are a rank's shard (1/T of the heads and
-    of f), the residual stream whole."""
+    of f), the residual stream whole. `weight_casts` False: the low-precision weight copies are
+    the step cache's, not the micro-batch's (`step_cast_bytes`)."""
     if recompute == "blocks":
         return b * shape.seq_len * shape.hidden * r
     s, h, t = shape.seq_len, shape.hidden, tensor_parallel
@@ -109,27 +135,24 @@ def block_bytes(shape: ModelShape, b: int, c: int, r: int, recompute: str = "non
     bsf, bas = b * s * f, b * (shape.heads // t) * s
     stats = 4 * bs * 4  # two norms' mean and rstd (RMSNorm: rstd twice), fp32
     core = 4 * bas + (bs * c if shape.kind == "bert" else 0)  # log-sum-exp; BERT's float mask
-    weights = 0
     if shape.kind == "bert":
         x = c if r == c else 3 * c
         held = bsh * (x + 2 * r + c) + inner * 4 * c + bsf * 2 * c
         if shape.dropout:  # math attention: q·scale, kᵀ, softmax, mask, dropped probs; two hidden masks, output copy
             core = 3 * bas * s * c
             held += 2 * bsh * c
-        weights = 4 * h * h // t + 2 * h * f
     elif shape.kind in ("gpt2", "tiny"):
         held = bsh * (2 * r + 2 * c) + inner * 4 * c + bsf * (5 if shape.kind == "gpt2" else 2) * c
-        weights = 4 * h * h // t + 2 * h * f
     else:
         kv = (shape.kv_heads or shape.heads) // t
         head = h // shape.heads
         n1, n2 = (4, 4) if c == 4 else (3 * c, 2 * c)
         held = bsh * (8 + 2 * r + n1 + n2) + inner * 2 * c + 2 * bs * kv * head * c + 4 * bsf * c
         stats = 2 * bs * 4
-        weights = 2 * h * h // t + 2 * h * kv * head + 3 * h * f
     if recompute == "selective":
         core = 0
-    return held + core + stats + (2 * weights if c == 2 else 0)
+    weights = block_linear_elements(shape, t)[0] if weight_casts and c == 2 else 0
+    return held + core + stats + 2 * weights
 
 
 def _embedding_bytes(shape: ModelShape, b: int, c: int) -> int:
@@ -149,11 +172,22 @@ def _embedding_bytes(shape: ModelShape, b: int, c: int) -> int:
     return bs * ID_BYTES
 
 
-def _head_bytes(shape: ModelShape, b: int, c: int, r: int) -> int:
-    """The last stage's final norm, heads, logits and loss (log-softmax in fp32, labels, scalars)."""
+def head_linear_elements(shape: ModelShape) -> tuple[int, int]:
+    """(weight, bias) elements of the last stage's Linears: BERT's transform, tied decoder, pooler
+    and NSP classifier; GPT-2's and Llama's lm_head (no bias); tiny's regression head."""
+    h, v = shape.hidden, shape.vocab
+    if shape.kind == "bert":
+        return h * h + v * h + h * h + 2 * h, h + v + h + 2
+    if shape.kind == "tiny":
+        return shape.outputs * h, shape.outputs
+    return v * h, 0
+
+
+def _head_bytes(shape: ModelShape, b: int, c: int, r: int, weight_casts: bool = True) -> int:
+    """The last stage's final norm, heads, logits and loss (log-softmax in fp32, labels, scalars),
+    and, with `weight_casts`, the low-precision copies of the heads' weights the micro-batch saves."""
     s, h, v = shape.seq_len, shape.hidden, shape.vocab
     bs, bsh = b * s, b * s * h
-    casts = 0
     if (
         shape.kind == "bert"
     ):  # on the head's rows: transform (dense, gelu, LayerNorm), decoder; pooler, NSP, both losses
@@ -161,20 +195,34 @@ def _head_bytes(shape: ModelShape, b: int, c: int, r: int) -> int:
         gathered = bsh * r + bp * ID_BYTES if shape.predictions else 0  # the gather keeps its input and positions
         held = bp * h * (c + 2 * c + c) + 2 * bp * 4 + b * h * c + (b * h * c if c != r else 0) + gathered
         loss = bp * v * 4 + bp * ID_BYTES + b * 2 * 4 + b * ID_BYTES + 16
-        casts = h * h + v * h + h * h + 2 * h
     elif shape.kind == "gpt2":  # ln_f, lm_head, cross-entropy
         held = bsh * (r + c) + 2 * bs * 4
         loss = bs * v * 4 + bs * ID_BYTES + 4
-        casts = v * h
     elif shape.kind == "tiny":  # norm, regression head, MSE (output and targets in fp32)
         held = bsh * (r + c) + 2 * bs * 4
         loss = 2 * bs * shape.outputs * 4
-        casts = shape.outputs * h
     else:  # RMSNorm, lm_head, cross-entropy
         held = bsh * (4 + r + c) + bs * 4
         loss = bs * v * 4 + bs * ID_BYTES + 4
-        casts = v * h
-    return held + loss + (2 * casts if c == 2 else 0)
+    return held + loss + (2 * head_linear_elements(shape)[0] if weight_casts and c == 2 else 0)
+
+
+def step_cast_bytes(
+    shape: ModelShape, blocks: int, first: bool, last: bool, precision: str = "fp32", tensor_parallel: int = 1
+) -> int:
+    """Bytes of the low-precision copies of a stage's Linear weights and biases that the step
+    cache keeps from the stage's first forward of a step to its optimizer step, one copy whatever
+    the micro-batches (`pipefisher.runtime.gradient_path.precision.Precision.step_casts`): every
+    Linear autocast runs, tiny's input Linear on the first stage included (0 under fp32)."""
+    c = PRECISIONS[precision]
+    if c == 4:
+        return 0
+    elements = blocks * sum(block_linear_elements(shape, tensor_parallel))
+    if first and shape.kind == "tiny":
+        elements += shape.inputs * shape.hidden + shape.hidden
+    if last:
+        elements += sum(head_linear_elements(shape))
+    return c * elements
 
 
 def micro_batch_bytes(
@@ -186,15 +234,18 @@ def micro_batch_bytes(
     precision: str = "fp32",
     recompute: str = "none",
     tensor_parallel: int = 1,
+    weight_casts: bool = True,
 ) -> int:
     """Bytes a stage of `blocks` blocks (with the embeddings if `first`; the final norm, heads,
     logits and loss if `last`) keeps for one micro-batch from its forward until its backward,
-    on one tensor-parallel rank. ValueError naming a bad argument."""
+    on one tensor-parallel rank. `weight_casts`: with the low-precision weight copies its autograd
+    graph saves (False: the step cache holds them once per step instead, `step_cast_bytes`).
+    ValueError naming a bad argument."""
     _check(shape, blocks, precision, recompute, tensor_parallel)
     b, c = micro_batch_size, PRECISIONS[precision]
     r = _residual_bytes(shape, first, c)
     bsh = b * shape.seq_len * shape.hidden
-    total = blocks * block_bytes(shape, b, c, r, recompute, tensor_parallel)
+    total = blocks * block_bytes(shape, b, c, r, recompute, tensor_parallel, weight_casts)
     if not first:
         # the received input (c bytes) is held; the first block's saved input is that same tensor
         # unless it keeps a copy (Llama's RMSNorm upcasts a bf16 input to fp32)
@@ -205,14 +256,20 @@ def micro_batch_bytes(
     if shape.kind == "llama" and blocks and recompute != "blocks":
         total += 2 * shape.seq_len * (shape.hidden // shape.heads) * 4  # rotary cos and sin, shared by the blocks
     if last:
-        total += _head_bytes(shape, b, c, r) + 4  # and the loss the stage holds for its backward
+        total += _head_bytes(shape, b, c, r, weight_casts) + 4  # and the loss the stage holds for its backward
     else:
         total += bsh * r  # the stage's output, held for its backward
     return total
 
 
 def weight_pending_bytes(
-    shape: ModelShape, blocks: int, first: bool, last: bool, micro_batch_size: int, precision: str = "fp32"
+    shape: ModelShape,
+    blocks: int,
+    first: bool,
+    last: bool,
+    micro_batch_size: int,
+    precision: str = "fp32",
+    weight_casts: bool = True,
 ) -> int:
     """Bytes a micro-batch still holds between its input gradient (op B) and its weight gradient
     (op W) under the split backward (`pipefisher.runtime.pipeline.split_backward`): PyTorch keeps
@@ -222,7 +279,7 @@ def weight_pending_bytes(
     block, in the compute dtype). The last stage's heads keep theirs too, and the gradient of the
     logits (the decoder's output) takes the place of the freed log-softmax, the same size. The
     first stage's input (token ids) needs no gradient, so its backward runs whole at B and holds
-    nothing (0)."""
+    nothing (0). `weight_casts` as in `micro_batch_bytes`."""
     if first:
         return 0
     c = PRECISIONS[precision]
@@ -230,31 +287,8 @@ def weight_pending_bytes(
     r = _residual_bytes(shape, first, c)
     bsh, bsf = b * shape.seq_len * shape.hidden, b * shape.seq_len * shape.ffn
     grads = blocks * (bsh * 6 + bsf * 2) * c
-    saved = blocks * block_bytes(shape, b, c, r)
-    return saved + grads + (_head_bytes(shape, b, c, r) if last else 0)
-
-
-def backward_transient_bytes(
-    shape: ModelShape,
-    first: bool,
-    last: bool,
-    micro_batch_size: int,
-    precision: str = "fp32",
-    recompute: str = "none",
-    tensor_parallel: int = 1,
-) -> int:
-    """The most bytes a stage's backward allocates beyond what the forward kept, at once. Two
-    phases, one after the other: on the last stage the loss's, the gradients of the
-    log-probabilities and of the logits (2·bsV, fp32, while the log-softmax is still held); then
-    the blocks', one block at a time: its feed-forward gradient and two b·s·h gradients, and
-    under recompute "blocks" that block's activations, rebuilt (the head's gradients are freed
-    by then, so the phases do not add up)."""
-    b, c = micro_batch_size, PRECISIONS[precision]
-    head = 2 * b * shape.head_rows * shape.vocab * 4 if last and shape.vocab else 0
-    block = b * shape.seq_len * (shape.ffn + 2 * shape.hidden) * c
-    if recompute == "blocks":
-        block += block_bytes(shape, b, c, _residual_bytes(shape, first, c), "none", tensor_parallel)
-    return max(head, block)
+    saved = blocks * block_bytes(shape, b, c, r, weight_casts=weight_casts)
+    return saved + grads + (_head_bytes(shape, b, c, r, weight_casts) if last else 0)
 
 
 def activation_held(
@@ -263,23 +297,26 @@ def activation_held(
     pending_bytes: Sequence[int],
     transient_bytes: Sequence[int],
     weighted: set[tuple],
+    sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[tuple[int, int]]:
     """Per op of one rank's op list (ops without activations, e.g. curvature tasks, change
     nothing), the activation bytes held (during, after) it: a forward adds its stage's
     `stage_bytes`; a backward counts its stage's `transient_bytes` on top of what is held when it
     starts, then frees the stage bytes and, where `weighted` holds its (pipe, stage, micro-batch),
-    adds the stage's `pending_bytes` until the weight op frees them."""
+    adds the stage's `pending_bytes` until the weight op frees them. `sent_bytes` per stage:
+    (forward, backward) bytes its op's send leaves alive until the step's end, beyond the stage
+    bytes (`pipefisher.planning.memory.peak.stage_sent_bytes`; none when not given)."""
     held, result = 0, []
     for op in ops:
         during = held
+        sent = sent_bytes[op.stage] if sent_bytes is not None else (0, 0)
         if op.kind is OpKind.FORWARD:
-            held += stage_bytes[op.stage]
+            held += stage_bytes[op.stage] + sent[0]
             during = held
         elif op.kind is OpKind.BACKWARD:
             during = held + transient_bytes[op.stage]
-            held += (pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0) - stage_bytes[
-                op.stage
-            ]
+            weight = pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0
+            held += weight - stage_bytes[op.stage] + sent[1]
         elif op.kind is OpKind.WEIGHT:
             held -= pending_bytes[op.stage]
         result.append((max(during, held), held))
@@ -296,9 +333,11 @@ def activation_peaks(
     stage_bytes: Sequence[int],
     pending_bytes: Sequence[int],
     transient_bytes: Sequence[int] | None = None,
+    sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]:
     """Per rank, the most activation bytes held at once over its op order (`activation_held`;
-    `transient_bytes` per stage, `backward_transient_bytes`: none when not given)."""
+    `transient_bytes` per stage, `backward_transient_bytes`, and `sent_bytes`: none when not
+    given)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(
             f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
@@ -307,6 +346,9 @@ def activation_peaks(
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
     weighted = weighted_micro_batches(schedule)
     return [
-        max((during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted)), default=0)
+        max(
+            (during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted, sent_bytes)),
+            default=0,
+        )
         for ops in schedule.ranks
     ]

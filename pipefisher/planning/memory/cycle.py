@@ -45,10 +45,11 @@ def cycle_peaks(
     pending_bytes: Sequence[int],
     transient_bytes: Sequence[int],
     refresh_bytes: Mapping[tuple[int, str], int],
+    sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[CyclePeak]:
     """Per rank of `plan`, the peak of activations (per stage: kept F to B, B to W, a backward's
     transient) + captures + refresh copies (`refresh_bytes` per (stage, layer name); a layer not
-    named holds none) over one cycle. Activations start from none at every step."""
+    named holds none) over one cycle; `sent_bytes` as in `activation_held`. Activations start from none at every step."""
     weighted = weighted_micro_batches(plan.schedule)
     peaks = []
     for rank in range(plan.schedule.num_ranks):
@@ -56,7 +57,7 @@ def cycle_peaks(
         started: set[tuple[int, str]] = set()
         refresh = captured_before = 0
         for step, captured in zip(plan.steps, capture_held(plan, profile, rank)):
-            activations = activation_held(step[rank], stage_bytes, pending_bytes, transient_bytes, weighted)
+            activations = activation_held(step[rank], stage_bytes, pending_bytes, transient_bytes, weighted, sent_bytes)
             for op, (during, after), captured_after in zip(step[rank], activations, captured):
                 if op.kind is OpKind.CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
                     started.add((op.stage, op.layer))

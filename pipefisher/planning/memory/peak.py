@@ -11,6 +11,9 @@ stage whose buckets are views (`pipefisher.runtime.gradient_path.buffers`), so t
 allocates nothing beside them; ZeRO-1's parameter buffer replaces the parameters' own storage.
 ZeRO-2/3 stages have no such buffer: their parameters and gradients are counted at the step's peak
 (FSDP2's gathered parameters and unreduced gradient, `pipefisher.planning.memory.sharded`).
+Under bf16/fp16 the low-precision copies of the weights count with the activations: without FSDP
+(ZeRO-0/1) one copy per stage the rank holds, kept all step by the runtime's step cache
+(`rank_cast_bytes`); under ZeRO-2/3 one per micro-batch in flight, saved by its graph.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from pipefisher.core.topology import Topology
 from pipefisher.planning.memory.activations import (
     PRECISIONS,
     ModelShape,
+    _residual_bytes,
     activation_peaks,
-    backward_transient_bytes,
     micro_batch_bytes,
+    step_cast_bytes,
     weight_pending_bytes,
 )
 from pipefisher.core.profile import Profile
+from pipefisher.planning.memory.backward import backward_transient_bytes
 from pipefisher.planning.memory.cycle import CyclePeak, cycle_peaks
 from pipefisher.planning.memory.state import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
 from pipefisher.planning.plan import Plan
@@ -35,7 +40,8 @@ from pipefisher.planning.plan import Plan
 
 @dataclass(frozen=True)
 class RankPeak:
-    """One rank's peak bytes by kind (`training`: its `RankMemory`)."""
+    """One rank's peak bytes by kind (`training`: its `RankMemory`; `activation_bytes` with the
+    step cache's low-precision weight copies)."""
 
     rank: int
     training: RankMemory
@@ -81,23 +87,59 @@ def stage_activation_bytes(
     precision: str = "fp32",
     recompute: str = "none",
     tensor_parallel: int = 1,
+    step_cache: bool = True,
 ) -> tuple[list[int], list[int], list[int]]:
     """Per stage index: bytes a micro-batch keeps from F to B, from B to W (split backward), and
-    its backward's transient bytes (with recompute "blocks", one block's rebuilt activations too)."""
-    if num_stages < 1 or shape.blocks % num_stages:
-        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks")
-    blocks = shape.blocks // num_stages
+    its backward's transient bytes (`pipefisher.planning.memory.backward`: gradients in flight, the
+    weight gradients before their accumulation, one block's rebuilt activations under recompute
+    "blocks").
+    `step_cache` (the runtime's without FSDP, ZeRO-0/1): the low-precision weight copies are held
+    once per step (`rank_cast_bytes`), not per micro-batch; False (ZeRO-2/3): each micro-batch's
+    graph saves its own."""
+    blocks = _stage_blocks(shape, num_stages)
     ends = [(index == 0, index == num_stages - 1) for index in range(num_stages)]
+    casts = not step_cache
     kept = [
-        micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+        micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts)
         for first, last in ends
     ]
-    pending = [weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision) for first, last in ends]
+    pending = [
+        weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision, casts) for first, last in ends
+    ]
     transient = [
-        backward_transient_bytes(shape, first, last, micro_batch_size, precision, recompute, tensor_parallel)
+        backward_transient_bytes(
+            shape, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts, blocks
+        )
         for first, last in ends
     ]
     return kept, pending, transient
+
+
+def _stage_blocks(shape: ModelShape, num_stages: int) -> int:
+    if num_stages < 1 or shape.blocks % num_stages:
+        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks")
+    return shape.blocks // num_stages
+
+
+def rank_cast_bytes(
+    topology: Topology,
+    rank: int,
+    shape: ModelShape,
+    precision: str = "fp32",
+    tensor_parallel: int = 1,
+    step_cache: bool = True,
+) -> int:
+    """The step cache's low-precision weight copies of every stage the rank holds (one copy per
+    stage and step, `step_cast_bytes`), held at its activation peak; 0 without the step cache
+    (ZeRO-2/3: counted per micro-batch by `stage_activation_bytes`) or under fp32."""
+    if not step_cache:
+        return 0
+    num_stages = topology.schedule.num_stages
+    blocks = _stage_blocks(shape, num_stages)
+    return sum(
+        step_cast_bytes(shape, blocks, stage == 0, stage == num_stages - 1, precision, tensor_parallel)
+        for _, stage in topology.stages_of(rank)
+    )
 
 
 def comm_buffer_bytes(
@@ -108,6 +150,27 @@ def comm_buffer_bytes(
     boundary = micro_batch_size * shape.seq_len * shape.hidden * PRECISIONS[precision]
     last = topology.schedule.num_stages - 1
     return sum(boundary * ((stage > 0) + (stage < last)) for _, stage in topology.stages_of(rank))
+
+
+def stage_sent_bytes(
+    shape: ModelShape, num_stages: int, micro_batch_size: int, precision: str = "fp32"
+) -> list[tuple[int, int]]:
+    """Per stage index, (forward, backward): the bytes of the boundary tensors its ops send that
+    stay alive until the step's end beyond what `stage_activation_bytes` counts. The runtime waits
+    for a step's sends only at its end (`pipefisher.planning.comm.plan`), and a send in flight
+    holds its tensor: a forward's output (b·s·h in the compute dtype; the stage's own output,
+    held anyway until its backward, unless the first stage's fp32 output under bf16/fp16 is sent
+    as a copy) and a backward's input gradient (b·s·h·c, every stage but the first)."""
+    c = PRECISIONS[precision]
+    boundary = micro_batch_size * shape.seq_len * shape.hidden
+    result = []
+    for index in range(num_stages):
+        first, last = index == 0, index == num_stages - 1
+        r = _residual_bytes(shape, first, c)
+        copied = not last and r != c  # the sent copy, alive from the forward; the output freed at the backward
+        kept = not last and r == c  # the output itself, alive past its backward
+        result.append((boundary * c if copied else 0, boundary * (r if kept else 0) + (0 if first else boundary * c)))
+    return result
 
 
 def refresh_copy_bytes(stage_states: Sequence[StageState], element_bytes: int = 4) -> dict[tuple[int, str], int]:
@@ -144,13 +207,16 @@ def peak_memory(
     joint peak instead (`capture_bytes_per_rank` is then ignored)."""
     schedule = topology.schedule
     training = rank_memory(topology, stage_states, optimizer, zero, widths, workers_per_layer, powersgd_rank)
+    step_cache = zero < 2  # the runtime's: ZeRO-2/3 (FSDP2) cast per forward
     kept, pending, transient = stage_activation_bytes(
-        shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel
+        shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel, step_cache
     )
+    sent = stage_sent_bytes(shape, schedule.num_stages, micro_batch_size, precision)
     if plan is not None and profile is not None:
-        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh_copy_bytes(stage_states, widths.factor))
+        refresh = refresh_copy_bytes(stage_states, widths.factor)
+        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh, sent)
     else:
-        peaks = activation_peaks(schedule, kept, pending, transient)
+        peaks = activation_peaks(schedule, kept, pending, transient, sent)
         captures = capture_bytes_per_rank if capture_bytes_per_rank is not None else [0] * schedule.num_ranks
         joint = [CyclePeak(rank, peaks[rank], captures[rank], 0) for rank in range(schedule.num_ranks)]
     result = []
@@ -160,7 +226,7 @@ def peak_memory(
             RankPeak(
                 rank,
                 training[rank],
-                held.activation_bytes,
+                held.activation_bytes + rank_cast_bytes(topology, rank, shape, precision, tensor_parallel, step_cache),
                 held.capture_bytes,
                 comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision),
                 held.refresh_bytes,

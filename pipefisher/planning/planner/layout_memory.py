@@ -25,7 +25,12 @@ from pipefisher.planning.memory.activations import activation_peaks
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.memory.state import OptimizerState, RankMemory, optimizer_state, rank_memory
 from pipefisher.planning.memory.cycle import cycle_peaks
-from pipefisher.planning.memory.peak import comm_buffer_bytes, stage_activation_bytes
+from pipefisher.planning.memory.peak import (
+    comm_buffer_bytes,
+    rank_cast_bytes,
+    stage_activation_bytes,
+    stage_sent_bytes,
+)
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
 from pipefisher.planning.memory.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
@@ -159,24 +164,31 @@ def _heaviest_states(
 def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp32") -> tuple[int, ...]:
     """Per rank of one pipeline, activation bytes at the schedule's peak
     (`pipefisher.planning.memory.activations.activation_peaks`, with each backward's transient
-    bytes) plus its point-to-point buffers (`comm_buffer_bytes`). Cached on the pipeline alone
-    (layouts that differ in data parallelism, gradient path or method share it)."""
-    pipeline = replace(layout, data_parallel=1, zero=0, powersgd_rank=0, method="", refresh_steps=0)
+    bytes) plus its point-to-point buffers (`comm_buffer_bytes`) and, without FSDP (ZeRO-0/1),
+    the step's one low-precision copy of its weights (`rank_cast_bytes`). Cached on the pipeline
+    and whether FSDP casts per micro-batch (layouts that differ otherwise in data parallelism,
+    gradient path or method share it)."""
+    fsdp = 2 if layout.zero >= 2 else 0
+    pipeline = replace(layout, data_parallel=1, zero=fsdp, powersgd_rank=0, method="", refresh_steps=0)
     return _pipeline_activations(pipeline, sizes, precision)
 
 
 @lru_cache(maxsize=4096)
 def _pipeline_activations(layout: Layout, sizes: ModelSizes, precision: str) -> tuple[int, ...]:
-    """`activation_per_rank` of a layout reduced to its pipeline."""
+    """`activation_per_rank` of a layout reduced to its pipeline and its casts (`layout.zero` 0 or 2)."""
     schedule = layout.build_schedule()
     shape = sizes.shape
+    step_cache = layout.zero < 2  # the runtime casts per micro-batch under ZeRO-2/3
     kept, pending, transient = stage_activation_bytes(
-        shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel
+        shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache
     )
-    peaks = activation_peaks(schedule, kept, pending, transient)
+    sent = stage_sent_bytes(shape, layout.pieces, layout.micro_batch_size, precision)
+    peaks = activation_peaks(schedule, kept, pending, transient, sent)
     topology = Topology(schedule)
     return tuple(
-        peak + comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision)
+        peak
+        + comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision)
+        + rank_cast_bytes(topology, rank, shape, precision, layout.tensor_parallel, step_cache)
         for rank, peak in enumerate(peaks)
     )
 
@@ -231,16 +243,19 @@ def packed_memory(
     plus its point-to-point buffers."""
     states = state_per_rank(layout, sizes, first_order, momentum)
     shape = sizes.shape
+    step_cache = layout.zero < 2
     kept, pending, transient = stage_activation_bytes(
-        shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel
+        shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache
     )
-    joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile))
+    sent = stage_sent_bytes(shape, layout.pieces, layout.micro_batch_size, precision)
+    joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile), sent)
     topology = Topology(plan.schedule)
     pipeline = len(joint)
 
     def use(rank: int) -> MemoryUse:
         peak = joint[rank % pipeline]
         buffers = comm_buffer_bytes(topology, rank % pipeline, shape, layout.micro_batch_size, precision)
+        buffers += rank_cast_bytes(topology, rank % pipeline, shape, precision, layout.tensor_parallel, step_cache)
         return MemoryUse(
             rank, states[rank].total_bytes, peak.activation_bytes + buffers, peak.capture_bytes + peak.refresh_bytes
         )
