@@ -161,6 +161,14 @@ class OpDurations:
         self.profile, self.split_backward = profile, split_backward
         self._layers = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
         self._work: dict[Op, float] = {}
+        self._cost_classes: CostClasses | None = None
+
+    @property
+    def cost_classes(self) -> CostClasses:
+        """The cost classes of the ops simulated with these durations (see `simulate_graph`)."""
+        if self._cost_classes is None:
+            self._cost_classes = CostClasses(self)
+        return self._cost_classes
 
     def layer(self, op: Op) -> LayerProfile:
         try:
@@ -278,19 +286,51 @@ class _Memo(dict[_DelayKey, float]):
 
 class _Costs:
     """The times of numbered ops, asked of `durations` once per cost class: ops with the same
-    kind, stage, layer and part (see OpDurations).
+    kind, stage, layer and part (see OpDurations). The classes, their times and delays are kept on
+    `durations` (`OpDurations.cost_classes`), so simulations with the same durations share them.
 
     `busy[i]`: how long op i keeps its rank busy; `cost_class[i]`: its class;
     `delay[(producer class, consumer class, cross-rank)]`: as `OpDurations.delay`.
     """
 
     def __init__(self, ops: Sequence[Op], durations: OpDurations) -> None:
-        classes: Numbering[tuple] = Numbering()
-        self.cost_class = list(map(classes.__getitem__, map(_TIMING_FIELDS, ops)))
-        example = dict(zip(self.cost_class, ops))
-        examples = [example[number] for number in range(len(classes))]
-        self.busy = list(map([durations(op) for op in examples].__getitem__, self.cost_class))
+        classes = durations.cost_classes
+        self.cost_class = classes.number(ops)
+        self.busy = list(map(classes.busy.__getitem__, self.cost_class))
+        self.delay = classes.delay
+
+
+class CostClasses:
+    """The cost classes of the ops simulated so far with one `OpDurations`, numbered in order of
+    first sight: `busy[c]` the time an op of class c occupies its rank, `delay` memoised
+    `OpDurations.delay` by (producer class, consumer class, cross-rank)."""
+
+    def __init__(self, durations: OpDurations) -> None:
+        self.durations = durations
+        self.classes: Numbering[tuple] = Numbering()
+        self.examples: list[Op] = []
+        self.busy: list[float] = []
+        examples = self.examples
         self.delay = _Memo(lambda key: durations.delay(examples[key[0]], examples[key[1]], key[2]))
+
+    def number(self, ops: Sequence[Op]) -> list[int]:
+        """The cost class of each of `ops` (new classes are numbered and timed)."""
+        known = len(self.examples)
+        cost_class = list(map(self.classes.__getitem__, map(_TIMING_FIELDS, ops)))
+        if len(self.classes) > known:
+            example = {number: op for number, op in zip(cost_class, ops) if number >= known}
+            new = [example[number] for number in range(known, len(self.classes))]
+            try:
+                busy = list(map(self.durations, new))
+            except ProfileError:  # forget the new classes: the next call meets them again
+                for key in self.classes.added[known:]:
+                    del self.classes[key]
+                del self.classes.added[known:]
+                self.classes.next_free = known
+                raise
+            self.examples += new
+            self.busy += busy
+        return cost_class
 
 
 def _comm_end(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> float:

@@ -145,14 +145,24 @@ class Greedy:
         unit_of, durations = self.unit_of, tasks.durations
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
+        #: id of an `extra` tuple (shared by a rank's refresh ops of a part) -> its (unit, op) pairs
+        extra_units: dict[int, list[tuple[int, Op]]] = {}
         for unit, ops in enumerate(self.ops):
             if self.curvature[unit]:
                 continue  # a chain waits for its first-step inputs (op_release) and itself only
             for op in ops:
                 parents: dict[int, Op] = {}
-                for dep in tasks.graph.dependencies(op) + extra.get(op, ()):
+                for dep in tasks.graph.dependencies(op):
                     if (parent := unit_of.get(dep)) is not None:
                         parents[parent] = dep
+                extra_deps = extra.get(op)
+                if extra_deps:  # (as if its deps were listed after the graph's, resolved once per tuple)
+                    pairs = extra_units.get(id(extra_deps))
+                    if pairs is None:
+                        pairs = extra_units[id(extra_deps)] = [
+                            (parent, dep) for dep in extra_deps if (parent := unit_of.get(dep)) is not None
+                        ]
+                    parents.update(pairs)
                 parents.pop(unit, None)
                 for parent, dep in parents.items():  # (a chain's tasks all pass on the same delay)
                     delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
