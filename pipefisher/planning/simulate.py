@@ -252,20 +252,25 @@ def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule
         end[number] = rank_free[rank] = start + busy[number]
         ran_on[number] = rank
         starts[rank].append(start)
-    ranks = tuple(_intervals(graph, numbers, begins, busy) for numbers, begins in zip(graph.ranks, starts))
+    classes = durations.cost_classes
+    stage, collective, gradient = classes.stage, classes.collective, classes.gradient
+    ranks, tails, reduce_ends, launched = [], [], [], []
+    for numbers, begins in zip(graph.ranks, starts):
+        ends = list(map(add, begins, map(busy.__getitem__, numbers)))
+        ranks.append(tuple(Interval.many(map(graph.ops.__getitem__, numbers), begins, ends)))
+        own = list(map(cost_class.__getitem__, numbers))
+        tails.append(durations.step_end(set(map(stage.__getitem__, own))))
+        # a stage's gradient is final at the end of its last backward (or W, precondition) here
+        final = {stage[c]: end for c, end in zip(own, ends) if gradient[c]}
+        reduce_ends.append(max((end + durations.grad_reduce(s) for s, end in final.items()), default=0.0))
+        launched += [end + durations.work(classes.examples[c]) for c, end in zip(own, ends) if collective[c]]
     return Timeline(
-        ranks=ranks,
+        ranks=tuple(ranks),
         time_unit=durations.profile.time_unit,
-        comm_end=_comm_end(ranks, durations),
-        tails=tuple(durations.step_end({iv.op.stage for iv in ivs}) for ivs in ranks),
-        reduce_ends=_reduce_ends(ranks, durations),
+        comm_end=max(launched, default=0.0),  # when the last collective launched in the step completes
+        tails=tuple(tails),
+        reduce_ends=tuple(reduce_ends),
     )
-
-
-def _intervals(graph: OpGraph, numbers: list[int], starts: list[float], busy: list[float]) -> tuple[Interval, ...]:
-    """The intervals of one rank's list: its ops `numbers` start at `starts` and last `busy`."""
-    ends = map(add, starts, map(busy.__getitem__, numbers))
-    return tuple(Interval.many(map(graph.ops.__getitem__, numbers), starts, ends))
 
 
 #: (producer cost class, consumer cost class, cross-rank)
@@ -310,6 +315,10 @@ class CostClasses:
         self.classes: Numbering[tuple] = Numbering()
         self.examples: list[Op] = []
         self.busy: list[float] = []
+        #: per class: its ops' stage, whether they are collectives, whether they finish a gradient
+        self.stage: list[int] = []
+        self.collective: list[bool] = []
+        self.gradient: list[bool] = []
         examples = self.examples
         self.delay = _Memo(lambda key: durations.delay(examples[key[0]], examples[key[1]], key[2]))
 
@@ -330,24 +339,10 @@ class CostClasses:
                 raise
             self.examples += new
             self.busy += busy
+            self.stage += (op.stage for op in new)
+            self.collective += (op.kind in COLLECTIVES for op in new)
+            self.gradient += (op.kind in GRADIENT_KINDS for op in new)
         return cost_class
-
-
-def _comm_end(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> float:
-    """When the last collective launched in the step completes."""
-    return max(
-        (iv.end + durations.work(iv.op) for ivs in ranks for iv in ivs if iv.op.kind in COLLECTIVES), default=0.0
-    )
-
-
-def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> tuple[float, ...]:
-    """Per rank: when the gradient reductions of its stages end. A stage's reduction starts when
-    its gradient on the rank is final: at the end of its last backward or precondition there."""
-    ends = []
-    for ivs in ranks:
-        final = {iv.op.stage: iv.end for iv in ivs if iv.op.kind in GRADIENT_KINDS}
-        ends.append(max((end + durations.grad_reduce(stage) for stage, end in final.items()), default=0.0))
-    return tuple(ends)
 
 
 def simulate(schedule: Schedule, profile: Profile) -> Timeline:
