@@ -19,16 +19,18 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
+from weakref import finalize
 
 from pipefisher.core.files import load_structured, write_text_atomically
 from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
 from pipefisher.core.profile import Profile
 from pipefisher.core.profile_v1 import V1_METHOD
-from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_ops
+from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_graph
 from pipefisher.planning.tasks import CYCLE_KINDS, TaskGraph, collective_groups
 from pipefisher.planning.vocabulary import TaskRules
-from pipefisher.schedules.validate import execution_order, validate
+from pipefisher.schedules.validate import OpGraph, execution_order, validate
 
 PLAN_SCHEMA = "pipefisher.plan/v2"
 PLAN_SCHEMA_V1 = "pipefisher.plan/v1"
@@ -278,12 +280,65 @@ def simulate_plan_step(
     if cache is not None and key in cache:
         return cache[key]
     durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
-    step_ops = {op for ops in step for op in ops}
-    deps = _step_dependencies(graph or plan.graph, step_ops, first_step=index == 0)
-    timeline = simulate_ops(step, deps, durations, f"{plan.schedule.name} step {index}")
+    op_graph = _step_graph(step, graph or plan.graph, first_step=index == 0)
+    timeline = simulate_graph(op_graph, durations, f"{plan.schedule.name} step {index}")
     if cache is not None:
         cache[key] = timeline
     return timeline
+
+
+class _OpNumbers:
+    """The ops a task graph's plans use, numbered once, with each op's dependencies (in the cycle's
+    first step and in later ones) as those numbers, in the order `TaskGraph.dependencies` names them."""
+
+    def __init__(self) -> None:
+        self.number: dict[Op, int] = {}
+        self.deps: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})
+
+    def of(self, op: Op) -> int:
+        number = self.number.get(op)
+        if number is None:
+            number = self.number[op] = len(self.number)
+        return number
+
+    def dependencies(self, graph: TaskGraph, op: Op, number: int, first_step: bool) -> tuple[int, ...]:
+        table = self.deps[first_step]
+        found = table.get(number)
+        if found is None:
+            found = table[number] = tuple(map(self.of, graph.dependencies(op, first_step)))
+        return found
+
+
+#: id(task graph) -> its op numbers, while the graph lives (see `_step_graph`)
+_OP_NUMBERS: dict[int, _OpNumbers] = {}
+
+
+def _step_graph(step: Sequence[Sequence[Op]], graph: TaskGraph, first_step: bool) -> OpGraph:
+    """`op_graph(step, _step_dependencies(graph, ops of step, first_step))`, built on the ops'
+    numbers in `graph` (computed once per graph): no dependency outside the step is kept, so the
+    graph holds the step's places alone."""
+    key = id(graph)
+    numbers = _OP_NUMBERS.get(key)
+    if numbers is None:
+        numbers = _OP_NUMBERS[key] = _OpNumbers()
+        finalize(graph, _OP_NUMBERS.pop, key, None)
+    ops = list(chain.from_iterable(step))
+    try:
+        ids = list(map(numbers.number.__getitem__, ops))
+    except KeyError:  # ops this graph has not numbered yet
+        ids = list(map(numbers.of, ops))
+    place = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))  # an op's first place
+    table, deps = numbers.deps[first_step], []
+    for op, number in zip(ops, ids):
+        found = table.get(number)
+        if found is None:
+            found = numbers.dependencies(graph, op, number, first_step)
+        deps.append(tuple([place[dep] for dep in found if dep in place]))
+    ranks, start = [], 0
+    for rank_ops in step:
+        ranks.append(list(map(place.__getitem__, ids[start : start + len(rank_ops)])))
+        start += len(rank_ops)
+    return OpGraph(ops=ops, ranks=ranks, deps=deps)
 
 
 def cycle_time(timelines: Sequence[Timeline]) -> float:

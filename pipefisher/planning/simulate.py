@@ -161,6 +161,14 @@ class OpDurations:
         self.profile, self.split_backward = profile, split_backward
         self._layers = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
         self._work: dict[Op, float] = {}
+        self._cost_classes: CostClasses | None = None
+
+    @property
+    def cost_classes(self) -> CostClasses:
+        """The cost classes of the ops simulated with these durations (see `simulate_graph`)."""
+        if self._cost_classes is None:
+            self._cost_classes = CostClasses(self)
+        return self._cost_classes
 
     def layer(self, op: Op) -> LayerProfile:
         try:
@@ -244,20 +252,25 @@ def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule
         end[number] = rank_free[rank] = start + busy[number]
         ran_on[number] = rank
         starts[rank].append(start)
-    ranks = tuple(_intervals(graph, numbers, begins, busy) for numbers, begins in zip(graph.ranks, starts))
+    classes = durations.cost_classes
+    stage, collective, gradient = classes.stage, classes.collective, classes.gradient
+    ranks, tails, reduce_ends, launched = [], [], [], []
+    for numbers, begins in zip(graph.ranks, starts):
+        ends = list(map(add, begins, map(busy.__getitem__, numbers)))
+        ranks.append(tuple(Interval.many(map(graph.ops.__getitem__, numbers), begins, ends)))
+        own = list(map(cost_class.__getitem__, numbers))
+        tails.append(durations.step_end(set(map(stage.__getitem__, own))))
+        # a stage's gradient is final at the end of its last backward (or W, precondition) here
+        final = {stage[c]: end for c, end in zip(own, ends) if gradient[c]}
+        reduce_ends.append(max((end + durations.grad_reduce(s) for s, end in final.items()), default=0.0))
+        launched += [end + durations.work(classes.examples[c]) for c, end in zip(own, ends) if collective[c]]
     return Timeline(
-        ranks=ranks,
+        ranks=tuple(ranks),
         time_unit=durations.profile.time_unit,
-        comm_end=_comm_end(ranks, durations),
-        tails=tuple(durations.step_end({iv.op.stage for iv in ivs}) for ivs in ranks),
-        reduce_ends=_reduce_ends(ranks, durations),
+        comm_end=max(launched, default=0.0),  # when the last collective launched in the step completes
+        tails=tuple(tails),
+        reduce_ends=tuple(reduce_ends),
     )
-
-
-def _intervals(graph: OpGraph, numbers: list[int], starts: list[float], busy: list[float]) -> tuple[Interval, ...]:
-    """The intervals of one rank's list: its ops `numbers` start at `starts` and last `busy`."""
-    ends = map(add, starts, map(busy.__getitem__, numbers))
-    return tuple(Interval.many(map(graph.ops.__getitem__, numbers), starts, ends))
 
 
 #: (producer cost class, consumer cost class, cross-rank)
@@ -278,36 +291,58 @@ class _Memo(dict[_DelayKey, float]):
 
 class _Costs:
     """The times of numbered ops, asked of `durations` once per cost class: ops with the same
-    kind, stage, layer and part (see OpDurations).
+    kind, stage, layer and part (see OpDurations). The classes, their times and delays are kept on
+    `durations` (`OpDurations.cost_classes`), so simulations with the same durations share them.
 
     `busy[i]`: how long op i keeps its rank busy; `cost_class[i]`: its class;
     `delay[(producer class, consumer class, cross-rank)]`: as `OpDurations.delay`.
     """
 
     def __init__(self, ops: Sequence[Op], durations: OpDurations) -> None:
-        classes: Numbering[tuple] = Numbering()
-        self.cost_class = list(map(classes.__getitem__, map(_TIMING_FIELDS, ops)))
-        example = dict(zip(self.cost_class, ops))
-        examples = [example[number] for number in range(len(classes))]
-        self.busy = list(map([durations(op) for op in examples].__getitem__, self.cost_class))
+        classes = durations.cost_classes
+        self.cost_class = classes.number(ops)
+        self.busy = list(map(classes.busy.__getitem__, self.cost_class))
+        self.delay = classes.delay
+
+
+class CostClasses:
+    """The cost classes of the ops simulated so far with one `OpDurations`, numbered in order of
+    first sight: `busy[c]` the time an op of class c occupies its rank, `delay` memoised
+    `OpDurations.delay` by (producer class, consumer class, cross-rank)."""
+
+    def __init__(self, durations: OpDurations) -> None:
+        self.durations = durations
+        self.classes: Numbering[tuple] = Numbering()
+        self.examples: list[Op] = []
+        self.busy: list[float] = []
+        #: per class: its ops' stage, whether they are collectives, whether they finish a gradient
+        self.stage: list[int] = []
+        self.collective: list[bool] = []
+        self.gradient: list[bool] = []
+        examples = self.examples
         self.delay = _Memo(lambda key: durations.delay(examples[key[0]], examples[key[1]], key[2]))
 
-
-def _comm_end(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> float:
-    """When the last collective launched in the step completes."""
-    return max(
-        (iv.end + durations.work(iv.op) for ivs in ranks for iv in ivs if iv.op.kind in COLLECTIVES), default=0.0
-    )
-
-
-def _reduce_ends(ranks: Sequence[Sequence[Interval]], durations: OpDurations) -> tuple[float, ...]:
-    """Per rank: when the gradient reductions of its stages end. A stage's reduction starts when
-    its gradient on the rank is final: at the end of its last backward or precondition there."""
-    ends = []
-    for ivs in ranks:
-        final = {iv.op.stage: iv.end for iv in ivs if iv.op.kind in GRADIENT_KINDS}
-        ends.append(max((end + durations.grad_reduce(stage) for stage, end in final.items()), default=0.0))
-    return tuple(ends)
+    def number(self, ops: Sequence[Op]) -> list[int]:
+        """The cost class of each of `ops` (new classes are numbered and timed)."""
+        known = len(self.examples)
+        cost_class = list(map(self.classes.__getitem__, map(_TIMING_FIELDS, ops)))
+        if len(self.classes) > known:
+            example = {number: op for number, op in zip(cost_class, ops) if number >= known}
+            new = [example[number] for number in range(known, len(self.classes))]
+            try:
+                busy = list(map(self.durations, new))
+            except ProfileError:  # forget the new classes: the next call meets them again
+                for key in self.classes.added[known:]:
+                    del self.classes[key]
+                del self.classes.added[known:]
+                self.classes.next_free = known
+                raise
+            self.examples += new
+            self.busy += busy
+            self.stage += (op.stage for op in new)
+            self.collective += (op.kind in COLLECTIVES for op in new)
+            self.gradient += (op.kind in GRADIENT_KINDS for op in new)
+        return cost_class
 
 
 def simulate(schedule: Schedule, profile: Profile) -> Timeline:

@@ -142,21 +142,32 @@ class Greedy:
     def _build_dependencies(self, tasks: CurvatureTasks) -> None:
         """Per unit, the units waiting for it with their delay (`children`), and how many units
         it waits for (`parents`, before a run places any)."""
-        unit_of, durations = self.unit_of, tasks.durations
+        unit_of, delay, rank = self.unit_of, tasks.durations.delay, self.rank
         extra = self._published_dependencies(tasks) if self.published else {}
         children: list[dict[int, float]] = [{} for _ in self.ops]
+        #: id of an `extra` tuple (shared by a rank's refresh ops of a part) -> its (unit, op) pairs
+        extra_units: dict[int, list[tuple[int, Op]]] = {}
         for unit, ops in enumerate(self.ops):
             if self.curvature[unit]:
                 continue  # a chain waits for its first-step inputs (op_release) and itself only
             for op in ops:
                 parents: dict[int, Op] = {}
-                for dep in tasks.graph.dependencies(op) + extra.get(op, ()):
+                for dep in tasks.graph.dependencies(op):
                     if (parent := unit_of.get(dep)) is not None:
                         parents[parent] = dep
+                extra_deps = extra.get(op)
+                if extra_deps:  # (as if its deps were listed after the graph's, resolved once per tuple)
+                    pairs = extra_units.get(id(extra_deps))
+                    if pairs is None:
+                        pairs = extra_units[id(extra_deps)] = [
+                            (parent, dep) for dep in extra_deps if (parent := unit_of.get(dep)) is not None
+                        ]
+                    parents.update(pairs)
                 parents.pop(unit, None)
+                own_rank = rank[unit]
                 for parent, dep in parents.items():  # (a chain's tasks all pass on the same delay)
-                    delay = durations.delay(dep, op, self.rank[unit] != self.rank[parent])
-                    children[parent][unit] = max(children[parent].get(unit, 0.0), delay)
+                    waiting = children[parent]
+                    waiting[unit] = max(waiting.get(unit, 0.0), delay(dep, op, own_rank != rank[parent]))
         self.children = [list(found.items()) for found in children]
         self.parents = [0] * len(self.ops)
         for found in self.children:
@@ -314,10 +325,13 @@ class Greedy:
 
     def _finish(self, unit: int, end: float) -> None:
         self.done += 1
+        release, missing = self.release, self.missing
         for child, delay in self.children[unit]:
-            self.release[child] = max(self.release[child], end + delay)
-            self.missing[child] -= 1
-            if self.missing[child] == 0:
+            ready = end + delay
+            if ready > release[child]:  # (max(release, ready), as max picks it)
+                release[child] = ready
+            missing[child] -= 1
+            if missing[child] == 0:
                 self._make_ready(child)
 
     def _make_ready(self, unit: int) -> None:

@@ -40,6 +40,8 @@ class Built(NamedTuple):
 
 
 _first, _second, _end = itemgetter(0), itemgetter(1), itemgetter(2)
+#: builds a named tuple from a tuple without its Python-level constructor (a hot path)
+_new = tuple.__new__
 _PHASE = {OpKind.CURVATURE: 0, OpKind.REFRESH: 1}
 
 
@@ -92,9 +94,12 @@ class PlanBuilder:
         steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
         weights = weights or {}
         extra: list[list[list[tuple[tuple, Op]]]] = [[[] for _ in self.schedule.ranks] for _ in range(refresh_steps)]
+        placement_of, rank_of = self.schedule.placement.get, self.schedule.rank_of
         for placements in [kept] + [weights[step] for step in sorted(weights)]:
             for op, placement in placements.items():
-                extra[placement.slot.step][self.schedule.rank_of(op)].append((placement.slot[1:], op))
+                rank = placement_of((op.pipe, op.stage))
+                slot = placement[0]
+                extra[slot[0]][rank_of(op) if rank is None else rank].append((slot[1:], op))
         steps = []
         for index, step in enumerate(extra):
             base = self.base_without_weights if index in weights else self.base
@@ -208,19 +213,10 @@ class PlanBuilder:
         )
         for sequence, op in enumerate(curvature, start=1):
             slots = [kept.get(dep) or first_order[dep] for dep in dependencies(op)]
-            latest = max(slots, key=_first).slot
+            step, window, phase, _, launch = max(slots, key=_first)[0]
             start = max(map(_end, slots))
-            slot = Slot(
-                latest.step,
-                latest.window,
-                latest.phase,
-                sequence if latest.phase == 0 else 10**9 + sequence,
-                latest.launch,
-            )
-            kept[op] = Placement(slot, start, start + durations(op))
-
-    def _first_order_placement(self, op: Op) -> Placement:
-        return self._first_order_placements[op]
+            slot = _new(Slot, (step, window, phase, sequence if phase == 0 else 10**9 + sequence, launch))
+            kept[op] = _new(Placement, (slot, start, start + durations(op)))
 
     @cached_property
     def _first_order_placements(self) -> dict[Op, Placement]:
@@ -265,12 +261,16 @@ class PlanBuilder:
         """Place `collectives` after their dependencies' final places; `last[group][rank]`: the slot
         of the group's last collective on that rank so far (updated)."""
         own: dict[Op, tuple[float, Slot]] = {}
+        dependencies, first_order = self.tasks.graph.dependencies, self._first_order_placements
         for op in collectives:
-            deps = [
-                kept[d] if d in kept else first_weights[d] if d in first_weights else self._first_order_placement(d)
-                for d in self.tasks.graph.dependencies(op)
-                if d in kept or d.kind.is_compute
-            ]
+            deps = []
+            for d in dependencies(op):
+                placement = kept.get(d)
+                if placement is None:
+                    if not d.kind.is_compute:
+                        continue
+                    placement = first_weights.get(d) or first_order[d]
+                deps.append(placement)
             own[op] = (max(p.end for p in deps), max(p.slot for p in deps)) if deps else (0.0, Slot(0, -math.inf, 0, 0))
         members: dict[tuple, list[Op]] = defaultdict(list)
         for op in collectives:
