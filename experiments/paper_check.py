@@ -136,7 +136,9 @@ def best_layout(row: Row, context: PlanContext) -> tuple[Prediction | str, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--max-gpus", type=int, default=3072, help="rows up to this many GPUs (default all)")
     parser.add_argument("--search-gpus", type=int, default=128, help="run the planner's search up to this many GPUs")
     parser.add_argument("--out", type=Path, help="write the markdown table here")
