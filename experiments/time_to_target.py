@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Runs: {trained} trained now, {from_cache} from the cache ({cache}); "
         f"{time.perf_counter() - t0:.0f} s, load (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
         "",
-        "Seconds: the sum of the run's step times up to the evaluation (no start-up, profiling or evaluation). "
+        "Seconds: the run's training clock at the evaluation (`train_s`: wall time since its first step, "
+        "held-out evaluations left out; no start-up or profiling). "
         "Check: seconds to target against steps to target × median step, flagged beyond 10 %.",
         "",
     ]
