@@ -31,7 +31,6 @@ from pipefisher.core.terminal import progress_bars
 from pipefisher.methods.registry import method
 from pipefisher.runtime.pipeline.executor import StepResult
 from pipefisher.runtime.training.assembly import tokens_per_step
-from pipefisher.runtime.training.optimizer import rest_settings
 
 
 class StepReporter:
@@ -141,7 +140,7 @@ def _rest_rate(config: RunConfig) -> float | None:
     lr_rest = lr x this); None for a first-order run, which has one rate."""
     if config.curvature is None:
         return None
-    return rest_settings(config).lr / config.optimizer_settings.lr
+    return config.rest_settings.lr / config.optimizer_settings.lr
 
 
 def _mib(state_bytes: tuple[dict[str, int], ...], part: str) -> str:

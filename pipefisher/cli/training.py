@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -14,9 +14,7 @@ from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
 from pipefisher.methods.flop_report import flop_report
 from pipefisher.methods.registry import method, method_of
-from pipefisher.runtime.training.optimizer import rest_settings
 from pipefisher.runtime.errors import first_line
-from pipefisher.cli.step_report import StepReporter
 from pipefisher.runtime.training.launch import (
     GroupFailure,
     Interrupted,
@@ -27,11 +25,13 @@ from pipefisher.runtime.training.launch import (
     run_group,
 )
 from pipefisher.runtime.training.rendezvous import PortInUse, hosted_store, port_in_use
-from pipefisher.runtime.training.reference import train_reference
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
-from pipefisher.runtime.training.trainer import TrainResult, train_pipelined
 from pipefisher.schedules import chunks_per_rank
+
+if TYPE_CHECKING:  # the training stack is imported where a rank trains, not by the launcher
+    from pipefisher.cli.step_report import StepReporter
+    from pipefisher.runtime.training.trainer import TrainResult
 
 
 def describe_pipeline(config: RunConfig) -> str:
@@ -56,7 +56,7 @@ def describe(config: RunConfig) -> str:
     ]
     section = config.curvature
     if section is not None:
-        rest = rest_settings(config)
+        rest = config.rest_settings
         parts.append(f"{rest.name} lr {rest.lr:g} for the rest")
         k = f"every {section.refresh_steps} steps" if section.refresh_steps else "interval chosen by the packer"
         parts.append(f"{method(config.optimizer.name).label} refresh {k}, {section.placement}")
@@ -74,6 +74,9 @@ def _train_and_report(
     config: RunConfig, rank: int, device: torch.device, as_json: bool, resume_from: int | None
 ) -> int:
     """Train on this rank (rank 0 reports); the exit code (see `_reported`)."""
+    from pipefisher.cli.step_report import StepReporter
+    from pipefisher.runtime.training.trainer import train_pipelined
+
     reporter = StepReporter(config, as_json, resume_from or 0) if rank == 0 else None
     return _reported(lambda: train_pipelined(config, rank, device, on_step=reporter, resume_from=resume_from), reporter)
 
@@ -156,6 +159,9 @@ def _refuse_missing_gpus(config: RunConfig) -> bool:
 
 def _run_reference(config: RunConfig, as_json: bool) -> int:
     print(f"pipefisher run (reference, one process): {describe(config)}", file=sys.stderr)
+    from pipefisher.cli.step_report import StepReporter
+    from pipefisher.runtime.training.reference import train_reference
+
     torch.set_num_threads(1)
     reporter = StepReporter(config, as_json)
     return _reported(lambda: train_reference(config, on_step=reporter), reporter)

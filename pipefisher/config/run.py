@@ -90,6 +90,17 @@ class RunConfig:
         )
 
     @property
+    def rest_settings(self) -> OptimizerConfig:
+        """A curvature run's settings for the parameters its method does not precondition: its
+        section's `first_order` rule, with the section's lr and momentum for sgd (the method's own
+        SGD step), else with optimizer.lr, betas, eps and weight_decay. A first-order run: its optimizer."""
+        section = self.curvature
+        if section is None:
+            return self.optimizer
+        rule = section.first_order
+        return dataclasses.replace(self.optimizer_settings if rule == "sgd" else self.optimizer, name=rule)
+
+    @property
     def stage_replicas(self) -> int:
         """Copies of every stage: its pipes (Chimera has two) x the data-parallel copies."""
         return stage_replica_count(self)

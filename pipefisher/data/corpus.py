@@ -10,8 +10,10 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import json
 import os
 import re
+import sys
 import sysconfig
 import threading
 from collections.abc import Callable
@@ -235,12 +237,37 @@ def _module_docstrings(name: str, stdlib: Path) -> str:
     return "\n\n".join(doc for doc in docs if doc)
 
 
-def embedded_corpus() -> list[list[str]]:
+def embedded_corpus(cache_dir: str | Path | None = None) -> list[list[str]]:
     """Real English that ships with Python: one document per `pydoc_data.topics` entry (sorted
     by key), then one per module of `DOCSTRING_MODULES` (its docstrings). Fixed for a Python
-    version; identical documents are kept once. Built once per process (1-2 s),
-    returned as a fresh copy."""
-    return [list(document) for document in _embedded_documents()]
+    version; identical documents are kept once. Built once per process (1-3 s of CPU); with
+    `cache_dir`, read from a file there once a process has written it (milliseconds: each process
+    of a run needs it). Returned as a fresh copy."""
+    documents = _embedded_documents() if cache_dir is None else _cached_documents(Path(cache_dir))
+    return [list(document) for document in documents]
+
+
+@functools.cache
+def _cached_documents(cache_dir: Path) -> tuple[tuple[str, ...], ...]:
+    """`_embedded_documents()` through a JSON file in `cache_dir`, keyed by the Python build and
+    this module's source (either changes the text). A folder that cannot be written is left to the
+    tokenizer's cache, which reports it; an unreadable file is rebuilt."""
+    key = hashlib.sha256(f"{sys.version}\n{sysconfig.get_paths()['stdlib']}\n".encode() + Path(__file__).read_bytes())
+    path = cache_dir / f"embedded-corpus-{key.hexdigest()[:16]}.json"
+    try:
+        return tuple(tuple(document) for document in json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        pass
+    documents = _embedded_documents()
+
+    def write(partial: Path) -> None:
+        partial.write_text(json.dumps(documents), encoding="utf-8")
+
+    try:
+        write_once(path, write)
+    except CacheUnwritable:
+        pass
+    return documents
 
 
 @functools.cache

@@ -295,6 +295,6 @@ def embedded_pretraining_data(
     """The demo data: `embedded_corpus()` with a WordPiece vocabulary of `vocab_size` trained on
     it; tokenizer and token ids cached in `cache_dir` (default `default_cache_dir()`)."""
     cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-    documents = embedded_corpus()
+    documents = embedded_corpus(cache_dir)
     tokenizer = train_wordpiece(documents, vocab_size, cache_dir)
     return PretrainingData(documents, tokenizer, seq_len, micro_batch_size, seed, cache_dir=cache_dir)

@@ -44,6 +44,20 @@ def test_embedded_corpus_is_deterministic_and_a_fresh_copy(corpus):
     assert embedded_corpus() == corpus
 
 
+def test_embedded_corpus_is_read_from_its_cache_file_once_written(corpus, tmp_path):
+    """Each process of a run needs the corpus: the first writes it to the cache, the rest read it
+    (a process's own copy is kept, so a fresh folder shows the reading)."""
+    assert embedded_corpus(tmp_path) == corpus
+    (written,) = tmp_path.glob("embedded-corpus-*.json")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / written.name).write_text('[["Read from the file.", "Not rebuilt."]]', encoding="utf-8")
+    assert embedded_corpus(other) == [["Read from the file.", "Not rebuilt."]]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert embedded_corpus(blocked / "cache") == corpus, "a folder it cannot write costs only the time"
+
+
 def test_split_sentences():
     text = (
         'He said "Stop." Then he  left.\nSee e.g. Python for more (and i.e. that.) Does it work? Yes, it does! 2. Items'

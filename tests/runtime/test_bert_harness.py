@@ -149,7 +149,7 @@ def run_tiny(*args, timeout=600):
 
 
 def test_the_demo_learns_on_the_embedded_corpus():
-    result = run_tiny("--steps", "40", "--json")
+    result = run_tiny("--steps", "25", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     first, last = sum(line["mlm"] for line in lines[:5]) / 5, sum(line["mlm"] for line in lines[-5:]) / 5

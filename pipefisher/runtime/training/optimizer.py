@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pipefisher.config import OptimizerConfig, RunConfig
+from pipefisher.config import RunConfig
 from pipefisher.methods.registry import methods
 from pipefisher.optim.composite import Composite
 from pipefisher.optim.first_order import first_order, named, parameter_groups
@@ -26,7 +26,7 @@ def build_optimizer(
     rank's own). A first-order run: its `optimizer.name` rule. A curvature run: a `Composite` of
     the method's rule over the parameters it preconditions (`MethodParts.preconditioned`, with its
     `skip` globs, `MethodParts.skip` of the model: required) and the section's `first_order` rule
-    over the rest (`rest_settings`)."""
+    over the rest (`RunConfig.rest_settings`)."""
     modules = list(modules)
     settings = config.optimizer
     if config.curvature is None:
@@ -43,16 +43,8 @@ def build_optimizer(
         lambda run, groups: first_order(replace(run.optimizer_settings, name="sgd"), groups)
     )
     return Composite(
-        {"method": method_rule(config, method_groups), "rest": first_order(rest_settings(config), rest_groups)}
+        {"method": method_rule(config, method_groups), "rest": first_order(config.rest_settings, rest_groups)}
     )
-
-
-def rest_settings(config: RunConfig) -> OptimizerConfig:
-    """The settings of a curvature run's parameters that its method does not precondition: its
-    section's `first_order` rule, with the section's lr and momentum for sgd (the method's own
-    SGD step), else with optimizer.lr, betas, eps and weight_decay."""
-    rule = config.curvature.first_order
-    return replace(config.optimizer_settings if rule == "sgd" else config.optimizer, name=rule)
 
 
 def build_scheduler(

@@ -16,8 +16,10 @@ def _documents(data: DataConfig, held_out: bool) -> list[list[str]]:
     """The corpus's training documents (all when `data.holdout` is 0), or its held-out ones."""
     from pipefisher.data.corpus import embedded_corpus, read_corpus
     from pipefisher.data.holdout import split_documents
+    from pipefisher.data.pretraining import default_cache_dir
 
-    documents = embedded_corpus() if data.corpus == "embedded" else read_corpus(data.corpus)
+    cached = data.cache_dir or default_cache_dir()
+    documents = embedded_corpus(cached) if data.corpus == "embedded" else read_corpus(data.corpus)
     return split_documents(documents, data.holdout)[held_out] if data.holdout or held_out else documents
 
 
