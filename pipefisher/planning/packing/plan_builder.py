@@ -58,6 +58,9 @@ class PlanBuilder:
         self.rank_of = {op: self.schedule.placement[(op.pipe, op.stage)] for ops in tasks.cycle for op in ops}
         self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
         self.cycle_index = {op: index for index, op in enumerate(self.rank_of)}
+        self.curvature_ops = [op for op in self.rank_of if op.kind in CURVATURE_KINDS]
+        #: the last `_add_eager_curvature`: its placement, k and the ops it added, in order
+        self._eager: tuple[Placed, int, list[tuple[Op, Placement]]] | None = None
 
     def plan(self, placed: Placed, refresh_steps: int, leftovers: Leftovers, eager_curvature: bool = False) -> Built:
         """The plan with `refresh_steps` steps and its leftovers (tasks outside the windows)."""
@@ -68,7 +71,7 @@ class PlanBuilder:
             (op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key
         )
         if eager_curvature:
-            self._place_eagerly(kept, [op for op in left if op.kind in CURVATURE_KINDS])
+            self._add_eager_curvature(placed, refresh_steps, kept)
         rest = [op for op in left if op not in kept]
         if leftovers == "tail":
             self._append(kept, rest, refresh_steps)
@@ -83,9 +86,21 @@ class PlanBuilder:
         neither placed nor curvature and less the collectives: every other op in the same order
         (what `pipefisher.planning.memory.captures` reads), for less work."""
         kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}
-        curvature = [op for op in self.rank_of if op.kind in CURVATURE_KINDS and op not in kept]
-        self._place_eagerly(kept, sorted(curvature, key=self._topological_key))
+        self._add_eager_curvature(placed, refresh_steps, kept)
         return self.assemble(kept, refresh_steps)
+
+    def _add_eager_curvature(self, placed: Placed, refresh_steps: int, kept: dict[Op, Placement]) -> None:
+        """Add to `kept` (`placed`'s tasks in steps < `refresh_steps`) every curvature op it lacks,
+        right after its latest dependency (`_place_eagerly`), in topological order. The last
+        result is kept: the capture cap asks it of one placement for its capture order and then
+        for its plans (the same ops at the same places, added in the same order)."""
+        memo = self._eager
+        if memo is None or memo[0] is not placed or memo[1] != refresh_steps:
+            curvature = sorted((op for op in self.curvature_ops if op not in kept), key=self._topological_key)
+            own = dict(kept)
+            self._place_eagerly(own, curvature)
+            memo = self._eager = (placed, refresh_steps, [(op, own[op]) for op in curvature])
+        kept.update(memo[2])
 
     def assemble(
         self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None
