@@ -59,6 +59,9 @@ class PlanBuilder:
         self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
         self.cycle_index = {op: index for index, op in enumerate(self.rank_of)}
         self.curvature_ops = [op for op in self.rank_of if op.kind in CURVATURE_KINDS]
+        #: the cycle's tasks (not collectives) in `_topological_key` order: a stable sort of the
+        #: cycle order by phase, once (a plan's leftovers are these less what it placed, in order)
+        self.topological = sorted((op for op in self.rank_of if op.kind not in COLLECTIVES), key=self._topological_key)
         #: the last `_add_eager_curvature`: its placement, k and the ops it added, in order
         self._eager: tuple[Placed, int, list[tuple[Op, Placement]]] | None = None
 
@@ -67,9 +70,7 @@ class PlanBuilder:
         kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}  # (collectives: step -1)
         in_windows = {p.slot.step for p in kept.values() if p.slot.phase == 1}
         weights = {step: moved for step, moved in enumerate(placed.weights[:refresh_steps]) if step in in_windows}
-        left = sorted(
-            (op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key
-        )
+        left = [op for op in self.topological if op not in kept]
         if eager_curvature:
             self._add_eager_curvature(placed, refresh_steps, kept)
         rest = [op for op in left if op not in kept]
@@ -96,7 +97,7 @@ class PlanBuilder:
         for its plans (the same ops at the same places, added in the same order)."""
         memo = self._eager
         if memo is None or memo[0] is not placed or memo[1] != refresh_steps:
-            curvature = sorted((op for op in self.curvature_ops if op not in kept), key=self._topological_key)
+            curvature = [op for op in self.curvature_ops if op not in kept]  # (in topological order)
             own = dict(kept)
             self._place_eagerly(own, curvature)
             memo = self._eager = (placed, refresh_steps, [(op, own[op]) for op in curvature])
@@ -109,10 +110,12 @@ class PlanBuilder:
         steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
         weights = weights or {}
         extra: list[list[list[tuple[tuple, Op]]]] = [[[] for _ in self.schedule.ranks] for _ in range(refresh_steps)]
-        placement_of, rank_of = self.schedule.placement.get, self.schedule.rank_of
+        placement_of, rank_of, cycle_rank = self.schedule.placement.get, self.schedule.rank_of, self.rank_of.get
         for placements in [kept] + [weights[step] for step in sorted(weights)]:
             for op, placement in placements.items():
-                rank = placement_of((op.pipe, op.stage))
+                rank = cycle_rank(op)  # (a cycle task's placement; W ops are looked up)
+                if rank is None:
+                    rank = placement_of((op.pipe, op.stage))
                 slot = placement[0]
                 extra[slot[0]][rank_of(op) if rank is None else rank].append((slot[1:], op))
         steps = []
@@ -221,17 +224,20 @@ class PlanBuilder:
         """Curvature right after its latest dependency (its forward/backward of step 0, or the
         previous micro-batch's curvature of the factor), extending that step: after the
         forward/backward itself, or at the end of the window its predecessor ran in."""
-        first_order, dependencies, durations = (
-            self._first_order_placements,
-            self.tasks.graph.dependencies,
-            self.tasks.durations,
-        )
+        first_order, inputs, placed = self._first_order_placements, self._curvature_inputs, kept.get
         for sequence, op in enumerate(curvature, start=1):
-            slots = [kept.get(dep) or first_order[dep] for dep in dependencies(op)]
+            dependencies, work = inputs[op]
+            slots = [placed(dep) or first_order[dep] for dep in dependencies]
             step, window, phase, _, launch = max(slots, key=_first)[0]
             start = max(map(_end, slots))
             slot = _new(Slot, (step, window, phase, sequence if phase == 0 else 10**9 + sequence, launch))
-            kept[op] = _new(Placement, (slot, start, start + durations(op)))
+            kept[op] = _new(Placement, (slot, start, start + work))
+
+    @cached_property
+    def _curvature_inputs(self) -> dict[Op, tuple[tuple[Op, ...], float]]:
+        """Each curvature op's dependencies (in the cycle's first step) and time."""
+        dependencies, durations = self.tasks.graph.dependencies, self.tasks.durations
+        return {op: (dependencies(op), durations(op)) for op in self.curvature_ops}
 
     @cached_property
     def _first_order_placements(self) -> dict[Op, Placement]:
