@@ -279,6 +279,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         placement=chosen.source,
         capture_peaks=tuple(peaks),
         memory=memory,
+        graph=tasks.graph,
     )
 
 
