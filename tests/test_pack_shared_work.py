@@ -36,7 +36,9 @@ def test_reused_eager_placement_and_full_run_give_the_plans_built_afresh(name, d
         packing.builder.capture_order(placed, k)  # leaves its eager placement for the plans below
         reused = capped_builds(packing, k, until, ("tail", "spread"), placed)
         fresh = [
-            PlanBuilder(packing.tasks, packing.first_order, packing.windows).plan(placed, k, policy, eager_curvature=True)
+            PlanBuilder(packing.tasks, packing.first_order, packing.windows).plan(
+                placed, k, policy, eager_curvature=True
+            )
             for policy in ("tail", "spread")
         ]
         assert reused == fresh
@@ -64,7 +66,11 @@ def test_packed_capture_peaks_are_the_plans_own(name, d, n):
 @pytest.mark.parametrize("name, d, n", CASES)
 def test_a_plan_simulated_on_the_packers_graph_is_simulated_on_its_own(name, d, n):
     schedule, profile, _, chosen = _packing(name, d, n)
-    for options in (PackOptions(), PackOptions(max_capture_mb=1e-6), PackOptions(refresh_steps=chosen.refresh_steps + 2)):
+    for options in (
+        PackOptions(),
+        PackOptions(max_capture_mb=1e-6),
+        PackOptions(refresh_steps=chosen.refresh_steps + 2),
+    ):
         result = pack(schedule, profile, rules_of(profile), options)
         assert result.graph is not None
         assert simulate_plan(result.plan, profile, graph=result.graph) == simulate_plan(result.plan, profile)
