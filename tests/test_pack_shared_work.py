@@ -33,8 +33,10 @@ def test_reused_eager_placement_and_full_run_give_the_plans_built_afresh(name, d
     k = chosen.refresh_steps
     for until in (k - 1, k // 2, -1):
         placed = packing.greedy("fill").run(k, curvature_until=until)
-        packing.builder.capture_order(placed, k)  # leaves its eager placement for the plans below
+        order = packing.builder.capture_order(placed, k)  # leaves its eager placement for the plans below
         reused = capped_builds(packing, k, until, ("tail", "spread"), placed)
+        for built in reused:  # the same peaks, after the same op of the same step
+            assert capture_peaks(order, packing.tasks.profile) == capture_peaks(built.plan, packing.tasks.profile)
         fresh = [
             PlanBuilder(packing.tasks, packing.first_order, packing.windows).plan(
                 placed, k, policy, eager_curvature=True

@@ -84,11 +84,14 @@ class PlanBuilder:
 
     def capture_order(self, placed: Placed, refresh_steps: int) -> Plan:
         """`plan(placed, refresh_steps, leftovers, eager_curvature=True)` less the tasks that are
-        neither placed nor curvature and less the collectives: every other op in the same order
-        (what `pipefisher.planning.memory.captures` reads), for less work."""
+        neither placed nor curvature, less the collectives, and less the schedule's ops after the
+        first step: every other op in the same order, for less work. Its capture peaks
+        (`pipefisher.planning.memory.captures`) are the plan's: captures are taken at the first
+        step's forward/backward ops and freed at curvature ops, and a later step's ops only free
+        them (the peak of a rank is reached in the first step, after the same op)."""
         kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}
         self._add_eager_curvature(placed, refresh_steps, kept)
-        return self.assemble(kept, refresh_steps)
+        return self.assemble(kept, refresh_steps, bare_after_first=True)
 
     def _add_eager_curvature(self, placed: Placed, refresh_steps: int, kept: dict[Op, Placement]) -> None:
         """Add to `kept` (`placed`'s tasks in steps < `refresh_steps`) every curvature op it lacks,
@@ -104,10 +107,15 @@ class PlanBuilder:
         kept.update(memo[2])
 
     def assemble(
-        self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None
+        self,
+        kept: dict[Op, Placement],
+        refresh_steps: int,
+        weights: dict[int, dict[Op, Placement]] | None = None,
+        bare_after_first: bool = False,
     ) -> Plan:
         """The plan of the schedule's ops, the preconditions in their windows and `kept`; in the
-        steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
+        steps `weights` names, its W ops where it puts them (elsewhere where the schedule does);
+        `bare_after_first`: the steps after the first hold `kept`'s ops alone."""
         weights = weights or {}
         extra: list[list[list[tuple[tuple, Op]]]] = [[[] for _ in self.schedule.ranks] for _ in range(refresh_steps)]
         placement_of, rank_of, cycle_rank = self.schedule.placement.get, self.schedule.rank_of, self.rank_of.get
@@ -119,8 +127,9 @@ class PlanBuilder:
                 slot = placement[0]
                 extra[slot[0]][rank_of(op) if rank is None else rank].append((slot[1:], op))
         steps = []
+        bare: list[list[tuple[tuple, Op]]] = [[] for _ in self.schedule.ranks]
         for index, step in enumerate(extra):
-            base = self.base_without_weights if index in weights else self.base
+            base = bare if bare_after_first and index else self.base_without_weights if index in weights else self.base
             ranks = []
             for rank, items in enumerate(step):
                 items = base[rank] + items
