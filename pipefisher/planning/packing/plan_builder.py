@@ -59,9 +59,13 @@ class PlanBuilder:
         self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
         self.cycle_index = {op: index for index, op in enumerate(self.rank_of)}
         self.curvature_ops = [op for op in self.rank_of if op.kind in CURVATURE_KINDS]
-        #: the cycle's tasks (not collectives) in `_topological_key` order: a stable sort of the
-        #: cycle order by phase, once (a plan's leftovers are these less what it placed, in order)
-        self.topological = sorted((op for op in self.rank_of if op.kind not in COLLECTIVES), key=self._topological_key)
+        #: the cycle's tasks (not collectives) in `_topological_key` order, once: the cycle order
+        #: (`cycle_index`) within each phase (a plan's leftovers are these less what it placed)
+        phases: tuple[list[Op], ...] = ([], [], [])
+        for op in self.rank_of:
+            if op.kind not in COLLECTIVES:
+                phases[_PHASE.get(op.kind, 2)].append(op)
+        self.topological = [op for ops in phases for op in ops]
         #: the last `_add_eager_curvature`: its placement, k and the ops it added, in order
         self._eager: tuple[Placed, int, list[tuple[Op, Placement]]] | None = None
 
