@@ -10,6 +10,7 @@ from pipefisher.core.ir import Op
 from pipefisher.planning.packing.greedy import Greedy, Strategy
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.plan_builder import Built, PlanBuilder
+from pipefisher.planning.packing.windows import Placed
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.tasks import CurvatureTasks
 
@@ -35,7 +36,11 @@ class Packing(Protocol):
     tasks: CurvatureTasks
     options: PackOptions
     builder: PlanBuilder
+    #: the steps of the greedy's full run (`placed`)
+    horizon: int
 
     def greedy(self, strategy: Strategy) -> Greedy: ...
+
+    def placed(self, strategy: Strategy) -> Placed: ...
 
     def evaluate(self, built: Built, source: str) -> Candidate: ...

@@ -59,6 +59,7 @@ class _Packing:
 
     def __init__(self, tasks: CurvatureTasks, first_order: Timeline, options: PackOptions):
         self.tasks, self.first_order, self.options = tasks, first_order, options
+        self.horizon = _HORIZON
         self.windows: Windows = step_windows(tasks, first_order, options.margin)
         self.builder = PlanBuilder(tasks, first_order, self.windows)
         self.cache: dict = {}
@@ -253,13 +254,15 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
     chosen, frontier, reason = choose(packing, lower_bound)
     memory = ""
     if options.max_capture_mb is not None:
-        capped, memory = fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
+        capped, memory, peaks = fit_capture(packing, chosen, int(options.max_capture_mb * 2**20))
         if capped is not chosen:  # the frontier and the reason are of the plans before the cap
             reason += (
                 f"; then the {options.max_capture_mb:g} MiB capture cap moved curvature earlier, at "
                 f"{100 * packing.overhead(capped):.2f} % overhead"
             )
             chosen = capped
+    else:
+        peaks = capture_peaks(chosen.plan, profile)
     in_bubbles: Callable[[int], float] = lambda rank: precondition_in_bubbles(tasks, packing.windows, rank)
     return PackResult(
         plan=chosen.plan,
@@ -274,8 +277,9 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         frontier=tuple(frontier),
         reason=reason,
         placement=chosen.source,
-        capture_peaks=tuple(capture_peaks(chosen.plan, profile)),
+        capture_peaks=tuple(peaks),
         memory=memory,
+        graph=tasks.graph,
     )
 
 

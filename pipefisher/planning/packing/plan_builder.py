@@ -58,17 +58,25 @@ class PlanBuilder:
         self.rank_of = {op: self.schedule.placement[(op.pipe, op.stage)] for ops in tasks.cycle for op in ops}
         self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
         self.cycle_index = {op: index for index, op in enumerate(self.rank_of)}
+        self.curvature_ops = [op for op in self.rank_of if op.kind in CURVATURE_KINDS]
+        #: the cycle's tasks (not collectives) in `_topological_key` order, once: the cycle order
+        #: (`cycle_index`) within each phase (a plan's leftovers are these less what it placed)
+        phases: tuple[list[Op], ...] = ([], [], [])
+        for op in self.rank_of:
+            if op.kind not in COLLECTIVES:
+                phases[_PHASE.get(op.kind, 2)].append(op)
+        self.topological = [op for ops in phases for op in ops]
+        #: the last `_add_eager_curvature`: its placement, k and the ops it added, in order
+        self._eager: tuple[Placed, int, list[tuple[Op, Placement]]] | None = None
 
     def plan(self, placed: Placed, refresh_steps: int, leftovers: Leftovers, eager_curvature: bool = False) -> Built:
         """The plan with `refresh_steps` steps and its leftovers (tasks outside the windows)."""
         kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}  # (collectives: step -1)
         in_windows = {p.slot.step for p in kept.values() if p.slot.phase == 1}
         weights = {step: moved for step, moved in enumerate(placed.weights[:refresh_steps]) if step in in_windows}
-        left = sorted(
-            (op for op in self.rank_of if op.kind not in COLLECTIVES and op not in kept), key=self._topological_key
-        )
+        left = [op for op in self.topological if op not in kept]
         if eager_curvature:
-            self._place_eagerly(kept, [op for op in left if op.kind in CURVATURE_KINDS])
+            self._add_eager_curvature(placed, refresh_steps, kept)
         rest = [op for op in left if op not in kept]
         if leftovers == "tail":
             self._append(kept, rest, refresh_steps)
@@ -80,29 +88,52 @@ class PlanBuilder:
 
     def capture_order(self, placed: Placed, refresh_steps: int) -> Plan:
         """`plan(placed, refresh_steps, leftovers, eager_curvature=True)` less the tasks that are
-        neither placed nor curvature and less the collectives: every other op in the same order
-        (what `pipefisher.planning.memory.captures` reads), for less work."""
+        neither placed nor curvature, less the collectives, and less the schedule's ops after the
+        first step: every other op in the same order, for less work. Its capture peaks
+        (`pipefisher.planning.memory.captures`) are the plan's: captures are taken at the first
+        step's forward/backward ops and freed at curvature ops, and a later step's ops only free
+        them (the peak of a rank is reached in the first step, after the same op)."""
         kept = {op: p for op, p in placed.tasks.items() if -1 < p.slot.step < refresh_steps}
-        curvature = [op for op in self.rank_of if op.kind in CURVATURE_KINDS and op not in kept]
-        self._place_eagerly(kept, sorted(curvature, key=self._topological_key))
-        return self.assemble(kept, refresh_steps)
+        self._add_eager_curvature(placed, refresh_steps, kept)
+        return self.assemble(kept, refresh_steps, bare_after_first=True)
+
+    def _add_eager_curvature(self, placed: Placed, refresh_steps: int, kept: dict[Op, Placement]) -> None:
+        """Add to `kept` (`placed`'s tasks in steps < `refresh_steps`) every curvature op it lacks,
+        right after its latest dependency (`_place_eagerly`), in topological order. The last
+        result is kept: the capture cap asks it of one placement for its capture order and then
+        for its plans (the same ops at the same places, added in the same order)."""
+        memo = self._eager
+        if memo is None or memo[0] is not placed or memo[1] != refresh_steps:
+            curvature = [op for op in self.curvature_ops if op not in kept]  # (in topological order)
+            own = dict(kept)
+            self._place_eagerly(own, curvature)
+            memo = self._eager = (placed, refresh_steps, [(op, own[op]) for op in curvature])
+        kept.update(memo[2])
 
     def assemble(
-        self, kept: dict[Op, Placement], refresh_steps: int, weights: dict[int, dict[Op, Placement]] | None = None
+        self,
+        kept: dict[Op, Placement],
+        refresh_steps: int,
+        weights: dict[int, dict[Op, Placement]] | None = None,
+        bare_after_first: bool = False,
     ) -> Plan:
         """The plan of the schedule's ops, the preconditions in their windows and `kept`; in the
-        steps `weights` names, its W ops where it puts them (elsewhere where the schedule does)."""
+        steps `weights` names, its W ops where it puts them (elsewhere where the schedule does);
+        `bare_after_first`: the steps after the first hold `kept`'s ops alone."""
         weights = weights or {}
         extra: list[list[list[tuple[tuple, Op]]]] = [[[] for _ in self.schedule.ranks] for _ in range(refresh_steps)]
-        placement_of, rank_of = self.schedule.placement.get, self.schedule.rank_of
+        placement_of, rank_of, cycle_rank = self.schedule.placement.get, self.schedule.rank_of, self.rank_of.get
         for placements in [kept] + [weights[step] for step in sorted(weights)]:
             for op, placement in placements.items():
-                rank = placement_of((op.pipe, op.stage))
+                rank = cycle_rank(op)  # (a cycle task's placement; W ops are looked up)
+                if rank is None:
+                    rank = placement_of((op.pipe, op.stage))
                 slot = placement[0]
                 extra[slot[0]][rank_of(op) if rank is None else rank].append((slot[1:], op))
         steps = []
+        bare: list[list[tuple[tuple, Op]]] = [[] for _ in self.schedule.ranks]
         for index, step in enumerate(extra):
-            base = self.base_without_weights if index in weights else self.base
+            base = bare if bare_after_first and index else self.base_without_weights if index in weights else self.base
             ranks = []
             for rank, items in enumerate(step):
                 items = base[rank] + items
@@ -206,17 +237,20 @@ class PlanBuilder:
         """Curvature right after its latest dependency (its forward/backward of step 0, or the
         previous micro-batch's curvature of the factor), extending that step: after the
         forward/backward itself, or at the end of the window its predecessor ran in."""
-        first_order, dependencies, durations = (
-            self._first_order_placements,
-            self.tasks.graph.dependencies,
-            self.tasks.durations,
-        )
+        first_order, inputs, placed = self._first_order_placements, self._curvature_inputs, kept.get
         for sequence, op in enumerate(curvature, start=1):
-            slots = [kept.get(dep) or first_order[dep] for dep in dependencies(op)]
+            dependencies, work = inputs[op]
+            slots = [placed(dep) or first_order[dep] for dep in dependencies]
             step, window, phase, _, launch = max(slots, key=_first)[0]
             start = max(map(_end, slots))
             slot = _new(Slot, (step, window, phase, sequence if phase == 0 else 10**9 + sequence, launch))
-            kept[op] = _new(Placement, (slot, start, start + durations(op)))
+            kept[op] = _new(Placement, (slot, start, start + work))
+
+    @cached_property
+    def _curvature_inputs(self) -> dict[Op, tuple[tuple[Op, ...], float]]:
+        """Each curvature op's dependencies (in the cycle's first step) and time."""
+        dependencies, durations = self.tasks.graph.dependencies, self.tasks.durations
+        return {op: (dependencies(op), durations(op)) for op in self.curvature_ops}
 
     @cached_property
     def _first_order_placements(self) -> dict[Op, Placement]:

@@ -11,7 +11,7 @@ from pipefisher.core.ir import Op
 from pipefisher.planning.memory.captures import CapturePeak
 from pipefisher.planning.plan import Plan, moved_weights
 from pipefisher.planning.simulate import Timeline
-from pipefisher.planning.tasks import CYCLE_KINDS, CurvatureTasks
+from pipefisher.planning.tasks import CYCLE_KINDS, CurvatureTasks, TaskGraph
 
 from pipefisher.planning.packing.options import PackOptions
 
@@ -73,6 +73,9 @@ class PackResult:
     placement: str = ""
     capture_peaks: tuple[CapturePeak, ...] = field(default=())
     memory: str = ""
+    #: the task graph the plan was packed and simulated on (None: the plan's own, `Plan.graph`):
+    #: simulating the plan on it gives the same timelines, at the cost of steps simulated before
+    graph: TaskGraph | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def timelines(self) -> list[Timeline]:

@@ -351,7 +351,11 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
     headroom = memory_budget - held.total if memory_budget is not None and memory_budget >= held.total else None
     result, profile = plan_layout(layout, context, headroom)
-    step_ms = cycle_time(simulate_plan(result.plan, profile)) / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
+    step_ms = (
+        cycle_time(simulate_plan(result.plan, profile, graph=result.graph))
+        / result.refresh_steps
+        * MS_PER_UNIT[profile.time_unit]
+    )
     packed = replace(layout, refresh_steps=result.refresh_steps)
     memory = packed_memory(
         packed, context.sizes, context.first_order, context.momentum, context.precision, result.plan, profile
