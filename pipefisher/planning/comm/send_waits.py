@@ -1,0 +1,127 @@
+"""Where a rank waits for each of its point-to-point sends: soon after issuing it, not at the step's end.
+
+A send in flight holds its tensor until the rank waits for it (`pipefisher.runtime.pipeline.executor`),
+so the wait decides how long a boundary activation or gradient stays alive. Under NCCL's rule a
+wait for a send blocks until the peer has matched it: the peer has posted the receive, and every
+earlier operation on the communicator has completed. On a ``("fwd" | "bwd", ...)`` channel both
+ends issue their messages in micro-batch order, so once the peer has posted the receive of
+message m, m completes (the earlier messages were posted before it, and sent before m).
+
+The rule, per message m that op i of pipeline rank R sends to pipeline rank Q (the earlier of):
+
+(a) *heard back*: right after R's wait for the first later input j > i that R receives from Q
+    and that Q sends after posting the receive of m (Q posts its receives one ahead, right after
+    its wait for the input before; it sends right after the producing op). When R has that input,
+    Q has issued its send, hence posted m's receive before it: the wait never blocks for long and
+    adds no dependency between the ranks (any plan that replays with the waits at the step's end
+    replays with these).
+(b) *bounded*: right after R runs the op that produces the next message on m's channel, before
+    R issues its send; so at most one send per channel is in flight between two of R's sends on
+    it. This wait blocks R until Q has posted m's receive, a dependency the replay
+    (`pipefisher.planning.comm.replay`) checks; `pipefisher.planning.comm.plan.plan_actions`
+    falls back to (a) alone for a plan it refuses.
+
+A message with neither (the last on its channel, no later input from its peer) is waited for at
+the step's end. Data-parallel replicas and tensor-parallel processes run the same op lists on
+their own communicators, so the waits are derived per pipeline rank. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pipefisher.core.ir import Op
+from pipefisher.planning.comm.actions import Message, input_message, output_message
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SendWait:
+    """Where the rank waits for a send: around its op at `position` (in the rank's op list of the
+    step), before the op runs (right after its input is in; `after_run` False) or right after it
+    runs (before the op's own send; True). Ordered: the earlier slot is the smaller."""
+
+    position: int
+    after_run: bool = False
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """One pipeline rank's point-to-point traffic of a step, by position in its op list."""
+
+    #: position -> the message the op there receives from another rank
+    receives: dict[int, Message]
+    #: position -> the message the op there sends to another rank
+    sends: dict[int, Message]
+    #: message received -> position of the op before which its receive is posted (-1: first thing)
+    posted_before: dict[Message, int]
+
+
+def _rank_traffic(ops: Sequence[Op], rank: int, placement: Mapping[tuple[int, int], int], stages: int) -> _Rank:
+    receives: dict[int, Message] = {}
+    sends: dict[int, Message] = {}
+    for position, op in enumerate(ops):
+        received, sent = input_message(op, stages), output_message(op, stages)
+        if received is not None and _rank_of(received.producer, placement) != rank:
+            receives[position] = received
+        if sent is not None and _rank_of(sent.consumer, placement) != rank:
+            sends[position] = sent
+    order = sorted(receives)
+    posted = {receives[position]: before for before, position in zip([-1, *order], order)}
+    return _Rank(receives, sends, posted)
+
+
+def _rank_of(op: Op, placement: Mapping[tuple[int, int], int]) -> int:
+    return placement[(op.pipe, op.stage)]
+
+
+def send_waits(
+    ranks: Sequence[Sequence[Op]], placement: Mapping[tuple[int, int], int], num_stages: int, bounded: bool = True
+) -> list[dict[Message, SendWait | None]]:
+    """Per pipeline rank (`ranks[r]`: its op list of one step; `placement`: (pipe, stage) -> pipeline
+    rank), each message it sends to another rank -> where it waits for that send (module
+    docstring: the earlier of rules (a) and (b); `bounded` False: rule (a) alone); None: at the
+    step's end."""
+    traffic = [_rank_traffic(ops, rank, placement, num_stages) for rank, ops in enumerate(ranks)]
+    sent_at = [{message: i for i, message in t.sends.items()} for t in traffic]
+    result = []
+    for rank, mine in enumerate(traffic):
+        waits: dict[Message, SendWait | None] = {}
+        following = _next_on_channel(mine.sends) if bounded else {}
+        for position, message in sorted(mine.sends.items()):
+            peer = _rank_of(message.consumer, placement)
+            heard = _heard_back(mine, traffic[peer], sent_at[peer], position, message, placement, peer)
+            candidates = [slot for slot in (heard, following.get(position)) if slot is not None]
+            waits[message] = min(candidates, default=None)
+        result.append(waits)
+    return result
+
+
+def _heard_back(
+    mine: _Rank,
+    peer: _Rank,
+    peer_sent_at: dict[Message, int],
+    position: int,
+    message: Message,
+    placement: Mapping[tuple[int, int], int],
+    peer_rank: int,
+) -> SendWait | None:
+    """Rule (a): the first input after `position` from `peer_rank` sent after it posted `message`."""
+    posted = peer.posted_before[message]
+    for later in sorted(i for i in mine.receives if i > position):
+        received = mine.receives[later]
+        if _rank_of(received.producer, placement) == peer_rank and posted <= peer_sent_at[received]:
+            return SendWait(later)
+    return None
+
+
+def _next_on_channel(sends: dict[int, Message]) -> dict[int, SendWait]:
+    """Rule (b): position of a send -> right after the op that makes the next send on its channel."""
+    last: dict[tuple, int] = {}
+    following: dict[int, SendWait] = {}
+    for position in sorted(sends):
+        channel = sends[position].channel(0)
+        if channel in last:
+            following[last[channel]] = SendWait(position, after_run=True)
+        last[channel] = position
+    return following
