@@ -3,7 +3,7 @@ the step's end, and every plan still replays under NCCL's in-order rule."""
 
 import pytest
 
-from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import (
     Action,
@@ -142,3 +142,19 @@ def test_evaluation_passes_wait_for_each_send_before_the_next(name):
     schedule = get_schedule(name, 4, micro_batches_for(name, 4, at_least=8))
     comm = evaluation_actions(Topology(schedule, 2), 3 * schedule.num_micro_batches)
     assert most_in_flight(comm) <= len(schedule.stages_of(0))
+
+
+def test_a_plan_the_bounded_waits_would_hang_falls_back_to_waiting_once_heard_back():
+    """Rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; rank 1 runs 3F0 before 1F1, so it posts
+    1F1's receive only once 3F0's input is in, which rank 0 sends after 0F2: waiting for 1F1's
+    send before sending 1F2 (rule (b)) would hang. The plan keeps rule (a) alone and replays."""
+    forward = lambda stage, m: Op(OpKind.FORWARD, stage, m)
+    ranks = (
+        tuple(forward(stage, m) for stage in (0, 2) for m in range(3)),
+        tuple(forward(stage, m) for m in range(3) for stage in (1, 3)),
+    )
+    placement = {(0, 0): 0, (0, 1): 1, (0, 2): 0, (0, 3): 1}
+    schedule = Schedule("crossed", 4, 3, placement, ranks)
+    rank0 = [str(a) for a in replay(plan_actions(Topology(schedule), first_order(schedule))).steps[0][0]]
+    assert rank0.index("w:send:1F1") > rank0.index("send:1F2")
+    assert rank0.index("w:send:1F0") == rank0.index("2F0") - 1, "once 2F0's input from rank 1 is in"

@@ -28,6 +28,7 @@ their own communicators, so the waits are derived per pipeline rank. Pure Python
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,10 +50,12 @@ class SendWait:
 class _Rank:
     """One pipeline rank's point-to-point traffic of a step, by position in its op list."""
 
-    #: position -> the message the op there receives from another rank
-    receives: dict[int, Message]
     #: position -> the message the op there sends to another rank
     sends: dict[int, Message]
+    #: peer rank -> positions of the ops that receive their input from it, ascending
+    heard_from: dict[int, list[int]]
+    #: position -> the message the op there receives from another rank
+    receives: dict[int, Message]
     #: message received -> position of the op before which its receive is posted (-1: first thing)
     posted_before: dict[Message, int]
 
@@ -60,15 +63,17 @@ class _Rank:
 def _rank_traffic(ops: Sequence[Op], rank: int, placement: Mapping[tuple[int, int], int], stages: int) -> _Rank:
     receives: dict[int, Message] = {}
     sends: dict[int, Message] = {}
+    heard_from: dict[int, list[int]] = {}
     for position, op in enumerate(ops):
         received, sent = input_message(op, stages), output_message(op, stages)
-        if received is not None and _rank_of(received.producer, placement) != rank:
+        if received is not None and (peer := _rank_of(received.producer, placement)) != rank:
             receives[position] = received
+            heard_from.setdefault(peer, []).append(position)
         if sent is not None and _rank_of(sent.consumer, placement) != rank:
             sends[position] = sent
-    order = sorted(receives)
+    order = list(receives)
     posted = {receives[position]: before for before, position in zip([-1, *order], order)}
-    return _Rank(receives, sends, posted)
+    return _Rank(sends, heard_from, receives, posted)
 
 
 def _rank_of(op: Op, placement: Mapping[tuple[int, int], int]) -> int:
@@ -83,34 +88,28 @@ def send_waits(
     docstring: the earlier of rules (a) and (b); `bounded` False: rule (a) alone); None: at the
     step's end."""
     traffic = [_rank_traffic(ops, rank, placement, num_stages) for rank, ops in enumerate(ranks)]
-    sent_at = [{message: i for i, message in t.sends.items()} for t in traffic]
+    sent_at = [{message: position for position, message in t.sends.items()} for t in traffic]
     result = []
-    for rank, mine in enumerate(traffic):
-        waits: dict[Message, SendWait | None] = {}
+    for mine in traffic:
         following = _next_on_channel(mine.sends) if bounded else {}
-        for position, message in sorted(mine.sends.items()):
+        waits: dict[Message, SendWait | None] = {}
+        for position, message in mine.sends.items():
             peer = _rank_of(message.consumer, placement)
-            heard = _heard_back(mine, traffic[peer], sent_at[peer], position, message, placement, peer)
-            candidates = [slot for slot in (heard, following.get(position)) if slot is not None]
-            waits[message] = min(candidates, default=None)
+            heard = _heard_back(mine, peer, position, traffic[peer].posted_before[message], sent_at[peer])
+            waits[message] = min((slot for slot in (heard, following.get(position)) if slot is not None), default=None)
         result.append(waits)
     return result
 
 
 def _heard_back(
-    mine: _Rank,
-    peer: _Rank,
-    peer_sent_at: dict[Message, int],
-    position: int,
-    message: Message,
-    placement: Mapping[tuple[int, int], int],
-    peer_rank: int,
+    mine: _Rank, peer: int, position: int, posted: int, peer_sent_at: dict[Message, int]
 ) -> SendWait | None:
-    """Rule (a): the first input after `position` from `peer_rank` sent after it posted `message`."""
-    posted = peer.posted_before[message]
-    for later in sorted(i for i in mine.receives if i > position):
-        received = mine.receives[later]
-        if _rank_of(received.producer, placement) == peer_rank and posted <= peer_sent_at[received]:
+    """Rule (a): the first of `mine`'s inputs after `position` from `peer` that the peer sends
+    after the op at `peer_sent_at[input]`, not before the op at `posted` before which it posts the
+    receive of the message `mine` sends at `position`."""
+    heard = mine.heard_from.get(peer, [])
+    for later in heard[bisect_right(heard, position) :]:
+        if posted <= peer_sent_at[mine.receives[later]]:
             return SendWait(later)
     return None
 
@@ -119,7 +118,7 @@ def _next_on_channel(sends: dict[int, Message]) -> dict[int, SendWait]:
     """Rule (b): position of a send -> right after the op that makes the next send on its channel."""
     last: dict[tuple, int] = {}
     following: dict[int, SendWait] = {}
-    for position in sorted(sends):
+    for position in sends:  # ascending: built in op order
         channel = sends[position].channel(0)
         if channel in last:
             following[last[channel]] = SendWait(position, after_run=True)
