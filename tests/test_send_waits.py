@@ -97,20 +97,17 @@ def test_a_send_is_waited_for_once_the_peer_has_answered():
     forward runs; rank 0's activations wait for the next forward (rule (b)) or the gradient back."""
     schedule = get_schedule("1f1b", 2, 4)
     waits = send_waits(schedule.ranks, schedule.placement, schedule.num_stages)
-    backward = lambda stage, m: Message(Op(OpKind.BACKWARD, stage, m))
-    forward = lambda stage, m: Message(Op(OpKind.FORWARD, stage, m))
-    # rank 1: F0 B0 F1 B1 F2 B2 F3 B3
-    assert [waits[1][backward(0, m)] for m in range(4)] == [SendWait(2), SendWait(4), SendWait(6), None]
+    # rank 1: F0 B0 F1 B1 F2 B2 F3 B3: each gradient once the next activation is in
+    assert [waits[1][position] for position in (1, 3, 5, 7)] == [SendWait(2), SendWait(4), SendWait(6), None]
     # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
-    assert [waits[0][forward(1, m)] for m in range(4)] == [
+    assert [waits[0][position] for position in (0, 1, 3, 5)] == [
         SendWait(1, after_run=True),
         SendWait(2),
         SendWait(4),
         SendWait(6),
     ]
-    assert send_waits(schedule.ranks, schedule.placement, schedule.num_stages, bounded=False)[0][
-        forward(1, 0)
-    ] == SendWait(2), "rule (a) alone: once the first gradient is back"
+    alone = send_waits(schedule.ranks, schedule.placement, schedule.num_stages, bounded=False)
+    assert alone[0][0] == SendWait(2), "rule (a) alone: once the first gradient is back"
 
 
 def kfac_plan(schedule, data_parallel):

@@ -202,12 +202,12 @@ def _op_actions(
     replicated: set[int],
     rules: TaskRules | None,
     waited: set[Collective],
-    slots: dict[Message, SendWait | None],
+    slots: dict[int, SendWait | None],
     fsdp: bool = False,
 ) -> Iterator[Action]:
-    """One rank's actions for its ops of a step; `slots`: where it waits for each of its sends
-    (`send_waits`; None: at the step's end, `_end_of_step`). `fsdp` (ZeRO-2/3): every forward and backward of
-    a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
+    """One rank's actions for its ops of a step; `slots`: where it waits for the send of the op at
+    each position (`send_waits`; None: at the step's end, `_end_of_step`). `fsdp` (ZeRO-2/3): every
+    forward and backward of a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
     once: the op blocks on them), and the stage's last backward of the step carries its
     reduce-scatter (``grad``, launched before the op, waited for right after it), even when a
     preconditioning op follows: that op reads the reduced gradients whole, so it is preceded by
@@ -234,10 +234,7 @@ def _op_actions(
     gradient_final = _gradient_final_positions(ops)
     #: ZeRO-2/3: where FSDP2 reduce-scatters each stage's gradient (its last backward)
     scattered = _gradient_final_positions(ops, _FSDP_GRADIENT_KINDS) if fsdp else {}
-    send_done: dict[SendWait, list[Action]] = {}
-    for message, slot in slots.items():
-        if slot is not None:
-            send_done.setdefault(slot, []).append(Action(ActionKind.WAIT, SendDone(message)))
+    send_done = _send_done_at(ops, slots, num_stages)
     if receiving:
         yield post(received[receiving[0]])
     for position, op in enumerate(ops):
@@ -273,6 +270,18 @@ def _op_actions(
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
         if stage is not None and stage in replicated and not fsdp:
             yield Action(ActionKind.LAUNCH, grad_collective(stage))
+
+
+def _send_done_at(
+    ops: Sequence[Op], slots: dict[int, SendWait | None], num_stages: int
+) -> dict[SendWait, list[Action]]:
+    """Slot -> the waits for the sends placed there (`slots`: sender's position -> its slot)."""
+    found: dict[SendWait, list[Action]] = {}
+    for sender, slot in slots.items():
+        message = output_message(ops[sender], num_stages)
+        if slot is not None and message is not None:
+            found.setdefault(slot, []).append(Action(ActionKind.WAIT, SendDone(message)))
+    return found
 
 
 #: ZeRO-2/3: the ops after whose last one a stage's gradient is reduced (FSDP2 reduce-scatters

@@ -28,11 +28,12 @@ their own communicators, so the waits are derived per pipeline rank. Pure Python
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipefisher.core.ir import Op
+from pipefisher.core.ir import Op, Schedule
 from pipefisher.planning.comm.actions import Message, input_message, output_message
 
 
@@ -60,20 +61,28 @@ class _Rank:
     posted_before: dict[Message, int]
 
 
-def _rank_traffic(ops: Sequence[Op], rank: int, placement: Mapping[tuple[int, int], int], stages: int) -> _Rank:
-    receives: dict[int, Message] = {}
-    sends: dict[int, Message] = {}
-    heard_from: dict[int, list[int]] = {}
-    for position, op in enumerate(ops):
-        received, sent = input_message(op, stages), output_message(op, stages)
-        if received is not None and (peer := _rank_of(received.producer, placement)) != rank:
-            receives[position] = received
-            heard_from.setdefault(peer, []).append(position)
-        if sent is not None and _rank_of(sent.consumer, placement) != rank:
-            sends[position] = sent
-    order = list(receives)
-    posted = {receives[position]: before for before, position in zip([-1, *order], order)}
-    return _Rank(sends, heard_from, receives, posted)
+def _traffic(ranks: Sequence[Sequence[Op]], placement: Mapping[tuple[int, int], int], stages: int) -> list[_Rank]:
+    """Every pipeline rank's sends and receives (a message is received from the rank that makes it)."""
+    outputs = [[(position, output_message(op, stages)) for position, op in enumerate(ops)] for ops in ranks]
+    made_by = {message: rank for rank, made in enumerate(outputs) for _, message in made if message is not None}
+    traffic = []
+    for rank, ops in enumerate(ranks):
+        sends = {
+            position: message
+            for position, message in outputs[rank]
+            if message is not None and _rank_of(message.consumer, placement) != rank
+        }
+        receives: dict[int, Message] = {}
+        heard_from: dict[int, list[int]] = {}
+        for position, op in enumerate(ops):
+            received = input_message(op, stages)
+            if received is not None and (peer := made_by[received]) != rank:
+                receives[position] = received
+                heard_from.setdefault(peer, []).append(position)
+        order = list(receives)
+        posted = {receives[position]: before for before, position in zip([-1, *order], order)}
+        traffic.append(_Rank(sends, heard_from, receives, posted))
+    return traffic
 
 
 def _rank_of(op: Op, placement: Mapping[tuple[int, int], int]) -> int:
@@ -82,23 +91,41 @@ def _rank_of(op: Op, placement: Mapping[tuple[int, int], int]) -> int:
 
 def send_waits(
     ranks: Sequence[Sequence[Op]], placement: Mapping[tuple[int, int], int], num_stages: int, bounded: bool = True
-) -> list[dict[Message, SendWait | None]]:
+) -> list[dict[int, SendWait | None]]:
     """Per pipeline rank (`ranks[r]`: its op list of one step; `placement`: (pipe, stage) -> pipeline
-    rank), each message it sends to another rank -> where it waits for that send (module
-    docstring: the earlier of rules (a) and (b); `bounded` False: rule (a) alone); None: at the
-    step's end."""
-    traffic = [_rank_traffic(ops, rank, placement, num_stages) for rank, ops in enumerate(ranks)]
+    rank), the position of each op whose output it sends to another rank -> where it waits for
+    that send (module docstring: the earlier of rules (a) and (b); `bounded` False: rule (a)
+    alone); None: at the step's end."""
+    traffic = _traffic(ranks, placement, num_stages)
     sent_at = [{message: position for position, message in t.sends.items()} for t in traffic]
     result = []
     for mine in traffic:
         following = _next_on_channel(mine.sends) if bounded else {}
-        waits: dict[Message, SendWait | None] = {}
+        waits: dict[int, SendWait | None] = {}
         for position, message in mine.sends.items():
             peer = _rank_of(message.consumer, placement)
             heard = _heard_back(mine, peer, position, traffic[peer].posted_before[message], sent_at[peer])
-            waits[message] = min((slot for slot in (heard, following.get(position)) if slot is not None), default=None)
+            bound = following.get(position)
+            waits[position] = bound if heard is None or (bound is not None and bound < heard) else heard
         result.append(waits)
     return result
+
+
+#: id(schedule) -> (a weak reference to it, its `send_waits`): planners ask again for the same
+#: schedule object (`pipefisher.planning.planner.candidates.schedule_of` caches them)
+_SCHEDULE_WAITS: dict[int, tuple[weakref.ref, list[dict[int, SendWait | None]]]] = {}
+
+
+def schedule_send_waits(schedule: Schedule) -> list[dict[int, SendWait | None]]:
+    """`send_waits` of `schedule`'s op lists, computed once per schedule object while it lives
+    (a schedule is not changed once built; the result is shared: do not change it)."""
+    key = id(schedule)
+    cached = _SCHEDULE_WAITS.get(key)
+    if cached is not None and cached[0]() is schedule:
+        return cached[1]
+    waits = send_waits(schedule.ranks, schedule.placement, schedule.num_stages)
+    _SCHEDULE_WAITS[key] = (weakref.ref(schedule, lambda _: _SCHEDULE_WAITS.pop(key, None)), waits)
+    return waits
 
 
 def _heard_back(
@@ -108,9 +135,9 @@ def _heard_back(
     after the op at `peer_sent_at[input]`, not before the op at `posted` before which it posts the
     receive of the message `mine` sends at `position`."""
     heard = mine.heard_from.get(peer, [])
-    for later in heard[bisect_right(heard, position) :]:
-        if posted <= peer_sent_at[mine.receives[later]]:
-            return SendWait(later)
+    for index in range(bisect_right(heard, position), len(heard)):
+        if posted <= peer_sent_at[mine.receives[heard[index]]]:
+            return SendWait(heard[index])
     return None
 
 
@@ -118,8 +145,9 @@ def _next_on_channel(sends: dict[int, Message]) -> dict[int, SendWait]:
     """Rule (b): position of a send -> right after the op that makes the next send on its channel."""
     last: dict[tuple, int] = {}
     following: dict[int, SendWait] = {}
-    for position in sends:  # ascending: built in op order
-        channel = sends[position].channel(0)
+    for position, message in sends.items():  # ascending: built in op order
+        consumer = message.consumer  # with its kind, pipe and stage, it names the message's channel
+        channel = (consumer.kind, consumer.pipe, consumer.stage)
         if channel in last:
             following[last[channel]] = SendWait(position, after_run=True)
         last[channel] = position

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.names import RECOMPUTE_MODES
-from pipefisher.planning.comm.actions import Message, output_message
-from pipefisher.planning.comm.send_waits import SendWait, send_waits
+from pipefisher.planning.comm.send_waits import SendWait, schedule_send_waits
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 KINDS = ("bert", "tiny", "llama", "gpt2")
@@ -294,8 +293,9 @@ def weight_pending_bytes(
     return saved + grads + (_head_bytes(shape, b, c, r, weight_casts) if last else 0)
 
 
-#: per message a rank sends, where it waits for the send (`send_waits`; None: at the step's end)
-SendWaits = Mapping[Message, SendWait | None]
+#: per position of an op whose output a rank sends, where it waits for the send (`send_waits`;
+#: None: at the step's end)
+SendWaits = Mapping[int, SendWait | None]
 
 
 def activation_held(
@@ -316,43 +316,42 @@ def activation_held(
     (`pipefisher.planning.memory.peak.stage_sent_bytes`), from the op to the rank's wait for the
     send, `waits` (of the sends to other ranks, `pipefisher.planning.comm.send_waits`; a wait
     right after an op counts as held at its end). None of both: no sends counted."""
-    added, freed = _sends_held(ops, sent_bytes, waits, len(stage_bytes))
+    added, freed_before, freed_after = _sends_held(ops, sent_bytes, waits)
     held, result = 0, []
     for position, op in enumerate(ops):
-        held -= freed[SendWait(position)]
+        held -= freed_before.get(position, 0)
         during = held
         if op.kind is OpKind.FORWARD:
-            held += stage_bytes[op.stage] + added[position]
+            held += stage_bytes[op.stage] + added.get(position, 0)
             during = held
         elif op.kind is OpKind.BACKWARD:
             during = held + transient_bytes[op.stage]
             weight = pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0
-            held += weight - stage_bytes[op.stage] + added[position]
+            held += weight - stage_bytes[op.stage] + added.get(position, 0)
         elif op.kind is OpKind.WEIGHT:
             held -= pending_bytes[op.stage]
         result.append((max(during, held), held))
-        held -= freed[SendWait(position, after_run=True)]
+        held -= freed_after.get(position, 0)
     return result
 
 
 def _sends_held(
-    ops: Sequence[Op], sent_bytes: Sequence[tuple[int, int]] | None, waits: SendWaits | None, num_stages: int
-) -> tuple[Counter[int], Counter[SendWait]]:
-    """(position -> bytes the op's send holds from it on, slot -> bytes its waits free)."""
+    ops: Sequence[Op], sent_bytes: Sequence[tuple[int, int]] | None, waits: SendWaits | None
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Per position: the bytes the op's send holds from it on, and the bytes the waits there free
+    before the op runs and after it."""
     added: Counter[int] = Counter()
-    freed: Counter[SendWait] = Counter()
+    before: Counter[int] = Counter()
+    after: Counter[int] = Counter()
     if sent_bytes is None or waits is None:
-        return added, freed
-    for position, op in enumerate(ops):
-        message = output_message(op, num_stages)
-        if message is None or message not in waits:  # no output, or one for this rank's next stage
-            continue
+        return added, before, after
+    for position, slot in waits.items():
+        op = ops[position]
         size = sent_bytes[op.stage][0 if op.kind is OpKind.FORWARD else 1]
         added[position] = size
-        slot = waits[message]
         if slot is not None:
-            freed[slot] += size
-    return added, freed
+            (after if slot.after_run else before)[slot.position] += size
+    return added, before, after
 
 
 def weighted_micro_batches(schedule: Schedule) -> set[tuple]:
@@ -377,7 +376,8 @@ def activation_peaks(
         )
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
     weighted = weighted_micro_batches(schedule)
-    waits = send_waits(schedule.ranks, schedule.placement, schedule.num_stages)
+    no_sends: list[SendWaits | None] = [None] * schedule.num_ranks
+    waits = no_sends if sent_bytes is None else schedule_send_waits(schedule)
     return [
         max(
             (

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pipefisher.core.ir import OpKind
 from pipefisher.core.profile import Profile
 from pipefisher.planning.comm.send_waits import send_waits
-from pipefisher.planning.memory.activations import activation_held, weighted_micro_batches
+from pipefisher.planning.memory.activations import SendWaits, activation_held, weighted_micro_batches
 from pipefisher.planning.memory.captures import capture_held
 from pipefisher.planning.plan import Plan
 
@@ -49,13 +49,16 @@ def cycle_peaks(
     sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[CyclePeak]:
     """Per rank of `plan`, the peak of activations (per stage: kept F to B, B to W, a backward's
-        transient) + captures + refresh copies (`refresh_bytes` per (stage, layer name); a layer not
-        named holds none) over one cycle; `sent_bytes` as in `activation_held`, held until the waits the
-    communication plan places (`pipefisher.planning.comm.send_waits`). Activations start from none at
-    every step."""
+    transient) + captures + refresh copies (`refresh_bytes` per (stage, layer name); a layer not
+    named holds none) over one cycle; `sent_bytes` as in `activation_held`, held until the waits
+    the communication plan places (`pipefisher.planning.comm.send_waits`). Activations start from
+    none at every step."""
     schedule = plan.schedule
     weighted = weighted_micro_batches(schedule)
-    waits = [send_waits(step, schedule.placement, schedule.num_stages) for step in plan.steps]
+    waits: list[Sequence[SendWaits]] = [
+        send_waits(step, schedule.placement, schedule.num_stages) if sent_bytes is not None else [{}] * len(step)
+        for step in plan.steps
+    ]
     peaks = []
     for rank in range(plan.schedule.num_ranks):
         best = CyclePeak(rank, 0, 0, 0)
