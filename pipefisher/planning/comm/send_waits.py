@@ -19,7 +19,8 @@ The rule, per message m that op i of pipeline rank R sends to pipeline rank Q (t
     R issues its send; so at most one send per channel is in flight between two of R's sends on
     it. This wait blocks R until Q has posted m's receive, a dependency the replay
     (`pipefisher.planning.comm.replay`) checks; `pipefisher.planning.comm.plan.plan_actions`
-    falls back to (a) alone for a plan it refuses.
+    falls back to (a) alone for a plan it refuses (no registered schedule's plan needs it; the
+    memory model, `pipefisher.planning.memory.activations`, counts with (a) and (b)).
 
 A message with neither (the last on its channel, no later input from its peer) is waited for at
 the step's end. Data-parallel replicas and tensor-parallel processes run the same op lists on
