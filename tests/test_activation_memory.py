@@ -34,9 +34,14 @@ def test_one_f_one_b_holds_as_many_micro_batches_as_stages_ahead():
     assert activation_peaks(get_schedule("gpipe", 2, 4), [10, 100], [0, 0]) == [40, 400]
     # a backward's transient counts on top of what is held when it starts
     assert activation_peaks(schedule, [10, 100], [0, 0], [5, 7]) == [25, 107]
-    # sends stay alive to the step's end: rank 0 (F0 F1 B0 F2 B1 F3 B2 B3) keeps 1 per backward,
-    # rank 1 (F0 B0 F1 B1 ...) 2 per backward, 3 of them before its last forward
-    assert activation_peaks(schedule, [10, 100], [0, 0], None, [(0, 1), (0, 2)]) == [22, 106]
+    # a send holds its tensor until the rank waits for it (`send_waits`), not to the step's end:
+    # rank 1 (F0 B0 F1 B1 ...) waits for B0's gradient once F1's activation is in, before F1 runs
+    assert activation_peaks(schedule, [10, 100], [0, 0], None, [(0, 1), (0, 2)]) == [20, 100]
+    # sends alone: rank 0's activations (F0 F1 B0 F2 ...): F0's waited for after F1 runs, before
+    # F1's send, so two at once; rank 1 one gradient at a time (4 and 8 held to the step's end)
+    assert activation_peaks(schedule, [0, 0], [0, 0], None, [(1, 0), (0, 2)]) == [2, 2]
+    # GPipe's last rank hears nothing back: each gradient waited for after the next backward
+    assert activation_peaks(get_schedule("gpipe", 2, 4), [0, 0], [0, 0], None, [(1, 0), (0, 2)]) == [2, 4]
 
 
 def test_split_backward_holds_pending_bytes_until_the_weight_op():

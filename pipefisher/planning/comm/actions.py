@@ -112,6 +112,9 @@ class SendDone:
 
     message: Message
 
+    def __str__(self) -> str:
+        return f"send:{self.message}"
+
 
 class ActionKind(str, Enum):
     RUN = "run"
@@ -156,8 +159,6 @@ class Action:
     def __str__(self) -> str:
         if self.kind is ActionKind.RUN:
             return str(self.target)
-        if isinstance(self.target, tuple):
-            return f"wsend:{self.target[1]}"
         prefix = {ActionKind.POST: "recv:", ActionKind.SEND: "send:", ActionKind.LAUNCH: "+", ActionKind.WAIT: "w:"}[
             self.kind
         ]

@@ -29,7 +29,10 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
 Actions: RUN an op; POST the receive of a message; SEND a message right after the op that made
 it; LAUNCH a collective; WAIT for a message, a send or a collective. A rank waits for an op's
 input right before the op, and posts the receive of its next input right after (one receive ahead,
-so transfers overlap compute). Pure Python: no torch.
+so transfers overlap compute). It waits for each send soon after issuing it, where
+`pipefisher.planning.comm.send_waits` places the wait (once the peer has answered, or before its
+next send on the channel), else at the step's end: a send in flight holds its tensor.
+Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -38,15 +41,14 @@ from collections.abc import Iterator, Sequence
 
 from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind
 from pipefisher.core.topology import Topology
-from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.planning.comm.actions import (
     Action,
     ActionKind,
     Collective,
     CollectiveKind,
+    CommOrderError,
     CommPlan,
     GradientPath,
-    GroupKey,
     Message,
     STEP,
     SendDone,
@@ -65,6 +67,9 @@ from pipefisher.planning.comm.actions import (
     sync_collective,
     unshard_collective,
 )
+from pipefisher.planning.comm.groups import group_members, tied_ranks_of
+from pipefisher.planning.comm.replay import replay
+from pipefisher.planning.comm.send_waits import SendWait, send_waits
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.vocabulary import TaskRules
 
@@ -90,7 +95,30 @@ def plan_actions(
     gradient reduction is followed, once waited for, by its ``grad_q`` all-reduce.
     `recompute`: the run's `model.recompute` (what its backwards all-reduce over a rank's
     tensor-parallel processes, `pipefisher.planning.comm.processes`).
+
+    Sends are waited for where `pipefisher.planning.comm.send_waits` places them (rules (a) and
+    (b)); when the replay refuses that plan, rule (a) alone, which never adds a dependency between
+    the ranks (a plan that does not replay then is returned as it is, for the caller's replay to
+    report).
     """
+    arguments = (topology, plan, tied, path, shared, recompute)
+    bounded = _plan_actions(*arguments, bounded=True)
+    try:
+        return replay(bounded)
+    except CommOrderError:
+        return _plan_actions(*arguments, bounded=False)
+
+
+def _plan_actions(
+    topology: Topology,
+    plan: Plan,
+    tied: bool,
+    path: GradientPath,
+    shared: frozenset[tuple[int, str, int]],
+    recompute: str,
+    bounded: bool,
+) -> CommPlan:
+    """`plan_actions` with the send waits of rules (a) and (b) (`bounded`) or (a) alone."""
     schedule = plan.schedule
     num_stages = schedule.num_stages
     owners = inverse_owners(plan)
@@ -103,12 +131,16 @@ def plan_actions(
     waited: list[set[Collective]] = [set() for _ in range(topology.world_size)]
     for index, step in enumerate(plan.steps):
         last_step = index == len(plan.steps) - 1
+        waits = send_waits(step, schedule.placement, num_stages, bounded)
         ranks = []
         for rank in range(topology.world_size):
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
+            slots = waits[topology.pipeline_rank(rank)]
             actions = list(
-                _op_actions(topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank], path.fsdp)
+                _op_actions(
+                    topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank], slots, path.fsdp
+                )
             )
             actions += _end_of_step(topology, rank, actions, tied_ranks, path)
             if last_step:
@@ -160,14 +192,6 @@ def inverse_owners(plan: Plan) -> dict[tuple[int, str, int], int]:
     return owners
 
 
-def tied_ranks_of(topology: Topology) -> tuple[int, ...]:
-    """The ranks holding the first or the last stage (tied weights' copies); () with one stage."""
-    last = topology.schedule.num_stages - 1
-    if last == 0:
-        return ()
-    return tuple(sorted(set(topology.replica_ranks(0)) | set(topology.replica_ranks(last))))
-
-
 def _op_actions(
     topology: Topology,
     ops: Sequence[Op],
@@ -178,10 +202,12 @@ def _op_actions(
     replicated: set[int],
     rules: TaskRules | None,
     waited: set[Collective],
+    slots: dict[int, SendWait | None],
     fsdp: bool = False,
 ) -> Iterator[Action]:
-    """One rank's actions for its ops of a step. `fsdp` (ZeRO-2/3): every forward and backward of
-    a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
+    """One rank's actions for its ops of a step; `slots`: where it waits for the send of the op at
+    each position (`send_waits`; None: at the step's end, `_end_of_step`). `fsdp` (ZeRO-2/3): every
+    forward and backward of a replicated stage is preceded by FSDP2's all-gathers (``unshard``, launched and waited for at
     once: the op blocks on them), and the stage's last backward of the step carries its
     reduce-scatter (``grad``, launched before the op, waited for right after it), even when a
     preconditioning op follows: that op reads the reduced gradients whole, so it is preceded by
@@ -208,6 +234,7 @@ def _op_actions(
     gradient_final = _gradient_final_positions(ops)
     #: ZeRO-2/3: where FSDP2 reduce-scatters each stage's gradient (its last backward)
     scattered = _gradient_final_positions(ops, _FSDP_GRADIENT_KINDS) if fsdp else {}
+    send_done = _send_done_at(ops, slots, num_stages)
     if receiving:
         yield post(received[receiving[0]])
     for position, op in enumerate(ops):
@@ -215,6 +242,7 @@ def _op_actions(
             yield Action(ActionKind.WAIT, received[position])
             if position in next_receive:
                 yield post(received[next_receive[position]])
+        yield from send_done.get(SendWait(position), ())
         for action in _curvature_waits(op, owners, synced, rules):
             if action.collective not in waited:
                 waited.add(action.collective)
@@ -236,11 +264,24 @@ def _op_actions(
             if pipes > 1:
                 yield Action(ActionKind.LAUNCH, grad_pipes_collective(op.stage, replica))
         yield from _curvature_launches(op, rules)
+        yield from send_done.get(SendWait(position, after_run=True), ())
         produced = output_message(op, num_stages)
         if produced is not None and rank_of(produced.consumer) != rank:
             yield Action(ActionKind.SEND, produced, produced.channel(replica), rank_of(produced.consumer))
         if stage is not None and stage in replicated and not fsdp:
             yield Action(ActionKind.LAUNCH, grad_collective(stage))
+
+
+def _send_done_at(
+    ops: Sequence[Op], slots: dict[int, SendWait | None], num_stages: int
+) -> dict[SendWait, list[Action]]:
+    """Slot -> the waits for the sends placed there (`slots`: sender's position -> its slot)."""
+    found: dict[SendWait, list[Action]] = {}
+    for sender, slot in slots.items():
+        message = output_message(ops[sender], num_stages)
+        if slot is not None and message is not None:
+            found.setdefault(slot, []).append(Action(ActionKind.WAIT, SendDone(message)))
+    return found
 
 
 #: ZeRO-2/3: the ops after whose last one a stage's gradient is reduced (FSDP2 reduce-scatters
@@ -294,10 +335,15 @@ def _curvature_launches(op: Op, rules: TaskRules | None) -> Iterator[Action]:
 def _end_of_step(
     topology: Topology, rank: int, actions: list[Action], tied_ranks: tuple[int, ...], path: GradientPath
 ) -> list[Action]:
-    """Sends drained, gradient reductions done (PowerSGD: each followed by its Q all-reduce), tied
-    weights summed, then the world reduction (the optimizer step runs when it completes); with
-    ZeRO-1 the owners' parameter broadcasts last."""
-    tail = [Action(ActionKind.WAIT, SendDone(a.message)) for a in actions if a.kind is ActionKind.SEND]
+    """The sends not waited for earlier drained, gradient reductions done (PowerSGD: each followed
+    by its Q all-reduce), tied weights summed, then the world reduction (the optimizer step runs
+    when it completes); with ZeRO-1 the owners' parameter broadcasts last."""
+    early = {a.target for a in actions if a.kind is ActionKind.WAIT and isinstance(a.target, SendDone)}
+    tail = [
+        Action(ActionKind.WAIT, done)
+        for a in actions
+        if a.kind is ActionKind.SEND and (done := SendDone(a.message)) not in early
+    ]
     reduced = [
         a.collective
         for a in actions
@@ -328,48 +374,3 @@ def _end_of_step(
         gathers = [gather_collective(stage) for stage in sorted(c.key[0] for c in reduced)]
         tail += [Action(ActionKind.LAUNCH, c) for c in gathers] + [Action(ActionKind.WAIT, c) for c in gathers]
     return tail
-
-
-def group_members(
-    topology: Topology, tied: bool, path: GradientPath = GradientPath()
-) -> dict[GroupKey, tuple[int, ...]]:
-    """Every communicator of a run and its global ranks (see the module docstring)."""
-    tied_ranks = tied_ranks_of(topology) if tied else ()
-    schedule = topology.schedule
-    members: dict[GroupKey, tuple[int, ...]] = {("world",): tuple(range(topology.world_size))}
-    if tied_ranks:
-        members[("tied",)] = tied_ranks
-    for stage in range(schedule.num_stages):
-        ranks = topology.replica_ranks(stage)
-        if len(ranks) > 1:
-            members[("grad", stage)] = members[("curv", stage)] = ranks
-            if path.workers_per_layer is not None:
-                grid = GradWorkers(ranks, path.workers_per_layer)
-                for block in range(grid.workers):
-                    members[("pgrad", stage, block)] = grid.block_ranks(block)
-    if path.fsdp and schedule.num_pipes > 1:
-        members.update(_fsdp_pipe_groups(topology))
-    for replica in range(topology.data_parallel):
-        for pipe in range(schedule.num_pipes):
-            for stage in range(schedule.num_stages - 1):
-                low, high = topology.rank(replica, pipe, stage), topology.rank(replica, pipe, stage + 1)
-                if low != high:
-                    members[("fwd", replica, pipe, stage)] = (low, high)
-                    members[("bwd", replica, pipe, stage)] = (high, low)
-    return members
-
-
-def _fsdp_pipe_groups(topology: Topology) -> dict[GroupKey, tuple[int, ...]]:
-    """ZeRO-2/3 with several pipes: per stage and pipe, the data-parallel copies FSDP2 shards over
-    (``("shard", stage, pipe)``); per stage and data-parallel replica, the copies in every pipe
-    whose shards are summed (``("pipes", stage, replica)``)."""
-    schedule, replicas = topology.schedule, range(topology.data_parallel)
-    groups: dict[GroupKey, tuple[int, ...]] = {}
-    for stage in range(schedule.num_stages):
-        for pipe in range(schedule.num_pipes):
-            groups[("shard", stage, pipe)] = tuple(topology.rank(replica, pipe, stage) for replica in replicas)
-        for replica in replicas:
-            groups[("pipes", stage, replica)] = tuple(
-                topology.rank(replica, pipe, stage) for pipe in range(schedule.num_pipes)
-            )
-    return groups

@@ -35,11 +35,13 @@ output (the next Linear saves it anyway).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipefisher.core.ir import OpKind, Schedule
+from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.names import RECOMPUTE_MODES
+from pipefisher.planning.comm.send_waits import SendWait, schedule_send_waits
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 KINDS = ("bert", "tiny", "llama", "gpt2")
@@ -291,6 +293,11 @@ def weight_pending_bytes(
     return saved + grads + (_head_bytes(shape, b, c, r, weight_casts) if last else 0)
 
 
+#: per position of an op whose output a rank sends, where it waits for the send (`send_waits`;
+#: None: at the step's end)
+SendWaits = Mapping[int, SendWait | None]
+
+
 def activation_held(
     ops: Sequence,
     stage_bytes: Sequence[int],
@@ -298,29 +305,53 @@ def activation_held(
     transient_bytes: Sequence[int],
     weighted: set[tuple],
     sent_bytes: Sequence[tuple[int, int]] | None = None,
+    waits: SendWaits | None = None,
 ) -> list[tuple[int, int]]:
     """Per op of one rank's op list (ops without activations, e.g. curvature tasks, change
     nothing), the activation bytes held (during, after) it: a forward adds its stage's
     `stage_bytes`; a backward counts its stage's `transient_bytes` on top of what is held when it
     starts, then frees the stage bytes and, where `weighted` holds its (pipe, stage, micro-batch),
     adds the stage's `pending_bytes` until the weight op frees them. `sent_bytes` per stage:
-    (forward, backward) bytes its op's send leaves alive until the step's end, beyond the stage
-    bytes (`pipefisher.planning.memory.peak.stage_sent_bytes`; none when not given)."""
+    (forward, backward) bytes its op's send holds beyond the stage bytes
+    (`pipefisher.planning.memory.peak.stage_sent_bytes`), from the op to the rank's wait for the
+    send, `waits` (of the sends to other ranks, `pipefisher.planning.comm.send_waits`; a wait
+    right after an op counts as held at its end). None of both: no sends counted."""
+    added, freed_before, freed_after = _sends_held(ops, sent_bytes, waits)
     held, result = 0, []
-    for op in ops:
+    for position, op in enumerate(ops):
+        held -= freed_before.get(position, 0)
         during = held
-        sent = sent_bytes[op.stage] if sent_bytes is not None else (0, 0)
         if op.kind is OpKind.FORWARD:
-            held += stage_bytes[op.stage] + sent[0]
+            held += stage_bytes[op.stage] + added.get(position, 0)
             during = held
         elif op.kind is OpKind.BACKWARD:
             during = held + transient_bytes[op.stage]
             weight = pending_bytes[op.stage] if (op.pipe, op.stage, op.micro_batch) in weighted else 0
-            held += weight - stage_bytes[op.stage] + sent[1]
+            held += weight - stage_bytes[op.stage] + added.get(position, 0)
         elif op.kind is OpKind.WEIGHT:
             held -= pending_bytes[op.stage]
         result.append((max(during, held), held))
+        held -= freed_after.get(position, 0)
     return result
+
+
+def _sends_held(
+    ops: Sequence[Op], sent_bytes: Sequence[tuple[int, int]] | None, waits: SendWaits | None
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Per position: the bytes the op's send holds from it on, and the bytes the waits there free
+    before the op runs and after it."""
+    added: Counter[int] = Counter()
+    before: Counter[int] = Counter()
+    after: Counter[int] = Counter()
+    if sent_bytes is None or waits is None:
+        return added, before, after
+    for position, slot in waits.items():
+        op = ops[position]
+        size = sent_bytes[op.stage][0 if op.kind is OpKind.FORWARD else 1]
+        added[position] = size
+        if slot is not None:
+            (after if slot.after_run else before)[slot.position] += size
+    return added, before, after
 
 
 def weighted_micro_batches(schedule: Schedule) -> set[tuple]:
@@ -336,8 +367,8 @@ def activation_peaks(
     sent_bytes: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]:
     """Per rank, the most activation bytes held at once over its op order (`activation_held`;
-    `transient_bytes` per stage, `backward_transient_bytes`, and `sent_bytes`: none when not
-    given)."""
+    `transient_bytes` per stage, `backward_transient_bytes`, and `sent_bytes`, held until the
+    waits of `pipefisher.planning.comm.send_waits`: none when not given)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(
             f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
@@ -345,10 +376,17 @@ def activation_peaks(
         )
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
     weighted = weighted_micro_batches(schedule)
+    no_sends: list[SendWaits | None] = [None] * schedule.num_ranks
+    waits = no_sends if sent_bytes is None else schedule_send_waits(schedule)
     return [
         max(
-            (during for during, _ in activation_held(ops, stage_bytes, pending_bytes, transient, weighted, sent_bytes)),
+            (
+                during
+                for during, _ in activation_held(
+                    ops, stage_bytes, pending_bytes, transient, weighted, sent_bytes, waits[rank]
+                )
+            ),
             default=0,
         )
-        for ops in schedule.ranks
+        for rank, ops in enumerate(schedule.ranks)
     ]

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from pipefisher.core.ir import OpKind
 from pipefisher.core.profile import Profile
-from pipefisher.planning.memory.activations import activation_held, weighted_micro_batches
+from pipefisher.planning.comm.send_waits import send_waits
+from pipefisher.planning.memory.activations import SendWaits, activation_held, weighted_micro_batches
 from pipefisher.planning.memory.captures import capture_held
 from pipefisher.planning.plan import Plan
 
@@ -49,15 +50,24 @@ def cycle_peaks(
 ) -> list[CyclePeak]:
     """Per rank of `plan`, the peak of activations (per stage: kept F to B, B to W, a backward's
     transient) + captures + refresh copies (`refresh_bytes` per (stage, layer name); a layer not
-    named holds none) over one cycle; `sent_bytes` as in `activation_held`. Activations start from none at every step."""
-    weighted = weighted_micro_batches(plan.schedule)
+    named holds none) over one cycle; `sent_bytes` as in `activation_held`, held until the waits
+    the communication plan places (`pipefisher.planning.comm.send_waits`). Activations start from
+    none at every step."""
+    schedule = plan.schedule
+    weighted = weighted_micro_batches(schedule)
+    waits: list[Sequence[SendWaits]] = [
+        send_waits(step, schedule.placement, schedule.num_stages) if sent_bytes is not None else [{}] * len(step)
+        for step in plan.steps
+    ]
     peaks = []
     for rank in range(plan.schedule.num_ranks):
         best = CyclePeak(rank, 0, 0, 0)
         started: set[tuple[int, str]] = set()
         refresh = captured_before = 0
-        for step, captured in zip(plan.steps, capture_held(plan, profile, rank)):
-            activations = activation_held(step[rank], stage_bytes, pending_bytes, transient_bytes, weighted, sent_bytes)
+        for step, step_waits, captured in zip(plan.steps, waits, capture_held(plan, profile, rank)):
+            activations = activation_held(
+                step[rank], stage_bytes, pending_bytes, transient_bytes, weighted, sent_bytes, step_waits[rank]
+            )
             for op, (during, after), captured_after in zip(step[rank], activations, captured):
                 if op.kind is OpKind.CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
                     started.add((op.stage, op.layer))

@@ -1,7 +1,8 @@
 """A rank's peak bytes in a pipelined run: its training state (`pipefisher.planning.memory.state`), the
 most activations it holds at once over its op order (`pipefisher.planning.memory.activations`),
 the curvature captures it holds beyond those (`pipefisher.planning.memory.captures`), and its
-point-to-point receive and send buffers. Pure Python: no torch.
+point-to-point receive and send buffers (a send's tensor from the op that makes it to the rank's
+wait for the send, `pipefisher.planning.comm.send_waits`). Pure Python: no torch.
 
 The training state is resident all step; the activations peak once per step; given per rank,
 captures are added at their own peak, an upper bound; given the curvature plan and its profile,
@@ -155,21 +156,22 @@ def comm_buffer_bytes(
 def stage_sent_bytes(
     shape: ModelShape, num_stages: int, micro_batch_size: int, precision: str = "fp32"
 ) -> list[tuple[int, int]]:
-    """Per stage index, (forward, backward): the bytes of the boundary tensors its ops send that
-    stay alive until the step's end beyond what `stage_activation_bytes` counts. The runtime waits
-    for a step's sends only at its end (`pipefisher.planning.comm.plan`), and a send in flight
-    holds its tensor: a forward's output (b·s·h in the compute dtype; the stage's own output,
-    held anyway until its backward, unless the first stage's fp32 output under bf16/fp16 is sent
-    as a copy) and a backward's input gradient (b·s·h·c, every stage but the first)."""
+    """Per stage index, (forward, backward): the bytes of the boundary tensor its op sends that the
+    send holds beyond what `stage_activation_bytes` counts, from the op until the rank waits for
+    the send (`pipefisher.planning.comm.send_waits`, soon after; `activation_held` counts them
+    there). A forward sends its output (b·s·h in the compute dtype): the stage's own output, held
+    anyway until its backward (0), unless the first stage's fp32 output under bf16/fp16 is sent as
+    a copy. The output is not held past the backward by its send: the backward's input comes from
+    the peer the output went to, sent after it posted the output's receive, so the send is waited
+    for before the backward runs (rule (a)). A backward sends its input gradient (b·s·h·c, every
+    stage but the first)."""
     c = PRECISIONS[precision]
     boundary = micro_batch_size * shape.seq_len * shape.hidden
     result = []
     for index in range(num_stages):
         first, last = index == 0, index == num_stages - 1
-        r = _residual_bytes(shape, first, c)
-        copied = not last and r != c  # the sent copy, alive from the forward; the output freed at the backward
-        kept = not last and r == c  # the output itself, alive past its backward
-        result.append((boundary * c if copied else 0, boundary * (r if kept else 0) + (0 if first else boundary * c)))
+        copied = not last and _residual_bytes(shape, first, c) != c  # the sent copy, alive from the forward
+        result.append((boundary * c if copied else 0, 0 if first else boundary * c))
     return result
 
 

@@ -3,7 +3,9 @@
 RUN dispatches an op to its handler (forward, backward, K-FAC ops); POST, SEND, LAUNCH and WAIT
 are the communication the plan derived and the replay checked, nothing more and in that order.
 A handler takes its op's input from what a WAIT received (or from the op that produced it on
-this rank) and leaves its output for the SEND that follows. After the actions, the next step's
+this rank) and leaves its output for the SEND that follows; the executor then keeps the tensor
+only in the send's handle (`_sends`), which the plan's WAIT for the send drops, soon after the
+send (`pipefisher.planning.comm.send_waits`). After the actions, the next step's
 micro-batches are built (`Executor.steps`) and the step end (`StepEnd.finish`) applies the
 gradients and reads the step's numbers. Under bf16/fp16 the low-precision copies of the weights
 live from a step's first forward to its optimizer step (`Precision.step_casts`): each weight is cast
