@@ -91,13 +91,11 @@ class RunConfig:
 
     @property
     def rest_settings(self) -> OptimizerConfig:
-        """A curvature run's settings for the parameters its method does not precondition: its
-        section's `first_order` rule, with the section's lr and momentum for sgd (the method's own
-        SGD step), else with optimizer.lr, betas, eps and weight_decay. A first-order run: its optimizer."""
-        section = self.curvature
-        if section is None:
+        """The settings of what a curvature method leaves: its section's `first_order` rule, at the
+        method's lr and momentum for sgd, else at the optimizer's (a first-order run: its optimizer)."""
+        if self.curvature is None:
             return self.optimizer
-        rule = section.first_order
+        rule = self.curvature.first_order
         return dataclasses.replace(self.optimizer_settings if rule == "sgd" else self.optimizer, name=rule)
 
     @property

@@ -42,7 +42,7 @@ its bytes can differ from this whole-stage model by integer rounding (under 2 by
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pipefisher.core.topology import Topology
@@ -267,9 +267,19 @@ def rank_memory(
                 if workers_per_layer is not None and workers_per_layer < len(ranks)
                 else None
             )
-            key = (pipe, index, rank if grid is not None or owned[index] is not None else -1)
-            if key not in copies:
-                mine = owned[index]
+            mine = owned[index]
+            key = (pipe, index, rank if grid is not None or mine is not None else -1)
+            if key in copies:
+                pass
+            elif grid is None:  # ranks differ only in the optimizer bytes they own (ZeRO-1)
+                shared = copies.get((pipe, index, -1))
+                if shared is None:
+                    shared = copies[(pipe, index, -1)] = _stage_copy(
+                        topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
+                        ranks, None, None,
+                    )  # fmt: skip
+                copies[key] = shared if mine is None else replace(shared, optimizer_bytes=mine.get(rank, 0))
+            else:
                 copies[key] = _stage_copy(
                     topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
                     ranks, grid, None if mine is None else mine.get(rank, 0),
