@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from pipefisher.core.usage import UsageError
+from pipefisher.runtime.training.stopping import Terminated
 
 #: the checkout's root
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,3 +53,21 @@ def machine_busy_seconds() -> float:
     except OSError:
         return 0.0
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+
+
+def run_child(command: list[str], grace_s: float = 60.0, **options) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True, check=False, **options)`, except
+    when this process is stopped (SIGINT, SIGTERM): the child gets the same signal and `grace_s`
+    seconds to end on its own (a `pipefisher run` stops its ranks and their forkserver), where
+    subprocess.run would kill it 0.25 s after a Ctrl-C and leave whatever it had started behind."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options) as child:
+        try:
+            out, err = child.communicate()
+        except (KeyboardInterrupt, Terminated) as stop:
+            child.send_signal(signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM)
+            try:
+                child.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+    return subprocess.CompletedProcess(command, child.returncode, out, err)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.common import run_child
 from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, overrides, rest_rule
 
 TIMED_STEPS = 14
@@ -70,7 +70,7 @@ def measure(workload: str, method: str, sizing: Sizing, k: int = 0) -> tuple[flo
         "0",
         *args,
     ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    done = run_child(command, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip().splitlines()[-1:]}")
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from experiments.common import run_child
 from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, rest_rule
 
 #: steps whose records the median step time skips (allocation, first profile, warm caches)
@@ -100,7 +101,7 @@ def shards(workload: str, sizing: Sizing, cache: Path, corpus: tuple[str, ...] =
         command = [sys.executable, "-m", "pipefisher", "data", "prepare", *corpus, "-o", str(folder)]
         command += ["--tokenizer", TOKENIZERS[workload], "--vocab-size", str(sizing.vocab_size)]
         command += ["--holdout", str(sizing.holdout), "--shuffle-seed", "0", "--overwrite"]
-        _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False), command)
+        _check(run_child(command, cwd=ROOT), command)
     return folder
 
 
@@ -162,7 +163,7 @@ def run(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] =
         argv = command(setting, sizing, data, metrics)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         start = time.perf_counter()
-        _check(subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False, env=env), argv)
+        _check(run_child(argv, cwd=ROOT, env=env), argv)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         found = parse_records(records, time.perf_counter() - start)
     path = cache_path(setting, sizing, cache, corpus)

@@ -147,12 +147,15 @@ def world_of_one(backend: str, device: torch.device, port: int | None = None, ti
                 os.environ[name] = value
 
 
-def _stop_with_the_launcher(on_signal: str) -> None:
+def _stop_with_the_launcher(on_signal: str, joined: threading.Event) -> None:
     """Stop this rank when the launcher that started it is gone (killed outright: SIGKILL cannot
     be forwarded), through public APIs only: a thread waits on the launcher's sentinel
     (`multiprocessing.parent_process()`, readable once the launcher has died) and then sends this
     process SIGTERM, which stops the run after its step as any SIGTERM does (with a checkpoint);
-    where the launcher ends the group itself (`on_signal="kill"`: the rank ignores SIGTERM), SIGKILL."""
+    where the launcher ends the group itself (`on_signal="kill"`: the rank ignores SIGTERM), SIGKILL.
+    Before `joined` is set (the rank still joining its group, its stop signals blocked, nothing to
+    save) it leaves at once, exit 1: it would otherwise wait out the rendezvous timeout, and with it
+    the forkserver that holds its place."""
     parent = mp.parent_process()
     if parent is None:
         return
@@ -160,6 +163,8 @@ def _stop_with_the_launcher(on_signal: str) -> None:
 
     def watch() -> None:
         wait([parent.sentinel])
+        if not joined.is_set():
+            os._exit(1)
         os.kill(os.getpid(), signum)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
@@ -182,12 +187,14 @@ def _child(
         stop_request.install()
     torch.set_num_threads(1)
     show_runtime_messages()
-    _stop_with_the_launcher(on_signal)
+    joined = threading.Event()
+    _stop_with_the_launcher(on_signal, joined)
     code = 0
     try:
         fn, args = pickle.loads(call)
         init_distributed(backend, timeout, hosted=True)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        joined.set()
         # Plain pickle: tensors travel as bytes, not as shared memory this process takes with it.
         results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException as exc:
