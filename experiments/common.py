@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from pipefisher.core.usage import UsageError
-from pipefisher.runtime.training.stopping import Terminated
+from pipefisher.runtime.training import Terminated
 
 #: the checkout's root
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,8 @@ Training
     `Executor` (what `build_executor` returns) and `Precision` (a run's autocast and casts).
 Processes
     `run_group(fn, world, args)` runs `fn(rank, world, *args)` on local processes (`GroupFailure`,
-    `Interrupted`); `world_of_one()` makes this process a group of one.
+    `Interrupted`); `world_of_one()` makes this process a group of one; `Terminated`: SIGTERM
+    raised in a script (`pipefisher.cli.scripts.entry_point`).
 Measuring
     `measure_profile` (a profile of the executor's ops and the method's tasks), `pack_options`
     (the packer's options of a run), `compile_blocks` (`run.compile` on a stage), `local_bytes` (a sharded tensor's local bytes), `unique_parameters`
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer, pack_options
     from pipefisher.runtime.training.profiler import measure_profile
     from pipefisher.runtime.training.reference import Evaluation, train_reference
-    from pipefisher.runtime.training.stopping import Stopped
+    from pipefisher.runtime.training.stopping import Stopped, Terminated
     from pipefisher.runtime.training.trainer import TrainResult, build_executor, train_pipelined
 
 #: public name -> (module, its name there)
@@ -85,6 +86,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "world_of_one": ("pipefisher.runtime.training.launch", "world_of_one"),
     "GroupFailure": ("pipefisher.runtime.training.launch", "GroupFailure"),
     "Interrupted": ("pipefisher.runtime.training.launch", "Interrupted"),
+    "Terminated": ("pipefisher.runtime.training.stopping", "Terminated"),
     "measure_profile": ("pipefisher.runtime.training.profiler", "measure_profile"),
     "compile_blocks": ("pipefisher.runtime.pipeline.compiled", "compile_blocks"),
     "unique_parameters": ("pipefisher.runtime.gradient_path.buffers", "unique_parameters"),
@@ -105,6 +107,7 @@ __all__ = [
     "Precision",
     "RunParts",
     "Stopped",
+    "Terminated",
     "TrainResult",
     "build_executor",
     "build_optimizer",
