@@ -51,6 +51,20 @@ def test_the_cached_search_ranks_exactly_as_the_uncached_one() -> None:
     assert (PACKINGS.hits, PACKINGS.misses) == (packings, packings)
 
 
+def test_a_search_over_processes_ranks_exactly_as_one_in_this_process() -> None:
+    """`jobs` > 1: forked workers compute memory, first-order steps and packings; the same result,
+    including every packed layout's prediction (the stop rule reads them in the same order)."""
+    _, context = _context("chimera")
+    space = SearchSpace(4, 32, (8,), (1,), recompute=("none",))
+    PACKINGS.clear()
+    alone = search(space, context, "kfac", 2 * GiB, top=4, shown=2, jobs=1)
+    PACKINGS.clear()
+    shared = search(space, context, "kfac", 2 * GiB, top=4, shown=2, jobs=2)
+    assert PACKINGS.misses == 0  # every packing ran in a worker
+    assert shared.predictions == alone.predictions and len(alone.predictions) == alone.packed > 1
+    assert replace(shared, seconds=0.0) == replace(alone, seconds=0.0)
+
+
 def test_packing_runs_once_per_distinct_stage_profile() -> None:
     layout, context = _context("chimera")
     layouts = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -27,10 +28,10 @@ from pipefisher.planning.planner.predict import (
     Prediction,
     TimeSource,
     is_curvature,
-    predict,
     source_bandwidth_gbps,
 )
 from pipefisher.planning.planner.search import DEFAULT_PACKED, GiB, SearchResult, search
+from pipefisher.planning.planner.search_pool import usable_cpus
 from pipefisher.planning.planner.sources import MeasuredTimes, ReferenceTimes
 from pipefisher.planning.planner.table import prediction_dict, ranked_table, run_file_of
 
@@ -123,6 +124,13 @@ def add_plan_parser(subparsers) -> None:
         default=None,
         help="data-parallel all-reduce bandwidth, GB/s (default: the links --hardware gives, else what a "
         f"--profile's p2p times show, else {DEFAULT_DP_BANDWIDTH_GBPS:g})",
+    )
+    parser.add_argument(
+        "--jobs",
+        "-j",
+        type=positive_int,
+        default=None,
+        help="processes that share the search (default: the CPUs this process may use; the ranking is the same for any number)",
     )
     parser.add_argument("-o", "--output", help="write the best layout as a run file (YAML) here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -273,8 +281,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         dp_bandwidth_set=args.dp_bandwidth_gbps is not None,
     )
     budget = int((memory_gib - reserve_gib) * GiB)
+    own = layout_of_run(
+        pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank
+    )
+    own_layouts = (own,) if own.gpus == args.gpus and _plannable(own, sizes, source) else ()
     try:
-        result = search(space, context, method, budget, top=args.packed, shown=args.top, progress=not args.json)
+        result = search(
+            space,
+            context,
+            method,
+            budget,
+            args.packed,
+            args.top,
+            not args.json,
+            args.jobs or usable_cpus(),
+            own_layouts,
+        )
+    except BrokenProcessPool:
+        say(
+            f"error: a worker of the search died (out of memory?); --jobs {args.jobs or usable_cpus()} processes shared it, fewer use less memory"
+        )
+        return 1
     except PlanError as exc:
         if not str(exc).startswith("--memory-gb"):  # search names the budget it was given: say what it is
             raise
@@ -282,10 +309,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{exc}; {budget / GiB:.2f} GiB = {memory_gib:g} GiB per GPU less the reserve of {reserve_gib:.2f} GiB "
             "(--reserve-gb sets it)"
         ) from None
-    own = layout_of_run(
-        pipeline, config.data.micro_batch_size, method, config.optimizer.zero, config.comm.powersgd_rank
-    )
-    own_prediction = predict(own, context, budget) if own.gpus == args.gpus and _plannable(own, sizes, source) else None
+    own_prediction = result.predictions[own_layouts[0]] if own_layouts else None
     if args.output:
         Path(args.output).write_text(run_file_of(raw, result.best.layout))
     if args.json:

@@ -18,13 +18,14 @@ packed. Pure Python: no torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 from pipefisher.planning.planner.candidates import Layout, SearchSpace, check_sources_cover, enumerate_layouts
 from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory
 from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.planner.predict import PlanContext, Prediction, first_order_time, is_curvature, predict
+from pipefisher.planning.planner.search_pool import SearchPool, inputs
 
 #: layouts packed per search (the fastest by first-order time that fit)
 DEFAULT_PACKED = 12
@@ -45,6 +46,8 @@ class SearchResult:
     packed: int
     over_after_packing: int
     seconds: float
+    #: every packed layout's prediction (fitting or not), by its layout before packing
+    predictions: dict[Layout, Prediction] = field(default_factory=dict, compare=False)
 
     @property
     def best(self) -> Prediction:
@@ -56,23 +59,53 @@ class SearchResult:
         return next((i for i, p in enumerate(self.ranked, 1) if replace(p.layout, refresh_steps=0) == key), None)
 
 
-def _progress(items: Sequence, what: str) -> Iterable:
-    """`items`, with a progress bar on stderr once the loop has taken 2 s, when stderr is a terminal."""
+@dataclass(frozen=True)
+class _Inputs:
+    """What every phase of a search reads (in each worker of its `SearchPool`)."""
+
+    context: PlanContext
+    method: str
+    first_order: str
+    budget: int
+
+
+def _progress(results: Iterator, total: int, what: str, shown: bool) -> Iterable:
+    """`results`, with a progress bar on stderr once the loop has taken 2 s, when `shown` and stderr is a terminal."""
     from tqdm import tqdm
 
     from pipefisher.core.terminal import progress_bars
 
-    return tqdm(items, desc=what, delay=2.0, leave=False, unit="layout", disable=not progress_bars())
+    return tqdm(
+        results, total=total, desc=what, delay=2.0, leave=False, unit="layout", disable=not (shown and progress_bars())
+    )
 
 
 def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse:
     return layout_memory(layout, context.sizes, first_order, context.momentum, context.precision)
 
 
-def _own_memory(layout: Layout, plain: MemoryUse, method: str, first_order: str, context: PlanContext) -> MemoryUse:
-    """The layout's memory with `method`'s state: `plain` (its first-order memory) where the layout
-    runs that method already (a first-order search), else computed."""
-    return plain if layout.method == method else _memory(replace(layout, method=method), first_order, context)
+def _memories(layout: Layout) -> tuple[MemoryUse, MemoryUse]:
+    """The layout's memory with the first-order state, and with the searched method's (the same
+    where the layout runs that method already: a first-order search)."""
+    given: _Inputs = inputs()
+    plain = _memory(layout, given.first_order, given.context)
+    if layout.method == given.method:
+        return plain, plain
+    return plain, _memory(replace(layout, method=given.method), given.first_order, given.context)
+
+
+def _first_order_step(layout: Layout) -> tuple[float, float, float]:
+    return first_order_time(layout, inputs().context)
+
+
+def _packed(layout: Layout) -> Prediction:
+    given: _Inputs = inputs()
+    return predict(replace(layout, method=given.method), given.context, given.budget)
+
+
+def _pipeline_shape(layout: Layout) -> tuple:
+    """What decides the layout's schedule (layouts that share it share the caches built on it)."""
+    return (layout.schedule, layout.stages, layout.chunks, layout.micro_batches)
 
 
 def _pipeline_key(layout: Layout) -> Layout:
@@ -88,67 +121,79 @@ def search(
     top: int = DEFAULT_PACKED,
     shown: int = 10,
     progress: bool = False,
+    jobs: int = 1,
+    also: Sequence[Layout] = (),
 ) -> SearchResult:
     """The ranked layouts of `space` for optimizer `method` within `memory_budget` bytes per device
-    (module docstring); `shown`: the places that must be exact. PlanError where no layout exists or none fits (naming the least memory any needs)."""
+    (module docstring); `shown`: the places that must be exact; `jobs`: processes that share the
+    work (`SearchPool`; the result does not depend on them); `also`: layouts of `method` to
+    predict beside the search (in `predictions`; e.g. the run file's own, fitting or not). PlanError where no layout exists or
+    none fits (naming the least memory any needs)."""
     started = time.perf_counter()
     first_order = context.first_order if is_curvature(method) else method
     layouts = enumerate_layouts(space, context.sizes, first_order, planned=method)
     problem = check_sources_cover(space, context.sizes, layouts)
     if problem:
         raise PlanError(problem)
-    memory = [
-        (layout, plain, _own_memory(layout, plain, method, first_order, context))
-        for layout, plain in ((layout, _memory(layout, first_order, context)) for layout in layouts)
-    ]
-    fits = {layout: (plain.total <= memory_budget, own.total <= memory_budget) for layout, plain, own in memory}
+    with SearchPool(jobs, _Inputs(context, method, first_order, memory_budget)) as pool:
+        extra = {layout: pool.later(_packed, layout) for layout in also}
+        found = _progress(pool.map(_memories, layouts, _pipeline_shape), len(layouts), "memory", progress)
+        memory = [(layout, plain, own) for layout, (plain, own) in zip(layouts, found)]
+        fits = {layout: (plain.total <= memory_budget, own.total <= memory_budget) for layout, plain, own in memory}
 
-    def needed(layout: Layout, which: int) -> bool:
-        """Fits, and is not a recompute variant of a layout that fits without recomputing (slower, never better)."""
-        return fits[layout][which] and (
-            layout.recompute == "none" or not fits[replace(layout, recompute="none")][which]
-        )
+        def needed(layout: Layout, which: int) -> bool:
+            """Fits, and is not a recompute variant of a layout that fits without recomputing (slower, never better)."""
+            return fits[layout][which] and (
+                layout.recompute == "none" or not fits[replace(layout, recompute="none")][which]
+            )
 
-    simulated = [(layout, plain, own) for layout, plain, own in memory if needed(layout, 0) or needed(layout, 1)]
-    quick: list[tuple[Prediction, MemoryUse]] = []
-    for layout, plain, own in _progress(simulated, "simulating") if progress else simulated:
-        ms, bubble, reduce_ms = first_order_time(layout, context)
-        quick.append((Prediction(layout, ms, ms, bubble, 0.0, reduce_ms, plain, context.sizes.seq_len), own))
-    fitting_first = sorted((p for p, _ in quick if needed(p.layout, 0)), key=lambda p: (p.step_ms, p.memory.total))
-    fitting = [(p, own) for p, own in quick if needed(p.layout, 1)]
-    if not fitting:
-        least = min(memory, key=lambda entry: entry[2].total)
-        raise PlanError(
-            f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
-            f"per device ({least[0].describe()}, recompute {least[0].recompute}{f', ZeRO-{least[0].zero}' if least[0].zero else ''})"
+        simulated = [(layout, plain, own) for layout, plain, own in memory if needed(layout, 0) or needed(layout, 1)]
+        steps = _progress(
+            pool.map(_first_order_step, [layout for layout, _, _ in simulated], _pipeline_shape),
+            len(simulated),
+            "simulating",
+            progress,
         )
-    best_of_pipeline: dict[Layout, tuple[Prediction, MemoryUse]] = {}
-    for prediction, own in fitting:
-        key = _pipeline_key(prediction.layout)
-        held = best_of_pipeline.get(key)
-        if held is None or (prediction.step_ms, own.total) < (held[0].step_ms, held[1].total):
-            best_of_pipeline[key] = (prediction, own)
-    kept = sorted(best_of_pipeline.values(), key=lambda pair: (pair[0].step_ms, pair[1].total))
-    over_budget = sum(not fit[1] for fit in fits.values())
-    if not is_curvature(method):
-        ranked = [p for p, _ in kept]
-        return SearchResult(
-            tuple(ranked),
-            tuple(fitting_first),
-            method,
-            len(layouts),
-            over_budget,
-            len(layouts) - over_budget - len(kept),
-            0,
-            0,
-            time.perf_counter() - started,
+        quick = [
+            (Prediction(layout, ms, ms, bubble, 0.0, reduce_ms, plain, context.sizes.seq_len), own)
+            for (layout, plain, own), (ms, bubble, reduce_ms) in zip(simulated, steps)
+        ]
+        fitting_first = sorted((p for p, _ in quick if needed(p.layout, 0)), key=lambda p: (p.step_ms, p.memory.total))
+        fitting = [(p, own) for p, own in quick if needed(p.layout, 1)]
+        if not fitting:
+            least = min(memory, key=lambda entry: entry[2].total)
+            raise PlanError(
+                f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
+                f"per device ({least[0].describe()}, recompute {least[0].recompute}{f', ZeRO-{least[0].zero}' if least[0].zero else ''})"
+            )
+        best_of_pipeline: dict[Layout, tuple[Prediction, MemoryUse]] = {}
+        for prediction, own in fitting:
+            key = _pipeline_key(prediction.layout)
+            held = best_of_pipeline.get(key)
+            if held is None or (prediction.step_ms, own.total) < (held[0].step_ms, held[1].total):
+                best_of_pipeline[key] = (prediction, own)
+        kept = sorted(best_of_pipeline.values(), key=lambda pair: (pair[0].step_ms, pair[1].total))
+        over_budget = sum(not fit[1] for fit in fits.values())
+        counts = (len(layouts), over_budget, len(layouts) - over_budget - len(kept))
+        if not is_curvature(method):
+            ranked = [p for p, _ in kept]
+            own = {layout: result() for layout, result in extra.items()}
+            seconds = time.perf_counter() - started
+            return SearchResult(tuple(ranked), tuple(fitting_first), method, *counts, 0, 0, seconds, own)
+        candidates = [p for p, _ in kept[:top]]
+        packings = _progress(
+            pool.lookahead(_packed, [p.layout for p in candidates]), len(candidates), "packing", progress
         )
-    packed: list[Prediction] = []
-    for quick_prediction, _ in _progress(kept[:top], "packing") if progress else kept[:top]:
-        fitting_packed = sorted(p.step_ms for p in packed if p.memory.total <= memory_budget)
-        if len(fitting_packed) >= shown and quick_prediction.step_ms >= fitting_packed[shown - 1]:
-            break  # a packed step is never shorter than its first-order step: no later layout enters the top `shown`
-        packed.append(predict(replace(quick_prediction.layout, method=method), context, memory_budget))
+        packed: list[Prediction] = []
+        for following, prediction in enumerate(packings, 1):
+            packed.append(prediction)
+            fitting_packed = sorted(p.step_ms for p in packed if p.memory.total <= memory_budget)
+            if following == len(candidates) or (
+                len(fitting_packed) >= shown and candidates[following].step_ms >= fitting_packed[shown - 1]
+            ):
+                break  # a packed step is never shorter than its first-order step: no later layout enters the top `shown`
+        predictions = {replace(p.layout, method=method): packing for p, packing in zip(candidates, packed)}
+        predictions.update((layout, result()) for layout, result in extra.items())
     ranked = sorted((p for p in packed if p.memory.total <= memory_budget), key=lambda p: (p.step_ms, p.memory.total))
     if not ranked:
         smallest = min(packed, key=lambda p: p.memory.total)
@@ -160,10 +205,9 @@ def search(
         tuple(ranked),
         tuple(fitting_first),
         method,
-        len(layouts),
-        over_budget,
-        len(layouts) - over_budget - len(kept),
+        *counts,
         len(packed),
         len(packed) - len(ranked),
         time.perf_counter() - started,
+        predictions,
     )
