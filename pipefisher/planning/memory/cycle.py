@@ -60,8 +60,9 @@ def cycle_peaks(
         for step in plan.steps
     ]
     peaks = []
+    curvature = OpKind.CURVATURE
     for rank in range(plan.schedule.num_ranks):
-        best = CyclePeak(rank, 0, 0, 0)
+        best, most = (0, 0, 0), 0  # (activations, captures, refresh) at the peak so far, and their sum
         started: set[tuple[int, str]] = set()
         refresh = captured_before = 0
         for step, step_waits, captured in zip(plan.steps, waits, capture_held(plan, profile, rank)):
@@ -69,15 +70,13 @@ def cycle_peaks(
                 step[rank], stage_bytes, pending_bytes, transient_bytes, weighted, sent_bytes, step_waits[rank]
             )
             for op, (during, after), captured_after in zip(step[rank], activations, captured):
-                if op.kind is OpKind.CURVATURE and op.layer is not None and (op.stage, op.layer) not in started:
+                if op.kind is curvature and op.layer is not None and (op.stage, op.layer) not in started:
                     started.add((op.stage, op.layer))
                     refresh += refresh_bytes.get((op.stage, op.layer), 0)
-                for candidate in (
-                    CyclePeak(rank, during, captured_before, refresh),
-                    CyclePeak(rank, after, captured_after, refresh),
-                ):
-                    if candidate.total_bytes > best.total_bytes:
-                        best = candidate
+                if during + captured_before + refresh > most:
+                    best, most = (during, captured_before, refresh), during + captured_before + refresh
+                if after + captured_after + refresh > most:
+                    best, most = (after, captured_after, refresh), after + captured_after + refresh
                 captured_before = captured_after
-        peaks.append(best)
+        peaks.append(CyclePeak(rank, *best))
     return peaks
