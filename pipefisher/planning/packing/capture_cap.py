@@ -70,7 +70,8 @@ def capped_builds(
     """The plans with `refresh_steps` steps whose curvature the greedy places only in steps <=
     `until` (-1: none in bubbles), the rest right after its latest dependency; one per leftover
     policy. Their captures are the same: only the other tasks differ. (The greedy runs
-    `refresh_steps` steps: what it would place later is not kept; `placed`: that run, where done.)"""
+    `refresh_steps` steps: what it would place later is not kept; `placed`: that run, where done.)
+    Their order is correct by construction (`PlanBuilder`): one that deadlocks is a bug."""
     if placed is None:
         placed = packing.greedy(packing.options.strategy).run(refresh_steps, curvature_until=until)
     return [packing.builder.plan(placed, refresh_steps, policy, eager_curvature=True) for policy in policies]

@@ -8,6 +8,8 @@ launched right after their own dependencies, in one order on every rank of their
 Weight gradients (W ops) run where the schedule put them, except in the steps where the greedy
 moved them (`Placed.weights`) and placed cycle tasks in the windows: there they run where it put
 them, and leftovers spread into that step use its windows with the W ops' time.
+Every op's slot follows those of all it waits for on its rank, by construction (`_EAGER`,
+`_place_eagerly`, `_spread`, `_place_collectives_of`): a plan that deadlocks is a bug, not retried.
 Pure Python: no torch.
 """
 
@@ -43,6 +45,11 @@ _first, _second, _end = itemgetter(0), itemgetter(1), itemgetter(2)
 #: builds a named tuple from a tuple without its Python-level constructor (a hot path)
 _new = tuple.__new__
 _PHASE = {OpKind.CURVATURE: 0, OpKind.REFRESH: 1}
+#: sequences in a window (phase 1): the greedy's count from 0, eager curvature from `_EAGER`, spread
+#: leftovers from `_SPREAD`, so each sorts after all it can wait for there: the greedy's tasks wait
+#: for no eager or leftover task (what waits for an unplaced task stays unplaced), curvature waits
+#: for curvature and forward/backward only (never a leftover), and each group is in dependency order
+_EAGER, _SPREAD = 10**9, 2 * 10**9
 
 
 class PlanBuilder:
@@ -188,7 +195,10 @@ class PlanBuilder:
     ) -> None:
         """Each leftover where it raises its step's largest per-rank extension least; an extension
         is the part of a task its window's free time lacks (W ops that moved in a step use their
-        windows there, `weights`)."""
+        windows there, `weights`). In order: a window starts no earlier than the leftover's release
+        (less `TOLERANCE`), and within one it sorts after `kept`'s (`_SPREAD`) and earlier leftovers;
+        it runs after a step's work only if released before that step ends (a later step's ops end
+        no earlier), so never in a step before what it waits for."""
         last = refresh_steps - 1
         end_of = {op: p.end for op, p in kept.items()}
         cursor: dict[tuple[int, int, float], float] = {}  # (rank, step, window start) -> cursor
@@ -214,7 +224,7 @@ class PlanBuilder:
                 if step * self.period + start + TOLERANCE >= ready
             ]
             candidates += [
-                (work, step, None) for step in range(refresh_steps) if (step + 1) * self.period >= ready or step == last
+                (work, step, None) for step in range(refresh_steps) if ready < (step + 1) * self.period or step == last
             ]
             added, step, window = min(
                 candidates, key=lambda c: (max(0.0, extension[(rank, c[1])] + c[0] - step_max[c[1]]), c[0], c[1])
@@ -225,7 +235,7 @@ class PlanBuilder:
                 key = (rank, step, window[0])
                 start = max(cursor[key], ready)
                 cursor[key] = max(start + work, step * self.period + window[1])
-                slot = Slot(step, window[0], 1, 10**9 + sequence)
+                slot = Slot(step, window[0], 1, _SPREAD + sequence)
             else:
                 start = max(ready, (step + 1) * self.period + tail[(rank, step)])
                 tail[(rank, step)] += work
@@ -236,14 +246,27 @@ class PlanBuilder:
     def _place_eagerly(self, kept: dict[Op, Placement], curvature: list[Op]) -> None:
         """Curvature right after its latest dependency (its forward/backward of step 0, or the
         previous micro-batch's curvature of the factor), extending that step: after the
-        forward/backward itself, or at the end of the window its predecessor ran in."""
+        forward/backward itself, or at the end of the window its predecessor ran in. In order: its
+        slot follows its latest dependency's (sequence 1.. after a forward/backward's 0, or
+        `_EAGER` + its index past the greedy's and the earlier, topologically, eager ones); in a
+        window it starts after all the window holds on its rank so far, so its time follows too."""
         first_order, inputs, placed = self._first_order_placements, self._curvature_inputs, kept.get
+        rank_of = self.rank_of
+        filled: dict[tuple[int, int, float], float] = {}  # (rank, step, window) -> end of what it holds
+        for held, p in kept.items():
+            if p.slot.phase == 1:
+                key = (rank_of[held], p.slot.step, p.slot.window)
+                filled[key] = max(filled.get(key, p.end), p.end)
         for sequence, op in enumerate(curvature, start=1):
             dependencies, work = inputs[op]
             slots = [placed(dep) or first_order[dep] for dep in dependencies]
             step, window, phase, _, launch = max(slots, key=_first)[0]
             start = max(map(_end, slots))
-            slot = _new(Slot, (step, window, phase, sequence if phase == 0 else 10**9 + sequence, launch))
+            if phase == 1:
+                key = (rank_of[op], step, window)
+                start = max(start, filled.get(key, start))
+                filled[key] = start + work
+            slot = _new(Slot, (step, window, phase, sequence if phase == 0 else _EAGER + sequence, launch))
             kept[op] = _new(Placement, (slot, start, start + work))
 
     @cached_property
@@ -293,7 +316,10 @@ class PlanBuilder:
         last: dict[frozenset[int], dict[int, Slot]],
     ) -> None:
         """Place `collectives` after their dependencies' final places; `last[group][rank]`: the slot
-        of the group's last collective on that rank so far (updated)."""
+        of the group's last collective on that rank so far (updated). In order: a slot is its
+        dependencies' latest with a higher `launch`, and rises on each rank in the group's order:
+        by when they are ready (what waits for one starts no earlier), ties (zero-time tasks) by
+        the latest of its members' own slots, which follows every rank's order where they agree."""
         own: dict[Op, tuple[float, Slot]] = {}
         dependencies, first_order = self.tasks.graph.dependencies, self._first_order_placements
         for op in collectives:
@@ -311,11 +337,12 @@ class PlanBuilder:
             members[(op.token, op.stage, op.layer)].append(op)
         per_group: dict[frozenset[int], list[tuple]] = defaultdict(list)
         for (token, stage, layer), ops in members.items():
-            ready = max(own[op][0] for op in ops)
-            per_group[self.groups[stage]].append((ready, token == OpKind.EXCHANGE.value, stage, layer, token, ops))
+            ready, latest = max(own[op][0] for op in ops), max(own[op][1] for op in ops)
+            exchange = token == OpKind.EXCHANGE.value
+            per_group[self.groups[stage]].append((ready, latest, exchange, stage, layer, token, ops))
         for group, entries in per_group.items():
             group_last = last[group]
-            for *_, ops in sorted(entries, key=lambda entry: entry[:5]):
+            for *_, ops in sorted(entries, key=lambda entry: entry[:6]):
                 for op in ops:
                     ready, slot = own[op]
                     base = max(slot, group_last.get(self.rank_of[op], slot))

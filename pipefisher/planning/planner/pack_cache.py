@@ -3,9 +3,9 @@ distinct (schedule shape, layout profile, packer options) once (`PACKINGS`, this
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.packing.options import PackOptions
@@ -25,25 +25,17 @@ class PackCache:
     misses: int = 0
     enabled: bool = True
 
-    def packed(
-        self, schedule: Schedule, profile: Profile, options: PackOptions, retry_uncapped: bool = False
-    ) -> PackResult:
-        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`; with
-        `retry_uncapped`, where the capture cap's eager placement deadlocks (a packer limitation),
-        packed without the cap (else the ScheduleError is raised)."""
+    def packed(self, schedule: Schedule, profile: Profile, options: PackOptions) -> PackResult:
+        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`. A capped
+        packing's order is correct by construction (`PlanBuilder`): a ScheduleError from one is a
+        bug, and it propagates."""
         shape = (schedule.name, schedule.num_ranks, schedule.num_micro_batches, schedule.num_stages, schedule.num_pipes)
-        key = (shape, profile, options, retry_uncapped)
+        key = (shape, profile, options)
         if self.enabled and key in self.results:
             self.hits += 1
             return self.results[key]
         self.misses += 1
-        rules = method_of_profile(profile).rules
-        try:
-            result = pack(schedule, profile, rules, options)
-        except ScheduleError:
-            if not retry_uncapped or options.max_capture_mb is None:
-                raise
-            result = pack(schedule, profile, rules, replace(options, max_capture_mb=None))
+        result = pack(schedule, profile, method_of_profile(profile).rules, options)
         if self.enabled:
             self.results[key] = result
         return result

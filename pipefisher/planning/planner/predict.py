@@ -321,19 +321,16 @@ def plan_layout(
     capture_budget: int | None = None,
     precondition: bool = True,
     schedule: Schedule | None = None,
-    retry_uncapped: bool = True,
 ) -> tuple[PackResult, Profile]:
     """The one packing of a layout that `plan`, `pack` and `run` share: the packer's result on the
     layout's profile (`layout_profile`: the source's times with recomputation, modelled gradient
     reductions and factor syncs where none are measured) with the section's options
     (`pack_options`), and that profile (for simulating the plan at nominal times). `schedule`:
-    the layout's, where the caller has built it (it must be `layout.build_schedule()`'s);
-    `retry_uncapped`: where the capture cap deadlocks the packer, pack without it (the planner,
-    which then drops a plan whose captures do not fit) rather than raise (a run). Cached in
+    the layout's, where the caller has built it (it must be `layout.build_schedule()`'s). Cached in
     `PACKINGS`."""
     profile = layout_profile(layout, context)
     options = pack_options(layout, context, capture_budget, precondition)
-    return PACKINGS.packed(schedule or layout.build_schedule(), profile, options, retry_uncapped), profile
+    return PACKINGS.packed(schedule or layout.build_schedule(), profile, options), profile
 
 
 def predict(layout: Layout, context: PlanContext, memory_budget: int | None = None) -> Prediction:
