@@ -34,8 +34,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipefisher.core.ir import Op, Schedule
-from pipefisher.planning.comm.actions import Message, input_message, output_message
+from pipefisher.core.ir import Op, OpKind, Schedule
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -48,46 +47,74 @@ class SendWait:
     after_run: bool = False
 
 
+#: a message by its consumer's (kind, stage, micro-batch, pipe): a plain tuple hashes and compares
+#: faster than the `Message` it stands for, and a step has tens of thousands
+_Key = tuple
+
+
+def message_keys(ops: Sequence[Op], stages: int) -> list[tuple[_Key | None, _Key | None]]:
+    """Per op, the keys of the messages it receives and sends: those of `input_message` and
+    `output_message` (None: none), without building their ops."""
+    forward, backward, last = OpKind.FORWARD, OpKind.BACKWARD, stages - 1
+    found: list[tuple[_Key | None, _Key | None]] = []
+    for op in ops:
+        kind, stage = op.kind, op.stage
+        if kind is forward:
+            found.append(
+                (
+                    (kind, stage, op.micro_batch, op.pipe) if stage > 0 else None,
+                    (kind, stage + 1, op.micro_batch, op.pipe) if stage < last else None,
+                )
+            )
+        elif kind is backward:
+            found.append(
+                (
+                    (kind, stage, op.micro_batch, op.pipe) if stage < last else None,
+                    (kind, stage - 1, op.micro_batch, op.pipe) if stage > 0 else None,
+                )
+            )
+        else:
+            found.append((None, None))
+    return found
+
+
 @dataclass(frozen=True)
 class _Rank:
     """One pipeline rank's point-to-point traffic of a step, by position in its op list."""
 
-    #: position -> the message the op there sends to another rank
-    sends: dict[int, Message]
+    #: position -> the message the op there sends to another rank, and that rank
+    sends: dict[int, tuple[_Key, int]]
     #: peer rank -> positions of the ops that receive their input from it, ascending
     heard_from: dict[int, list[int]]
-    #: position -> the message the op there receives from another rank
-    receives: dict[int, Message]
+    #: peer rank -> the message each op of `heard_from[peer]` receives, in the same order
+    heard: dict[int, list[_Key]]
     #: message received -> position of the op before which its receive is posted (-1: first thing)
-    posted_before: dict[Message, int]
+    posted_before: dict[_Key, int]
 
 
 def _traffic(ranks: Sequence[Sequence[Op]], placement: Mapping[tuple[int, int], int], stages: int) -> list[_Rank]:
     """Every pipeline rank's sends and receives (a message is received from the rank that makes it)."""
-    outputs = [[(position, output_message(op, stages)) for position, op in enumerate(ops)] for ops in ranks]
-    made_by = {message: rank for rank, made in enumerate(outputs) for _, message in made if message is not None}
+    keys = [message_keys(ops, stages) for ops in ranks]
+    made_by = {made: rank for rank, mine in enumerate(keys) for _, made in mine if made is not None}
     traffic = []
-    for rank, ops in enumerate(ranks):
-        sends = {
-            position: message
-            for position, message in outputs[rank]
-            if message is not None and _rank_of(message.consumer, placement) != rank
-        }
-        receives: dict[int, Message] = {}
+    for rank, mine in enumerate(keys):
+        sends: dict[int, tuple[_Key, int]] = {}
         heard_from: dict[int, list[int]] = {}
-        for position, op in enumerate(ops):
-            received = input_message(op, stages)
+        heard: dict[int, list[_Key]] = {}
+        posted: dict[_Key, int] = {}
+        before = -1
+        for position, (received, made) in enumerate(mine):
             if received is not None and (peer := made_by[received]) != rank:
-                receives[position] = received
-                heard_from.setdefault(peer, []).append(position)
-        order = list(receives)
-        posted = {receives[position]: before for before, position in zip([-1, *order], order)}
-        traffic.append(_Rank(sends, heard_from, receives, posted))
+                if peer not in heard:
+                    heard_from[peer], heard[peer] = [], []
+                heard_from[peer].append(position)
+                heard[peer].append(received)
+                posted[received] = before
+                before = position
+            if made is not None and (consumer := placement[(made[3], made[1])]) != rank:
+                sends[position] = (made, consumer)
+        traffic.append(_Rank(sends, heard_from, heard, posted))
     return traffic
-
-
-def _rank_of(op: Op, placement: Mapping[tuple[int, int], int]) -> int:
-    return placement[(op.pipe, op.stage)]
 
 
 def send_waits(
@@ -98,16 +125,23 @@ def send_waits(
     that send (module docstring: the earlier of rules (a) and (b); `bounded` False: rule (a)
     alone); None: at the step's end."""
     traffic = _traffic(ranks, placement, num_stages)
-    sent_at = [{message: position for position, message in t.sends.items()} for t in traffic]
+    sent_at = [{key: position for position, (key, _) in t.sends.items()} for t in traffic]
     result = []
     for mine in traffic:
         following = _next_on_channel(mine.sends) if bounded else {}
+        #: peer -> where the peer sends each input `mine` hears from it, in `heard_from` order
+        answered = {peer: [sent_at[peer][key] for key in keys] for peer, keys in mine.heard.items()}
         waits: dict[int, SendWait | None] = {}
-        for position, message in mine.sends.items():
-            peer = _rank_of(message.consumer, placement)
-            heard = _heard_back(mine, peer, position, traffic[peer].posted_before[message], sent_at[peer])
+        for position, (key, peer) in mine.sends.items():
+            heard = _heard_back(
+                mine.heard_from.get(peer, []), answered.get(peer, []), position, traffic[peer].posted_before[key]
+            )
             bound = following.get(position)
-            waits[position] = bound if heard is None or (bound is not None and bound < heard) else heard
+            # the earlier slot: after the op at `bound` comes before the input at `heard` only if earlier
+            if bound is not None and (heard is None or bound < heard):
+                waits[position] = SendWait(bound, after_run=True)
+            else:
+                waits[position] = None if heard is None else SendWait(heard)
         result.append(waits)
     return result
 
@@ -129,27 +163,24 @@ def schedule_send_waits(schedule: Schedule) -> list[dict[int, SendWait | None]]:
     return waits
 
 
-def _heard_back(
-    mine: _Rank, peer: int, position: int, posted: int, peer_sent_at: dict[Message, int]
-) -> SendWait | None:
-    """Rule (a): the first of `mine`'s inputs after `position` from `peer` that the peer sends
-    after the op at `peer_sent_at[input]`, not before the op at `posted` before which it posts the
-    receive of the message `mine` sends at `position`."""
-    heard = mine.heard_from.get(peer, [])
-    for index in range(bisect_right(heard, position), len(heard)):
-        if posted <= peer_sent_at[mine.receives[heard[index]]]:
-            return SendWait(heard[index])
+def _heard_back(heard_from: list[int], answered: list[int], position: int, posted: int) -> int | None:
+    """Rule (a): the position of the first input after `position` (`heard_from`: positions of the
+    inputs from the peer, ascending) that the peer sends after the op at `answered[index]`, not
+    before the op at `posted` before which it posts the receive of the message sent at `position`."""
+    for index in range(bisect_right(heard_from, position), len(heard_from)):
+        if posted <= answered[index]:
+            return heard_from[index]
     return None
 
 
-def _next_on_channel(sends: dict[int, Message]) -> dict[int, SendWait]:
-    """Rule (b): position of a send -> right after the op that makes the next send on its channel."""
+def _next_on_channel(sends: dict[int, tuple[_Key, int]]) -> dict[int, int]:
+    """Rule (b): position of a send -> the op that makes the next send on its channel (the wait
+    comes right after it runs)."""
     last: dict[tuple, int] = {}
-    following: dict[int, SendWait] = {}
-    for position, message in sends.items():  # ascending: built in op order
-        consumer = message.consumer  # with its kind, pipe and stage, it names the message's channel
-        channel = (consumer.kind, consumer.pipe, consumer.stage)
+    following: dict[int, int] = {}
+    for position, (key, _) in sends.items():  # ascending: built in op order
+        channel = (key[0], key[3], key[1])  # the consumer's kind, pipe and stage name the message's channel
         if channel in last:
-            following[last[channel]] = SendWait(position, after_run=True)
+            following[last[channel]] = position
         last[channel] = position
     return following

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.names import RECOMPUTE_MODES
 from pipefisher.planning.comm.send_waits import SendWait, schedule_send_waits
+from pipefisher.planning.memory.activation_rows import linear_peaks, weighted_micro_batches
 
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
 KINDS = ("bert", "tiny", "llama", "gpt2")
@@ -354,11 +355,6 @@ def _sends_held(
     return added, before, after
 
 
-def weighted_micro_batches(schedule: Schedule) -> set[tuple]:
-    """(pipe, stage, micro-batch) of every weight op (W) of `schedule` (split backward)."""
-    return {(op.pipe, op.stage, op.micro_batch) for ops in schedule.ranks for op in ops if op.kind is OpKind.WEIGHT}
-
-
 def activation_peaks(
     schedule: Schedule,
     stage_bytes: Sequence[int],
@@ -368,13 +364,17 @@ def activation_peaks(
 ) -> list[int]:
     """Per rank, the most activation bytes held at once over its op order (`activation_held`;
     `transient_bytes` per stage, `backward_transient_bytes`, and `sent_bytes`, held until the
-    waits of `pipefisher.planning.comm.send_waits`: none when not given)."""
+    waits of `pipefisher.planning.comm.send_waits`: none when not given). Non-negative int bytes
+    take the fast path, `pipefisher.planning.memory.activation_rows.linear_peaks` (equal results)."""
     if len(stage_bytes) != schedule.num_stages or len(pending_bytes) != schedule.num_stages:
         raise ValueError(
             f"stage_bytes, pending_bytes: one per stage ({schedule.num_stages}), got "
             f"{len(stage_bytes)} and {len(pending_bytes)}"
         )
     transient = transient_bytes if transient_bytes is not None else [0] * schedule.num_stages
+    fast = linear_peaks(schedule, stage_bytes, pending_bytes, transient, sent_bytes)
+    if fast is not None:
+        return fast
     weighted = weighted_micro_batches(schedule)
     no_sends: list[SendWaits | None] = [None] * schedule.num_ranks
     waits = no_sends if sent_bytes is None else schedule_send_waits(schedule)

@@ -48,8 +48,8 @@ from typing import Protocol
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
 from pipefisher.planning.memory.sharded import sharded_stage
+from pipefisher.planning.memory.zero_owned import owned_optimizer_bytes
 from pipefisher.planning.replicas.kaisa import GradWorkers
-from pipefisher.planning.replicas.zero import shard_owners
 
 
 class CurvatureLayer(Protocol):
@@ -247,20 +247,17 @@ def rank_memory(
         raise ValueError("powersgd_rank: the stages' parameter shapes are needed (StageState.shapes)")
     replica_ranks = [topology.replica_ranks(index) for index in range(len(stages))]
     #: per stage, its optimizer bytes per owning rank (ZeRO-1), else None: every copy holds all
-    owned: list[dict[int, int] | None] = []
-    for index, stage in enumerate(stages):
-        if zero != 1:
-            owned.append(None)
-            continue
-        found: dict[int, int] = dict.fromkeys(replica_ranks[index], 0)
-        for number, owner in enumerate(shard_owners(stage.parameters, replica_ranks[index])):
-            found[owner] += optimizer.tensor_bytes(stage.parameters[number], stage.preconditions(number))
-        owned.append(found)
+    owned: list[dict[int, int] | None] = [
+        owned_optimizer_bytes(stage, optimizer, replica_ranks[index]) if zero == 1 else None
+        for index, stage in enumerate(stages)
+    ]
     copies: dict[tuple[int, int, int], StageMemory] = {}  # (pipe, stage, rank or -1: any) -> its bytes
+    owning: dict[tuple[int, int, int], StageMemory] = {}  # (pipe, stage, optimizer bytes, -1: all) -> a copy
+    held = [topology.stages_of(rank) for rank in range(topology.pipeline_ranks)]  # each replica holds the same
     result = []
     for rank in range(topology.world_size):
         parts = []
-        for pipe, index in topology.stages_of(rank):
+        for pipe, index in held[topology.pipeline_rank(rank)]:
             ranks = replica_ranks[index]
             grid = (
                 GradWorkers(ranks, workers_per_layer)
@@ -278,7 +275,10 @@ def rank_memory(
                         topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
                         ranks, None, None,
                     )  # fmt: skip
-                copies[key] = shared if mine is None else replace(shared, optimizer_bytes=mine.get(rank, 0))
+                own = (pipe, index, -1 if mine is None else mine.get(rank, 0))
+                if own not in owning:
+                    owning[own] = shared if mine is None else replace(shared, optimizer_bytes=own[2])
+                copies[key] = owning[own]
             else:
                 copies[key] = _stage_copy(
                     topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),

@@ -110,12 +110,15 @@ _HEAVIEST: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
 
 def _state_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
-    """What `state_per_rank` depends on (not the micro-batches)."""
+    """What `state_per_rank` depends on (not the micro-batches): the schedule's shape and
+    `_replica_key`."""
+    return (layout.schedule, layout.stages, layout.chunks, *_replica_key(layout, sizes, first_order, momentum))
+
+
+def _replica_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
+    """What the state depends on beside the schedule: replicas, gradient path, method, model."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
     return (
-        layout.schedule,
-        layout.stages,
-        layout.chunks,
         layout.data_parallel,
         layout.tensor_parallel,
         layout.zero,
@@ -132,12 +135,23 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
     key = _state_key(layout, sizes, first_order, momentum)
     if key not in _STATES:
-        powersgd = key[6]
+        powersgd = 0 if layout.zero else layout.powersgd_rank
         states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method)
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
         optimizer = _optimizer(layout.method, first_order, momentum)
         _STATES[key] = rank_memory(topology, states, optimizer, int(layout.zero), powersgd_rank=powersgd)
     return _STATES[key]
+
+
+def _placement_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
+    """What the ranks' state bytes (`RankMemory.total_bytes`) depend on: `_state_key` with the
+    schedule named by what `rank_memory` reads of it, its ranks, pipes, stages and placement (not
+    its op order: GPipe, 1F1B and ZB-H1 on one shape share it; the micro-batches change the
+    traffic of ZeRO-2/3, never the bytes)."""
+    schedule = layout.build_schedule()
+    placement = tuple(sorted(schedule.placement.items()))
+    shape = (schedule.num_ranks, schedule.num_pipes, schedule.num_stages, placement)
+    return (shape, *_replica_key(layout, sizes, first_order, momentum))
 
 
 def _heaviest_states(
@@ -146,14 +160,18 @@ def _heaviest_states(
     """Per pipeline position (ranks equal modulo the pipeline's), (the lowest rank of the most
     state bytes there, those bytes), by rank: the ranks at a position share their activations,
     so the rank with the most bytes overall is one of these (the lowest of ties, as a scan over
-    every rank finds). Cached with the states."""
-    key = _state_key(layout, sizes, first_order, momentum)
+    every rank finds). Cached on `_placement_key`."""
+    key = _placement_key(layout, sizes, first_order, momentum)
     if key not in _HEAVIEST:
         states = state_per_rank(layout, sizes, first_order, momentum)
         pipeline = layout.build_schedule().num_ranks
         best: dict[int, tuple[int, int]] = {}
+        totals: dict[tuple[int, ...], int] = {}  # by the identity of a rank's stage copies (shared by ranks)
         for rank, state in enumerate(states):
-            total = state.total_bytes
+            parts = tuple(map(id, state.stages))
+            total = totals.get(parts)
+            if total is None:
+                total = totals[parts] = state.total_bytes
             held = best.get(rank % pipeline)
             if held is None or total > held[1]:
                 best[rank % pipeline] = (rank, total)
