@@ -1,22 +1,26 @@
 """The layout planner's step-time predictions against real `pipefisher run`s on this machine.
 
-For each shipped CPU model (schedules/tiny-cpu.yaml: BERT 4 x 128 with LAMB; schedules/gpt2-tiny-cpu.yaml:
-GPT-2 4 x 128 with AdamW) it measures ONE profile with `pipefisher profile` at the run file's own split
-(2 stages, 1F1B, 4 micro-batches, the run file's optimizer; K-FAC's tasks are timed too) and predicts
-every layout from it with the planner's `predict` (`pipefisher.planning.planner.predict`, what
-`pipefisher plan` ranks by): other schedules and micro-batch counts reuse the stages' times,
-interleaved's and a 1-stage pipeline's pieces are the profile re-split by blocks
-(`layout_sources.resplit`), K-FAC is packed, and replicated stages (Chimera's pipes, data-parallel
-copies) get the ring all-reduce of their gradients at the bandwidth of the profile's measured
-stage-boundary transfer. Then it runs every layout with `pipefisher run --json` (2 processes each),
-the layouts in turn and the whole round repeated (A B C ..., A B C ...), so that the machine's load
-drifts hit all alike. A run's value is the median over its timed refresh cycles (1 step each for a
+In each round, for each shipped CPU model (schedules/tiny-cpu.yaml: BERT 4 x 128 with LAMB;
+schedules/gpt2-tiny-cpu.yaml: GPT-2 4 x 128 with AdamW) it measures ONE profile with `pipefisher
+profile` at the run file's own split (2 stages, 1F1B, 4 micro-batches, the run file's optimizer;
+K-FAC's tasks are timed too) and predicts every layout from it with the planner's `predict`
+(`pipefisher.planning.planner.predict`, what `pipefisher plan` ranks by): other schedules and
+micro-batch counts reuse the stages' times, interleaved's and a 1-stage pipeline's pieces are the
+profile re-split by blocks (`layout_sources.resplit`), K-FAC is packed, and replicated stages
+(Chimera's pipes, data-parallel copies) get the ring all-reduce of their gradients at the bandwidth
+of the profile's measured stage-boundary transfer. Then it runs every layout with `pipefisher run
+--json` (2 processes each), in turn. The rounds repeat (profiles, A B C ...; profiles, A B C ...),
+so that a prediction and the runs it predicts share the machine's state of the moment (on a machine
+shared with other work, one profile taken minutes before the runs put every layout of a model off
+by the same 10-20 %). A run's value is the median over its timed refresh cycles (1 step each for a
 first-order optimizer) of the cycle's mean step time (rank 0's `step_time_ms`), after the warm-up
-steps; a layout's measured time is the median over repeats. Reported: predicted and measured ms, the
-spread over repeats, the error, and Spearman's rank correlation of predicted against measured.
+steps. Per layout: the median prediction and measurement over rounds, and the error, the median
+over rounds of predicted / measured - 1 (paired within a round). Reported: those, the spread of
+the measurements, and Spearman's rank correlation of predicted against measured.
 
-    python experiments/plan_check.py --out docs/plan_check.md      # writes docs/plan_check.md and .json
-    python experiments/plan_check.py --quick                        # 3 layouts, 1 repeat: a smoke run
+    python experiments/plan_check.py --out docs/plan_check.md                      # the checked layouts
+    python experiments/plan_check.py --layouts held-out --out docs/plan_check_held_out.md  # six others
+    python experiments/plan_check.py --quick                                        # 3 layouts, 1 round
 """
 
 from __future__ import annotations
@@ -73,11 +77,20 @@ class Case:
         return f"{self.schedule}, {split}, N={self.micro_batches}, {self.method}"
 
 
-def layouts(quick: bool) -> list[Case]:
-    """The checked layouts, all on 2 processes (this machine has 2 cores: more processes than cores
-    time-share them, which no per-device model predicts)."""
+def layouts(which: str, quick: bool) -> list[Case]:
+    """The checked layouts (`which`: "checked", "held-out": six others of the same models, never used
+    to tune the planner, or "all"), all on 2 processes (this machine has 2 cores: more processes than
+    cores time-share them, which no per-device model predicts)."""
     bert, gpt2 = "bert-4x128", "gpt2-tiny"
-    chosen = [
+    held_out = [
+        Case(bert, "chimera", 2, 8, "lamb"),
+        Case(bert, "zb-h1", 2, 8, "lamb"),
+        Case(bert, "gpipe", 2, 2, "lamb"),
+        Case(bert, "1f1b", 2, 8, "kfac"),
+        Case(gpt2, "chimera", 2, 4, "adamw"),
+        Case(gpt2, "zb-h1", 2, 4, "adamw"),
+    ]
+    checked = [
         Case(bert, "1f1b", 2, 4, "lamb"),
         Case(bert, "gpipe", 2, 4, "lamb"),
         Case(bert, "1f1b", 2, 8, "lamb"),
@@ -90,7 +103,8 @@ def layouts(quick: bool) -> list[Case]:
         Case(gpt2, "1f1b", 2, 4, "adamw"),
         Case(gpt2, "gpipe", 2, 8, "adamw"),
     ]
-    return [chosen[0], chosen[4], chosen[9]] if quick else chosen
+    chosen = {"checked": checked, "held-out": held_out, "all": checked + held_out}[which]
+    return [chosen[0], chosen[1], chosen[-1]] if quick else chosen
 
 
 def run_config(case: Case) -> RunConfig:
@@ -160,6 +174,7 @@ PROFILE_REPEATS = 15
 
 
 def measure_profile(model: str, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{model}.yaml"
     command = [
         sys.executable,
@@ -233,7 +248,8 @@ def table(rows: list[dict]) -> str:
     ]
     for row in rows:
         lay = row["layout"]
-        packed = f" (packed, k={row['refresh_steps']:d})" if lay["method"] not in FIRST_ORDER else ""
+        ks = "–".join(str(k) for k in sorted({min(row["refresh_steps"]), max(row["refresh_steps"])}))
+        packed = f" (packed, k={ks})" if lay["method"] not in FIRST_ORDER else ""
         lines.append(
             f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
             f"{lay['method']}{packed} | "
@@ -257,9 +273,10 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
                 f"Command: `python {shlex.join(['experiments/plan_check.py', *sys.argv[1:]])}` ({seconds / 60:.1f} min)",
                 "",
                 f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
-                f"One profile per model (`pipefisher profile RUN.yaml --repeats {PROFILE_REPEATS}`: 2 stages, 1F1B, 4 micro-batches); "
-                f"{args.warmup} warm-up steps, then {args.steps} timed steps per run (whole refresh cycles), "
-                f"{args.repeats} repeats of every layout, interleaved.",
+                f"{args.repeats} rounds, each: one profile per model (`pipefisher profile RUN.yaml --repeats {PROFILE_REPEATS}`: "
+                "2 stages, 1F1B, 4 micro-batches), then every layout predicted from it and run once in turn: "
+                f"{args.warmup} warm-up steps, then {args.steps} timed steps (whole refresh cycles). Predicted and measured: "
+                "medians over rounds; error: the median over rounds of predicted / measured − 1 in the same round.",
                 "",
                 table(rows),
                 "",
@@ -276,8 +293,8 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
 
 #: what the page says below every table: what the numbers are and what the prediction leaves out
 NOTES = [
-    "Predicted: `pipefisher.planning.planner.predict.predict` (what `pipefisher plan` ranks by) on the one profile "
-    "of the model; error = predicted / measured − 1. Every layout runs 2 single-threaded processes on the 2 cores: "
+    "Predicted: `pipefisher.planning.planner.predict.predict` (what `pipefisher plan` ranks by) on the round's one "
+    "profile of the model. Every layout runs 2 single-threaded processes on the 2 cores: "
     "with 4 processes two ranks share each core and the operating system's time slicing, not the schedule, decides "
     "when an op runs, which no per-device model describes (a 4-process layout here measures the scheduler, so none "
     "is in the check).",
@@ -297,38 +314,71 @@ NOTES = [
     "the step's world reduction, starting the optimizer), not their sum.",
     "- The data-parallel gradient all-reduce runs at the bandwidth of the profile's stage-boundary transfer (one "
     "activation message over its measured p2p time, latency included).",
+    "",
+    "Why the errors here exceed 5 %, and what the schedules change: [Plan accuracy](plan_accuracy.md).",
 ]
 
 
-def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> tuple[dict, dict, dict]:
-    """model -> (profile file, profile); case -> (predicted ms, k); case -> measured ms per repeat.
-    RuntimeError (one line) when a profile or run fails."""
-    args.profile_dir.mkdir(parents=True, exist_ok=True)
-    profiles = {}
-    for model in dict.fromkeys(case.model for case in chosen):
-        path = measure_profile(model, args.profile_dir)
-        profiles[model] = (path, load_profile(path))
-        print(f"profiled {model}: {path}", file=sys.stderr, flush=True)
-    predictions = {case: predict_case(case, *profiles[case.model]) for case in chosen}
-    measured: dict[Case, list[float]] = {case: [] for case in chosen}
+@dataclass
+class Rounds:
+    """Per layout, one entry per round: the prediction from that round's profile (ms, k) and the
+    run's measured time (ms)."""
+
+    predicted: dict[Case, list[tuple[float, int]]]
+    measured: dict[Case, list[float]]
+    profiles: list[dict[str, str]]  # per round: model -> profile file
+
+
+def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> Rounds:
+    """Every round: a profile per model, then each layout predicted from it and run. RuntimeError
+    (one line) when a profile or run fails."""
+    rounds = Rounds({case: [] for case in chosen}, {case: [] for case in chosen}, [])
     for repeat in range(args.repeats):
+        profiles = {}
+        for model in dict.fromkeys(case.model for case in chosen):
+            path = measure_profile(model, args.profile_dir / f"round-{repeat + 1}")
+            profiles[model] = (path, load_profile(path))
+            print(f"round {repeat + 1}/{args.repeats}: profiled {model}: {path}", file=sys.stderr, flush=True)
+        rounds.profiles.append({model: str(path) for model, (path, _) in profiles.items()})
         for case in chosen:
-            value = measure_run(case, profiles[case.model][0], predictions[case][1], args.warmup, args.steps)
-            measured[case].append(value)
+            predicted, k = predict_case(case, *profiles[case.model])
+            value = measure_run(case, profiles[case.model][0], k, args.warmup, args.steps)
+            rounds.predicted[case].append((predicted, k))
+            rounds.measured[case].append(value)
             print(
-                f"repeat {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms "
-                f"(predicted {predictions[case][0]:.1f} ms)",
+                f"round {repeat + 1}/{args.repeats} {case.label}: {value:.1f} ms (predicted {predicted:.1f} ms)",
                 file=sys.stderr,
                 flush=True,
             )
-    return profiles, predictions, measured
+    return rounds
+
+
+def row_of(case: Case, rounds: Rounds) -> dict:
+    """The page's and the JSON's row of `case`: medians over rounds, the paired error's median."""
+    predicted, measured = rounds.predicted[case], rounds.measured[case]
+    ks = sorted({k for _, k in predicted})
+    return {
+        "layout": asdict(case),
+        "processes": case.processes,
+        "predicted_ms": statistics.median(ms for ms, _ in predicted),
+        "refresh_steps": ks,
+        "measured_ms": statistics.median(measured),
+        "repeats_ms": measured,
+        "predicted_per_round_ms": [ms for ms, _ in predicted],
+        "error": statistics.median(ms / value - 1 for (ms, _), value in zip(predicted, measured)),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=3, help="fresh runs per layout, interleaved (median; default 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds: profiles, then one fresh run per layout (median; default 3)"
+    )
+    parser.add_argument(
+        "--layouts", choices=("checked", "held-out", "all"), default="checked", help="which layouts (default checked)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
     parser.add_argument(
         "--steps", type=int, default=5, help="timed steps per run, rounded up to whole refresh cycles (default 5)"
@@ -351,27 +401,13 @@ def main() -> int:
             print(f"plan_check: error: --{flag}: {getattr(args, flag)} is not a positive count", file=sys.stderr)
             return 2
     started, load_at_start = time.perf_counter(), os.getloadavg()
-    chosen = layouts(args.quick)
+    chosen = layouts(args.layouts, args.quick)
     try:
-        profiles, predictions, measured = predict_and_measure(chosen, args)
+        rounds = predict_and_measure(chosen, args)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"plan_check: {exc}", file=sys.stderr)
         return 1
-    rows = []
-    for case in chosen:
-        median = statistics.median(measured[case])
-        predicted, k = predictions[case]
-        rows.append(
-            {
-                "layout": asdict(case),
-                "processes": case.processes,
-                "predicted_ms": predicted,
-                "refresh_steps": k,
-                "measured_ms": median,
-                "repeats_ms": measured[case],
-                "error": predicted / median - 1,
-            }
-        )
+    rows = [row_of(case, rounds) for case in chosen]
     load = " and ".join(" ".join(f"{x:.2f}" for x in loads) for loads in (load_at_start, os.getloadavg()))
     seconds = time.perf_counter() - started
     text, rho, worst = report(rows, args, seconds, load)
@@ -387,7 +423,7 @@ def main() -> int:
                     "load_average": load,
                     "spearman": rho,
                     "max_abs_error": worst,
-                    "profiles": {m: str(p[0]) for m, p in profiles.items()},
+                    "profiles": rounds.profiles,
                     "rows": rows,
                 },
                 indent=1,

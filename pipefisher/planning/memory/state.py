@@ -253,6 +253,20 @@ def rank_memory(
     ]
     copies: dict[tuple[int, int, int], StageMemory] = {}  # (pipe, stage, rank or -1: any) -> its bytes
     owning: dict[tuple[int, int, int], StageMemory] = {}  # (pipe, stage, optimizer bytes, -1: all) -> a copy
+
+    def shared_copy(pipe: int, index: int, rank: int, mine: dict[int, int] | None) -> StageMemory:
+        """The copy of a stage whose ranks differ only in the optimizer bytes they own (ZeRO-1)."""
+        shared = copies.get((pipe, index, -1))
+        if shared is None:
+            shared = copies[(pipe, index, -1)] = _stage_copy(
+                topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
+                replica_ranks[index], None, None,
+            )  # fmt: skip
+        own = (pipe, index, -1 if mine is None else mine.get(rank, 0))
+        if own not in owning:
+            owning[own] = shared if mine is None else replace(shared, optimizer_bytes=own[2])
+        return owning[own]
+
     held = [topology.stages_of(rank) for rank in range(topology.pipeline_ranks)]  # each replica holds the same
     result = []
     for rank in range(topology.world_size):
@@ -266,21 +280,8 @@ def rank_memory(
             )
             mine = owned[index]
             key = (pipe, index, rank if grid is not None or mine is not None else -1)
-            if key in copies:
-                pass
-            elif grid is None:  # ranks differ only in the optimizer bytes they own (ZeRO-1)
-                shared = copies.get((pipe, index, -1))
-                if shared is None:
-                    shared = copies[(pipe, index, -1)] = _stage_copy(
-                        topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
-                        ranks, None, None,
-                    )  # fmt: skip
-                own = (pipe, index, -1 if mine is None else mine.get(rank, 0))
-                if own not in owning:
-                    owning[own] = shared if mine is None else replace(shared, optimizer_bytes=own[2])
-                copies[key] = owning[own]
-            else:
-                copies[key] = _stage_copy(
+            if key not in copies:
+                copies[key] = shared_copy(pipe, index, rank, mine) if grid is None else _stage_copy(
                     topology, stages[index], optimizer, zero, widths, powersgd_rank, (pipe, index, rank),
                     ranks, grid, None if mine is None else mine.get(rank, 0),
                 )  # fmt: skip
