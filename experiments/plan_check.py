@@ -52,6 +52,10 @@ from pipefisher.cli.scripts import entry_point  # noqa: E402
 MODELS = {"bert-4x128": "schedules/tiny-cpu.yaml", "gpt2-tiny": "schedules/gpt2-tiny-cpu.yaml"}
 FIRST_ORDER = ("sgd", "adamw", "lamb")
 RUN_TIMEOUT_S = 600.0
+#: schedules that split the backward (`--split-profile` profiles the first for their layouts)
+SPLIT = ("zb-h1", "zbv", "dualpipev")
+#: a model's profiles of one round: (file, profile), its run file's layout first
+Profiles = list[tuple[Path, Profile]]
 
 
 @dataclass(frozen=True)
@@ -139,15 +143,16 @@ def layout_flags(case: Case, profile: Path) -> list[str]:
     return flags
 
 
-def planner_context(case: Case, profile_path: Path, profile: Profile) -> PlanContext:
-    """The planner's context for `case`'s model and method, times from the one measured profile;
+def planner_context(case: Case, profiles: Profiles) -> PlanContext:
+    """The planner's context for `case`'s model and method, times from the measured profiles (the
+    model's one, and with `--split-profile` one under ZB-H1 that split-backward layouts take);
     the data-parallel bandwidth is the profile's stage-boundary transfer (one micro-batch's
     activation, micro-batch x sequence x hidden fp32, over its measured p2p time), not the planner's
     default for InfiniBand between GPUs."""
     config = run_config(case)
     sizes = model_sizes(config)
     curvature = case.method not in FIRST_ORDER
-    source = MeasuredTimes.check([(str(profile_path), profile)], sizes, None)
+    source = MeasuredTimes.check([(str(path), profile) for path, profile in profiles], sizes, None)
     return PlanContext(
         sizes,
         source,
@@ -159,12 +164,12 @@ def planner_context(case: Case, profile_path: Path, profile: Profile) -> PlanCon
     )
 
 
-def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[float, int]:
+def predict_case(case: Case, profiles: Profiles) -> tuple[float, int]:
     """(predicted mean step time in ms, refresh interval k: 1 for first-order) of `case`: the
     layout planner's `predict` of the run file's layout."""
     config = run_config(case)
     layout = layout_of_run(config.pipeline, config.data.micro_batch_size, case.method)
-    prediction = predict(layout, planner_context(case, profile_path, profile))
+    prediction = predict(layout, planner_context(case, profiles))
     return prediction.step_ms, max(prediction.layout.refresh_steps, 1)
 
 
@@ -173,9 +178,10 @@ def predict_case(case: Case, profile_path: Path, profile: Profile) -> tuple[floa
 PROFILE_REPEATS = 15
 
 
-def measure_profile(model: str, folder: Path) -> Path:
+def measure_profile(model: str, folder: Path, schedule: str | None = None) -> Path:
+    """The model's profile at its run file's layout (`schedule`: under that schedule instead)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{model}.yaml"
+    path = folder / (f"{model}-{schedule}.yaml" if schedule else f"{model}.yaml")
     command = [
         sys.executable,
         "-m",
@@ -188,6 +194,7 @@ def measure_profile(model: str, folder: Path) -> Path:
         "0",
         "--repeats",
         str(PROFILE_REPEATS),
+        *(["--schedule", schedule] if schedule else []),
     ]
     call(command)
     return path
@@ -274,7 +281,9 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
                 "",
                 f"CPU ({os.cpu_count()} cores, 1 thread per process, gloo); load average {load} (1, 5, 15 min) at the start and at the end. "
                 f"{args.repeats} rounds, each: one profile per model (`pipefisher profile RUN.yaml --repeats {PROFILE_REPEATS}`: "
-                "2 stages, 1F1B, 4 micro-batches), then every layout predicted from it and run once in turn: "
+                "2 stages, 1F1B, 4 micro-batches"
+                + ("; and one under ZB-H1, which the split-backward layouts take" if args.split_profile else "")
+                + "), then every layout predicted from it and run once in turn: "
                 f"{args.warmup} warm-up steps, then {args.steps} timed steps (whole refresh cycles). Predicted and measured: "
                 "medians over rounds; error: the median over rounds of predicted / measured − 1 in the same round.",
                 "",
@@ -326,7 +335,7 @@ class Rounds:
 
     predicted: dict[Case, list[tuple[float, int]]]
     measured: dict[Case, list[float]]
-    profiles: list[dict[str, str]]  # per round: model -> profile file
+    profiles: list[dict[str, list[str]]]  # per round: model -> its profile files
 
 
 def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> Rounds:
@@ -334,15 +343,17 @@ def predict_and_measure(chosen: list[Case], args: argparse.Namespace) -> Rounds:
     (one line) when a profile or run fails."""
     rounds = Rounds({case: [] for case in chosen}, {case: [] for case in chosen}, [])
     for repeat in range(args.repeats):
-        profiles = {}
+        profiles: dict[str, Profiles] = {}
         for model in dict.fromkeys(case.model for case in chosen):
-            path = measure_profile(model, args.profile_dir / f"round-{repeat + 1}")
-            profiles[model] = (path, load_profile(path))
-            print(f"round {repeat + 1}/{args.repeats}: profiled {model}: {path}", file=sys.stderr, flush=True)
-        rounds.profiles.append({model: str(path) for model, (path, _) in profiles.items()})
+            split = args.split_profile and any(c.model == model and c.schedule in SPLIT for c in chosen)
+            for schedule in (None, SPLIT[0]) if split else (None,):
+                path = measure_profile(model, args.profile_dir / f"round-{repeat + 1}", schedule)
+                profiles.setdefault(model, []).append((path, load_profile(path)))
+                print(f"round {repeat + 1}/{args.repeats}: profiled {model}: {path}", file=sys.stderr, flush=True)
+        rounds.profiles.append({model: [str(path) for path, _ in found] for model, found in profiles.items()})
         for case in chosen:
-            predicted, k = predict_case(case, *profiles[case.model])
-            value = measure_run(case, profiles[case.model][0], k, args.warmup, args.steps)
+            predicted, k = predict_case(case, profiles[case.model])
+            value = measure_run(case, profiles[case.model][0][0], k, args.warmup, args.steps)
             rounds.predicted[case].append((predicted, k))
             rounds.measured[case].append(value)
             print(
@@ -378,6 +389,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--layouts", choices=("checked", "held-out", "all"), default="checked", help="which layouts (default checked)"
+    )
+    parser.add_argument(
+        "--split-profile",
+        action="store_true",
+        help="also profile each model under ZB-H1 every round; its split-backward layouts are predicted from that",
     )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run (default 3)")
     parser.add_argument(

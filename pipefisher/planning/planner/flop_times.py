@@ -127,8 +127,11 @@ class FlopTimes:
         peak = self.hardware.peak(self.precision)
         return f"flops at calibrated shares of the {self.hardware.name}'s {peak:g} TFLOP/s {self.precision} peak"
 
-    def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
-        """The modelled profile of `pieces` stages of one tensor-parallel rank (times in ms)."""
+    def profile(
+        self, pieces: int, micro_batch_size: int, tensor_parallel: int, split_backward: bool = False
+    ) -> Profile:
+        """The modelled profile of `pieces` stages of one tensor-parallel rank (times in ms); a split
+        backward (`split_backward`) takes the backward's time in two halves."""
         key = (pieces, micro_batch_size, tensor_parallel)
         if key not in self._cache:
             self._cache[key] = self._profile(pieces, micro_batch_size, tensor_parallel)

@@ -260,7 +260,8 @@ def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profil
 def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
     """The profile a layout's prediction simulates: the source's at its split, micro-batch size
     and degree, with recomputation, gradient reductions and (`syncs`) factor syncs."""
-    profile = context.source.profile(layout.pieces, layout.micro_batch_size, layout.tensor_parallel)
+    split = layout.build_schedule().splits_backward
+    profile = context.source.profile(layout.pieces, layout.micro_batch_size, layout.tensor_parallel, split)
     profile = _with_reductions(_recomputed(profile, layout.recompute, context.sizes), layout, context)
     profile = _with_hops(profile, layout, context)
     return _with_syncs(profile, layout, context) if syncs else profile

@@ -18,6 +18,8 @@
   it takes blocks from: mostly fixed costs (the tied weights' all-reduce, the step's reductions,
   starting the optimizer) that a merged stage pays once, not a sum (measured on this CPU: one
   stage of the BERT demo 13.5 ms, each of its two stages 17.5 ms). p2p is the largest of the old stages'.
+  A schedule that splits its backward takes a profile measured under a split schedule where one is
+  given (its `weight` times the weight gradient apart; the split's own cost), the others a fused one.
 
 `measured_bandwidth_gbps`: the transfer rate a measured profile's p2p times show, for the
 data-parallel traffic of a search over measured profiles.
@@ -76,8 +78,11 @@ class ReferenceTimes:
             ) from None
         return cls(Path(path), sizes, tuple(sorted(rows)))
 
-    def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
-        """The modelled profile of `pieces` stages (times in ms)."""
+    def profile(
+        self, pieces: int, micro_batch_size: int, tensor_parallel: int, split_backward: bool = False
+    ) -> Profile:
+        """The modelled profile of `pieces` stages (times in ms); a split backward (`split_backward`)
+        takes the block's backward time in two halves."""
         if self.hardware is None:
             return _reference_profile(self.path, self.sizes, pieces, micro_batch_size, tensor_parallel)
         link = self.hardware.tensor_parallel_link(tensor_parallel)
@@ -159,9 +164,14 @@ class MeasuredTimes:
     def method(self) -> str:
         return self.profiles[0][1].method
 
-    def profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
-        """The profile of `pieces` stages at this micro-batch size and degree."""
-        key = (pieces, micro_batch_size, tensor_parallel)
+    def profile(
+        self, pieces: int, micro_batch_size: int, tensor_parallel: int, split_backward: bool = False
+    ) -> Profile:
+        """The profile of `pieces` stages at this micro-batch size and degree, for a schedule that
+        splits its backward (`split_backward`) or not: of the profiles at this size and degree,
+        those measured the same way come first (`measured_split`: a split backward costs more than
+        the fused one where PyTorch's split runs autograd twice), then those of `pieces` stages."""
+        key = (pieces, micro_batch_size, tensor_parallel, split_backward)
         if key not in self._cache:
             same = [
                 p
@@ -172,9 +182,15 @@ class MeasuredTimes:
                 raise ProfileError(
                     f"no profile at micro-batch size {micro_batch_size} and tensor_parallel {tensor_parallel}"
                 )
-            exact = [p for p in same if p.num_stages == pieces]
-            self._cache[key] = exact[0] if exact else resplit(same[0], pieces, self.sizes)
+            best = min(same, key=lambda p: (measured_split(p) != split_backward, p.num_stages != pieces))
+            self._cache[key] = best if best.num_stages == pieces else resplit(best, pieces, self.sizes)
         return self._cache[key]
+
+
+def measured_split(profile: Profile) -> bool:
+    """Whether `profile` was measured under a schedule that splits its backward (its stages time
+    the weight gradient apart: `StageProfile.weight`)."""
+    return any(stage.weight for stage in profile.stages)
 
 
 def measured_bandwidth_gbps(profile: Profile, sizes: ModelSizes, element_bytes: int) -> float | None:
