@@ -1,9 +1,11 @@
 """experiments/plan_check.py: its predictions are the planner's on one 2-stage profile (the
-measured p2p sets the data-parallel bandwidth), and bad flags are one line and exit 2. The
-measured side (real runs, minutes) is the script's own job."""
+measured p2p sets the data-parallel bandwidth; with `--split-profile` a profile measured under
+ZB-H1 times the split-backward layouts), and bad flags are one line and exit 2. The measured side
+(real runs, minutes) is the script's own job."""
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,25 +33,38 @@ PROFILE = Profile(
     micro_batch_size=8,
 )
 PATH = Path("bert.yaml")
+ONE = [(PATH, PROFILE)]
+#: the same model profiled under ZB-H1: each backward split into input and weight gradients, 20 % dearer
+SPLIT = replace(
+    PROFILE, stages=tuple(replace(s, backward=1.2 * s.backward, weight=0.4 * s.backward) for s in PROFILE.stages)
+)
 
 
 def test_first_order_pipelines_at_the_profiled_split_are_its_simulated_step():
     for schedule, micro_batches in [("1f1b", 4), ("gpipe", 8), ("zb-h1", 4)]:
-        predicted, k = predict_case(Case("bert-4x128", schedule, 2, micro_batches, "lamb"), PATH, PROFILE)
+        predicted, k = predict_case(Case("bert-4x128", schedule, 2, micro_batches, "lamb"), ONE)
         assert k == 1
         assert predicted == pytest.approx(simulate(get_schedule(schedule, 2, micro_batches), PROFILE).step_time)
 
 
 def test_the_data_parallel_bandwidth_is_the_measured_boundary_transfers():
-    context = planner_context(Case("bert-4x128", "1f1b", 1, 4, "lamb", data_parallel=2), PATH, PROFILE)
+    context = planner_context(Case("bert-4x128", "1f1b", 1, 4, "lamb", data_parallel=2), ONE)
     assert context.dp_bandwidth_gbps == pytest.approx(8 * 64 * 128 * 4 / 2e-3 / 1e9)
-    merged, _ = predict_case(Case("bert-4x128", "1f1b", 1, 4, "lamb", data_parallel=2), PATH, PROFILE)
+    merged, _ = predict_case(Case("bert-4x128", "1f1b", 1, 4, "lamb", data_parallel=2), ONE)
     assert merged > 4 * (40 + 70) + 12, "one stage of both stages' work, plus its gradient all-reduce"
 
 
 def test_a_curvature_method_is_packed_with_a_refresh_interval():
-    predicted, k = predict_case(Case("bert-4x128", "1f1b", 2, 4, "kfac"), PATH, PROFILE)
+    predicted, k = predict_case(Case("bert-4x128", "1f1b", 2, 4, "kfac"), ONE)
     assert k >= 1 and predicted >= simulate(get_schedule("1f1b", 2, 4), PROFILE).step_time
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_split_backward_layouts_take_the_profile_measured_under_zb_h1(schedule: str):
+    both = [(PATH, PROFILE), (Path("bert-zb-h1.yaml"), SPLIT)]
+    predicted, _ = predict_case(Case("bert-4x128", schedule, 2, 4, "lamb"), both)
+    taken = SPLIT if schedule == "zb-h1" else PROFILE
+    assert predicted == pytest.approx(simulate(get_schedule(schedule, 2, 4), taken).step_time)
 
 
 def test_a_bad_count_is_one_line_and_exit_2():
