@@ -46,21 +46,27 @@ class Message:
         return str(self.consumer)
 
 
+def message_ends(op: Op, num_stages: int) -> tuple[bool, int | None]:
+    """The point-to-point rule: whether `op` consumes a message from the neighbouring stage, and the
+    stage its output goes to (None: no message). Forwards flow from stage to stage + 1,
+    backwards to stage - 1; other ops send and receive nothing."""
+    stage = op.stage
+    if op.kind is OpKind.FORWARD:
+        return stage > 0, stage + 1 if stage < num_stages - 1 else None
+    if op.kind is OpKind.BACKWARD:
+        return stage < num_stages - 1, stage - 1 if stage > 0 else None
+    return False, None
+
+
 def input_message(op: Op, num_stages: int) -> Message | None:
-    """The message `op` consumes, if it is a forward past the first stage or a backward before
-    the last."""
-    if (op.kind is OpKind.FORWARD and op.stage > 0) or (op.kind is OpKind.BACKWARD and op.stage < num_stages - 1):
-        return Message(op)
-    return None
+    """The message `op` consumes, if any (`message_ends`)."""
+    return Message(op) if message_ends(op, num_stages)[0] else None
 
 
 def output_message(op: Op, num_stages: int) -> Message | None:
-    """The message `op` produces for the neighbouring stage, if any."""
-    if op.kind is OpKind.FORWARD and op.stage < num_stages - 1:
-        return Message(Op(OpKind.FORWARD, op.stage + 1, op.micro_batch, op.pipe))
-    if op.kind is OpKind.BACKWARD and op.stage > 0:
-        return Message(Op(OpKind.BACKWARD, op.stage - 1, op.micro_batch, op.pipe))
-    return None
+    """The message `op` produces for the neighbouring stage, if any (`message_ends`)."""
+    to = message_ends(op, num_stages)[1]
+    return None if to is None else Message(Op(op.kind, to, op.micro_batch, op.pipe))
 
 
 class CollectiveKind(str, Enum):

@@ -34,7 +34,8 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipefisher.core.ir import Op, OpKind, Schedule
+from pipefisher.core.ir import Op, Schedule
+from pipefisher.planning.comm.actions import message_ends
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -53,28 +54,17 @@ _Key = tuple
 
 
 def message_keys(ops: Sequence[Op], stages: int) -> list[tuple[_Key | None, _Key | None]]:
-    """Per op, the keys of the messages it receives and sends: those of `input_message` and
-    `output_message` (None: none), without building their ops."""
-    forward, backward, last = OpKind.FORWARD, OpKind.BACKWARD, stages - 1
+    """Per op, the keys of the messages it receives and sends (`message_ends`; None: none): those
+    of `input_message` and `output_message`, without building their ops."""
     found: list[tuple[_Key | None, _Key | None]] = []
     for op in ops:
-        kind, stage = op.kind, op.stage
-        if kind is forward:
-            found.append(
-                (
-                    (kind, stage, op.micro_batch, op.pipe) if stage > 0 else None,
-                    (kind, stage + 1, op.micro_batch, op.pipe) if stage < last else None,
-                )
+        receives, to = message_ends(op, stages)
+        found.append(
+            (
+                (op.kind, op.stage, op.micro_batch, op.pipe) if receives else None,
+                None if to is None else (op.kind, to, op.micro_batch, op.pipe),
             )
-        elif kind is backward:
-            found.append(
-                (
-                    (kind, stage, op.micro_batch, op.pipe) if stage < last else None,
-                    (kind, stage - 1, op.micro_batch, op.pipe) if stage > 0 else None,
-                )
-            )
-        else:
-            found.append((None, None))
+        )
     return found
 
 
