@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from experiments.time_to_target_study.report import Arm, disagreement, flagged, results_table, seconds_to, steps_to
+from experiments.time_to_target_study.report import (
+    Arm,
+    apart,
+    disagreement,
+    flagged,
+    results_table,
+    seconds_to,
+    steps_to,
+)
 from experiments.time_to_target_study.runs import PipelinedRun, Setting, parse_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +91,15 @@ def test_the_table_compares_each_method_with_adamw_on_its_schedule():
     assert rows[2].startswith("| adamw | 1f1b | 0.001 | 3.000 | 40 (40) | 1.00 | 4.0 (4.0) | 1.00 | 100.0 | 1.00 |")
     kfac = rows[3].split(" | ")
     assert kfac[4:10] == ["30 (30)", "0.75", "4.5 (4.5)", "1.12", "150.0", "1.50"] and rows[3].endswith("| ok (+0 %) |")
+    assert kfac[11] == "yes / no", "K-FAC's one seed needs fewer steps than AdamW's, but more seconds"
+    assert rows[2].split(" | ")[11] == "–", "AdamW is not compared with itself"
     assert rows[4].endswith("| 4.0 | FLAG (+50 %) |"), "2 s more on the clock than 40 steps of 100 ms"
+
+
+def test_seeds_are_apart_only_when_the_slowest_beats_adamws_fastest():
+    assert apart([250.0, 280.0], [300.0, 320.0]) and not apart([250.0, 310.0], [300.0, 320.0])
+    assert not apart([250.0, math.inf], [300.0]), "a seed that never reached the target overlaps"
+    assert apart([250.0], [math.inf, math.inf]) and not apart([], [300.0])
 
 
 def study(*args: str, timeout: float) -> subprocess.CompletedProcess:

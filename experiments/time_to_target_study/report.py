@@ -52,6 +52,12 @@ def flagged(seconds: float, steps: float, step_ms: float, tolerance: float = TOL
     return not math.isnan(off) and abs(off) > tolerance
 
 
+def apart(mine: list[float], adamw: list[float]) -> bool:
+    """Whether every one of a method's seeds reached the target before any of AdamW's did (steps
+    or seconds; inf: never): the seeds do not overlap."""
+    return bool(mine and adamw) and max(mine) < min(adamw)
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -112,8 +118,8 @@ def results_table(arms: list[Arm], target: float) -> list[str]:
     rows = [
         "| method | schedule | tuned lr | held-out loss at the end (median) | steps to target, median (per seed) | × AdamW | "
         "seconds to target [s], median (per seed) | × AdamW | median step [ms] | × AdamW | exposed optimizer time (run's own) | "
-        "steps × step [s] | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "seeds apart from AdamW's (steps / s) | steps × step [s] | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in arms:
         ref = base.get(arm.tuned.schedule)
@@ -121,6 +127,12 @@ def results_table(arms: list[Arm], target: float) -> list[str]:
         off = disagreement(seconds, steps, step_ms)
         check = f"{'FLAG' if flagged(seconds, steps, step_ms) else 'ok'} ({_num(100 * off, '+.0f')} %)"
         lr = f"{arm.tuned.lr:g}"
+        separate = "–"
+        if ref and arm is not ref:
+            separate = " / ".join(
+                "yes" if apart(mine, theirs) else "no"
+                for mine, theirs in ((arm.steps(target), ref.steps(target)), (arm.seconds(target), ref.seconds(target)))
+            )
         if arm.tuned.method not in FIRST_ORDER:
             ks = "/".join(str(k) for k in sorted({run.k for run in arm.runs}))
             lr += f", k {ks}, AdamW {arm.tuned.base_lr:g} for the rest"
@@ -131,7 +143,7 @@ def results_table(arms: list[Arm], target: float) -> list[str]:
             f"{_num(seconds, '.1f')} ({', '.join(_num(s, '.1f') for s in arm.seconds(target))}) | "
             f"{_ratio(seconds, _median(ref.seconds(target))) if ref else '–'} | {step_ms:.1f} | "
             f"{_ratio(step_ms, ref.step_ms()) if ref else '–'} | {_num(100 * arm.exposed(), '+.1f')}{'' if math.isnan(arm.exposed()) else ' %'} | "
-            f"{_num(steps * step_ms / 1000, '.1f')} | {check} |"
+            f"{separate} | {_num(steps * step_ms / 1000, '.1f')} | {check} |"
         )
     return rows
 
@@ -173,7 +185,7 @@ def plot(path: Path, per_workload: dict[str, tuple[list[Arm], float]]) -> None:
             style = "-" if arm.tuned.schedule == "1f1b" else "--"
             for ax, clock in zip(row, (False, True)):
                 ax.plot(*arm.curve(clock), style, marker=".", label=arm.label)
-        xlabels = ("step", "measured training time (sum of step times, 2 stages, packed) [s]")
+        xlabels = ("step", "measured training clock (train_s: steps only, 2 stages, packed) [s]")
         for ax, xlabel in zip(row, xlabels):
             ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"target {target:.3f} (AdamW's final)")
             ax.set_xlabel(xlabel)
