@@ -118,7 +118,7 @@ def test_the_quick_study_runs_pipelined_and_resumes_from_its_cache(tmp_path):
     text = out.with_suffix(".md").read_text()
     assert "Runs: 2 trained now, 0 from the cache" in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| adamw | ", "| kfac | "))]
-    table = [row for row in rows if len(row) == 13]
+    table = [row for row in rows if len(row) == 14]
     assert sorted((row[0], row[1]) for row in table) == [("| adamw", "zb-h1"), ("| kfac", "zb-h1")]
     for row in table:
         assert all(math.isfinite(float(row[i])) for i in (3, 8)), row  # final held-out loss, median step [ms]
