@@ -30,7 +30,9 @@ schedule: steps and measured seconds to target (first crossing, linear between e
 medians over seeds), median step time against AdamW's, the run's own exposed optimizer time
 share, and the check that seconds to target agree with steps to target x median step within 10 %.
 Writes OUT.md (tables), OUT.csv (every evaluation) and OUT.png (curves vs step and vs seconds).
-Runs are cached under --cache per setting: a killed study resumes.
+Every run leaves a JSON record under --runs (default: under --cache): a killed study resumes, and
+the published study (docs/time_to_target_runs) keeps the runs its tables were made of, so that it
+can be extended by later sessions on other machines.
 
 Corpus: --corpus (any `pipefisher data prepare` inputs); the default, the embedded corpus, holds
 about 0.3 M training tokens, so 600 steps of 8,192 tokens pass over it about 17 times: a larger
@@ -40,7 +42,8 @@ Cost of the full study (defaults): per workload about 15 tuning runs (5 methods 
 where a grid grows) and 25 seeded runs (5 methods x (2 more seeds on 1F1B + 3 on ZB-H1)), so
 about 80 runs of 600 steps. Measured here at the default size, load 4: 1.1-2.2 s per step
 (AdamW and K-FAC, 2 processes of one thread), 30-60 s of start-up per run: about 12-25 hours on
-this 2-core machine, 25-50 CPU-hours.
+this 2-core machine, 25-50 CPU-hours. At 300 steps (2026-11-29): BERT 0.39-0.48 s per step, about
+2.3 minutes per run (42 runs, both schedules, 97 minutes); GPT-2 about 1.4 s per step, 7 minutes.
 
     nice -n 10 python experiments/time_to_target.py --out docs/time_to_target   # the full study
     python experiments/time_to_target.py --quick      # GPT-2, tiny, adamw + kfac, 1 seed: ~2 minutes here
@@ -71,7 +74,7 @@ from experiments.time_to_target_study.report import (  # noqa: E402
     steps_to,
     write_csv,
 )
-from experiments.time_to_target_study.runs import CORPUS, PipelinedRun, Setting, cached, run  # noqa: E402
+from experiments.time_to_target_study.runs import CORPUS, PipelinedRun, Setting, Store, cached, run  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 SIZING = Sizing(
@@ -106,11 +109,11 @@ def log(t0: float, message: str) -> None:
 
 
 class Study:
-    """The runs of one workload, in the protocol's order; counts runs trained now and read from the cache."""
+    """The runs of one workload, in the protocol's order; counts runs trained now and read from their records."""
 
-    def __init__(self, workload: str, sizing: Sizing, schedules: list[str], seeds: int, cache: Path, quick: bool):
+    def __init__(self, workload: str, sizing: Sizing, schedules: list[str], seeds: int, store: Store, quick: bool):
         self.workload, self.sizing, self.schedules, self.seeds = workload, sizing, schedules, seeds
-        self.cache, self.quick, self.t0 = cache, quick, time.perf_counter()
+        self.store, self.quick, self.t0 = store, quick, time.perf_counter()
         self.k = QUICK_K if quick else 0
         self.train_new = True
         self.corpus = CORPUS
@@ -120,13 +123,13 @@ class Study:
         self.trained = self.from_cache = 0
 
     def train(self, setting: Setting) -> PipelinedRun:
-        if not self.train_new and cached(setting, self.sizing, self.cache, self.corpus) is None:
+        if not self.train_new and cached(setting, self.sizing, self.store.runs, self.corpus) is None:
             raise RuntimeError(f"{setting.name} was not run (--cached-only)")
-        result = run(setting, self.sizing, self.cache, self.corpus)
+        result = run(setting, self.sizing, self.store, self.corpus)
         self.all[setting] = result
         self.from_cache += result.cached
         self.trained += not result.cached
-        source = "cache" if result.cached else f"{result.wall_s:.0f} s wall"
+        source = "record" if result.cached else f"{result.wall_s:.0f} s wall"
         log(
             self.t0,
             f"{setting.name}: held-out {final(result):.3f} after {result.clock[-1][0] if result.clock else 0:.1f} s "
@@ -251,8 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a smoke version: GPT-2, tiny sizes, adamw + kfac, 1 seed, each grid its middle point",
     )
-    parser.add_argument("--cached-only", action="store_true", help="train nothing; a missing run fails its method")
-    parser.add_argument("--cache", default="", help="run cache (default $PIPEFISHER_CACHE/time_to_target)")
+    parser.add_argument(
+        "--cached-only", action="store_true", help="train nothing; a run without a record fails its method"
+    )
+    parser.add_argument("--cache", default="", help="token shards (default $PIPEFISHER_CACHE/time_to_target)")
+    parser.add_argument("--runs", default="", help="one JSON record per run (default CACHE/runs)")
     default_out = experiment_output("time_to_target")
     parser.add_argument("--out", default=str(default_out), help=f"OUT.md, OUT.csv, OUT.png (default {default_out})")
     args = parser.parse_args(argv)
@@ -270,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or (1 if args.quick else 3)
     os.environ.setdefault("PIPEFISHER_CACHE", "/tmp/pfcache")
     cache = Path(args.cache or Path(os.environ["PIPEFISHER_CACHE"]) / "time_to_target")
+    store = Store(cache, Path(args.runs) if args.runs else cache / "runs")
     load0, t0 = os.getloadavg()[0], time.perf_counter()
 
     per_workload, lines, all_runs, trained, from_cache = {}, [], {}, 0, 0
     for workload in workloads:
-        study = Study(workload, sizing, schedules, seeds, cache, args.quick)
+        study = Study(workload, sizing, schedules, seeds, store, args.quick)
         study.train_new = not args.cached_only
         study.corpus = tuple(args.corpus.split(","))
         arms, target = study_workload(study, methods)
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Sizes: {sizing}: {tokens} tokens per step, {tokens / WIDTH:g} per unit of width ({WIDTH}); "
         f"corpus {args.corpus}.",
         "",
-        f"Runs: {trained} trained now, {from_cache} from the cache ({cache}); "
+        f"Runs: {trained} trained now, {from_cache} from their records ({store.runs}); "
         f"{time.perf_counter() - t0:.0f} s, load (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
         "",
         "Seconds: the run's training clock at the evaluation (`train_s`: wall time since its first step, "

@@ -1,6 +1,6 @@
 """experiments/time_to_target.py: its measures on constructed curves (steps and seconds to a
 target, the consistency check, the step records' clock), and its --quick study end to end with
-real pipelined runs, resumed from the cache."""
+real pipelined runs, resumed from its runs' records."""
 
 import math
 import subprocess
@@ -102,11 +102,15 @@ def test_seeds_are_apart_only_when_the_slowest_beats_adamws_fastest():
     assert apart([250.0], [math.inf, math.inf]) and not apart([], [300.0])
 
 
-def study(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def study_command(*args: str, timeout: float) -> subprocess.CompletedProcess:
     script = ROOT / "experiments" / "time_to_target.py"
     return subprocess.run(
-        [sys.executable, str(script), "--quick", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, check=False, cwd=ROOT
     )
+
+
+def study(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return study_command("--quick", *args, timeout=timeout)
 
 
 @pytest.mark.dist
@@ -116,7 +120,7 @@ def test_the_quick_study_runs_pipelined_and_resumes_from_its_cache(tmp_path):
     first = study("--schedules", "zb-h1", "--cache", str(cache), "--out", str(out), timeout=600)
     assert first.returncode == 0, first.stderr
     text = out.with_suffix(".md").read_text()
-    assert "Runs: 2 trained now, 0 from the cache" in text
+    assert "Runs: 2 trained now, 0 from their records" in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| adamw | ", "| kfac | "))]
     table = [row for row in rows if len(row) == 14]
     assert sorted((row[0], row[1]) for row in table) == [("| adamw", "zb-h1"), ("| kfac", "zb-h1")]
@@ -128,7 +132,30 @@ def test_the_quick_study_runs_pipelined_and_resumes_from_its_cache(tmp_path):
     assert len(csv_lines) == 1 + 2 * 2, "2 runs, each evaluated after steps 5 and 10"
     assert out.with_suffix(".png").stat().st_size > 10_000
     start = time.perf_counter()
-    again = study("--schedules", "zb-h1", "--cache", str(cache), "--out", str(out), timeout=120)
+    fresh = tmp_path / "fresh"  # the runs' records alone resume the study, without its shards
+    again = study(
+        "--schedules", "zb-h1", "--cache", str(fresh), "--runs", str(cache / "runs"), "--out", str(out), timeout=120
+    )
     assert again.returncode == 0, again.stderr
-    assert "Runs: 0 trained now, 2 from the cache" in out.with_suffix(".md").read_text()
-    assert time.perf_counter() - start < 60
+    assert "Runs: 0 trained now, 2 from their records" in out.with_suffix(".md").read_text()
+    assert time.perf_counter() - start < 60 and not fresh.exists()
+
+
+#: published studies whose every run's record is kept in the repository (docs/time_to_target_runs)
+PUBLISHED = [ROOT / "docs" / "time_to_target_bert.md"]
+
+
+@pytest.mark.parametrize("page", PUBLISHED, ids=lambda page: page.name)
+def test_a_published_study_is_made_of_its_kept_records(page, tmp_path):
+    """Its command, training nothing (--cached-only), gives back every table row, target and
+    evaluation (the CSV) of the page."""
+    command = next(line for line in page.read_text().splitlines() if line.startswith("Command: `"))
+    argv = command.split("`")[1].split()[2:]
+    out = argv.index("--out")
+    argv[out + 1] = str(tmp_path / "again")
+    again = study_command(*argv, "--cached-only", timeout=120)
+    assert again.returncode == 0, again.stderr
+    kept = [line for line in page.read_text().splitlines() if line.startswith(("|", "Target:"))]
+    regenerated = (tmp_path / "again.md").read_text().splitlines()
+    assert kept and kept == [line for line in regenerated if line.startswith(("|", "Target:"))]
+    assert (tmp_path / "again.csv").read_text() == page.with_suffix(".csv").read_text()

@@ -1,6 +1,7 @@
 """The time-to-target study's runs: one real `pipefisher run` (2 stages, 2 gloo processes of one
 thread each) per setting, reading token shards and evaluating held-out loss in the pipeline; each
-result cached as JSON so that a killed study resumes.
+result kept as a JSON record (`Store.runs`) so that a killed study resumes and a published table
+keeps the runs it was made of.
 
 A run's clock is its step records' `train_s` (wall seconds since the first step began, less the
 held-out evaluations; host work between steps included); start-up, profiling and packing, before
@@ -33,6 +34,15 @@ WARMUP = 4
 TOKENIZERS = {"bert": "wordpiece", "gpt2": "bpe"}
 #: the default corpus: the English text shipped with Python
 CORPUS = ("embedded",)
+
+
+@dataclass(frozen=True)
+class Store:
+    """Where the study keeps things: token shards under `cache` (prepared again at will) and one
+    JSON record per run under `runs` (results: a published study keeps them beside its report)."""
+
+    cache: Path
+    runs: Path
 
 
 @dataclass(frozen=True)
@@ -136,14 +146,16 @@ def command(setting: Setting, sizing: Sizing, data: Path, metrics: Path) -> list
     return head + ["--metrics", str(metrics)] + [item for k, v in keys.items() for item in (f"--{k}", str(v))]
 
 
-def cache_path(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> Path:
+def record_path(setting: Setting, sizing: Sizing, runs: Path, corpus: tuple[str, ...] = CORPUS) -> Path:
+    """The record of `setting` at `sizing` under `runs` (named by a digest of both and the corpus)."""
     key = json.dumps([asdict(setting), asdict(sizing)] + ([list(corpus)] if corpus != CORPUS else []), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache / "runs" / f"{setting.workload}-{setting.schedule}-{setting.method}-{digest}.json"
+    return runs / f"{setting.workload}-{setting.schedule}-{setting.method}-{digest}.json"
 
 
-def cached(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun | None:
-    path = cache_path(setting, sizing, cache, corpus)
+def cached(setting: Setting, sizing: Sizing, runs: Path, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun | None:
+    """The recorded run of `setting`, None when there is no record under `runs`."""
+    path = record_path(setting, sizing, runs, corpus)
     if not path.is_file():
         return None
     data = json.loads(path.read_text())["result"]
@@ -152,12 +164,12 @@ def cached(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...
     return PipelinedRun(**{**data, "cached": True})
 
 
-def run(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun:
-    """The run of `setting`, from the cache or launched now (one thread per process) and cached."""
-    found = cached(setting, sizing, cache, corpus)
+def run(setting: Setting, sizing: Sizing, store: Store, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun:
+    """The run of `setting`, from its record or launched now (one thread per process) and recorded."""
+    found = cached(setting, sizing, store.runs, corpus)
     if found is not None:
         return found
-    data = shards(setting.workload, sizing, cache, corpus)
+    data = shards(setting.workload, sizing, store.cache, corpus)
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "metrics.jsonl"
         argv = command(setting, sizing, data, metrics)
@@ -166,11 +178,12 @@ def run(setting: Setting, sizing: Sizing, cache: Path, corpus: tuple[str, ...] =
         _check(run_child(argv, cwd=ROOT, env=env), argv)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         found = parse_records(records, time.perf_counter() - start)
-    path = cache_path(setting, sizing, cache, corpus)
+    path = record_path(setting, sizing, store.runs, corpus)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     result = {k: v for k, v in asdict(found).items() if k != "cached"}
-    partial.write_text(json.dumps({"setting": asdict(setting), "sizing": asdict(sizing), "result": result}))
+    record = {"setting": asdict(setting), "sizing": asdict(sizing), "corpus": list(corpus), "result": result}
+    partial.write_text(json.dumps(record) + "\n")
     partial.replace(path)
     return found
 
