@@ -83,7 +83,9 @@ def test_same_shape_blocks_of_many_matrices_step_as_one_stack_and_equal_one_matr
         for engine in engines:
             refresh(engine)
         for (name, mine), theirs in zip(together.named_parameters(), alone.parameters()):
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+            # float32 eigenbases, batched against one at a time (LAPACK's paths round differently on
+            # AVX-512): equal to about 1e-6 of the directions' scale (about 1)
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
     for info in engines[0].matrices():
         for factor in FACTORS:
             for mine, theirs in zip(engines[0].statistics(info.name, factor), engines[1].statistics(info.name, factor)):
