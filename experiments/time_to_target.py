@@ -109,7 +109,7 @@ def log(t0: float, message: str) -> None:
 
 
 class Study:
-    """The runs of one workload, in the protocol's order; counts runs trained now and read from their records."""
+    """The runs of one workload, in the protocol's order (`all`: every run it trained or read)."""
 
     def __init__(self, workload: str, sizing: Sizing, schedules: list[str], seeds: int, store: Store, quick: bool):
         self.workload, self.sizing, self.schedules, self.seeds = workload, sizing, schedules, seeds
@@ -120,15 +120,12 @@ class Study:
         self.grid: dict[Setting, PipelinedRun] = {}
         self.all: dict[Setting, PipelinedRun] = {}
         self.failed: dict[str, str] = {}
-        self.trained = self.from_cache = 0
 
     def train(self, setting: Setting) -> PipelinedRun:
         if not self.train_new and cached(setting, self.sizing, self.store.runs, self.corpus) is None:
             raise RuntimeError(f"{setting.name} was not run (--cached-only)")
         result = run(setting, self.sizing, self.store, self.corpus)
         self.all[setting] = result
-        self.from_cache += result.cached
-        self.trained += not result.cached
         source = "record" if result.cached else f"{result.wall_s:.0f} s wall"
         log(
             self.t0,
@@ -279,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     store = Store(cache, Path(args.runs) if args.runs else cache / "runs")
     load0, t0 = os.getloadavg()[0], time.perf_counter()
 
-    per_workload, lines, all_runs, trained, from_cache = {}, [], {}, 0, 0
+    per_workload, lines, all_runs = {}, [], {}
     for workload in workloads:
         study = Study(workload, sizing, schedules, seeds, store, args.quick)
         study.train_new = not args.cached_only
@@ -287,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         arms, target = study_workload(study, methods)
         per_workload[workload] = (arms, target)
         all_runs.update(study.all)
-        trained, from_cache = trained + study.trained, from_cache + study.from_cache
         lines += [f"## {WORKLOADS[workload].label}", "", f"Target: held-out loss {target:.3f}, the median over "]
         lines[-1] += f"{seeds} seeds of AdamW's final on {schedules[0]}. Tuned methods, seeds 0..{seeds - 1}:"
         lines += ["", *results_table(arms, target), "", "Grids (seed 0, " + schedules[0] + "):", ""]
@@ -297,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out.with_suffix(".csv"), all_runs)
     plot(out.with_suffix(".png"), per_workload)
+    from_records = sum(found.cached for found in all_runs.values())
     tokens = sizing.micro_batches * sizing.micro_batch_size * sizing.seq_len
     command = "python experiments/time_to_target.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = [
@@ -307,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Sizes: {sizing}: {tokens} tokens per step, {tokens / WIDTH:g} per unit of width ({WIDTH}); "
         f"corpus {args.corpus}.",
         "",
-        f"Runs: {trained} trained now, {from_cache} from their records ({store.runs}); "
+        f"Runs: {len(all_runs) - from_records} trained now, {from_records} from their records ({store.runs}); "
         f"{time.perf_counter() - t0:.0f} s, load (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
         "",
         "Seconds: the run's training clock at the evaluation (`train_s`: wall time since its first step, "
