@@ -57,6 +57,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,7 +75,15 @@ from experiments.time_to_target_study.report import (  # noqa: E402
     steps_to,
     write_csv,
 )
-from experiments.time_to_target_study.runs import CORPUS, PipelinedRun, Setting, Store, cached, run  # noqa: E402
+from experiments.time_to_target_study.runs import (  # noqa: E402
+    CORPUS,
+    PipelinedRun,
+    Setting,
+    Store,
+    cached,
+    measured_on,
+    run,
+)
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 
 SIZING = Sizing(
@@ -93,6 +102,9 @@ QUICK = Sizing(
 #: --quick pins the curvature methods' refresh interval (no profile-chosen k longer than the run)
 QUICK_K = 4
 SCHEDULES = ("1f1b", "zb-h1")
+#: grids centred where an earlier study of the same workload found the optimum (GPT-2, 300 steps,
+#: 2026-11-28: Muon's best, 0.005, sat at the edge its default grid grew to; SOAP's at 0.001)
+CENTRED = {("gpt2", "muon"): (0.0025, 0.005, 0.01), ("gpt2", "soap"): (1e-3 / 3, 1e-3, 3e-3)}
 WIDTH = 128  # hidden width of both demo models
 
 
@@ -151,7 +163,7 @@ class Study:
         """Each method's best lr on seed 0 and the first schedule by `rank` (lower is better), the
         grids' points run round-robin over the methods; a best at an edge extends that grid past
         it by the grid's own ratio, up to `EXTEND` times."""
-        lrs = {m: list(grid(self.workload, m, False)) for m in methods}
+        lrs = {m: list(CENTRED.get((self.workload, m)) or grid(self.workload, m, False)) for m in methods}
         if self.quick:  # the middle point only
             lrs = {m: points[len(points) // 2 : len(points) // 2 + 1] for m, points in lrs.items()}
         pending, best = list(methods), {}
@@ -276,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     store = Store(cache, Path(args.runs) if args.runs else cache / "runs")
     load0, t0 = os.getloadavg()[0], time.perf_counter()
 
-    per_workload, lines, all_runs = {}, [], {}
+    per_workload, lines, all_runs, corpus = {}, [], {}, tuple(args.corpus.split(","))
     for workload in workloads:
         study = Study(workload, sizing, schedules, seeds, store, args.quick)
         study.train_new = not args.cached_only
-        study.corpus = tuple(args.corpus.split(","))
+        study.corpus = corpus
         arms, target = study_workload(study, methods)
         per_workload[workload] = (arms, target)
         all_runs.update(study.all)
@@ -294,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(out.with_suffix(".csv"), all_runs)
     plot(out.with_suffix(".png"), per_workload)
     from_records = sum(found.cached for found in all_runs.values())
+    machines = Counter(measured_on(setting, sizing, store.runs, corpus) for setting in all_runs)
     tokens = sizing.micro_batches * sizing.micro_batch_size * sizing.seq_len
     command = "python experiments/time_to_target.py " + " ".join(argv if argv is not None else sys.argv[1:])
     header = [
@@ -306,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Runs: {len(all_runs) - from_records} trained now, {from_records} from their records ({store.runs}); "
         f"{time.perf_counter() - t0:.0f} s, load (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
+        "",
+        "Measured on: " + "; ".join(f"{where} ({n} runs)" for where, n in machines.most_common()) + ".",
         "",
         "Seconds: the run's training clock at the evaluation (`train_s`: wall time since its first step, "
         "held-out evaluations left out; no start-up or profiling). "

@@ -3,6 +3,7 @@ target, the consistency check, the step records' clock), and its --quick study e
 real pipelined runs, resumed from its runs' records."""
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +122,7 @@ def test_the_quick_study_runs_pipelined_and_resumes_from_its_cache(tmp_path):
     assert first.returncode == 0, first.stderr
     text = out.with_suffix(".md").read_text()
     assert "Runs: 2 trained now, 0 from their records" in text
+    assert re.search(r"Measured on: [^;]+, \d+ cores, [^;]+ \(2 runs\)\.", text), "each record names its machine"
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| adamw | ", "| kfac | "))]
     table = [row for row in rows if len(row) == 14]
     assert sorted((row[0], row[1]) for row in table) == [("| adamw", "zb-h1"), ("| kfac", "zb-h1")]

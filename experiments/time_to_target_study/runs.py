@@ -164,6 +164,15 @@ def cached(setting: Setting, sizing: Sizing, runs: Path, corpus: tuple[str, ...]
     return PipelinedRun(**{**data, "cached": True})
 
 
+def measured_on(setting: Setting, sizing: Sizing, runs: Path, corpus: tuple[str, ...] = CORPUS) -> str:
+    """The machine the record of `setting` was measured on, in words ("not recorded": an older record)."""
+    path = record_path(setting, sizing, runs, corpus)
+    found = json.loads(path.read_text()).get("machine") if path.is_file() else None
+    if not found:
+        return "not recorded"
+    return f"{found['cpu']}, {found['cores']} cores, {'/'.join(found['vector']) or 'no AVX'}"
+
+
 def run(setting: Setting, sizing: Sizing, store: Store, corpus: tuple[str, ...] = CORPUS) -> PipelinedRun:
     """The run of `setting`, from its record or launched now (one thread per process) and recorded."""
     found = cached(setting, sizing, store.runs, corpus)
@@ -183,9 +192,26 @@ def run(setting: Setting, sizing: Sizing, store: Store, corpus: tuple[str, ...] 
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     result = {k: v for k, v in asdict(found).items() if k != "cached"}
     record = {"setting": asdict(setting), "sizing": asdict(sizing), "corpus": list(corpus), "result": result}
+    record["machine"] = machine()
     partial.write_text(json.dumps(record) + "\n")
     partial.replace(path)
     return found
+
+
+def machine() -> dict[str, object]:
+    """What the run's seconds were measured on: CPU model, cores, vector units, date (UTC)."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name", "unknown"),
+        "cores": os.cpu_count(),
+        "vector": [f for f in ("avx2", "avx512f", "amx_tile") if f in flags],
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
 
 
 def _check(done: subprocess.CompletedProcess, argv: list[str]) -> None:
