@@ -17,7 +17,9 @@ gradients) is recorded; BERT is judged on its MLM loss, GPT-2 on its LM loss.
 3. Every other method on its grid (the lr of AdamW/LAMB, or of the method's section; a curvature
    method gives AdamW at the tuned AdamW lr to what it does not precondition), seed 0; the setting
    with the fewest steps to the target wins (then the lowest final loss); seeds 1.. at it.
-   A grid whose best point is at an edge grows past it (a factor of 3), once.
+   A grid whose best point is at an edge grows past it by the grid's ratio, up to twice; then
+   the half-steps either side of the best (x ratio^-1/2, x ratio^1/2) refine it. The report
+   lists every method's grid and says whether its best point is bracketed.
 
 Steps to target: first crossing of the held-out curve, linear between evaluations. Time to
 target: steps x step time. Writes OUT.png (curves vs step and vs time), OUT.csv (every
@@ -47,6 +49,8 @@ from experiments.convergence_study.report import (
     plot,
     results_table,
     steps_to,
+    Tuning,
+    tuning_lines,
     write_csv,
 )  # noqa: E402
 from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, RunResult, Setting, Sizing, cached, run  # noqa: E402
@@ -69,7 +73,7 @@ QUICK = Sizing(
 )
 QUICK_K = 10
 #: how often a grid whose best point is at an edge grows past it
-EXTEND = 1
+EXTEND = 2
 
 
 def log(t0: float, message: str) -> None:
@@ -112,6 +116,7 @@ class Study:
         self.train_new = True
         self.grid: dict[Setting, RunResult] = {}
         self.all: dict[Setting, RunResult] = {}
+        self.tuning: dict[str, Tuning] = {}
 
     def train(self, setting: Setting) -> RunResult:
         if not self.train_new and cached(setting, self.sizing, self.cache) is None:
@@ -138,20 +143,30 @@ class Study:
         return times
 
     def tune(self, method: str, base_lr: float | None, k: int, rank) -> Setting:
-        """The best of `method`'s grid by `rank` (lower is better); a best at an edge of the grid
-        extends it past that edge by the grid's own ratio, up to `EXTEND` times."""
+        """The best of `method`'s grid by `rank` (lower is better): a best at an edge of the grid
+        extends it past that edge by the grid's own ratio, up to `EXTEND` times; then the two
+        half-steps either side of the best (its lr x ratio^(-1/2), x ratio^(1/2)) refine it."""
         lrs = list(grid(self.workload, method, self.quick))
+        ratio = lrs[1] / lrs[0]
         for _ in range(EXTEND + 1):
             settings = [Setting(self.workload, method, lr, 0, base_lr, k) for lr in lrs]
-            for setting in settings:
-                if setting not in self.grid:
-                    self.grid[setting] = self.train(setting)
-            best = min(settings, key=lambda s: rank(self.grid[s]))
+            best = self._best(settings, rank)
             if self.quick or 0 < lrs.index(best.lr) < len(lrs) - 1:
                 break
             edge = lrs.index(best.lr)
-            lrs.insert(len(lrs) if edge else 0, best.lr * (lrs[1] / lrs[0]) ** (1 if edge else -1))
+            lrs.insert(len(lrs) if edge else 0, best.lr * ratio ** (1 if edge else -1))
+        if not self.quick:
+            settings += [Setting(self.workload, method, best.lr * ratio**half, 0, base_lr, k) for half in (-0.5, 0.5)]
+            best = self._best(settings, rank)
+        self.tuning[method] = Tuning(method, tuple(sorted(s.lr for s in settings)), best.lr)
         return best
+
+    def _best(self, settings: list[Setting], rank) -> Setting:
+        """The best of `settings` by `rank`, each trained (or read from the cache) first."""
+        for setting in settings:
+            if setting not in self.grid:
+                self.grid[setting] = self.train(setting)
+        return min(settings, key=lambda s: rank(self.grid[s]))
 
     def seeded(self, tuned: Setting) -> list[RunResult]:
         return [self.grid[tuned]] + [
@@ -268,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             "Grids (seed 0):",
             "",
             *grid_table(study.grid, target),
+            "",
+            *tuning_lines(list(study.tuning.values())),
             "",
         ]
         lines += [f"Not in the table: {line}" for line in failed] + ([""] if failed else [])

@@ -128,6 +128,7 @@ class Study:
         self.store, self.quick, self.t0 = store, quick, time.perf_counter()
         self.k = QUICK_K if quick else 0
         self.train_new = True
+        self.pin_k = False
         self.corpus = CORPUS
         self.grid: dict[Setting, PipelinedRun] = {}
         self.all: dict[Setting, PipelinedRun] = {}
@@ -195,15 +196,21 @@ class Study:
         return Setting(self.workload, schedule, method, lr, seed, base_lr if curvature else None, self.k * curvature)
 
     def seeded(self, tuned: dict[str, Setting]) -> list[Arm]:
-        """Seeds 0..S-1 on every schedule at the tuned settings, round-robin over the methods."""
+        """Seeds 0..S-1 on every schedule at the tuned settings, round-robin over the methods;
+        `pin_k`: a curvature method's later schedules refresh at the k its packer chose on the first."""
         runs: dict[tuple[str, str], list[PipelinedRun]] = {}
+        first_k: dict[tuple[str, int], int] = {}
         for seed in range(self.seeds):
             for schedule in self.schedules:
                 for method, best in tuned.items():
                     setting = dataclasses.replace(best, seed=seed, schedule=schedule)
+                    if self.pin_k and (method, seed) in first_k and schedule != self.schedules[0]:
+                        setting = dataclasses.replace(setting, k=first_k[(method, seed)])
                     found = self.grid.get(setting) or self.attempt(setting)
                     if found is not None:
                         runs.setdefault((method, schedule), []).append(found)
+                        if schedule == self.schedules[0] and method not in FIRST_ORDER:
+                            first_k[(method, seed)] = found.k
         return [
             Arm(dataclasses.replace(tuned[m], schedule=schedule), runs[(m, schedule)])
             for schedule in self.schedules
@@ -266,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cached-only", action="store_true", help="train nothing; a run without a record fails its method"
     )
+    parser.add_argument(
+        "--pin-k",
+        action="store_true",
+        help="later schedules refresh at the k each curvature method's packer chose on the first (same seed)",
+    )
     parser.add_argument("--cache", default="", help="token shards (default $PIPEFISHER_CACHE/time_to_target)")
     parser.add_argument("--runs", default="", help="one JSON record per run (default CACHE/runs)")
     default_out = experiment_output("time_to_target")
@@ -292,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in workloads:
         study = Study(workload, sizing, schedules, seeds, store, args.quick)
         study.train_new = not args.cached_only
+        study.pin_k = args.pin_k
         study.corpus = corpus
         arms, target = study_workload(study, methods)
         per_workload[workload] = (arms, target)
@@ -322,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Measured on: " + "; ".join(f"{where} ({n} runs)" for where, n in machines.most_common()) + ".",
         "",
+        *(
+            [f"Refresh intervals: pinned on {', '.join(schedules[1:])} to each seed's on {schedules[0]} (--pin-k).", ""]
+            if args.pin_k and len(schedules) > 1
+            else []
+        ),
         "Seconds: the run's training clock at the evaluation (`train_s`: wall time since its first step, "
         "held-out evaluations left out; no start-up or profiling). "
         "Check: seconds to target against steps to target × median step, flagged beyond 10 %.",

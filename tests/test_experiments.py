@@ -186,9 +186,25 @@ def test_the_convergence_study_runs_end_to_end_on_held_out_text(tmp_path):
         finals = sorted(float(row["held_out_loss"]) for row in adamw if row["lr"] in tuned)
         assert len(finals) == 2 and f"held-out {loss} loss {finals[1]:.3f}, " in result.stdout
     assert result.stdout.count(f"| {method} | lr ") == 6 and result.stdout.count("| adamw | lr ") == 6
+    assert result.stdout.count("- adamw: lr 0.0003, 0.001; best ") == 2, "each workload says how AdamW was tuned"
     assert (
         out.with_suffix(".png").stat().st_size > 10_000 and out.with_suffix(".md").read_text() in result.stdout + "\n"
     )
+
+
+@pytest.mark.slow  # about 30 s: 70-odd kept records read, nothing trained
+def test_the_published_convergence_study_is_made_of_its_kept_records(tmp_path):
+    """docs/convergence.md's command, training nothing (--cached-only), gives back its every table
+    row, target and tuning line from the records kept in the repository."""
+    page = ROOT / "docs" / "convergence.md"
+    command = next(line for line in page.read_text().splitlines() if line.startswith("Command: `"))
+    argv = command.split("`")[1].split()[2:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "again")
+    again = run("convergence.py", *argv, "--cached-only", timeout=300)
+    assert again.returncode == 0, again.stderr
+    kept = [line for line in page.read_text().splitlines() if line.startswith(("|", "Target:", "- "))]
+    regenerated = (tmp_path / "again.md").read_text().splitlines()
+    assert len(kept) > 40 and kept == [line for line in regenerated if line.startswith(("|", "Target:", "- "))]
 
 
 #: the one experiment that reaches behind the runtime's public API, on purpose: bench_executor times

@@ -2,6 +2,7 @@
 target, the consistency check, the step records' clock), and its --quick study end to end with
 real pipelined runs, resumed from its runs' records."""
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -144,7 +145,11 @@ def test_the_quick_study_runs_pipelined_and_resumes_from_its_cache(tmp_path):
 
 
 #: published studies whose every run's record is kept in the repository (docs/time_to_target_runs)
-PUBLISHED = [ROOT / "docs" / "time_to_target_bert.md", ROOT / "docs" / "time_to_target.md"]
+PUBLISHED = [
+    ROOT / "docs" / "time_to_target_bert.md",
+    ROOT / "docs" / "time_to_target.md",
+    ROOT / "docs" / "time_to_target_bert_pinned.md",
+]
 
 
 @pytest.mark.parametrize("page", PUBLISHED, ids=lambda page: page.name)
@@ -161,3 +166,26 @@ def test_a_published_study_is_made_of_its_kept_records(page, tmp_path):
     regenerated = (tmp_path / "again.md").read_text().splitlines()
     assert kept and kept == [line for line in regenerated if line.startswith(("|", "Target:"))]
     assert (tmp_path / "again.csv").read_text() == page.with_suffix(".csv").read_text()
+
+
+def test_pinned_refresh_intervals_follow_the_first_schedules_run_of_the_same_seed(tmp_path):
+    """--pin-k: a curvature method's later schedules run at the k its packer chose on the first
+    schedule for that seed; AdamW and the first schedule are left to themselves."""
+    from experiments.time_to_target import SIZING, Study
+    from experiments.time_to_target_study.runs import Store
+
+    class Recorded(Study):
+        """A study whose runs are the requested settings, each with a k of its own per seed."""
+
+        def attempt(self, setting: Setting) -> PipelinedRun:
+            self.asked.append(setting)
+            run = constructed([5.0, 4.0], 100.0)
+            return dataclasses.replace(run, k=setting.k or 3 + setting.seed)
+
+    study = Recorded("gpt2", SIZING, ["1f1b", "zb-h1"], 2, Store(tmp_path, tmp_path), quick=False)
+    study.asked, study.pin_k = [], True
+    tuned = {"adamw": Setting("gpt2", "1f1b", "adamw", 1e-3, 0), "soap": Setting("gpt2", "1f1b", "soap", 1e-3, 0, 1e-3)}
+    study.seeded(tuned)
+    later = {(s.method, s.seed): s.k for s in study.asked if s.schedule == "zb-h1"}
+    assert later == {("adamw", 0): 0, ("soap", 0): 3, ("adamw", 1): 0, ("soap", 1): 4}
+    assert all(s.k == 0 for s in study.asked if s.schedule == "1f1b")

@@ -137,6 +137,34 @@ def grid_table(grid: dict[Setting, RunResult], target: float) -> list[str]:
     return rows
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """How a method's lr was tuned: the grid's points run on seed 0 (ascending) and the best."""
+
+    method: str
+    lrs: tuple[float, ...]
+    best: float
+
+    @property
+    def bracketed(self) -> bool:
+        """Whether a lower and a higher point than the best were run (the optimum lies between)."""
+        return self.lrs[0] < self.best < self.lrs[-1]
+
+
+def tuning_lines(tunings: list[Tuning]) -> list[str]:
+    """Markdown lines saying, per method, which lrs were tried and whether the best is bracketed."""
+    lines = ["Tuned: the learning rate only, on seed 0; every other setting is the run file's."]
+    for tuning in tunings:
+        where = (
+            "inside the grid"
+            if tuning.bracketed
+            else f"at the grid's {'lower' if tuning.best == tuning.lrs[0] else 'upper'} edge: not bracketed"
+        )
+        points = ", ".join(f"{lr:.3g}" for lr in tuning.lrs)
+        lines.append(f"- {tuning.method}: lr {points}; best {tuning.best:.3g}, {where}")
+    return lines
+
+
 def write_csv(path: Path, runs: dict[Setting, RunResult]) -> None:
     """Every evaluation of every run: workload, method, lr, adamw_lr, k, seed, step, held-out loss."""
     with open(path, "w", newline="") as file:
