@@ -149,6 +149,7 @@ PUBLISHED = [
     ROOT / "docs" / "time_to_target_bert.md",
     ROOT / "docs" / "time_to_target.md",
     ROOT / "docs" / "time_to_target_bert_pinned.md",
+    ROOT / "docs" / "time_to_target_pinned.md",
 ]
 
 
