@@ -148,10 +148,10 @@ class Study:
         half-steps either side of the best (its lr x ratio^(-1/2), x ratio^(1/2)) refine it."""
         lrs = list(grid(self.workload, method, self.quick))
         ratio = lrs[1] / lrs[0]
-        for _ in range(EXTEND + 1):
+        for grown in range(EXTEND + 1):
             settings = [Setting(self.workload, method, lr, 0, base_lr, k) for lr in lrs]
             best = self._best(settings, rank)
-            if self.quick or 0 < lrs.index(best.lr) < len(lrs) - 1:
+            if self.quick or 0 < lrs.index(best.lr) < len(lrs) - 1 or grown == EXTEND:
                 break
             edge = lrs.index(best.lr)
             lrs.insert(len(lrs) if edge else 0, best.lr * ratio ** (1 if edge else -1))

@@ -192,7 +192,7 @@ def test_the_convergence_study_runs_end_to_end_on_held_out_text(tmp_path):
     )
 
 
-@pytest.mark.slow  # about 30 s: 70-odd kept records read, nothing trained
+@pytest.mark.slow  # a few seconds: 96 kept runs and 12 step times read, nothing trained
 def test_the_published_convergence_study_is_made_of_its_kept_records(tmp_path):
     """docs/convergence.md's command, training nothing (--cached-only), gives back its every table
     row, target and tuning line from the records kept in the repository."""
