@@ -21,8 +21,9 @@ Protocol, per workload (seed 0 and the first schedule tune; `--seeds` S):
 2. Every other method on its grid (its section's lr; AdamW at the tuned AdamW lr for what it does
    not precondition), the grids' points interleaved round-robin over the methods; the fewest
    steps to AdamW's seed-0 final loss wins (then the lowest final loss). A best point at an edge
-   of a grid grows the grid past it (a factor of the grid's ratio), once, as
-   experiments/convergence.py does.
+   of a grid grows the grid past it (a factor of the grid's ratio), up to twice, as
+   experiments/convergence.py does; --refine then runs the half-steps either side of every
+   method's best (AdamW's first: x ratio^-1/2, x ratio^1/2) and keeps the better.
 3. Seeds 0..S-1 on every schedule at the tuned settings, round-robin over the methods for each
    (seed, schedule), so that the machine's load drifts hit every method alike.
 Target: the median over AdamW's seeds (first schedule) of its final held-out loss. Per method and
@@ -129,6 +130,7 @@ class Study:
         self.k = QUICK_K if quick else 0
         self.train_new = True
         self.pin_k = False
+        self.refine = False
         self.corpus = CORPUS
         self.grid: dict[Setting, PipelinedRun] = {}
         self.all: dict[Setting, PipelinedRun] = {}
@@ -163,7 +165,8 @@ class Study:
     ) -> dict[str, Setting]:
         """Each method's best lr on seed 0 and the first schedule by `rank` (lower is better), the
         grids' points run round-robin over the methods; a best at an edge extends that grid past
-        it by the grid's own ratio, up to `EXTEND` times."""
+        it by the grid's own ratio, up to `EXTEND` times; `refine`: then the half-steps either side
+        of each best (its lr x ratio^(-1/2), x ratio^(1/2)) refine it, as experiments/convergence.py does."""
         lrs = {m: list(CENTRED.get((self.workload, m)) or grid(self.workload, m, False)) for m in methods}
         if self.quick:  # the middle point only
             lrs = {m: points[len(points) // 2 : len(points) // 2 + 1] for m, points in lrs.items()}
@@ -171,11 +174,8 @@ class Study:
         for _ in range(EXTEND + 1):
             for i in range(max((len(lrs[m]) for m in pending), default=0)):
                 for m in pending:
-                    setting = self.setting(m, lrs[m][i] if i < len(lrs[m]) else math.nan, 0, self.schedules[0], base_lr)
-                    if math.isfinite(setting.lr) and setting not in self.grid:
-                        found = self.attempt(setting)
-                        if found is not None:
-                            self.grid[setting] = found
+                    if i < len(lrs[m]):
+                        self.grid_point(self.setting(m, lrs[m][i], 0, self.schedules[0], base_lr))
             for m in list(pending):
                 tried = [s for s in self.grid if s.method == m and s.lr in lrs[m]]
                 if m in self.failed or not tried:
@@ -189,7 +189,20 @@ class Study:
                     lrs[m].insert(
                         len(lrs[m]) if edge else 0, best[m].lr * (lrs[m][1] / lrs[m][0]) ** (1 if edge else -1)
                     )
+        if self.refine and not self.quick:
+            halves = {m: [best[m].lr * (lrs[m][1] / lrs[m][0]) ** h for h in (-0.5, 0.5)] for m in best}
+            for i in range(2):
+                for m in best:
+                    self.grid_point(self.setting(m, halves[m][i], 0, self.schedules[0], base_lr))
+            for m in best:
+                tried = [s for s in self.grid if s.method == m and (s.lr in lrs[m] or s.lr in halves[m])]
+                best[m] = min(tried, key=lambda s: rank(self.grid[s]))  # type: ignore[arg-type, return-value]
         return best
+
+    def grid_point(self, setting: Setting) -> None:
+        """Train `setting` into the grid unless it is there (a failed method is left out)."""
+        if setting not in self.grid and (found := self.attempt(setting)) is not None:
+            self.grid[setting] = found
 
     def setting(self, method: str, lr: float, seed: int, schedule: str, base_lr: float | None) -> Setting:
         curvature = method not in FIRST_ORDER
@@ -278,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="later schedules refresh at the k each curvature method's packer chose on the first (same seed)",
     )
+    parser.add_argument(
+        "--refine",
+        action="store_true",
+        help="after the grids settle, the half-steps either side of each method's best refine it (AdamW's too)",
+    )
     parser.add_argument("--cache", default="", help="token shards (default $PIPEFISHER_CACHE/time_to_target)")
     parser.add_argument("--runs", default="", help="one JSON record per run (default CACHE/runs)")
     default_out = experiment_output("time_to_target")
@@ -305,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         study = Study(workload, sizing, schedules, seeds, store, args.quick)
         study.train_new = not args.cached_only
         study.pin_k = args.pin_k
+        study.refine = args.refine
         study.corpus = corpus
         arms, target = study_workload(study, methods)
         per_workload[workload] = (arms, target)
@@ -335,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Measured on: " + "; ".join(f"{where} ({n} runs)" for where, n in machines.most_common()) + ".",
         "",
+        *(["Grids: refined by the half-steps either side of each best (--refine).", ""] if args.refine else []),
         *(
             [f"Refresh intervals: pinned on {', '.join(schedules[1:])} to each seed's on {schedules[0]} (--pin-k).", ""]
             if args.pin_k and len(schedules) > 1

@@ -190,3 +190,28 @@ def test_pinned_refresh_intervals_follow_the_first_schedules_run_of_the_same_see
     later = {(s.method, s.seed): s.k for s in study.asked if s.schedule == "zb-h1"}
     assert later == {("adamw", 0): 0, ("soap", 0): 3, ("adamw", 1): 0, ("soap", 1): 4}
     assert all(s.k == 0 for s in study.asked if s.schedule == "1f1b")
+
+
+def test_refinement_tries_the_half_steps_either_side_of_each_settled_best(tmp_path):
+    """--refine: once a grid's best is bracketed, its lr x ratio^(-1/2) and x ratio^(1/2) run for
+    every method (AdamW too) and win where they are better; without it nothing more runs."""
+    from experiments.time_to_target import SIZING, Study
+    from experiments.time_to_target_study.report import final
+    from experiments.time_to_target_study.runs import Store
+
+    class Landscape(Study):
+        """A study whose final loss is the squared log-distance of the lr from `optimum`."""
+
+        optimum = 1e-3 * 3**0.5
+
+        def attempt(self, setting: Setting) -> PipelinedRun:
+            self.asked.append(setting.lr)
+            return constructed([6.0, 5.0 + math.log(setting.lr / self.optimum) ** 2], 100.0)
+
+    for refine in (False, True):
+        study = Landscape("gpt2", SIZING, ["1f1b"], 1, Store(tmp_path, tmp_path), quick=False)
+        study.asked, study.refine = [], refine
+        best = study.tune(["soap"], 1e-3, final)["soap"]
+        grid_points = [pytest.approx(lr) for lr in (1e-3 / 3, 1e-3, 3e-3)]
+        assert study.asked == grid_points + [pytest.approx(1e-3 / 3**0.5), pytest.approx(1e-3 * 3**0.5)] * refine
+        assert best.lr == pytest.approx(Landscape.optimum if refine else 1e-3)
