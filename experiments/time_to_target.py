@@ -168,36 +168,41 @@ class Study:
         it by the grid's own ratio, up to `EXTEND` times; `refine`: then the half-steps either side
         of each best (its lr x ratio^(-1/2), x ratio^(1/2)) refine it, as experiments/convergence.py does."""
         lrs = {m: list(CENTRED.get((self.workload, m)) or grid(self.workload, m, False)) for m in methods}
+        ratio = {m: points[1] / points[0] for m, points in lrs.items()}
         if self.quick:  # the middle point only
             lrs = {m: points[len(points) // 2 : len(points) // 2 + 1] for m, points in lrs.items()}
         pending, best = list(methods), {}
-        for _ in range(EXTEND + 1):
-            for i in range(max((len(lrs[m]) for m in pending), default=0)):
-                for m in pending:
-                    if i < len(lrs[m]):
-                        self.grid_point(self.setting(m, lrs[m][i], 0, self.schedules[0], base_lr))
+        for grown in range(EXTEND + 1):
+            self.round_robin({m: lrs[m] for m in pending}, base_lr)
             for m in list(pending):
-                tried = [s for s in self.grid if s.method == m and s.lr in lrs[m]]
-                if m in self.failed or not tried:
+                found = None if m in self.failed else self.best_of(m, lrs[m], rank)
+                if found is None:
                     pending.remove(m)
                     continue
-                best[m] = min(tried, key=lambda s: rank(self.grid[s]))  # type: ignore[arg-type, return-value]
-                edge = lrs[m].index(best[m].lr)
-                if self.quick or 0 < edge < len(lrs[m]) - 1:
+                best[m] = found
+                edge = lrs[m].index(found.lr)
+                if self.quick or 0 < edge < len(lrs[m]) - 1 or grown == EXTEND:
                     pending.remove(m)
                 else:
-                    lrs[m].insert(
-                        len(lrs[m]) if edge else 0, best[m].lr * (lrs[m][1] / lrs[m][0]) ** (1 if edge else -1)
-                    )
+                    lrs[m].insert(len(lrs[m]) if edge else 0, found.lr * ratio[m] ** (1 if edge else -1))
         if self.refine and not self.quick:
-            halves = {m: [best[m].lr * (lrs[m][1] / lrs[m][0]) ** h for h in (-0.5, 0.5)] for m in best}
-            for i in range(2):
-                for m in best:
-                    self.grid_point(self.setting(m, halves[m][i], 0, self.schedules[0], base_lr))
-            for m in best:
-                tried = [s for s in self.grid if s.method == m and (s.lr in lrs[m] or s.lr in halves[m])]
-                best[m] = min(tried, key=lambda s: rank(self.grid[s]))  # type: ignore[arg-type, return-value]
+            halves = {m: [best[m].lr * ratio[m] ** h for h in (-0.5, 0.5)] for m in best}
+            self.round_robin(halves, base_lr)
+            best = {m: self.best_of(m, lrs[m] + halves[m], rank) or best[m] for m in best}
         return best
+
+    def round_robin(self, lrs: dict[str, list[float]], base_lr: float | None) -> None:
+        """Train each method's `lrs` (seed 0, the first schedule) into the grid, the i-th point of
+        every method before any (i+1)-th, so that the machine's drift hits the methods alike."""
+        for i in range(max(map(len, lrs.values()), default=0)):
+            for m, points in lrs.items():
+                if i < len(points):
+                    self.grid_point(self.setting(m, points[i], 0, self.schedules[0], base_lr))
+
+    def best_of(self, method: str, lrs: list[float], rank: Callable[[PipelinedRun], object]) -> Setting | None:
+        """The lowest by `rank` of `method`'s grid points at `lrs`; None when none of them ran."""
+        tried = [s for s in self.grid if s.method == method and s.lr in lrs]
+        return min(tried, key=lambda s: rank(self.grid[s]), default=None)  # type: ignore[arg-type, return-value]
 
     def grid_point(self, setting: Setting) -> None:
         """Train `setting` into the grid unless it is there (a failed method is left out)."""
