@@ -110,6 +110,16 @@ def positive_int(text: str) -> int:
     return _checked(text, whole, "an integer", lambda v: v >= 1, "must be at least 1")
 
 
+def positive_float(text: str) -> float:
+    """A number > 0 (argparse type)."""
+    return _checked(text, float, "a number", lambda v: v > 0, "must be > 0")
+
+
+def non_negative_float(text: str) -> float:
+    """A number >= 0 (argparse type)."""
+    return _checked(text, float, "a number", lambda v: v >= 0, "must be >= 0")
+
+
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """--schedule/--stages/--micro-batches/--chunks/--profile, shared by planning commands."""
     parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES), help="pipeline schedule")

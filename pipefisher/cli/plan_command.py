@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from pipefisher.cli.args import UsageError, _checked, check_output, positive_int, say
+from pipefisher.cli.args import UsageError, check_output, non_negative_float, positive_float, positive_int, say
 from pipefisher.config import FIRST_ORDER, RunConfig, load_config
 from pipefisher.core.files import parse_yaml
 from pipefisher.core.profile import load_profile
@@ -40,14 +40,6 @@ REFERENCE_FOLDER = Path(__file__).resolve().parents[2] / "profiles" / "reference
 REFERENCE_SEQ_LEN = 128
 
 
-def _positive_float(text: str) -> float:
-    return _checked(text, float, "a number", lambda v: v > 0, "must be > 0")
-
-
-def _non_negative_float(text: str) -> float:
-    return _checked(text, float, "a number", lambda v: v >= 0, "must be >= 0")
-
-
 def add_plan_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "plan",
@@ -67,12 +59,12 @@ def add_plan_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--memory-gb",
-        type=_positive_float,
+        type=positive_float,
         help="memory per GPU, GiB (2^30 bytes); required without --hardware, else the hardware's",
     )
     parser.add_argument(
         "--reserve-gb",
-        type=_non_negative_float,
+        type=non_negative_float,
         help="memory per GPU held back for the CUDA context, NCCL's buffers and allocator slack, GiB "
         f"(default {RESERVE_FIXED_GIB:g} + {100 * RESERVE_SHARE:g} %% of --memory-gb); no layout needing more than "
         "the rest is ranked",
@@ -120,7 +112,7 @@ def add_plan_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--dp-bandwidth-gbps",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="data-parallel all-reduce bandwidth, GB/s (default: the links --hardware gives, else what a "
         f"--profile's p2p times show, else {DEFAULT_DP_BANDWIDTH_GBPS:g})",

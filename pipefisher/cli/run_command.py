@@ -9,7 +9,7 @@ import os
 import sys
 from contextlib import AbstractContextManager, nullcontext
 
-from pipefisher.cli.args import UsageError, check_output, positive_int, say
+from pipefisher.cli.args import UsageError, check_output, positive_float, positive_int, say
 from pipefisher.cli.run_checks import (
     check_input_files,
     check_plan,
@@ -44,6 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         comm={"powersgd_rank": args.powersgd_rank},
         run={
             "steps": args.steps,
+            "time_budget_s": args.time_budget,
             "backend": args.backend,
             "master_port": args.master_port,
             "timeout": args.timeout,
@@ -228,6 +229,12 @@ def add_run_parser(subparsers) -> None:
     parser.add_argument("config", help="YAML run file, e.g. schedules/tiny-cpu.yaml")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), help="override pipeline.schedule")
     parser.add_argument("--steps", type=positive_int, help="total steps of the run (run.steps)")
+    parser.add_argument(
+        "--time-budget",
+        type=positive_float,
+        metavar="SECONDS",
+        help="end the run after the step that passes this many seconds of training (run.time_budget_s)",
+    )
     parser.add_argument("--optimizer", choices=optimizer_names(), help="override optimizer.name")
     add_method_arguments(parser)
     parser.add_argument("--profile", help="profile of this run for the packer (<method>.profile); default: measure one")

@@ -6,7 +6,8 @@ and the summary go to stderr. The step record goes to stdout with --json and to 
 asks for (`pipefisher.cli.metric_sinks`: the metrics file, TensorBoard, W&B): step, loss, its
 parts (MLM/NSP), lr (with a curvature method: its rate; `lr_rest`: the rate of the parameters it
 does not precondition), step_time_ms, tokens_per_s, rank0_peak_memory_mib (`peak_memory_mib`), on evaluation steps (`run.eval_every`) the
-held-out `eval_loss`, and, with a curvature method, the refresh interval,
+held-out `eval_loss`, `train_s` (training seconds so far), `out_of_time` on the step that ended the
+run's time budget (`run.time_budget_s`), and, with a curvature method, the refresh interval,
 the predicted step time and, from the end of the refresh cycle it was measured on, the exposed
 optimizer time: `exposed_share` (the simulated mean step with the method's work over the
 first-order step of the same layout, both on the op times the run measured on its own steps,
@@ -109,6 +110,11 @@ class StepReporter:
                 f"; exposed optimizer time {100 * self.last['exposed_share']:+.1f} % over first-order "
                 f"({self.last['exposed_first_order_step_time_ms']:.1f} ms simulated on the op times of steps {first}-{last}, "
                 f"which took {self.last['exposed_measured_step_time_ms']:.1f} ms each)"
+            )
+        if self.last.get("out_of_time"):
+            summary += (
+                f"; ended at step {self.last['step']} of {self.total}: the time budget of "
+                f"{self.config.run.time_budget_s:g} s ran out after {self.last['train_s']:.1f} s of training"
             )
         print(summary, file=sys.stderr, flush=True)
         if state_bytes:

@@ -74,6 +74,13 @@ class RunSettings:
         high=65535,
     )
     timeout: float = setting(60.0, "seconds any rank may wait for another before the run aborts", low=0, low_open=True)
+    time_budget_s: float = setting(
+        0.0,
+        "seconds of training after which the run ends (0 = none: run.steps): every rank stops after the same step, "
+        "the first to pass it (train_s, evaluation not counted; a resumed run's count starts anew), "
+        "evaluated and checkpointed as the last; the learning-rate schedule still spans run.steps",
+        low=0,
+    )
     eval_every: int = setting(
         0,
         "steps between held-out evaluations, and one after the last step (0 = none); needs a held-out split (data.holdout > 0)",

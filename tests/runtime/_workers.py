@@ -185,6 +185,14 @@ def pipelined_with_records(rank: int, world: int, config: RunConfig) -> tuple[Tr
     return result, records
 
 
+def pipelined_with_budgets(
+    rank: int, world: int, config: RunConfig, budgets: list[float]
+) -> tuple[TrainResult, list[dict]]:
+    """`pipelined_with_records` with this rank's own `run.time_budget_s`, `budgets[rank]`: ranks
+    whose clocks disagree about the budget."""
+    return pipelined_with_records(rank, world, config.with_overrides(run={"time_budget_s": budgets[rank]}))
+
+
 def host_reads_per_step(rank: int, world: int, config: RunConfig) -> list[dict]:
     """Train `config.run.steps` steps; per step, the host reads of tensors on this rank by kind."""
     from host_reads import count_host_reads

@@ -37,6 +37,9 @@ from pipefisher.runtime.primitives.comm import Comm, Handle, done
 from pipefisher.runtime.pipeline.stage import StageRuntime
 from pipefisher.runtime.signals import stop_request
 
+#: the world reduction ends [..., fp16 overflow, signal sum, signalled ranks, out-of-time ranks]
+_OVERFLOW = -4
+
 
 @dataclass(frozen=True)
 class Gradients:
@@ -184,7 +187,8 @@ class StepEnd:
         return self.tied.launch(self.comm)
 
     def launch_step(self, collective: Collective) -> Handle:
-        """The world reduction of [loss, parts..., squared norm, overflow] (float64, on the device)."""
+        """The world reduction of [loss, parts..., squared norm, overflow, signal, signalled,
+        out of time] (float64, on the device)."""
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         total, parts = zero, dict.fromkeys(self.loss_parts, zero)
         for stage in self.stages.values():
@@ -202,10 +206,10 @@ class StepEnd:
                 values.append(self.norm.local_square(self.device))
             if overflow is not None:
                 values.append(overflow.double().reshape(()))
-        signum = stop_request.signum  # a host value: the sum tells every rank that one was signalled
-        values += [
-            torch.full((), float(signum), dtype=torch.float64, device=self.device),
-            torch.full((), float(signum > 0), dtype=torch.float64, device=self.device),
+        signum = stop_request.signum  # host values: the sums tell every rank that one was signalled
+        values += [  # or out of time, so that all stop after this step
+            torch.full((), float(value), dtype=torch.float64, device=self.device)
+            for value in (signum, signum > 0, stop_request.out_of_time())
         ]
         self._reduced = torch.stack(values)
         return self.comm.all_reduce([self._reduced], collective.group, on_done=self._apply)
@@ -233,10 +237,10 @@ class StepEnd:
             self.reduction.scale_(coefficient)
         if self.scaler is not None:
             self._values = reduced.tolist()
-            if not self._values[-3] > 0:
+            if not self._values[_OVERFLOW] > 0:
                 self.before_optimizer_step()
                 self.optimizer.step()
-            self.scaler.update(reduced[-3])
+            self.scaler.update(reduced[_OVERFLOW])
         else:
             self.before_optimizer_step()
             self.optimizer.step()
@@ -246,7 +250,8 @@ class StepEnd:
     def finish(self) -> dict:
         """After the world reduction (and the update it triggered): zero the gradients; returns the
         loss, its parts, (when updating) lr, grad_norm, fp16's overflow and grad_comm_bytes, and
-        `stop_signal` when a rank was signalled, read from the device once. grad_comm_bytes: what
+        `stop_signal` when a rank was signalled and `out_of_time` when one was past the time budget's
+        deadline, read from the device once. grad_comm_bytes: what
         this rank sent on the gradient communicators in the step (reductions, ZeRO-1's
         broadcasts, PowerSGD's factors, K-FAC gradient workers' broadcasts, Chimera's sums of
         ZeRO-2/3 shards over the pipes); FSDP2's own all-gathers and reduce-scatters do not go
@@ -258,7 +263,7 @@ class StepEnd:
         if self.update:
             record["lr"] = self._lr
             if self.scaler is not None:
-                record["overflow"] = values[-3] > 0
+                record["overflow"] = values[_OVERFLOW] > 0
             if self.clip_norm > 0:
                 record["grad_norm"] = math.sqrt(values[count])
             record["grad_comm_bytes"] = self.comm.sent_bytes["grad"] + self.comm.sent_bytes["pgrad"]
@@ -268,7 +273,9 @@ class StepEnd:
         self.reduction.zero_()
         record["loss"] = values[0]
         record.update(zip(self.loss_parts, values[1:count]))
-        signals, signalled = values[-2:]
+        signals, signalled, out_of_time = values[_OVERFLOW + 1 :]
         if signalled:
             record["stop_signal"] = round(signals / signalled)
+        if out_of_time:
+            record["out_of_time"] = True
         return record

@@ -34,14 +34,15 @@ class PipelineEvaluation:
     steps: int
     pass_: EvalPass
 
-    def due(self, done: int) -> bool:
-        """Whether the run evaluates after `done` steps (1-based)."""
-        return done % self.every == 0 or done == self.steps
+    def due(self, done: int, last: bool = False) -> bool:
+        """Whether the run evaluates after `done` steps (1-based); `last`: the run ends there."""
+        return last or done % self.every == 0 or done == self.steps
 
-    def after_step(self, result: StepResult) -> StepResult:
-        """`result`, with `eval_loss` in its extra fields when the run evaluates after its step.
-        Collective over every process: all call it after the same step."""
-        if not self.due(result.step):
+    def after_step(self, result: StepResult, last: bool = False) -> StepResult:
+        """`result`, with `eval_loss` in its extra fields when the run evaluates after its step
+        (`last`: the run's last, short of `steps`). Collective over every process: all call it
+        after the same step."""
+        if not self.due(result.step, last):
             return result
         return dataclasses.replace(result, extra={**result.extra, **eval_fields(self.pass_.run())})
 
@@ -70,6 +71,15 @@ class TrainingClock:
             yield
         finally:
             self.paused_s += time.perf_counter() - began
+
+    def deadline(self, budget_s: float) -> float | None:
+        """The `time.perf_counter()` reading at which `budget_s` training seconds will have passed
+        if nothing more is paused (None for 0: no budget)."""
+        return self.start + self.paused_s + budget_s if budget_s else None
+
+    def spent(self, budget_s: float) -> bool:
+        """Whether `budget_s` training seconds have passed (never for 0: no budget)."""
+        return bool(budget_s) and self.seconds() >= budget_s
 
     def stamped(self, result: StepResult) -> StepResult:
         """`result` with `train_s` in its extra fields."""

@@ -59,7 +59,7 @@ def train_reference(
     stages in sequence with tied copies' gradients summed; micro-batches in id order, the same
     precision, clipping, schedule and curvature method's cycle. Parameters are named as the model names them
     unsplit, or "<stage>.<name>" for stages in sequence. Raises `Stopped` after a step during which this process got SIGTERM or SIGINT (when its
-    entry point installed `stop_request`)."""
+    entry point installed `stop_request`); ends after the step that spent `run.time_budget_s`."""
     run = build_run(config)
     model = run.model
     device = torch.device("cpu")
@@ -130,7 +130,10 @@ def train_reference(
         losses.append(step_loss)
         seconds = time.perf_counter() - start
         result = clock.stamped(StepResult(step + 1, step_loss, seconds, extra))
-        if evaluation is not None and evaluation.due(step + 1, config.run.steps):
+        out_of_time = clock.spent(config.run.time_budget_s)
+        if out_of_time:
+            result = replace(result, extra={**result.extra, "out_of_time": True})
+        if evaluation is not None and (out_of_time or evaluation.due(step + 1, config.run.steps)):
             with clock.paused():
                 evaluated = _evaluate(net, evaluation.batches)
                 evaluation.report(step + 1, evaluated)
@@ -140,6 +143,8 @@ def train_reference(
             on_step(result)
         if stop_request.signum:
             raise Stopped(step + 1, stop_request.signum)
+        if out_of_time:
+            break
     return TrainResult(losses, {name: parameter.detach().clone() for name, parameter in net.named_parameters()})
 
 

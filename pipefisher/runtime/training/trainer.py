@@ -49,6 +49,7 @@ from pipefisher.runtime.training.checkpoint_state import (
     tied_aliases,
 )
 from pipefisher.runtime.training.resumption import manifest_fields, resumption
+from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.tracing import StepTracer
 
@@ -268,7 +269,9 @@ def train_pipelined(
     """Train on this process (with `executor` if given, else a fresh one from `build_executor`) up
     to `config.run.steps`, continuing from the checkpoint of step `resume_from` when given.
     Checkpoints go to `config.checkpoint.dir` every `checkpoint.every` steps, at the end, and when
-    a signal stops the run: then every rank raises `Stopped` after the same step. `run.trace`:
+    a signal stops the run: then every rank raises `Stopped` after the same step. With
+    `run.time_budget_s` every rank ends the run after the same step, the first during which one
+    was past the budget (`train_s`), evaluated and checkpointed as the last. `run.trace`:
     a profiler trace of the steps it names (`pipefisher.runtime.training.tracing`). `run`: the
     run's parts, if the caller built them (`build_run`) for `executor`."""
     run = run if run is not None else build_run(config)
@@ -299,23 +302,31 @@ def train_pipelined(
     tracer = StepTracer(config, process, device)
     evaluation = pipeline_evaluation(config, executor)
     clock = TrainingClock()
-    for step in range(start, config.run.steps):
-        tracer.before(step)
-        result = runner.run_step(step)
-        tracer.after(step)
-        result = clock.stamped(result)
-        if evaluation is not None:
-            with clock.paused():
-                result = evaluation.after_step(result)
-        losses.append(result.loss)
-        if on_step is not None:
-            on_step(result)
-        done = step + 1
-        signum = result.extra.get("stop_signal")
-        if config.checkpoint.dir and ((every and done % every == 0) or done == config.run.steps or signum):
-            save_checkpoint(config, process, executor, runner, done)
-        if signum:
-            raise Stopped(done, signum, config.checkpoint.dir or None)
+    try:
+        for step in range(start, config.run.steps):
+            stop_request.deadline = clock.deadline(config.run.time_budget_s)
+            tracer.before(step)
+            result = runner.run_step(step)
+            tracer.after(step)
+            result = clock.stamped(result)
+            out_of_time = bool(result.extra.get("out_of_time"))
+            if evaluation is not None:
+                with clock.paused():
+                    result = evaluation.after_step(result, last=out_of_time)
+            losses.append(result.loss)
+            if on_step is not None:
+                on_step(result)
+            done = step + 1
+            signum = result.extra.get("stop_signal")
+            ends = done == config.run.steps or out_of_time
+            if config.checkpoint.dir and ((every and done % every == 0) or ends or signum):
+                save_checkpoint(config, process, executor, runner, done)
+            if signum:
+                raise Stopped(done, signum, config.checkpoint.dir or None)
+            if out_of_time:
+                break
+    finally:
+        stop_request.deadline = None
     parameters = {}
     tensor_group = executor.comm.groups.get(TENSOR)
     for (pipe, stage), runtime in executor.stages.items():
