@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from _workers import pipelined_with_budgets
+from _workers import checkpointing, pipelined_with_budgets
 from test_pipeline_eval import gpt2_run
 
 from pipefisher.cli.step_report import StepReporter
@@ -48,7 +48,8 @@ def test_a_negative_budget_is_refused_by_name():
 def test_one_rank_past_the_budget_ends_every_rank_after_that_step(tmp_path):
     """Rank 0 is past its budget in step 1, rank 1 has none: both end after step 1 of 6, with the
     held-out evaluation of a last step (eval_every 5 would not give one) and its checkpoint; the
-    reference on the same budget ends there too, with the same loss and evaluation."""
+    reference on the same budget ends there too, with the same loss and evaluation. Resumed
+    without a budget, the run goes on to step 6 as the reference does."""
     config = gpt2_run(str(tmp_path / "cache"), steps=6, eval_every=5, eval_batches=2).with_overrides(
         checkpoint={"dir": str(tmp_path / "checkpoints"), "every": 0}
     )
@@ -66,6 +67,10 @@ def test_one_rank_past_the_budget_ends_every_rank_after_that_step(tmp_path):
             atol=0,
         )
     assert [step for step, _ in checkpoint_steps(tmp_path / "checkpoints")] == [1]
+    resumed = run_group(checkpointing, 2, args=(config, True), timeout=60, deadline=300)
+    whole = train_reference(config)
+    for result in resumed:  # another budget (none) resumes the run: it is not part of its identity
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(whole.losses[1:]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.dist

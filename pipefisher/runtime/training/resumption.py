@@ -42,6 +42,7 @@ from pipefisher.schedules.validate import validate
 
 _FREE = {
     ("run", "steps"),
+    ("run", "time_budget_s"),
     ("run", "master_port"),
     ("run", "master_addr"),
     ("run", "backend"),
