@@ -17,7 +17,7 @@ held out: a text that does not repeat within the budget and needs no network. Co
 say so with the numbers. Learning rates are not tuned (--lr): a single-seed demonstration.
 
 Default: GPT-2 124M (12 x 768, 1,024 tokens per sequence), 4 micro-batches of 8 sequences per
-step (32,768 tokens), bf16, one stage, 150 s per method: about 10 minutes on one H100/H200 with
+step (32,768 tokens), bf16, one stage, 150 s per method: about 11 minutes on one H100/H200 with
 start-up and calibration. On a CPU, --quick (GPT-2 tiny, 64 tokens, 20 s per method).
 
     python experiments/time_budget.py --out /tmp/budget               # on a machine with a GPU
