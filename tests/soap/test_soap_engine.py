@@ -234,3 +234,60 @@ def test_zero1_is_refused_in_one_line():
         ConfigError, match="^optimizer.zero: soap keeps every replica's statistics .* use optimizer.zero 0, 2 or 3$"
     ):
         config_from_dict({"optimizer": {"name": "soap", "zero": 1}, "pipeline": {"data_parallel": 2}})
+
+
+def original_basis_moment(engine: SoapEngine, name: str) -> torch.Tensor:
+    """``Q_L m Q_Rᵀ`` per block: the first moment in the parameter's own basis (float64)."""
+    info = next(info for info in engine.matrices() if info.name == name)
+    state = engine.state_dict()["matrices"][name]
+    left, right = engine.basis(name, "A"), engine.basis(name, "B")
+    out = torch.empty(info.shape, dtype=torch.float64)
+    for k, rows, cols in info.grid():
+        out[rows, cols] = left[k].double() @ state["exp_avg"][rows, cols].double() @ right[k].double().mT
+    return out
+
+
+def test_the_first_moment_kept_in_the_eigenbasis_is_the_gradients_average_in_every_basis():
+    """Five steps with a refresh and commit after each (the bases turn every time): rotated back,
+    the moment equals the exponential average of the gradients since the first direction,
+    computed here in float64 in the parameter's basis."""
+    model = tiny_model()
+    engine = SoapEngine(model, SETTINGS)
+    expected = torch.zeros(7, 5, dtype=torch.float64)
+    for seed in range(5):
+        set_gradients(model, seed)
+        if seed:  # the first step takes the first bases and no direction
+            expected.lerp_(model[0].weight.grad.double(), 1 - SETTINGS.beta1)
+        before = engine.basis("0.weight", "A")
+        before = None if before is None else [b.clone() for b in before]
+        engine.precondition_all()
+        refresh(engine)
+        if before is not None and seed >= 2:
+            turned = max((a - b).abs().max().item() for a, b in zip(before, engine.basis("0.weight", "A")))
+            assert turned > 1e-3, "the commit changed the bases: the rotation is exercised"
+        torch.testing.assert_close(original_basis_moment(engine, "0.weight"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_entry_with_the_moment_in_the_original_basis_loads_rotated_into_the_eigenbasis():
+    """Checkpoints written before the moment moved into the eigenbasis hold it in the parameter's
+    basis and say nothing of it: loading rotates it in, and the next direction is the same."""
+    model = tiny_model()
+    engine = SoapEngine(model, SETTINGS)
+    run(engine, model, range(3))
+    entry = copy.deepcopy(engine.state_dict())
+    old = entry["matrices"]["0.weight"]
+    del old["moments"]
+    old["exp_avg"] = original_basis_moment(engine, "0.weight").float()
+    restored_model = copy.deepcopy(model)
+    restored = SoapEngine(restored_model, SETTINGS)
+    restored.load_state_dict(entry)
+    torch.testing.assert_close(
+        restored.state_dict()["matrices"]["0.weight"]["exp_avg"],
+        engine.state_dict()["matrices"]["0.weight"]["exp_avg"],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    for e, m in ((engine, model), (restored, restored_model)):
+        set_gradients(m, 3)
+        e.precondition_all()
+    torch.testing.assert_close(restored_model[0].weight.grad, model[0].weight.grad, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,7 @@
-"""One SOAP matrix's state as a checkpoint entry (nested dicts of tensors and ints) and back."""
+"""One SOAP matrix's state as a checkpoint entry (nested dicts of tensors and ints) and back.
+
+Entries written before the first moment moved into the eigenbasis (2026-11-30) hold it in the
+original basis and have no ``MOMENTS`` key: loading rotates it in (``Q_Lᵀ m Q_R`` per block)."""
 
 from __future__ import annotations
 
@@ -7,10 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipefisher.methods.blocks import block_views
 from pipefisher.methods.soap.state import MatrixState, pending_numel
 
 #: a factor's optional tensors (absent ones are left out, never None)
 SLOTS: tuple[str, ...] = ("snapshot", "basis", "pending")
+#: the key, and its value, saying in which basis an entry's first moment is
+MOMENTS, EIGENBASIS = "moments", "eigenbasis"
 
 
 def matrix_state(st: MatrixState) -> dict[str, Any]:
@@ -20,6 +26,7 @@ def matrix_state(st: MatrixState) -> dict[str, Any]:
         "exp_avg_sq": st.exp_avg_sq,
         "updates": st.updates,
         "counters": st.counters,
+        MOMENTS: EIGENBASIS,
     }
     for factor, fs in st.factors.items():
         entry[factor] = {
@@ -57,3 +64,8 @@ def load_matrix_state(
             setattr(
                 fs, name, tensor(slot[name], sizes[name], f"{factor} {name}", dtypes[name]) if name in slot else None
             )
+    if entry.get(MOMENTS) != EIGENBASIS and st.started:
+        left, right = (block_views(st.factors[f].basis, info.block_sizes(f)) for f in ("A", "B"))
+        for k, rows, cols in info.grid():
+            block = st.exp_avg[rows, cols]
+            block.copy_(left[k].mT @ block @ right[k])

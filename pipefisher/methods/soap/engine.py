@@ -4,9 +4,9 @@ callable one at a time in any dependency-respecting order.
 Every step, on the reduced, clipped gradient G of each matrix (a >= 2-D parameter viewed as
 ``(rows, cols)`` and cut into blocks, :mod:`pipefisher.methods.blocks`), ``precondition_all``
 replaces ``.grad`` by SOAP's direction and folds G into the statistics. Per block, with the
-eigenbases ``Q_L``, ``Q_R`` in use, ``G' = Q_Lᵀ G Q_R``, ``m <- lerp(m, G, 1 - β₁)`` (original
-basis), ``v <- lerp(v, G'², 1 - β₂)`` (eigenbasis), direction
-``Q_L ((Q_Lᵀ m Q_R) / (√v + ε)) Q_Rᵀ · √(1 - β₂ᵗ) / (1 - β₁ᵗ)`` (t: the matrix's directions so far);
+eigenbases ``Q_L``, ``Q_R`` in use, ``G' = Q_Lᵀ G Q_R``, ``m <- lerp(m, G', 1 - β₁)`` and
+``v <- lerp(v, G'², 1 - β₂)`` (both in the eigenbasis), direction
+``Q_L (m / (√v + ε)) Q_Rᵀ · √(1 - β₂ᵗ) / (1 - β₁ᵗ)`` (t: the matrix's directions so far);
 then ``L <- lerp(L, G Gᵀ, 1 - β_s)`` and ``R <- lerp(R, Gᵀ G, 1 - β_s)``. The first call gives no
 direction (``.grad`` zeroed): it folds G and takes the eigendecomposition of the statistics as the
 first bases. A step then applies ``p <- (p - lr · direction)(1 - lr · wd)``, skipping a
@@ -16,7 +16,9 @@ Refresh, per matrix and factor f: ``snapshot()`` keeps the statistics at a fixed
 refresh cycle's start); ``refresh(name, f)`` computes from the snapshot and the bases in use one
 power-iteration step with QR (:func:`pipefisher.methods.soap.basis.power_basis`), pending (a
 replica that did not compute it: ``shared_basis`` broadcast into ``basis_buffer``, then
-``receive_basis``); ``commit()`` puts pending bases in use and reorders ``v`` like their columns.
+``receive_basis``); ``commit()`` puts pending bases in use, rotates ``m`` into them (``Q_newᵀ Q_old``
+on its side: the same moment in the original basis, ``Q_L m Q_Rᵀ``, as when SOAP keeps it there
+and rotates it every step) and reorders ``v`` like their columns.
 
 Host reads: none, except one in ``check_health`` (once per refresh cycle), inspection and
 ``load_state_dict``; and inside ``torch.linalg.eigh``/``qr`` on CUDA (see the basis module).
@@ -194,20 +196,23 @@ class SoapEngine:
             fs.pending = tensor.to(device=st.parameter.device, dtype=self.dtype)
 
     def commit(self) -> None:
-        """Pending bases become the ones in use, and each block's second moment follows its
-        basis' new column order (rows for A, columns for B)."""
+        """Pending bases become the ones in use: each block's first moment is rotated into them
+        (``Q_newᵀ Q_old m`` for A, ``m Q_oldᵀ Q_new`` for B) and its second moment follows their
+        new column order (rows for A, columns for B)."""
         for st in self._matrices.values():
             for factor, fs in st.factors.items():
                 if fs.pending is None:
                     continue
                 sizes = st.info.block_sizes(factor)
-                fs.basis = fs.pending[: st.info.statistic_numel(factor)].clone()
+                basis = fs.pending[: st.info.statistic_numel(factor)].clone()
+                old, new = block_views(fs.basis, sizes), block_views(basis, sizes)
                 orders = _order_views(fs.pending, sizes)
                 for k, rows, cols in st.info.grid():
-                    block = st.exp_avg_sq[rows, cols]
-                    order = orders[k].long()
-                    block.copy_(block.index_select(0 if factor == "A" else 1, order))
-                fs.pending = None
+                    turn = new[k].mT @ old[k]
+                    first, second = st.exp_avg[rows, cols], st.exp_avg_sq[rows, cols]
+                    first.copy_(turn @ first if factor == "A" else first @ turn.mT)
+                    second.copy_(second.index_select(0 if factor == "A" else 1, orders[k].long()))
+                fs.basis, fs.pending = basis, None
 
     def check_health(self) -> None:
         """One host read of every counter: warn (:class:`SoapNumericsWarning`) the first time a

@@ -32,8 +32,8 @@ class FactorState:
 @dataclass
 class MatrixState:
     """Everything SOAP keeps for one matrix parameter viewed as ``(rows, cols)``: its factors,
-    Adam's first moment ``exp_avg`` in the original basis and second moment ``exp_avg_sq`` with
-    block k in its eigenbasis (both ``(rows, cols)``), the directions given so far (``updates``,
+    Adam's first and second moments ``exp_avg`` and ``exp_avg_sq`` with block k in its
+    eigenbasis (both ``(rows, cols)``; zero before the first bases), the directions given so far (``updates``,
     the bias correction's t) and device int64 ``counters`` (:mod:`pipefisher.methods.soap.health`)."""
 
     info: MatrixInfo

@@ -51,21 +51,22 @@ def fold(
 
 def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, stacked: bool) -> list[Tensor]:
     """SOAP's bias-corrected direction of each of `grads` (``(rows, cols)``, started matrices),
-    updating their moments and direction counts."""
+    updating their moments and direction counts. Both moments live in each block's eigenbasis
+    (`SoapEngine.commit` rotates ``m`` when the basis changes), so a block's step is four
+    products: the gradient rotated in, the direction rotated out."""
     for st in states:
         st.updates += 1
-    torch._foreach_lerp_([st.exp_avg for st in states], grads, 1.0 - settings.beta1)
     out = [torch.empty_like(g) for g in grads]
     left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
     for group in _groups(states, stacked):
         q_left = _stack([left[b.matrix][b.k] for b in group])
         q_right = _stack([right[b.matrix][b.k] for b in group])
-        g = _stack([grads[b.matrix][b.rows, b.cols] for b in group])
+        rotated = q_left.mT @ _stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ q_right
+        first = [states[b.matrix].exp_avg[b.rows, b.cols] for b in group]
         second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
-        torch._foreach_lerp_(second, _unstack((q_left.mT @ g @ q_right).square(), len(group)), 1.0 - settings.beta2)
-        v = _stack(second)
-        rotated = q_left.mT @ _stack([states[b.matrix].exp_avg[b.rows, b.cols] for b in group]) @ q_right
-        direction = q_left @ (rotated / (v.sqrt() + settings.epsilon)) @ q_right.mT
+        torch._foreach_lerp_(first, _unstack(rotated, len(group)), 1.0 - settings.beta1)
+        torch._foreach_lerp_(second, _unstack(rotated.square(), len(group)), 1.0 - settings.beta2)
+        direction = q_left @ (_stack(first) / (_stack(second).sqrt() + settings.epsilon)) @ q_right.mT
         torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(direction, len(group)))
     corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
     torch._foreach_mul_(out, corrections)
