@@ -76,6 +76,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default 32; --quick 2)")
+    parser.add_argument(
+        "--stage-blocks",
+        default="",
+        help="blocks of each stage, comma-separated (pipeline.stage_blocks, e.g. 3,1; default: even)",
+    )
     parser.add_argument("--refresh-steps", type=int, help="refresh interval k; 0: the packer's choice (default 5)")
     parser.add_argument("--max-refresh-steps", type=int, default=10, help="cap on the packer's k (default 10)")
     parser.add_argument(
@@ -128,6 +133,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError("--model: name one model")
     args.model = args.model[0]
     listed(args.first_order, FIRST_ORDER, "--first-order")
+    try:
+        args.stage_blocks = tuple(int(count) for count in args.stage_blocks.split(",") if count.strip())
+    except ValueError:
+        raise UsageError(
+            f"--stage-blocks: {args.stage_blocks!r} is not block counts, comma-separated (e.g. 3,1)"
+        ) from None
     return args
 
 
@@ -141,6 +152,7 @@ def layout_of(args: argparse.Namespace, schedule: str) -> Layout:
         args.refresh_steps,
         args.max_refresh_steps,
         GROUP_TIMEOUT_S,
+        args.stage_blocks,
     )
 
 
@@ -206,7 +218,8 @@ def report(
         f"blocks; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the end; "
         f"{seconds / 60:.1f} min in all (building the arms, profiles included: {builds} s per schedule).",
         "",
-        f"Model {WORKLOADS[args.model].label or args.model}, 2 stages, {args.micro_batches} micro-batches of "
+        f"Model {WORKLOADS[args.model].label or args.model}, 2 stages"
+        f"{f' of {list(args.stage_blocks)} blocks' if args.stage_blocks else ''}, {args.micro_batches} micro-batches of "
         f"{args.micro_batch_size} = {tokens} tokens per step; baseline {args.first_order}; "
         f"methods packed, k {'chosen by the packer' if not args.refresh_steps else args.refresh_steps}, profile "
         f"measured once, re-profiling off; every arm in the same process group: {args.repeats} rounds of one timed "

@@ -39,8 +39,9 @@ RUN_STEPS = 100_000
 class Layout:
     """What every arm of one schedule shares: the model (`workload`), `schedule` on 2 stages,
     `micro_batches` of `micro_batch_size` sequences, the `first_order` optimizer, the methods'
-    refresh interval (`refresh_steps`, 0 = the packer's choice up to `max_refresh_steps`), and
-    `timeout` [s] for any wait inside the group."""
+    refresh interval (`refresh_steps`, 0 = the packer's choice up to `max_refresh_steps`),
+    `timeout` [s] for any wait inside the group, and the blocks of each stage (`stage_blocks`,
+    `pipeline.stage_blocks`; empty: even)."""
 
     workload: Workload
     schedule: str
@@ -50,6 +51,7 @@ class Layout:
     refresh_steps: int
     max_refresh_steps: int
     timeout: float = 120.0
+    stage_blocks: tuple[int, ...] = ()
 
     def overrides(self, method: str | None) -> dict[str, dict[str, object]]:
         """{section: {key: value}} on the workload's run file for the first-order arm (`method`
@@ -61,6 +63,7 @@ class Layout:
                 "stages": STAGES,
                 "micro_batches": self.micro_batches,
                 "data_parallel": 1,
+                "stage_blocks": list(self.stage_blocks),
             },
             "data": {"micro_batch_size": self.micro_batch_size},
             "optimizer": {"name": method or self.first_order},

@@ -25,7 +25,7 @@ from pipefisher.config.sections import (
     PipelineConfig,
     RunSettings,
 )
-from pipefisher.core.settings import ConfigError, check_ranges, closest
+from pipefisher.core.settings import ConfigError, check_ranges, closest, type_name
 from pipefisher.data.settings import DataConfig, has_held_out_split
 from pipefisher.methods.registry import methods
 from pipefisher.methods.settings import RefreshConfig
@@ -181,6 +181,11 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, allowed))}")
         return value
+    if origin is tuple and typing.get_args(annotation)[-1] is Ellipsis:
+        kind = typing.get_args(annotation)[0]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list of {type_name(kind)}s, got {value!r}")
+        return tuple(_convert(v, kind, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is tuple:
         kinds = typing.get_args(annotation)
         if not isinstance(value, (list, tuple)) or len(value) != len(kinds):
@@ -268,6 +273,27 @@ def stage_count_terms(pipeline: PipelineConfig) -> tuple[str, str]:
     return stages, "pipeline.stages"
 
 
+def check_stage_blocks(config: RunConfig, blocks: int, counted_by: str, uneven: bool = True) -> None:
+    """ConfigError naming `pipeline.stage_blocks` unless it gives one count per model stage that
+    sum to the model's `blocks` (0: not known from the run file; `counted_by` names what counts
+    them), for a model kind whose stages take it (`uneven`)."""
+    counts = config.pipeline.stage_blocks
+    if not uneven:
+        raise ConfigError(
+            f"pipeline.stage_blocks: model.kind {config.model.kind} splits its blocks evenly; drop pipeline.stage_blocks"
+        )
+    factors, _ = stage_count_terms(config.pipeline)
+    if len(counts) != config.model_chunks:
+        raise ConfigError(
+            f"pipeline.stage_blocks: {len(counts)} counts for {config.model_chunks} model stages ({factors}); "
+            "give one count per stage"
+        )
+    if blocks and sum(counts) != blocks:
+        raise ConfigError(
+            f"pipeline.stage_blocks: {list(counts)} sums to {sum(counts)}, but the model has {blocks} blocks ({counted_by})"
+        )
+
+
 def split_hint(layers: int, what: str) -> str:
     """How to fix a stage count that does not divide `layers`: name the divisors."""
     divisors = [str(d) for d in range(1, layers + 1) if layers % d == 0]
@@ -281,7 +307,9 @@ def _check(config: RunConfig) -> None:
     if pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
     blocks = getattr(model, kind.blocks_key) if kind.blocks_key else 0
-    if blocks % config.model_chunks:
+    if pipeline.stage_blocks:
+        check_stage_blocks(config, blocks, kind.blocks_key, kind.uneven_splits)
+    elif blocks % config.model_chunks:
         factors, product = stage_count_terms(pipeline)
         raise ConfigError(
             f"model.{kind.blocks_key}: {blocks} blocks cannot be split into {config.model_chunks} equal stages "

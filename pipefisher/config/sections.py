@@ -22,6 +22,12 @@ class PipelineConfig:
         4, "micro-batches per step of each pipeline", low=0, low_open=True, ceiling=COUNT_CEILING
     )
     chunks: int = setting(2, "interleaved: model chunks per rank", low=0, low_open=True, ceiling=COUNT_CEILING)
+    stage_blocks: tuple[int, ...] = setting(
+        (),
+        "blocks of each model stage in stage order (stages x chunks of them, summing to the model's blocks), e.g. "
+        "[3, 1] to lighten the stage that holds the head; empty: dealt evenly",
+        low=1,
+    )
     data_parallel: int = setting(1, "copies of the pipeline", low=0, low_open=True, ceiling=COUNT_CEILING)
     tensor_parallel: int = setting(
         1,

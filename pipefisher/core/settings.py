@@ -165,6 +165,8 @@ def type_name(annotation: Any) -> str:
     """A field's type as the run file writes it: int, number, text, true/false, one of a, b, list."""
     if typing.get_origin(annotation) is Literal:
         return "one of " + ", ".join(map(str, typing.get_args(annotation)))
+    if typing.get_origin(annotation) is tuple and typing.get_args(annotation)[-1] is Ellipsis:
+        return f"list of {type_name(typing.get_args(annotation)[0])}s"
     if typing.get_origin(annotation) is tuple:
         return f"list of {len(typing.get_args(annotation))} numbers"
     return {int: "integer", float: "number", str: "text", bool: "true/false"}.get(annotation, str(annotation))

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
+from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised
 from pipefisher.models.mlm import at_mlm_positions, mlm_loss
@@ -321,25 +322,25 @@ class BertStagedModel:
     #: named parts of `loss` the run reports
     loss_parts = ("mlm", "nsp")
 
-    def __init__(self, config: BertConfig, seq_len: int):
+    def __init__(self, config: BertConfig, seq_len: int, stage_blocks: tuple[int, ...] = ()):
         if not 1 <= seq_len <= config.max_position_embeddings:
             raise ValueError(
                 f"seq_len: expected 1..{config.max_position_embeddings} (max_position_embeddings), got {seq_len}"
             )
         self.config = config
         self.seq_len = seq_len
+        self.stage_blocks = stage_blocks
 
     def build_stage(self, index: int, num_stages: int, seed: int) -> BertStage:
-        """Stage `index` of `num_stages` (blocks split evenly); each parameter depends on (seed, its
+        """Stage `index` of `num_stages` (blocks split evenly, or `stage_blocks` per stage); each parameter depends on (seed, its
         global name) alone, the tied decoder weight equals the word embedding. With one stage the
         decoder weight is the word-embedding Parameter itself. Does not touch the global RNG."""
         layers = self.config.num_hidden_layers
-        if num_stages < 1 or layers % num_stages:
+        if not self.stage_blocks and (num_stages < 1 or layers % num_stages):
             raise ValueError(f"num_stages: {num_stages} does not divide num_hidden_layers {layers}")
         if not 0 <= index < num_stages:
             raise ValueError(f"index: expected 0..{num_stages - 1}, got {index}")
-        per_stage = layers // num_stages
-        blocks = range(index * per_stage, (index + 1) * per_stage)
+        blocks = stage_block_ranges(layers, num_stages, self.stage_blocks)[index]
         stage = build_initialised(
             lambda: BertStage(self.config, blocks, index == 0, index == num_stages - 1),
             seed,

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from pipefisher.core.tensor_parallel import TensorParallelPlan
 from pipefisher.models import Batch
+from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.models.hf_layouts import Layout, bert_pretraining_loss, find_layout
 from pipefisher.models.init import derive_seed
 
@@ -115,11 +116,11 @@ class HfStagedModel:
     weight missing from it (as `save_pretrained` writes them) is read from its source.
     """
 
-    def __init__(self, class_name: str, config, seq_len: int, weights: str = ""):
+    def __init__(self, class_name: str, config, seq_len: int, weights: str = "", stage_blocks: tuple[int, ...] = ()):
         from transformers.initialization import no_init_weights
 
         self.cls = hf_model_class(class_name)
-        self.config, self.seq_len, self.weights = config, seq_len, weights
+        self.config, self.seq_len, self.weights, self.stage_blocks = config, seq_len, weights, stage_blocks
         try:
             with torch.device("meta"), no_init_weights():  # parameters are initialised per stage, later
                 self._skeleton = self.cls(config)
@@ -144,15 +145,16 @@ class HfStagedModel:
             _check_safetensors(self._skeleton, weights, self.tied)
 
     def stage_modules(self, index: int, num_stages: int) -> list[str]:
-        """Dotted names of the modules stage `index` of `num_stages` holds."""
-        if num_stages < 1 or self.num_blocks % num_stages:
+        """Dotted names of the modules stage `index` of `num_stages` holds (blocks dealt evenly, or
+        `stage_blocks` per stage)."""
+        if not self.stage_blocks and (num_stages < 1 or self.num_blocks % num_stages):
             raise ValueError(
                 f"num_stages: {num_stages} does not divide the {self.num_blocks} blocks of {self.layout.blocks}"
             )
         if not 0 <= index < num_stages:
             raise ValueError(f"index: expected 0..{num_stages - 1}, got {index}")
-        per_stage = self.num_blocks // num_stages
-        names = [f"{self.layout.blocks}.{i}" for i in range(index * per_stage, (index + 1) * per_stage)]
+        blocks = stage_block_ranges(self.num_blocks, num_stages, self.stage_blocks)[index]
+        names = [f"{self.layout.blocks}.{i}" for i in blocks]
         names += self.layout.first if index == 0 else ()
         names += self.layout.last if index == num_stages - 1 else ()
         return names + list(self.layout.every)
@@ -173,8 +175,8 @@ class HfStagedModel:
     def stage_ends(self, num_stages: int) -> list[str]:
         """Names of the last block of every stage but the last: where the unsplit model's hidden
         states cross a stage boundary in a split of `num_stages`."""
-        per_stage = self.num_blocks // num_stages
-        return [f"{self.layout.blocks}.{(index + 1) * per_stage - 1}" for index in range(num_stages - 1)]
+        ranges = stage_block_ranges(self.num_blocks, num_stages, self.stage_blocks)
+        return [f"{self.layout.blocks}.{blocks[-1]}" for blocks in ranges[:-1]]
 
     def build_stage(self, index: int, num_stages: int, seed: int) -> HfStage:
         """Stage `index` of `num_stages` on the CPU, initialised (or loaded from `weights`) with

@@ -52,6 +52,8 @@ class ModelKind:
     setting to change when a checkpoint resumes); the first one describes it ("bert bert-tiny").
     `instead`: what it reads instead of the keys of others, for the refusal's last words.
     `exports`: its checkpoints export as a Hugging Face model folder (`pipefisher export`).
+    `uneven_splits`: its stages take `pipeline.stage_blocks` (blocks per stage) instead of an even
+    split; the builder passes the counts to the model.
     """
 
     name: str
@@ -68,6 +70,7 @@ class ModelKind:
     naming_keys: tuple[str, ...] = ()
     instead: str = ""
     exports: bool = False
+    uneven_splits: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.data:

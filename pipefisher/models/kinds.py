@@ -36,6 +36,7 @@ TRANSFORMER = ModelKind(
     blocks_key="layers",
     tensor_parallel_divides=("heads", "ffn"),
     check=_transformer_problem,
+    uneven_splits=True,
 )
 
 MLP = ModelKind(
@@ -46,6 +47,7 @@ MLP = ModelKind(
     f"{_BUILDERS}:regression_model",
     blocks_key="layers",
     tensor_parallel=False,
+    uneven_splits=True,
 )
 
 BERT = ModelKind(
@@ -58,6 +60,7 @@ BERT = ModelKind(
     activation_shape=f"{_SHAPES}:bert_shape",
     naming_keys=("preset", "config_json"),
     instead="its size comes from model.preset or model.config_json",
+    uneven_splits=True,
 )
 
 HF = ModelKind(
@@ -71,6 +74,7 @@ HF = ModelKind(
     naming_keys=("hf_config", "hf_class"),
     instead="its size comes from model.hf_config",
     exports=True,
+    uneven_splits=True,
 )
 
 BUILT_IN: tuple[ModelKind, ...] = (TRANSFORMER, MLP, BERT, HF)

@@ -26,6 +26,7 @@ from pipefisher.models.settings import ModelConfig
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised
+from pipefisher.core.stage_split import stage_block_ranges
 
 
 class SelfAttention(nn.Module):
@@ -120,14 +121,13 @@ class TinyRegression:
 
     loss_parts: tuple[str, ...] = ()
 
-    def __init__(self, config: ModelConfig):
-        self.config = config
+    def __init__(self, config: ModelConfig, stage_blocks: tuple[int, ...] = ()):
+        self.config, self.stage_blocks = config, stage_blocks
 
     def build_stage(self, index: int, num_stages: int, seed: int) -> Stage:
-        """Stage `index` of `num_stages` (layers split evenly); each parameter depends on (seed, its
-        global name) alone. Does not touch the global RNG."""
-        per_stage = self.config.layers // num_stages
-        layers = range(index * per_stage, (index + 1) * per_stage)
+        """Stage `index` of `num_stages` (layers split evenly, or `stage_blocks` of them per stage);
+        each parameter depends on (seed, its global name) alone. Does not touch the global RNG."""
+        layers = stage_block_ranges(self.config.layers, num_stages, self.stage_blocks)[index]
         return build_initialised(
             lambda: Stage(self.config, layers, index == 0, index == num_stages - 1), seed, pytorch_default_init
         )

@@ -57,7 +57,8 @@ class ModelShape:
     token; `dropout`: the probability of BERT's dropout layers; `predictions`: positions per
     sequence BERT's MLM head runs on (the data's `mlm_positions` width; 0 = all `seq_len`);
     `positions`: rows of BERT's or GPT-2's position-embedding table (0: not above `vocab`), whose
-    dense gradient the backward builds."""
+    dense gradient the backward builds; `stage_blocks`: blocks per stage (`pipeline.stage_blocks`;
+    empty: dealt evenly)."""
 
     kind: str
     blocks: int
@@ -72,6 +73,7 @@ class ModelShape:
     dropout: float = 0.0
     predictions: int = 0
     positions: int = 0
+    stage_blocks: tuple[int, ...] = ()
 
     @property
     def head_rows(self) -> int:

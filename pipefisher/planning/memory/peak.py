@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefisher.core.topology import Topology
+from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.planning.memory.activations import (
     PRECISIONS,
     ModelShape,
@@ -98,28 +99,32 @@ def stage_activation_bytes(
     once per step (`rank_cast_bytes`), not per micro-batch; False (ZeRO-2/3): each micro-batch's
     graph saves its own."""
     blocks = _stage_blocks(shape, num_stages)
-    ends = [(index == 0, index == num_stages - 1) for index in range(num_stages)]
+    ends = [(index == 0, index == num_stages - 1, blocks[index]) for index in range(num_stages)]
     casts = not step_cache
     kept = [
-        micro_batch_bytes(shape, blocks, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts)
-        for first, last in ends
+        micro_batch_bytes(shape, held, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts)
+        for first, last, held in ends
     ]
     pending = [
-        weight_pending_bytes(shape, blocks, first, last, micro_batch_size, precision, casts) for first, last in ends
+        weight_pending_bytes(shape, held, first, last, micro_batch_size, precision, casts) for first, last, held in ends
     ]
     transient = [
         backward_transient_bytes(
-            shape, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts, blocks
+            shape, first, last, micro_batch_size, precision, recompute, tensor_parallel, casts, held
         )
-        for first, last in ends
+        for first, last, held in ends
     ]
     return kept, pending, transient
 
 
-def _stage_blocks(shape: ModelShape, num_stages: int) -> int:
-    if num_stages < 1 or shape.blocks % num_stages:
-        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks")
-    return shape.blocks // num_stages
+def _stage_blocks(shape: ModelShape, num_stages: int) -> list[int]:
+    """Blocks of each stage: `shape.stage_blocks`, or the model's blocks dealt evenly."""
+    try:
+        return [len(held) for held in stage_block_ranges(shape.blocks, num_stages, shape.stage_blocks)]
+    except ValueError:
+        if shape.stage_blocks:
+            raise
+        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks") from None
 
 
 def rank_cast_bytes(
@@ -138,7 +143,7 @@ def rank_cast_bytes(
     num_stages = topology.schedule.num_stages
     blocks = _stage_blocks(shape, num_stages)
     return sum(
-        step_cast_bytes(shape, blocks, stage == 0, stage == num_stages - 1, precision, tensor_parallel)
+        step_cast_bytes(shape, blocks[stage], stage == 0, stage == num_stages - 1, precision, tensor_parallel)
         for _, stage in topology.stages_of(rank)
     )
 

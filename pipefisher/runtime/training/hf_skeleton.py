@@ -7,8 +7,11 @@ from __future__ import annotations
 from pipefisher.config import ConfigError, ModelConfig
 
 
-def hf_staged(settings: ModelConfig, overrides: tuple[tuple[str, object], ...] = ()):
-    """The Hugging Face staged model of `settings` with `overrides` of its config (building the
+def hf_staged(
+    settings: ModelConfig, overrides: tuple[tuple[str, object], ...] = (), stage_blocks: tuple[int, ...] = ()
+):
+    """The Hugging Face staged model of `settings` with `overrides` of its config, its stages
+    holding `stage_blocks` blocks each when given (`pipeline.stage_blocks`) (building the
     skeleton of a large model takes seconds: a run builds it through its `RunParts`, once);
     ConfigError naming the key."""
     try:
@@ -24,7 +27,7 @@ def hf_staged(settings: ModelConfig, overrides: tuple[tuple[str, object], ...] =
         class_name = settings.hf_class or (getattr(hf_config, "architectures", None) or [""])[0]
         if not class_name:
             raise ValueError("hf_class: the config names no architectures; set model.hf_class (e.g. GPT2LMHeadModel)")
-        return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights)
+        return HfStagedModel(class_name, hf_config, settings.seq_len, settings.hf_weights, stage_blocks)
     except ValueError as exc:
         # every message names its field (hf_config, hf_class, hf_weights, seq_len)
         raise ConfigError(f"model.{exc}") from None

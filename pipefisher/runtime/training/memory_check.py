@@ -38,7 +38,8 @@ def model_shape(config: RunConfig, model) -> ModelShape:
     if not kind.activation_shape:
         covered = ", ".join(name for name, other in kinds().items() if other.activation_shape)
         raise ValueError(f"model.kind: the activation model covers {covered}, not {kind.name}")
-    return load(kind.activation_shape)(config, model)
+    shape = load(kind.activation_shape)(config, model)
+    return dataclasses.replace(shape, stage_blocks=config.pipeline.stage_blocks)
 
 
 def bert_shape(config: RunConfig, model) -> ModelShape:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pipefisher.config import ConfigError, RunConfig, split_hint, stage_count_terms
+from pipefisher.config import ConfigError, RunConfig, check_stage_blocks, split_hint, stage_count_terms
 from pipefisher.models import StagedModel
 from pipefisher.models.tiny import TinyRegression
 from pipefisher.runtime.errors import first_line
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def regression_model(run: RunParts) -> StagedModel:
     """The builder of model.kind transformer and mlp: the regression model (its data is synthetic)."""
-    return TinyRegression(run.config.model)
+    return TinyRegression(run.config.model, run.config.pipeline.stage_blocks)
 
 
 def bert_model(run: RunParts) -> StagedModel:
@@ -35,8 +35,7 @@ def bert_model(run: RunParts) -> StagedModel:
         bert = BertConfig.from_json(settings.config_json) if settings.config_json else bert_preset(settings.preset)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"model: {first_line(exc)}") from None
-    if bert.num_hidden_layers % config.model_chunks:
-        raise _unsplittable(config, f"{bert.num_hidden_layers} BERT layers", bert.num_hidden_layers)
+    _check_split(config, bert.num_hidden_layers, f"{bert.num_hidden_layers} BERT layers", "num_hidden_layers")
     if settings.seq_len > bert.max_position_embeddings:
         raise ConfigError(
             f"model.seq_len: {settings.seq_len} exceeds the model's {bert.max_position_embeddings} positions"
@@ -47,15 +46,19 @@ def bert_model(run: RunParts) -> StagedModel:
         bert = dataclasses.replace(
             bert, hidden_dropout_prob=settings.dropout, attention_probs_dropout_prob=settings.dropout
         )
-    return BertStagedModel(bert, settings.seq_len)
+    return BertStagedModel(bert, settings.seq_len, config.pipeline.stage_blocks)
 
 
-def _unsplittable(config: RunConfig, what: str, count: int) -> ConfigError:
-    """The error for a model of `count` layers/blocks (`what`) the run's stages do not divide."""
-    _, product = stage_count_terms(config.pipeline)
-    return ConfigError(
-        f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}"
-    )
+def _check_split(config: RunConfig, count: int, what: str, field: str) -> None:
+    """ConfigError unless the run's stages split a model of `count` layers/blocks (`what`, counted
+    by the model's `field`): evenly, or as `pipeline.stage_blocks` says."""
+    if config.pipeline.stage_blocks:
+        check_stage_blocks(config, count, field)
+    elif count % config.model_chunks:
+        _, product = stage_count_terms(config.pipeline)
+        raise ConfigError(
+            f"model: {what} cannot be split into {config.model_chunks} equal stages; {split_hint(count, product)}"
+        )
 
 
 def hf_model(run: RunParts) -> StagedModel:
@@ -63,9 +66,9 @@ def hf_model(run: RunParts) -> StagedModel:
     vocabulary and special ids, checked against the run's stages and data before the data is built."""
     config = run.config
     settings = config.model
-    model = hf_staged(settings)
-    if model.num_blocks % config.model_chunks:
-        raise _unsplittable(config, f"{model.num_blocks} blocks of {model.layout.blocks}", model.num_blocks)
+    stage_blocks = config.pipeline.stage_blocks
+    model = hf_staged(settings, stage_blocks=stage_blocks)
+    _check_split(config, model.num_blocks, f"{model.num_blocks} blocks of {model.layout.blocks}", "its config's layers")
     try:
         model.check_split(config.model_chunks)
         model.recompute_plan(settings.recompute)  # refused before the data is built
@@ -103,4 +106,4 @@ def hf_model(run: RunParts) -> StagedModel:
         if model.layout.data == "bert"
         else {"bos_token_id": data.end_of_text, "eos_token_id": data.end_of_text, "pad_token_id": None}
     )
-    return hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()))
+    return hf_staged(settings, (("vocab_size", data.vocab_size), *special.items()), stage_blocks)

@@ -61,6 +61,7 @@ _PROCESSES = {
     ("pipeline", "stages"),
     ("pipeline", "micro_batches"),
     ("pipeline", "chunks"),
+    ("pipeline", "stage_blocks"),
     ("pipeline", "data_parallel"),
     ("optimizer", "zero"),
 }
