@@ -8,11 +8,9 @@ from pipefisher.config.run import (
     config_from_dict,
     config_to_dict,
     load_config,
-    check_stage_blocks,
-    split_hint,
-    stage_count_terms,
     stage_replica_count,
 )
+from pipefisher.config.stage_split import check_stage_blocks, split_hint, stage_count_terms
 from pipefisher.config.sections import (
     CheckpointConfig,
     CommConfig,

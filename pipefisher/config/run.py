@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pipefisher.config.applies import check_applies
 from pipefisher.config.sharding import fsdp_problem
+from pipefisher.config.stage_split import check_stage_blocks, split_hint, stage_count_terms
 from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
 from pipefisher.core.names import FIRST_ORDER
@@ -33,7 +34,7 @@ from pipefisher.models.registry import kinds, model_kind
 from pipefisher.models.settings import ModelConfig
 from pipefisher.optim.settings import OptimizerConfig
 from pipefisher.planning.comm.actions import GradientPath, Reduction
-from pipefisher.schedules import CONFIGURABLE_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
+from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
 
 
 #: optimizer.zero -> its gradient path (0: none)
@@ -259,48 +260,6 @@ def stage_replica_count(config: RunConfig) -> int:
     return (2 if config.pipeline.schedule == "chimera" else 1) * config.pipeline.data_parallel
 
 
-def stage_count_terms(pipeline: PipelineConfig) -> tuple[str, str]:
-    """How the run's stage count per pipe is made, for messages: (its factors with their values,
-    the product to fix), e.g. ("pipeline.stages 2 x pipeline.chunks 3", "pipeline.stages x
-    pipeline.chunks") for interleaved, ("pipeline.stages 2 x 2 chunks per rank of zbv",
-    "2 x pipeline.stages") for a V schedule, ("pipeline.stages 2", "pipeline.stages") otherwise."""
-    stages = f"pipeline.stages {pipeline.stages}"
-    if pipeline.schedule in CONFIGURABLE_CHUNKS:
-        return f"{stages} x pipeline.chunks {pipeline.chunks}", "pipeline.stages x pipeline.chunks"
-    chunks = chunks_per_rank(pipeline.schedule)
-    if chunks > 1:
-        return f"{stages} x {chunks} chunks per rank of {pipeline.schedule}", f"{chunks} x pipeline.stages"
-    return stages, "pipeline.stages"
-
-
-def check_stage_blocks(config: RunConfig, blocks: int, counted_by: str, uneven: bool = True) -> None:
-    """ConfigError naming `pipeline.stage_blocks` unless it gives one count per model stage that
-    sum to the model's `blocks` (0: not known from the run file; `counted_by` names what counts
-    them), for a model kind whose stages take it (`uneven`)."""
-    counts = config.pipeline.stage_blocks
-    if not uneven:
-        raise ConfigError(
-            f"pipeline.stage_blocks: model.kind {config.model.kind} splits its blocks evenly; drop pipeline.stage_blocks"
-        )
-    factors, _ = stage_count_terms(config.pipeline)
-    if len(counts) != config.model_chunks:
-        raise ConfigError(
-            f"pipeline.stage_blocks: {len(counts)} counts for {config.model_chunks} model stages ({factors}); "
-            "give one count per stage"
-        )
-    if blocks and sum(counts) != blocks:
-        raise ConfigError(
-            f"pipeline.stage_blocks: {list(counts)} sums to {sum(counts)}, but the model has {blocks} blocks ({counted_by})"
-        )
-
-
-def split_hint(layers: int, what: str) -> str:
-    """How to fix a stage count that does not divide `layers`: name the divisors."""
-    divisors = [str(d) for d in range(1, layers + 1) if layers % d == 0]
-    listed = divisors[0] if len(divisors) == 1 else ", ".join(divisors[:-1]) + " or " + divisors[-1]
-    return f"make {what} a divisor of {layers}: {listed}"
-
-
 def _check(config: RunConfig) -> None:
     pipeline, model = config.pipeline, config.model
     kind = model_kind(model.kind)
@@ -308,7 +267,7 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(f"pipeline.schedule: {pipeline.schedule!r} is not one of {', '.join(SCHEDULES)}")
     blocks = getattr(model, kind.blocks_key) if kind.blocks_key else 0
     if pipeline.stage_blocks:
-        check_stage_blocks(config, blocks, kind.blocks_key, kind.uneven_splits)
+        check_stage_blocks(pipeline, model.kind, blocks, f"model.{kind.blocks_key}", kind.uneven_splits)
     elif blocks % config.model_chunks:
         factors, product = stage_count_terms(pipeline)
         raise ConfigError(

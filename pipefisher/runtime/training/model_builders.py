@@ -53,7 +53,7 @@ def _check_split(config: RunConfig, count: int, what: str, field: str) -> None:
     """ConfigError unless the run's stages split a model of `count` layers/blocks (`what`, counted
     by the model's `field`): evenly, or as `pipeline.stage_blocks` says."""
     if config.pipeline.stage_blocks:
-        check_stage_blocks(config, count, field)
+        check_stage_blocks(config.pipeline, config.model.kind, count, field)
     elif count % config.model_chunks:
         _, product = stage_count_terms(config.pipeline)
         raise ConfigError(
