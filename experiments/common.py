@@ -28,6 +28,14 @@ class RunFailed(RuntimeError):
     """A `pipefisher run` of a benchmark failed; the message is one line."""
 
 
+def checked(done: subprocess.CompletedProcess, argv: list[str]) -> None:
+    """RunFailed, in one line (the command's program and first arguments, its exit code and its
+    last line on stderr), unless the command `argv` that gave `done` exited 0."""
+    if done.returncode != 0:
+        last = ((done.stderr or "").strip().splitlines() or ["(no output)"])[-1]
+        raise RunFailed(f"{' '.join(argv[2:5])} ... failed (exit {done.returncode}): {last}")
+
+
 def progress(message: str) -> None:
     """One progress line on stderr."""
     print(message, file=sys.stderr, flush=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
-from experiments.common import UsageError, experiment_output, listed, progress, run_child  # noqa: E402
+from experiments.common import UsageError, checked, experiment_output, listed, progress, run_child  # noqa: E402
 from experiments.convergence_study.report import first_crossing  # noqa: E402
 from experiments.time_to_target_study.report import final  # noqa: E402
 from experiments.time_to_target_study.runs import WARMUP, PipelinedRun, parse_records  # noqa: E402
@@ -99,7 +99,7 @@ def prepared_shards(cache: Path, megabytes: float) -> Path:
     if not (folder / "manifest.json").is_file():
         command = [sys.executable, "-m", "pipefisher", "data", "prepare", str(source_corpus(cache, megabytes))]
         command += ["-o", str(folder), "--tokenizer", "bpe", "--vocab-size", "8000", "--holdout", "0.02"]
-        _checked(run_child(command + ["--overwrite"], cwd=ROOT), command)
+        checked(run_child(command + ["--overwrite"], cwd=ROOT), command)
     return folder
 
 
@@ -130,7 +130,7 @@ def train(argv: list[str]) -> tuple[list[dict], float]:
     """Run `argv` (a `command` whose --metrics it reads back); its step records and wall seconds."""
     metrics = Path(argv[argv.index("--metrics") + 1])
     start = time.perf_counter()
-    _checked(run_child(argv, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}), argv)
+    checked(run_child(argv, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}), argv)
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return records, time.perf_counter() - start
 
@@ -202,12 +202,6 @@ def write_outputs(runs: dict[str, PipelinedRun], text: str, out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(figure)
-
-
-def _checked(result, argv: list[str]) -> None:
-    if result.returncode:
-        tail = (result.stderr or "").strip().splitlines()[-5:]
-        raise SystemExit(f"failed ({result.returncode}): {' '.join(argv)}\n" + "\n".join(tail))
 
 
 def _rates(text: str) -> dict[str, float]:

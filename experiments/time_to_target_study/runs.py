@@ -18,14 +18,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from experiments.common import run_child
+from experiments.common import checked, run_child
 from experiments.convergence_study.runs import FIRST_ORDER, ROOT, WORKLOADS, Sizing, rest_rule
 
 #: steps whose records the median step time skips (allocation, first profile, warm caches)
@@ -111,7 +110,7 @@ def shards(workload: str, sizing: Sizing, cache: Path, corpus: tuple[str, ...] =
         command = [sys.executable, "-m", "pipefisher", "data", "prepare", *corpus, "-o", str(folder)]
         command += ["--tokenizer", TOKENIZERS[workload], "--vocab-size", str(sizing.vocab_size)]
         command += ["--holdout", str(sizing.holdout), "--shuffle-seed", "0", "--overwrite"]
-        _check(run_child(command, cwd=ROOT), command)
+        checked(run_child(command, cwd=ROOT), command)
     return folder
 
 
@@ -184,7 +183,7 @@ def run(setting: Setting, sizing: Sizing, store: Store, corpus: tuple[str, ...] 
         argv = command(setting, sizing, data, metrics)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         start = time.perf_counter()
-        _check(run_child(argv, cwd=ROOT, env=env), argv)
+        checked(run_child(argv, cwd=ROOT, env=env), argv)
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         found = parse_records(records, time.perf_counter() - start)
     path = record_path(setting, sizing, store.runs, corpus)
@@ -212,9 +211,3 @@ def machine() -> dict[str, object]:
         "vector": [f for f in ("avx2", "avx512f", "amx_tile") if f in flags],
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
     }
-
-
-def _check(done: subprocess.CompletedProcess, argv: list[str]) -> None:
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{' '.join(argv[2:5])} ... failed (exit {done.returncode}): {last}")

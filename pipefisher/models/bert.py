@@ -336,8 +336,6 @@ class BertStagedModel:
         global name) alone, the tied decoder weight equals the word embedding. With one stage the
         decoder weight is the word-embedding Parameter itself. Does not touch the global RNG."""
         layers = self.config.num_hidden_layers
-        if not self.stage_blocks and (num_stages < 1 or layers % num_stages):
-            raise ValueError(f"num_stages: {num_stages} does not divide num_hidden_layers {layers}")
         if not 0 <= index < num_stages:
             raise ValueError(f"index: expected 0..{num_stages - 1}, got {index}")
         blocks = stage_block_ranges(layers, num_stages, self.stage_blocks)[index]

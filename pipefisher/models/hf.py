@@ -147,10 +147,6 @@ class HfStagedModel:
     def stage_modules(self, index: int, num_stages: int) -> list[str]:
         """Dotted names of the modules stage `index` of `num_stages` holds (blocks dealt evenly, or
         `stage_blocks` per stage)."""
-        if not self.stage_blocks and (num_stages < 1 or self.num_blocks % num_stages):
-            raise ValueError(
-                f"num_stages: {num_stages} does not divide the {self.num_blocks} blocks of {self.layout.blocks}"
-            )
         if not 0 <= index < num_stages:
             raise ValueError(f"index: expected 0..{num_stages - 1}, got {index}")
         blocks = stage_block_ranges(self.num_blocks, num_stages, self.stage_blocks)[index]

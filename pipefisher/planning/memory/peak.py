@@ -119,12 +119,7 @@ def stage_activation_bytes(
 
 def _stage_blocks(shape: ModelShape, num_stages: int) -> list[int]:
     """Blocks of each stage: `shape.stage_blocks`, or the model's blocks dealt evenly."""
-    try:
-        return [len(held) for held in stage_block_ranges(shape.blocks, num_stages, shape.stage_blocks)]
-    except ValueError:
-        if shape.stage_blocks:
-            raise
-        raise ValueError(f"num_stages: {num_stages} does not divide the model's {shape.blocks} blocks") from None
+    return [len(held) for held in stage_block_ranges(shape.blocks, num_stages, shape.stage_blocks)]
 
 
 def rank_cast_bytes(
