@@ -138,7 +138,7 @@ def test_a_measured_profile_resplits_by_blocks():
     [
         (["MLP", "--gpus", "2"], "model.kind: mlp"),
         (["schedules/tiny-regression.yaml", "--gpus", "2"], "no times to plan with"),
-        ([str(BASE_RUN), "--gpus", "7"], "--gpus 7"),
+        ([str(BASE_RUN), "--gpus", "7", "--even-splits"], "--gpus 7"),
         ([str(BASE_RUN), "--gpus", "4", "--profile", "profiles/tiny-cpu-1f1b.yaml"], "blocks"),
         ([str(BASE_RUN), "--gpus", "4", "--memory-gb", "0.1", "--reserve-gb", "0"], "smallest needs"),
     ],

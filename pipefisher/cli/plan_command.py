@@ -103,6 +103,12 @@ def add_plan_parser(subparsers) -> None:
         metavar="T",
         help="largest tensor-parallel degree tried (default 8; 1: pipeline and data parallelism only)",
     )
+    parser.add_argument(
+        "--even-splits",
+        action="store_true",
+        help="split the blocks evenly over the stages only (default: also try, for model kinds that take "
+        "pipeline.stage_blocks, the split that balances the stages' compute, the head included)",
+    )
     parser.add_argument("--top", type=positive_int, default=10, help="rows of the table (default 10)")
     parser.add_argument(
         "--packed",
@@ -288,6 +294,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             not args.json,
             args.jobs or usable_cpus(),
             own_layouts,
+            uneven=not args.even_splits,
         )
     except BrokenProcessPool:
         say(
@@ -366,7 +373,7 @@ def _plannable(layout: Layout, sizes: ModelSizes, source) -> bool:
     return (
         layout.micro_batch_size in source.micro_batch_sizes
         and (degrees is None or layout.tensor_parallel in degrees)
-        and sizes.blocks % layout.pieces == 0
+        and (bool(layout.stage_blocks) or sizes.blocks % layout.pieces == 0)
     )
 
 

@@ -3,6 +3,7 @@ counts them. Pure Python."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 
@@ -21,3 +22,58 @@ def stage_block_ranges(total: int, num_stages: int, counts: tuple[int, ...] = ()
         counts = (total // num_stages,) * num_stages
     ends = list(accumulate(counts, initial=0))
     return [range(start, end) for start, end in zip(ends, ends[1:])]
+
+
+def even_counts(total: int, num_stages: int) -> tuple[int, ...]:
+    """`total` blocks dealt evenly over `num_stages` (ValueError where they do not divide)."""
+    return tuple(len(held) for held in stage_block_ranges(total, num_stages))
+
+
+def balanced_counts(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Blocks per stage that cut the blocks of `weights` (each block's time, in model order; a
+    block's neighbours outside the blocks, such as the head, counted in the first or last block's)
+    into `num_stages` contiguous stages of at least one block each, the slowest stage as fast as
+    any cut allows; of those cuts, the one whose stage times have the least sum of squares (the
+    most even), and of those the one with the fewest blocks on the earliest stages (they hold the
+    most activations in flight). ValueError where there are fewer blocks than stages."""
+    count = len(weights)
+    if not 1 <= num_stages <= count:
+        raise ValueError(f"num_stages: {num_stages} stages cannot each hold one of {count} blocks")
+    ends = list(accumulate(weights, initial=0.0))
+
+    def load(first: int, last: int) -> float:
+        return ends[last] - ends[first]
+
+    slowest = _least_slowest(load, count, num_stages)
+    limit = slowest * (1 + 1e-9) + 1e-12
+    # cost[k][i]: (sum of squares, counts) of the best cut of blocks i.. into k stages under `limit`
+    inf: tuple[float, tuple[int, ...]] = (float("inf"), ())
+    cost: list[list[tuple[float, tuple[int, ...]]]] = [[inf] * (count + 1) for _ in range(num_stages + 1)]
+    cost[0][count] = (0.0, ())
+    for stages in range(1, num_stages + 1):
+        for first in range(count - stages, -1, -1):
+            best = inf
+            for last in range(first + 1, count - stages + 2):
+                taken = load(first, last)
+                rest_squares, rest = cost[stages - 1][last]
+                if taken > limit or rest_squares == float("inf"):
+                    continue
+                found = (taken * taken + rest_squares, (last - first, *rest))
+                if found[0] < best[0] * (1 - 1e-12) or (found[0] <= best[0] * (1 + 1e-12) and found[1] < best[1]):
+                    best = found
+            cost[stages][first] = best
+    return cost[num_stages][0][1]
+
+
+def _least_slowest(load: Callable[[int, int], float], count: int, num_stages: int) -> float:
+    """The least time of the slowest stage over every contiguous cut (the linear partition problem)."""
+    # slowest[k][i]: the least slowest stage of blocks i.. cut into k stages
+    inf = float("inf")
+    slowest = [[inf] * (count + 1) for _ in range(num_stages + 1)]
+    slowest[0][count] = 0.0
+    for stages in range(1, num_stages + 1):
+        for first in range(count - stages, -1, -1):
+            slowest[stages][first] = min(
+                max(load(first, last), slowest[stages - 1][last]) for last in range(first + 1, count - stages + 2)
+            )
+    return slowest[num_stages][0]

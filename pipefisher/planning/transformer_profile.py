@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
+from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS, shard_features
 from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.vocabulary import TaskRules
@@ -130,11 +131,14 @@ def transformer_profile(
     tp_latency_us: float = 0.0,
     method: str = "",
     rules: TaskRules | None = None,
+    stage_blocks: tuple[int, ...] = (),
 ) -> Profile:
-    """`num_blocks` blocks cut into `num_stages` stages of equal compute.
+    """`num_blocks` blocks cut into `num_stages` stages of equal compute, or of `stage_blocks`
+    blocks each where given (`pipeline.stage_blocks`: one count per stage, summing to num_blocks).
 
-    Linear layers are dealt out in order, 6·num_blocks/num_stages per stage (rounded), so a stage
-    may end in the middle of a block; forward and backward scale with the blocks per stage.
+    Without `stage_blocks`, Linear layers are dealt out in order, 6·num_blocks/num_stages per stage
+    (rounded), so a stage may end in the middle of a block; forward and backward scale with the
+    blocks per stage.
     Capture sizes: `micro_batch_size × seq_len` rows (tokens; 128 in the PipeFisher paper's BERT
     runs) of `capture_dtype_bytes` (4: fp32) per value; unknown (0) without `micro_batch_size`.
     `tensor_parallel` T: the profile of one of T tensor-parallel ranks (module docstring), its
@@ -157,7 +161,17 @@ def transformer_profile(
     except ValueError as exc:
         raise ProfileError(f"tensor_parallel: {exc}; use a degree that divides hidden {hidden} and ffn {ffn}") from None
     layers = [replace(layer, name=f"block{block}.{layer.name}") for block in range(num_blocks) for layer in per_block]
-    share = num_blocks / num_stages
+    if stage_blocks:
+        try:
+            held = stage_block_ranges(num_blocks, num_stages, stage_blocks)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+        cuts = [(len(per_block) * r.start, len(per_block) * r.stop) for r in held]
+    else:
+        cuts = [
+            (round(stage * len(layers) / num_stages), round((stage + 1) * len(layers) / num_stages))
+            for stage in range(num_stages)
+        ]
     allreduce = 0.0
     if tensor_parallel > 1 and tp_bandwidth_gbps is not None:
         if time_unit not in _MS_PER_UNIT:
@@ -172,14 +186,17 @@ def transformer_profile(
             micro_batch_size * seq_len * hidden * capture_dtype_bytes, tensor_parallel, tp_bandwidth_gbps, tp_latency_us
         )
         allreduce = ms * _MS_PER_UNIT[time_unit]
-    forward = share * (times.time_f / tensor_parallel + ALLREDUCES_FORWARD * allreduce)
-    backward = share * (times.time_b / tensor_parallel + ALLREDUCES_BACKWARD * allreduce)
-    weight = share * times.time_b / tensor_parallel / 2 if allreduce else 0.0
     stages = []
-    for stage in range(num_stages):
-        first = round(stage * len(layers) / num_stages)
-        last = round((stage + 1) * len(layers) / num_stages)
-        stages.append(StageProfile(forward=forward, backward=backward, weight=weight, layers=tuple(layers[first:last])))
+    for first, last in cuts:
+        share = (last - first) / len(per_block) if stage_blocks else num_blocks / num_stages
+        stages.append(
+            StageProfile(
+                forward=share * (times.time_f / tensor_parallel + ALLREDUCES_FORWARD * allreduce),
+                backward=share * (times.time_b / tensor_parallel + ALLREDUCES_BACKWARD * allreduce),
+                weight=share * times.time_b / tensor_parallel / 2 if allreduce else 0.0,
+                layers=tuple(layers[first:last]),
+            )
+        )
     return Profile(
         stages=tuple(stages),
         time_unit=time_unit,

@@ -15,6 +15,7 @@ import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS, Split, holds_bias, shard_features
 from pipefisher.planning.memory.state import CurvatureLayer, StageState
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS
@@ -87,12 +88,13 @@ def _block(sizes: TransformerSizes, block: int, degree: int, index: int) -> list
     return attention + linear("intermediate") + linear("output") + _norm(f"{prefix}.output.LayerNorm", h)
 
 
-def _stage_tensors(sizes: TransformerSizes, stage: int, num_stages: int, degree: int, index: int) -> list[_Tensor]:
-    """The stage's parameters in `module.parameters()` order, each tensor once (with one stage the
-    decoder's weight is the word embedding's)."""
+def _stage_tensors(
+    sizes: TransformerSizes, stage: int, held: range, num_stages: int, degree: int, index: int
+) -> list[_Tensor]:
+    """The parameters of stage `stage` (holding blocks `held`) in `module.parameters()` order, each
+    tensor once (with one stage the decoder's weight is the word embedding's)."""
     h = sizes.hidden
     first, last = stage == 0, stage == num_stages - 1
-    per_stage = sizes.blocks // num_stages
     tensors: list[_Tensor] = []
     if first:
         tensors += [
@@ -100,7 +102,7 @@ def _stage_tensors(sizes: TransformerSizes, stage: int, num_stages: int, degree:
             _Tensor("embeddings.position_embeddings", (sizes.max_positions, h)),
             _Tensor("embeddings.token_type_embeddings", (sizes.type_vocab, h)),
         ] + _norm("embeddings.LayerNorm", h)
-    for block in range(stage * per_stage, (stage + 1) * per_stage):
+    for block in held:
         tensors += _block(sizes, block, degree, index)
     if last:
         decoder = _linear("cls.predictions.decoder", h, sizes.vocab, None, degree, index)
@@ -122,20 +124,21 @@ def transformer_stage_states(
     index: int = 0,
     first_order: Sequence[str] = FIRST_ORDER,
     preconditions_bias: bool = True,
+    stage_blocks: tuple[int, ...] = (),
 ) -> list[StageState]:
     """Each stage's `StageState` on tensor-parallel rank `index` of `tensor_parallel`: parameter
     sizes and shapes in the model's order; with `layer_model`, a curvature layer per Linear the
     method preconditions (all but the `first_order` globs) and the flags of the parameters it
     preconditions (weights, and biases when `preconditions_bias`), and the element counts of
-    its blocks (FSDP2's units under ZeRO-3). ValueError unless the stages
-    divide the blocks and T divides hidden and ffn."""
-    if num_stages < 1 or sizes.blocks % num_stages:
-        raise ValueError(f"num_stages: {num_stages} does not divide the model's {sizes.blocks} blocks")
+    its blocks (FSDP2's units under ZeRO-3); the stages hold `stage_blocks` blocks each where
+    given (`pipeline.stage_blocks`), else an even share. ValueError unless the stages split the
+    blocks so and T divides hidden and ffn."""
+    ranges = stage_block_ranges(sizes.blocks, num_stages, stage_blocks)
     if not 0 <= index < tensor_parallel:
         raise ValueError(f"index: expected 0..{tensor_parallel - 1}, got {index}")
     states = []
     for stage in range(num_stages):
-        tensors = _stage_tensors(sizes, stage, num_stages, tensor_parallel, index)
+        tensors = _stage_tensors(sizes, stage, ranges[stage], num_stages, tensor_parallel, index)
         curvature = [
             t
             for t in tensors
@@ -151,8 +154,7 @@ def transformer_stage_states(
         chosen = {id(t) for t in curvature if len(t.shape) == 2 or preconditions_bias}
         numels = tuple(_numel(t.shape) for t in tensors)
         blocks = tuple(
-            sum(_numel(t.shape) for t in _block(sizes, block, tensor_parallel, index))
-            for block in range(stage * sizes.blocks // num_stages, (stage + 1) * sizes.blocks // num_stages)
+            sum(_numel(t.shape) for t in _block(sizes, block, tensor_parallel, index)) for block in ranges[stage]
         )
         states.append(
             StageState(

@@ -9,7 +9,7 @@ data_parallel; every layout of one search has the run file's, so step times comp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -33,7 +33,8 @@ class Layout:
     `micro_batches` of `micro_batch_size` samples per pipeline and step; ZeRO (`zero`: 0 off, 1-3) and
     PowerSGD (`powersgd_rank`, 0 = off) on the gradient reduction; `method` the optimizer (a
     first-order name or a curvature method) with its refresh interval `refresh_steps` (0: not
-    packed yet / first-order); `recompute` none, selective or blocks."""
+    packed yet / first-order); `recompute` none, selective or blocks; `stage_blocks` the blocks of
+    each of its pieces (`pipeline.stage_blocks`; empty: dealt evenly)."""
 
     stages: int
     data_parallel: int
@@ -47,6 +48,7 @@ class Layout:
     method: str = "lamb"
     refresh_steps: int = 0
     recompute: str = "none"
+    stage_blocks: tuple[int, ...] = ()
 
     @property
     def gpus(self) -> int:
@@ -67,11 +69,12 @@ class Layout:
         return schedule_of(self.schedule, self.stages, self.micro_batches, self.chunks)
 
     def describe(self) -> str:
-        """Short text: e.g. ``chimera D8 x DP1 x TP1, N8 x mbs32``."""
+        """Short text: e.g. ``chimera D8 x DP1 x TP1, N8 x mbs32`` (and ``, blocks 4/4/3/1`` on an uneven split)."""
         chunks = f" c{self.chunks}" if self.schedule in CONFIGURABLE_CHUNKS else ""
+        split = f", blocks {'/'.join(map(str, self.stage_blocks))}" if self.stage_blocks else ""
         return (
             f"{self.schedule}{chunks} D{self.stages} x DP{self.data_parallel} x TP{self.tensor_parallel}, "
-            f"N{self.micro_batches} x mbs{self.micro_batch_size}"
+            f"N{self.micro_batches} x mbs{self.micro_batch_size}{split}"
         )
 
 
@@ -148,13 +151,23 @@ def fsdp_allowed(layout: Layout, method: str, run: RunSettings, tied: bool = Fal
     return not fsdp_problem(OptimizerConfig(name=method, zero=3), pipeline, run, methods().get(method))
 
 
-def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str, planned: str | None = None) -> list[Layout]:
+def enumerate_layouts(
+    space: SearchSpace,
+    sizes: ModelSizes,
+    method: str,
+    planned: str | None = None,
+    balance: Callable[[Layout], tuple[int, ...]] | None = None,
+) -> list[Layout]:
     """Every layout of `space` for `sizes` with optimizer `method` (see the module docstring):
     the model's blocks split evenly over stages x chunks, each schedule buildable at its shape,
     micro_batches = global batch / (micro_batch_size x data_parallel) a whole number. One stage
     runs 1F1B only (the others degenerate to it, or to GPipe's larger activation peak).
     `planned`: the optimizer the search plans for (a curvature method whose first-order rule is
-    `method`; None: `method`), what decides whether ZeRO-2 and 3 are tried."""
+    `method`; None: `method`), what decides whether ZeRO-2 and 3 are tried. `balance`: the blocks
+    per piece that balance a layout's pieces (`stage_balance.balanced_split`; empty: the even
+    split); where given and the model's kind takes uneven splits, each pipeline is tried on that
+    split too (the only one where the pieces do not divide the blocks; ZeRO-2 and 3 on the even
+    split only)."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
         for name in (
@@ -163,15 +176,23 @@ def enumerate_layouts(space: SearchSpace, sizes: ModelSizes, method: str, planne
             else [name for name in space.schedules if name == "1f1b"] or space.schedules[:1]
         ):
             chunks = chunks_per_rank(name, DEFAULT_CHUNKS if name in CONFIGURABLE_CHUNKS else None)
-            if sizes.blocks % (stages * chunks):
+            pieces = stages * chunks
+            even = sizes.blocks % pieces == 0
+            uneven = balance is not None and sizes.uneven_splits and 1 < pieces <= sizes.blocks
+            if not (even or uneven):
                 continue
             for size in space.micro_batch_sizes:
                 micro_batches, rest = divmod(space.global_batch, size * data_parallel)
                 if rest or micro_batches < 1 or not buildable(name, stages, micro_batches, chunks):
                     continue
                 base = Layout(stages, data_parallel, tensor_parallel, name, chunks, micro_batches, size, method=method)
-                sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
-                found += list(_variants(base, space, replicated=data_parallel > 1, sharded=sharded))
+                if even:
+                    sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
+                    found += list(_variants(base, space, replicated=data_parallel > 1, sharded=sharded))
+                counts = balance(base) if uneven and balance is not None else ()
+                if counts:
+                    balanced = replace(base, stage_blocks=counts)
+                    found += list(_variants(balanced, space, replicated=data_parallel > 1, sharded=False))
     return found
 
 
@@ -208,6 +229,7 @@ def layout_of_run(
         powersgd_rank=powersgd_rank,
         method=method,
         recompute=recompute,
+        stage_blocks=pipeline.stage_blocks,
     )
 
 

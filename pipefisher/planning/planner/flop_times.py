@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipefisher.core.profile import LayerProfile, Profile
+from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS
 from pipefisher.methods.flops import MatrixShape, TaskFlops
 from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
@@ -128,13 +129,19 @@ class FlopTimes:
         return f"flops at calibrated shares of the {self.hardware.name}'s {peak:g} TFLOP/s {self.precision} peak"
 
     def profile(
-        self, pieces: int, micro_batch_size: int, tensor_parallel: int, split_backward: bool = False
+        self,
+        pieces: int,
+        micro_batch_size: int,
+        tensor_parallel: int,
+        split_backward: bool = False,
+        stage_blocks: tuple[int, ...] = (),
     ) -> Profile:
-        """The modelled profile of `pieces` stages of one tensor-parallel rank (times in ms); a split
-        backward (`split_backward`) takes the backward's time in two halves."""
-        key = (pieces, micro_batch_size, tensor_parallel)
+        """The modelled profile of `pieces` stages of one tensor-parallel rank (times in ms), of
+        `stage_blocks` blocks each where given (else even); a split backward (`split_backward`)
+        takes the backward's time in two halves."""
+        key = (pieces, micro_batch_size, tensor_parallel, stage_blocks)
         if key not in self._cache:
-            self._cache[key] = self._profile(pieces, micro_batch_size, tensor_parallel)
+            self._cache[key] = self._profile(pieces, micro_batch_size, tensor_parallel, stage_blocks)
         return self._cache[key]
 
     def _peak(self, dtype: str) -> float:
@@ -143,7 +150,9 @@ class FlopTimes:
             raise PlanError(f"--hardware {self.hardware.name}: no {dtype} or fp32 peak to time the method's tasks on")
         return found
 
-    def _profile(self, pieces: int, micro_batch_size: int, tensor_parallel: int) -> Profile:
+    def _profile(
+        self, pieces: int, micro_batch_size: int, tensor_parallel: int, stage_blocks: tuple[int, ...]
+    ) -> Profile:
         sizes, peak = self.sizes, self._peak(self.precision)
         curvature = self.section is not None
         name = self.method if curvature else REFERENCE_METHOD
@@ -169,15 +178,17 @@ class FlopTimes:
             tp_latency_us=link.latency_us,
             method=name,
             rules=rules,
+            stage_blocks=stage_blocks,
         )
         head = part_flops(sizes)[1] * micro_batch_size / tensor_parallel
         head_forward = head / (peak * 1e12 * EFFICIENCY["forward"].share) * 1e3
         head_backward = 2 * head / (peak * 1e12 * EFFICIENCY["backward"].share) * 1e3
-        step_end = self._step_end_ms(pieces, tensor_parallel)
+        held = stage_block_ranges(sizes.blocks, pieces, stage_blocks) if stage_blocks else None
         tasks = self._layer_tasks(micro_batch_size, tensor_parallel, rules) if curvature else {}
         stages = []
         for index, stage in enumerate(profile.stages):
             last = index == pieces - 1
+            step_end = self._step_end_ms(len(held[index]) if held else sizes.blocks / pieces, tensor_parallel)
             stages.append(
                 replace(
                     stage,
@@ -190,10 +201,11 @@ class FlopTimes:
             )
         return replace(profile, stages=tuple(stages))
 
-    def _step_end_ms(self, pieces: int, tensor_parallel: int) -> float:
-        """The optimizer step of one stage's shard: its parameters' bytes at the memory bandwidth."""
+    def _step_end_ms(self, blocks: float, tensor_parallel: int) -> float:
+        """The optimizer step of the shard of a stage of `blocks` blocks: its parameters' bytes at
+        the memory bandwidth."""
         sizes = self.sizes
-        parameters = sizes.blocks / pieces * (4 * sizes.hidden**2 + 2 * sizes.hidden * sizes.ffn) / tensor_parallel
+        parameters = blocks * (4 * sizes.hidden**2 + 2 * sizes.hidden * sizes.ffn) / tensor_parallel
         seconds = parameters * OPTIMIZER_BYTES_PER_PARAMETER / (self.hardware.memory_bandwidth_gbps * 1e9)
         return seconds * 1e3
 

@@ -86,7 +86,7 @@ def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState
 
 
 @lru_cache(maxsize=256)
-def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: str):
+def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: str, stage_blocks: tuple[int, ...]):
     model = layer_memory_model(method)
     transformer = TransformerSizes(
         sizes.blocks, sizes.hidden, sizes.ffn, sizes.vocab, max_positions=max(512, sizes.seq_len)
@@ -97,12 +97,16 @@ def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: 
         model.from_linear if model else None,
         tensor_parallel=tensor_parallel,
         preconditions_bias=bool(model and model.PRECONDITIONS_BIAS),
+        stage_blocks=stage_blocks,
     )
 
 
 def stage_parameters(layout: Layout, sizes: ModelSizes) -> tuple[int, ...]:
     """Parameter elements of each of the layout's pieces (stage index), on tensor-parallel rank 0."""
-    return tuple(state.numel for state in _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method))
+    return tuple(
+        state.numel
+        for state in _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method, layout.stage_blocks)
+    )
 
 
 _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
@@ -112,7 +116,13 @@ _HEAVIEST: dict[tuple, tuple[tuple[int, int], ...]] = {}
 def _state_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
     """What `state_per_rank` depends on (not the micro-batches): the schedule's shape and
     `_replica_key`."""
-    return (layout.schedule, layout.stages, layout.chunks, *_replica_key(layout, sizes, first_order, momentum))
+    return (
+        layout.schedule,
+        layout.stages,
+        layout.chunks,
+        layout.stage_blocks,
+        *_replica_key(layout, sizes, first_order, momentum),
+    )
 
 
 def _replica_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
@@ -136,7 +146,7 @@ def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     key = _state_key(layout, sizes, first_order, momentum)
     if key not in _STATES:
         powersgd = 0 if layout.zero else layout.powersgd_rank
-        states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method)
+        states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method, layout.stage_blocks)
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
         optimizer = _optimizer(layout.method, first_order, momentum)
         _STATES[key] = rank_memory(topology, states, optimizer, int(layout.zero), powersgd_rank=powersgd)
@@ -150,7 +160,7 @@ def _placement_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     traffic of ZeRO-2/3, never the bytes)."""
     schedule = layout.build_schedule()
     placement = tuple(sorted(schedule.placement.items()))
-    shape = (schedule.num_ranks, schedule.num_pipes, schedule.num_stages, placement)
+    shape = (schedule.num_ranks, schedule.num_pipes, schedule.num_stages, placement, layout.stage_blocks)
     return (shape, *_replica_key(layout, sizes, first_order, momentum))
 
 
@@ -195,7 +205,7 @@ def activation_per_rank(layout: Layout, sizes: ModelSizes, precision: str = "fp3
 def _pipeline_activations(layout: Layout, sizes: ModelSizes, precision: str) -> tuple[int, ...]:
     """`activation_per_rank` of a layout reduced to its pipeline and its casts (`layout.zero` 0 or 2)."""
     schedule = layout.build_schedule()
-    shape = sizes.shape
+    shape = replace(sizes.shape, stage_blocks=layout.stage_blocks)
     step_cache = layout.zero < 2  # the runtime casts per micro-batch under ZeRO-2/3
     kept, pending, transient = stage_activation_bytes(
         shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache
@@ -260,7 +270,7 @@ def packed_memory(
     over the plan's refresh cycle of activations, captures and refresh copies (`cycle_peaks`),
     plus its point-to-point buffers."""
     states = state_per_rank(layout, sizes, first_order, momentum)
-    shape = sizes.shape
+    shape = replace(sizes.shape, stage_blocks=layout.stage_blocks)
     step_cache = layout.zero < 2
     kept, pending, transient = stage_activation_bytes(
         shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache

@@ -86,6 +86,11 @@ class ModelSizes:
     def seq_len(self) -> int:
         return self.shape.seq_len
 
+    @property
+    def uneven_splits(self) -> bool:
+        """Whether the model's kind takes `pipeline.stage_blocks` (`ModelKind.uneven_splits`)."""
+        return model_kind(self.kind).uneven_splits
+
     def tensor_parallel_degrees(self, limit: int = 8) -> tuple[int, ...]:
         """Degrees T <= `limit` that divide both the heads and the FFN width (Megatron's split)."""
         return tuple(t for t in range(1, limit + 1) if self.heads % t == 0 and self.ffn % t == 0)

@@ -130,18 +130,20 @@ def is_curvature(method: str) -> bool:
     return method not in FIRST_ORDER
 
 
-def _recomputed(profile: Profile, mode: str, sizes: ModelSizes) -> Profile:
+def _recomputed(profile: Profile, mode: str, sizes: ModelSizes, stage_blocks: tuple[int, ...] = ()) -> Profile:
     """The profile with recomputation's cost (`pipefisher.planning.recompute`): each stage's
     backward grows by the share of its forward that `mode` recomputes, by flops, its blocks
-    dealt out evenly and the last stage's vocabulary projection counted outside them."""
+    (`stage_blocks`, else dealt out evenly) and the last stage's vocabulary projection counted
+    outside them."""
     if mode == "none":
         return profile
     stages = profile.num_stages
     bounds = [round(stage * sizes.blocks / stages) for stage in range(stages + 1)]
+    counts = stage_blocks or tuple(bounds[i + 1] - bounds[i] for i in range(stages))
     head = 2.0 * sizes.seq_len * sizes.hidden * sizes.vocab
     shares = [
         recompute_forward_share(
-            mode, sizes.hidden, sizes.ffn, sizes.seq_len, bounds[i + 1] - bounds[i], head if i == stages - 1 else 0.0
+            mode, sizes.hidden, sizes.ffn, sizes.seq_len, counts[i], head if i == stages - 1 else 0.0
         )
         for i in range(stages)
     ]
@@ -258,11 +260,15 @@ def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profil
 
 
 def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
-    """The profile a layout's prediction simulates: the source's at its split, micro-batch size
-    and degree, with recomputation, gradient reductions and (`syncs`) factor syncs."""
+    """The profile a layout's prediction simulates: the source's at its stage split, backward split,
+    micro-batch size and degree, with recomputation, gradient reductions and (`syncs`) factor syncs."""
     split = layout.build_schedule().splits_backward
-    profile = context.source.profile(layout.pieces, layout.micro_batch_size, layout.tensor_parallel, split)
-    profile = _with_reductions(_recomputed(profile, layout.recompute, context.sizes), layout, context)
+    profile = context.source.profile(
+        layout.pieces, layout.micro_batch_size, layout.tensor_parallel, split, layout.stage_blocks
+    )
+    profile = _with_reductions(
+        _recomputed(profile, layout.recompute, context.sizes, layout.stage_blocks), layout, context
+    )
     profile = _with_hops(profile, layout, context)
     return _with_syncs(profile, layout, context) if syncs else profile
 

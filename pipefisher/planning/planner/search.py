@@ -18,7 +18,7 @@ packed. Pure Python: no torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from pipefisher.planning.planner.candidates import Layout, SearchSpace, check_sources_cover, enumerate_layouts
@@ -26,6 +26,7 @@ from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory
 from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.planner.predict import PlanContext, Prediction, first_order_time, is_curvature, predict
 from pipefisher.planning.planner.search_pool import SearchPool, inputs
+from pipefisher.planning.planner.stage_balance import balanced_split
 
 #: layouts packed per search (the fastest by first-order time that fit)
 DEFAULT_PACKED = 12
@@ -113,6 +114,20 @@ def _pipeline_key(layout: Layout) -> Layout:
     return replace(layout, zero=0, powersgd_rank=0)
 
 
+def _balancer(context: PlanContext) -> Callable[[Layout], tuple[int, ...]]:
+    """A layout's balanced split on the context's time source (`balanced_split`), once per
+    pieces, micro-batch size and degree."""
+    found: dict[tuple[int, int, int], tuple[int, ...]] = {}
+
+    def balance(layout: Layout) -> tuple[int, ...]:
+        key = (layout.pieces, layout.micro_batch_size, layout.tensor_parallel)
+        if key not in found:
+            found[key] = balanced_split(context.source, context.sizes.blocks, *key)
+        return found[key]
+
+    return balance
+
+
 def search(
     space: SearchSpace,
     context: PlanContext,
@@ -123,15 +138,18 @@ def search(
     progress: bool = False,
     jobs: int = 1,
     also: Sequence[Layout] = (),
+    uneven: bool = True,
 ) -> SearchResult:
     """The ranked layouts of `space` for optimizer `method` within `memory_budget` bytes per device
     (module docstring); `shown`: the places that must be exact; `jobs`: processes that share the
     work (`SearchPool`; the result does not depend on them); `also`: layouts of `method` to
-    predict beside the search (in `predictions`; e.g. the run file's own, fitting or not). PlanError where no layout exists or
-    none fits (naming the least memory any needs)."""
+    predict beside the search (in `predictions`; e.g. the run file's own, fitting or not); `uneven`:
+    try each pipeline on the split that balances its pieces too (`stage_balance`). PlanError where
+    no layout exists or none fits (naming the least memory any needs)."""
     started = time.perf_counter()
     first_order = context.first_order if is_curvature(method) else method
-    layouts = enumerate_layouts(space, context.sizes, first_order, planned=method)
+    balance = _balancer(context) if uneven else None
+    layouts = enumerate_layouts(space, context.sizes, first_order, planned=method, balance=balance)
     problem = check_sources_cover(space, context.sizes, layouts)
     if problem:
         raise PlanError(problem)

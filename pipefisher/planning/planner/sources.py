@@ -34,6 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
+from pipefisher.core.stage_split import even_counts, stage_block_ranges
 from pipefisher.methods.registry import DEFAULT_METHOD
 from pipefisher.planning.planner.model_sizes import ModelSizes, PlanError
 from pipefisher.planning.recompute import block_flops
@@ -79,15 +80,29 @@ class ReferenceTimes:
         return cls(Path(path), sizes, tuple(sorted(rows)))
 
     def profile(
-        self, pieces: int, micro_batch_size: int, tensor_parallel: int, split_backward: bool = False
+        self,
+        pieces: int,
+        micro_batch_size: int,
+        tensor_parallel: int,
+        split_backward: bool = False,
+        stage_blocks: tuple[int, ...] = (),
     ) -> Profile:
-        """The modelled profile of `pieces` stages (times in ms); a split backward (`split_backward`)
-        takes the block's backward time in two halves."""
+        """The modelled profile of `pieces` stages (times in ms), of `stage_blocks` blocks each where
+        given (else even); a split backward (`split_backward`) takes the block's backward time in two halves."""
         if self.hardware is None:
-            return _reference_profile(self.path, self.sizes, pieces, micro_batch_size, tensor_parallel)
+            return _reference_profile(
+                self.path, self.sizes, pieces, micro_batch_size, tensor_parallel, stage_blocks=stage_blocks
+            )
         link = self.hardware.tensor_parallel_link(tensor_parallel)
         return _reference_profile(
-            self.path, self.sizes, pieces, micro_batch_size, tensor_parallel, link.bandwidth_gbps, link.latency_us
+            self.path,
+            self.sizes,
+            pieces,
+            micro_batch_size,
+            tensor_parallel,
+            link.bandwidth_gbps,
+            link.latency_us,
+            stage_blocks,
         )
 
 
@@ -100,6 +115,7 @@ def _reference_profile(
     tensor_parallel: int,
     tp_bandwidth_gbps: float = DEFAULT_TP_BANDWIDTH_GBPS,
     tp_latency_us: float = 0.0,
+    stage_blocks: tuple[int, ...] = (),
 ) -> Profile:
     times = read_block_times(path, micro_batch_size)
     return transformer_profile(
@@ -116,6 +132,7 @@ def _reference_profile(
         tp_latency_us=tp_latency_us,
         method=REFERENCE_METHOD,
         rules=task_rules(REFERENCE_METHOD),
+        stage_blocks=stage_blocks,
     )
 
 
@@ -165,13 +182,20 @@ class MeasuredTimes:
         return self.profiles[0][1].method
 
     def profile(
-        self, pieces: int, micro_batch_size: int, tensor_parallel: int, split_backward: bool = False
+        self,
+        pieces: int,
+        micro_batch_size: int,
+        tensor_parallel: int,
+        split_backward: bool = False,
+        stage_blocks: tuple[int, ...] = (),
     ) -> Profile:
-        """The profile of `pieces` stages at this micro-batch size and degree, for a schedule that
-        splits its backward (`split_backward`) or not: of the profiles at this size and degree,
-        those measured the same way come first (`measured_split`: a split backward costs more than
-        the fused one where PyTorch's split runs autograd twice), then those of `pieces` stages."""
-        key = (pieces, micro_batch_size, tensor_parallel, split_backward)
+        """The profile of `pieces` stages (of `stage_blocks` blocks each where given, else even) at
+        this micro-batch size and degree, for a schedule that splits its backward (`split_backward`)
+        or not: of the profiles at this size and degree, those measured the same way come first
+        (`measured_split`: a split backward costs more than the fused one where PyTorch's split runs
+        autograd twice), then those of this split (taken as they are; any other is `resplit`)."""
+        wanted = stage_blocks or even_counts(self.sizes.blocks, pieces)
+        key = (pieces, micro_batch_size, tensor_parallel, split_backward, wanted)
         if key not in self._cache:
             same = [
                 p
@@ -182,8 +206,8 @@ class MeasuredTimes:
                 raise ProfileError(
                     f"no profile at micro-batch size {micro_batch_size} and tensor_parallel {tensor_parallel}"
                 )
-            best = min(same, key=lambda p: (measured_split(p) != split_backward, p.num_stages != pieces))
-            self._cache[key] = best if best.num_stages == pieces else resplit(best, pieces, self.sizes)
+            best = min(same, key=lambda p: (measured_split(p) != split_backward, _counts(p) != wanted))
+            self._cache[key] = best if _counts(best) == wanted else resplit(best, pieces, self.sizes, stage_blocks)
         return self._cache[key]
 
 
@@ -207,15 +231,21 @@ def _stage_blocks(stage: StageProfile) -> set[int]:
     return {b for layer in stage.layers if (b := block_of(layer.name)) is not None}
 
 
-def resplit(profile: Profile, pieces: int, sizes: ModelSizes) -> Profile:
-    """`profile` cut into `pieces` stages of blocks/pieces blocks each (module docstring)."""
-    per = sizes.blocks // pieces
+def _counts(profile: Profile) -> tuple[int, ...]:
+    """Blocks of each of the profile's stages."""
+    return tuple(len(_stage_blocks(stage)) for stage in profile.stages)
+
+
+def resplit(profile: Profile, pieces: int, sizes: ModelSizes, stage_blocks: tuple[int, ...] = ()) -> Profile:
+    """`profile` cut into `pieces` stages of `stage_blocks` blocks each, else blocks/pieces each
+    (module docstring)."""
+    held_by = stage_block_ranges(sizes.blocks, pieces, stage_blocks)
     old = [_stage_blocks(stage) for stage in profile.stages]
     block, head = part_flops(sizes)
     scaled = ("forward", "backward", "weight", "grad_reduce")
     stages = []
     for new in range(pieces):
-        mine = set(range(new * per, (new + 1) * per))
+        mine = set(held_by[new])
         share = []
         for index, held in enumerate(old):
             edge = head if index == len(old) - 1 else 0.0

@@ -121,7 +121,7 @@ def prediction_dict(prediction: Prediction) -> dict[str, Any]:
 
 
 def run_file_of(raw: dict[str, Any], layout: Layout) -> str:
-    """The run file `raw` (as its YAML parsed) with the layout's pipeline, micro-batch size,
+    """The run file `raw` (as its YAML parsed) with the layout's pipeline (its stage split included), micro-batch size,
     optimizer, ZeRO-1, PowerSGD, refresh interval and recomputation set; checked by the config
     loader (ConfigError if it does not load)."""
     data = {section: dict(values or {}) for section, values in raw.items()}
@@ -136,6 +136,10 @@ def run_file_of(raw: dict[str, Any], layout: Layout) -> str:
         data["pipeline"]["chunks"] = layout.chunks
     else:
         data["pipeline"].pop("chunks", None)
+    if layout.stage_blocks:
+        data["pipeline"]["stage_blocks"] = list(layout.stage_blocks)
+    else:
+        data["pipeline"].pop("stage_blocks", None)
     data.setdefault("data", {})["micro_batch_size"] = layout.micro_batch_size
     data.setdefault("optimizer", {}).update(name=layout.method, zero=int(layout.zero))
     data.setdefault("comm", {})["powersgd_rank"] = layout.powersgd_rank
