@@ -14,7 +14,7 @@ import pytest
 from pipefisher.cli.main import main
 from pipefisher.config import load_config
 from pipefisher.core.profile import load_profile
-from pipefisher.core.stage_split import balanced_counts
+from pipefisher.core.stage_split import balanced_counts, counts_text
 from pipefisher.planning.planner.candidates import Layout, layout_of_run
 from pipefisher.planning.planner.flop_times import FlopTimes
 from pipefisher.planning.planner.hardware import hardware_of
@@ -70,6 +70,13 @@ def test_equal_blocks_split_evenly_and_a_heavy_head_sheds_blocks() -> None:
     assert balanced_counts([1.0] * 3 + [3.4], 2) == (3, 1)
     with pytest.raises(ValueError, match="num_stages"):
         balanced_counts([1.0] * 3, 4)
+
+
+def test_a_split_is_written_in_a_few_characters() -> None:
+    assert counts_text((3, 1)) == "3/1"
+    assert counts_text((6, 6, 7, 5)) == "6/6/7/5"
+    assert counts_text((1,) * 32 + (2,) * 32) == "1x32/2x32"
+    assert counts_text((2, 1, 1, 1, 3)) == "2/1x3/3"
 
 
 def test_a_profile_at_a_split_holds_each_stages_blocks_and_their_time() -> None:

@@ -12,6 +12,7 @@ import torch
 
 from pipefisher.config import RunConfig
 from pipefisher.core.profile import load_profile
+from pipefisher.core.stage_split import counts_text
 from pipefisher.methods.flop_report import flop_report
 from pipefisher.methods.registry import method, method_of
 from pipefisher.runtime.errors import first_line
@@ -39,8 +40,9 @@ def describe_pipeline(config: RunConfig) -> str:
     per_rank = chunks_per_rank(p.schedule, p.chunks)
     chunks = f" x {per_rank} chunks" if per_rank > 1 else ""
     tensor = f" x {p.tensor_parallel} tensor-parallel" if p.tensor_parallel > 1 else ""
+    split = f" (blocks {counts_text(p.stage_blocks)})" if p.stage_blocks else ""
     return (
-        f"{p.schedule}: {p.stages} stages{chunks}{tensor} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
+        f"{p.schedule}: {p.stages} stages{split}{chunks}{tensor} x {p.data_parallel} replica(s), {p.micro_batches} micro-batches "
         f"of {config.data.micro_batch_size}, {config.run.precision}"
     )
 

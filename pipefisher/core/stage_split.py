@@ -55,8 +55,10 @@ def balanced_counts(weights: Sequence[float], num_stages: int) -> tuple[int, ...
             best = inf
             for last in range(first + 1, count - stages + 2):
                 taken = load(first, last)
+                if taken > limit:
+                    break  # blocks take time: a longer stage only takes more
                 rest_squares, rest = cost[stages - 1][last]
-                if taken > limit or rest_squares == float("inf"):
+                if rest_squares == float("inf"):
                     continue
                 found = (taken * taken + rest_squares, (last - first, *rest))
                 if found[0] < best[0] * (1 - 1e-12) or (found[0] <= best[0] * (1 + 1e-12) and found[1] < best[1]):
@@ -66,14 +68,32 @@ def balanced_counts(weights: Sequence[float], num_stages: int) -> tuple[int, ...
 
 
 def _least_slowest(load: Callable[[int, int], float], count: int, num_stages: int) -> float:
-    """The least time of the slowest stage over every contiguous cut (the linear partition problem)."""
+    """The least time of the slowest stage over every contiguous cut (the linear partition problem);
+    block times are not negative."""
     # slowest[k][i]: the least slowest stage of blocks i.. cut into k stages
     inf = float("inf")
     slowest = [[inf] * (count + 1) for _ in range(num_stages + 1)]
     slowest[0][count] = 0.0
     for stages in range(1, num_stages + 1):
         for first in range(count - stages, -1, -1):
-            slowest[stages][first] = min(
-                max(load(first, last), slowest[stages - 1][last]) for last in range(first + 1, count - stages + 2)
-            )
+            best = inf
+            for last in range(first + 1, count - stages + 2):
+                taken = load(first, last)
+                if taken >= best:
+                    break  # this stage only grows from here, and the rest only shrinks
+                best = min(best, max(taken, slowest[stages - 1][last]))
+            slowest[stages][first] = best
     return slowest[num_stages][0]
+
+
+def counts_text(counts: Sequence[int]) -> str:
+    """Blocks per stage in a few characters: ``3/1``, and a run of three or more equal counts as
+    ``1x32`` (``1x32/2x32`` for 32 stages of one block, then 32 of two)."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    parts = [f"{count}x{times}" if times >= 3 else "/".join([str(count)] * times) for count, times in runs]
+    return "/".join(parts)

@@ -207,6 +207,8 @@ def test_the_run_header_names_every_setting_that_changes_the_training_or_its_cos
 
     base = load_config(TINY).with_overrides(pipeline={"data_parallel": 2})
     assert describe(base) == "1f1b: 2 stages x 2 replica(s), 4 micro-batches of 4, fp32, 20 steps, sgd lr 0.05"
+    uneven = describe(base.with_overrides(pipeline={"stage_blocks": [3, 1]}))
+    assert uneven.startswith("1f1b: 2 stages (blocks 3/1) x 2 replica(s)")
     kfac = describe(base.with_overrides(optimizer={"name": "kfac"}, kfac={"grad_worker_fraction": 0.5}))
     assert kfac.endswith(
         "kfac lr 0.05, adamw lr 0.05 for the rest, K-FAC refresh interval chosen by the packer, packed, "

@@ -17,6 +17,7 @@ from pipefisher.config import OptimizerConfig, PipelineConfig, RunSettings
 from pipefisher.config.run import recompute_problem
 from pipefisher.config.sharding import fsdp_problem
 from pipefisher.core.ir import Schedule, ScheduleError
+from pipefisher.core.stage_split import counts_text
 from pipefisher.core.names import RECOMPUTE_MODES
 from pipefisher.methods.registry import methods
 from pipefisher.planning.planner.model_sizes import ModelSizes
@@ -69,9 +70,10 @@ class Layout:
         return schedule_of(self.schedule, self.stages, self.micro_batches, self.chunks)
 
     def describe(self) -> str:
-        """Short text: e.g. ``chimera D8 x DP1 x TP1, N8 x mbs32`` (and ``, blocks 4/4/3/1`` on an uneven split)."""
+        """Short text: e.g. ``chimera D8 x DP1 x TP1, N8 x mbs32`` (and ``, blocks 4/4/3/1`` on an
+        uneven split, `counts_text`)."""
         chunks = f" c{self.chunks}" if self.schedule in CONFIGURABLE_CHUNKS else ""
-        split = f", blocks {'/'.join(map(str, self.stage_blocks))}" if self.stage_blocks else ""
+        split = f", blocks {counts_text(self.stage_blocks)}" if self.stage_blocks else ""
         return (
             f"{self.schedule}{chunks} D{self.stages} x DP{self.data_parallel} x TP{self.tensor_parallel}, "
             f"N{self.micro_batches} x mbs{self.micro_batch_size}{split}"
