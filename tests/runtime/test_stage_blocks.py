@@ -98,6 +98,19 @@ def test_kfac_packed_on_uneven_stages_equals_the_reference():
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
+def test_model_chunks_on_uneven_pieces_equal_the_reference(schedule):
+    """6 blocks on 2 ranks x 2 chunks (pieces that `plan` proposes where they do not divide the
+    blocks): the interleaved rank holds pieces 0 and 2, the V-shaped one pieces 0 and 3."""
+    config = transformer(
+        (1, 2, 2, 1),
+        model={"layers": 6},
+        pipeline={"schedule": schedule, "chunks": 2} if schedule == "interleaved" else {"schedule": schedule},
+    )
+    assert_equal_to_reference(config_from_dict(config))
+
+
+@pytest.mark.dist
 def test_an_even_checkpoint_resumes_on_an_uneven_split(tmp_path):
     from test_relayout import assert_continues, run_file
 
