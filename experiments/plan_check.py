@@ -20,7 +20,12 @@ the measurements, and Spearman's rank correlation of predicted against measured.
 
     python experiments/plan_check.py --out docs/plan_check.md                      # the checked layouts
     python experiments/plan_check.py --layouts held-out --out docs/plan_check_held_out.md  # six others
+    python experiments/plan_check.py --layouts uneven --out docs/plan_check_uneven.md  # uneven stage splits
     python experiments/plan_check.py --quick                                        # 3 layouts, 1 round
+
+`--layouts uneven` pairs layouts on the even split with the same layouts on `pipeline.stage_blocks`
+[3, 1] (the split `pipefisher plan` proposes for both models): their predictions cut the even
+profile by block, and the page adds each pair's ratio, predicted against measured.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -43,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipefisher.config import RunConfig, config_from_dict  # noqa: E402
 from pipefisher.core.profile import Profile, load_profile  # noqa: E402
+from pipefisher.core.stage_split import counts_text  # noqa: E402
 from pipefisher.planning.planner.candidates import layout_of_run  # noqa: E402
 from pipefisher.planning.planner.model_sizes import model_sizes  # noqa: E402
 from pipefisher.planning.planner.predict import PlanContext, predict, source_bandwidth_gbps  # noqa: E402
@@ -62,7 +68,7 @@ Profiles = list[tuple[Path, Profile]]
 class Case:
     """One way to run a model: `stages` pipeline stages x `data_parallel` replicas (one process each),
     `micro_batches` per replica and step, `method` the optimizer (a first-order one, or a curvature
-    method packed into the bubbles)."""
+    method packed into the bubbles), `stage_blocks` the blocks of each stage (empty: even)."""
 
     model: str
     schedule: str
@@ -70,6 +76,7 @@ class Case:
     micro_batches: int
     method: str
     data_parallel: int = 1
+    stage_blocks: tuple[int, ...] = ()
 
     @property
     def processes(self) -> int:
@@ -78,12 +85,13 @@ class Case:
     @property
     def label(self) -> str:
         split = f"{self.stages} st" + (f" x {self.data_parallel} dp" if self.data_parallel > 1 else "")
-        return f"{self.schedule}, {split}, N={self.micro_batches}, {self.method}"
+        blocks = f" (blocks {counts_text(self.stage_blocks)})" if self.stage_blocks else ""
+        return f"{self.schedule}, {split}{blocks}, N={self.micro_batches}, {self.method}"
 
 
 def layouts(which: str, quick: bool) -> list[Case]:
     """The checked layouts (`which`: "checked", "held-out": six others of the same models, never used
-    to tune the planner, or "all"), all on 2 processes (this machine has 2 cores: more processes than
+    to tune the planner, "all", or "uneven": four layouts each on the even split and on [3, 1]), all on 2 processes (this machine has 2 cores: more processes than
     cores time-share them, which no per-device model predicts)."""
     bert, gpt2 = "bert-4x128", "gpt2-tiny"
     held_out = [
@@ -107,7 +115,14 @@ def layouts(which: str, quick: bool) -> list[Case]:
         Case(gpt2, "1f1b", 2, 4, "adamw"),
         Case(gpt2, "gpipe", 2, 8, "adamw"),
     ]
-    chosen = {"checked": checked, "held-out": held_out, "all": checked + held_out}[which]
+    paired = [
+        Case(bert, "1f1b", 2, 4, "lamb"),
+        Case(bert, "1f1b", 2, 4, "kfac"),
+        Case(gpt2, "1f1b", 2, 4, "adamw"),
+        Case(gpt2, "zb-h1", 2, 4, "adamw"),
+    ]
+    uneven = [replace(case, stage_blocks=blocks) for case in paired for blocks in ((), (3, 1))]
+    chosen = {"checked": checked, "held-out": held_out, "all": checked + held_out, "uneven": uneven}[which]
     return [chosen[0], chosen[1], chosen[-1]] if quick else chosen
 
 
@@ -117,6 +132,8 @@ def run_config(case: Case) -> RunConfig:
     data["pipeline"].update(
         schedule=case.schedule, stages=case.stages, micro_batches=case.micro_batches, data_parallel=case.data_parallel
     )
+    if case.stage_blocks:
+        data["pipeline"]["stage_blocks"] = list(case.stage_blocks)
     data["optimizer"]["name"] = case.method
     return config_from_dict(data)
 
@@ -138,6 +155,8 @@ def layout_flags(case: Case, profile: Path) -> list[str]:
     ]
     if case.schedule == "interleaved":
         flags += ["--pipeline.chunks", "2"]
+    if case.stage_blocks:
+        flags += ["--pipeline.stage_blocks", json.dumps(list(case.stage_blocks))]
     if case.method not in FIRST_ORDER:
         flags += ["--profile", str(profile), f"--{case.method}.reprofile_threshold", "1000"]
     return flags
@@ -168,7 +187,7 @@ def predict_case(case: Case, profiles: Profiles) -> tuple[float, int]:
     """(predicted mean step time in ms, refresh interval k: 1 for first-order) of `case`: the
     layout planner's `predict` of the run file's layout."""
     config = run_config(case)
-    layout = layout_of_run(config.pipeline, config.data.micro_batch_size, case.method)
+    layout = layout_of_run(config.pipeline, config.data.micro_batch_size, case.method)  # its stage_blocks too
     prediction = predict(layout, planner_context(case, profiles))
     return prediction.step_ms, max(prediction.layout.refresh_steps, 1)
 
@@ -257,8 +276,9 @@ def table(rows: list[dict]) -> str:
         lay = row["layout"]
         ks = "–".join(str(k) for k in sorted({min(row["refresh_steps"]), max(row["refresh_steps"])}))
         packed = f" (packed, k={ks})" if lay["method"] not in FIRST_ORDER else ""
+        blocks = f" (blocks {counts_text(lay['stage_blocks'])})" if lay["stage_blocks"] else ""
         lines.append(
-            f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']} | {lay['micro_batches']} | "
+            f"| {lay['model']} | {lay['schedule']} | {lay['stages']} x {lay['data_parallel']}{blocks} | {lay['micro_batches']} | "
             f"{lay['method']}{packed} | "
             f"{row['processes']} | {row['predicted_ms']:.1f} | {row['measured_ms']:.1f} | "
             f"{min(row['repeats_ms']):.1f}–{max(row['repeats_ms']):.1f} | {row['error'] * 100:+.1f} |"
@@ -292,12 +312,38 @@ def report(rows: list[dict], args: argparse.Namespace, seconds: float, load: str
                 f"Spearman's rank correlation of predicted against measured: **{rho:.3f}**; largest error "
                 f"**{worst * 100:.1f} %**.",
                 "",
+                *split_ratios(rows),
                 *NOTES,
             ]
         ),
         rho,
         worst,
     )
+
+
+def split_ratios(rows: list[dict]) -> list[str]:
+    """Lines of the page for each layout run on an uneven split beside its even twin: the step's
+    ratio, predicted and measured (medians over rounds of the ratios paired within a round)."""
+    by_layout = {
+        json.dumps({**row["layout"], "stage_blocks": list(row["layout"]["stage_blocks"])}): row for row in rows
+    }
+    lines = []
+    for row in rows:
+        if not row["layout"]["stage_blocks"]:
+            continue
+        twin = by_layout.get(json.dumps({**row["layout"], "stage_blocks": []}))
+        if twin is None:
+            continue
+        predicted = statistics.median(
+            a / b for a, b in zip(row["predicted_per_round_ms"], twin["predicted_per_round_ms"])
+        )
+        measured = statistics.median(a / b for a, b in zip(row["repeats_ms"], twin["repeats_ms"]))
+        lay = row["layout"]
+        lines.append(
+            f"- {lay['model']}, {lay['schedule']}, {lay['method']}: blocks {counts_text(lay['stage_blocks'])} over the "
+            f"even split, predicted **{predicted:.3f}x**, measured **{measured:.3f}x**"
+        )
+    return ["Uneven splits against the even split (same round):", "", *lines, ""] if lines else []
 
 
 #: what the page says below every table: what the numbers are and what the prediction leaves out
@@ -388,7 +434,10 @@ def main() -> int:
         "--repeats", type=int, default=3, help="rounds: profiles, then one fresh run per layout (median; default 3)"
     )
     parser.add_argument(
-        "--layouts", choices=("checked", "held-out", "all"), default="checked", help="which layouts (default checked)"
+        "--layouts",
+        choices=("checked", "held-out", "all", "uneven"),
+        default="checked",
+        help="which layouts (default checked)",
     )
     parser.add_argument(
         "--split-profile",

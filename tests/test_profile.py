@@ -298,7 +298,7 @@ def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
     from pathlib import Path
 
     from pipefisher.config import load_config
-    from pipefisher.runtime.training.pipefisher_run import check_profile_matches, stage_layer_names
+    from pipefisher.runtime.training.run_profile import check_profile_matches, stage_layer_names
 
     config = load_config(Path(__file__).resolve().parents[1] / "schedules" / "tiny-cpu.yaml").with_overrides(
         optimizer={"name": "kfac"}

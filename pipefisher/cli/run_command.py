@@ -75,11 +75,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     model = _prepare_model(config)
     section = config.curvature
     if section is not None and section.profile:
-        from pipefisher.runtime.training.pipefisher_run import check_profile_matches
+        from pipefisher.runtime.training.run_profile import run_profile
 
         profile = load_profile(section.profile)  # names the file in its own errors
         try:
-            check_profile_matches(profile, config, schedule.num_stages, model)
+            run_profile(profile, config, schedule.num_stages, model)
         except ProfileError as exc:
             raise UsageError(f"{section.profile}: {exc}") from None
     if section is not None and section.plan:

@@ -77,3 +77,34 @@ def test_a_bad_count_is_one_line_and_exit_2():
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["plan_check: error: --repeats: 0 is not a positive count"]
+
+
+def test_an_uneven_split_is_predicted_on_the_profile_cut_by_block():
+    """[3, 1]: block 2 moves to the first stage with its share of the second stage's time (a block
+    of its flops against the second stage's blocks and heads), so the pipeline's pace changes."""
+    from pipefisher.planning.planner.sources import resplit
+
+    case = Case("bert-4x128", "1f1b", 2, 4, "lamb", stage_blocks=(3, 1))
+    predicted, _ = predict_case(case, ONE)
+    cut = resplit(PROFILE, 2, planner_context(case, ONE).sizes, (3, 1))
+    assert [len(stage.layers) for stage in cut.stages] == [3, 1]
+    assert predicted == pytest.approx(simulate(get_schedule("1f1b", 2, 4), cut).step_time)
+    assert predicted < predict_case(replace(case, stage_blocks=()), ONE)[0]
+
+
+def test_the_page_pairs_each_uneven_layout_with_its_even_twin():
+    from dataclasses import asdict
+
+    from experiments.plan_check import split_ratios
+
+    even, uneven = (
+        Case("gpt2-tiny", "1f1b", 2, 4, "adamw"),
+        Case("gpt2-tiny", "1f1b", 2, 4, "adamw", stage_blocks=(3, 1)),
+    )
+    rows = [
+        {"layout": asdict(even), "predicted_per_round_ms": [100.0, 110.0], "repeats_ms": [200.0, 220.0]},
+        {"layout": asdict(uneven), "predicted_per_round_ms": [90.0, 88.0], "repeats_ms": [170.0, 198.0]},
+    ]
+    (line,) = [line for line in split_ratios(rows) if line.startswith("- ")]
+    assert "blocks 3/1" in line and "predicted **0.850x**" in line and "measured **0.875x**" in line
+    assert split_ratios(rows[:1]) == []

@@ -5,6 +5,7 @@ transformer with K-FAC packed into the bubbles); a checkpoint of an even split r
 uneven one; bad counts are refused by name; the memory model counts each stage's own blocks."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from pipefisher.planning.memory.activations import ModelShape, micro_batch_bytes
 from pipefisher.planning.memory.peak import stage_activation_bytes
 from pipefisher.runtime.training.assembly import staged_model
 from pipefisher.testing.harness import assert_equal_to_reference
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ranges_follow_the_counts_or_deal_the_blocks_evenly():
@@ -118,6 +121,43 @@ def test_an_even_checkpoint_resumes_on_an_uneven_split(tmp_path):
     after = copy.deepcopy(before)
     after["pipeline"]["stage_blocks"] = [3, 1]
     assert_continues(before, after, tmp_path)
+
+
+def test_a_profile_of_the_even_split_is_cut_to_the_runs_split():
+    """What `pipefisher plan` proposes runs with the profile it predicted from: a K-FAC run on
+    [3, 1] takes the shipped even-split profile cut by block (the planner's cut), and a profile
+    of other layers is still refused by name."""
+    from dataclasses import replace
+
+    from pipefisher.config import load_config
+    from pipefisher.core.profile import ProfileError, load_profile
+    from pipefisher.planning.planner.model_sizes import model_sizes
+    from pipefisher.planning.planner.sources import resplit
+    from pipefisher.runtime.training.run_profile import run_profile, stage_layer_names
+
+    config = load_config(ROOT / "schedules" / "tiny-cpu.yaml").with_overrides(
+        optimizer={"name": "kfac"}, pipeline={"stage_blocks": [3, 1]}
+    )
+    even = load_profile(ROOT / "profiles" / "tiny-cpu-1f1b.yaml")
+    cut = run_profile(even, config, 2)
+    assert [[layer.name for layer in stage.layers] for stage in cut.stages] == [
+        stage_layer_names(config, stage, 2) for stage in range(2)
+    ]
+    assert cut == resplit(even, 2, model_sizes(config), (3, 1))
+    assert run_profile(cut, config, 2) is cut  # measured at the run's own split: taken as it is
+    fewer = replace(even, stages=(even.stages[0], replace(even.stages[1], layers=even.stages[1].layers[1:])))
+    with pytest.raises(ProfileError, match=r"stages\[0\]\.layers do not match the model"):
+        run_profile(fewer, config, 2)
+
+
+@pytest.mark.dist
+def test_a_kfac_run_on_a_proposed_split_packs_from_the_even_profile():
+    from pipefisher.cli.main import main
+
+    argv = ["run", str(ROOT / "schedules" / "tiny-cpu.yaml"), "--optimizer", "kfac", "--steps", "2"]
+    argv += ["--master-port", "0", "--pipeline.stage_blocks", "[3, 1]"]
+    argv += ["--profile", str(ROOT / "profiles" / "tiny-cpu-1f1b.yaml")]
+    assert main(argv) == 0
 
 
 def test_the_split_is_part_of_the_layout_not_of_the_run():

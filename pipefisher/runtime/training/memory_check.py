@@ -142,7 +142,8 @@ def stage_states(config: RunConfig, model) -> list[StageState]:
 def _curvature_run(config: RunConfig, run: RunParts | None = None) -> tuple[Profile, Plan]:
     """The profile a curvature run packs from (its section's file) and the plan it executes
     (`run`: the run's parts, if built)."""
-    from pipefisher.runtime.training.pipefisher_run import check_profile_matches, make_plan
+    from pipefisher.runtime.training.pipefisher_run import make_plan
+    from pipefisher.runtime.training.run_profile import run_profile
 
     run = run if run is not None else build_run(config)
     schedule = run.schedule
@@ -152,8 +153,7 @@ def _curvature_run(config: RunConfig, run: RunParts | None = None) -> tuple[Prof
             f"{method_of(config).name}.profile: the check packs the run's plan from a profile file; "
             "measure one with `pipefisher profile RUN.yaml -o FILE` and name it there"
         )
-    profile = load_profile(section.profile)
-    check_profile_matches(profile, config, schedule.num_stages, run.model)
+    profile = run_profile(load_profile(section.profile), config, schedule.num_stages, run.model)
     return profile, make_plan(config, schedule, profile, run.model).plan
 
 

@@ -14,16 +14,15 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipefisher.config import RunConfig
 from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError
-from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile, load_profile
+from pipefisher.core.profile import LayerProfile, Profile, StageProfile, load_profile
 from pipefisher.methods.interface import CurvatureRuntime
-from pipefisher.methods.registry import method_of, method_of_profile, task_rules
+from pipefisher.methods.registry import method_of, task_rules
 from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan
@@ -38,6 +37,7 @@ from pipefisher.runtime.training.drift import DriftMonitor
 from pipefisher.runtime.training.exposed_meter import ExposedMeter
 from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.training.profiler import measure_profile, measured_at
+from pipefisher.runtime.training.run_profile import run_profile, stage_layer_names
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +53,6 @@ class CurvaturePlan:
         return self.plan.refresh_steps
 
 
-def stage_layer_names(config: RunConfig, stage: int, num_stages: int, model: StagedModel | None = None) -> list[str]:
-    """Names of the layers of a stage that the run's curvature method (`method_of`) works on,
-    without allocating it (`model`: the run's, if built)."""
-    model = model if model is not None else staged_model(config)
-    parts = method_of(config).runtime_parts()
-    with torch.device("meta"):
-        module = model.build_stage(stage, num_stages, config.run.seed)
-    return parts.layer_names(module, parts.skip(model))
-
-
 def shared_statistics(
     config: RunConfig, num_stages: int, model: StagedModel | None = None
 ) -> frozenset[tuple[int, str, int]]:
@@ -75,64 +65,6 @@ def shared_statistics(
     names = (stage_layer_names(config, stage, num_stages, model) for stage in range(num_stages))
     layers = ((stage, name) for stage, stage_names in enumerate(names) for name in stage_names)
     return method_of(config).rules.shared_statistics(layers, model.tensor_parallel_plan(degree))
-
-
-#: what a profile records of the run it measured, with the run's key of each
-_MEASURED_AT = (
-    ("micro_batch_size", "data.micro_batch_size"),
-    ("seq_len", "model.seq_len"),
-    ("precision", "run.precision"),
-    ("model", "model"),
-    ("recompute", "model.recompute"),
-)
-
-
-def _run_value(config: RunConfig, key: str) -> Any:
-    """The run's value of `key` of `_MEASURED_AT` ("model": its identity)."""
-    if key == "model":
-        return config.model.identity
-    section, name = key.split(".")
-    return getattr(getattr(config, section), name)
-
-
-def check_profile_matches(
-    profile: Profile, config: RunConfig, num_stages: int, model: StagedModel | None = None
-) -> None:
-    """Refuse a profile of another run, naming the first field that differs: the curvature
-    method, stage count, tensor-parallel degree, layer names, or what it was measured at
-    (micro-batch size, sequence length, precision, model, recomputation; a field the profile
-    leaves out is unknown and not checked)."""
-    method, timed = method_of(config).name, method_of_profile(profile).name
-    if timed != method:
-        raise ProfileError(
-            f"method: the profile times {timed} tasks but this run uses {method}; "
-            "measure a profile of this run with `pipefisher profile`"
-        )
-    profile.require_stages(num_stages, hint="one entry per model chunk of this run")
-    degree = config.pipeline.tensor_parallel
-    if profile.tensor_parallel != degree:
-        raise ProfileError(
-            f"tensor_parallel: the profile times the shards of {profile.tensor_parallel} tensor-parallel processes, "
-            f"this run has pipeline.tensor_parallel {degree}; measure a profile of this run with `pipefisher profile`"
-        )
-    model = model if model is not None else staged_model(config)
-    for stage, entry in enumerate(profile.stages):
-        expected = stage_layer_names(config, stage, num_stages, model)
-        found = [layer.name for layer in entry.layers]
-        if found != expected:
-            missing = sorted(set(expected) - set(found))
-            extra = sorted(set(found) - set(expected))
-            raise ProfileError(
-                f"stages[{stage}].layers do not match the model: missing {missing[:3]}, unknown {extra[:3]}; "
-                "measure a profile of this run with `pipefisher profile`"
-            )
-    for field, key in _MEASURED_AT:
-        measured, here = getattr(profile, field), _run_value(config, key)
-        if measured not in (None, "") and measured != here:
-            raise ProfileError(
-                f"{field}: the profile was measured at {key} {measured}, this run has {here}; "
-                "its times do not hold here: measure a profile of this run with `pipefisher profile`"
-            )
 
 
 def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model: StagedModel | None = None) -> None:
@@ -346,8 +278,7 @@ class PipeFisherTrainer(PlanRunner):
     def _initial_profile(self) -> tuple[Profile, bool]:
         """The run's profile file, or one measured now; and whether it was measured now."""
         if self.section.profile:
-            profile = load_profile(self.section.profile)
-            check_profile_matches(profile, self.config, self.schedule.num_stages, self.model)
+            profile = run_profile(load_profile(self.section.profile), self.config, self.schedule.num_stages, self.model)
             return profile, False
         self.log("measuring a profile (gradients dropped; the model does not change)")
         return self._measure(), True

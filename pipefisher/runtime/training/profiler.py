@@ -232,7 +232,7 @@ def device_name(device: torch.device) -> str:
 
 def measured_at(config: RunConfig) -> dict[str, Any]:
     """`measure_profile`'s keywords that record what `config`'s profile is measured at, besides
-    its micro-batch size and tensor-parallel degree (`check_profile_matches` compares them)."""
+    its micro-batch size and tensor-parallel degree (`run_profile.check_profile_matches` compares them)."""
     return {
         "recompute": config.model.recompute,
         "seq_len": config.model.seq_len,
