@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipefisher.config import RunConfig
+from pipefisher.data.settings import max_predictions
 from pipefisher.models.kind import load
 from pipefisher.models.registry import kinds, model_kind
 from pipefisher.planning.memory.activations import ModelShape
@@ -161,7 +162,17 @@ def bert_sizes(config: RunConfig) -> ModelSizes:
         raise PlanError(f"model.preset: {model.preset!r} has no sizes here; use one of {', '.join(BERT_PRESET_SIZES)}")
     blocks, hidden, heads, ffn = BERT_PRESET_SIZES[model.preset]
     dropout = BERT_DROPOUT if model.dropout < 0 else model.dropout
-    shape = ModelShape("bert", blocks, hidden, heads, ffn, config.data.vocab_size, model.seq_len, dropout=dropout)
+    shape = ModelShape(
+        "bert",
+        blocks,
+        hidden,
+        heads,
+        ffn,
+        config.data.vocab_size,
+        model.seq_len,
+        dropout=dropout,
+        predictions=_mlm_predictions(config, "bert"),
+    )
     return ModelSizes("bert", model.preset, shape, head_transform=True, tied=True)
 
 
@@ -190,5 +201,15 @@ def _config_json_sizes(config: RunConfig, where: Path | Any, name: str, key: str
         model.seq_len,
         kv_heads=found["kv_heads"],
         dropout=dropout,
+        predictions=_mlm_predictions(config, found["architecture"]),
     )
     return ModelSizes(model.kind, name, shape, head_transform, head_transform or found["tied"])
+
+
+def _mlm_predictions(config: RunConfig, architecture: str) -> int:
+    """Positions per sequence a BERT's MLM head runs on when its data are BERT pretraining
+    micro-batches (their `mlm_positions` width, as the runtime's memory check counts them); 0
+    (every position) otherwise."""
+    if architecture != "bert" or config.data.kind not in ("bert", "shards"):
+        return 0
+    return max_predictions(config.model.seq_len, config.data.mask_prob)

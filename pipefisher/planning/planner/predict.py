@@ -140,7 +140,7 @@ def _recomputed(profile: Profile, mode: str, sizes: ModelSizes, stage_blocks: tu
     stages = profile.num_stages
     bounds = [round(stage * sizes.blocks / stages) for stage in range(stages + 1)]
     counts = stage_blocks or tuple(bounds[i + 1] - bounds[i] for i in range(stages))
-    head = 2.0 * sizes.seq_len * sizes.hidden * sizes.vocab
+    head = 2.0 * sizes.shape.head_rows * sizes.hidden * sizes.vocab
     shares = [
         recompute_forward_share(
             mode, sizes.hidden, sizes.ffn, sizes.seq_len, counts[i], head if i == stages - 1 else 0.0

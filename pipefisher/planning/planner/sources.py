@@ -266,10 +266,12 @@ def resplit(profile: Profile, pieces: int, sizes: ModelSizes, stage_blocks: tupl
 
 def part_flops(sizes: ModelSizes) -> tuple[float, float]:
     """Forward flops per sequence of one block and of the heads (the vocabulary projection, BERT's
-    transform before it); the embeddings' lookups count as none."""
+    transform before it) on the positions they run on (`ModelShape.head_rows`: BERT's masked
+    positions, else every position); the embeddings' lookups count as none."""
     linear, core = block_flops(sizes.hidden, sizes.ffn, sizes.seq_len)
-    transform = 2.0 * sizes.seq_len * sizes.hidden * sizes.hidden if sizes.head_transform else 0.0
-    return linear + core, 2.0 * sizes.seq_len * sizes.hidden * sizes.vocab + transform
+    rows = sizes.shape.head_rows
+    transform = 2.0 * rows * sizes.hidden * sizes.hidden if sizes.head_transform else 0.0
+    return linear + core, 2.0 * rows * sizes.hidden * sizes.vocab + transform
 
 
 def _edge(old_index: int, new_index: int, old_count: int, new_count: int) -> bool:
