@@ -18,6 +18,7 @@ import yaml
 
 from pipefisher.cli.main import main
 from pipefisher.config import RunSettings, load_config
+from pipefisher.core.stage_split import balanced_counts
 from pipefisher.methods.registry import methods
 from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.planner.candidates import Layout, SearchSpace, enumerate_layouts, fsdp_allowed
@@ -95,6 +96,19 @@ def test_a_tied_model_gets_sharded_candidates_on_one_stage_only():
     assert {layout.stages for layout in layouts if layout.zero > 1} == {1}
     untied = replace(even, tied=False)
     assert {layout.stages for layout in enumerate_layouts(space, untied, "adamw") if layout.zero > 1} == {1, 2, 4}
+    # 10 blocks on 4 stages (no even split): the balanced split is sharded as an even one is, but
+    # not where the model is tied
+    ten = replace(untied, shape=replace(untied.shape, blocks=10))
+
+    def balance(layout):
+        return () if 10 % layout.pieces == 0 else balanced_counts([1.0] * 10, layout.pieces)
+
+    sharded = [layout for layout in enumerate_layouts(space, ten, "adamw", balance=balance) if layout.zero > 1]
+    assert {(layout.stages, layout.stage_blocks) for layout in sharded} >= {(4, (2, 2, 3, 3))}
+    tied = replace(ten, tied=True)
+    assert {
+        layout.stages for layout in enumerate_layouts(space, tied, "adamw", balance=balance) if layout.zero > 1
+    } == {1}
     tiny = model_sizes(load_config(ROOT / "schedules" / "tiny-regression.yaml"))
     assert not tiny.tied
 

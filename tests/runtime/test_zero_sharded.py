@@ -89,6 +89,13 @@ def test_sharded_two_stages_equal_the_reference(schedule):
     assert_matches_reference(sharded_config(schedule, 3, stages=2))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_uneven_stages_equal_the_reference(zero):
+    """`pipeline.stage_blocks` [3, 1] (what `pipefisher plan` may propose, ZeRO-2/3 included)."""
+    assert_matches_reference(sharded_config("1f1b", zero, stages=2, pipeline={"stage_blocks": [3, 1]}))
+
+
 def test_chimera_without_data_parallel_replicas_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^optimizer.zero: 3 \(FSDP2\) under chimera shards over a pipe's") as error:
         sharded_config("chimera", 3, stages=2, pipeline={"data_parallel": 1})

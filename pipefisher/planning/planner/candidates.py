@@ -168,8 +168,7 @@ def enumerate_layouts(
     `method`; None: `method`), what decides whether ZeRO-2 and 3 are tried. `balance`: the blocks
     per piece that balance a layout's pieces (`stage_balance.balanced_split`; empty: the even
     split); where given and the model's kind takes uneven splits, each pipeline is tried on that
-    split too (the only one where the pieces do not divide the blocks; ZeRO-2 and 3 on the even
-    split only)."""
+    split too (the only one where the pieces do not divide the blocks)."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
         for name in (
@@ -188,13 +187,11 @@ def enumerate_layouts(
                 if rest or micro_batches < 1 or not buildable(name, stages, micro_batches, chunks):
                     continue
                 base = Layout(stages, data_parallel, tensor_parallel, name, chunks, micro_batches, size, method=method)
-                if even:
-                    sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
-                    found += list(_variants(base, space, replicated=data_parallel > 1, sharded=sharded))
                 counts = balance(base) if uneven and balance is not None else ()
-                if counts:
-                    balanced = replace(base, stage_blocks=counts)
-                    found += list(_variants(balanced, space, replicated=data_parallel > 1, sharded=False))
+                sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
+                for split in ([()] if even else []) + ([counts] if counts else []):
+                    layout = replace(base, stage_blocks=split)
+                    found += list(_variants(layout, space, replicated=data_parallel > 1, sharded=sharded))
     return found
 
 
