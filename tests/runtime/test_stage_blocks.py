@@ -166,3 +166,31 @@ def test_the_split_is_part_of_the_layout_not_of_the_run():
     fields = manifest_fields(config_from_dict(transformer()), None)
     assert fields["layout"]["pipeline.stage_blocks"] == [3, 1]
     assert "pipeline.stage_blocks" not in fields["config"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_split_plan_proposes_runs_from_the_profile_it_planned_with(tmp_path, capsys):
+    """The user's path on GPT-2 tiny (a 4,000-word head on its last stage): profile the run file
+    with K-FAC on its even split; `plan` on that profile ranks 1F1B on two stages split 3/1 above
+    the even split; the run file the planner writes for it trains with the same profile."""
+    import json
+
+    import yaml
+
+    from pipefisher.cli.main import main
+    from pipefisher.planning.planner.candidates import Layout
+    from pipefisher.planning.planner.table import run_file_of
+
+    profile, chosen = tmp_path / "profile.yaml", tmp_path / "chosen.yaml"
+    run_file = ROOT / "schedules" / "gpt2-tiny-cpu.yaml"
+    assert main(["profile", str(run_file), "--optimizer", "kfac", "--repeats", "2", "-o", str(profile)]) == 0
+    plan = ["plan", str(run_file), "--gpus", "2", "--memory-gb", "16", "--profile", str(profile), "--jobs", "1"]
+    capsys.readouterr()
+    assert main([*plan, "--method", "kfac", "--max-tensor-parallel", "1", "--top", "12", "--json"]) == 0
+    ranked = [row["layout"] for row in json.loads(capsys.readouterr().out)["ranked"]]
+    pipelines = [row for row in ranked if row["schedule"] == "1f1b" and row["stages"] == 2]
+    assert pipelines[0]["stage_blocks"] == [3, 1] and any(not row["stage_blocks"] for row in pipelines)
+    layout = Layout(**{**pipelines[0], "stage_blocks": tuple(pipelines[0]["stage_blocks"])})
+    chosen.write_text(run_file_of(yaml.safe_load(run_file.read_text()), layout))
+    assert main(["run", str(chosen), "--steps", "2", "--master-port", "0", "--profile", str(profile)]) == 0
