@@ -91,7 +91,7 @@ class Case:
 
 def layouts(which: str, quick: bool) -> list[Case]:
     """The checked layouts (`which`: "checked", "held-out": six others of the same models, never used
-    to tune the planner, "all", or "uneven": four layouts each on the even split and on [3, 1]), all on 2 processes (this machine has 2 cores: more processes than
+    to tune the planner, "all", or "uneven": five layouts each on the even split and on [3, 1]), all on 2 processes (this machine has 2 cores: more processes than
     cores time-share them, which no per-device model predicts)."""
     bert, gpt2 = "bert-4x128", "gpt2-tiny"
     held_out = [
@@ -119,6 +119,7 @@ def layouts(which: str, quick: bool) -> list[Case]:
         Case(bert, "1f1b", 2, 4, "lamb"),
         Case(bert, "1f1b", 2, 4, "kfac"),
         Case(gpt2, "1f1b", 2, 4, "adamw"),
+        Case(gpt2, "1f1b", 2, 4, "kfac"),
         Case(gpt2, "zb-h1", 2, 4, "adamw"),
     ]
     uneven = [replace(case, stage_blocks=blocks) for case in paired for blocks in ((), (3, 1))]
