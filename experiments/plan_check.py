@@ -91,8 +91,9 @@ class Case:
 
 def layouts(which: str, quick: bool) -> list[Case]:
     """The checked layouts (`which`: "checked", "held-out": six others of the same models, never used
-    to tune the planner, "all", or "uneven": five layouts each on the even split and on [3, 1]), all on 2 processes (this machine has 2 cores: more processes than
-    cores time-share them, which no per-device model predicts)."""
+    to tune the planner, "all", or "uneven": five layouts each on the even split and on [3, 1]),
+    all on 2 processes (this machine has 2 cores: more processes than cores time-share them, which
+    no per-device model predicts)."""
     bert, gpt2 = "bert-4x128", "gpt2-tiny"
     held_out = [
         Case(bert, "chimera", 2, 8, "lamb"),

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipefisher.core.profile import LayerProfile, Profile
-from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS
 from pipefisher.methods.flops import MatrixShape, TaskFlops
 from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
@@ -183,12 +182,12 @@ class FlopTimes:
         head = part_flops(sizes)[1] * micro_batch_size / tensor_parallel
         head_forward = head / (peak * 1e12 * EFFICIENCY["forward"].share) * 1e3
         head_backward = 2 * head / (peak * 1e12 * EFFICIENCY["backward"].share) * 1e3
-        held = stage_block_ranges(sizes.blocks, pieces, stage_blocks) if stage_blocks else None
+        blocks = stage_blocks or (sizes.blocks / pieces,) * pieces  # checked by transformer_profile
         tasks = self._layer_tasks(micro_batch_size, tensor_parallel, rules) if curvature else {}
         stages = []
         for index, stage in enumerate(profile.stages):
             last = index == pieces - 1
-            step_end = self._step_end_ms(len(held[index]) if held else sizes.blocks / pieces, tensor_parallel)
+            step_end = self._step_end_ms(blocks[index], tensor_parallel)
             stages.append(
                 replace(
                     stage,
