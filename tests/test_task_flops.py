@@ -90,7 +90,7 @@ def test_shampoo_counts_statistics_and_roots_of_every_block(root):
         assert flops[key].dtype == "float64"
 
 
-def test_soap_counts_the_power_step_and_states_the_qr():
+def test_soap_counts_the_power_step_and_states_the_qr_and_counts_the_fold():
     settings = SoapConfig(block_size=4)
     layer = nn.Linear(6, 5, bias=False)  # rows 5 = 4 + 1, cols 6 = 4 + 2
     engine = SoapEngine(layer, settings)
@@ -103,6 +103,9 @@ def test_soap_counts_the_power_step_and_states_the_qr():
         assert counted(lambda factor=factor: engine.refresh("weight", factor)) == task.matmul
         assert task.decomposition == pytest.approx(sum(QR * n**3 for n in sizes))
         assert task.dtype == settings.statistics_dtype
+    gradient = torch.randn(5, 6)
+    assert counted(lambda: engine.fold_into_statistics("weight", gradient)) == flops["precondition"].total
+    assert flops["precondition"].dtype == settings.statistics_dtype
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(8, 20), (20, 8)])

@@ -16,7 +16,7 @@ from pipefisher.viz.text import render_text
 WORDS = {
     "kfac": (("A factor", "B factor"), "inverse", "preconditioning"),
     "shampoo": (("left", "right"), "root", "preconditioning"),
-    "soap": (("left", "right"), "basis", "preconditioning"),
+    "soap": (("left", "right"), "basis", "statistics fold"),
     "muon": ((), "refresh", "orthogonalisation"),
 }
 

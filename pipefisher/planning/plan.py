@@ -24,7 +24,15 @@ from pathlib import Path
 from weakref import finalize
 
 from pipefisher.core.files import load_structured, write_text_atomically
-from pipefisher.core.ir import Op, OpKind, Schedule, ScheduleError, peak_activations, peak_pending_weights
+from pipefisher.core.ir import (
+    PER_STEP_KINDS,
+    Op,
+    OpKind,
+    Schedule,
+    ScheduleError,
+    peak_activations,
+    peak_pending_weights,
+)
 from pipefisher.core.profile import Profile
 from pipefisher.core.profile_v1 import V1_METHOD
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_graph
@@ -198,6 +206,8 @@ def _check_method_kinds(plan: Plan) -> None:
         allowed |= {(OpKind.CURVATURE, part) for part in rules.parts}
     if rules.precondition:
         allowed.add((OpKind.PRECONDITION, None))
+    if rules.deferred_statistics:
+        allowed.add((OpKind.FOLD, None))
     for op in ops:
         if (op.kind, op.part) not in allowed:
             what = op.kind.name if op.part is None else f"{op.kind.name} of part {op.part}"
@@ -209,7 +219,7 @@ def validate_plan(plan: Plan) -> Plan:
 
     Each step keeps the schedule's forward/backward ops in order and runs each of its weight
     gradients once on their rank, holding no more than the schedule does (`weight_memory_problem`);
-    every cycle op appears exactly once per cycle and every precondition once per step; each op's dependencies run before it
+    every cycle op appears exactly once per cycle and every precondition and fold once per step; each op's dependencies run before it
     (earlier in the cycle, or earlier in the same step without deadlock); collectives are
     launched in the same order by all ranks of their group.
     """
@@ -239,7 +249,7 @@ def validate_plan(plan: Plan) -> Plan:
                 if not op.kind.is_compute and schedule.placement.get((op.pipe, op.stage)) != rank:
                     raise ScheduleError(f"step {index}: {op} is on rank {rank}, not on the rank of its stage")
         step_ops = {op for ops in step for op in ops}
-        preconditions = Counter(op for op in step_ops if op.kind is OpKind.PRECONDITION)
+        per_step = Counter(op for op in step_ops if op.kind in PER_STEP_KINDS)
         for op in step_ops:
             if op.kind in CYCLE_KINDS:
                 seen[op] += 1
@@ -248,8 +258,8 @@ def validate_plan(plan: Plan) -> Plan:
             for dep in graph.dependencies(op, first_step=index == 0):
                 if dep not in step_ops and dep not in placed_before:
                     raise ScheduleError(f"step {index}: {op} needs {dep}, which has not run earlier in the cycle")
-        if index > 0 and set(preconditions) != set(op for op in placed_before if op.kind is OpKind.PRECONDITION):
-            raise ScheduleError(f"step {index}: preconditions differ from step 0's")
+        if index > 0 and set(per_step) != set(op for op in placed_before if op.kind in PER_STEP_KINDS):
+            raise ScheduleError(f"step {index}: preconditions or folds differ from step 0's")
         deps = _step_dependencies(graph, step_ops, first_step=index == 0)
         for _ in execution_order(step, deps, f"{schedule.name} step {index}"):
             pass

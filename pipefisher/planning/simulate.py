@@ -18,7 +18,7 @@ from itertools import repeat
 from operator import add, attrgetter
 from typing import Any
 
-from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind, Schedule, splits_backward
+from pipefisher.core.ir import GRADIENT_KINDS, PER_STEP_KINDS, Op, OpKind, Schedule, splits_backward
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError
 from pipefisher.schedules.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
 
@@ -194,7 +194,7 @@ class OpDurations:
             return stage.input_gradient if self.split_backward else stage.backward
         if kind is OpKind.WEIGHT:
             return stage.weight_gradient
-        if kind is OpKind.PRECONDITION:
+        if kind in PER_STEP_KINDS:  # a method's per-step work: the profile's precondition time
             return sum(layer.precondition for layer in stage.layers)
         layer = self.layer(op)
         if kind is OpKind.EXCHANGE:

@@ -9,7 +9,10 @@ methods such as Shampoo, after its backwards of the cycle's first step); refresh
 all replicas' syncs of its input, or after its curvature or backwards when unreplicated); an
 exchange per replica when the refresh work is split between replicas (after its replica's refresh
 work and every replica's syncs of the layer); and, for methods that precondition before the
-gradient reduction, a precondition per (pipe, stage) in every step (after its backwards).
+gradient reduction, a precondition per (pipe, stage) in every step (after its backwards); for
+methods with deferred statistics, a fold per (pipe, stage) in every step (of the previous step's
+gradient: after nothing of its own step), which the refresh work of a cycle waits for in its first
+step.
 
 Where the schedule splits the backward (W ops), the stage's gradient is whole only after its
 weight gradients: preconditions, and a gradient-based method's inputs, wait for the W ops then;
@@ -25,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from pipefisher.core.ir import Op, OpKind, Schedule, backward, dependencies, weight
+from pipefisher.core.ir import PER_STEP_KINDS, Op, OpKind, Schedule, backward, dependencies, weight
 from pipefisher.core.profile import Profile
 from pipefisher.planning.simulate import OpDurations, check_profile
 from pipefisher.planning.vocabulary import TaskRules
@@ -91,9 +94,11 @@ class TaskGraph:
         return self._compute[(_PRODUCER[op.part], op.stage, op.micro_batch, op.pipe)]
 
     def first_step_inputs(self, op: Op) -> tuple[Op, ...]:
-        """The forwards/backwards of the cycle's first step whose data `op` reads (its
-        dependencies in that step that are compute ops)."""
-        return tuple(dep for dep in self.dependencies(op, first_step=True) if dep.kind.is_compute)
+        """The ops of the cycle's first step that every step has, whose data `op` reads (its
+        dependencies in that step that are compute ops or a stage's per-step ops)."""
+        return tuple(
+            dep for dep in self.dependencies(op, first_step=True) if dep.kind.is_compute or dep.kind in PER_STEP_KINDS
+        )
 
     def gradient_ops(self, op: Op) -> tuple[Op, ...]:
         """The ops after which the gradient of `op`'s (pipe, stage) in a step is whole: its
@@ -111,6 +116,8 @@ class TaskGraph:
             return dependencies(op, self.schedule.num_stages)
         if kind is OpKind.PRECONDITION:
             return self.gradient_ops(op)
+        if kind is OpKind.FOLD:
+            return ()  # it folds the previous step's gradient: nothing of its own step
         if self.rules is None:
             raise ValueError(f"{op}: a task graph without a method's rules has no rule for it")
         if kind is OpKind.CURVATURE:
@@ -132,9 +139,12 @@ class TaskGraph:
         raise ValueError(f"no dependency rule for {op}")
 
     def _input(self, op: Op, part: int, first_step: bool) -> tuple[Op, ...]:
-        """What the part's input waits for on `op`'s pipe: its curvature, or the gradient."""
+        """What the part's input waits for on `op`'s pipe: its curvature, the fold that makes
+        the cycle's statistics (deferred statistics), or the gradient."""
         if self.rules is not None and self.rules.curvature:
             return tuple(self._curvature[(part, op.pipe, op.stage, op.layer)])
+        if self.rules is not None and self.rules.deferred_statistics:
+            return (Op(OpKind.FOLD, op.stage, None, op.pipe),) if first_step else ()
         return self._gradient(op, first_step)
 
     def _previous_curvature(self, op: Op) -> tuple[Op, ...]:
@@ -149,8 +159,8 @@ class CurvatureTasks:
     """The work of curvature method `rules` for `schedule` with the layers and times of `profile`.
 
     `cycle[rank]`: ops run once per refresh cycle, in a topological order (curvature, syncs,
-    refresh work, exchanges). `per_step[rank]`: precondition ops run in every step (none for methods
-    that precondition in the optimizer step).
+    refresh work, exchanges). `per_step[rank]`: precondition and fold ops run in every step (none
+    for methods that precondition in the optimizer step and fold there).
     """
 
     schedule: Schedule
@@ -273,6 +283,8 @@ def build_tasks(
                 phases[3].append((rank, Op(OpKind.EXCHANGE, stage, None, pipe, name)))
         if rules.precondition:
             per_step[rank].append(Op(OpKind.PRECONDITION, stage, None, pipe))
+        if rules.deferred_statistics:
+            per_step[rank].append(Op(OpKind.FOLD, stage, None, pipe))
     for phase in phases:
         for rank, op in phase:
             cycle[rank].append(op)

@@ -15,7 +15,9 @@ method whose work recurs every step, which is then its P op alone), and per part
 - refresh work (`OpKind.REFRESH`: K-FAC's damped inverse, Shampoo's inverse root, SOAP's basis);
 - an exchange X per layer when the refresh work is split among the replicas;
 - a precondition P per stage in every step, for methods that precondition before the gradient
-  reduction (a method that needs the reduced gradient preconditions in the optimizer step).
+  reduction (a method that needs the reduced gradient preconditions in the optimizer step);
+- a fold U per stage in every step, for methods that fold each step's final gradient into their
+  statistics (SOAP): deferred from that step's end into the next step's bubbles.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ class TaskRules:
     `syncs` is).
     `precondition`: a per-step precondition op after the stage's backwards, before the gradient
     reduction (False: the method preconditions in the optimizer step, on the reduced gradient).
+    `deferred_statistics`: the method folds the final gradient of every step into its statistics
+    in a per-step fold op (`OpKind.FOLD`) of the next step, anywhere in that step's bubbles; the
+    refresh work of a cycle reads the statistics as of the fold in the cycle's first step (the
+    profile's `precondition` time of a layer is then that fold's).
     `shared_when_split`: (split, part) pairs: under tensor parallelism the part's statistic of a
     layer split that way is the same on every shard of a rank (K-FAC: a column split's input
     factor, a row split's output-gradient factor), so each shard builds it from its share of the
@@ -81,10 +87,15 @@ class TaskRules:
     precondition: bool
     labels: WorkLabels
     shared_when_split: tuple[tuple[str, int], ...] = ()
+    deferred_statistics: bool = False
 
     def __post_init__(self) -> None:
         if len(self.labels.parts) > MAX_PARTS:
             raise ValueError(f"labels.parts: {self.labels.parts!r} has more than {MAX_PARTS} parts")
+        if self.deferred_statistics and (self.precondition or self.curvature):
+            raise ValueError(
+                "deferred_statistics: a method with per-micro-batch curvature or a precondition op has no fold op"
+            )
         if self.curvature and not self.parts:
             raise ValueError("curvature: a method without parts has no curvature tasks")
         for split, part in self.shared_when_split:

@@ -45,6 +45,7 @@ OP_CATEGORY = {
     "R1": "refresh-1",
     "X": "sync",
     "P": "precondition",
+    "U": "precondition",
 }
 
 

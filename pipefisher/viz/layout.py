@@ -29,6 +29,7 @@ CATEGORY: dict[OpKind, str] = {
     OpKind.EXCHANGE: "sync",
     OpKind.REFRESH: "refresh",
     OpKind.PRECONDITION: "precondition",
+    OpKind.FOLD: "precondition",
 }
 
 #: Categories in legend order, with their legend text where no method names its work.

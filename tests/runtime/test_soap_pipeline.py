@@ -49,13 +49,16 @@ def soap_config(schedule, placement="packed", steps=6, **soap):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_its_plans_have_no_syncs_and_replay_under_the_nccl_rule(schedule):
     """Two parts per layer refreshed in the bubbles, exchanged between Chimera's pipes; nothing
-    synced, also with data-parallel copies (the statistics come from the reduced gradient)."""
+    synced, also with data-parallel copies (the statistics come from the reduced gradient); one
+    fold per (pipe, stage) in every step."""
     pipe = get_schedule(schedule, 4, 8)
     profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0)
     plan = pack(pipe, profile, rules_of(profile), PackOptions(refresh_steps=2, data_parallel=2)).plan
     validate_plan(plan)
     kinds = {op.token for op in plan.curvature_ops()}
-    assert {"R0", "R1"} <= kinds <= {"R0", "R1", "X"}
+    assert {"R0", "R1", "U"} <= kinds <= {"R0", "R1", "X", "U"}
+    folds = [[sorted(map(str, (op for ops in step for op in ops if op.token == "U")))] for step in plan.steps]
+    assert folds[0] == folds[-1] and len(folds[0][0]) == len(pipe.placement)
     actions = replay(plan_actions(Topology(pipe, 2), plan, tied=False))
     launched = {a.target.kind for step in actions.steps for rank in step for a in rank if a.kind is ActionKind.LAUNCH}
     assert "sync" not in launched and ("exchange" in launched) == (pipe.num_pipes > 1)
@@ -76,14 +79,15 @@ def test_task_rules_take_a_method_without_syncs_and_refuse_syncs_it_does_not_hav
 @pytest.mark.dist
 def test_packed_and_after_step_compute_the_same_and_equal_the_reference():
     """Placement changes when the refresh runs, never what it computes; Chimera splits it over
-    its pipes."""
+    its pipes. The same for the statistics folded in the next step's bubbles (`fold: bubbles`)."""
     runs = {}
-    for placement in ("packed", "after-step"):
-        config = soap_config("chimera", placement)
-        runs[placement] = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=180)
-    for packed, after_step in zip(runs["packed"], runs["after-step"]):
-        assert packed.losses == after_step.losses
-        assert all(torch.equal(value, after_step.parameters[key]) for key, value in packed.parameters.items())
+    for placement, fold in (("packed", "step-end"), ("after-step", "step-end"), ("packed", "bubbles")):
+        config = soap_config("chimera", placement, fold=fold)
+        runs[placement, fold] = run_group(pipelined, config.world_size, args=(config,), timeout=30, deadline=180)
+    for other in (("after-step", "step-end"), ("packed", "bubbles")):
+        for packed, run in zip(runs["packed", "step-end"], runs[other]):
+            assert packed.losses == run.losses
+            assert all(torch.equal(value, run.parameters[key]) for key, value in packed.parameters.items())
     assert_equal_to_reference(soap_config("chimera", "after-step"), PARAMETER_ATOL)
 
 
@@ -97,19 +101,23 @@ def test_the_refresh_changes_the_updates():
 
 
 @pytest.mark.dist
-def test_soap_resumes_mid_cycle_bit_for_bit_with_exchanges_in_flight(tmp_path):
-    """Stopped after step 4, inside the second cycle of 3 (snapshot, pending bases), resumed."""
-    assert_resumes_bit_for_bit(soap_config("chimera", refresh_steps=3), 4, tmp_path)
+@pytest.mark.parametrize("fold", ["step-end", "bubbles"])
+def test_soap_resumes_mid_cycle_bit_for_bit_with_exchanges_in_flight(tmp_path, fold):
+    """Stopped after step 4, inside the second cycle of 3 (snapshot, pending bases; with the fold
+    in the bubbles, a gradient held), resumed."""
+    assert_resumes_bit_for_bit(soap_config("chimera", refresh_steps=3, fold=fold), 4, tmp_path)
 
 
 @pytest.mark.dist
 def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_path):
-    profile_path = tmp_path / "soap.yaml"
+    """With the fold in the bubbles, each matrix's fold is timed as its `precondition` (the U op's time)."""
+    profile_path, run_file = tmp_path / "soap.yaml", tmp_path / "run.yaml"
+    run_file.write_text(TINY.read_text() + "\nsoap:\n  fold: bubbles\n")
     measured = subprocess.run(
         [
             "pipefisher",
             "profile",
-            str(TINY),
+            str(run_file),
             "-o",
             str(profile_path),
             "--master-port",
@@ -133,6 +141,7 @@ def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_p
         layer.time("refresh", 0) > 0
         and layer.time("refresh", 1) > 0
         and layer.time("curvature", 0) == layer.time("sync", 0) == 0
+        and layer.time("precondition") > 0
         for layer in layers
     )
     assert all(stage.step_end > 0 for stage in profile.stages)

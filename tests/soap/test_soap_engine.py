@@ -202,12 +202,68 @@ def test_a_state_dict_taken_mid_cycle_resumes_bit_identically():
         SoapEngine(nn.Linear(5, 7), SETTINGS).load_state_dict(engine.state_dict())
 
 
-def test_the_memory_model_counts_what_the_engine_holds_after_a_commit():
+@pytest.mark.parametrize("deferred", [False, True])
+def test_the_memory_model_counts_what_the_engine_holds_after_a_commit(deferred):
+    """With deferred statistics: and the gradients held from the step end to their fold."""
     model = nn.Sequential(nn.Linear(9, 6, bias=False), nn.Linear(6, 2, bias=False))
-    engine = SoapEngine(model, SETTINGS)
+    engine = SoapEngine(model, SETTINGS, defer_statistics=deferred)
     run(engine, model, range(2))
-    layers = [SoapLayer(info.name, *info.shape, block_size=4) for info in engine.matrices()]
-    assert tensor_bytes(engine.state_dict()) == sum(layer.state_bytes() for layer in layers)
+    set_gradients(model, 2)
+    engine.precondition_all()
+    held = engine.held_gradient_bytes
+    assert (held > 0) == deferred
+    layers = [
+        SoapLayer(info.name, *info.shape, block_size=4, deferred_statistics=deferred) for info in engine.matrices()
+    ]
+    assert tensor_bytes(engine.state_dict()) + held == sum(layer.state_bytes() for layer in layers)
+
+
+def deferred_and_at_the_step_end(fold_at: str) -> tuple[SoapEngine, SoapEngine, nn.Module, nn.Module]:
+    """Two engines over copies of one model through 7 steps and cycles of 3 (the refresh at each
+    cycle's second step, as a packer may put it): one folds at each step end, the other holds the
+    gradient and folds it at `fold_at`: "next-step" (the U op at the next step's start, before the
+    cycle's refresh), "never" (only what reads the statistics folds)."""
+    models = (tiny_model(), tiny_model())
+    engines = (SoapEngine(models[0], SETTINGS), SoapEngine(models[1], SETTINGS, defer_statistics=True))
+    for step in range(7):
+        for engine, model in zip(engines, models):
+            if fold_at == "next-step" and engine.defer_statistics:
+                engine.fold_held()
+            if step % 3 == 1:
+                for info in engine.matrices():
+                    for factor in FACTORS:
+                        engine.refresh(info.name, factor)
+            set_gradients(model, step)
+            engine.precondition_all()
+            if step % 3 == 2:
+                engine.commit()
+                engine.snapshot()
+    return (*engines, *models)
+
+
+@pytest.mark.parametrize("fold_at", ["next-step", "never"])
+def test_statistics_folded_in_the_next_step_give_the_same_directions_statistics_and_checkpoint(fold_at):
+    """Deferral moves when the fold runs, never what it computes: every direction, statistic,
+    basis and the checkpoint (taken with a gradient held and a snapshot due) are bit-identical."""
+    at_end, deferred, model_at_end, model_deferred = deferred_and_at_the_step_end(fold_at)
+    assert deferred.held_gradient_bytes > 0
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model_at_end.parameters(), model_deferred.parameters()))
+    ours, theirs = deferred.state_dict(), at_end.state_dict()
+    assert deferred.held_gradient_bytes == 0, "the checkpoint folds what is held"
+    assert flat(ours).keys() == flat(theirs).keys()
+    for key, value in flat(theirs).items():
+        assert torch.equal(value, flat(ours)[key]) if isinstance(value, torch.Tensor) else value == flat(ours)[key], key
+
+
+def flat(state: dict, prefix: str = "") -> dict:
+    """A nested state dict as {"a/b/c": leaf}."""
+    found = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            found.update(flat(value, f"{prefix}{key}/"))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,13 @@ direction (``.grad`` zeroed): it folds G and takes the eigendecomposition of the
 first bases. A step then applies ``p <- (p - lr · direction)(1 - lr · wd)``, skipping a
 parameter's first (`pipefisher.methods.soap.front.SoapStep`).
 
+Deferred statistics (``defer_statistics``, the runtime's choice): the step end folds only the
+gradients of matrices without bases yet and holds a copy of the others, which ``fold_held()``
+folds later (SOAP's U op, in the next step's bubbles); everything that reads the statistics folds
+what is held first (the next step end, a refresh, ``statistics``, ``state_dict``), and a snapshot
+asked for while gradients are held is taken right after they are folded, so the maths and every
+result are those of folding at the step end.
+
 Refresh, per matrix and factor f: ``snapshot()`` keeps the statistics at a fixed point (the
 refresh cycle's start); ``refresh(name, f)`` computes from the snapshot and the bases in use one
 power-iteration step with QR (:func:`pipefisher.methods.soap.basis.power_basis`), pending (a
@@ -61,6 +68,7 @@ class SoapEngine:
         skip: Iterable[str] = (),
         *,
         dtype: torch.dtype = torch.float32,
+        defer_statistics: bool = False,
     ) -> None:
         self.settings = settings or SoapConfig()
         check_section(self.settings, SOAP.name)
@@ -72,6 +80,11 @@ class SoapEngine:
         #: whether the step stacks same-shape blocks of all matrices into one batched product each
         #: (on a GPU, where it saves kernel launches; a CPU's batched products are the slower ones)
         self.stack_blocks = any(st.parameter.device.type != "cpu" for st in self._matrices.values())
+        self.defer_statistics = defer_statistics
+        #: the matrices and copies of their gradients of the last step end, not yet folded
+        self._held: tuple[list[MatrixState], list[Tensor]] | None = None
+        #: a snapshot was asked for while gradients were held: taken once they are folded
+        self._snapshot_due = False
         #: counter totals per matrix already accounted for; present once warned
         self._baseline: dict[str, int] = {}
         self._warned: set[str] = set()
@@ -91,6 +104,7 @@ class SoapEngine:
 
     def statistics(self, name: str, factor: Factor) -> list[Tensor]:
         """Views of ``factor``'s block statistics, in block order (do not modify)."""
+        self.fold_held()
         st = self._matrix(name)
         return block_views(st.factors[factor].statistic, st.info.block_sizes(factor))
 
@@ -99,6 +113,11 @@ class SoapEngine:
         st = self._matrix(name)
         basis = st.factors[factor].basis
         return None if basis is None else block_views(basis, st.info.block_sizes(factor))
+
+    @property
+    def held_gradient_bytes(self) -> int:
+        """Bytes of the gradient copies held for `fold_held` (0 when none are)."""
+        return 0 if self._held is None else sum(g.numel() * g.element_size() for g in self._held[1])
 
     def health(self) -> dict[str, SoapHealth]:
         """Per-matrix numerics counters as host values (one host read for all matrices)."""
@@ -111,11 +130,13 @@ class SoapEngine:
         ``dtype``), and the gradient is folded into the statistics; a matrix's first call
         takes its first eigenbases instead of a direction and zeroes ``.grad``. The matrices'
         same-shape blocks are stacked into one batched product each (`pipefisher.methods.soap.step`).
+        With ``defer_statistics`` the gradients of started matrices are held for `fold_held`.
 
         A sharded ``.grad`` (ZeRO-2/3) is gathered whole (`whole_gradient`, a collective over the
         stage's replicas, one per matrix in `matrices` order: every replica calls this at the same
         step end with the same matrices), so every replica folds the same statistics; this rank
         keeps its rows of the direction (`set_gradient`). An unsharded one is rewritten in place."""
+        self.fold_held()
         chosen: list[MatrixState] = []
         raw: list[Tensor] = []
         for st in self._matrices.values():
@@ -126,8 +147,11 @@ class SoapEngine:
                 chosen.append(st)
                 raw.append(grad.detach())
         grads = [grad.reshape(st.info.shape).to(self.dtype) for st, grad in zip(chosen, raw)]
-        fold(chosen, grads, self.settings, self.statistics_dtype, self.stack_blocks)
         started = [number for number, st in enumerate(chosen) if st.started]
+        now = [i for i, st in enumerate(chosen) if not (self.defer_statistics and st.started)]
+        fold([chosen[i] for i in now], [grads[i] for i in now], self.settings, self.statistics_dtype, self.stack_blocks)
+        if self.defer_statistics and started:  # a copy: `raw` (maybe `grads`' storage) becomes the direction
+            self._held = ([chosen[i] for i in started], [grads[i].clone() for i in started])
         if started:
             found = directions(
                 [chosen[i] for i in started], [grads[i] for i in started], self.settings, self.stack_blocks
@@ -140,9 +164,37 @@ class SoapEngine:
             if is_sharded(st.parameter.grad):
                 set_gradient(st.parameter, grad)
 
+    def fold_held(self) -> None:
+        """Fold the gradients held since the last step end into the statistics (SOAP's U op;
+        nothing when none are held), then take a snapshot asked for meanwhile."""
+        if self._held is not None:
+            states, grads = self._held
+            self._held = None
+            fold(states, grads, self.settings, self.statistics_dtype, self.stack_blocks)
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self.snapshot()
+
+    def drop_held(self) -> None:
+        """Forget the held gradients unfolded (the profiler's throwaway engines, which time the
+        fold as a task of its own)."""
+        self._held, self._snapshot_due = None, False
+
+    def fold_into_statistics(self, name: str, grad: Tensor) -> None:
+        """Fold ``grad`` (``(rows, cols)``) into matrix `name`'s statistics now (the profiler
+        times each matrix's fold with it)."""
+        st = self._matrix(name)
+        fold(
+            [st], [grad.reshape(st.info.shape).to(self.dtype)], self.settings, self.statistics_dtype, self.stack_blocks
+        )
+
     # ----------------------------------------------------------------- refresh (no host reads)
     def snapshot(self) -> None:
-        """Keep every started matrix's statistics as the next refreshes' input."""
+        """Keep every started matrix's statistics as the next refreshes' input (while gradients
+        are held: once `fold_held` folded them)."""
+        if self._held is not None:
+            self._snapshot_due = True
+            return
         for st in self._matrices.values():
             if st.started:
                 for fs in st.factors.values():
@@ -151,6 +203,7 @@ class SoapEngine:
     def refresh(self, name: str, factor: Factor) -> None:
         """Pending eigenbases of ``factor`` from its snapshot and the bases in use (nothing before
         the first snapshot); a block whose refresh fails keeps its basis and column order."""
+        self.fold_held()
         st = self._matrix(name)
         fs = st.factors[factor]
         if fs.snapshot is None:
@@ -216,7 +269,8 @@ class SoapEngine:
 
     def check_health(self) -> None:
         """One host read of every counter: warn (:class:`SoapNumericsWarning`) the first time a
-        matrix skipped a statistics update or kept a basis; call once per refresh cycle."""
+        matrix skipped a statistics update or kept a basis; call once per refresh cycle (a held
+        gradient's skip is counted once it is folded, and read at the next check)."""
         for name, values in self._read_counters().items():
             if name not in self._warned and sum(values) > self._baseline.get(name, 0):
                 self._warned.add(name)
@@ -225,7 +279,8 @@ class SoapEngine:
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Per matrix: statistics, snapshots, bases in use and pending, moments, its direction
-        count and health counters (nested dicts of tensors and ints)."""
+        count and health counters (nested dicts of tensors and ints), held gradients folded."""
+        self.fold_held()
         return {"matrices": {name: _checkpoint.matrix_state(st) for name, st in self._matrices.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -234,6 +289,7 @@ class SoapEngine:
         matrices = state["matrices"]
         if set(matrices) != set(self._matrices):
             raise ValueError(f"SOAP matrices differ: checkpoint {sorted(matrices)} vs model {sorted(self._matrices)}")
+        self.drop_held()
         for name, entry in matrices.items():
             _checkpoint.load_matrix_state(self._matrices[name], entry, self.dtype, self.statistics_dtype)
         self._baseline = {name: sum(values) for name, values in self._read_counters().items()}

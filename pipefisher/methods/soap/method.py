@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pipefisher.core.settings import ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
@@ -33,6 +33,11 @@ class SoapConfig(RefreshConfig):
     statistics_dtype: StatisticsDtype = setting(
         "float64", "dtype of the statistics (float64 resolves their null space, which decides the eigenbasis there)"
     )
+    fold: Literal["step-end", "bubbles"] = setting(
+        "step-end",
+        "where each step's gradient is folded into the statistics: step-end (with the directions) or bubbles (its "
+        "U op in the next step's bubbles, holding a copy of the gradient until then; the same results)",
+    )
 
     @property
     def statistics_decay(self) -> float:
@@ -50,7 +55,9 @@ class SoapConfig(RefreshConfig):
 
 
 #: SOAP's statistics come from the reduced gradient at each step's end, alike on every replica: no
-#: syncs; its refresh work per layer is the new left (part 0) and right (part 1) eigenbasis
+#: syncs; the fold of that gradient into them is its U op, one per stage and step (with `fold:
+#: bubbles` it does the fold in the next step's bubbles; with step-end nothing); its refresh work
+#: per layer is the new left (part 0) and right (part 1) eigenbasis
 SOAP = CurvatureMethod(
     name="soap",
     label="SOAP",
@@ -59,7 +66,8 @@ SOAP = CurvatureMethod(
         syncs=(),
         sync_of=(),
         precondition=False,
-        labels=WorkLabels(parts=("left", "right"), refresh="basis"),
+        labels=WorkLabels(parts=("left", "right"), refresh="basis", precondition="statistics fold"),
+        deferred_statistics=True,
     ),
     settings=SoapConfig,
     parts="pipefisher.methods.soap.parts:PARTS",

@@ -1,12 +1,12 @@
-"""SOAP in the executor: handlers of IA/IB and X, the provider of its exchange, and its work at
-each step's end.
+"""SOAP in the executor: handlers of IA/IB, X and U, the provider of its exchange, and its work
+at each step's end.
 
 Step end (before the optimizer step, every step, every replica alike): the reduced, clipped
-gradient of each SOAP matrix becomes its direction and is folded into the statistics (no sync:
-every replica of a stage holds the same reduced gradient). The direction needs the final, clipped
-gradient, so it stays there; the statistics alone could go into the next step's early bubbles,
-holding a copy of the gradient until then, with a per-step task kind the packer does not have
-(docs/methods.md measures their share).
+gradient of each SOAP matrix becomes its direction (no sync: every replica of a stage holds the
+same reduced gradient) and is folded into the statistics; with ``soap.fold: bubbles`` a copy of
+it is held for the fold instead, which the stage's U op of the next step does wherever the packer
+put it (in a bubble; the engine folds it first wherever the statistics are read before,
+`SoapEngine.fold_held`). With the fold at the step end the U ops find nothing to fold.
 
 Refresh cycle of k steps (`Plan.steps`): IA/IB compute the new left/right eigenbases of every
 matrix (one power-iteration step with QR) from the statistics as of the cycle's start (the
@@ -39,8 +39,9 @@ from pipefisher.runtime.primitives.comm import Handle
 
 
 def soap_engine(config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> SoapEngine:
-    """The engine of the run's soap section for `module`."""
-    return SoapEngine(module, config.settings, skip)
+    """The engine of the run's soap section for `module` (its statistics folded by the U ops when
+    the section says `fold: bubbles`)."""
+    return SoapEngine(module, config.settings, skip, defer_statistics=config.settings.fold == "bubbles")
 
 
 def matrix_names(module: nn.Module, skip: tuple[str, ...]) -> list[str]:
@@ -62,8 +63,9 @@ class SoapRuntime(StageRuntime[SoapEngine]):
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
             OpKind.REFRESH: self._refresh,
-            OpKind.EXCHANGE: lambda op: None,
-        }  # its launches are the whole op
+            OpKind.EXCHANGE: lambda op: None,  # its launches are the whole op
+            OpKind.FOLD: self._fold,
+        }
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
         return {CollectiveKind.EXCHANGE: self._launch_exchange}
@@ -80,6 +82,9 @@ class SoapRuntime(StageRuntime[SoapEngine]):
             engine.snapshot()
             engine.check_health()
 
+    def _fold(self, op: Op) -> None:
+        self.engine(op).fold_held()
+
     def _refresh(self, op: Op) -> None:
         self.engine(op).refresh(op.layer, FACTORS[op.part])
 
@@ -89,8 +94,9 @@ class SoapRuntime(StageRuntime[SoapEngine]):
 
 class SoapTimer(StageTimer[SoapEngine]):
     """SOAP's task times per matrix: the refresh of each factor (from statistics and first bases
-    of a random gradient); and, in the step end, the direction and the statistics update with
-    bases in place."""
+    of a random gradient) and, with ``fold: bubbles``, the fold of a gradient into the statistics
+    (the U op's, the profile's ``precondition``); in the step end, the direction with bases in
+    place (and the fold, at ``fold: step-end``)."""
 
     method = "soap"
     build_engine = staticmethod(soap_engine)
@@ -98,6 +104,7 @@ class SoapTimer(StageTimer[SoapEngine]):
     def before_optimizer_step(self) -> None:
         for engine in self.engines.values():
             engine.precondition_all()
+            engine.drop_held()  # a held gradient's fold is timed by `measure`, as the U op's
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
@@ -117,6 +124,11 @@ class SoapTimer(StageTimer[SoapEngine]):
                     )
                     for part, factor in enumerate(FACTORS)
                 }
+                if engine.defer_statistics:
+                    gradient = torch.randn(info.shape, device=executor.device)
+                    samples["precondition"] = timed_ms(
+                        lambda info=info: engine.fold_into_statistics(info.name, gradient), executor.device
+                    )
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()
         return measurements

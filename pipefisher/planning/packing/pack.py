@@ -303,8 +303,8 @@ def after_step_plan(
     precondition: bool = True,
 ) -> Plan:
     """The naive placement, for comparison: all of a cycle's curvature work in one block after the
-    flush of its first step (curvature, syncs, refresh work, exchanges), preconditioning at the end
-    of every step (unless `precondition` is False, as `PackOptions`). Collectives go in one order on
+    flush of its first step (curvature, syncs, refresh work, exchanges) after the step's folds,
+    preconditioning at the end of every step (unless `precondition` is False, as `PackOptions`). Collectives go in one order on
     every rank (by stage, layer, kind and part)."""
     return _after_step(
         build_tasks(schedule, profile, rules, split=split, data_parallel=data_parallel, precondition=precondition),
@@ -338,6 +338,8 @@ def _after_step(tasks: CurvatureTasks, refresh_steps: int) -> Plan:
         ranks = []
         for rank, compute in enumerate(schedule.ranks):
             work = block(tasks.cycle[rank]) if step == 0 else []
-            ranks.append(tuple(compute) + tuple(work) + tasks.per_step[rank])
+            folds = tuple(op for op in tasks.per_step[rank] if op.kind is OpKind.FOLD)
+            preconditions = tuple(op for op in tasks.per_step[rank] if op.kind is not OpKind.FOLD)
+            ranks.append(tuple(compute) + folds + tuple(work) + preconditions)
         steps.append(tuple(ranks))
     return Plan(schedule=schedule, steps=tuple(steps), method=tasks.profile.method, rules=tasks.rules)

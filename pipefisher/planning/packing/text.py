@@ -75,7 +75,7 @@ def format_pack_report(result: PackResult) -> str:
     after = [(d["rank"], d["precondition_outside"]) for d in data["devices"] if d["precondition_outside"] > 0]
     if after:
         lines.append(
-            f"{labels.precondition} with no bubble after its gradient is final, run after the step's work "
+            f"{labels.precondition} with no bubble to go to, run after the step's work "
             f"[{unit}/step]: " + ", ".join(f"rank {rank} {time:.4g}" for rank, time in after)
         )
     return "\n".join(lines)

@@ -100,7 +100,7 @@ def _deadlines(
 ) -> list[float]:
     """Per W of the rank (schedule order): when it must have ended (gradient consumers, memory)."""
     stage_deadline: dict[tuple[int, int], float] = {}
-    preconditions = {(op.pipe, op.stage): op for op in tasks.per_step[rank]}
+    preconditions = {(op.pipe, op.stage): op for op in tasks.per_step[rank] if op.kind is OpKind.PRECONDITION}
     reads_gradient = not tasks.rules.curvature
     for iv in weights:
         key = (iv.op.pipe, iv.op.stage)

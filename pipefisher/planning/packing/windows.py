@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipefisher.core.ir import Op
+from pipefisher.core.ir import PER_STEP_KINDS, Op
 from pipefisher.planning.packing.weights import WeightWindows, weight_windows
 from pipefisher.planning.simulate import Timeline, simulate_ops
 from pipefisher.planning.tasks import CurvatureTasks
@@ -63,16 +63,30 @@ class Windows:
     def longest(self, rank: int) -> float:
         return max((end - start for start, end in self.free[rank]), default=0.0)
 
+    def releases(self, first_order: Timeline) -> dict[Op, float]:
+        """When each op of a step that a cycle's task may read ends: the `first_order` step's
+        forwards and backwards, and the per-step ops of the step with its preconditioning."""
+        ends = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
+        ends.update(
+            {
+                iv.op: iv.end
+                for intervals in self.preconditioned.ranks
+                for iv in intervals
+                if iv.op.kind in PER_STEP_KINDS
+            }
+        )
+        return ends
+
 
 def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) -> Windows:
     """The windows of every step: each precondition goes into the first bubble after its
-    stage's gradient is final (its last backward or weight gradient) that holds it (else after
-    the step's work); the windows are the bubbles of that preconditioned step (so they include
+    stage's gradient is final (its last backward or weight gradient) that holds it, each fold
+    into the step's first bubble that holds it (else after the step's work); the windows are the bubbles of that preconditioned step (so they include
     what a step ending later with its preconditioning leaves free on other ranks), less `margin`
     of each."""
     end_of = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
     final = {
-        op: max((end_of[dep] for dep in tasks.graph.gradient_ops(op)), default=0.0)
+        op: max((end_of[dep] for dep in tasks.graph.dependencies(op)), default=0.0)
         for ops in tasks.per_step
         for op in ops
     }

@@ -1,0 +1,47 @@
+"""SOAP's per-step fold (U) in plans: one per (pipe, stage) in every step, in the step's first
+bubble that holds it (the last stage's wait for its first forward), else after the step's work;
+the cycle's refresh work waits for the fold of its first step, so every plan is valid and
+simulates without deadlock, whatever the fold costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from builders import layered_profile, rules_of
+from pipefisher.core.ir import OpKind
+from pipefisher.planning.packing.pack import pack
+from pipefisher.planning.plan import validate_plan
+from pipefisher.planning.simulate import simulate
+from pipefisher.schedules import SCHEDULES, get_schedule
+
+
+@pytest.mark.parametrize("fold", [0.02, 3.0])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_step_folds_once_per_stage_and_the_refresh_waits_for_the_first_steps_fold(schedule, fold):
+    pipe = get_schedule(schedule, 2, 4)
+    profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0, precondition=fold / 3)
+    result = pack(pipe, profile, rules_of(profile))
+    validate_plan(result.plan)
+    assert all(timeline.step_time > 0 for timeline in result.timelines)
+    for step in result.plan.steps:
+        folds = sorted((op.pipe, op.stage) for ops in step for op in ops if op.kind is OpKind.FOLD)
+        assert folds == sorted(pipe.placement)
+    for ops in result.plan.steps[0]:
+        position = {op: i for i, op in enumerate(ops)}
+        for op in ops:
+            if op.kind is OpKind.REFRESH:
+                fold_op = next(o for o in ops if o.kind is OpKind.FOLD and (o.pipe, o.stage) == (op.pipe, op.stage))
+                assert position[fold_op] < position[op]
+
+
+def test_a_fold_that_fits_goes_into_the_first_bubble_and_costs_the_step_nothing():
+    """1F1B on 2 stages: the last stage waits for its first forward at the step's start; a fold
+    shorter than that wait runs there, and the step with it is the first-order step."""
+    pipe = get_schedule("1f1b", 2, 4)
+    profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0, precondition=0.1)
+    result = pack(pipe, profile, rules_of(profile))
+    kinds = [op.kind for op in result.plan.steps[0][1]]
+    assert kinds[0] is OpKind.FOLD and kinds.index(OpKind.FORWARD) > 0
+    assert result.precondition_step_time == pytest.approx(simulate(pipe, profile).step_time)
+    heavy = layered_profile(pipe.num_stages, method="soap", curvature=0.0, precondition=2.0)
+    assert pack(pipe, heavy, rules_of(heavy)).precondition_step_time > simulate(pipe, heavy).step_time
