@@ -5,10 +5,12 @@ simulates without deadlock, whatever the fold costs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from builders import layered_profile, rules_of
-from pipefisher.core.ir import OpKind
+from pipefisher.core.ir import Op, OpKind
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.plan import validate_plan
 from pipefisher.planning.simulate import simulate
@@ -45,3 +47,21 @@ def test_a_fold_that_fits_goes_into_the_first_bubble_and_costs_the_step_nothing(
     assert result.precondition_step_time == pytest.approx(simulate(pipe, profile).step_time)
     heavy = layered_profile(pipe.num_stages, method="soap", curvature=0.0, precondition=2.0)
     assert pack(pipe, heavy, rules_of(heavy)).precondition_step_time > simulate(pipe, heavy).step_time
+
+
+def test_a_plan_written_before_fold_ops_loads_with_one_at_each_steps_start(tmp_path):
+    from pipefisher.methods.registry import task_rules
+    from pipefisher.planning.plan import Plan
+
+    pipe = get_schedule("1f1b", 2, 4)
+    profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0)
+    plan = pack(pipe, profile, rules_of(profile)).plan
+    data = plan.to_dict()
+    data["steps"] = [
+        [[t for t in ops if Op.parse(t).kind is not OpKind.FOLD] for ops in step] for step in data["steps"]
+    ]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    loaded = validate_plan(Plan.load(path, task_rules))
+    assert all(ops[0].kind is OpKind.FOLD for step in loaded.steps for ops in step)
+    assert Plan.load(path, task_rules).steps == loaded.steps

@@ -108,7 +108,10 @@ class Plan:
             raise ScheduleError(f"malformed plan JSON: {exc!r}") from None
         method = str(data.get("method", V1_METHOD if schema == PLAN_SCHEMA_V1 else ""))
         rules = rules_of(method) if rules_of is not None and method else None
-        return cls(schedule=Schedule.from_dict(data["schedule"]), steps=steps, method=method, rules=rules)
+        schedule = Schedule.from_dict(data["schedule"])
+        if rules is not None and rules.deferred_statistics:
+            steps = _with_folds(schedule, steps)
+        return cls(schedule=schedule, steps=steps, method=method, rules=rules)
 
     def save(self, path: str | Path) -> None:
         write_text_atomically(path, json.dumps(self.to_dict()) + "\n")
@@ -120,6 +123,18 @@ class Plan:
         return load_structured(
             path, "plan", lambda data: cls.from_dict(data, rules_of), ScheduleError, schema=PLAN_SCHEMA
         )
+
+
+def _with_folds(schedule: Schedule, steps: tuple[tuple[tuple[Op, ...], ...], ...]):
+    """`steps` of a plan written before fold ops (`OpKind.FOLD`) existed, with each (pipe, stage)'s
+    at the start of its rank's list in every step; `steps` as they are when they have any."""
+    if any(op.kind is OpKind.FOLD for step in steps for ops in step for op in ops):
+        return steps
+    folds = [
+        [Op(OpKind.FOLD, stage, None, pipe) for (pipe, stage), r in sorted(schedule.placement.items()) if r == rank]
+        for rank in range(schedule.num_ranks)
+    ]
+    return tuple(tuple(tuple(folds[rank]) + ops for rank, ops in enumerate(step)) for step in steps)
 
 
 def _step_dependencies(graph: TaskGraph, step_ops: set[Op], first_step: bool):
