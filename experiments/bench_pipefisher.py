@@ -91,6 +91,7 @@ GROUPS = {
     OpKind.CURVATURE: "curv",
     OpKind.REFRESH: "inv",
     OpKind.PRECONDITION: "precond",
+    OpKind.FOLD: "precond",
     OpKind.SYNC: "comm",
     OpKind.EXCHANGE: "comm",
 }

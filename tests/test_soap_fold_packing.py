@@ -1,7 +1,7 @@
 """SOAP's per-step fold (U) in plans: one per (pipe, stage) in every step, in the step's first
-bubble that holds it (the last stage's wait for its first forward), else after the step's work;
-the cycle's refresh work waits for the fold of its first step, so every plan is valid and
-simulates without deadlock, whatever the fold costs."""
+bubble that holds it (the last stage's wait for its first forward), else after the step's work.
+Nothing waits for it (whatever reads the statistics first folds what is held), so every plan is
+valid and simulates without deadlock, whatever the fold costs, on every schedule."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pipefisher.planning.simulate import simulate
 from pipefisher.schedules import SCHEDULES, get_schedule
 
 
-@pytest.mark.parametrize("fold", [0.02, 3.0])
+@pytest.mark.parametrize("fold", [0.0, 0.02, 3.0])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_every_step_folds_once_per_stage_and_the_refresh_waits_for_the_first_steps_fold(schedule, fold):
-    pipe = get_schedule(schedule, 2, 4)
+def test_every_step_folds_once_per_stage_in_a_valid_plan(schedule, fold):
+    pipe = get_schedule(schedule, 4, 8)
     profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0, precondition=fold / 3)
     result = pack(pipe, profile, rules_of(profile))
     validate_plan(result.plan)
@@ -28,12 +28,6 @@ def test_every_step_folds_once_per_stage_and_the_refresh_waits_for_the_first_ste
     for step in result.plan.steps:
         folds = sorted((op.pipe, op.stage) for ops in step for op in ops if op.kind is OpKind.FOLD)
         assert folds == sorted(pipe.placement)
-    for ops in result.plan.steps[0]:
-        position = {op: i for i, op in enumerate(ops)}
-        for op in ops:
-            if op.kind is OpKind.REFRESH:
-                fold_op = next(o for o in ops if o.kind is OpKind.FOLD and (o.pipe, o.stage) == (op.pipe, op.stage))
-                assert position[fold_op] < position[op]
 
 
 def test_a_fold_that_fits_goes_into_the_first_bubble_and_costs_the_step_nothing():

@@ -103,9 +103,11 @@ def test_soap_counts_the_power_step_and_states_the_qr_and_counts_the_fold():
         assert counted(lambda factor=factor: engine.refresh("weight", factor)) == task.matmul
         assert task.decomposition == pytest.approx(sum(QR * n**3 for n in sizes))
         assert task.dtype == settings.statistics_dtype
+    assert "precondition" not in flops, "at fold: step-end the fold is part of the step end"
+    in_bubbles = method("soap").task_flops(SoapConfig(block_size=4, fold="bubbles"), MatrixShape(5, 6), tokens=5)
     gradient = torch.randn(5, 6)
-    assert counted(lambda: engine.fold_into_statistics("weight", gradient)) == flops["precondition"].total
-    assert flops["precondition"].dtype == settings.statistics_dtype
+    assert counted(lambda: engine.fold_into_statistics("weight", gradient)) == in_bubbles["precondition"].total
+    assert in_bubbles["precondition"].dtype == settings.statistics_dtype
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(8, 20), (20, 8)])

@@ -11,8 +11,8 @@ exchange per replica when the refresh work is split between replicas (after its 
 work and every replica's syncs of the layer); and, for methods that precondition before the
 gradient reduction, a precondition per (pipe, stage) in every step (after its backwards); for
 methods with deferred statistics, a fold per (pipe, stage) in every step (of the previous step's
-gradient: after nothing of its own step), which the refresh work of a cycle waits for in its first
-step.
+gradient: after nothing of its own step; nothing waits for it either: whatever reads the
+statistics first folds what is held, `pipefisher.methods.soap.engine`).
 
 Where the schedule splits the backward (W ops), the stage's gradient is whole only after its
 weight gradients: preconditions, and a gradient-based method's inputs, wait for the W ops then;
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from pipefisher.core.ir import PER_STEP_KINDS, Op, OpKind, Schedule, backward, dependencies, weight
+from pipefisher.core.ir import Op, OpKind, Schedule, backward, dependencies, weight
 from pipefisher.core.profile import Profile
 from pipefisher.planning.simulate import OpDurations, check_profile
 from pipefisher.planning.vocabulary import TaskRules
@@ -94,11 +94,9 @@ class TaskGraph:
         return self._compute[(_PRODUCER[op.part], op.stage, op.micro_batch, op.pipe)]
 
     def first_step_inputs(self, op: Op) -> tuple[Op, ...]:
-        """The ops of the cycle's first step that every step has, whose data `op` reads (its
-        dependencies in that step that are compute ops or a stage's per-step ops)."""
-        return tuple(
-            dep for dep in self.dependencies(op, first_step=True) if dep.kind.is_compute or dep.kind in PER_STEP_KINDS
-        )
+        """The forwards/backwards of the cycle's first step whose data `op` reads (its
+        dependencies in that step that are compute ops)."""
+        return tuple(dep for dep in self.dependencies(op, first_step=True) if dep.kind.is_compute)
 
     def gradient_ops(self, op: Op) -> tuple[Op, ...]:
         """The ops after which the gradient of `op`'s (pipe, stage) in a step is whole: its
@@ -139,12 +137,9 @@ class TaskGraph:
         raise ValueError(f"no dependency rule for {op}")
 
     def _input(self, op: Op, part: int, first_step: bool) -> tuple[Op, ...]:
-        """What the part's input waits for on `op`'s pipe: its curvature, the fold that makes
-        the cycle's statistics (deferred statistics), or the gradient."""
+        """What the part's input waits for on `op`'s pipe: its curvature, or the gradient."""
         if self.rules is not None and self.rules.curvature:
             return tuple(self._curvature[(part, op.pipe, op.stage, op.layer)])
-        if self.rules is not None and self.rules.deferred_statistics:
-            return (Op(OpKind.FOLD, op.stage, None, op.pipe),) if first_step else ()
         return self._gradient(op, first_step)
 
     def _previous_curvature(self, op: Op) -> tuple[Op, ...]:

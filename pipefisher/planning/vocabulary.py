@@ -72,8 +72,8 @@ class TaskRules:
     `precondition`: a per-step precondition op after the stage's backwards, before the gradient
     reduction (False: the method preconditions in the optimizer step, on the reduced gradient).
     `deferred_statistics`: the method folds the final gradient of every step into its statistics
-    in a per-step fold op (`OpKind.FOLD`) of the next step, anywhere in that step's bubbles; the
-    refresh work of a cycle reads the statistics as of the fold in the cycle's first step (the
+    in a per-step fold op (`OpKind.FOLD`) of the next step, anywhere in that step's bubbles; no op
+    waits for it, since the runtime folds what is held before anything reads the statistics (the
     profile's `precondition` time of a layer is then that fold's).
     `shared_when_split`: (split, part) pairs: under tensor parallelism the part's statistic of a
     layer split that way is the same on every shard of a rank (K-FAC: a column split's input

@@ -3,10 +3,10 @@
 The matrix (rows, cols) is cut into blocks of `SoapConfig.block_size` (`MatrixInfo`); the refresh
 of a factor's basis is, per block's n x n statistic (n = the block's rows for the left factor,
 part 0; its columns for the right, part 1), one power-iteration step ``S̃ Q`` 2n³ and the QR of the
-product 8n³/3, in the statistics dtype. The fold of a step's gradient into the statistics (the
-U op, the profile's ``precondition``) is, per block of r x c, ``G Gᵀ`` 2r²c and ``Gᵀ G`` 2c²r, in
-the statistics dtype. The per-step rotations run in the optimizer step (the profile's step end),
-not counted here. Pure Python.
+product 8n³/3, in the statistics dtype. With ``fold: bubbles`` the fold of a step's gradient into
+the statistics (the U op, the profile's ``precondition``) is, per block of r x c, ``G Gᵀ`` 2r²c and
+``Gᵀ G`` 2c²r, in the statistics dtype. The per-step rotations (and the fold at ``fold: step-end``)
+run in the optimizer step (the profile's step end), not counted here. Pure Python.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from pipefisher.methods.soap.method import SoapConfig
 
 
 def task_flops(settings: SoapConfig, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
-    """SOAP's `FlopHook`: the flops of the refresh of each factor's basis and of the statistics
-    fold of one matrix (module docstring)."""
+    """SOAP's `FlopHook`: the flops of the refresh of each factor's basis of one matrix, and of
+    its statistics fold where that is the U op's (module docstring)."""
     info = MatrixInfo.of("", (shape.rows, shape.cols), settings.block_size)
-    fold = sum(matmul(r, c, r) + matmul(c, r, c) for r in info.row_blocks for c in info.col_blocks)
-    counts = {"precondition": TaskFlops(fold, dtype=settings.statistics_dtype)}
+    counts = {}
+    if settings.fold == "bubbles":
+        fold = sum(matmul(r, c, r) + matmul(c, r, c) for r in info.row_blocks for c in info.col_blocks)
+        counts["precondition"] = TaskFlops(fold, dtype=settings.statistics_dtype)
     for part, factor in enumerate(FACTORS):
         sizes = info.block_sizes(factor)
         counts[time_key("refresh", part)] = TaskFlops(

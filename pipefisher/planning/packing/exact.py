@@ -114,7 +114,7 @@ def cycle_model(prepared: _Prepared, refresh_steps: int) -> CycleModel:
                 rank.append(r)
                 work.append(w)
     index = {op: i for i, op in enumerate(ops)}
-    fo_end = windows.releases(prepared.first_order)
+    fo_end = {iv.op: iv.end for intervals in prepared.first_order.ranks for iv in intervals}
     release = [max((fo_end[d] for d in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
 
     def resolved(op: Op) -> set[Op]:

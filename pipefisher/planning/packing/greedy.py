@@ -133,7 +133,7 @@ class Greedy:
         self.rank = [placement[(ops[0].pipe, ops[0].stage)] for ops in self.ops]
         self.curvature = [ops[0].kind in CURVATURE_KINDS for ops in self.ops]
         self.collective = [ops[0].kind in COLLECTIVES for ops in self.ops]
-        fo_end = self.windows.releases(first_order)
+        fo_end = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
         self.op_release = [
             [max((fo_end[dep] for dep in tasks.graph.first_step_inputs(op)), default=0.0) for op in ops]
             for ops in self.ops

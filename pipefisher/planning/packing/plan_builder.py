@@ -61,8 +61,6 @@ class PlanBuilder:
         self.period = windows.preconditioned.step_time  # a step with its preconditioning
         self.schedule = tasks.schedule
         self.fo = {iv.op: iv for intervals in first_order.ranks for iv in intervals}
-        #: step 0's end of each op a task may wait for that runs in every step (`Windows.releases`)
-        self.step_ends = windows.releases(first_order)
         self.groups = collective_groups(self.schedule)
         self.rank_of = {op: self.schedule.placement[(op.pipe, op.stage)] for ops in tasks.cycle for op in ops}
         self.collectives = [op for op in self.rank_of if op.kind in COLLECTIVES]
@@ -158,8 +156,8 @@ class PlanBuilder:
         """Per rank, the ops of every step (forward/backward and weight gradients where the
         schedule puts them, preconditions and folds) sorted by slot less its step. With no bubble,
         a precondition goes after all of the step's work (W ops may move past its simulated
-        start), a fold where the step with its preconditioning runs it: before the windows that
-        open after it there, whose tasks may wait for it."""
+        start), a fold where the step with its preconditioning runs it (before the windows that
+        open after it there)."""
         starts = {iv.op: iv.start for intervals in self.windows.preconditioned.ranks for iv in intervals}
         base = []
         for rank, compute in enumerate(self.schedule.ranks):
@@ -301,8 +299,8 @@ class PlanBuilder:
                 ready = max(ready, self._release(dep, end_of) + self.tasks.durations.work(dep))
             elif dep in end_of:
                 ready = max(ready, end_of[dep])
-            elif dep in self.step_ends:
-                ready = max(ready, self.step_ends[dep])
+            elif dep.kind.is_compute:
+                ready = max(ready, self.fo[dep].end)
         return ready
 
     # -- collectives ----------------------------------------------------------------------------

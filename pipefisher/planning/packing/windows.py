@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pipefisher.core.ir import PER_STEP_KINDS, Op
+from pipefisher.core.ir import Op
 from pipefisher.planning.packing.weights import WeightWindows, weight_windows
 from pipefisher.planning.simulate import Timeline, simulate_ops
 from pipefisher.planning.tasks import CurvatureTasks
@@ -62,20 +62,6 @@ class Windows:
 
     def longest(self, rank: int) -> float:
         return max((end - start for start, end in self.free[rank]), default=0.0)
-
-    def releases(self, first_order: Timeline) -> dict[Op, float]:
-        """When each op of a step that a cycle's task may read ends: the `first_order` step's
-        forwards and backwards, and the per-step ops of the step with its preconditioning."""
-        ends = {iv.op: iv.end for intervals in first_order.ranks for iv in intervals}
-        ends.update(
-            {
-                iv.op: iv.end
-                for intervals in self.preconditioned.ranks
-                for iv in intervals
-                if iv.op.kind in PER_STEP_KINDS
-            }
-        )
-        return ends
 
 
 def step_windows(tasks: CurvatureTasks, first_order: Timeline, margin: float) -> Windows:
