@@ -1,6 +1,8 @@
 """Exposed optimizer time, predicted (`PackResult.exposed_share`, `pipefisher pack`) and on
 measured op times (`pipefisher.planning.packing.exposed`)."""
 
+from dataclasses import replace
+
 import pytest
 
 from pipefisher.core.ir import Op, OpKind
@@ -48,6 +50,30 @@ def test_exposed_share_is_the_cycles_mean_step_over_first_order(name):
     exposed = exposed_time(result.plan, OpDurations(profile, schedule.splits_backward))
     assert exposed.share == pytest.approx(result.exposed_share)
     assert exposed.first_order_step_time == result.first_order_step_time
+
+
+def test_the_methods_work_in_the_end_of_step_is_exposed_too():
+    """Shampoo's and SOAP's preconditioning runs in the end of step (`method_step_end`, part of
+    `step_end`): the first-order step is simulated without it, the method's with it, so the share
+    counts it where the step end is on the critical path (1F1B: stage 0's, after the last
+    backward), on predicted and on measured op times alike."""
+    schedule = get_schedule("1f1b", 2, 4)
+    base = layered_profile(2, curvature=0.0, inverse=0.01, precondition=0.0, spread=False, method="soap")
+    with_step_end = replace(base, stages=tuple(replace(s, step_end=1.0) for s in base.stages))
+    method_part = replace(base, stages=tuple(replace(s, step_end=1.0, method_step_end=0.6) for s in base.stages))
+    plain, counted = (
+        pack(schedule, p, rules_of(p), PackOptions(refresh_steps=1)) for p in (with_step_end, method_part)
+    )
+    assert plain.plain_first_order_step_time is None and counted.first_order_step_time == plain.first_order_step_time
+    assert counted.plain_first_order_step_time == pytest.approx(plain.first_order_step_time - 0.6)
+    assert counted.exposed_share == pytest.approx(counted.step_time / (plain.first_order_step_time - 0.6) - 1)
+    assert "first-order step without SOAP's end-of-step work 15.4 ms" in format_pack_report(counted)
+    samples = op_samples(
+        iv for timeline in simulate_plan(counted.plan, method_part) for ivs in timeline.ranks for iv in ivs
+    )
+    measured = exposed_time(counted.plan, MeasuredDurations(method_part, samples))
+    assert measured.first_order_step_time == pytest.approx(counted.plain_first_order_step_time)
+    assert measured.share == pytest.approx(counted.exposed_share)
 
 
 def test_measured_op_times_replace_the_profiles():

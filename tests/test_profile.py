@@ -185,6 +185,7 @@ def mutate(path_keys, value):
         (["flop_rates"], {"measured": "yes"}, r"flop_rates\.measured: 'yes' must be true or false"),
         (["flop_rates"], {"dtypes": {"refresh": 64}}, r"flop_rates\.dtypes\.refresh: 64 must name a dtype"),
         (["flop_rates"], {"peak": {}}, r"flop_rates: unknown field 'peak'"),
+        (["stages", 0, "method_step_end"], 99.0, r"stages\[0\]\.method_step_end: 99.0 exceeds step_end"),
     ],
 )
 def test_bad_fields_are_named(keys, value, message):

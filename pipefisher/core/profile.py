@@ -30,9 +30,8 @@ are read unchanged through `pipefisher.core.profile_v1`; files are written as v2
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable, Mapping
-from dataclasses import KW_ONLY, dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -43,7 +42,6 @@ from pipefisher.core.names import PRECISIONS, RECOMPUTE_MODES
 from pipefisher.core.percentile import check_percentile, percentile
 from pipefisher.core.profile_flops import FlopRates, check_flops
 from pipefisher.core.profile_checks import (
-    Frozen,
     ProfileError,
     Samples,
     byte_count,
@@ -55,96 +53,13 @@ from pipefisher.core.profile_checks import (
     time_field,
 )
 from pipefisher.core.profile_v1 import SCHEMA_V1, upgrade_v1
+from pipefisher.core.layer_profile import PART_WORK, LayerProfile, layer_key
+from pipefisher.core.layer_profile import time_key as time_key  # re-exported: the profile format names its keys
 
 SCHEMA = "pipefisher.profile/v2"
 #: stage times written only where non-zero (0 when a file leaves them out)
-_OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce", "weight")
-#: the work of a layer that has a time per part, in file order
-PART_WORK = ("curvature", "sync", "refresh")
+_OPTIONAL_STAGE_TIMES = ("step_end", "grad_reduce", "weight", "method_step_end")
 TIME_UNITS = ("s", "ms", "us", "units")
-_PART_KEY = re.compile(rf"^({'|'.join(PART_WORK)})\.(0|[1-9][0-9]*)$")
-
-
-def time_key(work: str, part: int | None = None) -> str:
-    """The key of a layer's time of `work` (one of `PART_WORK`, with its `part`; or "precondition")."""
-    return work if part is None else f"{work}.{part}"
-
-
-def _trimmed(values: Iterable[float]) -> tuple[float, ...]:
-    """`values` without trailing zeros: a part past the end takes 0, so both mean the same."""
-    found = [float(v) for v in values]
-    while found and not found[-1]:
-        found.pop()
-    return tuple(found)
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    """The costs of its method's tasks on one layer of a stage: per part (index) `curvature`,
-    `sync` and `refresh` times and `capture_bytes`, and the `precondition` time; `samples` keyed
-    by `time_key`; `flops` (by `time_key`: of one execution; absent = unknown). Lists are kept
-    without trailing zeros (a missing part takes 0). A plain mapping given as `samples` is checked
-    and stored as `Samples`."""
-
-    name: str
-    _: KW_ONLY
-    curvature: tuple[float, ...] = ()
-    sync: tuple[float, ...] = ()
-    refresh: tuple[float, ...] = ()
-    precondition: float = 0.0
-    capture_bytes: tuple[int, ...] = ()
-    samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
-    flops: Mapping[str, float] = field(default_factory=Frozen)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "flops", check_flops(self.flops, _layer_key, "flops"))
-        for work in PART_WORK:
-            object.__setattr__(self, work, _trimmed(getattr(self, work)))
-        object.__setattr__(self, "capture_bytes", tuple(int(b) for b in _trimmed(self.capture_bytes)))
-        object.__setattr__(self, "samples", check_samples(self.samples, _layer_key, "samples"))
-
-    def time(self, work: str, part: int | None = None) -> float:
-        """The time of `work` ("precondition", or one of `PART_WORK` with its part)."""
-        if part is None:
-            return float(getattr(self, work))
-        values = getattr(self, work)
-        return values[part] if part < len(values) else 0.0
-
-    def captured(self, part: int) -> int:
-        """Bytes one micro-batch's capture of `part` holds (0 = unknown)."""
-        return self.capture_bytes[part] if part < len(self.capture_bytes) else 0
-
-    def with_times(self, times: Mapping[str, float]) -> LayerProfile:
-        """This layer with the times of `times` (keyed by `time_key`) replaced."""
-        changes: dict[str, Any] = {}
-        for key, value in times.items():
-            match = _PART_KEY.match(key)
-            if match is None:
-                changes[key] = value
-                continue
-            work, part = match[1], int(match[2])
-            values = list(changes.get(work, getattr(self, work)))
-            values += [0.0] * (part + 1 - len(values))
-            values[part] = value
-            changes[work] = tuple(values)
-        return replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The file's fields; part lists, capture sizes and samples only where given."""
-        data: dict[str, Any] = {"name": self.name}
-        data.update({work: list(getattr(self, work)) for work in PART_WORK if getattr(self, work)})
-        data["precondition"] = self.precondition
-        if self.capture_bytes:
-            data["capture_bytes"] = list(self.capture_bytes)
-        if self.samples:
-            data["samples"] = {key: list(values) for key, values in self.samples.items()}
-        if self.flops:
-            data["flops"] = dict(self.flops)
-        return data
-
-
-def _layer_key(key: str) -> bool:
-    return key == "precondition" or _PART_KEY.match(key) is not None
 
 
 @dataclass(frozen=True)
@@ -154,9 +69,13 @@ class StageProfile:
     gradient is final (after its last backward, or its preconditioning) and overlaps the device's
     other work; `step_end` the rest of the stage's end of step after its last op (tied weights,
     clipping, optimizer step; in profiles without `grad_reduce`, the all-reduce too), which a
-    device holding several stages pays once per stage. `samples` as in `LayerProfile`."""
+    device holding several stages pays once per stage, and of it `method_step_end` the method's
+    own work there (Shampoo's, SOAP's preconditioning; 0 = none or not measured). `samples` as in
+    `LayerProfile`."""
 
-    TIME_FIELDS: ClassVar[tuple[str, ...]] = ("forward", "backward", "p2p", "step_end", "grad_reduce", "weight")
+    TIME_FIELDS: ClassVar[tuple[str, ...]] = (
+        "forward", "backward", "p2p", "step_end", "grad_reduce", "weight", "method_step_end"
+    )  # fmt: skip
 
     forward: float
     backward: float
@@ -167,6 +86,7 @@ class StageProfile:
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
     #: the weight-gradient part of `backward` (0 = unknown: half of it)
     weight: float = 0.0
+    method_step_end: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "samples", check_samples(self.samples, self.TIME_FIELDS.__contains__, "samples"))
@@ -305,8 +225,8 @@ def _layer(data: Any, where: str) -> LayerProfile:
         **parts,
         precondition=time_field(data, "precondition", where, required=False),
         capture_bytes=part_list(data, "capture_bytes", where, byte_count),
-        samples=check_samples(data.get("samples", {}), _layer_key, f"{where}.samples"),
-        flops=check_flops(data.get("flops", {}), _layer_key, f"{where}.flops"),
+        samples=check_samples(data.get("samples", {}), layer_key, f"{where}.samples"),
+        flops=check_flops(data.get("flops", {}), layer_key, f"{where}.flops"),
     )
 
 
@@ -332,9 +252,19 @@ def _stage(data: Any, where: str) -> StageProfile:
         step_end=time_field(data, "step_end", where, required=False),
         grad_reduce=time_field(data, "grad_reduce", where, required=False),
         weight=time_field(data, "weight", where, required=False),
+        method_step_end=_method_step_end(data, where),
         layers=parsed,
         samples=check_samples(data.get("samples", {}), StageProfile.TIME_FIELDS.__contains__, f"{where}.samples"),
     )
+
+
+def _method_step_end(data: Mapping[str, Any], where: str) -> float:
+    value = time_field(data, "method_step_end", where, required=False)
+    if value > time_field(data, "step_end", where, required=False):
+        raise ProfileError(
+            f"{where}.method_step_end: {value} exceeds step_end; it is the method's part of the step end"
+        )
+    return value
 
 
 def profile_from_dict(data: Any) -> Profile:

@@ -11,8 +11,9 @@ early wait for the last one; that wait is not modelled). Times are in the profil
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from itertools import repeat
 from operator import add, attrgetter
@@ -208,6 +209,16 @@ class OpDurations:
     def step_end(self, stages: Iterable[int]) -> float:
         """End-of-step time of a rank that holds `stages`."""
         return sum(self.profile.stages[stage].step_end for stage in stages)
+
+    def first_order(self) -> OpDurations:
+        """These durations with each stage's end of step less the method's own work in it
+        (`StageProfile.method_step_end`): the first-order step's, for the exposed share."""
+        plain = copy.copy(self)
+        stages = tuple(
+            replace(s, step_end=s.step_end - s.method_step_end, method_step_end=0.0) for s in self.profile.stages
+        )
+        plain.profile = replace(self.profile, stages=stages)
+        return plain
 
     def grad_reduce(self, stage: int) -> float:
         """The all-reduce of `stage`'s gradient over its replicas (asynchronous, off the rank)."""

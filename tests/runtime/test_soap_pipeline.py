@@ -110,7 +110,8 @@ def test_soap_resumes_mid_cycle_bit_for_bit_with_exchanges_in_flight(tmp_path, f
 
 @pytest.mark.dist
 def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_path):
-    """With the fold in the bubbles, each matrix's fold is timed as its `precondition` (the U op's time)."""
+    """With the fold in the bubbles, each matrix's fold is timed as its `precondition` (the U op's
+    time); the directions are its part of the end of step (`method_step_end`)."""
     profile_path, run_file = tmp_path / "soap.yaml", tmp_path / "run.yaml"
     run_file.write_text(TINY.read_text() + "\nsoap:\n  fold: bubbles\n")
     measured = subprocess.run(
@@ -144,7 +145,7 @@ def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_p
         and layer.time("precondition") > 0
         for layer in layers
     )
-    assert all(stage.step_end > 0 for stage in profile.stages)
+    assert all(0 < stage.method_step_end <= stage.step_end for stage in profile.stages), "its directions"
     packed = subprocess.run(
         ["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
         capture_output=True,

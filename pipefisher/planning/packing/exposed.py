@@ -70,10 +70,11 @@ class Exposed:
 
 def exposed_time(plan: Plan, durations: OpDurations) -> Exposed:
     """`plan` and its schedule alone simulated on `durations` (made for the schedule's kind of
-    backward: `OpDurations.split_backward`)."""
+    backward: `OpDurations.split_backward`); the schedule's end of step without the method's own
+    work in it (`OpDurations.first_order`)."""
     schedule = plan.schedule
     with_method = cycle_time(simulate_plan(plan, durations)) / plan.refresh_steps
-    first_order = simulate_graph(schedule_graph(schedule), durations, schedule.name).step_time
+    first_order = simulate_graph(schedule_graph(schedule), durations.first_order(), schedule.name).step_time
     return Exposed(with_method, first_order)
 
 

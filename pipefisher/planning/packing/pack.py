@@ -43,9 +43,10 @@ from pipefisher.planning.packing.plan_builder import Built, PlanBuilder
 from pipefisher.planning.packing.report import DeviceReport, FrontierPoint, PackResult, device_reports
 from pipefisher.planning.packing.weights import WeightPolicy
 from pipefisher.planning.plan import Plan, simulate_plan, simulate_plan_step
-from pipefisher.planning.simulate import COLLECTIVES, Timeline, simulate
+from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate, simulate_graph
 from pipefisher.planning.tasks import CurvatureTasks, build_tasks
 from pipefisher.planning.vocabulary import TaskRules
+from pipefisher.schedules.validate import schedule_graph
 
 __all__ = ["PackOptions", "PackResult", "DeviceReport", "FrontierPoint", "pack", "after_step_plan", "STRATEGIES"]
 
@@ -280,7 +281,16 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         capture_peaks=tuple(peaks),
         memory=memory,
         graph=tasks.graph,
+        plain_first_order_step_time=_plain_first_order_step(schedule, tasks.durations, first_order),
     )
+
+
+def _plain_first_order_step(schedule: Schedule, durations: OpDurations, first_order: Timeline) -> float | None:
+    """The first-order step without the method's own work in the end of step, where the profile
+    has any (`OpDurations.first_order`); None where it is `first_order`'s."""
+    if not any(stage.method_step_end for stage in durations.profile.stages):
+        return None
+    return simulate_graph(schedule_graph(schedule), durations.first_order(), schedule.name).step_time
 
 
 def tasks_at_percentile(profile: Profile, q: float) -> Profile:

@@ -68,9 +68,11 @@ def format_pack_report(result: PackResult) -> str:
         "captures [MiB]",
     ]
     lines.append(format_table(headers, rows))
+    plain = data["plain_first_order_step_time"]
     lines.append(
         f"exposed optimizer time: {100 * data['exposed_share']:.2f} % of the first-order step "
         f"(mean step over the cycle, all {label} work included, / first-order step - 1)"
+        + (f"; first-order step without {label}'s end-of-step work {plain:.4g} {unit}" if plain != first_order else "")
     )
     after = [(d["rank"], d["precondition_outside"]) for d in data["devices"] if d["precondition_outside"] > 0]
     if after:

@@ -7,9 +7,10 @@ takes the time of its kind, stage, layer and part over one recorded refresh cycl
 process's median, averaged over the processes that ran it: replicas, tensor-parallel shards; in
 the profile's time unit); collectives' transfers, stage-boundary transfers, gradient reductions
 and the end of step take the run's profile's times. ``exposed_share = step_with / step_first_order - 1``, where step_with
-is the simulated mean step over the cycle. The end of step is the profile's in both (as the
-packer's figure): method work done inside it (Shampoo's and SOAP's preconditioning) is not in
-the share.
+is the simulated mean step over the cycle. The end of step is the profile's, in the first-order
+step less the method's own work there (`StageProfile.method_step_end`: Shampoo's and SOAP's
+preconditioning, which the profiler times; 0 in profiles measured before it was), as the
+packer's figure.
 
 Cost: the executor's clock marks every op of one refresh cycle only (perf_counter on CPUs, CUDA
 events on GPUs: no host sync inside a step), the first full cycle after the run's first step

@@ -187,11 +187,12 @@ def _in_backward_reduce_times(steps: list[list[Record]], sharded: set[int]) -> d
     return dict(times)
 
 
-def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> list[float]:
+def _step_end_times(executor: Executor, timer: TaskTimer | None, repeats: int = 3) -> list[float]:
     """`repeats` samples of the ms of this rank's end of step after the gradient reduction (tied
-    weights, the world reduction, clipping, the method's work before the optimizer step, optimizer
-    step) on gradients of ones (ZeRO-2/3: shards of ones); parameters, optimizer state,
-    learning-rate schedule and loss scale are restored afterwards. Collective."""
+    weights, the world reduction, clipping, the method's work before the optimizer step (none
+    when `timer` is None), optimizer step) on gradients of ones (ZeRO-2/3: shards of ones);
+    parameters, optimizer state, learning-rate schedule and loss scale are restored afterwards.
+    Collective."""
     step_end = executor.step_end
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
@@ -207,7 +208,7 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
             if isinstance(step_end.reduction, FsdpReduction):
                 step_end.reduction.fill_(1.0)
             dist.barrier()
-            with executor.hooks_of(_TimedStepEnd(timer)):
+            with executor.hooks_of(*([_TimedStepEnd(timer)] if timer is not None else [])):
                 samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
     finally:
         with torch.no_grad():
@@ -222,6 +223,16 @@ def _step_end_times(executor: Executor, timer: TaskTimer, repeats: int = 3) -> l
             buffer.zero_()
         step_end.reduction.zero_()
     return samples[1:]
+
+
+def _method_step_end(executor: Executor, timer: TaskTimer, step_end: list[float], repeats: int) -> list[float]:
+    """The method's own part of this rank's end of step in ms (one sample: the median of
+    `step_end`, the end of step with the method's work, less that of `repeats` without it, at
+    least 0); none for a method whose timer has no work there (K-FAC, Muon). Collective."""
+    if type(timer).before_optimizer_step is TaskTimer.before_optimizer_step:
+        return []
+    plain = _step_end_times(executor, None, repeats)
+    return [max(0.0, _median(step_end) - _median(plain))]
 
 
 def device_name(device: torch.device) -> str:
@@ -265,6 +276,7 @@ def measure_profile(
     )
     tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
     step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
+    method_step_end = _method_step_end(executor, timer, step_end, 2 * repeats + 1)
     held_stages = sorted({stage for _, stage in executor.stages})
     flops = layer_flops(timer, modules, tasks)
     dtypes = work_dtypes(flops.values(), executor.device)
@@ -273,7 +285,15 @@ def measure_profile(
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(
         gathered,
-        (executor.comm.shard, records[warmup:], transfers, reduces, tasks, (held_stages, step_end), (flops, rates)),
+        (
+            executor.comm.shard,
+            records[warmup:],
+            transfers,
+            reduces,
+            tasks,
+            (held_stages, step_end, method_step_end),
+            (flops, rates),
+        ),
     )
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
     layer_samples: dict[tuple[int, str], TimeSamples] = defaultdict(lambda: defaultdict(list))
@@ -281,7 +301,7 @@ def measure_profile(
     layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
     counts: dict[tuple[int, str], dict[str, float]] = {}
-    for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end), (
+    for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end, rank_method), (
         rank_flops,
         rank_rates,
     ) in gathered:
@@ -294,6 +314,7 @@ def measure_profile(
             stage_samples[stage]["grad_reduce"].extend(values)
         for stage in rank_stages:  # a rank holding several stages pays their step ends together
             stage_samples[stage]["step_end"].extend(value / len(rank_stages) for value in rank_step_end)
+            stage_samples[stage]["method_step_end"].extend(value / len(rank_stages) for value in rank_method)
         for step_records in rank_records:
             _add_compute_samples(step_records, stage_samples)
         if shard == 0:  # a rank's tensor-parallel processes run the same ops: the timeline shows a rank once
@@ -311,7 +332,9 @@ def measure_profile(
             _layer(layer, layer_samples[(stage, layer)], capture_bytes[(stage, layer)], counts.get((stage, layer), {}))
             for layer in layer_order[stage]
         )
-        stages.append(StageProfile(**_summary(stage_samples[stage], StageProfile.TIME_FIELDS), layers=layers))
+        summary = _summary(stage_samples[stage], StageProfile.TIME_FIELDS)
+        summary["method_step_end"] = min(summary["method_step_end"], summary["step_end"])
+        stages.append(StageProfile(**summary, layers=layers))
     profile = Profile(
         stages=tuple(stages),
         time_unit="ms",
