@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan
 from pipefisher.planning.simulate import COLLECTIVES, Interval, OpDurations, Timeline, simulate_graph
@@ -68,14 +68,17 @@ class Exposed:
         return self.step_time / self.first_order_step_time - 1 if self.first_order_step_time > 0 else 0.0
 
 
+def first_order_step_time(schedule: Schedule, durations: OpDurations) -> float:
+    """`schedule` alone simulated on `durations`, its end of step without the method's own work in
+    it (`OpDurations.first_order`): the first-order step an exposed share is over."""
+    return simulate_graph(schedule_graph(schedule), durations.first_order(), schedule.name).step_time
+
+
 def exposed_time(plan: Plan, durations: OpDurations) -> Exposed:
     """`plan` and its schedule alone simulated on `durations` (made for the schedule's kind of
-    backward: `OpDurations.split_backward`); the schedule's end of step without the method's own
-    work in it (`OpDurations.first_order`)."""
-    schedule = plan.schedule
+    backward: `OpDurations.split_backward`; the schedule's as `first_order_step_time`)."""
     with_method = cycle_time(simulate_plan(plan, durations)) / plan.refresh_steps
-    first_order = simulate_graph(schedule_graph(schedule), durations.first_order(), schedule.name).step_time
-    return Exposed(with_method, first_order)
+    return Exposed(with_method, first_order_step_time(plan.schedule, durations))
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,15 @@ from pipefisher.planning.packing.windows import Placed, Windows, step_windows
 from pipefisher.planning.packing.candidate import Candidate
 from pipefisher.planning.packing.capture_cap import fit_capture
 from pipefisher.planning.packing.bounds import lower_bounds, precondition_in_bubbles
+from pipefisher.planning.packing.exposed import first_order_step_time
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.plan_builder import Built, PlanBuilder
 from pipefisher.planning.packing.report import DeviceReport, FrontierPoint, PackResult, device_reports
 from pipefisher.planning.packing.weights import WeightPolicy
 from pipefisher.planning.plan import Plan, simulate_plan, simulate_plan_step
-from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate, simulate_graph
+from pipefisher.planning.simulate import COLLECTIVES, Timeline, simulate
 from pipefisher.planning.tasks import CurvatureTasks, build_tasks
 from pipefisher.planning.vocabulary import TaskRules
-from pipefisher.schedules.validate import schedule_graph
 
 __all__ = ["PackOptions", "PackResult", "DeviceReport", "FrontierPoint", "pack", "after_step_plan", "STRATEGIES"]
 
@@ -270,6 +270,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         simulated=lambda: simulate_plan(chosen.plan, tasks.durations, graph=tasks.graph),
         cycle_time=chosen.cycle_time,
         first_order=first_order,
+        plain_first_order_step_time=first_order_step_time(schedule, tasks.durations),
         precondition_step_time=packing.precondition_time,
         lower_bound=lower_bound,
         devices=device_reports(tasks, first_order, chosen.plan, list(chosen.leftovers), in_bubbles, packing.bounds),
@@ -281,16 +282,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         capture_peaks=tuple(peaks),
         memory=memory,
         graph=tasks.graph,
-        plain_first_order_step_time=_plain_first_order_step(schedule, tasks.durations, first_order),
     )
-
-
-def _plain_first_order_step(schedule: Schedule, durations: OpDurations, first_order: Timeline) -> float | None:
-    """The first-order step without the method's own work in the end of step, where the profile
-    has any (`OpDurations.first_order`); None where it is `first_order`'s."""
-    if not any(stage.method_step_end for stage in durations.profile.stages):
-        return None
-    return simulate_graph(schedule_graph(schedule), durations.first_order(), schedule.name).step_time
 
 
 def tasks_at_percentile(profile: Profile, q: float) -> Profile:

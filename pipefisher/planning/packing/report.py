@@ -63,6 +63,9 @@ class PackResult:
     #: predicted time of one refresh cycle (profile time unit)
     cycle_time: float
     first_order: Timeline
+    #: the first-order step without the method's own work in the end of step
+    #: (`pipefisher.planning.packing.exposed.first_order_step_time`)
+    plain_first_order_step_time: float
     precondition_step_time: float
     lower_bound: int
     devices: list[DeviceReport]
@@ -76,9 +79,6 @@ class PackResult:
     #: the task graph the plan was packed and simulated on (None: the plan's own, `Plan.graph`):
     #: simulating the plan on it gives the same timelines, at the cost of steps simulated before
     graph: TaskGraph | None = field(default=None, repr=False, compare=False)
-    #: the first-order step without the method's own work in the end of step
-    #: (`OpDurations.first_order`; None: the same as `first_order`'s)
-    plain_first_order_step_time: float | None = None
 
     @cached_property
     def timelines(self) -> list[Timeline]:
@@ -110,8 +110,7 @@ class PackResult:
         of the method's work (curvature, refresh, preconditioning, waits on its collectives, its
         work in the end of step) over the first-order step of the same schedule and layout
         (`plain_first_order_step_time`), minus 1 (0.02: the method adds 2 %)."""
-        plain = self.plain_first_order_step_time
-        return self.step_time / (self.first_order_step_time if plain is None else plain) - 1
+        return self.step_time / self.plain_first_order_step_time - 1
 
     @property
     def bubble_utilization(self) -> float:
@@ -148,7 +147,7 @@ class PackResult:
             "refresh_steps": self.refresh_steps,
             "lower_bound": self.lower_bound,
             "first_order_step_time": self.first_order_step_time,
-            "plain_first_order_step_time": self.plain_first_order_step_time or self.first_order_step_time,
+            "plain_first_order_step_time": self.plain_first_order_step_time,
             "precondition_step_time": self.precondition_step_time,
             "step_time": self.step_time,
             "overhead": self.overhead,
