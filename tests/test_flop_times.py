@@ -5,6 +5,7 @@ and other methods do."""
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import replace
 
 import pytest
@@ -12,10 +13,12 @@ import pytest
 from pipefisher.config import load_config
 from pipefisher.methods.registry import method
 from pipefisher.planning.planner.flop_calibration import REFERENCE_FOLDER, fit_p100
-from pipefisher.planning.planner.flop_times import EFFICIENCY, FlopTimes
+from pipefisher.core.profile_flops import STEP_END_FLOPS
+from pipefisher.methods.flops import MatrixShape
+from pipefisher.planning.planner.flop_times import EFFICIENCY, FlopTimes, op_ms
 from pipefisher.planning.planner.hardware import hardware_of
 from pipefisher.planning.planner.model_sizes import PlanError, model_sizes
-from pipefisher.planning.transformer_profile import ALLREDUCES_FORWARD, tensor_parallel_allreduce_ms
+from pipefisher.planning.transformer_profile import ALLREDUCES_FORWARD, block_layer_shapes, tensor_parallel_allreduce_ms
 from tests.test_planner_hardware import BASE_RUN, LARGE_RUN
 
 #: the largest relative error of each fitted line over the CSV rows it was fitted to (0.11 = 11 %):
@@ -111,14 +114,33 @@ def test_methods_other_than_kfac_are_timed_from_their_own_flop_counts(name):
     config = load_config(LARGE_RUN)
     times = FlopTimes.check(_sizes(LARGE_RUN), hardware_of("h100"), "bf16", name, config.section(name))
     layer = times.profile(1, 8, 1).stages[0].layers[0]
-    keys = set(method(name).task_flops(config.section(name), _shape(), 1024))
+    keys = set(method(name).task_flops(config.section(name), _shape(), 1024)) - {STEP_END_FLOPS}
     timed = {key for key in keys if layer.time(*_work(key)) > 0}
     assert timed == {key for key in keys if key.split(".")[0] in EFFICIENCY} and timed
 
 
-def _shape():
-    from pipefisher.methods.flops import MatrixShape
+@pytest.mark.parametrize("name", ["kfac", "shampoo", "soap", "muon"])
+def test_a_methods_optimizer_step_work_is_in_the_step_end_and_out_of_the_first_order_step(name):
+    """Shampoo's and SOAP's preconditioning runs in the optimizer step: each stage's step end
+    holds it (its layers' ``step_end`` flops at the precondition's share of the peak) as its
+    `method_step_end`; K-FAC and Muon precondition in P ops and add none."""
+    config = load_config(LARGE_RUN)
+    section = config.section(name)
+    times = FlopTimes.check(_sizes(LARGE_RUN), hardware_of("h100"), "bf16", name, section)
+    plain = _times(LARGE_RUN, "h100", "bf16", name="adamw").profile(4, 8, 1)
+    sizes, peak = _sizes(LARGE_RUN), hardware_of("h100").peak("fp32")
+    per_block = 0.0
+    for _, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, 1):
+        found = method(name).task_flops(section, MatrixShape(dout, din, has_bias=True), 8 * sizes.seq_len)
+        if STEP_END_FLOPS in found:
+            per_block += op_ms(found[STEP_END_FLOPS].total, peak, EFFICIENCY["precondition"])
+    for stage, first_order in zip(times.profile(4, 8, 1).stages, plain.stages):
+        assert stage.method_step_end == pytest.approx(per_block * 24 / 4)
+        assert stage.step_end - stage.method_step_end == pytest.approx(first_order.step_end)
+    assert (per_block > 0) == (name in ("shampoo", "soap"))
 
+
+def _shape():
     return MatrixShape(1024, 1024, has_bias=True)
 
 
@@ -130,3 +152,18 @@ def _work(key: str) -> tuple[str, int | None]:
 def test_a_hardware_without_the_runs_precision_is_refused_in_one_line():
     with pytest.raises(PlanError, match=r"no bf16 peak .* set run.precision"):
         _times(BASE_RUN, "p100", "bf16")
+
+
+def test_plan_predicts_soaps_optimizer_step_and_keeps_it_out_of_the_first_order_step(capsys):
+    """On the flop model, SOAP's preconditioning in the optimizer step is exposed optimizer time
+    (before it was counted nowhere: 0 %), and the first-order step it is over is AdamW's."""
+    from pipefisher.cli.main import main
+
+    found = {}
+    for name in ("adamw", "soap"):
+        argv = ["plan", str(BASE_RUN), "--gpus", "4", "--hardware", "h100", "--method", name, "--json"]
+        assert main([*argv, "--max-tensor-parallel", "1", "--packed", "2", "--top", "1"]) == 0
+        found[name] = json.loads(capsys.readouterr().out)["run_file_layout"]
+    assert found["soap"]["first_order_ms"] == pytest.approx(found["adamw"]["first_order_ms"])
+    step_end = _times(BASE_RUN, "h100", "bf16", name="soap").profile(4, 32, 1).stages[0].method_step_end
+    assert found["soap"]["step_ms"] - found["soap"]["first_order_ms"] >= step_end > 0

@@ -388,3 +388,24 @@ def test_the_flop_report_names_each_task_kind_its_rate_and_share_of_the_peak():
     muon = mutate(["method"], "muon")
     muon["stages"][0]["layers"][0]["flops"] = {"precondition": 5e8}
     assert flop_report(profile_from_dict(muon))[1].startswith("  orthogonalisation: 500 MFLOP per step in 0.100 ms")
+
+
+def test_the_end_of_step_work_has_its_rate_over_its_stages_method_step_end(tmp_path):
+    """A layer's ``step_end`` flops (its share of Shampoo's or SOAP's optimizer step) are timed by
+    its stage's `method_step_end`: every layer's of a stage over that stage's time, summed."""
+    from pipefisher.core.profile_flops import task_rates
+    from pipefisher.methods.flop_report import flop_report
+
+    soap = mutate(["method"], "soap")
+    stage = soap["stages"][0]
+    stage["step_end"], stage["method_step_end"] = 3.0, 2.0
+    stage["layers"][0]["flops"] = {"step_end": 3e9}
+    stage["layers"].append({**stage["layers"][0], "name": "other", "flops": {"step_end": 1e9}})
+    profile = profile_from_dict(soap)
+    profile.save(tmp_path / "p.yaml")
+    assert load_profile(tmp_path / "p.yaml") == profile
+    (rate,) = [rate for rate in task_rates(profile) if rate.work == "step_end"]
+    assert (rate.part, rate.flops, rate.seconds) == (None, 4e9, pytest.approx(2e-3))
+    assert "  its work in the end of step: 4 GFLOP per step in 2.000 ms, 2 TFLOP/s" in "\n".join(flop_report(profile))
+    stage["method_step_end"] = 0.0
+    assert not [rate for rate in task_rates(profile_from_dict(soap)) if rate.work == "step_end"], "untimed: no rate"

@@ -127,6 +127,27 @@ def test_a_measured_profile_is_resplit_by_block_and_taken_as_is_at_its_own_split
     assert again.source.profile(2, measured.micro_batch_size, 1, stage_blocks=(3, 1)) is split
 
 
+def test_a_methods_end_of_step_work_is_resplit_and_left_out_of_the_first_order_step() -> None:
+    """A profile measured with Shampoo or SOAP times their preconditioning in the end of step
+    (`method_step_end`): resplit by block it moves with the blocks, and the planner's first-order
+    step (every layout's baseline and AdamW's own prediction) is simulated without it."""
+    config = load_config(TINY_RUN)
+    plain = load_profile(TINY_PROFILE)
+    extra = [2.0, 5.0]  # the method's share of each stage's end of step, in the profile's unit
+    stages = tuple(
+        replace(stage, step_end=stage.step_end + more, method_step_end=more) for stage, more in zip(plain.stages, extra)
+    )
+    measured = replace(plain, stages=stages)
+    _, context = run_layout(config, measured, TINY_PROFILE)
+    split = context.source.profile(2, measured.micro_batch_size, 1, stage_blocks=(3, 1))
+    # stage 0 takes all of the old stage 0's blocks and half of stage 1's; the last keeps the rest
+    assert [stage.method_step_end for stage in split.stages] == pytest.approx([2.0 + 5.0 / 2, 5.0 / 2])
+    assert all(stage.method_step_end <= stage.step_end for stage in split.stages)
+    layout, _ = run_layout(config, measured, TINY_PROFILE)
+    _, plain_context = run_layout(config, plain, TINY_PROFILE)
+    assert first_order_time(layout, context) == pytest.approx(first_order_time(layout, plain_context))
+
+
 def test_the_run_files_split_is_its_layout_and_is_predicted_faster() -> None:
     config = load_config(TINY_RUN)
     uneven = config.with_overrides(pipeline={"stage_blocks": [3, 1]})

@@ -110,6 +110,38 @@ def test_soap_counts_the_power_step_and_states_the_qr_and_counts_the_fold():
     assert in_bubbles["precondition"].dtype == settings.statistics_dtype
 
 
+@pytest.mark.parametrize("fold", ["step-end", "bubbles"])
+def test_soaps_optimizer_step_is_its_step_end_count(fold):
+    """The step end after the first (which only starts the bases): the rotations, and at
+    step-end the fold; with ``fold: bubbles`` the U op folds the held gradient apart."""
+    settings = SoapConfig(block_size=4, fold=fold)
+    layer = nn.Linear(6, 5, bias=False)  # rows 5 = 4 + 1, cols 6 = 4 + 2
+    engine = SoapEngine(layer, settings, defer_statistics=fold == "bubbles")  # as the runtime builds it
+    layer.weight.grad = torch.randn_like(layer.weight)
+    engine.precondition_all()
+    engine.fold_held()
+    layer.weight.grad = torch.randn_like(layer.weight)
+    flops = method("soap").task_flops(settings, MatrixShape(5, 6), tokens=5)
+    assert counted(engine.precondition_all) == flops["step_end"].total > 0
+    assert flops["step_end"].dtype == "float32"
+    if fold == "bubbles":
+        assert counted(engine.fold_held) == flops["precondition"].total > 0
+
+
+def test_shampoos_optimizer_step_is_its_step_end_count():
+    settings = ShampooConfig(block_size=4)
+    layer = nn.Linear(10, 6, bias=False)
+    engine = ShampooEngine(layer, settings)
+    layer.weight.grad = torch.randn_like(layer.weight)
+    engine.capture("weight")
+    for factor in ("A", "B"):
+        engine.update_statistics("weight", factor)
+        engine.compute_root("weight", factor)
+    engine.commit()
+    flops = method("shampoo").task_flops(settings, MatrixShape(6, 10), tokens=5)
+    assert counted(engine.precondition_all) == flops["step_end"].total > 0
+
+
 @pytest.mark.parametrize(("rows", "cols"), [(8, 20), (20, 8)])
 def test_muon_counts_every_newton_schulz_step(rows, cols):
     settings = MuonConfig(ns_steps=3)

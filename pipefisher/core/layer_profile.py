@@ -10,7 +10,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from pipefisher.core.profile_checks import Frozen, Samples, check_samples
-from pipefisher.core.profile_flops import check_flops
+from pipefisher.core.profile_flops import STEP_END_FLOPS, check_flops
 
 #: the work of a layer that has a time per part, in file order
 PART_WORK = ("curvature", "sync", "refresh")
@@ -34,7 +34,8 @@ def _trimmed(values: Iterable[float]) -> tuple[float, ...]:
 class LayerProfile:
     """The costs of its method's tasks on one layer of a stage: per part (index) `curvature`,
     `sync` and `refresh` times and `capture_bytes`, and the `precondition` time; `samples` keyed
-    by `time_key`; `flops` (by `time_key`: of one execution; absent = unknown). Lists are kept
+    by `time_key`; `flops` (by `time_key`: of one execution; `STEP_END_FLOPS`: its share of the
+    method's end of step, per step; absent = unknown). Lists are kept
     without trailing zeros (a missing part takes 0). A plain mapping given as `samples` is checked
     and stored as `Samples`."""
 
@@ -49,7 +50,7 @@ class LayerProfile:
     flops: Mapping[str, float] = field(default_factory=Frozen)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "flops", check_flops(self.flops, layer_key, "flops"))
+        object.__setattr__(self, "flops", check_flops(self.flops, flop_key, "flops"))
         for work in PART_WORK:
             object.__setattr__(self, work, _trimmed(getattr(self, work)))
         object.__setattr__(self, "capture_bytes", tuple(int(b) for b in _trimmed(self.capture_bytes)))
@@ -98,3 +99,8 @@ class LayerProfile:
 def layer_key(key: str) -> bool:
     """Whether `key` names a layer time: "precondition" or `time_key` of a part's work."""
     return key == "precondition" or _PART_KEY.match(key) is not None
+
+
+def flop_key(key: str) -> bool:
+    """Whether `key` names a layer's flop count: a `layer_key`, or `STEP_END_FLOPS`."""
+    return key == STEP_END_FLOPS or layer_key(key)

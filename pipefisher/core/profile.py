@@ -53,7 +53,7 @@ from pipefisher.core.profile_checks import (
     time_field,
 )
 from pipefisher.core.profile_v1 import SCHEMA_V1, upgrade_v1
-from pipefisher.core.layer_profile import PART_WORK, LayerProfile, layer_key
+from pipefisher.core.layer_profile import PART_WORK, LayerProfile, flop_key, layer_key
 from pipefisher.core.layer_profile import time_key as time_key  # re-exported: the profile format names its keys
 
 SCHEMA = "pipefisher.profile/v2"
@@ -226,7 +226,7 @@ def _layer(data: Any, where: str) -> LayerProfile:
         precondition=time_field(data, "precondition", where, required=False),
         capture_bytes=part_list(data, "capture_bytes", where, byte_count),
         samples=check_samples(data.get("samples", {}), layer_key, f"{where}.samples"),
-        flops=check_flops(data.get("flops", {}), layer_key, f"{where}.flops"),
+        flops=check_flops(data.get("flops", {}), flop_key, f"{where}.flops"),
     )
 
 

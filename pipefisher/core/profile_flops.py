@@ -3,7 +3,8 @@ and the achieved FLOP/s of each task kind. Pure Python.
 
 A layer's ``flops`` (time key -> floating-point operations of one execution of that task, as its
 time is: curvature per micro-batch, refresh per refresh, precondition per step; the method's
-count, `pipefisher.methods.flops`) and the profile's ``flop_rates`` (`FlopRates`) are absent from
+count, `pipefisher.methods.flops`; ``step_end``: the layer's share of the method's end of step,
+timed per stage) and the profile's ``flop_rates`` (`FlopRates`) are absent from
 files written before them, and from profiles of methods that declare no counts.
 """
 
@@ -16,6 +17,9 @@ from typing import Any
 
 from pipefisher.core.profile_checks import Frozen, ProfileError, mapping
 
+#: the flop key of a layer's share of its method's work in the end of step (Shampoo's and SOAP's
+#: preconditioning, per step), whose time is its stage's (`StageProfile.method_step_end`)
+STEP_END_FLOPS = "step_end"
 #: seconds per unit of a profile's time_unit ("units": abstract, no rate)
 SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
@@ -74,7 +78,7 @@ class FlopRates:
 
 @dataclass(frozen=True)
 class TaskRate:
-    """The achieved rate of one task kind (`work`, `part`: None for precondition) over every
+    """The achieved rate of one task kind (`work`, `part`: None for precondition and step_end) over every
     layer of every stage with a flop count: `flops` and `seconds` summed over them (one execution
     each), the `dtype` it runs in and the device's `peak` FLOP/s for it (None: unknown)."""
 
@@ -98,20 +102,27 @@ class TaskRate:
 
 def task_rates(profile: Any) -> list[TaskRate]:
     """The `TaskRate` of each task kind of `profile` (a `Profile`) that has flops and a time in
-    seconds-based units, in time-key order (curvature and refresh by part, then precondition)."""
+    seconds-based units, in time-key order (curvature and refresh by part, precondition, then the
+    method's end of step: its layers' ``step_end`` flops over their stage's `method_step_end`)."""
     scale = SECONDS.get(profile.time_unit)
     if scale is None:
         return []
     totals: dict[str, list[float]] = {}
+
+    def add(key: str, flops: float, seconds: float) -> None:
+        if flops and seconds > 0:
+            total = totals.setdefault(key, [0.0, 0.0])
+            total[0] += flops
+            total[1] += seconds
+
     for stage in profile.stages:
         for layer in stage.layers:
             for key, flops in layer.flops.items():
                 work, _, part = key.partition(".")
-                seconds = layer.time(work, int(part) if part else None) * scale
-                if flops and seconds > 0:
-                    total = totals.setdefault(key, [0.0, 0.0])
-                    total[0] += flops
-                    total[1] += seconds
+                if key != STEP_END_FLOPS:
+                    add(key, flops, layer.time(work, int(part) if part else None) * scale)
+        step_end = sum(layer.flops.get(STEP_END_FLOPS, 0.0) for layer in stage.layers)
+        add(STEP_END_FLOPS, step_end, stage.method_step_end * scale)
     rates = profile.flop_rates or FlopRates()
     found = []
     for key in sorted(totals, key=_key_order):
@@ -124,4 +135,4 @@ def task_rates(profile: Any) -> list[TaskRate]:
 
 
 def _key_order(key: str) -> tuple[int, str]:
-    return ("curvature", "sync", "refresh", "precondition").index(key.partition(".")[0]), key
+    return ("curvature", "sync", "refresh", "precondition", STEP_END_FLOPS).index(key.partition(".")[0]), key

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pipefisher.core.profile import Profile
-from pipefisher.core.profile_flops import TaskRate, task_rates
+from pipefisher.core.profile_flops import STEP_END_FLOPS, TaskRate, task_rates
 from pipefisher.methods.method import WorkLabels
 from pipefisher.methods.registry import method_of_profile
 
@@ -24,6 +24,8 @@ def task_label(labels: WorkLabels, rate: TaskRate) -> tuple[str, str]:
         return f"{part} {labels.refresh}".strip(), labels.refresh
     if rate.work == "precondition":
         return labels.precondition, "step"
+    if rate.work == STEP_END_FLOPS:
+        return "its work in the end of step", "step"
     return f"{part} {rate.work}".strip(), "micro-batch" if rate.work == "curvature" else rate.work
 
 

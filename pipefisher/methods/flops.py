@@ -6,7 +6,9 @@ A method declares its counts with a hook (`CurvatureMethod.flops`, "module:attri
 micro-batch, the flops of each of its timed tasks on that matrix, keyed by
 `pipefisher.core.profile.time_key` (``curvature.0``, ``refresh.1``, ``precondition``), each per
 execution of the task as the profile times it (curvature per micro-batch, refresh per refresh,
-precondition per step). Keys it leaves out are unknown (syncs move bytes: no flops).
+precondition per step), and ``step_end``: the matrix's share of the method's work in the optimizer
+step, per step (the profile times it per stage, `StageProfile.method_step_end`). Keys it leaves
+out are unknown (syncs move bytes: no flops).
 
 Conventions: a matrix product (m x k)(k x n) is 2mkn flops (one multiply and one add per term, as
 `torch.utils.flop_counter` counts it); elementwise work, norms and sums (O(n²) beside O(n³)) are

@@ -356,10 +356,12 @@ class CostClasses:
         return cost_class
 
 
-def simulate(schedule: Schedule, profile: Profile) -> Timeline:
-    """Timeline of one step of `schedule` with the op times of `profile`."""
+def simulate(schedule: Schedule, profile: Profile, first_order: bool = False) -> Timeline:
+    """Timeline of one step of `schedule` with the op times of `profile`; `first_order`: its end of
+    step without the method's own work in it (`OpDurations.first_order`)."""
     check_profile(schedule, profile)
-    return simulate_graph(schedule_graph(schedule), OpDurations(profile, schedule.splits_backward), schedule.name)
+    durations = OpDurations(profile, schedule.splits_backward)
+    return simulate_graph(schedule_graph(schedule), durations.first_order() if first_order else durations, schedule.name)
 
 
 def check_profile(schedule: Schedule, profile: Profile) -> None:

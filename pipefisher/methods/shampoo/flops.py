@@ -6,12 +6,14 @@ inverse 4th root of the r x r statistic; of the right factor (part 1) ``Gᵀ G``
 of c x c. A root of n x n: eigen = eigh 9n³ + the product ``(V s) Vᵀ`` 2n³, in float64 (the root
 is computed in float64 whatever the statistics dtype); newton = `NEWTON_ITERATIONS` steps of
 ``X Mₚ``, ``Mₚ⁴`` (two squarings) and ``Mₚ⁴ M``, 8n³ each, in the statistics dtype. The
-preconditioning runs in the optimizer step (the profile's step end), not counted here. Pure Python.
+optimizer step (``step_end``) preconditions each block, ``L^(-1/4) G R^(-1/4)``: 2r²c + 2rc², in
+the working dtype (float32); grafting is elementwise (not counted). Pure Python.
 """
 
 from __future__ import annotations
 
 from pipefisher.core.profile import time_key
+from pipefisher.core.profile_flops import STEP_END_FLOPS
 from pipefisher.methods.blocks import MatrixInfo
 from pipefisher.methods.flops import EIGH, MatrixShape, TaskFlops, matmul
 from pipefisher.methods.shampoo.method import ShampooConfig
@@ -30,7 +32,8 @@ def root_flops(n: int, settings: ShampooConfig) -> tuple[float, float]:
 
 
 def task_flops(settings: ShampooConfig, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
-    """Shampoo's `FlopHook`: the flops of the refresh of each factor of one matrix (module docstring)."""
+    """Shampoo's `FlopHook`: the flops of the refresh of each factor of one matrix and of its
+    optimizer step (module docstring)."""
     info = MatrixInfo.of("", (shape.rows, shape.cols), settings.block_size)
     dtype = "float64" if settings.root == "eigen" else settings.statistics_dtype
     counts = {}
@@ -42,4 +45,6 @@ def task_flops(settings: ShampooConfig, shape: MatrixShape, tokens: int) -> dict
                 products += matmul(n, other, n) + root[0]
                 decompositions += root[1]
         counts[time_key("refresh", part)] = TaskFlops(products, decompositions, dtype)
+    step = sum(matmul(r, r, c) + matmul(r, c, c) for r in info.row_blocks for c in info.col_blocks)
+    counts[STEP_END_FLOPS] = TaskFlops(step)
     return counts

@@ -17,7 +17,10 @@ a fixed cost per execution (launches and small-kernel latency, ms):
   equal on A100/H100, twice P100's/V100's fp64 rate). A shard's statistic the shards share
   (`TaskRules.shared_part`) is built from 1/T of the rows, as in `transformer_profile`.
 - the step end: the first-order optimizer's memory traffic, `OPTIMIZER_BYTES_PER_PARAMETER` per
-  parameter of the stage's shard at the hardware's memory bandwidth (the only bytes term).
+  parameter of the stage's shard at the hardware's memory bandwidth (the only bytes term), plus
+  the method's own work there (its ``step_end`` counts: Shampoo's and SOAP's preconditioning) at
+  the precondition's share, which is also the stage's `method_step_end` (the first-order step is
+  simulated without it).
 - tensor-parallel all-reduces and everything the prediction adds (reductions, hops, recomputation)
   are `transformer_profile`'s and `predict`'s, on the hardware's links.
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipefisher.core.profile import LayerProfile, Profile
+from pipefisher.core.profile_flops import STEP_END_FLOPS
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS
 from pipefisher.methods.flops import MatrixShape, TaskFlops
 from pipefisher.methods.registry import REFERENCE_METHOD, task_rules
@@ -187,7 +191,8 @@ class FlopTimes:
         stages = []
         for index, stage in enumerate(profile.stages):
             last = index == pieces - 1
-            step_end = self._step_end_ms(blocks[index], tensor_parallel)
+            method_end = sum(_suffix_tasks(layer, tasks).get(STEP_END_FLOPS, 0.0) for layer in stage.layers)
+            step_end = self._step_end_ms(blocks[index], tensor_parallel) + method_end
             stages.append(
                 replace(
                     stage,
@@ -195,6 +200,7 @@ class FlopTimes:
                     backward=stage.backward + (head_backward if last else 0.0),
                     weight=stage.weight + (head_backward / 2 if last and stage.weight else 0.0),
                     step_end=step_end,
+                    method_step_end=method_end,
                     layers=tuple(_timed(layer, tasks) for layer in stage.layers),
                 )
             )
@@ -209,7 +215,9 @@ class FlopTimes:
         return seconds * 1e3
 
     def _layer_tasks(self, micro_batch_size: int, tensor_parallel: int, rules) -> dict[str, dict[str, float]]:
-        """Layer suffix -> time key -> ms of the method's tasks on the layer's shard."""
+        """Layer suffix -> time key -> ms of the method's tasks on the layer's shard; its work in
+        the optimizer step (`STEP_END_FLOPS`) at the precondition's efficiency (the same products
+        of the gradient with the factors' matrices)."""
         settings = self.section
         tokens = micro_batch_size * self.sizes.seq_len
         found = {}
@@ -219,16 +227,22 @@ class FlopTimes:
             found[suffix] = {
                 key: self._task_ms(key, counted, 1 / tensor_parallel if key == f"curvature.{shared}" else 1.0)
                 for key, counted in flops.items()
-                if key.split(".")[0] in EFFICIENCY
+                if key.split(".")[0] in EFFICIENCY or key == STEP_END_FLOPS
             }
         return found
 
     def _task_ms(self, key: str, counted: TaskFlops, rows_share: float) -> float:
         peak = self._peak(TASK_PEAK.get(counted.dtype, "fp32"))
-        return op_ms(counted.total * rows_share, peak, EFFICIENCY[key.split(".")[0]])
+        work = "precondition" if key == STEP_END_FLOPS else key.split(".")[0]
+        return op_ms(counted.total * rows_share, peak, EFFICIENCY[work])
+
+
+def _suffix_tasks(layer: LayerProfile, tasks: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The task times of `layer`'s suffix (it is named ``block<i>.<suffix>``); {} for none."""
+    return tasks.get(layer.name.split(".", 1)[1], {})
 
 
 def _timed(layer: LayerProfile, tasks: dict[str, dict[str, float]]) -> LayerProfile:
-    """`layer` (named ``block<i>.<suffix>``) with its suffix's task times, where there are any."""
-    suffix = layer.name.split(".", 1)[1]
-    return layer.with_times(tasks[suffix]) if suffix in tasks else layer
+    """`layer` with its suffix's task times, where there are any (its end-of-step work is its stage's)."""
+    found = {key: ms for key, ms in _suffix_tasks(layer, tasks).items() if key != STEP_END_FLOPS}
+    return layer.with_times(found) if found else layer

@@ -277,8 +277,9 @@ _FIRST_ORDER: dict[tuple, tuple[float, float, float]] = {}
 
 
 def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float, float]:
-    """(step ms, bubble share, slowest reduction ms) of the layout's first-order step; cached on
-    the pipeline, its reductions and op times (layouts that differ in method or ZeRO-1 alone share it)."""
+    """(step ms, bubble share, slowest reduction ms) of the layout's first-order step, its end of
+    step without a method's work the profile measured there (`StageProfile.method_step_end`); cached
+    on the pipeline, its reductions and op times (layouts that differ in method or ZeRO-1 alone share it)."""
     profile = layout_profile(layout, context, syncs=False)
     key = (
         context,
@@ -289,10 +290,13 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
         layout.micro_batch_size,
         layout.tensor_parallel,
         layout.recompute,
-        tuple((stage.forward, stage.backward, stage.grad_reduce, stage.p2p) for stage in profile.stages),
+        tuple(
+            (stage.forward, stage.backward, stage.grad_reduce, stage.p2p, stage.step_end, stage.method_step_end)
+            for stage in profile.stages
+        ),
     )
     if key not in _FIRST_ORDER:
-        timeline = simulate(layout.build_schedule(), profile)
+        timeline = simulate(layout.build_schedule(), profile, first_order=True)
         per_ms = MS_PER_UNIT[profile.time_unit]
         _FIRST_ORDER[key] = (
             timeline.step_time * per_ms,

@@ -17,7 +17,9 @@
   prediction from 19 % under the measured step to 4 % under). Its step end is the largest of the old stages'
   it takes blocks from: mostly fixed costs (the tied weights' all-reduce, the step's reductions,
   starting the optimizer) that a merged stage pays once, not a sum (measured on this CPU: one
-  stage of the BERT demo 13.5 ms, each of its two stages 17.5 ms). p2p is the largest of the old stages'.
+  stage of the BERT demo 13.5 ms, each of its two stages 17.5 ms); of it the method's own work
+  (`method_step_end`: Shampoo's and SOAP's preconditioning of its blocks) is each old stage's share
+  of the blocks it takes, at most the new step end. p2p is the largest of the old stages'.
   A schedule that splits its backward takes a profile measured under a split schedule where one is
   given (its `weight` times the weight gradient apart; the split's own cost), the others a fused one.
 
@@ -254,6 +256,10 @@ def resplit(profile: Profile, pieces: int, sizes: ModelSizes, stage_blocks: tupl
             share.append(taken / total if total else float(_edge(index, new, len(old), pieces)))
         times = {name: sum(s * getattr(stage, name) for s, stage in zip(share, profile.stages)) for name in scaled}
         times["step_end"] = max(stage.step_end for s, stage in zip(share, profile.stages) if s)
+        method_end = sum(  # the method's end of step preconditions blocks: it moves with them
+            len(mine & held) / len(held) * stage.method_step_end for held, stage in zip(old, profile.stages) if held
+        )
+        times["method_step_end"] = min(method_end, times["step_end"])
         layers: list[LayerProfile] = []
         for index, stage in enumerate(profile.stages):
             for layer in stage.layers:
