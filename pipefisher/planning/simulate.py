@@ -361,7 +361,9 @@ def simulate(schedule: Schedule, profile: Profile, first_order: bool = False) ->
     step without the method's own work in it (`OpDurations.first_order`)."""
     check_profile(schedule, profile)
     durations = OpDurations(profile, schedule.splits_backward)
-    return simulate_graph(schedule_graph(schedule), durations.first_order() if first_order else durations, schedule.name)
+    return simulate_graph(
+        schedule_graph(schedule), durations.first_order() if first_order else durations, schedule.name
+    )
 
 
 def check_profile(schedule: Schedule, profile: Profile) -> None:
