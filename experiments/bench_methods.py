@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipefisher.runtime.primitives.tf32 import set_tf32
 from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.muon.engine import MuonEngine
 from pipefisher.methods.muon.method import MuonConfig
@@ -288,6 +289,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 3 repeats: seconds")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="CUDA float32 products on TF32 tensor cores, as run.tf32 (no effect on a CPU)",
+    )
     args = parser.parse_args(argv)
     chosen = args.methods.split(",")
     unknown = [name for name in chosen if name not in METHODS]
@@ -306,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         args.hidden, args.blocks, args.repeats, args.threads = 8, 2, 3, 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_tf32(args.tf32)
     rows = [
         measure(case, args.repeats, device)
         for case in cases(args.hidden, args.blocks, device)
@@ -313,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     command = " ".join(["python experiments/bench_methods.py", *(sys.argv[1:] if argv is None else argv)])
     print(
-        f"{args.blocks} blocks of width {args.hidden} on {device} ({torch.get_num_threads()} threads), "
+        f"{args.blocks} blocks of width {args.hidden} on {device} ({torch.get_num_threads()} threads"
+        f"{', TF32 products' if args.tf32 and device.type == 'cuda' else ''}), "
         f"median of {args.repeats}; command: `{command}`\n"
     )
     print(table(rows))

@@ -23,5 +23,6 @@ part overhead 240 python experiments/bench_overhead.py --device cuda --precision
     --models bert-base,gpt2-124m --optimizers adamw --steps 10 --repeats 3 --compile --out "$out/overhead.md"
 part executor 60 python experiments/executor_host.py --device cuda --steps 20
 part methods 120 python experiments/bench_methods.py --device cuda --hidden 768 --blocks 12 --repeats 5
+part methods-tf32 120 python experiments/bench_methods.py --device cuda --hidden 768 --blocks 12 --repeats 5 --tf32
 part syncs 60 python experiments/gpu_check.py schedules/tiny-cpu.yaml --device cuda --precision bf16 \
     --optimizer muon --steps 8 --sync-debug 3 --json "$out/syncs.json"

@@ -167,3 +167,30 @@ def test_plan_predicts_soaps_optimizer_step_and_keeps_it_out_of_the_first_order_
     assert found["soap"]["first_order_ms"] == pytest.approx(found["adamw"]["first_order_ms"])
     step_end = _times(BASE_RUN, "h100", "bf16", name="soap").profile(4, 32, 1).stages[0].method_step_end
     assert found["soap"]["step_ms"] - found["soap"]["first_order_ms"] >= step_end > 0
+
+
+def test_tf32_puts_float32_products_on_the_tf32_peak_and_leaves_the_rest():
+    """`run.tf32` (FlopTimes.tf32): K-FAC's float32 tasks and an fp32 run's blocks on the H100's
+    tf32 peak, a bf16 run's blocks on the bf16 peak as before, SOAP's float64 bases on the fp32
+    peak as before; a GPU without a tf32 peak (P100) changes nothing."""
+
+    def compute_ms(before: float, name: str, speedup: float, executions: int = 1) -> float:
+        """`before` with its flops' part `speedup` x faster and its fixed costs kept."""
+        fixed = EFFICIENCY[name].overhead_ms * executions
+        return (before - fixed) / speedup + fixed
+
+    h100 = hardware_of("h100")
+    speedup = h100.peak("tf32") / h100.peak("fp32")
+    for precision in ("fp32", "bf16"):
+        plain = _times(LARGE_RUN, "h100", precision).profile(4, 8, 1).stages[0]
+        tf32 = replace(_times(LARGE_RUN, "h100", precision), tf32=True).profile(4, 8, 1).stages[0]
+        blocks = speedup if precision == "fp32" else 1.0
+        assert tf32.forward == pytest.approx(compute_ms(plain.forward, "forward", blocks, executions=24 // 4))
+        layer, fast = plain.layers[0], tf32.layers[0]
+        assert fast.precondition == pytest.approx(compute_ms(layer.precondition, "precondition", speedup))
+        assert fast.refresh[0] == pytest.approx(compute_ms(layer.refresh[0], "refresh", speedup))
+    soap = _times(LARGE_RUN, "h100", "bf16", name="soap")
+    bases = [times.profile(4, 8, 1).stages[0].layers[0].refresh for times in (soap, replace(soap, tf32=True))]
+    assert bases[0] == bases[1]
+    p100 = _times(LARGE_RUN, "p100", "fp32")
+    assert replace(p100, tf32=True).profile(4, 8, 1) == p100.profile(4, 8, 1)

@@ -207,7 +207,7 @@ def _flop_times(sizes: ModelSizes, method: str, hardware: Hardware | None, confi
         raise UsageError("--times flops: give --hardware (e.g. a100-80gb or h100x8): the flops need its peak")
     section = config.section(method) if is_curvature(method) else None
     sizes_tried = (*DEFAULT_MICRO_BATCH_SIZES, config.data.micro_batch_size)
-    return FlopTimes.check(sizes, hardware, config.run.precision, method, section, sizes_tried)
+    return FlopTimes.check(sizes, hardware, config.run.precision, method, section, sizes_tried, config.run.tf32)
 
 
 def _own_line(own: Layout, result: SearchResult, prediction: Prediction | None, budget: int) -> str:

@@ -14,7 +14,8 @@ a fixed cost per execution (launches and small-kernel latency, ms):
 - the curvature method's tasks on each Linear shard: its own flop counts
   (`CurvatureMethod.task_flops`, keyed by time key) at the share of their kind (the key's work:
   curvature, refresh, precondition) on the peak of the task's dtype (fp64 tasks on the fp32 peak:
-  equal on A100/H100, twice P100's/V100's fp64 rate). A shard's statistic the shards share
+  equal on A100/H100, twice P100's/V100's fp64 rate; with `run.tf32` float32 tasks, and an fp32
+  run's blocks, on the tf32 peak where the hardware lists one). A shard's statistic the shards share
   (`TaskRules.shared_part`) is built from 1/T of the rows, as in `transformer_profile`.
 - the step end: the first-order optimizer's memory traffic, `OPTIMIZER_BYTES_PER_PARAMETER` per
   parameter of the stage's shard at the hardware's memory bandwidth (the only bytes term), plus
@@ -77,7 +78,7 @@ OPTIMIZER_BYTES_PER_PARAMETER = 32
 #: micro-batch sizes a search tries (the run file's own is added)
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: a task's dtype (torch name) -> the peak it runs at
-TASK_PEAK = {"float32": "fp32", "float64": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+TASK_PEAK = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def op_ms(flops: float, peak_tflops: float, efficiency: Efficiency) -> float:
@@ -89,7 +90,8 @@ def op_ms(flops: float, peak_tflops: float, efficiency: Efficiency) -> float:
 class FlopTimes:
     """Times from flops on `hardware` (module docstring) for a run of `sizes` in `precision`
     (fp32, bf16, fp16), planning `method` (a curvature method or a first-order name) with its
-    run-file `section` (None: first-order only)."""
+    run-file `section` (None: first-order only); `tf32`: the run's float32 products on the
+    hardware's tf32 peak where it lists one (`run.tf32`)."""
 
     sizes: ModelSizes
     hardware: Hardware
@@ -98,6 +100,7 @@ class FlopTimes:
     section: Any = None
     micro_batch_sizes: tuple[int, ...] = DEFAULT_MICRO_BATCH_SIZES
     tensor_parallel: tuple[int, ...] | None = None  # any degree the model allows
+    tf32: bool = False
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -109,6 +112,7 @@ class FlopTimes:
         planned: str,
         section: Any = None,
         micro_batch_sizes: tuple[int, ...] = DEFAULT_MICRO_BATCH_SIZES,
+        tf32: bool = False,
     ) -> FlopTimes:
         """The source, or PlanError where the hardware has no peak for the precision or the
         curvature method declares no flop counts."""
@@ -124,12 +128,13 @@ class FlopTimes:
                 f"--times flops: {planned} declares no flop counts (CurvatureMethod.flops); give --profile of a "
                 f"`pipefisher profile --optimizer {planned}` run"
             )
-        return cls(sizes, hardware, precision, planned, section, tuple(sorted(set(micro_batch_sizes))))
+        return cls(sizes, hardware, precision, planned, section, tuple(sorted(set(micro_batch_sizes))), tf32=tf32)
 
     def describe(self) -> str:
         """One line for the plan's header."""
-        peak = self.hardware.peak(self.precision)
-        return f"flops at calibrated shares of the {self.hardware.name}'s {peak:g} TFLOP/s {self.precision} peak"
+        peak = self._peak(self.precision)
+        tf32 = ", float32 products on its tf32 peak" if self.tf32 and self.hardware.peak("tf32") else ""
+        return f"flops at calibrated shares of the {self.hardware.name}'s {peak:g} TFLOP/s {self.precision} peak{tf32}"
 
     def profile(
         self,
@@ -148,6 +153,12 @@ class FlopTimes:
         return self._cache[key]
 
     def _peak(self, dtype: str) -> float:
+        """The hardware's peak for `dtype`: "fp64" on the fp32 peak (presets list no fp64), "fp32"
+        on tf32's under `tf32` where listed, a dtype the hardware does not list on fp32's."""
+        if dtype == "fp64":
+            dtype = "fp32"
+        elif dtype == "fp32" and self.tf32 and self.hardware.peak("tf32"):
+            dtype = "tf32"
         found = self.hardware.peak(dtype) or self.hardware.peak("fp32")
         if found is None:
             raise PlanError(f"--hardware {self.hardware.name}: no {dtype} or fp32 peak to time the method's tasks on")

@@ -22,6 +22,7 @@ from pipefisher.core.peaks import peak_flops
 from pipefisher.core.profile_flops import FlopRates
 from pipefisher.methods.dtypes import dtype_name, torch_dtype
 from pipefisher.methods.flops import MatrixShape, TaskFlops
+from pipefisher.runtime.primitives.tf32 import tf32_enabled
 from pipefisher.methods.interface import TaskTimer
 from pipefisher.methods.layers import linear_info
 from pipefisher.methods.registry import methods
@@ -69,7 +70,7 @@ def layer_flops(
 def math_dtype(dtype: str, device: torch.device) -> str:
     """The dtype a matrix product in `dtype` runs in on `device`: "tf32" for float32 on CUDA
     with TF32 products allowed, else `dtype`."""
-    if dtype == "float32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == "float32" and device.type == "cuda" and tf32_enabled():
         return "tf32"
     return dtype
 

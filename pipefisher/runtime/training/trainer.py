@@ -28,6 +28,7 @@ from pipefisher.runtime.gradient_path.buffers import GlobalNorm, GradientBuffer,
 from pipefisher.runtime.gradient_path.precision import LossScaler, Precision
 from pipefisher.runtime.gradient_path.reduction import gradient_reduction
 from pipefisher.runtime.gradient_path.sharded import FsdpReduction, ShardedNorm, localized
+from pipefisher.runtime.primitives.tf32 import set_tf32
 from pipefisher.runtime.primitives.sharding import full
 from pipefisher.runtime.gradient_path.step_end import Gradients, LossReport, OptimizerStep, StepEnd
 from pipefisher.runtime.primitives.comm import TENSOR, Comm
@@ -80,8 +81,10 @@ def build_executor(
     (`pipefisher.runtime.pipeline.compiled`); its model, schedule and data from `run`, the run's
     parts (default: `build_run(config)`).
 
-    Collective: every process must call it (it creates the process groups).
+    Collective: every process must call it (it creates the process groups). Sets torch's
+    process-wide TF32 flag to `run.tf32` (`pipefisher.runtime.primitives.tf32`).
     """
+    set_tf32(config.run.tf32)
     run = run if run is not None else build_run(config)
     schedule = run.schedule
     topology = Topology(schedule, config.pipeline.data_parallel, config.pipeline.tensor_parallel)
