@@ -275,20 +275,23 @@ def test_at_percentile_matches_numpy():
 
 
 def test_what_a_profile_was_measured_at_is_written_read_and_checked(tmp_path):
-    measured = {**GOOD, "seq_len": 128, "precision": "bf16", "model": "bert bert-base"}
+    measured = {**GOOD, "seq_len": 128, "precision": "bf16", "model": "bert bert-base", "tf32": False}
     path = tmp_path / "p.yaml"
     profile_from_dict(measured).save(path)
     loaded = load_profile(path)
-    assert (loaded.micro_batch_size, loaded.seq_len, loaded.precision, loaded.model) == (
+    assert (loaded.micro_batch_size, loaded.seq_len, loaded.precision, loaded.model, loaded.tf32) == (
         32,
         128,
         "bf16",
         "bert bert-base",
+        False,
     )
     assert profile_from_dict(GOOD).seq_len is None and profile_from_dict(GOOD).model == "", "absent: unknown"
+    assert profile_from_dict(GOOD).tf32 is None and "tf32" not in profile_from_dict(GOOD).to_dict()
     for field, value, message in [
         ("seq_len", 0, "seq_len: 0 must be a positive integer"),
         ("precision", "fp8", "precision: 'fp8' is not one of fp32, bf16, fp16"),
+        ("tf32", "yes", "tf32: 'yes' must be true or false"),
     ]:
         with pytest.raises(ProfileError, match=message):
             profile_from_dict({**GOOD, field: value})
@@ -325,6 +328,7 @@ def test_a_profile_measured_at_another_shape_is_refused_naming_what_differs():
             "model: the profile was measured at model bert bert-base, this run has bert bert-4x128; ",
         ),
         ("recompute", "blocks", "recompute: the profile was measured at model.recompute blocks, this run has none; "),
+        ("tf32", True, "tf32: the profile was measured at run.tf32 true, this run has false; "),
     ]:
         with pytest.raises(ProfileError) as error:
             check_profile_matches(replace(profile, **{field: value}), config, 2)

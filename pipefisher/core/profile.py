@@ -19,8 +19,8 @@ has every field): ``samples`` of a stage or layer; ``weight`` of a stage (the we
 of `backward`, the W op of zero-bubble schedules; 0 = half of it); and of the profile:
 ``tensor_parallel`` (times and sizes are ONE tensor-parallel rank's; 1 when left out),
 ``recompute`` (`RECOMPUTE_MODES`: the backward includes recomputing that part of the forward) and
-``seq_len``, ``precision``, ``model`` (what it was measured at, like `micro_batch_size`; absent =
-unknown, and a run checks only what it records); ``flops`` of a layer and ``flop_rates``
+``seq_len``, ``precision``, ``model``, ``tf32`` (what it was measured at, like
+`micro_batch_size`; absent = unknown, and a run checks only what it records); ``flops`` of a layer and ``flop_rates``
 (`pipefisher.core.profile_flops`: the flops of its tasks, the device's FLOP/s they compare with).
 
 Version 1 files (`pipefisher.profile/v1`, layer times by letter: ``curvature_a``, ``inverse_b``)
@@ -136,7 +136,8 @@ class Profile:
     `tensor_parallel`: the degree T whose per-rank (per-shard) work the times are; `recompute`: the
     activation recomputation the backward times include; `micro_batch_size`, `seq_len`,
     `precision`, `model`: what the times were measured at (None or "": unknown; module docstring);
-    `flop_rates`: what the layers' `flops` per time are compared with (None: nothing)."""
+    `tf32`: whether CUDA float32 products ran on TF32 tensor cores (`run.tf32`; None: unknown, or
+    not measured on CUDA, where it changes nothing); `flop_rates`: what the layers' `flops` per time are compared with (None: nothing)."""
 
     stages: tuple[StageProfile, ...]
     time_unit: str = "ms"
@@ -149,6 +150,7 @@ class Profile:
     precision: str | None = None
     model: str = ""
     flop_rates: FlopRates | None = None
+    tf32: bool | None = None
 
     @property
     def num_stages(self) -> int:
@@ -186,6 +188,8 @@ class Profile:
         if self.recompute != "none":
             data["recompute"] = self.recompute
         data.update({key: getattr(self, key) for key in ("seq_len", "precision", "model") if getattr(self, key)})
+        if self.tf32 is not None:
+            data["tf32"] = self.tf32
         if self.flop_rates is not None:
             data["flop_rates"] = self.flop_rates.to_dict()
         data["stages"] = [stage.to_dict() for stage in self.stages]
@@ -304,6 +308,9 @@ def profile_from_dict(data: Any) -> Profile:
     model = data.get("model", "")
     if not isinstance(model, str):
         raise ProfileError(f"model: {model!r} must be text naming the measured model, e.g. 'bert bert-base'")
+    tf32 = data.get("tf32")
+    if tf32 is not None and not isinstance(tf32, bool):
+        raise ProfileError(f"tf32: {tf32!r} must be true or false (the run's run.tf32)")
     stages = data.get("stages")
     if not isinstance(stages, list) or not stages:
         raise ProfileError("stages: missing; give one entry per pipeline stage")
@@ -319,6 +326,7 @@ def profile_from_dict(data: Any) -> Profile:
         precision=precision,
         model=model,
         flop_rates=FlopRates.from_dict(data["flop_rates"]) if "flop_rates" in data else None,
+        tf32=tf32,
     )
 
 

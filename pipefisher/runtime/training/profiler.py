@@ -43,6 +43,7 @@ from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.pipeline.executor import Executor
 from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan
+from pipefisher.runtime.primitives.tf32 import tf32_enabled
 from pipefisher.runtime.training.task_flops import flop_rates, layer_flops, work_dtypes
 
 #: (rank, op string, start, end) in ms from the step's common zero
@@ -347,6 +348,7 @@ def measure_profile(
         precision=precision,
         model=model,
         flop_rates=rates,
+        tf32=tf32_enabled() if executor.device.type == "cuda" else None,
     )
     return profile, sorted(last_step)
 

@@ -53,7 +53,13 @@ _MEASURED_AT = (
     ("precision", "run.precision"),
     ("model", "model"),
     ("recompute", "model.recompute"),
+    ("tf32", "run.tf32"),
 )
+
+
+def _shown(value: Any) -> str:
+    """`value` as a run file writes it (booleans lower-case)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _run_value(config: RunConfig, key: str) -> Any:
@@ -69,7 +75,7 @@ def check_profile_matches(
 ) -> None:
     """Refuse a profile of another run, naming the first field that differs: the curvature
     method, stage count, tensor-parallel degree, layer names, or what it was measured at
-    (micro-batch size, sequence length, precision, model, recomputation; a field the profile
+    (micro-batch size, sequence length, precision, model, recomputation, TF32; a field the profile
     leaves out is unknown and not checked)."""
     method, timed = method_of(config).name, method_of_profile(profile).name
     if timed != method:
@@ -99,6 +105,6 @@ def check_profile_matches(
         measured, here = getattr(profile, field), _run_value(config, key)
         if measured not in (None, "") and measured != here:
             raise ProfileError(
-                f"{field}: the profile was measured at {key} {measured}, this run has {here}; "
+                f"{field}: the profile was measured at {key} {_shown(measured)}, this run has {_shown(here)}; "
                 "its times do not hold here: measure a profile of this run with `pipefisher profile`"
             )
