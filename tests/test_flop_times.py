@@ -16,6 +16,7 @@ from pipefisher.planning.planner.flop_calibration import REFERENCE_FOLDER, fit_p
 from pipefisher.core.profile_flops import STEP_END_FLOPS
 from pipefisher.methods.flops import MatrixShape
 from pipefisher.planning.planner.flop_times import EFFICIENCY, FlopTimes, op_ms
+from pipefisher.planning.planner.candidates import Layout
 from pipefisher.planning.planner.hardware import hardware_of
 from pipefisher.planning.planner.model_sizes import PlanError, model_sizes
 from pipefisher.planning.transformer_profile import ALLREDUCES_FORWARD, block_layer_shapes, tensor_parallel_allreduce_ms
@@ -194,3 +195,23 @@ def test_tf32_puts_float32_products_on_the_tf32_peak_and_leaves_the_rest():
     assert bases[0] == bases[1]
     p100 = _times(LARGE_RUN, "p100", "fp32")
     assert replace(p100, tf32=True).profile(4, 8, 1) == p100.profile(4, 8, 1)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "data_parallel", "zero", "replicas"),
+    [("1f1b", 4, 1, 4), ("chimera", 2, 1, 4), ("1f1b", 4, 0, 1), ("1f1b", 1, 1, 1), ("1f1b", 4, 2, 1)],
+)
+def test_zero1_owners_share_the_methods_optimizer_step(schedule, data_parallel, zero, replicas):
+    """Under ZeRO-1 each of a stage's R replicas (data-parallel copies, twice over under Chimera)
+    preconditions only the matrices it owns: 1/R of the stage's method step end; ZeRO-2/3 and
+    unreplicated stages keep it whole."""
+    from pipefisher.planning.planner.predict import PlanContext, layout_profile
+
+    config = load_config(BASE_RUN)
+    source = _times(BASE_RUN, "h100", "bf16", name="soap")
+    context = PlanContext(_sizes(BASE_RUN), source, "adamw", config.section("soap"), precision="bf16")
+    layout = Layout(2, data_parallel, 1, schedule, 1, 4, 8, zero=zero, method="soap")
+    whole = source.profile(2, 8, 1)
+    for stage, full in zip(layout_profile(layout, context).stages, whole.stages):
+        assert stage.method_step_end == pytest.approx(full.method_step_end / replicas) and full.method_step_end > 0
+        assert stage.step_end - stage.method_step_end == pytest.approx(full.step_end - full.method_step_end)

@@ -259,13 +259,35 @@ def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profil
     return replace(profile, stages=tuple(hop(index, stage) for index, stage in enumerate(profile.stages)))
 
 
+def _owned_step_end(profile: Profile, layout: Layout) -> Profile:
+    """Under ZeRO-1 each of a stage's R replicas preconditions in its optimizer step only the
+    matrices it owns (Shampoo's and SOAP's `precondition_all(updates)`, owners balanced by size):
+    the flop model's method step end, one replica's whole stage, becomes 1/R of it."""
+    replicas = _replicas(layout)
+    if layout.zero != 1 or replicas < 2:
+        return profile
+    stages = tuple(
+        replace(
+            s,
+            step_end=s.step_end - s.method_step_end * (1 - 1 / replicas),
+            method_step_end=s.method_step_end / replicas,
+        )
+        for s in profile.stages
+    )
+    return replace(profile, stages=stages)
+
+
 def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
     """The profile a layout's prediction simulates: the source's at its stage split, backward split,
-    micro-batch size and degree, with recomputation, gradient reductions and (`syncs`) factor syncs."""
+    micro-batch size and degree, with recomputation, gradient reductions and (`syncs`) factor syncs;
+    from flops, the method's step end shared by ZeRO-1's owners (`_owned_step_end`; a measured
+    profile's is its own run's)."""
     split = layout.build_schedule().splits_backward
     profile = context.source.profile(
         layout.pieces, layout.micro_batch_size, layout.tensor_parallel, split, layout.stage_blocks
     )
+    if isinstance(context.source, FlopTimes):
+        profile = _owned_step_end(profile, layout)
     profile = _with_reductions(
         _recomputed(profile, layout.recompute, context.sizes, layout.stage_blocks), layout, context
     )
