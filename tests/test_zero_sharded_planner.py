@@ -18,6 +18,7 @@ import yaml
 
 from pipefisher.cli.main import main
 from pipefisher.config import RunSettings, load_config
+from pipefisher.core.settings import ConfigError
 from pipefisher.core.stage_split import balanced_counts
 from pipefisher.methods.registry import methods
 from pipefisher.planning.comm.volume import ring_bytes
@@ -68,6 +69,37 @@ def test_sharded_candidates_only_where_fsdp2_runs_the_layout():
     for name, method in methods().items():
         zeros = {layout.zero for layout in enumerate_layouts(_space(), context.sizes, "adamw", planned=name)}
         assert zeros == ({0, 1, 2, 3} if method.shards else {0, 1}), name
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "zero1"),
+    [
+        ("shampoo", {}, True),
+        ("kfac", {}, True),
+        ("kfac", {"grad_worker_fraction": 0.5}, False),
+        ("soap", {}, False),
+        ("muon", {}, False),
+    ],
+)
+def test_zero1_candidates_only_where_the_run_takes_them(name, changes, zero1, tmp_path):
+    """The planner tries ZeRO-1 for a curvature method exactly where its section's
+    `zero1_problem` allows it, the rule `run` checks: a layout it proposes loads as a run file."""
+    context = _context()
+    config = load_config(BASE_RUN)
+    section = replace(config.section(name), **changes)
+    layouts = enumerate_layouts(_space(), context.sizes, "adamw", planned=name, section=section)
+    assert (1 in {layout.zero for layout in layouts}) == zero1
+    raw = yaml.safe_load(BASE_RUN.read_text())
+    raw["pipeline"].update(stages=1, data_parallel=4, micro_batches=4)
+    raw["optimizer"] = {**raw.get("optimizer", {}), "name": name, "zero": 1}
+    raw[name] = {**raw.get(name, {}), **changes}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    if zero1:
+        load_config(path)
+    else:
+        with pytest.raises(ConfigError, match="optimizer.zero|grad_worker_fraction"):
+            load_config(path)
 
 
 def test_fsdp_allowed_follows_the_run_file_rules():

@@ -299,6 +299,10 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(problem)
     for name, section in config.methods:
         section.check(name, config)
+    if config.optimizer.zero == 1 and config.curvature is not None:
+        problem = config.curvature.zero1_problem(config.optimizer.name, config.stage_replicas)
+        if problem:
+            raise ConfigError(problem)
     _ = config.gradient_path  # raises ConfigError unless the reduction and gradient workers combine
     _check_evaluation(config)
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:

@@ -80,3 +80,14 @@ class RefreshConfig:
         `sharded`: the run shards parameters and gradients (optimizer.zero 2/3), where a method
         that gathers whole gradients on every replica asks for all of them."""
         return replicas
+
+    def zero1_problem(self, name: str, replicas: int) -> str:
+        """Why optimizer.zero 1 (ZeRO-1: each replica of a stage steps only the parameters it
+        owns) cannot run this method, as section `name`, on stages of `replicas` copies, with
+        the fix; "" when it can. The run's check and the planner's layouts both ask."""
+        if self.gradient_workers(replicas) < replicas:
+            return (
+                f"{name}.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "
+                f"reduces to owners; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
+            )
+        return ""

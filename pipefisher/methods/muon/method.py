@@ -71,11 +71,14 @@ class MuonConfig(RefreshConfig):
                 f"{name}.split: false is not possible: a replicated stage always orthogonalises a share "
                 "per replica after the gradient reduction; remove the key"
             )
-        if config.optimizer.zero == 1 and config.stage_replicas > 1:
-            raise ConfigError(
-                f"optimizer.zero: {name} shares each replicated stage's orthogonalisation among its replicas "
-                "itself, which needs every replica's reduced gradient; use optimizer.zero 0, 2 or 3"
-            )
+
+    def zero1_problem(self, name: str, replicas: int) -> str:
+        if replicas < 2:
+            return ""
+        return (
+            f"optimizer.zero: {name} shares each replicated stage's orthogonalisation among its replicas "
+            "itself, which needs every replica's reduced gradient; use optimizer.zero 0, 2 or 3"
+        )
 
     def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
         """One replica orthogonalises each matrix (after the reduction) and broadcasts it; with

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from pipefisher.core.settings import ConfigError, setting
+from pipefisher.core.settings import setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
 
@@ -44,14 +44,11 @@ class SoapConfig(RefreshConfig):
         """The decay of the statistics in use: `statistics_beta`, or `beta2` when it is 0."""
         return self.statistics_beta or self.beta2
 
-    def check(self, name: str, config: Any) -> None:
-        if config.optimizer.name != name:
-            return
-        if config.optimizer.zero == 1:
-            raise ConfigError(
-                f"optimizer.zero: {name} keeps every replica's statistics from the reduced gradient, "
-                "which ZeRO-1 gives the owner only; use optimizer.zero 0, 2 or 3"
-            )
+    def zero1_problem(self, name: str, replicas: int) -> str:
+        return (
+            f"optimizer.zero: {name} keeps every replica's statistics from the reduced gradient, "
+            "which ZeRO-1 gives the owner only; use optimizer.zero 0, 2 or 3"
+        )
 
 
 #: SOAP's statistics come from the reduced gradient at each step's end, alike on every replica: no

@@ -20,6 +20,7 @@ from pipefisher.core.ir import Schedule, ScheduleError
 from pipefisher.core.stage_split import counts_text
 from pipefisher.core.names import RECOMPUTE_MODES
 from pipefisher.methods.registry import methods
+from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.schedules import CONFIGURABLE_CHUNKS, DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, get_schedule
 
@@ -159,6 +160,7 @@ def enumerate_layouts(
     method: str,
     planned: str | None = None,
     balance: Callable[[Layout], tuple[int, ...]] | None = None,
+    section: RefreshConfig | None = None,
 ) -> list[Layout]:
     """Every layout of `space` for `sizes` with optimizer `method` (see the module docstring):
     the model's blocks split evenly over stages x chunks, each schedule buildable at its shape,
@@ -168,7 +170,8 @@ def enumerate_layouts(
     `method`; None: `method`), what decides whether ZeRO-2 and 3 are tried. `balance`: the blocks
     per piece that balance a layout's pieces (`stage_balance.balanced_split`; empty: the even
     split); where given and the model's kind takes uneven splits, each pipeline is tried on that
-    split too (the only one where the pieces do not divide the blocks)."""
+    split too (the only one where the pieces do not divide the blocks). `section`: the planned
+    curvature method's run-file section, whose `zero1_problem` decides whether ZeRO-1 is tried."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
         for name in (
@@ -189,20 +192,30 @@ def enumerate_layouts(
                 base = Layout(stages, data_parallel, tensor_parallel, name, chunks, micro_batches, size, method=method)
                 counts = balance(base) if uneven and balance is not None else ()
                 sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
+                owned = section is None or not section.zero1_problem(planned or method, stage_replicas(base))
                 for split in ([()] if even else []) + ([counts] if counts else []):
                     layout = replace(base, stage_blocks=split)
-                    found += list(_variants(layout, space, replicated=data_parallel > 1, sharded=sharded))
+                    found += list(_variants(layout, space, data_parallel > 1, sharded, owned))
     return found
 
 
-def _variants(base: Layout, space: SearchSpace, replicated: bool, sharded: bool) -> Iterable[Layout]:
+def stage_replicas(layout: Layout) -> int:
+    """Copies of each of `layout`'s stages: its data-parallel replicas, twice over for Chimera's
+    two pipes."""
+    return (2 if layout.schedule == "chimera" else 1) * layout.data_parallel
+
+
+def _variants(base: Layout, space: SearchSpace, replicated: bool, sharded: bool, owned: bool) -> Iterable[Layout]:
     """`base` with each recompute mode the run allows (`recompute_problem`) and gradient path: plain,
-    ZeRO-1 and PowerSGD where there are data-parallel replicas (ZeRO and PowerSGD exclude each
-    other), ZeRO-2 and 3 where `sharded` (`fsdp_allowed`)."""
+    ZeRO-1 (where `owned`: the method runs on ZeRO-1's owners) and PowerSGD where there are
+    data-parallel replicas (ZeRO and PowerSGD exclude each other), ZeRO-2 and 3 where `sharded`
+    (`fsdp_allowed`)."""
     paths = [(0, 0)]
     if replicated:
         paths += (
-            [(1, 0)] + [(zero, 0) for zero in (2, 3) if sharded] + [(0, rank) for rank in space.powersgd_ranks if rank]
+            ([(1, 0)] if owned else [])
+            + [(zero, 0) for zero in (2, 3) if sharded]
+            + [(0, rank) for rank in space.powersgd_ranks if rank]
         )
     splits = base.build_schedule().splits_backward
     for recompute in space.recompute:

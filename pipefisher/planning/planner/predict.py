@@ -34,7 +34,7 @@ from pipefisher.core.profile import LayerProfile, Profile, Samples, StageProfile
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.comm.volume import ring_bytes
-from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.planner.candidates import Layout, stage_replicas
 from pipefisher.planning.planner.hardware import Hardware, Link
 from pipefisher.planning.planner.links import data_parallel_link, hop_links
 from pipefisher.planning.planner.layout_memory import (
@@ -163,7 +163,7 @@ def _with_reductions(profile: Profile, layout: Layout, context: PlanContext) -> 
     traffic = {part.stage: part.grad_comm_bytes for rank in states for part in rank.stages}
     link = context.data_parallel_link(layout)
     scale = 1e3 / (link.bandwidth_gbps * 1e9) / per_ms
-    ring_pass = link.latency_us * 1e-3 / per_ms * (_replicas(layout) - 1)  # latency of one pass round the ring
+    ring_pass = link.latency_us * 1e-3 / per_ms * (stage_replicas(layout) - 1)  # latency of one pass round the ring
     reduce_passes = 2  # an all-reduce (or reduce + broadcast) is two passes
     gathers = [0.0] * profile.num_stages
     if layout.zero == 3 and layout.data_parallel > 1:
@@ -213,7 +213,7 @@ def _gathering(stage: StageProfile, gather: float) -> StageProfile:
 
 def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
     """`profile` with modelled factor syncs of the layers of known shape that have no measured ones."""
-    replicas = _replicas(layout)
+    replicas = stage_replicas(layout)
     if replicas < 2:
         return profile
     link = context.data_parallel_link(layout)
@@ -233,11 +233,6 @@ def _with_syncs(profile: Profile, layout: Layout, context: PlanContext) -> Profi
     return replace(
         profile, stages=tuple(replace(stage, layers=tuple(map(sync, stage.layers))) for stage in profile.stages)
     )
-
-
-def _replicas(layout: Layout) -> int:
-    """Copies of a stage: data-parallel replicas, twice over for Chimera's two pipes."""
-    return (2 if layout.schedule == "chimera" else 1) * layout.data_parallel
 
 
 def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
@@ -263,7 +258,7 @@ def _owned_step_end(profile: Profile, layout: Layout) -> Profile:
     """Under ZeRO-1 each of a stage's R replicas preconditions in its optimizer step only the
     matrices it owns (Shampoo's and SOAP's `precondition_all(updates)`, owners balanced by size):
     the flop model's method step end, one replica's whole stage, becomes 1/R of it."""
-    replicas = _replicas(layout)
+    replicas = stage_replicas(layout)
     if layout.zero != 1 or replicas < 2:
         return profile
     stages = tuple(

@@ -149,7 +149,8 @@ def search(
     started = time.perf_counter()
     first_order = context.first_order if is_curvature(method) else method
     balance = _balancer(context) if uneven else None
-    layouts = enumerate_layouts(space, context.sizes, first_order, planned=method, balance=balance)
+    section = context.section if is_curvature(method) else None
+    layouts = enumerate_layouts(space, context.sizes, first_order, planned=method, balance=balance, section=section)
     problem = check_sources_cover(space, context.sizes, layouts)
     if problem:
         raise PlanError(problem)
