@@ -299,8 +299,8 @@ def _check(config: RunConfig) -> None:
         raise ConfigError(problem)
     for name, section in config.methods:
         section.check(name, config)
-    if config.optimizer.zero == 1 and config.curvature is not None:
-        problem = config.curvature.zero1_problem(config.optimizer.name, config.stage_replicas)
+    if config.curvature is not None:
+        problem = config.curvature.layout_problem(config.optimizer.name, config.optimizer.zero, config.stage_replicas)
         if problem:
             raise ConfigError(problem)
     _ = config.gradient_path  # raises ConfigError unless the reduction and gradient workers combine

@@ -81,10 +81,28 @@ class RefreshConfig:
         that gathers whole gradients on every replica asks for all of them."""
         return replicas
 
+    def layout_problem(self, name: str, zero: int, replicas: int) -> str:
+        """Why a layout of stages of `replicas` copies with optimizer.zero `zero` cannot run this
+        method, as section `name`, with the fix; "" when it can. The run's check and the planner's
+        candidates both ask: gradient workers that divide the replicas (`gradient_workers`);
+        ZeRO-1 where `zero1_problem` allows it; ZeRO-2/3 (FSDP2's shards) without LAMB for the
+        parameters the method leaves to its first-order rule."""
+        try:
+            self.gradient_workers(replicas, sharded=zero >= 2)
+        except ValueError as exc:
+            return f"{name}.grad_worker_fraction: {exc}"
+        if zero == 1:
+            return self.zero1_problem(name, replicas)
+        if zero >= 2 and self.first_order == "lamb":
+            return (
+                f"{name}.first_order: lamb's trust ratio needs whole-parameter norms, which optimizer.zero {zero}'s "
+                f"FSDP2 shards cut; use {name}.first_order adamw or sgd, or optimizer.zero 0"
+            )
+        return ""
+
     def zero1_problem(self, name: str, replicas: int) -> str:
-        """Why optimizer.zero 1 (ZeRO-1: each replica of a stage steps only the parameters it
-        owns) cannot run this method, as section `name`, on stages of `replicas` copies, with
-        the fix; "" when it can. The run's check and the planner's layouts both ask."""
+        """Why ZeRO-1 (each replica of a stage steps only the parameters it owns) cannot run this
+        method (`layout_problem`); "" when it can."""
         if self.gradient_workers(replicas) < replicas:
             return (
                 f"{name}.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "

@@ -43,16 +43,6 @@ class KfacConfig(RefreshConfig):
                 f"run.compile: {name} captures each layer's inputs and output gradients with hooks registered per "
                 "micro-batch, which split every compiled block and recompile it each micro-batch; set run.compile false"
             )
-        zero = config.optimizer.zero
-        if zero >= 2 and self.first_order == "lamb":
-            raise ConfigError(
-                f"{name}.first_order: lamb's trust ratio needs whole-parameter norms, which optimizer.zero {zero}'s "
-                f"FSDP2 shards cut; use {name}.first_order adamw or sgd, or optimizer.zero 1"
-            )
-        try:
-            worker_count(config.stage_replicas, self.grad_worker_fraction)
-        except ValueError as exc:
-            raise ConfigError(f"{name}.grad_worker_fraction: {exc}") from None
 
     def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
         return worker_count(replicas, self.grad_worker_fraction)

@@ -171,7 +171,8 @@ def enumerate_layouts(
     per piece that balance a layout's pieces (`stage_balance.balanced_split`; empty: the even
     split); where given and the model's kind takes uneven splits, each pipeline is tried on that
     split too (the only one where the pieces do not divide the blocks). `section`: the planned
-    curvature method's run-file section, whose `zero1_problem` decides whether ZeRO-1 is tried."""
+    curvature method's run-file section, whose `layout_problem` (the run's own check) drops the
+    layouts it cannot run and decides whether ZeRO-1, 2 and 3 are tried."""
     found = []
     for stages, data_parallel, tensor_parallel in pipeline_shapes(space, sizes):
         for name in (
@@ -191,11 +192,17 @@ def enumerate_layouts(
                     continue
                 base = Layout(stages, data_parallel, tensor_parallel, name, chunks, micro_batches, size, method=method)
                 counts = balance(base) if uneven and balance is not None else ()
-                sharded = space.run is not None and fsdp_allowed(base, planned or method, space.run, sizes.tied)
-                owned = section is None or not section.zero1_problem(planned or method, stage_replicas(base))
+                optimizer, replicas = planned or method, stage_replicas(base)
+                runs = {  # the ZeRO stages the method's section takes at this layout (the run's check)
+                    zero
+                    for zero in range(4)
+                    if section is None or not section.layout_problem(optimizer, zero, replicas)
+                }
+                if space.run is None or not fsdp_allowed(base, optimizer, space.run, sizes.tied):
+                    runs -= {2, 3}
                 for split in ([()] if even else []) + ([counts] if counts else []):
                     layout = replace(base, stage_blocks=split)
-                    found += list(_variants(layout, space, data_parallel > 1, sharded, owned))
+                    found += list(_variants(layout, space, data_parallel > 1, runs))
     return found
 
 
@@ -205,24 +212,20 @@ def stage_replicas(layout: Layout) -> int:
     return (2 if layout.schedule == "chimera" else 1) * layout.data_parallel
 
 
-def _variants(base: Layout, space: SearchSpace, replicated: bool, sharded: bool, owned: bool) -> Iterable[Layout]:
+def _variants(base: Layout, space: SearchSpace, replicated: bool, zeros: set[int]) -> Iterable[Layout]:
     """`base` with each recompute mode the run allows (`recompute_problem`) and gradient path: plain,
-    ZeRO-1 (where `owned`: the method runs on ZeRO-1's owners) and PowerSGD where there are
-    data-parallel replicas (ZeRO and PowerSGD exclude each other), ZeRO-2 and 3 where `sharded`
-    (`fsdp_allowed`)."""
+    ZeRO-1, 2 and 3 and PowerSGD where there are data-parallel replicas (ZeRO and PowerSGD exclude
+    each other), each where `zeros` holds its ZeRO stage (0: plain and PowerSGD)."""
     paths = [(0, 0)]
     if replicated:
-        paths += (
-            ([(1, 0)] if owned else [])
-            + [(zero, 0) for zero in (2, 3) if sharded]
-            + [(0, rank) for rank in space.powersgd_ranks if rank]
-        )
+        paths += [(zero, 0) for zero in (1, 2, 3)] + [(0, rank) for rank in space.powersgd_ranks if rank]
     splits = base.build_schedule().splits_backward
     for recompute in space.recompute:
         if recompute_problem(recompute, base.schedule, splits):
             continue
         for zero, powersgd_rank in paths:
-            yield replace(base, zero=zero, powersgd_rank=powersgd_rank, recompute=recompute)
+            if zero in zeros:
+                yield replace(base, zero=zero, powersgd_rank=powersgd_rank, recompute=recompute)
 
 
 def layout_of_run(
