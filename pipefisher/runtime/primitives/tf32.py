@@ -8,7 +8,10 @@ import torch
 
 
 def set_tf32(enabled: bool) -> None:
-    """CUDA float32 matrix products on TF32 tensor cores (`enabled`) or in full float32."""
+    """CUDA float32 matrix products on TF32 tensor cores (`enabled`) or in full float32; the flag
+    is written only when it changes (a process that never asks for TF32 keeps torch's default)."""
+    if tf32_enabled() == enabled:
+        return
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         matmul.fp32_precision = "tf32" if enabled else "ieee"
