@@ -132,9 +132,13 @@ class FlopTimes:
 
     def describe(self) -> str:
         """One line for the plan's header."""
-        peak = self._peak(self.precision)
-        tf32 = ", float32 products on its tf32 peak" if self.tf32 and self.hardware.peak("tf32") else ""
-        return f"flops at calibrated shares of the {self.hardware.name}'s {peak:g} TFLOP/s {self.precision} peak{tf32}"
+        on_tf32 = self.tf32 and self.hardware.peak("tf32") is not None
+        named = "tf32" if on_tf32 and self.precision == "fp32" else self.precision
+        tf32 = ", float32 products on its tf32 peak (run.tf32)" if on_tf32 else ""
+        return (
+            f"flops at calibrated shares of the {self.hardware.name}'s {self._peak(self.precision):g} TFLOP/s "
+            f"{named} peak{tf32}"
+        )
 
     def profile(
         self,
