@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipefisher.runtime.primitives.tf32 import set_tf32
+from pipefisher.runtime.training import set_tf32
 from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.muon.engine import MuonEngine
 from pipefisher.methods.muon.method import MuonConfig

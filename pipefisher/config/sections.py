@@ -114,8 +114,8 @@ class RunSettings:
     tf32: bool = setting(
         False,
         "CUDA: float32 matrix products on TF32 tensor cores (10-bit mantissas, float32 sums; 7x the float32 "
-        "peak on an H100): the methods' float32 work (K-FAC's factors and preconditioning, Muon's float32 "
-        "iteration, SOAP's rotations, Shampoo's preconditioning) and fp32 runs' blocks; no effect on a CPU",
+        "peak on an H100): the curvature methods' float32 work (factors, preconditioning, orthogonalisation, "
+        "rotations) and fp32 runs' blocks; float64 work unchanged; no effect on a CPU",
     )
     loss_scale: float = setting(
         65536.0, "fp16: initial loss scale (halved on overflow, doubled after 2000 clean steps)", low=0, low_open=True

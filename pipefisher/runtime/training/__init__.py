@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from pipefisher.runtime.pipeline.executor import Executor
     from pipefisher.runtime.pipeline.extension import ExecutorExtension
     from pipefisher.runtime.pipeline.plan_runner import PlanRunner, schedule_plan
+    from pipefisher.runtime.primitives.tf32 import set_tf32
     from pipefisher.runtime.training.assembly import RunParts, build_run, held_out_batches, tokens_per_step
     from pipefisher.runtime.training.launch import GroupFailure, Interrupted, run_group, world_of_one
     from pipefisher.runtime.training.memory_check import measure as measure_memory
@@ -94,6 +95,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "predict_memory": ("pipefisher.runtime.training.memory_check", "predict"),
     "measure_memory": ("pipefisher.runtime.training.memory_check", "measure"),
     "measured_steps": ("pipefisher.runtime.training.memory_check", "measured_steps"),
+    "set_tf32": ("pipefisher.runtime.primitives.tf32", "set_tf32"),
 }
 
 __all__ = [
@@ -124,6 +126,7 @@ __all__ = [
     "predict_memory",
     "run_group",
     "schedule_plan",
+    "set_tf32",
     "tokens_per_step",
     "train_pipelined",
     "train_reference",
