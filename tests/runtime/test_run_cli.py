@@ -177,6 +177,22 @@ def test_usage_messages_name_things_once(tmp_path):
     assert result.returncode == 2 and result.stderr.count(str(missing)) == 1, result.stderr
 
 
+def test_the_profiler_names_a_methods_end_of_step_work_and_its_rate(tmp_path):
+    """Shampoo preconditions in the optimizer step: each stage's line gives that part of its end of
+    step, and the FLOP/s lines its achieved rate (its `step_end` flops over that time)."""
+    command = ["pipefisher", "profile", str(TINY), "-o", str(tmp_path / "p.yaml"), "--optimizer", "shampoo"]
+    result = subprocess.run(
+        [*command, "--repeats", "2", "--master-port", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(tmp_path / "p.yaml")
+    assert any(stage.method_step_end > 0 for stage in profile.stages)
+    for stage in profile.stages:
+        own = f" (Shampoo's work {stage.method_step_end:.3f} ms)" if stage.method_step_end else ""
+        assert f"step end {stage.step_end:.3f} ms{own}, " in result.stdout
+    assert "FLOP/s" in result.stdout.split("  its work in the end of step: ", 1)[1].splitlines()[0]
+
+
 def test_the_profilers_header_says_what_it_measures(tmp_path):
     result = subprocess.run(
         ["pipefisher", "profile", str(TINY), "-o", str(tmp_path / "p.yaml"), "--repeats", "2", "--master-port", "0"],
