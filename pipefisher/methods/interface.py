@@ -268,6 +268,13 @@ class TaskTimer:
     def before_optimizer_step(self) -> None:
         """The method's per-step work before the optimizer step, timed as part of the step end."""
 
+    @property
+    def step_end_work(self) -> bool:
+        """Whether `before_optimizer_step` does work on this rank (after `measure`): the profiler
+        then measures the method's part of the end of step (`StageProfile.method_step_end`).
+        Default: where the timer's class defines the hook."""
+        return type(self).before_optimizer_step is not TaskTimer.before_optimizer_step
+
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
         """(stage, layer) -> its task time samples in ms and capture sizes, for the stages this
         rank holds. Collective over the ranks (syncs are timed on the stages' groups)."""

@@ -154,6 +154,20 @@ def profiled_midway(rank: int, world: int, config: RunConfig, profile: bool) -> 
     return losses, state
 
 
+def measured_profile(rank: int, world: int, config: RunConfig):
+    """`measure_profile` of `config`'s method on a fresh executor (2 repeats): the profile every
+    rank gets."""
+    from pipefisher.runtime.training.assembly import staged_model
+    from pipefisher.runtime.training.method_context import method_inputs
+    from pipefisher.runtime.training.profiler import measure_profile
+
+    executor, _ = build_executor(config, rank, CPU)
+    modules = {key: stage.module for key, stage in executor.stages.items()}
+    parts = method_of(config).runtime_parts()
+    timer = parts.timer(method_inputs(config), modules, parts.skip(staged_model(config)))
+    return measure_profile(executor, rank, modules, config.data.micro_batch_size, timer, repeats=2)[0]
+
+
 def shared_channel_1f1b(rank: int, world: int, in_order: bool) -> str:
     """The issue order of the executor before the NCCL rework, for 1F1B on 2 stages, on one
     two-rank group: rank 0 `send a0 | recv g0 | send a1`, rank 1 `recv a0 | recv a1 | send g0`."""

@@ -4,7 +4,7 @@ gradients' broadcasts counted, and a mid-cycle resume bit for bit."""
 
 import pytest
 import torch
-from _workers import assert_resumes_bit_for_bit, pipelined_with_records
+from _workers import assert_resumes_bit_for_bit, measured_profile, pipelined_with_records
 from test_pipefisher import PARAMETER_ATOL, kfac_config
 
 from pipefisher.methods.kfac import KFACEngine
@@ -72,3 +72,14 @@ def test_gradient_workers_resume_mid_cycle_bit_for_bit(tmp_path):
     assert_resumes_bit_for_bit(
         kfac_config("chimera", "packed", data_parallel=2).with_overrides(**sections), 4, tmp_path
     )
+
+
+def test_a_profile_with_gradient_workers_times_their_share_in_the_step_end():
+    """With gradient workers there is no P op: each worker preconditions its layers in the step
+    end, whose share the profile measures (`method_step_end`); with every replica a worker, it
+    measures none."""
+    for fraction, expected in ((0.5, True), (1.0, False)):
+        config = kfac_config("1f1b", "packed", data_parallel=2).with_overrides(kfac={"grad_worker_fraction": fraction})
+        profile = run_group(measured_profile, config.world_size, args=(config,), timeout=30, deadline=120)[0]
+        assert ["method_step_end" in stage.samples for stage in profile.stages] == [expected] * 2, fraction
+        assert all(stage.method_step_end <= stage.step_end for stage in profile.stages)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import time_key
@@ -216,9 +216,37 @@ def share_rows(
 class KfacTimer(StageTimer[KFACEngine]):
     """K-FAC's task times: curvature per captured micro-batch of the profiler's last step, factor
     sync over the stage's replicas, eigen/Cholesky inverse of a factor's size, preconditioning;
-    and the bytes of the largest micro-batch's captures of each layer."""
+    and the bytes of the largest micro-batch's captures of each layer. With gradient workers
+    (fewer per layer than a stage's replicas) there is no P op: the step end preconditions this
+    rank's share of the layers, where the run does it (the broadcast is not timed)."""
 
     method = "kfac"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        #: (pipe, stage) -> (gradient, A inverse, B inverse) of each layer this rank preconditions in its step end
+        self._shares: dict[tuple[int, int], list[tuple[Tensor, Tensor, Tensor]]] = {}
+
+    @property
+    def step_end_work(self) -> bool:
+        return bool(self._shares)
+
+    def _worker_shares(self, executor) -> dict[tuple[int, int], set[int]]:
+        """(pipe, stage) -> the numbers of the layers this rank preconditions as their gradient
+        worker (the runtime's grid); {} without gradient workers."""
+        workers = self.config.workers_per_layer if self.config is not None else None
+        if workers is None:
+            return {}
+        found = {}
+        for pipe, stage, engine in self.by_stage():
+            grid = GradWorkers(executor.topology.replica_ranks(stage), workers)
+            found[(pipe, stage)] = set(grid.layers_of(executor.rank, len(engine.layers())))
+        return found
+
+    def before_optimizer_step(self) -> None:
+        for share in self._shares.values():
+            for grad, a_inv, b_inv in share:
+                precondition_matrix(grad, a_inv, b_inv)
 
     def build_engine(self, config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> KFACEngine:
         return KFACEngine(module, config.settings, skip=skip, grad_scale=1.0)  # B's scale does not change the time
@@ -237,9 +265,10 @@ class KfacTimer(StageTimer[KFACEngine]):
         )
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
         settings = self.config.settings
-        for _, stage, engine in self.by_stage():
+        shares = self._worker_shares(executor)
+        for pipe, stage, engine in self.by_stage():
             group = self.sync_group(executor, stage)
-            for info in engine.layers():
+            for number, info in enumerate(engine.layers()):
                 samples: dict[str, list[float]] = {}
                 sizes: dict[int, int] = {}
                 for part, factor in enumerate(FACTORS):
@@ -266,4 +295,6 @@ class KfacTimer(StageTimer[KFACEngine]):
                 a_inv, b_inv = torch.eye(info.a_size, device=device), torch.eye(info.b_size, device=device)
                 samples["precondition"] = timed_ms(lambda: precondition_matrix(grad, a_inv, b_inv), device)
                 measurements[(stage, info.name)] = (samples, sizes)
+                if (pipe, stage) in shares and number in shares[(pipe, stage)]:
+                    self._shares.setdefault((pipe, stage), []).append((grad, a_inv, b_inv))
         return measurements

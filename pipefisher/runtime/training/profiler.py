@@ -229,8 +229,9 @@ def _step_end_times(executor: Executor, timer: TaskTimer | None, repeats: int = 
 def _method_step_end(executor: Executor, timer: TaskTimer, step_end: list[float], repeats: int) -> list[float]:
     """The method's own part of this rank's end of step in ms (one sample: the median of
     `step_end`, the end of step with the method's work, less that of `repeats` without it, at
-    least 0); none for a method whose timer has no work there (K-FAC, Muon). Collective."""
-    if type(timer).before_optimizer_step is TaskTimer.before_optimizer_step:
+    least 0); none for a method whose timer has no work there (`TaskTimer.step_end_work`: K-FAC
+    without gradient workers, Muon on unreplicated stages). Collective."""
+    if not timer.step_end_work:
         return []
     plain = _step_end_times(executor, None, repeats)
     return [max(0.0, _median(step_end) - _median(plain))]
