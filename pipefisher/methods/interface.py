@@ -270,9 +270,8 @@ class TaskTimer:
 
     @property
     def step_end_work(self) -> bool:
-        """Whether `before_optimizer_step` does work on this rank (after `measure`): the profiler
-        then measures the method's part of the end of step (`StageProfile.method_step_end`).
-        Default: where the timer's class defines the hook."""
+        """Whether `before_optimizer_step` works on this rank (after `measure`), which the profiler
+        then times as `StageProfile.method_step_end`; default: where the class defines the hook."""
         return type(self).before_optimizer_step is not TaskTimer.before_optimizer_step
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
