@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pipefisher.core.settings import STEP_CEILING, setting
 from pipefisher.core.names import FirstOrder
+from pipefisher.planning.comm.actions import Reduction, workers_problem
 
 #: the float dtypes a method may keep its statistics in (the name of a torch dtype)
 StatisticsDtype = Literal["float64", "float32"]
@@ -104,8 +105,5 @@ class RefreshConfig:
         """Why ZeRO-1 (each replica of a stage steps only the parameters it owns) cannot run this
         method (`layout_problem`); "" when it can."""
         if self.gradient_workers(replicas) < replicas:
-            return (
-                f"{name}.grad_worker_fraction: gradient workers need every replica's reduced gradient, ZeRO-1 "
-                f"reduces to owners; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
-            )
+            return f"{name}.grad_worker_fraction: {workers_problem(Reduction.SHARDED)}; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
         return ""

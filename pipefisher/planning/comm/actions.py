@@ -192,27 +192,29 @@ class Reduction(str, Enum):
     FSDP_PARAMETERS = "zero-3"
 
 
+def workers_problem(reduction: Reduction) -> str:
+    """Why gradient workers (`GradientPath.workers_per_layer`) cannot follow `reduction`; "" when
+    they can. Workers need every replica's whole reduced gradient: the one place this rule lives."""
+    if reduction is Reduction.SHARDED:
+        return "gradient workers need every replica's reduced gradient, ZeRO-1 reduces to owners"
+    if reduction in (Reduction.FSDP_GRADIENTS, Reduction.FSDP_PARAMETERS):
+        return "gradient workers need every replica's whole reduced gradient, ZeRO-2/3 leave each replica a shard"
+    return ""
+
+
 @dataclass(frozen=True)
 class GradientPath:
     """How a replicated stage's gradient travels at the end of a step: its `reduction`, and
     `workers_per_layer` G (gradient workers, fewer than the stage's replicas: once reduced, they
     precondition their layers and broadcast them within their block, ``pgrad``; None: every
-    replica preconditions before the reduction). Workers need every replica's whole reduced
-    gradient, so they do not combine with ZeRO-1 (reduced to owners) nor ZeRO-2/3 (each replica
-    keeps a shard) (ValueError: the one place this rule lives)."""
+    replica preconditions before the reduction). ValueError where `workers_problem` refuses them."""
 
     reduction: Reduction = Reduction.ALL_REDUCE
     workers_per_layer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.workers_per_layer is None:
-            return
-        if self.reduction is Reduction.SHARDED:
-            raise ValueError("gradient workers need every replica's reduced gradient, ZeRO-1 reduces to owners")
-        if self.fsdp:
-            raise ValueError(
-                "gradient workers need every replica's whole reduced gradient, ZeRO-2/3 leave each replica a shard"
-            )
+        if self.workers_per_layer is not None and (problem := workers_problem(self.reduction)):
+            raise ValueError(problem)
 
     @property
     def sharded(self) -> bool:

@@ -35,7 +35,7 @@ profile") compares that with the project's H100 measurements and the Megatron-LM
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from pipefisher.core.profile import LayerProfile, Profile
 from pipefisher.core.profile_flops import STEP_END_FLOPS
@@ -93,6 +93,9 @@ class FlopTimes:
     run-file `section` (None: first-order only); `tf32`: the run's float32 products on the
     hardware's tf32 peak where it lists one (`run.tf32`)."""
 
+    #: its method step end is one replica's whole stage, so ZeRO-1's owners share it in a
+    #: layout's prediction (`predict._owned_step_end`); a measured one is its own run's
+    step_end_of_whole_stage: ClassVar[bool] = True
     sizes: ModelSizes
     hardware: Hardware
     precision: str

@@ -275,13 +275,13 @@ def _owned_step_end(profile: Profile, layout: Layout) -> Profile:
 def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> Profile:
     """The profile a layout's prediction simulates: the source's at its stage split, backward split,
     micro-batch size and degree, with recomputation, gradient reductions and (`syncs`) factor syncs;
-    from flops, the method's step end shared by ZeRO-1's owners (`_owned_step_end`; a measured
-    profile's is its own run's)."""
+    the method's step end shared by ZeRO-1's owners where the source's is one replica's whole stage
+    (`_owned_step_end`)."""
     split = layout.build_schedule().splits_backward
     profile = context.source.profile(
         layout.pieces, layout.micro_batch_size, layout.tensor_parallel, split, layout.stage_blocks
     )
-    if isinstance(context.source, FlopTimes):
+    if context.source.step_end_of_whole_stage:
         profile = _owned_step_end(profile, layout)
     profile = _with_reductions(
         _recomputed(profile, layout.recompute, context.sizes, layout.stage_blocks), layout, context

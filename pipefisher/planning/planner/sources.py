@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar
 
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError, StageProfile
 from pipefisher.core.stage_split import even_counts, stage_block_ranges
@@ -59,6 +60,9 @@ def block_of(name: str) -> int | None:
 class ReferenceTimes:
     """A per-block CSV (columns bs, time_f, time_b, time_kron, time_inv, time_prec, mem_act, ...)."""
 
+    #: its method step end is one replica's whole stage, so ZeRO-1's owners share it in a
+    #: layout's prediction (`predict._owned_step_end`); a measured one is its own run's
+    step_end_of_whole_stage: ClassVar[bool] = False
     path: Path
     sizes: ModelSizes
     micro_batch_sizes: tuple[int, ...] = ()
@@ -142,6 +146,9 @@ def _reference_profile(
 class MeasuredTimes:
     """Measured profiles, each with the file it came from (see the module docstring)."""
 
+    #: its method step end is one replica's whole stage, so ZeRO-1's owners share it in a
+    #: layout's prediction (`predict._owned_step_end`); a measured one is its own run's
+    step_end_of_whole_stage: ClassVar[bool] = False
     profiles: tuple[tuple[str, Profile], ...]
     sizes: ModelSizes
     _cache: dict = field(default_factory=dict, compare=False, repr=False)

@@ -17,11 +17,12 @@ GiB = 2**30
 
 
 def _parts(prediction: Prediction) -> dict[str, float]:
-    """Where a step's time goes (ms): idle bubble, refresh overhead, exposed reduction, the rest."""
+    """Where a step's time goes (ms): idle bubble, the method's overhead (its refresh and per-step
+    work), the rest."""
     bubble = prediction.first_order_ms * prediction.bubble_share
     return {
         "bubble": bubble,
-        "refresh overhead": prediction.step_ms - prediction.first_order_ms,
+        "method overhead": prediction.step_ms - prediction.first_order_ms,
         "work": prediction.first_order_ms - bubble,
     }
 
@@ -41,7 +42,7 @@ def why(prediction: Prediction, best: Prediction, budget: int) -> str:
     name, extra = max(((key, mine[key] - theirs[key]) for key in mine), key=lambda item: item[1])
     detail = {
         "bubble": f"bubble {100 * prediction.bubble_share:.1f} % vs {100 * best.bubble_share:.1f} %",
-        "refresh overhead": f"refresh adds {100 * prediction.overhead_share:.1f} % (k={prediction.layout.refresh_steps})",
+        "method overhead": f"method adds {100 * prediction.overhead_share:.1f} % (k={prediction.layout.refresh_steps})",
         "work": f"busy {mine['work']:.0f} ms vs {theirs['work']:.0f} ms per device"
         + (f" (recompute {prediction.layout.recompute})" if prediction.layout.recompute != "none" else ""),
     }[name]
