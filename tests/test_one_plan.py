@@ -12,6 +12,8 @@ from dataclasses import replace
 import pytest
 
 from pipefisher.config import load_config
+from pipefisher.core.ir import OpKind
+from pipefisher.methods.registry import task_rules
 from pipefisher.core.profile import load_profile
 from pipefisher.planning.planner.pack_cache import PACKINGS
 from pipefisher.planning.planner.predict import plan_layout, predict
@@ -22,14 +24,24 @@ PROFILE = "profiles/tiny-cpu-1f1b.yaml"
 
 
 @pytest.mark.parametrize(
-    ("schedule", "data_parallel", "method"),
-    [("chimera", 1, "kfac"), ("1f1b", 2, "kfac"), ("1f1b", 2, "shampoo"), ("gpipe", 1, "kfac")],
+    ("schedule", "data_parallel", "method", "section"),
+    [
+        ("chimera", 1, "kfac", {}),
+        ("1f1b", 2, "kfac", {}),
+        ("1f1b", 2, "shampoo", {}),
+        ("gpipe", 1, "kfac", {}),
+        # gradient workers: no P ops, each worker's share and broadcast in the step end
+        ("1f1b", 2, "kfac", {"kfac": {"grad_worker_fraction": 0.5}}),
+        ("chimera", 1, "muon", {}),
+    ],
 )
-def test_the_run_packs_the_plan_the_planner_predicts(schedule: str, data_parallel: int, method: str) -> None:
-    # Shampoo's profile: the K-FAC profile's times relabelled (planning reads only the times)
+def test_the_run_packs_the_plan_the_planner_predicts(
+    schedule: str, data_parallel: int, method: str, section: dict
+) -> None:
+    # Shampoo's and Muon's profile: the K-FAC profile's times relabelled (planning reads only the times)
     profile = replace(load_profile(PROFILE), method=method)
     config = load_config("schedules/tiny-cpu.yaml").with_overrides(
-        pipeline={"schedule": schedule, "data_parallel": data_parallel}, optimizer={"name": method}
+        pipeline={"schedule": schedule, "data_parallel": data_parallel}, optimizer={"name": method}, **section
     )
     layout, context = run_layout(config, profile, PROFILE)
     predicted = predict(layout, context)
@@ -39,3 +51,7 @@ def test_the_run_packs_the_plan_the_planner_predicts(schedule: str, data_paralle
     assert run.refresh_steps == predicted.layout.refresh_steps
     assert run.predicted_cycle_ms / run.refresh_steps == pytest.approx(predicted.step_ms, rel=1e-9)
     assert run.plan == plan_layout(layout, context)[0].plan
+    workers = config.workers_per_layer is not None
+    assert (context.workers_per_layer(layout) is not None) == workers
+    has_p_ops = task_rules(method).precondition and not workers
+    assert any(op.kind is OpKind.PRECONDITION for op in run.plan.curvature_ops()) == has_p_ops

@@ -108,10 +108,9 @@ class RunConfig:
     def workers_per_layer(self) -> int | None:
         """Gradient workers per layer (`pipefisher.planning.replicas.kaisa`) when the run's curvature
         method keeps each layer's refresh results on fewer than a stage's replicas; None: every replica."""
-        replicas = stage_replica_count(self)
-        sharded = self.optimizer.zero >= 2
-        workers = self.curvature.gradient_workers(replicas, sharded) if self.curvature is not None else replicas
-        return workers if workers < replicas else None
+        if self.curvature is None:
+            return None
+        return self.curvature.workers_per_layer(stage_replica_count(self), self.optimizer.zero)
 
     @property
     def gradient_path(self) -> GradientPath:

@@ -82,6 +82,12 @@ class RefreshConfig:
         that gathers whole gradients on every replica asks for all of them."""
         return replicas
 
+    def workers_per_layer(self, replicas: int, zero: int) -> int | None:
+        """Gradient workers per layer of a stage of `replicas` copies under optimizer.zero `zero`
+        (`gradient_workers`); None where every replica is one."""
+        workers = self.gradient_workers(replicas, sharded=zero >= 2)
+        return workers if workers < replicas else None
+
     def layout_problem(self, name: str, zero: int, replicas: int) -> str:
         """Why a layout of stages of `replicas` copies with optimizer.zero `zero` cannot run this
         method, as section `name`, with the fix; "" when it can. The run's check and the planner's

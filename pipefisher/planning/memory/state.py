@@ -147,7 +147,9 @@ class StageMemory:
     """One stage copy's share of a rank's bytes; `replicas`: ranks holding the stage (R).
     `parameter_bytes` and `gradient_bytes` are held at the optimizer step; ZeRO-2/3 also hold, in
     the step, `gathered_bytes` of whole parameters beside their shards (`gathered_per_op`: only
-    while one of the stage's ops runs) and `unreduced_bytes` of whole gradient (0: none)."""
+    while one of the stage's ops runs) and `unreduced_bytes` of whole gradient (0: none);
+    `worker_bytes`: the part of `grad_comm_bytes` that gradient workers' broadcasts of
+    preconditioned gradients send (``pgrad``; 0: none)."""
 
     pipe: int
     stage: int
@@ -161,6 +163,7 @@ class StageMemory:
     gathered_bytes: int = 0
     gathered_per_op: bool = False
     unreduced_bytes: int = 0
+    worker_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -347,17 +350,18 @@ def _stage_copy(
             optimizer.tensor_bytes(shard, stage.preconditions(number)) for number, shard in enumerate(sharded.shards)
         )
         gathered, per_op, unreduced = sharded.gathered_bytes, sharded.per_op, sharded.unreduced_bytes
-    curvature = 0
+    curvature = worker_bytes = 0
     if optimizer.curvature:
         curvature = sum(
             layer.state_bytes(widths.factor, grid is None or grid.works_for(rank, number))
             for number, layer in enumerate(stage.curvature_layers)
         )
         if grid is not None:  # each layer's preconditioned gradient
-            traffic += sum(
+            worker_bytes = sum(
                 ring_bytes("broadcast", layer.gradient_elements * widths.gradient, grid.block_size)
                 for layer in stage.curvature_layers
             )
+            traffic += worker_bytes
     return StageMemory(
         pipe,
         index,
@@ -371,6 +375,7 @@ def _stage_copy(
         gathered,
         per_op,
         unreduced,
+        worker_bytes,
     )
 
 

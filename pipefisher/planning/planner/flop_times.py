@@ -93,9 +93,10 @@ class FlopTimes:
     run-file `section` (None: first-order only); `tf32`: the run's float32 products on the
     hardware's tf32 peak where it lists one (`run.tf32`)."""
 
-    #: its method step end is one replica's whole stage, so ZeRO-1's owners share it in a
-    #: layout's prediction (`predict._owned_step_end`); a measured one is its own run's
-    step_end_of_whole_stage: ClassVar[bool] = True
+    #: its step end was measured in its own run's layout (ZeRO-1 owners' and gradient workers'
+    #: shares of the method's work in it); else a layout's profile divides that work among them
+    #: (`layout_profile`)
+    measured_step_end: ClassVar[bool] = False
     sizes: ModelSizes
     hardware: Hardware
     precision: str

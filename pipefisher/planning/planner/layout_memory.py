@@ -113,7 +113,9 @@ _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
 _HEAVIEST: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
 
-def _state_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
+def _state_key(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
+) -> tuple:
     """What `state_per_rank` depends on (not the micro-batches): the schedule's shape and
     `_replica_key`."""
     return (
@@ -121,12 +123,14 @@ def _state_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: fl
         layout.stages,
         layout.chunks,
         layout.stage_blocks,
-        *_replica_key(layout, sizes, first_order, momentum),
+        *_replica_key(layout, sizes, first_order, momentum, workers),
     )
 
 
-def _replica_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
-    """What the state depends on beside the schedule: replicas, gradient path, method, model."""
+def _replica_key(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
+) -> tuple:
+    """What the state depends on beside the schedule: replicas, gradient path and workers, method, model."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
     return (
         layout.data_parallel,
@@ -137,23 +141,31 @@ def _replica_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: 
         sizes,
         first_order,
         momentum,
+        workers,
     )
 
 
-def state_per_rank(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple[RankMemory, ...]:
-    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD), shard 0 of
-    tensor parallelism (the largest). Cached on what it depends on (not the micro-batches)."""
-    key = _state_key(layout, sizes, first_order, momentum)
+def state_per_rank(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
+) -> tuple[RankMemory, ...]:
+    """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD, `workers`
+    gradient workers per layer: `PlanContext.workers_per_layer`), shard 0 of tensor parallelism
+    (the largest). Cached on what it depends on (not the micro-batches)."""
+    key = _state_key(layout, sizes, first_order, momentum, workers)
     if key not in _STATES:
         powersgd = 0 if layout.zero else layout.powersgd_rank
         states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method, layout.stage_blocks)
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
         optimizer = _optimizer(layout.method, first_order, momentum)
-        _STATES[key] = rank_memory(topology, states, optimizer, int(layout.zero), powersgd_rank=powersgd)
+        _STATES[key] = rank_memory(
+            topology, states, optimizer, int(layout.zero), workers_per_layer=workers, powersgd_rank=powersgd
+        )
     return _STATES[key]
 
 
-def _placement_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum: float) -> tuple:
+def _placement_key(
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
+) -> tuple:
     """What the ranks' state bytes (`RankMemory.total_bytes`) depend on: `_state_key` with the
     schedule named by what `rank_memory` reads of it, its ranks, pipes, stages and placement (not
     its op order: GPipe, 1F1B and ZB-H1 on one shape share it; the micro-batches change the
@@ -161,19 +173,19 @@ def _placement_key(layout: Layout, sizes: ModelSizes, first_order: str, momentum
     schedule = layout.build_schedule()
     placement = tuple(sorted(schedule.placement.items()))
     shape = (schedule.num_ranks, schedule.num_pipes, schedule.num_stages, placement, layout.stage_blocks)
-    return (shape, *_replica_key(layout, sizes, first_order, momentum))
+    return (shape, *_replica_key(layout, sizes, first_order, momentum, workers))
 
 
 def _heaviest_states(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float
+    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
 ) -> tuple[tuple[int, int], ...]:
     """Per pipeline position (ranks equal modulo the pipeline's), (the lowest rank of the most
     state bytes there, those bytes), by rank: the ranks at a position share their activations,
     so the rank with the most bytes overall is one of these (the lowest of ties, as a scan over
     every rank finds). Cached on `_placement_key`."""
-    key = _placement_key(layout, sizes, first_order, momentum)
+    key = _placement_key(layout, sizes, first_order, momentum, workers)
     if key not in _HEAVIEST:
-        states = state_per_rank(layout, sizes, first_order, momentum)
+        states = state_per_rank(layout, sizes, first_order, momentum, workers)
         pipeline = layout.build_schedule().num_ranks
         best: dict[int, tuple[int, int]] = {}
         totals: dict[tuple[int, ...], int] = {}  # by the identity of a rank's stage copies (shared by ranks)
@@ -222,16 +234,21 @@ def _pipeline_activations(layout: Layout, sizes: ModelSizes, precision: str) -> 
 
 
 def layout_memory(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str = "fp32"
+    layout: Layout,
+    sizes: ModelSizes,
+    first_order: str,
+    momentum: float,
+    precision: str = "fp32",
+    workers: int | None = None,
 ) -> MemoryUse:
     """The rank with the most bytes before any curvature plan: state + activations (the first of
-    ties, by rank; over `_heaviest_states`' ranks)."""
+    ties, by rank; over `_heaviest_states`' ranks); `workers`: as `state_per_rank`."""
     activations = activation_per_rank(layout, sizes, precision)
     pipeline = len(activations)
     return max(
         (
             MemoryUse(rank, total, activations[rank % pipeline])
-            for rank, total in _heaviest_states(layout, sizes, first_order, momentum)
+            for rank, total in _heaviest_states(layout, sizes, first_order, momentum, workers)
         ),
         key=lambda found: found.total,
     )
@@ -264,12 +281,19 @@ def _refresh_bytes(layout: Layout, sizes: ModelSizes, profile: Profile) -> dict[
 
 
 def packed_memory(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, precision: str, plan: Plan, profile: Profile
+    layout: Layout,
+    sizes: ModelSizes,
+    first_order: str,
+    momentum: float,
+    precision: str,
+    plan: Plan,
+    profile: Profile,
+    workers: int | None = None,
 ) -> MemoryUse:
-    """The rank with the most bytes under a packed curvature plan: its state, and the joint peak
-    over the plan's refresh cycle of activations, captures and refresh copies (`cycle_peaks`),
-    plus its point-to-point buffers."""
-    states = state_per_rank(layout, sizes, first_order, momentum)
+    """The rank with the most bytes under a packed curvature plan: its state (`workers`: as
+    `state_per_rank`), and the joint peak over the plan's refresh cycle of activations, captures
+    and refresh copies (`cycle_peaks`), plus its point-to-point buffers."""
+    states = state_per_rank(layout, sizes, first_order, momentum, workers)
     shape = replace(sizes.shape, stage_blocks=layout.stage_blocks)
     step_cache = layout.zero < 2
     kept, pending, transient = stage_activation_bytes(

@@ -54,11 +54,11 @@ def run_packing(
     config: RunConfig, schedule: Schedule, profile: Profile, options: PackOptions
 ) -> tuple[PackResult, Profile]:
     """The run's packing and the profile its times come from: `plan_layout` of the run's layout
-    (`run_layout`; K-FAC's gradient workers as `options.precondition` says); where the planner
+    (`run_layout`; its gradient workers as the run has them, `PlanContext.workers_per_layer`); where the planner
     cannot describe the run (PlanError), `profile` packed as it is with the run's `options`
     (`schedule`: the run's)."""
     try:
         layout, context = run_layout(config, profile)
     except PlanError:
         return pack(schedule, profile, method_of(config).rules, options), profile
-    return plan_layout(layout, context, precondition=options.precondition, schedule=schedule)
+    return plan_layout(layout, context, schedule=schedule)

@@ -60,9 +60,10 @@ def block_of(name: str) -> int | None:
 class ReferenceTimes:
     """A per-block CSV (columns bs, time_f, time_b, time_kron, time_inv, time_prec, mem_act, ...)."""
 
-    #: its method step end is one replica's whole stage, so ZeRO-1's owners share it in a
-    #: layout's prediction (`predict._owned_step_end`); a measured one is its own run's
-    step_end_of_whole_stage: ClassVar[bool] = False
+    #: its step end was measured in its own run's layout (ZeRO-1 owners' and gradient workers'
+    #: shares of the method's work in it); else a layout's profile divides that work among them
+    #: (`layout_profile`)
+    measured_step_end: ClassVar[bool] = False
     path: Path
     sizes: ModelSizes
     micro_batch_sizes: tuple[int, ...] = ()
@@ -146,9 +147,10 @@ def _reference_profile(
 class MeasuredTimes:
     """Measured profiles, each with the file it came from (see the module docstring)."""
 
-    #: its method step end is one replica's whole stage, so ZeRO-1's owners share it in a
-    #: layout's prediction (`predict._owned_step_end`); a measured one is its own run's
-    step_end_of_whole_stage: ClassVar[bool] = False
+    #: its step end was measured in its own run's layout (ZeRO-1 owners' and gradient workers'
+    #: shares of the method's work in it); else a layout's profile divides that work among them
+    #: (`layout_profile`)
+    measured_step_end: ClassVar[bool] = True
     profiles: tuple[tuple[str, Profile], ...]
     sizes: ModelSizes
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
