@@ -145,7 +145,11 @@ def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_p
         and layer.time("precondition") > 0
         for layer in layers
     )
-    assert all(0 < stage.method_step_end <= stage.step_end for stage in profile.stages), "its directions"
+    # measured as a difference of medians (with and without the directions): timed, so only its
+    # presence and its bounds are asserted, not that the machine's noise left it above 0
+    assert all(
+        "method_step_end" in stage.samples and 0 <= stage.method_step_end <= stage.step_end for stage in profile.stages
+    ), "its directions"
     packed = subprocess.run(
         ["pipefisher", "pack", "--profile", str(profile_path), "--schedule", "1f1b", "-D", "2", "-N", "4", "--json"],
         capture_output=True,

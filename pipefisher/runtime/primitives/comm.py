@@ -16,7 +16,9 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -49,6 +51,40 @@ class Handle:
 def done() -> Handle:
     """A handle with nothing to wait for."""
     return Handle(lambda: None)
+
+
+@dataclass
+class _Batch:
+    """The tensors of one root, dtype and device sent as one flat buffer (`coalesced`)."""
+
+    root: int
+    tensors: list[Tensor]
+    flat: Tensor
+    receives: bool
+
+    def unpack(self) -> None:
+        """A receiver's copy of the flat buffer into its tensors (one foreach copy)."""
+        if self.receives and len(self.tensors) > 1:
+            parts = torch.split(self.flat, [t.numel() for t in self.tensors])
+            torch._foreach_copy_(self.tensors, [p.view_as(t) for p, t in zip(parts, self.tensors)])
+
+
+def coalesced(pairs: list[tuple[Tensor, int]], rank: int) -> list[_Batch]:
+    """`pairs` grouped by (root, dtype, device) in order of first sight, each group one flat
+    buffer: the root's tensors concatenated, a receiver's empty; a group of one is the tensor."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for tensor, root in pairs:
+        groups.setdefault((root, tensor.dtype, tensor.device), []).append(tensor)
+    batches = []
+    for (root, dtype, device), tensors in groups.items():
+        if len(tensors) == 1:
+            flat = tensors[0]
+        elif root == rank:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        else:
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        batches.append(_Batch(root, tensors, flat, root != rank))
+    return batches
 
 
 class _Lane:
@@ -163,13 +199,22 @@ class Comm:
     def broadcast(
         self, pairs: list[tuple[Tensor, int]], key: GroupKey, on_done: Callable[[], None] | None = None
     ) -> Handle:
-        """Each tensor of the pair's global rank into that tensor of every member, in place."""
+        """Each tensor of the pair's global rank into that tensor of every member, in place: one
+        broadcast per root, dtype and device (`coalesced`; every member must pass the same roots,
+        shapes and dtypes in the same order), the received values copied in before `on_done`."""
         self._count("broadcast", [t for t, _ in pairs], key)
-        return self.call(
-            key,
-            lambda group: [dist.broadcast(t, self._process(root), group=group, async_op=True) for t, root in pairs],
-            on_done,
-        )
+        batches = coalesced(pairs, self.rank)
+
+        def start(group: dist.ProcessGroup) -> list:
+            return [dist.broadcast(b.flat, self._process(b.root), group=group, async_op=True) for b in batches]
+
+        def received() -> None:
+            for batch in batches:
+                batch.unpack()
+            if on_done is not None:
+                on_done()
+
+        return self.call(key, start, received)
 
     def tensor_all_reduce(self, tensor: Tensor) -> Tensor:
         """Sum `tensor` over this rank's tensor-parallel processes, in place, and wait: the
