@@ -237,7 +237,9 @@ def report(
             "",
             "Per rank, one more block per arm after the rounds, recorded (the executor's clock marks around every op), "
             "ms per step: "
-            "ops = forward, backward and the method's tasks; end of step = after the last op (optimizer step, "
+            "ops = forward, backward and the method's tasks, of them compute = forwards, backwards and weight "
+            "gradients (against the first-order arm's: on a CPU the method's tasks on one core can slow the other "
+            "core's compute); end of step = after the last op (optimizer step, "
             "gradient and loss reductions, the next step's batches); waits = the rest (the other stage's messages, "
             "collectives).",
             "",

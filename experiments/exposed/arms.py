@@ -19,6 +19,7 @@ import torch
 from experiments.exposed.stats import RankTime
 from experiments.overhead.workloads import ROOT, Workload
 from pipefisher.config import RunConfig, load_config
+from pipefisher.core.ir import Op
 from pipefisher.runtime.training import (
     ExecutorExtension,
     PipeFisherTrainer,
@@ -90,10 +91,10 @@ class _Marks(ExecutorExtension):
 
     def __init__(self) -> None:
         self.records = False
-        self.marks: list[tuple[object, object]] = []
+        self.marks: list[tuple[Op, object, object]] = []
 
-    def record(self, op: object, start: object, end: object) -> None:
-        self.marks.append((start, end))
+    def record(self, op: Op, start: object, end: object) -> None:
+        self.marks.append((op, start, end))
 
 
 class Arm:
@@ -134,7 +135,7 @@ class Arm:
             raise RuntimeError(f"arm {self.method}: recorded cycles must start at a cycle's first step")
         clock = self.executor.clock
         steps = cycles * self.k
-        wall = ops = end = 0.0
+        wall = ops = compute = end = 0.0
         for _ in range(steps):
             self.marks.records, self.marks.marks = True, []
             before = clock.mark()
@@ -143,8 +144,9 @@ class Arm:
             self.marks.records = False
             self.step += 1
             wall += clock.elapsed_ms(before, after)
-            ops += sum(clock.elapsed_ms(a, b) for a, b in self.marks.marks)
+            ops += sum(clock.elapsed_ms(a, b) for _, a, b in self.marks.marks)
+            compute += sum(clock.elapsed_ms(a, b) for op, a, b in self.marks.marks if op.kind.is_compute)
             if self.marks.marks:
-                end += clock.elapsed_ms(self.marks.marks[-1][1], after)
+                end += clock.elapsed_ms(self.marks.marks[-1][2], after)
         self.marks.marks = []
-        return RankTime(rank, wall / steps, ops / steps, end / steps)
+        return RankTime(rank, wall / steps, ops / steps, end / steps, compute / steps)

@@ -152,12 +152,14 @@ class RankTime:
     ops (`ops_ms`: forward, backward, the method's tasks), in the end of step (`end_ms`: after its
     last op: the optimizer step, the gradient and loss reductions, the next step's batches, the
     runner's end of a cycle) and
-    the rest (`wait_ms`): waits between ops, for the other stage's messages or a collective."""
+    the rest (`wait_ms`): waits between ops, for the other stage's messages or a collective;
+    `compute_ms`: the part of `ops_ms` in forwards, backwards and weight gradients."""
 
     rank: int
     step_ms: float
     ops_ms: float
     end_ms: float
+    compute_ms: float = 0.0
 
     @property
     def wait_ms(self) -> float:
@@ -178,13 +180,26 @@ class Traced:
 
 
 def trace_table(traced: list[Traced]) -> str:
-    """Schedule × arm: per rank, ms per step in ops / end of step / waits (and the waits' share)."""
+    """Schedule × arm: per rank, ms per step in ops (of them in forwards, backwards and weight
+    gradients, and that compute against the first-order arm's, the first of each schedule: on a
+    CPU the method's work on one core can slow the other core's compute) / end of step / waits (and
+    the waits' share)."""
     ranks = max((len(t.ranks) for t in traced), default=0)
-    head = " | ".join(f"rank {r} ops / end of step / waits ms (waits %)" for r in range(ranks))
+    head = " | ".join(
+        f"rank {r} ops (compute, vs first-order) / end of step / waits ms (waits %)" for r in range(ranks)
+    )
     lines = [f"| schedule | arm | recorded steps | {head} |", "|---|---|---|" + "---|" * ranks]
+    first: dict[str, Traced] = {}
     for t in traced:
+        base = first.setdefault(t.schedule, t)
         cells = " | ".join(
-            f"{r.ops_ms:.1f} / {r.end_ms:.1f} / {r.wait_ms:.1f} ({100 * r.wait_ms / r.step_ms:.0f} %)" for r in t.ranks
+            f"{r.ops_ms:.1f} ({r.compute_ms:.1f}, {_change(r.compute_ms, b.compute_ms)}) / {r.end_ms:.1f} / "
+            f"{r.wait_ms:.1f} ({100 * r.wait_ms / r.step_ms:.0f} %)"
+            for r, b in zip(t.ranks, base.ranks)
         )
         lines.append(f"| {t.schedule} | {t.label} | {t.steps} | {cells} |")
     return "\n".join(lines)
+
+
+def _change(value: float, base: float) -> str:
+    return f"{100 * (value / base - 1):+.1f} %" if base else "–"

@@ -253,3 +253,21 @@ def test_load_state_dict_rejects_another_model():
     resized = KFAC(torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)))
     with pytest.raises(ValueError, match=r"layer '0': B has shape \(6, 6\), want \(7, 7\)"):
         resized.load_state_dict(source.state_dict())
+
+
+def test_a_kept_built_factor_inverts_again_to_the_same_inverse():
+    """The profiler times the run's `invert` three times on the rows it captured: `built_kept`
+    puts the consumed factor back, so each inversion starts from the same statistic."""
+    model = tiny_mlp()
+    engine = KFACEngine(model, KfacConfig(damping=0.1, inverse="eigen", factor_decay=0.0))
+    with engine.capture(0):
+        mse_loss(model(data(8, seed=0)[0]), data(8, seed=0)[1]).backward()
+    engine.curvature("2", "A", 0)
+    engine.release("2")
+    inverses = []
+    for _ in range(2):
+        with engine.built_kept("2", "A"):
+            engine.invert("2", "A")
+        inverses.append(engine.shared_inverse("2", "A").clone())
+    assert engine.built_rows("2", "A") == 8
+    assert torch.equal(inverses[0], inverses[1]) and not torch.equal(inverses[0], torch.eye(7, dtype=torch.float64))

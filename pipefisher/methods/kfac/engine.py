@@ -224,6 +224,19 @@ class KFACEngine:
         )
         st.pending[factor] = prefer_ok(Flagged(inverse, finite & ok), st.pending.get(factor))
 
+    @contextmanager
+    def built_kept(self, layer: str, factor: Factor) -> Iterator[None]:
+        """The factor being built, put back as it was after the block (a copy, sealed or not):
+        the profiler times `invert`, which consumes it, more than once on the run's own rows."""
+        built = self._built(layer, factor)
+        saved = BuiltFactor(
+            built.total.clone(), built.rows, built.sealed, None if built.count is None else built.count.clone()
+        )
+        try:
+            yield
+        finally:
+            self._state(layer).built[factor] = saved
+
     def shared_inverse(self, layer: str, factor: Factor) -> Tensor:
         """On the replica that inverted ``factor``: the (n, n) tensor to broadcast to the others,
         i.e. the inverse its commit would use (the pending one if that inversion succeeded,

@@ -36,7 +36,7 @@ from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
-from pipefisher.methods.kfac.layer import FACTORS
+from pipefisher.methods.kfac.layer import FACTORS, Factor, LayerInfo
 from pipefisher.methods.kfac.method import KFAC, KfacConfig
 from pipefisher.models.tensor_parallel import applied_plan
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
@@ -243,6 +243,24 @@ class KfacTimer(StageTimer[KFACEngine]):
             found[(pipe, stage)] = set(grid.layers_of(executor.rank, len(engine.layers())))
         return found
 
+    @staticmethod
+    def _refresh_samples(engine: KFACEngine, info: LayerInfo, factor: Factor, device: torch.device) -> list[float]:
+        """The run's R op on this rank's own statistic (`KFACEngine.invert`: the mean over its
+        rows, the running average, the damped inverse, its checks), three times; where no
+        micro-batch was captured, on a random positive definite matrix of the factor's size."""
+        if not engine.built_rows(info.name, factor):
+            n = info.size(factor)
+            matrix = torch.randn(n, n, device=device)
+            matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
+            settings = engine.config
+            return timed_ms(lambda: damped_inverse(matrix, settings.damping, settings.inverse), device)
+
+        def invert() -> None:
+            with engine.built_kept(info.name, factor):
+                engine.invert(info.name, factor)
+
+        return timed_ms(invert, device)
+
     def before_optimizer_step(self) -> None:
         for share in self._shares.values():
             for grad, a_inv, b_inv in share:
@@ -264,7 +282,6 @@ class KfacTimer(StageTimer[KFACEngine]):
             executor.topology.tensor_parallel,
         )
         measurements: dict[tuple[int, str], LayerMeasurement] = {}
-        settings = self.config.settings
         shares = self._worker_shares(executor)
         for pipe, stage, engine in self.by_stage():
             group = self.sync_group(executor, stage)
@@ -281,12 +298,8 @@ class KfacTimer(StageTimer[KFACEngine]):
                         timed_ms(lambda: engine.curvature(info.name, factor, micro_batch), device, repeats=1)[0]
                         for micro_batch in micro_batches
                     ]
+                    samples[time_key("refresh", part)] = self._refresh_samples(engine, info, factor, device)
                     n = info.size(factor)
-                    matrix = torch.randn(n, n, device=device)
-                    matrix = matrix @ matrix.T / n + torch.eye(n, device=device)
-                    samples[time_key("refresh", part)] = timed_ms(
-                        lambda: damped_inverse(matrix, settings.damping, settings.inverse), device
-                    )
                     if group is not None:
                         buffer = torch.zeros(n, n, device=device)
                         samples[time_key("sync", part)] = timed_ms(lambda: dist.all_reduce(buffer, group=group), device)
