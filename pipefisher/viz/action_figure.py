@@ -78,6 +78,8 @@ def step_regions(paths: Sequence[Path], step: int | None = None) -> tuple[int, l
             for e in events
             if begin < e["ts"] <= end and category(e["name"]) is not None
         ]
+    if step is None:
+        raise TimelineError("no trace files to draw")
     return step, regions
 
 
@@ -110,7 +112,10 @@ def render_actions(paths: Sequence[Path], output: Path, step: int | None = None)
     span = max(r.end for r in regions) - origin
     seen: dict[str, str] = {}
     for region in regions:
-        name, colour = category(region.label)
+        found = category(region.label)
+        if found is None:  # `step_regions` keeps only the labels that have one
+            continue
+        name, colour = found
         seen[name] = colour
         left, width = region.start - origin, region.end - region.start
         axes.barh(region.rank, width, left=left, height=0.7, color=colour, edgecolor="white", linewidth=0.3)

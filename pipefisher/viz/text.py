@@ -40,9 +40,9 @@ def box_char(box: Box) -> str:
     ``w``; pipe 1 or odd chunks: the shifted digit / capital letter / ``W``; a curvature method's ops: one
     symbol per kind and part."""
     if box.category == "forward":
-        return _FORWARD[box.variant % 2][box.op.micro_batch % 10]
+        return _FORWARD[box.variant % 2][(box.op.micro_batch or 0) % 10]
     if box.category == "backward":
-        return _BACKWARD[box.variant % 2][box.op.micro_batch % 10]
+        return _BACKWARD[box.variant % 2][(box.op.micro_batch or 0) % 10]
     if box.category == "weight":
         return WEIGHT[box.variant % 2]
     return _CURVATURE[box.category]

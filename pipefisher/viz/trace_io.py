@@ -105,9 +105,11 @@ def trace_to_dict(paths: Sequence[Path], name: str = "") -> dict[str, Any]:
             except (ScheduleError, ValueError):
                 continue
             start = event["ts"]
-            step = next((s for begin, end, s in steps if begin <= start <= end), None)
-            if step is not None:
-                entries.append({"op": str(op), "start": start / 1e3, "end": (start + event["dur"]) / 1e3, "step": step})
+            in_step = next((s for begin, end, s in steps if begin <= start <= end), None)
+            if in_step is not None:
+                entries.append(
+                    {"op": str(op), "start": start / 1e3, "end": (start + event["dur"]) / 1e3, "step": in_step}
+                )
         ranks.append(sorted(entries, key=lambda e: e["start"]))
     traced = sorted({entry["step"] for entries in ranks for entry in entries})
     data: dict[str, Any] = {

@@ -101,23 +101,26 @@ class MuonEngine:
         if not matrices:
             return
         if gradients is None:
-            grads = [whole_gradient(matrix.parameter) for matrix in matrices]
+            grads = [_reduced_gradient(matrix) for matrix in matrices]
             gradients = grads if loss_scale is None else torch._foreach_div(grads, loss_scale.reshape(()))
+        buffers, updates = [], []
         for matrix, gradient in zip(matrices, gradients, strict=True):
             if matrix.buffer is None:
                 matrix.buffer = torch.zeros_like(gradient)
             if matrix.update is None:
                 matrix.update = _whole_empty(matrix.parameter)
-        pending, directions = momentum_update([m.buffer for m in matrices], list(gradients), self.settings)
+            buffers.append(matrix.buffer)
+            updates.append(matrix.update)
+        pending, directions = momentum_update(buffers, list(gradients), self.settings)
         for matrix, new in zip(matrices, pending):
             matrix.pending = new
         for group in shape_groups(directions):
             if len(group) == 1:  # torch.optim.Muon's 2-D kernels, to the bit
-                matrices[group[0]].update.copy_(orthogonalise(directions[group[0]], self.settings))
+                updates[group[0]].copy_(orthogonalise(directions[group[0]], self.settings))
                 continue
             wide = [_wide(directions[i]) for i in group]
             result = orthogonalise(torch.stack(wide), self.settings)
-            torch._foreach_copy_([_wide(matrices[i].update) for i in group], list(result.unbind(0)))
+            torch._foreach_copy_([_wide(updates[i]) for i in group], list(result.unbind(0)))
 
     def update_buffer(self, name: str) -> Tensor:
         """The tensor matrix `name`'s update is in (allocated on first use; a receiving replica's
@@ -166,6 +169,14 @@ class MuonEngine:
                 if buffer is None
                 else buffer.to(device=matrix.parameter.device, dtype=matrix.parameter.dtype, copy=True)
             )
+
+
+def _reduced_gradient(matrix: MuonMatrix) -> Tensor:
+    """The matrix's reduced gradient whole (`whole_gradient`); ValueError when it has none."""
+    gradient = whole_gradient(matrix.parameter)
+    if gradient is None:
+        raise ValueError(f"Muon matrix {matrix.name!r} has no gradient to step from")
+    return gradient
 
 
 def _whole_empty(parameter: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ is torch's to the bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -50,7 +51,7 @@ def orthogonalise(update: Tensor, settings: MuonConfig) -> Tensor:
 
 def momentum_update(
     buffers: list[Tensor], gradients: list[Tensor], settings: MuonConfig
-) -> tuple[list[Tensor], list[Tensor]]:
+) -> tuple[Sequence[Tensor], Sequence[Tensor]]:
     """(the new buffers, what is orthogonalised) from the old `buffers` and `gradients` (equal
     shapes pairwise; foreach kernels); `buffers` are left as they are (the step may be skipped)."""
     new = torch._foreach_lerp(buffers, gradients, 1 - settings.momentum)

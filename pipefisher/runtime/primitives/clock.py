@@ -10,22 +10,28 @@ from collections.abc import Callable
 import torch
 
 
+#: a clock's mark: seconds (`perf_counter`) on CPUs, a recorded CUDA event on GPUs
+Mark = float | torch.cuda.Event
+
+
 class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
 
-    def mark(self) -> object:
+    def mark(self) -> Mark:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def elapsed_ms(self, start: object, end: object) -> float:
+    def elapsed_ms(self, start: Mark, end: Mark) -> float:
         """Milliseconds from mark `start` to mark `end` (waits for the device on GPUs)."""
-        if not self.cuda:
+        if isinstance(start, float) and isinstance(end, float):
             return 1000.0 * (end - start)
+        if isinstance(start, float) or isinstance(end, float):
+            raise TypeError("marks of one clock: both times or both CUDA events")
         end.synchronize()
         return start.elapsed_time(end)
 

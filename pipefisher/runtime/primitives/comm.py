@@ -170,7 +170,12 @@ class Comm:
 
             return Handle(wait, on_done)
         works = start(group)
-        return Handle(lambda: [work.wait() for work in works], on_done)
+
+        def wait_all() -> None:
+            for work in works:
+                work.wait()
+
+        return Handle(wait_all, on_done)
 
     def _count(self, kind: str, tensors: list[Tensor], key: GroupKey) -> None:
         size = sum(t.numel() * t.element_size() for t in tensors)

@@ -30,9 +30,11 @@ def full(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def shard_of(whole: Tensor, template: DTensor) -> DTensor:
-    """`whole` (the same on every replica) laid out as `template` (its mesh and placements), in
-    `template`'s device and dtype; no communication: each rank keeps its own part."""
+def shard_of(whole: Tensor, template: Tensor) -> DTensor:
+    """`whole` (the same on every replica) laid out as `template` (a DTensor: its mesh and
+    placements), in `template`'s device and dtype; no communication: each rank keeps its own part."""
+    if not isinstance(template, DTensor):
+        raise TypeError(f"shard_of: the template is a {type(template).__name__}, not a DTensor")
     whole = whole.to(device=template.device, dtype=template.dtype)
     return distribute_tensor(whole, template.device_mesh, template.placements, src_data_rank=None)
 

@@ -24,5 +24,5 @@ def tf32_enabled() -> bool:
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         chosen = matmul.fp32_precision
-        return chosen == "tf32" or (chosen == "none" and torch.backends.fp32_precision == "tf32")
+        return chosen == "tf32" or (chosen == "none" and getattr(torch.backends, "fp32_precision", "") == "tf32")
     return bool(matmul.allow_tf32)
