@@ -18,7 +18,7 @@ import sysconfig
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from pipefisher.core.settings import ConfigError
 
@@ -219,7 +219,10 @@ def _stdlib_source(name: str, stdlib: Path) -> Path:
     raise FileNotFoundError(f"no source for standard-library module {name!r} under {base.parent}")
 
 
-def _public(node: ast.AST) -> bool:
+_Documented = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _public(node: ast.AST) -> TypeGuard[ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef]:
     return isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
 
 
@@ -228,7 +231,7 @@ def _module_docstrings(name: str, stdlib: Path) -> str:
     public methods) and functions, in source order, separated by blank lines. Read from the
     source with `ast`, so neither imports nor monkey-patching by other libraries change it."""
     module = ast.parse(_stdlib_source(name, stdlib).read_text(encoding="utf-8"))
-    nodes: list[ast.AST] = [module]
+    nodes: list[_Documented] = [module]
     for node in filter(_public, module.body):
         nodes.append(node)
         if isinstance(node, ast.ClassDef):

@@ -111,11 +111,17 @@ def _truncate_pair(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
 
 
 class Corpus(Protocol):
-    """Token ids laid out as `TokenizedCorpus` (or a memory-mapped `ShardSplit`) lays them out."""
+    """Token ids laid out as `TokenizedCorpus` (or a memory-mapped `ShardSplit`) lays them out
+    (read only)."""
 
-    tokens: np.ndarray
-    sentence_starts: np.ndarray
-    document_starts: np.ndarray
+    @property
+    def tokens(self) -> np.ndarray: ...
+
+    @property
+    def sentence_starts(self) -> np.ndarray: ...
+
+    @property
+    def document_starts(self) -> np.ndarray: ...
 
 
 class SentencePairs:

@@ -41,8 +41,9 @@ class SpecialIds:
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> SpecialIds:
         """The special ids of `tokenizer`; ValueError naming any special token it lacks."""
-        ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-        missing = [token for token, index in ids.items() if index is None]
+        found = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+        ids = {token: index for token, index in found.items() if index is not None}
+        missing = [token for token in SPECIAL_TOKENS if token not in ids]
         if missing:
             raise ValueError(f"tokenizer vocabulary lacks special token(s) {', '.join(missing)}")
         return cls(*(ids[token] for token in SPECIAL_TOKENS))
