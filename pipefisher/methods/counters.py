@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from dataclasses import fields
+from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+#: what the counters are keyed by (a matrix name, a (layer, factor) pair)
+Key = TypeVar("Key", bound=Hashable)
 
 
 def zero_counters(health: type, device: torch.device) -> Tensor:
@@ -14,7 +18,7 @@ def zero_counters(health: type, device: torch.device) -> Tensor:
     return torch.zeros(len(fields(health)), dtype=torch.int64, device=device)
 
 
-def read_counters(counters: Mapping[Hashable, Tensor]) -> dict[Hashable, tuple[int, ...]]:
+def read_counters(counters: Mapping[Key, Tensor]) -> dict[Key, tuple[int, ...]]:
     """Host values of all ``counters`` (integer vectors) with ONE host read: they are stacked on
     the first one's device first."""
     if not counters:

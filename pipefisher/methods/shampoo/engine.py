@@ -185,16 +185,16 @@ class ShampooEngine:
         fs = st.factors[_checked(factor)]
         sizes = st.info.block_sizes(factor)
         stats = block_views(fs.statistic, sizes)
-        fresh: list[Tensor | None] = [None] * len(sizes)
-        fresh_ok: list[Tensor | None] = [None] * len(sizes)
+        found: dict[int, tuple[Tensor, Tensor]] = {}  # block -> its root and whether it is ok
         for n in sorted(set(sizes)):
             indices = [k for k, size in enumerate(sizes) if size == n]
             batch, ok = inverse_root(
                 torch.stack([stats[k] for k in indices]), self.settings.epsilon, self.settings.root
             )
             for i, k in enumerate(indices):
-                fresh[k], fresh_ok[k] = batch[i], ok[i]
-        ok = torch.stack(fresh_ok)
+                found[k] = batch[i], ok[i]
+        fresh = [found[k][0] for k in range(len(sizes))]
+        ok = torch.stack([found[k][1] for k in range(len(sizes))])
         previous = fs.pending if fs.pending is not None else fs.committed
         value = self.root_buffer(name, factor)
         fallback = block_views(previous.value, sizes) if previous is not None else None

@@ -17,7 +17,7 @@ Typical loop (Shampoo edits ``.grad``; a plain SGD takes the step)::
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch import nn
 
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.dtypes import dtype_name
+from pipefisher.methods.settings import StatisticsDtype
 from pipefisher.methods.shampoo.engine import ShampooEngine
 from pipefisher.methods.shampoo.health import ShampooHealth
 from pipefisher.methods.shampoo.method import Grafting, RootMethod, ShampooConfig
@@ -63,7 +64,7 @@ class Shampoo:
             root=root,
             grafting=grafting,
             start_step=start_step,
-            statistics_dtype=dtype_name(statistics_dtype),
+            statistics_dtype=cast(StatisticsDtype, dtype_name(statistics_dtype)),  # the section checks it
         )
         self.engine = ShampooEngine(
             model, settings, skip, graft_beta2=graft_beta2, graft_epsilon=graft_epsilon, dtype=dtype

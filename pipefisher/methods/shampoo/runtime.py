@@ -23,7 +23,8 @@ from torch import nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import time_key
-from pipefisher.methods.blocks import FACTORS
+from pipefisher.core.op_fields import layer_of, part_of
+from pipefisher.methods.blocks import FACTORS, Factor
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.shampoo.engine import ShampooEngine
@@ -110,19 +111,19 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
         self._unfolded = {(pipe, stage, name): count for pipe, stage, name, count in state["unfolded"]}
 
     # -- handlers ----------------------------------------------------------------------------
-    def _fold(self, op: Op, factor: str) -> ShampooEngine:
-        engine = self.engine(op)
-        engine.update_statistics(op.layer, factor)
-        key = (op.pipe, op.stage, op.layer)
+    def _fold(self, op: Op, factor: Factor) -> ShampooEngine:
+        engine, layer = self.engine(op), layer_of(op)
+        engine.update_statistics(layer, factor)
+        key = (op.pipe, op.stage, layer)
         self._unfolded[key] -= 1
         if not self._unfolded[key]:
             del self._unfolded[key]
-            engine.release(op.layer)
+            engine.release(layer)
         return engine
 
     def _refresh(self, op: Op) -> None:
-        factor = FACTORS[op.part]
-        self._fold(op, factor).compute_root(op.layer, factor)
+        factor = FACTORS[part_of(op)]
+        self._fold(op, factor).compute_root(layer_of(op), factor)
 
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not compute a factor's roots still folds its statistics, so every
@@ -169,7 +170,7 @@ class ShampooTimer(StageTimer[ShampooEngine]):
                 samples: dict[str, list[float]] = {}
                 for part, factor in enumerate(FACTORS):
 
-                    def refresh(factor: str = factor) -> None:
+                    def refresh(factor: Factor = factor) -> None:
                         engine.update_statistics(info.name, factor)
                         engine.compute_root(info.name, factor)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipefisher.methods.blocks import block_views
+from pipefisher.methods.blocks import FACTORS, block_views
 from pipefisher.methods.soap.state import MatrixState, pending_numel
 
 #: a factor's optional tensors (absent ones are left out, never None)
@@ -65,7 +65,7 @@ def load_matrix_state(
                 fs, name, tensor(slot[name], sizes[name], f"{factor} {name}", dtypes[name]) if name in slot else None
             )
     if entry.get(MOMENTS) != EIGENBASIS and st.started:
-        left, right = (block_views(st.factors[f].basis, info.block_sizes(f)) for f in ("A", "B"))
-        for k, rows, cols in info.grid():
-            block = st.exp_avg[rows, cols]
+        left, right = (block_views(st.factors[f].basis_in_use(), info.block_sizes(f)) for f in FACTORS)
+        for k, row_slice, col_slice in info.grid():
+            block = st.exp_avg[row_slice, col_slice]
             block.copy_(left[k].mT @ block @ right[k])

@@ -212,7 +212,7 @@ class SoapEngine:
         pending = self.basis_buffer(name, factor)
         bases = block_views(pending, sizes)
         orders = _order_views(pending, sizes)
-        stats, current = block_views(fs.snapshot, sizes), block_views(fs.basis, sizes)
+        stats, current = block_views(fs.snapshot, sizes), block_views(fs.basis_in_use(), sizes)
         for n in sorted(set(sizes)):
             indices = [k for k, size in enumerate(sizes) if size == n]
             before = torch.stack([current[k] for k in indices])
@@ -258,7 +258,7 @@ class SoapEngine:
                     continue
                 sizes = st.info.block_sizes(factor)
                 basis = fs.pending[: st.info.statistic_numel(factor)].clone()
-                old, new = block_views(fs.basis, sizes), block_views(basis, sizes)
+                old, new = block_views(fs.basis_in_use(), sizes), block_views(basis, sizes)
                 orders = _order_views(fs.pending, sizes)
                 for k, rows, cols in st.info.grid():
                     turn = new[k].mT @ old[k]

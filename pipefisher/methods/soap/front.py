@@ -13,13 +13,14 @@ Typical loop (SOAP steps the matrices; give the other parameters a first-order r
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.dtypes import dtype_name
+from pipefisher.methods.settings import StatisticsDtype
 from pipefisher.methods.soap.engine import SoapEngine
 from pipefisher.methods.soap.health import SoapHealth
 from pipefisher.methods.soap.method import SoapConfig
@@ -64,7 +65,7 @@ class SOAP:
             statistics_beta=statistics_beta or 0.0,
             epsilon=eps,
             block_size=block_size,
-            statistics_dtype=dtype_name(statistics_dtype),
+            statistics_dtype=cast(StatisticsDtype, dtype_name(statistics_dtype)),  # the section checks it
         )
         self.engine = SoapEngine(model, settings, skip, dtype=dtype)
         self.optimizer = SoapStep(self.engine.parameters(), lr, weight_decay)

@@ -21,6 +21,7 @@ nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import time_key
+from pipefisher.core.op_fields import layer_of, part_of
 from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
@@ -86,7 +88,7 @@ class SoapRuntime(StageRuntime[SoapEngine]):
         self.engine(op).fold_held()
 
     def _refresh(self, op: Op) -> None:
-        self.engine(op).refresh(op.layer, FACTORS[op.part])
+        self.engine(op).refresh(layer_of(op), FACTORS[part_of(op)])
 
     def _launch_exchange(self, collective: Collective) -> Handle:
         return self.exchange(collective, SoapEngine.shared_basis, SoapEngine.basis_buffer, SoapEngine.receive_basis)
@@ -118,16 +120,15 @@ class SoapTimer(StageTimer[SoapEngine]):
                 p.grad = grad
             engine.snapshot()
             for info in engine.matrices():
+                name = info.name
                 samples = {
-                    time_key("refresh", part): timed_ms(
-                        lambda factor=factor: engine.refresh(info.name, factor), executor.device
-                    )
+                    time_key("refresh", part): timed_ms(partial(engine.refresh, name, factor), executor.device)
                     for part, factor in enumerate(FACTORS)
                 }
                 if engine.defer_statistics:
                     gradient = torch.randn(info.shape, device=executor.device)
                     samples["precondition"] = timed_ms(
-                        lambda info=info: engine.fold_into_statistics(info.name, gradient), executor.device
+                        partial(engine.fold_into_statistics, name, gradient), executor.device
                     )
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()

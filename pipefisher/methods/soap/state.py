@@ -28,6 +28,12 @@ class FactorState:
     basis: Tensor | None = None
     pending: Tensor | None = None
 
+    def basis_in_use(self) -> Tensor:
+        """`basis`; ValueError before the first one (the caller reads it only once started)."""
+        if self.basis is None:
+            raise ValueError("SOAP factor has no eigenbasis yet")
+        return self.basis
+
 
 @dataclass
 class MatrixState:
@@ -73,11 +79,11 @@ def new_matrix(
     ``parameter`` cut into blocks of ``block_size``, on its device."""
     info = MatrixInfo.of(name, tuple(parameter.shape), block_size)
     device = parameter.device
-    moments = [torch.zeros(info.shape, dtype=dtype, device=device) for _ in range(2)]
+    exp_avg, exp_avg_sq = (torch.zeros(info.shape, dtype=dtype, device=device) for _ in range(2))
     factors = {
         f: FactorState(torch.zeros(info.statistic_numel(f), dtype=statistics_dtype, device=device)) for f in FACTORS
     }
-    return MatrixState(info, parameter, *moments, zero_counters(SoapHealth, device), factors)
+    return MatrixState(info, parameter, exp_avg, exp_avg_sq, zero_counters(SoapHealth, device), factors)
 
 
 def pending_numel(info: MatrixInfo, factor: Factor) -> int:
