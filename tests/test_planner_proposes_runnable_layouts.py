@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipefisher.config import RunSettings, load_config
+from pipefisher.config import ConfigError, RunSettings, load_config
 from pipefisher.methods.registry import methods
 from pipefisher.planning.planner.candidates import SearchSpace, enumerate_layouts
 from pipefisher.planning.planner.model_sizes import model_sizes
@@ -37,3 +37,20 @@ def test_each_candidate_layout_loads_as_a_run_file(changes, name):
     assert any(layout.data_parallel > 1 for layout in layouts), "replicated layouts are among them"
     for layout in random.Random(0).sample(layouts, min(120, len(layouts))):
         run_file_of(raw, replace(layout, method=name, refresh_steps=2))  # raises ConfigError if run refuses it
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_the_sections_layout_rule_is_the_runs_for_gradient_workers_at_every_zero_stage(zero):
+    """K-FAC with half the replicas as gradient workers: the section's `layout_problem` (what the
+    planner asks) refuses exactly the ZeRO stages the run refuses, with the run's message."""
+    config = load_config(RUN)
+    section = replace(config.section("kfac"), grad_worker_fraction=0.5)
+    problem = section.layout_problem("kfac", zero, 2)
+    changes = {"optimizer": {"name": "kfac", "zero": zero}, "pipeline": {"data_parallel": 2}, "kfac": {}}
+    changes["kfac"]["grad_worker_fraction"] = 0.5
+    try:
+        config.with_overrides(**changes)
+        refused = ""
+    except ConfigError as exc:
+        refused = str(exc)
+    assert refused == problem and bool(problem) == (zero >= 1)

@@ -33,17 +33,8 @@ from pipefisher.methods.settings import RefreshConfig
 from pipefisher.models.registry import kinds, model_kind
 from pipefisher.models.settings import ModelConfig
 from pipefisher.optim.settings import OptimizerConfig
-from pipefisher.planning.comm.actions import GradientPath, Reduction
+from pipefisher.planning.comm.actions import ZERO_REDUCTIONS, GradientPath, Reduction
 from pipefisher.schedules import SCHEDULES, chunks_per_rank, get_schedule
-
-
-#: optimizer.zero -> its gradient path (0: none)
-ZERO_REDUCTIONS = {
-    0: Reduction.ALL_REDUCE,
-    1: Reduction.SHARDED,
-    2: Reduction.FSDP_GRADIENTS,
-    3: Reduction.FSDP_PARAMETERS,
-}
 
 
 @dataclass(frozen=True)
@@ -116,7 +107,7 @@ class RunConfig:
     def gradient_path(self) -> GradientPath:
         """How a replicated stage's gradient travels: optimizer.zero 1-3 or comm.powersgd_rank picks
         the reduction (not both), the method's gradient workers join it (ConfigError naming the keys
-        for a combination that does not exist)."""
+        for a combination that does not exist; the section's rules are `_check`'s)."""
         chosen = [
             reduction
             for reduction, key in (
@@ -130,13 +121,8 @@ class RunConfig:
                 "comm.powersgd_rank: PowerSGD all-reduces its factors, ZeRO reduces to owners or shards; "
                 "use one of them (comm.powersgd_rank 0 or optimizer.zero 0)"
             )
-        try:
-            return GradientPath(chosen[0] if chosen else Reduction.ALL_REDUCE, self.workers_per_layer)
-        except ValueError as exc:
-            name = self.optimizer.name
-            raise ConfigError(
-                f"{name}.grad_worker_fraction: {exc}; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
-            ) from None
+        # workers against the reduction: refused before, by the section's `layout_problem` (`_check`)
+        return GradientPath(chosen[0] if chosen else Reduction.ALL_REDUCE, self.workers_per_layer)
 
     @property
     def model_chunks(self) -> int:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pipefisher.core.settings import STEP_CEILING, setting
 from pipefisher.core.names import FirstOrder
-from pipefisher.planning.comm.actions import Reduction, workers_problem
+from pipefisher.planning.comm.actions import ZERO_REDUCTIONS, workers_problem
 
 #: the float dtypes a method may keep its statistics in (the name of a torch dtype)
 StatisticsDtype = Literal["float64", "float32"]
@@ -91,13 +91,16 @@ class RefreshConfig:
     def layout_problem(self, name: str, zero: int, replicas: int) -> str:
         """Why a layout of stages of `replicas` copies with optimizer.zero `zero` cannot run this
         method, as section `name`, with the fix; "" when it can. The run's check and the planner's
-        candidates both ask: gradient workers that divide the replicas (`gradient_workers`);
+        candidates both ask: gradient workers that divide the replicas (`gradient_workers`) and
+        that the ZeRO stage's reduction leaves every replica's whole gradient (`workers_problem`);
         ZeRO-1 where `zero1_problem` allows it; ZeRO-2/3 (FSDP2's shards) without LAMB for the
         parameters the method leaves to its first-order rule."""
         try:
-            self.gradient_workers(replicas, sharded=zero >= 2)
+            workers = self.workers_per_layer(replicas, zero)
         except ValueError as exc:
             return f"{name}.grad_worker_fraction: {exc}"
+        if workers is not None and (problem := workers_problem(ZERO_REDUCTIONS[zero])):
+            return f"{name}.grad_worker_fraction: {problem}; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
         if zero == 1:
             return self.zero1_problem(name, replicas)
         if zero >= 2 and self.first_order == "lamb":
@@ -109,7 +112,5 @@ class RefreshConfig:
 
     def zero1_problem(self, name: str, replicas: int) -> str:
         """Why ZeRO-1 (each replica of a stage steps only the parameters it owns) cannot run this
-        method (`layout_problem`); "" when it can."""
-        if self.gradient_workers(replicas) < replicas:
-            return f"{name}.grad_worker_fraction: {workers_problem(Reduction.SHARDED)}; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
+        method beyond its gradient workers (`layout_problem`); "" when it can."""
         return ""

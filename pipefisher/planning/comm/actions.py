@@ -192,6 +192,15 @@ class Reduction(str, Enum):
     FSDP_PARAMETERS = "zero-3"
 
 
+#: optimizer.zero -> its gradient path (0: none)
+ZERO_REDUCTIONS = {
+    0: Reduction.ALL_REDUCE,
+    1: Reduction.SHARDED,
+    2: Reduction.FSDP_GRADIENTS,
+    3: Reduction.FSDP_PARAMETERS,
+}
+
+
 def workers_problem(reduction: Reduction) -> str:
     """Why gradient workers (`GradientPath.workers_per_layer`) cannot follow `reduction`; "" when
     they can. Workers need every replica's whole reduced gradient: the one place this rule lives."""
