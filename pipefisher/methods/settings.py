@@ -99,10 +99,10 @@ class RefreshConfig:
             workers = self.workers_per_layer(replicas, zero)
         except ValueError as exc:
             return f"{name}.grad_worker_fraction: {exc}"
+        if zero == 1 and (problem := self.zero1_problem(name, replicas)):
+            return problem
         if workers is not None and (problem := workers_problem(ZERO_REDUCTIONS[zero])):
             return f"{name}.grad_worker_fraction: {problem}; use {name}.grad_worker_fraction 1 or optimizer.zero 0"
-        if zero == 1:
-            return self.zero1_problem(name, replicas)
         if zero >= 2 and self.first_order == "lamb":
             return (
                 f"{name}.first_order: lamb's trust ratio needs whole-parameter norms, which optimizer.zero {zero}'s "
@@ -112,5 +112,5 @@ class RefreshConfig:
 
     def zero1_problem(self, name: str, replicas: int) -> str:
         """Why ZeRO-1 (each replica of a stage steps only the parameters it owns) cannot run this
-        method beyond its gradient workers (`layout_problem`); "" when it can."""
+        method, asked before its gradient workers (`layout_problem`); "" when it can."""
         return ""
