@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pipefisher.core.profile import load_profile, uniform_profile
 from pipefisher.core.settings import closest
@@ -35,12 +35,12 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # argparse prints usage on several lines; keep one
+    def error(self, message: str) -> NoReturn:  # argparse prints usage on several lines; keep one
         raise UsageError(f"{message} (see {self.prog} --help)")
 
-    def parse_args(
+    def parse_args(  # type: ignore[override]  # one signature for argparse's overloads
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> argparse.Namespace:  # type: ignore[override]
+    ) -> argparse.Namespace:
         """argparse's, but an unrecognized option is reported by the (sub)command that got it,
         with the closest option it has: "unrecognized argument --kfac.damp; did you mean --kfac.damping?"."""
         parsed, extras = self.parse_known_args(args, namespace)

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pipefisher.config import RunConfig, config_to_dict
 
@@ -81,7 +81,7 @@ class WandB:
     took it, its history the records' numbers at step `step`. wandb's console capture is off, so
     stdout keeps only the step lines."""
 
-    def __init__(self, project: str, mode: str, config: dict[str, Any]) -> None:
+    def __init__(self, project: str, mode: Literal["online", "offline", "disabled"], config: dict[str, Any]) -> None:
         import wandb
 
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)

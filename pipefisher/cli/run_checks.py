@@ -85,10 +85,13 @@ def check_input_files(config: RunConfig) -> None:
 
 
 def check_plan(config: RunConfig, schedule: Schedule, reference: bool) -> None:
-    """The run's plan file fits it (method, schedule, shape, layers, layout), before any process starts."""
+    """The run's plan file fits it (method, schedule, shape, layers, layout), before any process
+    starts; nothing to check for a run without a curvature method's section."""
     from pipefisher.planning.plan import Plan
     from pipefisher.runtime.training.pipefisher_run import check_plan_matches
 
+    if config.curvature is None:
+        return
     path = config.curvature.plan
     if reference:
         raise UsageError(

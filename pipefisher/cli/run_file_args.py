@@ -124,7 +124,8 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(RefreshConfig):
         if field.name in PACK_KEYS:
             setting = declared(field)
-            allowed = f"{setting.range}" + (f", {setting.range.note}" if setting.range.note else "")
+            note = setting.range.note if setting.range is not None else ""
+            allowed = f"{setting.range}" + (f", {note}" if note else "")
             parser.add_argument(
                 _flag_name(field.name),
                 type=whole if hints[field.name] is int else float,

@@ -71,6 +71,14 @@ class RunConfig:
         return dict(self.methods).get(self.optimizer.name)
 
     @property
+    def method_section(self) -> RefreshConfig:
+        """`curvature` of a curvature run; ConfigError naming optimizer.name otherwise."""
+        section = self.curvature
+        if section is None:
+            raise ConfigError(f"optimizer.name: {self.optimizer.name} is not a curvature method")
+        return section
+
+    @property
     def optimizer_settings(self) -> OptimizerConfig:
         """The optimizer section as the run uses it: with a curvature method, its section's `lr`
         and `momentum` replace lr and momentum when they are set."""

@@ -13,6 +13,13 @@ def layer_of(op: Op) -> str:
     return op.layer
 
 
+def micro_batch_of(op: Op) -> int:
+    """The micro-batch `op` works on; ScheduleError for a kind without one."""
+    if op.micro_batch is None:
+        raise ScheduleError(f"{op}: a {op.kind.name} op has no micro-batch")
+    return op.micro_batch
+
+
 def part_of(op: Op) -> int:
     """The index of the part `op` works on; ScheduleError for a kind without parts."""
     if op.part is None:

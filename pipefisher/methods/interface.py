@@ -70,11 +70,8 @@ class CurvatureEngine(Protocol):
 
 
 class CurvatureRuntime:
-    """One rank's state of a curvature method over its stages, and its part in every step.
-    `shared_statistics`: the (stage, layer, part) statistics its tensor-parallel processes build
-    in shares (`TaskRules.shared_statistics`)."""
+    """One rank's state of a curvature method over its stages, and its part in every step."""
 
-    shared_statistics: frozenset[tuple[int, str, int]] = frozenset()
     #: its engines by (pipe, stage)
     engines: Mapping[tuple[int, int], CurvatureEngine]
     #: keys of an engine's state dict ("" = the state dict itself) whose values are dicts keyed by

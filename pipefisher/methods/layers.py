@@ -60,6 +60,20 @@ class SelectedLayer:
         return [f"{self.info.name}.{part}" for part in parts]
 
 
+def linear_weight(module: nn.Module) -> nn.Parameter:
+    """A linear layer's weight (TypeError naming the module's class when it has none)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        raise TypeError(f"{type(module).__name__} has no weight parameter")
+    return weight
+
+
+def linear_bias(module: nn.Module) -> nn.Parameter | None:
+    """A linear layer's bias, None without one."""
+    bias = getattr(module, "bias", None)
+    return bias if isinstance(bias, nn.Parameter) else None
+
+
 def linear_info(name: str, module: nn.Module) -> LayerInfo | None:
     """The view of `module` when it is a linear map of its last input dimension: an
     ``nn.Linear``, or a ``Conv1D`` (by class name, so this module needs no transformers) with a

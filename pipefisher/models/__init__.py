@@ -4,15 +4,16 @@ package does not import torch (the registry is read by torch-free configuration 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipefisher.core.tensor_parallel import TensorParallelPlan
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-#: one micro-batch: named tensors (inputs, targets, masks, labels) of the data source
-Batch = dict[str, "Tensor"]
+#: one micro-batch: named tensors (inputs, targets, masks, labels) of the data source, read only
+Batch = Mapping[str, "Tensor"]
 
 
 class StagedModel(Protocol):
@@ -32,8 +33,9 @@ class StagedModel(Protocol):
     def activation_shape(self, stage: int, num_stages: int, micro_batch_size: int) -> tuple[int, ...]:
         """Shape of what `stage` sends to `stage + 1`."""
 
-    def loss(self, output: object, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
-        """(loss of one micro-batch, named parts) from the last stage's output."""
+    def loss(self, output: Any, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """(loss of one micro-batch, named parts) from the last stage's output (what the model's
+        last stage returns)."""
 
     def tied_parameters(self) -> list[tuple[str, str]]:
         """Parameters held by two stages as copies of one weight: ("first"|"last", name in stage)."""

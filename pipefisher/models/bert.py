@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.core.stage_split import stage_block_ranges
+from pipefisher.models import Batch
 from pipefisher.models.attention import AttentionCore
 from pipefisher.models.init import build_initialised
 from pipefisher.models.mlm import at_mlm_positions, mlm_loss
@@ -298,7 +299,7 @@ class BertStage(nn.Module):
             raise ValueError("x: a stage without embeddings needs the previous stage's hidden states")
         mask = batch.get("attention_mask")
         x = self.encoder(x, None if mask is None else mask[:, None, None, :].bool())
-        if self.cls is None:
+        if self.cls is None or self.pooler is None:
             return x
         return self.cls.predictions(at_mlm_positions(x, batch)), self.cls.seq_relationship(self.pooler(x))
 
@@ -320,7 +321,7 @@ class BertStagedModel:
     """BERT pre-training model for a pipeline runtime: builds stages, gives shapes and the loss."""
 
     #: named parts of `loss` the run reports
-    loss_parts = ("mlm", "nsp")
+    loss_parts: tuple[str, ...] = ("mlm", "nsp")
 
     def __init__(self, config: BertConfig, seq_len: int, stage_blocks: tuple[int, ...] = ()):
         if not 1 <= seq_len <= config.max_position_embeddings:
@@ -355,7 +356,7 @@ class BertStagedModel:
             raise ValueError(f"stage: expected 0..{num_stages - 2} (the last stage sends nothing), got {stage}")
         return (micro_batch_size, self.seq_len, self.config.hidden_size)
 
-    def loss(self, output: tuple[Tensor, Tensor], batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, output: tuple[Tensor, Tensor], batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """MLM cross-entropy, mean over positions with batch["mlm_labels"] != -100 (0 if there are
         none; `pipefisher.models.mlm.mlm_loss`), plus NSP cross-entropy, mean over the micro-batch
         (batch["nsp_labels"], (B,)). Returns (total, {"mlm": detached, "nsp": detached})."""

@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,9 @@ from pipefisher.models import Batch
 from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.models.hf_layouts import Layout, bert_pretraining_loss, find_layout
 from pipefisher.models.init import derive_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: config names shipped with the package (`pipefisher/models/hf_configs/<name>.json`)
 SHIPPED_CONFIGS = ("gpt2-tiny", "bert-tiny", "llama-tiny", "gpt2-medium", "gpt2")
@@ -51,7 +54,7 @@ def load_hf_config(spec: str, **overrides: Any):
     from transformers import AutoConfig
 
     if spec in SHIPPED_CONFIGS:
-        text = resources.files("pipefisher.models").joinpath("hf_configs", f"{spec}.json").read_text()
+        text = resources.files("pipefisher.models").joinpath("hf_configs").joinpath(f"{spec}.json").read_text()
     elif Path(spec).is_file():
         text = Path(spec).read_text()
     else:
@@ -101,7 +104,10 @@ class HfStage(nn.Module):
         # masks and rotary embeddings as the unsplit model builds them from its embeddings (master dtype)
         stand_in = torch.empty(x.shape[0], x.shape[1], 1, dtype=self._master_dtype(), device=x.device)
         context = self.layout.context(self, stand_in, batch)
-        for block in self.get_submodule(self.layout.blocks).values():
+        blocks = self.get_submodule(self.layout.blocks)
+        if not isinstance(blocks, nn.ModuleDict):
+            raise TypeError(f"{self.layout.blocks}: the stage's blocks are a {type(blocks).__name__}, not a ModuleDict")
+        for block in blocks.values():
             x = block(x, **context)
         return self.layout.head(self, x, batch) if self.last else x
 
@@ -196,7 +202,7 @@ class HfStagedModel:
             _load_safetensors(stage, self.weights, self.tied)
         return stage
 
-    def unsplit(self, seed: int) -> nn.Module:
+    def unsplit(self, seed: int) -> PreTrainedModel:
         """The Hugging Face model object itself, on the CPU, with the parameters every split starts from."""
         model = copy.deepcopy(self._skeleton).to_empty(device="cpu")
         self._initialise(model, seed)
@@ -287,7 +293,7 @@ def _attach(root: nn.Module, name: str, module: nn.Module) -> None:
     for part in path:
         if part not in parent._modules:
             parent.add_module(part, nn.ModuleDict())
-        parent = parent._modules[part]
+        parent = parent.get_submodule(part)
     parent.add_module(leaf, module)
 
 

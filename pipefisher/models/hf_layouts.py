@@ -53,7 +53,7 @@ class Layout:
     embed: Callable[[nn.Module, Batch], Tensor]
     context: BlockContext
     head: Callable[[nn.Module, Tensor, Batch], Any]
-    model_inputs: Callable[[Batch], dict[str, Tensor]]
+    model_inputs: Callable[[Batch], dict[str, Tensor | None]]
     outputs: Callable[[Any, Batch], Any]
     loss_parts: tuple[str, ...] = ()
     #: config fields that must be false/null: they change the forward in ways this layout does not follow
@@ -115,11 +115,11 @@ def _gpt2_embed(stage: nn.Module, batch: Batch) -> Tensor:
     return stage.get_submodule("transformer.drop")(hidden)
 
 
-def _causal_inputs(batch: Batch) -> dict[str, Tensor]:
+def _causal_inputs(batch: Batch) -> dict[str, Tensor | None]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "labels": batch["labels"]}
 
 
-def _bert_inputs(batch: Batch) -> dict[str, Tensor]:
+def _bert_inputs(batch: Batch) -> dict[str, Tensor | None]:
     return {
         "input_ids": batch["input_ids"],
         "token_type_ids": batch["token_type_ids"],

@@ -28,6 +28,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan, holds_bias, shard_range, split_dim, split_of
 from pipefisher.runtime.primitives.sharding import full
 
+#: the attribute `parallelize` marks each layer it split with (its `Split`)
+SPLIT_ATTRIBUTE = "tensor_split"
+
 #: sums a tensor over the rank's tensor-parallel processes, in place, and returns it
 Reduce = Callable[[Tensor], Tensor]
 
@@ -91,7 +94,7 @@ class _LocalShard(ParallelStyle):
         shard = shard_linear(module, self.split, device_mesh.size(), device_mesh.get_local_rank())
         module.weight, module.bias = shard.weight, shard.bias
         module.out_features, module.in_features = shard.weight.shape
-        module.tensor_split = self.split
+        setattr(module, SPLIT_ATTRIBUTE, self.split)
         reduce, copies = self.reduce, self.copies
         if self.split is Split.COLUMN:
 
@@ -131,8 +134,9 @@ class ShardedLinear(nn.Module):
 
     def unsharded(self) -> dict[str, Tensor]:
         """The unsplit layer's weight (and bias), detached."""
-        full = {"weight": join_shards(self.split, "weight", [shard.weight.detach() for shard in self.shards])}
-        biases = [shard.bias.detach() for shard in self.shards if shard.bias is not None]
+        linears = [shard for shard in self.shards if isinstance(shard, nn.Linear)]
+        full = {"weight": join_shards(self.split, "weight", [shard.weight.detach() for shard in linears])}
+        biases = [shard.bias.detach() for shard in linears if shard.bias is not None]
         if biases:
             full["bias"] = join_shards(self.split, "bias", biases)
         return full
@@ -187,11 +191,8 @@ def join_shard_states(states: list[dict[str, Tensor]], plan: TensorParallelPlan)
 
 def applied_plan(module: nn.Module) -> dict[str, Split]:
     """The split of each of `module`'s layers that `parallelize` split, by exact name."""
-    return {
-        name: child.tensor_split
-        for name, child in module.named_modules()
-        if getattr(child, "tensor_split", None) is not None
-    }
+    splits = {name: getattr(child, SPLIT_ATTRIBUTE, None) for name, child in module.named_modules()}
+    return {name: split for name, split in splits.items() if isinstance(split, Split)}
 
 
 def split_parameters(module: nn.Module) -> set[nn.Parameter]:

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from pipefisher.models import Batch
 from pipefisher.models.settings import ModelConfig
 from pipefisher.core.tensor_parallel import Split, TensorParallelPlan
 from pipefisher.models.attention import AttentionCore
@@ -92,6 +93,8 @@ class Stage(nn.Module):
     def forward(self, x: Tensor | None, batch: dict[str, Tensor]) -> Tensor:
         if self.embed is not None:
             x = self.embed(batch["inputs"])
+        if x is None:
+            raise ValueError("x: a stage without embeddings needs the previous stage's hidden states")
         for block in self.blocks.values():
             x = block(x)
         if self.norm is not None:
@@ -136,7 +139,7 @@ class TinyRegression:
         width = self.config.output_dim if stage == num_stages - 1 else self.config.hidden
         return (micro_batch_size, self.config.seq_len, width)
 
-    def loss(self, output: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, output: Tensor, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         return nn.functional.mse_loss(output, batch["targets"]), {}
 
     def tied_parameters(self) -> list[tuple[str, str]]:

@@ -3,12 +3,15 @@ method's rule for the parameters it preconditions, a first-order rule for the re
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
 
+from pipefisher.optim.no_closure import StepWithoutClosure
 
-class Composite(torch.optim.Optimizer):
+
+class Composite(StepWithoutClosure):
     """`parts` (name -> optimizer, disjoint parameters) as one optimizer: `step` steps each in
     order; `param_groups` are the parts' own group dicts, in that order, read anew on every access
     (a part that loads a state dict gets new ones; a learning-rate scheduler scales every part;
@@ -29,12 +32,14 @@ class Composite(torch.optim.Optimizer):
         self._refuse_setting(value)
 
     @property
-    def state(self) -> dict[torch.Tensor, Any]:
+    def state(self) -> defaultdict[torch.Tensor, Any]:
         """Every part's state by parameter (a new dict of the parts' entries)."""
-        return {parameter: state for part in self.parts.values() for parameter, state in part.state.items()}
+        return defaultdict(
+            dict, ((parameter, state) for part in self.parts.values() for parameter, state in part.state.items())
+        )
 
     @state.setter
-    def state(self, value: dict) -> None:
+    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
         self._refuse_setting(value)
 
     @staticmethod
@@ -45,10 +50,7 @@ class Composite(torch.optim.Optimizer):
                 "a Composite's parameter groups and state are its parts'; load a state with load_state_dict"
             )
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:
-        if closure is not None:
-            raise ValueError("Composite.step takes no closure")
+    def update(self) -> None:
         for part in self.parts.values():
             part.step()
 

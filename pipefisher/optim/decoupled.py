@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from pipefisher.optim.no_closure import StepWithoutClosure
 
-class DecoupledStep(torch.optim.Optimizer):
+
+class DecoupledStep(StepWithoutClosure):
     """p ← p(1 − lr·wd) − lr·d with `decay_first` (torch's Muon), else p ← (p − lr·d)(1 − lr·wd)
     (pytorch_optimizer's SOAP); d is ``.grad``, wd each group's ``weight_decay``. A parameter
     whose ``.grad`` is None is left alone. With `skip_first`, a parameter's first step changes
@@ -27,10 +29,7 @@ class DecoupledStep(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.decay_first, self.skip_first = decay_first, skip_first
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:
-        if closure is not None:
-            raise ValueError(f"{type(self).__name__}.step takes no closure")
+    def update(self) -> None:
         for group in self.param_groups:
             lr, decay = group["lr"], group["weight_decay"]
             for parameter in group["params"]:

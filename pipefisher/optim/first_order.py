@@ -21,7 +21,9 @@ def parameter_groups(
 ) -> list[dict]:
     """Parameters of `modules` (each once, those `keep` accepts) split into decayed and undecayed
     groups (either may be empty)."""
-    decayed, undecayed, seen = [], [], set()
+    decayed: list[nn.Parameter] = []
+    undecayed: list[nn.Parameter] = []
+    seen: set[int] = set()
     for module in modules:
         for name, parameter in module.named_parameters():
             if id(parameter) in seen or not keep(parameter):

@@ -7,7 +7,7 @@ in torchvision; apex's FusedLAMB is CUDA-only), so it is implemented in this mod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -57,6 +57,12 @@ class Lamb(torch.optim.Optimizer):
         self.batch_elements = batch_elements
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One LAMB update of every parameter that has a gradient; returns closure() if given.
@@ -74,7 +80,7 @@ class Lamb(torch.optim.Optimizer):
         """The docstring's update of `params` (same device and dtype, each with a gradient), tensor
         by tensor in the same operations and order as one parameter alone would take."""
         beta1, beta2 = group["betas"]
-        grads = [p.grad for p in params]
+        grads = [_gradient(p) for p in params]
         if any(grad.is_sparse for grad in grads):
             raise RuntimeError("Lamb does not support sparse gradients")
         states = [self._state(p) for p in params]
@@ -115,12 +121,13 @@ def batches(params: list[Tensor], batch_elements: int | None) -> list[list[Tenso
     together = _get_foreach_kernels_supported_devices()
     kinds: dict[tuple, list[Tensor]] = {}
     for p in params:
-        alone = not (p.is_contiguous() and p.grad.is_contiguous())
+        alone = not (p.is_contiguous() and _gradient(p).is_contiguous())
         kinds.setdefault((p.device, p.dtype, id(p) if alone else None), []).append(p)
     runs: list[list[Tensor]] = []
     for kind in kinds.values():
         limit = batch_elements or (None if kind[0].device.type in together else CPU_BATCH_ELEMENTS)
-        run, size = [], 0
+        run: list[Tensor] = []
+        size = 0
         for p in kind:
             if run and limit is not None and size + p.numel() > limit:
                 runs.append(run)
@@ -129,3 +136,10 @@ def batches(params: list[Tensor], batch_elements: int | None) -> list[list[Tenso
             size += p.numel()
         runs.append(run)
     return runs
+
+
+def _gradient(p: Tensor) -> Tensor:
+    """`p`'s gradient (ValueError when it has none: the callers pick parameters with one)."""
+    if p.grad is None:
+        raise ValueError("Lamb steps parameters with a gradient only")
+    return p.grad

@@ -28,7 +28,7 @@ def layer_state(st: LayerState) -> dict[str, Any]:
 def load_layer_state(st: LayerState, entry: dict[str, Any]) -> None:
     """Restore :func:`layer_state` output into ``st`` on its module's device (copies); factor
     matrices must have ``st``'s sizes (ValueError otherwise)."""
-    device = st.module.weight.device
+    device = st.weight.device
 
     def matrix(t: Tensor, factor: Factor) -> Tensor:
         n = st.info.size(factor)

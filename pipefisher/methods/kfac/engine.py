@@ -146,9 +146,7 @@ class KFACEngine:
         built = st.built.get(factor)
         if built is None:
             size = st.info.size(factor)
-            built = st.built[factor] = BuiltFactor(
-                torch.zeros(size, size, dtype=st.dtype, device=st.module.weight.device)
-            )
+            built = st.built[factor] = BuiltFactor(torch.zeros(size, size, dtype=st.dtype, device=st.weight.device))
         if built.sealed:
             raise RuntimeError(f"layer {layer!r}: factor {factor} was synced; invert it first")
         ones = factor == "A" and st.info.has_bias
@@ -169,7 +167,8 @@ class KFACEngine:
     def release(self, layer: str, micro_batch: Hashable | None = None) -> None:
         """Drop captures of ``layer`` (one micro-batch, or all) without taking curvature."""
         st = self._state(layer)
-        for store in (*st.captures.values(), st.loss_scales):
+        stores: list[dict[Hashable, Any]] = [*st.captures.values(), st.loss_scales]
+        for store in stores:
             if micro_batch is None:
                 store.clear()
             else:
@@ -183,8 +182,7 @@ class KFACEngine:
         waited for before ``invert``). No curvature for this factor after.
         """
         built = self._built(layer, factor)
-        self._seal(built, factor)
-        return built.total, built.count
+        return built.total, self._seal(built, factor)
 
     def sync(self, layer: str, factor: Factor, group: Any = None) -> None:
         """Blocking all-reduce (sum) of :meth:`sync_tensors` over ``group``; no-op for None.
@@ -208,8 +206,8 @@ class KFACEngine:
         st = self._state(layer)
         built = self._built(layer, factor)
         del st.built[factor]
-        self._seal(built, factor)
-        fresh = built.total / built.count.to(built.total.dtype).clamp(min=1)
+        count = self._seal(built, factor)
+        fresh = built.total / count.to(built.total.dtype).clamp(min=1)
         finite = torch.isfinite(fresh).all()
         ema = self._fold(st, factor, fresh, finite)
         counters = st.counters.setdefault(factor, _health.zero_counters(fresh.device))
@@ -249,7 +247,7 @@ class KFACEngine:
         receive the broadcast of :meth:`shared_inverse` into."""
         st = self._state(layer)
         n = st.info.size(known_factor(factor))
-        return torch.empty(n, n, dtype=st.dtype, device=st.module.weight.device)
+        return torch.empty(n, n, dtype=st.dtype, device=st.weight.device)
 
     def fresh_inverse(self, layer: str, factor: Factor) -> Tensor:
         """On a replica that inverted ``factor`` without keeping inverses in use: its pending
@@ -258,7 +256,7 @@ class KFACEngine:
         pending = st.pending.get(known_factor(factor))
         if pending is None:
             n = st.info.size(factor)
-            return torch.full((n, n), float("nan"), dtype=st.dtype, device=st.module.weight.device)
+            return torch.full((n, n), float("nan"), dtype=st.dtype, device=st.weight.device)
         return torch.where(pending.ok, pending.value, torch.full_like(pending.value, float("nan"))).contiguous()
 
     def receive_inverse(self, layer: str, factor: Factor, tensor: Tensor, checked: bool = False) -> None:
@@ -359,16 +357,18 @@ class KFACEngine:
             raise RuntimeError(f"layer {layer!r}: no curvature accumulated for factor {factor}")
         return built
 
-    def _seal(self, built: BuiltFactor, factor: Factor) -> None:
+    def _seal(self, built: BuiltFactor, factor: Factor) -> Tensor:
         """Apply the B scaling ``λ²`` (λ = grad_scale or the local row count) exactly once and
-        put the local row count on the device."""
-        if built.sealed:
-            return
-        if factor == "B":
-            lam = self.grad_scale if self.grad_scale is not None else built.rows
-            built.total.mul_(float(lam) ** 2)
-        built.count = torch.full((1,), float(built.rows), dtype=torch.float64, device=built.total.device)
-        built.sealed = True
+        put the local row count on the device; returns that count."""
+        if not built.sealed:
+            if factor == "B":
+                lam = self.grad_scale if self.grad_scale is not None else built.rows
+                built.total.mul_(float(lam) ** 2)
+            built.count = torch.full((1,), float(built.rows), dtype=torch.float64, device=built.total.device)
+            built.sealed = True
+        if built.count is None:
+            raise ValueError(f"factor {factor}: sealed without its row count")
+        return built.count
 
     def _fold(self, st: LayerState, factor: Factor, fresh: Tensor, finite: Tensor) -> Tensor:
         """Fold ``fresh`` into the running factor where it is finite (the first finite one is
@@ -386,7 +386,7 @@ class KFACEngine:
         old = st.active.get(factor)
         if old is None:
             n = st.info.size(factor)
-            eye = torch.eye(n, dtype=st.dtype, device=st.module.weight.device)
+            eye = torch.eye(n, dtype=st.dtype, device=st.weight.device)
             old = Flagged(eye, torch.zeros((), dtype=torch.bool, device=eye.device))
         pending = st.pending.get(factor)
         return old if pending is None else prefer_ok(pending, old)

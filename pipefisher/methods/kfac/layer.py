@@ -11,7 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.methods.kfac.factors import factor_dtype
-from pipefisher.methods.layers import LayerInfo, linear_info, linear_parameters, select_linears
+from pipefisher.methods.layers import (
+    LayerInfo,
+    linear_bias,
+    linear_info,
+    linear_parameters,
+    linear_weight,
+    select_linears,
+)
 
 __all__ = [
     "FACTORS",
@@ -117,6 +124,14 @@ class LayerState:
     #: each capture's rows (tensor parallelism: the factor is the same on every shard, which sum it)
     row_shares: dict[Factor, tuple[int, int]] = field(default_factory=dict)
 
+    @property
+    def weight(self) -> nn.Parameter:
+        return linear_weight(self.module)
+
+    @property
+    def bias(self) -> nn.Parameter | None:
+        return linear_bias(self.module)
+
 
 def select_layers(model: nn.Module, skip: Iterable[str] = (), max_factor_dim: int = 8192) -> dict[str, LayerState]:
     """K-FAC state for every linear layer of ``model`` (`pipefisher.methods.layers.select_linears`)
@@ -124,7 +139,7 @@ def select_layers(model: nn.Module, skip: Iterable[str] = (), max_factor_dim: in
     larger than ``max_factor_dim`` (e.g. a vocabulary projection). Other modules (embeddings,
     LayerNorm, ...) are left first-order."""
     return {
-        name: LayerState(layer.info, layer.module, factor_dtype(layer.module.weight.dtype))
+        name: LayerState(layer.info, layer.module, factor_dtype(linear_weight(layer.module).dtype))
         for name, layer in select_linears(model, skip, max_factor_dim).items()
     }
 

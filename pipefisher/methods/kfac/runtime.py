@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.op_fields import layer_of, part_of
 from pipefisher.core.profile import time_key
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
@@ -65,9 +66,8 @@ class KfacRuntime(StageRuntime[KFACEngine]):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         topology = self.topology
-        self.shared_statistics = share_rows(
-            self.engine_of_stage, self.modules, self.comm.shard, topology.tensor_parallel
-        )
+        #: the (stage, layer, factor) statistics this rank's tensor-parallel processes build in shares
+        self.shared_factors = share_rows(self.engine_of_stage, self.modules, self.comm.shard, topology.tensor_parallel)
         workers = self.config.workers_per_layer
         #: stage -> its gradient-worker grid, when a layer has fewer workers than the stage replicas
         self.grids = {
@@ -132,13 +132,13 @@ class KfacRuntime(StageRuntime[KFACEngine]):
 
     # -- handlers ----------------------------------------------------------------------------
     def _curvature(self, op: Op) -> None:
-        self.engine(op).curvature(op.layer, FACTORS[op.part], op.micro_batch)
+        self.engine(op).curvature(layer_of(op), FACTORS[part_of(op)], op.micro_batch)
 
     def _invert(self, op: Op) -> None:
-        factor = FACTORS[op.part]
-        decompose = self.works_for(op.stage, op.layer) or self._exchange_source(op.stage, op.layer, factor)
+        factor, layer = FACTORS[part_of(op)], layer_of(op)
+        decompose = self.works_for(op.stage, layer) or self._exchange_source(op.stage, layer, factor)
         self._sum_over_shards(op, factor)
-        self.engine(op).invert(op.layer, factor, decompose=decompose)
+        self.engine(op).invert(layer, factor, decompose=decompose)
 
     def _fold_shared(self, op: Op) -> None:
         """A replica that did not invert a factor still folds the synced factor into its running
@@ -146,13 +146,13 @@ class KfacRuntime(StageRuntime[KFACEngine]):
         for part, factor in enumerate(FACTORS):
             if not self.owns(op, part):
                 self._sum_over_shards(op, factor)
-                self.engine(op).invert(op.layer, factor, decompose=False)
+                self.engine(op).invert(layer_of(op), factor, decompose=False)
 
-    def _sum_over_shards(self, op: Op, factor: str) -> None:
+    def _sum_over_shards(self, op: Op, factor: Factor) -> None:
         """A statistic the rank's tensor-parallel processes built in shares: summed over them
         (blocking, inside the op that first reads it; `pipefisher.planning.comm.processes`)."""
-        if (op.stage, op.layer, factor) in self.shared_statistics:
-            for tensor in self.engine(op).sync_tensors(op.layer, factor):
+        if (op.stage, layer_of(op), factor) in self.shared_factors:
+            for tensor in self.engine(op).sync_tensors(layer_of(op), factor):
                 self.comm.tensor_all_reduce(tensor)
 
     def _precondition(self, op: Op) -> None:
@@ -199,7 +199,7 @@ class KfacRuntime(StageRuntime[KFACEngine]):
 
 def share_rows(
     engines: dict[int, KFACEngine], modules: dict[tuple[int, int], nn.Module], shard: int, degree: int
-) -> frozenset:
+) -> frozenset[tuple[int, str, Factor]]:
     """Have each stage's engine build the factors its tensor-parallel shards share
     (`TaskRules.shared_statistics` of the split `parallelize` applied) from share `shard` of
     `degree` of the rows; returns them as (stage, layer, factor)."""

@@ -22,7 +22,7 @@ from pipefisher.runtime.primitives.sharding import is_sharded, set_gradient, who
 def gradient_matrix(st: LayerState) -> Tensor | None:
     """The layer's whole gradient as ``(dout, din[+1])`` (a bias as the last column, zeros for a
     frozen one), or None when its weight has no gradient. Collective when sharded (see above)."""
-    weight, bias = st.module.weight, st.module.bias
+    weight, bias = st.weight, st.bias
     whole = whole_gradient(weight)
     if whole is None:
         return None
@@ -38,7 +38,9 @@ def gradient_matrix(st: LayerState) -> Tensor | None:
 def write_gradients(parameters: list[Tensor], results: list[Tensor]) -> None:
     """Make each parameter's gradient its whole result: in place, in one kernel, for unsharded
     gradients; this rank's shard of it for sharded ones (no communication)."""
-    plain = [(p.grad, result) for p, result in zip(parameters, results) if not is_sharded(p.grad)]
+    plain = [
+        (p.grad, result) for p, result in zip(parameters, results) if p.grad is not None and not is_sharded(p.grad)
+    ]
     if plain:
         torch._foreach_copy_([grad for grad, _ in plain], [result for _, result in plain])
     for parameter, result in zip(parameters, results):
@@ -74,7 +76,7 @@ def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor 
         vg = (out * original).sum(dim=(-2, -1)) if with_vg else None
         for row, number in enumerate(members):
             st, new = states[number], out[row]
-            weight, bias = st.module.weight, st.module.bias
+            weight, bias = st.weight, st.bias
             din = st.info.in_features
             targets.append(weight)
             results.append(new[:, :din].T if st.info.transposed else new[:, :din])

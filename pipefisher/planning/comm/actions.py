@@ -162,6 +162,13 @@ class Action:
             raise TypeError(f"{self.kind.value} action on {self.target}: not a collective")
         return self.target
 
+    @property
+    def link(self) -> tuple[GroupKey, int]:
+        """The communicator and the other end's global rank of a POST or a SEND."""
+        if self.group is None or self.peer is None:
+            raise TypeError(f"{self.kind.value} action on {self.target}: no communicator and peer")
+        return self.group, self.peer
+
     def __str__(self) -> str:
         if self.kind is ActionKind.RUN:
             return str(self.target)

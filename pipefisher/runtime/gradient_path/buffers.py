@@ -9,6 +9,8 @@ are spread over the holders (`pipefisher.planning.replicas.zero`) and only the o
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
@@ -16,6 +18,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.models.tensor_parallel import split_parameters
 from pipefisher.planning.replicas.zero import shard_owners
 from pipefisher.runtime.primitives.comm import Comm, Handle, done
+from pipefisher.runtime.primitives.grads import grad_of
 
 
 def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -146,16 +149,23 @@ class TiedGradients:
         total = torch.zeros_like(self.copies[0][1])
         for stage, parameter in self.copies:
             if self.ownership.counts(parameter):
-                total += parameter.grad
+                total += grad_of(parameter)
 
         def store() -> None:
             for _, parameter in self.copies:
-                parameter.grad.copy_(total)
+                grad_of(parameter).copy_(total)
 
         if len(self.ranks) < 2:
             store()
             return done()
         return comm.all_reduce([total], ("tied",), on_done=store)
+
+
+class SquaredNorm(Protocol):
+    """What clipping reads: Σ‖g‖² of the gradients this rank counts (0-dim float64 on `device`),
+    summed over the ranks by the step's world reduction."""
+
+    def local_square(self, device: torch.device) -> Tensor: ...
 
 
 class GlobalNorm:
@@ -191,7 +201,7 @@ class GlobalNorm:
         """Σ‖g‖² over this rank's counted parameters (0-dim float64, on `device`)."""
         if not self.counted:
             return torch.zeros((), dtype=torch.float64, device=device)
-        norms = torch._foreach_norm([p.grad for p in self.counted])
+        norms = torch._foreach_norm([grad_of(p) for p in self.counted])
         return torch.stack(norms).double().square().sum()
 
 

@@ -77,18 +77,18 @@ class PowerSGD:
             else:
                 self.whole.append(gradient.view(-1))
         device, dtype = buffer.flat.device, buffer.flat.dtype
-        p_shapes = [(m.shape[0], rank) for m in self.matrices]
-        whole_shapes = [(w.numel(),) for w in self.whole]
+        p_shapes: list[tuple[int, ...]] = [(m.shape[0], rank) for m in self.matrices]
+        whole_shapes: list[tuple[int, ...]] = [(w.numel(),) for w in self.whole]
         self.p_flat = torch.zeros(
-            sum(n * rank for n, _ in p_shapes) + sum(s[0] for s in whole_shapes), dtype=dtype, device=device
+            sum(shape[0] * rank for shape in p_shapes) + sum(s[0] for s in whole_shapes), dtype=dtype, device=device
         )
         views = _carve(self.p_flat, p_shapes + whole_shapes)
         self.p, self.whole_slots = views[: len(p_shapes)], views[len(p_shapes) :]
-        q_shapes = [(m.shape[1], rank) for m in self.matrices]
+        q_shapes: list[tuple[int, ...]] = [(m.shape[1], rank) for m in self.matrices]
         generator = torch.Generator().manual_seed(seed)
-        self.q_flat = torch.randn(sum(m * rank for m, _ in q_shapes), generator=generator, dtype=torch.float32).to(
-            device=device, dtype=dtype
-        )
+        self.q_flat = torch.randn(
+            sum(shape[0] * rank for shape in q_shapes), generator=generator, dtype=torch.float32
+        ).to(device=device, dtype=dtype)
         self.q = _carve(self.q_flat, q_shapes)
         #: fp16: the Q that started the step, kept while a step may overflow
         self._q_start = torch.empty_like(self.q_flat) if loss_scale() is not None else None
@@ -101,9 +101,9 @@ class PowerSGD:
 
     def p_factors(self) -> list[Tensor]:
         """Step 1: add the errors, P = M Q, gather the uncompressed tensors; returns what to all-reduce."""
-        scale = self.loss_scale()
-        if scale is not None:
-            self._q_start.copy_(self.q_flat)
+        scale, start = self.loss_scale(), self._q_start
+        if scale is not None and start is not None:
+            start.copy_(self.q_flat)
         for matrix, error, p, q in zip(self.matrices, self.errors, self.p, self.q):
             matrix.add_(error if scale is None else error * scale)
             torch.matmul(matrix, q, out=p)
@@ -131,8 +131,9 @@ class PowerSGD:
         non-finite Q falls back to the one that started the step (its gradient is skipped)."""
         for matrix, p, q in zip(self.matrices, self.p, self.q):
             torch.matmul(p, q.T, out=matrix)
-        if self.loss_scale() is not None:
-            self.q_flat.copy_(torch.where(torch.isfinite(self.q_flat), self.q_flat, self._q_start))
+        start = self._q_start
+        if start is not None and self.loss_scale() is not None:
+            self.q_flat.copy_(torch.where(torch.isfinite(self.q_flat), self.q_flat, start))
 
     def tensors(self) -> list[Tensor]:
         """Everything it keeps between and within steps (for the state-bytes report)."""

@@ -159,7 +159,12 @@ class CompressedReduction(AllReduce):
         if not compressors:
             return done()
         factors = [tensor for compressor in compressors for tensor in compressor.q_factors()]
-        return comm.all_reduce(factors, collective.group, on_done=lambda: [c.decompress() for c in compressors])
+
+        def decompress() -> None:
+            for compressor in compressors:
+                compressor.decompress()
+
+        return comm.all_reduce(factors, collective.group, on_done=decompress)
 
     def reduce_now(self, comm: Comm, stage: int, step: int) -> None:
         """As from the start step on (the caller keeps and restores the state)."""

@@ -44,7 +44,7 @@ class FsdpReduction(GradientReduction):
     `pipes` > 1 (Chimera) FSDP2 shards over a pipe's replicas only, and each shard is then summed
     over the stage's copies in every pipe (``grad_pipes``): every shard is held by `pipes` ranks."""
 
-    def __init__(self, stages: dict[int, FSDPModule], keep_gathered: bool, pipes: int = 1):
+    def __init__(self, stages: dict[int, nn.Module], keep_gathered: bool, pipes: int = 1):
         super().__init__({})
         self.stages, self.keep_gathered, self.pipes = stages, keep_gathered, pipes
         for stage in stages:
@@ -52,6 +52,8 @@ class FsdpReduction(GradientReduction):
 
     def _arm(self, stage: int, last: bool) -> None:
         module = self.stages[stage]
+        if not isinstance(module, FSDPModule):
+            raise TypeError(f"stage {stage}: a {type(module).__name__} is not sharded by FSDP2")
         module.set_requires_gradient_sync(last)
         if self.keep_gathered:
             module.set_reshard_after_backward(last)

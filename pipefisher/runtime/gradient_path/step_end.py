@@ -24,7 +24,7 @@ from torch import Tensor
 
 from pipefisher.planning.comm.actions import STEP, TIED, Collective
 from pipefisher.runtime.gradient_path.buffers import (
-    GlobalNorm,
+    SquaredNorm,
     GradientBuffer,
     Ownership,
     TiedGradients,
@@ -66,7 +66,7 @@ class OptimizerStep:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     scaler: LossScaler | None = None
     clip_norm: float = 0.0
-    norm: GlobalNorm | None = None
+    norm: SquaredNorm | None = None
     before_optimizer_step: Callable[[], None] = lambda: None
 
 
@@ -203,6 +203,8 @@ class StepEnd:
         if self.update:
             overflow = self.scaler.unscale_(self.gradients()) if self.scaler is not None else None
             if self.clip_norm > 0:
+                if self.norm is None:
+                    raise ValueError("clip_norm > 0 needs the norm it clips (OptimizerStep.norm)")
                 values.append(self.norm.local_square(self.device))
             if overflow is not None:
                 values.append(overflow.double().reshape(()))
@@ -227,7 +229,7 @@ class StepEnd:
         reduced flag on the host), schedule."""
         if not self.update:
             return
-        reduced = self._reduced
+        reduced = self._world_sums()
         count = 1 + len(self.loss_parts)
         self._lr = self.optimizer.param_groups[0]["lr"]
         if self.clip_norm > 0:
@@ -247,6 +249,12 @@ class StepEnd:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def _world_sums(self) -> Tensor:
+        """The step's world reduction (launched by `launch_step`); RuntimeError before it."""
+        if self._reduced is None:
+            raise RuntimeError("the step's world reduction has not been launched")
+        return self._reduced
+
     def finish(self) -> dict:
         """After the world reduction (and the update it triggered): zero the gradients; returns the
         loss, its parts, (when updating) lr, grad_norm, fp16's overflow and grad_comm_bytes, and
@@ -256,7 +264,7 @@ class StepEnd:
         broadcasts, PowerSGD's factors, K-FAC gradient workers' broadcasts, Chimera's sums of
         ZeRO-2/3 shards over the pipes); FSDP2's own all-gathers and reduce-scatters do not go
         through `Comm` and are not in it (their volume is the memory model's traffic)."""
-        reduced, self._reduced = self._reduced, None
+        reduced, self._reduced = self._world_sums(), None
         values, self._values = self._values if self._values is not None else reduced.tolist(), None
         record: dict = {}
         count = 1 + len(self.loss_parts)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from pipefisher.core.op_fields import micro_batch_of
 from pipefisher.core.ir import Op
 from pipefisher.planning.comm.actions import Action, ActionKind, Message, SendDone, input_message, output_message
 from pipefisher.planning.comm.evaluation import evaluation_actions
@@ -66,11 +67,11 @@ class EvalPass:
         elif kind is ActionKind.POST:
             shape, dtype = executor.message_spec(action.message)
             buffer = torch.empty(shape, dtype=dtype, device=executor.device)
-            state.receives[action.message] = (buffer, executor.comm.recv(buffer, action.peer, action.group))
+            group, peer = action.link
+            state.receives[action.message] = (buffer, executor.comm.recv(buffer, peer, group))
         elif kind is ActionKind.SEND:
-            state.sends[action.message] = executor.comm.send(
-                state.outputs.pop(action.message), action.peer, action.group
-            )
+            group, peer = action.link
+            state.sends[action.message] = executor.comm.send(state.outputs.pop(action.message), peer, group)
         elif kind is ActionKind.LAUNCH:  # the world reduction of the losses, the pass's only collective
             state.reduced = torch.stack([state.total, *state.parts.values()])
             state.reduction = executor.comm.all_reduce([state.reduced], action.collective.group)
@@ -88,20 +89,21 @@ class EvalPass:
         executor = self.executor
         stage = executor.stages[(op.pipe, op.stage)]
         num_stages = executor.topology.schedule.num_stages
-        index = self.plan.topology.global_micro_batch(executor.rank, op.micro_batch)
+        index = self.plan.topology.global_micro_batch(executor.rank, micro_batch_of(op))
         batch = state.batches.get(index)
         if batch is None:
             batch = state.batches[index] = DeviceBatch(dict(self.batches[index]), executor.device)
         inputs = None
-        if not stage.first:
-            message = input_message(op, num_stages)
+        message = input_message(op, num_stages)
+        if message is not None:  # every stage but the first
             inputs = state.inputs.pop(message) if message in state.inputs else state.outputs.pop(message)
         with stage.precision.autocast():
             output = stage.module(inputs, batch)
             if stage.last:
                 loss, parts = stage.loss_fn(output, batch)
-        if not stage.last:
-            state.outputs[output_message(op, num_stages)] = output.to(stage.precision.compute_dtype)
+        sent = output_message(op, num_stages)
+        if sent is not None:  # every stage but the last
+            state.outputs[sent] = output.to(stage.precision.compute_dtype)
         elif executor.step_end.reports_loss:  # a tensor-parallel shard other than 0 computes the same loss
             state.total = state.total + loss.double()
             for name, value in parts.items():

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from pipefisher.core.ir import Op, OpKind, splits_backward
+from pipefisher.core.ir import Op, OpKind, ScheduleError, splits_backward
+from pipefisher.core.op_fields import micro_batch_of
 from pipefisher.core.topology import Topology
 from pipefisher.core.trace_labels import PREPARE, step_label, step_time_label
 from pipefisher.planning.comm.actions import (
@@ -241,23 +242,27 @@ class Executor:
     def _perform(self, action: Action) -> None:
         kind, target = action.kind, action.target
         if kind is ActionKind.RUN:
+            op = action.op
             recording = [extension for extension in self.extensions if extension.records]
             if not recording:
-                self.handlers[target.kind](target)
+                self.handlers[op.kind](op)
                 return
             started = self.clock.mark()
-            self.handlers[target.kind](target)
+            self.handlers[op.kind](op)
             ended = self.clock.mark()
             for extension in recording:
-                extension.record(target, started, ended)
+                extension.record(op, started, ended)
         elif kind is ActionKind.POST:
-            shape, dtype = self.message_spec(target)
+            message, (group, peer) = action.message, action.link
+            shape, dtype = self.message_spec(message)
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            self._receives[target] = (buffer, self.comm.recv(buffer, action.peer, action.group))
+            self._receives[message] = (buffer, self.comm.recv(buffer, peer, group))
         elif kind is ActionKind.SEND:
-            self._sends[target] = self.comm.send(self._outputs.pop(target), action.peer, action.group)
+            message, (group, peer) = action.message, action.link
+            self._sends[message] = self.comm.send(self._outputs.pop(message), peer, group)
         elif kind is ActionKind.LAUNCH:
-            self.in_flight[target] = self.collectives[target.kind](target)
+            collective = action.collective
+            self.in_flight[collective] = self.collectives[collective.kind](collective)
         elif isinstance(target, Message):
             buffer, handle = self._receives.pop(target)
             handle.wait()
@@ -265,9 +270,10 @@ class Executor:
         elif isinstance(target, SendDone):
             self._sends.pop(target.message).wait()
         else:
-            if target.kind is CollectiveKind.STEP:  # its completion steps the optimizer: casts go stale
+            collective = action.collective
+            if collective.kind is CollectiveKind.STEP:  # its completion steps the optimizer: casts go stale
                 self._casts.close()
-            self.in_flight.pop(target).wait()
+            self.in_flight.pop(collective).wait()
 
     def settle(self, complete: Sequence[Collective], relaunch: Sequence[Collective]) -> None:
         """Between steps (checkpoints, resumption): wait for the collectives in `complete` (every
@@ -289,29 +295,32 @@ class Executor:
     # -- handlers ----------------------------------------------------------------------------
     def _forward(self, op: Op) -> None:
         stage = self.stages[(op.pipe, op.stage)]
-        key = (self.current_step, self.topology.global_micro_batch(self.rank, op.micro_batch))
+        micro_batch = micro_batch_of(op)
+        key = (self.current_step, self.topology.global_micro_batch(self.rank, micro_batch))
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = DeviceBatch(self.micro_batch(*key), self.device)
         inputs = None if stage.first else self._input_of(op)
         with self._forward_context(op):
-            output = stage.forward(op.micro_batch, inputs, batch)
+            output = stage.forward(micro_batch, inputs, batch)
         self._output_of(op, output)
 
     def _backward(self, op: Op) -> None:
         stage = self.stages[(op.pipe, op.stage)]
         grad_output = None if stage.last else self._input_of(op)
-        self._output_of(op, stage.backward(op.micro_batch, grad_output))
+        self._output_of(op, stage.backward(micro_batch_of(op), grad_output))
         for extension in self.extensions:
             extension.after_backward(op)
 
     def _weight(self, op: Op) -> None:
-        self.stages[(op.pipe, op.stage)].weight(op.micro_batch)
+        self.stages[(op.pipe, op.stage)].weight(micro_batch_of(op))
         for extension in self.extensions:
             extension.after_backward(op)
 
     def _input_of(self, op: Op) -> Tensor:
         message = input_message(op, self.topology.schedule.num_stages)
+        if message is None:
+            raise ScheduleError(f"{op} reads no message from another stage")
         if message in self._inputs:
             return self._inputs.pop(message)
         return self._outputs.pop(message)  # produced on this rank
@@ -319,4 +328,6 @@ class Executor:
     def _output_of(self, op: Op, tensor: Tensor | None) -> None:
         message = output_message(op, self.topology.schedule.num_stages)
         if message is not None:
+            if tensor is None:
+                raise ScheduleError(f"{op} produced nothing for {message}")
             self._outputs[message] = tensor

@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.runtime.primitives.comm import Handle
+from pipefisher.runtime.primitives.clock import Mark
 
 
 class ExecutorExtension:
@@ -38,7 +39,7 @@ class ExecutorExtension:
         """Called on the reduced, clipped gradients right before the optimizer step (not when
         fp16 overflowed)."""
 
-    def record(self, op: Op, start: object, end: object) -> None:
+    def record(self, op: Op, start: Mark, end: Mark) -> None:
         """Called with the clock's marks around every op run, when `records` is set."""
 
 

@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 #: what W needs, held from B until W: PyTorch's parameter groups (saved nodes and their gradients)
 Pending = list[dict]
 
 
-def _node_of(tensor: Tensor) -> object | None:
+def _node_of(tensor: Tensor) -> Node | None:
     """The autograd node a gradient reaches `tensor` through (a leaf's gradient accumulator)."""
     if tensor.grad_fn is not None:
         return tensor.grad_fn
-    if tensor.requires_grad:
-        return tensor.view_as(tensor).grad_fn.next_functions[0][0]
-    return None
+    view = tensor.view_as(tensor).grad_fn if tensor.requires_grad else None
+    return None if view is None else view.next_functions[0][0]
 
 
-def _reachable(root: object) -> set[object]:
+def _reachable(root: Node) -> set[Node]:
     """Every autograd node the gradient of `root`'s output flows through."""
     seen, stack = {root}, [root]
     while stack:

@@ -11,7 +11,7 @@ from pipefisher.runtime.gradient_path.precision import Precision
 from pipefisher.runtime.pipeline.split_backward import SplitBackward
 
 #: (last stage's output, micro-batch) -> (loss, named parts)
-LossFn = Callable[[object, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+LossFn = Callable[[object, Mapping[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 
 
 class StageRuntime:
@@ -42,7 +42,7 @@ class StageRuntime:
         self.first, self.last = first, last
         self.loss_fn, self.loss_scale = loss_fn, loss_scale
         self.precision, self.grad_scale = precision, grad_scale
-        self._inputs: dict[int, Tensor] = {}
+        self._inputs: dict[int, Tensor | None] = {}
         self._outputs: dict[int, Tensor] = {}
         self.losses: list[Tensor] = []
         self.parts: dict[str, list[Tensor]] = {}
@@ -56,7 +56,7 @@ class StageRuntime:
         """Run the stage on the previous stage's activation (None on the first stage) and the
         micro-batch; return the activation to pass on (None on the last stage)."""
         if not self.first:
-            inputs = inputs.detach().requires_grad_(True)
+            inputs = _given(inputs, "the previous stage's activation").detach().requires_grad_(True)
         with self.precision.autocast():
             output = self.module(inputs, batch)
             if self.last:
@@ -77,14 +77,16 @@ class StageRuntime:
         """Backpropagate one micro-batch; return the gradient for the previous stage (None on the first)."""
         output = self._outputs.pop(micro_batch)
         inputs = self._inputs.pop(micro_batch)  # None on the first stage
-        grad = None if self.last else grad_output.to(output.dtype)
+        grad = None if self.last else _given(grad_output, "the next stage's gradient").to(output.dtype)
         if self.split is not None:
             return self.split.input_gradient(micro_batch, output, grad, inputs)
         torch.autograd.backward(output, grad_tensors=grad)
-        return None if self.first else inputs.grad
+        return None if self.first else _given(inputs, "the stage's input").grad
 
     def weight(self, micro_batch: int) -> None:
         """Accumulate the weight gradient of a micro-batch whose input gradient has run."""
+        if self.split is None:
+            raise RuntimeError(f"stage {self.stage}: a weight gradient without split_backward()")
         self.split.weight_gradient(micro_batch)
 
     @property
@@ -103,3 +105,10 @@ class StageRuntime:
         parts = {name: torch.stack(values).sum() for name, values in self.parts.items()}
         self.losses, self.parts = [], {}
         return total, parts
+
+
+def _given(tensor: Tensor | None, what: str) -> Tensor:
+    """`tensor`, which this stage's place in the pipeline needs (ValueError naming `what` when it is None)."""
+    if tensor is None:
+        raise ValueError(f"{what} is missing")
+    return tensor

@@ -23,7 +23,7 @@ Replicas hold equal values, so each key is written once (`entries_to_write` says
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,15 @@ def _stage_key(pipe: int, stage: int) -> str:
     return f"{pipe}.{stage}"
 
 
+def _trainer(runner: PlanRunner) -> PipeFisherTrainer | None:
+    """`runner` when it trains with a curvature method (a `PipeFisherTrainer`, told by its method
+    runtime: importing the class here would be a cycle), else None."""
+    return cast("PipeFisherTrainer", runner) if getattr(runner, "runtime", None) is not None else None
+
+
 def _curvature(runner: PlanRunner) -> CurvatureRuntime | None:
-    return getattr(runner, "runtime", None)
+    trainer = _trainer(runner)
+    return None if trainer is None else trainer.runtime
 
 
 def _optimizer_parts(optimizer: torch.optim.Optimizer) -> dict[str, torch.optim.Optimizer]:
@@ -118,7 +125,7 @@ def _with_slots_of(entry: Any, template: Any, slots: tuple[str, ...]) -> Any:
 def process_state(executor: Executor, runner: PlanRunner, process: int) -> dict[str, Any]:
     """Everything process `process` holds that a run continues from, under layout-free keys (call
     after `runner.quiesce()`). A parameter in its optimizer without state yet has an empty entry."""
-    suffix, entries = _suffix(executor), {}
+    suffix, entries = _suffix(executor), dict[str, Any]()
     modules = [runtime.module for runtime in executor.stages.values()]
     for module in modules:
         entries.update({f"model/{name}{suffix}": full(value) for name, value in module.state_dict().items()})
@@ -137,12 +144,13 @@ def process_state(executor: Executor, runner: PlanRunner, process: int) -> dict[
     reduction = executor.step_end.reduction
     for (pipe, stage), state in reduction.state_dict().items():
         entries[f"{local}/{reduction.section}/{_stage_key(pipe, stage)}"] = state
-    runtime = _curvature(runner)
-    if runtime is not None:
-        entries["run/cycle_step"] = runner.cycle_step
-        entries["run/profile"] = runner.profile.to_dict()
+    trainer = _trainer(runner)
+    if trainer is not None:
+        runtime = trainer.runtime
+        entries["run/cycle_step"] = trainer.cycle_step
+        entries["run/profile"] = trainer.profile.to_dict()
         entries[f"{local}/cycle/runtime"] = runtime.cycle_state()
-        entries.update(_curvature_entries(runtime, f"{local}/cycle", suffix, runner.cycle_step != 0))
+        entries.update(_curvature_entries(runtime, f"{local}/cycle", suffix, trainer.cycle_step != 0))
     return entries
 
 
@@ -187,14 +195,14 @@ def _write_priority(executor: Executor, runner: PlanRunner, keys: Iterable[str])
     priority = {}
     for key in keys:
         name = key.rpartition("/")[2].partition("@")[0]
-        parameter = first.get(name)
+        found = first.get(name)
         kept = (
             curvature is None
             or not key.startswith("curvature/")
             or name not in stage_of
             or curvature.keeps(stage_of[name], name)
         )
-        priority[key] = 0 if kept and (parameter is None or updates(parameter)) else 1
+        priority[key] = 0 if kept and (found is None or updates(found)) else 1
     return priority
 
 

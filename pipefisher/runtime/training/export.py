@@ -19,6 +19,7 @@ import torch
 from pipefisher.config import ConfigError, RunConfig
 from pipefisher.core.terminal import progress_bars
 from pipefisher.core.files import write_folder_atomically
+from pipefisher.models.hf import HfStagedModel
 from pipefisher.models.registry import model_kind
 from pipefisher.models.tensor_parallel import join_shard_states
 from pipefisher.runtime.training.assembly import build_run
@@ -75,6 +76,8 @@ def export_checkpoint(config: RunConfig, folder: str | Path) -> Exported:
         raise ConfigError(f"model.kind: export writes Hugging Face models; this run's model is {config.model.kind!r}")
     step, _ = resumable_step(config.checkpoint.dir, config)
     run = build_run(config)
+    if not isinstance(run.model, HfStagedModel):
+        raise ConfigError(f"model.kind: {config.model.kind!r} builds no Hugging Face model to export")
     unsplit = run.model.unsplit(config.run.seed)
     unsplit.load_state_dict(merged_state_dict(config, step, run.model))
     folder = Path(folder)

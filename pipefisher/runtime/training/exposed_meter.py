@@ -35,6 +35,7 @@ from pipefisher.planning.plan import Plan
 from pipefisher.planning.simulate import COLLECTIVES
 from pipefisher.runtime.pipeline.executor import Executor
 from pipefisher.runtime.pipeline.extension import ExecutorExtension
+from pipefisher.runtime.primitives.clock import Mark
 
 
 class _OpRecorder(ExecutorExtension):
@@ -42,9 +43,9 @@ class _OpRecorder(ExecutorExtension):
 
     def __init__(self) -> None:
         self.records = False
-        self.marks: list[tuple[Op, object, object]] = []
+        self.marks: list[tuple[Op, Mark, Mark]] = []
 
-    def record(self, op: Op, start: object, end: object) -> None:
+    def record(self, op: Op, start: Mark, end: Mark) -> None:
         self.marks.append((op, start, end))
 
 
@@ -65,7 +66,7 @@ class MeasuredExposed:
         """step_ms / first_order_ms - 1 (the module's definition)."""
         return self.step_ms / self.first_order_ms - 1 if self.first_order_ms > 0 else 0.0
 
-    def extra(self) -> dict[str, float | int]:
+    def extra(self) -> dict[str, float | int | list[int]]:
         """The keys a step record carries (`pipefisher run --json`, metrics file)."""
         return {
             "exposed_share": self.share,

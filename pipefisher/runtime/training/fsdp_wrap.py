@@ -23,7 +23,7 @@ from pipefisher.runtime.primitives.comm import Comm
 
 def shard_stages(
     modules: dict[tuple[int, int], nn.Module], comm: Comm, device: torch.device, zero: int, pipes: int = 1
-) -> dict[int, FSDPModule]:
+) -> dict[int, nn.Module]:
     """Wrap every module of `modules` ((pipe, stage) -> module, on `device`) whose stage has an
     FSDP communicator (`pipefisher.planning.comm.actions.fsdp_group` of a schedule with `pipes`
     pipes: more than one replica to shard over) in place; returns stage -> its FSDP2 module.
@@ -33,7 +33,7 @@ def shard_stages(
     # FSDP's warning that an in-place op on a returned view would skip its pre-backward hook does
     # not apply (the equivalence tests hold every gradient to the reference).
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    sharded: dict[int, FSDPModule] = {}
+    sharded: dict[int, nn.Module] = {}
     for (pipe, stage), module in sorted(modules.items()):
         group = comm.groups.get(fsdp_group(stage, pipe, pipes))
         if group is None:
@@ -42,10 +42,10 @@ def shard_stages(
         after_forward = zero == 3
         for block in repeated_blocks(module):
             fully_shard(block, mesh=mesh, reshard_after_forward=after_forward)
-        root = fully_shard(module, mesh=mesh, reshard_after_forward=after_forward)
-        for unit in root.modules():
+        fully_shard(module, mesh=mesh, reshard_after_forward=after_forward)  # in place: `module` is the root
+        for unit in module.modules():
             if isinstance(unit, FSDPModule):  # a sum over the replicas, as a plain SUM (gloo has no PREMUL_SUM)
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)
-        sharded[stage] = root
+        sharded[stage] = module
     return sharded

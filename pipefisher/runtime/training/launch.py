@@ -110,9 +110,9 @@ def init_distributed(backend: str, timeout: float, hosted: bool = False) -> torc
     elif attempt is None:
         dist.init_process_group(backend, init_method="env://", timeout=wait)
     else:
-        store, rank, world = next(dist.rendezvous("env://", timeout=wait))
-        store = dist.PrefixStore(f"pipefisher/attempt-{attempt}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
+        found, rank, world = next(dist.rendezvous("env://", timeout=wait))
+        attempt_store = dist.PrefixStore(f"pipefisher/attempt-{attempt}", found)
+        dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world, timeout=wait)
     return device
 
 
@@ -247,7 +247,7 @@ class _Place:
             os.close(fd)
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """Processes forked from one server that has imported `PRELOADED` once (about 2 s of CPU
     per process saved against spawning a fresh interpreter that imports torch) where the platform
     has a forkserver; spawned otherwise. Neither inherits the launcher's threads."""
@@ -299,7 +299,7 @@ def run_group(
     def forward(signum: int) -> None:
         for proc in procs:
             if proc.is_alive():
-                if on_signal == "forward":
+                if on_signal == "forward" and proc.pid is not None:
                     os.kill(proc.pid, signum)
                 else:
                     proc.kill()

@@ -147,7 +147,7 @@ def _curvature_run(config: RunConfig, run: RunParts | None = None) -> tuple[Prof
 
     run = run if run is not None else build_run(config)
     schedule = run.schedule
-    section = config.curvature
+    section = config.method_section
     if not section.profile:
         raise ValueError(
             f"{method_of(config).name}.profile: the check packs the run's plan from a profile file; "

@@ -80,21 +80,21 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         ("micro_batches", plan.schedule.num_micro_batches, schedule.num_micro_batches),
         ("chunks", plan.schedule.num_stages // plan.schedule.num_ranks, schedule.num_stages // schedule.num_ranks),
     )
-    for name, planned, here in fields:
-        if planned != here:
-            raise ScheduleError(f"{name}: the plan is for {planned}, this run has {here} (pipeline.{name})")
+    for name, in_plan, in_run in fields:
+        if in_plan != in_run:
+            raise ScheduleError(f"{name}: the plan is for {in_plan}, this run has {in_run} (pipeline.{name})")
     validate_plan(plan)
     model = model if model is not None else staged_model(config)
     names = {
         stage: stage_layer_names(config, stage, schedule.num_stages, model) for stage in range(schedule.num_stages)
     }
-    for stage, expected in names.items():
-        planned = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
-        if planned != sorted(expected):
+    for stage, layers in names.items():
+        planned_layers = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
+        if planned_layers != sorted(layers):
             raise ScheduleError(
-                f"layers: the plan's stage {stage} works on {planned[:3]}..., the model's on {sorted(expected)[:3]}..."
+                f"layers: the plan's stage {stage} works on {planned_layers[:3]}..., the model's on {sorted(layers)[:3]}..."
             )
-    section = config.curvature
+    section = config.method_section
     stand_in = Profile(
         stages=tuple(
             StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name) for name in names[stage]))
@@ -102,7 +102,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         ),
         method=method,
     )
-    expected = after_step_plan(
+    expected_plan = after_step_plan(
         schedule,
         stand_in,
         method_of(config).rules,
@@ -111,7 +111,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         data_parallel=config.pipeline.data_parallel,
         precondition=config.workers_per_layer is None,
     )
-    planned, wanted = _task_counts(plan), _task_counts(expected)
+    planned, wanted = _task_counts(plan), _task_counts(expected_plan)
     if planned != wanted:
         extra = sorted(" ".join(map(str, key)) for key in (planned - wanted).elements())
         missing = sorted(" ".join(map(str, key)) for key in (wanted - planned).elements())
@@ -177,17 +177,17 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
     held = max(peak.bytes for peak in capture_peaks(plan, profile))
     first_order = simulate(schedule, profile).step_time  # nominal times, like `predicted`
     extra = predicted / plan.refresh_steps / first_order - 1 if first_order > 0 else 0.0
-    packed = result is not None and section.placement == "packed"
+    packed = result if section.placement == "packed" else None
     summary = (
         f"{method.label} {how}; "
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
-        + (f"; {result.reason}" if packed and not pinned else "")
+        + (f"; {packed.reason}" if packed is not None and not pinned else "")
         + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
-        + (f"; {result.memory}" if packed and result.memory else "")
+        + (f"; {packed.memory}" if packed is not None and packed.memory else "")
         + (
             f"; {method.name}.max_capture_mb applies to packed plans only"
-            if section.max_capture_mb and not packed
+            if section.max_capture_mb and packed is None
             else ""
         )
     )
@@ -239,7 +239,7 @@ class PipeFisherTrainer(PlanRunner):
         self.modules = {key: stage.module for key, stage in executor.stages.items()}
         self.method = method_of(config)
         self.parts = self.method.runtime_parts()
-        self.section = config.curvature
+        self.section = config.method_section
         self.model = model if model is not None else staged_model(config)
         self.skip = self.parts.skip(self.model)
         self.profile, fresh = (profile, False) if profile is not None else self._initial_profile()

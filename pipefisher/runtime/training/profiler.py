@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import platform
 import statistics
+from functools import partial
 from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -45,6 +46,7 @@ from pipefisher.runtime.pipeline.extension import ExecutorExtension
 from pipefisher.runtime.pipeline.plan_runner import schedule_plan
 from pipefisher.runtime.primitives.tf32 import tf32_enabled
 from pipefisher.runtime.training.task_flops import flop_rates, layer_flops, work_dtypes
+from pipefisher.runtime.primitives.clock import Mark
 
 #: (rank, op string, start, end) in ms from the step's common zero
 Record = tuple[int, str, float, float]
@@ -71,12 +73,12 @@ class _Recording(ExecutorExtension):
 
     def __init__(self, timer: TaskTimer | None):
         self.timer = timer
-        self.marks: list[tuple[Op, object, object]] = []
+        self.marks: list[tuple[Op, Mark, Mark]] = []
 
     def forward_context(self, op: Op) -> AbstractContextManager:
         return self.timer.forward_context(op) if self.timer is not None else nullcontext()
 
-    def record(self, op: Op, start: object, end: object) -> None:
+    def record(self, op: Op, start: Mark, end: Mark) -> None:
         self.marks.append((op, start, end))
 
 
@@ -156,7 +158,7 @@ def _grad_reduce_times(executor: Executor, repeats: int = 3) -> dict[int, list[f
         if len(executor.topology.replica_ranks(stage)) < 2 or stage in sharded:
             continue
         step_end.reduce_now(stage)  # connects
-        times[stage] = timed_ms(lambda stage=stage: step_end.reduce_now(stage), executor.device, repeats)
+        times[stage] = timed_ms(partial(step_end.reduce_now, stage), executor.device, repeats)
     step_end.reduction.load_state_dict(compression)
     executor.comm.sent_bytes.clear()
     return times
@@ -216,9 +218,9 @@ def _step_end_times(executor: Executor, timer: TaskTimer | None, repeats: int = 
             for parameter, value in zip(parameters, saved):
                 parameter.copy_(value)
         step_end.optimizer.load_state_dict(optimizer_state)
-        if scheduler_state is not None:
+        if step_end.scheduler is not None and scheduler_state is not None:
             step_end.scheduler.load_state_dict(scheduler_state)
-        if scaler_state is not None:
+        if step_end.scaler is not None and scaler_state is not None:
             step_end.scaler.load_state_dict(scaler_state)
         for buffer in step_end.buffers.values():
             buffer.zero_()
@@ -368,7 +370,7 @@ def _layer(
 def _add_compute_samples(step_records: list[Record], stage_samples: dict[int, TimeSamples]) -> None:
     """Forward and backward times of one step's records; where the backward is split, a
     micro-batch's backward sample is its input plus its weight gradient, and `weight` the latter."""
-    split: dict[tuple[int, int, int], float] = {}
+    split: dict[tuple[int, int, int | None], float] = {}
     for _, text, start, end in step_records:
         op = Op.parse(text)
         if op.kind is OpKind.FORWARD:

@@ -16,7 +16,9 @@ reported joined, under the unsplit model's names.
 
 from __future__ import annotations
 
+import operator
 import time
+from functools import reduce
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -36,6 +38,7 @@ from pipefisher.runtime.training.method_context import method_inputs
 from pipefisher.runtime.signals import stop_request
 from pipefisher.runtime.training.stopping import Stopped
 from pipefisher.runtime.training.trainer import StepCallback, TrainResult, method_skip
+from pipefisher.runtime.primitives.grads import grad_of
 
 
 @dataclass(frozen=True)
@@ -100,22 +103,22 @@ def train_reference(
         if curvature:
             curvature.after_step_backwards(step)
         if len(tied) > 1:
-            combined = sum(p.grad for p in tied)
+            combined = reduce(operator.add, [grad_of(p) for p in tied])  # in order, as the pipeline sums
             for parameter in tied:
                 parameter.grad = combined.clone()
         duplicates = {id(p) for p in tied[1:]}
         unique = [p for stage in stages for p in stage.parameters() if id(p) not in duplicates and p.grad is not None]
         overflow = False
         if scaler is not None:
-            found = scaler.unscale_([p.grad for p in unique])
+            found = scaler.unscale_([grad_of(p) for p in unique])
             for parameter in tied[1:]:
-                parameter.grad = tied[0].grad.clone()
+                parameter.grad = grad_of(tied[0]).clone()
             overflow = bool(found.item() > 0)
             extra["overflow"] = overflow
         if config.optimizer.clip_norm > 0:
             extra["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(unique, config.optimizer.clip_norm))
             for parameter in tied[1:]:
-                parameter.grad = tied[0].grad.clone()
+                parameter.grad = grad_of(tied[0]).clone()
         if not overflow:
             if curvature:
                 curvature.before_optimizer_update(step)
@@ -180,7 +183,7 @@ class _Net:
     modules: list[nn.Module]
     loss: Callable[[dict], tuple[Tensor, dict[str, Tensor]]]
     tied: list[nn.Parameter]
-    named_parameters: Callable[[], list[tuple[str, nn.Parameter]]]
+    named_parameters: Callable[[], list[tuple[str, Tensor]]]
 
 
 def _stages_in_sequence(model, config: RunConfig, precision: Precision) -> _Net:

@@ -59,6 +59,8 @@ class StepTracer:
             self.profiler = None
 
     def _write(self, finished: profile) -> None:
+        if self.path is None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".partial")
         finished.export_chrome_trace(str(partial))

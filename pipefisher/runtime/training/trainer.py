@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
@@ -186,7 +186,9 @@ def build_step_end(
     modules = {key: stage.module for key, stage in stages.items()}
     bucket_bytes = int(config.run.bucket_mb * 2**20)
     ownership = Ownership(topology, rank, modules, path.sharded)
-    sharded = {key[1]: module for key, module in modules.items() if isinstance(module, FSDPModule)}
+    sharded: dict[int, nn.Module] = {
+        key[1]: module for key, module in modules.items() if isinstance(module, FSDPModule)
+    }
     buffers = {
         key: GradientBuffer(module, bucket_bytes, ownership.owners[key] if path.sharded else None)
         for key, module in modules.items()
@@ -292,10 +294,12 @@ def train_pipelined(
         from pipefisher.runtime.training.pipefisher_run import PipeFisherTrainer
 
         # another layout's profile times other stages: this run measures (or reads) its own
-        profile = profile_from_dict(reader.required("run/profile")) if how is not None and how.same_layout else None
-        runner: PlanRunner = PipeFisherTrainer(config, executor, rank, executor.tied, profile, model=run.model)
+        same_layout = reader is not None and how is not None and how.same_layout
+        profile = profile_from_dict(reader.required("run/profile")) if reader is not None and same_layout else None
+        trainer = PipeFisherTrainer(config, executor, rank, executor.tied, profile, model=run.model)
         if reader is not None:
-            restore_curvature(runner, reader, process, how.same_layout)
+            restore_curvature(trainer, reader, process, same_layout)
+        runner: PlanRunner = trainer
     else:
         runner = PlanRunner(executor, rank, schedule_plan(executor.topology.schedule), executor.tied)
     if reader is not None:
