@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
 from experiments.common import UsageError, listed  # noqa: E402
-from experiments.exposed.arms import STAGES, Layout  # noqa: E402
+from experiments.exposed.arms import HELPED, STAGES, Layout, method_name  # noqa: E402
 from experiments.exposed.group import RankResult, Timing, cycles_of, measure_schedule  # noqa: E402
 from experiments.exposed.stats import Pair, Traced, ratio_table, trace_table  # noqa: E402
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
@@ -66,7 +66,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--schedules", help=f"comma-separated (default {','.join(DEFAULT_SCHEDULES)}; --quick: 1f1b)")
     parser.add_argument(
-        "--methods", help="comma-separated curvature methods (default: all registered; --quick: the first)"
+        "--methods",
+        help="comma-separated curvature methods (default: all registered; --quick: the first); NAME+helpers: "
+        "with the section's helpers on (muon)",
     )
     parser.add_argument(
         "--model", default=None, help=f"one of {', '.join(WORKLOADS)} (default gpt2-tiny; --quick: bert-tiny)"
@@ -118,7 +120,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--refresh-steps: {args.refresh_steps} is negative (0: the packer's choice)")
     if args.quiet_load < 0 or args.deadline <= 0:
         raise UsageError("--quiet-load must be >= 0 cores and --deadline > 0 s")
-    known = list(methods())
+    known = [*methods(), *(f"{name}{HELPED}" for name, method in methods().items() if method.rules.helpers)]
     args.schedules = listed(
         args.schedules or ("1f1b" if args.quick else ",".join(DEFAULT_SCHEDULES)), SCHEDULES, "--schedules"
     )
@@ -127,7 +129,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             get_schedule(schedule, STAGES, args.micro_batches)
         except ScheduleError as exc:
             raise UsageError(f"--schedules {schedule} with --micro-batches {args.micro_batches}: {exc}") from None
-    args.methods = listed(args.methods or (known[0] if args.quick else ",".join(known)), known, "--methods")
+    args.methods = listed(args.methods or (known[0] if args.quick else ",".join(methods())), known, "--methods")
     args.model = listed(args.model or ("bert-tiny" if args.quick else "gpt2-tiny"), list(WORKLOADS), "--model")
     if len(args.model) != 1:
         raise UsageError("--model: name one model")
@@ -173,7 +175,7 @@ def measure(args: argparse.Namespace, schedule: str) -> tuple[list[Pair], list[T
         Pair(
             schedule,
             m,
-            methods()[m].label,
+            label_of(m, fo),
             first.k[m],
             args.quiet_load,
             first.step_ms[fo],
@@ -194,7 +196,10 @@ def measure(args: argparse.Namespace, schedule: str) -> tuple[list[Pair], list[T
 
 
 def label_of(name: str, first_order: str) -> str:
-    return name if name == first_order else methods()[name].label
+    """The first-order optimizer's name, a method's label, with " + helpers" for its `HELPED` arm."""
+    if name == first_order:
+        return name
+    return methods()[method_name(name)].label + (" + helpers" if name.endswith(HELPED) else "")
 
 
 def report(

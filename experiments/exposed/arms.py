@@ -30,10 +30,17 @@ from pipefisher.runtime.training import (
 )
 
 STAGES = 2
+#: the suffix of a method's arm with its section's `helpers` on (``muon+helpers``)
+HELPED = "+helpers"
 #: re-profiling threshold of every method arm: never (a re-profile would be timed as a step)
 NO_REPROFILING = 1e9
 #: run.steps of every arm: only the learning-rate schedule's length (the arms step on past it never)
 RUN_STEPS = 100_000
+
+
+def method_name(arm: str) -> str:
+    """The method an arm runs (`arm` less the `HELPED` suffix)."""
+    return arm.removesuffix(HELPED)
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class Layout:
 
     def overrides(self, method: str | None) -> dict[str, dict[str, object]]:
         """{section: {key: value}} on the workload's run file for the first-order arm (`method`
-        None) or a method's arm."""
+        None) or a method's arm (`HELPED`: with its section's `helpers` on)."""
         sections: dict[str, dict[str, object]] = {
             "model": dict(self.workload.model),
             "pipeline": {
@@ -67,19 +74,21 @@ class Layout:
                 "stage_blocks": list(self.stage_blocks),
             },
             "data": {"micro_batch_size": self.micro_batch_size},
-            "optimizer": {"name": method or self.first_order},
+            "optimizer": {"name": method_name(method) if method else self.first_order},
             "run": {"steps": RUN_STEPS, "backend": "gloo", "timeout": self.timeout},
         }
         if method is not None:
-            sections[method] = {
+            name, helped = method_name(method), method.endswith(HELPED)
+            sections[name] = {
                 "placement": "packed",
                 "refresh_steps": self.refresh_steps,
                 "reprofile_threshold": NO_REPROFILING,
                 "profile": "",
                 "plan": "",
+                "helpers": helped,
             }
             if not self.refresh_steps:
-                sections[method]["max_refresh_steps"] = self.max_refresh_steps
+                sections[name]["max_refresh_steps"] = self.max_refresh_steps
         return sections
 
     def config(self, method: str | None) -> RunConfig:

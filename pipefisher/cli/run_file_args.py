@@ -133,11 +133,17 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                 help=f"{setting.doc} ({allowed}; default {field.default:g})",
             )
     parser.add_argument("--no-split", action="store_true", help="every replica does its own refresh work (split false)")
+    parser.add_argument(
+        "--helpers",
+        action="store_true",
+        help="hand layers of per-step work with no bubble to other ranks where the step gets shorter (helpers "
+        "true; methods whose rules allow it; the profile's p2p_bytes and weight_bytes cost the link)",
+    )
 
 
 def placement_section(args: argparse.Namespace) -> RefreshConfig:
     """The section the placement flags describe (defaults where not given); ConfigError naming the flag out of range."""
     given = {key: getattr(args, key) for key in PACK_KEYS if getattr(args, key) is not None}
-    section = dataclasses.replace(RefreshConfig(), split=not args.no_split, **given)
+    section = dataclasses.replace(RefreshConfig(), split=not args.no_split, helpers=args.helpers, **given)
     check_ranges(section, "", label=_flag_name)
     return section

@@ -253,6 +253,17 @@ def stage_replica_count(config: RunConfig) -> int:
     return (2 if config.pipeline.schedule == "chimera" else 1) * config.pipeline.data_parallel
 
 
+def _check_helpers(config: RunConfig) -> None:
+    """The curvature section's `helpers` only where its method can hand out work and each rank is
+    one process (ConfigError naming the key otherwise)."""
+    method = methods()[config.optimizer.name]
+    name = config.optimizer.name
+    if not method.rules.helpers:
+        raise ConfigError(f"{name}.helpers: {method.label}'s per-step work cannot run on another rank; set it false")
+    if config.pipeline.tensor_parallel > 1:
+        raise ConfigError(f"{name}.helpers: not with pipeline.tensor_parallel > 1 yet; set it false")
+
+
 def _check(config: RunConfig) -> None:
     pipeline, model = config.pipeline, config.model
     kind = model_kind(model.kind)
@@ -296,6 +307,8 @@ def _check(config: RunConfig) -> None:
         problem = config.curvature.layout_problem(config.optimizer.name, config.optimizer.zero, config.stage_replicas)
         if problem:
             raise ConfigError(problem)
+        if config.curvature.helpers:
+            _check_helpers(config)
     _ = config.gradient_path  # raises ConfigError unless the reduction and gradient workers combine
     _check_evaluation(config)
     if config.checkpoint.resume != "never" and not config.checkpoint.dir:

@@ -12,7 +12,7 @@ index of their part (`Op.part`). String form, version 2 (what `str(op)` writes):
 (``C`` curvature, ``S`` sync, ``R`` refresh) is followed by the part's index, and then by ``.``
 and the micro-batch where it has one: ``2C0.5:block0.fc1`` (curvature of part 0 of micro-batch
 5), ``2S1:block0.fc1`` (sync of part 1), ``2R1:block0.fc1`` (refresh of part 1). The other kinds
-are written as before: ``1F3``, ``p1.0B2``, ``0W1``, ``3X:block0.fc1``, ``2P``, ``2U``.
+are written as before: ``1F3``, ``p1.0B2``, ``0W1``, ``3X:block0.fc1``, ``2P``, ``2U``, ``1H:block0.fc1``.
 
 Version 1 (plans written before parts had indices) is read as well: ``2CA5:block0.fc1`` is
 curvature of part 0, ``CB`` of part 1; ``SA``/``SB`` syncs and ``IA``/``IB`` refresh work of parts
@@ -51,6 +51,8 @@ class OpKind(str, Enum):
     #: a stage's fold of the previous step's final gradient into its statistics (SOAP), deferred
     #: from that step's end into this step's bubbles
     FOLD = "U"
+    #: a layer's per-step work of another rank's stage, done on this rank (`rules.helpers`)
+    HELP = "H"
 
     @property
     def is_compute(self) -> bool:
@@ -75,8 +77,8 @@ _WITH_MICRO_BATCH = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, O
 #: the kinds whose ops do the work of one part of a layer (`Op.part`)
 PART_KINDS = frozenset({OpKind.CURVATURE, OpKind.SYNC, OpKind.REFRESH})
 _WITHOUT_LAYER = frozenset({OpKind.FORWARD, OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION, OpKind.FOLD})
-#: the kinds of a method's ops that recur in every step of a cycle, one per (pipe, stage)
-PER_STEP_KINDS = frozenset({OpKind.PRECONDITION, OpKind.FOLD})
+#: the kinds of a method's ops that recur in every step of a cycle (one per (pipe, stage); a help per layer)
+PER_STEP_KINDS = frozenset({OpKind.PRECONDITION, OpKind.FOLD, OpKind.HELP})
 #: ops that change a stage's gradient of the step: it is final after the last of them on a rank
 GRADIENT_KINDS = frozenset({OpKind.BACKWARD, OpKind.WEIGHT, OpKind.PRECONDITION})
 

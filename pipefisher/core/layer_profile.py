@@ -33,7 +33,9 @@ def _trimmed(values: Iterable[float]) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class LayerProfile:
     """The costs of its method's tasks on one layer of a stage: per part (index) `curvature`,
-    `sync` and `refresh` times and `capture_bytes`, and the `precondition` time; `samples` keyed
+    `sync` and `refresh` times and `capture_bytes`, the `precondition` time and `weight_bytes`
+    (its weight's size: what a help op of its per-step work receives and sends back, 0 = unknown);
+    `samples` keyed
     by `time_key`; `flops` (by `time_key`: of one execution; `STEP_END_FLOPS`: its share of the
     method's end of step, per step; absent = unknown). Lists are kept
     without trailing zeros (a missing part takes 0). A plain mapping given as `samples` is checked
@@ -46,6 +48,7 @@ class LayerProfile:
     refresh: tuple[float, ...] = ()
     precondition: float = 0.0
     capture_bytes: tuple[int, ...] = ()
+    weight_bytes: int = 0
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
     flops: Mapping[str, float] = field(default_factory=Frozen)
 
@@ -89,6 +92,8 @@ class LayerProfile:
         data["precondition"] = self.precondition
         if self.capture_bytes:
             data["capture_bytes"] = list(self.capture_bytes)
+        if self.weight_bytes:
+            data["weight_bytes"] = self.weight_bytes
         if self.samples:
             data["samples"] = {key: list(values) for key, values in self.samples.items()}
         if self.flops:

@@ -70,8 +70,8 @@ class StageProfile:
     other work; `step_end` the rest of the stage's end of step after its last op (tied weights,
     clipping, optimizer step; in profiles without `grad_reduce`, the all-reduce too), which a
     device holding several stages pays once per stage, and of it `method_step_end` the method's
-    own work there (Shampoo's, SOAP's preconditioning; 0 = none or not measured). `samples` as in
-    `LayerProfile`."""
+    own work there (Shampoo's, SOAP's preconditioning; 0 = none or not measured); `p2p_bytes` the
+    size of the message `p2p` times (0 = unknown). `samples` as in `LayerProfile`."""
 
     TIME_FIELDS: ClassVar[tuple[str, ...]] = (
         "forward", "backward", "p2p", "step_end", "grad_reduce", "weight", "method_step_end"
@@ -87,6 +87,7 @@ class StageProfile:
     #: the weight-gradient part of `backward` (0 = unknown: half of it)
     weight: float = 0.0
     method_step_end: float = 0.0
+    p2p_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "samples", check_samples(self.samples, self.TIME_FIELDS.__contains__, "samples"))
@@ -113,6 +114,8 @@ class StageProfile:
             for key in self.TIME_FIELDS
             if key not in _OPTIONAL_STAGE_TIMES or getattr(self, key)
         }
+        if self.p2p_bytes:
+            data["p2p_bytes"] = self.p2p_bytes
         if self.samples:
             data["samples"] = {key: list(values) for key, values in self.samples.items()}
         data["layers"] = [layer.to_dict() for layer in self.layers]
@@ -155,6 +158,13 @@ class Profile:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def link_speed(self) -> float:
+        """Bytes per time unit of the pipeline's links: the stages' measured messages (`p2p_bytes`)
+        over their `p2p` times; 0 when no stage has both."""
+        timed = [(stage.p2p_bytes, stage.p2p) for stage in self.stages if stage.p2p_bytes and stage.p2p > 0]
+        return sum(size for size, _ in timed) / sum(time for _, time in timed) if timed else 0.0
 
     def require_stages(self, num_stages: int, hint: str = "") -> Profile:
         """Return self if it has `num_stages` stages, else raise ProfileError."""
@@ -229,6 +239,7 @@ def _layer(data: Any, where: str) -> LayerProfile:
         **parts,
         precondition=time_field(data, "precondition", where, required=False),
         capture_bytes=part_list(data, "capture_bytes", where, byte_count),
+        weight_bytes=byte_count(data.get("weight_bytes", 0), f"{where}.weight_bytes"),
         samples=check_samples(data.get("samples", {}), layer_key, f"{where}.samples"),
         flops=check_flops(data.get("flops", {}), flop_key, f"{where}.flops"),
     )
@@ -257,6 +268,7 @@ def _stage(data: Any, where: str) -> StageProfile:
         grad_reduce=time_field(data, "grad_reduce", where, required=False),
         weight=time_field(data, "weight", where, required=False),
         method_step_end=_method_step_end(data, where),
+        p2p_bytes=byte_count(data.get("p2p_bytes", 0), f"{where}.p2p_bytes"),
         layers=parsed,
         samples=check_samples(data.get("samples", {}), StageProfile.TIME_FIELDS.__contains__, f"{where}.samples"),
     )

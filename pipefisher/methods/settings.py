@@ -60,6 +60,11 @@ class RefreshConfig:
         0.0, "cap on captures held per device, MiB (packed plans)", low=0, note="0 = no cap"
     )
     split: bool = setting(True, "spread a stage's refresh work over its pipes' replicas and exchange the results")
+    helpers: bool = setting(
+        False,
+        "hand layers of per-step work that has no bubble (1F1B's first stage) to other ranks where the packer "
+        "predicts a shorter step (methods whose rules allow it, TaskRules.helpers)",
+    )
     profile: str = setting("", 'a pipefisher.profile/v2 file of this run ("" = measure one before training)')
     plan: str = setting(
         "", 'a pipefisher.plan/v2 file (`pipefisher pack -o`) to run as it is instead of packing ("" = pack)'

@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from pathlib import Path
 from weakref import finalize
@@ -33,6 +34,7 @@ from pipefisher.core.ir import (
     peak_activations,
     peak_pending_weights,
 )
+from pipefisher.core.op_fields import layer_of
 from pipefisher.core.profile import Profile
 from pipefisher.core.profile_v1 import V1_METHOD
 from pipefisher.planning.simulate import COLLECTIVES, OpDurations, Timeline, simulate_graph
@@ -69,6 +71,12 @@ class Plan:
     @property
     def refresh_steps(self) -> int:
         return len(self.steps)
+
+    @cached_property
+    def helped(self) -> frozenset[tuple[int, str]]:
+        """The (stage, layer) pairs whose per-step work a help op does on another rank."""
+        first = self.steps[0] if self.steps else ()
+        return frozenset((op.stage, layer_of(op)) for ops in first for op in ops if op.kind is OpKind.HELP)
 
     def curvature_ops(self) -> list[Op]:
         """Every op of the cycle that is not a forward or backward, in step and rank order."""
@@ -223,6 +231,8 @@ def _check_method_kinds(plan: Plan) -> None:
         allowed.add((OpKind.PRECONDITION, None))
     if rules.deferred_statistics:
         allowed.add((OpKind.FOLD, None))
+    if rules.helpers:
+        allowed.add((OpKind.HELP, None))
     for op in ops:
         if (op.kind, op.part) not in allowed:
             what = op.kind.name if op.part is None else f"{op.kind.name} of part {op.part}"
@@ -234,7 +244,9 @@ def validate_plan(plan: Plan) -> Plan:
 
     Each step keeps the schedule's forward/backward ops in order and runs each of its weight
     gradients once on their rank, holding no more than the schedule does (`weight_memory_problem`);
-    every cycle op appears exactly once per cycle and every precondition and fold once per step; each op's dependencies run before it
+    every cycle op appears exactly once per cycle and every precondition, fold and help once per
+    step, a help (of a layer of its stage's precondition) on a rank that does not hold its stage,
+    every other method op on the rank of its stage; each op's dependencies run before it
     (earlier in the cycle, or earlier in the same step without deadlock); collectives are
     launched in the same order by all ranks of their group.
     """
@@ -261,10 +273,18 @@ def validate_plan(plan: Plan) -> Plan:
             if problem is not None:
                 raise ScheduleError(f"step {index}, rank {rank}: {problem}")
             for op in ops:
-                if not op.kind.is_compute and schedule.placement.get((op.pipe, op.stage)) != rank:
-                    raise ScheduleError(f"step {index}: {op} is on rank {rank}, not on the rank of its stage")
+                if not op.kind.is_compute and (schedule.placement.get((op.pipe, op.stage)) == rank) == (
+                    op.kind is OpKind.HELP
+                ):
+                    where = "the rank of its stage" if op.kind is OpKind.HELP else "not on the rank of its stage"
+                    raise ScheduleError(f"step {index}: {op} is on rank {rank}, {where}")
         step_ops = {op for ops in step for op in ops}
-        per_step = Counter(op for op in step_ops if op.kind in PER_STEP_KINDS)
+        per_step = Counter(op for ops in step for op in ops if op.kind in PER_STEP_KINDS)
+        for op, count in per_step.items():
+            if count > 1:
+                raise ScheduleError(f"step {index}: {op} runs {count} times")
+            if op.kind is OpKind.HELP and Op(OpKind.PRECONDITION, op.stage, None, op.pipe) not in per_step:
+                raise ScheduleError(f"step {index}: {op} helps a stage without its precondition op in the step")
         for op in step_ops:
             if op.kind in CYCLE_KINDS:
                 seen[op] += 1
@@ -292,7 +312,7 @@ def simulate_plan(
     `graph` (optional) is the plan's task graph when the caller has it.
     """
     graph = graph or plan.graph  # derived once for all steps
-    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
+    durations = _durations(plan, profile)
     return [simulate_plan_step(plan, index, durations, cache, graph) for index in range(plan.refresh_steps)]
 
 
@@ -304,12 +324,18 @@ def simulate_plan_step(
     key = (index == 0, step)
     if cache is not None and key in cache:
         return cache[key]
-    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
+    durations = _durations(plan, profile)
     op_graph = _step_graph(step, graph or plan.graph, first_step=index == 0)
     timeline = simulate_graph(op_graph, durations, f"{plan.schedule.name} step {index}")
     if cache is not None:
         cache[key] = timeline
     return timeline
+
+
+def _durations(plan: Plan, profile: Profile | OpDurations) -> OpDurations:
+    """The op times of `plan`: `profile`'s, with the plan's helped layers (`Plan.helped`)."""
+    durations = profile if isinstance(profile, OpDurations) else OpDurations(profile, plan.schedule.splits_backward)
+    return durations.helping(plan.helped)
 
 
 class _OpNumbers:

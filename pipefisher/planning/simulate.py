@@ -6,141 +6,27 @@ gradient reduction over its replicas (`grad_reduce`) starts when its gradient is
 backward, weight gradient or preconditioning on that rank) and runs off the rank; after its last op and those
 reductions a rank spends the step end of each stage it holds, independently of the other ranks (a
 collective inside the end of step, such as global-norm clipping, also makes a rank that finished
-early wait for the last one; that wait is not modelled). Times are in the profile's time unit.
+early wait for the last one; that wait is not modelled). A help op (`OpKind.HELP`: a layer's
+per-step work of another rank's stage) starts once the layer's input has crossed the link, and
+the stage's rank starts its end of step only once every helped layer's result is back. Times are
+in the profile's time unit.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property
-from itertools import repeat
+from dataclasses import replace
 from operator import add, attrgetter
-from typing import Any
 
 from pipefisher.core.ir import GRADIENT_KINDS, PER_STEP_KINDS, Op, OpKind, Schedule, splits_backward
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError
+from pipefisher.planning.timeline import Bubble as Bubble, Interval, Timeline
 from pipefisher.schedules.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
 
 
 #: the profile's time of a part's op of each kind (`pipefisher.core.profile.PART_WORK`)
 _WORK = {OpKind.CURVATURE: "curvature", OpKind.SYNC: "sync", OpKind.REFRESH: "refresh"}
-
-
-@dataclass(frozen=True, slots=True)
-class Interval:
-    """`op` runs on its rank from `start` to `end` (profile time unit)."""
-
-    op: Op
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @classmethod
-    def many(cls, ops: Iterable[Op], starts: Iterable[float], ends: Iterable[float]) -> list[Interval]:
-        """`[Interval(op, start, end) for op, start, end in zip(ops, starts, ends)]`, built field by
-        field in bulk: one constructor call per op would dominate simulating a large schedule."""
-        fields: list[list[Any]] = [list(ops), list(starts), list(ends)]
-        intervals: list[Interval] = list(map(object.__new__, repeat(cls, min(map(len, fields)))))
-        slots = [getattr(cls, name) for name in ("op", "start", "end")]  # the __slots__ descriptors
-        for slot, values in zip(slots, fields):
-            for _ in map(slot.__set__, intervals, values):
-                pass
-        return intervals
-
-
-@dataclass(frozen=True, slots=True)
-class Bubble:
-    """An idle gap of one rank within the step, [start, end)."""
-
-    rank: int
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Per-rank intervals in execution order; the step spans [0, step_time].
-
-    `comm_end` is when the last asynchronous collective launched in the step completes;
-    `tails[rank]` (empty: all 0) the rank's busy end of step, which starts at `tail_start(rank)`:
-    after its last op and once its stages' gradient reductions (`reduce_ends[rank]`, empty: all 0)
-    are done.
-    """
-
-    ranks: tuple[tuple[Interval, ...], ...]
-    time_unit: str = "units"
-    comm_end: float = 0.0
-    tails: tuple[float, ...] = ()
-    reduce_ends: tuple[float, ...] = ()
-
-    @cached_property
-    def step_time(self) -> float:
-        ends = (self.tail_start(rank) + self.tail(rank) for rank in range(self.num_ranks))
-        return max(max(ends, default=0.0), self.comm_end)
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.ranks)
-
-    def tail(self, rank: int) -> float:
-        return self.tails[rank] if self.tails else 0.0
-
-    def tail_start(self, rank: int) -> float:
-        """When `rank`'s end of step starts: after its last op and its gradient reductions."""
-        return max(self.last_end(rank), self.reduce_ends[rank] if self.reduce_ends else 0.0)
-
-    def last_end(self, rank: int) -> float:
-        """When `rank`'s last op ends (0 without ops)."""
-        return max((iv.end for iv in self.ranks[rank]), default=0.0)
-
-    def busy_time(self, rank: int) -> float:
-        """Op time plus the end of step."""
-        return sum(iv.duration for iv in self.ranks[rank]) + self.tail(rank)
-
-    def bubble_time(self, rank: int) -> float:
-        return self.step_time - self.busy_time(rank)
-
-    def bubbles(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
-        """Windows for more work on `rank`: its idle gaps in [0, step_time - tail], including before
-        its first and after its last op (work placed there ends before the rank's end of step)."""
-        gaps, cursor = [], 0.0
-        for iv in self.ranks[rank]:
-            if iv.start - cursor > min_duration:
-                gaps.append(Bubble(rank, cursor, iv.start))
-            cursor = max(cursor, iv.end)
-        end = self.step_time - self.tail(rank)
-        if end - cursor > min_duration:
-            gaps.append(Bubble(rank, cursor, end))
-        return gaps
-
-    def idle_gaps(self, rank: int, min_duration: float = 1e-9) -> list[Bubble]:
-        """Where `rank` is idle, for drawing: the bubbles, but the gap after the last op is split
-        around the rank's end of step, which starts at `tail_start` (same total as `bubbles`)."""
-        gaps = self.bubbles(rank, min_duration)
-        tail = self.tail(rank)
-        if tail and gaps and gaps[-1].start >= self.last_end(rank) - 1e-12:
-            last, start = gaps.pop(), self.tail_start(rank)
-            gaps += [
-                gap
-                for gap in (Bubble(rank, last.start, start), Bubble(rank, start + tail, last.end + tail))
-                if gap.duration > min_duration
-            ]
-        return gaps
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Idle share of all ranks' time over the step, 0..1."""
-        total = self.step_time * self.num_ranks
-        return sum(self.bubble_time(r) for r in range(self.num_ranks)) / total if total else 0.0
 
 
 COLLECTIVES = frozenset({OpKind.SYNC, OpKind.EXCHANGE})
@@ -154,12 +40,17 @@ class OpDurations:
     Collectives (factor syncs, inverse exchanges) are launched asynchronously: they take no time
     on their rank, and whoever depends on one waits for its duration after the launch.
     Every time depends on the ops' kind, stage, layer and part only (and `delay` on whether they
-    cross ranks); the simulator relies on this to ask once per distinct case.
+    cross ranks); the simulator relies on this to ask once per distinct case. `helped`: the
+    (stage, layer) pairs whose per-step work help ops do on other ranks (`OpKind.HELP`): a help
+    takes the layer's `precondition` time after its input crossed the link (`help_transfer`),
+    the stage's precondition op the rest, and the owner's end of step waits for the result's way back.
     """
 
-    def __init__(self, profile: Profile, split_backward: bool = False):
+    def __init__(
+        self, profile: Profile, split_backward: bool = False, helped: frozenset[tuple[int, str]] = frozenset()
+    ):
         """`split_backward`: backwards are input gradients only (the op lists hold W ops)."""
-        self.profile, self.split_backward = profile, split_backward
+        self.profile, self.split_backward, self.helped = profile, split_backward, helped
         self._layers = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
         self._work: dict[Op, float] = {}
         self._cost_classes: CostClasses | None = None
@@ -179,6 +70,21 @@ class OpDurations:
             pass
         raise ProfileError(f"op {op}: stage {op.stage} of the profile has no layer {op.layer!r}")
 
+    def helping(self, helped: frozenset[tuple[int, str]]) -> OpDurations:
+        """These durations (a copy of the same class) with `helped` layers' per-step work on
+        helpers; self when unchanged."""
+        if helped == self.helped:
+            return self
+        other = copy.copy(self)
+        other.helped, other._work, other._cost_classes = helped, {}, None
+        return other
+
+    def help_transfer(self, op: Op) -> float:
+        """The way of a help op's layer over the pipeline link, each direction: its weight's bytes
+        at the profile's `link_speed` (0 when either is unknown)."""
+        speed = self.profile.link_speed
+        return self.layer(op).weight_bytes / speed if speed > 0 else 0.0
+
     def work(self, op: Op) -> float:
         """How long `op` keeps its rank busy (collectives: the transfer, not the rank)."""
         cached = self._work.get(op)
@@ -195,8 +101,10 @@ class OpDurations:
             return stage.input_gradient if self.split_backward else stage.backward
         if kind is OpKind.WEIGHT:
             return stage.weight_gradient
-        if kind in PER_STEP_KINDS:  # a method's per-step work: the profile's precondition time
-            return sum(layer.precondition for layer in stage.layers)
+        if kind is OpKind.HELP:
+            return self.layer(op).precondition
+        if kind in PER_STEP_KINDS:  # a method's per-step work: the profile's precondition time, less the helped layers'
+            return sum(layer.precondition for layer in stage.layers if (op.stage, layer.name) not in self.helped)
         layer = self.layer(op)
         if kind is OpKind.EXCHANGE:
             return max(layer.sync, default=0.0)
@@ -228,6 +136,8 @@ class OpDurations:
         """Time between `producer` ending on its rank and `consumer` being able to use its result."""
         if producer.kind in COLLECTIVES:
             return self.work(producer)
+        if cross_rank and consumer.kind is OpKind.HELP:
+            return self.help_transfer(consumer)
         if cross_rank and producer.stage != consumer.stage:
             return self.profile.stages[min(producer.stage, consumer.stage)].p2p
         return 0.0
@@ -264,16 +174,23 @@ def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule
         ran_on[number] = rank
         starts[rank].append(start)
     classes = durations.cost_classes
-    stage, collective, gradient = classes.stage, classes.collective, classes.gradient
+    stage, collective, gradient, helps = classes.stage, classes.collective, classes.gradient, classes.helps
     ranks, tails, reduce_ends, launched = [], [], [], []
-    for numbers, begins in zip(graph.ranks, starts):
-        ends = list(map(add, begins, map(busy.__getitem__, numbers)))
+    rank_ends = [list(map(add, begins, map(busy.__getitem__, numbers))) for numbers, begins in zip(graph.ranks, starts)]
+    helped = _help_results(graph, cost_class, rank_ends, durations) if durations.helped else {}
+    for numbers, begins, ends in zip(graph.ranks, starts, rank_ends):
         ranks.append(tuple(Interval.many(map(graph.ops.__getitem__, numbers), begins, ends)))
         own = list(map(cost_class.__getitem__, numbers))
-        tails.append(durations.step_end(set(map(stage.__getitem__, own))))
-        # a stage's gradient is final at the end of its last backward (or W, precondition) here
+        tails.append(durations.step_end({stage[c] for c in own if not helps[c]}))  # a help holds no stage
+        # a stage's gradient is final at the end of its last backward (or W, precondition) here,
+        # and its helped layers' results are back when the last has crossed the link
         final = {stage[c]: end for c, end in zip(own, ends) if gradient[c]}
-        reduce_ends.append(max((end + durations.grad_reduce(s) for s, end in final.items()), default=0.0))
+        reduce_ends.append(
+            max(
+                (max(end + durations.grad_reduce(s), helped.get(s, 0.0)) for s, end in final.items()),
+                default=0.0,
+            )
+        )
         launched += [end + durations.work(classes.examples[c]) for c, end in zip(own, ends) if collective[c]]
     return Timeline(
         ranks=tuple(ranks),
@@ -282,6 +199,21 @@ def simulate_graph(graph: OpGraph, durations: OpDurations, name: str = "schedule
         tails=tuple(tails),
         reduce_ends=tuple(reduce_ends),
     )
+
+
+def _help_results(
+    graph: OpGraph, cost_class: Sequence[int], rank_ends: Sequence[Sequence[float]], durations: OpDurations
+) -> dict[int, float]:
+    """stage -> when the last result of its help ops is back on its own rank (each result
+    crosses the link after its help op ends; a helped stage has one copy, so one owner)."""
+    back: dict[int, float] = {}
+    examples = durations.cost_classes.examples
+    for numbers, ends in zip(graph.ranks, rank_ends):
+        for number, end in zip(numbers, ends):
+            op = examples[cost_class[number]]
+            if op.kind is OpKind.HELP:
+                back[op.stage] = max(back.get(op.stage, 0.0), end + durations.help_transfer(op))
+    return back
 
 
 #: (producer cost class, consumer cost class, cross-rank)
@@ -326,10 +258,11 @@ class CostClasses:
         self.classes: Numbering[tuple] = Numbering()
         self.examples: list[Op] = []
         self.busy: list[float] = []
-        #: per class: its ops' stage, whether they are collectives, whether they finish a gradient
+        #: per class: its ops' stage, whether they are collectives, finish a gradient, help another rank
         self.stage: list[int] = []
         self.collective: list[bool] = []
         self.gradient: list[bool] = []
+        self.helps: list[bool] = []
         examples = self.examples
         self.delay = _Memo(lambda key: durations.delay(examples[key[0]], examples[key[1]], key[2]))
 
@@ -353,6 +286,7 @@ class CostClasses:
             self.stage += (op.stage for op in new)
             self.collective += (op.kind in COLLECTIVES for op in new)
             self.gradient += (op.kind in GRADIENT_KINDS for op in new)
+            self.helps += (op.kind is OpKind.HELP for op in new)
         return cost_class
 
 

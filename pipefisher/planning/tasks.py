@@ -112,7 +112,7 @@ class TaskGraph:
         kind = op.kind
         if kind.is_compute:
             return dependencies(op, self.schedule.num_stages)
-        if kind is OpKind.PRECONDITION:
+        if kind in (OpKind.PRECONDITION, OpKind.HELP):  # a help is a layer's share of the precondition
             return self.gradient_ops(op)
         if kind is OpKind.FOLD:
             return ()  # it folds the previous step's gradient: nothing of its own step
@@ -252,7 +252,7 @@ def build_tasks(
     """
     check_profile(schedule, profile)
     if not precondition:
-        rules = replace(rules, precondition=False)
+        rules = replace(rules, precondition=False, helpers=False)
     replicas = stage_replicas(schedule)
     owners = _refresh_owners(schedule, profile, split, rules.parts)
     graph_mbs = TaskGraph(schedule, (), rules).micro_batches

@@ -75,6 +75,9 @@ class TaskRules:
     in a per-step fold op (`OpKind.FOLD`) of the next step, anywhere in that step's bubbles; no op
     waits for it, since the runtime folds what is held before anything reads the statistics (the
     profile's `precondition` time of a layer is then that fold's).
+    `helpers`: a layer's share of the per-step precondition op can run on another rank (a help
+    op, `OpKind.HELP`, placed by `pipefisher.planning.packing.helpers`): the method's runtime sends
+    that rank the layer's input of the step and takes the result back before its optimizer step.
     `shared_when_split`: (split, part) pairs: under tensor parallelism the part's statistic of a
     layer split that way is the same on every shard of a rank (K-FAC: a column split's input
     factor, a row split's output-gradient factor), so each shard builds it from its share of the
@@ -88,6 +91,7 @@ class TaskRules:
     labels: WorkLabels
     shared_when_split: tuple[tuple[str, int], ...] = ()
     deferred_statistics: bool = False
+    helpers: bool = False
 
     def __post_init__(self) -> None:
         if len(self.labels.parts) > MAX_PARTS:
@@ -96,6 +100,8 @@ class TaskRules:
             raise ValueError(
                 "deferred_statistics: a method with per-micro-batch curvature or a precondition op has no fold op"
             )
+        if self.helpers and not self.precondition:
+            raise ValueError("helpers: a method without a precondition op has no per-step work to hand out")
         if self.curvature and not self.parts:
             raise ValueError("curvature: a method without parts has no curvature tasks")
         for split, part in self.shared_when_split:

@@ -90,37 +90,37 @@ class MuonEngine:
     def names(self) -> list[str]:
         return list(self.matrices)
 
-    def orthogonalise(
+    def directions(
         self, names: Sequence[str], loss_scale: Tensor | None = None, gradients: Sequence[Tensor] | None = None
-    ) -> None:
-        """The step of the matrices `names` from `gradients` (default: their parameters' reduced
-        gradients whole, `whole_gradient`: a collective per sharded one, in `names` order; divided
-        by `loss_scale`, one element, when given): each one's new momentum (pending) and
-        orthogonalised update, one Newton–Schulz stack per `shape_groups` group. No host read."""
+    ) -> list[Tensor]:
+        """The step's first half for the matrices `names`, from `gradients` (default: their
+        parameters' reduced gradients whole, `whole_gradient`: a collective per sharded one, in
+        `names` order; divided by `loss_scale`, one element, when given): each one's new momentum
+        (pending, committed by `apply`) and its direction, what Newton–Schulz orthogonalises
+        (`orthogonalise_into`, here or on a helper). No host read."""
         matrices = [self.matrices[name] for name in names]
         if not matrices:
-            return
+            return []
         if gradients is None:
             grads = [_reduced_gradient(matrix) for matrix in matrices]
             gradients = grads if loss_scale is None else torch._foreach_div(grads, loss_scale.reshape(()))
-        buffers, updates = [], []
+        buffers = []
         for matrix, gradient in zip(matrices, gradients, strict=True):
             if matrix.buffer is None:
                 matrix.buffer = torch.zeros_like(gradient)
-            if matrix.update is None:
-                matrix.update = _whole_empty(matrix.parameter)
             buffers.append(matrix.buffer)
-            updates.append(matrix.update)
         pending, directions = momentum_update(buffers, list(gradients), self.settings)
         for matrix, new in zip(matrices, pending):
             matrix.pending = new
-        for group in shape_groups(directions):
-            if len(group) == 1:  # torch.optim.Muon's 2-D kernels, to the bit
-                updates[group[0]].copy_(orthogonalise(directions[group[0]], self.settings))
-                continue
-            wide = [_wide(directions[i]) for i in group]
-            result = orthogonalise(torch.stack(wide), self.settings)
-            torch._foreach_copy_([_wide(updates[i]) for i in group], list(result.unbind(0)))
+        return list(directions)
+
+    def orthogonalise(
+        self, names: Sequence[str], loss_scale: Tensor | None = None, gradients: Sequence[Tensor] | None = None
+    ) -> None:
+        """The step of the matrices `names` (`directions`, arguments as there): each one's new
+        momentum and its orthogonalised update (`orthogonalise_into`)."""
+        directions = self.directions(names, loss_scale, gradients)
+        orthogonalise_into([self.update_buffer(name) for name in names], directions, self.settings)
 
     def update_buffer(self, name: str) -> Tensor:
         """The tensor matrix `name`'s update is in (allocated on first use; a receiving replica's
@@ -188,6 +188,18 @@ def _whole_empty(parameter: Tensor) -> Tensor:
 def _wide(matrix: Tensor) -> Tensor:
     """`matrix` (2-D) as a view with no more rows than columns (its transpose when tall)."""
     return matrix.mT if matrix.size(0) > matrix.size(1) else matrix
+
+
+def orthogonalise_into(updates: Sequence[Tensor], directions: Sequence[Tensor], settings: MuonConfig) -> None:
+    """Each of `directions` orthogonalised into the update of its shape beside it, one stacked
+    Newton–Schulz per `shape_groups` group (a group of one: torch.optim.Muon's 2-D kernels, to the bit)."""
+    for group in shape_groups(directions):
+        if len(group) == 1:
+            updates[group[0]].copy_(orthogonalise(directions[group[0]], settings))
+            continue
+        wide = [_wide(directions[i]) for i in group]
+        result = orthogonalise(torch.stack(wide), settings)
+        torch._foreach_copy_([_wide(updates[i]) for i in group], list(result.unbind(0)))
 
 
 def shape_groups(matrices: Sequence[Tensor]) -> list[list[int]]:

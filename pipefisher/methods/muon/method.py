@@ -95,6 +95,7 @@ MUON = CurvatureMethod(
         sync_of=(),
         precondition=True,
         labels=WorkLabels(parts=(), precondition="orthogonalisation"),
+        helpers=True,
     ),
     settings=MuonConfig,
     parts="pipefisher.methods.muon.parts:PARTS",

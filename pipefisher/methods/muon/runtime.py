@@ -1,4 +1,5 @@
-"""Muon in the executor: the P op of a stage with one replica, the share-and-broadcast of a
+"""Muon in the executor: the P op of a stage with one replica (and its help ops, where the plan
+hands matrices to another rank: `pipefisher.methods.muon.helping`), the share-and-broadcast of a
 replicated stage (``pgrad``), the commit before the optimizer step, and its task timer.
 
 A stage held once (no other pipe, no data-parallel copy): its gradient of the step is final after
@@ -37,8 +38,11 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer, tied_copies
-from pipefisher.methods.muon.engine import MuonEngine, linear_weights
+from pipefisher.core.op_fields import layer_of
+from pipefisher.methods.muon.engine import MuonEngine, linear_weights, orthogonalise_into
+from pipefisher.methods.muon.helping import Helping
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.plan import Plan
 from pipefisher.planning.replicas.kaisa import GradWorkers
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
@@ -85,11 +89,22 @@ class MuonRuntime(StageRuntime[MuonEngine]):
             if any(is_sharded(matrix.parameter) for matrix in engine.matrices.values())
         }
 
+    def set_plan(self, plan: Plan | None) -> None:
+        super().set_plan(plan)
+        parameter = next(p for module in self.modules.values() for p in module.parameters())
+        self.helping = Helping.of_plan(
+            plan, self.topology, self.rank, self.config.stage_shapes, parameter.dtype, parameter.device
+        )
+
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
-        return {OpKind.PRECONDITION: self._orthogonalise_stage}
+        return {OpKind.PRECONDITION: self._orthogonalise_stage, OpKind.HELP: self._help}
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
-        return {CollectiveKind.PGRAD: self._launch_share}
+        return {
+            CollectiveKind.PGRAD: self._launch_share,
+            CollectiveKind.HELP_IN: self._launch_help_in,
+            CollectiveKind.HELP_OUT: self._launch_help_out,
+        }
 
     def before_optimizer_step(self, updates: Callable[[nn.Parameter], bool]) -> None:
         for engine in self.engines.values():
@@ -113,8 +128,35 @@ class MuonRuntime(StageRuntime[MuonEngine]):
         )
 
     def _orthogonalise_stage(self, op: Op) -> None:
-        engine = self.engine(op)
-        engine.orthogonalise(engine.names(), self.loss_scale())
+        engine, handed = self.engine(op), self.helping.handed_names(op.stage)
+        engine.orthogonalise([name for name in engine.names() if name not in handed], self.loss_scale())
+
+    def _help(self, op: Op) -> None:
+        """A matrix of another rank's stage: its direction, received, orthogonalised."""
+        key = (op.stage, layer_of(op))
+        orthogonalise_into([self.helping.outputs[key]], [self.helping.inputs[key]], self.config.settings)
+
+    def _launch_help_in(self, collective: Collective) -> Handle:
+        """The stage's rank steps the helped matrices' momentum and broadcasts their directions;
+        the helper receives them (`pipefisher.methods.muon.helping`)."""
+        (stage,), (_, owner, helper) = collective.key, collective.group
+        if self.rank == owner:
+            names = self.helping.handed[stage][helper]
+            directions = self.engine_of_stage[stage].directions(names, self.loss_scale())
+            return self.comm.broadcast([(direction, owner) for direction in directions], collective.group)
+        names = self.helping.helped[(stage, owner)]
+        return self.comm.broadcast([(self.helping.inputs[(stage, name)], owner) for name in names], collective.group)
+
+    def _launch_help_out(self, collective: Collective) -> Handle:
+        """The helper broadcasts its results; the stage's rank receives them into the matrices'
+        update buffers."""
+        (stage,), (_, owner, helper) = collective.key, collective.group
+        if self.rank == owner:
+            engine = self.engine_of_stage[stage]
+            names = self.helping.handed[stage][helper]
+            return self.comm.broadcast([(engine.update_buffer(name), helper) for name in names], collective.group)
+        names = self.helping.helped[(stage, owner)]
+        return self.comm.broadcast([(self.helping.outputs[(stage, name)], helper) for name in names], collective.group)
 
     def _launch_share(self, collective: Collective) -> Handle:
         """Orthogonalise this rank's share of the stage's matrices from the reduced gradient, then

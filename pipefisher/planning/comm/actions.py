@@ -91,6 +91,10 @@ class CollectiveKind(str, Enum):
     #: ZeRO-2/3 with several pipes (Chimera): each gradient shard summed over the stage's copies in
     #: the other pipes, after FSDP2's reduce-scatter within the pipe
     GRAD_PIPES = "grad_pipes"
+    #: a helped stage's layer inputs of the step, broadcast from its rank to a helper (`OpKind.HELP`)
+    HELP_IN = "help_in"
+    #: the helper's results of those layers, broadcast back to the stage's rank
+    HELP_OUT = "help_out"
     #: the sum of a tied weight's gradient over the stages that hold copies
     TIED = "tied"
     #: the world reduction of the step's loss, norm and flags (the optimizer step follows it)
@@ -310,6 +314,12 @@ def pgrad_collective(topology: Topology, rank: int, stage: int, workers: int) ->
     """The broadcasts of stage `stage`'s preconditioned gradients within `rank`'s block."""
     grid = GradWorkers(topology.replica_ranks(stage), workers)
     return Collective(CollectiveKind.PGRAD, ("pgrad", stage, grid.block(rank)), (stage,))
+
+
+def help_collective(kind: CollectiveKind, owner: int, helper: int, stage: int) -> Collective:
+    """`kind` (HELP_IN or HELP_OUT) of stage `stage`, held by global rank `owner`, with `helper`,
+    on their communicator ``("help", owner, helper)``."""
+    return Collective(kind, ("help", owner, helper), (stage,))
 
 
 def gather_collective(stage: int) -> Collective:

@@ -17,9 +17,10 @@ def tied_ranks_of(topology: Topology) -> tuple[int, ...]:
 
 
 def group_members(
-    topology: Topology, tied: bool, path: GradientPath = GradientPath()
+    topology: Topology, tied: bool, path: GradientPath = GradientPath(), helpers: bool = False
 ) -> dict[GroupKey, tuple[int, ...]]:
-    """Every communicator of a run and its global ranks (see the module docstring)."""
+    """Every communicator of a run and its global ranks (see the module docstring); `helpers`:
+    one for every ordered pair of ranks (`help_groups`)."""
     tied_ranks = tied_ranks_of(topology) if tied else ()
     schedule = topology.schedule
     members: dict[GroupKey, tuple[int, ...]] = {("world",): tuple(range(topology.world_size))}
@@ -35,6 +36,8 @@ def group_members(
                     members[("pgrad", stage, block)] = grid.block_ranks(block)
     if path.fsdp and schedule.num_pipes > 1:
         members.update(_fsdp_pipe_groups(topology))
+    if helpers:
+        members.update(help_groups(topology))
     for replica in range(topology.data_parallel):
         for pipe in range(schedule.num_pipes):
             for stage in range(schedule.num_stages - 1):
@@ -43,6 +46,16 @@ def group_members(
                     members[("fwd", replica, pipe, stage)] = (low, high)
                     members[("bwd", replica, pipe, stage)] = (high, low)
     return members
+
+
+def help_groups(topology: Topology) -> dict[GroupKey, tuple[int, ...]]:
+    """``("help", owner, helper)`` for every ordered pair of ranks: a helped stage's rank and a
+    rank that does part of its per-step work (one pipeline, no replicas, one process per rank:
+    the layouts where a stage has a precondition op of its own); none for other layouts."""
+    if topology.data_parallel > 1 or topology.tensor_parallel > 1 or topology.schedule.num_pipes > 1:
+        return {}
+    ranks = range(topology.world_size)
+    return {("help", owner, helper): (owner, helper) for owner in ranks for helper in ranks if owner != helper}
 
 
 def _fsdp_pipe_groups(topology: Topology) -> dict[GroupKey, tuple[int, ...]]:

@@ -23,6 +23,8 @@ Communicators (group keys), one per purpose so that no two purposes queue behind
   replicas, to which its workers broadcast the preconditioned gradients (``pgrad``).
 - ``("curv", s)``: stage s's curvature syncs (K-FAC factors, Shampoo's gradient) and exchanges
   of refresh results (inverses, roots, bases) over the same replicas, keyed (stage, layer, part).
+- ``("help", owner, helper)``: a helped stage's rank and a rank doing part of its per-step work
+  (``help_in``, ``help_out``: `pipefisher.planning.comm.helps`).
 - ``("tied",)``: tied weights (first and last stage); ``("world",)``: the end-of-step reduction
   (loss, gradient norm, overflow flag) over all ranks.
 
@@ -68,6 +70,7 @@ from pipefisher.planning.comm.actions import (
     unshard_collective,
 )
 from pipefisher.planning.comm.groups import group_members, tied_ranks_of
+from pipefisher.planning.comm.helps import HelpActions, help_waits, stage_helpers
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.comm.send_waits import SendWait, send_waits
 from pipefisher.planning.plan import Plan
@@ -126,6 +129,7 @@ def _plan_actions(
     synced = {(op.stage, op.layer, op.part) for op in plan.curvature_ops() if op.kind is OpKind.SYNC}
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
+    helpers = stage_helpers(plan)
     steps: list[tuple[tuple[Action, ...], ...]] = []
     #: per rank, the syncs it has waited for in the cycle so far (a sync feeds several ops)
     waited: list[set[Collective]] = [set() for _ in range(topology.world_size)]
@@ -137,9 +141,21 @@ def _plan_actions(
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
             slots = waits[topology.pipeline_rank(rank)]
+            helps = HelpActions(topology, ops, rank, replica, helpers)
             actions = list(
                 _op_actions(
-                    topology, ops, replica, rank, owners, synced, replicated, rules, waited[rank], slots, path.fsdp
+                    topology,
+                    ops,
+                    replica,
+                    rank,
+                    owners,
+                    synced,
+                    replicated,
+                    rules,
+                    waited[rank],
+                    slots,
+                    helps,
+                    path.fsdp,
                 )
             )
             actions += _end_of_step(topology, rank, actions, tied_ranks, path)
@@ -158,9 +174,8 @@ def _plan_actions(
                 actions += [Action(ActionKind.WAIT, c) for c in exchanges]
             ranks.append(tuple(actions))
         steps.append(tuple(ranks))
-    return CommPlan(
-        topology, tuple(steps), group_members(topology, tied, path), tensor_reading_ops(plan, shared, owners), recompute
-    )
+    members = group_members(topology, tied, path, helpers=bool(helpers))
+    return CommPlan(topology, tuple(steps), members, tensor_reading_ops(plan, shared, owners), recompute)
 
 
 def tensor_reading_ops(
@@ -203,6 +218,7 @@ def _op_actions(
     rules: TaskRules | None,
     waited: set[Collective],
     slots: dict[int, SendWait | None],
+    helps: HelpActions,
     fsdp: bool = False,
 ) -> Iterator[Action]:
     """One rank's actions for its ops of a step; `slots`: where it waits for the send of the op at
@@ -232,6 +248,8 @@ def _op_actions(
     next_receive = dict(zip(receiving, receiving[1:]))
     receives_here = set(receiving)
     gradient_final = _gradient_final_positions(ops)
+    #: where each stage's gradient is final before its preconditioning (its helpers' inputs are ready)
+    handed = _gradient_final_positions(ops, _HANDED_KINDS)
     #: ZeRO-2/3: where FSDP2 reduce-scatters each stage's gradient (its last backward)
     scattered = _gradient_final_positions(ops, _FSDP_GRADIENT_KINDS) if fsdp else {}
     send_done = _send_done_at(ops, slots, num_stages)
@@ -258,7 +276,9 @@ def _op_actions(
         scatter = sharded and scattered.get(position) is not None
         if scatter:
             yield Action(ActionKind.LAUNCH, fsdp_grad_collective(op.stage, group))
+        yield from helps.before(position)
         yield run(op)
+        yield from helps.after(position, handed.get(position))
         if scatter:
             yield Action(ActionKind.WAIT, fsdp_grad_collective(op.stage, group))
             if pipes > 1:
@@ -284,9 +304,10 @@ def _send_done_at(
     return found
 
 
-#: ZeRO-2/3: the ops after whose last one a stage's gradient is reduced (FSDP2 reduce-scatters
-#: inside the backward; a preconditioning op after it works on the reduced gradient)
-_FSDP_GRADIENT_KINDS = GRADIENT_KINDS - {OpKind.PRECONDITION}
+#: the ops after whose last one a stage's gradient is whole before its preconditioning: ZeRO-2/3
+#: reduce-scatters there (FSDP2 does it inside the backward; a preconditioning op after it works
+#: on the reduced gradient), and a helped stage hands its helpers their inputs
+_FSDP_GRADIENT_KINDS = _HANDED_KINDS = GRADIENT_KINDS - {OpKind.PRECONDITION}
 
 
 def _gradient_final_positions(ops: Sequence[Op], kinds: frozenset[OpKind] = GRADIENT_KINDS) -> dict[int, int]:
@@ -363,6 +384,7 @@ def _end_of_step(
     ]
     waited = {a.collective for a in actions if a.kind is ActionKind.WAIT and isinstance(a.target, Collective)}
     tail += [Action(ActionKind.WAIT, collective) for collective in pipe_sums if collective not in waited]
+    tail += help_waits(actions)
     if path.workers_per_layer is not None:
         for stage in sorted(c.key[0] for c in reduced):
             collective = pgrad_collective(topology, rank, stage, path.workers_per_layer)

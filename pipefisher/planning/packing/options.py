@@ -25,6 +25,8 @@ class RefreshSection(Protocol):
     def max_refresh_steps(self) -> int: ...
     @property
     def max_capture_mb(self) -> float: ...
+    @property
+    def helpers(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class PackOptions:
     False: no per-step precondition ops (K-FAC's gradient workers precondition in the step end); `strategy`
     ``published`` packs with the published rule alone, for comparison; `move_weights`: where the
     schedule splits the backward, let the fill strategy move weight gradients within their step
-    (False: they stay where the schedule put them). The tasks packed are those of the task rules
-    `pack` is given."""
+    (False: they stay where the schedule put them); `helpers`: hand layers of per-step work with
+    no bubble to other ranks where that shortens the cycle (`pipefisher.planning.packing.helpers`;
+    methods whose rules allow it). The tasks packed are those of the task rules `pack` is given."""
 
     margin: float = 0.0
     percentile: float | None = 90.0
@@ -51,6 +54,7 @@ class PackOptions:
     data_parallel: int = 1
     precondition: bool = True
     move_weights: bool = True
+    helpers: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -93,4 +97,5 @@ class PackOptions:
             max_capture_mb=section.max_capture_mb or None,
             data_parallel=data_parallel,
             precondition=precondition,
+            helpers=section.helpers,
         )

@@ -34,6 +34,7 @@ from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.greedy import STRATEGIES, Greedy, Strategy
+from pipefisher.planning.packing.helpers import place_helpers
 from pipefisher.planning.packing.windows import Placed, Windows, step_windows
 from pipefisher.planning.packing.candidate import Candidate
 from pipefisher.planning.packing.capture_cap import fit_capture
@@ -264,6 +265,14 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
             chosen = capped
     else:
         peaks = capture_peaks(chosen.plan, profile)
+    if options.helpers and rules.helpers:
+        helped, cycle = place_helpers(chosen.plan, tasks.durations, tasks.graph)
+        if helped is not chosen.plan:
+            reason += (
+                f"; helpers: {len(helped.helped)} layers' per-step work on other ranks, cycle "
+                f"{chosen.cycle_time:.4g} -> {cycle:.4g} {profile.time_unit}"
+            )
+            chosen = replace(chosen, plan=helped, cycle_time=cycle)
     in_bubbles: Callable[[int], float] = lambda rank: precondition_in_bubbles(tasks, packing.windows, rank)
     return PackResult(
         plan=chosen.plan,

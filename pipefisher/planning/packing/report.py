@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from pipefisher.core.ir import Op
+from pipefisher.core.ir import Op, OpKind
 from pipefisher.planning.memory.captures import CapturePeak
 from pipefisher.planning.plan import Plan, moved_weights
 from pipefisher.planning.simulate import Timeline
@@ -196,8 +196,11 @@ def device_reports(
     precondition_in_bubbles: Callable[[int], float],
     bounds: list[int],
 ) -> list[DeviceReport]:
-    """Per-rank figures of a packed plan; `leftovers` are the tasks that run outside bubbles."""
-    durations = tasks.durations
+    """Per-rank figures of a packed plan; `leftovers` are the tasks that run outside bubbles. A
+    rank's per-step work is its precondition and fold ops', less the layers other ranks help with,
+    and its help ops' (`OpKind.HELP`); what of its own precondition no bubble holds runs after the
+    step's work."""
+    durations = tasks.durations.helping(plan.helped)
     k = plan.refresh_steps
     outside = set(leftovers)
     moved = moved_weights(plan)
@@ -209,7 +212,8 @@ def device_reports(
             if any(op.kind in CYCLE_KINDS and op not in outside for op in step[rank])
         ]
         work = sum(tasks.cycle_work[rank])
-        precondition = sum(durations(op) for op in tasks.per_step[rank])
+        own = sum(durations(op) for op in tasks.per_step[rank])
+        precondition = own + sum(durations(op) for op in plan.steps[0][rank] if op.kind is OpKind.HELP)
         bubble = first_order.bubble_time(rank)
         outside_work = sum(w for op, w in zip(tasks.cycle[rank], tasks.cycle_work[rank]) if op in outside)
         precondition_inside = precondition_in_bubbles(rank)
@@ -224,7 +228,7 @@ def device_reports(
                 bubble_time=bubble,
                 bubble_utilization=min(1.0, in_bubbles / (bubble * k)) if bubble > 0 else 0.0,
                 moved_weights=moved[rank],
-                precondition_outside=precondition - precondition_inside,
+                precondition_outside=max(0.0, own - precondition_inside),
             )
         )
     return reports

@@ -263,7 +263,8 @@ class StepEnd:
         this rank sent on the gradient communicators in the step (reductions, ZeRO-1's
         broadcasts, PowerSGD's factors, K-FAC gradient workers' broadcasts, Chimera's sums of
         ZeRO-2/3 shards over the pipes); FSDP2's own all-gathers and reduce-scatters do not go
-        through `Comm` and are not in it (their volume is the memory model's traffic)."""
+        through `Comm` and are not in it (their volume is the memory model's traffic);
+        help_comm_bytes, where the rank sent on a help communicator (`OpKind.HELP`)."""
         reduced, self._reduced = self._world_sums(), None
         values, self._values = self._values if self._values is not None else reduced.tolist(), None
         record: dict = {}
@@ -275,6 +276,8 @@ class StepEnd:
             if self.clip_norm > 0:
                 record["grad_norm"] = math.sqrt(values[count])
             record["grad_comm_bytes"] = self.comm.sent_bytes["grad"] + self.comm.sent_bytes["pgrad"]
+        if self.comm.sent_bytes["help"]:
+            record["help_comm_bytes"] = self.comm.sent_bytes["help"]
         self.comm.sent_bytes.clear()
         for buffer in self.buffers.values():
             buffer.zero_()

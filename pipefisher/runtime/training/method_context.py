@@ -5,20 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pipefisher.config import RunConfig
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.registry import method_of
+from pipefisher.models import StagedModel
 
 
-def method_inputs(config: RunConfig) -> MethodInputs[Any]:
+def method_inputs(config: RunConfig, model: StagedModel | None = None) -> MethodInputs[Any]:
     """The inputs of `config`'s curvature method (`method_of`: on a first-order run, the method
-    whose tasks its profile times, with that method's section)."""
+    whose tasks its profile times, with that method's section); with the run's `model` and the
+    section's `helpers` on, the shapes of every stage's parameters (built on the meta device)."""
     name = method_of(config).name
+    section = config.section(name)
     optimizer = config.optimizer_settings
     beta1, beta2 = config.optimizer.betas
     return MethodInputs(
         name=name,
-        settings=config.section(name),
+        settings=section,
         lr=optimizer.lr,
         betas=(beta1, beta2),
         eps=config.optimizer.eps,
@@ -28,4 +33,16 @@ def method_inputs(config: RunConfig) -> MethodInputs[Any]:
         micro_batch_size=config.data.micro_batch_size,
         seq_len=config.model.seq_len,
         workers_per_layer=config.workers_per_layer,
+        stage_shapes=_stage_shapes(model, config) if model is not None and section.helpers else {},
     )
+
+
+def _stage_shapes(model: StagedModel, config: RunConfig) -> dict[int, dict[str, tuple[int, ...]]]:
+    """stage -> {parameter name: shape} of every stage of `model`, built on the meta device."""
+    stages = config.model_chunks
+    shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+    with torch.device("meta"):
+        for stage in range(stages):
+            module = model.build_stage(stage, stages, config.run.seed)
+            shapes[stage] = {name: tuple(parameter.shape) for name, parameter in module.named_parameters()}
+    return shapes

@@ -89,10 +89,14 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         stage: stage_layer_names(config, stage, schedule.num_stages, model) for stage in range(schedule.num_stages)
     }
     for stage, layers in names.items():
-        planned_layers = sorted({op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer})
-        if planned_layers != sorted(layers):
+        ops = [op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer and op.kind is not OpKind.HELP]
+        helps = [op.layer for op in plan.curvature_ops() if op.stage == stage and op.layer and op.kind is OpKind.HELP]
+        cycle_layers = sorted(set(ops))
+        unknown = sorted({layer for layer in ops + helps if layer not in layers})
+        if unknown or (cycle_layers and cycle_layers != sorted(layers)):  # per-step work alone names no layer
+            shown = unknown or cycle_layers
             raise ScheduleError(
-                f"layers: the plan's stage {stage} works on {planned_layers[:3]}..., the model's on {sorted(layers)[:3]}..."
+                f"layers: the plan's stage {stage} works on {shown[:3]}..., the model's on {sorted(layers)[:3]}..."
             )
     section = config.method_section
     stand_in = Profile(
@@ -132,6 +136,7 @@ def _task_counts(plan: Plan) -> Counter:
     return Counter(
         (op.token, op.stage, op.layer, op.micro_batch, None if op.kind in _OWNER_CHOSEN else op.pipe)
         for op in plan.curvature_ops()
+        if op.kind is not OpKind.HELP  # where a layer's per-step work runs is the packer's choice
     )
 
 
@@ -183,6 +188,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         f"predicted step {predicted / plan.refresh_steps:.2f} {profile.time_unit}, first-order "
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
         + (f"; {packed.reason}" if packed is not None and not pinned else "")
+        + (f"; {len(plan.helped)} layers' per-step work on other ranks" if plan.helped and pinned else "")
         + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
         + (f"; {packed.memory}" if packed is not None and packed.memory else "")
         + (
@@ -248,7 +254,7 @@ class PipeFisherTrainer(PlanRunner):
         self.drift.new_plan(fresh_profile=fresh)
         scaler = executor.step_end.scaler
         self.runtime = self.parts.runtime(
-            method_inputs(config),
+            method_inputs(config, self.model),
             executor.topology,
             rank,
             self.modules,

@@ -47,6 +47,7 @@ from pipefisher.runtime.pipeline.plan_runner import schedule_plan
 from pipefisher.runtime.primitives.tf32 import tf32_enabled
 from pipefisher.runtime.training.task_flops import flop_rates, layer_flops, work_dtypes
 from pipefisher.runtime.primitives.clock import Mark
+from pipefisher.runtime.training.profile_sizes import weight_bytes, with_sizes
 
 #: (rank, op string, start, end) in ms from the step's common zero
 Record = tuple[int, str, float, float]
@@ -297,6 +298,7 @@ def measure_profile(
             tasks,
             (held_stages, step_end, method_step_end),
             (flops, rates),
+            weight_bytes(modules, tasks),
         ),
     )
     stage_samples: dict[int, TimeSamples] = defaultdict(lambda: defaultdict(list))
@@ -305,10 +307,12 @@ def measure_profile(
     layer_order: dict[int, list[str]] = defaultdict(list)
     last_step: list[Record] = []
     counts: dict[tuple[int, str], dict[str, float]] = {}
+    weights: dict[tuple[int, str], int] = {}
     for shard, rank_records, rank_transfers, rank_reduces, rank_tasks, (rank_stages, rank_step_end, rank_method), (
         rank_flops,
         rank_rates,
-    ) in gathered:
+    ), rank_weights in gathered:
+        weights.update(rank_weights)
         for key, tasks_flops in rank_flops.items():
             counts[key] = {time: task.total for time, task in tasks_flops.items()}
         rates = rates or rank_rates
@@ -353,7 +357,7 @@ def measure_profile(
         flop_rates=rates,
         tf32=tf32_enabled() if executor.device.type == "cuda" else None,
     )
-    return profile, sorted(last_step)
+    return with_sizes(profile, executor, weights), sorted(last_step)
 
 
 def _layer(

@@ -97,7 +97,7 @@ def build_executor(
     model = run.model
     tied = has_tied_weights(model, schedule)
     path = config.gradient_path
-    members = group_members(topology, tied, path)
+    members = group_members(topology, tied, path, helpers=config.curvature is not None and config.curvature.helpers)
     mesh = device_mesh(topology, device) if topology.tensor_parallel > 1 else None
     comm = Comm(
         members,

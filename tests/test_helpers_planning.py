@@ -1,0 +1,167 @@
+"""Help ops (`OpKind.HELP`: a layer's per-step work of another rank's stage) in planning: the plan's
+rules for them, their times in the simulator (the link both ways, the owner's end of step waiting
+for the results), the packer's placement, the communication it implies under NCCL's rule, and the
+profile's sizes that cost the link."""
+
+from dataclasses import replace
+
+import pytest
+
+from builders import layered_profile
+from pipefisher.core.ir import Op, OpKind, ScheduleError
+from pipefisher.core.profile import Profile, profile_from_dict
+from pipefisher.core.topology import Topology
+from pipefisher.methods.registry import task_rules
+from pipefisher.planning.comm.actions import ActionKind, CollectiveKind
+from pipefisher.planning.comm.plan import plan_actions
+from pipefisher.planning.packing.helpers import helped_layers, place_helpers, with_help
+from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
+from pipefisher.planning.plan import cycle_time, simulate_plan, validate_plan
+from pipefisher.planning.simulate import OpDurations
+from pipefisher.schedules import get_schedule
+
+#: a layer's weight: 1,000 bytes; the link: 1,000 bytes per ms (p2p 0.5 ms for 500 bytes)
+WEIGHT, LINK = 1000, 1000.0
+
+
+def muon_profile(link: bool = True) -> Profile:
+    """Two stages of four Muon matrices each, 2 ms per matrix on stage 0 and 0.25 ms on stage 1
+    (whose P op then ends well before stage 0's last backward in 1F1B); the link's speed known
+    (`link`) or not."""
+    profile = layered_profile(2, 4, spread=False, p2p=0.5, method="muon")
+    stages = tuple(
+        replace(
+            stage,
+            p2p_bytes=500 if link and index == 0 else 0,
+            layers=tuple(
+                replace(layer, weight_bytes=WEIGHT, precondition=2.0 if index == 0 else 0.25) for layer in stage.layers
+            ),
+        )
+        for index, stage in enumerate(profile.stages)
+    )
+    return replace(profile, stages=stages)
+
+
+def plain_plan(schedule="1f1b", profile=None):
+    return after_step_plan(get_schedule(schedule, 2, 4), profile or muon_profile(), task_rules("muon"), 1)
+
+
+def help_op(layer="l0.0", stage=0):
+    return Op(OpKind.HELP, stage, None, 0, layer)
+
+
+def test_help_op_round_trips_and_names_its_layer():
+    op = help_op()
+    assert str(op) == "0H:l0.0" and Op.parse(str(op)) == op and op.kind.has_layer
+
+
+def test_a_plan_refuses_help_ops_off_their_rules():
+    plan = plain_plan()
+    with pytest.raises(ScheduleError, match=r"0H:l0.0 is on rank 0, the rank of its stage"):
+        validate_plan(with_help(plan, help_op(), 0))
+    twice = with_help(with_help(plan, help_op(), 1), help_op(), 1)
+    with pytest.raises(ScheduleError, match=r"0H:l0.0 runs 2 times"):
+        validate_plan(twice)
+    kfac = after_step_plan(get_schedule("1f1b", 2, 4), layered_profile(2, 4), task_rules("kfac"), 1)
+    with pytest.raises(ScheduleError, match=r"method kfac has no HELP ops"):
+        validate_plan(with_help(kfac, help_op(), 1))
+    assert validate_plan(with_help(plan, help_op(), 1)).helped == frozenset({(0, "l0.0")})
+
+
+def test_a_help_takes_its_layer_off_the_precondition_op_and_the_link_both_ways():
+    """1F1B on 2 stages: stage 0's P (4 x 2 ms) ends the step; a help on rank 1 takes 2 ms of it,
+    starts 1 ms (1,000 bytes at 1,000 per ms) after stage 0's last backward, and the result's way
+    back (1 ms) ends before stage 0's P, so rank 0's end of step starts 2 ms earlier."""
+    profile = muon_profile()
+    plan = plain_plan(profile=profile)
+    before = simulate_plan(plan, profile)[0]
+    after = simulate_plan(with_help(plan, help_op(), 1), profile)[0]
+    p_before = next(iv for iv in before.ranks[0] if iv.op.kind is OpKind.PRECONDITION)
+    p_after = next(iv for iv in after.ranks[0] if iv.op.kind is OpKind.PRECONDITION)
+    helped = next(iv for iv in after.ranks[1] if iv.op.kind is OpKind.HELP)
+    assert p_before.duration == pytest.approx(8.0) and p_after.duration == pytest.approx(6.0)
+    assert helped.duration == pytest.approx(2.0)
+    assert helped.start >= p_after.start + 1.0 - 1e-9
+    assert after.tail_start(0) == pytest.approx(max(p_after.end, helped.end + 1.0))
+    assert after.step_time == pytest.approx(before.step_time - 2.0)
+    assert after.tail(1) == before.tail(1), "a help holds no stage: its rank pays no step end for it"
+
+
+def test_the_owner_waits_for_a_slow_result():
+    """A link 100 times slower: the result comes back 100 ms after the help, and the step waits."""
+    profile = muon_profile()
+    slow = replace(profile, stages=(replace(profile.stages[0], p2p=50.0), profile.stages[1]))
+    timeline = simulate_plan(with_help(plain_plan(profile=slow), help_op(), 1), slow)[0]
+    helped = next(iv for iv in timeline.ranks[1] if iv.op.kind is OpKind.HELP)
+    assert timeline.tail_start(0) == pytest.approx(helped.end + 100.0)
+
+
+def test_the_packer_hands_out_layers_while_the_step_shortens():
+    profile = muon_profile()
+    schedule = get_schedule("1f1b", 2, 4)
+    plain = pack(schedule, profile, task_rules("muon"), PackOptions(percentile=None))
+    helped = pack(schedule, profile, task_rules("muon"), PackOptions(percentile=None, helpers=True))
+    layers = helped_layers(helped.plan)[(0, 0)]
+    assert 0 < len(layers) < 4 and all(rank == 1 for _, rank in layers)
+    assert helped.cycle_time < plain.cycle_time - 1.0
+    assert helped.cycle_time == pytest.approx(cycle_time(simulate_plan(helped.plan, profile)))
+    assert "helpers:" in helped.reason
+    validate_plan(helped.plan)
+
+
+def test_no_helpers_without_a_measured_link_or_a_method_that_allows_them():
+    unknown = muon_profile(link=False)
+    plan = plain_plan(profile=unknown)
+    assert place_helpers(plan, OpDurations(unknown))[0] is plan
+    kfac = pack(get_schedule("1f1b", 2, 4), layered_profile(2, 4), task_rules("kfac"), PackOptions(helpers=True))
+    assert not helped_layers(kfac.plan)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_helped_plans_replay_under_nccls_rule(schedule):
+    """The stage's rank launches help_in and help_out after its last backward (or weight
+    gradient), the helper waits for help_in before its first help op and launches help_out after
+    its last, both wait for both before the world reduction; the replay accepts the order."""
+    profile = muon_profile()
+    plan = pack(get_schedule(schedule, 2, 4), profile, task_rules("muon"), PackOptions(helpers=True)).plan
+    helped = helped_layers(plan)
+    assert helped, "the packer placed no help op"
+    [(pipe, stage)] = helped
+    owner, helper = plan.schedule.placement[(pipe, stage)], helped[(pipe, stage)][0][1]
+    comm = plan_actions(Topology(plan.schedule), plan)
+    assert comm.members[("help", owner, helper)] == (owner, helper)
+    texts = [[str(action) for action in comm.steps[0][rank]] for rank in (owner, helper)]
+    helps = [i for i, text in enumerate(texts[1]) if text.startswith(f"{stage}H:")]
+    assert texts[1][helps[0] - 2 : helps[0]] == [f"+help_in:{stage}", f"w:help_in:{stage}"]
+    assert texts[1][helps[-1] + 1] == f"+help_out:{stage}"
+    for rank_texts in texts:
+        step = rank_texts.index("+step")
+        assert {f"w:help_in:{stage}", f"w:help_out:{stage}"} & set(rank_texts[:step])
+    launches = [a for a in comm.steps[0][owner] if a.kind is ActionKind.LAUNCH]
+    assert [a.collective.kind for a in launches if a.collective.group[0] == "help"] == [
+        CollectiveKind.HELP_IN,
+        CollectiveKind.HELP_OUT,
+    ]
+
+
+def test_profile_sizes_round_trip():
+    profile = muon_profile()
+    again = profile_from_dict(profile.to_dict())
+    assert again.stages[0].p2p_bytes == 500 and again.stages[0].layers[0].weight_bytes == WEIGHT
+    assert again.link_speed == pytest.approx(LINK)
+    assert muon_profile(link=False).link_speed == 0.0
+
+
+def test_helpers_key_is_refused_where_it_cannot_work():
+    from pipefisher.config import ConfigError, config_from_dict
+
+    def config(method, **pipeline):
+        return config_from_dict(
+            {"optimizer": {"name": method}, method: {"helpers": True}, "pipeline": {"stages": 2, **pipeline}}
+        )
+
+    assert config("muon").muon.helpers
+    with pytest.raises(ConfigError, match=r"^kfac.helpers: K-FAC's per-step work cannot run on another rank"):
+        config("kfac")
+    with pytest.raises(ConfigError, match=r"^muon.helpers: not with pipeline.tensor_parallel > 1"):
+        config("muon", tensor_parallel=2)
