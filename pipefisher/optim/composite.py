@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from pipefisher.optim.no_closure import StepWithoutClosure
+from pipefisher.optim.update_step import UpdateStep
 
 
-class Composite(StepWithoutClosure):
+class Composite(UpdateStep):
     """`parts` (name -> optimizer, disjoint parameters) as one optimizer: `step` steps each in
     order; `param_groups` are the parts' own group dicts, in that order, read anew on every access
     (a part that loads a state dict gets new ones; a learning-rate scheduler scales every part;

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from pipefisher.optim.no_closure import StepWithoutClosure
+from pipefisher.optim.update_step import UpdateStep
 
 
-class DecoupledStep(StepWithoutClosure):
+class DecoupledStep(UpdateStep):
     """p ← p(1 − lr·wd) − lr·d with `decay_first` (torch's Muon), else p ← (p − lr·d)(1 − lr·wd)
     (pytorch_optimizer's SOAP); d is ``.grad``, wd each group's ``weight_decay``. A parameter
     whose ``.grad`` is None is left alone. With `skip_first`, a parameter's first step changes

@@ -6,12 +6,14 @@ in torchvision; apex's FusedLAMB is CUDA-only), so it is implemented in this mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, overload
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+from pipefisher.optim.update_step import UpdateStep
 
 CPU_BATCH_ELEMENTS = 2**18
 """Elements one multi-tensor call steps on a device without multi-tensor kernels, where each call
@@ -20,7 +22,7 @@ elements took about 0.6 of the CPU time of one tensor at a time, or of all at on
 temporaries outgrow the cache)."""
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(UpdateStep):
     """Per parameter p with gradient g, at step t (counted from 1):
 
         m ← β₁m + (1−β₁)g,  v ← β₂v + (1−β₂)g²,  m̂ = m/(1−β₁ᵗ),  v̂ = v/(1−β₂ᵗ)
@@ -31,6 +33,8 @@ class Lamb(torch.optim.Optimizer):
     unlike it, gradients are not pre-normalised by their global norm (the runtime clips them).
     Norms are over the whole tensor. Parameters without a gradient are skipped.
     """
+
+    takes_closure = True
 
     def __init__(
         self,
@@ -57,24 +61,12 @@ class Lamb(torch.optim.Optimizer):
         self.batch_elements = batch_elements
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One LAMB update of every parameter that has a gradient; returns closure() if given.
-        Steps are Python ints: nothing is read from a device."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self) -> None:
+        """One LAMB update of every parameter that has a gradient (`step`, which evaluates a
+        closure first). Steps are Python ints: nothing is read from a device."""
         for group in self.param_groups:
             for params in batches([p for p in group["params"] if p.grad is not None], self.batch_elements):
                 self._update(group, params)
-        return loss
 
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """The docstring's update of `params` (same device and dtype, each with a gradient), tensor
