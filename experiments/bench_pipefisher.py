@@ -92,6 +92,7 @@ GROUPS = {
     OpKind.REFRESH: "inv",
     OpKind.PRECONDITION: "precond",
     OpKind.FOLD: "precond",
+    OpKind.HELP: "precond",
     OpKind.SYNC: "comm",
     OpKind.EXCHANGE: "comm",
 }

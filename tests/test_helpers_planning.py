@@ -50,9 +50,12 @@ def help_op(layer="l0.0", stage=0):
     return Op(OpKind.HELP, stage, None, 0, layer)
 
 
-def test_help_op_round_trips_and_names_its_layer():
+def test_help_op_round_trips_names_its_layer_and_draws_as_preconditioning():
+    from pipefisher.viz.layout import category
+
     op = help_op()
     assert str(op) == "0H:l0.0" and Op.parse(str(op)) == op and op.kind.has_layer
+    assert category(op) == "precondition"
 
 
 def test_a_plan_refuses_help_ops_off_their_rules():

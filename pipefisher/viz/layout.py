@@ -30,6 +30,7 @@ CATEGORY: dict[OpKind, str] = {
     OpKind.REFRESH: "refresh",
     OpKind.PRECONDITION: "precondition",
     OpKind.FOLD: "precondition",
+    OpKind.HELP: "precondition",  # a layer's share of another rank's stage's precondition
 }
 
 #: Categories in legend order, with their legend text where no method names its work.
