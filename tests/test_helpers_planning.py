@@ -137,9 +137,10 @@ def test_helped_plans_replay_under_nccls_rule(schedule):
     helps = [i for i, text in enumerate(texts[1]) if text.startswith(f"{stage}H:")]
     assert texts[1][helps[0] - 2 : helps[0]] == [f"+help_in:{stage}", f"w:help_in:{stage}"]
     assert texts[1][helps[-1] + 1] == f"+help_out:{stage}"
-    for rank_texts in texts:
+    for rank_texts in texts:  # both wait for both before the world reduction, and not after it
         step = rank_texts.index("+step")
-        assert {f"w:help_in:{stage}", f"w:help_out:{stage}"} & set(rank_texts[:step])
+        for name in (f"w:help_in:{stage}", f"w:help_out:{stage}"):
+            assert name in rank_texts[:step] and name not in rank_texts[step:]
     launches = [a for a in comm.steps[0][owner] if a.kind is ActionKind.LAUNCH]
     assert [a.collective.kind for a in launches if a.collective.group[0] == "help"] == [
         CollectiveKind.HELP_IN,

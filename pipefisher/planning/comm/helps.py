@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.actions import Action, ActionKind, Collective, CollectiveKind, help_collective
+from pipefisher.planning.packing.helpers import helped_layers
 from pipefisher.planning.plan import Plan
 
 #: (pipe, stage) of a helped stage
@@ -27,12 +28,7 @@ StageKey = tuple[int, int]
 
 def stage_helpers(plan: Plan) -> dict[StageKey, tuple[int, ...]]:
     """(pipe, stage) -> the pipeline ranks that help it, in rank order (empty: no help ops)."""
-    found: dict[StageKey, set[int]] = {}
-    for rank, ops in enumerate(plan.steps[0] if plan.steps else ()):
-        for op in ops:
-            if op.kind is OpKind.HELP:
-                found.setdefault((op.pipe, op.stage), set()).add(rank)
-    return {key: tuple(sorted(ranks)) for key, ranks in found.items()}
+    return {key: tuple(sorted({rank for _, rank in layers})) for key, layers in helped_layers(plan).items()}
 
 
 @dataclass(frozen=True)
