@@ -112,6 +112,34 @@ def test_the_packer_hands_out_layers_while_the_step_shortens():
     validate_plan(helped.plan)
 
 
+def test_stages_ending_the_step_together_are_helped_both():
+    """1F1B on 3 stages: stage 1's P (4 x 1.625 ms) starts 2.5 ms before stage 0's (4 x 1 ms), so
+    both end the step at 33 ms; taking one layer off either alone leaves the cycle as it is, so
+    the placement orders ranks' ends latest first (`finish_order`) and helps both from rank 2,
+    stage 1's help first (its input comes first)."""
+    profile = layered_profile(3, 4, spread=False, p2p=0.5, method="muon")
+    times = (1.0, 1.625, 0.1)
+    stages = tuple(
+        replace(
+            stage,
+            p2p_bytes=500 if index < 2 else 0,
+            layers=tuple(replace(layer, weight_bytes=100, precondition=times[index]) for layer in stage.layers),
+        )
+        for index, stage in enumerate(profile.stages)
+    )
+    profile = replace(profile, stages=stages)
+    plan = after_step_plan(get_schedule("1f1b", 3, 6), profile, task_rules("muon"), 1)
+    before = simulate_plan(plan, profile)[0]
+    assert before.tail_start(0) == pytest.approx(before.tail_start(1)) == pytest.approx(before.step_time)
+    helped, cycle = place_helpers(plan, OpDurations(profile))
+    placed = helped_layers(helped)
+    assert set(placed) == {(0, 0), (0, 1)} and {rank for layers in placed.values() for _, rank in layers} == {2}
+    assert cycle < before.step_time - 1.0
+    assert cycle == pytest.approx(cycle_time(simulate_plan(helped, profile)))
+    helps = [op.stage for op in helped.steps[0][2] if op.kind is OpKind.HELP]
+    assert helps == sorted(helps, reverse=True), "stage 1's help ops come before stage 0's"
+
+
 def test_no_helpers_without_a_measured_link_or_a_method_that_allows_them():
     unknown = muon_profile(link=False)
     plan = plain_plan(profile=unknown)

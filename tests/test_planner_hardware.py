@@ -127,6 +127,19 @@ def test_data_parallel_reductions_and_pipeline_hops_take_the_link_the_placement_
     assert all(stage.p2p == 0.0 for stage in layout_profile(_layout(4, 1, 2), _context(None)).stages)
 
 
+def test_modelled_hops_give_the_link_speed_that_costs_help_ops():
+    """A hop's message is one micro-batch's activation (fp32 here), so the profile's link speed is
+    known where the hardware costs the hops; each layer's weight size is its shard's, in fp32."""
+    context = _context("h100x8")
+    sizes = context.sizes
+    profile = layout_profile(_layout(4, 1, 1), context, syncs=False)
+    assert [stage.p2p_bytes for stage in profile.stages] == [16 * sizes.seq_len * sizes.hidden * 4] * 3 + [0]
+    assert profile.link_speed == pytest.approx(profile.stages[0].p2p_bytes / profile.stages[0].p2p)
+    query = next(layer for layer in profile.stages[0].layers if layer.name.endswith("attention.query"))
+    assert query.weight_bytes == sizes.hidden * sizes.hidden * 4
+    assert layout_profile(_layout(4, 1, 1), _context(None), syncs=False).link_speed == 0.0
+
+
 def _plan_json(capsys, *argv: str) -> dict:
     assert main(["plan", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)

@@ -38,6 +38,8 @@ ALLREDUCES_BACKWARD = 2
 #: tensor-parallel all-reduces: a round figure between an NVLink-connected P100's and an H100's
 DEFAULT_TP_BANDWIDTH_GBPS = 100.0
 _MS_PER_UNIT = {"s": 1e-3, "ms": 1.0, "us": 1e3}
+#: bytes of a weight element: parameters are kept in fp32 (a low-precision run's master weights)
+WEIGHT_ELEMENT_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def block_layers(
     `tensor_parallel` T one rank's shards, each task the share of the block total its shard's
     sizes give against the whole block's; a factor the rank's shards share (`rules`, those of the
     times' method: `TaskRules.shared_when_split`; None: none shared) is built by each from 1/T of
-    the rows."""
+    the rows. A layer's `weight_bytes`: its shard's weight in fp32 (`WEIGHT_ELEMENT_BYTES`)."""
     whole = block_layer_shapes(hidden, ffn)
     shapes = block_layer_shapes(hidden, ffn, tensor_parallel)
     row_bytes = capture_rows * capture_dtype_bytes
@@ -109,6 +111,7 @@ def block_layers(
             refresh=(times.time_inv * (din + 1) ** 3 / cube, times.time_inv * dout**3 / cube),
             precondition=times.time_prec * din * dout * (din + dout) / product,
             capture_bytes=(row_bytes * din, row_bytes * dout),
+            weight_bytes=din * dout * WEIGHT_ELEMENT_BYTES,
         )
         for name, din, dout in shapes
     ]

@@ -10,15 +10,20 @@ result crosses back before the stage's end of step (the simulator costs both way
 `weight_bytes` at the profile's `link_speed`, `OpDurations.help_transfer`).
 
 `place_helpers` hands layers out greedily: the stage whose P ends last first, its layers largest
-first, each to the rank where the simulated cycle is shortest, kept only while the cycle gets
-shorter. Pure Python: no torch.
+first, each to the rank where the simulated cycle ends soonest (`finish_order`: the cycle's time,
+then the ranks' ends of step latest first, so that where several stages' P ops end the step
+together, taking work off one of them counts), a layer kept only where that order improves; the
+plan is kept only if its cycle is shorter in the end. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pipefisher.core.ir import Op, OpKind
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan
 from pipefisher.planning.simulate import OpDurations
+from pipefisher.planning.timeline import Timeline
 from pipefisher.planning.tasks import TaskGraph
 
 #: a layer is handed out only if the cycle gets shorter by more than this share of it
@@ -28,34 +33,57 @@ _GAIN = 1e-6
 def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = None) -> tuple[Plan, float]:
     """`plan` with help ops where they shorten its simulated cycle (module docstring), and that
     cycle's time; `plan` itself when its method has no helpers, the profile no `link_speed`
-    (transfers could not be costed), or no layer pays."""
+    (transfers could not be costed), or the cycle does not get shorter."""
     graph = graph or plan.graph
-    best = cycle_time(simulate_plan(plan, durations, graph=graph))
+    start = simulate_plan(plan, durations, graph=graph)
     rules = plan.rules
-    if rules is None or not rules.helpers or durations.profile.link_speed <= 0:
-        return plan, best
+    if rules is None or not rules.helpers or durations.profile.link_speed <= 0 or plan.schedule.num_ranks < 2:
+        return plan, cycle_time(start)
+    placed, best = plan, finish_order(start)
     for pipe, stage, owner in _stages_by_precondition_end(plan, durations, graph):
         layers = sorted(durations.profile.stages[stage].layers, key=lambda layer: (-layer.precondition, layer.name))
         for layer in layers:
             help_op = Op(OpKind.HELP, stage, None, pipe, layer.name)
-            tried = [
-                (cycle_time(simulate_plan(candidate, durations, graph=graph)), rank, candidate)
+            score, _, candidate = min(
+                (finish_order(simulate_plan(candidate, durations, graph=graph)), rank, candidate)
                 for rank in range(plan.schedule.num_ranks)
                 if rank != owner
-                for candidate in [with_help(plan, help_op, rank)]
-            ]
-            if not tried:
-                return plan, best
-            time, _, candidate = min(tried, key=lambda entry: (entry[0], entry[1]))
-            if time >= best * (1 - _GAIN):
-                break
-            plan, best = candidate, time
-    return plan, best
+                for candidate in [with_help(placed, help_op, rank)]
+            )
+            if _shorter(score, best):
+                placed, best = candidate, score
+    if not best[0] < cycle_time(start) * (1 - _GAIN):
+        return plan, cycle_time(start)
+    return placed, best[0]
+
+
+def finish_order(timelines: Sequence[Timeline]) -> tuple[float, ...]:
+    """The cycle's time, then the sum over its steps of the ranks' ends of step, latest first
+    (second latest, ...): handing work from the latest rank counts where another ends as late."""
+    ends = [sorted((t.tail_start(r) + t.tail(r) for r in range(t.num_ranks)), reverse=True) for t in timelines]
+    return (cycle_time(timelines), *(sum(column) for column in zip(*ends)))
+
+
+def _shorter(score: tuple[float, ...], best: tuple[float, ...]) -> bool:
+    """Whether `score` comes first in `finish_order`, by more than `_GAIN` of the cycle."""
+    for new, old in zip(score, best):
+        if abs(new - old) > _GAIN * best[0]:
+            return new < old
+    return False
 
 
 def with_help(plan: Plan, help_op: Op, rank: int) -> Plan:
-    """`plan` with `help_op` at the end of `rank`'s op list in every step."""
-    steps = tuple(tuple(ops + (help_op,) if r == rank else ops for r, ops in enumerate(step)) for step in plan.steps)
+    """`plan` with `help_op` in `rank`'s op list in every step: after the rank's help ops of the
+    same stage, before those of other stages (`place_helpers` hands out the stage whose gradient is
+    final last first, so a stage handed out later has its inputs sooner), else at the end."""
+
+    def added(ops: tuple[Op, ...]) -> tuple[Op, ...]:
+        helps = [i for i, op in enumerate(ops) if op.kind is OpKind.HELP]
+        same = [i for i in helps if (ops[i].pipe, ops[i].stage) == (help_op.pipe, help_op.stage)]
+        at = same[-1] + 1 if same else helps[0] if helps else len(ops)
+        return ops[:at] + (help_op,) + ops[at:]
+
+    steps = tuple(tuple(added(ops) if r == rank else ops for r, ops in enumerate(step)) for step in plan.steps)
     return Plan(plan.schedule, steps, plan.method, plan.rules)
 
 

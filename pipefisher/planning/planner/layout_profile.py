@@ -18,7 +18,9 @@ the data-parallel traffic above on the slowest link a stage's replicas span (its
 `dp_bandwidth_gbps` instead where `dp_bandwidth_set`), plus the link's latency per ring step
 (all-reduce 2(n-1), reduce-scatter and all-gather n-1, n the replicas); pipeline hops without a
 measured p2p time cost one micro-batch's activation (micro-batch x seq_len x hidden in the run's
-precision) on the link between the two stages, plus one latency. Without it nothing changes.
+precision) on the link between the two stages, plus one latency; that message is the stage's
+`p2p_bytes`, so the profile's `link_speed` costs help ops' transfers (`<method>.helpers`). Without
+it nothing changes.
 
 Gradient workers (`PlanContext.workers_per_layer`: K-FAC's `grad_worker_fraction` below 1, Muon on
 a replicated stage): the plan has no P ops (`pack_options`); after the reduction each worker
@@ -171,7 +173,7 @@ def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profil
         link = links[index] if index < len(links) else None
         if link is None or stage.p2p:
             return stage
-        return replace(stage, p2p=link.ring_seconds(activation, 1) * 1e3 / per_ms)
+        return replace(stage, p2p=link.ring_seconds(activation, 1) * 1e3 / per_ms, p2p_bytes=activation)
 
     return replace(profile, stages=tuple(hop(index, stage) for index, stage in enumerate(profile.stages)))
 
