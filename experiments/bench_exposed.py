@@ -68,7 +68,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         help="comma-separated curvature methods (default: all registered; --quick: the first); NAME+helpers: "
-        "with the section's helpers on (muon)",
+        "with the section's helpers on (the methods whose rules allow them)",
     )
     parser.add_argument(
         "--model", default=None, help=f"one of {', '.join(WORKLOADS)} (default gpt2-tiny; --quick: bert-tiny)"

@@ -14,6 +14,7 @@ from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import task_rules
 from pipefisher.planning.comm.actions import ActionKind, CollectiveKind
 from pipefisher.planning.comm.plan import plan_actions
+from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.packing.helpers import helped_layers, place_helpers, with_help
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import cycle_time, simulate_plan, validate_plan
@@ -24,11 +25,11 @@ from pipefisher.schedules import get_schedule
 WEIGHT, LINK = 1000, 1000.0
 
 
-def muon_profile(link: bool = True) -> Profile:
-    """Two stages of four Muon matrices each, 2 ms per matrix on stage 0 and 0.25 ms on stage 1
-    (whose P op then ends well before stage 0's last backward in 1F1B); the link's speed known
-    (`link`) or not."""
-    profile = layered_profile(2, 4, spread=False, p2p=0.5, method="muon")
+def linked_profile(link: bool = True, method: str = "muon") -> Profile:
+    """Two stages of four layers each (Muon's matrices unless `method` is named), 2 ms of per-step
+    work per layer on stage 0 and 0.25 ms on stage 1 (whose P op then ends well before stage 0's
+    last backward in 1F1B); the link's speed known (`link`) or not."""
+    profile = layered_profile(2, 4, spread=False, p2p=0.5, method=method)
     stages = tuple(
         replace(
             stage,
@@ -43,7 +44,7 @@ def muon_profile(link: bool = True) -> Profile:
 
 
 def plain_plan(schedule="1f1b", profile=None):
-    return after_step_plan(get_schedule(schedule, 2, 4), profile or muon_profile(), task_rules("muon"), 1)
+    return after_step_plan(get_schedule(schedule, 2, 4), profile or linked_profile(), task_rules("muon"), 1)
 
 
 def help_op(layer="l0.0", stage=0):
@@ -65,9 +66,11 @@ def test_a_plan_refuses_help_ops_off_their_rules():
     twice = with_help(with_help(plan, help_op(), 1), help_op(), 1)
     with pytest.raises(ScheduleError, match=r"0H:l0.0 runs 2 times"):
         validate_plan(twice)
-    kfac = after_step_plan(get_schedule("1f1b", 2, 4), layered_profile(2, 4), task_rules("kfac"), 1)
-    with pytest.raises(ScheduleError, match=r"method kfac has no HELP ops"):
-        validate_plan(with_help(kfac, help_op(), 1))
+    shampoo = after_step_plan(
+        get_schedule("1f1b", 2, 4), layered_profile(2, 4, method="shampoo"), task_rules("shampoo"), 1
+    )
+    with pytest.raises(ScheduleError, match=r"method shampoo has no HELP ops"):
+        validate_plan(with_help(shampoo, help_op(), 1))
     assert validate_plan(with_help(plan, help_op(), 1)).helped == frozenset({(0, "l0.0")})
 
 
@@ -75,7 +78,7 @@ def test_a_help_takes_its_layer_off_the_precondition_op_and_the_link_both_ways()
     """1F1B on 2 stages: stage 0's P (4 x 2 ms) ends the step; a help on rank 1 takes 2 ms of it,
     starts 1 ms (1,000 bytes at 1,000 per ms) after stage 0's last backward, and the result's way
     back (1 ms) ends before stage 0's P, so rank 0's end of step starts 2 ms earlier."""
-    profile = muon_profile()
+    profile = linked_profile()
     plan = plain_plan(profile=profile)
     before = simulate_plan(plan, profile)[0]
     after = simulate_plan(with_help(plan, help_op(), 1), profile)[0]
@@ -92,7 +95,7 @@ def test_a_help_takes_its_layer_off_the_precondition_op_and_the_link_both_ways()
 
 def test_the_owner_waits_for_a_slow_result():
     """A link 100 times slower: the result comes back 100 ms after the help, and the step waits."""
-    profile = muon_profile()
+    profile = linked_profile()
     slow = replace(profile, stages=(replace(profile.stages[0], p2p=50.0), profile.stages[1]))
     timeline = simulate_plan(with_help(plain_plan(profile=slow), help_op(), 1), slow)[0]
     helped = next(iv for iv in timeline.ranks[1] if iv.op.kind is OpKind.HELP)
@@ -100,7 +103,7 @@ def test_the_owner_waits_for_a_slow_result():
 
 
 def test_the_packer_hands_out_layers_while_the_step_shortens():
-    profile = muon_profile()
+    profile = linked_profile()
     schedule = get_schedule("1f1b", 2, 4)
     plain = pack(schedule, profile, task_rules("muon"), PackOptions(percentile=None))
     helped = pack(schedule, profile, task_rules("muon"), PackOptions(percentile=None, helpers=True))
@@ -140,12 +143,51 @@ def test_stages_ending_the_step_together_are_helped_both():
     assert helps == sorted(helps, reverse=True), "stage 1's help ops come before stage 0's"
 
 
+def test_helpers_let_the_packer_lengthen_the_cycle_that_frees_the_helpers():
+    """K-FAC with slow inverses: the packer's k (8) fills rank 1's end of step with refresh work,
+    where the help op would go; helped, the best plans at 2k and 4k free it, and the smallest k
+    within `max_overhead` of the longest's mean step is kept. A pinned k, or a cap on k, holds."""
+    profile = linked_profile(method="kfac")
+    profile = replace(
+        profile,
+        stages=tuple(
+            replace(stage, layers=tuple(replace(layer, refresh=(2.0, 2.0)) for layer in stage.layers))
+            for stage in profile.stages
+        ),
+    )
+    schedule, rules = get_schedule("1f1b", 2, 4), task_rules("kfac")
+    plain = pack(schedule, profile, rules, PackOptions())
+    helped = pack(schedule, profile, rules, PackOptions(helpers=True))
+    assert helped.refresh_steps in (2 * plain.refresh_steps, 4 * plain.refresh_steps)
+    assert helped.cycle_time / helped.refresh_steps < plain.cycle_time / plain.refresh_steps
+    assert f"k = {helped.refresh_steps}" in helped.reason.split("helpers:")[1]
+    pinned = pack(schedule, profile, rules, PackOptions(helpers=True, refresh_steps=plain.refresh_steps))
+    assert pinned.refresh_steps == plain.refresh_steps and helped_layers(pinned.plan)
+    capped = pack(schedule, profile, rules, PackOptions(helpers=True, max_refresh_steps=plain.refresh_steps + 1))
+    assert capped.refresh_steps == plain.refresh_steps
+
+
 def test_no_helpers_without_a_measured_link_or_a_method_that_allows_them():
-    unknown = muon_profile(link=False)
+    unknown = linked_profile(link=False)
     plan = plain_plan(profile=unknown)
     assert place_helpers(plan, OpDurations(unknown))[0] is plan
-    kfac = pack(get_schedule("1f1b", 2, 4), layered_profile(2, 4), task_rules("kfac"), PackOptions(helpers=True))
-    assert not helped_layers(kfac.plan)
+    shampoo = pack(
+        get_schedule("1f1b", 2, 4), linked_profile(method="shampoo"), task_rules("shampoo"), PackOptions(helpers=True)
+    )
+    assert not helped_layers(shampoo.plan)
+    kfac = linked_profile(method="kfac")
+    assert helped_layers(pack(get_schedule("1f1b", 2, 4), kfac, task_rules("kfac"), PackOptions(helpers=True)).plan)
+    replicated = pack(
+        get_schedule("1f1b", 2, 4),
+        linked_profile(method="kfac"),
+        task_rules("kfac"),
+        PackOptions(helpers=True, data_parallel=2),
+    )
+    assert not helped_layers(replicated.plan), "no help collectives pair a stage's replicas"
+    chimera = pack(
+        get_schedule("chimera", 2, 4), linked_profile(method="kfac"), task_rules("kfac"), PackOptions(helpers=True)
+    )
+    assert not helped_layers(chimera.plan)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
@@ -153,7 +195,7 @@ def test_helped_plans_replay_under_nccls_rule(schedule):
     """The stage's rank launches help_in and help_out after its last backward (or weight
     gradient), the helper waits for help_in before its first help op and launches help_out after
     its last, both wait for both before the world reduction; the replay accepts the order."""
-    profile = muon_profile()
+    profile = linked_profile()
     plan = pack(get_schedule(schedule, 2, 4), profile, task_rules("muon"), PackOptions(helpers=True)).plan
     helped = helped_layers(plan)
     assert helped, "the packer placed no help op"
@@ -176,12 +218,37 @@ def test_helped_plans_replay_under_nccls_rule(schedule):
     ]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_kfac_helpers_get_the_inverses_in_each_cycles_first_step(schedule):
+    """K-FAC's help op applies its layer's inverses: in the cycle's first step both ranks launch
+    ``help_state`` before their first op, the helper waits for it (after help_in) before its
+    first help op, the stage's rank before the world reduction; later steps carry none. The
+    replay accepts the order."""
+    plan = pack(
+        get_schedule(schedule, 2, 4), linked_profile(method="kfac"), task_rules("kfac"), PackOptions(helpers=True)
+    ).plan
+    helped = helped_layers(plan)
+    assert helped and len(plan.steps) > 1, "a cycle of several steps with help ops"
+    [(pipe, stage)] = helped
+    owner, helper = plan.schedule.placement[(pipe, stage)], helped[(pipe, stage)][0][1]
+    comm = replay(plan_actions(Topology(plan.schedule), plan))
+    first = [[str(action) for action in comm.steps[0][rank]] for rank in (owner, helper)]
+    for texts in first:
+        first_op = next(i for i, text in enumerate(texts) if text[0].isdigit())  # an op's run, e.g. 0F0
+        assert texts.index(f"+help_state:{stage}") == first_op - 1
+        assert texts.index(f"w:help_state:{stage}") < texts.index("+step")
+    helps = [i for i, text in enumerate(first[1]) if text.startswith(f"{stage}H:")]
+    assert first[1][helps[0] - 1] == f"w:help_state:{stage}"
+    later = [str(action) for step in comm.steps[1:] for rank in (owner, helper) for action in step[rank]]
+    assert not [text for text in later if "help_state" in text]
+
+
 def test_profile_sizes_round_trip():
-    profile = muon_profile()
+    profile = linked_profile()
     again = profile_from_dict(profile.to_dict())
     assert again.stages[0].p2p_bytes == 500 and again.stages[0].layers[0].weight_bytes == WEIGHT
     assert again.link_speed == pytest.approx(LINK)
-    assert muon_profile(link=False).link_speed == 0.0
+    assert linked_profile(link=False).link_speed == 0.0
 
 
 def test_helpers_key_is_refused_where_it_cannot_work():
@@ -193,7 +260,8 @@ def test_helpers_key_is_refused_where_it_cannot_work():
         )
 
     assert config("muon").muon.helpers
-    with pytest.raises(ConfigError, match=r"^kfac.helpers: K-FAC's per-step work cannot run on another rank"):
-        config("kfac")
+    assert config("kfac").kfac.helpers
+    with pytest.raises(ConfigError, match=r"^shampoo.helpers: Shampoo's per-step work cannot run on another rank"):
+        config("shampoo")
     with pytest.raises(ConfigError, match=r"^muon.helpers: not with pipeline.tensor_parallel > 1"):
         config("muon", tensor_parallel=2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pipefisher.methods.settings import RefreshConfig
 
@@ -36,9 +36,10 @@ class MethodInputs(Generic[S]):
     seq_len: int
     #: gradient workers per layer (`pipefisher.planning.replicas.kaisa`); None: every replica of a stage
     workers_per_layer: int | None = None
-    #: stage -> its parameters' shapes by name, every stage of the model (given when the section's
-    #: `helpers` is on: a rank's buffers for the layers it helps on another rank's stage)
-    stage_shapes: Mapping[int, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)
+    #: stage -> that stage's module built on the meta device (an ``nn.Module``), every stage of the
+    #: model (given when the section's `helpers` is on: what a rank's buffers for the layers it
+    #: helps on another rank's stage are shaped from)
+    stage_modules: Mapping[int, Any] = field(default_factory=dict)
 
     @property
     def rows_per_step(self) -> int:

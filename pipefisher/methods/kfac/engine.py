@@ -102,25 +102,25 @@ class KFACEngine:
 
     def captured(self, layer: str, factor: Factor) -> list[Hashable]:
         """Micro-batch ids with a capture of ``factor``'s input waiting for curvature."""
-        return list(self._state(layer).captures[factor])
+        return list(self.layer_state(layer).captures[factor])
 
     def captured_bytes(self, layer: str, factor: Factor, micro_batch: Hashable) -> int:
         """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (as stored: A
         without a bias column; 0 when none); layers fed one input each count the tensor they share."""
-        tensors = self._state(layer).captures[known_factor(factor)].get(micro_batch, [])
+        tensors = self.layer_state(layer).captures[known_factor(factor)].get(micro_batch, [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def built_rows(self, layer: str, factor: Factor) -> int:
         """This replica's rows accumulated into the factor being built (0 when none)."""
-        return getattr(self._state(layer).built.get(factor), "rows", 0)
+        return getattr(self.layer_state(layer).built.get(factor), "rows", 0)
 
     def factor(self, layer: str, factor: Factor) -> Tensor | None:
         """The running (EMA) factor, or None before its first finite one (reads a flag)."""
-        return valid(self._state(layer).ema.get(factor))
+        return valid(self.layer_state(layer).ema.get(factor))
 
     def inverse(self, layer: str, factor: Factor) -> Tensor | None:
         """The committed damped inverse used by precondition, or None (identity; reads a flag)."""
-        return valid(self._state(layer).active.get(factor))
+        return valid(self.layer_state(layer).active.get(factor))
 
     # ----------------------------------------------------------------- operations (no host reads)
     @contextmanager
@@ -138,7 +138,7 @@ class KFACEngine:
     def curvature(self, layer: str, factor: Factor, micro_batch: Hashable) -> None:
         """Accumulate ``xᵀx`` of one micro-batch's capture into the built factor and free it
         (``e`` rows divided by the micro-batch's loss scale, in the factor dtype)."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         tensors = st.captures[known_factor(factor)].pop(micro_batch, None)
         if tensors is None:
             raise KeyError(f"layer {layer!r}: nothing captured for {factor}, micro-batch {micro_batch!r}")
@@ -162,11 +162,11 @@ class KFACEngine:
         """Build ``factor`` from share ``index`` of ``count`` of each capture's rows (the sharers sum :meth:`sync_tensors`)."""
         if factor == "B" and self.grad_scale is None:  # λ would be this share's row count
             raise ValueError("grad_scale: B's scale is the whole step's row count; set it to share B's rows")
-        self._state(layer).row_shares[known_factor(factor)] = (index, count)
+        self.layer_state(layer).row_shares[known_factor(factor)] = (index, count)
 
     def release(self, layer: str, micro_batch: Hashable | None = None) -> None:
         """Drop captures of ``layer`` (one micro-batch, or all) without taking curvature."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         stores: list[dict[Hashable, Any]] = [*st.captures.values(), st.loss_scales]
         for store in stores:
             if micro_batch is None:
@@ -203,7 +203,7 @@ class KFACEngine:
         computed elsewhere and shared keeps the same running factor). Counted on the device;
         :meth:`check_health` warns.
         """
-        st = self._state(layer)
+        st = self.layer_state(layer)
         built = self._built(layer, factor)
         del st.built[factor]
         count = self._seal(built, factor)
@@ -233,26 +233,26 @@ class KFACEngine:
         try:
             yield
         finally:
-            self._state(layer).built[factor] = saved
+            self.layer_state(layer).built[factor] = saved
 
     def shared_inverse(self, layer: str, factor: Factor) -> Tensor:
         """On the replica that inverted ``factor``: the (n, n) tensor to broadcast to the others,
         i.e. the inverse its commit would use (the pending one if that inversion succeeded,
         else the one in use, else the identity); selected on the device."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         return self._next_active(st, known_factor(factor)).value.contiguous()
 
     def inverse_buffer(self, layer: str, factor: Factor) -> Tensor:
         """On the other replicas: an empty (n, n) tensor of the factor dtype and device to
         receive the broadcast of :meth:`shared_inverse` into."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         n = st.info.size(known_factor(factor))
         return torch.empty(n, n, dtype=st.dtype, device=st.weight.device)
 
     def fresh_inverse(self, layer: str, factor: Factor) -> Tensor:
         """On a replica that inverted ``factor`` without keeping inverses in use: its pending
         inverse where that inversion succeeded, else NaN (a receiver that checks keeps its own)."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         pending = st.pending.get(known_factor(factor))
         if pending is None:
             n = st.info.size(factor)
@@ -263,22 +263,22 @@ class KFACEngine:
         """Store a received inverse (after the broadcast completed) as ``factor``'s pending
         inverse, marked successful (`checked`: successful where it is finite, see
         :meth:`fresh_inverse`)."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         ok = torch.isfinite(tensor).all() if checked else torch.ones((), dtype=torch.bool, device=tensor.device)
         st.pending[known_factor(factor)] = Flagged(tensor, ok)
 
     def discard_inverse(self, layer: str, factor: Factor) -> None:
         """Forget ``factor``'s pending inverse (a replica that computed it for others only)."""
-        self._state(layer).pending.pop(known_factor(factor), None)
+        self.layer_state(layer).pending.pop(known_factor(factor), None)
 
     def gradients(self, layer: str) -> list[Tensor]:
         """The layer's weight and bias gradients (those that exist), in that order."""
-        return [p.grad for p in self._state(layer).module.parameters(recurse=False) if p.grad is not None]
+        return [p.grad for p in self.layer_state(layer).module.parameters(recurse=False) if p.grad is not None]
 
     def commit(self, layer: str) -> None:
         """Make the inverses computed since the last commit the ones precondition uses, where
         their inversion succeeded (selected on the device)."""
-        st = self._state(layer)
+        st = self.layer_state(layer)
         for factor in list(st.pending):
             st.active[factor] = self._next_active(st, factor)
         st.pending.clear()
@@ -290,13 +290,13 @@ class KFACEngine:
         Returns ``⟨G̃, G⟩`` as a 0-dim device tensor in the factor dtype when ``kl_clip`` is
         configured; None otherwise or when the layer has no gradient.
         """
-        (vg,) = precondition_layers([self._state(layer)], self.kl_clip is not None)
+        (vg,) = precondition_layers([self.layer_state(layer)], self.kl_clip is not None)
         return vg
 
     def rescale(self, layer: str, scale: Tensor | float) -> None:
         """Multiply the layer's weight and bias gradients by ``scale`` (a number or 0-dim tensor,
         the same on every replica): a sharded gradient's local shard (no communication)."""
-        for p in self._state(layer).module.parameters(recurse=False):
+        for p in self.layer_state(layer).module.parameters(recurse=False):
             if p.grad is not None:
                 local(p.grad).mul_(scale)
 
@@ -314,7 +314,7 @@ class KFACEngine:
         parameters' device.
         """
         names = list(self._layers) if layers is None else list(layers)
-        found = precondition_layers([self._state(name) for name in names], self.kl_clip is not None)
+        found = precondition_layers([self.layer_state(name) for name in names], self.kl_clip is not None)
         vgs = [vg for vg in found if vg is not None]
         if self.kl_clip is None:
             return PreconditionReport(None, None)
@@ -341,18 +341,19 @@ class KFACEngine:
         if set(state) != set(self._layers):
             raise ValueError(f"K-FAC layers differ: checkpoint {sorted(state)} vs model {sorted(self._layers)}")
         for name, entry in state.items():
-            _checkpoint.load_layer_state(self._state(name), entry)
+            _checkpoint.load_layer_state(self.layer_state(name), entry)
         self._reported = self._read_counters()
 
     # ----------------------------------------------------------------- internals
-    def _state(self, layer: str) -> LayerState:
+    def layer_state(self, layer: str) -> LayerState:
+        """Everything the engine keeps for `layer` (KeyError naming a layer it does not have)."""
         try:
             return self._layers[layer]
         except KeyError:
             raise KeyError(f"{layer!r} is not a K-FAC layer") from None
 
     def _built(self, layer: str, factor: Factor) -> BuiltFactor:
-        built = self._state(layer).built.get(known_factor(factor))
+        built = self.layer_state(layer).built.get(known_factor(factor))
         if built is None:
             raise RuntimeError(f"layer {layer!r}: no curvature accumulated for factor {factor}")
         return built

@@ -58,6 +58,7 @@ KFAC = CurvatureMethod(
         precondition=True,
         labels=WorkLabels(parts=("A factor", "B factor"), refresh="inverse"),
         shared_when_split=(("column", 0), ("row", 1)),
+        helpers=True,
     ),
     settings=KfacConfig,
     parts="pipefisher.methods.kfac.parts:PARTS",

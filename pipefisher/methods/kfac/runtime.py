@@ -36,7 +36,8 @@ from pipefisher.core.profile import time_key
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
-from pipefisher.methods.kfac.factors import damped_inverse, precondition_matrix
+from pipefisher.methods.kfac.factors import damped_inverse, factor_dtype, precondition_matrix
+from pipefisher.methods.kfac.helping import KfacHelping
 from pipefisher.methods.kfac.layer import FACTORS, Factor, LayerInfo
 from pipefisher.methods.kfac.method import KFAC, KfacConfig
 from pipefisher.models.tensor_parallel import applied_plan
@@ -86,6 +87,16 @@ class KfacRuntime(StageRuntime[KFACEngine]):
         super().set_plan(plan)
         ops = plan.curvature_ops() if plan is not None else ()
         self.exchanged = {(op.stage, op.layer) for op in ops if op.kind is OpKind.EXCHANGE}
+        parameter = next(p for module in self.modules.values() for p in module.parameters())
+        self.helping = KfacHelping.of_plan(
+            plan,
+            self.topology,
+            self.rank,
+            self.engine_of_stage,
+            self.config.stage_modules,
+            factor_dtype(parameter.dtype),
+            parameter.device,
+        )
 
     def works_for(self, stage: int, layer: str) -> bool:
         """Whether this rank keeps `layer`'s inverses and preconditions it (every replica does
@@ -107,6 +118,7 @@ class KfacRuntime(StageRuntime[KFACEngine]):
         table[OpKind.REFRESH] = self._invert
         table[OpKind.EXCHANGE] = self._fold_shared
         table[OpKind.PRECONDITION] = self._precondition
+        table[OpKind.HELP] = lambda op: self.helping.layers[(op.stage, layer_of(op))].precondition()
         return table
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
@@ -114,7 +126,18 @@ class KfacRuntime(StageRuntime[KFACEngine]):
             CollectiveKind.SYNC: self._launch_sync,
             CollectiveKind.EXCHANGE: self._launch_exchange,
             CollectiveKind.PGRAD: self._launch_pgrad,
+            CollectiveKind.HELP_STATE: self._launch_help_state,
+            CollectiveKind.HELP_IN: self._launch_help_in,
+            CollectiveKind.HELP_OUT: self._launch_help_out,
         }
+
+    def cycle_state(self) -> dict:
+        """The inverses this rank holds for the cycle as a helper of other ranks' layers."""
+        held = self.helping.cycle_state()
+        return {"helped": held} if held else {}
+
+    def load_cycle_state(self, state: dict) -> None:
+        self.helping.load_cycle_state(state.get("helped", {}))
 
     def forward_context(self, op: Op, cycle_step: int) -> AbstractContextManager:
         """Context for the forward of `op`: records a and e in the cycle's first step."""
@@ -156,7 +179,9 @@ class KfacRuntime(StageRuntime[KFACEngine]):
                 self.comm.tensor_all_reduce(tensor)
 
     def _precondition(self, op: Op) -> None:
-        self.engine(op).precondition_all(self.config.lr)
+        engine, handed = self.engine(op), self.helping.handed_names(op.stage)
+        layers = [info.name for info in engine.layers() if info.name not in handed] if handed else None
+        engine.precondition_all(self.config.lr, layers=layers)
 
     # -- collectives -------------------------------------------------------------------------
     def _launch_sync(self, collective: Collective) -> Handle:
@@ -177,6 +202,42 @@ class KfacRuntime(StageRuntime[KFACEngine]):
             buffer=lambda: engine.inverse_buffer(layer, factor),
             receive=lambda tensor: engine.receive_inverse(layer, factor, tensor, checked=workers) if keeps else None,
             sent=None if keeps else lambda: engine.discard_inverse(layer, factor),
+        )
+
+    def _launch_help_state(self, collective: Collective) -> Handle:
+        """The stage's rank sends its helper the helped layers' committed inverses; the helper
+        receives them into its buffers (`pipefisher.methods.kfac.helping`)."""
+        (stage,), (_, owner, helper) = collective.key, collective.group
+        if self.rank == owner:
+            sent = self.helping.state_of(self.engine_of_stage[stage], self.helping.handed[stage][helper])
+            return self.comm.broadcast([(tensor, owner) for tensor in sent], collective.group)
+        held = [t for name in self.helping.helped[(stage, owner)] for t in self.helping.layers[(stage, name)].state]
+        return self.comm.broadcast([(tensor, owner) for tensor in held], collective.group)
+
+    def _launch_help_in(self, collective: Collective) -> Handle:
+        """The stage's rank sends its helper the helped layers' gradient matrices of the step."""
+        (stage,), (_, owner, helper) = collective.key, collective.group
+        if self.rank == owner:
+            sent = self.helping.inputs_of(self.engine_of_stage[stage], self.helping.handed[stage][helper])
+            return self.comm.broadcast([(tensor, owner) for tensor in sent], collective.group)
+        names = self.helping.helped[(stage, owner)]
+        return self.comm.broadcast(
+            [(self.helping.layers[(stage, name)].gradient, owner) for name in names], collective.group
+        )
+
+    def _launch_help_out(self, collective: Collective) -> Handle:
+        """The helper sends its results; the stage's rank writes them into the gradients."""
+        (stage,), (_, owner, helper) = collective.key, collective.group
+        if self.rank == owner:
+            names = self.helping.handed[stage][helper]
+            return self.comm.broadcast(
+                [(self.helping.results[(stage, name)], helper) for name in names],
+                collective.group,
+                on_done=lambda: self.helping.write_results(self.engine_of_stage[stage], stage, names),
+            )
+        names = self.helping.helped[(stage, owner)]
+        return self.comm.broadcast(
+            [(self.helping.layers[(stage, name)].result, helper) for name in names], collective.group
         )
 
     def _launch_pgrad(self, collective: Collective) -> Handle:

@@ -12,6 +12,8 @@ computes the same result from the same inverses) and written back as this rank's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -48,6 +50,31 @@ def write_gradients(parameters: list[Tensor], results: list[Tensor]) -> None:
             set_gradient(parameter, result)
 
 
+def apply_inverses(matrices: Tensor, inverses: Sequence[tuple[str, Tensor, Tensor]]) -> Tensor:
+    """``B⁻¹ G A⁻¹`` of `matrices` (one G or a stack), for each (factor, inverse, ok) in the order
+    given: B from the left, A from the right, where ``ok`` (a bool of each matrix's shape
+    broadcastable, on the device) else G passes through bit for bit."""
+    out = matrices
+    for factor, inverse, ok in inverses:
+        out = torch.where(ok, inverse @ out if factor == "B" else out @ inverse, out)
+    return out
+
+
+def write_matrices(states: list[LayerState], matrices: list[Tensor]) -> None:
+    """Make each layer's weight (and bias) gradient its matrix's columns (`gradient_matrix`'s
+    layout), in one kernel for the unsharded gradients (`write_gradients`)."""
+    targets: list[Tensor] = []
+    results: list[Tensor] = []
+    for st, new in zip(states, matrices):
+        weight, bias, din = st.weight, st.bias, st.info.in_features
+        targets.append(weight)
+        results.append(new[:, :din].T if st.info.transposed else new[:, :din])
+        if bias is not None and bias.grad is not None:
+            targets.append(bias)
+            results.append(new[:, din])
+    write_gradients(targets, results)
+
+
 def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor | None]:
     """Replace each layer's weight (and bias) gradient G by ``B⁻¹ G A⁻¹`` with its committed
     inverses (one missing acts as the identity); per layer ``⟨G̃, G⟩`` as a 0-dim tensor in the
@@ -61,29 +88,28 @@ def precondition_layers(states: list[LayerState], with_vg: bool) -> list[Tensor 
             key = (tuple(grad.shape), st.dtype, grad.device, "B" in st.active, "A" in st.active)
             groups.setdefault(key, []).append(number)
     vgs: list[Tensor | None] = [None] * len(states)
-    targets: list[Tensor] = []  # parameters whose gradients get `results`
-    results: list[Tensor] = []
+    written: list[LayerState] = []
+    matrices: list[Tensor] = []
     for members in groups.values():
         first = states[members[0]]
         original = torch.stack([grads[i].to(first.dtype) for i in members])
-        out = original
-        for factor in ("B", "A"):
-            if factor not in first.active:
-                continue
-            inverse = torch.stack([states[i].active[factor].value for i in members])
-            ok = torch.stack([states[i].active[factor].ok for i in members]).view(-1, 1, 1)
-            out = torch.where(ok, inverse @ out if factor == "B" else out @ inverse, out)
+        out = apply_inverses(
+            original,
+            [
+                (
+                    factor,
+                    torch.stack([states[i].active[factor].value for i in members]),
+                    torch.stack([states[i].active[factor].ok for i in members]).view(-1, 1, 1),
+                )
+                for factor in ("B", "A")
+                if factor in first.active
+            ],
+        )
         vg = (out * original).sum(dim=(-2, -1)) if with_vg else None
         for row, number in enumerate(members):
-            st, new = states[number], out[row]
-            weight, bias = st.weight, st.bias
-            din = st.info.in_features
-            targets.append(weight)
-            results.append(new[:, :din].T if st.info.transposed else new[:, :din])
-            if bias is not None and bias.grad is not None:
-                targets.append(bias)
-                results.append(new[:, din])
+            written.append(states[number])
+            matrices.append(out[row])
             if vg is not None:
                 vgs[number] = vg[row]
-    write_gradients(targets, results)
+    write_matrices(written, matrices)
     return vgs

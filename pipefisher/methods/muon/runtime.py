@@ -93,7 +93,7 @@ class MuonRuntime(StageRuntime[MuonEngine]):
         super().set_plan(plan)
         parameter = next(p for module in self.modules.values() for p in module.parameters())
         self.helping = Helping.of_plan(
-            plan, self.topology, self.rank, self.config.stage_shapes, parameter.dtype, parameter.device
+            plan, self.topology, self.rank, self.config.stage_modules, parameter.dtype, parameter.device
         )
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:

@@ -91,6 +91,9 @@ class CollectiveKind(str, Enum):
     #: ZeRO-2/3 with several pipes (Chimera): each gradient shard summed over the stage's copies in
     #: the other pipes, after FSDP2's reduce-scatter within the pipe
     GRAD_PIPES = "grad_pipes"
+    #: a helped stage's layers' refresh results in use (K-FAC's inverses), broadcast from its rank
+    #: to a helper at the start of every cycle (methods with refresh work only)
+    HELP_STATE = "help_state"
     #: a helped stage's layer inputs of the step, broadcast from its rank to a helper (`OpKind.HELP`)
     HELP_IN = "help_in"
     #: the helper's results of those layers, broadcast back to the stage's rank
@@ -317,7 +320,7 @@ def pgrad_collective(topology: Topology, rank: int, stage: int, workers: int) ->
 
 
 def help_collective(kind: CollectiveKind, owner: int, helper: int, stage: int) -> Collective:
-    """`kind` (HELP_IN or HELP_OUT) of stage `stage`, held by global rank `owner`, with `helper`,
+    """`kind` (HELP_STATE, HELP_IN or HELP_OUT) of stage `stage`, held by global rank `owner`, with `helper`,
     on their communicator ``("help", owner, helper)``."""
     return Collective(kind, ("help", owner, helper), (stage,))
 

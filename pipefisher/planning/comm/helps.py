@@ -7,7 +7,11 @@ step) right after the op that makes the stage's gradient final, and ``help_out``
 the results) right after it; the helper launches ``help_in`` and waits for it before its first help
 op of the stage, and launches ``help_out`` (the broadcast of the results) after its last. Both
 ranks wait for both at their end of step, before the world reduction, so the results are in before
-the optimizer step. The same order on both ranks of the communicator: NCCL's rule holds by
+the optimizer step. A method with refresh work (`helps_read_state`: K-FAC's help op applies the
+layer's inverses) also sends the helper the refresh results in use, once per cycle: in the cycle's
+first step both ranks launch ``help_state`` before their first op (its transfer overlaps the step's
+compute), the helper waits for it before its first help op of the stage, the stage's rank at its
+end of step. The same order on both ranks of the communicator: NCCL's rule holds by
 construction, and `pipefisher.planning.comm.replay` checks it. Pure Python: no torch.
 """
 
@@ -26,6 +30,12 @@ from pipefisher.planning.plan import Plan
 StageKey = tuple[int, int]
 
 
+def helps_read_state(plan: Plan) -> bool:
+    """Whether `plan`'s help ops read their layers' refresh results (its method has refresh work),
+    which then cross to the helpers at the start of every cycle (``help_state``)."""
+    return plan.rules is not None and bool(plan.rules.parts) and bool(helped_layers(plan))
+
+
 def stage_helpers(plan: Plan) -> dict[StageKey, tuple[int, ...]]:
     """(pipe, stage) -> the pipeline ranks that help it, in rank order (empty: no help ops)."""
     return {key: tuple(sorted({rank for _, rank in layers})) for key, layers in helped_layers(plan).items()}
@@ -34,13 +44,15 @@ def stage_helpers(plan: Plan) -> dict[StageKey, tuple[int, ...]]:
 @dataclass(frozen=True)
 class HelpActions:
     """One rank's help actions in a step: its ops `ops`, its global `rank` and `replica`; the
-    helpers of every helped stage (`stage_helpers`)."""
+    helpers of every helped stage (`stage_helpers`); `state`: the step sends the helpers their
+    layers' refresh results (the cycle's first step, where `helps_read_state`)."""
 
     topology: Topology
     ops: Sequence[Op]
     rank: int
     replica: int
     helpers: dict[StageKey, tuple[int, ...]]
+    state: bool = False
     _first: dict[int, StageKey] = field(init=False)
     _last: dict[int, StageKey] = field(init=False)
 
@@ -55,11 +67,27 @@ class HelpActions:
         object.__setattr__(self, "_last", {position: key for key, position in last.items()})
 
     def before(self, position: int) -> Iterator[Action]:
-        """Before the op at `position`: a helper's launch of, and wait for, the stage's inputs."""
+        """Before the op at `position`: at the first, the launches of the step's ``help_state``
+        (where `state`); a helper's launch of, and wait for, the stage's inputs (and its state)."""
+        if position == 0 and self.state:
+            yield from (Action(ActionKind.LAUNCH, collective) for collective in self._states())
         key = self._first.get(position)
         if key is not None:
             collective = self._collective(CollectiveKind.HELP_IN, key, self.rank)
             yield from (Action(ActionKind.LAUNCH, collective), Action(ActionKind.WAIT, collective))
+            if self.state:
+                yield Action(ActionKind.WAIT, self._collective(CollectiveKind.HELP_STATE, key, self.rank))
+
+    def _states(self) -> Iterator[Collective]:
+        """The ``help_state`` of every stage this rank holds to each of its helpers, then of every
+        stage it helps, in stage order (one order per communicator on both of its ranks)."""
+        for key in sorted(self.helpers):
+            if self.topology.rank(self.replica, *key) == self.rank:
+                for helper in self.helpers[key]:
+                    global_helper = self.replica * self.topology.pipeline_ranks + helper
+                    yield self._collective(CollectiveKind.HELP_STATE, key, global_helper)
+        for key in sorted(set(self._first.values())):
+            yield self._collective(CollectiveKind.HELP_STATE, key, self.rank)
 
     def after(self, position: int, final_stage: int | None) -> Iterator[Action]:
         """After the op at `position` (`final_stage`: the stage whose gradient it makes final, the
@@ -87,6 +115,6 @@ def help_waits(actions: Sequence[Action]) -> list[Action]:
         Action(ActionKind.WAIT, a.collective)
         for a in actions
         if a.kind is ActionKind.LAUNCH
-        and a.collective.kind in (CollectiveKind.HELP_IN, CollectiveKind.HELP_OUT)
+        and a.collective.kind in (CollectiveKind.HELP_STATE, CollectiveKind.HELP_IN, CollectiveKind.HELP_OUT)
         and a.collective not in waited
     ]

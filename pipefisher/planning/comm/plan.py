@@ -70,7 +70,7 @@ from pipefisher.planning.comm.actions import (
     unshard_collective,
 )
 from pipefisher.planning.comm.groups import group_members, tied_ranks_of
-from pipefisher.planning.comm.helps import HelpActions, help_waits, stage_helpers
+from pipefisher.planning.comm.helps import HelpActions, help_waits, helps_read_state, stage_helpers
 from pipefisher.planning.comm.replay import replay
 from pipefisher.planning.comm.send_waits import SendWait, send_waits
 from pipefisher.planning.plan import Plan
@@ -129,7 +129,7 @@ def _plan_actions(
     synced = {(op.stage, op.layer, op.part) for op in plan.curvature_ops() if op.kind is OpKind.SYNC}
     tied_ranks = tied_ranks_of(topology) if tied else ()
     replicated = {stage for stage in range(num_stages) if len(topology.replica_ranks(stage)) > 1}
-    helpers = stage_helpers(plan)
+    helpers, help_state = stage_helpers(plan), helps_read_state(plan)
     steps: list[tuple[tuple[Action, ...], ...]] = []
     #: per rank, the syncs it has waited for in the cycle so far (a sync feeds several ops)
     waited: list[set[Collective]] = [set() for _ in range(topology.world_size)]
@@ -141,7 +141,7 @@ def _plan_actions(
             replica = topology.replica_of(rank)
             ops = step[topology.pipeline_rank(rank)]
             slots = waits[topology.pipeline_rank(rank)]
-            helps = HelpActions(topology, ops, rank, replica, helpers)
+            helps = HelpActions(topology, ops, rank, replica, helpers, help_state and index == 0)
             actions = list(
                 _op_actions(
                     topology,

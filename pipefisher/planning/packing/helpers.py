@@ -45,13 +45,14 @@ def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = 
         for layer in layers:
             help_op = Op(OpKind.HELP, stage, None, pipe, layer.name)
             score, _, candidate = min(
-                (finish_order(simulate_plan(candidate, durations, graph=graph)), rank, candidate)
+                (finish_order(simulate_plan(candidate, durations, {}, graph)), rank, candidate)
                 for rank in range(plan.schedule.num_ranks)
                 if rank != owner
                 for candidate in [with_help(placed, help_op, rank)]
             )
-            if _shorter(score, best):
-                placed, best = candidate, score
+            if not _shorter(score, best):
+                break
+            placed, best = candidate, score
     if not best[0] < cycle_time(start) * (1 - _GAIN):
         return plan, cycle_time(start)
     return placed, best[0]

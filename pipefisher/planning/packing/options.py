@@ -41,7 +41,7 @@ class PackOptions:
     schedule splits the backward, let the fill strategy move weight gradients within their step
     (False: they stay where the schedule put them); `helpers`: hand layers of per-step work with
     no bubble to other ranks where that shortens the cycle (`pipefisher.planning.packing.helpers`;
-    methods whose rules allow it). The tasks packed are those of the task rules `pack` is given."""
+    methods whose rules allow it, on one pipeline without data-parallel copies). The tasks packed are those of the task rules `pack` is given."""
 
     margin: float = 0.0
     percentile: float | None = 90.0

@@ -265,14 +265,18 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
             chosen = capped
     else:
         peaks = capture_peaks(chosen.plan, profile)
-    if options.helpers and rules.helpers:
-        helped, cycle = place_helpers(chosen.plan, tasks.durations, tasks.graph)
-        if helped is not chosen.plan:
+    if options.helpers and rules.helpers and options.data_parallel == 1 and schedule.num_pipes == 1:
+        helped = _with_helpers(packing, chosen, tasks, free_k=options.refresh_steps is None)
+        if helped is not chosen:
             reason += (
-                f"; helpers: {len(helped.helped)} layers' per-step work on other ranks, cycle "
-                f"{chosen.cycle_time:.4g} -> {cycle:.4g} {profile.time_unit}"
+                f"; helpers: {len(helped.plan.helped)} layers' per-step work on other ranks"
+                + (f", k = {helped.refresh_steps}" if helped.refresh_steps != chosen.refresh_steps else "")
+                + f", mean step {chosen.cycle_time / chosen.refresh_steps:.4g} -> "
+                f"{helped.cycle_time / helped.refresh_steps:.4g} {profile.time_unit}"
             )
-            chosen = replace(chosen, plan=helped, cycle_time=cycle)
+            if helped.refresh_steps != chosen.refresh_steps:
+                peaks = capture_peaks(helped.plan, profile)
+            chosen = helped
     in_bubbles: Callable[[int], float] = lambda rank: precondition_in_bubbles(tasks, packing.windows, rank)
     return PackResult(
         plan=chosen.plan,
@@ -302,6 +306,31 @@ def tasks_at_percentile(profile: Profile, q: float) -> Profile:
     return replace(
         profile, stages=tuple(replace(stage, layers=tail.layers) for stage, tail in zip(profile.stages, high.stages))
     )
+
+
+def _with_helpers(packing: _Packing, chosen: Candidate, tasks: CurvatureTasks, free_k: bool) -> Candidate:
+    """`chosen` with help ops where they shorten its cycle (`place_helpers`). With `free_k`, also
+    the best plans at 2k and 4k (up to `max_refresh_steps`, under the capture cap), helped, and
+    the smallest of those k whose mean step is within `max_overhead` of the first-order step of
+    the longest's: help ops take the per-step work that has no bubble, and a longer cycle leaves
+    the helpers' ends of step free of refresh work, as the packer's own rule grows k while work
+    that fits no bubble costs more than `max_overhead`. `chosen` itself when no help op pays."""
+    options, k = packing.options, chosen.refresh_steps
+    cap = options.max_refresh_steps
+    ks = [k * factor for factor in ((1, 2, 4) if free_k else (1,)) if cap is None or k * factor <= cap]
+
+    def helped(each: int) -> tuple[float, Candidate]:
+        """The exposed share of the best plan at k = `each`, helped, and that plan."""
+        candidate = chosen if each == k else packing.best(each)
+        if each != k and options.max_capture_mb is not None:
+            candidate = fit_capture(packing, candidate, int(options.max_capture_mb * 2**20))[0]
+        plan, cycle = place_helpers(candidate.plan, tasks.durations, tasks.graph)
+        return cycle / each / packing.first_order.step_time - 1, replace(candidate, plan=plan, cycle_time=cycle)
+
+    tried = [helped(each) for each in ks]
+    floor = min(share for share, _ in tried)
+    best = next(candidate for share, candidate in tried if share <= floor + options.max_overhead + _EXACT)
+    return best if best.plan.helped else chosen
 
 
 def after_step_plan(

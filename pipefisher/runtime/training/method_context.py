@@ -16,7 +16,7 @@ from pipefisher.models import StagedModel
 def method_inputs(config: RunConfig, model: StagedModel | None = None) -> MethodInputs[Any]:
     """The inputs of `config`'s curvature method (`method_of`: on a first-order run, the method
     whose tasks its profile times, with that method's section); with the run's `model` and the
-    section's `helpers` on, the shapes of every stage's parameters (built on the meta device)."""
+    section's `helpers` on, every stage's module built on the meta device."""
     name = method_of(config).name
     section = config.section(name)
     optimizer = config.optimizer_settings
@@ -33,16 +33,12 @@ def method_inputs(config: RunConfig, model: StagedModel | None = None) -> Method
         micro_batch_size=config.data.micro_batch_size,
         seq_len=config.model.seq_len,
         workers_per_layer=config.workers_per_layer,
-        stage_shapes=_stage_shapes(model, config) if model is not None and section.helpers else {},
+        stage_modules=_stage_modules(model, config) if model is not None and section.helpers else {},
     )
 
 
-def _stage_shapes(model: StagedModel, config: RunConfig) -> dict[int, dict[str, tuple[int, ...]]]:
-    """stage -> {parameter name: shape} of every stage of `model`, built on the meta device."""
+def _stage_modules(model: StagedModel, config: RunConfig) -> dict[int, torch.nn.Module]:
+    """stage -> its module, every stage of `model`, built on the meta device (no storage)."""
     stages = config.model_chunks
-    shapes: dict[int, dict[str, tuple[int, ...]]] = {}
     with torch.device("meta"):
-        for stage in range(stages):
-            module = model.build_stage(stage, stages, config.run.seed)
-            shapes[stage] = {name: tuple(parameter.shape) for name, parameter in module.named_parameters()}
-    return shapes
+        return {stage: model.build_stage(stage, stages, config.run.seed) for stage in range(stages)}

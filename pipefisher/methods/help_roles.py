@@ -1,0 +1,40 @@
+"""One rank's part in a plan's help ops (`OpKind.HELP`, placed by
+`pipefisher.planning.packing.helpers`), as every method with helpers reads it: which layers of
+its own stages other ranks do, and which layers of other ranks' stages it does. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipefisher.core.topology import Topology
+from pipefisher.planning.packing.helpers import helped_layers
+from pipefisher.planning.plan import Plan
+
+
+@dataclass
+class HelpRoles:
+    """`handed[stage][helper]`: the layers of a stage of this rank that global rank `helper` does;
+    `helped[(stage, owner)]`: the layers of global rank `owner`'s stage this rank does. Both list a
+    (stage, helper)'s layers in the helper's op order, the order of every help collective."""
+
+    handed: dict[int, dict[int, list[str]]] = field(default_factory=dict)
+    helped: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+
+    def fill(self, plan: Plan | None, topology: Topology, rank: int) -> None:
+        """Set both from `plan`'s help ops for global rank `rank` (none without a plan)."""
+        self.handed, self.helped = {}, {}
+        if plan is None:
+            return
+        replica = topology.replica_of(rank)
+        for (pipe, stage), layers in helped_layers(plan).items():
+            owner = topology.rank(replica, pipe, stage)
+            for name, helper_rank in layers:
+                helper = replica * topology.pipeline_ranks + helper_rank
+                if owner == rank:
+                    self.handed.setdefault(stage, {}).setdefault(helper, []).append(name)
+                elif helper == rank:
+                    self.helped.setdefault((stage, owner), []).append(name)
+
+    def handed_names(self, stage: int) -> set[str]:
+        """The layers of this rank's `stage` that other ranks do."""
+        return {name for names in self.handed.get(stage, {}).values() for name in names}

@@ -1,0 +1,94 @@
+"""Help ops on the executor (`<method>.helpers`): layers of a stage preconditioned on another rank
+(Muon: its matrices' orthogonalisation; K-FAC: ``B⁻¹ G A⁻¹`` with the inverses sent once per
+cycle), their inputs and results over the ("help", owner, helper) communicator, equal to the
+single-process reference in the in-order gloo mode (NCCL's rule), on the schedules whose stages
+each have a precondition op of their own."""
+
+import pytest
+import torch
+
+from _workers import pipelined_with_records, unit_profile
+from test_curvature_equivalence import PARAMETER_ATOL, STEPS, shipped_defaults
+from pipefisher.core.ir import Op, OpKind
+from pipefisher.methods.layers import linear_info
+from pipefisher.methods.registry import task_rules
+from pipefisher.runtime.training.assembly import staged_model
+from pipefisher.planning.comm.volume import ring_bytes
+from pipefisher.planning.packing.helpers import helped_layers, with_help
+from pipefisher.planning.packing.pack import after_step_plan
+from pipefisher.planning.plan import validate_plan
+from pipefisher.runtime.training.launch import run_group
+from pipefisher.runtime.training.pipefisher_run import stage_layer_names
+from pipefisher.runtime.training.reference import train_reference
+from pipefisher.schedules import get_schedule
+from pipefisher.testing.harness import RTOL
+
+pytestmark = pytest.mark.dist
+
+
+def helped_plan(config, method: str, schedule_name: str, stage: int, helper: int, count: int):
+    """The after-step plan of `config`'s 2-stage `schedule_name` (its refresh interval) with the
+    first `count` layers of `stage` (the largest-first order does not matter here) helped by rank
+    `helper`."""
+    schedule = get_schedule(schedule_name, 2, 4)
+    steps = config.section(method).refresh_steps or 1
+    plan = after_step_plan(schedule, unit_profile(config, 2), task_rules(method), steps)
+    for name in stage_layer_names(config, stage, 2)[:count]:
+        plan = with_help(plan, Op(OpKind.HELP, stage, None, 0, name), helper)
+    return validate_plan(plan)
+
+
+def help_bytes(config, method: str, stage: int, names: list[str], step: int) -> int:
+    """What each rank of the pair counts as sent on the help communicator in `step`: both ways
+    of each layer's input and result, and K-FAC's inverses and flags in a cycle's first step (a
+    broadcast over two ranks counts half its bytes, `ring_bytes`)."""
+    with torch.device("meta"):
+        module = staged_model(config).build_stage(stage, 2, config.run.seed)
+    total = 0
+    for name in names:
+        if method == "muon":
+            total += 2 * 4 * module.get_parameter(name).numel()
+            continue
+        info = linear_info(name, module.get_submodule(name))
+        total += 2 * 4 * info.b_size * info.a_size
+        if step % config.kfac.refresh_steps == 0:
+            total += 4 * (info.b_size**2 + info.a_size**2) + 2
+    return ring_bytes("broadcast", total, 2)
+
+
+@pytest.mark.parametrize(
+    "method, schedule, stage, helper",
+    [("muon", "1f1b", 0, 1), ("muon", "zb-h1", 1, 0), ("kfac", "1f1b", 0, 1), ("kfac", "zb-h1", 1, 0)],
+)
+def test_helped_layers_train_as_the_reference(method, schedule, stage, helper, tmp_path):
+    """Three layers of one stage preconditioned by the other rank, the sweeps' run of the method
+    (`test_curvature_equivalence.shipped_defaults`; K-FAC's three cycles of two steps, the first
+    preconditioning with the identity): every step's loss and every parameter equal the
+    reference's at the sweeps' tolerances, and both ranks sent the layers' inputs and results
+    (and K-FAC's inverses in each cycle's first step) on the help communicator."""
+    config = shipped_defaults(method, schedule)
+    plan = helped_plan(config, method, schedule, stage, helper, 3)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    helped = config.with_overrides(**{method: {"plan": str(path), "helpers": True}})
+    runs = run_group(pipelined_with_records, helped.world_size, args=(helped,), timeout=30, deadline=240)
+    reference = train_reference(config)
+    names = [name for name, _ in helped_layers(plan)[(0, stage)]]
+    expected = [help_bytes(config, method, stage, names, step) for step in range(STEPS)]
+    for result, records in runs:
+        assert [record.get("help_comm_bytes") for record in records] == expected
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=RTOL, atol=0)
+        for name, value in result.parameters.items():
+            torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)
+
+
+def test_kfac_helpers_resume_mid_cycle_bit_for_bit(tmp_path):
+    """The helper holds the helped layers' inverses for the cycle (sent in its first step only):
+    a run stopped after step 4, one step into a cycle of three, resumes with them from the
+    checkpoint's cycle state and ends bit for bit where the straight run does."""
+    from _workers import assert_resumes_bit_for_bit
+
+    config = shipped_defaults("kfac", "1f1b", refresh_steps=3)
+    path = tmp_path / "plan.json"
+    helped_plan(config, "kfac", "1f1b", 0, 1, 3).save(path)
+    assert_resumes_bit_for_bit(config.with_overrides(kfac={"plan": str(path), "helpers": True}), 4, tmp_path)
