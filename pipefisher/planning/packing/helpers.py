@@ -12,7 +12,8 @@ result crosses back before the stage's end of step (the simulator costs both way
 `place_helpers` hands layers out greedily: the stage whose P ends last first, its layers largest
 first, each to the rank where the simulated cycle ends soonest (`finish_order`: the cycle's time,
 then the ranks' ends of step latest first, so that where several stages' P ops end the step
-together, taking work off one of them counts), a layer kept only where that order improves; the
+together, taking work off one of them counts), a layer kept only where that order improves (one
+of the same time and size as a layer that did not, since the last that did, is not tried); the
 plan is kept only if its cycle is shorter in the end. Pure Python: no torch.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.layer_profile import LayerProfile
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan
 from pipefisher.planning.simulate import OpDurations
 from pipefisher.planning.timeline import Timeline
@@ -42,7 +44,10 @@ def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = 
     placed, best = plan, finish_order(start)
     for pipe, stage, owner in _stages_by_precondition_end(plan, durations, graph):
         layers = sorted(durations.profile.stages[stage].layers, key=lambda layer: (-layer.precondition, layer.name))
+        failed: set[tuple[float, int]] = set()  # costs of layers that did not pay since the last that did
         for layer in layers:
+            if _cost(layer) in failed:
+                continue
             help_op = Op(OpKind.HELP, stage, None, pipe, layer.name)
             score, _, candidate = min(
                 (finish_order(simulate_plan(candidate, durations, {}, graph)), rank, candidate)
@@ -50,12 +55,18 @@ def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = 
                 if rank != owner
                 for candidate in [with_help(placed, help_op, rank)]
             )
-            if not _shorter(score, best):
-                break
-            placed, best = candidate, score
+            if _shorter(score, best):
+                placed, best, failed = candidate, score, set()
+            else:
+                failed.add(_cost(layer))
     if not best[0] < cycle_time(start) * (1 - _GAIN):
         return plan, cycle_time(start)
     return placed, best[0]
+
+
+def _cost(layer: LayerProfile) -> tuple[float, int]:
+    """What a layer's help costs (its time, its bytes): layers alike in both pay or not alike."""
+    return layer.precondition, layer.weight_bytes
 
 
 def finish_order(timelines: Sequence[Timeline]) -> tuple[float, ...]:
