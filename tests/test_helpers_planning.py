@@ -15,7 +15,8 @@ from pipefisher.methods.registry import task_rules
 from pipefisher.planning.comm.actions import ActionKind, CollectiveKind
 from pipefisher.planning.comm.plan import plan_actions
 from pipefisher.planning.comm.replay import replay
-from pipefisher.planning.packing.helpers import helped_layers, place_helpers, with_help
+from pipefisher.planning.packing.exposed import MeasuredDurations, helpers_gain, timing_key
+from pipefisher.planning.packing.helpers import helped_layers, place_helpers, with_help, without_help
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan, pack
 from pipefisher.planning.plan import cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import OpDurations
@@ -241,6 +242,21 @@ def test_kfac_helpers_get_the_inverses_in_each_cycles_first_step(schedule):
     assert first[1][helps[0] - 1] == f"w:help_state:{stage}"
     later = [str(action) for step in comm.steps[1:] for rank in (owner, helper) for action in step[rank]]
     assert not [text for text in later if "help_state" in text]
+
+
+def test_the_gain_of_help_ops_on_measured_times():
+    """`helpers_gain`: the plan's mean step without its help ops (their layers' help time back
+    on the P op) less with them. On the profile's own times the help above pays 2 ms; where the
+    run measured the P op and the help op at 0.3 and 0.1 ms, the link's 1 ms each way costs more
+    than the help takes off, and the gain is negative."""
+    profile = linked_profile()
+    plain = plain_plan(profile=profile)
+    helped = with_help(plain, help_op(), 1)
+    assert helpers_gain(helped, MeasuredDurations(profile, {})) == pytest.approx(2.0)
+    samples = {timing_key(Op(OpKind.PRECONDITION, 0, None, 0)): [0.3], timing_key(help_op()): [0.1]}
+    assert helpers_gain(helped, MeasuredDurations(profile, samples)) < 0
+    assert helpers_gain(plain, MeasuredDurations(profile, samples)) == 0.0
+    assert without_help(helped).steps == plain.steps
 
 
 def test_profile_sizes_round_trip():

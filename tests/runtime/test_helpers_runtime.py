@@ -92,3 +92,31 @@ def test_kfac_helpers_resume_mid_cycle_bit_for_bit(tmp_path):
     path = tmp_path / "plan.json"
     helped_plan(config, "kfac", "1f1b", 0, 1, 3).save(path)
     assert_resumes_bit_for_bit(config.with_overrides(kfac={"plan": str(path), "helpers": True}), 4, tmp_path)
+
+
+def test_a_run_packs_without_help_ops_its_own_op_times_say_do_not_pay(tmp_path):
+    """A profile that says stage 0's matrices take 20 ms each and cross the link in 2 ms: the
+    packer hands some to rank 1. The run measures them at a fraction of a millisecond, so the
+    transfers cost more than the help takes off (`exposed_helpers_gain_ms` < 0), and from the
+    next cycle the run packs without help ops; losses and parameters stay the reference's."""
+    from dataclasses import replace
+
+    config = shipped_defaults("muon", "1f1b")
+    profile = unit_profile(config, 2)
+    slow = [
+        replace(layer, precondition=20.0, weight_bytes=4096) for layer in profile.stages[0].layers
+    ]  # 4,096 bytes at 2,048 per ms: 2 ms each way
+    stages = (replace(profile.stages[0], layers=tuple(slow), p2p=1.0, p2p_bytes=2048), profile.stages[1])
+    path = tmp_path / "profile.yaml"
+    replace(profile, stages=stages).save(path)
+    helped = config.with_overrides(muon={"profile": str(path), "helpers": True, "refresh_steps": 1})
+    runs = run_group(pipelined_with_records, helped.world_size, args=(helped,), timeout=30, deadline=240)
+    reference = train_reference(config)
+    for result, records in runs:
+        sent = [record.get("help_comm_bytes") for record in records]
+        gains = [record["exposed_helpers_gain_ms"] for record in records if "exposed_helpers_gain_ms" in record]
+        assert sent[0] and gains and gains[0] < 0, (sent, gains)
+        assert sent[-1] is None, "packed without help ops once measured"
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=RTOL, atol=0)
+        for name, value in result.parameters.items():
+            torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)

@@ -9,6 +9,7 @@ run that measured them, not the profile it was packed from. Pure Python: no torc
 
 from __future__ import annotations
 
+import copy
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from pipefisher.core.ir import Op, OpKind, Schedule
 from pipefisher.core.profile import Profile
+from pipefisher.planning.packing.helpers import without_help
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan
 from pipefisher.planning.simulate import COLLECTIVES, Interval, OpDurations, Timeline, simulate_graph
 from pipefisher.schedules.validate import schedule_graph
@@ -52,6 +54,19 @@ class MeasuredDurations(OpDurations):
         found = self.measured.get(timing_key(op))
         return super()._lookup(op) if found is None else found
 
+    def unhelped(self) -> MeasuredDurations:
+        """These times with no help ops: each stage's precondition op also takes its helped
+        layers' measured help time (the help ops' medians; the profile's where unmeasured)."""
+        other = copy.copy(self)
+        other.measured = dict(self.measured)
+        for stage, layer in self.helped:
+            help_op = Op(OpKind.HELP, stage, None, 0, layer)
+            key = timing_key(Op(OpKind.PRECONDITION, stage, None, 0))
+            other.measured[key] = self.measured.get(key, super()._lookup(Op(OpKind.PRECONDITION, stage, None, 0)))
+            other.measured[key] += self.measured.get(timing_key(help_op), self.layer(help_op).precondition)
+        other.helped, other._work, other._cost_classes = frozenset(), {}, None
+        return other
+
 
 @dataclass(frozen=True)
 class Exposed:
@@ -72,6 +87,19 @@ def first_order_step_time(schedule: Schedule, durations: OpDurations) -> float:
     """`schedule` alone simulated on `durations`, its end of step without the method's own work in
     it (`OpDurations.first_order`): the first-order step an exposed share is over."""
     return simulate_graph(schedule_graph(schedule), durations.first_order(), schedule.name).step_time
+
+
+def helpers_gain(plan: Plan, durations: MeasuredDurations) -> float:
+    """How much shorter `plan`'s mean step is with its help ops than without them on the same
+    measured times (`MeasuredDurations.unhelped`; negative: they cost more than they take off the
+    step); 0 without help ops."""
+    if not plan.helped:
+        return 0.0
+    helped = durations.helping(plan.helped)
+    assert isinstance(helped, MeasuredDurations)
+    with_help = cycle_time(simulate_plan(plan, helped))
+    without = cycle_time(simulate_plan(without_help(plan), helped.unhelped()))
+    return (without - with_help) / plan.refresh_steps
 
 
 def exposed_time(plan: Plan, durations: OpDurations) -> Exposed:

@@ -99,6 +99,12 @@ def with_help(plan: Plan, help_op: Op, rank: int) -> Plan:
     return Plan(plan.schedule, steps, plan.method, plan.rules)
 
 
+def without_help(plan: Plan) -> Plan:
+    """`plan` without its help ops (their layers back on their stages' precondition ops)."""
+    steps = tuple(tuple(tuple(op for op in ops if op.kind is not OpKind.HELP) for ops in step) for step in plan.steps)
+    return Plan(plan.schedule, steps, plan.method, plan.rules)
+
+
 def helped_layers(plan: Plan) -> dict[tuple[int, int], list[tuple[str, int]]]:
     """(pipe, stage) -> its helped layers and the rank that helps each, in the helper's order."""
     found: dict[tuple[int, int], list[tuple[str, int]]] = {}

@@ -10,7 +10,10 @@ and the end of step take the run's profile's times. ``exposed_share = step_with 
 is the simulated mean step over the cycle. The end of step is the profile's, in the first-order
 step less the method's own work there (`StageProfile.method_step_end`: Shampoo's and SOAP's
 preconditioning, which the profiler times; 0 in profiles measured before it was), as the
-packer's figure.
+packer's figure. A plan with help ops is also simulated without them on the same times, its
+precondition ops taking back their helped layers' measured help time
+(`pipefisher.planning.packing.exposed.helpers_gain`): ``exposed_helpers_gain_ms``, negative where
+the help ops cost the step more than they take off it (the trainer then packs without them).
 
 Cost: the executor's clock marks every op of one refresh cycle only (perf_counter on CPUs, CUDA
 events on GPUs: no host sync inside a step), the first full cycle after the run's first step
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from pipefisher.core.ir import Op
 from pipefisher.core.profile import Profile
-from pipefisher.planning.packing.exposed import MeasuredDurations, TimingKey, exposed_time, timing_key
+from pipefisher.planning.packing.exposed import MeasuredDurations, TimingKey, exposed_time, helpers_gain, timing_key
 from pipefisher.planning.plan import Plan
 from pipefisher.planning.simulate import COLLECTIVES
 from pipefisher.runtime.pipeline.executor import Executor
@@ -60,6 +63,8 @@ class MeasuredExposed:
     step_ms: float
     first_order_ms: float
     measured_step_ms: float
+    #: how much shorter the simulated step is with the plan's help ops than without (None: none)
+    helpers_gain_ms: float | None = None
 
     @property
     def share(self) -> float:
@@ -74,6 +79,7 @@ class MeasuredExposed:
             "exposed_step_time_ms": self.step_ms,
             "exposed_measured_step_time_ms": self.measured_step_ms,
             "exposed_steps": [self.first_step, self.last_step],
+            **({} if self.helpers_gain_ms is None else {"exposed_helpers_gain_ms": self.helpers_gain_ms}),
         }
 
 
@@ -121,13 +127,15 @@ class ExposedMeter:
         per_ms = _PER_MS.get(profile.time_unit, 1.0)
         medians = self._gathered_medians(plan, per_ms)
         self.recorder.marks = []
-        exposed = exposed_time(plan, MeasuredDurations(profile, medians, plan.schedule.splits_backward))
+        durations = MeasuredDurations(profile, medians, plan.schedule.splits_backward)
+        exposed = exposed_time(plan, durations)
         self.result = MeasuredExposed(
             self._first_step,
             self._first_step + len(self._walls) - 1,
             exposed.step_time / per_ms,
             exposed.first_order_step_time / per_ms,
             1000 * sum(self._walls) / len(self._walls),
+            helpers_gain(plan, durations) / per_ms if plan.helped else None,
         )
 
     def _gathered_medians(self, plan: Plan, per_ms: float) -> dict[TimingKey, list[float]]:

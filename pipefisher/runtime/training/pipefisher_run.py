@@ -306,8 +306,28 @@ class PipeFisherTrainer(PlanRunner):
         self.exposed.after_step(result.seconds, plan, profile, cycle_end=self.cycle_step == 0)
         self._cycle_ms += 1000 * result.seconds
         measured = self.exposed.result.extra() if self.exposed.result is not None else {}
+        gain = self.exposed.result.helpers_gain_ms if self.exposed.result is not None else None
+        if gain is not None and gain < 0 and not self.section.plan:
+            self._pack_without_helpers(gain)
         extra = {"refresh_steps": self.plan.refresh_steps, "predicted_step_time_ms": self.predicted_step_ms, **measured}
         return replace(result, extra={**result.extra, **extra})
+
+    def _pack_without_helpers(self, gain_ms: float) -> None:
+        """The run's own op times say the plan's help ops lengthen the step (`gain_ms` < 0: the
+        same on every rank, simulated from op times all-reduced over the ranks): from the next
+        cycle on, pack without them."""
+        self.log(
+            f"helpers: on this run's op times the help ops make the step {-gain_ms:.2f} ms longer, "
+            f"not shorter: packing without them ({self.method.name}.helpers false from here)"
+        )
+        self.config = self.config.with_overrides(**{self.method.name: {"helpers": False}})
+        self.section = self.config.method_section
+        self.curvature_plan = make_plan(self.config, self.schedule, self.profile, self.model)
+        self.drift.new_plan(fresh_profile=False)
+        self.runtime.set_plan(self.curvature_plan.plan)
+        self.set_plan(self.curvature_plan.plan)
+        self.exposed.reset()
+        self.log(self.curvature_plan.summary)
 
     def end_of_cycle(self) -> None:
         self.runtime.end_of_cycle()
