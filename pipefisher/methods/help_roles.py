@@ -4,7 +4,9 @@ its own stages other ranks do, and which layers of other ranks' stages it does. 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipefisher.core.topology import Topology
 from pipefisher.planning.packing.helpers import helped_layers
@@ -38,3 +40,16 @@ class HelpRoles:
     def handed_names(self, stage: int) -> set[str]:
         """The layers of this rank's `stage` that other ranks do."""
         return {name for names in self.handed.get(stage, {}).values() for name in names}
+
+    def helped_in(self, modules: Mapping[int, Any], section: str) -> Iterator[tuple[int, str, Any]]:
+        """(stage, name, the stage's module) of every layer this rank does for another rank's
+        stage (`modules`: `MethodInputs.stage_modules`); ValueError naming `section` (the method's
+        name) where `modules` lacks the stage."""
+        for (stage, _), names in self.helped.items():
+            if stage not in modules:
+                raise ValueError(
+                    f"{section}.helpers: this rank helps stage {stage} without its module; the run's method "
+                    "inputs need the stage modules (pass the model to method_inputs)"
+                )
+            for name in names:
+                yield stage, name, modules[stage]

@@ -100,17 +100,11 @@ class KfacHelping(HelpRoles):
                 st = engines[stage].layer_state(name)
                 shape = (st.info.b_size, st.info.a_size)
                 helping.results[(stage, name)] = torch.empty(shape, dtype=st.dtype, device=device)
-        for (stage, _), names in helping.helped.items():
-            if stage not in modules:
-                raise ValueError(
-                    f"kfac.helpers: this rank helps stage {stage} without its module; the run's method "
-                    "inputs need the stage modules (pass the model to method_inputs)"
-                )
-            for name in names:
-                info = linear_info(name, modules[stage].get_submodule(name))
-                if info is None:
-                    raise ValueError(f"kfac.helpers: {name!r} of stage {stage} is not a linear layer")
-                helping.layers[(stage, name)] = HelpedLayer.empty(info, dtype, device)
+        for stage, name, module in helping.helped_in(modules, "kfac"):
+            info = linear_info(name, module.get_submodule(name))
+            if info is None:
+                raise ValueError(f"kfac.helpers: {name!r} of stage {stage} is not a linear layer")
+            helping.layers[(stage, name)] = HelpedLayer.empty(info, dtype, device)
         return helping
 
     def state_of(self, engine: KFACEngine, names: list[str]) -> list[Tensor]:

@@ -46,14 +46,8 @@ class Helping(HelpRoles):
         buffers in `dtype` on `device`). ValueError when it helps a stage whose module it lacks."""
         helping = cls()
         helping.fill(plan, topology, rank)
-        for (stage, _), names in helping.helped.items():
-            if stage not in modules:
-                raise ValueError(
-                    f"muon.helpers: this rank helps stage {stage} without its module; the run's method "
-                    "inputs need the stage modules (pass the model to method_inputs)"
-                )
-            for name in names:
-                shape = modules[stage].get_parameter(name).shape
-                helping.inputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
-                helping.outputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
+        for stage, name, module in helping.helped_in(modules, "muon"):
+            shape = module.get_parameter(name).shape
+            helping.inputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
+            helping.outputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
         return helping

@@ -322,8 +322,13 @@ class PipeFisherTrainer(PlanRunner):
         )
         self.config = self.config.with_overrides(**{self.method.name: {"helpers": False}})
         self.section = self.config.method_section
+        self._replan(fresh_profile=False)
+
+    def _replan(self, fresh_profile: bool) -> None:
+        """Pack the run's plan again from `self.profile` (`fresh_profile`: measured just now) and
+        use it from the next cycle on."""
         self.curvature_plan = make_plan(self.config, self.schedule, self.profile, self.model)
-        self.drift.new_plan(fresh_profile=False)
+        self.drift.new_plan(fresh_profile=fresh_profile)
         self.runtime.set_plan(self.curvature_plan.plan)
         self.set_plan(self.curvature_plan.plan)
         self.exposed.reset()
@@ -348,9 +353,4 @@ class PipeFisherTrainer(PlanRunner):
             f"(expected ratio {self.drift.expected:.2f}) for {self.drift.drifting_cycles} cycles: re-profiling and re-packing"
         )
         self.profile = self._measure()
-        self.curvature_plan = make_plan(self.config, self.schedule, self.profile, self.model)
-        self.drift.new_plan(fresh_profile=True)
-        self.runtime.set_plan(self.curvature_plan.plan)
-        self.set_plan(self.curvature_plan.plan)
-        self.exposed.reset()
-        self.log(self.curvature_plan.summary)
+        self._replan(fresh_profile=True)
