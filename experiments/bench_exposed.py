@@ -130,6 +130,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         except ScheduleError as exc:
             raise UsageError(f"--schedules {schedule} with --micro-batches {args.micro_batches}: {exc}") from None
     args.methods = listed(args.methods or (known[0] if args.quick else ",".join(methods())), known, "--methods")
+    helped = [method for method in args.methods if method.endswith(HELPED)]
+    several = [
+        schedule for schedule in args.schedules if get_schedule(schedule, STAGES, args.micro_batches).num_pipes > 1
+    ]
+    if helped and several:
+        raise UsageError(
+            f"--methods {helped[0]}: not with --schedules {several[0]} (help ops pair the ranks of one pipeline)"
+        )
     args.model = listed(args.model or ("bert-tiny" if args.quick else "gpt2-tiny"), list(WORKLOADS), "--model")
     if len(args.model) != 1:
         raise UsageError("--model: name one model")

@@ -279,5 +279,6 @@ def test_helpers_key_is_refused_where_it_cannot_work():
     assert config("kfac").kfac.helpers
     with pytest.raises(ConfigError, match=r"^shampoo.helpers: Shampoo's per-step work cannot run on another rank"):
         config("shampoo")
-    with pytest.raises(ConfigError, match=r"^muon.helpers: not with pipeline.tensor_parallel > 1"):
-        config("muon", tensor_parallel=2)
+    for pipeline in ({"tensor_parallel": 2}, {"data_parallel": 2}, {"schedule": "chimera"}):
+        with pytest.raises(ConfigError, match=r"^kfac.helpers: not with pipeline.tensor_parallel > 1, pipeline.data"):
+            config("kfac", **pipeline)

@@ -254,14 +254,17 @@ def stage_replica_count(config: RunConfig) -> int:
 
 
 def _check_helpers(config: RunConfig) -> None:
-    """The curvature section's `helpers` only where its method can hand out work and each rank is
-    one process (ConfigError naming the key otherwise)."""
+    """The curvature section's `helpers` only where its method can hand out work, on one pipeline
+    of one process per rank (ConfigError naming the key otherwise)."""
     method = methods()[config.optimizer.name]
     name = config.optimizer.name
     if not method.rules.helpers:
         raise ConfigError(f"{name}.helpers: {method.label}'s per-step work cannot run on another rank; set it false")
-    if config.pipeline.tensor_parallel > 1:
-        raise ConfigError(f"{name}.helpers: not with pipeline.tensor_parallel > 1 yet; set it false")
+    if config.pipeline.tensor_parallel > 1 or stage_replica_count(config) > 1:
+        raise ConfigError(
+            f"{name}.helpers: not with pipeline.tensor_parallel > 1, pipeline.data_parallel > 1 or chimera's two pipes "
+            "(help ops pair the ranks of one pipeline, a process each); set it false"
+        )
 
 
 def _check(config: RunConfig) -> None:

@@ -63,7 +63,8 @@ class RefreshConfig:
     helpers: bool = setting(
         False,
         "hand layers of per-step work that has no bubble (1F1B's first stage) to other ranks where the packer "
-        "predicts a shorter step (methods whose rules allow it, TaskRules.helpers)",
+        "predicts a shorter step, and keep them while the run's own op times agree (methods whose rules allow "
+        "it, TaskRules.helpers; one pipeline, one process per rank)",
     )
     profile: str = setting("", 'a pipefisher.profile/v2 file of this run ("" = measure one before training)')
     plan: str = setting(

@@ -74,6 +74,12 @@ def test_a_bad_flag_is_one_line_and_exit_2():
     assert result.stderr.strip().splitlines() == [
         "bench_exposed: error: --methods: 'adam' is not one of kfac, shampoo, muon, soap, kfac+helpers, muon+helpers"
     ]
+    result = bench("--methods", "muon+helpers", "--schedules", "1f1b,chimera")
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        "bench_exposed: error: --methods muon+helpers: not with --schedules chimera (help ops pair the ranks of one "
+        "pipeline)",
+    )
     result = bench("--min-steps", "0")
     assert (result.returncode, result.stderr.strip()) == (
         2,
