@@ -94,22 +94,29 @@ def test_kfac_helpers_resume_mid_cycle_bit_for_bit(tmp_path):
     assert_resumes_bit_for_bit(config.with_overrides(kfac={"plan": str(path), "helpers": True}), 4, tmp_path)
 
 
-def test_a_run_packs_without_help_ops_its_own_op_times_say_do_not_pay(tmp_path):
-    """A profile that says stage 0's matrices take 20 ms each and cross the link in 2 ms: the
-    packer hands some to rank 1. The run measures them at a fraction of a millisecond, so the
-    transfers cost more than the help takes off (`exposed_helpers_gain_ms` < 0), and from the
-    next cycle the run packs without help ops; losses and parameters stay the reference's."""
+def promising_profile(config, folder):
+    """The path of a profile of `config`'s run that says stage 0's layers take 1 s each and cross
+    the link in 100 ms each way (204,800 bytes at 2,048 per ms): the packer hands some to rank 1;
+    the run measures them at milliseconds, against the profile's 200 ms of transfers."""
     from dataclasses import replace
 
-    config = shipped_defaults("muon", "1f1b")
     profile = unit_profile(config, 2)
-    slow = [
-        replace(layer, precondition=20.0, weight_bytes=4096) for layer in profile.stages[0].layers
-    ]  # 4,096 bytes at 2,048 per ms: 2 ms each way
+    slow = [replace(layer, precondition=1000.0, weight_bytes=204800) for layer in profile.stages[0].layers]
     stages = (replace(profile.stages[0], layers=tuple(slow), p2p=1.0, p2p_bytes=2048), profile.stages[1])
-    path = tmp_path / "profile.yaml"
+    path = folder / "profile.yaml"
     replace(profile, stages=stages).save(path)
-    helped = config.with_overrides(muon={"profile": str(path), "helpers": True, "refresh_steps": 1})
+    return str(path)
+
+
+def test_a_run_packs_without_help_ops_its_own_op_times_say_do_not_pay(tmp_path):
+    """A profile promises what help ops cannot give (`promising_profile`): the run measures that
+    the transfers cost more than the help takes off (`exposed_helpers_gain_ms` < 0), and from the
+    next cycle packs without help ops; losses and parameters stay the reference's."""
+    config = shipped_defaults("muon", "1f1b")
+    profile = promising_profile(config, tmp_path)
+    helped = config.with_overrides(
+        muon={"profile": profile, "helpers": True, "refresh_steps": 1, "reprofile_threshold": 1e9}
+    )
     runs = run_group(pipelined_with_records, helped.world_size, args=(helped,), timeout=30, deadline=240)
     reference = train_reference(config)
     for result, records in runs:
@@ -120,3 +127,15 @@ def test_a_run_packs_without_help_ops_its_own_op_times_say_do_not_pay(tmp_path):
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=RTOL, atol=0)
         for name, value in result.parameters.items():
             torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)
+
+
+def test_a_run_that_dropped_its_help_ops_resumes_without_them(tmp_path):
+    """K-FAC drops its help ops after its first measured cycle (steps 3-4); the checkpoint after
+    step 5, one step into a cycle, says so, and the resumed run packs without them too (with
+    them it would have no inverses on the helper for that cycle): bit for bit the straight run."""
+    from _workers import assert_resumes_bit_for_bit
+
+    config = shipped_defaults("kfac", "1f1b")
+    profile = promising_profile(config, tmp_path)
+    section = {"profile": profile, "helpers": True, "reprofile_threshold": 1e9}
+    assert_resumes_bit_for_bit(config.with_overrides(kfac=section), 5, tmp_path)

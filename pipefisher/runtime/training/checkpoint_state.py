@@ -149,6 +149,7 @@ def process_state(executor: Executor, runner: PlanRunner, process: int) -> dict[
         runtime = trainer.runtime
         entries["run/cycle_step"] = trainer.cycle_step
         entries["run/profile"] = trainer.profile.to_dict()
+        entries["run/helpers"] = trainer.section.helpers  # false once the run dropped its help ops
         entries[f"{local}/cycle/runtime"] = runtime.cycle_state()
         entries.update(_curvature_entries(runtime, f"{local}/cycle", suffix, trainer.cycle_step != 0))
     return entries

@@ -77,6 +77,7 @@ _PLACEMENT = {
     "max_refresh_steps",
     "max_capture_mb",
     "split",
+    "helpers",
     "profile",
     "plan",
     "reprofile_threshold",

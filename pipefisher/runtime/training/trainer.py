@@ -296,6 +296,8 @@ def train_pipelined(
         # another layout's profile times other stages: this run measures (or reads) its own
         same_layout = reader is not None and how is not None and how.same_layout
         profile = profile_from_dict(reader.required("run/profile")) if reader is not None and same_layout else None
+        if reader is not None and same_layout and not reader.get("run/helpers", True):
+            config = config.with_overrides(**{method_of(config).name: {"helpers": False}})  # dropped on measured times
         trainer = PipeFisherTrainer(config, executor, rank, executor.tied, profile, model=run.model)
         if reader is not None:
             restore_curvature(trainer, reader, process, same_layout)
