@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pipefisher.core.topology import Topology
 from pipefisher.planning.packing.helpers import helped_layers
 from pipefisher.planning.plan import Plan
+
+R = TypeVar("R", bound="HelpRoles")
 
 
 @dataclass
@@ -21,6 +23,13 @@ class HelpRoles:
 
     handed: dict[int, dict[int, list[str]]] = field(default_factory=dict)
     helped: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def of_plan(cls: type[R], plan: Plan | None, topology: Topology, rank: int) -> R:
+        """Both from `plan`'s help ops for global rank `rank` (none without a plan)."""
+        roles = cls()
+        roles.fill(plan, topology, rank)
+        return roles
 
     def fill(self, plan: Plan | None, topology: Topology, rank: int) -> None:
         """Set both from `plan`'s help ops for global rank `rank` (none without a plan)."""

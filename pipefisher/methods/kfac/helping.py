@@ -21,13 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipefisher.core.topology import Topology
 from pipefisher.methods.help_roles import HelpRoles
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.layer import Factor
 from pipefisher.methods.kfac.step import apply_inverses, gradient_matrix, write_matrices
 from pipefisher.methods.layers import LayerInfo, linear_info
-from pipefisher.planning.plan import Plan
 
 #: the order of a layer's inverses in ``help_state`` and of their flags
 ORDER: tuple[Factor, Factor] = ("B", "A")
@@ -78,34 +76,25 @@ class KfacHelping(HelpRoles):
     layers: dict[tuple[int, str], HelpedLayer] = field(default_factory=dict)
     results: dict[tuple[int, str], Tensor] = field(default_factory=dict)
 
-    @classmethod
-    def of_plan(
-        cls,
-        plan: Plan | None,
-        topology: Topology,
-        rank: int,
-        engines: Mapping[int, KFACEngine],
-        modules: Mapping[int, Any],
-        dtype: torch.dtype,
-        device: torch.device,
+    def allocate(
+        self, engines: Mapping[int, KFACEngine], modules: Mapping[int, Any], dtype: torch.dtype, device: torch.device
     ) -> KfacHelping:
-        """This `rank`'s part in `plan`'s help ops: `engines` its own stages' (by stage), `modules`
-        every stage's on the meta device (`MethodInputs.stage_modules`, for the layers it helps,
-        whose buffers are in the factor `dtype` on `device`). ValueError when it helps a stage
-        whose module it lacks."""
-        helping = cls()
-        helping.fill(plan, topology, rank)
-        for stage, by_helper in helping.handed.items():
+        """Its buffers: results for its own stages' handed layers (`engines` by stage), inverses,
+        input and result for the layers it helps (`modules`: every stage's on the meta device,
+        `MethodInputs.stage_modules`; in the factor `dtype` on `device`); itself. ValueError when
+        it helps a stage whose module it lacks."""
+        for stage, by_helper in self.handed.items():
             for name in (name for names in by_helper.values() for name in names):
                 st = engines[stage].layer_state(name)
-                shape = (st.info.b_size, st.info.a_size)
-                helping.results[(stage, name)] = torch.empty(shape, dtype=st.dtype, device=device)
-        for stage, name, module in helping.helped_in(modules, "kfac"):
+                self.results[(stage, name)] = torch.empty(
+                    (st.info.b_size, st.info.a_size), dtype=st.dtype, device=device
+                )
+        for stage, name, module in self.helped_in(modules, "kfac"):
             info = linear_info(name, module.get_submodule(name))
             if info is None:
                 raise ValueError(f"kfac.helpers: {name!r} of stage {stage} is not a linear layer")
-            helping.layers[(stage, name)] = HelpedLayer.empty(info, dtype, device)
-        return helping
+            self.layers[(stage, name)] = HelpedLayer.empty(info, dtype, device)
+        return self
 
     def state_of(self, engine: KFACEngine, names: list[str]) -> list[Tensor]:
         """The stage's rank's ``help_state`` of `names`: per layer its committed inverses in

@@ -88,14 +88,8 @@ class KfacRuntime(StageRuntime[KFACEngine]):
         ops = plan.curvature_ops() if plan is not None else ()
         self.exchanged = {(op.stage, op.layer) for op in ops if op.kind is OpKind.EXCHANGE}
         parameter = next(p for module in self.modules.values() for p in module.parameters())
-        self.helping = KfacHelping.of_plan(
-            plan,
-            self.topology,
-            self.rank,
-            self.engine_of_stage,
-            self.config.stage_modules,
-            factor_dtype(parameter.dtype),
-            parameter.device,
+        self.helping = KfacHelping.of_plan(plan, self.topology, self.rank).allocate(
+            self.engine_of_stage, self.config.stage_modules, factor_dtype(parameter.dtype), parameter.device
         )
 
     def works_for(self, stage: int, layer: str) -> bool:

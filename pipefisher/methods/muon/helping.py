@@ -19,9 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipefisher.core.topology import Topology
 from pipefisher.methods.help_roles import HelpRoles
-from pipefisher.planning.plan import Plan
 
 
 @dataclass
@@ -32,22 +30,11 @@ class Helping(HelpRoles):
     inputs: dict[tuple[int, str], Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, str], Tensor] = field(default_factory=dict)
 
-    @classmethod
-    def of_plan(
-        cls,
-        plan: Plan | None,
-        topology: Topology,
-        rank: int,
-        modules: Mapping[int, Any],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> Helping:
-        """This `rank`'s part in `plan`'s help ops (`modules`: `MethodInputs.stage_modules`; its
-        buffers in `dtype` on `device`). ValueError when it helps a stage whose module it lacks."""
-        helping = cls()
-        helping.fill(plan, topology, rank)
-        for stage, name, module in helping.helped_in(modules, "muon"):
+    def allocate(self, modules: Mapping[int, Any], dtype: torch.dtype, device: torch.device) -> Helping:
+        """Its buffers for the matrices it orthogonalises (`modules`: `MethodInputs.stage_modules`;
+        in `dtype` on `device`); itself. ValueError when it helps a stage whose module it lacks."""
+        for stage, name, module in self.helped_in(modules, "muon"):
             shape = module.get_parameter(name).shape
-            helping.inputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
-            helping.outputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
-        return helping
+            self.inputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
+            self.outputs[(stage, name)] = torch.empty(shape, dtype=dtype, device=device)
+        return self

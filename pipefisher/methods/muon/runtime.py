@@ -92,8 +92,8 @@ class MuonRuntime(StageRuntime[MuonEngine]):
     def set_plan(self, plan: Plan | None) -> None:
         super().set_plan(plan)
         parameter = next(p for module in self.modules.values() for p in module.parameters())
-        self.helping = Helping.of_plan(
-            plan, self.topology, self.rank, self.config.stage_modules, parameter.dtype, parameter.device
+        self.helping = Helping.of_plan(plan, self.topology, self.rank).allocate(
+            self.config.stage_modules, parameter.dtype, parameter.device
         )
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
