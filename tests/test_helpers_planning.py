@@ -257,6 +257,12 @@ def test_the_gain_of_help_ops_on_measured_times():
     assert helpers_gain(helped, MeasuredDurations(profile, samples)) < 0
     assert helpers_gain(plain, MeasuredDurations(profile, samples)) == 0.0
     assert without_help(helped).steps == plain.steps
+    two = with_help(helped, help_op("l0.1"), 1)
+    samples[timing_key(help_op("l0.1"))] = [0.2]
+    unhelped = MeasuredDurations(profile, samples).helping(two.helped).unhelped()
+    assert unhelped.work(Op(OpKind.PRECONDITION, 0, None, 0)) == pytest.approx(0.3 + 0.1 + 0.2), (
+        "every helped layer back"
+    )
 
 
 def test_profile_sizes_round_trip():

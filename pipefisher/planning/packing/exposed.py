@@ -60,10 +60,11 @@ class MeasuredDurations(OpDurations):
         other = copy.copy(self)
         other.measured = dict(self.measured)
         for stage, layer in self.helped:
-            help_op = Op(OpKind.HELP, stage, None, 0, layer)
-            key = timing_key(Op(OpKind.PRECONDITION, stage, None, 0))
-            other.measured[key] = self.measured.get(key, super()._lookup(Op(OpKind.PRECONDITION, stage, None, 0)))
-            other.measured[key] += self.measured.get(timing_key(help_op), self.layer(help_op).precondition)
+            help_op, precondition = Op(OpKind.HELP, stage, None, 0, layer), Op(OpKind.PRECONDITION, stage, None, 0)
+            key = timing_key(precondition)
+            other.measured[key] = other.measured.get(key, super()._lookup(precondition)) + self.measured.get(
+                timing_key(help_op), self.layer(help_op).precondition
+            )
         other.helped, other._work, other._cost_classes = frozenset(), {}, None
         return other
 
