@@ -67,11 +67,9 @@ def test_a_plan_refuses_help_ops_off_their_rules():
     twice = with_help(with_help(plan, help_op(), 1), help_op(), 1)
     with pytest.raises(ScheduleError, match=r"0H:l0.0 runs 2 times"):
         validate_plan(twice)
-    shampoo = after_step_plan(
-        get_schedule("1f1b", 2, 4), layered_profile(2, 4, method="shampoo"), task_rules("shampoo"), 1
-    )
-    with pytest.raises(ScheduleError, match=r"method shampoo has no HELP ops"):
-        validate_plan(with_help(shampoo, help_op(), 1))
+    soap = after_step_plan(get_schedule("1f1b", 2, 4), layered_profile(2, 4, method="soap"), task_rules("soap"), 1)
+    with pytest.raises(ScheduleError, match=r"method soap has no HELP ops"):
+        validate_plan(with_help(soap, help_op(), 1))
     assert validate_plan(with_help(plan, help_op(), 1)).helped == frozenset({(0, "l0.0")})
 
 
@@ -172,10 +170,10 @@ def test_no_helpers_without_a_measured_link_or_a_method_that_allows_them():
     unknown = linked_profile(link=False)
     plan = plain_plan(profile=unknown)
     assert place_helpers(plan, OpDurations(unknown))[0] is plan
-    shampoo = pack(
-        get_schedule("1f1b", 2, 4), linked_profile(method="shampoo"), task_rules("shampoo"), PackOptions(helpers=True)
+    soap = pack(
+        get_schedule("1f1b", 2, 4), linked_profile(method="soap"), task_rules("soap"), PackOptions(helpers=True)
     )
-    assert not helped_layers(shampoo.plan)
+    assert not helped_layers(soap.plan)
     kfac = linked_profile(method="kfac")
     assert helped_layers(pack(get_schedule("1f1b", 2, 4), kfac, task_rules("kfac"), PackOptions(helpers=True)).plan)
     replicated = pack(
@@ -283,8 +281,50 @@ def test_helpers_key_is_refused_where_it_cannot_work():
 
     assert config("muon").muon.helpers
     assert config("kfac").kfac.helpers
-    with pytest.raises(ConfigError, match=r"^shampoo.helpers: Shampoo's per-step work cannot run on another rank"):
-        config("shampoo")
+    assert config("shampoo").shampoo.helpers
+    with pytest.raises(ConfigError, match=r"^soap.helpers: SOAP's per-step work cannot run on another rank"):
+        config("soap")
+    with pytest.raises(ConfigError, match=r"^shampoo.helpers: its P op takes the products before clipping"):
+        config_from_dict(
+            {
+                "optimizer": {"name": "shampoo"},
+                "shampoo": {"helpers": True, "grafting": "none"},
+                "pipeline": {"stages": 2},
+            }
+        )
     for pipeline in ({"tensor_parallel": 2}, {"data_parallel": 2}, {"schedule": "chimera"}):
         with pytest.raises(ConfigError, match=r"^kfac.helpers: not with pipeline.tensor_parallel > 1, pipeline.data"):
             config("kfac", **pipeline)
+
+
+def test_shampoo_takes_its_products_in_a_p_op_only_with_helpers_on_one_pipeline():
+    """Shampoo's products are its optimizer step's unless `helpers` is on and a stage is held once
+    and unsharded: then they are a P op's (flop count and plan), which helpers can share."""
+    from pipefisher.config import config_from_dict
+    from pipefisher.core.profile_flops import STEP_END_FLOPS
+    from pipefisher.methods.flops import MatrixShape
+    from pipefisher.methods.shampoo.flops import task_flops
+    from pipefisher.methods.shampoo.method import ShampooConfig
+
+    plain, helped = ShampooConfig(), ShampooConfig(helpers=True)
+    assert not plain.precondition_op(1, 0)
+    assert helped.precondition_op(1, 0) and helped.precondition_op(1, 1)
+    assert not helped.precondition_op(2, 0) and not helped.precondition_op(1, 2)
+    shape = MatrixShape(rows=256, cols=64)
+    assert set(task_flops(plain, shape, 1)) - set(task_flops(helped, shape, 1)) == {STEP_END_FLOPS}
+    assert task_flops(helped, shape, 1)["precondition"].matmul == task_flops(plain, shape, 1)[STEP_END_FLOPS].matmul > 0
+
+    def run(**section):
+        data = {"optimizer": {"name": "shampoo"}, "shampoo": section, "pipeline": {"stages": 2}}
+        return config_from_dict(data)
+
+    assert run(helpers=True).precondition_op and not run().precondition_op
+    profile = layered_profile(2, 4, spread=False, method="shampoo")
+    plans = {
+        precondition: after_step_plan(
+            get_schedule("1f1b", 2, 4), profile, task_rules("shampoo"), 1, precondition=precondition
+        )
+        for precondition in (True, False)
+    }
+    assert sorted(op.stage for op in plans[True].curvature_ops() if op.kind is OpKind.PRECONDITION) == [0, 1]
+    assert not any(op.kind is OpKind.PRECONDITION for op in plans[False].curvature_ops())

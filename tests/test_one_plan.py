@@ -29,6 +29,8 @@ PROFILE = "profiles/tiny-cpu-1f1b.yaml"
         ("chimera", 1, "kfac", {}),
         ("1f1b", 2, "kfac", {}),
         ("1f1b", 2, "shampoo", {}),
+        # Shampoo's helpers: its products in a P op on one pipeline
+        ("1f1b", 1, "shampoo", {"shampoo": {"helpers": True}}),
         ("gpipe", 1, "kfac", {}),
         # gradient workers: no P ops, each worker's share and broadcast in the step end
         ("1f1b", 2, "kfac", {"kfac": {"grad_worker_fraction": 0.5}}),
@@ -53,5 +55,6 @@ def test_the_run_packs_the_plan_the_planner_predicts(
     assert run.plan == plan_layout(layout, context)[0].plan
     workers = config.workers_per_layer is not None
     assert (context.workers_per_layer(layout) is not None) == workers
-    has_p_ops = task_rules(method).precondition and not workers
+    assert context.precondition_op(layout) == config.precondition_op
+    has_p_ops = task_rules(method).precondition and config.precondition_op
     assert any(op.kind is OpKind.PRECONDITION for op in run.plan.curvature_ops()) == has_p_ops

@@ -45,10 +45,14 @@ def schedule_of(name, stages=4, micro_batches=8):
     return get_schedule(name, stages, micro_batches_for(name, stages, at_least=micro_batches))
 
 
-def test_shampoo_has_no_curvature_no_precondition_and_one_sync_per_layer():
+def test_shampoo_has_no_curvature_and_one_sync_per_layer():
     schedule = schedule_of("chimera")
     tasks = build_tasks(
-        schedule, shampoo_profile(schedule.num_stages), rules_of(shampoo_profile(schedule.num_stages)), data_parallel=2
+        schedule,
+        shampoo_profile(schedule.num_stages),
+        rules_of(shampoo_profile(schedule.num_stages)),
+        data_parallel=2,
+        precondition=False,  # a replicated stage's, as `ShampooConfig.precondition_op` says
     )
     kinds = {op.kind for ops in tasks.cycle for op in ops}
     assert {(op.kind, op.part) for ops in tasks.cycle for op in ops} == {
@@ -58,7 +62,7 @@ def test_shampoo_has_no_curvature_no_precondition_and_one_sync_per_layer():
         (OpKind.EXCHANGE, None),
     }
     assert kinds == {OpKind.SYNC, OpKind.REFRESH, OpKind.EXCHANGE}
-    assert not any(tasks.per_step), "Shampoo preconditions in the optimizer step, not in the op lists"
+    assert not any(tasks.per_step), "a replicated stage preconditions in the optimizer step, not in the op lists"
     syncs = [op for ops in tasks.cycle for op in ops if (op.kind, op.part) == (OpKind.SYNC, 0)]
     assert len(syncs) == schedule.num_stages * 2 * 2, "one gradient sync per layer and pipe of every stage"
 
@@ -150,8 +154,8 @@ def test_a_plan_keeps_its_method_through_json_and_refuses_foreign_op_kinds(tmp_p
     with pytest.raises(ScheduleError, match="method shampoo has no CURVATURE of part 0"):
         validate_plan(dataclasses.replace(kfac_plan, method="shampoo", rules=task_rules("shampoo")))
     steps = list(plan.steps)
-    steps[0] = tuple(ops + (Op(OpKind.PRECONDITION, 0),) if rank == 0 else ops for rank, ops in enumerate(steps[0]))
-    with pytest.raises(ScheduleError, match="method shampoo has no PRECONDITION"):
+    steps[0] = tuple(ops + (Op(OpKind.FOLD, 0),) if rank == 0 else ops for rank, ops in enumerate(steps[0]))
+    with pytest.raises(ScheduleError, match="method shampoo has no FOLD"):
         validate_plan(dataclasses.replace(plan, steps=tuple(steps)))
     with pytest.raises(ScheduleError, match="not a curvature method"):
         task_rules("adam")
@@ -185,5 +189,5 @@ def test_profile_method_round_trips_and_unknown_methods_are_refused():
 def test_rules_differ_only_in_where_inputs_come_from():
     kfac, shampoo = task_rules("kfac"), task_rules("shampoo")
     assert kfac.curvature and kfac.precondition and kfac.syncs == (0, 1)
-    assert not shampoo.curvature and not shampoo.precondition
+    assert not shampoo.curvature and shampoo.precondition, "a P op where helpers ask for one"
     assert shampoo.sync_for(1) == 0, "both statistics read the one gradient sync"

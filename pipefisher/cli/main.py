@@ -37,6 +37,7 @@ from pipefisher.config import ConfigError
 from pipefisher.core.ir import ScheduleError, peak_activations, peak_pending_weights, splits_backward
 from pipefisher.core.profile import ProfileError
 from pipefisher.methods.registry import method_of_profile
+from pipefisher.planning.tasks import stage_replicas
 from pipefisher.planning.planner.model_sizes import PlanError
 from pipefisher.planning.packing.pack import STRATEGIES, PackOptions
 from pipefisher.planning.planner.pack_cache import PACKINGS
@@ -125,10 +126,16 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     schedule, profile = build_pipeline(args, profile_required=True, limit=MAX_PACKED_SLOTS, what="packing")
     if not any(stage.layers for stage in profile.stages):
         raise UsageError(f"{args.profile}: no stage lists layers of a curvature method; add `layers` to the stages")
-    options = PackOptions.from_section(
-        placement_section(args), data_parallel=args.data_parallel, strategy=args.strategy
-    )
     timed = method_of_profile(profile)  # the plan names it, also where the profile does not
+    section = placement_section(args)
+    # P ops where the method's run would have them on this layout (no ZeRO: the plan is the same)
+    replicas = max(len(pipes) for pipes in stage_replicas(schedule).values()) * args.data_parallel
+    options = PackOptions.from_section(
+        section,
+        data_parallel=args.data_parallel,
+        strategy=args.strategy,
+        precondition=timed.settings(helpers=section.helpers).precondition_op(replicas, 0),
+    )
     # the packing `plan` and `run` share (`plan_layout`); without a run file the profile is packed as it is
     result = PACKINGS.packed(schedule, dataclasses.replace(profile, method=timed.name), options)
     if args.output:

@@ -20,12 +20,7 @@ from pipefisher.config.stage_split import check_stage_blocks, split_hint, stage_
 from pipefisher.core.files import load_structured
 from pipefisher.core.ir import ScheduleError
 from pipefisher.core.names import FIRST_ORDER
-from pipefisher.config.sections import (
-    CheckpointConfig,
-    CommConfig,
-    PipelineConfig,
-    RunSettings,
-)
+from pipefisher.config.sections import CheckpointConfig, CommConfig, PipelineConfig, RunSettings
 from pipefisher.core.settings import ConfigError, check_ranges, closest, type_name
 from pipefisher.data.settings import DataConfig, has_held_out_split
 from pipefisher.methods.registry import methods
@@ -107,9 +102,13 @@ class RunConfig:
     def workers_per_layer(self) -> int | None:
         """Gradient workers per layer (`pipefisher.planning.replicas.kaisa`) when the run's curvature
         method keeps each layer's refresh results on fewer than a stage's replicas; None: every replica."""
-        if self.curvature is None:
-            return None
-        return self.curvature.workers_per_layer(stage_replica_count(self), self.optimizer.zero)
+        section = self.curvature
+        return None if section is None else section.workers_per_layer(self.stage_replicas, self.optimizer.zero)
+
+    @property
+    def precondition_op(self) -> bool:
+        """Whether the run's stages have their method's per-step P op (`RefreshConfig.precondition_op`)."""
+        return self.curvature is None or self.curvature.precondition_op(self.stage_replicas, self.optimizer.zero)
 
     @property
     def gradient_path(self) -> GradientPath:

@@ -94,6 +94,12 @@ class RefreshConfig:
         workers = self.gradient_workers(replicas, sharded=zero >= 2)
         return workers if workers < replicas else None
 
+    def precondition_op(self, replicas: int, zero: int) -> bool:
+        """Whether a stage of `replicas` copies under optimizer.zero `zero` has the method's
+        per-step P op (where its rules have one): wherever every replica is a gradient worker
+        (`workers_per_layer`); a method may ask for it only where its section says so."""
+        return self.workers_per_layer(replicas, zero) is None
+
     def layout_problem(self, name: str, zero: int, replicas: int) -> str:
         """Why a layout of stages of `replicas` copies with optimizer.zero `zero` cannot run this
         method, as section `name`, with the fix; "" when it can. The run's check and the planner's

@@ -1,6 +1,6 @@
 """Help ops on the executor (`<method>.helpers`): layers of a stage preconditioned on another rank
 (Muon: its matrices' orthogonalisation; K-FAC: ``B⁻¹ G A⁻¹`` with the inverses sent once per
-cycle), their inputs and results over the ("help", owner, helper) communicator, equal to the
+cycle; Shampoo: a matrix's products with its roots, sent once per cycle), their inputs and results over the ("help", owner, helper) communicator, equal to the
 single-process reference in the in-order gloo mode (NCCL's rule), on the schedules whose stages
 each have a precondition op of their own."""
 
@@ -10,6 +10,7 @@ import torch
 from _workers import pipelined_with_records, unit_profile
 from test_curvature_equivalence import PARAMETER_ATOL, STEPS, shipped_defaults
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.methods.blocks import FACTORS, MatrixInfo
 from pipefisher.methods.layers import linear_info
 from pipefisher.methods.registry import task_rules
 from pipefisher.runtime.training.assembly import staged_model
@@ -46,8 +47,12 @@ def help_bytes(config, method: str, stage: int, names: list[str], step: int) -> 
         module = staged_model(config).build_stage(stage, 2, config.run.seed)
     total = 0
     for name in names:
-        if method == "muon":
+        if method in ("muon", "shampoo"):
             total += 2 * 4 * module.get_parameter(name).numel()
+        if method == "shampoo" and step % config.shampoo.refresh_steps == 0:
+            info = MatrixInfo.of(name, tuple(module.get_parameter(name).shape), config.shampoo.block_size)
+            total += 4 * sum(info.statistic_numel(factor) for factor in FACTORS)
+        if method != "kfac":
             continue
         info = linear_info(name, module.get_submodule(name))
         total += 2 * 4 * info.b_size * info.a_size
@@ -58,7 +63,14 @@ def help_bytes(config, method: str, stage: int, names: list[str], step: int) -> 
 
 @pytest.mark.parametrize(
     "method, schedule, stage, helper",
-    [("muon", "1f1b", 0, 1), ("muon", "zb-h1", 1, 0), ("kfac", "1f1b", 0, 1), ("kfac", "zb-h1", 1, 0)],
+    [
+        ("muon", "1f1b", 0, 1),
+        ("muon", "zb-h1", 1, 0),
+        ("kfac", "1f1b", 0, 1),
+        ("kfac", "zb-h1", 1, 0),
+        ("shampoo", "1f1b", 0, 1),
+        ("shampoo", "zb-h1", 1, 0),
+    ],
 )
 def test_helped_layers_train_as_the_reference(method, schedule, stage, helper, tmp_path):
     """Three layers of one stage preconditioned by the other rank, the sweeps' run of the method
@@ -82,16 +94,17 @@ def test_helped_layers_train_as_the_reference(method, schedule, stage, helper, t
             torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)
 
 
-def test_kfac_helpers_resume_mid_cycle_bit_for_bit(tmp_path):
-    """The helper holds the helped layers' inverses for the cycle (sent in its first step only):
-    a run stopped after step 4, one step into a cycle of three, resumes with them from the
-    checkpoint's cycle state and ends bit for bit where the straight run does."""
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_helpers_resume_mid_cycle_bit_for_bit(method, tmp_path):
+    """The helper holds the helped layers' inverses (K-FAC) or roots (Shampoo) for the cycle, sent
+    in its first step only: a run stopped after step 4, one step into a cycle of three, resumes
+    with them from the checkpoint's cycle state and ends bit for bit where the straight run does."""
     from _workers import assert_resumes_bit_for_bit
 
-    config = shipped_defaults("kfac", "1f1b", refresh_steps=3)
+    config = shipped_defaults(method, "1f1b", refresh_steps=3)
     path = tmp_path / "plan.json"
-    helped_plan(config, "kfac", "1f1b", 0, 1, 3).save(path)
-    assert_resumes_bit_for_bit(config.with_overrides(kfac={"plan": str(path), "helpers": True}), 4, tmp_path)
+    helped_plan(config, method, "1f1b", 0, 1, 3).save(path)
+    assert_resumes_bit_for_bit(config.with_overrides(**{method: {"plan": str(path), "helpers": True}}), 4, tmp_path)
 
 
 def promising_profile(config, folder):

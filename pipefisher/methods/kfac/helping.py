@@ -127,6 +127,20 @@ class KfacHelping(HelpRoles):
             sent.append(matrix.to(st.dtype).contiguous())
         return sent
 
+    def results_of(self, engine: KFACEngine, stage: int, names: list[str]) -> list[Tensor]:
+        """Where the stage's rank receives the results of `stage`'s `names`."""
+        return [self.results[(stage, name)] for name in names]
+
+    def held_state(self, stage: int, names: list[str]) -> list[Tensor]:
+        """The helper's buffers of ``help_state`` for `stage`'s `names`."""
+        return [tensor for name in names for tensor in self.layers[(stage, name)].state]
+
+    def held_inputs(self, stage: int, names: list[str]) -> list[Tensor]:
+        return [self.layers[(stage, name)].gradient for name in names]
+
+    def held_results(self, stage: int, names: list[str]) -> list[Tensor]:
+        return [self.layers[(stage, name)].result for name in names]
+
     def write_results(self, engine: KFACEngine, stage: int, names: list[str]) -> None:
         """Write the received results of `stage`'s `names` into their gradients."""
         write_matrices([engine.layer_state(name) for name in names], [self.results[(stage, name)] for name in names])

@@ -37,6 +37,7 @@ from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, factor_dtype, precondition_matrix
+from pipefisher.methods.help_exchange import HelpExchange
 from pipefisher.methods.kfac.helping import KfacHelping
 from pipefisher.methods.kfac.layer import FACTORS, Factor, LayerInfo
 from pipefisher.methods.kfac.method import KFAC, KfacConfig
@@ -91,6 +92,7 @@ class KfacRuntime(StageRuntime[KFACEngine]):
         self.helping = KfacHelping.of_plan(plan, self.topology, self.rank).allocate(
             self.engine_of_stage, self.config.stage_modules, factor_dtype(parameter.dtype), parameter.device
         )
+        self.exchange_help = HelpExchange(self.comm, self.rank, self.helping, self.engine_of_stage)
 
     def works_for(self, stage: int, layer: str) -> bool:
         """Whether this rank keeps `layer`'s inverses and preconditions it (every replica does
@@ -120,9 +122,9 @@ class KfacRuntime(StageRuntime[KFACEngine]):
             CollectiveKind.SYNC: self._launch_sync,
             CollectiveKind.EXCHANGE: self._launch_exchange,
             CollectiveKind.PGRAD: self._launch_pgrad,
-            CollectiveKind.HELP_STATE: self._launch_help_state,
-            CollectiveKind.HELP_IN: self._launch_help_in,
-            CollectiveKind.HELP_OUT: self._launch_help_out,
+            CollectiveKind.HELP_STATE: lambda collective: self.exchange_help.launch_state(collective),
+            CollectiveKind.HELP_IN: lambda collective: self.exchange_help.launch_in(collective),
+            CollectiveKind.HELP_OUT: lambda collective: self.exchange_help.launch_out(collective),
         }
 
     def cycle_state(self) -> dict:
@@ -196,42 +198,6 @@ class KfacRuntime(StageRuntime[KFACEngine]):
             buffer=lambda: engine.inverse_buffer(layer, factor),
             receive=lambda tensor: engine.receive_inverse(layer, factor, tensor, checked=workers) if keeps else None,
             sent=None if keeps else lambda: engine.discard_inverse(layer, factor),
-        )
-
-    def _launch_help_state(self, collective: Collective) -> Handle:
-        """The stage's rank sends its helper the helped layers' committed inverses; the helper
-        receives them into its buffers (`pipefisher.methods.kfac.helping`)."""
-        (stage,), (_, owner, helper) = collective.key, collective.group
-        if self.rank == owner:
-            sent = self.helping.state_of(self.engine_of_stage[stage], self.helping.handed[stage][helper])
-            return self.comm.broadcast([(tensor, owner) for tensor in sent], collective.group)
-        held = [t for name in self.helping.helped[(stage, owner)] for t in self.helping.layers[(stage, name)].state]
-        return self.comm.broadcast([(tensor, owner) for tensor in held], collective.group)
-
-    def _launch_help_in(self, collective: Collective) -> Handle:
-        """The stage's rank sends its helper the helped layers' gradient matrices of the step."""
-        (stage,), (_, owner, helper) = collective.key, collective.group
-        if self.rank == owner:
-            sent = self.helping.inputs_of(self.engine_of_stage[stage], self.helping.handed[stage][helper])
-            return self.comm.broadcast([(tensor, owner) for tensor in sent], collective.group)
-        names = self.helping.helped[(stage, owner)]
-        return self.comm.broadcast(
-            [(self.helping.layers[(stage, name)].gradient, owner) for name in names], collective.group
-        )
-
-    def _launch_help_out(self, collective: Collective) -> Handle:
-        """The helper sends its results; the stage's rank writes them into the gradients."""
-        (stage,), (_, owner, helper) = collective.key, collective.group
-        if self.rank == owner:
-            names = self.helping.handed[stage][helper]
-            return self.comm.broadcast(
-                [(self.helping.results[(stage, name)], helper) for name in names],
-                collective.group,
-                on_done=lambda: self.helping.write_results(self.engine_of_stage[stage], stage, names),
-            )
-        names = self.helping.helped[(stage, owner)]
-        return self.comm.broadcast(
-            [(self.helping.layers[(stage, name)].result, helper) for name in names], collective.group
         )
 
     def _launch_pgrad(self, collective: Collective) -> Handle:

@@ -37,8 +37,17 @@ from pipefisher.methods.shampoo.grafting import graft_direction
 from pipefisher.methods.shampoo.health import ShampooHealth, ShampooNumericsWarning
 from pipefisher.methods.shampoo.roots import inverse_root
 from pipefisher.methods.shampoo.method import SHAMPOO, ShampooConfig
-from pipefisher.methods.shampoo.state import MatrixState, Roots, is_matrix, new_matrix, owned_parameters
-from pipefisher.methods.shampoo.step import directions
+from pipefisher.methods.shampoo.state import (
+    MatrixState,
+    Roots,
+    committed,
+    gradient_matrix,
+    is_matrix,
+    new_matrix,
+    owned_parameters,
+    root_views,
+)
+from pipefisher.methods.shampoo.step import directions, products
 from pipefisher.runtime.primitives.sharding import is_sharded, local, set_gradient, shard_rows, whole_gradient
 
 
@@ -88,6 +97,9 @@ class ShampooEngine:
             else {}
         )
         self._step = 0
+        #: matrix -> its products of this step (`hold_products`, or a helper's), read by precondition_all
+        self._held: dict[str, Tensor] = {}
+        self._ready: set[str] = set()
         #: whether the step stacks same-shape blocks of all matrices into one batched product each
         #: (on a GPU, where it saves kernel launches; a CPU's batched products are the slower ones)
         self.stack_blocks = any(st.parameter.device.type != "cpu" for st in self._matrices.values())
@@ -248,6 +260,42 @@ class ShampooEngine:
                 self._warned.add(key)
                 warnings.warn(_health.message(*key, values), ShampooNumericsWarning, stacklevel=2)
 
+    # ----------------------------------------------------------------- a P op's products (helpers)
+    def hold_products(self, names: Iterable[str]) -> None:
+        """The P op of `ShampooConfig.helpers`: for each matrix of `names` with committed roots of
+        both factors, the products of its current gradient (`step.products`: linear in it, so
+        taken before clipping and fp16's unscaling, which grafting's norm transfer undoes), held
+        for this step's `precondition_all`. Unsharded gradients only. No host read."""
+        if self._step + 1 <= self.settings.start_step:
+            return
+        states = [st for st in map(self._matrix, names) if st.parameter.grad is not None and committed(st)]
+        if not states:
+            return
+        found = products(
+            [st.info for st in states],
+            [root_views(st, "A") for st in states],
+            [root_views(st, "B") for st in states],
+            [gradient_matrix(st, self.dtype) for st in states],
+            self.stack_blocks,
+        )
+        for st, product in zip(states, found):
+            self._held[st.info.name] = product
+            self._ready.add(st.info.name)
+
+    def matrix_state(self, name: str) -> MatrixState:
+        """Matrix `name`'s state (KeyError naming a parameter that is not a Shampoo matrix)."""
+        return self._matrix(name)
+
+    def product_buffer(self, name: str) -> Tensor:
+        """Where a helper's products of matrix `name` are received, held for this step's
+        `precondition_all` (allocated on first use)."""
+        st = self._matrix(name)
+        held = self._held.get(name)
+        if held is None:
+            held = self._held[name] = torch.zeros(st.info.shape, dtype=self.dtype, device=st.parameter.device)
+        self._ready.add(name)
+        return held
+
     # ----------------------------------------------------------------- every step (no host reads)
     def precondition_all(self, keep: Callable[[nn.Parameter], bool] | None = None) -> None:
         """Replace every parameter's ``.grad`` by its Shampoo direction (see the module doc),
@@ -284,10 +332,12 @@ class ShampooEngine:
                 grad.copy_(graft)
         if stacked:
             states, grads, gs, grafts = (list(column) for column in zip(*stacked))
-            found = directions(states, gs, grafts, self.settings.grafting != "none", self.stack_blocks)
+            held = [self._held.get(st.info.name) if st.info.name in self._ready else None for st in states]
+            found = directions(states, gs, grafts, self.settings.grafting != "none", self.stack_blocks, held)
             torch._foreach_copy_(grads, [d.view_as(grad) for d, grad in zip(found, grads)])
         for p, whole in sharded:
             set_gradient(p, whole)
+        self._ready.clear()
 
     # ----------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -336,8 +386,7 @@ class ShampooEngine:
     def _preconditions(self, st: MatrixState) -> bool:
         """Whether the matrix takes Shampoo's direction this step (committed roots of both
         factors, past start_step); else the grafting direction."""
-        committed = all(st.factors[f].committed is not None for f in FACTORS)
-        return committed and self._step > self.settings.start_step
+        return committed(st) and self._step > self.settings.start_step
 
     def _read_counters(self) -> dict[tuple[str, Factor], tuple[int, ...]]:
         return read_counters(

@@ -7,7 +7,8 @@ of c x c. A root of n x n: eigen = eigh 9n³ + the product ``(V s) Vᵀ`` 2n³, 
 is computed in float64 whatever the statistics dtype); newton = `NEWTON_ITERATIONS` steps of
 ``X Mₚ``, ``Mₚ⁴`` (two squarings) and ``Mₚ⁴ M``, 8n³ each, in the statistics dtype. The
 optimizer step (``step_end``) preconditions each block, ``L^(-1/4) G R^(-1/4)``: 2r²c + 2rc², in
-the working dtype (float32); grafting is elementwise (not counted). Pure Python.
+the working dtype (float32); with `helpers` these products are the P op's (``precondition``);
+grafting is elementwise (not counted). Pure Python.
 """
 
 from __future__ import annotations
@@ -46,5 +47,5 @@ def task_flops(settings: ShampooConfig, shape: MatrixShape, tokens: int) -> dict
                 decompositions += root[1]
         counts[time_key("refresh", part)] = TaskFlops(products, decompositions, dtype)
     step = sum(matmul(r, r, c) + matmul(r, c, c) for r in info.row_blocks for c in info.col_blocks)
-    counts[STEP_END_FLOPS] = TaskFlops(step)
+    counts["precondition" if settings.helpers else STEP_END_FLOPS] = TaskFlops(step)
     return counts

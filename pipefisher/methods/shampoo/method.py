@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import typing
-from typing import Literal
+from typing import Any, Literal
 
-from pipefisher.core.settings import STEP_CEILING, setting
+from pipefisher.core.settings import STEP_CEILING, ConfigError, setting
 from pipefisher.methods.method import CurvatureMethod, TaskRules, WorkLabels
 from pipefisher.methods.settings import RefreshConfig, StatisticsDtype
 
@@ -40,6 +40,18 @@ class ShampooConfig(RefreshConfig):
         "dtype of the statistics (GGᵀ squares the gradient's condition number; float32 resolves ~1e-7 of its largest eigenvalue)",
     )
 
+    def check(self, name: str, config: Any) -> None:
+        if config.optimizer.name == name and self.helpers and self.grafting == "none":
+            raise ConfigError(
+                f"{name}.helpers: its P op takes the products before clipping, which only grafting's norm "
+                f"transfer undoes; set {name}.grafting adam or sgd, or {name}.helpers false"
+            )
+
+    def precondition_op(self, replicas: int, zero: int) -> bool:
+        """A P op (the products before the step end, `pipefisher.methods.shampoo.helping`) only with
+        `helpers`, on a stage held once and unsharded; else all of it in the optimizer step."""
+        return self.helpers and replicas == 1 and zero < 2
+
     @property
     def matrices_only(self) -> bool:
         """Whether the engine holds only the matrices: the other parameters take the run's
@@ -49,7 +61,8 @@ class ShampooConfig(RefreshConfig):
 
 
 #: Shampoo's statistics need the stage's whole gradient: one sync (part 0's) carries it to both
-#: parts, the left (L) and right (R) statistics whose inverse 4th roots are its refresh work
+#: parts, the left (L) and right (R) statistics whose inverse 4th roots are its refresh work; with
+#: `helpers` a P op takes each step's products, some of them on other ranks (help ops)
 SHAMPOO = CurvatureMethod(
     name="shampoo",
     label="Shampoo",
@@ -57,8 +70,9 @@ SHAMPOO = CurvatureMethod(
         curvature=False,
         syncs=(0,),
         sync_of=((0, 0), (1, 0)),
-        precondition=False,
+        precondition=True,
         labels=WorkLabels(parts=("left", "right"), refresh="root"),
+        helpers=True,
     ),
     settings=ShampooConfig,
     parts="pipefisher.methods.shampoo.parts:PARTS",

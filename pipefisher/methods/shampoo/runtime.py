@@ -9,7 +9,10 @@ statistics and compute their inverse 4th roots; with split refresh work each rep
 some roots, folds the statistics of the others at its exchange (X) and receives their roots by
 broadcast. After the cycle's last step the new roots are committed: used from the next cycle on
 (the first cycle steps with the grafting direction alone). Preconditioning needs the reduced
-gradient (grafting is not linear), so it runs in the step end, right before the SGD step.
+gradient (grafting is not linear), so it runs in the step end, right before the SGD step; with
+`ShampooConfig.helpers` (one pipeline, a process per rank) a P op after the stage's last backward
+takes its products first, and some matrices' products on other ranks (help ops,
+`pipefisher.methods.shampoo.helping`), and the step end reads them.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import time_key
 from pipefisher.core.op_fields import layer_of, part_of
 from pipefisher.methods.blocks import FACTORS, Factor
+from pipefisher.methods.help_exchange import HelpExchange
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.shampoo.engine import ShampooEngine
+from pipefisher.methods.shampoo.helping import ShampooHelping
 from pipefisher.methods.shampoo.state import is_matrix, trainable_parameters
 from pipefisher.planning.comm.actions import Collective, CollectiveKind
+from pipefisher.planning.plan import Plan
 from pipefisher.runtime.primitives.clock import timed_ms
 from pipefisher.runtime.primitives.comm import Handle
+from pipefisher.runtime.primitives.sharding import is_sharded
 
 
 def shampoo_engine(config: MethodInputs[Any], module: nn.Module, skip: tuple[str, ...]) -> ShampooEngine:
@@ -70,15 +77,33 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
         #: (pipe, stage, matrix) -> statistics this rank still folds from the captured gradient
         self._unfolded: dict[tuple[int, int, str], int] = {}
 
+    def set_plan(self, plan: Plan | None) -> None:
+        super().set_plan(plan)
+        parameter = next(p for module in self.modules.values() for p in module.parameters())
+        engine = next(iter(self.engine_of_stage.values()))
+        self.helping = ShampooHelping.of_plan(plan, self.topology, self.rank).allocate(
+            self.config.stage_modules, self.config.settings.block_size, engine.dtype, parameter.device
+        )
+        self.stack_blocks = engine.stack_blocks
+        self.exchange_help = HelpExchange(self.comm, self.rank, self.helping, self.engine_of_stage)
+
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
         return {
             OpKind.SYNC: lambda op: None,  # the launch is the whole op
             OpKind.REFRESH: self._refresh,
             OpKind.EXCHANGE: self._fold_shared,
+            OpKind.PRECONDITION: self._hold_products,
+            OpKind.HELP: lambda op: self.helping.matrices[(op.stage, layer_of(op))].multiply(self.stack_blocks),
         }
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
-        return {CollectiveKind.SYNC: self._launch_sync, CollectiveKind.EXCHANGE: self._launch_exchange}
+        return {
+            CollectiveKind.SYNC: self._launch_sync,
+            CollectiveKind.EXCHANGE: self._launch_exchange,
+            CollectiveKind.HELP_STATE: lambda collective: self.exchange_help.launch_state(collective),
+            CollectiveKind.HELP_IN: lambda collective: self.exchange_help.launch_in(collective),
+            CollectiveKind.HELP_OUT: lambda collective: self.exchange_help.launch_out(collective),
+        }
 
     def after_backward(self, op: Op, cycle_step: int) -> None:
         """After the op that completes the stage's gradient in the cycle's first step (its last
@@ -104,11 +129,28 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
             engine.check_health()
 
     def cycle_state(self) -> dict:
-        """The captured gradients not yet folded into both factors' statistics."""
-        return {"unfolded": [[pipe, stage, name, count] for (pipe, stage, name), count in self._unfolded.items()]}
+        """The captured gradients not yet folded into both factors' statistics; the roots this
+        rank holds for the cycle as a helper of other ranks' matrices."""
+        state: dict = {
+            "unfolded": [[pipe, stage, name, count] for (pipe, stage, name), count in self._unfolded.items()]
+        }
+        held = self.helping.cycle_state()
+        return {**state, "helped": held} if held else state
 
     def load_cycle_state(self, state: dict) -> None:
         self._unfolded = {(pipe, stage, name): count for pipe, stage, name, count in state["unfolded"]}
+        self.helping.load_cycle_state(state.get("helped", {}))
+
+    def _hold_products(self, op: Op) -> None:
+        """The P op: the products of the stage's matrices that no other rank multiplies; none on a
+        replicated or sharded stage (a plan packed for another layout), whose step end takes them
+        from the reduced gradient."""
+        engine, handed = self.engine(op), self.helping.handed_names(op.stage)
+        if len(self.topology.replica_ranks(op.stage)) > 1 or any(
+            is_sharded(p) for p in self.modules[(op.pipe, op.stage)].parameters()
+        ):
+            return
+        engine.hold_products([info.name for info in engine.matrices() if info.name not in handed])
 
     # -- handlers ----------------------------------------------------------------------------
     def _fold(self, op: Op, factor: Factor) -> ShampooEngine:
@@ -146,13 +188,18 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
 class ShampooTimer(StageTimer[ShampooEngine]):
     """Shampoo's task times per matrix: statistics and roots of each factor (from a random
     gradient), the gradient's all-reduce over a replicated stage's group; and, in the step end,
-    the preconditioning with grafting (with roots in place)."""
+    the preconditioning with grafting (with roots in place). With `helpers` also each matrix's
+    products (`precondition`, the P op's), and the step end then reads products held before it,
+    as the run's does."""
 
     method = "shampoo"
     build_engine = staticmethod(shampoo_engine)
 
     def before_optimizer_step(self) -> None:
         for engine in self.engines.values():
+            if self.config is not None and self.config.settings.helpers:
+                for info in engine.matrices():
+                    engine.product_buffer(info.name)  # held by `measure`: the step end reads them
             engine.precondition_all()
 
     def measure(self, executor) -> dict[tuple[int, str], LayerMeasurement]:
@@ -181,4 +228,11 @@ class ShampooTimer(StageTimer[ShampooEngine]):
                 engine.release(info.name)
                 measurements[(stage, info.name)] = (samples, {})
             engine.commit()
+            if self.config is not None and self.config.settings.helpers:
+                for info in engine.matrices():
+                    parameter = parameters[info.name]
+                    saved, parameter.grad = parameter.grad, torch.randn_like(parameter)
+                    samples = measurements[(stage, info.name)][0]
+                    samples["precondition"] = timed_ms(lambda: engine.hold_products([info.name]), device)
+                    parameter.grad = saved
         return measurements

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from pipefisher.methods.shampoo import health as _health
-from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo
+from pipefisher.methods.blocks import FACTORS, Factor, MatrixInfo, block_views
 
 
 @dataclass
@@ -76,3 +76,31 @@ def new_matrix(name: str, parameter: nn.Parameter, block_size: int, statistics_d
         for f in FACTORS
     }
     return MatrixState(info, parameter, factors)
+
+
+def committed(st: MatrixState) -> bool:
+    """Whether the matrix has roots in use of both factors."""
+    return all(st.factors[f].committed is not None for f in FACTORS)
+
+
+def root_views(st: MatrixState, factor: Factor) -> list[Tensor]:
+    """The block views of `factor`'s roots in use (RuntimeError before the first commit)."""
+    roots = st.factors[factor].committed
+    if roots is None:
+        raise RuntimeError(f"Shampoo matrix {st.info.name!r}: no committed {factor} roots")
+    return block_views(roots.value, st.info.block_sizes(factor))
+
+
+def gradient_matrix(st: MatrixState, dtype: torch.dtype) -> Tensor:
+    """The matrix's current (unsharded) gradient as ``(rows, cols)`` in `dtype`, contiguous."""
+    if st.parameter.grad is None:
+        raise RuntimeError(f"Shampoo matrix {st.info.name!r} has no gradient to precondition")
+    return st.parameter.grad.detach().to(dtype).reshape(st.info.shape).contiguous()
+
+
+def roots_or_zeros(st: MatrixState, dtype: torch.dtype) -> list[Tensor]:
+    """The flat roots in use of A and B (block layout), zeros where none are committed yet."""
+    return [
+        fs.committed.value if fs.committed is not None else torch.zeros_like(fs.statistic, dtype=dtype)
+        for fs in (st.factors[f] for f in FACTORS)
+    ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.methods.blocks import Factor, block_groups, block_views
+from pipefisher.methods.blocks import Factor, MatrixInfo, block_groups, block_views
 from pipefisher.methods.shampoo.grafting import transfer_norm
 from pipefisher.methods.shampoo.state import MatrixState, Roots
 
@@ -20,33 +20,70 @@ def _committed(st: MatrixState, factor: Factor) -> Roots:
     return roots
 
 
+def products(
+    infos: list[MatrixInfo], lefts: list[list[Tensor]], rights: list[list[Tensor]], grads: list[Tensor], stacked: bool
+) -> list[Tensor]:
+    """Per matrix of `infos` the product ``L_k G_k R_k`` of each block k of its gradient in
+    `grads` (``(rows, cols)``) with its block roots in `lefts` and `rights` (per matrix, the block
+    views of each factor's roots: `block_views`); ``(rows, cols)`` tensors, new. Linear in the
+    gradient, so it can run before clipping and loss unscaling (grafting's norm transfer undoes
+    any scale). `stacked`: same-shape blocks in one product (`block_groups`)."""
+    out = [torch.empty_like(grad) for grad in grads]
+    for group in block_groups([(info, grad.device) for info, grad in zip(infos, grads)], stacked):
+        d = (
+            _stack([lefts[b.matrix][b.k] for b in group])
+            @ _stack([grads[b.matrix][b.rows, b.cols] for b in group])
+            @ _stack([rights[b.matrix][b.k] for b in group])
+        )
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(d, len(group)))
+    return out
+
+
 def directions(
-    states: list[MatrixState], grads: list[Tensor], grafts: list[Tensor], graft_norm: bool, stacked: bool
+    states: list[MatrixState],
+    grads: list[Tensor],
+    grafts: list[Tensor],
+    graft_norm: bool,
+    stacked: bool,
+    held: list[Tensor | None] | None = None,
 ) -> list[Tensor]:
     """Per matrix of `states` (with committed roots of both factors) the direction
     ``L_k^(-1/4) G_k R_k^(-1/4)`` of each block k of its gradient in `grads` (``(rows, cols)``),
     rescaled to the norm of the block of `grafts` (same shapes) when `graft_norm`, and that
-    grafting block itself where a root is not ok; ``(rows, cols)`` tensors, new. `stacked`:
-    same-shape blocks in one product (`block_groups`)."""
+    grafting block itself where a root is not ok; ``(rows, cols)`` tensors, new. `held`: per
+    matrix its products computed before (`products`, here or on a helper) or None to compute them
+    now. `stacked`: same-shape blocks in one product (`block_groups`)."""
     left = [_committed(st, "A") for st in states]
     right = [_committed(st, "B") for st in states]
+    found: list[Tensor | None] = list(held) if held is not None else [None] * len(states)
+    missing = [i for i, product in enumerate(found) if product is None]
+    if missing:
+        computed = products(
+            [states[i].info for i in missing],
+            [block_views(left[i].value, states[i].info.block_sizes("A")) for i in missing],
+            [block_views(right[i].value, states[i].info.block_sizes("B")) for i in missing],
+            [grads[i] for i in missing],
+            stacked,
+        )
+        for i, product in zip(missing, computed):
+            found[i] = product
     oks = [a.ok & b.ok for a, b in zip(left, right)]
-    left_views = [block_views(r.value, st.info.block_sizes("A")) for r, st in zip(left, states)]
-    right_views = [block_views(r.value, st.info.block_sizes("B")) for r, st in zip(right, states)]
     out = [torch.empty_like(graft) for graft in grafts]
     for group in block_groups([(st.info, st.parameter.device) for st in states], stacked):
         graft = _stack([grafts[b.matrix][b.rows, b.cols] for b in group])
-        d = (
-            _stack([left_views[b.matrix][b.k] for b in group])
-            @ _stack([grads[b.matrix][b.rows, b.cols] for b in group])
-            @ _stack([right_views[b.matrix][b.k] for b in group])
-        )
+        d = _stack([_present(found[b.matrix])[b.rows, b.cols] for b in group])
         if graft_norm:
             d = transfer_norm(d, graft)
         ok = _stack([oks[b.matrix][b.k] for b in group])
         chosen = torch.where(ok.reshape(ok.shape + (1, 1)), d, graft)
         torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(chosen, len(group)))
     return out
+
+
+def _present(product: Tensor | None) -> Tensor:
+    if product is None:
+        raise RuntimeError("a Shampoo product was not computed")
+    return product
 
 
 def _stack(tensors: list[Tensor]) -> Tensor:

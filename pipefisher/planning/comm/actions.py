@@ -91,7 +91,7 @@ class CollectiveKind(str, Enum):
     #: ZeRO-2/3 with several pipes (Chimera): each gradient shard summed over the stage's copies in
     #: the other pipes, after FSDP2's reduce-scatter within the pipe
     GRAD_PIPES = "grad_pipes"
-    #: a helped stage's layers' refresh results in use (K-FAC's inverses), broadcast from its rank
+    #: a helped stage's layers' refresh results in use (K-FAC's inverses, Shampoo's roots), broadcast from its rank
     #: to a helper at the start of every cycle (methods with refresh work only)
     HELP_STATE = "help_state"
     #: a helped stage's layer inputs of the step, broadcast from its rank to a helper (`OpKind.HELP`)

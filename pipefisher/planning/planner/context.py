@@ -51,6 +51,13 @@ class PlanContext:
             return None
         return self.section.workers_per_layer(stage_replicas(layout), layout.zero)
 
+    def precondition_op(self, layout: Layout) -> bool:
+        """Whether `layout`'s stages have their method's per-step P op, as its run would
+        (`RefreshConfig.precondition_op`); True without a curvature method."""
+        if self.section is None or not is_curvature(layout.method):
+            return True
+        return self.section.precondition_op(stage_replicas(layout), layout.zero)
+
     def data_parallel_link(self, layout: Layout) -> Link:
         """The link of `layout`'s data-parallel traffic (`links.data_parallel_link`)."""
         return data_parallel_link(layout, self.hardware, self.dp_bandwidth_gbps, self.dp_bandwidth_set)

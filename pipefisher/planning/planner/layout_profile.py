@@ -178,6 +178,20 @@ def _with_hops(profile: Profile, layout: Layout, context: PlanContext) -> Profil
     return replace(profile, stages=tuple(hop(index, stage) for index, stage in enumerate(profile.stages)))
 
 
+def _products_in_step_end(profile: Profile, layout: Layout, context: PlanContext) -> Profile:
+    """A layout without the P op its method's profile times (Shampoo's helpers on a replicated
+    or sharded stage, `PlanContext.precondition_op`) and without gradient workers: each stage's
+    preconditioning joins the method's step end (before ZeRO-1 shares that among the owners)."""
+    if context.precondition_op(layout) or context.workers_per_layer(layout) is not None:
+        return profile
+
+    def moved(stage: StageProfile) -> StageProfile:
+        products = sum(layer.precondition for layer in stage.layers)
+        return replace(stage, step_end=stage.step_end + products, method_step_end=stage.method_step_end + products)
+
+    return replace(profile, stages=tuple(moved(stage) for stage in profile.stages))
+
+
 def _owned_step_end(profile: Profile, layout: Layout) -> Profile:
     """Under ZeRO-1 each of a stage's R replicas preconditions in its optimizer step only the
     matrices it owns (Shampoo's and SOAP's `precondition_all(updates)`, owners balanced by size):
@@ -229,7 +243,7 @@ def layout_profile(layout: Layout, context: PlanContext, syncs: bool = True) -> 
         layout.pieces, layout.micro_batch_size, layout.tensor_parallel, split, layout.stage_blocks
     )
     if not context.source.measured_step_end:
-        profile = _owned_step_end(profile, layout)
+        profile = _owned_step_end(_products_in_step_end(profile, layout, context), layout)
     profile = _with_workers(profile, layout, context)
     profile = _with_reductions(
         _recomputed(profile, layout.recompute, context.sizes, layout.stage_blocks), layout, context

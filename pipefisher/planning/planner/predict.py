@@ -110,15 +110,15 @@ def pack_options(layout: Layout, context: PlanContext, capture_budget: int | Non
     """The packer's options for the layout: its method section's, its data-parallel copies, its
     refresh interval when pinned (layout.refresh_steps > 0), captures capped at `capture_budget`
     bytes per device (at least 1 MiB) where given and the section sets no cap; no P ops where the
-    layout has gradient workers (`PlanContext.workers_per_layer`: they precondition in the step
-    end, as the run's `workers_per_layer`)."""
+    layout has none (`PlanContext.precondition_op`: gradient workers precondition in the step end,
+    Shampoo without helpers in its optimizer step, as the run's `precondition_op`)."""
     if context.section is None:
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
     options = PackOptions.from_section(
         context.section,
         data_parallel=layout.data_parallel,
         refresh_steps=layout.refresh_steps or None,
-        precondition=context.workers_per_layer(layout) is None,
+        precondition=context.precondition_op(layout),
     )
     if capture_budget is None or options.max_capture_mb is not None:
         return options

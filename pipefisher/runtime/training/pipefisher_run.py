@@ -113,7 +113,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         plan.refresh_steps,
         split=section.split,
         data_parallel=config.pipeline.data_parallel,
-        precondition=config.workers_per_layer is None,
+        precondition=config.precondition_op,
     )
     planned, wanted = _task_counts(plan), _task_counts(expected_plan)
     if planned != wanted:
@@ -146,7 +146,7 @@ def pack_options(config: RunConfig, refresh_steps: int | None = None) -> PackOpt
     return PackOptions.from_section(
         config.section(method_of(config).name),
         data_parallel=config.pipeline.data_parallel,
-        precondition=config.workers_per_layer is None,
+        precondition=config.precondition_op,
         refresh_steps=refresh_steps,
     )
 
@@ -174,7 +174,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
                 result.refresh_steps,
                 split=section.split,
                 data_parallel=data_parallel,
-                precondition=config.workers_per_layer is None,
+                precondition=config.precondition_op,
             )
         how = f"{section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound})"
     validate_plan(plan)
