@@ -102,6 +102,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--deadline", type=float, default=1800.0, help="seconds per schedule before its group is stopped (default 1800)"
     )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="interleave the arms' blocks step by step, a barrier before each step (default: one block per arm in turn)",
+    )
     parser.add_argument("--no-trace", action="store_true", help="no recorded block (no ops / waits table)")
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: bert-tiny, micro-batches of 2, k=1, 2 rounds of 2 steps"
@@ -168,7 +173,7 @@ def layout_of(args: argparse.Namespace, schedule: str) -> Layout:
 
 def measure(args: argparse.Namespace, schedule: str) -> tuple[list[Pair], list[Traced], list[RankResult]]:
     """One schedule's group: a pair per method and the recorded block per arm."""
-    timing = Timing(args.repeats, args.min_steps, args.warmup, args.seed, not args.no_trace)
+    timing = Timing(args.repeats, args.min_steps, args.warmup, args.seed, not args.no_trace, args.interleave)
     results = run_group(
         measure_schedule,
         STAGES,
@@ -237,7 +242,7 @@ def report(
         f"methods packed, k {'chosen by the packer' if not args.refresh_steps else args.refresh_steps}, profile "
         f"measured once, re-profiling off; every arm in the same process group: {args.repeats} rounds of one timed "
         f"block per arm (whole refresh cycles, at least {args.min_steps} steps; arms in a seeded shuffled order per "
-        f"round, a barrier before each block) after at least {args.warmup} warm-up step(s) and 2 cycles.",
+        f"round, {'interleaved step by step, a barrier before each step' if args.interleave else 'a barrier before each block'}) after at least {args.warmup} warm-up step(s) and 2 cycles.",
         "Step time: the slower rank's block wall time / its steps. Ratio: method / first-order of the same round; "
         "CI: 95 % t-interval of the geometric mean (log ratios); exposed: ratio − 1. Quiet rounds: other processes "
         f"used at most {args.quiet_load:.2f} cores during both blocks of the pair. The run's own estimate: "

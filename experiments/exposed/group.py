@@ -7,7 +7,9 @@ steps), in an order shuffled anew each round (seeded by `Timing.seed`, the sched
 round: the same on every rank), each block after a barrier (`Block`). A block's sample is the
 slower rank's wall time over the block / its steps [ms], with the cores other processes of the
 machine used meanwhile (machine-wide busy time from /proc/stat less the group's own CPU time,
-over the wall time). Warm-up: at least `Timing.warmup` steps and 2 cycles per arm (a method's
+over the wall time). With `Timing.interleave` the arms' blocks are interleaved step by step
+(one step of each arm in the round's order, a barrier before each step, until every arm ran its
+block): a slow drift of the machine's speed then falls on every arm alike. Warm-up: at least `Timing.warmup` steps and 2 cycles per arm (a method's
 run measures its own exposed-time estimate on its second cycle: `Arm.extra`).
 """
 
@@ -30,13 +32,15 @@ from pipefisher.runtime.training import tokens_per_step
 class Timing:
     """How the arms of a group are timed: `rounds` rounds of one block per arm of at least
     `min_steps` steps (whole cycles), after at least `warmup` untimed steps (whole cycles, 2 at
-    least); the order's `seed`; `record` one more block per arm with the ops' clock marks."""
+    least); the order's `seed`; `record` one more block per arm with the ops' clock marks;
+    `interleave` the arms' blocks step by step (module docstring)."""
 
     rounds: int
     min_steps: int
     warmup: int
     seed: int
     record: bool
+    interleave: bool = False
 
 
 def cycles_of(k: int, steps: int) -> int:
@@ -82,6 +86,30 @@ class RankResult:
     build_seconds: float = 0.0
 
 
+def timed_blocks(
+    arms: dict[str, Arm], order: list[str], steps: dict[str, int], interleave: bool
+) -> dict[str, tuple[float, float]]:
+    """One round: each arm of `order` runs `steps[name]` steps, as one block per arm in turn or,
+    with `interleave`, one step of each arm in turn (a `Block` per step). Per arm its wall time
+    [s] (the slower rank's, summed over its blocks) and the cores other processes used meanwhile."""
+    timed: dict[str, tuple[float, float]] = {}
+    if not interleave:
+        for name in order:
+            with Block() as block:
+                arms[name].run(steps[name])
+            timed[name] = (block.seconds, block.other_cores)
+        return timed
+    busy = {name: [0.0, 0.0] for name in order}  # seconds, core-seconds of other processes
+    for index in range(max(steps.values())):
+        for name in order:
+            if index < steps[name]:
+                with Block() as block:
+                    arms[name].run(1)
+                busy[name][0] += block.seconds
+                busy[name][1] += block.other_cores * block.seconds
+    return {name: (seconds, cores / seconds) for name, (seconds, cores) in busy.items()}
+
+
 def measure_schedule(rank: int, world: int, layout: Layout, methods: list[str], timing: Timing) -> RankResult:
     """Every arm of `layout` (its first-order optimizer, then `methods`) on this rank, timed in
     rounds (module docstring); collective on the group's `world` ranks."""
@@ -101,13 +129,10 @@ def measure_schedule(rank: int, world: int, layout: Layout, methods: list[str], 
     for round_ in range(timing.rounds):
         order = random.Random(f"{timing.seed}:{layout.schedule}:{round_}").sample(list(arms), len(arms))
         result.orders.append(order)
-        for name in order:
-            arm = arms[name]
-            steps = cycles_of(arm.k, timing.min_steps) * arm.k
-            with Block() as block:
-                arm.run(steps)
-            result.step_ms[name].append(1000 * block.seconds / steps)
-            result.other_cores[name].append(block.other_cores)
+        steps = {name: cycles_of(arm.k, timing.min_steps) * arm.k for name, arm in arms.items()}
+        for name, (seconds, cores) in timed_blocks(arms, order, steps, timing.interleave).items():
+            result.step_ms[name].append(1000 * seconds / steps[name])
+            result.other_cores[name].append(cores)
         first = result.step_ms[layout.first_order][-1]
         ratios = ", ".join(f"{name} {result.step_ms[name][-1] / first:.3f}" for name in methods)
         say(

@@ -35,11 +35,12 @@ def cells(text: str, prefix: str) -> list[str]:
 @pytest.mark.slow
 def test_the_quick_run_alternates_first_order_and_the_method_in_one_group(tmp_path):
     out = tmp_path / "exposed.md"
-    result = bench("--quick", "--out", str(out))
+    result = bench("--quick", "--interleave", "--out", str(out))
     assert result.returncode == 0, result.stderr
     text = out.read_text()
     assert text == result.stdout
-    assert "Command: `python experiments/bench_exposed.py --quick" in text
+    assert "Command: `python experiments/bench_exposed.py --quick --interleave" in text
+    assert "interleaved step by step, a barrier before each step" in text
     assert "4 micro-batches of 2 = 512 tokens per step" in text  # sequences of 64
     row = cells(text, "| 1f1b | K-FAC | 1 |")
     first_order, method = float(row[3]), float(row[4])

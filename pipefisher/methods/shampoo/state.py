@@ -83,12 +83,17 @@ def committed(st: MatrixState) -> bool:
     return all(st.factors[f].committed is not None for f in FACTORS)
 
 
-def root_views(st: MatrixState, factor: Factor) -> list[Tensor]:
-    """The block views of `factor`'s roots in use (RuntimeError before the first commit)."""
+def committed_roots(st: MatrixState, factor: Factor) -> Roots:
+    """`factor`'s roots in use (RuntimeError before the first commit)."""
     roots = st.factors[factor].committed
     if roots is None:
         raise RuntimeError(f"Shampoo matrix {st.info.name!r}: no committed {factor} roots")
-    return block_views(roots.value, st.info.block_sizes(factor))
+    return roots
+
+
+def root_views(st: MatrixState, factor: Factor) -> list[Tensor]:
+    """The block views of `factor`'s roots in use (RuntimeError before the first commit)."""
+    return block_views(committed_roots(st, factor).value, st.info.block_sizes(factor))
 
 
 def gradient_matrix(st: MatrixState, dtype: torch.dtype) -> Tensor:

@@ -8,16 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.methods.blocks import Factor, MatrixInfo, block_groups, block_views
+from pipefisher.methods.block_stacks import stack, unstack
+from pipefisher.methods.blocks import MatrixInfo, block_groups, block_views
 from pipefisher.methods.shampoo.grafting import transfer_norm
-from pipefisher.methods.shampoo.state import MatrixState, Roots
-
-
-def _committed(st: MatrixState, factor: Factor) -> Roots:
-    roots = st.factors[factor].committed
-    if roots is None:
-        raise RuntimeError(f"Shampoo matrix {st.info.name!r}: no committed {factor} roots")
-    return roots
+from pipefisher.methods.shampoo.state import MatrixState, committed_roots
 
 
 def products(
@@ -31,11 +25,11 @@ def products(
     out = [torch.empty_like(grad) for grad in grads]
     for group in block_groups([(info, grad.device) for info, grad in zip(infos, grads)], stacked):
         d = (
-            _stack([lefts[b.matrix][b.k] for b in group])
-            @ _stack([grads[b.matrix][b.rows, b.cols] for b in group])
-            @ _stack([rights[b.matrix][b.k] for b in group])
+            stack([lefts[b.matrix][b.k] for b in group])
+            @ stack([grads[b.matrix][b.rows, b.cols] for b in group])
+            @ stack([rights[b.matrix][b.k] for b in group])
         )
-        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(d, len(group)))
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(d, len(group)))
     return out
 
 
@@ -53,8 +47,8 @@ def directions(
     grafting block itself where a root is not ok; ``(rows, cols)`` tensors, new. `held`: per
     matrix its products computed before (`products`, here or on a helper) or None to compute them
     now. `stacked`: same-shape blocks in one product (`block_groups`)."""
-    left = [_committed(st, "A") for st in states]
-    right = [_committed(st, "B") for st in states]
+    left = [committed_roots(st, "A") for st in states]
+    right = [committed_roots(st, "B") for st in states]
     found: list[Tensor | None] = list(held) if held is not None else [None] * len(states)
     missing = [i for i, product in enumerate(found) if product is None]
     if missing:
@@ -70,13 +64,13 @@ def directions(
     oks = [a.ok & b.ok for a, b in zip(left, right)]
     out = [torch.empty_like(graft) for graft in grafts]
     for group in block_groups([(st.info, st.parameter.device) for st in states], stacked):
-        graft = _stack([grafts[b.matrix][b.rows, b.cols] for b in group])
-        d = _stack([_present(found[b.matrix])[b.rows, b.cols] for b in group])
+        graft = stack([grafts[b.matrix][b.rows, b.cols] for b in group])
+        d = stack([_present(found[b.matrix])[b.rows, b.cols] for b in group])
         if graft_norm:
             d = transfer_norm(d, graft)
-        ok = _stack([oks[b.matrix][b.k] for b in group])
+        ok = stack([oks[b.matrix][b.k] for b in group])
         chosen = torch.where(ok.reshape(ok.shape + (1, 1)), d, graft)
-        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(chosen, len(group)))
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(chosen, len(group)))
     return out
 
 
@@ -84,13 +78,3 @@ def _present(product: Tensor | None) -> Tensor:
     if product is None:
         raise RuntimeError("a Shampoo product was not computed")
     return product
-
-
-def _stack(tensors: list[Tensor]) -> Tensor:
-    """`tensors` (equal shapes) as one ``(b, ...)`` stack, or a lone one as it is (2-D products)."""
-    return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
-
-
-def _unstack(stack: Tensor, count: int) -> list[Tensor]:
-    """The `count` tensors of a `_stack` result."""
-    return [stack] if count == 1 else list(stack.unbind(0))

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from pipefisher.methods.block_stacks import stack, unstack
 from pipefisher.methods.blocks import Block, Factor, block_groups, block_views
 from pipefisher.methods.soap.health import SKIPPED_STATISTICS
 from pipefisher.methods.soap.method import SoapConfig
@@ -40,11 +41,11 @@ def fold(
     weights = [torch.where(ok, 1.0 - settings.statistics_decay, 0.0).to(statistics_dtype) for ok in finite]
     views = {factor: _factor_views(states, factor, "statistic") for factor in ("A", "B")}
     for group in _groups(states, stacked):
-        g = _stack([cleaned[b.matrix][b.rows, b.cols] for b in group])
+        g = stack([cleaned[b.matrix][b.rows, b.cols] for b in group])
         weight = [weights[b.matrix] for b in group]
         for factor, product in (("A", g @ g.mT), ("B", g.mT @ g)):
             targets = [views[factor][b.matrix][b.k] for b in group]
-            torch._foreach_lerp_(targets, _unstack(product, len(group)), weight)
+            torch._foreach_lerp_(targets, unstack(product, len(group)), weight)
     for st, ok in zip(states, finite):
         st.counters[SKIPPED_STATISTICS].add_(~ok)
 
@@ -59,25 +60,15 @@ def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapCon
     out = [torch.empty_like(g) for g in grads]
     left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
     for group in _groups(states, stacked):
-        q_left = _stack([left[b.matrix][b.k] for b in group])
-        q_right = _stack([right[b.matrix][b.k] for b in group])
-        rotated = q_left.mT @ _stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ q_right
+        q_left = stack([left[b.matrix][b.k] for b in group])
+        q_right = stack([right[b.matrix][b.k] for b in group])
+        rotated = q_left.mT @ stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ q_right
         first = [states[b.matrix].exp_avg[b.rows, b.cols] for b in group]
         second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
-        torch._foreach_lerp_(first, _unstack(rotated, len(group)), 1.0 - settings.beta1)
-        torch._foreach_lerp_(second, _unstack(rotated.square(), len(group)), 1.0 - settings.beta2)
-        direction = q_left @ (_stack(first) / (_stack(second).sqrt() + settings.epsilon)) @ q_right.mT
-        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], _unstack(direction, len(group)))
+        torch._foreach_lerp_(first, unstack(rotated, len(group)), 1.0 - settings.beta1)
+        torch._foreach_lerp_(second, unstack(rotated.square(), len(group)), 1.0 - settings.beta2)
+        direction = q_left @ (stack(first) / (stack(second).sqrt() + settings.epsilon)) @ q_right.mT
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(direction, len(group)))
     corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
     torch._foreach_mul_(out, corrections)
     return out
-
-
-def _stack(tensors: list[Tensor]) -> Tensor:
-    """`tensors` (equal shapes) as one ``(b, ...)`` stack, or a lone one as it is (2-D products)."""
-    return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
-
-
-def _unstack(stack: Tensor, count: int) -> list[Tensor]:
-    """The `count` tensors of a `_stack` result."""
-    return [stack] if count == 1 else list(stack.unbind(0))
