@@ -314,3 +314,32 @@ def test_unknown_names_and_factors_and_missing_captures_are_refused():
         engine.update_statistics("0.weight", "A")
     with pytest.raises(RuntimeError, match="no pending A roots"):
         engine.shared_root("0.weight", "A")
+
+
+@pytest.mark.parametrize("helpers", [False, True])
+def test_the_memory_model_counts_what_the_engine_holds_at_a_cycles_peak(helpers):
+    """Mid-cycle: statistics, roots in use and pending, the captured gradient, Adam grafting's
+    second moment and, with helpers, the P op's held products."""
+    from pipefisher.methods.shampoo.memory import ShampooLayer
+    from pipefisher.runtime.training.checkpoint import tensor_bytes
+
+    model = tiny_model()
+    settings = ShampooConfig(beta2=0.95, epsilon=1e-6, block_size=4, grafting="adam", helpers=helpers)
+    engine = ShampooEngine(model, settings, matrices_only=True, **GRAFT)
+    set_gradients(model, 0)
+    refresh(engine)
+    set_gradients(model, 1)
+    for info in engine.matrices():
+        engine.capture(info.name)
+        for factor in FACTORS:
+            engine.update_statistics(info.name, factor)
+            engine.compute_root(info.name, factor)
+    names = [info.name for info in engine.matrices()]
+    if helpers:
+        engine.hold_products(names)
+    held = sum(engine.product_buffer(name).nbytes for name in names) if helpers else 0
+    layers = [
+        ShampooLayer(info.name, *info.shape, block_size=4, adam_grafting=True, helpers=helpers)
+        for info in engine.matrices()
+    ]
+    assert tensor_bytes(engine.state_dict()) + held == sum(layer.state_bytes() for layer in layers)

@@ -77,5 +77,6 @@ SHAMPOO = CurvatureMethod(
     settings=ShampooConfig,
     parts="pipefisher.methods.shampoo.parts:PARTS",
     flops="pipefisher.methods.shampoo.flops:task_flops",
+    memory="pipefisher.methods.shampoo.memory:ShampooLayer",
     shards=True,
 )

@@ -1,0 +1,40 @@
+"""Shampoo's memory model of one matrix (`pipefisher.planning.memory.state.CurvatureLayer`). Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefisher.methods.blocks import FACTORS, MatrixInfo
+from pipefisher.methods.memory import MatrixLayer, copies, counter_bytes
+
+#: bytes of one factor's health counters (one per `pipefisher.methods.shampoo.health.ShampooHealth` field)
+COUNTER_BYTES = counter_bytes(2)
+#: bytes of one block's root flag (a bool)
+FLAG_BYTES = 1
+
+
+@dataclass(frozen=True)
+class ShampooLayer(MatrixLayer):
+    """A Shampoo matrix ``(rows, cols)`` cut into blocks of ``block_size``; ``statistics_bytes``
+    per element of its statistics (float64 by default); ``adam_grafting``: Adam grafting's second
+    moment (``grafting: adam``, the default); ``helpers``: the P op's products held until the
+    step end (``shampoo.helpers``)."""
+
+    block_size: int = 1024
+    statistics_bytes: int = 8
+    adam_grafting: bool = True
+    helpers: bool = False
+
+    def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
+        """At a cycle's peak, per factor: the statistic (``statistics_bytes``), the roots in use
+        and, when it keeps results (`copies`), the cycle's pending ones (``element_bytes``, one n x n
+        per block, with a flag per block), the counters; the gradient captured in the cycle's first
+        step (``rows x cols``, until both statistics fold it), Adam grafting's second moment and the
+        held products (``rows x cols`` each, where on)."""
+        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+        roots = copies(keeps_results) * sum(
+            element_bytes * info.statistic_numel(f) + FLAG_BYTES * info.num_blocks for f in FACTORS
+        )
+        statistics = sum(self.statistics_bytes * info.statistic_numel(f) + COUNTER_BYTES for f in FACTORS)
+        gradient_sized = 1 + int(self.adam_grafting) + int(self.helpers)
+        return statistics + roots + gradient_sized * element_bytes * self.gradient_elements
