@@ -39,6 +39,16 @@ def refresh(engine: ShampooEngine) -> None:
     engine.check_health()
 
 
+def mid_cycle(engine: ShampooEngine, model: nn.Module) -> None:
+    """A second cycle's captures, statistics and pending roots, matrix by matrix, nothing committed."""
+    set_gradients(model, 1)
+    for info in engine.matrices():
+        engine.capture(info.name)
+        for factor in FACTORS:
+            engine.update_statistics(info.name, factor)
+            engine.compute_root(info.name, factor)
+
+
 def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
@@ -207,12 +217,9 @@ def test_received_roots_precondition_exactly_like_the_computed_ones():
     set_gradients(model, 0)
     refresh(source)
     # pending roots exist only between compute_root and commit: share them then
-    set_gradients(model, 1)
+    mid_cycle(source, model)
     for info in source.matrices():
-        source.capture(info.name)
         for factor in FACTORS:
-            source.update_statistics(info.name, factor)
-            source.compute_root(info.name, factor)
             shared = source.shared_root(info.name, factor)
             assert shared.dim() == 1 and shared.is_contiguous() and shared.numel() == info.statistic_numel(factor)
             buffer = receiver.root_buffer(info.name, factor)
@@ -328,12 +335,7 @@ def test_the_memory_model_counts_what_the_engine_holds_at_a_cycles_peak(helpers)
     engine = ShampooEngine(model, settings, matrices_only=True, **GRAFT)
     set_gradients(model, 0)
     refresh(engine)
-    set_gradients(model, 1)
-    for info in engine.matrices():
-        engine.capture(info.name)
-        for factor in FACTORS:
-            engine.update_statistics(info.name, factor)
-            engine.compute_root(info.name, factor)
+    mid_cycle(engine, model)
     names = [info.name for info in engine.matrices()]
     if helpers:
         engine.hold_products(names)
