@@ -15,6 +15,7 @@ from pipefisher.core.profile import load_profile
 from pipefisher.core.stage_split import counts_text
 from pipefisher.methods.flop_report import flop_report
 from pipefisher.methods.registry import method, method_of
+from pipefisher.models.registry import preload_of
 from pipefisher.runtime.errors import first_line
 from pipefisher.runtime.training.launch import (
     GroupFailure,
@@ -138,6 +139,7 @@ def run(config: RunConfig, reference: bool, as_json: bool, resume_from: int | No
             host=config.run.master_addr,
             on_signal="forward",
             store=store,
+            preload=preload_of(config.model),
         )
     except GroupFailure as failure:
         _print_failure(failure)
@@ -243,6 +245,7 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
             host=config.run.master_addr,
             on_signal="kill",
             store=store,
+            preload=preload_of(config.model),
         )
     except GroupFailure as failure:
         _print_failure(failure)

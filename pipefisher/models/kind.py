@@ -21,6 +21,10 @@ def _no_problem(model: Any) -> str:
     return ""
 
 
+def _nothing_to_preload(model: Any) -> tuple[str, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class ModelKind:
     """One kind of model, the run file's `model.kind` `name`.
@@ -54,6 +58,9 @@ class ModelKind:
     `exports`: its checkpoints export as a Hugging Face model folder (`pipefisher export`).
     `uneven_splits`: its stages take `pipeline.stage_blocks` (blocks per stage) instead of an even
     split; the builder passes the counts to the model.
+    `preload(model)`: modules a rank imports to build it (beyond torch and the trainer), which a
+    launcher's forkserver imports once for all the ranks it forks
+    (`pipefisher.runtime.training.launch.run_group`'s `preload`); one not installed is skipped.
     """
 
     name: str
@@ -71,6 +78,7 @@ class ModelKind:
     instead: str = ""
     exports: bool = False
     uneven_splits: bool = False
+    preload: Callable[[Any], tuple[str, ...]] = _nothing_to_preload
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier() or not self.data:

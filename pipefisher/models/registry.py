@@ -12,6 +12,8 @@ an installed plugin (each rank reads the entry points itself)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipefisher.core.plugins import PluginRegistry
 from pipefisher.core.settings import ConfigError
 from pipefisher.models.kind import ModelKind
@@ -36,6 +38,13 @@ def model_kind(name: str) -> ModelKind:
     if name not in known:
         raise ConfigError(f"model.kind: {name!r} is not one of {', '.join(known)}")
     return known[name]
+
+
+def preload_of(model: Any) -> tuple[str, ...]:
+    """The modules a run of `model` (its `ModelConfig`) has its launcher's forkserver import
+    (`ModelKind.preload`); none for an unknown kind (the run's checks name it)."""
+    known = _REGISTRY.known()
+    return known[model.kind].preload(model) if model.kind in known else ()
 
 
 def readers(key: str) -> tuple[str, ...]:

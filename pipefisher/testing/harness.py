@@ -154,10 +154,18 @@ def assert_equal_to_reference(
     import torch
 
     from pipefisher.runtime.training.launch import run_group
+    from pipefisher.models.registry import preload_of
     from pipefisher.runtime.training.reference import train_reference
 
     reference = train_reference(config)
-    results = run_group(worker or pipelined, config.world_size, args=(config,), timeout=30, deadline=240)
+    results = run_group(
+        worker or pipelined,
+        config.world_size,
+        args=(config,),
+        timeout=30,
+        deadline=240,
+        preload=preload_of(config.model),
+    )
     for result in results:
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=rtol, atol=0)
         for key, value in result.parameters.items():

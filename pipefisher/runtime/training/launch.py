@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -247,15 +247,27 @@ class _Place:
             os.close(fd)
 
 
-def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
-    """Processes forked from one server that has imported `PRELOADED` once (about 2 s of CPU
-    per process saved against spawning a fresh interpreter that imports torch) where the platform
-    has a forkserver; spawned otherwise. Neither inherits the launcher's threads."""
+def _context(preload: Sequence[str] = ()) -> mp.context.SpawnContext | mp.context.ForkServerContext:
+    """Processes forked from one server that has imported `PRELOADED` and `preload` once (about
+    2 s of CPU per process saved against spawning a fresh interpreter that imports torch; 3 s more
+    for a Hugging Face model) where the platform has a forkserver; spawned otherwise. Neither
+    inherits the launcher's threads. The server is this process's for its life: `preload` counts
+    where this call starts it (`start_forkserver`)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOADED))
+    ctx.set_forkserver_preload([*PRELOADED, *preload])
     return ctx
+
+
+def start_forkserver(preload: Sequence[str] = ()) -> None:
+    """Start this process's forkserver now, importing `PRELOADED` and `preload` (`_context`), with
+    the stop signals blocked in it and every process it forks; nothing where one runs already or
+    the platform has none."""
+    ctx = _context(preload)
+    if ctx.get_start_method() == "forkserver":
+        with stop_signals_blocked():
+            forkserver.ensure_running()
 
 
 def run_group(
@@ -270,6 +282,7 @@ def run_group(
     grace: float | None = None,
     on_signal: str = "kill",
     store: dist.TCPStore | None = None,
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """`[fn(rank, world, *args) for rank in range(world)]`, each in its own process.
 
@@ -283,9 +296,10 @@ def run_group(
     is sent again until the child exits, so a child still starting gets it too) and has
     `timeout` seconds to finish; with "kill" the children are killed and Interrupted is raised.
     Children start with the stop signals blocked (a Ctrl-C in a terminal reaches them too), so
-    none dies with a traceback inside its interpreter's start.
+    none dies with a traceback inside its interpreter's start. `preload`: modules every rank
+    imports, which the forkserver imports once where this call starts it (`_context`).
     """
-    ctx = _context()
+    ctx = _context(preload)
     results = ctx.Queue()
     store = store if store is not None else hosted_store(host, port or 0, timeout)
     env = {**os.environ, "MASTER_ADDR": host, "MASTER_PORT": str(store.port), "OMP_NUM_THREADS": "1"}
@@ -318,9 +332,8 @@ def run_group(
     outcome: dict[int, tuple[bool, Any]] = {}
     stopping = False
     try:
+        start_forkserver(preload)
         with stop_signals_blocked():  # one that comes meanwhile runs on_stop_signal after the block
-            if ctx.get_start_method() == "forkserver":
-                forkserver.ensure_running()  # started here, it and every child it forks have the signals blocked
             for proc in procs:
                 proc.start()
         while len(outcome) < world:
