@@ -51,18 +51,18 @@ def test_a_method_run_is_one_stage_after_step_with_the_adamw_rate_for_the_rest(t
 
 @pytest.mark.slow
 def test_a_cpu_run_ends_every_method_on_its_budget(tmp_path, capsys):
-    """AdamW and Muon on GPT-2 tiny, 3 s each: every timed run ends on its budget (or its steps),
-    within one step of it, evaluated at its end; the report has both rows."""
+    """AdamW on GPT-2 tiny, 3 s: its timed run ends on its budget (or its steps), within one step
+    of it, evaluated at its end; the report has its row (a second method's row: the constructed
+    runs above; each method's run is the same command with its own section)."""
     out = tmp_path / "budget"
-    argv = ["--quick", "--methods", "adamw,muon", "--budget", "3", "--calibrate", "8", "--evals", "2"]
+    argv = ["--quick", "--methods", "adamw", "--budget", "3", "--calibrate", "8", "--evals", "2"]
     assert main(argv + ["--source-mb", "2", "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
     table = out.with_suffix(".md").read_text()
-    assert "| adamw | 0.0006 |" in table and "| muon | 0.02 |" in table
-    for method in ("adamw", "muon"):
-        records = [json.loads(line) for line in Path(f"{out}-records/{method}.jsonl").read_text().splitlines()]
-        last = records[-1]
-        assert "eval_loss" in last
-        step_s = last["step_time_ms"] / 1000
-        assert last.get("out_of_time") or len(records) == last["step"]
-        assert last["train_s"] <= 3 + 2 * step_s + 0.5, "the budget ends the run within a step of it"
+    assert "| adamw | 0.0006 |" in table
+    records = [json.loads(line) for line in Path(f"{out}-records/adamw.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert "eval_loss" in last
+    step_s = last["step_time_ms"] / 1000
+    assert last.get("out_of_time") or len(records) == last["step"]
+    assert last["train_s"] <= 3 + 2 * step_s + 0.5, "the budget ends the run within a step of it"
     assert out.with_suffix(".csv").is_file() and out.with_suffix(".png").is_file()
