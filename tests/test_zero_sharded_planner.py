@@ -25,7 +25,7 @@ from pipefisher.planning.comm.volume import ring_bytes
 from pipefisher.planning.planner.candidates import Layout, SearchSpace, enumerate_layouts, fsdp_allowed
 from pipefisher.planning.planner.layout_memory import stage_parameters
 from pipefisher.planning.planner.model_sizes import model_sizes
-from pipefisher.planning.planner.predict import PlanContext, layout_profile, predict
+from pipefisher.planning.planner.predict import PlanContext, first_order_time, layout_profile, predict, step_end_time
 from pipefisher.planning.planner.search import GiB, search
 from pipefisher.planning.planner.sources import ReferenceTimes
 
@@ -174,6 +174,19 @@ def test_the_planner_picks_zero3_where_only_it_fits_and_zero1_where_memory_is_am
     ample = search(_space(), context, "adamw", 64 * GiB, uneven=False)
     assert ample.best.layout.zero == 1  # as fast as plain data parallelism and ZeRO-2, and the smallest of them
     assert ample.best.step_ms < predict(_layout(3), context).step_ms
+
+
+def test_a_curvature_methods_gradient_path_is_chosen_with_its_step_end():
+    """Shampoo on D1 x DP4: ZeRO-1 and ZeRO-2 share the first-order step and ZeRO-2 needs less
+    memory, but under ZeRO-1 each owner preconditions a quarter of the matrices in its step end
+    and under ZeRO-2 every replica all of them: the search keeps ZeRO-1, the faster packed step."""
+    context = replace(_context(), section=load_config(BASE_RUN).section("shampoo"))
+    one, two = (_layout(zero, "shampoo") for zero in (1, 2))
+    assert first_order_time(one, context) == first_order_time(two, context)  # the premise
+    assert predict(two, context).memory.total < predict(one, context).memory.total
+    assert step_end_time(one, context) < step_end_time(two, context)
+    best = search(_space(), context, "shampoo", 64 * GiB, uneven=False).best
+    assert best.layout.zero == 1 and best.step_ms == predict(one, context).step_ms < predict(two, context).step_ms
 
 
 def test_the_plan_command_offers_zero3(tmp_path, capsys):

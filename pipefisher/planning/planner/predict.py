@@ -43,6 +43,7 @@ __all__ = [
     "plan_layout",
     "predict",
     "source_bandwidth_gbps",
+    "step_end_time",
 ]
 
 
@@ -104,6 +105,14 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
             max(stage.grad_reduce for stage in profile.stages) * per_ms,
         )
     return _FIRST_ORDER[key]
+
+
+def step_end_time(layout: Layout, context: PlanContext) -> float:
+    """ms of the layout's step with its method's end-of-step work (`StageProfile.method_step_end`:
+    as the gradient path shares it, ZeRO-1's owners each a part) and none of its refresh or per-step
+    ops; for a first-order method, its first-order step."""
+    profile = layout_profile(layout, context, syncs=False)
+    return simulate(layout.build_schedule(), profile).step_time * MS_PER_UNIT[profile.time_unit]
 
 
 def pack_options(layout: Layout, context: PlanContext, capture_budget: int | None = None) -> PackOptions:

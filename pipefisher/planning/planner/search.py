@@ -4,8 +4,9 @@ packed. Pure Python: no torch.
 1. enumerate the layouts (first-order method);
 2. simulate each one's first-order step (cheap) and take its memory per rank twice: with the
    first-order state and with the curvature method's (without captures);
-3. drop what exceeds the budget; of layouts that differ only in their gradient path (ZeRO-1,
-   PowerSGD) keep the fastest (then smallest);
+3. drop what exceeds the budget; of layouts that differ only in their gradient path (ZeRO-1/2/3,
+   PowerSGD) keep the fastest (then smallest): for a curvature method, by the step with its
+   end-of-step work (`step_end_time`: ZeRO-1's owners share it, ZeRO-2/3 replicas each do all of it);
 4. pack the curvature method for the fastest by first-order time, at most `top`, (captures capped to
    the budget's headroom where they do not fit) and drop those whose captures still do not fit;
    stop once `shown` packed layouts fit and the next first-order step is already longer than the
@@ -24,7 +25,14 @@ from dataclasses import dataclass, field, replace
 from pipefisher.planning.planner.candidates import Layout, SearchSpace, check_sources_cover, enumerate_layouts
 from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory
 from pipefisher.planning.planner.model_sizes import PlanError
-from pipefisher.planning.planner.predict import PlanContext, Prediction, first_order_time, is_curvature, predict
+from pipefisher.planning.planner.predict import (
+    PlanContext,
+    Prediction,
+    first_order_time,
+    is_curvature,
+    predict,
+    step_end_time,
+)
 from pipefisher.planning.planner.search_pool import SearchPool, inputs
 from pipefisher.planning.planner.stage_balance import balanced_split
 
@@ -98,6 +106,11 @@ def _memories(layout: Layout) -> tuple[MemoryUse, MemoryUse]:
 
 def _first_order_step(layout: Layout) -> tuple[float, float, float]:
     return first_order_time(layout, inputs().context)
+
+
+def _step_end_step(layout: Layout) -> float:
+    given: _Inputs = inputs()
+    return step_end_time(replace(layout, method=given.method), given.context)
 
 
 def _packed(layout: Layout) -> Prediction:
@@ -186,13 +199,21 @@ def search(
                 f"--memory-gb {memory_budget / GiB:g}: no layout fits; the smallest needs {least[2].total / GiB:.2f} GiB "
                 f"per device ({least[0].describe()}, recompute {least[0].recompute}{f', ZeRO-{least[0].zero}' if least[0].zero else ''})"
             )
-        best_of_pipeline: dict[Layout, tuple[Prediction, MemoryUse]] = {}
+        variants: dict[Layout, list[tuple[Prediction, MemoryUse]]] = {}
         for prediction, own in fitting:
-            key = _pipeline_key(prediction.layout)
-            held = best_of_pipeline.get(key)
-            if held is None or (prediction.step_ms, own.total) < (held[0].step_ms, held[1].total):
-                best_of_pipeline[key] = (prediction, own)
-        kept = sorted(best_of_pipeline.values(), key=lambda pair: (pair[0].step_ms, pair[1].total))
+            variants.setdefault(_pipeline_key(prediction.layout), []).append((prediction, own))
+        contested = [p.layout for group in variants.values() if len(group) > 1 for p, _ in group]
+        with_step_end = (
+            dict(zip(contested, pool.map(_step_end_step, contested, _pipeline_shape))) if is_curvature(method) else {}
+        )
+
+        def in_pipeline(pair: tuple[Prediction, MemoryUse]) -> tuple[float, int]:
+            return with_step_end.get(pair[0].layout, pair[0].step_ms), pair[1].total
+
+        kept = sorted(
+            (min(group, key=in_pipeline) for group in variants.values()),
+            key=lambda pair: (pair[0].step_ms, pair[1].total),
+        )
         over_budget = sum(not fit[1] for fit in fits.values())
         counts = (len(layouts), over_budget, len(layouts) - over_budget - len(kept))
         if not is_curvature(method):
