@@ -74,16 +74,19 @@ class Prediction:
         return self.samples_per_s * self.tokens_per_sample
 
 
-_FIRST_ORDER: dict[tuple, tuple[float, float, float]] = {}
+_SIMULATED: dict[tuple, tuple[float, float, float]] = {}
 
 
-def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float, float]:
-    """(step ms, bubble share, slowest reduction ms) of the layout's first-order step, its end of
-    step without a method's work the profile measured there (`StageProfile.method_step_end`); cached
-    on the pipeline, its reductions and op times (layouts that differ in method or ZeRO-1 alone share it)."""
+def _simulated(layout: Layout, context: PlanContext, first_order: bool) -> tuple[float, float, float]:
+    """(step ms, bubble share, slowest reduction ms) of the layout's step without per-step or
+    refresh ops, its end of step with the method's work in it or (`first_order`) without; cached on
+    the pipeline, its reductions and op times (layouts that differ in method or ZeRO-1 alone share
+    it where their times agree)."""
     profile = layout_profile(layout, context, syncs=False)
+    plain = first_order and any(stage.method_step_end for stage in profile.stages)
     key = (
         context,
+        plain,
         layout.schedule,
         layout.stages,
         layout.micro_batches,
@@ -96,23 +99,28 @@ def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float
             for stage in profile.stages
         ),
     )
-    if key not in _FIRST_ORDER:
-        timeline = simulate(layout.build_schedule(), profile, first_order=True)
+    if key not in _SIMULATED:
+        timeline = simulate(layout.build_schedule(), profile, first_order=plain)
         per_ms = MS_PER_UNIT[profile.time_unit]
-        _FIRST_ORDER[key] = (
+        _SIMULATED[key] = (
             timeline.step_time * per_ms,
             timeline.bubble_fraction,
             max(stage.grad_reduce for stage in profile.stages) * per_ms,
         )
-    return _FIRST_ORDER[key]
+    return _SIMULATED[key]
+
+
+def first_order_time(layout: Layout, context: PlanContext) -> tuple[float, float, float]:
+    """(step ms, bubble share, slowest reduction ms) of the layout's first-order step, its end of
+    step without a method's work the profile measured there (`StageProfile.method_step_end`)."""
+    return _simulated(layout, context, first_order=True)
 
 
 def step_end_time(layout: Layout, context: PlanContext) -> float:
     """ms of the layout's step with its method's end-of-step work (`StageProfile.method_step_end`:
     as the gradient path shares it, ZeRO-1's owners each a part) and none of its refresh or per-step
     ops; for a first-order method, its first-order step."""
-    profile = layout_profile(layout, context, syncs=False)
-    return simulate(layout.build_schedule(), profile).step_time * MS_PER_UNIT[profile.time_unit]
+    return _simulated(layout, context, first_order=False)[0]
 
 
 def pack_options(layout: Layout, context: PlanContext, capture_budget: int | None = None) -> PackOptions:

@@ -7,10 +7,12 @@ packed. Pure Python: no torch.
 3. drop what exceeds the budget; of layouts that differ only in their gradient path (ZeRO-1/2/3,
    PowerSGD) keep the fastest (then smallest): for a curvature method, by the step with its
    end-of-step work (`step_end_time`: ZeRO-1's owners share it, ZeRO-2/3 replicas each do all of it);
-4. pack the curvature method for the fastest by first-order time, at most `top`, (captures capped to
-   the budget's headroom where they do not fit) and drop those whose captures still do not fit;
-   stop once `shown` packed layouts fit and the next first-order step is already longer than the
-   `shown`-th packed one (packing only adds time, so the first `shown` places are exact);
+4. pack the curvature method for the fastest, at most `top`, by the step with the method's
+   end-of-step work (`step_end_time`; the first-order step for a method without any) (captures
+   capped to the budget's headroom where they do not fit) and drop those whose captures still do
+   not fit; stop once `shown` packed layouts fit and the next one's step with its step end is
+   already longer than the `shown`-th packed one (packing only adds time to it, so the first
+   `shown` places are exact);
 5. rank by predicted time per step, then memory.
 
 `SearchResult` says how many layouts each step enumerated, dropped and packed.
@@ -113,6 +115,11 @@ def _step_end_step(layout: Layout) -> float:
     return step_end_time(replace(layout, method=given.method), given.context)
 
 
+def _step_end_steps(pool: SearchPool, layouts: list[Layout]) -> dict[Layout, float]:
+    """Each layout's `step_end_time` with the searched method."""
+    return dict(zip(layouts, pool.map(_step_end_step, layouts, _pipeline_shape)))
+
+
 def _packed(layout: Layout) -> Prediction:
     given: _Inputs = inputs()
     return predict(replace(layout, method=given.method), given.context, given.budget)
@@ -202,18 +209,12 @@ def search(
         variants: dict[Layout, list[tuple[Prediction, MemoryUse]]] = {}
         for prediction, own in fitting:
             variants.setdefault(_pipeline_key(prediction.layout), []).append((prediction, own))
-        contested = [p.layout for group in variants.values() if len(group) > 1 for p, _ in group]
-        with_step_end = (
-            dict(zip(contested, pool.map(_step_end_step, contested, _pipeline_shape))) if is_curvature(method) else {}
-        )
+        floor = _step_end_steps(pool, [p.layout for p, _ in fitting]) if is_curvature(method) else {}
 
-        def in_pipeline(pair: tuple[Prediction, MemoryUse]) -> tuple[float, int]:
-            return with_step_end.get(pair[0].layout, pair[0].step_ms), pair[1].total
+        def step_with_its_end(pair: tuple[Prediction, MemoryUse]) -> tuple[float, int]:
+            return floor.get(pair[0].layout, pair[0].step_ms), pair[1].total
 
-        kept = sorted(
-            (min(group, key=in_pipeline) for group in variants.values()),
-            key=lambda pair: (pair[0].step_ms, pair[1].total),
-        )
+        kept = sorted((min(group, key=step_with_its_end) for group in variants.values()), key=step_with_its_end)
         over_budget = sum(not fit[1] for fit in fits.values())
         counts = (len(layouts), over_budget, len(layouts) - over_budget - len(kept))
         if not is_curvature(method):
@@ -230,9 +231,9 @@ def search(
             packed.append(prediction)
             fitting_packed = sorted(p.step_ms for p in packed if p.memory.total <= memory_budget)
             if following == len(candidates) or (
-                len(fitting_packed) >= shown and candidates[following].step_ms >= fitting_packed[shown - 1]
+                len(fitting_packed) >= shown and step_with_its_end(kept[following])[0] >= fitting_packed[shown - 1]
             ):
-                break  # a packed step is never shorter than its first-order step: no later layout enters the top `shown`
+                break  # packing only adds time: no later layout enters the top `shown`
         predictions = {replace(p.layout, method=method): packing for p, packing in zip(candidates, packed)}
         predictions.update((layout, result()) for layout, result in extra.items())
     ranked = sorted((p for p in packed if p.memory.total <= memory_budget), key=lambda p: (p.step_ms, p.memory.total))
