@@ -209,10 +209,10 @@ def search(
         variants: dict[Layout, list[tuple[Prediction, MemoryUse]]] = {}
         for prediction, own in fitting:
             variants.setdefault(_pipeline_key(prediction.layout), []).append((prediction, own))
-        floor = _step_end_steps(pool, [p.layout for p, _ in fitting]) if is_curvature(method) else {}
+        with_step_end = _step_end_steps(pool, [p.layout for p, _ in fitting]) if is_curvature(method) else {}
 
         def step_with_its_end(pair: tuple[Prediction, MemoryUse]) -> tuple[float, int]:
-            return floor.get(pair[0].layout, pair[0].step_ms), pair[1].total
+            return with_step_end.get(pair[0].layout, pair[0].step_ms), pair[1].total
 
         kept = sorted((min(group, key=step_with_its_end) for group in variants.values()), key=step_with_its_end)
         over_budget = sum(not fit[1] for fit in fits.values())

@@ -264,7 +264,12 @@ def start_forkserver(preload: Sequence[str] = ()) -> None:
     """Start this process's forkserver now, importing `PRELOADED` and `preload` (`_context`), with
     the stop signals blocked in it and every process it forks; nothing where one runs already or
     the platform has none."""
-    ctx = _context(preload)
+    _ensure_started(_context(preload))
+
+
+def _ensure_started(ctx: mp.context.SpawnContext | mp.context.ForkServerContext) -> None:
+    """Start `ctx`'s forkserver where it has one and none runs yet, with the stop signals blocked
+    in it and every process it forks."""
     if ctx.get_start_method() == "forkserver":
         with stop_signals_blocked():
             forkserver.ensure_running()
@@ -332,7 +337,7 @@ def run_group(
     outcome: dict[int, tuple[bool, Any]] = {}
     stopping = False
     try:
-        start_forkserver(preload)
+        _ensure_started(ctx)
         with stop_signals_blocked():  # one that comes meanwhile runs on_stop_signal after the block
             for proc in procs:
                 proc.start()
