@@ -1,14 +1,34 @@
-"""The one tiny model and the one profile builder of the tests (pytest puts this folder on
-sys.path: `from builders import tiny_model, layered_profile`)."""
+"""The one tiny model, the one profile builder and the BERT-Large planning context of the tests
+(pytest puts this folder on sys.path: `from builders import tiny_model, layered_profile`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
+from pipefisher.config import load_config
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.methods.registry import method_of_profile
+from pipefisher.planning.planner.hardware import hardware_of
+from pipefisher.planning.planner.model_sizes import model_sizes
+from pipefisher.planning.planner.predict import PlanContext
+from pipefisher.planning.planner.sources import ReferenceTimes
 from pipefisher.planning.vocabulary import TaskRules
 from pipefisher.testing.harness import TINY_MODEL, tiny_model  # noqa: F401  (the public harness's tiny model)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bert_large_context(hardware: str | None = None) -> PlanContext:
+    """K-FAC's planning context of the BERT-Large run file (`schedules/bert-large-chimera-8x8.yaml`)
+    on the paper's P100 block times, on `hardware` (a preset name) where given."""
+    config = load_config(ROOT / "schedules" / "bert-large-chimera-8x8.yaml")
+    sizes = model_sizes(config)
+    found = hardware_of(hardware) if hardware else None
+    source = ReferenceTimes.open(ROOT / "profiles" / "reference" / "bert-large_time_memory_p100.csv", sizes)
+    return PlanContext(sizes, replace(source, hardware=found), config.kfac.first_order, config.kfac, hardware=found)
 
 
 def rules_of(profile: Profile) -> TaskRules:

@@ -36,31 +36,32 @@ class CapturePeak:
 
 def capture_held(plan: Plan, profile: Profile, rank: int) -> list[list[int]]:
     """Per step of `plan`'s cycle, the extra captured bytes `rank` holds after each of its ops."""
-    by_name = [{layer.name: layer for layer in stage.layers} for stage in profile.stages]
     release = OpKind.WEIGHT if plan.schedule.splits_backward else OpKind.BACKWARD
-
-    def size(stage: int, layer: str, part: int) -> int:
-        return by_name[stage][layer].captured(part)
-
+    sizes = [
+        {(layer.name, part): layer.captured(part) for layer in stage.layers for part in range(len(layer.capture_bytes))}
+        for stage in profile.stages
+    ]
+    stage_bytes = [sum(sized.values()) for sized in sizes]  # one micro-batch's captures of every layer
     held, result = 0, []
     released: set[tuple] = set()
-    curvature_done: set[tuple] = set()  # (micro-batch key, layer, part)
+    #: per micro-batch key, the bytes of its captures whose curvature ran before its release
+    done_before: dict[tuple, int] = {}
+    curvature = OpKind.CURVATURE
     for index, step in enumerate(plan.steps):
         after = []
         for op in step[rank]:
-            key = (op.pipe, op.stage, op.micro_batch)
-            if op.kind is release and index == 0:
+            kind = op.kind
+            if kind is release and index == 0:
+                key = (op.pipe, op.stage, op.micro_batch)
                 released.add(key)
-                held += sum(
-                    size(op.stage, name, part)
-                    for name, layer in by_name[op.stage].items()
-                    for part in range(len(layer.capture_bytes))
-                    if (key, name, part) not in curvature_done
-                )
-            elif op.kind is OpKind.CURVATURE and op.layer is not None and op.part is not None:
-                curvature_done.add((key, op.layer, op.part))
+                held += stage_bytes[op.stage] - done_before.get(key, 0)
+            elif kind is curvature and op.layer is not None and op.part is not None:
+                key = (op.pipe, op.stage, op.micro_batch)
+                size = sizes[op.stage].get((op.layer, op.part), 0)
                 if key in released:
-                    held -= size(op.stage, op.layer, op.part)
+                    held -= size
+                else:
+                    done_before[key] = done_before.get(key, 0) + size
             after.append(held)
         result.append(after)
     return result

@@ -18,12 +18,14 @@ from pipefisher.planning.tasks import CurvatureTasks
 @dataclass(frozen=True)
 class Candidate:
     """A plan at one k: its predicted cycle time, the tasks it runs outside windows, and which
-    placement produced it."""
+    placement produced it; `simulated`: whether every step of that cycle time was simulated (else
+    its regular steps count as the preconditioned step, `_Packing.evaluate`)."""
 
     plan: Plan
     cycle_time: float
     leftovers: tuple[Op, ...]
     source: str
+    simulated: bool = False
 
     @property
     def refresh_steps(self) -> int:

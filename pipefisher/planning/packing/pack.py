@@ -108,7 +108,8 @@ class _Packing:
             else self.precondition_time
             for j in range(plan.refresh_steps)
         )
-        return Candidate(plan, total, tuple(built.leftovers), source)
+        simulated = all(j in built.irregular for j in range(plan.refresh_steps))
+        return Candidate(plan, total, tuple(built.leftovers), source, simulated)
 
     def candidates(self, k: int) -> list[Candidate]:
         """The plans at k, fastest first (see the module docstring)."""
@@ -295,6 +296,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         capture_peaks=tuple(peaks),
         memory=memory,
         graph=tasks.graph,
+        nominal=chosen.simulated and tasks.profile == profile,
     )
 
 
@@ -325,7 +327,8 @@ def _with_helpers(packing: _Packing, chosen: Candidate, tasks: CurvatureTasks, f
         if each != k and options.max_capture_mb is not None:
             candidate = fit_capture(packing, candidate, int(options.max_capture_mb * 2**20))[0]
         plan, cycle = place_helpers(candidate.plan, tasks.durations, tasks.graph)
-        return cycle / each / packing.first_order.step_time - 1, replace(candidate, plan=plan, cycle_time=cycle)
+        with_help = replace(candidate, plan=plan, cycle_time=cycle, simulated=True)
+        return cycle / each / packing.first_order.step_time - 1, with_help
 
     tried = [helped(each) for each in ks]
     floor = min(share for share, _ in tried)

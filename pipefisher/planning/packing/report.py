@@ -79,6 +79,10 @@ class PackResult:
     #: the task graph the plan was packed and simulated on (None: the plan's own, `Plan.graph`):
     #: simulating the plan on it gives the same timelines, at the cost of steps simulated before
     graph: TaskGraph | None = field(default=None, repr=False, compare=False)
+    #: whether `cycle_time` is every step of the plan simulated at the profile's own times (no
+    #: task time moved to a percentile of its samples): then it is `simulate_plan`'s cycle on the
+    #: profile, and callers need not simulate it again
+    nominal: bool = False
 
     @cached_property
     def timelines(self) -> list[Timeline]:

@@ -301,15 +301,62 @@ def packed_memory(
     )
     sent = stage_sent_bytes(shape, layout.pieces, layout.micro_batch_size, precision)
     joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile), sent)
-    topology = Topology(plan.schedule)
+    buffers = _buffer_bytes(layout, sizes, precision, Topology(plan.schedule))
     pipeline = len(joint)
 
     def use(rank: int) -> MemoryUse:
         peak = joint[rank % pipeline]
-        buffers = comm_buffer_bytes(topology, rank % pipeline, shape, layout.micro_batch_size, precision)
-        buffers += rank_cast_bytes(topology, rank % pipeline, shape, precision, layout.tensor_parallel, step_cache)
         return MemoryUse(
-            rank, states[rank].total_bytes, peak.activation_bytes + buffers, peak.capture_bytes + peak.refresh_bytes
+            rank,
+            states[rank].total_bytes,
+            peak.activation_bytes + buffers[rank % pipeline],
+            peak.capture_bytes + peak.refresh_bytes,
         )
 
     return max((use(rank) for rank in range(len(states))), key=lambda found: found.total)
+
+
+def refresh_floor(
+    layout: Layout,
+    sizes: ModelSizes,
+    first_order: str,
+    momentum: float,
+    precision: str,
+    profile: Profile,
+    workers: int | None = None,
+) -> MemoryUse:
+    """A lower bound of `packed_memory` under every plan of a method with per-micro-batch
+    curvature tasks (`TaskRules.curvature`): each layer of a rank's stages starts its refresh copy
+    at its first curvature task of the cycle and holds it to the cycle's end (`cycle_peaks`), so at
+    the rank's last op it holds all of them beside its state and buffers. The rank where that sum
+    is largest, its refresh copies as `captures`; no copies for a method without a memory model.
+    `profile`: the layout's (its layer names per stage)."""
+    states = state_per_rank(layout, sizes, first_order, momentum, workers)
+    schedule = layout.build_schedule()
+    topology = Topology(schedule)
+    buffers = _buffer_bytes(layout, sizes, precision, topology)
+    refresh = _refresh_bytes(layout, sizes, profile)
+    stages: list[set[int]] = [set() for _ in range(schedule.num_ranks)]
+    for (_, stage), rank in schedule.placement.items():
+        stages[rank].add(stage)  # a stage held in two pipes copies its statistics once
+    held = [sum(refresh.get((s, layer.name), 0) for s in own for layer in profile.stages[s].layers) for own in stages]
+    pipeline = len(held)
+    return max(
+        (
+            MemoryUse(rank, states[rank].total_bytes, buffers[rank % pipeline], held[rank % pipeline])
+            for rank in range(len(states))
+        ),
+        key=lambda found: found.total,
+    )
+
+
+def _buffer_bytes(layout: Layout, sizes: ModelSizes, precision: str, topology: Topology) -> list[int]:
+    """Per rank of one pipeline, its point-to-point buffers (`comm_buffer_bytes`) and, without
+    FSDP, the step's low-precision copy of its weights (`rank_cast_bytes`)."""
+    shape = replace(sizes.shape, stage_blocks=layout.stage_blocks)
+    step_cache = layout.zero < 2
+    return [
+        comm_buffer_bytes(topology, rank, shape, layout.micro_batch_size, precision)
+        + rank_cast_bytes(topology, rank, shape, precision, layout.tensor_parallel, step_cache)
+        for rank in range(topology.schedule.num_ranks)
+    ]

@@ -25,7 +25,8 @@ from pipefisher.planning.planner.context import (
     is_curvature,
     source_bandwidth_gbps,
 )
-from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory, packed_memory
+from pipefisher.methods.registry import task_rules
+from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory, packed_memory, refresh_floor
 from pipefisher.planning.planner.layout_profile import layout_profile
 from pipefisher.planning.planner.pack_cache import PACKINGS
 from pipefisher.planning.planner.sources import MS_PER_UNIT
@@ -39,6 +40,7 @@ __all__ = [
     "first_order_time",
     "is_curvature",
     "layout_profile",
+    "method_memory",
     "pack_options",
     "plan_layout",
     "predict",
@@ -123,6 +125,22 @@ def step_end_time(layout: Layout, context: PlanContext) -> float:
     return _simulated(layout, context, first_order=False)[0]
 
 
+def method_memory(layout: Layout, context: PlanContext) -> MemoryUse:
+    """The least the layout needs per rank with its method before any packing: state and
+    activations at the schedule's peak (`layout_memory`) or, where larger, the refresh copies that
+    every plan of a method with per-micro-batch curvature tasks holds at its cycle's end beside
+    the state (`refresh_floor`). A packed plan needs at least this (`packed_memory`)."""
+    workers = context.workers_per_layer(layout)
+    held = layout_memory(layout, context.sizes, context.first_order, context.momentum, context.precision, workers)
+    if not is_curvature(layout.method) or not task_rules(layout.method).curvature:
+        return held
+    profile = layout_profile(layout, context, syncs=False)
+    floor = refresh_floor(
+        layout, context.sizes, context.first_order, context.momentum, context.precision, profile, workers
+    )
+    return max(held, floor, key=lambda use: use.total)
+
+
 def pack_options(layout: Layout, context: PlanContext, capture_budget: int | None = None) -> PackOptions:
     """The packer's options for the layout: its method section's, its data-parallel copies, its
     refresh interval when pinned (layout.refresh_steps > 0), captures capped at `capture_budget`
@@ -175,11 +193,8 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
         raise ValueError(f"layout method {layout.method!r}: the context has no curvature section to pack with")
     headroom = memory_budget - held.total if memory_budget is not None and memory_budget >= held.total else None
     result, profile = plan_layout(layout, context, headroom)
-    step_ms = (
-        cycle_time(simulate_plan(result.plan, profile, graph=result.graph))
-        / result.refresh_steps
-        * MS_PER_UNIT[profile.time_unit]
-    )
+    cycle = result.cycle_time if result.nominal else cycle_time(simulate_plan(result.plan, profile, graph=result.graph))
+    step_ms = cycle / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
     packed = replace(layout, refresh_steps=result.refresh_steps)
     memory = packed_memory(
         packed, context.sizes, context.first_order, context.momentum, context.precision, result.plan, profile, workers

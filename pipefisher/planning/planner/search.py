@@ -3,7 +3,8 @@ packed. Pure Python: no torch.
 
 1. enumerate the layouts (first-order method);
 2. simulate each one's first-order step (cheap) and take its memory per rank twice: with the
-   first-order state and with the curvature method's (without captures);
+   first-order state and with the curvature method's (without captures; or, where larger, the
+   refresh copies every plan holds at its cycle's end: `method_memory`);
 3. drop what exceeds the budget; of layouts that differ only in their gradient path (ZeRO-1/2/3,
    PowerSGD) keep the fastest (then smallest): for a curvature method, by the step with its
    end-of-step work (`step_end_time`: ZeRO-1's owners share it, ZeRO-2/3 replicas each do all of it);
@@ -32,6 +33,7 @@ from pipefisher.planning.planner.predict import (
     Prediction,
     first_order_time,
     is_curvature,
+    method_memory,
     predict,
     step_end_time,
 )
@@ -97,13 +99,14 @@ def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse
 
 
 def _memories(layout: Layout) -> tuple[MemoryUse, MemoryUse]:
-    """The layout's memory with the first-order state, and with the searched method's (the same
-    where the layout runs that method already: a first-order search)."""
+    """The layout's memory with the first-order state, and the least it needs with the searched
+    method before packing (`method_memory`; the same where the layout runs that method already: a
+    first-order search)."""
     given: _Inputs = inputs()
     plain = _memory(layout, given.first_order, given.context)
     if layout.method == given.method:
         return plain, plain
-    return plain, _memory(replace(layout, method=given.method), given.first_order, given.context)
+    return plain, method_memory(replace(layout, method=given.method), given.context)
 
 
 def _first_order_step(layout: Layout) -> tuple[float, float, float]:
