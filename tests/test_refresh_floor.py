@@ -13,7 +13,7 @@ from builders import bert_large_context
 
 from pipefisher.planning.planner.candidates import Layout, SearchSpace, enumerate_layouts
 from pipefisher.planning.planner.layout_memory import layout_memory
-from pipefisher.planning.planner.predict import PlanContext, first_order_time, method_memory, predict
+from pipefisher.planning.planner.predict import PlanContext, method_memory, predict
 from pipefisher.planning.planner.search import search
 
 
@@ -46,16 +46,15 @@ def test_the_floor_is_below_every_packed_plan_and_above_the_memory_without_copie
 
 
 def test_the_search_packs_no_layout_the_floor_rules_out(context: PlanContext) -> None:
-    """A budget between a layout's memory without copies and its floor: the old rule packed it
-    (its memory fits) and dropped it after packing; now it is not packed, and it could not fit."""
-    layouts = [
-        layout for layout in _kfac_layouts(context) if method_memory(layout, context).total > _held(layout, context)
-    ]
-    assert layouts
-    ruled_out = min(layouts, key=lambda layout: first_order_time(layout, context)[0])
-    budget = (_held(ruled_out, context) + method_memory(ruled_out, context).total) // 2
-    assert predict(ruled_out, context, budget).memory.total > budget
-    result = search(_space(), context, "kfac", budget, top=4, shown=2)
-    packed = set(result.predictions)
-    assert ruled_out not in packed
-    assert all(method_memory(layout, context).total <= budget for layout in packed)
+    """A layout whose refresh copies outweigh its activations: at a budget of its floor the search
+    packs it; at a budget between its memory without copies and its floor it is not packed (the
+    old rule packed it there and dropped it after packing), and its packed plan does not fit."""
+    layout = Layout(2, 2, 2, "1f1b", 1, 4, 8, zero=1, method="kfac", recompute="blocks")
+    floor = method_memory(layout, context).total
+    assert floor > _held(layout, context)
+    assert layout in search(_space(), context, "kfac", floor, top=4, shown=2).predictions
+    budget = (_held(layout, context) + floor) // 2
+    assert predict(layout, context, budget).memory.total > budget
+    packed = search(_space(), context, "kfac", budget, top=4, shown=2).predictions
+    assert layout not in packed
+    assert all(method_memory(other, context).total <= budget for other in packed)
