@@ -267,17 +267,26 @@ def block_linear_shapes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tu
 def _refresh_bytes(layout: Layout, sizes: ModelSizes, profile: Profile) -> dict[tuple[int, str], int]:
     """Per (stage, layer) of the profile, the refresh's copy of the layer's statistics (fp32) in
     the method's memory model; layers of unknown shape (outside the blocks) hold none."""
-    model = layer_memory_model(layout.method)
-    if model is None:
+    if layer_memory_model(layout.method) is None:
         return {}
-    shapes = block_linear_shapes(sizes, layout.tensor_parallel)
     found = {}
     for index, stage in enumerate(profile.stages):
         for layer in stage.layers:
-            shape = next((shape for suffix, shape in shapes.items() if layer.name.endswith(suffix)), None)
-            if shape is not None:
-                found[(index, layer.name)] = model.from_linear(layer.name, *shape, True).state_bytes(4, False)
+            held = _layer_refresh_bytes(layout.method, sizes, layout.tensor_parallel, layer.name)
+            if held is not None:
+                found[(index, layer.name)] = held
     return found
+
+
+@lru_cache(maxsize=65536)
+def _layer_refresh_bytes(method: str, sizes: ModelSizes, tensor_parallel: int, name: str) -> int | None:
+    """`_refresh_bytes` of one layer by its name (None: not a block's Linear); a search asks for
+    the same names under thousands of layouts."""
+    shapes = block_linear_shapes(sizes, tensor_parallel)
+    shape = next((shape for suffix, shape in shapes.items() if name.endswith(suffix)), None)
+    if shape is None:
+        return None
+    return layer_memory_model(method).from_linear(name, *shape, True).state_bytes(4, False)
 
 
 def packed_memory(
@@ -330,8 +339,8 @@ def refresh_floor(
     at its first curvature task of the cycle and holds it to the cycle's end (`cycle_peaks`), so at
     the rank's last op it holds all of them beside its state and buffers. The rank where that sum
     is largest, its refresh copies as `captures`; no copies for a method without a memory model.
-    `profile`: the layout's (its layer names per stage)."""
-    states = state_per_rank(layout, sizes, first_order, momentum, workers)
+    `profile`: the layout's (its layer names per stage). The ranks at one pipeline position hold
+    the same copies and buffers, so the rank is one of `_heaviest_states`'."""
     schedule = layout.build_schedule()
     topology = Topology(schedule)
     buffers = _buffer_bytes(layout, sizes, precision, topology)
@@ -343,8 +352,8 @@ def refresh_floor(
     pipeline = len(held)
     return max(
         (
-            MemoryUse(rank, states[rank].total_bytes, buffers[rank % pipeline], held[rank % pipeline])
-            for rank in range(len(states))
+            MemoryUse(rank, total, buffers[rank % pipeline], held[rank % pipeline])
+            for rank, total in _heaviest_states(layout, sizes, first_order, momentum, workers)
         ),
         key=lambda found: found.total,
     )
