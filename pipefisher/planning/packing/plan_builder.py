@@ -154,10 +154,19 @@ class PlanBuilder:
     @cached_property
     def base(self) -> list[list[tuple[tuple, Op]]]:
         """Per rank, the ops of every step (forward/backward and weight gradients where the
-        schedule puts them, preconditions and folds) sorted by slot less its step. With no bubble,
-        a precondition goes after all of the step's work (W ops may move past its simulated
-        start), a fold where the step with its preconditioning runs it (before the windows that
-        open after it there)."""
+        schedule puts them, preconditions and folds) sorted by slot less its step. A precondition
+        or fold with no bubble goes where the step with its preconditioning runs it, after all of
+        the step's work: before the windows that open after it there (the greedy's windows)."""
+        return self._base(moving_weights=False)
+
+    @cached_property
+    def base_without_weights(self) -> list[list[tuple[tuple, Op]]]:
+        """`base` less the weight gradients (for steps where they move), its preconditions with no
+        bubble after all of the step's work and windows: a moved W op may run past their start in
+        the step with its preconditioning, and they wait for it."""
+        return [[item for item in items if item[1].kind is not OpKind.WEIGHT] for items in self._base(True)]
+
+    def _base(self, moving_weights: bool) -> list[list[tuple[tuple, Op]]]:
         starts = {iv.op: iv.start for intervals in self.windows.preconditioned.ranks for iv in intervals}
         base = []
         for rank, compute in enumerate(self.schedule.ranks):
@@ -165,15 +174,10 @@ class PlanBuilder:
             for op in self.tasks.per_step[rank]:
                 window = self.windows.precondition_window[op]
                 if window is None:
-                    window = starts[op] if op.kind is OpKind.FOLD else math.inf
+                    window = math.inf if moving_weights and op.kind is not OpKind.FOLD else starts[op]
                 items.append((Slot(0, window, 1, -1)[1:], op))
             base.append(sorted(items, key=_first))
         return base
-
-    @cached_property
-    def base_without_weights(self) -> list[list[tuple[tuple, Op]]]:
-        """`base` less the weight gradients (for steps where they move)."""
-        return [[item for item in items if item[1].kind is not OpKind.WEIGHT] for items in self.base]
 
     def _free(self, rank: int, step: int, weights: dict[int, dict[Op, Placement]]) -> tuple[tuple[float, float], ...]:
         """The windows of `rank` in `step`: with the W ops' time where they move in that step."""
