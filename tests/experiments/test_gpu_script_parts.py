@@ -1,5 +1,5 @@
 """experiments/gpu_speed.sh, the one script a session lent a GPU runs: every Python script it calls
-exists, and the two parts no other test runs (`executor_host.py`, `gpu_check.py`) run end to end on
+exists and takes every flag the script passes it, and the two parts no other test runs (`executor_host.py`, `gpu_check.py`) run end to end on
 the CPU with what they report holding, so a GPU session does not find them broken."""
 
 import json
@@ -21,6 +21,28 @@ def test_the_gpu_script_parses_and_names_scripts_that_exist():
     named = re.findall(r"python (experiments/\w+\.py)", SCRIPT.read_text())
     assert {"experiments/executor_host.py", "experiments/gpu_check.py", "experiments/bench_methods.py"} <= set(named)
     assert all((ROOT / path).is_file() for path in named), named
+
+
+def _parts() -> list[tuple[str, list[str]]]:
+    """Each `part NAME SECONDS python SCRIPT ARGS...` of the script (continuation lines joined):
+    the script and the flags it is given."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        match = re.match(r"part \S+ \d+ python (experiments/\w+\.py)(.*)", line.strip())
+        if match:
+            found.append((match.group(1), re.findall(r"(?<!\S)(--[\w-]+)", match.group(2))))
+    return found
+
+
+def test_every_flag_the_gpu_script_passes_is_one_its_script_takes():
+    parts = _parts()
+    assert len(parts) >= 5
+    for script in sorted({script for script, _ in parts}):
+        result = run(script, "--help")
+        assert result.returncode == 0, result.stderr
+        for flag in {flag for name, flags in parts if name == script for flag in flags}:
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout), (script, flag)
 
 
 def test_executor_host_casts_each_weight_once_per_step_where_the_reference_casts_per_micro_batch():
