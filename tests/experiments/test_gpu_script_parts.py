@@ -1,6 +1,7 @@
 """experiments/gpu_speed.sh, the one script a session lent a GPU runs: every Python script it calls
-exists and takes every flag the script passes it, and the two parts no other test runs (`executor_host.py`, `gpu_check.py`) run end to end on
-the CPU with what they report holding, so a GPU session does not find them broken."""
+exists and takes every flag the script passes it, and the two parts no other test runs
+(`executor_host.py`, `gpu_check.py`) run end to end on the CPU with what they report holding, so a
+GPU session does not find them broken."""
 
 import json
 import re
