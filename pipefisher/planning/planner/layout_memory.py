@@ -301,8 +301,8 @@ def packed_memory(
 ) -> MemoryUse:
     """The rank with the most bytes under a packed curvature plan: its state (`workers`: as
     `state_per_rank`), and the joint peak over the plan's refresh cycle of activations, captures
-    and refresh copies (`cycle_peaks`), plus its point-to-point buffers."""
-    states = state_per_rank(layout, sizes, first_order, momentum, workers)
+    and refresh copies (`cycle_peaks`), plus its point-to-point buffers. The ranks at one pipeline
+    position share all but their state, so the rank is one of `_heaviest_states`'."""
     shape = replace(sizes.shape, stage_blocks=layout.stage_blocks)
     step_cache = layout.zero < 2
     kept, pending, transient = stage_activation_bytes(
@@ -313,16 +313,14 @@ def packed_memory(
     buffers = _buffer_bytes(layout, sizes, precision, Topology(plan.schedule))
     pipeline = len(joint)
 
-    def use(rank: int) -> MemoryUse:
+    def use(rank: int, state: int) -> MemoryUse:
         peak = joint[rank % pipeline]
         return MemoryUse(
-            rank,
-            states[rank].total_bytes,
-            peak.activation_bytes + buffers[rank % pipeline],
-            peak.capture_bytes + peak.refresh_bytes,
+            rank, state, peak.activation_bytes + buffers[rank % pipeline], peak.capture_bytes + peak.refresh_bytes
         )
 
-    return max((use(rank) for rank in range(len(states))), key=lambda found: found.total)
+    heaviest = _heaviest_states(layout, sizes, first_order, momentum, workers)
+    return max((use(rank, state) for rank, state in heaviest), key=lambda found: found.total)
 
 
 def refresh_floor(
