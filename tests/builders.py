@@ -49,6 +49,7 @@ def layered_profile(
     inverse: float = 0.4,
     inverse_b: float | None = None,
     precondition: float = 0.02,
+    fold: float = 0.0,
     sync: float = 0.0,
     sync_b: float | None = None,
     capture_a_bytes: int = 0,
@@ -68,7 +69,7 @@ def layered_profile(
     curvature c(i+1)g (A) and c(L-i)g (B) and inverses v(i+1)g (A) and v(L-i)g/2 (B), with
     c = `curvature`, v = `inverse`, g = 1 + `stage_growth` s. spread=False: every layer alike,
     curvature c for both factors, inverses v (A) and `inverse_b` (B, default v). Every layer
-    takes `precondition`, syncs `sync` (A) and `sync_b` (B, default `sync`) and captures the
+    takes `precondition` and `fold`, syncs `sync` (A) and `sync_b` (B, default `sync`) and captures the
     bytes given per micro-batch. A and B are parts 0 and 1."""
     assert inverse_b is None or not spread, "inverse_b is for spread=False (spread sets B's inverse from A's)"
     sync_b = sync if sync_b is None else sync_b
@@ -98,6 +99,7 @@ def layered_profile(
                 sync=(sync, sync_b),
                 refresh=(inverse_a, inverse_b_),
                 precondition=precondition,
+                fold=fold,
                 capture_bytes=(capture_a_bytes, capture_b_bytes),
             )
             for name, (curvature_a, curvature_b, inverse_a, inverse_b_) in zip(stage_names, times)

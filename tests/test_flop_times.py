@@ -120,6 +120,18 @@ def test_methods_other_than_kfac_are_timed_from_their_own_flop_counts(name):
     assert timed == {key for key in keys if key.split(".")[0] in EFFICIENCY} and timed
 
 
+def test_soaps_fold_in_the_bubbles_is_each_layers_fold_time_at_the_preconditions_efficiency():
+    section = replace(load_config(LARGE_RUN).section("soap"), fold="bubbles")
+    times = FlopTimes.check(_sizes(LARGE_RUN), hardware_of("h100"), "bf16", "soap", section)
+    sizes, peak = _sizes(LARGE_RUN), hardware_of("h100").peak("fp32")  # float64 statistics: the fp32 peak
+    shapes = {suffix: (din, dout) for suffix, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, 1)}
+    for layer in times.profile(4, 8, 1).stages[0].layers:
+        din, dout = shapes[layer.name.split(".", 1)[1]]
+        fold = method("soap").task_flops(section, MatrixShape(dout, din, has_bias=True), 8 * sizes.seq_len)["fold"]
+        assert layer.fold == pytest.approx(op_ms(fold.total, peak, EFFICIENCY["precondition"]))
+        assert layer.precondition == 0.0
+
+
 @pytest.mark.parametrize("name", ["kfac", "shampoo", "soap", "muon"])
 def test_a_methods_optimizer_step_work_is_in_the_step_end_and_out_of_the_first_order_step(name):
     """Shampoo's and SOAP's preconditioning runs in the optimizer step: each stage's step end

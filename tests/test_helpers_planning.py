@@ -52,6 +52,20 @@ def help_op(layer="l0.0", stage=0):
     return Op(OpKind.HELP, stage, None, 0, layer)
 
 
+@pytest.fixture
+def alone():
+    """A registered method whose rules allow no help ops (every built-in one does): Muon's
+    declaration under another name, with `TaskRules.helpers` off."""
+    from pipefisher.methods import registry
+
+    muon = registry.method("muon")
+    method = registry.register(
+        replace(muon, name="muon_alone", label="Muon alone", rules=replace(muon.rules, helpers=False))
+    )
+    yield method
+    registry.unregister(method.name)
+
+
 def test_help_op_round_trips_names_its_layer_and_draws_as_preconditioning():
     from pipefisher.viz.layout import category
 
@@ -60,16 +74,16 @@ def test_help_op_round_trips_names_its_layer_and_draws_as_preconditioning():
     assert category(op) == "precondition"
 
 
-def test_a_plan_refuses_help_ops_off_their_rules():
+def test_a_plan_refuses_help_ops_off_their_rules(alone):
     plan = plain_plan()
     with pytest.raises(ScheduleError, match=r"0H:l0.0 is on rank 0, the rank of its stage"):
         validate_plan(with_help(plan, help_op(), 0))
     twice = with_help(with_help(plan, help_op(), 1), help_op(), 1)
     with pytest.raises(ScheduleError, match=r"0H:l0.0 runs 2 times"):
         validate_plan(twice)
-    soap = after_step_plan(get_schedule("1f1b", 2, 4), layered_profile(2, 4, method="soap"), task_rules("soap"), 1)
-    with pytest.raises(ScheduleError, match=r"method soap has no HELP ops"):
-        validate_plan(with_help(soap, help_op(), 1))
+    solo = after_step_plan(get_schedule("1f1b", 2, 4), linked_profile(method=alone.name), alone.rules, 1)
+    with pytest.raises(ScheduleError, match=r"method muon_alone has no HELP ops"):
+        validate_plan(with_help(solo, help_op(), 1))
     assert validate_plan(with_help(plan, help_op(), 1)).helped == frozenset({(0, "l0.0")})
 
 
@@ -166,14 +180,12 @@ def test_helpers_let_the_packer_lengthen_the_cycle_that_frees_the_helpers():
     assert capped.refresh_steps == plain.refresh_steps
 
 
-def test_no_helpers_without_a_measured_link_or_a_method_that_allows_them():
+def test_no_helpers_without_a_measured_link_or_a_method_that_allows_them(alone):
     unknown = linked_profile(link=False)
     plan = plain_plan(profile=unknown)
     assert place_helpers(plan, OpDurations(unknown))[0] is plan
-    soap = pack(
-        get_schedule("1f1b", 2, 4), linked_profile(method="soap"), task_rules("soap"), PackOptions(helpers=True)
-    )
-    assert not helped_layers(soap.plan)
+    solo = pack(get_schedule("1f1b", 2, 4), linked_profile(method=alone.name), alone.rules, PackOptions(helpers=True))
+    assert not helped_layers(solo.plan)
     kfac = linked_profile(method="kfac")
     assert helped_layers(pack(get_schedule("1f1b", 2, 4), kfac, task_rules("kfac"), PackOptions(helpers=True)).plan)
     replicated = pack(
@@ -271,7 +283,7 @@ def test_profile_sizes_round_trip():
     assert linked_profile(link=False).link_speed == 0.0
 
 
-def test_helpers_key_is_refused_where_it_cannot_work():
+def test_helpers_key_is_refused_where_it_cannot_work(alone):
     from pipefisher.config import ConfigError, config_from_dict
 
     def config(method, **pipeline):
@@ -282,8 +294,11 @@ def test_helpers_key_is_refused_where_it_cannot_work():
     assert config("muon").muon.helpers
     assert config("kfac").kfac.helpers
     assert config("shampoo").shampoo.helpers
-    with pytest.raises(ConfigError, match=r"^soap.helpers: SOAP's per-step work cannot run on another rank"):
-        config("soap")
+    assert config("soap").soap.helpers
+    with pytest.raises(
+        ConfigError, match=r"^muon_alone.helpers: Muon alone's per-step work cannot run on another rank"
+    ):
+        config(alone.name)
     with pytest.raises(ConfigError, match=r"^shampoo.helpers: its P op takes the products before clipping"):
         config_from_dict(
             {

@@ -103,18 +103,20 @@ def test_soap_counts_the_power_step_and_states_the_qr_and_counts_the_fold():
         assert counted(lambda factor=factor: engine.refresh("weight", factor)) == task.matmul
         assert task.decomposition == pytest.approx(sum(QR * n**3 for n in sizes))
         assert task.dtype == settings.statistics_dtype
-    assert "precondition" not in flops, "at fold: step-end the fold is part of the step end"
+    assert "fold" not in flops, "at fold: step-end the fold is part of the step end"
     in_bubbles = method("soap").task_flops(SoapConfig(block_size=4, fold="bubbles"), MatrixShape(5, 6), tokens=5)
     gradient = torch.randn(5, 6)
-    assert counted(lambda: engine.fold_into_statistics("weight", gradient)) == in_bubbles["precondition"].total
-    assert in_bubbles["precondition"].dtype == settings.statistics_dtype
+    assert counted(lambda: engine.fold_into_statistics("weight", gradient)) == in_bubbles["fold"].total
+    assert in_bubbles["fold"].dtype == settings.statistics_dtype and "precondition" not in in_bubbles
 
 
+@pytest.mark.parametrize("helpers", [False, True])
 @pytest.mark.parametrize("fold", ["step-end", "bubbles"])
-def test_soaps_optimizer_step_is_its_step_end_count(fold):
+def test_soaps_optimizer_step_is_its_step_end_count(fold, helpers):
     """The step end after the first (which only starts the bases): the rotations, and at
-    step-end the fold; with ``fold: bubbles`` the U op folds the held gradient apart."""
-    settings = SoapConfig(block_size=4, fold=fold)
+    step-end the fold; with ``fold: bubbles`` the U op folds the held gradient apart; with
+    `helpers` the P op rotates the gradient in (``precondition``) and the step end only out."""
+    settings = SoapConfig(block_size=4, fold=fold, helpers=helpers)
     layer = nn.Linear(6, 5, bias=False)  # rows 5 = 4 + 1, cols 6 = 4 + 2
     engine = SoapEngine(layer, settings, defer_statistics=fold == "bubbles")  # as the runtime builds it
     layer.weight.grad = torch.randn_like(layer.weight)
@@ -122,10 +124,14 @@ def test_soaps_optimizer_step_is_its_step_end_count(fold):
     engine.fold_held()
     layer.weight.grad = torch.randn_like(layer.weight)
     flops = method("soap").task_flops(settings, MatrixShape(5, 6), tokens=5)
+    if helpers:
+        assert counted(lambda: engine.hold_rotations(["weight"])) == flops["precondition"].total > 0
+    else:
+        assert "precondition" not in flops
     assert counted(engine.precondition_all) == flops["step_end"].total > 0
     assert flops["step_end"].dtype == "float32"
     if fold == "bubbles":
-        assert counted(engine.fold_held) == flops["precondition"].total > 0
+        assert counted(engine.fold_held) == flops["fold"].total > 0
 
 
 def test_shampoos_optimizer_step_is_its_step_end_count():

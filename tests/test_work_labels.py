@@ -16,7 +16,7 @@ from pipefisher.viz.text import render_text
 WORDS = {
     "kfac": (("A factor", "B factor"), "inverse", "preconditioning"),
     "shampoo": (("left", "right"), "root", "preconditioning"),
-    "soap": (("left", "right"), "basis", "statistics fold"),
+    "soap": (("left", "right"), "basis", "rotation in"),
     "muon": ((), "refresh", "orthogonalisation"),
 }
 
@@ -41,6 +41,8 @@ def test_the_timed_fields_are_the_profiles_keys_by_part():
     )
     assert task_rules("shampoo").timed_fields == ("sync.0", "refresh.0", "refresh.1", "precondition")
     assert task_rules("muon").timed_fields == ("precondition",)
+    assert task_rules("soap").timed_fields == ("refresh.0", "refresh.1", "precondition", "fold")
+    assert task_rules("soap").labels.fold == "statistics fold", "the U op's work, in the FLOP/s report"
 
 
 def test_labels_read_as_the_method_says():

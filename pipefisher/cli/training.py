@@ -257,16 +257,19 @@ def profile_run(config: RunConfig, output: str, timeline: str | None, repeats: i
 
 
 def _report_profile(profile, output: str, timeline: str | None) -> int:
-    labels = method(profile.method).rules.labels
+    rules = method(profile.method).rules
+    labels = rules.labels
     for index, stage in enumerate(profile.stages):
         weight = f" (weight gradient {stage.weight:.3f} ms)" if stage.weight else ""
         own = f" ({labels.method}'s work {stage.method_step_end:.3f} ms)" if stage.method_step_end else ""
+        folds = sum(layer.fold for layer in stage.layers)
+        fold = f", {labels.fold} {folds:.3f} ms" if rules.deferred_statistics else ""
         print(
             f"stage {index}: forward {stage.forward:.3f} ms, backward {stage.backward:.3f} ms{weight}, p2p {stage.p2p:.3f} ms, "
             f"gradient all-reduce {stage.grad_reduce:.3f} ms, step end {stage.step_end:.3f} ms{own}, "
             f"{len(stage.layers)} {labels.method} layers: curvature {stage.curvature_time:.3f} ms per micro-batch, "
             f"{labels.refreshes} {stage.refresh_time:.3f} ms, {labels.precondition} "
-            f"{sum(layer.precondition for layer in stage.layers):.3f} ms"
+            f"{sum(layer.precondition for layer in stage.layers):.3f} ms{fold}"
         )
     for line in flop_report(profile):
         print(line)

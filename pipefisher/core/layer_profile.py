@@ -1,6 +1,6 @@
 """A layer's costs in a profile (`pipefisher.core.profile`): the times of its method's tasks by
-part (`LayerProfile`), and the keys that name them (`time_key`: ``refresh.1``, ``precondition``).
-Pure Python."""
+part (`LayerProfile`), and the keys that name them (`time_key`: ``refresh.1``, ``precondition``,
+``fold``). Pure Python."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ from pipefisher.core.profile_flops import STEP_END_FLOPS, check_flops
 #: the work of a layer that has a time per part, in file order
 PART_WORK = ("curvature", "sync", "refresh")
 _PART_KEY = re.compile(rf"^({'|'.join(PART_WORK)})\.(0|[1-9][0-9]*)$")
+#: the work of a layer that has one time per step, in file order: its P op's share (`precondition`)
+#: and its share of the method's fold of the step's gradient into its statistics (`fold`, the U op's)
+STEP_WORK = ("precondition", "fold")
 
 
 def time_key(work: str, part: int | None = None) -> str:
-    """The key of a layer's time of `work` (one of `PART_WORK`, with its `part`; or "precondition")."""
+    """The key of a layer's time of `work` (one of `PART_WORK`, with its `part`; or one of
+    `STEP_WORK`: "precondition", "fold")."""
     return work if part is None else f"{work}.{part}"
 
 
@@ -33,13 +37,14 @@ def _trimmed(values: Iterable[float]) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class LayerProfile:
     """The costs of its method's tasks on one layer of a stage: per part (index) `curvature`,
-    `sync` and `refresh` times and `capture_bytes`, the `precondition` time and `weight_bytes`
-    (its weight's size: what a help op of its per-step work receives and sends back, 0 = unknown);
-    `samples` keyed
-    by `time_key`; `flops` (by `time_key`: of one execution; `STEP_END_FLOPS`: its share of the
-    method's end of step, per step; absent = unknown). Lists are kept
-    without trailing zeros (a missing part takes 0). A plain mapping given as `samples` is checked
-    and stored as `Samples`."""
+    `sync` and `refresh` times and `capture_bytes`; per step, the `precondition` time (its share
+    of the P op, or of a help op's work) and the `fold` time (its share of the U op: the method's
+    fold of the step's gradient into its statistics, SOAP's; 0 for a method without one), both in
+    the profile's time unit; `weight_bytes` (its weight's size: what a help op of its per-step work
+    receives and sends back, 0 = unknown); `samples` keyed by `time_key`; `flops` (by `time_key`:
+    of one execution; `STEP_END_FLOPS`: its share of the method's end of step, per step; absent =
+    unknown). Lists are kept without trailing zeros (a missing part takes 0). A plain mapping
+    given as `samples` is checked and stored as `Samples`."""
 
     name: str
     _: KW_ONLY
@@ -47,6 +52,7 @@ class LayerProfile:
     sync: tuple[float, ...] = ()
     refresh: tuple[float, ...] = ()
     precondition: float = 0.0
+    fold: float = 0.0
     capture_bytes: tuple[int, ...] = ()
     weight_bytes: int = 0
     samples: Mapping[str, tuple[float, ...]] = field(default_factory=Samples)
@@ -60,7 +66,7 @@ class LayerProfile:
         object.__setattr__(self, "samples", check_samples(self.samples, layer_key, "samples"))
 
     def time(self, work: str, part: int | None = None) -> float:
-        """The time of `work` ("precondition", or one of `PART_WORK` with its part)."""
+        """The time of `work` (one of `STEP_WORK`, or one of `PART_WORK` with its part)."""
         if part is None:
             return float(getattr(self, work))
         values = getattr(self, work)
@@ -86,10 +92,13 @@ class LayerProfile:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The file's fields; part lists, capture sizes and samples only where given."""
+        """The file's fields; part lists, `fold`, capture sizes and samples only where given (a
+        layer without a fold writes what files written before that field hold)."""
         data: dict[str, Any] = {"name": self.name}
         data.update({work: list(getattr(self, work)) for work in PART_WORK if getattr(self, work)})
         data["precondition"] = self.precondition
+        if self.fold:
+            data["fold"] = self.fold
         if self.capture_bytes:
             data["capture_bytes"] = list(self.capture_bytes)
         if self.weight_bytes:
@@ -102,8 +111,8 @@ class LayerProfile:
 
 
 def layer_key(key: str) -> bool:
-    """Whether `key` names a layer time: "precondition" or `time_key` of a part's work."""
-    return key == "precondition" or _PART_KEY.match(key) is not None
+    """Whether `key` names a layer time: one of `STEP_WORK` or `time_key` of a part's work."""
+    return key in STEP_WORK or _PART_KEY.match(key) is not None
 
 
 def flop_key(key: str) -> bool:

@@ -1,8 +1,8 @@
 """The stable profile format `pipefisher.profile/v2`: per-stage and per-layer op times.
 
 All times are in the profile's `time_unit` (ms by default). Forward, backward and curvature times
-are per micro-batch; sync and refresh times per refresh; precondition, gradient reduction and
-step end per step.
+are per micro-batch; sync and refresh times per refresh; precondition, fold, gradient reduction
+and step end per step.
 Loading checks every field and names the bad one (e.g. ``stages[1].layers[0].refresh``).
 
 A layer's times are those of its `method`'s tasks, whose work has parts 0..n-1 (the method's
@@ -15,8 +15,10 @@ the field is; ``Profile.at_percentile(q)`` takes their q-th percentile instead) 
 timers name it.
 
 Optional additions, each absent from files written before it (read as before; docs/profile-format.md
-has every field): ``samples`` of a stage or layer; ``weight`` of a stage (the weight-gradient part
-of `backward`, the W op of zero-bubble schedules; 0 = half of it); and of the profile:
+has every field): ``samples`` of a stage or layer; ``fold`` of a layer (its share of the method's
+per-step fold of the gradient into its statistics, SOAP's U op; 0 when absent, and written only
+where non-zero); ``weight`` of a stage (the weight-gradient part of `backward`, the W op of
+zero-bubble schedules; 0 = half of it); and of the profile:
 ``tensor_parallel`` (times and sizes are ONE tensor-parallel rank's; 1 when left out),
 ``recompute`` (`RECOMPUTE_MODES`: the backward includes recomputing that part of the forward) and
 ``seq_len``, ``precision``, ``model``, ``tf32`` (what it was measured at, like
@@ -238,6 +240,7 @@ def _layer(data: Any, where: str) -> LayerProfile:
         name=name,
         **parts,
         precondition=time_field(data, "precondition", where, required=False),
+        fold=time_field(data, "fold", where, required=False),
         capture_bytes=part_list(data, "capture_bytes", where, byte_count),
         weight_bytes=byte_count(data.get("weight_bytes", 0), f"{where}.weight_bytes"),
         samples=check_samples(data.get("samples", {}), layer_key, f"{where}.samples"),

@@ -2,7 +2,7 @@
 and the achieved FLOP/s of each task kind. Pure Python.
 
 A layer's ``flops`` (time key -> floating-point operations of one execution of that task, as its
-time is: curvature per micro-batch, refresh per refresh, precondition per step; the method's
+time is: curvature per micro-batch, refresh per refresh, precondition and fold per step; the method's
 count, `pipefisher.methods.flops`; ``step_end``: the layer's share of the method's end of step,
 timed per stage) and the profile's ``flop_rates`` (`FlopRates`) are absent from
 files written before them, and from profiles of methods that declare no counts.
@@ -78,7 +78,7 @@ class FlopRates:
 
 @dataclass(frozen=True)
 class TaskRate:
-    """The achieved rate of one task kind (`work`, `part`: None for precondition and step_end) over every
+    """The achieved rate of one task kind (`work`, `part`: None for precondition, fold and step_end) over every
     layer of every stage with a flop count: `flops` and `seconds` summed over them (one execution
     each), the `dtype` it runs in and the device's `peak` FLOP/s for it (None: unknown)."""
 
@@ -102,7 +102,7 @@ class TaskRate:
 
 def task_rates(profile: Any) -> list[TaskRate]:
     """The `TaskRate` of each task kind of `profile` (a `Profile`) that has flops and a time in
-    seconds-based units, in time-key order (curvature and refresh by part, precondition, then the
+    seconds-based units, in time-key order (curvature and refresh by part, precondition, fold, then the
     method's end of step: its layers' ``step_end`` flops over their stage's `method_step_end`)."""
     scale = SECONDS.get(profile.time_unit)
     if scale is None:
@@ -135,4 +135,4 @@ def task_rates(profile: Any) -> list[TaskRate]:
 
 
 def _key_order(key: str) -> tuple[int, str]:
-    return ("curvature", "sync", "refresh", "precondition", STEP_END_FLOPS).index(key.partition(".")[0]), key
+    return ("curvature", "sync", "refresh", "precondition", "fold", STEP_END_FLOPS).index(key.partition(".")[0]), key

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipefisher.methods.blocks import MatrixInfo, block_groups
+
 
 def stack(tensors: list[Tensor]) -> Tensor:
     """`tensors` (equal shapes) as one ``(b, ...)`` stack, or a lone one as it is (2-D products)."""
@@ -15,3 +17,22 @@ def stack(tensors: list[Tensor]) -> Tensor:
 def unstack(stacked: Tensor, count: int) -> list[Tensor]:
     """The `count` tensors of a `stack` result."""
     return [stacked] if count == 1 else list(stacked.unbind(0))
+
+
+def block_products(
+    infos: list[MatrixInfo], lefts: list[list[Tensor]], rights: list[list[Tensor]], grads: list[Tensor], stacked: bool
+) -> list[Tensor]:
+    """Per matrix of `infos` the product ``L_k G_k R_k`` of each block k of its gradient in
+    `grads` (``(rows, cols)``) with the k-th of its left and right matrices in `lefts` and
+    `rights` (per matrix, one square tensor per block, or views of them: Shampoo's roots, SOAP's
+    transposed and plain eigenbases); ``(rows, cols)`` tensors, new. `stacked`: same-shape blocks
+    in one product (`block_groups`)."""
+    out = [torch.empty_like(grad) for grad in grads]
+    for group in block_groups([(info, grad.device) for info, grad in zip(infos, grads)], stacked):
+        d = (
+            stack([lefts[b.matrix][b.k] for b in group])
+            @ stack([grads[b.matrix][b.rows, b.cols] for b in group])
+            @ stack([rights[b.matrix][b.k] for b in group])
+        )
+        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(d, len(group)))
+    return out

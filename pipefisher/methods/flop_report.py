@@ -22,8 +22,8 @@ def task_label(labels: WorkLabels, rate: TaskRate) -> tuple[str, str]:
     part = labels.parts[rate.part] if rate.part is not None and rate.part < len(labels.parts) else ""
     if rate.work == "refresh":
         return f"{part} {labels.refresh}".strip(), labels.refresh
-    if rate.work == "precondition":
-        return labels.precondition, "step"
+    if rate.work in ("precondition", "fold"):
+        return getattr(labels, rate.work), "step"
     if rate.work == STEP_END_FLOPS:
         return "its work in the end of step", "step"
     return f"{part} {rate.work}".strip(), "micro-batch" if rate.work == "curvature" else rate.work

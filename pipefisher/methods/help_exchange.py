@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from pipefisher.planning.comm.actions import Collective
+from pipefisher.planning.comm.actions import Collective, CollectiveKind
 from pipefisher.runtime.primitives.comm import Comm, Handle
 
 
@@ -82,3 +82,13 @@ class HelpExchange:
         else:
             tensors = held(stage, self.helping.helped[(stage, owner)])
         return self.comm.broadcast([(tensor, owner) for tensor in tensors], collective.group)
+
+
+def help_launchers(exchange: Callable[[], HelpExchange]) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
+    """A runtime's launchers of the three help collectives (its `collectives` entries), through
+    `exchange()`, looked up at each launch (a runtime makes its exchange anew with each plan)."""
+    return {
+        CollectiveKind.HELP_STATE: lambda collective: exchange().launch_state(collective),
+        CollectiveKind.HELP_IN: lambda collective: exchange().launch_in(collective),
+        CollectiveKind.HELP_OUT: lambda collective: exchange().launch_out(collective),
+    }

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from operator import add, attrgetter
 
-from pipefisher.core.ir import GRADIENT_KINDS, PER_STEP_KINDS, Op, OpKind, Schedule, splits_backward
+from pipefisher.core.ir import GRADIENT_KINDS, Op, OpKind, Schedule, splits_backward
 from pipefisher.core.profile import LayerProfile, Profile, ProfileError
 from pipefisher.planning.timeline import Bubble as Bubble, Interval, Timeline
 from pipefisher.schedules.validate import DependencyFn, Numbering, OpGraph, op_graph, schedule_graph
@@ -44,6 +44,7 @@ class OpDurations:
     (stage, layer) pairs whose per-step work help ops do on other ranks (`OpKind.HELP`): a help
     takes the layer's `precondition` time after its input crossed the link (`help_transfer`),
     the stage's precondition op the rest, and the owner's end of step waits for the result's way back.
+    A fold op (`OpKind.FOLD`) takes the sum of its stage's layers' `fold` times.
     """
 
     def __init__(
@@ -103,7 +104,9 @@ class OpDurations:
             return stage.weight_gradient
         if kind is OpKind.HELP:
             return self.layer(op).precondition
-        if kind in PER_STEP_KINDS:  # a method's per-step work: the profile's precondition time, less the helped layers'
+        if kind is OpKind.FOLD:
+            return sum(layer.fold for layer in stage.layers)
+        if kind is OpKind.PRECONDITION:  # the profile's precondition time, less the helped layers'
             return sum(layer.precondition for layer in stage.layers if (op.stage, layer.name) not in self.helped)
         layer = self.layer(op)
         if kind is OpKind.EXCHANGE:

@@ -17,7 +17,8 @@ method whose work recurs every step, which is then its P op alone), and per part
 - a precondition P per stage in every step, for methods that precondition before the gradient
   reduction (a method that needs the reduced gradient preconditions in the optimizer step);
 - a fold U per stage in every step, for methods that fold each step's final gradient into their
-  statistics (SOAP): deferred from that step's end into the next step's bubbles.
+  statistics (SOAP): deferred from that step's end into the next step's bubbles; its time is its
+  layers' profile `fold` times, as the P op's is their `precondition` times.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ class WorkLabels:
     """What a method calls its work in reports, tables and pictures: `method` (its name there,
     e.g. "K-FAC"), `parts` (one label per part, e.g. ("A factor", "B factor"); their number is the
     method's number of parts), `refresh` (a part's refresh work, singular: "inverse", "root",
-    "basis"), `precondition` (its per-step work: "precondition", Muon's "orthogonalisation")."""
+    "basis"), `precondition` (its per-step work: "precondition", Muon's "orthogonalisation"),
+    `fold` (its per-step fold of the gradient into its statistics, the U op's work of a method
+    with `TaskRules.deferred_statistics`)."""
 
     parts: tuple[str, ...]
     refresh: str = "refresh"
     precondition: str = "preconditioning"
     method: str = ""
+    fold: str = "statistics fold"
 
     @property
     def refreshes(self) -> str:
@@ -73,8 +77,9 @@ class TaskRules:
     reduction (False: the method preconditions in the optimizer step, on the reduced gradient).
     `deferred_statistics`: the method folds the final gradient of every step into its statistics
     in a per-step fold op (`OpKind.FOLD`) of the next step, anywhere in that step's bubbles; no op
-    waits for it, since the runtime folds what is held before anything reads the statistics (the
-    profile's `precondition` time of a layer is then that fold's).
+    waits for it, since the runtime folds what is held before anything reads the statistics (a
+    layer's share of that fold is its profile's `fold` time, which the method's timer measures;
+    a precondition op of the same method takes its `precondition` time apart).
     `helpers`: a layer's share of the per-step precondition op can run on another rank (a help
     op, `OpKind.HELP`, placed by `pipefisher.planning.packing.helpers`): the method's runtime sends
     that rank the layer's input of the step and takes the result back before its optimizer step.
@@ -96,10 +101,8 @@ class TaskRules:
     def __post_init__(self) -> None:
         if len(self.labels.parts) > MAX_PARTS:
             raise ValueError(f"labels.parts: {self.labels.parts!r} has more than {MAX_PARTS} parts")
-        if self.deferred_statistics and (self.precondition or self.curvature):
-            raise ValueError(
-                "deferred_statistics: a method with per-micro-batch curvature or a precondition op has no fold op"
-            )
+        if self.deferred_statistics and self.curvature:
+            raise ValueError("deferred_statistics: a method with per-micro-batch curvature has no fold op")
         if self.helpers and not self.precondition:
             raise ValueError("helpers: a method without a precondition op has no per-step work to hand out")
         if self.curvature and not self.parts:
@@ -149,7 +152,9 @@ class TaskRules:
     @property
     def timed_fields(self) -> tuple[str, ...]:
         """The profile's time fields of a layer that the method's timer measures
-        (`pipefisher.core.profile.time_key`): its parts' curvature, syncs and refresh work, and
-        the precondition (its per-step work, wherever it runs)."""
+        (`pipefisher.core.profile.time_key`): its parts' curvature, syncs and refresh work, the
+        precondition (its per-step work, wherever it runs) and, with `deferred_statistics`, the
+        fold (its U op's)."""
         work = {"curvature": self.parts if self.curvature else (), "sync": self.syncs, "refresh": self.parts}
-        return tuple(time_key(kind, part) for kind in PART_WORK for part in work[kind]) + ("precondition",)
+        per_step = ("precondition", "fold") if self.deferred_statistics else ("precondition",)
+        return tuple(time_key(kind, part) for kind in PART_WORK for part in work[kind]) + per_step

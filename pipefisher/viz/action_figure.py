@@ -45,7 +45,8 @@ OP_CATEGORY = {
     "R1": "refresh-1",
     "X": "sync",
     "P": "precondition",
-    "U": "precondition",
+    "U": "fold",
+    "H": "precondition",
 }
 
 

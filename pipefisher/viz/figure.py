@@ -28,6 +28,7 @@ COLOURS = {
     "refresh-0": "#8a66c2",
     "refresh-1": "#c4559c",
     "precondition": "#9a7a50",
+    "fold": "#c9a66b",
 }
 BUBBLE_COLOUR = "#e6e6e6"
 STEP_END_COLOUR = "#8c8c8c"

@@ -29,7 +29,7 @@ CATEGORY: dict[OpKind, str] = {
     OpKind.EXCHANGE: "sync",
     OpKind.REFRESH: "refresh",
     OpKind.PRECONDITION: "precondition",
-    OpKind.FOLD: "precondition",
+    OpKind.FOLD: "fold",
     OpKind.HELP: "precondition",  # a layer's share of another rank's stage's precondition
 }
 
@@ -44,6 +44,7 @@ CATEGORY_NAMES: dict[str, str] = {
     "refresh-0": "refresh of part 0",
     "refresh-1": "refresh of part 1",
     "precondition": "precondition",
+    "fold": "statistics fold",
 }
 
 
@@ -57,7 +58,7 @@ def category_names(labels: WorkLabels | None) -> dict[str, str]:
     """`CATEGORY_NAMES` in the words of the method `labels` are of (None: the generic ones)."""
     if labels is None:
         return dict(CATEGORY_NAMES)
-    names = dict(CATEGORY_NAMES, precondition=labels.precondition)
+    names = dict(CATEGORY_NAMES, precondition=labels.precondition, fold=labels.fold)
     for part, label in enumerate(labels.parts):
         names[f"curvature-{part}"] = f"curvature ({label})"
         names[f"refresh-{part}"] = labels.part_work(part)

@@ -31,6 +31,7 @@ _CURVATURE = {
     "refresh-0": "<",
     "refresh-1": ">",
     "precondition": "=",
+    "fold": ":",
     "sync": "|",
 }
 

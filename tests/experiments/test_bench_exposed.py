@@ -73,7 +73,7 @@ def test_a_bad_flag_is_one_line_and_exit_2():
     result = bench("--methods", "kfac,adam", "--repeats", "1")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "bench_exposed: error: --methods: 'adam' is not one of kfac, shampoo, muon, soap, kfac+helpers, shampoo+helpers, muon+helpers"
+        "bench_exposed: error: --methods: 'adam' is not one of kfac, shampoo, muon, soap, kfac+helpers, shampoo+helpers, muon+helpers, soap+helpers"
     ]
     result = bench("--methods", "muon+helpers", "--schedules", "1f1b,chimera")
     assert (result.returncode, result.stderr.strip()) == (

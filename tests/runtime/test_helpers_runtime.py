@@ -1,6 +1,7 @@
 """Help ops on the executor (`<method>.helpers`): layers of a stage preconditioned on another rank
 (Muon: its matrices' orthogonalisation; K-FAC: ``B⁻¹ G A⁻¹`` with the inverses sent once per
-cycle; Shampoo: a matrix's products with its roots, sent once per cycle), their inputs and results over the ("help", owner, helper) communicator, equal to the
+cycle; Shampoo: a matrix's products with its roots, sent once per cycle; SOAP: a matrix's gradient
+rotated into its eigenbases, sent once per cycle), their inputs and results over the ("help", owner, helper) communicator, equal to the
 single-process reference in the in-order gloo mode (NCCL's rule), on the schedules whose stages
 each have a precondition op of their own."""
 
@@ -47,10 +48,11 @@ def help_bytes(config, method: str, stage: int, names: list[str], step: int) -> 
         module = staged_model(config).build_stage(stage, 2, config.run.seed)
     total = 0
     for name in names:
-        if method in ("muon", "shampoo"):
+        if method in ("muon", "shampoo", "soap"):
             total += 2 * 4 * module.get_parameter(name).numel()
-        if method == "shampoo" and step % config.shampoo.refresh_steps == 0:
-            info = MatrixInfo.of(name, tuple(module.get_parameter(name).shape), config.shampoo.block_size)
+        section = config.section(method)
+        if method in ("shampoo", "soap") and step % section.refresh_steps == 0:
+            info = MatrixInfo.of(name, tuple(module.get_parameter(name).shape), section.block_size)
             total += 4 * sum(info.statistic_numel(factor) for factor in FACTORS)
         if method != "kfac":
             continue
@@ -70,6 +72,8 @@ def help_bytes(config, method: str, stage: int, names: list[str], step: int) -> 
         ("kfac", "zb-h1", 1, 0),
         ("shampoo", "1f1b", 0, 1),
         ("shampoo", "zb-h1", 1, 0),
+        ("soap", "1f1b", 0, 1),
+        ("soap", "zb-h1", 1, 0),
     ],
 )
 def test_helped_layers_train_as_the_reference(method, schedule, stage, helper, tmp_path):
@@ -94,17 +98,50 @@ def test_helped_layers_train_as_the_reference(method, schedule, stage, helper, t
             torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)
 
 
-@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+@pytest.mark.parametrize("method", ["kfac", "shampoo", "soap"])
 def test_helpers_resume_mid_cycle_bit_for_bit(method, tmp_path):
-    """The helper holds the helped layers' inverses (K-FAC) or roots (Shampoo) for the cycle, sent
-    in its first step only: a run stopped after step 4, one step into a cycle of three, resumes
-    with them from the checkpoint's cycle state and ends bit for bit where the straight run does."""
+    """The helper holds the helped layers' inverses (K-FAC), roots (Shampoo) or bases (SOAP) for
+    the cycle, sent in its first step only: a run stopped after step 4, one step into a cycle of
+    three, resumes with them from the checkpoint's cycle state and ends bit for bit where the
+    straight run does (SOAP, clipped: its stage's rank also knows which matrices it had bases of
+    when sent, so it takes the same scaled rotations)."""
     from _workers import assert_resumes_bit_for_bit
 
     config = shipped_defaults(method, "1f1b", refresh_steps=3)
+    if method == "soap":  # clipped between its P op and its step end: the held rotations are scaled
+        config = config.with_overrides(optimizer={"clip_norm": 1e-3})
     path = tmp_path / "plan.json"
     helped_plan(config, method, "1f1b", 0, 1, 3).save(path)
-    assert_resumes_bit_for_bit(config.with_overrides(**{method: {"plan": str(path), "helpers": True}}), 4, tmp_path)
+    parted = assert_resumes_bit_for_bit(
+        config.with_overrides(**{method: {"plan": str(path), "helpers": True}}), 4, tmp_path
+    )
+    ours, theirs = (last_checkpoint_tensors(folder) for folder in (parted, tmp_path / "straight"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+def last_checkpoint_tensors(folder) -> dict:
+    """Every tensor of every rank's file of the newest checkpoint in `folder`, by file and path
+    (the method's state included: moments move where a rounding leaves the parameters alone)."""
+    from pathlib import Path
+
+    from pipefisher.runtime.training.checkpoint import steps
+
+    _, newest = steps(Path(folder))[0]
+    found = {}
+
+    def walk(value, key):
+        if isinstance(value, torch.Tensor):
+            found[key] = value
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                walk(item, f"{key}/{name}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{key}/{index}")
+
+    for path in sorted(newest.glob("rank-*.pt")):
+        walk(torch.load(path, weights_only=False), path.name)
+    return found
 
 
 def promising_profile(config, folder):

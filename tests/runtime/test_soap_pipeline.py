@@ -53,7 +53,9 @@ def test_its_plans_have_no_syncs_and_replay_under_the_nccl_rule(schedule):
     fold per (pipe, stage) in every step."""
     pipe = get_schedule(schedule, 4, 8)
     profile = layered_profile(pipe.num_stages, method="soap", curvature=0.0)
-    plan = pack(pipe, profile, rules_of(profile), PackOptions(refresh_steps=2, data_parallel=2)).plan
+    # no P op, as a run with data-parallel copies has (`SoapConfig.precondition_op`)
+    options = PackOptions(refresh_steps=2, data_parallel=2, precondition=False)
+    plan = pack(pipe, profile, rules_of(profile), options).plan
     validate_plan(plan)
     kinds = {op.token for op in plan.curvature_ops()}
     assert {"R0", "R1", "U"} <= kinds <= {"R0", "R1", "X", "U"}
@@ -109,11 +111,13 @@ def test_soap_resumes_mid_cycle_bit_for_bit_with_exchanges_in_flight(tmp_path, f
 
 
 @pytest.mark.dist
-def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_path):
-    """With the fold in the bubbles, each matrix's fold is timed as its `precondition` (the U op's
-    time); the directions are its part of the end of step (`method_step_end`)."""
+@pytest.mark.parametrize("helpers", [False, True])
+def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_path, helpers):
+    """With the fold in the bubbles, each matrix's fold is timed as its `fold` (the U op's
+    time); the directions are its part of the end of step (`method_step_end`); with helpers each
+    matrix's rotation in is timed as its `precondition` (the P op's), and none without."""
     profile_path, run_file = tmp_path / "soap.yaml", tmp_path / "run.yaml"
-    run_file.write_text(TINY.read_text() + "\nsoap:\n  fold: bubbles\n")
+    run_file.write_text(TINY.read_text() + f"\nsoap:\n  fold: bubbles\n  helpers: {str(helpers).lower()}\n")
     measured = subprocess.run(
         [
             "pipefisher",
@@ -142,7 +146,8 @@ def test_profile_times_its_refresh_and_step_end_and_pack_and_viz_show_them(tmp_p
         layer.time("refresh", 0) > 0
         and layer.time("refresh", 1) > 0
         and layer.time("curvature", 0) == layer.time("sync", 0) == 0
-        and layer.time("precondition") > 0
+        and layer.time("fold") > 0
+        and (layer.time("precondition") > 0) == helpers
         for layer in layers
     )
     # measured as a difference of medians (with and without the directions): timed, so only its

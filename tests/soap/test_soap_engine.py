@@ -202,18 +202,25 @@ def test_a_state_dict_taken_mid_cycle_resumes_bit_identically():
         SoapEngine(nn.Linear(5, 7), SETTINGS).load_state_dict(engine.state_dict())
 
 
+@pytest.mark.parametrize("helpers", [False, True])
 @pytest.mark.parametrize("deferred", [False, True])
-def test_the_memory_model_counts_what_the_engine_holds_after_a_commit(deferred):
-    """With deferred statistics: and the gradients held from the step end to their fold."""
+def test_the_memory_model_counts_what_the_engine_holds_after_a_commit(deferred, helpers):
+    """With deferred statistics: and the gradients held from the step end to their fold; with
+    helpers: and the next step's rotated gradients, held from its P op (one matrix here, the
+    other's from a helper) to its step end."""
     model = nn.Sequential(nn.Linear(9, 6, bias=False), nn.Linear(6, 2, bias=False))
     engine = SoapEngine(model, SETTINGS, defer_statistics=deferred)
     run(engine, model, range(2))
     set_gradients(model, 2)
     engine.precondition_all()
-    held = engine.held_gradient_bytes
-    assert (held > 0) == deferred
+    if helpers:
+        set_gradients(model, 3)
+        engine.hold_rotations(["0.weight"], received=["1.weight"])
+    held = engine.held_gradient_bytes + engine.held_rotation_bytes
+    assert (engine.held_gradient_bytes > 0, engine.held_rotation_bytes > 0) == (deferred, helpers)
     layers = [
-        SoapLayer(info.name, *info.shape, block_size=4, deferred_statistics=deferred) for info in engine.matrices()
+        SoapLayer(info.name, *info.shape, block_size=4, deferred_statistics=deferred, helpers=helpers)
+        for info in engine.matrices()
     ]
     assert tensor_bytes(engine.state_dict()) + held == sum(layer.state_bytes() for layer in layers)
 

@@ -65,3 +65,23 @@ def test_kfac_panel_lays_the_cycle_end_to_end_with_kfac_in_the_bubbles(bert_prof
 def test_kfac_panel_needs_kfac_layers():
     with pytest.raises(ProfileError, match="layers"):
         curvature_panel(get_schedule("gpipe", 2, 2), uniform_profile(2), rules_of(uniform_profile(2)))
+
+
+def test_a_fold_is_drawn_and_named_apart_from_the_precondition_and_a_help_with_it():
+    """SOAP's U op (the statistics fold) has its own colour class and legend, while its P op (the
+    rotation in) and help ops share the precondition's, in the plan's picture and the trace's."""
+    from pipefisher.core.ir import Op
+    from pipefisher.methods.registry import task_rules
+    from pipefisher.viz import action_figure
+    from pipefisher.viz.layout import category, category_names
+
+    fold, precondition = Op(OpKind.FOLD, 0, None, 0), Op(OpKind.PRECONDITION, 0, None, 0)
+    help_op = Op(OpKind.HELP, 0, None, 0, "l0.0")
+    assert (category(fold), category(precondition), category(help_op)) == ("fold", "precondition", "precondition")
+    names = category_names(task_rules("soap").labels)
+    assert (names["fold"], names["precondition"]) == ("statistics fold", "rotation in")
+    assert [action_figure.category(str(op))[0] for op in (fold, precondition, help_op)] == [
+        "fold",
+        "precondition",
+        "precondition",
+    ]

@@ -37,7 +37,7 @@ from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.factors import damped_inverse, factor_dtype, precondition_matrix
-from pipefisher.methods.help_exchange import HelpExchange
+from pipefisher.methods.help_exchange import HelpExchange, help_launchers
 from pipefisher.methods.kfac.helping import KfacHelping
 from pipefisher.methods.kfac.layer import FACTORS, Factor, LayerInfo
 from pipefisher.methods.kfac.method import KFAC, KfacConfig
@@ -122,9 +122,7 @@ class KfacRuntime(StageRuntime[KFACEngine]):
             CollectiveKind.SYNC: self._launch_sync,
             CollectiveKind.EXCHANGE: self._launch_exchange,
             CollectiveKind.PGRAD: self._launch_pgrad,
-            CollectiveKind.HELP_STATE: lambda collective: self.exchange_help.launch_state(collective),
-            CollectiveKind.HELP_IN: lambda collective: self.exchange_help.launch_in(collective),
-            CollectiveKind.HELP_OUT: lambda collective: self.exchange_help.launch_out(collective),
+            **help_launchers(lambda: self.exchange_help),
         }
 
     def cycle_state(self) -> dict:

@@ -47,7 +47,8 @@ from pipefisher.methods.shampoo.state import (
     owned_parameters,
     root_views,
 )
-from pipefisher.methods.shampoo.step import directions, products
+from pipefisher.methods.block_stacks import block_products
+from pipefisher.methods.shampoo.step import directions
 from pipefisher.runtime.primitives.sharding import is_sharded, local, set_gradient, shard_rows, whole_gradient
 
 
@@ -100,8 +101,7 @@ class ShampooEngine:
         #: matrix -> its products of this step (`hold_products`, or a helper's), read by precondition_all
         self._held: dict[str, Tensor] = {}
         self._ready: set[str] = set()
-        #: whether the step stacks same-shape blocks of all matrices into one batched product each
-        #: (on a GPU, where it saves kernel launches; a CPU's batched products are the slower ones)
+        #: whether the step stacks same-shape blocks into one batched product each (on a GPU only)
         self.stack_blocks = any(st.parameter.device.type != "cpu" for st in self._matrices.values())
         #: counter totals per (matrix, factor) already accounted for; present once warned
         self._baseline: dict[tuple[str, Factor], int] = {}
@@ -263,7 +263,7 @@ class ShampooEngine:
     # ----------------------------------------------------------------- a P op's products (helpers)
     def hold_products(self, names: Iterable[str]) -> None:
         """The P op of `ShampooConfig.helpers`: for each matrix of `names` with committed roots of
-        both factors, the products of its current gradient (`step.products`: linear in it, so
+        both factors, the products of its current gradient (`block_products`: linear in it, so
         taken before clipping and fp16's unscaling, which grafting's norm transfer undoes), held
         for this step's `precondition_all`. Unsharded gradients only. No host read."""
         if self._step + 1 <= self.settings.start_step:
@@ -271,7 +271,7 @@ class ShampooEngine:
         states = [st for st in map(self._matrix, names) if st.parameter.grad is not None and committed(st)]
         if not states:
             return
-        found = products(
+        found = block_products(
             [st.info for st in states],
             [root_views(st, "A") for st in states],
             [root_views(st, "B") for st in states],

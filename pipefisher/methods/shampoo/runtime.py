@@ -28,7 +28,7 @@ from pipefisher.core.ir import Op, OpKind
 from pipefisher.core.profile import time_key
 from pipefisher.core.op_fields import layer_of, part_of
 from pipefisher.methods.blocks import FACTORS, Factor
-from pipefisher.methods.help_exchange import HelpExchange
+from pipefisher.methods.help_exchange import HelpExchange, help_launchers
 from pipefisher.methods.inputs import MethodInputs
 from pipefisher.methods.interface import LayerMeasurement, StageRuntime, StageTimer
 from pipefisher.methods.shampoo.engine import ShampooEngine
@@ -79,12 +79,7 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
 
     def set_plan(self, plan: Plan | None) -> None:
         super().set_plan(plan)
-        parameter = next(p for module in self.modules.values() for p in module.parameters())
-        engine = next(iter(self.engine_of_stage.values()))
-        self.helping = ShampooHelping.of_plan(plan, self.topology, self.rank).allocate(
-            self.config.stage_modules, self.config.settings.block_size, engine.dtype, parameter.device
-        )
-        self.stack_blocks = engine.stack_blocks
+        self.helping = ShampooHelping.of_runtime(plan, self)
         self.exchange_help = HelpExchange(self.comm, self.rank, self.helping, self.engine_of_stage)
 
     def handlers(self) -> dict[OpKind, Callable[[Op], None]]:
@@ -93,16 +88,14 @@ class ShampooRuntime(StageRuntime[ShampooEngine]):
             OpKind.REFRESH: self._refresh,
             OpKind.EXCHANGE: self._fold_shared,
             OpKind.PRECONDITION: self._hold_products,
-            OpKind.HELP: lambda op: self.helping.matrices[(op.stage, layer_of(op))].multiply(self.stack_blocks),
+            OpKind.HELP: lambda op: self.helping.help(op.stage, layer_of(op)),
         }
 
     def collectives(self) -> dict[CollectiveKind, Callable[[Collective], Handle]]:
         return {
             CollectiveKind.SYNC: self._launch_sync,
             CollectiveKind.EXCHANGE: self._launch_exchange,
-            CollectiveKind.HELP_STATE: lambda collective: self.exchange_help.launch_state(collective),
-            CollectiveKind.HELP_IN: lambda collective: self.exchange_help.launch_in(collective),
-            CollectiveKind.HELP_OUT: lambda collective: self.exchange_help.launch_out(collective),
+            **help_launchers(lambda: self.exchange_help),
         }
 
     def after_backward(self, op: Op, cycle_step: int) -> None:

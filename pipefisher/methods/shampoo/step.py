@@ -8,29 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.methods.block_stacks import stack, unstack
-from pipefisher.methods.blocks import MatrixInfo, block_groups, block_views
+from pipefisher.methods.block_stacks import block_products, stack, unstack
+from pipefisher.methods.blocks import block_groups, block_views
 from pipefisher.methods.shampoo.grafting import transfer_norm
 from pipefisher.methods.shampoo.state import MatrixState, committed_roots
-
-
-def products(
-    infos: list[MatrixInfo], lefts: list[list[Tensor]], rights: list[list[Tensor]], grads: list[Tensor], stacked: bool
-) -> list[Tensor]:
-    """Per matrix of `infos` the product ``L_k G_k R_k`` of each block k of its gradient in
-    `grads` (``(rows, cols)``) with its block roots in `lefts` and `rights` (per matrix, the block
-    views of each factor's roots: `block_views`); ``(rows, cols)`` tensors, new. Linear in the
-    gradient, so it can run before clipping and loss unscaling (grafting's norm transfer undoes
-    any scale). `stacked`: same-shape blocks in one product (`block_groups`)."""
-    out = [torch.empty_like(grad) for grad in grads]
-    for group in block_groups([(info, grad.device) for info, grad in zip(infos, grads)], stacked):
-        d = (
-            stack([lefts[b.matrix][b.k] for b in group])
-            @ stack([grads[b.matrix][b.rows, b.cols] for b in group])
-            @ stack([rights[b.matrix][b.k] for b in group])
-        )
-        torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(d, len(group)))
-    return out
 
 
 def directions(
@@ -45,14 +26,14 @@ def directions(
     ``L_k^(-1/4) G_k R_k^(-1/4)`` of each block k of its gradient in `grads` (``(rows, cols)``),
     rescaled to the norm of the block of `grafts` (same shapes) when `graft_norm`, and that
     grafting block itself where a root is not ok; ``(rows, cols)`` tensors, new. `held`: per
-    matrix its products computed before (`products`, here or on a helper) or None to compute them
+    matrix its products computed before (`block_products`, here or on a helper) or None to compute them
     now. `stacked`: same-shape blocks in one product (`block_groups`)."""
     left = [committed_roots(st, "A") for st in states]
     right = [committed_roots(st, "B") for st in states]
     found: list[Tensor | None] = list(held) if held is not None else [None] * len(states)
     missing = [i for i, product in enumerate(found) if product is None]
     if missing:
-        computed = products(
+        computed = block_products(
             [states[i].info for i in missing],
             [block_views(left[i].value, states[i].info.block_sizes("A")) for i in missing],
             [block_views(right[i].value, states[i].info.block_sizes("B")) for i in missing],

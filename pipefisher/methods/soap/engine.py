@@ -19,6 +19,11 @@ what is held first (the next step end, a refresh, ``statistics``, ``state_dict``
 asked for while gradients are held is taken right after they are folded, so the maths and every
 result are those of folding at the step end.
 
+With helpers (``hold_rotations``, SOAP's P op after the stage's last backward) the gradient is
+rotated in before the step end, on this rank or another (``rotation_buffer``); rotation is linear,
+so the step end takes it times the ratio of the gradient's norms then and now (clipping and
+fp16's unscaling are scalar factors), and rotates only the direction out.
+
 Refresh, per matrix and factor f: ``snapshot()`` keeps the statistics at a fixed point (the
 refresh cycle's start); ``refresh(name, f)`` computes from the snapshot and the bases in use one
 power-iteration step with QR (:func:`pipefisher.methods.soap.basis.power_basis`), pending (a
@@ -49,7 +54,7 @@ from pipefisher.methods.soap.basis import eigenbasis, power_basis
 from pipefisher.methods.soap.health import KEPT_BASES, SoapHealth, SoapNumericsWarning, message
 from pipefisher.methods.soap.method import SOAP, SoapConfig
 from pipefisher.methods.soap.state import MatrixState, matrix_parameters, new_matrix, pending_numel
-from pipefisher.methods.soap.step import directions, fold
+from pipefisher.methods.soap.step import directions, fold, rotate_in
 from pipefisher.runtime.primitives.sharding import is_sharded, set_gradient, whole_gradient
 
 
@@ -83,6 +88,10 @@ class SoapEngine:
         self.defer_statistics = defer_statistics
         #: the matrices and copies of their gradients of the last step end, not yet folded
         self._held: tuple[list[MatrixState], list[Tensor]] | None = None
+        #: matrix -> its gradient rotated into its eigenbases by this step's P op (or a helper)
+        #: and that gradient's norm (`hold_rotations`), read by the step end
+        self._rotations: dict[str, tuple[Tensor, Tensor]] = {}
+        self._received: dict[str, Tensor] = {}
         #: a snapshot was asked for while gradients were held: taken once they are folded
         self._snapshot_due = False
         #: counter totals per matrix already accounted for; present once warned
@@ -114,10 +123,20 @@ class SoapEngine:
         basis = st.factors[factor].basis
         return None if basis is None else block_views(basis, st.info.block_sizes(factor))
 
+    def matrix_state(self, name: str) -> MatrixState:
+        """Matrix `name`'s state (KeyError naming a parameter that is not a SOAP matrix)."""
+        return self._matrix(name)
+
     @property
     def held_gradient_bytes(self) -> int:
         """Bytes of the gradient copies held for `fold_held` (0 when none are)."""
         return 0 if self._held is None else sum(g.numel() * g.element_size() for g in self._held[1])
+
+    @property
+    def held_rotation_bytes(self) -> int:
+        """Bytes of the rotated gradients held for the step end and of the buffers helpers send theirs to."""
+        held = {id(t): t for t in [turned for turned, _ in self._rotations.values()] + list(self._received.values())}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def health(self) -> dict[str, SoapHealth]:
         """Per-matrix numerics counters as host values (one host read for all matrices)."""
@@ -148,14 +167,13 @@ class SoapEngine:
                 raw.append(grad.detach())
         grads = [grad.reshape(st.info.shape).to(self.dtype) for st, grad in zip(chosen, raw)]
         started = [number for number, st in enumerate(chosen) if st.started]
+        rotated = self._rotated([chosen[i] for i in started], [grads[i] for i in started])
         now = [i for i, st in enumerate(chosen) if not (self.defer_statistics and st.started)]
         fold([chosen[i] for i in now], [grads[i] for i in now], self.settings, self.statistics_dtype, self.stack_blocks)
         if self.defer_statistics and started:  # a copy: `raw` (maybe `grads`' storage) becomes the direction
             self._held = ([chosen[i] for i in started], [grads[i].clone() for i in started])
         if started:
-            found = directions(
-                [chosen[i] for i in started], [grads[i] for i in started], self.settings, self.stack_blocks
-            )
+            found = directions([chosen[i] for i in started], rotated, self.settings, self.stack_blocks)
             torch._foreach_copy_([raw[i] for i in started], [d.view_as(raw[i]) for d, i in zip(found, started)])
         for st, grad in zip(chosen, raw):
             if not st.started:
@@ -163,6 +181,51 @@ class SoapEngine:
                 grad.zero_()
             if is_sharded(st.parameter.grad):
                 set_gradient(st.parameter, grad)
+
+    def hold_rotations(self, names: Iterable[str], received: Iterable[str] = ()) -> None:
+        """SOAP's P op (`SoapConfig.helpers`): each started matrix of `names` with a ``.grad`` has
+        its gradient rotated into its eigenbases now (`rotate_in`: linear in it, so taken before
+        clipping and fp16's unscaling), and those of `received` get it from a helper into
+        `rotation_buffer`; both are held with the gradient's norm now for this step's
+        `precondition_all`, which scales them by the ratio of its gradient's norm to it. Unsharded
+        gradients only; replaces what an earlier call held. No host read."""
+        self._rotations.clear()
+        local = [st for st in map(self._matrix, names) if st.started and st.parameter.grad is not None]
+        helped = [st for st in map(self._matrix, received) if st.started and st.parameter.grad is not None]
+        grads = [self.gradient_matrix(st.info.name) for st in local + helped]
+        norms = torch._foreach_norm(grads) if grads else []
+        turned = rotate_in(local, grads[: len(local)], self.stack_blocks)
+        buffers = turned + [self.rotation_buffer(st.info.name) for st in helped]
+        for st, buffer, norm in zip(local + helped, buffers, norms):
+            self._rotations[st.info.name] = (buffer, norm)
+
+    def gradient_matrix(self, name: str) -> Tensor:
+        """Matrix `name`'s ``.grad`` as ``(rows, cols)`` in the working dtype (unsharded: a P op's)."""
+        st = self._matrix(name)
+        if st.parameter.grad is None:
+            raise ValueError(f"SOAP matrix {name!r} has no gradient")
+        return st.parameter.grad.detach().reshape(st.info.shape).to(self.dtype)
+
+    def rotation_buffer(self, name: str) -> Tensor:
+        """Where a helper's rotation of matrix `name`'s gradient is received (``(rows, cols)`` in
+        the working dtype; the same tensor every step, allocated on first use)."""
+        st = self._matrix(name)
+        if name not in self._received:
+            self._received[name] = torch.zeros(st.info.shape, dtype=self.dtype, device=st.parameter.device)
+        return self._received[name]
+
+    def _rotated(self, states: list[MatrixState], grads: list[Tensor]) -> list[Tensor]:
+        """Each of `grads` (the step end's, of started `states`) in its eigenbases: what
+        `hold_rotations` held, times the ratio of the norms of the gradient now and then (0 where
+        that was 0), else rotated now. Consumes what is held."""
+        held = [self._rotations.get(st.info.name) for st in states]
+        self._rotations.clear()
+        fresh = [i for i, found in enumerate(held) if found is None]
+        computed = iter(rotate_in([states[i] for i in fresh], [grads[i] for i in fresh], self.stack_blocks))
+        kept = [(i, found) for i, found in enumerate(held) if found is not None]
+        now = torch._foreach_norm([grads[i] for i, _ in kept]) if kept else []
+        scaled = {i: turned * torch.where(then > 0, norm / then, 0.0) for (i, (turned, then)), norm in zip(kept, now)}
+        return [scaled[i] if i in scaled else next(computed) for i in range(len(states))]
 
     def fold_held(self) -> None:
         """Fold the gradients held since the last step end into the statistics (SOAP's U op;
@@ -176,9 +239,10 @@ class SoapEngine:
             self.snapshot()
 
     def drop_held(self) -> None:
-        """Forget the held gradients unfolded (the profiler's throwaway engines, which time the
-        fold as a task of its own)."""
+        """Forget the held gradients unfolded and the rotations held (the profiler's throwaway
+        engines, which time the fold and the rotation in as tasks of their own)."""
         self._held, self._snapshot_due = None, False
+        self._rotations.clear()
 
     def fold_into_statistics(self, name: str, grad: Tensor) -> None:
         """Fold ``grad`` (``(rows, cols)``) into matrix `name`'s statistics now (the profiler

@@ -39,6 +39,12 @@ class SoapConfig(RefreshConfig):
         "U op in the next step's bubbles, holding a copy of the gradient until then; the same results)",
     )
 
+    def precondition_op(self, replicas: int, zero: int) -> bool:
+        """A P op (the gradient rotated into its eigenbases before the step end,
+        `pipefisher.methods.soap.helping`) only with `helpers`, on a stage held once and
+        unsharded; else all of the rotations in the optimizer step."""
+        return self.helpers and replicas == 1 and zero < 2
+
     @property
     def statistics_decay(self) -> float:
         """The decay of the statistics in use: `statistics_beta`, or `beta2` when it is 0."""
@@ -54,7 +60,8 @@ class SoapConfig(RefreshConfig):
 #: SOAP's statistics come from the reduced gradient at each step's end, alike on every replica: no
 #: syncs; the fold of that gradient into them is its U op, one per stage and step (with `fold:
 #: bubbles` it does the fold in the next step's bubbles; with step-end nothing); its refresh work
-#: per layer is the new left (part 0) and right (part 1) eigenbasis
+#: per layer is the new left (part 0) and right (part 1) eigenbasis; with `helpers` a P op rotates
+#: each step's gradient into the eigenbases, some matrices on other ranks (help ops)
 SOAP = CurvatureMethod(
     name="soap",
     label="SOAP",
@@ -62,9 +69,10 @@ SOAP = CurvatureMethod(
         curvature=False,
         syncs=(),
         sync_of=(),
-        precondition=False,
-        labels=WorkLabels(parts=("left", "right"), refresh="basis", precondition="statistics fold"),
+        precondition=True,
+        labels=WorkLabels(parts=("left", "right"), refresh="basis", precondition="rotation in"),
         deferred_statistics=True,
+        helpers=True,
     ),
     settings=SoapConfig,
     parts="pipefisher.methods.soap.parts:PARTS",

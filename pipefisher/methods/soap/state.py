@@ -56,6 +56,17 @@ class MatrixState:
         return self.factors["A"].basis is not None
 
 
+def bases_or_zeros(st: MatrixState, dtype: torch.dtype) -> list[Tensor]:
+    """Each factor's flat eigenbases in use of `st` (`FACTORS` order), zeros before its first
+    step (what a helper rotating its gradient holds for a refresh cycle)."""
+    return [
+        fs.basis
+        if fs.basis is not None
+        else torch.zeros(st.info.statistic_numel(f), dtype=dtype, device=fs.statistic.device)
+        for f, fs in st.factors.items()
+    ]
+
+
 def matrix_parameters(module: nn.Module, skip: Iterable[str]) -> dict[str, nn.Parameter]:
     """Trainable parameters of ``module`` of at least two dimensions, each once under its first
     name, except embedding tables (``nn.Embedding`` weights: a first-order rule takes them) and

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from pipefisher.methods.block_stacks import stack, unstack
+from pipefisher.methods.block_stacks import block_products, stack, unstack
 from pipefisher.methods.blocks import Block, Factor, block_groups, block_views
 from pipefisher.methods.soap.health import SKIPPED_STATISTICS
 from pipefisher.methods.soap.method import SoapConfig
@@ -50,23 +50,31 @@ def fold(
         st.counters[SKIPPED_STATISTICS].add_(~ok)
 
 
-def directions(states: list[MatrixState], grads: list[Tensor], settings: SoapConfig, stacked: bool) -> list[Tensor]:
-    """SOAP's bias-corrected direction of each of `grads` (``(rows, cols)``, started matrices),
-    updating their moments and direction counts. Both moments live in each block's eigenbasis
-    (`SoapEngine.commit` rotates ``m`` when the basis changes), so a block's step is four
-    products: the gradient rotated in, the direction rotated out."""
+def rotate_in(states: list[MatrixState], grads: list[Tensor], stacked: bool) -> list[Tensor]:
+    """Each of `grads` (``(rows, cols)``, of started `states`) in its blocks' eigenbases in use,
+    ``Q_Lᵀ G Q_R`` per block; new tensors. Linear in the gradient: a P op takes it before clipping
+    and fp16's unscaling, and the step end scales it (`SoapEngine.precondition_all`)."""
+    lefts = [[q.mT for q in views] for views in _factor_views(states, "A", "basis")]
+    return block_products([st.info for st in states], lefts, _factor_views(states, "B", "basis"), grads, stacked)
+
+
+def directions(states: list[MatrixState], rotated: list[Tensor], settings: SoapConfig, stacked: bool) -> list[Tensor]:
+    """SOAP's bias-corrected direction of each started matrix of `states` from its gradient
+    `rotated` into its eigenbases (`rotate_in`), updating their moments and direction counts.
+    Both moments live in each block's eigenbasis (`SoapEngine.commit` rotates ``m`` when the
+    basis changes), so a block's step ends with two products: the direction rotated out."""
     for st in states:
         st.updates += 1
-    out = [torch.empty_like(g) for g in grads]
+    out = [torch.empty_like(g) for g in rotated]
     left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
     for group in _groups(states, stacked):
         q_left = stack([left[b.matrix][b.k] for b in group])
         q_right = stack([right[b.matrix][b.k] for b in group])
-        rotated = q_left.mT @ stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ q_right
+        turned = stack([rotated[b.matrix][b.rows, b.cols] for b in group])
         first = [states[b.matrix].exp_avg[b.rows, b.cols] for b in group]
         second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
-        torch._foreach_lerp_(first, unstack(rotated, len(group)), 1.0 - settings.beta1)
-        torch._foreach_lerp_(second, unstack(rotated.square(), len(group)), 1.0 - settings.beta2)
+        torch._foreach_lerp_(first, unstack(turned, len(group)), 1.0 - settings.beta1)
+        torch._foreach_lerp_(second, unstack(turned.square(), len(group)), 1.0 - settings.beta2)
         direction = q_left @ (stack(first) / (stack(second).sqrt() + settings.epsilon)) @ q_right.mT
         torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(direction, len(group)))
     corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]

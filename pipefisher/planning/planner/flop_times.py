@@ -13,9 +13,10 @@ a fixed cost per execution (launches and small-kernel latency, ms):
   forward and backward shares, without an overhead; embeddings' lookups count as none.
 - the curvature method's tasks on each Linear shard: its own flop counts
   (`CurvatureMethod.task_flops`, keyed by time key) at the share of their kind (the key's work:
-  curvature, refresh, precondition) on the peak of the task's dtype (fp64 tasks on the fp32 peak:
-  equal on A100/H100, twice P100's/V100's fp64 rate; with `run.tf32` float32 tasks, and an fp32
-  run's blocks, on the tf32 peak where the hardware lists one). A shard's statistic the shards share
+  curvature, refresh, precondition; a fold, SOAP's U op, at the precondition's: `EFFICIENCY_OF`)
+  on the peak of the task's dtype (fp64 tasks on the fp32 peak: equal on A100/H100, twice
+  P100's/V100's fp64 rate; with `run.tf32` float32 tasks, and an fp32 run's blocks, on the tf32
+  peak where the hardware lists one). A shard's statistic the shards share
   (`TaskRules.shared_part`) is built from 1/T of the rows, as in `transformer_profile`.
 - the step end: the first-order optimizer's memory traffic, `OPTIMIZER_BYTES_PER_PARAMETER` per
   parameter of the stage's shard at the hardware's memory bandwidth (the only bytes term), plus
@@ -72,6 +73,10 @@ EFFICIENCY = {
     "refresh": Efficiency(0.490, 2.634, "factor refresh", f"{_P100}: time_inv / 12 factors, Cholesky count, 2 models"),
     "precondition": Efficiency(0.699, 0.158, "layer precondition", f"{_P100}: time_prec / 6 layers, 2 models"),
 }
+#: a work kind costed at another's efficiency: the method's end of step (the same products of the
+#: gradient with the factors' matrices as the precondition) and a fold of the gradient into the
+#: statistics (products of the gradient with itself)
+EFFICIENCY_OF = {STEP_END_FLOPS: "precondition", "fold": "precondition"}
 #: bytes an optimizer step moves per parameter: AdamW reads fp32 parameter, gradient and two
 #: moments and writes parameter and moments (7 x 4), plus the low-precision weight copy (4)
 OPTIMIZER_BYTES_PER_PARAMETER = 32
@@ -234,9 +239,9 @@ class FlopTimes:
         return seconds * 1e3
 
     def _layer_tasks(self, micro_batch_size: int, tensor_parallel: int, rules) -> dict[str, dict[str, float]]:
-        """Layer suffix -> time key -> ms of the method's tasks on the layer's shard; its work in
-        the optimizer step (`STEP_END_FLOPS`) at the precondition's efficiency (the same products
-        of the gradient with the factors' matrices)."""
+        """Layer suffix -> time key -> ms of the method's tasks on the layer's shard, each at its
+        work's efficiency; its work in the optimizer step (`STEP_END_FLOPS`) and its fold at the
+        precondition's (`EFFICIENCY_OF`)."""
         settings = self.section
         tokens = micro_batch_size * self.sizes.seq_len
         found = {}
@@ -246,14 +251,19 @@ class FlopTimes:
             found[suffix] = {
                 key: self._task_ms(key, counted, 1 / tensor_parallel if key == f"curvature.{shared}" else 1.0)
                 for key, counted in flops.items()
-                if key.split(".")[0] in EFFICIENCY or key == STEP_END_FLOPS
+                if _efficiency_key(key) in EFFICIENCY
             }
         return found
 
     def _task_ms(self, key: str, counted: TaskFlops, rows_share: float) -> float:
         peak = self._peak(TASK_PEAK.get(counted.dtype, "fp32"))
-        work = "precondition" if key == STEP_END_FLOPS else key.split(".")[0]
-        return op_ms(counted.total * rows_share, peak, EFFICIENCY[work])
+        return op_ms(counted.total * rows_share, peak, EFFICIENCY[_efficiency_key(key)])
+
+
+def _efficiency_key(key: str) -> str:
+    """The `EFFICIENCY` entry a task of time key `key` runs at: its work's, or `EFFICIENCY_OF`'s."""
+    work = key.split(".")[0]
+    return EFFICIENCY_OF.get(work, work)
 
 
 def _suffix_tasks(layer: LayerProfile, tasks: dict[str, dict[str, float]]) -> dict[str, float]:
