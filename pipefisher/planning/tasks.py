@@ -252,7 +252,7 @@ def build_tasks(
     """
     check_profile(schedule, profile)
     if not precondition:
-        rules = replace(rules, precondition=False, helpers=False)
+        rules = replace(rules, precondition=False, helpers=False, step_end_precondition=False)
     replicas = stage_replicas(schedule)
     owners = _refresh_owners(schedule, profile, split, rules.parts)
     graph_mbs = TaskGraph(schedule, (), rules).micro_batches

@@ -83,6 +83,9 @@ class TaskRules:
     `helpers`: a layer's share of the per-step precondition op can run on another rank (a help
     op, `OpKind.HELP`, placed by `pipefisher.planning.packing.helpers`): the method's runtime sends
     that rank the layer's input of the step and takes the result back before its optimizer step.
+    `step_end_precondition`: the method's optimizer step does the precondition op's work for every
+    matrix no P op did (Shampoo's products, SOAP's rotation in), so its P ops are optional: the
+    packer keeps them where they shorten the mean step (`pipefisher.planning.packing.step_end`).
     `shared_when_split`: (split, part) pairs: under tensor parallelism the part's statistic of a
     layer split that way is the same on every shard of a rank (K-FAC: a column split's input
     factor, a row split's output-gradient factor), so each shard builds it from its share of the
@@ -97,6 +100,7 @@ class TaskRules:
     shared_when_split: tuple[tuple[str, int], ...] = ()
     deferred_statistics: bool = False
     helpers: bool = False
+    step_end_precondition: bool = False
 
     def __post_init__(self) -> None:
         if len(self.labels.parts) > MAX_PARTS:
@@ -105,6 +109,8 @@ class TaskRules:
             raise ValueError("deferred_statistics: a method with per-micro-batch curvature has no fold op")
         if self.helpers and not self.precondition:
             raise ValueError("helpers: a method without a precondition op has no per-step work to hand out")
+        if self.step_end_precondition and not self.precondition:
+            raise ValueError("step_end_precondition: a method without a precondition op has none to do in its step end")
         if self.curvature and not self.parts:
             raise ValueError("curvature: a method without parts has no curvature tasks")
         for split, part in self.shared_when_split:

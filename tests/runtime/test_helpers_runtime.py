@@ -98,6 +98,26 @@ def test_helped_layers_train_as_the_reference(method, schedule, stage, helper, t
             torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)
 
 
+@pytest.mark.parametrize("method", ["shampoo", "soap"])
+def test_a_plan_without_p_ops_runs_with_helpers_on(method, tmp_path):
+    """Where the packer left a method's optional P ops out (`pack_choosing_p_ops`: no help op pays),
+    a run with `helpers: true` takes the plan (its check asks for no P ops then) and its step end
+    does their work: every loss and parameter equal the reference's."""
+    config = shipped_defaults(method, "1f1b")
+    steps = config.section(method).refresh_steps or 1
+    profile = unit_profile(config, 2)
+    plan = after_step_plan(get_schedule("1f1b", 2, 4), profile, task_rules(method), steps, precondition=False)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    helped = config.with_overrides(**{method: {"plan": str(path), "helpers": True}})
+    runs = run_group(pipelined_with_records, helped.world_size, args=(helped,), timeout=30, deadline=240)
+    reference = train_reference(config)
+    for result, _ in runs:
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(reference.losses), rtol=RTOL, atol=0)
+        for name, value in result.parameters.items():
+            torch.testing.assert_close(value, reference.parameters[name], rtol=RTOL, atol=PARAMETER_ATOL)
+
+
 @pytest.mark.parametrize("method", ["kfac", "shampoo", "soap"])
 def test_helpers_resume_mid_cycle_bit_for_bit(method, tmp_path):
     """The helper holds the helped layers' inverses (K-FAC), roots (Shampoo) or bases (SOAP) for

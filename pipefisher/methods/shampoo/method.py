@@ -73,6 +73,7 @@ SHAMPOO = CurvatureMethod(
         precondition=True,
         labels=WorkLabels(parts=("left", "right"), refresh="root"),
         helpers=True,
+        step_end_precondition=True,
     ),
     settings=ShampooConfig,
     parts="pipefisher.methods.shampoo.parts:PARTS",

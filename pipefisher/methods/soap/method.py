@@ -73,6 +73,7 @@ SOAP = CurvatureMethod(
         labels=WorkLabels(parts=("left", "right"), refresh="basis", precondition="rotation in"),
         deferred_statistics=True,
         helpers=True,
+        step_end_precondition=True,
     ),
     settings=SoapConfig,
     parts="pipefisher.methods.soap.parts:PARTS",

@@ -289,6 +289,7 @@ def _pack(schedule: Schedule, profile: Profile, rules: TaskRules, options: PackO
         lower_bound=lower_bound,
         devices=device_reports(tasks, first_order, chosen.plan, list(chosen.leftovers), in_bubbles, packing.bounds),
         options=options,
+        profile=profile,
         unplaceable=packing.unplaceable,
         frontier=tuple(frontier),
         reason=reason,

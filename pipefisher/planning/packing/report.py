@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from pipefisher.core.ir import Op, OpKind
+from pipefisher.core.profile import Profile
 from pipefisher.planning.memory.captures import CapturePeak
 from pipefisher.planning.plan import Plan, moved_weights
 from pipefisher.planning.simulate import Timeline
@@ -70,6 +71,9 @@ class PackResult:
     lower_bound: int
     devices: list[DeviceReport]
     options: PackOptions
+    #: the profile the plan's times are of, at its nominal times (with the P ops' work in the step
+    #: end where the packer left them out, `pipefisher.planning.packing.step_end`)
+    profile: Profile
     unplaceable: tuple[Op, ...] = field(default=())
     frontier: tuple[FrontierPoint, ...] = field(default=())
     reason: str = ""

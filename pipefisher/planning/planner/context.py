@@ -3,9 +3,10 @@ Pure Python: no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipefisher.config import FIRST_ORDER
+from pipefisher.methods.registry import task_rules
 from pipefisher.methods.settings import RefreshConfig
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.planner.candidates import Layout, stage_replicas
@@ -57,6 +58,19 @@ class PlanContext:
         if self.section is None or not is_curvature(layout.method):
             return True
         return self.section.precondition_op(stage_replicas(layout), layout.zero)
+
+    def without_p_ops(self, layout: Layout) -> PlanContext | None:
+        """This context as it times `layout` run without its method's optional P ops
+        (`TaskRules.step_end_precondition`; `pack_choosing_p_ops` packs both): a flop model with the
+        section's helpers off, whose counts give that work to the step end; None where the layout
+        has no such P ops or its source measured them (their times then move into the step end as
+        measured, the packer's default)."""
+        if not isinstance(self.source, FlopTimes) or self.section is None or not is_curvature(layout.method):
+            return None
+        if not (self.precondition_op(layout) and task_rules(layout.method).step_end_precondition):
+            return None
+        section = replace(self.section, helpers=False)
+        return replace(self, section=section, source=replace(self.source, section=section, _cache={}))
 
     def data_parallel_link(self, layout: Layout) -> Link:
         """The link of `layout`'s data-parallel traffic (`links.data_parallel_link`)."""

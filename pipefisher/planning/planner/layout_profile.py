@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from pipefisher.core.profile import LayerProfile, Profile, Samples, StageProfile
 from pipefisher.planning.comm.volume import ring_bytes
+from pipefisher.planning.packing.step_end import precondition_in_step_end
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.planner.candidates import Layout, stage_replicas
 from pipefisher.planning.planner.context import PlanContext
@@ -184,12 +185,7 @@ def _products_in_step_end(profile: Profile, layout: Layout, context: PlanContext
     preconditioning joins the method's step end (before ZeRO-1 shares that among the owners)."""
     if context.precondition_op(layout) or context.workers_per_layer(layout) is not None:
         return profile
-
-    def moved(stage: StageProfile) -> StageProfile:
-        products = sum(layer.precondition for layer in stage.layers)
-        return replace(stage, step_end=stage.step_end + products, method_step_end=stage.method_step_end + products)
-
-    return replace(profile, stages=tuple(moved(stage) for stage in profile.stages))
+    return precondition_in_step_end(profile)
 
 
 def _owned_step_end(profile: Profile, layout: Layout) -> Profile:

@@ -9,7 +9,8 @@ from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.methods.registry import method_of_profile
 from pipefisher.planning.packing.options import PackOptions
-from pipefisher.planning.packing.pack import PackResult, pack
+from pipefisher.planning.packing.pack import PackResult
+from pipefisher.planning.packing.step_end import pack_choosing_p_ops
 
 
 @dataclass
@@ -25,17 +26,20 @@ class PackCache:
     misses: int = 0
     enabled: bool = True
 
-    def packed(self, schedule: Schedule, profile: Profile, options: PackOptions) -> PackResult:
-        """`pack`'s result for `schedule`, `profile` (its method's rules) and `options`. A capped
+    def packed(
+        self, schedule: Schedule, profile: Profile, options: PackOptions, without: Profile | None = None
+    ) -> PackResult:
+        """`pack_choosing_p_ops`'s result for `schedule`, `profile` (its method's rules), `options`
+        and `without` (the profile of a run without the method's optional P ops). A capped
         packing's order is correct by construction (`PlanBuilder`): a ScheduleError from one is a
         bug, and it propagates."""
         shape = (schedule.name, schedule.num_ranks, schedule.num_micro_batches, schedule.num_stages, schedule.num_pipes)
-        key = (shape, profile, options)
+        key = (shape, profile, options, without)
         if self.enabled and key in self.results:
             self.hits += 1
             return self.results[key]
         self.misses += 1
-        result = pack(schedule, profile, method_of_profile(profile).rules, options)
+        result = pack_choosing_p_ops(schedule, profile, method_of_profile(profile).rules, options, without)
         if self.enabled:
             self.results[key] = result
         return result

@@ -169,12 +169,16 @@ def plan_layout(
     """The one packing of a layout that `plan`, `pack` and `run` share: the packer's result on the
     layout's profile (`layout_profile`: the source's times with recomputation, modelled gradient
     reductions and factor syncs where none are measured) with the section's options
-    (`pack_options`), and that profile (for simulating the plan at nominal times). `schedule`:
+    (`pack_options`), and the profile its plan's times are of (`PackResult.profile`: that one,
+    with the P ops' work in the step end where the packer left them out). `schedule`:
     the layout's, where the caller has built it (it must be `layout.build_schedule()`'s). Cached in
     `PACKINGS`."""
     profile = layout_profile(layout, context)
     options = pack_options(layout, context, capture_budget)
-    return PACKINGS.packed(schedule or layout.build_schedule(), profile, options), profile
+    plain = context.without_p_ops(layout)
+    without = layout_profile(layout, plain) if plain is not None else None
+    result = PACKINGS.packed(schedule or layout.build_schedule(), profile, options, without)
+    return result, result.profile
 
 
 def predict(layout: Layout, context: PlanContext, memory_budget: int | None = None) -> Prediction:

@@ -14,7 +14,8 @@ from pipefisher.config import RunConfig
 from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.methods.registry import method_of
-from pipefisher.planning.packing.pack import PackOptions, PackResult, pack
+from pipefisher.planning.packing.pack import PackOptions, PackResult
+from pipefisher.planning.packing.step_end import pack_choosing_p_ops
 from pipefisher.planning.planner.candidates import Layout, layout_of_run
 from pipefisher.planning.planner.model_sizes import PlanError, model_sizes
 from pipefisher.planning.planner.predict import PlanContext, plan_layout, source_bandwidth_gbps
@@ -60,5 +61,6 @@ def run_packing(
     try:
         layout, context = run_layout(config, profile)
     except PlanError:
-        return pack(schedule, profile, method_of(config).rules, options), profile
+        result = pack_choosing_p_ops(schedule, profile, method_of(config).rules, options)
+        return result, result.profile
     return plan_layout(layout, context, schedule=schedule)

@@ -26,6 +26,7 @@ from pipefisher.methods.registry import method_of, task_rules
 from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan
+from pipefisher.planning.packing.step_end import precondition_in_step_end
 from pipefisher.planning.planner.run_layout import run_packing
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import simulate
@@ -99,6 +100,8 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
                 f"layers: the plan's stage {stage} works on {shown[:3]}..., the model's on {sorted(layers)[:3]}..."
             )
     section = config.method_section
+    # a method whose step end can do its P op's work may have been packed without P ops
+    rules, has_p_ops = method_of(config).rules, any(op.kind is OpKind.PRECONDITION for op in plan.curvature_ops())
     stand_in = Profile(
         stages=tuple(
             StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name) for name in names[stage]))
@@ -109,11 +112,11 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
     expected_plan = after_step_plan(
         schedule,
         stand_in,
-        method_of(config).rules,
+        rules,
         plan.refresh_steps,
         split=section.split,
         data_parallel=config.pipeline.data_parallel,
-        precondition=config.precondition_op,
+        precondition=config.precondition_op and (has_p_ops or not rules.step_end_precondition),
     )
     planned, wanted = _task_counts(plan), _task_counts(expected_plan)
     if planned != wanted:
@@ -162,6 +165,8 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         plan = Plan.load(section.plan, task_rules)
         check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
+        if config.precondition_op and not any(op.kind is OpKind.PRECONDITION for op in plan.curvature_ops()):
+            profile = precondition_in_step_end(profile)  # packed without P ops: their work in the step end
     else:
         result, profile = run_packing(config, schedule, profile, pack_options(config))
         if section.placement == "packed":
@@ -174,7 +179,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
                 result.refresh_steps,
                 split=section.split,
                 data_parallel=data_parallel,
-                precondition=config.precondition_op,
+                precondition=result.options.precondition,  # the packer's choice, as its profile has it
             )
         how = f"{section.placement}: refresh every {plan.refresh_steps} steps (lower bound {result.lower_bound})"
     validate_plan(plan)
