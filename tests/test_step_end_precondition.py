@@ -75,7 +75,10 @@ def test_a_method_whose_p_op_is_its_own_packs_once():
     schedule, profile = get_schedule("1f1b", 2, 4), layered_profile(2, 3, precondition=0.5)
     assert not task_rules("kfac").step_end_precondition and task_rules("soap").step_end_precondition
     result = pack_choosing_p_ops(schedule, profile, task_rules("kfac"), PackOptions(percentile=None))
-    assert p_ops(result.plan) == 2 * result.refresh_steps and result.reason == pack(schedule, profile, task_rules("kfac")).reason
+    assert (
+        p_ops(result.plan) == 2 * result.refresh_steps
+        and result.reason == pack(schedule, profile, task_rules("kfac")).reason
+    )
 
 
 def _large(schedule: str, helpers: bool) -> tuple[PlanContext, object]:
