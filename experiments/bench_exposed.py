@@ -39,6 +39,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
 from experiments.common import UsageError, listed  # noqa: E402
@@ -48,6 +50,7 @@ from experiments.exposed.stats import Pair, Traced, ratio_table, trace_table  # 
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
 from pipefisher.cli.scripts import entry_point  # noqa: E402
 from pipefisher.core.ir import ScheduleError  # noqa: E402
+from pipefisher.core.settings import ConfigError  # noqa: E402
 from pipefisher.methods.registry import methods  # noqa: E402
 from pipefisher.runtime.training import GroupFailure, run_group  # noqa: E402
 from pipefisher.schedules import SCHEDULES, get_schedule  # noqa: E402
@@ -107,6 +110,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="interleave the arms' blocks step by step, a barrier before each step (default: one block per arm in turn)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a setting of a method's section on its arms, e.g. soap.statistics_dtype=float32 (repeatable)",
+    )
     parser.add_argument("--no-trace", action="store_true", help="no recorded block (no ops / waits table)")
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: bert-tiny, micro-batches of 2, k=1, 2 rounds of 2 steps"
@@ -154,7 +164,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(
             f"--stage-blocks: {args.stage_blocks!r} is not block counts, comma-separated (e.g. 3,1)"
         ) from None
+    args.settings = settings_of(args.set, {method_name(method) for method in args.methods})
+    for method in args.methods:
+        try:
+            layout_of(args, args.schedules[0]).config(method)
+        except ConfigError as exc:
+            raise UsageError(f"--set: {exc}") from None
     return args
+
+
+def settings_of(assignments: list[str], sections: set[str]) -> tuple[tuple[str, str, object], ...]:
+    """Each ``SECTION.KEY=VALUE`` of `assignments` as (section, key, value), the value read as
+    YAML; UsageError where one is malformed or names a section of no method among `sections`."""
+    found = []
+    for text in assignments:
+        name, _, value = text.partition("=")
+        section, _, key = name.partition(".")
+        if not (section and key and value):
+            raise UsageError(f"--set {text!r}: give SECTION.KEY=VALUE, e.g. soap.statistics_dtype=float32")
+        if section not in sections:
+            raise UsageError(f"--set {text!r}: {section!r} is not the section of a method of --methods")
+        found.append((section, key, yaml.safe_load(value)))
+    return tuple(found)
 
 
 def layout_of(args: argparse.Namespace, schedule: str) -> Layout:
@@ -168,6 +199,7 @@ def layout_of(args: argparse.Namespace, schedule: str) -> Layout:
         args.max_refresh_steps,
         GROUP_TIMEOUT_S,
         args.stage_blocks,
+        args.settings,
     )
 
 

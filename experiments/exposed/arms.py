@@ -48,8 +48,8 @@ class Layout:
     """What every arm of one schedule shares: the model (`workload`), `schedule` on 2 stages,
     `micro_batches` of `micro_batch_size` sequences, the `first_order` optimizer, the methods'
     refresh interval (`refresh_steps`, 0 = the packer's choice up to `max_refresh_steps`),
-    `timeout` [s] for any wait inside the group, and the blocks of each stage (`stage_blocks`,
-    `pipeline.stage_blocks`; empty: even)."""
+    `timeout` [s] for any wait inside the group, the blocks of each stage (`stage_blocks`,
+    `pipeline.stage_blocks`; empty: even) and the methods' own `settings`."""
 
     workload: Workload
     schedule: str
@@ -60,6 +60,8 @@ class Layout:
     max_refresh_steps: int
     timeout: float = 120.0
     stage_blocks: tuple[int, ...] = ()
+    #: (section, key, value): a method section's settings on its arms (`--set soap.fold=bubbles`)
+    settings: tuple[tuple[str, str, object], ...] = ()
 
     def overrides(self, method: str | None) -> dict[str, dict[str, object]]:
         """{section: {key: value}} on the workload's run file for the first-order arm (`method`
@@ -89,6 +91,7 @@ class Layout:
             }
             if not self.refresh_steps:
                 sections[name]["max_refresh_steps"] = self.max_refresh_steps
+            sections[name].update({key: value for section, key, value in self.settings if section == name})
         return sections
 
     def config(self, method: str | None) -> RunConfig:

@@ -81,6 +81,13 @@ def test_a_bad_flag_is_one_line_and_exit_2():
         "bench_exposed: error: --methods muon+helpers: not with --schedules chimera (help ops pair the ranks of one "
         "pipeline)",
     )
+    for setting, said in [
+        ("soap.statistics_dtype=float16", "--set: soap.statistics_dtype: 'float16' is not one of float64, float32"),
+        ("kfac.refresh_steps=3", "--set 'kfac.refresh_steps=3': 'kfac' is not the section of a method of --methods"),
+        ("soap.fold", "--set 'soap.fold': give SECTION.KEY=VALUE, e.g. soap.statistics_dtype=float32"),
+    ]:
+        result = bench("--methods", "soap", "--set", setting)
+        assert (result.returncode, result.stderr.strip()) == (2, f"bench_exposed: error: {said}")
     result = bench("--min-steps", "0")
     assert (result.returncode, result.stderr.strip()) == (
         2,
@@ -103,6 +110,11 @@ def test_an_arms_run_config_differs_from_the_first_orders_only_in_its_optimizer(
         assert getattr(first, section) == getattr(muon, section), section
     assert (first.pipeline.schedule, first.pipeline.stages, first.data.micro_batch_size) == ("zb-h1", 2, 32)
     assert Layout(WORKLOADS["gpt2-tiny"], "1f1b", 4, 32, "adamw", 5, 10).config("kfac").curvature.refresh_steps == 5
+    settings = (("soap", "statistics_dtype", "float32"), ("kfac", "refresh_steps", 3))
+    chosen = Layout(WORKLOADS["gpt2-tiny"], "1f1b", 4, 32, "adamw", 5, 10, settings=settings)
+    assert chosen.config("soap").curvature.statistics_dtype == "float32"
+    assert chosen.config("soap+helpers").curvature.statistics_dtype == "float32"
+    assert chosen.config("kfac").curvature.refresh_steps == 3 and chosen.config(None).curvature is None
 
 
 def test_a_round_is_quiet_for_a_pair_when_both_its_blocks_were():
