@@ -109,3 +109,19 @@ def test_the_planner_costs_the_step_end_as_a_run_without_helpers(schedule, kept)
     else:
         assert helped.overhead_share == pytest.approx(alone.overhead_share)
         assert profile == plan_layout(layout, without)[1]
+
+
+def test_a_runs_log_says_when_its_p_ops_went_to_the_step_end():
+    """`pipefisher run` with `soap.helpers: true` and k pinned, on a profile where the rotation in
+    saves nothing as a P op (1F1B runs stage 0's after the step's last backward; the tiny K-FAC
+    profile's times relabelled), runs no P op and its log says so."""
+    from pipefisher.core.profile import load_profile
+    from pipefisher.runtime.training.assembly import build_schedule
+    from pipefisher.runtime.training.pipefisher_run import make_plan
+
+    profile = replace(load_profile("profiles/tiny-cpu-1f1b.yaml"), method="soap")
+    config = load_config("schedules/tiny-cpu.yaml").with_overrides(
+        optimizer={"name": "soap"}, soap={"helpers": True, "refresh_steps": 3}
+    )
+    run = make_plan(config, build_schedule(config), profile)
+    assert p_ops(run.plan) == 0 and "; no P ops: the rotation in in the step end, no slower there" in run.summary

@@ -33,8 +33,9 @@ def pack_choosing_p_ops(
 ) -> PackResult:
     """`pack` of `profile`; where the method's P ops are optional and `options` allow them, also
     of the run without them (`without`: its profile, by default `precondition_in_step_end` of
-    `profile`), and the one of the shorter mean step (the P ops' on a tie), its `reason` saying
-    which and by how much."""
+    `profile`), and the one of the shorter mean step, its `reason` saying which and by how much.
+    A tie goes to the step end: P ops and help ops that save no time only cost memory (the held
+    results) and messages."""
     with_ops = pack(schedule, profile, rules, options)
     if not (rules.step_end_precondition and options.precondition):
         return with_ops
@@ -43,7 +44,7 @@ def pack_choosing_p_ops(
     )
     unit, label = profile.time_unit, rules.labels.precondition
     kept, moved = (with_ops.cycle_time / with_ops.refresh_steps, in_step_end.cycle_time / in_step_end.refresh_steps)
-    if moved < kept * (1 - 1e-9):
+    if moved <= kept * (1 + 1e-9):
         why = f"; no P ops: the {label} in the step end, mean step {kept:.4g} -> {moved:.4g} {unit}"
         return replace(in_step_end, reason=in_step_end.reason + why)
     why = f"; P ops kept: mean step {kept:.4g} {unit} against {moved:.4g} with the {label} in the step end"

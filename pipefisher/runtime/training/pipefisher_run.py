@@ -194,6 +194,11 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         f"{first_order:.2f} {profile.time_unit} ({100 * extra:+.1f} %)"
         + (f"; {packed.reason}" if packed is not None and not pinned else "")
         + (f"; {len(plan.helped)} layers' per-step work on other ranks" if plan.helped and pinned else "")
+        + (
+            f"; no P ops: the {method.rules.labels.precondition} in the step end, no slower there"
+            if packed is not None and pinned and config.precondition_op and not packed.options.precondition
+            else ""
+        )
         + (f"; captures held: at most {held / 2**20:.1f} MiB per device" if held else "")
         + (f"; {packed.memory}" if packed is not None and packed.memory else "")
         + (
