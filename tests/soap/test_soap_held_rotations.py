@@ -31,15 +31,18 @@ def scale_gradients(net: nn.Module, factor: float) -> None:
         p.grad.mul_(factor)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("factors", [(1.0, 0.37, 2.5), (1.0, 0.37, 0.0)])
-def test_held_rotations_here_or_received_give_the_step_ends_directions(factors):
+def test_held_rotations_here_or_received_give_the_step_ends_directions(factors, stacked):
     """Three steps: the first takes the bases (nothing held: no matrix is started), then one matrix
     rotated by the P op, one received from a "helper" (rotated with the bases as it holds them)
     and one left to the step end; each step's gradients are scaled by its factor of `factors`
     after the P op (0: a zero gradient at the step end). Directions equal the plain step end's
-    on the scaled gradients to float32's rounding."""
+    on the scaled gradients to float32's rounding. `stacked` (a GPU's batched products): the 4 x 4
+    blocks of all three matrices share one group, held, received and rotated at the step end."""
     plain_net, held_net = model(), model()
     plain, held = SoapEngine(plain_net, SETTINGS), SoapEngine(held_net, SETTINGS)
+    plain.stack_blocks = held.stack_blocks = stacked
     names = [info.name for info in held.matrices()]
     for seed, factor in enumerate(factors):
         for net in (plain_net, held_net):

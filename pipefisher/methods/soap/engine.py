@@ -167,13 +167,15 @@ class SoapEngine:
                 raw.append(grad.detach())
         grads = [grad.reshape(st.info.shape).to(self.dtype) for st, grad in zip(chosen, raw)]
         started = [number for number, st in enumerate(chosen) if st.started]
-        rotated = self._rotated([chosen[i] for i in started], [grads[i] for i in started])
+        held = self._held_rotations([chosen[i] for i in started], [grads[i] for i in started])
         now = [i for i, st in enumerate(chosen) if not (self.defer_statistics and st.started)]
         fold([chosen[i] for i in now], [grads[i] for i in now], self.settings, self.statistics_dtype, self.stack_blocks)
         if self.defer_statistics and started:  # a copy: `raw` (maybe `grads`' storage) becomes the direction
             self._held = ([chosen[i] for i in started], [grads[i].clone() for i in started])
         if started:
-            found = directions([chosen[i] for i in started], rotated, self.settings, self.stack_blocks)
+            found = directions(
+                [chosen[i] for i in started], [grads[i] for i in started], self.settings, self.stack_blocks, held
+            )
             torch._foreach_copy_([raw[i] for i in started], [d.view_as(raw[i]) for d, i in zip(found, started)])
         for st, grad in zip(chosen, raw):
             if not st.started:
@@ -214,18 +216,16 @@ class SoapEngine:
             self._received[name] = torch.zeros(st.info.shape, dtype=self.dtype, device=st.parameter.device)
         return self._received[name]
 
-    def _rotated(self, states: list[MatrixState], grads: list[Tensor]) -> list[Tensor]:
-        """Each of `grads` (the step end's, of started `states`) in its eigenbases: what
-        `hold_rotations` held, times the ratio of the norms of the gradient now and then (0 where
-        that was 0), else rotated now. Consumes what is held."""
+    def _held_rotations(self, states: list[MatrixState], grads: list[Tensor]) -> list[Tensor | None]:
+        """Per started matrix of `states` (with the step end's `grads`) what `hold_rotations` held,
+        times the ratio of the norms of its gradient now and then (0 where that was 0), or None
+        (`directions` rotates it). Consumes what is held."""
         held = [self._rotations.get(st.info.name) for st in states]
         self._rotations.clear()
-        fresh = [i for i, found in enumerate(held) if found is None]
-        computed = iter(rotate_in([states[i] for i in fresh], [grads[i] for i in fresh], self.stack_blocks))
         kept = [(i, found) for i, found in enumerate(held) if found is not None]
         now = torch._foreach_norm([grads[i] for i, _ in kept]) if kept else []
         scaled = {i: turned * torch.where(then > 0, norm / then, 0.0) for (i, (turned, then)), norm in zip(kept, now)}
-        return [scaled[i] if i in scaled else next(computed) for i in range(len(states))]
+        return [scaled.get(i) for i in range(len(states))]
 
     def fold_held(self) -> None:
         """Fold the gradients held since the last step end into the statistics (SOAP's U op;

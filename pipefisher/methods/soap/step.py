@@ -58,19 +58,28 @@ def rotate_in(states: list[MatrixState], grads: list[Tensor], stacked: bool) -> 
     return block_products([st.info for st in states], lefts, _factor_views(states, "B", "basis"), grads, stacked)
 
 
-def directions(states: list[MatrixState], rotated: list[Tensor], settings: SoapConfig, stacked: bool) -> list[Tensor]:
-    """SOAP's bias-corrected direction of each started matrix of `states` from its gradient
-    `rotated` into its eigenbases (`rotate_in`), updating their moments and direction counts.
-    Both moments live in each block's eigenbasis (`SoapEngine.commit` rotates ``m`` when the
-    basis changes), so a block's step ends with two products: the direction rotated out."""
+def directions(
+    states: list[MatrixState],
+    grads: list[Tensor],
+    settings: SoapConfig,
+    stacked: bool,
+    held: list[Tensor | None] | None = None,
+) -> list[Tensor]:
+    """SOAP's bias-corrected direction of each started matrix of `states` from its gradient in
+    `grads` (``(rows, cols)``), updating their moments and direction counts. `held`: per matrix
+    its gradient rotated into its eigenbases before (`rotate_in` in a P op, here or on a helper,
+    scaled to this gradient), or None to rotate it here, in the same batched pass. Both moments
+    live in each block's eigenbasis (`SoapEngine.commit` rotates ``m`` when the basis changes), so
+    a block's step is the rotation in (unless held) and the direction rotated out."""
     for st in states:
         st.updates += 1
-    out = [torch.empty_like(g) for g in rotated]
+    found: list[Tensor | None] = list(held) if held is not None else [None] * len(states)
+    out = [torch.empty_like(g) for g in grads]
     left, right = _factor_views(states, "A", "basis"), _factor_views(states, "B", "basis")
     for group in _groups(states, stacked):
         q_left = stack([left[b.matrix][b.k] for b in group])
         q_right = stack([right[b.matrix][b.k] for b in group])
-        turned = stack([rotated[b.matrix][b.rows, b.cols] for b in group])
+        turned = _turned(group, grads, found, q_left, q_right)
         first = [states[b.matrix].exp_avg[b.rows, b.cols] for b in group]
         second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
         torch._foreach_lerp_(first, unstack(turned, len(group)), 1.0 - settings.beta1)
@@ -80,3 +89,27 @@ def directions(states: list[MatrixState], rotated: list[Tensor], settings: SoapC
     corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
     torch._foreach_mul_(out, corrections)
     return out
+
+
+def _turned(
+    group: list[Block], grads: list[Tensor], held: list[Tensor | None], q_left: Tensor, q_right: Tensor
+) -> Tensor:
+    """The group's gradient blocks in their eigenbases, stacked: a held rotation as it is, the
+    others rotated now (`q_left`, `q_right`: the group's stacked bases), one batched product."""
+    fresh = [i for i, b in enumerate(group) if held[b.matrix] is None]
+    if len(fresh) == len(group):
+        return q_left.mT @ stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ q_right
+    turned = stack([_given(held[b.matrix], grads[b.matrix])[b.rows, b.cols] for b in group])
+    if fresh:  # a mixed group (len > 1, so `turned` is a new stack)
+        now = (
+            stack([q_left[i] for i in fresh]).mT
+            @ stack([turned[i] for i in fresh])
+            @ stack([q_right[i] for i in fresh])
+        )
+        torch._foreach_copy_([turned[i] for i in fresh], unstack(now, len(fresh)))
+    return turned
+
+
+def _given(rotated: Tensor | None, grad: Tensor) -> Tensor:
+    """A held rotation, else the gradient (rotated later in the group's pass)."""
+    return grad if rotated is None else rotated
