@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pipefisher.methods.blocks import MatrixInfo, block_groups
+from pipefisher.methods.blocks import Block, MatrixInfo, block_groups
 
 
 def stack(tensors: list[Tensor]) -> Tensor:
@@ -36,3 +36,24 @@ def block_products(
         )
         torch._foreach_copy_([out[b.matrix][b.rows, b.cols] for b in group], unstack(d, len(group)))
     return out
+
+
+def held_or_products(
+    group: list[Block], left: Tensor, right: Tensor, grads: list[Tensor], held: list[Tensor | None]
+) -> Tensor:
+    """The blocks of `group` stacked: per matrix its block of `held` (a product computed before,
+    in a P op or on a helper), or where that is None ``L_k G_k R_k`` of its gradient in `grads`
+    with the group's stacked `left` and `right` matrices, computed now in one batched product."""
+    fresh = [i for i, b in enumerate(group) if held[b.matrix] is None]
+    if len(fresh) == len(group):
+        return left @ stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ right
+    found = stack([_given(held[b.matrix], grads[b.matrix])[b.rows, b.cols] for b in group])
+    if fresh:  # a mixed group: more than one block, so `found` is a new stack
+        now = stack([left[i] for i in fresh]) @ stack([found[i] for i in fresh]) @ stack([right[i] for i in fresh])
+        torch._foreach_copy_([found[i] for i in fresh], unstack(now, len(fresh)))
+    return found
+
+
+def _given(product: Tensor | None, grad: Tensor) -> Tensor:
+    """A held product, else the gradient (multiplied later in the group's pass)."""
+    return grad if product is None else product

@@ -58,12 +58,14 @@ SETTINGS = ShampooConfig(beta2=0.95, epsilon=1e-6, block_size=4, grafting="adam"
 GRAFT = {"graft_beta2": 0.9}
 
 
+@pytest.mark.parametrize("held", [0, 2])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_the_stacked_step_gives_each_block_its_own_roots_direction(stacked):
+def test_the_stacked_step_gives_each_block_its_own_roots_direction(stacked, held):
     """Three (6, 10) weights and a (10, 6) one cut into blocks of 4: the step stacks their
     same-shape blocks, and every block's direction is still its own ``L⁻¹ᐟ⁴ G R⁻¹ᐟ⁴`` rescaled to
     the norm of its SGD grafting block (its gradient), computed block by block here; stacked as on
-    a GPU, or block by block as on a CPU."""
+    a GPU, or block by block as on a CPU; the first `held` matrices' products held by a P op
+    before the step end (a group mixing held and computed blocks)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 6), nn.Linear(6, 10), nn.Linear(10, 6), nn.Linear(10, 6))
     engine = ShampooEngine(model, ShampooConfig(epsilon=1e-6, block_size=4, grafting="sgd"))
@@ -72,6 +74,7 @@ def test_the_stacked_step_gives_each_block_its_own_roots_direction(stacked):
     refresh(engine)
     set_gradients(model, 1)
     before = dict(zip((name for name, _ in model.named_parameters()), grads(model)))
+    engine.hold_products([info.name for info in engine.matrices()][:held])
     engine.precondition_all()
     checked = 0
     for info in engine.matrices():

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from pipefisher.methods.block_stacks import block_products, stack, unstack
+from pipefisher.methods.block_stacks import block_products, held_or_products, stack, unstack
 from pipefisher.methods.blocks import Block, Factor, block_groups, block_views
 from pipefisher.methods.soap.health import SKIPPED_STATISTICS
 from pipefisher.methods.soap.method import SoapConfig
@@ -79,7 +79,7 @@ def directions(
     for group in _groups(states, stacked):
         q_left = stack([left[b.matrix][b.k] for b in group])
         q_right = stack([right[b.matrix][b.k] for b in group])
-        turned = _turned(group, grads, found, q_left, q_right)
+        turned = held_or_products(group, q_left.mT, q_right, grads, found)
         first = [states[b.matrix].exp_avg[b.rows, b.cols] for b in group]
         second = [states[b.matrix].exp_avg_sq[b.rows, b.cols] for b in group]
         torch._foreach_lerp_(first, unstack(turned, len(group)), 1.0 - settings.beta1)
@@ -89,27 +89,3 @@ def directions(
     corrections = [math.sqrt(1.0 - settings.beta2**st.updates) / (1.0 - settings.beta1**st.updates) for st in states]
     torch._foreach_mul_(out, corrections)
     return out
-
-
-def _turned(
-    group: list[Block], grads: list[Tensor], held: list[Tensor | None], q_left: Tensor, q_right: Tensor
-) -> Tensor:
-    """The group's gradient blocks in their eigenbases, stacked: a held rotation as it is, the
-    others rotated now (`q_left`, `q_right`: the group's stacked bases), one batched product."""
-    fresh = [i for i, b in enumerate(group) if held[b.matrix] is None]
-    if len(fresh) == len(group):
-        return q_left.mT @ stack([grads[b.matrix][b.rows, b.cols] for b in group]) @ q_right
-    turned = stack([_given(held[b.matrix], grads[b.matrix])[b.rows, b.cols] for b in group])
-    if fresh:  # a mixed group (len > 1, so `turned` is a new stack)
-        now = (
-            stack([q_left[i] for i in fresh]).mT
-            @ stack([turned[i] for i in fresh])
-            @ stack([q_right[i] for i in fresh])
-        )
-        torch._foreach_copy_([turned[i] for i in fresh], unstack(now, len(fresh)))
-    return turned
-
-
-def _given(rotated: Tensor | None, grad: Tensor) -> Tensor:
-    """A held rotation, else the gradient (rotated later in the group's pass)."""
-    return grad if rotated is None else rotated
