@@ -125,3 +125,13 @@ def test_a_runs_log_says_when_its_p_ops_went_to_the_step_end():
     )
     run = make_plan(config, build_schedule(config), profile)
     assert p_ops(run.plan) == 0 and "; no P ops: the rotation in in the step end, no slower there" in run.summary
+
+
+def test_a_tie_goes_to_the_step_end():
+    """P ops whose work takes as long in the step end (1F1B on 2 stages: stage 0's after the step's
+    last backward, stage 1's before stage 0's last backward ends, either way) save nothing: none."""
+    schedule, profile = get_schedule("1f1b", 2, 4), layered_profile(2, 3, precondition=0.5, method="soap")
+    result = pack_choosing_p_ops(schedule, profile, task_rules("soap"), PackOptions(percentile=None))
+    kept = pack(schedule, profile, task_rules("soap"), PackOptions(percentile=None))
+    assert result.cycle_time / result.refresh_steps == pytest.approx(kept.cycle_time / kept.refresh_steps)
+    assert p_ops(result.plan) == 0 and "no P ops: the rotation in in the step end, no slower" in result.reason
