@@ -13,8 +13,11 @@ result crosses back before the stage's end of step (the simulator costs both way
 first, each to the rank where the simulated cycle ends soonest (`finish_order`: the cycle's time,
 then the ranks' ends of step latest first, so that where several stages' P ops end the step
 together, taking work off one of them counts), a layer kept only where that order improves (one
-of the same time and size as a layer that did not, since the last that did, is not tried); the
-plan is kept only if its cycle is shorter in the end. Pure Python: no torch.
+of the same time and size as a layer that did not, since the last that did, is not tried). Then
+a local search moves one help op at a time, to another rank or back into its stage's P op, while a
+move improves that order (`_moved`): a rank busy with its own stage's P op when the greedy handed
+out an earlier stage may be free once its own layers went out. The plan is kept only if its cycle
+is shorter in the end. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pipefisher.planning.tasks import TaskGraph
 
 #: a layer is handed out only if the cycle gets shorter by more than this share of it
 _GAIN = 1e-6
+#: the local search after the greedy moves each help op at most this many times on average
+_MOVES_PER_HELP = 2
 
 
 def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = None) -> tuple[Plan, float]:
@@ -59,9 +64,48 @@ def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = 
                 placed, best, failed = candidate, score, set()
             else:
                 failed.add(_cost(layer))
+    placed, best = _moved(placed, best, durations, graph)
     if not best[0] < cycle_time(start) * (1 - _GAIN):
         return plan, cycle_time(start)
     return placed, best[0]
+
+
+def _moved(
+    plan: Plan, best: tuple[float, ...], durations: OpDurations, graph: TaskGraph
+) -> tuple[Plan, tuple[float, ...]]:
+    """`plan` after moving help ops one at a time, each move the one whose plan comes first in
+    `finish_order`, while one improves it (at most `_MOVES_PER_HELP` per help op): to another rank
+    but its stage's, or back into its stage's P op. The greedy hands the stage whose P ends last
+    out first, when the ranks of the stages after it are still busy with their own P; once those
+    are helped in turn, some of them end sooner and can take a share back."""
+    helps = [
+        (rank, op)
+        for rank, ops in enumerate(plan.steps[0] if plan.steps else ())
+        for op in ops
+        if op.kind is OpKind.HELP
+    ]
+    for _ in range(_MOVES_PER_HELP * len(helps)):
+        found: tuple[tuple[float, ...], Plan] | None = None
+        for rank, op in helps:
+            owner, rest = plan.schedule.placement[(op.pipe, op.stage)], _without(plan, op)
+            for target in range(plan.schedule.num_ranks):
+                if target == rank:
+                    continue
+                candidate = rest if target == owner else with_help(rest, op, target)
+                score = finish_order(simulate_plan(candidate, durations, {}, graph))
+                if _shorter(score, found[0] if found else best):
+                    found = (score, candidate)
+        if found is None:
+            break
+        best, plan = found
+        helps = [(rank, op) for rank, ops in enumerate(plan.steps[0]) for op in ops if op.kind is OpKind.HELP]
+    return plan, best
+
+
+def _without(plan: Plan, help_op: Op) -> Plan:
+    """`plan` without `help_op` (its layer back on its stage's P op)."""
+    steps = tuple(tuple(tuple(op for op in ops if op != help_op) for ops in step) for step in plan.steps)
+    return Plan(plan.schedule, steps, plan.method, plan.rules)
 
 
 def _cost(layer: LayerProfile) -> tuple[float, int]:
