@@ -33,8 +33,9 @@ from pipefisher.planning.tasks import TaskGraph
 
 #: a layer is handed out only if the cycle gets shorter by more than this share of it
 _GAIN = 1e-6
-#: the local search after the greedy moves each help op at most this many times on average
-_MOVES_PER_HELP = 2
+#: the local search after the greedy makes at most this many moves (each tries every help op on
+#: every rank: a greedy's worth of simulations)
+_MOVES = 8
 
 
 def place_helpers(plan: Plan, durations: OpDurations, graph: TaskGraph | None = None) -> tuple[Plan, float]:
@@ -74,7 +75,7 @@ def _moved(
     plan: Plan, best: tuple[float, ...], durations: OpDurations, graph: TaskGraph
 ) -> tuple[Plan, tuple[float, ...]]:
     """`plan` after moving help ops one at a time, each move the one whose plan comes first in
-    `finish_order`, while one improves it (at most `_MOVES_PER_HELP` per help op): to another rank
+    `finish_order`, while one improves it (at most `_MOVES` moves): to another rank
     but its stage's, or back into its stage's P op. The greedy hands the stage whose P ends last
     out first, when the ranks of the stages after it are still busy with their own P; once those
     are helped in turn, some of them end sooner and can take a share back."""
@@ -84,7 +85,7 @@ def _moved(
         for op in ops
         if op.kind is OpKind.HELP
     ]
-    for _ in range(_MOVES_PER_HELP * len(helps)):
+    for _ in range(_MOVES):
         found: tuple[tuple[float, ...], Plan] | None = None
         for rank, op in helps:
             owner, rest = plan.schedule.placement[(op.pipe, op.stage)], _without(plan, op)
