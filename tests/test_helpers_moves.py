@@ -9,9 +9,8 @@ from dataclasses import replace
 
 
 from pipefisher.config import load_config
-from pipefisher.core.ir import OpKind
 from pipefisher.methods.registry import task_rules
-from pipefisher.planning.packing.helpers import _shorter, _without, finish_order, with_help
+from pipefisher.planning.packing.helpers import _shorter, _without, finish_order, help_ops, with_help
 from pipefisher.planning.plan import simulate_plan
 from pipefisher.planning.planner.candidates import layout_of_run
 from pipefisher.planning.planner.flop_times import FlopTimes
@@ -37,7 +36,7 @@ def test_no_single_move_of_a_help_op_ends_the_step_sooner():
     plan = result.plan
     tasks = build_tasks(layout.build_schedule(), profile, task_rules("muon"))
     best = finish_order(simulate_plan(plan, tasks.durations, {}, tasks.graph))
-    helps = [(rank, op) for rank, ops in enumerate(plan.steps[0]) for op in ops if op.kind is OpKind.HELP]
+    helps = help_ops(plan)
     owners = {op: plan.schedule.placement[(op.pipe, op.stage)] for _, op in helps}
     assert {owners[op] for _, op in helps} == {0, 1, 2} and 1 in {rank for rank, op in helps if owners[op] == 0}
     for rank, op in helps:

@@ -79,15 +79,9 @@ def _moved(
     but its stage's, or back into its stage's P op. The greedy hands the stage whose P ends last
     out first, when the ranks of the stages after it are still busy with their own P; once those
     are helped in turn, some of them end sooner and can take a share back."""
-    helps = [
-        (rank, op)
-        for rank, ops in enumerate(plan.steps[0] if plan.steps else ())
-        for op in ops
-        if op.kind is OpKind.HELP
-    ]
     for _ in range(_MOVES):
         found: tuple[tuple[float, ...], Plan] | None = None
-        for rank, op in helps:
+        for rank, op in help_ops(plan):
             owner, rest = plan.schedule.placement[(op.pipe, op.stage)], _without(plan, op)
             for target in range(plan.schedule.num_ranks):
                 if target == rank:
@@ -99,8 +93,13 @@ def _moved(
         if found is None:
             break
         best, plan = found
-        helps = [(rank, op) for rank, ops in enumerate(plan.steps[0]) for op in ops if op.kind is OpKind.HELP]
     return plan, best
+
+
+def help_ops(plan: Plan) -> list[tuple[int, Op]]:
+    """(rank, help op) of every help op of `plan`, in rank and op order (alike in every step)."""
+    first = plan.steps[0] if plan.steps else ()
+    return [(rank, op) for rank, ops in enumerate(first) for op in ops if op.kind is OpKind.HELP]
 
 
 def _without(plan: Plan, help_op: Op) -> Plan:

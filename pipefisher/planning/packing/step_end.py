@@ -44,11 +44,13 @@ def pack_choosing_p_ops(
     )
     unit, label = profile.time_unit, rules.labels.precondition
     kept, moved = (with_ops.cycle_time / with_ops.refresh_steps, in_step_end.cycle_time / in_step_end.refresh_steps)
-    if moved < kept * (1 - 1e-9):
-        why = f"; no P ops: the {label} in the step end, mean step {kept:.4g} -> {moved:.4g} {unit}"
-        return replace(in_step_end, reason=in_step_end.reason + why)
     if moved <= kept * (1 + 1e-9):
-        why = f"; no P ops: the {label} in the step end, no slower (mean step {moved:.4g} {unit} either way)"
-        return replace(in_step_end, reason=in_step_end.reason + why)
+        tie = moved >= kept * (1 - 1e-9)
+        gain = (
+            f"no slower (mean step {moved:.4g} {unit} either way)"
+            if tie
+            else f"mean step {kept:.4g} -> {moved:.4g} {unit}"
+        )
+        return replace(in_step_end, reason=f"{in_step_end.reason}; no P ops: the {label} in the step end, {gain}")
     why = f"; P ops kept: mean step {kept:.4g} {unit} against {moved:.4g} with the {label} in the step end"
     return replace(with_ops, reason=with_ops.reason + why)

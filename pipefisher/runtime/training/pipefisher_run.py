@@ -101,7 +101,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
             )
     section = config.method_section
     # a method whose step end can do its P op's work may have been packed without P ops
-    rules, has_p_ops = method_of(config).rules, any(op.kind is OpKind.PRECONDITION for op in plan.curvature_ops())
+    rules = method_of(config).rules
     stand_in = Profile(
         stages=tuple(
             StageProfile(1.0, 2.0, layers=tuple(LayerProfile(name) for name in names[stage]))
@@ -116,7 +116,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         plan.refresh_steps,
         split=section.split,
         data_parallel=config.pipeline.data_parallel,
-        precondition=config.precondition_op and (has_p_ops or not rules.step_end_precondition),
+        precondition=config.precondition_op and (plan.has_p_ops or not rules.step_end_precondition),
     )
     planned, wanted = _task_counts(plan), _task_counts(expected_plan)
     if planned != wanted:
@@ -165,7 +165,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         plan = Plan.load(section.plan, task_rules)
         check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
-        if config.precondition_op and not any(op.kind is OpKind.PRECONDITION for op in plan.curvature_ops()):
+        if config.precondition_op and not plan.has_p_ops:
             profile = precondition_in_step_end(profile)  # packed without P ops: their work in the step end
     else:
         result, profile = run_packing(config, schedule, profile, pack_options(config))
