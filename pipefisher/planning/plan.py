@@ -78,11 +78,6 @@ class Plan:
         first = self.steps[0] if self.steps else ()
         return frozenset((op.stage, layer_of(op)) for ops in first for op in ops if op.kind is OpKind.HELP)
 
-    @cached_property
-    def has_p_ops(self) -> bool:
-        """Whether the plan has per-step precondition ops (a method's optional ones may be left out)."""
-        return any(op.kind is OpKind.PRECONDITION for step in self.steps for ops in step for op in ops)
-
     def curvature_ops(self) -> list[Op]:
         """Every op of the cycle that is not a forward or backward, in step and rank order."""
         return [op for step in self.steps for ops in step for op in ops if not op.kind.is_compute]

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipefisher.core.ir import Schedule
+from pipefisher.core.ir import OpKind, Schedule
 from pipefisher.core.profile import Profile, StageProfile
 from pipefisher.planning.packing.options import PackOptions
 from pipefisher.planning.packing.pack import pack
 from pipefisher.planning.packing.report import PackResult
+from pipefisher.planning.plan import Plan
 from pipefisher.planning.vocabulary import TaskRules
+
+
+def has_p_ops(plan: Plan) -> bool:
+    """Whether `plan` has per-step precondition ops (a method's optional ones may be left out)."""
+    return any(op.kind is OpKind.PRECONDITION for step in plan.steps for ops in step for op in ops)
 
 
 def precondition_in_step_end(profile: Profile) -> Profile:

@@ -26,7 +26,7 @@ from pipefisher.methods.registry import method_of, task_rules
 from pipefisher.models import StagedModel
 from pipefisher.planning.memory.captures import capture_peaks
 from pipefisher.planning.packing.pack import PackOptions, after_step_plan
-from pipefisher.planning.packing.step_end import precondition_in_step_end
+from pipefisher.planning.packing.step_end import has_p_ops, precondition_in_step_end
 from pipefisher.planning.planner.run_layout import run_packing
 from pipefisher.planning.plan import Plan, cycle_time, simulate_plan, validate_plan
 from pipefisher.planning.simulate import simulate
@@ -116,7 +116,7 @@ def check_plan_matches(plan: Plan, config: RunConfig, schedule: Schedule, model:
         plan.refresh_steps,
         split=section.split,
         data_parallel=config.pipeline.data_parallel,
-        precondition=config.precondition_op and (plan.has_p_ops or not rules.step_end_precondition),
+        precondition=config.precondition_op and (has_p_ops(plan) or not rules.step_end_precondition),
     )
     planned, wanted = _task_counts(plan), _task_counts(expected_plan)
     if planned != wanted:
@@ -165,7 +165,7 @@ def make_plan(config: RunConfig, schedule, profile: Profile, model: StagedModel 
         plan = Plan.load(section.plan, task_rules)
         check_plan_matches(plan, config, schedule, model)
         result, how = None, f"plan {section.plan}: refresh every {plan.refresh_steps} steps"
-        if config.precondition_op and not plan.has_p_ops:
+        if config.precondition_op and not has_p_ops(plan):
             profile = precondition_in_step_end(profile)  # packed without P ops: their work in the step end
     else:
         result, profile = run_packing(config, schedule, profile, pack_options(config))
