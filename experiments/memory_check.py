@@ -1,8 +1,9 @@
 """The per-rank memory model (`pipefisher.planning.memory.peak`) against the bytes of live tensors
 at the peak of real runs on this CPU (gloo, one process per rank): several schedules, models,
-optimizer layouts, activation recomputation and K-FAC (packed, from a profile measured first).
+optimizer layouts, activation recomputation, and K-FAC, Shampoo, Muon and SOAP (packed, from a
+profile measured first; SOAP also at `fold: bubbles`, float32 statistics and helpers).
 Prints a Markdown table (predicted MiB per rank by kind, measured MiB, error) and writes it into
---out between its table markers. About 2.5 minutes here (14 layouts).
+--out between its table markers. About 3.5 minutes here (18 layouts).
 
     python experiments/memory_check.py
 """
@@ -35,11 +36,14 @@ class Layout:
     precision: str = "fp32"
     recompute: str = "none"
     optimizer: str = "adamw"
+    #: (key, value) of the optimizer's section beyond the run file's (a curvature method's)
+    settings: tuple[tuple[str, object], ...] = ()
 
     @property
     def label(self) -> str:
         extras = [f"ZeRO-{self.zero}"] * bool(self.zero) + [f"recompute {self.recompute}"] * (self.recompute != "none")
         extras += [f"{self.optimizer} packed"] * (self.optimizer != "adamw")
+        extras += [f"{key} {value}" for key, value in self.settings]
         return ", ".join(
             [
                 f"{self.run_file.removesuffix('.yaml')} {self.schedule}",
@@ -66,6 +70,15 @@ LAYOUTS = (
     Layout("tiny-cpu.yaml", "zb-h1", recompute="selective"),
     Layout("gpt2-tiny-cpu.yaml", "1f1b", recompute="blocks"),
     Layout("tiny-cpu.yaml", "1f1b", optimizer="kfac"),
+    Layout("tiny-cpu.yaml", "1f1b", optimizer="shampoo"),
+    Layout("tiny-cpu.yaml", "1f1b", optimizer="muon"),
+    Layout("tiny-cpu.yaml", "1f1b", optimizer="soap"),
+    Layout(
+        "tiny-cpu.yaml",
+        "1f1b",
+        optimizer="soap",
+        settings=(("fold", "bubbles"), ("statistics_dtype", "float32"), ("helpers", True)),
+    ),
 )
 
 
@@ -88,10 +101,12 @@ def layout_config(layout: Layout, profile_dir: Path):
     )
     if config.curvature is None:
         return config
+    config = config.with_overrides(**{layout.optimizer: dict(layout.settings)})
     profile = profile_dir / f"{layout.optimizer}-{layout.schedule}.yaml"
     if profile_run(config, str(profile), None, repeats=2):
         raise SystemExit(f"{layout.label}: measuring its profile failed")
-    return config.with_overrides(**{layout.optimizer: {"profile": str(profile), "placement": "packed"}})
+    section = {"profile": str(profile), "placement": "packed", **dict(layout.settings)}
+    return config.with_overrides(**{layout.optimizer: section})
 
 
 def check(config) -> list[tuple]:
@@ -105,8 +120,8 @@ def check(config) -> list[tuple]:
 
 def table(rows: list[tuple[str, list[tuple]]]) -> list[str]:
     lines = [
-        "| layout | rank | parameters | gradients | optimizer | curvature | activations | captures | refresh copies | p2p buffers | predicted | measured | error |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layout | rank | parameters | gradients | optimizer | curvature | activations | captures | refresh copies | p2p buffers | help buffers | predicted | measured | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, ranks in rows:
         for peak, measured in ranks:
@@ -119,6 +134,7 @@ def table(rows: list[tuple[str, list[tuple]]]) -> list[str]:
                 peak.capture_bytes,
                 peak.refresh_bytes,
                 peak.comm_buffer_bytes,
+                peak.help_bytes,
                 peak.total_bytes,
                 measured,
             ]

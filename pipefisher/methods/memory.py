@@ -1,14 +1,17 @@
-"""Blocks of a method's memory model of one layer (`pipefisher.planning.memory.state.CurvatureLayer`:
-`name`, `state_bytes(element_bytes, keeps_results)`, `gradient_elements`, `from_linear`,
-`PRECONDITIONS_BIAS`), as the built-ins' share them. Pure Python (the planner reads them without torch)."""
+"""Blocks of a method's memory model of one layer
+(`pipefisher.planning.memory.layer_model.CurvatureLayer`, with `from_linear`, `settings_of` and
+`PRECONDITIONS_BIAS`), as the built-ins share them. Pure Python (the planner reads them without
+torch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 #: bytes of one health counter (an int64 element, `pipefisher.methods.counters`)
 COUNTER_ELEMENT_BYTES = 8
+#: bytes per element of each `pipefisher.methods.settings.StatisticsDtype`
+STATISTICS_BYTES = {"float64": 8, "float32": 4}
 
 M = TypeVar("M", bound="MatrixLayer")
 
@@ -40,9 +43,35 @@ class MatrixLayer:
         raise NotImplementedError
 
     @classmethod
-    def from_linear(cls: type[M], name: str, inputs: int, outputs: int, bias: bool) -> M:
-        """The model of a Linear layer's weight (outputs x inputs) at the subclass's defaults."""
-        return cls(name, outputs, inputs)
+    def from_linear(cls: type[M], name: str, inputs: int, outputs: int, bias: bool, **settings: Any) -> M:
+        """The model of a Linear layer's weight (outputs x inputs) at the subclass's defaults, or
+        at `settings` (its fields, as `settings_of` gives them)."""
+        return cls(name, outputs, inputs, **settings)
+
+    @classmethod
+    def settings_of(cls, section: Any, p_ops: bool) -> dict[str, Any]:
+        """The fields of this model that a run's method section (its `RefreshConfig`) sets;
+        `p_ops`: whether the run's plan has the method's per-step P ops. None by default."""
+        return {}
+
+    def refresh_copy_bytes(self, element_bytes: int = 4) -> int:
+        """Bytes held beside `state_bytes` from the matrix's first refresh op of a cycle to its
+        commit: none by default."""
+        return 0
+
+    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
+        """Bytes a refresh op of the matrix allocates while it runs: none by default."""
+        return 0
+
+    def help_bytes(self, element_bytes: int = 4) -> int:
+        """Bytes a rank that helps with the matrix (its help op) holds for it: the gradient it
+        receives and the result it sends back, `element_bytes` each."""
+        return 2 * self.gradient_elements * element_bytes
+
+    def help_result_bytes(self, element_bytes: int = 4) -> int:
+        """What the matrix's own rank holds beside its state while another helps: nothing by
+        default (the result lands in a buffer `state_bytes` counts)."""
+        return 0
 
     @property
     def gradient_elements(self) -> int:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pipefisher.methods.blocks import FACTORS, MatrixInfo
-from pipefisher.methods.memory import MatrixLayer, copies, counter_bytes
+from pipefisher.methods.memory import STATISTICS_BYTES, MatrixLayer, copies, counter_bytes
 
 #: bytes of one factor's health counters (one per `pipefisher.methods.shampoo.health.ShampooHealth` field)
 COUNTER_BYTES = counter_bytes(2)
@@ -38,3 +39,18 @@ class ShampooLayer(MatrixLayer):
         statistics = sum(self.statistics_bytes * info.statistic_numel(f) + COUNTER_BYTES for f in FACTORS)
         gradient_sized = 1 + int(self.adam_grafting) + int(self.helpers)
         return statistics + roots + gradient_sized * element_bytes * self.gradient_elements
+
+    @classmethod
+    def settings_of(cls, section: Any, p_ops: bool) -> dict[str, Any]:
+        """`ShampooConfig`'s block size, statistics dtype and grafting; held products where the plan has P ops."""
+        return {
+            "block_size": section.block_size,
+            "statistics_bytes": STATISTICS_BYTES[section.statistics_dtype],
+            "adam_grafting": section.grafting == "adam",
+            "helpers": p_ops,
+        }
+
+    def help_bytes(self, element_bytes: int = 4) -> int:
+        """The gradient in and its products out, and the matrix's roots in use (kept for the cycle)."""
+        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+        return super().help_bytes(element_bytes) + element_bytes * sum(info.statistic_numel(f) for f in FACTORS)

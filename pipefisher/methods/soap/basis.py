@@ -28,14 +28,16 @@ TIE_BREAK = 1e-8
 
 def tie_broken(stats: Tensor) -> tuple[Tensor, Tensor]:
     """``S̃`` of each statistic (see the module doc), the identity for a non-finite one, and the
-    ``(b,)`` finiteness of the inputs."""
+    ``(b,)`` finiteness of the inputs. One new ``(b, n, n)`` tensor: the rest is done in place."""
     finite = torch.isfinite(stats).all(dim=(-2, -1))
     n = stats.shape[-1]
-    eye = torch.eye(n, dtype=stats.dtype, device=stats.device)
-    sym = torch.where(finite[:, None, None], (stats + stats.mT) / 2, eye)
+    sym = stats + stats.mT
+    sym.mul_(0.5).nan_to_num_(0.0, 0.0, 0.0).mul_(finite[:, None, None])
+    diagonal = sym.diagonal(dim1=-2, dim2=-1)
+    diagonal.add_((~finite)[:, None].to(stats.dtype))
     ramp = torch.arange(1, n + 1, dtype=stats.dtype, device=stats.device) * (TIE_BREAK / n)
-    scale = torch.linalg.matrix_norm(sym)[:, None, None]
-    return sym + scale * torch.diag_embed(ramp).expand_as(sym), finite
+    diagonal.add_(torch.linalg.matrix_norm(sym)[:, None] * ramp)
+    return sym, finite
 
 
 def eigenbasis(stats: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,10 +56,13 @@ def power_basis(stats: Tensor, basis: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     tilted, finite = tie_broken(stats)
     current = basis.to(stats.dtype)
     product = tilted @ current
+    del tilted  # each (b, n, n) temporary goes as soon as it is used: a refresh's memory is several of them
     estimate = (current * product).sum(dim=-2)
+    del current
     order = torch.argsort(estimate, dim=-1, descending=True, stable=True)
-    power = product.gather(-1, order[:, None, :].expand_as(product))
-    fresh, _ = torch.linalg.qr(power)
+    reflectors, scales = torch.geqrf(product.gather(-1, order[:, None, :].expand_as(product)))
+    del product
+    fresh = torch.linalg.householder_product(reflectors, scales)  # QR's Q, without R beside it
     return fresh, order, finite & torch.isfinite(fresh).all(dim=(-2, -1))
 
 

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from pipefisher.methods.blocks import FACTORS, split_sizes
-from pipefisher.methods.memory import MatrixLayer, counter_bytes
+from pipefisher.methods.blocks import FACTORS, MatrixInfo
+from pipefisher.methods.memory import STATISTICS_BYTES, MatrixLayer, counter_bytes
 
 #: bytes of one matrix's health counters (one per `pipefisher.methods.soap.health.SoapHealth` field)
 COUNTER_BYTES = counter_bytes(2)
+#: copies of a refreshed group of blocks (same-size blocks of one factor, stacked) a refresh holds
+#: at once, in the statistics' dtype and in the working dtype (`SoapEngine.refresh`: the stacked
+#: statistics, the power step's product and its sorted columns, the QR's reflectors; the bases in
+#: use and the new one): measured with `LiveTensorBytes`, 5.38 float64 statistics' worth with
+#: float32 bases (tests/soap/test_soap_refresh_memory.py)
+REFRESH_STATISTICS_COPIES, REFRESH_BASIS_COPIES = 4, 2
 
 
 @dataclass(frozen=True)
@@ -31,12 +38,37 @@ class SoapLayer(MatrixLayer):
         (``rows x cols``, from a step's end to its fold in the next step) and with helpers the
         rotated gradient (``rows x cols``, from the P op to the step end). Every replica keeps all
         of it (`keeps_results` makes no difference: the step end needs the bases)."""
-        row_blocks, col_blocks = split_sizes(self.rows, self.block_size), split_sizes(self.cols, self.block_size)
-        squares = {
-            "A": sum(r * r for r in row_blocks) * len(col_blocks),
-            "B": sum(c * c for c in col_blocks) * len(row_blocks),
-        }
-        per_factor = sum(2 * self.statistics_bytes * squares[f] + element_bytes * squares[f] for f in FACTORS)
+        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+        per_factor = sum((2 * self.statistics_bytes + element_bytes) * info.statistic_numel(f) for f in FACTORS)
         gradient_sized = 2 + int(self.deferred_statistics) + int(self.helpers)
         moments_and_held = gradient_sized * element_bytes * self.gradient_elements
         return per_factor + moments_and_held + COUNTER_BYTES
+
+    @classmethod
+    def settings_of(cls, section: Any, p_ops: bool) -> dict[str, Any]:
+        """`SoapConfig`'s block size, statistics dtype and fold; held rotations where the plan has P ops."""
+        return {
+            "block_size": section.block_size,
+            "statistics_bytes": STATISTICS_BYTES[section.statistics_dtype],
+            "deferred_statistics": section.fold == "bubbles",
+            "helpers": p_ops,
+        }
+
+    def help_bytes(self, element_bytes: int = 4) -> int:
+        """The gradient in and its rotation out, and the matrix's eigenbases in use (kept for the cycle)."""
+        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+        return super().help_bytes(element_bytes) + element_bytes * sum(info.statistic_numel(f) for f in FACTORS)
+
+    def refresh_copy_bytes(self, element_bytes: int = 4) -> int:
+        """From the matrix's first refresh op of a cycle to its commit: the pending eigenbases and
+        their column orders, per factor (`pipefisher.methods.soap.state.pending_numel`)."""
+        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+        return element_bytes * sum(info.statistic_numel(f) + sum(info.block_sizes(f)) for f in FACTORS)
+
+    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
+        """While a refresh op runs: the copies of its largest group of same-size blocks
+        (`REFRESH_STATISTICS_COPIES`, `REFRESH_BASIS_COPIES`)."""
+        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+        groups = [n * n * info.block_sizes(f).count(n) for f in FACTORS for n in set(info.block_sizes(f))]
+        per_element = REFRESH_STATISTICS_COPIES * self.statistics_bytes + REFRESH_BASIS_COPIES * element_bytes
+        return max(groups) * per_element

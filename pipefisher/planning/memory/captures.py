@@ -10,8 +10,8 @@ a capture costs extra only from the micro-batch's *release* on: its backward, or
 schedule splits the backward. A rank runs its list in order, so what it holds after each op
 follows from the order alone. Sizes come from the profile (`capture_a_bytes`, `capture_b_bytes`
 per micro-batch; 0 = unknown); layers that share an input (attention query, key, value) each
-count it, so the figure is an upper bound there.
-Pure Python: no torch.
+count it, so the figure is an upper bound there. A method without curvature tasks (SOAP, Shampoo,
+Muon) captures nothing per micro-batch. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ class CapturePeak:
 
 
 def capture_held(plan: Plan, profile: Profile, rank: int) -> list[list[int]]:
-    """Per step of `plan`'s cycle, the extra captured bytes `rank` holds after each of its ops."""
+    """Per step of `plan`'s cycle, the extra captured bytes `rank` holds after each of its ops:
+    none for a method without per-micro-batch curvature tasks (`TaskRules.curvature`), which
+    captures nothing per micro-batch whatever sizes the profile carries."""
+    if plan.rules is not None and not plan.rules.curvature:
+        return [[0] * len(step[rank]) for step in plan.steps]
     release = OpKind.WEIGHT if plan.schedule.splits_backward else OpKind.BACKWARD
     sizes = [
         {(layer.name, part): layer.captured(part) for layer in stage.layers for part in range(len(layer.capture_bytes))}

@@ -36,6 +36,8 @@ from pipefisher.planning.memory.activations import (
 from pipefisher.core.profile import Profile
 from pipefisher.planning.memory.backward import backward_transient_bytes
 from pipefisher.planning.memory.cycle import CyclePeak, cycle_peaks
+from pipefisher.planning.memory.helped import help_bytes_per_rank
+from pipefisher.planning.memory.layer_model import refresh_copies, refresh_work, stage_layers
 from pipefisher.planning.memory.state import ElementBytes, OptimizerState, RankMemory, StageState, rank_memory
 from pipefisher.planning.plan import Plan
 
@@ -43,7 +45,8 @@ from pipefisher.planning.plan import Plan
 @dataclass(frozen=True)
 class RankPeak:
     """One rank's peak bytes by kind (`training`: its `RankMemory`; `activation_bytes` with the
-    step cache's low-precision weight copies)."""
+    step cache's low-precision weight copies; `help_bytes`: what its help ops hold all cycle,
+    `pipefisher.planning.memory.helped`)."""
 
     rank: int
     training: RankMemory
@@ -51,6 +54,7 @@ class RankPeak:
     capture_bytes: int = 0
     comm_buffer_bytes: int = 0
     refresh_bytes: int = 0
+    help_bytes: int = 0
 
     @property
     def parameter_bytes(self) -> int:
@@ -72,13 +76,14 @@ class RankPeak:
 
     @property
     def total_bytes(self) -> int:
-        """Training state + activations + held captures + refresh copies + point-to-point buffers."""
+        """Training state, activations, held captures, refresh copies, point-to-point and help buffers."""
         return (
             self.training.total_bytes
             + self.activation_bytes
             + self.capture_bytes
             + self.refresh_bytes
             + self.comm_buffer_bytes
+            + self.help_bytes
         )
 
 
@@ -175,15 +180,6 @@ def stage_sent_bytes(
     return result
 
 
-def refresh_copy_bytes(stage_states: Sequence[StageState], element_bytes: int = 4) -> dict[tuple[int, str], int]:
-    """Per (stage, layer name), the refresh's copy of the layer's statistics (`pipefisher.planning.memory.cycle`)."""
-    return {
-        (index, layer.name): layer.state_bytes(element_bytes, False)
-        for index, stage in enumerate(stage_states)
-        for layer in stage.curvature_layers
-    }
-
-
 def peak_memory(
     topology: Topology,
     stage_states: Sequence[StageState],
@@ -206,7 +202,7 @@ def peak_memory(
     its peak (`pipefisher.planning.memory.captures.capture_peaks`; None: no curvature captures);
     `plan` and `profile` (both or neither): the curvature plan the run executes and the profile
     of its capture sizes, whose cycle gives activations, captures and refresh copies at their
-    joint peak instead (`capture_bytes_per_rank` is then ignored)."""
+    joint peak instead (`capture_bytes_per_rank` is then ignored) and its help ops' buffers."""
     schedule = topology.schedule
     training = rank_memory(topology, stage_states, optimizer, zero, widths, workers_per_layer, powersgd_rank)
     step_cache = zero < 2  # the runtime's: ZeRO-2/3 (FSDP2) cast per forward
@@ -214,9 +210,12 @@ def peak_memory(
         shape, schedule.num_stages, micro_batch_size, precision, recompute, tensor_parallel, step_cache
     )
     sent = stage_sent_bytes(shape, schedule.num_stages, micro_batch_size, precision)
+    helped = [0] * schedule.num_ranks
     if plan is not None and profile is not None:
-        refresh = refresh_copy_bytes(stage_states, widths.factor)
-        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh, sent)
+        layers = stage_layers([stage.curvature_layers for stage in stage_states])
+        refresh, work = refresh_copies(layers, widths.factor), refresh_work(layers, widths.factor)
+        joint = cycle_peaks(plan, profile, kept, pending, transient, refresh, sent, work)
+        helped = help_bytes_per_rank(plan, layers, widths.factor)
     else:
         peaks = activation_peaks(schedule, kept, pending, transient, sent)
         captures = capture_bytes_per_rank if capture_bytes_per_rank is not None else [0] * schedule.num_ranks
@@ -232,6 +231,7 @@ def peak_memory(
                 held.capture_bytes,
                 comm_buffer_bytes(topology, rank, shape, micro_batch_size, precision),
                 held.refresh_bytes,
+                helped[topology.pipeline_rank(rank)],
             )
         )
     return result

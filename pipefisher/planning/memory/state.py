@@ -14,9 +14,8 @@ interleaved ranks hold several):
   for ZeRO 0 and 1;
 - optimizer state: per parameter tensor the runtime's optimizer updates, i.e. every parameter of
   the rank's stages without ZeRO, the rank's own (`pipefisher.planning.replicas.zero.shard_owners`) with ZeRO-1,
-  the rank's shard of every parameter with ZeRO-2/3;
-  under a curvature method, the parameters it does not precondition (`StageState.preconditioned`)
-  hold the state of its section's `first_order` rule (`OptimizerState.rest`);
+  the rank's shard of every parameter with ZeRO-2/3; under a curvature method, the parameters it
+  does not precondition (`StageState.preconditioned`) hold its `first_order` rule's state (`.rest`);
 - curvature state: what the curvature method holds per layer once a refresh is committed (its
   memory model, `CurvatureLayer`; K-FAC's is `pipefisher.methods.kfac.memory`), for every layer of
   every held stage; with G gradient workers per layer (`pipefisher.planning.replicas.kaisa`) a rank
@@ -25,45 +24,29 @@ interleaved ranks hold several):
   replicas (ring model, `pipefisher.planning.comm.volume.ring_bytes`): an all-reduce without ZeRO; with
   ZeRO-1 a reduce to the owners plus the owners' parameter broadcast, the same volume; with
   ZeRO-2/3 FSDP2's reduce-scatter and all-gathers (once a step, ZeRO-2; every forward and
-  backward, ZeRO-3); with
-  PowerSGD an all-reduce of its P and Q factors and of the tensors it leaves whole
-  (`powersgd_elements`); with gradient workers, plus the broadcasts of every layer's
-  preconditioned gradient within a block of R/G replicas.
+  backward, ZeRO-3); with PowerSGD an all-reduce of its P and Q factors and of the tensors it
+  leaves whole (`powersgd_elements`); with gradient workers, plus the broadcasts of every
+  layer's preconditioned gradient within a block of R/G replicas.
 
-Tensor parallelism: give the `StageState`s of one tensor-parallel rank (its shards of the split
-Linears, the replicated parameters whole; `pipefisher.planning.memory.transformer_state` builds them for
-pipefisher's BERT); every figure is then that rank's.
+Tensor parallelism: give one tensor-parallel rank's `StageState`s (its shards of the split Linears,
+the rest whole; `transformer_state` builds them for pipefisher's BERT): every figure is that rank's.
 
-Not counted: activations, captured inputs/output-gradients, built (unsynced) statistics,
-communication and temporary buffers, allocator slack. The runtime counts traffic per bucket, so
-its bytes can differ from this whole-stage model by integer rounding (under 2 bytes a bucket).
+Not counted: activations, captures, built (unsynced) statistics, communication and temporary
+buffers, allocator slack; traffic per bucket rounds (the runtime's: under 2 bytes a bucket off).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from pipefisher.core.topology import Topology
 from pipefisher.planning.comm.volume import powersgd_elements, ring_bytes
+from pipefisher.planning.memory.layer_model import CurvatureLayer
 from pipefisher.planning.memory.sharded import sharded_stage
 from pipefisher.planning.memory.zero_owned import owned_optimizer_bytes
 from pipefisher.planning.replicas.kaisa import GradWorkers
-
-
-class CurvatureLayer(Protocol):
-    """A curvature method's memory model of one layer."""
-
-    name: str
-
-    def state_bytes(self, element_bytes: int, keeps_results: bool) -> int:
-        """Bytes held for the layer after a committed refresh, statistics of `element_bytes` each;
-        `keeps_results`: the rank keeps the layer's refresh results (inverses, roots)."""
-
-    @property
-    def gradient_elements(self) -> int:
-        """Elements of the layer's preconditioned gradient (what a gradient worker broadcasts)."""
 
 
 @dataclass(frozen=True)
@@ -385,9 +368,7 @@ def powersgd_state_bytes(shapes: Sequence[tuple[int, ...]], rank: int, element_b
     copy of every tensor it leaves whole (n x r each, plus those tensors)."""
     elements = 0
     for shape in shapes:
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         if powersgd_elements(shape, rank) < numel:
             elements += numel + rank * (numel // shape[0]) + rank * shape[0]
         else:

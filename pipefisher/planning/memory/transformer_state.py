@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from pipefisher.core.stage_split import stage_block_ranges
 from pipefisher.core.tensor_parallel import BLOCK_SPLITS, Split, holds_bias, shard_features
-from pipefisher.planning.memory.state import CurvatureLayer, StageState
+from pipefisher.planning.memory.layer_model import CurvatureLayer
+from pipefisher.planning.memory.state import StageState
 from pipefisher.planning.transformer_profile import BLOCK_LAYERS
 
 #: a curvature method's memory model of one Linear layer: (module name, inputs, outputs, whether

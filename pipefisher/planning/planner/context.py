@@ -12,6 +12,7 @@ from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.planner.candidates import Layout, stage_replicas
 from pipefisher.planning.planner.flop_times import FlopTimes
 from pipefisher.planning.planner.hardware import Hardware, Link
+from pipefisher.planning.planner.layer_models import LayerSettings, layer_settings
 from pipefisher.planning.planner.links import data_parallel_link
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.planner.sources import MeasuredTimes, ReferenceTimes, measured_bandwidth_gbps
@@ -58,6 +59,13 @@ class PlanContext:
         if self.section is None or not is_curvature(layout.method):
             return True
         return self.section.precondition_op(stage_replicas(layout), layout.zero)
+
+    def layer_settings(self, layout: Layout, p_ops: bool = False) -> LayerSettings:
+        """What the section sets of `layout`'s method's layer memory model (`layer_settings`);
+        `p_ops`: its plan has the method's P ops (a packed plan's; before packing, the least: none)."""
+        if not is_curvature(layout.method):
+            return ()
+        return layer_settings(layout.method, self.section, p_ops)
 
     def without_p_ops(self, layout: Layout) -> PlanContext | None:
         """This context as it times `layout` run without its method's optional P ops

@@ -3,8 +3,9 @@ state, PowerSGD's; `pipefisher.planning.memory.state.rank_memory` over the model
 `transformer_stage_states`) plus activations held at the schedule's peak (`layout_memory`); for a
 packed curvature plan, the joint peak over its refresh cycle of activations, captures and the
 refresh's copies of the statistics (`packed_memory`, `pipefisher.planning.memory.cycle`, which
-counts a captured input once: as an activation until its backward, as a capture after).
-Pure Python: no torch.
+counts a captured input once: as an activation until its backward, as a capture after) and what
+its help ops hold (`pipefisher.planning.memory.helped`). The method's layers are modelled at what
+its run-file section sets of them (`layer_models.layer_settings`). Pure Python: no torch.
 
 Activations: `pipefisher.planning.memory.activations` (what autograd saves per micro-batch, held
 from each forward to its backward, or its weight gradient under a split backward, at the
@@ -13,18 +14,24 @@ schedule's peak) and the point-to-point buffers (`pipefisher.planning.memory.pea
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from pipefisher.core.profile import Profile
 from pipefisher.core.topology import Topology
 from pipefisher.methods.registry import methods
 from pipefisher.planning.planner.candidates import Layout
+from pipefisher.planning.planner.layer_models import (
+    LayerSettings,
+    layer_memory_model,
+    profile_layers,
+)
 from pipefisher.planning.memory.activations import activation_peaks
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.memory.state import OptimizerState, RankMemory, optimizer_state, rank_memory
 from pipefisher.planning.memory.cycle import cycle_peaks
+from pipefisher.planning.memory.helped import help_bytes_per_rank
+from pipefisher.planning.memory.layer_model import refresh_copies, refresh_work
 from pipefisher.planning.memory.peak import (
     comm_buffer_bytes,
     rank_cast_bytes,
@@ -32,8 +39,7 @@ from pipefisher.planning.memory.peak import (
     stage_sent_bytes,
 )
 from pipefisher.planning.plan import Plan
-from pipefisher.planning.transformer_profile import BLOCK_LAYERS, block_layer_shapes
-from pipefisher.planning.memory.transformer_state import BLOCK_MODULES, TransformerSizes, transformer_stage_states
+from pipefisher.planning.memory.transformer_state import TransformerSizes, transformer_stage_states
 
 #: memory a GPU holds back outside the model, GiB (`default_reserve_gib`): the CUDA context with
 #: its kernels and cuBLAS/cuDNN workspaces (PyTorch's context alone shows ~0.8 GB in nvidia-smi,
@@ -53,9 +59,10 @@ def default_reserve_gib(memory_gib: float) -> float:
 
 @dataclass(frozen=True)
 class MemoryUse:
-    """Bytes of the rank with the most (`rank`): its training state, activations (with the
-    point-to-point buffers) and, for a packed plan, its captures and the refresh's copies of the
-    statistics, the last two at their joint peak with the activations; `total` their sum."""
+    """Bytes of the rank with the most (`rank`): its training state (for a packed plan with what
+    its help ops hold for the cycle), activations (with the point-to-point buffers) and, for a
+    packed plan, its captures and the refresh's copies of the statistics, the last two at their
+    joint peak with the activations; `total` their sum."""
 
     rank: int
     state: int
@@ -65,15 +72,6 @@ class MemoryUse:
     @property
     def total(self) -> int:
         return self.state + self.activations + self.captures
-
-
-def layer_memory_model(method: str):
-    """The curvature method's `from_linear` memory model, or None (first-order, or not modelled)."""
-    known = methods().get(method)
-    if known is None or not known.memory:
-        return None
-    module, _, attribute = known.memory.partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState:
@@ -86,7 +84,14 @@ def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState
 
 
 @lru_cache(maxsize=256)
-def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: str, stage_blocks: tuple[int, ...]):
+def _stage_states(
+    sizes: ModelSizes,
+    pieces: int,
+    tensor_parallel: int,
+    method: str,
+    stage_blocks: tuple[int, ...],
+    settings: LayerSettings = (),
+):
     model = layer_memory_model(method)
     transformer = TransformerSizes(
         sizes.blocks, sizes.hidden, sizes.ffn, sizes.vocab, max_positions=max(512, sizes.seq_len)
@@ -94,7 +99,7 @@ def _stage_states(sizes: ModelSizes, pieces: int, tensor_parallel: int, method: 
     return transformer_stage_states(
         transformer,
         pieces,
-        model.from_linear if model else None,
+        partial(model.from_linear, **dict(settings)) if model else None,
         tensor_parallel=tensor_parallel,
         preconditions_bias=bool(model and model.PRECONDITIONS_BIAS),
         stage_blocks=stage_blocks,
@@ -113,87 +118,82 @@ _STATES: dict[tuple, tuple[RankMemory, ...]] = {}
 _HEAVIEST: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
 
-def _state_key(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
-) -> tuple:
-    """What `state_per_rank` depends on (not the micro-batches): the schedule's shape and
-    `_replica_key`."""
-    return (
-        layout.schedule,
-        layout.stages,
-        layout.chunks,
-        layout.stage_blocks,
-        *_replica_key(layout, sizes, first_order, momentum, workers),
-    )
+@dataclass(frozen=True)
+class StateInputs:
+    """What a layout's training state depends on beside the layout: the model, the first-order
+    rule and SGD momentum, gradient workers per layer (`PlanContext.workers_per_layer`; None:
+    every replica) and the method's layer settings (`layer_settings`)."""
+
+    sizes: ModelSizes
+    first_order: str
+    momentum: float
+    workers: int | None = None
+    settings: LayerSettings = ()
 
 
-def _replica_key(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
-) -> tuple:
-    """What the state depends on beside the schedule: replicas, gradient path and workers, method, model."""
+def _replica_key(layout: Layout, state: StateInputs) -> tuple:
+    """What the state depends on beside the schedule: replicas, gradient path, method, `state`."""
     powersgd = 0 if layout.zero else layout.powersgd_rank
-    return (
-        layout.data_parallel,
-        layout.tensor_parallel,
-        layout.zero,
-        powersgd,
-        layout.method,
-        sizes,
-        first_order,
-        momentum,
-        workers,
-    )
+    return (layout.data_parallel, layout.tensor_parallel, layout.zero, powersgd, layout.method, state)
 
 
 def state_per_rank(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
+    layout: Layout,
+    sizes: ModelSizes,
+    first_order: str,
+    momentum: float,
+    workers: int | None = None,
+    settings: LayerSettings = (),
 ) -> tuple[RankMemory, ...]:
     """Every rank's training state under `layout` (its method, ZeRO 1-3, PowerSGD, `workers`
     gradient workers per layer: `PlanContext.workers_per_layer`), shard 0 of tensor parallelism
-    (the largest). Cached on what it depends on (not the micro-batches)."""
-    key = _state_key(layout, sizes, first_order, momentum, workers)
+    (the largest), the method's layers at `settings` (`layer_settings`)."""
+    return _states(layout, StateInputs(sizes, first_order, momentum, workers, settings))
+
+
+def _states(layout: Layout, state: StateInputs) -> tuple[RankMemory, ...]:
+    """`state_per_rank`, cached on what it depends on: the schedule's shape and `_replica_key`
+    (not the micro-batches)."""
+    key = (layout.schedule, layout.stages, layout.chunks, layout.stage_blocks, *_replica_key(layout, state))
     if key not in _STATES:
         powersgd = 0 if layout.zero else layout.powersgd_rank
-        states = _stage_states(sizes, layout.pieces, layout.tensor_parallel, layout.method, layout.stage_blocks)
+        stages = _stage_states(
+            state.sizes, layout.pieces, layout.tensor_parallel, layout.method, layout.stage_blocks, state.settings
+        )
         topology = Topology(layout.build_schedule(), layout.data_parallel, layout.tensor_parallel)
-        optimizer = _optimizer(layout.method, first_order, momentum)
+        optimizer = _optimizer(layout.method, state.first_order, state.momentum)
         _STATES[key] = rank_memory(
-            topology, states, optimizer, int(layout.zero), workers_per_layer=workers, powersgd_rank=powersgd
+            topology, stages, optimizer, int(layout.zero), workers_per_layer=state.workers, powersgd_rank=powersgd
         )
     return _STATES[key]
 
 
-def _placement_key(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
-) -> tuple:
-    """What the ranks' state bytes (`RankMemory.total_bytes`) depend on: `_state_key` with the
+def _placement_key(layout: Layout, state: StateInputs) -> tuple:
+    """What the ranks' state bytes (`RankMemory.total_bytes`) depend on: `_states`' key with the
     schedule named by what `rank_memory` reads of it, its ranks, pipes, stages and placement (not
     its op order: GPipe, 1F1B and ZB-H1 on one shape share it; the micro-batches change the
     traffic of ZeRO-2/3, never the bytes)."""
     schedule = layout.build_schedule()
     placement = tuple(sorted(schedule.placement.items()))
     shape = (schedule.num_ranks, schedule.num_pipes, schedule.num_stages, placement, layout.stage_blocks)
-    return (shape, *_replica_key(layout, sizes, first_order, momentum, workers))
+    return (shape, *_replica_key(layout, state))
 
 
-def _heaviest_states(
-    layout: Layout, sizes: ModelSizes, first_order: str, momentum: float, workers: int | None = None
-) -> tuple[tuple[int, int], ...]:
+def _heaviest_states(layout: Layout, state: StateInputs) -> tuple[tuple[int, int], ...]:
     """Per pipeline position (ranks equal modulo the pipeline's), (the lowest rank of the most
     state bytes there, those bytes), by rank: the ranks at a position share their activations,
     so the rank with the most bytes overall is one of these (the lowest of ties, as a scan over
     every rank finds). Cached on `_placement_key`."""
-    key = _placement_key(layout, sizes, first_order, momentum, workers)
+    key = _placement_key(layout, state)
     if key not in _HEAVIEST:
-        states = state_per_rank(layout, sizes, first_order, momentum, workers)
         pipeline = layout.build_schedule().num_ranks
         best: dict[int, tuple[int, int]] = {}
         totals: dict[tuple[int, ...], int] = {}  # by the identity of a rank's stage copies (shared by ranks)
-        for rank, state in enumerate(states):
-            parts = tuple(map(id, state.stages))
+        for rank, memory in enumerate(_states(layout, state)):
+            parts = tuple(map(id, memory.stages))
             total = totals.get(parts)
             if total is None:
-                total = totals[parts] = state.total_bytes
+                total = totals[parts] = memory.total_bytes
             held = best.get(rank % pipeline)
             if held is None or total > held[1]:
                 best[rank % pipeline] = (rank, total)
@@ -240,6 +240,7 @@ def layout_memory(
     momentum: float,
     precision: str = "fp32",
     workers: int | None = None,
+    settings: LayerSettings = (),
 ) -> MemoryUse:
     """The rank with the most bytes before any curvature plan: state + activations (the first of
     ties, by rank; over `_heaviest_states`' ranks); `workers`: as `state_per_rank`."""
@@ -248,45 +249,10 @@ def layout_memory(
     return max(
         (
             MemoryUse(rank, total, activations[rank % pipeline])
-            for rank, total in _heaviest_states(layout, sizes, first_order, momentum, workers)
+            for rank, total in _heaviest_states(layout, StateInputs(sizes, first_order, momentum, workers, settings))
         ),
         key=lambda found: found.total,
     )
-
-
-def block_linear_shapes(sizes: ModelSizes, tensor_parallel: int) -> dict[str, tuple[int, int]]:
-    """Layer-name suffix -> (inputs, outputs) of a block's Linears on one tensor-parallel rank,
-    under the reference profiles' names (``.attention.query``) and BERT's module names."""
-    shapes = {name: (din, dout) for name, din, dout in block_layer_shapes(sizes.hidden, sizes.ffn, tensor_parallel)}
-    return {
-        **{f".{name}": shape for name, shape in shapes.items()},
-        **{f".{BLOCK_MODULES[name]}": shapes[name] for name in BLOCK_LAYERS},
-    }
-
-
-def _refresh_bytes(layout: Layout, sizes: ModelSizes, profile: Profile) -> dict[tuple[int, str], int]:
-    """Per (stage, layer) of the profile, the refresh's copy of the layer's statistics (fp32) in
-    the method's memory model; layers of unknown shape (outside the blocks) hold none."""
-    if layer_memory_model(layout.method) is None:
-        return {}
-    found = {}
-    for index, stage in enumerate(profile.stages):
-        for layer in stage.layers:
-            held = _layer_refresh_bytes(layout.method, sizes, layout.tensor_parallel, layer.name)
-            if held is not None:
-                found[(index, layer.name)] = held
-    return found
-
-
-@lru_cache(maxsize=65536)
-def _layer_refresh_bytes(method: str, sizes: ModelSizes, tensor_parallel: int, name: str) -> int | None:
-    """`_refresh_bytes` of one layer by its name (None: not a block's Linear); a search asks for
-    the same names under thousands of layouts."""
-    shapes = block_linear_shapes(sizes, tensor_parallel)
-    shape = next((shape for suffix, shape in shapes.items() if name.endswith(suffix)), None)
-    if shape is None:
-        return None
-    return layer_memory_model(method).from_linear(name, *shape, True).state_bytes(4, False)
 
 
 def packed_memory(
@@ -298,28 +264,36 @@ def packed_memory(
     plan: Plan,
     profile: Profile,
     workers: int | None = None,
+    settings: LayerSettings = (),
 ) -> MemoryUse:
-    """The rank with the most bytes under a packed curvature plan: its state (`workers`: as
-    `state_per_rank`), and the joint peak over the plan's refresh cycle of activations, captures
-    and refresh copies (`cycle_peaks`), plus its point-to-point buffers. The ranks at one pipeline
-    position share all but their state, so the rank is one of `_heaviest_states`'."""
+    """The rank with the most bytes under a packed curvature plan: its state (`workers`,
+    `settings`: as `state_per_rank`; `layer_settings` of whether `plan` has P ops) with what its
+    help ops hold for the cycle (`help_bytes_per_rank`), and the joint peak over the plan's
+    refresh cycle of activations, captures and refresh copies (`cycle_peaks`), plus its
+    point-to-point buffers. The ranks at one pipeline position share all but their state, so the
+    rank is one of `_heaviest_states`'."""
     shape = replace(sizes.shape, stage_blocks=layout.stage_blocks)
     step_cache = layout.zero < 2
     kept, pending, transient = stage_activation_bytes(
         shape, layout.pieces, layout.micro_batch_size, precision, layout.recompute, layout.tensor_parallel, step_cache
     )
     sent = stage_sent_bytes(shape, layout.pieces, layout.micro_batch_size, precision)
-    joint = cycle_peaks(plan, profile, kept, pending, transient, _refresh_bytes(layout, sizes, profile), sent)
+    layers = profile_layers(layout.method, layout.tensor_parallel, sizes, profile, settings)
+    joint = cycle_peaks(plan, profile, kept, pending, transient, refresh_copies(layers), sent, refresh_work(layers))
     buffers = _buffer_bytes(layout, sizes, precision, Topology(plan.schedule))
+    helped = help_bytes_per_rank(plan, layers)
     pipeline = len(joint)
 
     def use(rank: int, state: int) -> MemoryUse:
-        peak = joint[rank % pipeline]
+        peak, position = joint[rank % pipeline], rank % pipeline
         return MemoryUse(
-            rank, state, peak.activation_bytes + buffers[rank % pipeline], peak.capture_bytes + peak.refresh_bytes
+            rank,
+            state + helped[position],
+            peak.activation_bytes + buffers[position],
+            peak.capture_bytes + peak.refresh_bytes,
         )
 
-    heaviest = _heaviest_states(layout, sizes, first_order, momentum, workers)
+    heaviest = _heaviest_states(layout, StateInputs(sizes, first_order, momentum, workers, settings))
     return max((use(rank, state) for rank, state in heaviest), key=lambda found: found.total)
 
 
@@ -331,6 +305,7 @@ def refresh_floor(
     precision: str,
     profile: Profile,
     workers: int | None = None,
+    settings: LayerSettings = (),
 ) -> MemoryUse:
     """A lower bound of `packed_memory` under every plan of a method with per-micro-batch
     curvature tasks (`TaskRules.curvature`): each layer of a rank's stages starts its refresh copy
@@ -342,7 +317,7 @@ def refresh_floor(
     schedule = layout.build_schedule()
     topology = Topology(schedule)
     buffers = _buffer_bytes(layout, sizes, precision, topology)
-    refresh = _refresh_bytes(layout, sizes, profile)
+    refresh = refresh_copies(profile_layers(layout.method, layout.tensor_parallel, sizes, profile, settings))
     stages: list[set[int]] = [set() for _ in range(schedule.num_ranks)]
     for (_, stage), rank in schedule.placement.items():
         stages[rank].add(stage)  # a stage held in two pipes copies its statistics once
@@ -351,7 +326,7 @@ def refresh_floor(
     return max(
         (
             MemoryUse(rank, total, buffers[rank % pipeline], held[rank % pipeline])
-            for rank, total in _heaviest_states(layout, sizes, first_order, momentum, workers)
+            for rank, total in _heaviest_states(layout, StateInputs(sizes, first_order, momentum, workers, settings))
         ),
         key=lambda found: found.total,
     )

@@ -42,7 +42,8 @@ from pipefisher.planning.packing.step_end import precondition_in_step_end
 from pipefisher.planning.memory.activations import PRECISIONS
 from pipefisher.planning.planner.candidates import Layout, stage_replicas
 from pipefisher.planning.planner.context import PlanContext
-from pipefisher.planning.planner.layout_memory import block_linear_shapes, stage_parameters, state_per_rank
+from pipefisher.planning.planner.layer_models import block_linear_shapes
+from pipefisher.planning.planner.layout_memory import stage_parameters, state_per_rank
 from pipefisher.planning.planner.links import hop_links
 from pipefisher.planning.planner.model_sizes import ModelSizes
 from pipefisher.planning.planner.sources import MS_PER_UNIT

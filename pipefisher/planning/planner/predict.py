@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pipefisher.core.ir import Schedule
 from pipefisher.core.profile import Profile
 from pipefisher.planning.packing.pack import PackOptions, PackResult
+from pipefisher.planning.packing.step_end import has_p_ops
 from pipefisher.planning.plan import cycle_time, simulate_plan
 from pipefisher.planning.planner.candidates import Layout
 from pipefisher.planning.planner.context import (
@@ -130,13 +131,15 @@ def method_memory(layout: Layout, context: PlanContext) -> MemoryUse:
     activations at the schedule's peak (`layout_memory`) or, where larger, the refresh copies that
     every plan of a method with per-micro-batch curvature tasks holds at its cycle's end beside
     the state (`refresh_floor`). A packed plan needs at least this (`packed_memory`)."""
-    workers = context.workers_per_layer(layout)
-    held = layout_memory(layout, context.sizes, context.first_order, context.momentum, context.precision, workers)
+    workers, settings = context.workers_per_layer(layout), context.layer_settings(layout)
+    held = layout_memory(
+        layout, context.sizes, context.first_order, context.momentum, context.precision, workers, settings
+    )
     if not is_curvature(layout.method) or not task_rules(layout.method).curvature:
         return held
     profile = layout_profile(layout, context, syncs=False)
     floor = refresh_floor(
-        layout, context.sizes, context.first_order, context.momentum, context.precision, profile, workers
+        layout, context.sizes, context.first_order, context.momentum, context.precision, profile, workers, settings
     )
     return max(held, floor, key=lambda use: use.total)
 
@@ -189,8 +192,10 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
     the chosen k (or the layout's pinned `refresh_steps`)."""
     first_ms, bubble, reduce_ms = first_order_time(layout, context)
     tokens = context.sizes.seq_len
-    workers = context.workers_per_layer(layout)
-    held = layout_memory(layout, context.sizes, context.first_order, context.momentum, context.precision, workers)
+    workers, settings = context.workers_per_layer(layout), context.layer_settings(layout)
+    held = layout_memory(
+        layout, context.sizes, context.first_order, context.momentum, context.precision, workers, settings
+    )
     if not is_curvature(layout.method):
         return Prediction(layout, first_ms, first_ms, bubble, 0.0, reduce_ms, held, tokens)
     if context.section is None:
@@ -200,8 +205,17 @@ def predict(layout: Layout, context: PlanContext, memory_budget: int | None = No
     cycle = result.cycle_time if result.nominal else cycle_time(simulate_plan(result.plan, profile, graph=result.graph))
     step_ms = cycle / result.refresh_steps * MS_PER_UNIT[profile.time_unit]
     packed = replace(layout, refresh_steps=result.refresh_steps)
+    settings = context.layer_settings(packed, has_p_ops(result.plan))
     memory = packed_memory(
-        packed, context.sizes, context.first_order, context.momentum, context.precision, result.plan, profile, workers
+        packed,
+        context.sizes,
+        context.first_order,
+        context.momentum,
+        context.precision,
+        result.plan,
+        profile,
+        workers,
+        settings,
     )
     return Prediction(
         packed,

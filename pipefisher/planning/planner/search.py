@@ -95,7 +95,8 @@ def _progress(results: Iterator, total: int, what: str, shown: bool) -> Iterable
 
 def _memory(layout: Layout, first_order: str, context: PlanContext) -> MemoryUse:
     workers = context.workers_per_layer(layout)
-    return layout_memory(layout, context.sizes, first_order, context.momentum, context.precision, workers)
+    settings = context.layer_settings(layout)
+    return layout_memory(layout, context.sizes, first_order, context.momentum, context.precision, workers, settings)
 
 
 def _memories(layout: Layout) -> tuple[MemoryUse, MemoryUse]:

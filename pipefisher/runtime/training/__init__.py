@@ -28,7 +28,8 @@ Measuring
     `measure_profile` (a profile of the executor's ops and the method's tasks), `pack_options`
     (the packer's options of a run), `compile_blocks` (`run.compile` on a stage), `local_bytes` (a sharded tensor's local bytes), `unique_parameters`
     (a module's parameters, tied ones once), and the memory check: `predict_memory(config)`,
-    `measure_memory(rank, world, config, steps)` (a `run_group` worker), `measured_steps(config)`.
+    `measure_memory(rank, world, config, steps)` (a `run_group` worker), `measured_steps(config)`,
+    and its probe `LiveTensorBytes` (the peak bytes of live tensors while it is on).
 
 The names are imported when first used, so importing this package (or `stopping`, which the
 CLI's entry point does first) loads no torch.
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from pipefisher.runtime.training.launch import GroupFailure, Interrupted, run_group, world_of_one
     from pipefisher.runtime.training.memory_check import measure as measure_memory
     from pipefisher.runtime.training.memory_check import measured_steps
+    from pipefisher.runtime.training.memory_probe import LiveTensorBytes
     from pipefisher.runtime.training.optimizer import build_optimizer, build_scheduler
     from pipefisher.runtime.training.method_context import method_inputs
     from pipefisher.runtime.training.memory_check import predict as predict_memory
@@ -95,6 +97,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "predict_memory": ("pipefisher.runtime.training.memory_check", "predict"),
     "measure_memory": ("pipefisher.runtime.training.memory_check", "measure"),
     "measured_steps": ("pipefisher.runtime.training.memory_check", "measured_steps"),
+    "LiveTensorBytes": ("pipefisher.runtime.training.memory_probe", "LiveTensorBytes"),
     "set_tf32": ("pipefisher.runtime.primitives.tf32", "set_tf32"),
 }
 
@@ -104,6 +107,7 @@ __all__ = [
     "ExecutorExtension",
     "GroupFailure",
     "Interrupted",
+    "LiveTensorBytes",
     "PipeFisherTrainer",
     "PlanRunner",
     "Precision",

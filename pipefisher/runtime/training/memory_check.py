@@ -11,6 +11,7 @@ run packs its plan from the profile file its section names (`<method>.profile`),
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -22,8 +23,10 @@ from pipefisher.core.profile import Profile, load_profile
 from pipefisher.methods.registry import method_of
 from pipefisher.models.kind import load
 from pipefisher.models.registry import kinds, model_kind
-from pipefisher.planning.planner.layout_memory import layer_memory_model
-from pipefisher.planning.memory.state import CurvatureLayer, StageState, optimizer_state
+from pipefisher.planning.packing.step_end import has_p_ops
+from pipefisher.planning.planner.layer_models import LayerSettings, layer_memory_model, layer_settings
+from pipefisher.planning.memory.layer_model import CurvatureLayer
+from pipefisher.planning.memory.state import StageState, optimizer_state
 from pipefisher.planning.memory.peak import RankPeak, peak_memory
 from pipefisher.planning.plan import Plan
 from pipefisher.runtime.training.assembly import RunParts, build_run, build_schedule
@@ -95,29 +98,43 @@ def hf_shape(config: RunConfig, model) -> ModelShape:
     )
 
 
-def _curvature_layers(config: RunConfig, model, module) -> tuple[tuple[CurvatureLayer, ...], set[int]]:
-    """The curvature method's memory model of each layer it works on in stage `module`, and the
-    ids of the parameters it preconditions; nothing for a first-order run."""
+def _curvature_layers(
+    config: RunConfig, model, module, settings: LayerSettings
+) -> tuple[tuple[CurvatureLayer, ...], set[int]]:
+    """The curvature method's memory model of each layer it works on in stage `module` at
+    `settings` (`layer_settings`), and the ids of the parameters it preconditions; nothing for a
+    first-order run."""
     if config.curvature is None:
         return (), set()
     method = method_of(config)
     parts, layer_model = method.runtime_parts(), layer_memory_model(method.name)
     skip = parts.skip(model)
-    layers = []
-    for name in parts.layer_names(module, skip):
-        layer = module.get_submodule(name)
-        inputs, outputs = (
-            (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else tuple(layer.weight.shape)
-        )
-        layers.append(layer_model.from_linear(name, inputs, outputs, getattr(layer, "bias", None) is not None))
     named = dict(module.named_parameters())
+    layers = [
+        layer_model.from_linear(name, *_layer_sizes(module, named, name), **dict(settings))
+        for name in parts.layer_names(module, skip)
+    ]
     return tuple(layers), {id(named[name]) for name in parts.preconditioned(config, module, skip)}
 
 
-def stage_states(config: RunConfig, model) -> list[StageState]:
-    """Every stage's parameters, read off the real stages, with the curvature method's layers and
-    the parameters it preconditions (curvature runs), and the element counts of its repeated
-    blocks (`repeated_blocks`: FSDP2's units under ZeRO-3, `fsdp_wrap`)."""
+def _layer_sizes(module, named: dict, name: str) -> tuple[int, int, bool]:
+    """(inputs, outputs, whether it has a bias) of the layer `name` a method works on: a matrix
+    method's parameter (its rows x the product of the rest, `MatrixInfo`), or a layer method's
+    module (a Linear, or its weight's first two dimensions)."""
+    if name in named:
+        shape = named[name].shape
+        return math.prod(shape[1:]), shape[0], False
+    layer = module.get_submodule(name)
+    inputs, outputs = (
+        (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else tuple(layer.weight.shape)
+    )
+    return inputs, outputs, getattr(layer, "bias", None) is not None
+
+
+def stage_states(config: RunConfig, model, settings: LayerSettings = ()) -> list[StageState]:
+    """Every stage's parameters, read off the real stages, with the curvature method's layers (at
+    `settings`) and the parameters it preconditions (curvature runs), and the element counts of
+    its repeated blocks (`repeated_blocks`: FSDP2's units under ZeRO-3, `fsdp_wrap`)."""
     from pipefisher.runtime.gradient_path.buffers import unique_parameters
     from pipefisher.runtime.pipeline.compiled import repeated_blocks
 
@@ -126,7 +143,7 @@ def stage_states(config: RunConfig, model) -> list[StageState]:
     for index in range(num_stages):
         module = model.build_stage(index, num_stages, config.run.seed)
         parameters = unique_parameters(module)
-        layers, preconditioned = _curvature_layers(config, model, module)
+        layers, preconditioned = _curvature_layers(config, model, module, settings)
         states.append(
             StageState(
                 tuple(p.numel() for p in parameters),
@@ -172,6 +189,7 @@ def predict(config: RunConfig) -> list[RankPeak]:
     model = run.model
     topology = Topology(run.schedule, config.pipeline.data_parallel, config.pipeline.tensor_parallel)
     section, profile, plan = config.curvature, None, None
+    settings: LayerSettings = ()
     if section is None:
         optimizer = optimizer_state(config.optimizer.name, getattr(config.optimizer, "momentum", 0.0))
     else:
@@ -182,9 +200,10 @@ def predict(config: RunConfig) -> list[RankPeak]:
             memory=method_of(config).memory,
         )
         profile, plan = _curvature_run(config, run)
+        settings = layer_settings(method_of(config).name, section, has_p_ops(plan))
     return peak_memory(
         topology,
-        stage_states(config, model),
+        stage_states(config, model, settings),
         optimizer,
         model_shape(config, model),
         config.data.micro_batch_size,
