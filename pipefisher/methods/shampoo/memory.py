@@ -12,6 +12,9 @@ from pipefisher.methods.memory import STATISTICS_BYTES, MatrixLayer, copies, cou
 COUNTER_BYTES = counter_bytes(2)
 #: bytes of one block's root flag (a bool)
 FLAG_BYTES = 1
+#: copies of a root op's group of blocks beside the stacked statistics (`refresh_work_bytes`):
+#: float64 ones by eigendecomposition, ones in the statistics' dtype by Newton's iteration
+EIGEN_FLOAT64_COPIES, NEWTON_STATISTICS_COPIES = 3, 9
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class ShampooLayer(MatrixLayer):
     statistics_bytes: int = 8
     adam_grafting: bool = True
     helpers: bool = False
+    newton_root: bool = False
 
     def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
         """At a cycle's peak, per factor: the statistic (``statistics_bytes``), the roots in use
@@ -48,7 +52,19 @@ class ShampooLayer(MatrixLayer):
             "statistics_bytes": STATISTICS_BYTES[section.statistics_dtype],
             "adam_grafting": section.grafting == "adam",
             "helpers": p_ops,
+            "newton_root": section.root == "newton",
         }
+
+    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
+        """While a root op runs, per element of its largest group of same-size blocks: by
+        eigendecomposition the stacked statistics and 3 float64 copies (the eigenvectors, them
+        scaled, the root), by Newton's iteration 9 copies in the statistics' dtype (the stacked
+        ones among them) and a root in the working dtype (`pipefisher.methods.shampoo.roots`;
+        measured with `LiveTensorBytes`, tests/shampoo/test_shampoo_roots_memory.py)."""
+        largest = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size).largest_group()
+        if self.newton_root:
+            return largest * (NEWTON_STATISTICS_COPIES * self.statistics_bytes + element_bytes)
+        return largest * (self.statistics_bytes + EIGEN_FLOAT64_COPIES * 8)
 
     def help_bytes(self, element_bytes: int = 4) -> int:
         """The gradient in and its products out, and the matrix's roots in use (kept for the cycle)."""

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from pipefisher.methods.shampoo.method import RootMethod
+from pipefisher.methods.symmetric import symmetric_or_identity
 
 ROOT_ORDER = 4  # Shampoo on a matrix preconditions each side with the inverse 4th root
 NEWTON_ITERATIONS = 100
@@ -37,8 +38,9 @@ def eigen_root(stats: Tensor, epsilon: float, p: int = ROOT_ORDER) -> tuple[Tens
     they come, their roots (up to ``ε^(-1/p)``) would turn a one-ulp change of the statistic into
     a different update; as zeros they take the root of an exact null direction. So ε bounds the
     root by ``ε^(-1/p)``. Cast back to ``stats.dtype``."""
-    sym, finite = _symmetric(stats.to(torch.float64))
+    sym, finite = symmetric_or_identity(stats.to(torch.float64))
     evals, evecs, decomposed = _eigh(sym)
+    del sym  # a refresh's memory is a few copies of its statistics: each goes once used
     rounding = evals.abs().amax(dim=-1, keepdim=True) * (stats.shape[-1] * torch.finfo(stats.dtype).eps)
     evals = torch.where(evals > rounding, evals, 0.0)
     scale = (evals + epsilon).pow(-1.0 / p)
@@ -60,7 +62,7 @@ def newton_root(stats: Tensor, epsilon: float, p: int = ROOT_ORDER) -> tuple[Ten
     level. All run exactly ``NEWTON_ITERATIONS`` steps, so no host read decides. ``ok`` also
     requires the final ``||M - I||_F / √n <= NEWTON_ACCEPT_RMS``.
     """
-    a, finite = _symmetric(stats)
+    a, finite = symmetric_or_identity(stats)
     n = a.shape[-1]
     eye = torch.eye(n, dtype=a.dtype, device=a.device)
     a = a + epsilon * eye
@@ -84,15 +86,6 @@ def newton_root(stats: Tensor, epsilon: float, p: int = ROOT_ORDER) -> tuple[Ten
     converged = error <= NEWTON_ACCEPT_RMS * n**0.5
     ok = finite & converged & torch.isfinite(x).all(dim=(-2, -1))
     return x, ok
-
-
-def _symmetric(stats: Tensor) -> tuple[Tensor, Tensor]:
-    """``(S + Sᵀ) / 2`` with every non-finite matrix replaced by the identity (so no NaN reaches
-    a decomposition), and the ``(b,)`` finiteness of the inputs."""
-    finite = torch.isfinite(stats).all(dim=(-2, -1))
-    eye = torch.eye(stats.shape[-1], dtype=stats.dtype, device=stats.device)
-    sym = torch.where(finite[:, None, None], (stats + stats.mT) / 2, eye)
-    return sym, finite
 
 
 def _eigh(sym: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipefisher.methods.symmetric import symmetric_or_identity
+
 #: relative size of the tie-break ramp added to a statistic (see the module doc)
 TIE_BREAK = 1e-8
 
@@ -29,12 +31,9 @@ TIE_BREAK = 1e-8
 def tie_broken(stats: Tensor) -> tuple[Tensor, Tensor]:
     """``S̃`` of each statistic (see the module doc), the identity for a non-finite one, and the
     ``(b,)`` finiteness of the inputs. One new ``(b, n, n)`` tensor: the rest is done in place."""
-    finite = torch.isfinite(stats).all(dim=(-2, -1))
     n = stats.shape[-1]
-    sym = stats + stats.mT
-    sym.mul_(0.5).nan_to_num_(0.0, 0.0, 0.0).mul_(finite[:, None, None])
+    sym, finite = symmetric_or_identity(stats)
     diagonal = sym.diagonal(dim1=-2, dim2=-1)
-    diagonal.add_((~finite)[:, None].to(stats.dtype))
     ramp = torch.arange(1, n + 1, dtype=stats.dtype, device=stats.device) * (TIE_BREAK / n)
     diagonal.add_(torch.linalg.matrix_norm(sym)[:, None] * ramp)
     return sym, finite

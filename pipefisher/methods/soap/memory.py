@@ -68,7 +68,5 @@ class SoapLayer(MatrixLayer):
     def refresh_work_bytes(self, element_bytes: int = 4) -> int:
         """While a refresh op runs: the copies of its largest group of same-size blocks
         (`REFRESH_STATISTICS_COPIES`, `REFRESH_BASIS_COPIES`)."""
-        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
-        groups = [n * n * info.block_sizes(f).count(n) for f in FACTORS for n in set(info.block_sizes(f))]
-        per_element = REFRESH_STATISTICS_COPIES * self.statistics_bytes + REFRESH_BASIS_COPIES * element_bytes
-        return max(groups) * per_element
+        largest = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size).largest_group()
+        return largest * (REFRESH_STATISTICS_COPIES * self.statistics_bytes + REFRESH_BASIS_COPIES * element_bytes)

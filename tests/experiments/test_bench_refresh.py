@@ -1,4 +1,4 @@
-"""experiments/bench_soap_refresh.py: SOAP's refresh in this tree against a git revision's, the
+"""experiments/bench_refresh.py: SOAP's and Shampoo's refresh in this tree against a git revision's, the
 same bits, times and peak copies in one table; a revision git does not have is one line, exit 2."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "experiments" / "bench_soap_refresh.py"
+SCRIPT = ROOT / "experiments" / "bench_refresh.py"
 
 
 def run(*flags: str) -> subprocess.CompletedProcess:
@@ -17,7 +17,7 @@ def test_the_quick_table_compares_the_refresh_with_a_revisions():
     done = run("--against", "HEAD", "--quick", "--repeats", "2")
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]]
-    assert len(rows) == 2
+    assert len(rows) == 4
     for row in rows:
         before_copies, now_copies = (float(cell) for cell in row.strip("| ").split(" | ")[-2:])
         assert now_copies <= before_copies
