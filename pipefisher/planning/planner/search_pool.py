@@ -65,9 +65,10 @@ class SearchPool:
         if executor is None:
             return
         running = list((executor._processes or {}).values())  # (no public way to stop a running task before 3.14)
+        for process in running:  # first: a worker's end wakes the executor's thread, which shutdown may wait for
+            process.terminate()
         executor.shutdown(wait=False, cancel_futures=True)
         for process in running:
-            process.terminate()
             process.join()
 
     def map(self, function: Callable[[Any], Any], items: Sequence, group: Callable[[Any], Any]) -> Iterator:
