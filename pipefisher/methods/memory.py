@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from pipefisher.methods.blocks import FACTORS, MatrixInfo
+
 #: bytes of one health counter (an int64 element, `pipefisher.methods.counters`)
 COUNTER_ELEMENT_BYTES = 8
 #: bytes per element of each `pipefisher.methods.settings.StatisticsDtype`
@@ -77,3 +79,38 @@ class MatrixLayer:
     def gradient_elements(self) -> int:
         """Elements of the matrix's gradient (what a gradient worker broadcasts)."""
         return self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class BlockedMatrixLayer(MatrixLayer):
+    """A matrix whose two factors' statistics are cut into blocks of ``block_size`` (SOAP's,
+    Shampoo's): ``statistics_bytes`` per element of them; ``helpers``: its P op's result (a
+    gradient-sized tensor) held until the step end, where the plan has P ops."""
+
+    block_size: int = 1024
+    statistics_bytes: int = 8
+    helpers: bool = False
+
+    @property
+    def info(self) -> MatrixInfo:
+        """The matrix's block structure."""
+        return MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
+
+    @property
+    def factor_elements(self) -> int:
+        """Elements of both factors' block matrices (statistics, bases, roots) together."""
+        return sum(self.info.statistic_numel(f) for f in FACTORS)
+
+    @classmethod
+    def settings_of(cls, section: Any, p_ops: bool) -> dict[str, Any]:
+        """The section's block size and statistics dtype; the held result where the plan has P ops."""
+        return {
+            "block_size": section.block_size,
+            "statistics_bytes": STATISTICS_BYTES[section.statistics_dtype],
+            "helpers": p_ops,
+        }
+
+    def help_bytes(self, element_bytes: int = 4) -> int:
+        """The gradient in and the result out, and the refresh results the helper applies (one
+        n x n per block and factor, kept for the cycle)."""
+        return super().help_bytes(element_bytes) + element_bytes * self.factor_elements

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipefisher.methods.blocks import FACTORS, MatrixInfo
-from pipefisher.methods.memory import STATISTICS_BYTES, MatrixLayer, counter_bytes
+from pipefisher.methods.blocks import FACTORS
+from pipefisher.methods.memory import BlockedMatrixLayer, counter_bytes
 
 #: bytes of one matrix's health counters (one per `pipefisher.methods.soap.health.SoapHealth` field)
 COUNTER_BYTES = counter_bytes(2)
@@ -19,17 +19,14 @@ REFRESH_STATISTICS_COPIES, REFRESH_BASIS_COPIES = 4, 2
 
 
 @dataclass(frozen=True)
-class SoapLayer(MatrixLayer):
+class SoapLayer(BlockedMatrixLayer):
     """A SOAP matrix ``(rows, cols)`` cut into blocks of ``block_size``; ``statistics_bytes`` per
     element of its statistics and their snapshot (float64 by default); ``deferred_statistics``:
     the fold in the next step's bubbles (``soap.fold: bubbles``), which holds a copy of the
     gradient until then; ``helpers``: the P op's rotated gradient held until the step end
     (``soap.helpers``)."""
 
-    block_size: int = 1024
-    statistics_bytes: int = 8
     deferred_statistics: bool = False
-    helpers: bool = False
 
     def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
         """After a committed refresh, per factor: the statistic and its snapshot (``statistics_bytes``
@@ -38,35 +35,25 @@ class SoapLayer(MatrixLayer):
         (``rows x cols``, from a step's end to its fold in the next step) and with helpers the
         rotated gradient (``rows x cols``, from the P op to the step end). Every replica keeps all
         of it (`keeps_results` makes no difference: the step end needs the bases)."""
-        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
-        per_factor = sum((2 * self.statistics_bytes + element_bytes) * info.statistic_numel(f) for f in FACTORS)
+        per_factor = (2 * self.statistics_bytes + element_bytes) * self.factor_elements
         gradient_sized = 2 + int(self.deferred_statistics) + int(self.helpers)
         moments_and_held = gradient_sized * element_bytes * self.gradient_elements
         return per_factor + moments_and_held + COUNTER_BYTES
 
     @classmethod
     def settings_of(cls, section: Any, p_ops: bool) -> dict[str, Any]:
-        """`SoapConfig`'s block size, statistics dtype and fold; held rotations where the plan has P ops."""
-        return {
-            "block_size": section.block_size,
-            "statistics_bytes": STATISTICS_BYTES[section.statistics_dtype],
-            "deferred_statistics": section.fold == "bubbles",
-            "helpers": p_ops,
-        }
-
-    def help_bytes(self, element_bytes: int = 4) -> int:
-        """The gradient in and its rotation out, and the matrix's eigenbases in use (kept for the cycle)."""
-        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
-        return super().help_bytes(element_bytes) + element_bytes * sum(info.statistic_numel(f) for f in FACTORS)
+        """`BlockedMatrixLayer`'s settings, and `SoapConfig`'s fold (held rotations where the plan has P ops)."""
+        return {**super().settings_of(section, p_ops), "deferred_statistics": section.fold == "bubbles"}
 
     def refresh_copy_bytes(self, element_bytes: int = 4) -> int:
         """From the matrix's first refresh op of a cycle to its commit: the pending eigenbases and
         their column orders, per factor (`pipefisher.methods.soap.state.pending_numel`)."""
-        info = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size)
-        return element_bytes * sum(info.statistic_numel(f) + sum(info.block_sizes(f)) for f in FACTORS)
+        orders = sum(sum(self.info.block_sizes(f)) for f in FACTORS)
+        return element_bytes * (self.factor_elements + orders)
 
     def refresh_work_bytes(self, element_bytes: int = 4) -> int:
         """While a refresh op runs: the copies of its largest group of same-size blocks
         (`REFRESH_STATISTICS_COPIES`, `REFRESH_BASIS_COPIES`)."""
-        largest = MatrixInfo.of(self.name, (self.rows, self.cols), self.block_size).largest_group()
-        return largest * (REFRESH_STATISTICS_COPIES * self.statistics_bytes + REFRESH_BASIS_COPIES * element_bytes)
+        return self.info.largest_group() * (
+            REFRESH_STATISTICS_COPIES * self.statistics_bytes + REFRESH_BASIS_COPIES * element_bytes
+        )
