@@ -1,4 +1,4 @@
-"""The one tiny model, the one profile builder and the BERT-Large planning context of the tests
+"""The one tiny model, the one profile builder and the BERT-Large planning contexts of the tests
 (pytest puts this folder on sys.path: `from builders import tiny_model, layered_profile`)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from pathlib import Path
 from pipefisher.config import load_config
 from pipefisher.core.profile import LayerProfile, Profile, StageProfile
 from pipefisher.methods.registry import method_of_profile
+from pipefisher.planning.planner.candidates import Layout, layout_of_run
+from pipefisher.planning.planner.flop_times import FlopTimes
 from pipefisher.planning.planner.hardware import hardware_of
 from pipefisher.planning.planner.model_sizes import model_sizes
 from pipefisher.planning.planner.predict import PlanContext
@@ -29,6 +31,18 @@ def bert_large_context(hardware: str | None = None) -> PlanContext:
     found = hardware_of(hardware) if hardware else None
     source = ReferenceTimes.open(ROOT / "profiles" / "reference" / "bert-large_time_memory_p100.csv", sizes)
     return PlanContext(sizes, replace(source, hardware=found), config.kfac.first_order, config.kfac, hardware=found)
+
+
+def flop_context(method: str = "soap", **section: object) -> tuple[PlanContext, Layout]:
+    """`method`'s planning context of the BERT-Large run file on 1F1B, its section set to
+    `section`, on the H100's flop model (fp32), and the run file's layout."""
+    config = load_config(ROOT / "schedules" / "bert-large-chimera-8x8.yaml").with_overrides(
+        pipeline={"schedule": "1f1b"}, **{method: section}
+    )
+    sizes, hardware = model_sizes(config), hardware_of("h100")
+    source = FlopTimes.check(sizes, hardware, "fp32", method, config.section(method))
+    layout = layout_of_run(config.pipeline, config.data.micro_batch_size, method, 0, 0)
+    return PlanContext(sizes, source, "adamw", config.section(method), hardware=hardware), layout
 
 
 def rules_of(profile: Profile) -> TaskRules:

@@ -10,21 +10,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from builders import flop_context
 
-from pipefisher.config import load_config
 from pipefisher.planning.memory.captures import capture_held
 from pipefisher.planning.memory.helped import help_bytes_per_rank
 from pipefisher.planning.packing.helpers import help_ops
 from pipefisher.planning.packing.step_end import has_p_ops
-from pipefisher.planning.planner.candidates import layout_of_run
-from pipefisher.planning.planner.flop_times import FlopTimes
-from pipefisher.planning.planner.hardware import hardware_of
-from pipefisher.planning.planner.layer_models import profile_layers
+from pipefisher.planning.planner.layer_models import profile_layers, step_momentum
 from pipefisher.planning.planner.layout_memory import layout_memory, state_per_rank
-from pipefisher.planning.planner.model_sizes import model_sizes
-from pipefisher.planning.planner.predict import PlanContext, plan_layout, predict
+from pipefisher.planning.planner.predict import plan_layout, predict
 
-LARGE_RUN = "schedules/bert-large-chimera-8x8.yaml"
 H, F = 1024, 4096
 #: (rows, cols) of a BERT-Large block's Linear weights by the flop model's layer names
 SHAPES = {
@@ -39,16 +34,8 @@ SHAPES = {
 BLOCKS = 3
 
 
-def context(method: str = "soap", **section) -> tuple[PlanContext, object]:
-    config = load_config(LARGE_RUN).with_overrides(pipeline={"schedule": "1f1b"}, **{method: section})
-    sizes = model_sizes(config)
-    source = FlopTimes.check(sizes, hardware_of("h100"), "fp32", method, config.section(method))
-    layout = layout_of_run(config.pipeline, config.data.micro_batch_size, method, 0, 0)
-    return PlanContext(sizes, source, "adamw", config.section(method), hardware=hardware_of("h100")), layout
-
-
 def held(section: dict, p_ops: bool = False):
-    found, layout = context(**section)
+    found, layout = flop_context(**section)
     settings = found.layer_settings(layout, p_ops)
     return layout_memory(layout, found.sizes, "adamw", 0.0, "fp32", None, settings)
 
@@ -66,7 +53,7 @@ def test_a_stage_holds_a_gradient_sized_copy_per_matrix_with_its_statistics_fold
     step_end, bubbles = held({}), held({"fold": "bubbles"})
     assert bubbles.rank == step_end.rank
     assert bubbles.state - step_end.state == 4 * BLOCKS * ELEMENTS
-    (plain, layout), (folding, _) = context(), context(fold="bubbles")
+    (plain, layout), (folding, _) = flop_context(), flop_context(fold="bubbles")
     assert predict(layout, folding).memory.state - predict(layout, plain).memory.state == 4 * BLOCKS * ELEMENTS
 
 
@@ -88,7 +75,7 @@ def test_blocks_of_2048_give_the_ffn_matrices_two_2048_x_2048_statistics_on_thei
 
 
 def test_a_packed_plans_memory_counts_its_help_ops_buffers_on_the_helping_rank():
-    found, layout = context(helpers=True)
+    found, layout = flop_context(helpers=True)
     layout = replace(layout, refresh_steps=4)
     result, profile = plan_layout(layout, found)
     helps = help_ops(result.plan)
@@ -108,10 +95,22 @@ def test_a_packed_plans_memory_counts_its_help_ops_buffers_on_the_helping_rank()
 
 @pytest.mark.parametrize("method", ["soap", "shampoo", "muon"])
 def test_a_method_without_curvature_tasks_captures_nothing_per_micro_batch(method):
-    found, layout = context(method)
+    found, layout = flop_context(method)
     result, profile = plan_layout(layout, found)
     assert any(layer.capture_bytes and any(layer.capture_bytes) for layer in profile.stages[0].layers)
     assert all(not any(map(any, capture_held(result.plan, profile, rank))) for rank in range(8))
-    kfac, kfac_layout = context("kfac")
+    kfac, kfac_layout = flop_context("kfac")
     kfac_plan, kfac_profile = plan_layout(kfac_layout, kfac)
     assert any(map(any, capture_held(kfac_plan.plan, kfac_profile, 0)))
+
+
+@pytest.mark.parametrize("method, buffer", [("kfac", True), ("shampoo", True), ("muon", False), ("soap", False)])
+def test_only_an_sgd_step_keeps_a_momentum_buffer_per_preconditioned_parameter(method, buffer):
+    """K-FAC and Shampoo step with SGD at the section's momentum; `MuonStep` and `SoapStep` keep
+    no state (Muon's momentum is its engine's buffer, counted with its layers)."""
+    found, layout = flop_context(method)
+    settings = found.layer_settings(layout, False)
+    still, moving = (layout_memory(layout, found.sizes, "adamw", m, "fp32", None, settings).state for m in (0.0, 0.95))
+    matrices = BLOCKS * ELEMENTS * 4  # rank 0's linear weights, fp32 (K-FAC's biases beside them)
+    assert step_momentum(method, 0.95) == (0.95 if buffer else 0.0)
+    assert (moving - still >= matrices) if buffer else (moving == still)

@@ -272,7 +272,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         source,
         first_order,
         config.section(method) if is_curvature(method) else None,
-        config.optimizer_settings.momentum,
+        replace(config, optimizer=replace(config.optimizer, name=method)).optimizer_settings.momentum,
         config.run.precision,
         args.dp_bandwidth_gbps or source_bandwidth_gbps(source, sizes, config.run.precision),
         hardware=hardware,

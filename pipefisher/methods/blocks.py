@@ -66,10 +66,11 @@ class MatrixInfo:
         """Elements of all of ``factor``'s block matrices (statistics, roots, bases) together."""
         return sum(n * n for n in self.block_sizes(factor))
 
-    def largest_group(self) -> int:
-        """Elements of the largest group of one factor's same-size blocks: what one refresh op
+    def largest_group(self, factor: Factor) -> int:
+        """Elements of the largest group of ``factor``'s same-size blocks: what its refresh op
         stacks and decomposes at once (its memory scales with it)."""
-        return max(n * n * self.block_sizes(f).count(n) for f in ("A", "B") for n in set(self.block_sizes(f)))
+        sizes = self.block_sizes(factor)
+        return max(n * n * sizes.count(n) for n in set(sizes))
 
     def grid(self) -> Iterator[tuple[int, slice, slice]]:
         """``(k, row slice, column slice)`` of every block of the ``(rows, cols)`` matrix, in block order."""

@@ -36,6 +36,9 @@ class MatrixLayer:
 
     #: whether the method preconditions a Linear layer's bias with its weight
     PRECONDITIONS_BIAS: ClassVar[bool] = False
+    #: whether the method's optimizer step keeps a momentum buffer per parameter it preconditions
+    #: (an SGD step at the section's momentum; `step_momentum`)
+    STEP_MOMENTUM: ClassVar[bool] = True
 
     name: str
     rows: int
@@ -61,8 +64,8 @@ class MatrixLayer:
         commit: none by default."""
         return 0
 
-    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
-        """Bytes a refresh op of the matrix allocates while it runs: none by default."""
+    def refresh_work_bytes(self, element_bytes: int = 4, part: int = 0) -> int:
+        """Bytes the refresh op of the matrix's `part` allocates while it runs: none by default."""
         return 0
 
     def help_bytes(self, element_bytes: int = 4) -> int:

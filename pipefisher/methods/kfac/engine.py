@@ -208,9 +208,11 @@ class KFACEngine:
         del st.built[factor]
         count = self._seal(built, factor)
         fresh = built.total / count.to(built.total.dtype).clamp(min=1)
+        del built  # the built factor and the fresh one are freed before the decomposition's copies
         finite = torch.isfinite(fresh).all()
         ema = self._fold(st, factor, fresh, finite)
-        counters = st.counters.setdefault(factor, _health.zero_counters(fresh.device))
+        del fresh
+        counters = st.counters.setdefault(factor, _health.zero_counters(ema.device))
         if not decompose:
             _health.count(counters, nonfinite_factor=~finite)
             return

@@ -75,26 +75,36 @@ def damped_inverse(factor: Tensor, damping: float, method: InverseMethod = "eige
     """
     if method not in _INVERSES:
         raise ValueError(f"unknown inverse method {method!r}; expected one of {INVERSE_METHODS}")
-    sym = (factor + factor.T) / 2
-    inv, decomposed = _INVERSES[method](sym, factor_damping(damping))
+    inv, decomposed = _INVERSES[method](factor, factor_damping(damping))
     return inv, decomposed & torch.isfinite(inv).all()
 
 
-def _eigen_inverse(sym: Tensor, delta: float) -> tuple[Tensor, Tensor]:
+def _symmetric(factor: Tensor) -> Tensor:
+    return (factor + factor.T) / 2
+
+
+def _eigen_inverse(factor: Tensor, delta: float) -> tuple[Tensor, Tensor]:
+    """Each temporary freed once used: 3 copies of the factor at most beside it."""
+    sym = _symmetric(factor)
     try:
         evals, evecs = torch.linalg.eigh(sym)
     except torch.linalg.LinAlgError:
-        return _eye(sym), torch.zeros((), dtype=torch.bool, device=sym.device)
+        return _eye(factor), torch.zeros((), dtype=torch.bool, device=factor.device)
+    del sym
     inv = (evecs / (evals.clamp(min=0.0) + delta)) @ evecs.T
-    return inv, torch.ones((), dtype=torch.bool, device=sym.device)
+    return inv, torch.ones((), dtype=torch.bool, device=factor.device)
 
 
-def _cholesky_inverse(sym: Tensor, delta: float) -> tuple[Tensor, Tensor]:
+def _cholesky_inverse(factor: Tensor, delta: float) -> tuple[Tensor, Tensor]:
     """Through ``cholesky_ex`` (its ``info`` stays on the device) and a triangular solve, which
-    checks nothing (``torch.cholesky_inverse`` would read error codes on the host)."""
-    eye = _eye(sym)
-    chol, info = torch.linalg.cholesky_ex(sym + delta * eye)
+    checks nothing (``torch.cholesky_inverse`` would read error codes on the host). Each
+    temporary freed once used: 4 copies of the factor at most beside it."""
+    eye = _eye(factor)
+    damped = _symmetric(factor) + delta * eye
+    chol, info = torch.linalg.cholesky_ex(damped)
+    del damped
     chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
+    del chol, eye
     return chol_inv.T @ chol_inv, info == 0
 
 

@@ -11,6 +11,10 @@ from pipefisher.methods.memory import copies, counter_bytes
 FLAG_BYTES = 1
 #: bytes of one factor's health counters (one per `pipefisher.methods.kfac.layer.Health` field)
 COUNTER_BYTES = counter_bytes(3)
+#: copies of a factor an inversion holds beside the layer's state and refresh copy, by
+#: `KfacConfig.inverse` (`pipefisher.methods.kfac.factors`; measured with `LiveTensorBytes`,
+#: tests/kfac/test_kfac_inverse_memory.py)
+INVERSE_WORK_COPIES = {"eigen": 2, "cholesky": 3}
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class KfacLayer:
     name: str
     a_size: int
     b_size: int
+    #: the section's `KfacConfig.inverse`
+    inverse: str = "eigen"
 
     def state_bytes(self, element_bytes: int = 4, keeps_results: bool = True) -> int:
         """Per factor of size n: the running factor (n² elements and a flag), the health counters
@@ -36,23 +42,25 @@ class KfacLayer:
     @classmethod
     def from_linear(cls, name: str, inputs: int, outputs: int, bias: bool, **settings: Any) -> KfacLayer:
         """The model of a Linear layer of `inputs` -> `outputs` features (`bias`: the rank holds its
-        bias); no `settings` change it (`settings_of`)."""
+        bias) at `settings` (`settings_of`'s)."""
         return cls(name, inputs + bias, outputs, **settings)
 
     @classmethod
     def settings_of(cls, section: Any, p_ops: bool) -> dict[str, Any]:
-        """No section setting changes a K-FAC layer's bytes."""
-        return {}
+        """The section's inverse method (its inversion's temporaries)."""
+        return {"inverse": section.inverse}
 
     def refresh_copy_bytes(self, element_bytes: int = 4) -> int:
         """From the layer's first curvature task of a cycle to its commit: the factors being built,
         then the pending inverses (`state_bytes` without the results)."""
         return self.state_bytes(element_bytes, False)
 
-    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
-        """An inversion's temporaries: not modelled (the check of live bytes finds K-FAC's runs
-        within 10 % without them, docs/memory_model.md)."""
-        return 0
+    def refresh_work_bytes(self, element_bytes: int = 4, part: int = 0) -> int:
+        """While the inversion of factor `part` (0: A, 1: B) runs, its temporaries beside the
+        state and the refresh copy: `INVERSE_WORK_COPIES` of the factor (by eigendecomposition,
+        at its last product: the eigenvectors, their scaled copy and the inverse, less the built
+        factor freed first)."""
+        return INVERSE_WORK_COPIES[self.inverse] * (self.a_size, self.b_size)[part] ** 2 * element_bytes
 
     def help_bytes(self, element_bytes: int = 4) -> int:
         """What a rank that preconditions the layer for another holds (`HelpedLayer`): its

@@ -165,9 +165,9 @@ class ShampooEngine:
         """
         st = self._matrix(name)
         fs = st.factors[_checked(factor)]
-        g = self.captured_gradient(name).to(fs.statistic.dtype)
+        g = self.captured_gradient(name).to(fs.statistic.dtype, copy=True)  # one copy, zeroed in place
         finite = torch.isfinite(g).all()
-        g = torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        g.masked_fill_(~finite, 0.0)
         beta2 = self.settings.beta2
         decay = torch.where(finite, torch.full((), beta2, dtype=g.dtype, device=g.device), 1.0) if beta2 < 1.0 else None
         alpha = 1.0 - beta2 if beta2 < 1.0 else 1.0

@@ -49,13 +49,13 @@ class ShampooLayer(BlockedMatrixLayer):
             "newton_root": section.root == "newton",
         }
 
-    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
-        """While a root op runs, per element of its largest group of same-size blocks: by
+    def refresh_work_bytes(self, element_bytes: int = 4, part: int = 0) -> int:
+        """While the root op of factor `part` runs, per element of its largest group of same-size blocks: by
         eigendecomposition the stacked statistics and 3 float64 copies (the eigenvectors, them
         scaled, the root), by Newton's iteration 9 copies in the statistics' dtype (the stacked
         ones among them) and a root in the working dtype (`pipefisher.methods.shampoo.roots`;
         measured with `LiveTensorBytes`, tests/shampoo/test_shampoo_roots_memory.py)."""
-        largest = self.info.largest_group()
+        largest = self.info.largest_group(FACTORS[part])
         if self.newton_root:
             return largest * (NEWTON_STATISTICS_COPIES * self.statistics_bytes + element_bytes)
         return largest * (self.statistics_bytes + EIGEN_FLOAT64_COPIES * 8)

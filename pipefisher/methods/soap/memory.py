@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pipefisher.methods.blocks import FACTORS
 from pipefisher.methods.memory import BlockedMatrixLayer, counter_bytes
@@ -25,6 +25,9 @@ class SoapLayer(BlockedMatrixLayer):
     the fold in the next step's bubbles (``soap.fold: bubbles``), which holds a copy of the
     gradient until then; ``helpers``: the P op's rotated gradient held until the step end
     (``soap.helpers``)."""
+
+    #: `SoapStep` keeps no state: Adam's moments are the engine's (`state_bytes`)
+    STEP_MOMENTUM: ClassVar[bool] = False
 
     deferred_statistics: bool = False
 
@@ -51,9 +54,9 @@ class SoapLayer(BlockedMatrixLayer):
         orders = sum(sum(self.info.block_sizes(f)) for f in FACTORS)
         return element_bytes * (self.factor_elements + orders)
 
-    def refresh_work_bytes(self, element_bytes: int = 4) -> int:
-        """While a refresh op runs: the copies of its largest group of same-size blocks
-        (`REFRESH_STATISTICS_COPIES`, `REFRESH_BASIS_COPIES`)."""
-        return self.info.largest_group() * (
+    def refresh_work_bytes(self, element_bytes: int = 4, part: int = 0) -> int:
+        """While the refresh op of factor `part` runs: the copies of its largest group of
+        same-size blocks (`REFRESH_STATISTICS_COPIES`, `REFRESH_BASIS_COPIES`)."""
+        return self.info.largest_group(FACTORS[part]) * (
             REFRESH_STATISTICS_COPIES * self.statistics_bytes + REFRESH_BASIS_COPIES * element_bytes
         )

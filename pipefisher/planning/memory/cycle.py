@@ -24,6 +24,7 @@ from pipefisher.core.profile import Profile
 from pipefisher.planning.comm.send_waits import send_waits
 from pipefisher.planning.memory.activations import SendWaits, activation_held, weighted_micro_batches
 from pipefisher.planning.memory.captures import capture_held
+from pipefisher.planning.memory.layer_model import RefreshWork
 from pipefisher.planning.plan import Plan
 
 
@@ -53,12 +54,12 @@ def cycle_peaks(
     transient_bytes: Sequence[int],
     refresh_bytes: Mapping[tuple[int, str], int],
     sent_bytes: Sequence[tuple[int, int]] | None = None,
-    work_bytes: Mapping[tuple[int, str], int] | None = None,
+    work_bytes: RefreshWork | None = None,
 ) -> list[CyclePeak]:
     """Per rank of `plan`, the peak of activations (per stage: kept F to B, B to W, a backward's
     transient) + captures + refresh copies (`refresh_bytes` per (stage, layer name); a layer not
-    named holds none) + a refresh op's work (`work_bytes`, counted with the refresh copies while
-    the op runs) over one cycle; `sent_bytes` as in `activation_held`, held until the waits the
+    named holds none) + a refresh op's work (`work_bytes` of its stage, layer and part, counted
+    with the refresh copies while the op runs) over one cycle; `sent_bytes` as in `activation_held`, held until the waits the
     communication plan places (`pipefisher.planning.comm.send_waits`). Activations start from none
     at every step."""
     schedule = plan.schedule
@@ -68,7 +69,6 @@ def cycle_peaks(
         for step in plan.steps
     ]
     peaks = []
-    work_bytes = work_bytes or {}
     starts = {OpKind.CURVATURE} if plan.rules is None or plan.rules.curvature else _REFRESH_WORK
     for rank in range(plan.schedule.num_ranks):
         best, most = (0, 0, 0), 0  # (activations, captures, refresh) at the peak so far, and their sum
@@ -83,7 +83,9 @@ def cycle_peaks(
                 if op.kind in starts and key not in started:
                     started.add(key)
                     refresh += refresh_bytes.get(key, 0)
-                working = refresh + (work_bytes.get(key, 0) if op.kind is OpKind.REFRESH else 0)
+                working = refresh
+                if op.kind is OpKind.REFRESH and work_bytes is not None:
+                    working += work_bytes(op.stage, key[1], op.part or 0)
                 if during + captured_before + working > most:
                     best, most = (during, captured_before, working), during + captured_before + working
                 if after + captured_after + refresh > most:

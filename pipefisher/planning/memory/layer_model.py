@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 #: a layer of a stage: (stage index, layer name)
 LayerKey = tuple[int, str]
+#: bytes of the refresh op of (stage index, layer name, part) while it runs
+RefreshWork = Callable[[int, str, int], int]
 
 
 class CurvatureLayer(Protocol):
@@ -28,8 +30,9 @@ class CurvatureLayer(Protocol):
         """Bytes a rank holds beside `state_bytes` from the layer's first refresh work of a cycle
         (its first curvature, refresh or exchange op there) to the cycle's commit."""
 
-    def refresh_work_bytes(self, element_bytes: int) -> int:
-        """Bytes a refresh op of the layer allocates and frees while it runs (its temporaries)."""
+    def refresh_work_bytes(self, element_bytes: int, part: int) -> int:
+        """Bytes the refresh op of the layer's `part` (`Op.part`: 0 for A, 1 for B) allocates and
+        frees while it runs (its temporaries)."""
 
     def help_bytes(self, element_bytes: int) -> int:
         """Bytes a rank that helps with the layer holds for it (`pipefisher.planning.memory.helped`)."""
@@ -49,7 +52,12 @@ def refresh_copies(layers: Mapping[LayerKey, CurvatureLayer], element_bytes: int
     return {key: held for key, held in found.items() if held}
 
 
-def refresh_work(layers: Mapping[LayerKey, CurvatureLayer], element_bytes: int = 4) -> dict[LayerKey, int]:
-    """Per layer, `CurvatureLayer.refresh_work_bytes` (where it allocates any)."""
-    found = {key: layer.refresh_work_bytes(element_bytes) for key, layer in layers.items()}
-    return {key: held for key, held in found.items() if held}
+def refresh_work(layers: Mapping[LayerKey, CurvatureLayer], element_bytes: int = 4) -> RefreshWork:
+    """`CurvatureLayer.refresh_work_bytes` of a refresh op by (stage, layer name, part); 0 for a
+    layer not in `layers`."""
+
+    def work(stage: int, name: str, part: int) -> int:
+        layer = layers.get((stage, name))
+        return 0 if layer is None else layer.refresh_work_bytes(element_bytes, part)
+
+    return work

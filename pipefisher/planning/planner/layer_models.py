@@ -28,6 +28,13 @@ def layer_memory_model(method: str):
     return getattr(importlib.import_module(module), attribute)
 
 
+def step_momentum(method: str, momentum: float) -> float:
+    """`momentum` where `method`'s optimizer step keeps a momentum buffer per parameter it
+    preconditions (its layer model's `STEP_MOMENTUM`, true where it declares none), else 0."""
+    model = layer_memory_model(method)
+    return momentum if model is None or getattr(model, "STEP_MOMENTUM", True) else 0.0
+
+
 def layer_settings(method: str, section: Any, p_ops: bool) -> LayerSettings:
     """The fields of `method`'s layer memory model that its run-file `section` sets
     (`MatrixLayer.settings_of`; `p_ops`: the run's plan has the method's per-step P ops); () for

@@ -25,6 +25,7 @@ from pipefisher.planning.planner.layer_models import (
     LayerSettings,
     layer_memory_model,
     profile_layers,
+    step_momentum,
 )
 from pipefisher.planning.memory.activations import activation_peaks
 from pipefisher.planning.planner.model_sizes import ModelSizes
@@ -80,7 +81,8 @@ def _optimizer(method: str, first_order: str, momentum: float) -> OptimizerState
     if method in methods() and layer_memory_model(method) is None:
         return optimizer_state(first_order)
     known = methods().get(method)
-    return optimizer_state(method, momentum, first_order=first_order, memory=known.memory if known else None)
+    memory = known.memory if known else None
+    return optimizer_state(method, step_momentum(method, momentum), first_order=first_order, memory=memory)
 
 
 @lru_cache(maxsize=256)
@@ -307,10 +309,11 @@ def refresh_floor(
     workers: int | None = None,
     settings: LayerSettings = (),
 ) -> MemoryUse:
-    """A lower bound of `packed_memory` under every plan of a method with per-micro-batch
-    curvature tasks (`TaskRules.curvature`): each layer of a rank's stages starts its refresh copy
-    at its first curvature task of the cycle and holds it to the cycle's end (`cycle_peaks`), so at
-    the rank's last op it holds all of them beside its state and buffers. The rank where that sum
+    """A lower bound of `packed_memory` under every plan of a curvature method: each layer of a
+    rank's stages starts its refresh copy at its first curvature task of the cycle (a method
+    without them: its first refresh or exchange op) and holds it to the cycle's commit
+    (`cycle_peaks`); every layer refreshes once a cycle, so at the rank's last op it holds all of
+    them beside its state and buffers. The rank where that sum
     is largest, its refresh copies as `captures`; no copies for a method without a memory model.
     `profile`: the layout's (its layer names per stage). The ranks at one pipeline position hold
     the same copies and buffers, so the rank is one of `_heaviest_states`'."""

@@ -26,7 +26,6 @@ from pipefisher.planning.planner.context import (
     is_curvature,
     source_bandwidth_gbps,
 )
-from pipefisher.methods.registry import task_rules
 from pipefisher.planning.planner.layout_memory import MemoryUse, layout_memory, packed_memory, refresh_floor
 from pipefisher.planning.planner.layout_profile import layout_profile
 from pipefisher.planning.planner.pack_cache import PACKINGS
@@ -129,13 +128,14 @@ def step_end_time(layout: Layout, context: PlanContext) -> float:
 def method_memory(layout: Layout, context: PlanContext) -> MemoryUse:
     """The least the layout needs per rank with its method before any packing: state and
     activations at the schedule's peak (`layout_memory`) or, where larger, the refresh copies that
-    every plan of a method with per-micro-batch curvature tasks holds at its cycle's end beside
-    the state (`refresh_floor`). A packed plan needs at least this (`packed_memory`)."""
+    every plan of a curvature method holds at its cycle's end beside the state (`refresh_floor`:
+    K-FAC's factors and pending inverses, SOAP's pending bases). A packed plan needs at least this
+    (`packed_memory`)."""
     workers, settings = context.workers_per_layer(layout), context.layer_settings(layout)
     held = layout_memory(
         layout, context.sizes, context.first_order, context.momentum, context.precision, workers, settings
     )
-    if not is_curvature(layout.method) or not task_rules(layout.method).curvature:
+    if not is_curvature(layout.method):
         return held
     profile = layout_profile(layout, context, syncs=False)
     floor = refresh_floor(

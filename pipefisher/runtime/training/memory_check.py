@@ -24,7 +24,7 @@ from pipefisher.methods.registry import method_of
 from pipefisher.models.kind import load
 from pipefisher.models.registry import kinds, model_kind
 from pipefisher.planning.packing.step_end import has_p_ops
-from pipefisher.planning.planner.layer_models import LayerSettings, layer_memory_model, layer_settings
+from pipefisher.planning.planner.layer_models import LayerSettings, layer_memory_model, layer_settings, step_momentum
 from pipefisher.planning.memory.layer_model import CurvatureLayer
 from pipefisher.planning.memory.state import StageState, optimizer_state
 from pipefisher.planning.memory.peak import RankPeak, peak_memory
@@ -195,7 +195,7 @@ def predict(config: RunConfig) -> list[RankPeak]:
     else:
         optimizer = optimizer_state(
             config.optimizer.name,
-            config.optimizer_settings.momentum,
+            step_momentum(config.optimizer.name, config.optimizer_settings.momentum),
             first_order=section.first_order,
             memory=method_of(config).memory,
         )
