@@ -24,7 +24,7 @@ import platform
 import statistics
 from functools import partial
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -191,29 +191,31 @@ def _in_backward_reduce_times(steps: list[list[Record]], sharded: set[int]) -> d
     return dict(times)
 
 
-def _step_end_times(executor: Executor, timer: TaskTimer | None, repeats: int = 3) -> list[float]:
-    """`repeats` samples of the ms of this rank's end of step after the gradient reduction (tied
-    weights, the world reduction, clipping, the method's work before the optimizer step (none
-    when `timer` is None), optimizer step) on gradients of ones (ZeRO-2/3: shards of ones);
-    parameters, optimizer state, learning-rate schedule and loss scale are restored afterwards.
-    Collective."""
+def _step_end_times(executor: Executor, timers: Sequence[TaskTimer | None], repeats: int = 3) -> list[list[float]]:
+    """Per timer of `timers`, `repeats` samples of the ms of this rank's end of step after the
+    gradient reduction (tied weights, the world reduction, clipping, the method's work before the
+    optimizer step (none for a timer None), optimizer step) on gradients of ones (ZeRO-2/3: shards
+    of ones), the timers taking turns in each round so that a drift of the machine's speed falls
+    on all alike; parameters, optimizer state, learning-rate schedule and loss scale are restored
+    afterwards. Collective."""
     step_end = executor.step_end
     parameters = [p for stage in executor.stages.values() for p in stage.module.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in parameters]
     optimizer_state = copy.deepcopy(step_end.optimizer.state_dict())
     scheduler_state = step_end.scheduler.state_dict() if step_end.scheduler is not None else None
     scaler_state = step_end.scaler.state_dict() if step_end.scaler is not None else None
-    samples = []
+    samples: list[list[float]] = [[] for _ in timers]
     step_end.begin(step_end.step, update=True)
     try:
-        for _ in range(repeats + 1):  # the first step also allocates the optimizer's state
-            for buffer in step_end.buffers.values():
-                buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
-            if isinstance(step_end.reduction, FsdpReduction):
-                step_end.reduction.fill_(1.0)
-            dist.barrier()
-            with executor.hooks_of(*([_TimedStepEnd(timer)] if timer is not None else [])):
-                samples.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
+        for _ in range(repeats + 1):  # the first round also allocates the optimizer's state
+            for timer, found in zip(timers, samples):
+                for buffer in step_end.buffers.values():
+                    buffer.flat.fill_(1.0)  # global norm sqrt(n): clipping does scale
+                if isinstance(step_end.reduction, FsdpReduction):
+                    step_end.reduction.fill_(1.0)
+                dist.barrier()
+                with executor.hooks_of(*([_TimedStepEnd(timer)] if timer is not None else [])):
+                    found.extend(timed_ms(step_end.apply_now, executor.device, repeats=1))
     finally:
         with torch.no_grad():
             for parameter, value in zip(parameters, saved):
@@ -226,18 +228,19 @@ def _step_end_times(executor: Executor, timer: TaskTimer | None, repeats: int = 
         for buffer in step_end.buffers.values():
             buffer.zero_()
         step_end.reduction.zero_()
-    return samples[1:]
+    return [found[1:] for found in samples]
 
 
-def _method_step_end(executor: Executor, timer: TaskTimer, step_end: list[float], repeats: int) -> list[float]:
-    """The method's own part of this rank's end of step in ms (one sample: the median of
-    `step_end`, the end of step with the method's work, less that of `repeats` without it, at
-    least 0); none for a method whose timer has no work there (`TaskTimer.step_end_work`: K-FAC
-    without gradient workers, Muon on unreplicated stages). Collective."""
+def _timed_step_ends(executor: Executor, timer: TaskTimer, repeats: int) -> tuple[list[float], list[float]]:
+    """`repeats` samples of this rank's end of step with the method's work, in ms, and the
+    method's own part of it (one sample: the median over rounds of the end of step with the
+    work less the one without it, taken in turn, at least 0; none for a method whose timer has
+    no work there, `TaskTimer.step_end_work`: K-FAC without gradient workers, Muon on
+    unreplicated stages). Collective."""
     if not timer.step_end_work:
-        return []
-    plain = _step_end_times(executor, None, repeats)
-    return [max(0.0, _median(step_end) - _median(plain))]
+        return _step_end_times(executor, [timer], repeats)[0], []
+    step_end, plain = _step_end_times(executor, [timer, None], repeats)
+    return step_end, [max(0.0, _median([work - none for work, none in zip(step_end, plain)]))]
 
 
 def device_name(device: torch.device) -> str:
@@ -280,8 +283,7 @@ def measure_profile(
         records[warmup:], _sharded_stages(executor)
     )
     tasks = timer.measure(executor)  # first: the step end then preconditions with the roots it leaves (Shampoo)
-    step_end = _step_end_times(executor, timer, 2 * repeats + 1)  # cheap, and noisier than an op: more samples
-    method_step_end = _method_step_end(executor, timer, step_end, 2 * repeats + 1)
+    step_end, method_step_end = _timed_step_ends(executor, timer, 2 * repeats + 1)  # noisier than an op: more samples
     held_stages = sorted({stage for _, stage in executor.stages})
     flops = layer_flops(timer, modules, tasks)
     dtypes = work_dtypes(flops.values(), executor.device)
