@@ -24,6 +24,8 @@ class KfacLayer:
 
     #: whether the method preconditions a Linear layer's bias with its weight
     PRECONDITIONS_BIAS: ClassVar[bool] = True
+    #: K-FAC steps with SGD at the section's momentum: a buffer per preconditioned parameter
+    STEP_MOMENTUM: ClassVar[bool] = True
 
     name: str
     a_size: int

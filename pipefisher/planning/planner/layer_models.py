@@ -30,9 +30,10 @@ def layer_memory_model(method: str):
 
 def step_momentum(method: str, momentum: float) -> float:
     """`momentum` where `method`'s optimizer step keeps a momentum buffer per parameter it
-    preconditions (its layer model's `STEP_MOMENTUM`, true where it declares none), else 0."""
+    preconditions (its layer model's `STEP_MOMENTUM`; a method without a model: its first-order
+    rule's), else 0."""
     model = layer_memory_model(method)
-    return momentum if model is None or getattr(model, "STEP_MOMENTUM", True) else 0.0
+    return momentum if model is None or model.STEP_MOMENTUM else 0.0
 
 
 def layer_settings(method: str, section: Any, p_ops: bool) -> LayerSettings:
