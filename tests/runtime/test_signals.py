@@ -39,6 +39,16 @@ class Command:
             assert time.monotonic() < end, f"never printed {text!r}"
             time.sleep(0.02)
 
+    def wait_for_handler(self, limit: float = 60) -> None:
+        """Until the process catches SIGTERM: `entry_point` has put pipefisher's handlers in, the
+        first thing its Python code does (before that, the interpreter is still starting and a
+        signal's default action ends it: no program can answer it yet)."""
+        end = time.monotonic() + limit
+        while not catches(self.proc.pid, signal.SIGTERM):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < end, "never caught SIGTERM"
+            time.sleep(0.002)
+
     def interrupt(self, signum: int, limit: float = 60) -> tuple[int, list[str]]:
         """Send `signum` to the whole group; the exit code and stderr's lines once it ended, after
         checking that no process of the group is left running."""
@@ -50,6 +60,13 @@ class Command:
             assert time.monotonic() < end, f"processes left: {running_in_session(self.proc.pid)}"
             time.sleep(0.1)
         return code, [line.rstrip("\n") for line in self.lines]
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of `signum` (its `SigCgt` mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (signum - 1) & 1)
 
 
 def running_in_session(session: int) -> list[str]:
@@ -78,11 +95,11 @@ def assert_one_line(lines: list[str], signum: int, header: str, said: str) -> No
     ],
 )
 def test_a_run_stopped_at_any_moment_says_one_line(moment, signum):
-    """'starting': the interpreter is importing; 'ranks starting': the header is out and the rank
-    processes start (their own start-up, rendezvous); 'first step': the ranks train."""
+    """'starting': the handlers are in and the CLI's modules load; 'ranks starting': the header is
+    out and the rank processes start (their own start-up, rendezvous); 'first step': the ranks train."""
     run = Command("run", str(TINY), "--steps", "100000", "--master-port", "0")
     if moment == "starting":
-        time.sleep(0.2)
+        run.wait_for_handler()
     elif moment == "ranks starting":
         run.wait_for("pipefisher run:")
     else:
