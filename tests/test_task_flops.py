@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from pipefisher.methods.flops import CHOLESKY, EIGH, QR, TRIANGULAR_SOLVE, MatrixShape
 from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, precondition_matrix
+from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.method import KfacConfig
 from pipefisher.methods.muon.engine import MuonEngine
 from pipefisher.methods.muon.method import MuonConfig
@@ -66,6 +67,21 @@ def test_kfac_counts_its_products_and_states_its_decompositions(bias, inverse):
     assert {task.dtype for task in flops.values()} == {"float32"}
     float64 = method("kfac").task_flops(settings, MatrixShape(d_out, d_in, bias, "float64"), tokens)
     assert {task.dtype for task in float64.values()} == {"float64"}
+
+
+@pytest.mark.parametrize("approximation", ["expand", "reduce"])
+def test_kfac_curvature_counts_the_rows_its_approximation_reads(approximation):
+    sequences, positions, d_in, d_out = 3, 8, 12, 7
+    model = nn.Sequential(nn.Linear(d_in, d_out, bias=False))
+    engine = KFACEngine(model, KfacConfig(approximation=approximation))
+    with engine.capture(0):
+        model(torch.randn(sequences, positions, d_in)).square().sum().backward()
+    shape, tokens = MatrixShape(d_out, d_in, False), sequences * positions
+    flops = method("kfac").task_flops(engine.config, shape, tokens, sequences)
+    for part, factor in enumerate("AB"):
+        assert counted(lambda: engine.curvature("0", factor, 0)) == flops[f"curvature.{part}"].total
+    rows = sequences if approximation == "reduce" else tokens
+    assert flops["curvature.1"].total == 2 * rows * d_out**2
 
 
 @pytest.mark.parametrize("root", ["eigen", "newton"])

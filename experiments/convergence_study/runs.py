@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_ORDER = ("adamw", "lamb")
@@ -138,6 +139,18 @@ def run(setting: Setting, sizing: Sizing, cache: Path) -> RunResult:
     found = cached(setting, sizing, cache)
     if found is not None:
         return found
+    found = train(make_config(setting, sizing), sizing, WORKLOADS[setting.workload].part)
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache_path(setting, sizing, cache)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"setting": asdict(setting), **asdict(found)}))
+    partial.replace(path)
+    return found
+
+
+def train(config: Any, sizing: Sizing, part: str) -> RunResult:
+    """`config` trained now in this process (one thread), its loss part `part` evaluated on
+    held-out documents every `sizing.eval_every` steps."""
     import warnings
 
     import torch
@@ -146,8 +159,6 @@ def run(setting: Setting, sizing: Sizing, cache: Path) -> RunResult:
     from pipefisher.runtime.training import Evaluation, train_reference
 
     torch.set_num_threads(1)
-    config = make_config(setting, sizing)
-    part = WORKLOADS[setting.workload].part
     evals: list[tuple[int, float]] = []
     evaluation = Evaluation(
         sizing.eval_every,
@@ -158,10 +169,4 @@ def run(setting: Setting, sizing: Sizing, cache: Path) -> RunResult:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = train_reference(config, evaluation=evaluation)
-    found = RunResult(evals, result.losses, time.perf_counter() - start)
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache_path(setting, sizing, cache)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"setting": asdict(setting), **asdict(found)}))
-    partial.replace(path)
-    return found
+    return RunResult(evals, result.losses, time.perf_counter() - start)

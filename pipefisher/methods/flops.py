@@ -3,7 +3,7 @@ counting conventions every method shares. Pure Python: no torch.
 
 A method declares its counts with a hook (`CurvatureMethod.flops`, "module:attribute" of a
 `FlopHook`): given its run-file section, one matrix (`MatrixShape`) and the tokens of one
-micro-batch, the flops of each of its timed tasks on that matrix, keyed by
+micro-batch and the sequences they form, the flops of each of its timed tasks on that matrix, keyed by
 `pipefisher.core.profile.time_key` (``curvature.0``, ``refresh.1``, ``precondition``), each per
 execution of the task as the profile times it (curvature per micro-batch, refresh per refresh,
 precondition per step), and ``step_end``: the matrix's share of the method's work in the optimizer
@@ -70,5 +70,5 @@ class TaskFlops:
         return self.matmul + self.decomposition
 
 
-#: (the method's run-file section, one matrix, tokens of one micro-batch) -> time key -> flops
-FlopHook = Callable[[Any, MatrixShape, int], Mapping[str, TaskFlops]]
+#: (the method's run-file section, one matrix, tokens of one micro-batch, its sequences) -> time key -> flops
+FlopHook = Callable[[Any, MatrixShape, int, int], Mapping[str, TaskFlops]]

@@ -56,13 +56,16 @@ class CurvatureMethod:
         """Its `MethodParts`, imported on first use (this imports torch)."""
         return self._attribute("parts", self.parts)
 
-    def task_flops(self, settings: Any, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
+    def task_flops(
+        self, settings: Any, shape: MatrixShape, tokens: int, sequences: int | None = None
+    ) -> dict[str, TaskFlops]:
         """The flops of each of its timed tasks on the matrix `shape` (time key -> `TaskFlops`,
         per execution as the profile times it) under its run-file section `settings`, with
-        `tokens` rows per micro-batch; {} when it declares none (`flops` is "")."""
+        `tokens` rows per micro-batch in `sequences` (None: each token on its own); {} when it
+        declares none (`flops` is "")."""
         if not self.flops:
             return {}
-        return dict(self._attribute("flops", self.flops)(settings, shape, tokens))
+        return dict(self._attribute("flops", self.flops)(settings, shape, tokens, sequences or tokens))
 
     def _attribute(self, key: str, spec: str) -> Any:
         """The attribute "module:attribute" `spec` names, imported once (kept under `key`)."""

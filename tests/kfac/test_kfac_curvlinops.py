@@ -1,4 +1,5 @@
-"""Factors against an independent library: curvlinops' KFAC (empirical Fisher, MSE loss).
+"""Factors against an independent library: curvlinops' KFAC (empirical Fisher, MSE loss), both
+of its approximations for layers applied at every position of a sequence (expand, reduce).
 
 Install without dependencies (a plain install replaces the CPU torch):
 ``pip install --no-deps curvlinops-for-pytorch einconv linear_operator opt-einsum einops scipy tqdm``.
@@ -24,11 +25,12 @@ curvlinops = pytest.importorskip(
 )
 
 
+@pytest.mark.parametrize("approximation", ["expand", "reduce"])
 @pytest.mark.parametrize("tokens", [None, 5])
-def test_factors_match_curvlinops_kfac(tokens):
+def test_factors_match_curvlinops_kfac(tokens, approximation):
     model = tiny_mlp()
     x, y = data(16, seed=4, tokens=tokens)
-    kfac = KFAC(model, factor_decay=0.0)
+    kfac = KFAC(model, factor_decay=0.0, approximation=approximation)
     with kfac.capture():
         torch.nn.functional.mse_loss(model(x), y).backward()
     kfac.update_curvature()
@@ -40,6 +42,7 @@ def test_factors_match_curvlinops_kfac(tokens):
         list(model.parameters()),
         [(x, y)],
         fisher_type="empirical",
+        kfac_approx=approximation,
         separate_weight_and_bias=False,
         check_deterministic=False,
     )

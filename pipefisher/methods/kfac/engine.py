@@ -23,7 +23,8 @@ Scaling (why B does not depend on micro-batch count or size):
   Σ_r (λ e_r)(λ e_r)ᵀ``: the mean over rows of per-example gradient outer products. ``λ`` defaults to this
   replica's row count of the factor (taken before the replica sum; ``share_rows`` needs it set); set the
   engine's ``grad_scale`` for other loss scalings (e.g. ``1`` for a summed loss). Under fp16 loss scaling pass
-  the scale to ``capture``: the ``e`` rows are divided by it before their outer products.
+  the scale to ``capture``: the ``e`` rows are divided by it before their outer products. With
+  ``approximation: reduce`` a row is a sequence (`pipefisher.methods.kfac.factors`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pipefisher.methods.counters import read_counters
 from pipefisher.methods import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
-from pipefisher.methods.kfac.factors import accumulate_covariance, damped_inverse, damping_too_small
+from pipefisher.methods.kfac.factors import accumulate_covariance, curvature_rows, damped_inverse, damping_too_small
 from pipefisher.methods.kfac.factors import fold_ema, kl_clip_scale
 from pipefisher.methods.kfac.method import KfacConfig
 from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionReport, check_engine_settings
@@ -152,11 +153,12 @@ class KFACEngine:
         ones = factor == "A" and st.info.has_bias
         index, count = st.row_shares.get(factor, (0, 1))
         for t in tensors:
-            rows = t.reshape(-1, t.shape[-1]).tensor_split(count)[index]
+            rows, tokens = curvature_rows(t, factor, self.config.approximation, built.total.dtype)
+            rows = rows.tensor_split(count)[index]
             if scale is not None:
                 rows = rows.to(built.total.dtype) / scale
             accumulate_covariance(built.total, rows, ones)
-            built.rows += rows.shape[0]
+            built.rows += rows.shape[0] * tokens
 
     def share_rows(self, layer: str, factor: Factor, index: int, count: int) -> None:
         """Build ``factor`` from share ``index`` of ``count`` of each capture's rows (the sharers sum :meth:`sync_tensors`)."""

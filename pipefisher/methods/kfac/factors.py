@@ -6,6 +6,11 @@ Conventions (shared by every caller):
   ``(A + sqrt(damping) I) ⊗ (B + sqrt(damping) I)``, i.e. ``A ⊗ B + damping·I`` plus the cross
   terms ``sqrt(damping)·(A ⊗ I + I ⊗ B)``. Each factor is inverted on its own.
 - A gradient matrix ``G`` has shape ``(dout, din)`` or ``(dout, din + 1)`` (bias as last column).
+- Rows of a factor (`curvature_rows`): with ``expand`` one per token; with ``reduce`` (K-FAC-reduce,
+  Eschenhagen et al. 2023, as curvlinops' ``kfac_approx="reduce"``) one per sequence of a
+  ``(batch, positions..., d)`` capture: ``A = (1/N) Σ_n ā_n ā_nᵀ`` with ``ā_n`` the mean input over
+  sequence n's positions, ``B = (1/R) Σ_n ḡ_n ḡ_nᵀ`` with ``ḡ_n = Σ_t λ e_{n,t}``, N sequences, R = N·T
+  tokens (B's mean and its scale λ stay per token). A 2-D capture has no positions: both agree.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from pipefisher.methods.kfac.method import INVERSE_METHODS, InverseMethod
+from pipefisher.methods.kfac.method import INVERSE_METHODS, Approximation, InverseMethod
 
 
 def factor_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,6 +42,20 @@ def accumulate_covariance(total: Tensor, rows: Tensor, ones_column: bool) -> Non
         total[:d, d].add_(s)
         total[d, :d].add_(s)
         total[d, d].add_(x.shape[0])
+
+
+def curvature_rows(record: Tensor, factor: str, approximation: Approximation, dtype: torch.dtype) -> tuple[Tensor, int]:
+    """One capture's rows of `factor` ("A" inputs, "B" output gradients) as ``(n, d)`` in `dtype`
+    and the tokens each counts for in the factor's row count (module doc): ``expand`` every
+    token, 1 each; ``reduce`` each sequence (the first dimension), its positions averaged (A,
+    counting 1) or summed (B, counting the positions)."""
+    width = record.shape[-1]
+    if approximation == "expand" or record.dim() < 3:
+        return record.reshape(-1, width), 1
+    positions = record.reshape(record.shape[0], -1, width).to(dtype)
+    if factor == "A":
+        return positions.mean(dim=1), 1
+    return positions.sum(dim=1), positions.shape[1]
 
 
 def fold_ema(previous: Tensor | None, fresh: Tensor, decay: float) -> Tensor:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from pipefisher.methods.kfac.engine import KFACEngine
 from pipefisher.methods.kfac.layer import FACTORS, Health, LayerInfo
-from pipefisher.methods.kfac.method import InverseMethod, KfacConfig
+from pipefisher.methods.kfac.method import Approximation, InverseMethod, KfacConfig
 from pipefisher.methods.kfac.settings import PreconditionReport
 
 
@@ -39,13 +39,14 @@ class KFAC:
         damping: float = 1e-3,
         factor_decay: float = 0.95,
         inverse: InverseMethod = "cholesky",
+        approximation: Approximation = "expand",
         kl_clip: float | None = None,
         skip: Iterable[str] = (),
         max_factor_dim: int = 8192,
         grad_scale: float | None = None,
         process_group: Any = None,
     ) -> None:
-        config = KfacConfig(damping=damping, factor_decay=factor_decay, inverse=inverse)
+        config = KfacConfig(damping=damping, factor_decay=factor_decay, inverse=inverse, approximation=approximation)
         self.engine = KFACEngine(
             model, config, skip, grad_scale=grad_scale, kl_clip=kl_clip, max_factor_dim=max_factor_dim
         )

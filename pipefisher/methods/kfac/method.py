@@ -14,6 +14,8 @@ from pipefisher.planning.replicas.kaisa import worker_count
 #: how a damped factor is inverted
 InverseMethod = Literal["eigen", "cholesky"]
 INVERSE_METHODS: tuple[InverseMethod, ...] = typing.get_args(InverseMethod)
+#: how a layer applied to every position of a sequence (weight sharing) becomes factor rows
+Approximation = Literal["expand", "reduce"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,12 @@ class KfacConfig(RefreshConfig):
     inverse: InverseMethod = setting(
         "cholesky",
         "how a damped factor is inverted: cholesky (no host sync; on rounding-indefinite factors it fails and the layer keeps its previous inverse) or eigen (clamps negative eigenvalues; syncs with the host on CUDA)",
+    )
+    approximation: Approximation = setting(
+        "expand",
+        "rows of a factor for a layer applied at every position of a sequence (Eschenhagen et al. 2023): expand (one row "
+        "per token) or reduce (one per sequence: inputs averaged, output gradients summed over its positions; curvature "
+        "costs 1/sequence-length as much)",
     )
     grad_worker_fraction: float = setting(
         1.0,
@@ -63,7 +71,7 @@ KFAC = CurvatureMethod(
     settings=KfacConfig,
     parts="pipefisher.methods.kfac.parts:PARTS",
     flops="pipefisher.methods.kfac.flops:task_flops",
-    flags=("grad_worker_fraction",),
+    flags=("approximation", "grad_worker_fraction"),
     memory="pipefisher.methods.kfac.memory:KfacLayer",
     shards=True,  # under ZeRO-2/3 P preconditions the reduced gradients whole (`pipefisher.methods.kfac.step`)
 )

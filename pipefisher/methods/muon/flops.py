@@ -12,7 +12,7 @@ from pipefisher.methods.flops import MatrixShape, TaskFlops, matmul
 from pipefisher.methods.muon.method import MuonConfig
 
 
-def task_flops(settings: MuonConfig, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
+def task_flops(settings: MuonConfig, shape: MatrixShape, tokens: int, sequences: int) -> dict[str, TaskFlops]:
     """Muon's `FlopHook`: the flops of the orthogonalisation of one matrix (module docstring)."""
     m, n = sorted((shape.rows, shape.cols))
     step = matmul(m, n, m) + matmul(m, m, m) + matmul(m, m, n)

@@ -32,7 +32,7 @@ def root_flops(n: int, settings: ShampooConfig) -> tuple[float, float]:
     return NEWTON_ITERATIONS * NEWTON_PRODUCTS * matmul(n, n, n), 0.0
 
 
-def task_flops(settings: ShampooConfig, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
+def task_flops(settings: ShampooConfig, shape: MatrixShape, tokens: int, sequences: int) -> dict[str, TaskFlops]:
     """Shampoo's `FlopHook`: the flops of the refresh of each factor of one matrix and of its
     optimizer step (module docstring)."""
     info = MatrixInfo.of("", (shape.rows, shape.cols), settings.block_size)

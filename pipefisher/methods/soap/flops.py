@@ -21,7 +21,7 @@ from pipefisher.methods.flops import QR, MatrixShape, TaskFlops, matmul
 from pipefisher.methods.soap.method import SoapConfig
 
 
-def task_flops(settings: SoapConfig, shape: MatrixShape, tokens: int) -> dict[str, TaskFlops]:
+def task_flops(settings: SoapConfig, shape: MatrixShape, tokens: int, sequences: int) -> dict[str, TaskFlops]:
     """SOAP's `FlopHook`: the flops of the refresh of each factor's basis of one matrix, of its
     statistics fold where that is the U op's, and of its optimizer step (module docstring)."""
     info = MatrixInfo.of("", (shape.rows, shape.cols), settings.block_size)

@@ -246,7 +246,9 @@ class FlopTimes:
         tokens = micro_batch_size * self.sizes.seq_len
         found = {}
         for suffix, din, dout in block_layer_shapes(self.sizes.hidden, self.sizes.ffn, tensor_parallel):
-            flops = curvature_method(self.method).task_flops(settings, MatrixShape(dout, din, has_bias=True), tokens)
+            flops = curvature_method(self.method).task_flops(
+                settings, MatrixShape(dout, din, has_bias=True), tokens, micro_batch_size
+            )
             shared = rules.shared_part(BLOCK_SPLITS[suffix].value) if tensor_parallel > 1 else None
             found[suffix] = {
                 key: self._task_ms(key, counted, 1 / tensor_parallel if key == f"curvature.{shared}" else 1.0)

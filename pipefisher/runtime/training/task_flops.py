@@ -56,12 +56,13 @@ def layer_flops(
     method = methods().get(timer.method)
     if method is None or timer.config is None:
         return {}
-    settings, tokens = timer.config.settings, timer.config.micro_batch_size * timer.config.seq_len
+    settings, sequences = timer.config.settings, timer.config.micro_batch_size
+    tokens = sequences * timer.config.seq_len
     by_stage = {stage: module for (_, stage), module in modules.items()}
     found: dict[tuple[int, str], dict[str, TaskFlops]] = {}
     for stage, layer in layers:
         shape = matrix_shape(by_stage[stage], layer) if stage in by_stage else None
-        counts = method.task_flops(settings, shape, tokens) if shape is not None else {}
+        counts = method.task_flops(settings, shape, tokens, sequences) if shape is not None else {}
         if counts:
             found[(stage, layer)] = counts
     return found
