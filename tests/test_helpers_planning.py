@@ -327,7 +327,11 @@ def test_shampoo_takes_its_products_in_a_p_op_only_with_helpers_on_one_pipeline(
     assert not helped.precondition_op(2, 0) and not helped.precondition_op(1, 2)
     shape = MatrixShape(rows=256, cols=64)
     assert set(task_flops(plain, shape, 1, 1)) - set(task_flops(helped, shape, 1, 1)) == {STEP_END_FLOPS}
-    assert task_flops(helped, shape, 1, 1)["precondition"].matmul == task_flops(plain, shape, 1, 1)[STEP_END_FLOPS].matmul > 0
+    assert (
+        task_flops(helped, shape, 1, 1)["precondition"].matmul
+        == task_flops(plain, shape, 1, 1)[STEP_END_FLOPS].matmul
+        > 0
+    )
 
     def run(**section):
         data = {"optimizer": {"name": "shampoo"}, "shampoo": section, "pipeline": {"stages": 2}}
