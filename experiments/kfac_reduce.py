@@ -58,7 +58,9 @@ def row(label: str, runs: list[RunResult], target: float, baseline: float) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--cache", type=Path, default=Path("docs/convergence_runs"), help="the study's kept runs")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default bert,gpt2)")
     args = parser.parse_args(argv)

@@ -227,3 +227,20 @@ def test_zero1_owners_share_the_methods_optimizer_step(schedule, data_parallel, 
     for stage, full in zip(layout_profile(layout, context).stages, whole.stages):
         assert stage.method_step_end == pytest.approx(full.method_step_end / replicas) and full.method_step_end > 0
         assert stage.step_end - stage.method_step_end == pytest.approx(full.step_end - full.method_step_end)
+
+
+def test_kfac_reduce_captures_and_curvature_read_one_row_per_sequence():
+    """K-FAC-reduce (`approximation: reduce`): each layer's captures hold 1/seq_len of expand's bytes,
+    its curvature is faster (its flops: tests/test_task_flops.py); refresh and preconditioning are unchanged."""
+    section = load_config(LARGE_RUN).section("kfac")
+    sizes = _sizes(LARGE_RUN)
+    found = {}
+    for approximation in ("expand", "reduce"):
+        times = FlopTimes.check(
+            sizes, hardware_of("h100"), "fp32", "kfac", replace(section, approximation=approximation)
+        )
+        found[approximation] = times.profile(4, 8, 1).stages[0].layers
+    for expand, reduce in zip(found["expand"], found["reduce"]):
+        assert [b * sizes.seq_len for b in reduce.capture_bytes] == list(expand.capture_bytes) != [0, 0]
+        assert all(0 < r < e for r, e in zip(reduce.curvature, expand.curvature))
+        assert (reduce.refresh, reduce.precondition) == (expand.refresh, expand.precondition)

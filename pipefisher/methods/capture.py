@@ -14,7 +14,8 @@ multiplies by `rows_per_step` (K-FAC's B factor does).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -71,8 +72,19 @@ def rows_per_step(config: MethodInputs[Any]) -> int:
     return config.rows_per_step
 
 
-def _record(state: Capturing, micro_batch: Hashable, key: Factor, tensor: Tensor) -> None:
-    state.captures[key].setdefault(micro_batch, []).append(tensor.detach())
+#: what is stored of a record of a part: the detached tensor as it is, or something smaller
+#: that the method's statistics read alike (K-FAC-reduce's per-sequence means)
+Condense = Callable[[Factor, Tensor], Tensor]
+
+
+def held_bytes(tensor: Tensor) -> int:
+    """Bytes `tensor` holds: its elements but those a broadcast (stride-0) dimension repeats."""
+    return math.prod(n for n, stride in zip(tensor.shape, tensor.stride()) if stride != 0) * tensor.element_size()
+
+
+def _record(state: Capturing, micro_batch: Hashable, key: Factor, tensor: Tensor, condense: Condense | None) -> None:
+    held = tensor.detach()
+    state.captures[key].setdefault(micro_batch, []).append(held if condense is None else condense(key, held))
 
 
 class _OutputGradHook:
@@ -82,15 +94,17 @@ class _OutputGradHook:
     whose input depends on the stage input, as in every shipped model; a layer fed only by
     parameters would get its gradient at W, after its curvature-B task.)"""
 
-    def __init__(self, state: Capturing, micro_batch: Hashable, loss_scale: Tensor | float | None):
-        self.state, self.micro_batch, self.loss_scale = state, micro_batch, loss_scale
+    def __init__(
+        self, state: Capturing, micro_batch: Hashable, loss_scale: Tensor | float | None, condense: Condense | None
+    ):
+        self.state, self.micro_batch, self.loss_scale, self.condense = state, micro_batch, loss_scale, condense
         self.fired = False
 
     def __call__(self, grad: Tensor) -> None:
         if self.fired:
             return
         self.fired = True
-        _record(self.state, self.micro_batch, "B", grad)
+        _record(self.state, self.micro_batch, "B", grad, self.condense)
         if self.loss_scale is not None:
             self.state.loss_scales[self.micro_batch] = self.loss_scale
 
@@ -100,6 +114,7 @@ def _forward_hook(
     micro_batch: Hashable,
     loss_scale: Tensor | float | None,
     parts: Collection[Factor],
+    condense: Condense | None,
     module: nn.Module,
     inputs: tuple,
     output: Tensor,
@@ -107,9 +122,9 @@ def _forward_hook(
     if recomputing():  # the backward's second forward of a checkpointed block: recorded once, at the first
         return
     if "A" in parts:
-        _record(state, micro_batch, "A", inputs[0])
+        _record(state, micro_batch, "A", inputs[0], condense)
     if "B" in parts and output.requires_grad:
-        output.register_hook(_OutputGradHook(state, micro_batch, loss_scale))
+        output.register_hook(_OutputGradHook(state, micro_batch, loss_scale, condense))
 
 
 @contextmanager
@@ -118,15 +133,17 @@ def capture(
     micro_batch: Hashable,
     loss_scale: Tensor | float | None = None,
     parts: Collection[Factor] = ("A", "B"),
+    condense: Condense | None = None,
 ) -> Iterator[None]:
     """Record ``a`` (part "A", `INPUTS`) for every forward of ``layers`` inside the block, keyed by
     ``micro_batch``, and ``e`` (part "B", `OUTPUT_GRADIENTS`) of those forwards when their
     backward runs, inside the block or later; `parts` says which of the two to record. Forwards
     under ``torch.no_grad`` record ``a`` only. ``loss_scale`` (None: unscaled) is stored as the
-    micro-batch's scale with its ``e`` records; one scale per micro-batch.
+    micro-batch's scale with its ``e`` records; one scale per micro-batch. ``condense`` (None:
+    the tensors themselves) makes what is stored of each record, detached, from its part and tensor.
     """
     handles = [
-        st.module.register_forward_hook(partial(_forward_hook, st, micro_batch, loss_scale, tuple(parts)))
+        st.module.register_forward_hook(partial(_forward_hook, st, micro_batch, loss_scale, tuple(parts), condense))
         for st in layers.values()
     ]
     try:

@@ -81,6 +81,11 @@ class RefreshConfig:
         """Rules between this section's keys and the rest of the run (`config`, a `RunConfig`;
         each key's own range is declared at its field): ConfigError naming `name`.key."""
 
+    def captures_per_sequence(self) -> bool:
+        """Whether its captures hold one row per sequence (means over its positions) instead of
+        one per token (the planner's capture bytes)."""
+        return False
+
     def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
         """How many of a stage's `replicas` keep each layer's refresh results and precondition its
         reduced gradient (KAISA's gradient workers); every replica unless the method says fewer.

@@ -135,6 +135,7 @@ def transformer_profile(
     method: str = "",
     rules: TaskRules | None = None,
     stage_blocks: tuple[int, ...] = (),
+    capture_positions: int | None = None,
 ) -> Profile:
     """`num_blocks` blocks cut into `num_stages` stages of equal compute, or of `stage_blocks`
     blocks each where given (`pipeline.stage_blocks`: one count per stage, summing to num_blocks).
@@ -143,7 +144,9 @@ def transformer_profile(
     (rounded), so a stage may end in the middle of a block; forward and backward scale with the
     blocks per stage.
     Capture sizes: `micro_batch_size × seq_len` rows (tokens; 128 in the PipeFisher paper's BERT
-    runs) of `capture_dtype_bytes` (4: fp32) per value; unknown (0) without `micro_batch_size`.
+    runs) of `capture_dtype_bytes` (4: fp32) per value; unknown (0) without `micro_batch_size`;
+    `capture_positions` rows per sequence where the method holds fewer than its tokens (1: one
+    per sequence, K-FAC-reduce's, `RefreshConfig.captures_per_sequence`).
     `tensor_parallel` T: the profile of one of T tensor-parallel ranks (module docstring), its
     forward and backward the block's divided by T plus `tensor_parallel_allreduce_ms` at
     `tp_bandwidth_gbps` (None: communication not counted) with `tp_latency_us` per ring step;
@@ -158,7 +161,7 @@ def transformer_profile(
         raise ProfileError(f"tensor_parallel: {tensor_parallel!r} must be a positive integer")
     if tensor_parallel > 1 and rules is None:
         raise ProfileError("rules: the times' method's task rules are needed at tensor_parallel > 1 (shared factors)")
-    rows = (micro_batch_size or 0) * seq_len
+    rows = (micro_batch_size or 0) * (seq_len if capture_positions is None else capture_positions)
     try:
         per_block = block_layers(times, hidden, ffn, rows, capture_dtype_bytes, tensor_parallel, rules)
     except ValueError as exc:

@@ -42,8 +42,8 @@ from pipefisher.methods.counters import read_counters
 from pipefisher.methods import capture as _capture
 from pipefisher.methods.kfac import checkpoint as _checkpoint
 from pipefisher.methods.kfac import health as _health
-from pipefisher.methods.kfac.factors import accumulate_covariance, curvature_rows, damped_inverse, damping_too_small
-from pipefisher.methods.kfac.factors import fold_ema, kl_clip_scale
+from pipefisher.methods.kfac.factors import accumulate_covariance, condensed_record, curvature_rows, damped_inverse
+from pipefisher.methods.kfac.factors import damping_too_small, fold_ema, kl_clip_scale
 from pipefisher.methods.kfac.method import KfacConfig
 from pipefisher.methods.kfac.settings import KFACNumericsWarning, PreconditionReport, check_engine_settings
 from pipefisher.methods.kfac.layer import FACTORS, BuiltFactor, Factor, Flagged, Health, LayerInfo, LayerState
@@ -109,7 +109,7 @@ class KFACEngine:
         """Bytes of the tensors held for ``micro_batch``'s capture of ``factor`` (as stored: A
         without a bias column; 0 when none); layers fed one input each count the tensor they share."""
         tensors = self.layer_state(layer).captures[known_factor(factor)].get(micro_batch, [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(map(_capture.held_bytes, tensors))
 
     def built_rows(self, layer: str, factor: Factor) -> int:
         """This replica's rows accumulated into the factor being built (0 when none)."""
@@ -126,14 +126,14 @@ class KFACEngine:
     # ----------------------------------------------------------------- operations (no host reads)
     @contextmanager
     def capture(self, micro_batch: Hashable = 0, loss_scale: Tensor | float | None = None) -> Iterator[None]:
-        """Record ``a`` and ``e`` of every K-FAC layer for forwards run inside the block.
-
-        ``loss_scale``: the backward is of the loss times it (fp16 loss scaling); a number or a
-        0-dim tensor, copied on the device so a later in-place update (``GradScaler.update``)
-        does not change it. ``curvature`` divides the ``e`` rows by it.
-        """
+        """Record ``a`` and ``e`` of every K-FAC layer for forwards run inside the block (with
+        ``reduce``: their means per sequence, `condensed_record`). ``loss_scale``: the backward
+        is of the loss times it (fp16 loss scaling); a number or a 0-dim tensor, copied on the
+        device so a later in-place update (``GradScaler.update``) does not change it.
+        ``curvature`` divides the ``e`` rows by it."""
         scale = loss_scale.detach().clone() if isinstance(loss_scale, Tensor) else loss_scale
-        with _capture.capture(self._layers, micro_batch, scale):
+        condense = condensed_record if self.config.approximation == "reduce" else None
+        with _capture.capture(self._layers, micro_batch, scale, condense=condense):
             yield
 
     def curvature(self, layer: str, factor: Factor, micro_batch: Hashable) -> None:

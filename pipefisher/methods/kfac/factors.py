@@ -58,6 +58,18 @@ def curvature_rows(record: Tensor, factor: str, approximation: Approximation, dt
     return positions.sum(dim=1), positions.shape[1]
 
 
+def condensed_record(part: str, record: Tensor) -> Tensor:
+    """What K-FAC-reduce holds of a capture of `part` (`pipefisher.methods.capture.Condense`): a
+    ``(batch, positions..., d)`` record's mean over its positions in float32 or wider, broadcast back
+    over them (a stride-0 view: batch x d elements held), from which `curvature_rows` takes the same
+    rows and counts; a record without positions as it is."""
+    if record.dim() < 3:
+        return record
+    positions = record.reshape(record.shape[0], -1, record.shape[-1])
+    mean = positions.to(factor_dtype(record.dtype)).mean(dim=1, keepdim=True)
+    return mean.expand(positions.shape)
+
+
 def fold_ema(previous: Tensor | None, fresh: Tensor, decay: float) -> Tensor:
     """Exponential moving average ``decay·previous + (1 - decay)·fresh``; ``fresh`` if no previous."""
     if previous is None or decay == 0.0:

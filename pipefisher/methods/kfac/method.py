@@ -55,6 +55,9 @@ class KfacConfig(RefreshConfig):
     def gradient_workers(self, replicas: int, sharded: bool = False) -> int:
         return worker_count(replicas, self.grad_worker_fraction)
 
+    def captures_per_sequence(self) -> bool:
+        return self.approximation == "reduce"
+
 
 KFAC = CurvatureMethod(
     name="kfac",

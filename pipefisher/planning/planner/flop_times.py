@@ -206,6 +206,7 @@ class FlopTimes:
             method=name,
             rules=rules,
             stage_blocks=stage_blocks,
+            capture_positions=1 if curvature and self.section.captures_per_sequence() else None,
         )
         head = part_flops(sizes)[1] * micro_batch_size / tensor_parallel
         head_forward = head / (peak * 1e12 * EFFICIENCY["forward"].share) * 1e3
