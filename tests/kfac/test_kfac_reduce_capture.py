@@ -30,6 +30,6 @@ def test_a_capture_holds_the_rows_its_approximation_reads(approximation, rows):
 
 def test_reduce_condenses_a_bf16_capture_in_float32():
     engine = captured("reduce", torch.bfloat16)
-    for factor in ("A", "B"):
+    for factor, width in (("A", D_IN), ("B", D_OUT)):
         (record,) = engine.layer_state("0").captures[factor][0]
-        assert record.dtype == torch.float32 and record.shape == (SEQUENCES, POSITIONS, (D_IN, D_OUT)["AB".index(factor)])
+        assert record.dtype == torch.float32 and record.shape == (SEQUENCES, POSITIONS, width)
