@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from pipefisher.methods.blocks import Factor
 from pipefisher.methods.kfac.method import INVERSE_METHODS, Approximation, InverseMethod
 
 
@@ -44,7 +45,9 @@ def accumulate_covariance(total: Tensor, rows: Tensor, ones_column: bool) -> Non
         total[d, d].add_(x.shape[0])
 
 
-def curvature_rows(record: Tensor, factor: str, approximation: Approximation, dtype: torch.dtype) -> tuple[Tensor, int]:
+def curvature_rows(
+    record: Tensor, factor: Factor, approximation: Approximation, dtype: torch.dtype
+) -> tuple[Tensor, int]:
     """One capture's rows of `factor` ("A" inputs, "B" output gradients) as ``(n, d)`` in `dtype`
     and the tokens each counts for in the factor's row count (module doc): ``expand`` every
     token, 1 each; ``reduce`` each sequence (the first dimension), its positions averaged (A,
@@ -58,7 +61,7 @@ def curvature_rows(record: Tensor, factor: str, approximation: Approximation, dt
     return positions.sum(dim=1), positions.shape[1]
 
 
-def condensed_record(part: str, record: Tensor) -> Tensor:
+def condensed_record(part: Factor, record: Tensor) -> Tensor:
     """What K-FAC-reduce holds of a capture of `part` (`pipefisher.methods.capture.Condense`): a
     ``(batch, positions..., d)`` record's mean over its positions in float32 or wider, broadcast back
     over them (a stride-0 view: batch x d elements held), from which `curvature_rows` takes the same
