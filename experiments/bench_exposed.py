@@ -17,6 +17,12 @@ processes used at most `--quiet-load` cores during both blocks (from /proc/stat)
 alternated within one group share the machine's state of the moment, which separate runs
 minutes apart do not (they varied by ±8 % here).
 
+`--groups G` measures each schedule G times, one process group after the other, each with fresh
+processes, arms and profiles: the ratios of one group share what stays fixed for its life (where
+each arm's tensors lie, the machine's state of that hour), which its rounds' interval cannot
+show (two runs of 13 rounds an hour apart differed by twice their intervals' half-widths), so with
+G ≥ 2 the interval is Student's t over the G groups' mean log ratios.
+
 Ops, end of step and waits per rank: after the rounds every arm runs one more block with the
 executor's clock marks around every op (`--no-trace`: none).
 
@@ -43,7 +49,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: pipefisher and experiments
 
-from experiments.common import UsageError, listed  # noqa: E402
+from experiments.common import UsageError, listed, progress  # noqa: E402
 from experiments.exposed.arms import HELPED, STAGES, Layout, method_name  # noqa: E402
 from experiments.exposed.group import RankResult, Timing, cycles_of, measure_schedule  # noqa: E402
 from experiments.exposed.stats import Pair, Traced, ratio_table, trace_table  # noqa: E402
@@ -95,6 +101,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--min-steps", type=int, help="timed steps per block at least, rounded up to whole cycles (default 5)"
     )
     parser.add_argument("--repeats", type=int, help="rounds: timed blocks per arm (default 9; --quick 2)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="process groups per schedule, one after the other, each with fresh processes, arms, profiles and "
+        "--repeats rounds; with 2 or more the intervals are over the groups' means (default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the arms' order per round")
     parser.add_argument(
         "--quiet-load",
@@ -103,7 +116,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="a round is quiet for a pair when other processes used at most this many cores (default 0.15)",
     )
     parser.add_argument(
-        "--deadline", type=float, default=1800.0, help="seconds per schedule before its group is stopped (default 1800)"
+        "--deadline", type=float, default=1800.0, help="seconds per group before it is stopped (default 1800)"
     )
     parser.add_argument(
         "--interleave",
@@ -128,7 +141,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for flag in ("micro_batches", "micro_batch_size", "max_refresh_steps", "warmup", "min_steps", "repeats"):
+    for flag in ("micro_batches", "micro_batch_size", "max_refresh_steps", "warmup", "min_steps", "repeats", "groups"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')}: {getattr(args, flag)} is not a positive count")
     if args.refresh_steps < 0:
@@ -204,8 +217,24 @@ def layout_of(args: argparse.Namespace, schedule: str) -> Layout:
 
 
 def measure(args: argparse.Namespace, schedule: str) -> tuple[list[Pair], list[Traced], list[RankResult]]:
-    """One schedule's group: a pair per method and the recorded block per arm."""
-    timing = Timing(args.repeats, args.min_steps, args.warmup, args.seed, not args.no_trace, args.interleave)
+    """One schedule's `--groups` process groups, one after the other: a pair per method over all
+    their rounds, the first group's recorded block per arm and its rank results."""
+    per_group = [measure_group(args, schedule, group) for group in range(args.groups)]
+    pairs = [Pair.merged(list(found)) for found in zip(*(pairs for pairs, _, _ in per_group))]
+    _, traced, results = per_group[0]
+    return pairs, traced, results
+
+
+def measure_group(
+    args: argparse.Namespace, schedule: str, group: int
+) -> tuple[list[Pair], list[Traced], list[RankResult]]:
+    """Process group number `group` of a schedule: a pair per method and, in the first group,
+    the recorded block per arm."""
+    if args.groups > 1:
+        progress(f"{schedule}: process group {group + 1} of {args.groups}")
+    timing = Timing(
+        args.repeats, args.min_steps, args.warmup, args.seed, not args.no_trace and group == 0, args.interleave, group
+    )
     results = run_group(
         measure_schedule,
         STAGES,
@@ -263,7 +292,8 @@ def report(
         "",
         f"Command: `python {shlex.join(['experiments/bench_exposed.py', *sys.argv[1:]])}`",
         "",
-        f"Machine: CPU, {os.cpu_count()} cores, 2 ranks of one thread each (gloo), one group per schedule; other "
+        f"Machine: CPU, {os.cpu_count()} cores, 2 ranks of one thread each (gloo), "
+        f"{'one process group' if args.groups == 1 else f'{args.groups} process groups, one after the other,'} per schedule; other "
         f"processes used a median {statistics.median(others):.2f} cores (at most {max(others):.2f}) during the timed "
         f"blocks; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the end; "
         f"{seconds / 60:.1f} min in all (building the arms, profiles included: {builds} s per schedule).",
@@ -272,11 +302,12 @@ def report(
         f"{f' of {list(args.stage_blocks)} blocks' if args.stage_blocks else ''}, {args.micro_batches} micro-batches of "
         f"{args.micro_batch_size} = {tokens} tokens per step; baseline {args.first_order}; "
         f"methods packed, k {'chosen by the packer' if not args.refresh_steps else args.refresh_steps}, profile "
-        f"measured once, re-profiling off; every arm in the same process group: {args.repeats} rounds of one timed "
+        f"measured once, re-profiling off; every arm in the same process group: {args.repeats} rounds "
+        f"{'' if args.groups == 1 else 'per group (profiles and arms built anew in each; intervals over the groups) '}of one timed "
         f"block per arm (whole refresh cycles, at least {args.min_steps} steps; arms in a seeded shuffled order per "
         f"round, {'interleaved step by step, a barrier before each step' if args.interleave else 'a barrier before each block'}) after at least {args.warmup} warm-up step(s) and 2 cycles.",
         "Step time: the slower rank's block wall time / its steps. Ratio: method / first-order of the same round; "
-        "CI: 95 % t-interval of the geometric mean (log ratios); exposed: ratio − 1. Quiet rounds: other processes "
+        f"CI: 95 % t-interval of the geometric mean (log ratios{'' if args.groups == 1 else ', over the groups: one mean per group'}); exposed: ratio − 1. Quiet rounds: other processes "
         f"used at most {args.quiet_load:.2f} cores during both blocks of the pair. The run's own estimate: "
         "`pipefisher run`'s exposed_share (its op times of one cycle, simulated with and without the method).",
         "",

@@ -33,7 +33,8 @@ class Timing:
     """How the arms of a group are timed: `rounds` rounds of one block per arm of at least
     `min_steps` steps (whole cycles), after at least `warmup` untimed steps (whole cycles, 2 at
     least); the order's `seed`; `record` one more block per arm with the ops' clock marks;
-    `interleave` the arms' blocks step by step (module docstring)."""
+    `interleave` the arms' blocks step by step (module docstring); `group`: the number of this
+    process group among the schedule's (its rounds' orders differ from the other groups')."""
 
     rounds: int
     min_steps: int
@@ -41,6 +42,7 @@ class Timing:
     seed: int
     record: bool
     interleave: bool = False
+    group: int = 0
 
 
 def cycles_of(k: int, steps: int) -> int:
@@ -127,7 +129,8 @@ def measure_schedule(rank: int, world: int, layout: Layout, methods: list[str], 
         result.step_ms[name], result.other_cores[name] = [], []
     say(f"{layout.schedule}: warmed up, {time.perf_counter() - started:.0f} s")
     for round_ in range(timing.rounds):
-        order = random.Random(f"{timing.seed}:{layout.schedule}:{round_}").sample(list(arms), len(arms))
+        key = f"{timing.seed}:{layout.schedule}:{round_}" + (f":{timing.group}" if timing.group else "")
+        order = random.Random(key).sample(list(arms), len(arms))
         result.orders.append(order)
         steps = {name: cycles_of(arm.k, timing.min_steps) * arm.k for name, arm in arms.items()}
         for name, (seconds, cores) in timed_blocks(arms, order, steps, timing.interleave).items():

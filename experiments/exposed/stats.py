@@ -7,6 +7,12 @@ first-order; the table gives their median and a 95 % t-interval of their geometr
 the log ratios ± t(0.975, n − 1) × their standard error, exponentiated): the exposed share is
 ratio − 1. The same over the quiet rounds only: those in which other processes used at most
 `Pair.quiet_load` cores during both blocks of the pair.
+
+Rounds from several process groups (fresh processes, one after the other: `Pair.round_groups`)
+are summarised per group first: the interval is then Student's t over the groups' mean log
+ratios (`grouped_interval`), so it also covers what stays fixed within one group and moves
+between groups (where each arm's tensors lie in memory, the machine's state of that hour), which
+the rounds of one group cannot show.
 """
 
 from __future__ import annotations
@@ -54,12 +60,26 @@ def log_ratio_interval(ratios: list[float]) -> Interval | None:
     return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half))
 
 
+def grouped_interval(ratios: list[float], groups: list[int]) -> Interval | None:
+    """With `ratios` from 2 or more process groups (`groups[i]`: the group of ratio i): the
+    geometric mean of the groups' geometric means and its 95 % t-interval over them (one value
+    per group, df = groups − 1); with one group, `log_ratio_interval` of the ratios."""
+    by_group: dict[int, list[float]] = {}
+    for ratio, group in zip(ratios, groups, strict=True):
+        by_group.setdefault(group, []).append(math.log(ratio))
+    if len(by_group) < 2:
+        return log_ratio_interval(ratios)
+    return log_ratio_interval([math.exp(statistics.fmean(logs)) for logs in by_group.values()])
+
+
 @dataclass
 class Pair:
     """One method against the first-order arm of the same group (`schedule`): per round, both
     arms' step time [ms] (block wall time of the slower rank / its steps) and the cores other
     processes used during each block; the method's refresh interval `k`; the run's own estimate
-    of its exposed share (`pipefisher run`'s `exposed_share`, from its op times; None: none)."""
+    of its exposed share (`pipefisher run`'s `exposed_share`, from its op times; None: none).
+    From several process groups (`merged`): per round its group's number, per group its k and
+    its own estimate."""
 
     schedule: str
     method: str
@@ -71,6 +91,35 @@ class Pair:
     first_order_load: list[float] = field(default_factory=list)
     method_load: list[float] = field(default_factory=list)
     own_estimate: float | None = None
+    round_groups: list[int] = field(default_factory=list)
+    group_ks: list[int] = field(default_factory=list)
+    group_estimates: list[float | None] = field(default_factory=list)
+
+    @classmethod
+    def merged(cls, groups: list[Pair]) -> Pair:
+        """One pair of the rounds of `groups` (the same method and schedule, one pair per process
+        group, in order); its k and own estimate are the first group's."""
+        first = groups[0]
+        return cls(
+            first.schedule,
+            first.method,
+            first.label,
+            first.k,
+            first.quiet_load,
+            [ms for p in groups for ms in p.first_order_ms],
+            [ms for p in groups for ms in p.method_ms],
+            [load for p in groups for load in p.first_order_load],
+            [load for p in groups for load in p.method_load],
+            first.own_estimate,
+            [number for number, p in enumerate(groups) for _ in p.method_ms],
+            [p.k for p in groups],
+            [p.own_estimate for p in groups],
+        )
+
+    @property
+    def groups(self) -> list[int]:
+        """Per round, its process group (all 0 from one group)."""
+        return self.round_groups or [0] * len(self.method_ms)
 
     @property
     def ratios(self) -> list[float]:
@@ -80,8 +129,16 @@ class Pair:
     @property
     def quiet_ratios(self) -> list[float]:
         """The ratios of the rounds in which both blocks were quiet."""
-        loads = zip(self.ratios, self.first_order_load, self.method_load)
-        return [r for r, a, b in loads if max(a, b) <= self.quiet_load]
+        return [self.ratios[i] for i in self._quiet_rounds()]
+
+    @property
+    def quiet_groups(self) -> list[int]:
+        """The process group of each quiet round."""
+        return [self.groups[i] for i in self._quiet_rounds()]
+
+    def _quiet_rounds(self) -> list[int]:
+        loads = zip(self.first_order_load, self.method_load)
+        return [i for i, (a, b) in enumerate(loads) if max(a, b) <= self.quiet_load]
 
     @property
     def ratio(self) -> float:
@@ -90,11 +147,11 @@ class Pair:
 
     @property
     def interval(self) -> Interval | None:
-        return log_ratio_interval(self.ratios)
+        return grouped_interval(self.ratios, self.groups)
 
     def as_dict(self) -> dict:
-        def summary(ratios: list[float]) -> dict:
-            interval = log_ratio_interval(ratios)
+        def summary(ratios: list[float], groups: list[int]) -> dict:
+            interval = grouped_interval(ratios, groups)
             return {
                 "rounds": len(ratios),
                 "ratio_median": statistics.median(ratios) if ratios else None,
@@ -102,46 +159,66 @@ class Pair:
                 "ci95": [interval.low, interval.high] if interval else None,
             }
 
-        return {**asdict(self), "ratios": self.ratios, "all": summary(self.ratios), "quiet": summary(self.quiet_ratios)}
+        return {
+            **asdict(self),
+            "ratios": self.ratios,
+            "all": summary(self.ratios, self.groups),
+            "quiet": summary(self.quiet_ratios, self.quiet_groups),
+        }
 
 
 def _percent(ratio: float) -> str:
     return f"{100 * (ratio - 1):+.1f} %"
 
 
-def _summary(ratios: list[float]) -> str:
-    """'median (geometric mean [95 % CI])' of `ratios`, or a dash with none."""
+def _summary(ratios: list[float], groups: list[int]) -> str:
+    """'median (geometric mean [95 % CI])' of `ratios` (from process `groups`), or a dash with none."""
     if not ratios:
         return "–"
-    interval = log_ratio_interval(ratios)
+    interval = grouped_interval(ratios, groups)
     spread = f" ({interval.centre:.3f} [{interval.low:.3f}, {interval.high:.3f}])" if interval else " (one round)"
     return f"{statistics.median(ratios):.3f}{spread}"
 
 
-def _exposed(ratios: list[float]) -> str:
+def _exposed(ratios: list[float], groups: list[int]) -> str:
     """'median (95 % CI upper end)' of the exposed share ratio − 1."""
     if not ratios:
         return "–"
-    interval = log_ratio_interval(ratios)
+    interval = grouped_interval(ratios, groups)
     return _percent(statistics.median(ratios)) + (f" ({_percent(interval.high)})" if interval else "")
+
+
+def _per_group(p: Pair) -> str:
+    """Each process group's median exposed share, in order."""
+    by_group: dict[int, list[float]] = {}
+    for ratio, group in zip(p.ratios, p.groups):
+        by_group.setdefault(group, []).append(ratio)
+    return ", ".join(_percent(statistics.median(ratios)) for ratios in by_group.values())
 
 
 def ratio_table(pairs: list[Pair]) -> str:
     """Schedule × method: both arms' median step times, the ratio and the exposed share over all
-    rounds and over the quiet ones, and the run's own estimate."""
+    rounds and over the quiet ones, and the run's own estimate; from several process groups, the
+    intervals over the groups and each group's median exposed share."""
+    grouped = any(len(set(p.groups)) > 1 for p in pairs)
+    over = " over groups" if grouped else ""
     lines = [
         "| schedule | method | k | first-order ms/step | method ms/step | ratio: median of paired "
-        "(geometric mean [95 % CI]) | exposed: median (95 % CI upper end) | quiet rounds | "
-        "quiet: ratio | quiet: exposed | the run's own estimate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"(geometric mean [95 % CI{over}]) | exposed: median (95 % CI{over} upper end) | quiet rounds | "
+        "quiet: ratio | quiet: exposed | the run's own estimate |"
+        + (" exposed per group: median |" if grouped else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if grouped else ""),
     ]
     for p in pairs:
-        quiet = p.quiet_ratios
-        own = "–" if p.own_estimate is None else f"{100 * p.own_estimate:+.1f} %"
+        quiet, quiet_groups = p.quiet_ratios, p.quiet_groups
+        estimates = [e for e in p.group_estimates or [p.own_estimate] if e is not None]
+        own = ", ".join(f"{100 * e:+.1f} %" for e in estimates) or "–"
+        k = ", ".join(str(k) for k in sorted(set(p.group_ks))) if p.group_ks else str(p.k)
         lines.append(
-            f"| {p.schedule} | {p.label} | {p.k} | {statistics.median(p.first_order_ms):.1f} | "
-            f"{statistics.median(p.method_ms):.1f} | {_summary(p.ratios)} | {_exposed(p.ratios)} | "
-            f"{len(quiet)} of {len(p.ratios)} | {_summary(quiet)} | {_exposed(quiet)} | {own} |"
+            f"| {p.schedule} | {p.label} | {k} | {statistics.median(p.first_order_ms):.1f} | "
+            f"{statistics.median(p.method_ms):.1f} | {_summary(p.ratios, p.groups)} | {_exposed(p.ratios, p.groups)} | "
+            f"{len(quiet)} of {len(p.ratios)} | {_summary(quiet, quiet_groups)} | {_exposed(quiet, quiet_groups)} | "
+            f"{own} |" + (f" {_per_group(p)} |" if grouped else "")
         )
     return "\n".join(lines)
 

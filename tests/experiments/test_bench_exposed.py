@@ -5,6 +5,7 @@ exit 2."""
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.exposed.arms import Layout  # noqa: E402
 from experiments.exposed.group import cycles_of  # noqa: E402
-from experiments.exposed.stats import Pair, log_ratio_interval, t_975  # noqa: E402
+from experiments.exposed.stats import Pair, grouped_interval, log_ratio_interval, ratio_table, t_975  # noqa: E402
 from experiments.overhead.workloads import WORKLOADS  # noqa: E402
 
 
@@ -135,3 +136,25 @@ def test_the_interval_is_students_t_on_the_log_ratios():
     assert (interval.low, interval.high) == pytest.approx((math.exp(0.2 - 1.2706), math.exp(0.2 + 1.2706)))
     assert log_ratio_interval([1.02]) is None
     assert t_975(4) == 2.776 and t_975(30) == 2.042 and t_975(1000) == 1.96
+
+
+def test_rounds_of_several_process_groups_are_summarised_per_group():
+    # group 0 sits 2 % above group 1 throughout: the rounds' spread alone would hide it
+    groups = [
+        Pair("1f1b", "kfac", "K-FAC", 5, 0.15, [100.0] * 3, [103.0, 103.1, 102.9], [0.0] * 3, [0.0] * 3, 0.01),
+        Pair("1f1b", "kfac", "K-FAC", 6, 0.15, [100.0] * 3, [101.0, 101.1, 100.9], [0.0, 0.9, 0.0], [0.0] * 3, 0.02),
+    ]
+    pair = Pair.merged(groups)
+    assert pair.groups == [0, 0, 0, 1, 1, 1] and pair.group_ks == [5, 6] and pair.group_estimates == [0.01, 0.02]
+    assert pair.quiet_groups == [0, 0, 0, 1, 1]
+    means = [math.exp(statistics.fmean(math.log(r) for r in g.ratios)) for g in groups]
+    assert pair.interval == log_ratio_interval(means)
+    assert grouped_interval(pair.ratios, pair.groups) == log_ratio_interval(means)
+    pooled = log_ratio_interval(pair.ratios)
+    assert pair.interval.high - pair.interval.low > 5 * (pooled.high - pooled.low)
+    assert grouped_interval(groups[0].ratios, [0, 0, 0]) == log_ratio_interval(groups[0].ratios)
+    assert pair.as_dict()["all"]["ci95"] == [pair.interval.low, pair.interval.high]
+    row = cells(ratio_table([pair]), "| 1f1b | K-FAC |")
+    assert row[2] == "5, 6" and row[-2] == "+1.0 %, +2.0 %" and row[-1] == "+3.0 %, +1.0 %"
+    assert "95 % CI over groups" in ratio_table([pair])
+    assert "over groups" not in ratio_table(groups[:1]) and len(cells(ratio_table(groups[:1]), "| 1f1b |")) == 11
